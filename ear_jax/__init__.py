@@ -1,0 +1,45 @@
+"""ear_jax: Exploratory-Assimilating Reflection (EAR) for adaptive memory retrieval, in JAX.
+
+Pure functions over immutable pytree state; a whole online episode is one jitted `lax.scan`,
+vmapped over seeds and hyperparameters. See README.md for the quick start and EAR_SPEC for the
+equations each function implements.
+"""
+from ear_jax.adapter import (AdapterParams, adapt_memories, adapt_queries, adapter_scores,
+                             init_adapter, relevance_log_probs, relevance_logits, safe_normalize)
+from ear_jax.buffer import ReplayBuffer, init_buffer, push_experiences, select_replay
+from ear_jax.config import (METHODS, EARConfig, HParams, default_hparams, stack_hparams)
+from ear_jax.critic import false_positive_rate, oracle_critic, simulated_critic
+from ear_jax.explorer import (BanditStats, ExplorerOutput, explore, greedy_slate, init_bandit,
+                              redundancy, top_s_slate, ucb_scores, update_bandit)
+from ear_jax.inference import (EvalResult, adapter_only_slate, evaluate, evaluate_jit,
+                               explorer_slate)
+from ear_jax.learner import (LearnerState, QueryRecord, apply_gradients, episode_keys,
+                             feedback_loss, init_learner, make_optimizer, query_loss,
+                             run_episode, run_episode_jit, train_batch, train_batch_jit,
+                             train_batch_on_feedback, train_batch_on_feedback_jit, train_stream,
+                             train_stream_jit, validate_stream)
+from ear_jax.llm_critic import (CriticResult, LLMCritic, LLMCriticConfig, build_messages,
+                                labels_from_citations, parse_citations)
+from ear_jax.losses import (aggregate_feedback, combined_loss, gumbel_top_s, ranking_loss,
+                            replay_loss, replay_rewards, slate_log_probs)
+from ear_jax.metrics import masked_mean, slate_hit, slate_recall
+from ear_jax.stream import Stream, concat_streams, make_stream
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdapterParams", "BanditStats", "CriticResult", "EARConfig", "EvalResult", "ExplorerOutput",
+    "HParams", "LLMCritic", "LLMCriticConfig", "LearnerState", "METHODS", "QueryRecord",
+    "ReplayBuffer", "Stream", "adapt_memories", "adapt_queries", "adapter_only_slate",
+    "adapter_scores", "aggregate_feedback", "apply_gradients", "build_messages", "combined_loss",
+    "concat_streams", "default_hparams", "episode_keys", "evaluate", "evaluate_jit", "explore",
+    "explorer_slate", "false_positive_rate", "feedback_loss", "greedy_slate", "gumbel_top_s",
+    "init_adapter", "init_bandit", "init_buffer", "init_learner", "labels_from_citations",
+    "make_optimizer", "make_stream", "masked_mean", "oracle_critic", "parse_citations",
+    "push_experiences", "query_loss", "ranking_loss", "redundancy", "relevance_log_probs",
+    "relevance_logits", "replay_loss", "replay_rewards", "run_episode", "run_episode_jit",
+    "safe_normalize", "select_replay", "simulated_critic", "slate_hit", "slate_log_probs",
+    "slate_recall", "stack_hparams", "top_s_slate", "train_batch", "train_batch_jit",
+    "train_batch_on_feedback", "train_batch_on_feedback_jit", "train_stream", "train_stream_jit",
+    "ucb_scores", "update_bandit", "validate_stream",
+]

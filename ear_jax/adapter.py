@@ -1,0 +1,135 @@
+"""The residual retrieval adapter (Eq. (3)) and the relevance distribution it defines (Eq. (4)).
+
+Symbols: `d` embedding dimension, `K` candidates, `r` rank of the low-rank option.
+
+The full adapter holds `W_q, W_m` of shape `[d, d]`, initialised to zero (the identity map). The
+low-rank option (the paper's stated future work) holds `W = A B^T` with `A, B` of shape `[d, r]`;
+`A` starts at zero and `B` random, so the adapter starts at the identity and still receives gradients.
+`(I + W) x` is computed as `x + W x`: `I + W` is never materialised.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import chex
+import flax
+import jax
+import jax.numpy as jnp
+
+from ear_jax.config import EARConfig
+
+_NORM_EPS = 1e-12
+# Logit given to masked candidates inside softmaxes (finite, so masked reductions never make NaN).
+MASKED_LOGIT = -1e9
+
+
+@flax.struct.dataclass
+class AdapterParams:
+  """Adapter parameters phi = {W_q, W_m} (Eq. (3)).
+
+  For the full adapter `w_q`, `w_m` are `[d, d]` and the low-rank factors are None; for the
+  low-rank adapter `w_q`, `w_m` are None and `(a_q, b_q)`, `(a_m, b_m)` are `[d, r]` with
+  `W = A B^T`.
+  """
+  w_q: Optional[jax.Array] = None  # [d, d] float32
+  w_m: Optional[jax.Array] = None  # [d, d] float32
+  a_q: Optional[jax.Array] = None  # [d, r] float32
+  b_q: Optional[jax.Array] = None  # [d, r] float32
+  a_m: Optional[jax.Array] = None  # [d, r] float32
+  b_m: Optional[jax.Array] = None  # [d, r] float32
+
+
+def init_adapter(key: jax.Array, config: EARConfig) -> AdapterParams:
+  """Identity-initialised adapter parameters.
+
+  Args:
+    key: PRNG key (used only by the low-rank option, for `B`); the key is consumed.
+    config: static config (`dim`, `adapter_rank`).
+
+  Returns:
+    `AdapterParams` with `W_q = W_m = 0`.
+  """
+  d = config.dim
+  if config.adapter_rank is None:
+    zeros = jnp.zeros((d, d), jnp.float32)
+    return AdapterParams(w_q=zeros, w_m=zeros)
+  r = config.adapter_rank
+  k_q, k_m = jax.random.split(key)
+  scale = 1.0 / jnp.sqrt(jnp.float32(d))
+  return AdapterParams(
+      a_q=jnp.zeros((d, r), jnp.float32), b_q=scale * jax.random.normal(k_q, (d, r), jnp.float32),
+      a_m=jnp.zeros((d, r), jnp.float32), b_m=scale * jax.random.normal(k_m, (d, r), jnp.float32))
+
+
+def safe_normalize(x: jax.Array) -> jax.Array:
+  """`x / ||x||` along the last axis; a zero vector stays zero (finite value and gradient)."""
+  sq = jnp.sum(x * x, axis=-1, keepdims=True)
+  return x * jax.lax.rsqrt(jnp.maximum(sq, _NORM_EPS))
+
+
+def _residual(x: jax.Array, w: Optional[jax.Array], a: Optional[jax.Array],
+              b: Optional[jax.Array]) -> jax.Array:
+  """`(I + W) x` for row vectors `x [..., d]`, as `x + x W^T` (never forming `I + W`)."""
+  if w is not None:
+    return x + x @ w.T
+  return x + (x @ b) @ a.T  # W = A B^T  ->  x W^T = (x B) A^T
+
+
+def adapt_queries(params: AdapterParams, q: jax.Array) -> jax.Array:
+  """Adapted query `q~ = (I + W_q) q / ||(I + W_q) q||`, Eq. (3).
+
+  Args:
+    params: adapter parameters.
+    q: `[..., d]` pre-adapter query embeddings.
+
+  Returns:
+    `[..., d]` adapted, unit-norm (or zero) query embeddings.
+  """
+  return safe_normalize(_residual(q, params.w_q, params.a_q, params.b_q))
+
+
+def adapt_memories(params: AdapterParams, m: jax.Array) -> jax.Array:
+  """Adapted memories `m~_i = (I + W_m) m_i / ||(I + W_m) m_i||`, Eq. (3).
+
+  Args:
+    params: adapter parameters.
+    m: `[..., d]` pre-adapter memory embeddings (e.g. `[K, d]` candidates).
+
+  Returns:
+    `[..., d]` adapted, unit-norm (or zero) memory embeddings.
+  """
+  return safe_normalize(_residual(m, params.w_m, params.a_m, params.b_m))
+
+
+def relevance_logits(q_adapted: jax.Array, m_adapted: jax.Array) -> jax.Array:
+  """Relevance logits `z_i = q~^T m~_i`, Eq. (4).
+
+  Args:
+    q_adapted: `[d]` adapted query.
+    m_adapted: `[K, d]` adapted candidates.
+
+  Returns:
+    `[K]` logits.
+  """
+  chex.assert_rank([q_adapted, m_adapted], [1, 2])
+  return m_adapted @ q_adapted
+
+
+def relevance_log_probs(logits: jax.Array, where: jax.Array) -> jax.Array:
+  """`log p_phi(i | x, C)`: log-softmax of the logits over valid candidates, Eq. (4).
+
+  Args:
+    logits: `[K]` relevance logits (possibly divided by a temperature).
+    where: `[K]` bool, True for valid candidates.
+
+  Returns:
+    `[K]` log-probabilities; masked entries hold a large negative finite value. An all-masked input
+    gives finite values.
+  """
+  chex.assert_rank([logits, where], 1)
+  return jax.nn.log_softmax(jnp.where(where, logits, MASKED_LOGIT))
+
+
+def adapter_scores(params: AdapterParams, q: jax.Array, m: jax.Array) -> jax.Array:
+  """Convenience: `z = adapt_memories(m) @ adapt_queries(q)` for `q [d]`, `m [K, d]` -> `[K]`."""
+  return relevance_logits(adapt_queries(params, q), adapt_memories(params, m))

@@ -1,0 +1,106 @@
+"""The Experience Buffer: a fixed-capacity ring buffer of experiences (Eq. (13)-(15), Table 7).
+
+Symbols: `C` capacity, `K` candidates, `d` dimension, `B` replayed experiences, `b` a batch.
+
+An experience is `(q, candidate embeddings, candidate mask, observed mask, ybar)`, all BEFORE the
+adapter (Alg. 3: the adapter is re-applied at replay time). When full, the oldest is overwritten.
+"""
+from __future__ import annotations
+
+import chex
+import flax
+import jax
+import jax.numpy as jnp
+
+from ear_jax.config import EARConfig
+
+
+@flax.struct.dataclass
+class ReplayBuffer:
+  """Fixed-capacity ring buffer of experiences."""
+  queries: jax.Array  # [C, d] float32, pre-adapter query embeddings
+  candidates: jax.Array  # [C, K, d] float32, pre-adapter candidate embeddings
+  mask: jax.Array  # [C, K] bool, valid candidates
+  observed: jax.Array  # [C, K] bool, candidates that received feedback (Eq. (11))
+  ybar: jax.Array  # [C, K] float32, mean labels (Eq. (12)); 0 where unobserved
+  valid: jax.Array  # [C] bool, slots holding an experience
+  insert_index: jax.Array  # [] int32, next slot to write
+  num_pushed: jax.Array  # [] int32, experiences pushed in total
+
+
+def init_buffer(config: EARConfig) -> ReplayBuffer:
+  """An empty buffer of capacity `config.buffer_capacity`."""
+  c, k, d = config.buffer_capacity, config.num_candidates, config.dim
+  return ReplayBuffer(
+      queries=jnp.zeros((c, d), jnp.float32), candidates=jnp.zeros((c, k, d), jnp.float32),
+      mask=jnp.zeros((c, k), bool), observed=jnp.zeros((c, k), bool),
+      ybar=jnp.zeros((c, k), jnp.float32), valid=jnp.zeros((c,), bool),
+      insert_index=jnp.zeros((), jnp.int32), num_pushed=jnp.zeros((), jnp.int32))
+
+
+def push_experiences(buffer: ReplayBuffer, queries: jax.Array, candidates: jax.Array,
+                     mask: jax.Array, observed: jax.Array, ybar: jax.Array,
+                     where: jax.Array) -> ReplayBuffer:
+  """Appends a batch of experiences in order, overwriting the oldest, Eq. (13)-(14).
+
+  Args:
+    buffer: the buffer.
+    queries: `[b, d]` pre-adapter queries.
+    candidates: `[b, K, d]` pre-adapter candidates.
+    mask: `[b, K]` valid candidates.
+    observed: `[b, K]` observed candidates.
+    ybar: `[b, K]` mean labels.
+    where: `[b]` bool, which rows to push (padding rows are skipped). `b` must be <= C.
+
+  Returns:
+    The updated buffer.
+  """
+  chex.assert_rank([queries, candidates, where], [2, 3, 1])
+  capacity = buffer.valid.shape[0]
+  if queries.shape[0] > capacity:
+    raise ValueError(f"cannot push {queries.shape[0]} experiences at once into a buffer of "
+                     f"capacity {capacity}")
+  offset = jnp.cumsum(where.astype(jnp.int32)) - 1
+  slot = jnp.where(where, (buffer.insert_index + offset) % capacity, capacity)  # C = dropped
+  put = lambda dst, src: dst.at[slot].set(src, mode="drop")
+  n = jnp.sum(where.astype(jnp.int32))
+  return ReplayBuffer(
+      queries=put(buffer.queries, queries), candidates=put(buffer.candidates, candidates),
+      mask=put(buffer.mask, mask), observed=put(buffer.observed, observed),
+      ybar=put(buffer.ybar, ybar), valid=put(buffer.valid, jnp.ones_like(where)),
+      insert_index=(buffer.insert_index + n) % capacity, num_pushed=buffer.num_pushed + n)
+
+
+def experience_rewards(buffer: ReplayBuffer) -> jax.Array:
+  """`[C]` mean aggregated label over each experience's observed candidates (0 if none)."""
+  num = jnp.sum(jnp.where(buffer.observed, buffer.ybar, 0.0), axis=-1)
+  return num / jnp.maximum(jnp.sum(buffer.observed, axis=-1), 1)
+
+
+def select_replay(key: jax.Array, buffer: ReplayBuffer, query: jax.Array, replay_size: int,
+                  strategy: str):
+  """Chooses the experiences to replay for one query, Eq. (15) and Table 7.
+
+  Args:
+    key: PRNG key (used by 'random'); the key is consumed.
+    buffer: the buffer as it stood before this query's batch.
+    query: `[d]` pre-adapter query embedding.
+    replay_size: `B` (static).
+    strategy: 'similarity' (top-B by `q^T q_r`, Eq. (15)), 'reward' (bottom-B by mean reward) or
+      'random' (uniform without replacement).
+
+  Returns:
+    `(indices [B] int32, replay_mask [B] bool)`: fewer than B are valid while the buffer holds
+    fewer than B experiences.
+  """
+  chex.assert_rank(query, 1)
+  if strategy == "similarity":
+    score = buffer.queries @ query
+  elif strategy == "reward":
+    score = -experience_rewards(buffer)
+  elif strategy == "random":
+    score = jax.random.uniform(key, buffer.valid.shape)
+  else:
+    raise ValueError(f"unknown replay_strategy={strategy!r}")
+  vals, idx = jax.lax.top_k(jnp.where(buffer.valid, score, -jnp.inf), replay_size)
+  return idx.astype(jnp.int32), vals > -jnp.inf

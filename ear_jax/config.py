@@ -1,0 +1,189 @@
+"""Static configuration (shapes and switches) and continuous hyperparameters.
+
+`EARConfig` fixes every shape and every discrete choice: it is frozen and hashable and is passed to
+jitted functions as a static argument. `HParams` holds the continuous hyperparameters as array leaves,
+so a sweep over them is a `jax.vmap`, not a recompile.
+
+Symbols: `d` embedding dimension, `K` candidates per query, `s` slate size, `T` exploration rounds,
+`B` replayed experiences per query, `C` buffer capacity.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+
+TRAIN_SLATES = ("explorer", "adapter", "gumbel", "none")
+LOSS_FORMS = ("flat", "sequential")
+REPLAY_STRATEGIES = ("similarity", "reward", "random")
+REPLAY_UNOBSERVED = ("negative", "ignore")
+OPTIMIZERS = ("adam", "sgd")
+
+# Methods of Tables 2-3 as presets of the switches below.
+METHODS = {
+    # Only Retriever: no training; test = frozen cosine top-s (the adapter is the identity).
+    "retriever": dict(train_slate="none", use_replay=False),
+    # Reranker + RL update (Tan et al. 2025, RMM): one Gumbel-sampled slate, REINFORCE on z/tau.
+    "rl_update": dict(train_slate="gumbel", use_replay=False, loss_on_tempered_logits=True),
+    # EAR: Explorer (T rounds) + experience replay.
+    "ear": dict(train_slate="explorer", use_replay=True),
+    # Table 3: "+ Only Explorer during training" (no replay).
+    "ear_no_replay": dict(train_slate="explorer", use_replay=False),
+    # Table 3: "+ Only Experience Buffer during training": adapter top-s slate, one critic call, replay.
+    "ear_no_explorer": dict(train_slate="adapter", use_replay=True),
+}
+
+
+def _check_choice(name, value, choices):
+  if value not in choices:
+    raise ValueError(f"unknown {name}={value!r}; expected one of {choices}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EARConfig:
+  """Shapes and discrete switches of an EAR learner (static under `jit`).
+
+  Attributes:
+    dim: `d`, embedding dimension.
+    num_candidates: `K`, candidates per query (Eq. (1)); 20 in the paper.
+    slate_size: `s`, memories per slate; 5 in the paper.
+    num_rounds: `T`, Explorer rounds per query (Alg. 2); 4 in the paper.
+    replay_size: `B`, replayed experiences per query (Eq. (15)); 4 in the paper.
+    buffer_capacity: `C`, ring-buffer capacity (Eq. (13)-(14)); the oldest is overwritten.
+    batch_size: training queries per optimizer step (Appendix A.1: 4).
+    train_slate: how the training slate is chosen: 'explorer' (T rounds of Eq. (8)), 'adapter'
+      (top-s of z, one critic call), 'gumbel' (Gumbel top-s of z/tau, one critic call, RMM) or 'none'
+      (no training: Only Retriever / Only Explorer at test).
+    use_replay: add the replay loss of Eq. (16).
+    loss_form: 'flat' (softmax over all K, Alg. 3 line 7) or 'sequential' (Plackett-Luce: position j
+      excludes the items chosen before it, Section 3.4).
+    replay_strategy: 'similarity' (Eq. (15)), 'reward' (bottom-B by mean reward) or 'random' (Table 7).
+    replay_unobserved: 'negative' (Eq. (20) literally: never-chosen items get -1) or 'ignore'
+      (never-chosen items are left out of the replay loss, Eq. (13)).
+    optimizer: 'adam' (default; the paper names none) or 'sgd'.
+    adapter_rank: None for the full d x d adapter (Eq. (3)); an int r for the low-rank W = A B^T.
+    grad_clip_norm: optional global-norm gradient clipping (None = off).
+    loss_on_tempered_logits: the REINFORCE loss uses log softmax(z / tau) (RMM) instead of softmax(z).
+  """
+  dim: int = 384
+  num_candidates: int = 20
+  slate_size: int = 5
+  num_rounds: int = 4
+  replay_size: int = 4
+  buffer_capacity: int = 2048
+  batch_size: int = 4
+  train_slate: str = "explorer"
+  use_replay: bool = True
+  loss_form: str = "flat"
+  replay_strategy: str = "similarity"
+  replay_unobserved: str = "negative"
+  optimizer: str = "adam"
+  adapter_rank: Optional[int] = None
+  grad_clip_norm: Optional[float] = None
+  loss_on_tempered_logits: bool = False
+
+  def __post_init__(self):
+    for name in ("dim", "num_candidates", "slate_size", "num_rounds", "replay_size",
+                 "buffer_capacity", "batch_size"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+      if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {name}={value}")
+    if self.replay_size > self.buffer_capacity:
+      raise ValueError(f"replay_size B={self.replay_size} is larger than buffer_capacity "
+                       f"C={self.buffer_capacity}")
+    if self.batch_size > self.buffer_capacity:
+      raise ValueError(f"batch_size={self.batch_size} is larger than buffer_capacity "
+                       f"C={self.buffer_capacity}")
+    if self.slate_size > self.num_candidates:
+      raise ValueError(
+          f"slate_size s={self.slate_size} is larger than num_candidates K={self.num_candidates}")
+    _check_choice("train_slate", self.train_slate, TRAIN_SLATES)
+    _check_choice("loss_form", self.loss_form, LOSS_FORMS)
+    _check_choice("replay_strategy", self.replay_strategy, REPLAY_STRATEGIES)
+    _check_choice("replay_unobserved", self.replay_unobserved, REPLAY_UNOBSERVED)
+    _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+    if self.adapter_rank is not None and not (
+        isinstance(self.adapter_rank, int) and 1 <= self.adapter_rank <= self.dim):
+      raise ValueError(f"adapter_rank must be None or an int in [1, dim={self.dim}], "
+                       f"got {self.adapter_rank!r}")
+    if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
+      raise ValueError(f"grad_clip_norm must be None or > 0, got {self.grad_clip_norm!r}")
+
+  @property
+  def rounds_per_query(self) -> int:
+    """Slates (= critic calls) per training query: T for the Explorer, 1 otherwise, 0 untrained."""
+    return {"explorer": self.num_rounds, "none": 0}.get(self.train_slate, 1)
+
+  @property
+  def trains(self) -> bool:
+    return self.train_slate != "none"
+
+  @classmethod
+  def for_method(cls, method: str, **overrides) -> "EARConfig":
+    """The config of a named method of Tables 2-3, with `overrides` applied on top.
+
+    Args:
+      method: one of `METHODS`: 'retriever', 'rl_update', 'ear', 'ear_no_replay', 'ear_no_explorer'.
+      **overrides: any `EARConfig` field.
+
+    Raises:
+      ValueError: for an unknown method or field.
+    """
+    if method not in METHODS:
+      raise ValueError(f"unknown method={method!r}; expected one of {tuple(METHODS)}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(overrides) - fields
+    if unknown:
+      raise ValueError(f"unknown EARConfig field(s) {sorted(unknown)}")
+    return cls(**{**METHODS[method], **overrides})
+
+
+@flax.struct.dataclass
+class HParams:
+  """Continuous hyperparameters (array leaves; `vmap` over them for sweeps).
+
+  Defaults are the paper's (Appendix A): s=5, lambda_rel/div/exp = 0.4/0.3/0.3, alpha = 0.5,
+  b = 0.5, tau = 0.5, lambda_rep = 1, learning rate 1e-3, critic precision 0.88 / recall 0.86.
+  """
+  lambda_rel: jax.Array  # [] float32, Eq. (7) relevance weight
+  lambda_div: jax.Array  # [] float32, Eq. (7) redundancy weight
+  lambda_exp: jax.Array  # [] float32, Eq. (7) UCB weight
+  alpha: jax.Array  # [] float32, Eq. (5) exploration strength
+  baseline: jax.Array  # [] float32, b of Eq. (10)
+  tau: jax.Array  # [] float32, Gumbel temperature of Eq. (19)
+  lambda_rep: jax.Array  # [] float32, Eq. (17)
+  learning_rate: jax.Array  # [] float32, eta of Eq. (18)
+  critic_precision: jax.Array  # [] float32, Appendix A.2
+  critic_recall: jax.Array  # [] float32, Appendix A.2
+
+
+_HPARAM_DEFAULTS = dict(lambda_rel=0.4, lambda_div=0.3, lambda_exp=0.3, alpha=0.5, baseline=0.5,
+                        tau=0.5, lambda_rep=1.0, learning_rate=1e-3, critic_precision=0.88,
+                        critic_recall=0.86)
+
+
+def default_hparams(**overrides) -> HParams:
+  """`HParams` with the paper's values, `overrides` applied (scalars or arrays for a sweep)."""
+  unknown = set(overrides) - set(_HPARAM_DEFAULTS)
+  if unknown:
+    raise ValueError(f"unknown hyperparameter(s) {sorted(unknown)}; "
+                     f"expected some of {sorted(_HPARAM_DEFAULTS)}")
+  values = {**_HPARAM_DEFAULTS, **overrides}
+  for name in ("critic_precision", "critic_recall"):
+    v = jnp.asarray(values[name])
+    if jnp.any((v <= 0) | (v > 1)):
+      raise ValueError(f"{name} must be in (0, 1], got {values[name]!r}")
+  v = jnp.asarray(values["tau"])
+  if jnp.any(v <= 0):
+    raise ValueError(f"tau must be > 0, got {values['tau']!r}")
+  return HParams(**{k: jnp.asarray(v, jnp.float32) for k, v in values.items()})
+
+
+def stack_hparams(hparams_list) -> HParams:
+  """Stacks `HParams` along a new leading axis (for `vmap` sweeps)."""
+  return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *hparams_list)

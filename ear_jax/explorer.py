@@ -1,0 +1,195 @@
+"""Exploratory Reflection: the query-local UCB bandit with a diversity penalty (Eq. (5)-(9), Alg. 2).
+
+Symbols: `K` candidates, `s` slate size, `T` exploration rounds.
+
+Every function here works on ONE query (unbatched); callers batch with `jax.vmap`. Slates are
+`[s]` int32 candidate indices with a `[s]` bool `slate_mask`: when fewer than `s` candidates are valid,
+the slate holds every valid candidate and the remaining positions are empty (index -1, mask False).
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import chex
+import flax
+import jax
+import jax.numpy as jnp
+
+from ear_jax.config import HParams
+
+# A critic maps (key, slate_gold [s] bool, slate_mask [s] bool, hparams) -> labels [s] in {-1, +1}.
+Critic = Callable[[jax.Array, jax.Array, jax.Array, HParams], jax.Array]
+# The Explorer's feedback callback: (key, slate [s] int32, slate_mask [s] bool) -> labels [s].
+SlateFeedback = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+@flax.struct.dataclass
+class BanditStats:
+  """Per-query bandit statistics over the K candidates (reset for every query, Alg. 2 line 3)."""
+  mean: jax.Array  # [K] float32, mu-hat_i
+  counts: jax.Array  # [K] float32, N_i (pull counts; float so Eq. (9) divides without casts)
+
+
+class ExplorerOutput(NamedTuple):
+  """What T rounds of exploration produce."""
+  slates: jax.Array  # [T, s] int32, slate of each round (-1 = empty position)
+  slate_mask: jax.Array  # [T, s] bool
+  labels: jax.Array  # [T, s] float32 critic labels in {-1, +1} (-1 at empty positions)
+  stats: BanditStats  # statistics after round T
+
+
+def init_bandit(num_candidates: int) -> BanditStats:
+  """Zero statistics `N_i = mu_i = 0` (Alg. 2 line 3)."""
+  return BanditStats(mean=jnp.zeros((num_candidates,), jnp.float32),
+                     counts=jnp.zeros((num_candidates,), jnp.float32))
+
+
+def ucb_scores(stats: BanditStats, alpha: jax.Array) -> jax.Array:
+  """Upper-confidence values `U_i = mu_i + alpha sqrt(log(1 + sum_l N_l) / (1 + N_i))`, Eq. (5).
+
+  Args:
+    stats: bandit statistics before the round.
+    alpha: `[]` exploration strength.
+
+  Returns:
+    `[K]` UCB values.
+  """
+  total = jnp.sum(stats.counts)
+  return stats.mean + alpha * jnp.sqrt(jnp.log1p(total) / (1.0 + stats.counts))
+
+
+def redundancy(gram: jax.Array, chosen: jax.Array) -> jax.Array:
+  """Redundancy `D_i = max_{l chosen} m~_i^T m~_l`, 0 when nothing is chosen yet, Eq. (6).
+
+  Args:
+    gram: `[K, K]` adapted candidate similarities `m~ m~^T`.
+    chosen: `[K]` bool, the partial slate.
+
+  Returns:
+    `[K]` redundancies.
+  """
+  chex.assert_rank([gram, chosen], [2, 1])
+  d = jnp.max(jnp.where(chosen[None, :], gram, -jnp.inf), axis=1)
+  return jnp.where(jnp.any(chosen), d, 0.0)
+
+
+def greedy_slate(relevance: jax.Array, ucb: jax.Array, gram: jax.Array, where: jax.Array,
+                 hparams: HParams, slate_size: int):
+  """Greedy slate of `s` picks of `argmax lambda_rel z - lambda_div D + lambda_exp U`, Eq. (7)-(8).
+
+  Each pick is taken over valid, not-yet-chosen candidates; ties go to the lowest index.
+
+  Args:
+    relevance: `[K]` adapted relevance `z_i = q~^T m~_i`.
+    ucb: `[K]` UCB values of Eq. (5) (constant within a round).
+    gram: `[K, K]` adapted candidate similarities for Eq. (6).
+    where: `[K]` bool, valid candidates.
+    hparams: `lambda_rel`, `lambda_div`, `lambda_exp`.
+    slate_size: `s` (static).
+
+  Returns:
+    `(slate [s] int32, slate_mask [s] bool)`; positions past the number of valid candidates are
+    empty (index -1, mask False).
+  """
+  chex.assert_rank([relevance, ucb, where], 1)
+  base = hparams.lambda_rel * relevance + hparams.lambda_exp * ucb
+  num_k = relevance.shape[0]
+
+  def pick(carry, _):
+    chosen, max_sim = carry  # [K] bool, [K] running max similarity to the chosen items
+    div = jnp.where(jnp.any(chosen), max_sim, 0.0)
+    score = base - hparams.lambda_div * div
+    available = where & ~chosen
+    idx = jnp.argmax(jnp.where(available, score, -jnp.inf)).astype(jnp.int32)
+    ok = jnp.any(available)
+    picked = ok & (jnp.arange(num_k) == idx)
+    chosen = chosen | picked
+    max_sim = jnp.where(ok, jnp.maximum(max_sim, gram[:, idx]), max_sim)
+    return (chosen, max_sim), (jnp.where(ok, idx, -1), ok)
+
+  init = (jnp.zeros((num_k,), bool), jnp.full((num_k,), -jnp.inf, relevance.dtype))
+  _, (slate, slate_mask) = jax.lax.scan(pick, init, None, length=slate_size)
+  return slate, slate_mask
+
+
+def top_s_slate(scores: jax.Array, where: jax.Array, slate_size: int):
+  """The `s` highest-scoring valid candidates, best first (adapter-only inference, Section 3.6).
+
+  Args:
+    scores: `[K]` scores (e.g. adapted logits `z`).
+    where: `[K]` bool, valid candidates.
+    slate_size: `s` (static).
+
+  Returns:
+    `(slate [s] int32, slate_mask [s] bool)`, empty positions as in `greedy_slate`.
+  """
+  vals, idx = jax.lax.top_k(jnp.where(where, scores, -jnp.inf), slate_size)
+  ok = vals > -jnp.inf
+  return jnp.where(ok, idx, -1).astype(jnp.int32), ok
+
+
+def update_bandit(stats: BanditStats, slate: jax.Array, slate_mask: jax.Array,
+                  labels: jax.Array) -> BanditStats:
+  """Bandit update for the chosen items only, Eq. (9).
+
+  `N_i <- N_i + 1`, `mu_i <- mu_i + (y_i - mu_i) / N_i` for every `i` in the slate.
+
+  Args:
+    stats: statistics before the update.
+    slate: `[s]` int32 slate (no repeats; -1 = empty).
+    slate_mask: `[s]` bool.
+    labels: `[s]` critic labels.
+
+  Returns:
+    Updated `BanditStats`.
+  """
+  num_k = stats.mean.shape[0]
+  onehot = (slate[:, None] == jnp.arange(num_k)[None, :]) & slate_mask[:, None]  # [s, K]
+  pulled = jnp.any(onehot, axis=0)
+  y = jnp.sum(jnp.where(onehot, labels[:, None], 0.0), axis=0)
+  counts = stats.counts + pulled
+  mean = jnp.where(pulled, stats.mean + (y - stats.mean) / jnp.maximum(counts, 1.0), stats.mean)
+  return BanditStats(mean=mean, counts=counts)
+
+
+def explore(key: jax.Array, relevance: jax.Array, gram: jax.Array, where: jax.Array,
+            feedback: SlateFeedback, hparams: HParams, num_rounds: int,
+            slate_size: int) -> ExplorerOutput:
+  """T rounds of Exploratory Reflection (Alg. 2, Alg. 1 lines 3-7) as a `lax.scan` over rounds.
+
+  Each round builds a greedy slate (Eq. (7)-(8)) from the current UCB values, asks `feedback` for
+  its labels and updates the bandit statistics (Eq. (9)). The final slate is round T's.
+
+  Args:
+    key: PRNG key, split into one key per round for the critic; the key is consumed.
+    relevance: `[K]` adapted relevance logits (treated as constants).
+    gram: `[K, K]` adapted candidate similarities.
+    where: `[K]` bool, valid candidates.
+    feedback: `(key, slate, slate_mask) -> labels [s]`, the critic of this query.
+    hparams: Explorer hyperparameters (`lambda_*`, `alpha`).
+    num_rounds: `T` (static).
+    slate_size: `s` (static).
+
+  Returns:
+    `ExplorerOutput` with the `[T, s]` slates, masks and labels and the final statistics.
+  """
+  relevance = jax.lax.stop_gradient(relevance)
+  gram = jax.lax.stop_gradient(gram)
+
+  def round_fn(stats, round_key):
+    ucb = ucb_scores(stats, hparams.alpha)
+    slate, slate_mask = greedy_slate(relevance, ucb, gram, where, hparams, slate_size)
+    labels = jnp.where(slate_mask, feedback(round_key, slate, slate_mask), -1.0)
+    return update_bandit(stats, slate, slate_mask, labels), (slate, slate_mask, labels)
+
+  stats, (slates, masks, labels) = jax.lax.scan(
+      round_fn, init_bandit(relevance.shape[0]), jax.random.split(key, num_rounds))
+  return ExplorerOutput(slates=slates, slate_mask=masks, labels=labels.astype(jnp.float32),
+                        stats=stats)
+
+
+def gather_slate(values: jax.Array, slate: jax.Array, slate_mask: jax.Array, fill=0):
+  """`values[slate]` along axis 0 with `fill` at empty positions (index -1 never wraps around)."""
+  got = values[jnp.maximum(slate, 0)]
+  shape = slate_mask.shape + (1,) * (got.ndim - slate_mask.ndim)
+  return jnp.where(slate_mask.reshape(shape), got, fill)

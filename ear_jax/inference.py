@@ -1,0 +1,124 @@
+"""Test-time retrieval (Section 3.6) and evaluation of a test stream in one call.
+
+Symbols: `M` test queries, `K` candidates, `s` slate size, `T` Explorer rounds.
+
+Adapter-only inference takes the top-s of the adapted logits `z`; explorer-assisted inference runs
+T Explorer rounds with the critic and returns round T's slate.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ear_jax import adapter as adapter_lib
+from ear_jax import explorer as explorer_lib
+from ear_jax import metrics
+from ear_jax.config import EARConfig, HParams
+from ear_jax.critic import simulated_critic
+from ear_jax.explorer import Critic
+from ear_jax.stream import Stream
+
+
+def adapter_only_slate(params: adapter_lib.AdapterParams, query: jax.Array,
+                       candidates: jax.Array, where: jax.Array, slate_size: int):
+  """`S_adapter = TopS_i z_i^phi` for one query (Section 3.6).
+
+  Args:
+    params: adapter parameters.
+    query: `[d]` pre-adapter query.
+    candidates: `[K, d]` pre-adapter candidates.
+    where: `[K]` bool, valid candidates.
+    slate_size: `s` (static).
+
+  Returns:
+    `(slate [s] int32, slate_mask [s] bool, logits [K])`.
+  """
+  z = adapter_lib.adapter_scores(params, query, candidates)
+  slate, slate_mask = explorer_lib.top_s_slate(z, where, slate_size)
+  return slate, slate_mask, z
+
+
+def explorer_slate(key: jax.Array, params: adapter_lib.AdapterParams, query: jax.Array,
+                   candidates: jax.Array, where: jax.Array, feedback, config: EARConfig,
+                   hparams: HParams) -> explorer_lib.ExplorerOutput:
+  """Explorer-assisted inference for one query: T rounds with the critic (Section 3.6).
+
+  Args:
+    key: PRNG key; the key is consumed.
+    params: adapter parameters.
+    query: `[d]` pre-adapter query.
+    candidates: `[K, d]` pre-adapter candidates.
+    where: `[K]` bool, valid candidates.
+    feedback: `(key, slate, slate_mask) -> labels [s]`.
+    config: static config (`num_rounds`, `slate_size`).
+    hparams: Explorer hyperparameters.
+
+  Returns:
+    The `ExplorerOutput`; the final slate is `out.slates[-1]`.
+  """
+  q_t = adapter_lib.adapt_queries(params, query)
+  m_t = adapter_lib.adapt_memories(params, candidates)
+  return explorer_lib.explore(key, adapter_lib.relevance_logits(q_t, m_t), m_t @ m_t.T, where,
+                              feedback, hparams, config.num_rounds, config.slate_size)
+
+
+class EvalResult(NamedTuple):
+  """Per-query test results in both inference modes, and their means."""
+  adapter_slates: jax.Array  # [M, s] int32
+  adapter_recall: jax.Array  # [M] bool, all gold in the adapter-only slate
+  adapter_hit: jax.Array  # [M] bool, any gold in it
+  explorer_slates: jax.Array  # [M, s] int32 (round T's slate)
+  explorer_recall: jax.Array  # [M] bool
+  explorer_hit: jax.Array  # [M] bool
+  recall_adapter: jax.Array  # [] Recall@s, adapter-only
+  hitrate_adapter: jax.Array  # [] Hitrate@s, adapter-only
+  recall_explorer: jax.Array  # [] Recall@s, explorer-assisted
+  hitrate_explorer: jax.Array  # [] Hitrate@s, explorer-assisted
+
+
+def evaluate(key: jax.Array, params: adapter_lib.AdapterParams, stream: Stream,
+             config: EARConfig, hparams: HParams, critic: Critic = simulated_critic) -> EvalResult:
+  """Scores a test stream in one vmapped call, in both inference modes (adapter frozen).
+
+  Args:
+    key: PRNG key for the Explorer's critic calls; the key is consumed.
+    params: adapter parameters.
+    stream: `M` test queries.
+    config: static config.
+    hparams: hyperparameters (Explorer weights, critic precision/recall).
+    critic: the critic used by explorer-assisted inference.
+
+  Returns:
+    An `EvalResult`; means are over queries with gold (`num_gold > 0`).
+  """
+  keys = jax.random.split(key, stream.queries.shape[0])
+
+  def one(k, q, c, where, gold, num_gold):
+    a_slate, a_mask, _ = adapter_only_slate(params, q, c, where, config.slate_size)
+
+    def feedback(kk, slate, slate_mask):
+      return critic(kk, explorer_lib.gather_slate(gold, slate, slate_mask, False), slate_mask,
+                    hparams)
+
+    out = explorer_slate(k, params, q, c, where, feedback, config, hparams)
+    e_slate, e_mask = out.slates[-1], out.slate_mask[-1]
+    a_hits = metrics.gold_in_slate(gold, a_slate, a_mask)
+    e_hits = metrics.gold_in_slate(gold, e_slate, e_mask)
+    return (a_slate, metrics.slate_recall(a_hits, num_gold), metrics.slate_hit(a_hits),
+            e_slate, metrics.slate_recall(e_hits, num_gold), metrics.slate_hit(e_hits))
+
+  a_s, a_r, a_h, e_s, e_r, e_h = jax.vmap(one)(keys, stream.queries, stream.candidates,
+                                               stream.mask, stream.gold, stream.num_gold)
+  has_gold = stream.num_gold > 0
+  return EvalResult(
+      adapter_slates=a_s, adapter_recall=a_r, adapter_hit=a_h, explorer_slates=e_s,
+      explorer_recall=e_r, explorer_hit=e_h,
+      recall_adapter=metrics.masked_mean(a_r, has_gold),
+      hitrate_adapter=metrics.masked_mean(a_h, has_gold),
+      recall_explorer=metrics.masked_mean(e_r, has_gold),
+      hitrate_explorer=metrics.masked_mean(e_h, has_gold))
+
+
+evaluate_jit = jax.jit(evaluate, static_argnames=("config", "critic"))

@@ -1,0 +1,414 @@
+"""Assimilating Reflection and whole online episodes (Alg. 1, Alg. 3, Eq. (17)-(18), Appendix A.1).
+
+Symbols: `N` training queries, `b` batch size, `K` candidates, `s` slate size, `R` slates per
+training query (`T` for the Explorer, 1 for the single-slate methods), `B` replayed experiences,
+`d` dimension.
+
+A batch of `b` queries is processed together (`vmap`) against the adapter and buffer as they stood at
+the batch's start; their losses are averaged into one gradient and one optimizer step; then their
+experiences are pushed into the buffer. With `b = 1` this is exactly Algorithm 1. A whole episode is
+ONE `jax.lax.scan` over batches under `jit`; per-query keys are split up front.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+
+from ear_jax import adapter as adapter_lib
+from ear_jax import buffer as buffer_lib
+from ear_jax import explorer as explorer_lib
+from ear_jax import losses
+from ear_jax.config import EARConfig, HParams
+from ear_jax.critic import simulated_critic
+from ear_jax.explorer import Critic
+from ear_jax.stream import Stream
+
+
+@flax.struct.dataclass
+class LearnerState:
+  """Everything an online EAR learner carries from one batch to the next."""
+  params: adapter_lib.AdapterParams  # {W_q, W_m}, Eq. (3)
+  opt_state: Any  # optax state of `make_optimizer(config)`
+  buffer: buffer_lib.ReplayBuffer  # Experience Buffer, Eq. (13)-(14)
+  step: jax.Array  # [] int32, optimizer steps taken
+  queries_seen: jax.Array  # [] int32, training queries processed
+  critic_calls: jax.Array  # [] int32, critic calls spent in training
+
+
+class QueryRecord(NamedTuple):
+  """Per-training-query record (stacked to `[N, ...]` by `train_stream`)."""
+  slates: jax.Array  # [R, s] int32 (-1 = empty position)
+  slate_mask: jax.Array  # [R, s] bool
+  labels: jax.Array  # [R, s] float32 critic labels
+  loss: jax.Array  # [] float32, L_EAR of Eq. (17) (before the update)
+  loss_cur: jax.Array  # [] float32, Eq. (10)
+  loss_rep: jax.Array  # [] float32, Eq. (16)
+  num_replayed: jax.Array  # [] int32, |J_n|
+
+
+def make_optimizer(config: EARConfig) -> optax.GradientTransformation:
+  """The update direction before the learning rate: Adam (default) or SGD, with optional clipping.
+
+  The learning rate is applied by `apply_gradients` from `HParams.learning_rate`, so it can be
+  swept with `vmap`.
+  """
+  parts = []
+  if config.grad_clip_norm is not None:
+    parts.append(optax.clip_by_global_norm(config.grad_clip_norm))
+  parts.append(optax.scale_by_adam() if config.optimizer == "adam" else optax.identity())
+  return optax.chain(*parts)
+
+
+def init_learner(key: jax.Array, config: EARConfig) -> LearnerState:
+  """A fresh learner: identity adapter, empty optimizer state and buffer, zero counters.
+
+  Args:
+    key: PRNG key (for the low-rank adapter's init); the key is consumed.
+    config: static config.
+  """
+  params = adapter_lib.init_adapter(key, config)
+  zero = jnp.zeros((), jnp.int32)
+  return LearnerState(params=params, opt_state=make_optimizer(config).init(params),
+                      buffer=buffer_lib.init_buffer(config), step=zero, queries_seen=zero,
+                      critic_calls=zero)
+
+
+def apply_gradients(state: LearnerState, grads: adapter_lib.AdapterParams, config: EARConfig,
+                    hparams: HParams) -> LearnerState:
+  """One optax step `phi <- phi - eta * direction(grad)`, Eq. (18)."""
+  updates, opt_state = make_optimizer(config).update(grads, state.opt_state, state.params)
+  updates = jax.tree_util.tree_map(lambda u: -hparams.learning_rate * u, updates)
+  return state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state,
+                       step=state.step + 1)
+
+
+def training_slates(key: jax.Array, relevance: jax.Array, gram_fn, where: jax.Array,
+                    feedback, config: EARConfig, hparams: HParams):
+  """The training slates of one query and their labels, by `config.train_slate`.
+
+  'explorer': T rounds of Alg. 2; 'adapter': top-s of z, one critic call; 'gumbel': Gumbel top-s of
+  z / tau (Eq. (19)), one critic call.
+
+  Args:
+    key: PRNG key; the key is consumed.
+    relevance: `[K]` adapted logits `z` (treated as constants).
+    gram_fn: `() -> [K, K]` adapted candidate similarities (only the Explorer calls it).
+    where: `[K]` bool, valid candidates.
+    feedback: `(key, slate, slate_mask) -> labels [s]`.
+    config: static config.
+    hparams: hyperparameters.
+
+  Returns:
+    `(slates [R, s], slate_mask [R, s], labels [R, s])`.
+  """
+  k_slate, k_critic = jax.random.split(key)
+  z = jax.lax.stop_gradient(relevance)
+  s = config.slate_size
+  if config.train_slate == "explorer":
+    out = explorer_lib.explore(k_critic, z, gram_fn(), where, feedback, hparams,
+                               config.num_rounds, s)
+    return out.slates, out.slate_mask, out.labels
+  if config.train_slate == "adapter":
+    slate, slate_mask = explorer_lib.top_s_slate(z, where, s)
+  elif config.train_slate == "gumbel":
+    slate, slate_mask = losses.gumbel_top_s(k_slate, z, where, hparams.tau, s)
+  else:
+    raise ValueError(f"train_slate={config.train_slate!r} produces no training slates")
+  labels = jnp.where(slate_mask, feedback(jax.random.split(k_critic, 1)[0], slate, slate_mask),
+                     -1.0)
+  return slate[None], slate_mask[None], labels[None].astype(jnp.float32)
+
+
+def experience_replay_loss(key: jax.Array, params: adapter_lib.AdapterParams,
+                           buffer: buffer_lib.ReplayBuffer, query: jax.Array, config: EARConfig,
+                           hparams: HParams):
+  """Replay loss of one query, Eq. (15)-(16), (19)-(20) (Alg. 3 lines 14-22).
+
+  Selects B experiences (by `config.replay_strategy`), re-applies the current adapter to their
+  pre-adapter embeddings, samples a Gumbel top-s slate per experience and applies the ranking loss
+  with the binary replay rewards.
+
+  Args:
+    key: PRNG key; the key is consumed.
+    params: current adapter parameters (differentiated).
+    buffer: the buffer as it stood at the batch's start.
+    query: `[d]` pre-adapter query.
+    config: static config.
+    hparams: hyperparameters.
+
+  Returns:
+    `(loss [], num_replayed [] int32)`.
+  """
+  k_select, k_gumbel = jax.random.split(key)
+  idx, replay_mask = buffer_lib.select_replay(k_select, buffer, query, config.replay_size,
+                                              config.replay_strategy)
+
+  def one(k, i):
+    mask = buffer.mask[i]
+    z = adapter_lib.adapter_scores(params, buffer.queries[i], buffer.candidates[i])
+    slate, slate_mask = losses.gumbel_top_s(k, z, mask, hparams.tau, config.slate_size)
+    rewards, counts = losses.replay_rewards(buffer.ybar[i], buffer.observed[i],
+                                            config.replay_unobserved)
+    r = explorer_lib.gather_slate(rewards, slate, slate_mask, -1.0)
+    c = explorer_lib.gather_slate(counts, slate, slate_mask, False)
+    return losses.ranking_loss(z, mask, slate[None], slate_mask[None], r[None], hparams.baseline,
+                               config.loss_form, count_mask=c[None])
+
+  per_exp = jax.vmap(one)(jax.random.split(k_gumbel, config.replay_size), idx)
+  return losses.replay_loss(per_exp, replay_mask), jnp.sum(replay_mask).astype(jnp.int32)
+
+
+def feedback_loss(params: adapter_lib.AdapterParams, key: jax.Array, query: jax.Array,
+                  candidates: jax.Array, where: jax.Array, slates: jax.Array,
+                  slate_mask: jax.Array, labels: jax.Array, buffer: buffer_lib.ReplayBuffer,
+                  config: EARConfig, hparams: HParams):
+  """`L_EAR` of one query whose slates and labels are already known (Eq. (10)-(12), (15)-(17)).
+
+  This is the learner half of `query_loss`; an agent whose critic lives outside `jit` (an LLM)
+  collects the slates and labels on the host and calls this (via `train_batch_on_feedback`).
+
+  Args:
+    params: adapter parameters (differentiated).
+    key: PRNG key for the replay; the key is consumed.
+    query: `[d]` pre-adapter query.
+    candidates: `[K, d]` pre-adapter candidates.
+    where: `[K]` bool, valid candidates.
+    slates: `[R, s]` int32 training slates (-1 = empty position).
+    slate_mask: `[R, s]` bool.
+    labels: `[R, s]` labels in {-1, +1}.
+    buffer: the buffer as it stood at the batch's start.
+    config: static config.
+    hparams: hyperparameters.
+
+  Returns:
+    `(loss [], (record: QueryRecord, observed [K] bool, ybar [K] float32))`.
+  """
+  z = adapter_lib.adapter_scores(params, query, candidates)
+  return _feedback_loss_from_logits(params, key, query, z, where, slates, slate_mask, labels,
+                                    buffer, config, hparams)
+
+
+def _feedback_loss_from_logits(params, key, query, z, where, slates, slate_mask, labels, buffer,
+                               config, hparams):
+  loss_logits = z / hparams.tau if config.loss_on_tempered_logits else z
+  loss_cur = losses.ranking_loss(loss_logits, where, slates, slate_mask, labels, hparams.baseline,
+                                 config.loss_form)
+  observed, ybar = losses.aggregate_feedback(slates, slate_mask, labels, config.num_candidates)
+  if config.use_replay:
+    loss_rep, num_replayed = experience_replay_loss(key, params, buffer, query, config, hparams)
+  else:
+    loss_rep, num_replayed = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+  loss = losses.combined_loss(loss_cur, loss_rep, hparams.lambda_rep)
+  record = QueryRecord(slates=slates, slate_mask=slate_mask, labels=labels, loss=loss,
+                       loss_cur=loss_cur, loss_rep=loss_rep, num_replayed=num_replayed)
+  return loss, (record, observed, ybar)
+
+
+def query_loss(params: adapter_lib.AdapterParams, key: jax.Array, query: jax.Array,
+               candidates: jax.Array, where: jax.Array, gold: jax.Array,
+               buffer: buffer_lib.ReplayBuffer, config: EARConfig, hparams: HParams,
+               critic: Critic = simulated_critic):
+  """`L_EAR` of one training query (Eq. (17)) with everything the step needs as aux outputs.
+
+  Adapts the candidates once (Eq. (3)-(4)), reuses them for every Explorer round and for the
+  current-query loss (Eq. (10)), aggregates the feedback (Eq. (11)-(12)) and adds the replay loss.
+
+  Args:
+    params: adapter parameters (differentiated).
+    key: PRNG key of this query; the key is consumed.
+    query: `[d]` pre-adapter query.
+    candidates: `[K, d]` pre-adapter candidates.
+    where: `[K]` bool, valid candidates.
+    gold: `[K]` bool, gold candidates (seen only by the critic).
+    buffer: the buffer as it stood at the batch's start.
+    config: static config.
+    hparams: hyperparameters.
+    critic: `(key, slate_gold, slate_mask, hparams) -> labels`.
+
+  Returns:
+    `(loss [], (record: QueryRecord, observed [K] bool, ybar [K] float32))`.
+  """
+  k_train, k_replay = jax.random.split(key)
+  q_t = adapter_lib.adapt_queries(params, query)
+  m_t = adapter_lib.adapt_memories(params, candidates)
+  z = adapter_lib.relevance_logits(q_t, m_t)
+
+  def feedback(k, slate, slate_mask):
+    return critic(k, explorer_lib.gather_slate(gold, slate, slate_mask, False), slate_mask,
+                  hparams)
+
+  slates, slate_mask, labels = training_slates(k_train, z, lambda: m_t @ m_t.T, where, feedback,
+                                               config, hparams)
+  return _feedback_loss_from_logits(params, k_replay, query, z, where, slates, slate_mask, labels,
+                                    buffer, config, hparams)
+
+
+def _step(state, batch_loss, batch, where, config, hparams):
+  """Gradient of the batch-mean loss, one optimizer step, then the batch's experiences pushed."""
+  grads, (records, observed, ybar) = jax.grad(batch_loss, has_aux=True)(state.params)
+  new_state = apply_gradients(state, grads, config, hparams)
+  num = jnp.sum(where).astype(jnp.int32)
+  new_state = new_state.replace(
+      buffer=buffer_lib.push_experiences(state.buffer, batch.queries, batch.candidates,
+                                         batch.mask, observed, ybar, where),
+      queries_seen=state.queries_seen + num,
+      critic_calls=state.critic_calls + jnp.sum(
+          jnp.where(where[:, None], jnp.any(records.slate_mask, -1), False)).astype(jnp.int32))
+  return new_state, records
+
+
+def _masked_batch_mean(loss, where):
+  return jnp.sum(jnp.where(where, loss, 0.0)) / jnp.maximum(jnp.sum(where), 1)
+
+
+def train_batch(state: LearnerState, keys: jax.Array, batch: Stream, where: jax.Array,
+                config: EARConfig, hparams: HParams, critic: Critic = simulated_critic):
+  """One online step on a batch of queries: vmapped losses, averaged gradient, one optimizer step,
+  then the batch's experiences pushed (Appendix A.1; Alg. 1 lines 1-11).
+
+  Args:
+    state: learner state at the batch's start.
+    keys: `[b]` PRNG keys, one per query; consumed.
+    batch: a `Stream` of `b` queries.
+    where: `[b]` bool, real (non-padding) queries.
+    config: static config.
+    hparams: hyperparameters.
+    critic: the critic.
+
+  Returns:
+    `(new_state, records)` with `QueryRecord` fields stacked to `[b, ...]`.
+  """
+  def batch_loss(params):
+    loss, aux = jax.vmap(query_loss, in_axes=(None, 0, 0, 0, 0, 0, None, None, None, None))(
+        params, keys, batch.queries, batch.candidates, batch.mask, batch.gold, state.buffer,
+        config, hparams, critic)
+    return _masked_batch_mean(loss, where), aux
+
+  return _step(state, batch_loss, batch, where, config, hparams)
+
+
+def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
+                            slates: jax.Array, slate_mask: jax.Array, labels: jax.Array,
+                            where: jax.Array, config: EARConfig, hparams: HParams):
+  """`train_batch` for slates and labels collected outside `jit` (e.g. from an LLM critic).
+
+  Args:
+    state: learner state at the batch's start.
+    keys: `[b]` PRNG keys for the replay; consumed.
+    batch: a `Stream` of `b` queries (`gold` is not used).
+    slates: `[b, R, s]` int32 slates shown to the critic (-1 = empty position).
+    slate_mask: `[b, R, s]` bool; a query whose critic gave no usable answer has an all-False row
+      and contributes only its replay loss.
+    labels: `[b, R, s]` labels in {-1, +1}.
+    where: `[b]` bool, real queries.
+    config: static config.
+    hparams: hyperparameters.
+
+  Returns:
+    `(new_state, records)` as in `train_batch`.
+  """
+  def batch_loss(params):
+    loss, aux = jax.vmap(feedback_loss,
+                         in_axes=(None, 0, 0, 0, 0, 0, 0, 0, None, None, None))(
+        params, keys, batch.queries, batch.candidates, batch.mask, slates, slate_mask, labels,
+        state.buffer, config, hparams)
+    return _masked_batch_mean(loss, where), aux
+
+  return _step(state, batch_loss, batch, where, config, hparams)
+
+
+def _pad_to_batches(tree, n: int, batch_size: int):
+  num_batches = -(-n // batch_size)
+  idx = jnp.minimum(jnp.arange(num_batches * batch_size), n - 1)
+  return jax.tree_util.tree_map(
+      lambda x: x[idx].reshape((num_batches, batch_size) + x.shape[1:]), tree)
+
+
+def train_stream(state: LearnerState, keys: jax.Array, stream: Stream, config: EARConfig,
+                 hparams: HParams, critic: Critic = simulated_critic):
+  """Online training over a stream, in order, as ONE `lax.scan` over batches.
+
+  The stream is cut into batches of `config.batch_size` (the last one padded and masked). Calling
+  it on consecutive chunks whose lengths are multiples of the batch size gives the same result as
+  one call on the whole stream.
+
+  Args:
+    state: learner state.
+    keys: `[N]` per-query PRNG keys (see `episode_keys`); consumed.
+    stream: `N` training queries.
+    config: static config.
+    hparams: hyperparameters.
+    critic: the critic.
+
+  Returns:
+    `(new_state, records)`: `QueryRecord` fields stacked to `[N, ...]`. For an untrained method
+    (`train_slate='none'`) the state is returned unchanged and the records are None.
+  """
+  validate_stream(stream, config)
+  if not config.trains:
+    return state, None
+  n, b = stream.queries.shape[0], config.batch_size
+  xs = _pad_to_batches((keys, stream), n, b)
+  where = (jnp.arange(xs[0].shape[0] * b) < n).reshape(-1, b)
+
+  def body(carry, x):
+    (k, batch), w = x
+    return train_batch(carry, k, batch, w, config, hparams, critic)
+
+  state, records = jax.lax.scan(body, state, (xs, where))
+  records = jax.tree_util.tree_map(lambda r: r.reshape((-1,) + r.shape[2:])[:n], records)
+  return state, records
+
+
+def episode_keys(key: jax.Array, num_queries: int):
+  """Splits an episode key into `(init_key, per_query_keys [N])`; the key is consumed."""
+  k_init, k_stream = jax.random.split(key)
+  return k_init, jax.random.split(k_stream, num_queries)
+
+
+def run_episode(key: jax.Array, stream: Stream, config: EARConfig, hparams: HParams,
+                critic: Critic = simulated_critic):
+  """A whole online training episode: init, then `train_stream` over the stream (one scan).
+
+  Jitted with `config` and `critic` static; `vmap` over `key` (seeds) or `hparams` (sweeps).
+
+  Args:
+    key: PRNG key of the episode; the key is consumed.
+    stream: `N` training queries, in the order they arrive.
+    config: static config.
+    hparams: hyperparameters.
+    critic: the critic (default: the simulated critic of Appendix A.2).
+
+  Returns:
+    `(final LearnerState, records)` as in `train_stream`.
+  """
+  k_init, keys = episode_keys(key, stream.queries.shape[0])
+  return train_stream(init_learner(k_init, config), keys, stream, config, hparams, critic)
+
+
+def validate_stream(stream: Stream, config: EARConfig) -> None:
+  """Raises ValueError, before tracing, when the stream's shapes do not match the config."""
+  shapes = {f: tuple(getattr(stream, f).shape) for f in
+            ("queries", "candidates", "mask", "gold", "num_gold")}
+  n = shapes["queries"][0] if shapes["queries"] else None
+  expected = {"queries": (n, config.dim),
+              "candidates": (n, config.num_candidates, config.dim),
+              "mask": (n, config.num_candidates), "gold": (n, config.num_candidates),
+              "num_gold": (n,)}
+  for field, shape in shapes.items():
+    if shape != expected[field]:
+      raise ValueError(
+          f"stream.{field} has shape {shape}, expected {expected[field]} for config "
+          f"dim={config.dim}, num_candidates={config.num_candidates}")
+  if n == 0:
+    raise ValueError("the stream holds no queries")
+
+
+train_batch_jit = jax.jit(train_batch, static_argnames=("config", "critic"))
+train_batch_on_feedback_jit = jax.jit(train_batch_on_feedback, static_argnames=("config",))
+train_stream_jit = jax.jit(train_stream, static_argnames=("config", "critic"))
+run_episode_jit = jax.jit(run_episode, static_argnames=("config", "critic"))

@@ -1,0 +1,164 @@
+"""Feedback-weighted ranking losses, feedback aggregation and replay slates (Eq. (10)-(12), (16), (19), (20)).
+
+Symbols: `K` candidates, `s` slate size, `R` slates of one query (T rounds of the Explorer, or 1).
+
+All functions work on one query (unbatched). Masks are named `where` / `*_mask` (True = valid).
+"""
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from ear_jax.adapter import MASKED_LOGIT, relevance_log_probs
+
+
+def _safe_div(num, den):
+  return num / jnp.maximum(den, 1.0)
+
+
+def slate_log_probs(logits: jax.Array, where: jax.Array, slate: jax.Array, slate_mask: jax.Array,
+                    loss_form: str) -> jax.Array:
+  """`log p_phi(i_j)` of each slate position, in one of the two readings of Eq. (10).
+
+  Args:
+    logits: `[K]` relevance logits `z` (or `z / tau`).
+    where: `[K]` bool, valid candidates.
+    slate: `[s]` int32 slate (-1 = empty position).
+    slate_mask: `[s]` bool.
+    loss_form: 'flat': `log softmax(z)_{i_j}` over all valid candidates (Alg. 3 line 7);
+      'sequential': Plackett-Luce, position j's softmax excludes the items chosen at positions < j
+      (Section 3.4's wording).
+
+  Returns:
+    `[s]` log-probabilities (0 at empty positions).
+  """
+  chex.assert_rank([logits, where, slate, slate_mask], 1)
+  num_k = logits.shape[0]
+  safe = jnp.maximum(slate, 0)
+  if loss_form == "flat":
+    lp = relevance_log_probs(logits, where)[safe]
+  elif loss_form == "sequential":
+    onehot = (safe[:, None] == jnp.arange(num_k)[None, :]) & slate_mask[:, None]  # [s, K]
+    before = jnp.cumsum(onehot, axis=0) - onehot  # chosen at positions < j
+    available = where[None, :] & (before == 0)
+    lse = jax.nn.logsumexp(jnp.where(available, logits[None, :], MASKED_LOGIT), axis=1)
+    lp = logits[safe] - lse
+  else:
+    raise ValueError(f"unknown loss_form={loss_form!r}")
+  return jnp.where(slate_mask, lp, 0.0)
+
+
+def ranking_loss(logits: jax.Array, where: jax.Array, slates: jax.Array, slate_mask: jax.Array,
+                 rewards: jax.Array, baseline: jax.Array, loss_form: str,
+                 count_mask: jax.Array | None = None) -> jax.Array:
+  """Feedback-weighted ranking loss `-1/(R s) sum_t sum_j (y_tj - b) log p_phi(i_tj)`, Eq. (10).
+
+  The normaliser is the number of counted slate positions (`R s` when every slate is full), so
+  an all-masked input gives 0.
+
+  Args:
+    logits: `[K]` relevance logits.
+    where: `[K]` bool, valid candidates.
+    slates: `[R, s]` int32 slates.
+    slate_mask: `[R, s]` bool, positions that hold an item.
+    rewards: `[R, s]` labels or rewards in {-1, +1}.
+    baseline: `[]` the action-independent baseline `b`.
+    loss_form: 'flat' or 'sequential' (see `slate_log_probs`).
+    count_mask: optional `[R, s]` bool, positions that count in the loss (default `slate_mask`);
+      the slate's order (for 'sequential') is still given by `slate_mask`.
+
+  Returns:
+    `[]` loss.
+  """
+  chex.assert_rank([slates, slate_mask, rewards], 2)
+  lp = jax.vmap(slate_log_probs, in_axes=(None, None, 0, 0, None))(
+      logits, where, slates, slate_mask, loss_form)
+  counted = slate_mask if count_mask is None else count_mask & slate_mask
+  total = jnp.sum(jnp.where(counted, (rewards - baseline) * lp, 0.0))
+  return -_safe_div(total, jnp.sum(counted))
+
+
+def aggregate_feedback(slates: jax.Array, slate_mask: jax.Array, labels: jax.Array,
+                       num_candidates: int):
+  """Observed set and mean label per candidate over the rounds, Eq. (11)-(12).
+
+  Args:
+    slates: `[R, s]` int32 slates of the R rounds.
+    slate_mask: `[R, s]` bool.
+    labels: `[R, s]` labels.
+    num_candidates: `K` (static).
+
+  Returns:
+    `(observed [K] bool, ybar [K] float32)`; `ybar` is 0 for never-chosen candidates.
+  """
+  onehot = (slates[..., None] == jnp.arange(num_candidates)) & slate_mask[..., None]  # [R, s, K]
+  counts = jnp.sum(onehot, axis=(0, 1)).astype(jnp.float32)
+  sums = jnp.sum(jnp.where(onehot, labels[..., None], 0.0), axis=(0, 1))
+  observed = counts > 0
+  return observed, jnp.where(observed, _safe_div(sums, counts), 0.0)
+
+
+def replay_rewards(ybar: jax.Array, observed: jax.Array, replay_unobserved: str):
+  """Binary replay rewards `r~_i = +1 if ybar_i > 0 else -1`, Eq. (20).
+
+  Args:
+    ybar: `[K]` aggregated labels of a stored experience.
+    observed: `[K]` bool, candidates that received feedback.
+    replay_unobserved: 'negative' (Eq. (20) literally: never-chosen items, ybar = 0, get -1 and
+      count) or 'ignore' (never-chosen items are left out of the loss, Eq. (13)).
+
+  Returns:
+    `(rewards [K] float32, counts [K] bool)`: which candidates count in the replay loss.
+  """
+  rewards = jnp.where(ybar > 0, 1.0, -1.0).astype(jnp.float32)
+  if replay_unobserved == "negative":
+    counts = jnp.ones_like(observed)
+  elif replay_unobserved == "ignore":
+    counts = observed
+  else:
+    raise ValueError(f"unknown replay_unobserved={replay_unobserved!r}")
+  return rewards, counts
+
+
+def gumbel_top_s(key: jax.Array, logits: jax.Array, where: jax.Array, tau: jax.Array,
+                 slate_size: int):
+  """A slate of `s` items without replacement: top-s of `z / tau + g`, `g ~ Gumbel(0, 1)`, Eq. (19).
+
+  Args:
+    key: PRNG key; the key is consumed (`g = jax.random.gumbel(key, (K,))`).
+    logits: `[K]` relevance logits (treated as constants).
+    where: `[K]` bool, valid candidates.
+    tau: `[]` temperature.
+    slate_size: `s` (static).
+
+  Returns:
+    `(slate [s] int32, slate_mask [s] bool)`, ordered by perturbed score.
+  """
+  g = jax.random.gumbel(key, logits.shape, jnp.float32)
+  return gumbel_top_s_with_noise(g, logits, where, tau, slate_size)
+
+
+def gumbel_top_s_with_noise(noise: jax.Array, logits: jax.Array, where: jax.Array,
+                            tau: jax.Array, slate_size: int):
+  """`gumbel_top_s` with the Gumbel noise `[K]` given (for tests and reference implementations)."""
+  perturbed = jax.lax.stop_gradient(logits) / tau + noise
+  vals, idx = jax.lax.top_k(jnp.where(where, perturbed, -jnp.inf), slate_size)
+  ok = vals > -jnp.inf
+  return jnp.where(ok, idx, -1).astype(jnp.int32), ok
+
+
+def replay_loss(per_experience_losses: jax.Array, replay_mask: jax.Array) -> jax.Array:
+  """`L_rep = 1/|J| sum_{r in J} L_rank(e_r)`, Eq. (16); 0 when nothing is replayed.
+
+  Args:
+    per_experience_losses: `[B]` ranking losses of the replayed experiences.
+    replay_mask: `[B]` bool, which of the B slots hold an experience.
+  """
+  return _safe_div(jnp.sum(jnp.where(replay_mask, per_experience_losses, 0.0)),
+                   jnp.sum(replay_mask))
+
+
+def combined_loss(current: jax.Array, replay: jax.Array, lambda_rep: jax.Array) -> jax.Array:
+  """`L_EAR = L_cur + lambda_rep L_rep`, Eq. (17)."""
+  return current + lambda_rep * replay

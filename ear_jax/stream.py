@@ -1,0 +1,109 @@
+"""Query streams: the fixed-shape arrays that an EAR episode consumes.
+
+Symbols: `N` queries, `K` candidates per query, `d` embedding dimension.
+
+A stream holds, for every query, its frozen (pre-adapter) embedding, the embeddings of its top-K
+candidates from its own memory bank (Eq. (1)), a `mask` (True = a real candidate; banks smaller than K
+are padded), a `gold` mask over the candidates and `num_gold`, the number of gold memories of the query
+in its whole bank (gold memories outside the top-K stay gold: they are misses in Recall@5).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@flax.struct.dataclass
+class Stream:
+  """A stream of queries with their top-K candidate sets.
+
+  Attributes:
+    queries: `[N, d]` float32 pre-adapter query embeddings (unit vectors).
+    candidates: `[N, K, d]` float32 pre-adapter candidate embeddings (zeros where masked).
+    mask: `[N, K]` bool, True where the candidate is a real memory.
+    gold: `[N, K]` bool, True where the candidate is a gold memory of the query.
+    num_gold: `[N]` int32, gold memories of the query in its whole bank (>= gold.sum(-1)).
+  """
+  queries: jax.Array  # [N, d] float32
+  candidates: jax.Array  # [N, K, d] float32
+  mask: jax.Array  # [N, K] bool
+  gold: jax.Array  # [N, K] bool
+  num_gold: jax.Array  # [N] int32
+
+  @property
+  def num_queries(self) -> int:
+    return int(self.queries.shape[0])
+
+  @property
+  def dim(self) -> int:
+    return int(self.queries.shape[-1])
+
+  @property
+  def num_candidates(self) -> int:
+    return int(self.candidates.shape[-2])
+
+  def take(self, index: Any) -> "Stream":
+    """Rows `index` of every field (a slice or an integer index array), on the host."""
+    return jax.tree_util.tree_map(lambda x: x[index], self)
+
+
+def make_stream(queries, candidates, mask=None, gold=None, num_gold=None) -> Stream:
+  """Builds and validates a `Stream` from array-likes.
+
+  Args:
+    queries: `[N, d]` query embeddings.
+    candidates: `[N, K, d]` candidate embeddings.
+    mask: optional `[N, K]` bool candidate mask (default: all valid).
+    gold: optional `[N, K]` bool gold mask (default: no gold).
+    num_gold: optional `[N]` total gold per query (default: `gold.sum(-1)`).
+
+  Returns:
+    A `Stream` of numpy arrays with canonical dtypes.
+
+  Raises:
+    ValueError: naming the field whose shape, dtype or values are wrong.
+  """
+  queries = np.asarray(queries, np.float32)
+  candidates = np.asarray(candidates, np.float32)
+  if queries.ndim != 2:
+    raise ValueError(f"queries must be [N, d], got shape {queries.shape}")
+  if candidates.ndim != 3:
+    raise ValueError(f"candidates must be [N, K, d], got shape {candidates.shape}")
+  n, d = queries.shape
+  if candidates.shape[0] != n or candidates.shape[2] != d:
+    raise ValueError(
+        f"candidates shape {candidates.shape} does not match queries shape {queries.shape}: "
+        f"expected [{n}, K, {d}]")
+  k = candidates.shape[1]
+  mask = np.ones((n, k), bool) if mask is None else np.asarray(mask, bool)
+  gold = np.zeros((n, k), bool) if gold is None else np.asarray(gold, bool)
+  for name, arr in (("mask", mask), ("gold", gold)):
+    if arr.shape != (n, k):
+      raise ValueError(f"{name} must have shape [N, K] = {(n, k)}, got {arr.shape}")
+  if np.any(gold & ~mask):
+    raise ValueError("gold marks a masked (padding) candidate")
+  if num_gold is None:
+    num_gold = gold.sum(-1)
+  num_gold = np.asarray(num_gold, np.int32)
+  if num_gold.shape != (n,):
+    raise ValueError(f"num_gold must have shape [N] = {(n,)}, got {num_gold.shape}")
+  if np.any(num_gold < gold.sum(-1)):
+    raise ValueError("num_gold is smaller than the number of gold candidates for some query")
+  for name, arr in (("queries", queries), ("candidates", candidates)):
+    if not np.all(np.isfinite(arr)):
+      raise ValueError(f"{name} contains NaN or Inf")
+  return Stream(queries=queries, candidates=candidates, mask=mask, gold=gold, num_gold=num_gold)
+
+
+def concat_streams(streams) -> Stream:
+  """Concatenates streams along the query axis (same K and d)."""
+  return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs, 0), *streams)
+
+
+def to_device(stream: Stream) -> Stream:
+  """The stream's fields as `jax.Array`s."""
+  return jax.tree_util.tree_map(jnp.asarray, stream)

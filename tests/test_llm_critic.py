@@ -1,0 +1,471 @@
+"""Tests of ear_jax/llm_critic.py against a real chat-completions HTTP server on 127.0.0.1."""
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import json
+import logging
+import random
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ear_jax import llm_critic
+from ear_jax.llm_critic import (CriticResult, LLMCritic, LLMCriticConfig, build_messages,
+                                labels_from_citations, parse_citations)
+
+_KEY_ENV = "EAR_JAX_TEST_LLM_KEY"
+_MEMORIES = ["Alice moved to Paris in May.", "Bob likes\n chess.", "The cat is called Tom."]
+_QUESTION = "Where did Alice move?"
+
+
+@dataclasses.dataclass
+class Reply:
+  """One scripted server reply."""
+  status: int = 200
+  content: str | None = "Paris.\n[0]"
+  raw_body: bytes | None = None  # sent as is instead of a chat-completions JSON body
+  delay_s: float = 0.0  # before the status line
+  trickle_s: float = 0.0  # between body bytes
+  headers: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+class _ChatServer(http.server.ThreadingHTTPServer):
+  daemon_threads = True
+
+  def __init__(self):
+    super().__init__(("127.0.0.1", 0), _ChatHandler)
+    self.script: list[Reply] = []
+    self.requests: list[dict] = []
+    self.stop = threading.Event()
+    self.lock = threading.Lock()
+
+  def next_reply(self) -> Reply:
+    with self.lock:
+      return self.script.pop(0) if len(self.script) > 1 else self.script[0]
+
+  def handle_error(self, request, client_address):
+    pass  # the client hung up on a slow reply: expected, keep the test output clean
+
+
+class _ChatHandler(http.server.BaseHTTPRequestHandler):
+  protocol_version = "HTTP/1.1"
+
+  def log_message(self, *args):
+    pass
+
+  def do_POST(self):  # pylint: disable=invalid-name
+    length = int(self.headers.get("Content-Length", "0"))
+    raw = self.rfile.read(length)
+    server: _ChatServer = self.server
+    with server.lock:
+      server.requests.append({"path": self.path, "headers": dict(self.headers.items()),
+                              "json": json.loads(raw)})
+    reply = server.next_reply()
+    if reply.delay_s and server.stop.wait(reply.delay_s):
+      return
+    if reply.raw_body is not None:
+      body = reply.raw_body
+    elif reply.status == 200:
+      body = json.dumps({"id": "x", "object": "chat.completion", "choices": [
+          {"index": 0, "message": {"role": "assistant", "content": reply.content},
+           "finish_reason": "stop"}]}).encode()
+    else:
+      body = json.dumps({"error": {"message": f"scripted {reply.status}"}}).encode()
+    self.send_response(reply.status)
+    self.send_header("Content-Type", "application/json")
+    self.send_header("Content-Length", str(len(body)))
+    for k, v in reply.headers.items():
+      self.send_header(k, v)
+    self.end_headers()
+    if reply.trickle_s:
+      for i in range(len(body)):
+        if server.stop.wait(reply.trickle_s):
+          return
+        self.wfile.write(body[i:i + 1])
+        self.wfile.flush()
+    else:
+      self.wfile.write(body)
+
+
+@pytest.fixture
+def server(monkeypatch):
+  for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+    monkeypatch.delenv(var, raising=False)
+  monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+  srv = _ChatServer()
+  thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+  thread.start()
+  yield srv
+  srv.stop.set()
+  srv.shutdown()
+  srv.server_close()
+  thread.join(timeout=5)
+
+
+class _RecordingSleep:
+
+  def __init__(self):
+    self.delays: list[float] = []
+
+  def __call__(self, seconds: float):
+    self.delays.append(seconds)
+
+
+def _client(server, sleep=None, **overrides) -> LLMCritic:
+  kwargs = dict(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", model="test-model",
+                api_key_env=_KEY_ENV, timeout_s=0.3, max_retries=2, backoff_base_s=0.0,
+                backoff_max_s=0.0)
+  kwargs.update(overrides)
+  return LLMCritic(LLMCriticConfig(**kwargs), sleep=sleep or _RecordingSleep(),
+                   rng=random.Random(0))
+
+
+# ---------------------------------------------------------------------------------------------------
+# parse_citations
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("[0, 2]", (0, 2)),
+    ("[0,2]", (0, 2)),
+    ("[2]", (2,)),
+    ("[ 1 ,0 ]", (0, 1)),
+    ("[2, 0]", (0, 2)),
+    ("[NO_CITE]", ()),
+    ("[no_cite]", ()),
+    ("[ NO_CITE ]", ()),
+    ("Alice moved to Paris.\n[0, 1]", (0, 1)),
+    ("Alice moved to Paris [0] with Bob [1].\n[1]", (1,)),
+    ("Nothing here helps.\n[NO_CITE]\n", ()),
+    ("Answer.\nCitations: [0, 3].", (0, 3)),
+    ("[1, 1]", (1,)),
+    ("[3, 0, 3]", (0, 3)),
+    ("[[0, 2]]", (0, 2)),
+    ("[0, 1, 2, 3, 4]", (0, 1, 2, 3, 4)),
+])
+def test_parse_citations_accepts_well_formed_lists(text, expected):
+  assert parse_citations(text, num_memories=5) == expected
+
+
+@pytest.mark.parametrize("text", [
+    "",
+    "Alice moved to Paris.",
+    "[]",
+    "[ ]",
+    "[5]",
+    "[0, 5]",
+    "[17]",
+    "[-1]",
+    "[0, -1]",
+    "[1.5]",
+    "[a]",
+    "[0, a]",
+    "[+1]",
+    "[0 2]",
+    "[0, 2,]",
+    "[,0]",
+    "[0;2]",
+    "[NO_CITE, 1]",
+    "[NO CITE]",
+    "[NONE]",
+    "[Memory 0]",
+    "[0, 2] and then [sic]",
+    "[0, 2]\n[9]",
+    "0, 2",
+    "(0, 2)",
+    "[0, 2",
+    "[１]",  # a full-width digit is not an ASCII decimal integer
+])
+def test_parse_citations_rejects_malformed_or_out_of_range(text):
+  assert parse_citations(text, num_memories=5) is None
+
+
+def test_parse_citations_takes_the_last_list():
+  assert parse_citations("First I thought [0, 1]. Final:\n[2]", 3) == (2,)
+  assert parse_citations("[NO_CITE] at first, but then\n[1]", 3) == (1,)
+  assert parse_citations("[0, 1]\n[NO_CITE]", 3) == ()
+
+
+def test_parse_citations_bounds_by_num_memories():
+  assert parse_citations("[2]", 3) == (2,)
+  assert parse_citations("[3]", 3) is None
+  assert parse_citations("[0]", 0) is None
+  assert parse_citations("[NO_CITE]", 0) == ()
+  with pytest.raises(ValueError, match="num_memories"):
+    parse_citations("[0]", -1)
+
+
+def test_parse_citations_returns_none_for_non_string():
+  assert parse_citations(None, 3) is None  # type: ignore[arg-type]
+
+
+def test_labels_from_citations_gives_plus_one_for_cited_and_minus_one_otherwise():
+  labels = labels_from_citations((0, 2), 5)
+  assert labels.dtype == np.float32 and labels.shape == (5,)
+  np.testing.assert_array_equal(labels, [1, -1, 1, -1, -1])
+  np.testing.assert_array_equal(labels_from_citations((), 3), [-1, -1, -1])
+  with pytest.raises(ValueError, match="outside the slate of size 3"):
+    labels_from_citations((3,), 3)
+  with pytest.raises(ValueError, match="outside the slate"):
+    labels_from_citations((-1,), 3)
+
+
+def test_build_messages_numbers_memories_from_zero_and_includes_question():
+  messages = build_messages(_QUESTION, _MEMORIES)
+  assert [m["role"] for m in messages] == ["system", "user"]
+  user = messages[1]["content"]
+  assert "[0] Alice moved to Paris in May.\n[1] Bob likes chess.\n[2] The cat is called Tom." in user
+  assert f"Question: {_QUESTION}" in user
+  assert "[NO_CITE]" in user and "[0, 2]" in user
+
+
+# ---------------------------------------------------------------------------------------------------
+# Construction errors
+
+
+@pytest.mark.parametrize("base_url, message", [
+    ("", "non-empty"),
+    ("localhost:8000/v1", "http:// or https://"),
+    ("ftp://localhost/v1", "http:// or https://"),
+    ("http:///v1", "no host"),
+    ("http://localhost:80a/v1", "not a valid URL"),
+    ("http://localhost:8000/v1?x=1", "query string"),
+])
+def test_malformed_base_url_is_a_value_error_naming_it(base_url, message):
+  with pytest.raises(ValueError, match=message):
+    LLMCriticConfig(base_url=base_url, model="m")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("model", ""), ("timeout_s", 0.0), ("max_retries", -1), ("max_tokens", 0),
+    ("backoff_base_s", -1.0), ("api_key_env", ""),
+])
+def test_bad_config_values_are_value_errors_naming_the_field(field, value):
+  kwargs = {"base_url": "http://localhost:8000/v1", "model": "m", field: value}
+  with pytest.raises(ValueError, match=field):
+    LLMCriticConfig(**kwargs)
+
+
+@pytest.mark.parametrize("base_url, url", [
+    ("http://localhost:8000/v1", "http://localhost:8000/v1/chat/completions"),
+    ("http://localhost:8000/v1/", "http://localhost:8000/v1/chat/completions"),
+    ("https://api.example.com/v1/chat/completions", "https://api.example.com/v1/chat/completions"),
+])
+def test_endpoint_url_is_built_from_base_url(base_url, url):
+  assert LLMCritic(LLMCriticConfig(base_url=base_url, model="m")).url == url
+
+
+def test_empty_memories_or_question_are_value_errors(server):
+  server.script = [Reply()]
+  client = _client(server)
+  with pytest.raises(ValueError, match="memory_texts is empty"):
+    client.critique(_QUESTION, [])
+  with pytest.raises(ValueError, match="question"):
+    client.critique("  ", _MEMORIES)
+  with pytest.raises(ValueError, match=r"memory_texts\[1\]"):
+    client.critique(_QUESTION, ["a", None])
+  assert server.requests == [] and client.stats["calls"] == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Against the loopback server
+
+
+def test_well_formed_citations_give_labels(server, monkeypatch):
+  monkeypatch.setenv(_KEY_ENV, "sk-test-123")
+  server.script = [Reply(content="Alice moved to Paris [0].\n[0, 2]")]
+  client = _client(server)
+  result = client.critique(_QUESTION, _MEMORIES)
+  assert isinstance(result, CriticResult)
+  assert result.status == "ok" and result.error is None and result.attempts == 1
+  assert result.cited == (0, 2)
+  np.testing.assert_array_equal(result.labels, np.array([1, -1, 1], np.float32))
+  assert result.labels.dtype == np.float32
+  assert result.raw_text == "Alice moved to Paris [0].\n[0, 2]"
+  assert client.stats == {"calls": 1, "ok": 1, "unparseable": 0, "http_error": 0, "timeout": 0,
+                          "connection_error": 0, "retries": 0}
+
+
+def test_request_carries_key_model_question_and_numbered_memories(server, monkeypatch):
+  monkeypatch.setenv(_KEY_ENV, "sk-test-123")
+  server.script = [Reply()]
+  _client(server, temperature=0.25, max_tokens=77).critique(_QUESTION, _MEMORIES)
+  (request,) = server.requests
+  assert request["path"] == "/v1/chat/completions"
+  assert request["headers"]["Authorization"] == "Bearer sk-test-123"
+  assert request["headers"]["Content-Type"] == "application/json"
+  body = request["json"]
+  assert body["model"] == "test-model"
+  assert body["temperature"] == 0.25 and body["max_tokens"] == 77
+  assert body["messages"][0]["role"] == "system"
+  prompt = body["messages"][-1]["content"]
+  assert body["messages"][-1]["role"] == "user"
+  for i, text in enumerate(_MEMORIES):
+    assert f"[{i}] {' '.join(text.split())}" in prompt
+  assert _QUESTION in prompt
+
+
+def test_missing_key_sends_no_authorization_header(server, monkeypatch):
+  monkeypatch.delenv(_KEY_ENV, raising=False)
+  server.script = [Reply()]
+  result = _client(server).critique(_QUESTION, _MEMORIES)
+  assert result.status == "ok"
+  assert "Authorization" not in server.requests[0]["headers"]
+
+
+def test_key_is_read_from_the_configured_variable_name(server, monkeypatch):
+  monkeypatch.setenv(_KEY_ENV, "wrong")
+  monkeypatch.setenv("MY_OTHER_KEY", "right")
+  server.script = [Reply()]
+  _client(server, api_key_env="MY_OTHER_KEY").critique(_QUESTION, _MEMORIES)
+  assert server.requests[0]["headers"]["Authorization"] == "Bearer right"
+
+
+def test_no_cite_gives_all_negative_labels(server):
+  server.script = [Reply(content="None of these help.\n[NO_CITE]")]
+  result = _client(server).critique(_QUESTION, _MEMORIES)
+  assert result.status == "ok" and result.cited == ()
+  np.testing.assert_array_equal(result.labels, [-1, -1, -1])
+
+
+@pytest.mark.parametrize("content", [
+    "Alice moved to Paris.",  # no list
+    "Paris.\n[0, 7]",  # out of range
+    "Paris.\n[0, x]",  # not an integer
+    "",
+    None,
+])
+def test_unparseable_reply_gives_no_labels_and_is_counted_and_logged(server, content, caplog):
+  server.script = [Reply(content=content)]
+  client = _client(server)
+  with caplog.at_level(logging.WARNING):
+    result = client.critique(_QUESTION, _MEMORIES)
+  assert result.status == "unparseable" and result.labels is None and result.cited is None
+  assert result.attempts == 1 and len(server.requests) == 1  # not retried
+  assert result.raw_text == (content or "")
+  assert "citation" in result.error
+  assert client.stats["unparseable"] == 1 and client.stats["ok"] == 0 and client.stats["calls"] == 1
+  assert any("unparseable" in r.getMessage() for r in caplog.records)
+
+
+def test_non_json_body_is_unparseable_not_a_crash(server):
+  server.script = [Reply(raw_body=b"<html>oops</html>")]
+  client = _client(server)
+  result = client.critique(_QUESTION, _MEMORIES)
+  assert result.status == "unparseable" and result.labels is None
+  assert "chat-completions" in result.error and result.attempts == 1
+
+
+def test_http_500_then_success_is_retried_with_backoff(server):
+  server.script = [Reply(status=500), Reply(status=503), Reply(content="Paris.\n[1]")]
+  sleep = _RecordingSleep()
+  client = _client(server, sleep=sleep, max_retries=3, backoff_base_s=0.01, backoff_max_s=1.0)
+  result = client.critique(_QUESTION, _MEMORIES)
+  assert result.status == "ok" and result.cited == (1,) and result.attempts == 3
+  assert len(server.requests) == 3
+  assert client.stats["retries"] == 2 and client.stats["ok"] == 1 and client.stats["http_error"] == 0
+  # Exponential with equal jitter: retry i waits in [c/2, c], c = 0.01 * 2**i.
+  assert len(sleep.delays) == 2
+  assert 0.005 <= sleep.delays[0] <= 0.01 and 0.01 <= sleep.delays[1] <= 0.02
+
+
+def test_always_500_gives_up_without_raising(server, caplog):
+  server.script = [Reply(status=500)]
+  client = _client(server, max_retries=2)
+  with caplog.at_level(logging.WARNING):
+    result = client.critique(_QUESTION, _MEMORIES)
+  assert result.status == "http_error" and result.labels is None and result.cited is None
+  assert result.attempts == 3 and len(server.requests) == 3
+  assert "HTTP 500" in result.error and "scripted 500" in result.error
+  assert client.stats["http_error"] == 1 and client.stats["retries"] == 2
+  assert any("http_error" in r.getMessage() for r in caplog.records)
+
+
+def test_429_is_retried_and_retry_after_is_honoured_up_to_the_cap(server):
+  server.script = [Reply(status=429, headers={"Retry-After": "0.05"}), Reply()]
+  sleep = _RecordingSleep()
+  client = _client(server, sleep=sleep, backoff_base_s=0.0, backoff_max_s=0.04)
+  result = client.critique(_QUESTION, _MEMORIES)
+  assert result.status == "ok" and result.attempts == 2
+  assert sleep.delays == [pytest.approx(0.04)]  # Retry-After 0.05 capped at backoff_max_s
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404])
+def test_client_errors_other_than_429_are_not_retried(server, status):
+  server.script = [Reply(status=status), Reply()]
+  client = _client(server, max_retries=3)
+  result = client.critique(_QUESTION, _MEMORIES)
+  assert result.status == "http_error" and result.labels is None
+  assert result.attempts == 1 and len(server.requests) == 1
+  assert f"HTTP {status}" in result.error
+  assert client.stats["retries"] == 0 and client.stats["http_error"] == 1
+
+
+def test_slow_reply_times_out_within_a_bounded_time(server):
+  server.script = [Reply(delay_s=3.0)]
+  client = _client(server, timeout_s=0.3, max_retries=1)
+  start = time.monotonic()
+  result = client.critique(_QUESTION, _MEMORIES)
+  elapsed = time.monotonic() - start
+  assert result.status == "timeout" and result.labels is None and result.attempts == 2
+  assert elapsed < 1.5, elapsed  # two attempts of ~0.3 s, far below the server's 3 s
+  assert client.stats["timeout"] == 1 and client.stats["retries"] == 1
+
+
+def test_trickled_reply_is_cut_off_by_the_total_deadline(server):
+  # Every byte arrives within the socket timeout, but the whole reply would take seconds.
+  server.script = [Reply(trickle_s=0.02)]
+  client = _client(server, timeout_s=0.3, max_retries=0)
+  start = time.monotonic()
+  result = client.critique(_QUESTION, _MEMORIES)
+  assert result.status == "timeout" and result.attempts == 1
+  assert time.monotonic() - start < 1.0
+
+
+def test_slow_then_fast_reply_recovers_on_retry(server):
+  server.script = [Reply(delay_s=3.0), Reply(content="[2]")]
+  client = _client(server, timeout_s=0.3, max_retries=2)
+  result = client.critique(_QUESTION, _MEMORIES)
+  assert result.status == "ok" and result.cited == (2,) and result.attempts == 2
+  assert client.stats["timeout"] == 0 and client.stats["retries"] == 1
+
+
+def test_connection_refused_is_retried_then_reported():
+  with socket.socket() as sock:  # a loopback port with nobody listening
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  sleep = _RecordingSleep()
+  client = LLMCritic(LLMCriticConfig(base_url=f"http://127.0.0.1:{port}/v1", model="m",
+                                     timeout_s=0.3, max_retries=2, backoff_base_s=0.0),
+                     sleep=sleep, rng=random.Random(0))
+  result = client.critique(_QUESTION, _MEMORIES)
+  assert result.status == "connection_error" and result.labels is None and result.attempts == 3
+  assert client.stats["connection_error"] == 1 and len(sleep.delays) == 2
+
+
+def test_stats_accumulate_over_calls(server):
+  server.script = [Reply(content="[0]"), Reply(content="junk"), Reply(status=401), Reply()]
+  client = _client(server)
+  statuses = [client.critique(_QUESTION, _MEMORIES).status for _ in range(4)]
+  assert statuses == ["ok", "unparseable", "http_error", "ok"]
+  assert client.stats == {"calls": 4, "ok": 2, "unparseable": 1, "http_error": 1, "timeout": 0,
+                          "connection_error": 0, "retries": 0}
+
+
+def test_backoff_is_exponential_capped_and_reproducible_with_a_seed():
+  config = LLMCriticConfig(base_url="http://localhost:1/v1", model="m", backoff_base_s=1.0,
+                           backoff_max_s=5.0)
+  a = LLMCritic(config, rng=random.Random(7))
+  b = LLMCritic(config, rng=random.Random(7))
+  delays = [a.backoff_delay(i) for i in range(6)]
+  assert delays == [b.backoff_delay(i) for i in range(6)]
+  for i, d in enumerate(delays):
+    cap = min(5.0, 2.0 ** i)
+    assert cap / 2 <= d <= cap
+
+
+def test_statuses_constant_lists_every_status():
+  assert llm_critic.STATUSES == ("ok", "unparseable", "http_error", "timeout", "connection_error")
