@@ -1,0 +1,88 @@
+"""Eq. (10)-(12), (16), (17), (19), (20)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ear_jax import losses
+
+LOG123 = jnp.log(jnp.array([1.0, 2.0, 3.0]))
+
+
+def test_plackett_luce_three_items_hand_computed():
+  # p ∝ [1, 2, 3]; slate [2, 0, 1]: P = 3/6 * 1/3 * 2/2 = 1/6.
+  lp = losses.slate_log_probs(LOG123, jnp.ones(3, bool), jnp.array([2, 0, 1]),
+                              jnp.ones(3, bool), "sequential")
+  np.testing.assert_allclose(lp, np.log([3 / 6, 1 / 3, 1.0]), rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(jnp.sum(lp), np.log(1 / 6), rtol=1e-6)
+
+
+def test_flat_log_probs_use_the_full_softmax():
+  lp = losses.slate_log_probs(LOG123, jnp.ones(3, bool), jnp.array([2, 0, 1]),
+                              jnp.ones(3, bool), "flat")
+  np.testing.assert_allclose(lp, np.log([3 / 6, 1 / 6, 2 / 6]), rtol=1e-6)
+
+
+def test_current_query_loss_hand_computed():
+  # slate [2, 0], rewards [+1, -1], b = 0.5: -1/2 [0.5 log(1/2) - 1.5 log(1/6)].
+  loss = losses.ranking_loss(LOG123, jnp.ones(3, bool), jnp.array([[2, 0]]),
+                             jnp.ones((1, 2), bool), jnp.array([[1.0, -1.0]]), 0.5, "flat")
+  np.testing.assert_allclose(loss, -0.5 * (0.5 * np.log(0.5) - 1.5 * np.log(1 / 6)), rtol=1e-6)
+
+
+def test_loss_averages_over_rounds_and_positions():
+  slates = jnp.array([[2, 0], [1, 2]])
+  rewards = jnp.array([[1.0, -1.0], [1.0, 1.0]])
+  loss = losses.ranking_loss(LOG123, jnp.ones(3, bool), slates, jnp.ones((2, 2), bool), rewards,
+                             0.5, "flat")
+  lp = np.log([3 / 6, 1 / 6, 2 / 6, 3 / 6])
+  np.testing.assert_allclose(loss, -np.mean(np.array([0.5, -1.5, 0.5, 0.5]) * lp), rtol=1e-6)
+
+
+def test_loss_is_finite_with_all_masked_inputs_and_zero_vectors():
+  def f(z):
+    return losses.ranking_loss(z, jnp.zeros(3, bool), jnp.array([[-1, -1]]),
+                               jnp.zeros((1, 2), bool), jnp.array([[-1.0, -1.0]]), 0.5,
+                               "sequential")
+  assert float(f(jnp.zeros(3))) == 0.0
+  assert np.all(np.isfinite(np.asarray(jax.grad(f)(jnp.zeros(3)))))
+
+
+def test_feedback_aggregation_hand_computed():
+  observed, ybar = losses.aggregate_feedback(jnp.array([[0, 1], [2, 0]]), jnp.ones((2, 2), bool),
+                                             jnp.array([[1.0, -1.0], [1.0, -1.0]]), 4)
+  np.testing.assert_array_equal(observed, [True, True, True, False])
+  np.testing.assert_allclose(ybar, [0.0, -1.0, 1.0, 0.0])
+
+
+def test_replay_rewards_both_readings():
+  ybar = jnp.array([0.5, 0.0, -0.5, 0.0])
+  observed = jnp.array([True, True, True, False])
+  r, c = losses.replay_rewards(ybar, observed, "negative")
+  np.testing.assert_array_equal(r, [1, -1, -1, -1])  # ties (ybar = 0) -> -1
+  assert bool(c.all())
+  r, c = losses.replay_rewards(ybar, observed, "ignore")
+  np.testing.assert_array_equal(c, [True, True, True, False])
+
+
+def test_gumbel_top_s_with_given_noise():
+  slate, mask = losses.gumbel_top_s_with_noise(jnp.array([0.0, 3.0, 0.0]),
+                                               jnp.array([1.0, 0.0, 0.5]), jnp.ones(3, bool),
+                                               jnp.float32(0.5), 2)
+  assert list(np.asarray(slate)) == [1, 0] and bool(mask.all())
+
+
+def test_gumbel_top_s_samples_without_replacement_and_respects_masks():
+  where = jnp.array([True, False, True, True, False])
+  for i in range(20):
+    slate, mask = losses.gumbel_top_s(jax.random.PRNGKey(i), jnp.zeros(5), where, 0.5, 3)
+    assert sorted(np.asarray(slate).tolist()) == [0, 2, 3] and bool(mask.all())
+  slates = {tuple(np.asarray(losses.gumbel_top_s(jax.random.PRNGKey(i), jnp.zeros(5), where,
+                                                 0.5, 2)[0])) for i in range(20)}
+  assert len(slates) > 1  # the key matters
+
+
+def test_replay_loss_is_a_masked_mean_and_zero_when_empty():
+  np.testing.assert_allclose(losses.replay_loss(jnp.array([1.0, 3.0, 100.0]),
+                                                jnp.array([True, True, False])), 2.0)
+  assert float(losses.replay_loss(jnp.array([5.0]), jnp.array([False]))) == 0.0
+  np.testing.assert_allclose(losses.combined_loss(1.0, 2.0, 0.5), 2.0)
