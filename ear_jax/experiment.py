@@ -1,0 +1,485 @@
+"""Running EAR experiments: configs from method names, per-seed splits, seeds under `vmap`, chunked
+training with periodic test evaluation (learning curves), checkpoints, and JSON-able result summaries.
+
+Symbols: `S` seeds, `N` training queries (times epochs), `M` test queries, `K` candidates, `s` slate
+size, `d` dimension.
+
+Protocol (Section 4.4): for seed `i` the queries are permuted with `datasets.split_indices(N, i)`;
+the first 80 % are the online training stream, the rest the test set. All seeds have the same
+shapes, so their streams are stacked on a leading axis and every seed runs in ONE vmapped call.
+
+Training is cut into segments of `gcd(checkpoint_every, eval_every)` queries (a multiple of the batch
+size): `learner.train_stream` over consecutive segments equals one call over the whole stream, and an
+interrupted run resumed from a checkpoint replays exactly the same segments, so its final state is
+bitwise identical to an uninterrupted run. Query `n` of seed `i` always uses key `keys[i, n]` of
+`learner.episode_keys`. The test set is evaluated (both inference modes) after every segment that
+ends on a multiple of `eval_every`, which gives the learning curves of Figs. 3-5 without re-running
+episodes. Library code: no flags are read here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ear_jax import adapter as adapter_lib
+from ear_jax import datasets
+from ear_jax import inference
+from ear_jax import learner
+from ear_jax.config import EARConfig, HParams, METHODS, default_hparams
+from ear_jax.critic import simulated_critic
+from ear_jax.stream import Stream
+
+_LOG = logging.getLogger(__name__)
+
+# Test-time mode of each method when a single number is quoted (Tables 2-3).
+METRIC_NAMES = ("recall_adapter", "hitrate_adapter", "recall_explorer", "hitrate_explorer")
+
+
+class Interrupted(Exception):
+  """Raised by `train_and_evaluate` after `stop_after_chunks` segments (simulates a kill)."""
+
+  def __init__(self, position: int):
+    super().__init__(f"stopped after position {position} (stop_after_chunks)")
+    self.position = position
+
+
+def build_config(method: str, *, dim: int, num_candidates: int, **overrides) -> EARConfig:
+  """`EARConfig.for_method(method, dim=..., num_candidates=..., **overrides)`; None values dropped."""
+  overrides = {k: v for k, v in overrides.items() if v is not None}
+  return EARConfig.for_method(method, dim=dim, num_candidates=num_candidates, **overrides)
+
+
+def hparams_dict(hparams: HParams) -> dict:
+  """The hyperparameters as plain floats (for JSON)."""
+  return {f.name: float(np.asarray(getattr(hparams, f.name)))
+          for f in dataclasses.fields(hparams)}
+
+
+def config_dict(config: EARConfig) -> dict:
+  return dataclasses.asdict(config)
+
+
+def seed_splits(num_queries: int, seeds: Sequence[int], train_fraction: float = 0.8):
+  """Per-seed 80/20 splits stacked: `(train_idx [S, N], test_idx [S, M])` (Section 4.4)."""
+  if not seeds:
+    raise ValueError("need at least one seed")
+  parts = [datasets.split_indices(num_queries, int(s), train_fraction) for s in seeds]
+  train = np.stack([p[0] for p in parts])
+  test = np.stack([p[1] for p in parts])
+  if train.shape[1] == 0 or test.shape[1] == 0:
+    raise ValueError(f"{num_queries} queries give an empty training or test set")
+  return train, test
+
+
+def stack_streams(stream: Stream, index: np.ndarray) -> Stream:
+  """`[S, n, ...]` stream: row `i` is `stream.take(index[i])`."""
+  index = np.asarray(index)
+  return jax.tree_util.tree_map(lambda x: np.stack([np.asarray(x)[i] for i in index]), stream)
+
+
+def seed_keys(seeds: Sequence[int]) -> jax.Array:
+  """`[S, 2]` one PRNG key per seed: `PRNGKey(seed)`."""
+  return jnp.stack([jax.random.PRNGKey(int(s)) for s in seeds])
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _init_states(keys, config):
+  return jax.vmap(lambda k: learner.init_learner(k, config))(keys)
+
+
+def _train_padded(state, keys, batches, where, config, hparams, critic):
+  """One seed: scan over `[nb, b]` batches; all-padding batches leave the state untouched."""
+  def body(carry, x):
+    k, batch, w = x
+
+    def run(st):
+      return learner.train_batch(st, k, batch, w, config, hparams, critic)
+
+    def skip(st):
+      records = jax.eval_shape(run, st)[1]
+      return st, jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), records)
+
+    return jax.lax.cond(jnp.any(w), run, skip, carry)
+
+  return jax.lax.scan(body, state, (keys, batches, where))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "critic"))
+def _train_segment(states, keys, streams, where, hparams, config, critic):
+  """All seeds: `keys [S, L]`, `streams [S, L, ...]`, `where [L]` (L a multiple of the batch)."""
+  learner.validate_stream(jax.tree_util.tree_map(lambda x: x[0], streams), config)
+  b = config.batch_size
+  length = where.shape[-1]
+  reshape = lambda x: x.reshape((x.shape[0], length // b, b) + x.shape[2:])
+  wb = where.reshape(length // b, b)
+  states, records = jax.vmap(
+      lambda st, k, bt: _train_padded(st, k, bt, wb, config, hparams, critic))(
+          states, reshape(keys), jax.tree_util.tree_map(reshape, streams))
+  return states, jax.tree_util.tree_map(
+      lambda r: r.reshape((r.shape[0], length) + r.shape[3:]), records)
+
+
+def _eval_config(config: EARConfig) -> EARConfig:
+  """The fields `inference.evaluate` depends on (so methods share one compiled evaluation)."""
+  return EARConfig(dim=config.dim, num_candidates=config.num_candidates,
+                   slate_size=config.slate_size, num_rounds=config.num_rounds,
+                   adapter_rank=config.adapter_rank, replay_size=1, batch_size=1,
+                   buffer_capacity=1)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "critic"))
+def _evaluate_seeds(keys, params, streams, hparams, config, critic):
+  return jax.vmap(lambda k, p, s: inference.evaluate(k, p, s, config, hparams, critic))(
+      keys, params, streams)
+
+
+@functools.partial(jax.jit, static_argnames=("num",))
+def _episode_keys(keys, num):
+  return jax.vmap(lambda k: learner.episode_keys(k, num))(keys)
+
+
+def _split_seed_keys(keys):
+  pair = jax.vmap(jax.random.split)(keys)  # [S, 2, 2]
+  return pair[:, 0], pair[:, 1]
+
+
+def segment_length(num_train: int, batch_size: int, checkpoint_every: Optional[int],
+                   eval_every: Optional[int]) -> int:
+  """Queries per training segment: gcd of the checkpoint and evaluation periods (or the stream).
+
+  Raises:
+    ValueError: when a period is not a positive multiple of the batch size.
+  """
+  periods = []
+  for name, p in (("checkpoint_every", checkpoint_every), ("eval_every", eval_every)):
+    if p is None:
+      continue
+    if p < 1 or p % batch_size:
+      raise ValueError(f"{name}={p} must be a positive multiple of batch_size={batch_size}")
+    periods.append(p)
+  if not periods:
+    return num_train
+  return min(functools.reduce(math.gcd, periods), num_train) if num_train else 1
+
+
+@dataclasses.dataclass
+class RunResult:
+  """Outcome of one method on `S` seeds (numpy arrays, leading axis = seed)."""
+  name: str
+  config: EARConfig
+  hparams: HParams
+  seeds: list
+  train_index: np.ndarray  # [S, N] query indices of the training stream (with epochs)
+  test_index: np.ndarray  # [S, M]
+  eval: dict  # EvalResult fields, numpy, [S, M] / [S]
+  curve: list  # [{position, queries_seen [S], critic_calls [S], <METRIC_NAMES> [S]}]
+  train_log: dict  # name -> [S, N] per-query training log
+  final_state: Any  # stacked LearnerState [S, ...]
+  critic_calls: np.ndarray  # [S] critic calls spent in training
+  wall_seconds: float
+  resumed_from: int = 0
+
+
+def _record_log(records) -> dict:
+  labels = np.asarray(records.labels)
+  mask = np.asarray(records.slate_mask)
+  return {
+      "loss": np.asarray(records.loss, np.float32),
+      "loss_cur": np.asarray(records.loss_cur, np.float32),
+      "loss_rep": np.asarray(records.loss_rep, np.float32),
+      "num_replayed": np.asarray(records.num_replayed, np.int32),
+      "positive_labels": ((labels > 0) & mask).sum((-1, -2)).astype(np.int32),
+      "critic_calls": mask.any(-1).sum(-1).astype(np.int32),
+  }
+
+
+def _curve_point(position, states, ev) -> dict:
+  point = {"position": int(position),
+           "queries_seen": np.asarray(states.queries_seen).tolist(),
+           "critic_calls": np.asarray(states.critic_calls).tolist()}
+  for m in METRIC_NAMES:
+    point[m] = (100.0 * np.asarray(getattr(ev, m), np.float64)).tolist()
+  return point
+
+
+def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
+                       test_index: np.ndarray, config: EARConfig, hparams: HParams,
+                       seeds: Sequence[int], *, epochs: int = 1,
+                       eval_every: Optional[int] = None,
+                       checkpoint_every: Optional[int] = None,
+                       checkpointer=None, resume: bool = False,
+                       stop_after_chunks: Optional[int] = None,
+                       critic=simulated_critic, progress: bool = False) -> RunResult:
+  """Trains one method on every seed at once (vmap) and evaluates it on each seed's test set.
+
+  Args:
+    name: run name (logs, checkpoints).
+    stream: the benchmark's stream of all queries.
+    train_index: `[S, N]` training queries per seed, in stream order (one epoch).
+    test_index: `[S, M]` test queries per seed.
+    config: static config.
+    hparams: hyperparameters (shared by the seeds).
+    seeds: the `S` seeds; seed `i` uses `PRNGKey(seeds[i])`, split into (episode, evaluation).
+    epochs: passes over the training stream (Fig. 4's RL update matched on critic calls).
+    eval_every: evaluate the test set every this many training queries (learning curves), at 0 and
+      at the end; None: only at the end.
+    checkpoint_every: save a checkpoint every this many training queries and at the end.
+    checkpointer: an `ear_jax.checkpointing.RunCheckpointer` (None: no checkpoints).
+    resume: continue from the checkpointer's latest checkpoint when there is one.
+    stop_after_chunks: raise `Interrupted` after this many segments (after their checkpoint).
+    critic: the critic (static).
+    progress: show a tqdm bar over segments.
+
+  Returns:
+    A `RunResult`.
+  """
+  t0 = time.perf_counter()
+  seeds = list(seeds)
+  train_index = np.tile(np.asarray(train_index), (1, epochs))
+  n = train_index.shape[1]
+  train = stack_streams(stream, train_index)
+  test = stack_streams(stream, test_index)
+  episode_key, eval_key = _split_seed_keys(seed_keys(seeds))
+  init_keys, query_keys = _episode_keys(episode_key, n)
+  states = _init_states(init_keys, config)
+  seg = segment_length(n, config.batch_size, checkpoint_every, eval_every)
+  seg = -(-seg // config.batch_size) * config.batch_size
+  ecfg = _eval_config(config)
+  position, curve, logs, resumed_from = 0, [], [], 0
+  if checkpointer is not None:
+    checkpointer.bind(config=config, hparams=hparams, seeds=seeds, num_train=n, segment=seg,
+                      target=states)
+    if resume and checkpointer.latest_position() is not None:
+      states, position, extra = checkpointer.restore()
+      curve = extra.get("curve", [])
+      logs = [{k: np.asarray(v) for k, v in extra.get("train_log", {}).items()}] if position else []
+      resumed_from = position
+      _LOG.info("%s: resumed from position %d/%d", name, position, n)
+  if config.trains:
+    if eval_every and position == 0:
+      ev = _evaluate_seeds(jax.vmap(jax.random.fold_in, (0, None))(eval_key, 0), states.params,
+                           test, hparams, ecfg, critic)
+      curve.append(_curve_point(0, states, ev))
+    bar = None
+    if progress:
+      from tqdm import auto as tqdm  # pylint: disable=g-import-not-at-top
+      bar = tqdm.tqdm(total=n, initial=position, desc=f"{name} (x{len(seeds)} seeds)",
+                      unit="q", leave=False, mininterval=2.0)
+    chunks = 0
+    while position < n:
+      end = min(position + seg, n)
+      sl = slice(position, end)
+      # Every segment has the same length `seg` (the last one padded with masked queries), so
+      # the whole run compiles once.
+      pad = np.minimum(np.arange(sl.start, sl.start + seg), n - 1)
+      where = np.arange(sl.start, sl.start + seg) < n
+      states, records = _train_segment(states, query_keys[:, pad],
+                                       jax.tree_util.tree_map(lambda x: x[:, pad], train),
+                                       jnp.asarray(where), hparams, config, critic)
+      logs.append(_record_log(jax.tree_util.tree_map(lambda r: r[:, :end - sl.start], records)))
+      position = end
+      if bar is not None:
+        bar.update(end - sl.start)
+      if eval_every and (position % eval_every == 0 or position == n):
+        ev = _evaluate_seeds(jax.vmap(jax.random.fold_in, (0, None))(eval_key, position),
+                             states.params, test, hparams, ecfg, critic)
+        curve.append(_curve_point(position, states, ev))
+      chunks += 1
+      if checkpointer is not None and (position == n or (
+          checkpoint_every and position % checkpoint_every == 0)):
+        log_so_far = {k: np.concatenate([l[k] for l in logs], 1) for k in logs[0]}
+        checkpointer.save(position, states, {"curve": curve, "train_log": {
+            k: v.tolist() for k, v in log_so_far.items()}})
+      if stop_after_chunks is not None and chunks >= stop_after_chunks and position < n:
+        if bar is not None:
+          bar.close()
+        raise Interrupted(position)
+    if bar is not None:
+      bar.close()
+  elif checkpointer is not None and checkpointer.latest_position() is None:
+    checkpointer.save(0, states, {"curve": [], "train_log": {}})
+  ev = _evaluate_seeds(eval_key, states.params, test, hparams, ecfg, critic)
+  ev = {k: np.asarray(v) for k, v in ev._asdict().items()}
+  if eval_every and not config.trains:
+    curve = [dict(_curve_point(0, states, _DictView(ev)), position=0)]
+  train_log = ({k: np.concatenate([l[k] for l in logs], 1) for k in logs[0]} if logs else {})
+  return RunResult(name=name, config=config, hparams=hparams, seeds=seeds,
+                   train_index=train_index, test_index=np.asarray(test_index), eval=ev,
+                   curve=curve, train_log=train_log, final_state=jax.device_get(states),
+                   critic_calls=np.asarray(states.critic_calls),
+                   wall_seconds=time.perf_counter() - t0, resumed_from=resumed_from)
+
+
+class _DictView:
+  def __init__(self, d):
+    self.__dict__.update(d)
+
+
+# ----------------------------------------------------------------------------------------------
+# Summaries
+
+
+def mean_std(values) -> dict:
+  """`{"per_seed", "mean", "std"}` (population std over seeds; NaN seeds ignored)."""
+  v = np.asarray(values, np.float64).reshape(-1)
+  ok = v[np.isfinite(v)]
+  return {"per_seed": [None if not np.isfinite(x) else round(float(x), 4) for x in v],
+          "mean": round(float(ok.mean()), 4) if ok.size else None,
+          "std": round(float(ok.std()), 4) if ok.size else None}
+
+
+def _masked_pct(values, where):
+  values, where = np.asarray(values, np.float64), np.asarray(where, bool)
+  return 100.0 * (values * where).sum(-1) / np.maximum(where.sum(-1), 1)
+
+
+def ceiling(stream: Stream, test_index: np.ndarray, slate_size: int = 5) -> dict:
+  """Best achievable test metrics of any reranker of the K candidates, per seed (percent).
+
+  `recall@K`: all gold inside the top-K; `recall@s`: that and at most `s` gold; `hitrate@K`: any.
+  """
+  gold = np.asarray(stream.gold)[test_index].sum(-1)
+  ng = np.asarray(stream.num_gold)[test_index]
+  has = ng > 0
+  return {"recall@K": mean_std(_masked_pct(gold >= ng, has)),
+          f"recall@{slate_size}": mean_std(_masked_pct((gold >= ng) & (ng <= slate_size), has)),
+          "hitrate@K": mean_std(_masked_pct(gold > 0, has))}
+
+
+def summarize(result: RunResult, stream: Stream, categories: Optional[np.ndarray] = None,
+              slate_size: int = 5) -> dict:
+  """JSON-able summary of a run: per-seed and mean ± std of the four test metrics (percent),
+  per category, the Recall@K ceiling, critic calls, the learning curve and wall time."""
+  ev = result.eval
+  has = np.asarray(stream.num_gold)[result.test_index] > 0
+  out = {"name": result.name, "config": config_dict(result.config),
+         "hparams": hparams_dict(result.hparams), "seeds": result.seeds,
+         "num_train": int(result.train_index.shape[1]), "num_test": int(result.test_index.shape[1]),
+         "metrics": {m: mean_std(100.0 * np.asarray(ev[m], np.float64)) for m in METRIC_NAMES},
+         "ceiling": ceiling(stream, result.test_index, slate_size),
+         "critic_calls": mean_std(result.critic_calls),
+         "wall_seconds": round(result.wall_seconds, 2), "resumed_from": result.resumed_from}
+  if categories is not None:
+    cats = np.asarray(categories)[result.test_index]  # [S, M]
+    per = {}
+    for c in sorted(set(np.asarray(categories).tolist())):
+      sel = (cats == c) & has
+      entry = {"n": mean_std(sel.sum(-1))}
+      for src, m in (("adapter_recall", "recall_adapter"), ("adapter_hit", "hitrate_adapter"),
+                     ("explorer_recall", "recall_explorer"),
+                     ("explorer_hit", "hitrate_explorer")):
+        vals = _masked_pct(ev[src], sel)
+        entry[m] = mean_std(np.where(sel.sum(-1) > 0, vals, np.nan))
+      per[c] = entry
+    out["per_category"] = per
+  if result.curve:
+    out["curve"] = result.curve
+  return out
+
+
+def first_crossing(curve: list, metric: str, level: float, x: str = "queries_seen"):
+  """Mean-over-seeds x at which `metric` first reaches `level` (None if never)."""
+  for p in curve:
+    if np.mean(p[metric]) >= level and p["position"] > 0:
+      return float(np.mean(p[x]))
+  return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-store diagnostics (Section 5, Appendix C)
+
+
+def store_metrics(slates: np.ndarray, gold: np.ndarray, store: np.ndarray,
+                  num_gold_store: np.ndarray, where: Optional[np.ndarray] = None) -> dict:
+  """Per-store Recall@s and observations in the final slate (Table 5, Fig. 6), in percent.
+
+  Args:
+    slates: `[..., M, s]` int candidate indices (-1 = empty).
+    gold: `[..., M, K]` bool gold candidates.
+    store: `[..., M, K]` int8 store of each candidate (0 dialogue, 1 observation).
+    num_gold_store: `[..., M, 2]` gold memories per store in the whole bank.
+    where: optional `[..., M]` bool, queries to average over.
+
+  Returns:
+    `{"recall_dialogue", "recall_observation"` `[...]` percent over queries with gold in that
+    store, `"observations_in_slate"` `[...]` mean count}`.
+  """
+  slates = np.asarray(slates)
+  valid = slates >= 0
+  idx = np.maximum(slates, 0)
+  g = np.take_along_axis(np.asarray(gold), idx, -1) & valid
+  st = np.take_along_axis(np.asarray(store), idx, -1)
+  where = np.ones(slates.shape[:-1], bool) if where is None else np.asarray(where, bool)
+  out = {}
+  for sid, sname in ((0, "dialogue"), (1, "observation")):
+    ng = np.asarray(num_gold_store)[..., sid]
+    hits = (g & (st == sid)).sum(-1)
+    sel = where & (ng > 0)
+    out[f"recall_{sname}"] = np.where(sel.sum(-1) > 0, _masked_pct(hits >= ng, sel), np.nan)
+  obs = ((st == 1) & valid).sum(-1)
+  out["observations_in_slate"] = (obs * where).sum(-1) / np.maximum(where.sum(-1), 1)
+  return out
+
+
+def store_proximity_delta(params: adapter_lib.AdapterParams, queries: jax.Array,
+                          candidates: jax.Array, mask: jax.Array, store: jax.Array):
+  """Appendix C, Eq. (21)-(23): `Delta(q) = d_e(q) - d_s(q)` before and after the adapter.
+
+  `d_e`/`d_s` is the mean cosine distance `1 - sim` of the query to the query's episodic (store 0)
+  / semantic (store 1) candidates. Positive: closer to semantic memories.
+
+  Args:
+    params: adapter parameters (unbatched).
+    queries: `[M, d]` pre-adapter queries.
+    candidates: `[M, K, d]` pre-adapter candidates.
+    mask: `[M, K]` bool valid candidates.
+    store: `[M, K]` int store ids.
+
+  Returns:
+    `(delta_before [M], delta_after [M])`; NaN where a query lacks candidates of one store.
+  """
+  def delta(q, m):
+    sim = jnp.einsum("nd,nkd->nk", q, m)
+    out = []
+    for sid in (0, 1):
+      w = mask & (store == sid)
+      d = jnp.sum(jnp.where(w, 1.0 - sim, 0.0), -1) / jnp.maximum(jnp.sum(w, -1), 1)
+      out.append(jnp.where(jnp.any(w, -1), d, jnp.nan))
+    return out[0] - out[1]
+
+  unit = adapter_lib.safe_normalize
+  before = delta(unit(queries), unit(candidates))
+  q_t = jax.vmap(lambda q: adapter_lib.adapt_queries(params, q))(queries)
+  m_t = jax.vmap(lambda c: adapter_lib.adapt_memories(params, c))(candidates)
+  return before, delta(q_t, m_t)
+
+
+def versions() -> dict:
+  """Versions of the libraries a result depends on."""
+  import platform  # pylint: disable=g-import-not-at-top
+  import flax  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  import ear_jax  # pylint: disable=g-import-not-at-top
+  out = {"python": platform.python_version(), "jax": jax.__version__, "flax": flax.__version__,
+         "optax": optax.__version__, "ear_jax": ear_jax.__version__,
+         "numpy": np.__version__, "backend": jax.default_backend()}
+  try:
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    out["orbax_checkpoint"] = ocp.__version__
+  except Exception:  # pylint: disable=broad-except
+    pass
+  return out
+
+
+__all__ = ["Interrupted", "RunResult", "build_config", "ceiling", "config_dict",
+           "default_hparams", "first_crossing", "hparams_dict", "mean_std", "seed_keys",
+           "seed_splits", "segment_length", "stack_streams", "store_metrics",
+           "store_proximity_delta", "summarize", "train_and_evaluate", "versions", "METHODS"]

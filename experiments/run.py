@@ -1,0 +1,192 @@
+"""Reproduce the paper's tables and figures, or run one method, from one command.
+
+  python -m experiments.run --benchmark=locomo --suite=main          # Table 2, 3 seeds, MiniLM
+  python -m experiments.run --benchmark=longmemeval --suite=all --workdir=runs/lme_all
+  python -m experiments.run --benchmark=synthetic --method=ear --seeds=2 --eval_every=32
+  python -m experiments.run --flagfile=my.flags --resume            # continue an interrupted run
+
+Writes into --workdir: results.json (config, versions, per-seed and mean ± std Recall@5/Hitrate@5
+in both inference modes, per category, the Recall@K ceiling, wall time), tables.md and
+table_<suite>.md (measured beside the paper), plots/*.png (mean ± std over seeds),
+runs/<run>/{result.json, train_log.npz, test_eval.npz} and checkpoints/<run>/ (Orbax).
+Benchmark files come from --data_dir, else $EAR_DATA_DIR, else ~/.cache/ear_jax/data.
+"""
+import logging
+import os
+import shlex
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging as absl_logging
+
+from ear_jax import config as config_lib
+
+SUITES = ("main", "ablation", "hparams", "curves", "noise", "multistore", "all")
+
+_BENCHMARK = flags.DEFINE_enum("benchmark", "locomo", ["locomo", "longmemeval", "jsonl",
+                                                       "synthetic"], "Which benchmark.")
+_DATA_DIR = flags.DEFINE_string("data_dir", None,
+                                "Benchmark files (default $EAR_DATA_DIR, else ~/.cache/ear_jax/data).")
+_JSONL = flags.DEFINE_string("jsonl", None, "User JSONL memory bank (--benchmark=jsonl).")
+_ENCODER = flags.DEFINE_string("encoder", "minilm",
+                               "'minilm', a local HF checkpoint dir, or a .npy/.npz of embeddings.")
+_CACHE_DIR = flags.DEFINE_string("cache_dir", None, "Embedding cache root (default "
+                                 "$EAR_CACHE_DIR, else ~/.cache/ear_jax).")
+_LIMIT = flags.DEFINE_integer("limit", None, "Only the first N conversations / questions / "
+                              "queries (a quick slice).")
+_K = flags.DEFINE_integer("k", 20, "Candidates per query (K).", lower_bound=1)
+_METHOD = flags.DEFINE_string("method", "ear", "Method when no --suite is given: one of "
+                              f"{', '.join(config_lib.METHODS)}.")
+_SUITE = flags.DEFINE_string("suite", None, f"Suite to run: one of {', '.join(SUITES)}; unset: "
+                             "run --method only.")
+_SEEDS = flags.DEFINE_integer("seeds", 3, "Number of seeds (0..seeds-1), run together with vmap.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default runs/<benchmark>_"
+                               "<suite or method>).")
+_CHECKPOINT_EVERY = flags.DEFINE_integer(
+    "checkpoint_every", 256, "Save an Orbax checkpoint every N training queries (a multiple of "
+    "--batch_size); 0 disables checkpoints.")
+_RESUME = flags.DEFINE_bool("resume", False, "Continue the runs found in --workdir.")
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", 64, "Learning curves: evaluate the test set every "
+                                   "N training queries (a multiple of --batch_size).")
+_STOP_AFTER = flags.DEFINE_integer("stop_after_chunks", None, "Testing: stop a run after N "
+                                   "training chunks (after their checkpoint), as if killed.")
+_PROGRESS = flags.DEFINE_bool("progress", True, "Progress bars (encoding, episodes).")
+_NOISE_LEVELS = flags.DEFINE_list("noise_levels", ["0.7", "0.8", "0.9", "1.0"],
+                                  "Critic precision / recall grid of the noise suite (Fig. 5).")
+_SYN_QUERIES = flags.DEFINE_integer("synthetic_queries", 500, "Synthetic benchmark: queries.")
+_SYN_DIM = flags.DEFINE_integer("synthetic_dim", 32, "Synthetic benchmark: dimension d.")
+
+# Every switch of EARConfig (None = the method's default).
+_CONFIG_FLAGS = {
+    "loss_form": flags.DEFINE_enum("loss_form", None, list(config_lib.LOSS_FORMS),
+                                   "Eq. (10) form: flat (default) or sequential."),
+    "replay_strategy": flags.DEFINE_enum("replay_strategy", None,
+                                         list(config_lib.REPLAY_STRATEGIES),
+                                         "Eq. (15) / Table 7."),
+    "replay_unobserved": flags.DEFINE_enum("replay_unobserved", None,
+                                           list(config_lib.REPLAY_UNOBSERVED),
+                                           "Eq. (20): never-chosen items -1 or ignored."),
+    "optimizer": flags.DEFINE_enum("optimizer", None, list(config_lib.OPTIMIZERS),
+                                   "adam (default) or sgd."),
+    "adapter_rank": flags.DEFINE_integer("adapter_rank", None, "Low-rank adapter rank (unset: "
+                                         "full d x d)."),
+    "buffer_capacity": flags.DEFINE_integer("buffer_capacity", None, "Experience Buffer size C."),
+    "batch_size": flags.DEFINE_integer("batch_size", None, "Queries per optimizer step (4)."),
+    "num_rounds": flags.DEFINE_integer("num_rounds", None, "Explorer rounds T (4)."),
+    "replay_size": flags.DEFINE_integer("replay_size", None, "Replayed experiences B (4)."),
+    "slate_size": flags.DEFINE_integer("slate_size", None, "Slate size s (5)."),
+    "grad_clip_norm": flags.DEFINE_float("grad_clip_norm", None, "Global-norm clipping (off)."),
+}
+# Every continuous hyperparameter (None = the paper's value).
+_HPARAM_FLAGS = {
+    name: flags.DEFINE_float(name, None, f"HParams.{name} (default {default}).")
+    for name, default in (("lambda_rel", 0.4), ("lambda_div", 0.3), ("lambda_exp", 0.3),
+                          ("alpha", 0.5), ("baseline", 0.5), ("tau", 0.5), ("lambda_rep", 1.0),
+                          ("learning_rate", 1e-3), ("critic_precision", 0.88),
+                          ("critic_recall", 0.86))
+}
+
+
+def build_options():
+  """Validates every flag (cheaply, before any data is loaded) and returns `suites.Options`.
+
+  Raises:
+    app.UsageError: naming the offending flag.
+  """
+  from experiments import suites  # pylint: disable=g-import-not-at-top
+  from ear_jax import config as cfg  # pylint: disable=g-import-not-at-top
+  if _SEEDS.value is None or _SEEDS.value < 1:
+    raise app.UsageError(f"--seeds must be >= 1 (got --seeds={_SEEDS.value})")
+  if _SUITE.value is not None and _SUITE.value not in SUITES:
+    raise app.UsageError(f"unknown --suite={_SUITE.value!r}; expected one of {', '.join(SUITES)}")
+  if _SUITE.value is None and _METHOD.value not in cfg.METHODS:
+    raise app.UsageError(f"unknown --method={_METHOD.value!r}; expected one of "
+                         f"{', '.join(cfg.METHODS)}")
+  if _SUITE.value == "multistore" and _BENCHMARK.value == "longmemeval":
+    raise app.UsageError("--suite=multistore needs observations: use --benchmark=locomo "
+                         "(or synthetic / jsonl)")
+  bench = _BENCHMARK.value
+  if bench == "jsonl":
+    if not _JSONL.value:
+      raise app.UsageError("--benchmark=jsonl needs --jsonl=PATH")
+    if not os.path.isfile(_JSONL.value):
+      raise app.UsageError(f"--jsonl: file {_JSONL.value!r} does not exist")
+  elif bench in ("locomo", "longmemeval"):
+    from ear_jax import datasets  # pylint: disable=g-import-not-at-top
+    try:
+      datasets.find_benchmark_file(bench, _DATA_DIR.value)
+    except FileNotFoundError as e:
+      raise app.UsageError(f"--data_dir / --benchmark={bench}: {e}") from None
+  config_over = {k: f.value for k, f in _CONFIG_FLAGS.items() if f.value is not None}
+  hparam_over = {k: f.value for k, f in _HPARAM_FLAGS.items() if f.value is not None}
+  try:
+    probe = cfg.EARConfig.for_method(_METHOD.value if _SUITE.value is None else "ear",
+                                     **{"dim": max(config_over.get("adapter_rank") or 1, 8),
+                                        **config_over})
+    cfg.default_hparams(**hparam_over)
+  except ValueError as e:
+    name = next((k for k in list(config_over) + list(hparam_over) if k in str(e)), None)
+    raise app.UsageError(f"--{name}: {e}" if name else str(e)) from None
+  b = probe.batch_size
+  for flag, value in (("checkpoint_every", _CHECKPOINT_EVERY.value),
+                      ("eval_every", _EVAL_EVERY.value)):
+    if value is not None and value != 0 and (value < 0 or value % b):
+      raise app.UsageError(f"--{flag}={value} must be a positive multiple of --batch_size={b}")
+  if _EVAL_EVERY.value is not None and _EVAL_EVERY.value <= 0:
+    raise app.UsageError(f"--eval_every must be > 0 (got {_EVAL_EVERY.value})")
+  try:
+    levels = tuple(float(x) for x in _NOISE_LEVELS.value)
+  except ValueError:
+    raise app.UsageError(f"--noise_levels must be numbers, got {_NOISE_LEVELS.value}") from None
+  if any(not 0 < x <= 1 for x in levels):
+    raise app.UsageError(f"--noise_levels must lie in (0, 1], got {levels}")
+  workdir = _WORKDIR.value or os.path.join(
+      "runs", f"{bench}_{_SUITE.value or _METHOD.value}")
+  if not _RESUME.value and os.path.isdir(os.path.join(workdir, "checkpoints")) and any(
+      os.scandir(os.path.join(workdir, "checkpoints"))):
+    raise app.UsageError(f"--workdir={workdir} already holds checkpoints: pass --resume to "
+                         "continue, or choose another --workdir (nothing was overwritten)")
+  return suites.Options(
+      benchmark=bench, data_dir=_DATA_DIR.value, jsonl=_JSONL.value, encoder=_ENCODER.value,
+      cache_dir=_CACHE_DIR.value, limit=_LIMIT.value, k=_K.value, seeds=_SEEDS.value,
+      workdir=workdir, suite=_SUITE.value, method=_METHOD.value,
+      checkpoint_every=_CHECKPOINT_EVERY.value or None, resume=_RESUME.value,
+      eval_every=_EVAL_EVERY.value, stop_after_chunks=_STOP_AFTER.value,
+      progress=_PROGRESS.value, config_overrides=config_over, hparam_overrides=hparam_over,
+      synthetic_queries=_SYN_QUERIES.value, synthetic_dim=_SYN_DIM.value, noise_levels=levels,
+      command=" ".join(shlex.quote(a) for a in ["python", "-m", "experiments.run"] + sys.argv[1:]))
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  opts = build_options()
+  from experiments import suites  # pylint: disable=g-import-not-at-top
+  from ear_jax import experiment  # pylint: disable=g-import-not-at-top
+  absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save at INFO
+  logging.getLogger("ear_jax").setLevel(logging.INFO)
+  logging.getLogger("ear_jax").addHandler(_stderr_handler())
+  logging.getLogger("ear_jax").propagate = False
+  try:
+    results = suites.run(opts)
+  except experiment.Interrupted as e:
+    print(f"interrupted: {e}; resume with --resume --workdir={opts.workdir}")
+    return 3
+  print("\n\n".join(results["tables"].values()) if results["tables"] else open(
+      os.path.join(opts.workdir, "tables.md")).read())
+  print(f"\nwall time {results['wall_seconds']:.1f} s; wrote {opts.workdir}/results.json, "
+        f"tables.md, {len(results['plots'])} plots")
+  return 0
+
+
+def _stderr_handler():
+  h = logging.StreamHandler(sys.stderr)
+  h.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+  return h
+
+
+if __name__ == "__main__":
+  flags.register_validator("seeds", lambda v: v is None or v >= 1,
+                           message="--seeds must be >= 1", flag_values=flags.FLAGS)
+  app.run(main)

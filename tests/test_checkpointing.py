@@ -1,0 +1,118 @@
+"""Tests of ear_jax/checkpointing.py: bitwise kill-and-resume, restore_adapter, bad checkpoints."""
+import hashlib
+import os
+import pathlib
+
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 "
+                      "--xla_llvm_disable_expensive_passes=true")
+
+import jax
+import numpy as np
+import pytest
+
+from ear_jax import candidates
+from ear_jax import checkpointing
+from ear_jax import experiment as ex
+from ear_jax import synthetic
+from ear_jax.config import default_hparams
+
+
+@pytest.fixture(scope="module")
+def setup():
+  bench = candidates.build_benchmark(
+      synthetic.make_synthetic(seed=0, num_queries=64, num_banks=6, dim=16), k=20)
+  train, test = ex.seed_splits(bench.num_queries, [0, 1])  # 51 training queries: a padded tail
+  config = ex.build_config("ear", dim=16, num_candidates=20, buffer_capacity=64)
+  return bench, train, test, config
+
+
+def _run(setup, directory, **kw):
+  bench, train, test, config = setup
+  kw.setdefault("config", config)
+  config = kw.pop("config")
+  return ex.train_and_evaluate("ear", bench.stream, train, test, config, default_hparams(),
+                               [0, 1], eval_every=16, checkpoint_every=16,
+                               checkpointer=checkpointing.RunCheckpointer(directory), **kw)
+
+
+def _tree_hash(path):
+  h = hashlib.sha256()
+  for p in sorted(pathlib.Path(path).rglob("*")):
+    h.update(str(p).encode())
+    if p.is_file():
+      h.update(p.read_bytes())
+  return h.hexdigest()
+
+
+def _equal(a, b):
+  return all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(
+      lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)), a, b)))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(setup, tmp_path_factory):
+  d = tmp_path_factory.mktemp("full") / "ckpt"
+  return _run(setup, d), d
+
+
+def test_interrupted_then_resumed_run_is_bitwise_identical(setup, uninterrupted, tmp_path):
+  full, _ = uninterrupted
+  with pytest.raises(ex.Interrupted) as e:
+    _run(setup, tmp_path / "ckpt", stop_after_chunks=2)
+  assert e.value.position == 32
+  resumed = _run(setup, tmp_path / "ckpt", resume=True)
+  assert resumed.resumed_from == 32
+  assert _equal(full.final_state, resumed.final_state)
+  for k in full.eval:
+    np.testing.assert_array_equal(full.eval[k], resumed.eval[k])
+  assert full.curve == resumed.curve
+  for k in full.train_log:
+    np.testing.assert_array_equal(full.train_log[k], resumed.train_log[k])
+
+
+def test_restore_adapter_gives_the_final_adapter_and_rejects_another_config(setup, uninterrupted):
+  full, d = uninterrupted
+  params, config, meta = checkpointing.restore_adapter(d, seed_index=1)
+  assert config == setup[3] and meta["position"] == 51
+  np.testing.assert_array_equal(np.asarray(params.w_m), np.asarray(full.final_state.params.w_m[1]))
+  other = setup[3].__class__(**{**setup[3].__dict__, "num_rounds": 2})
+  with pytest.raises(ValueError, match="num_rounds"):
+    checkpointing.restore_adapter(d, config=other)
+
+
+def test_resume_with_another_config_is_a_clear_error_and_keeps_checkpoints(setup, uninterrupted,
+                                                                           tmp_path):
+  with pytest.raises(ex.Interrupted):
+    _run(setup, tmp_path / "c", stop_after_chunks=1)
+  before = _tree_hash(tmp_path / "c")
+  other = setup[3].__class__(**{**setup[3].__dict__, "replay_size": 2})
+  with pytest.raises(ValueError, match="replay_size"):
+    _run(setup, tmp_path / "c", resume=True, config=other)
+  assert _tree_hash(tmp_path / "c") == before
+
+
+def test_corrupted_checkpoint_is_a_clear_error_and_keeps_checkpoints(setup, tmp_path):
+  with pytest.raises(ex.Interrupted):
+    _run(setup, tmp_path / "c", stop_after_chunks=2)
+  step = tmp_path / "c" / "32" / "state"
+  data = [p for p in step.rglob("*") if p.is_file() and p.stat().st_size > 64]
+  assert data
+  for p in data:  # truncate the array data of the latest step
+    p.write_bytes(p.read_bytes()[:16])
+  before = _tree_hash(tmp_path / "c")
+  with pytest.raises(checkpointing.CheckpointError, match="left untouched"):
+    _run(setup, tmp_path / "c", resume=True)
+  assert _tree_hash(tmp_path / "c") == before
+  assert sorted(os.listdir(tmp_path / "c")) == ["16", "32"]
+
+
+def test_foreign_checkpoint_directory_is_a_clear_error_and_is_left_alone(setup, tmp_path):
+  d = tmp_path / "c" / "16"
+  d.mkdir(parents=True)
+  (d / "model.bin").write_bytes(b"not ours")
+  before = _tree_hash(tmp_path / "c")
+  with pytest.raises(checkpointing.CheckpointError, match="not an ear_jax run checkpoint"):
+    _run(setup, tmp_path / "c", resume=True)
+  assert _tree_hash(tmp_path / "c") == before
+  with pytest.raises(checkpointing.CheckpointError):
+    checkpointing.restore_adapter(tmp_path / "c")
