@@ -1,4 +1,4 @@
-from ear_jax.memory import Memory
+from ear_jax import Memory
 memory = Memory()  # frozen all-MiniLM-L6-v2 encoder + identity adapter; EAR defaults (K=20, T=4, batch 4)
 memory.add(["Alice: I adopted a cat named Luna.", "Bob: I started learning the violin.",
             "Alice: Luna sleeps on my keyboard.", "Bob: My sister lives in Lisbon.",

@@ -6,6 +6,7 @@ equations each function implements.
 """
 from ear_jax.adapter import (AdapterParams, adapt_memories, adapt_queries, adapter_scores,
                              init_adapter, relevance_log_probs, relevance_logits, safe_normalize)
+from ear_jax.checkpointing import CheckpointError, restore_adapter
 from ear_jax.buffer import ReplayBuffer, init_buffer, push_experiences, select_replay
 from ear_jax.config import (METHODS, EARConfig, HParams, default_hparams, stack_hparams)
 from ear_jax.critic import false_positive_rate, oracle_critic, simulated_critic
@@ -22,12 +23,15 @@ from ear_jax.llm_critic import (CriticResult, LLMCritic, LLMCriticConfig, build_
                                 labels_from_citations, parse_citations)
 from ear_jax.losses import (aggregate_feedback, combined_loss, gumbel_top_s, ranking_loss,
                             replay_loss, replay_rewards, slate_log_probs)
+from ear_jax.memory import Memory, Retrieval, llm_feedback, run_critic_episode
 from ear_jax.metrics import masked_mean, slate_hit, slate_recall
 from ear_jax.stream import Stream, concat_streams, make_stream
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError", "Memory", "Retrieval", "llm_feedback", "restore_adapter",
+    "run_critic_episode",
     "AdapterParams", "BanditStats", "CriticResult", "EARConfig", "EvalResult", "ExplorerOutput",
     "HParams", "LLMCritic", "LLMCriticConfig", "LearnerState", "METHODS", "QueryRecord",
     "ReplayBuffer", "Stream", "adapt_memories", "adapt_queries", "adapter_only_slate",
