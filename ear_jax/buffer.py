@@ -7,6 +7,8 @@ adapter (Alg. 3: the adapter is re-applied at replay time). When full, the oldes
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import chex
 import flax
 import jax
@@ -104,3 +106,55 @@ def select_replay(key: jax.Array, buffer: ReplayBuffer, query: jax.Array, replay
     raise ValueError(f"unknown replay_strategy={strategy!r}")
   vals, idx = jax.lax.top_k(jnp.where(buffer.valid, score, -jnp.inf), replay_size)
   return idx.astype(jnp.int32), vals > -jnp.inf
+
+
+class Experiences(NamedTuple):
+  """Experiences gathered from the buffer (leading axes `[...]` = the shape of the indices)."""
+  queries: jax.Array  # [..., d] float32, pre-adapter query embeddings
+  candidates: jax.Array  # [..., K, d] float32, pre-adapter candidate embeddings
+  mask: jax.Array  # [..., K] bool, valid candidates
+  observed: jax.Array  # [..., K] bool, candidates that received feedback
+  ybar: jax.Array  # [..., K] float32, mean labels (Eq. (12))
+  valid: jax.Array  # [...] bool, slot held an experience
+
+
+def gather_experiences(buffer: ReplayBuffer, indices: jax.Array) -> Experiences:
+  """The experiences in slots `indices` (any shape `[...]`, values in `[0, C)`).
+
+  Args:
+    buffer: the buffer.
+    indices: `[...]` int32 slots (e.g. `[b, B]` for a batch's replay, Eq. (15)).
+
+  Returns:
+    `Experiences` with leading axes `[...]`.
+  """
+  return Experiences(queries=buffer.queries[indices], candidates=buffer.candidates[indices],
+                     mask=buffer.mask[indices], observed=buffer.observed[indices],
+                     ybar=buffer.ybar[indices], valid=buffer.valid[indices])
+
+
+def after_reads(buffer: ReplayBuffer, indices: jax.Array,
+                experiences: Experiences) -> ReplayBuffer:
+  """The buffer with `experiences` (gathered at `indices`) written back to where they came from.
+
+  The values do not change. The write makes every later write (`push_experiences`) depend on the
+  reads, so inside a jitted loop XLA updates the `[C, K, d]` buffer in place instead of copying it
+  on every step (it copies when a read and a later write of the same buffer are not ordered by a
+  data dependence). Pass the indices that decided the reads (e.g. the `select_replay` output, which
+  already depends on the full reads of `queries` and `valid`).
+
+  Args:
+    buffer: the buffer the experiences were gathered from.
+    indices: `[...]` int32 slots passed to `gather_experiences`.
+    experiences: its output.
+
+  Returns:
+    A buffer equal to `buffer`.
+  """
+  idx = indices.reshape(-1)
+  put = lambda dst, src: dst.at[idx].set(src.reshape((idx.shape[0],) + dst.shape[1:]))
+  return buffer.replace(
+      queries=put(buffer.queries, experiences.queries),
+      candidates=put(buffer.candidates, experiences.candidates),
+      mask=put(buffer.mask, experiences.mask), observed=put(buffer.observed, experiences.observed),
+      ybar=put(buffer.ybar, experiences.ybar), valid=put(buffer.valid, experiences.valid))

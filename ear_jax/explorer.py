@@ -17,6 +17,10 @@ import jax.numpy as jnp
 
 from ear_jax.config import HParams
 
+# The s picks and T rounds are short static loops: unrolled, XLA fuses them (no while-loop
+# overhead per pick on CPU; about 15-20 % of an EAR training step at d = 384, BUILD_NOTES issue 5).
+_UNROLL = True
+
 # A critic maps (key, slate_gold [s] bool, slate_mask [s] bool, hparams) -> labels [s] in {-1, +1}.
 Critic = Callable[[jax.Array, jax.Array, jax.Array, HParams], jax.Array]
 # The Explorer's feedback callback: (key, slate [s] int32, slate_mask [s] bool) -> labels [s].
@@ -108,7 +112,7 @@ def greedy_slate(relevance: jax.Array, ucb: jax.Array, gram: jax.Array, where: j
     return (chosen, max_sim), (jnp.where(ok, idx, -1), ok)
 
   init = (jnp.zeros((num_k,), bool), jnp.full((num_k,), -jnp.inf, relevance.dtype))
-  _, (slate, slate_mask) = jax.lax.scan(pick, init, None, length=slate_size)
+  _, (slate, slate_mask) = jax.lax.scan(pick, init, None, length=slate_size, unroll=_UNROLL)
   return slate, slate_mask
 
 
@@ -183,7 +187,8 @@ def explore(key: jax.Array, relevance: jax.Array, gram: jax.Array, where: jax.Ar
     return update_bandit(stats, slate, slate_mask, labels), (slate, slate_mask, labels)
 
   stats, (slates, masks, labels) = jax.lax.scan(
-      round_fn, init_bandit(relevance.shape[0]), jax.random.split(key, num_rounds))
+      round_fn, init_bandit(relevance.shape[0]), jax.random.split(key, num_rounds),
+      unroll=_UNROLL)
   return ExplorerOutput(slates=slates, slate_mask=masks, labels=labels.astype(jnp.float32),
                         stats=stats)
 

@@ -143,23 +143,40 @@ def experience_replay_loss(key: jax.Array, params: adapter_lib.AdapterParams,
   Returns:
     `(loss [], num_replayed [] int32)`.
   """
+  return _replay_loss_on(params, _prepare_replay(key, buffer, query, config), config, hparams)
+
+
+class _Replay(NamedTuple):
+  """The replay of one query, selected and gathered before the loss (so outside the gradient)."""
+  key: jax.Array  # PRNG key of the replay slates (Eq. (19)), split into one key per experience
+  indices: jax.Array  # [B] int32 buffer slots (Eq. (15))
+  mask: jax.Array  # [B] bool, slots holding an experience
+  experiences: buffer_lib.Experiences  # [B, ...] the gathered experiences
+
+
+def _prepare_replay(key, buffer, query, config) -> _Replay:
+  """Selects (Eq. (15)) and gathers the B experiences of one query; the key is consumed."""
   k_select, k_gumbel = jax.random.split(key)
   idx, replay_mask = buffer_lib.select_replay(k_select, buffer, query, config.replay_size,
                                               config.replay_strategy)
+  return _Replay(key=k_gumbel, indices=idx, mask=replay_mask,
+                 experiences=buffer_lib.gather_experiences(buffer, idx))
 
-  def one(k, i):
-    mask = buffer.mask[i]
-    z = adapter_lib.adapter_scores(params, buffer.queries[i], buffer.candidates[i])
-    slate, slate_mask = losses.gumbel_top_s(k, z, mask, hparams.tau, config.slate_size)
-    rewards, counts = losses.replay_rewards(buffer.ybar[i], buffer.observed[i],
-                                            config.replay_unobserved)
+
+def _replay_loss_on(params, replay: _Replay, config, hparams):
+  """Eq. (16), (19)-(20) on gathered experiences: `(loss [], num_replayed [] int32)`."""
+
+  def one(k, e):
+    z = adapter_lib.adapter_scores(params, e.queries, e.candidates)
+    slate, slate_mask = losses.gumbel_top_s(k, z, e.mask, hparams.tau, config.slate_size)
+    rewards, counts = losses.replay_rewards(e.ybar, e.observed, config.replay_unobserved)
     r = explorer_lib.gather_slate(rewards, slate, slate_mask, -1.0)
     c = explorer_lib.gather_slate(counts, slate, slate_mask, False)
-    return losses.ranking_loss(z, mask, slate[None], slate_mask[None], r[None], hparams.baseline,
-                               config.loss_form, count_mask=c[None])
+    return losses.ranking_loss(z, e.mask, slate[None], slate_mask[None], r[None],
+                               hparams.baseline, config.loss_form, count_mask=c[None])
 
-  per_exp = jax.vmap(one)(jax.random.split(k_gumbel, config.replay_size), idx)
-  return losses.replay_loss(per_exp, replay_mask), jnp.sum(replay_mask).astype(jnp.int32)
+  per_exp = jax.vmap(one)(jax.random.split(replay.key, config.replay_size), replay.experiences)
+  return losses.replay_loss(per_exp, replay.mask), jnp.sum(replay.mask).astype(jnp.int32)
 
 
 def feedback_loss(params: adapter_lib.AdapterParams, key: jax.Array, query: jax.Array,
@@ -187,19 +204,27 @@ def feedback_loss(params: adapter_lib.AdapterParams, key: jax.Array, query: jax.
   Returns:
     `(loss [], (record: QueryRecord, observed [K] bool, ybar [K] float32))`.
   """
+  replay = _prepare_replay(key, buffer, query, config) if config.use_replay else None
+  return _feedback_loss_core(params, replay, query, candidates, where, slates, slate_mask, labels,
+                             config, hparams)
+
+
+def _feedback_loss_core(params, replay, query, candidates, where, slates, slate_mask, labels,
+                        config, hparams):
+  """`feedback_loss` with the replay already gathered (`replay` is None without replay)."""
   z = adapter_lib.adapter_scores(params, query, candidates)
-  return _feedback_loss_from_logits(params, key, query, z, where, slates, slate_mask, labels,
-                                    buffer, config, hparams)
+  return _feedback_loss_from_logits(params, replay, z, where, slates, slate_mask, labels, config,
+                                    hparams)
 
 
-def _feedback_loss_from_logits(params, key, query, z, where, slates, slate_mask, labels, buffer,
-                               config, hparams):
+def _feedback_loss_from_logits(params, replay, z, where, slates, slate_mask, labels, config,
+                               hparams):
   loss_logits = z / hparams.tau if config.loss_on_tempered_logits else z
   loss_cur = losses.ranking_loss(loss_logits, where, slates, slate_mask, labels, hparams.baseline,
                                  config.loss_form)
   observed, ybar = losses.aggregate_feedback(slates, slate_mask, labels, config.num_candidates)
   if config.use_replay:
-    loss_rep, num_replayed = experience_replay_loss(key, params, buffer, query, config, hparams)
+    loss_rep, num_replayed = _replay_loss_on(params, replay, config, hparams)
   else:
     loss_rep, num_replayed = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
   loss = losses.combined_loss(loss_cur, loss_rep, hparams.lambda_rep)
@@ -233,6 +258,14 @@ def query_loss(params: adapter_lib.AdapterParams, key: jax.Array, query: jax.Arr
     `(loss [], (record: QueryRecord, observed [K] bool, ybar [K] float32))`.
   """
   k_train, k_replay = jax.random.split(key)
+  replay = _prepare_replay(k_replay, buffer, query, config) if config.use_replay else None
+  return _query_loss_core(params, k_train, replay, query, candidates, where, gold, config, hparams,
+                          critic)
+
+
+def _query_loss_core(params, k_train, replay, query, candidates, where, gold, config, hparams,
+                     critic):
+  """`query_loss` with the replay already gathered (`replay` is None without replay)."""
   q_t = adapter_lib.adapt_queries(params, query)
   m_t = adapter_lib.adapt_memories(params, candidates)
   z = adapter_lib.relevance_logits(q_t, m_t)
@@ -243,17 +276,29 @@ def query_loss(params: adapter_lib.AdapterParams, key: jax.Array, query: jax.Arr
 
   slates, slate_mask, labels = training_slates(k_train, z, lambda: m_t @ m_t.T, where, feedback,
                                                config, hparams)
-  return _feedback_loss_from_logits(params, k_replay, query, z, where, slates, slate_mask, labels,
-                                    buffer, config, hparams)
+  return _feedback_loss_from_logits(params, replay, z, where, slates, slate_mask, labels, config,
+                                    hparams)
 
 
-def _step(state, batch_loss, batch, where, config, hparams):
+def _batch_replay(keys, buffer, queries, config):
+  """The batch's replays, gathered once before the gradient: `(replay [b, ...], buffer)`.
+
+  The returned buffer equals `buffer`; pushing into it (rather than into `buffer`) orders the push
+  after the gathers, so the `[C, K, d]` buffer is updated in place (see `buffer.after_reads`).
+  """
+  if not config.use_replay:
+    return None, buffer
+  replay = jax.vmap(_prepare_replay, in_axes=(0, None, 0, None))(keys, buffer, queries, config)
+  return replay, buffer_lib.after_reads(buffer, replay.indices, replay.experiences)
+
+
+def _step(state, batch_loss, batch, where, config, hparams, buffer):
   """Gradient of the batch-mean loss, one optimizer step, then the batch's experiences pushed."""
   grads, (records, observed, ybar) = jax.grad(batch_loss, has_aux=True)(state.params)
   new_state = apply_gradients(state, grads, config, hparams)
   num = jnp.sum(where).astype(jnp.int32)
   new_state = new_state.replace(
-      buffer=buffer_lib.push_experiences(state.buffer, batch.queries, batch.candidates,
+      buffer=buffer_lib.push_experiences(buffer, batch.queries, batch.candidates,
                                          batch.mask, observed, ybar, where),
       queries_seen=state.queries_seen + num,
       critic_calls=state.critic_calls + jnp.sum(
@@ -282,13 +327,18 @@ def train_batch(state: LearnerState, keys: jax.Array, batch: Stream, where: jax.
   Returns:
     `(new_state, records)` with `QueryRecord` fields stacked to `[b, ...]`.
   """
+  # The same computation as `jax.vmap(query_loss)`, with the replay gathered once per batch.
+  k_train, k_replay = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
+  replay, buffer = _batch_replay(k_replay, state.buffer, batch.queries, config)
+
   def batch_loss(params):
-    loss, aux = jax.vmap(query_loss, in_axes=(None, 0, 0, 0, 0, 0, None, None, None, None))(
-        params, keys, batch.queries, batch.candidates, batch.mask, batch.gold, state.buffer,
-        config, hparams, critic)
+    loss, aux = jax.vmap(_query_loss_core,
+                         in_axes=(None, 0, 0, 0, 0, 0, 0, None, None, None))(
+        params, k_train, replay, batch.queries, batch.candidates, batch.mask, batch.gold, config,
+        hparams, critic)
     return _masked_batch_mean(loss, where), aux
 
-  return _step(state, batch_loss, batch, where, config, hparams)
+  return _step(state, batch_loss, batch, where, config, hparams, buffer)
 
 
 def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
@@ -311,14 +361,17 @@ def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
   Returns:
     `(new_state, records)` as in `train_batch`.
   """
+  # The same computation as `jax.vmap(feedback_loss)`, with the replay gathered once per batch.
+  replay, buffer = _batch_replay(keys, state.buffer, batch.queries, config)
+
   def batch_loss(params):
-    loss, aux = jax.vmap(feedback_loss,
-                         in_axes=(None, 0, 0, 0, 0, 0, 0, 0, None, None, None))(
-        params, keys, batch.queries, batch.candidates, batch.mask, slates, slate_mask, labels,
-        state.buffer, config, hparams)
+    loss, aux = jax.vmap(_feedback_loss_core,
+                         in_axes=(None, 0, 0, 0, 0, 0, 0, 0, None, None))(
+        params, replay, batch.queries, batch.candidates, batch.mask, slates, slate_mask, labels,
+        config, hparams)
     return _masked_batch_mean(loss, where), aux
 
-  return _step(state, batch_loss, batch, where, config, hparams)
+  return _step(state, batch_loss, batch, where, config, hparams, buffer)
 
 
 def _pad_to_batches(tree, n: int, batch_size: int):

@@ -244,13 +244,14 @@ def numpy_train_batch(state, batch, randoms: List[Randoms], config, hp):
   """One EAR (or RL-update) step on a batch: mean gradient, one Adam/SGD step, push experiences.
 
   Args:
-    state: dict from `init_numpy_state` (updated copy returned).
+    state: dict from `init_numpy_state`. A new dict is returned; its buffer arrays are the caller's,
+      updated in place (as a real ring buffer would be), the weights and Adam moments are new.
     batch: dict of numpy arrays `queries [b,d]`, `candidates [b,K,d]`, `mask [b,K]`, `gold [b,K]`.
     randoms: one `Randoms` per query of the batch.
     config: an `EARConfig` (read as plain attributes).
     hp: dict of hyperparameters (floats).
   """
-  state = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in state.items()}
+  state = dict(state)  # the weights are rebound below; the buffer arrays are written in place
   outs = [_query(state, batch["queries"][i], batch["candidates"][i], batch["mask"][i],
                  batch["gold"][i], randoms[i], config, hp) for i in range(len(randoms))]
   gwq = sum(o["gwq"] for o in outs) / len(outs)

@@ -1,0 +1,170 @@
+"""Sweeps sharded over devices: the run axis (seeds / hyperparameter settings) split across a `Mesh`.
+
+Symbols: `R` runs (seeds x settings), `D` devices, `N` training queries.
+
+A sweep is `jax.vmap(run_episode)` over a leading run axis of keys and (optionally) `HParams`. Here
+that axis is split over every device of a 1-D `Mesh` (axis name `'runs'`) with `jax.shard_map`:
+each device runs `R / D` episodes with `vmap`, the stream is replicated, nothing is communicated.
+The same call uses 1 CPU, 8 GPUs or a TPU slice; across hosts, call `initialize_distributed` first
+(every process then builds the same global arrays and runs the same program). `R` is padded to a
+multiple of `D` by repeating the last run; the padding is dropped from the result.
+
+On CPU, `XLA_FLAGS=--xla_force_host_platform_device_count=4` (set before JAX starts) gives four
+devices, which is how `tests/test_sharding.py` checks that sharded results equal unsharded ones.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ear_jax import learner
+from ear_jax.config import EARConfig, HParams
+from ear_jax.critic import simulated_critic
+from ear_jax.explorer import Critic
+from ear_jax.stream import Stream
+
+RUN_AXIS = "runs"
+
+# Environment variables read by `initialize_distributed` when no argument is given.
+ENV_COORDINATOR = "EAR_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "EAR_NUM_PROCESSES"
+ENV_PROCESS_ID = "EAR_PROCESS_ID"
+
+
+def initialize_distributed(coordinator_address: Optional[str] = None,
+                           num_processes: Optional[int] = None,
+                           process_id: Optional[int] = None) -> bool:
+  """Calls `jax.distributed.initialize` when a multi-host run is asked for; else does nothing.
+
+  Asked for = a coordinator address is passed, or set in `$EAR_COORDINATOR_ADDRESS` (then
+  `$EAR_NUM_PROCESSES` and `$EAR_PROCESS_ID` give the other two unless passed). Must be called
+  before any other JAX call. On clusters that JAX detects itself (SLURM, TPU pods) pass
+  `coordinator_address='auto'` to let `jax.distributed.initialize()` find everything.
+
+  Args:
+    coordinator_address: `host:port` of process 0, `'auto'`, or None (read the environment).
+    num_processes: total processes (None: environment or auto-detection).
+    process_id: this process's index (None: environment or auto-detection).
+
+  Returns:
+    True when `jax.distributed.initialize` was called.
+  """
+  address = coordinator_address or os.environ.get(ENV_COORDINATOR)
+  if not address:
+    return False
+  if num_processes is None and os.environ.get(ENV_NUM_PROCESSES):
+    num_processes = int(os.environ[ENV_NUM_PROCESSES])
+  if process_id is None and os.environ.get(ENV_PROCESS_ID):
+    process_id = int(os.environ[ENV_PROCESS_ID])
+  if address == "auto":
+    jax.distributed.initialize()
+  else:
+    jax.distributed.initialize(coordinator_address=address, num_processes=num_processes,
+                               process_id=process_id)
+  return True
+
+
+def run_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """A 1-D `Mesh` with axis `'runs'` over `devices` (default: every device of every process)."""
+  devices = jax.devices() if devices is None else list(devices)
+  return Mesh(np.asarray(devices), (RUN_AXIS,))
+
+
+def _global_array(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """A global array from a host array that every process holds in full (works multi-host)."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def _pad_runs(tree, num_runs: int, padded: int):
+  idx = np.minimum(np.arange(padded), num_runs - 1)
+  return jax.tree_util.tree_map(lambda x: np.asarray(x)[idx], tree)
+
+
+def sharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hparams: HParams,
+                     critic: Critic = simulated_critic, *, mesh: Optional[Mesh] = None,
+                     hparams_batched: bool = False):
+  """`jax.vmap(run_episode)` over `R` runs, the run axis split over the devices of `mesh`.
+
+  Equals `jax.vmap(learner.run_episode, in_axes=(0, None, None, 0 or None))(...)` (the same
+  numbers up to float reassociation in batched matmuls), but each device runs `R / D` of the runs.
+
+  Args:
+    keys: `[R, 2]` uint32 PRNG keys, one per run (e.g. `jax.random.split(key, R)` or
+      `jax.vmap(jax.random.PRNGKey)(seeds)`); each is consumed.
+    stream: `N` training queries (replicated on every device).
+    config: static config.
+    hparams: `HParams` shared by all runs, or with a leading `[R]` axis on every leaf when
+      `hparams_batched` (a hyperparameter sweep; build it with `config.stack_hparams`).
+    critic: the critic (static).
+    mesh: a 1-D mesh with axis `'runs'` (default: `run_mesh()`, all devices).
+    hparams_batched: whether `hparams` has the leading run axis.
+
+  Returns:
+    `(LearnerState, records)` with a leading `[R]` axis on every leaf, as host-fetchable global
+    arrays (use `gather_to_host` in multi-host runs).
+  """
+  mesh = run_mesh() if mesh is None else mesh
+  keys = np.asarray(keys)
+  if keys.ndim != 2:
+    raise ValueError(f"keys must be [R, 2] raw uint32 PRNG keys, got shape {keys.shape}")
+  num_runs, num_dev = keys.shape[0], mesh.devices.size
+  padded = -(-num_runs // num_dev) * num_dev
+  run_sharding = NamedSharding(mesh, P(RUN_AXIS))
+  replicated = NamedSharding(mesh, P())
+  keys_g = _global_array(_pad_runs(keys, num_runs, padded), run_sharding)
+  if hparams_batched:
+    hp_host = _pad_runs(hparams, num_runs, padded)
+    hp_g = jax.tree_util.tree_map(lambda x: _global_array(x, run_sharding), hp_host)
+  else:
+    hp_g = jax.tree_util.tree_map(lambda x: _global_array(np.asarray(x), replicated), hparams)
+  stream_g = jax.tree_util.tree_map(lambda x: _global_array(np.asarray(x), replicated), stream)
+  fn = _sharded_fn(mesh, config, critic, hparams_batched)
+  state, records = fn(keys_g, stream_g, hp_g)
+  if padded != num_runs:
+    state, records = jax.tree_util.tree_map(lambda x: x[:num_runs], (state, records))
+  return state, records
+
+
+def _vmapped_episodes(keys, stream, config, hparams, critic, hparams_batched):
+  return jax.vmap(learner.run_episode, in_axes=(0, None, None, 0 if hparams_batched else None,
+                                                None))(keys, stream, config, hparams, critic)
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_fn(mesh: Mesh, config: EARConfig, critic: Critic, hparams_batched: bool):
+  """The jitted `shard_map(vmap(run_episode))` for one (mesh, config, critic), built once."""
+  hp_spec = P(RUN_AXIS) if hparams_batched else P()
+
+  def per_device(keys, stream, hparams):
+    return _vmapped_episodes(keys, stream, config, hparams, critic, hparams_batched)
+
+  # check_vma=False: the runs never communicate, so each device simply holds its own runs (the
+  # zero-initialised scan carries are not marked as varying over the mesh axis).
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(RUN_AXIS), P(), hp_spec),
+                               out_specs=P(RUN_AXIS), check_vma=False))
+
+
+def gather_to_host(tree):
+  """Host numpy copies of a tree of (possibly multi-host) global arrays."""
+  if jax.process_count() == 1:
+    return jax.tree_util.tree_map(np.asarray, tree)
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def unsharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hparams: HParams,
+                       critic: Critic = simulated_critic, *, hparams_batched: bool = False):
+  """The reference: `jax.vmap(run_episode)` over the runs on the default device (one call)."""
+  return _vmapped_episodes_jit(jnp.asarray(keys), stream, config, hparams, critic,
+                              hparams_batched)
+
+
+_vmapped_episodes_jit = jax.jit(_vmapped_episodes,
+                                static_argnames=("config", "critic", "hparams_batched"))
