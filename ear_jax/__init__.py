@@ -6,6 +6,13 @@ equations each function implements.
 """
 from ear_jax.adapter import (AdapterParams, adapt_memories, adapt_queries, adapter_scores,
                              init_adapter, relevance_log_probs, relevance_logits, safe_normalize)
+from ear_jax.candidates import (Benchmark, build_benchmark, embed_corpus, load_benchmark,
+                                retriever_report, top_k_candidates)
+from ear_jax.datasets import (load_corpus, load_jsonl, load_locomo, load_longmemeval,
+                              normalize_evidence, split_indices)
+from ear_jax.encoders import encode, load_encoder
+from ear_jax.sharding import initialize_distributed, run_mesh, sharded_episodes
+from ear_jax.synthetic import make_synthetic
 from ear_jax.checkpointing import CheckpointError, restore_adapter
 from ear_jax.buffer import ReplayBuffer, init_buffer, push_experiences, select_replay
 from ear_jax.config import (METHODS, EARConfig, HParams, default_hparams, stack_hparams)
@@ -30,6 +37,10 @@ from ear_jax.stream import Stream, concat_streams, make_stream
 __version__ = "0.1.0"
 
 __all__ = [
+    "Benchmark", "build_benchmark", "embed_corpus", "load_benchmark", "retriever_report",
+    "top_k_candidates", "load_corpus", "load_jsonl", "load_locomo", "load_longmemeval",
+    "normalize_evidence", "split_indices", "encode", "load_encoder", "initialize_distributed",
+    "run_mesh", "sharded_episodes", "make_synthetic",
     "CheckpointError", "Memory", "Retrieval", "llm_feedback", "restore_adapter",
     "run_critic_episode",
     "AdapterParams", "BanditStats", "CriticResult", "EARConfig", "EvalResult", "ExplorerOutput",

@@ -1,0 +1,328 @@
+"""Candidate sets (Eq. (1)): per query, the top-K memories of its own bank by cosine, as a `Stream`.
+
+Symbols: `N` queries, `K` candidates per query, `M` memories in a bank, `d` embedding dimension.
+
+`top_k_candidates` scores queries against one bank in fixed-size, jitted batches (banks padded to a
+power of two so only a few shapes compile) and returns candidate indices in rank order, padded to K
+with `-1` and a mask when the bank has fewer than K memories. `build_benchmark` does this for every
+bank of a `datasets.Corpus` and assembles a `Benchmark` (the stream plus ids, texts, stores,
+categories and statistics). The multi-store variant (Section 5) takes the top-K/2 dialogue turns and
+the top-K/2 observations separately, then orders the K by cosine; an observation is gold when a
+dialogue id it references is gold. Gold memories outside the top-K stay gold (`num_gold`).
+
+`load_benchmark(name, ...)` is the one entry point: load -> encode (with cache) -> candidates.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ear_jax import datasets
+from ear_jax import stream as stream_lib
+
+DEFAULT_K = 20
+_QUERY_BATCH = 64
+
+
+@dataclasses.dataclass
+class Benchmark:
+  """Everything an EAR run needs about one benchmark. All arrays are numpy, query order = file order.
+
+  Attributes:
+    name: 'locomo' | 'longmemeval' | 'jsonl' | 'synthetic'.
+    stream: the `Stream` of all evaluable queries.
+    query_ids: `[N]` query ids.
+    query_texts: `[N]` query texts ('' for synthetic).
+    categories: `[N]` str, LoCoMo category name / LongMemEval question_type / JSONL category.
+    candidate_ids: `[N, K]` str memory ids ('' = padding).
+    candidate_texts: `[N, K]` str memory texts ('' = padding or synthetic).
+    candidate_store: `[N, K]` int8, 0 = dialogue/episodic, 1 = observation/semantic (0 on padding).
+    candidate_scores: `[N, K]` float32 frozen cosine (-inf on padding); candidates are in rank order.
+    group: `[N]` int32 index of the query's bank (conversation / question).
+    num_gold_store: `[N, 2]` int32 gold memories of the query per store in its whole bank.
+    stats: counts, dropped evidence, exclusions, encoding statistics, Recall@K ceiling, ...
+  """
+  name: str
+  stream: stream_lib.Stream
+  query_ids: list[str]
+  query_texts: list[str]
+  categories: np.ndarray
+  candidate_ids: np.ndarray
+  candidate_texts: np.ndarray
+  candidate_store: np.ndarray
+  candidate_scores: np.ndarray
+  group: np.ndarray
+  num_gold_store: np.ndarray
+  stats: dict[str, Any]
+
+  @property
+  def num_queries(self) -> int:
+    return self.stream.num_queries
+
+  def take(self, index) -> "Benchmark":
+    """The benchmark restricted to queries `index` (an integer index array), e.g. a split."""
+    index = np.asarray(index)
+    return dataclasses.replace(
+        self, stream=self.stream.take(index),
+        query_ids=[self.query_ids[i] for i in index], query_texts=[self.query_texts[i] for i in index],
+        categories=self.categories[index], candidate_ids=self.candidate_ids[index],
+        candidate_texts=self.candidate_texts[index], candidate_store=self.candidate_store[index],
+        candidate_scores=self.candidate_scores[index], group=self.group[index],
+        num_gold_store=self.num_gold_store[index])
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def _score_top_k(queries, bank, valid, *, k):
+  """`[Q, d]` x `[Mp, d]` -> top-k (scores `[Q, k]`, indices `[Q, k]`); invalid memories are -inf."""
+  scores = queries @ bank.T
+  scores = jnp.where(valid[None, :], scores, -jnp.inf)
+  return jax.lax.top_k(scores, k)
+
+
+def top_k_candidates(queries: np.ndarray, bank: np.ndarray, k: int, valid: np.ndarray | None = None,
+                     batch_size: int = _QUERY_BATCH) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Top-`k` memories of one bank by cosine for each query (ties: lower index first).
+
+  Args:
+    queries: `[Nq, d]` unit query embeddings.
+    bank: `[M, d]` unit memory embeddings.
+    k: K, the number of candidates.
+    valid: optional `[M]` bool, memories that may be chosen (e.g. one store).
+    batch_size: queries per jitted call (the last batch is padded).
+
+  Returns:
+    (`index` `[Nq, K]` int32 memory indices, -1 on padding; `scores` `[Nq, K]` float32, -inf on
+    padding; `mask` `[Nq, K]` bool, True on real candidates), in decreasing score order.
+  """
+  queries = np.asarray(queries, np.float32)
+  bank = np.asarray(bank, np.float32)
+  nq, m = queries.shape[0], bank.shape[0]
+  valid = np.ones(m, bool) if valid is None else np.asarray(valid, bool)
+  mp = max(k, 1 << max(0, int(np.ceil(np.log2(max(m, 1))))))
+  bank_p = np.zeros((mp, bank.shape[1]), np.float32)
+  bank_p[:m] = bank
+  valid_p = np.zeros(mp, bool)
+  valid_p[:m] = valid
+  idx = np.full((nq, k), -1, np.int32)
+  sc = np.full((nq, k), -np.inf, np.float32)
+  for s in range(0, nq, batch_size):
+    qb = np.zeros((batch_size, queries.shape[1]), np.float32)
+    n = min(batch_size, nq - s)
+    qb[:n] = queries[s:s + n]
+    v, i = _score_top_k(jnp.asarray(qb), jnp.asarray(bank_p), jnp.asarray(valid_p), k=k)
+    sc[s:s + n] = np.asarray(v)[:n]
+    idx[s:s + n] = np.asarray(i)[:n]
+  mask = np.isfinite(sc)
+  idx = np.where(mask, idx, -1)
+  return idx, sc, mask
+
+
+@dataclasses.dataclass
+class EmbeddedCorpus:
+  """A corpus with embeddings: `bank_embeddings[g]` `[M_g, d]`, `query_embeddings` `[N, d]`."""
+  corpus: datasets.Corpus
+  bank_embeddings: list[np.ndarray]
+  query_embeddings: np.ndarray
+
+
+def embed_corpus(corpus: datasets.Corpus, encoder="minilm", *, cache_dir=None, progress=True,
+                 multistore: bool = False) -> tuple[EmbeddedCorpus, dict]:
+  """Encodes every query and the memories (of the stores used) of every queried bank, once.
+
+  Identical texts are encoded once and the on-disk cache is used (`ear_jax.encoders.encode`).
+  Banks that no evaluable query searches (e.g. LongMemEval `_abs` questions) are left as zeros.
+
+  Returns:
+    (`EmbeddedCorpus`, encoding statistics).
+  """
+  from ear_jax import encoders  # pylint: disable=g-import-not-at-top
+  enc = encoders.load_encoder(encoder)
+  queried = {q.group for q in corpus.queries}  # banks without an evaluable query are not encoded
+  used = [np.zeros(len(b), bool) if g not in queried else
+          np.ones(len(b), bool) if multistore else b.stores == datasets.STORE_DIALOGUE
+          for g, b in enumerate(corpus.banks)]
+  texts = [q.text for q in corpus.queries]
+  offsets = [len(texts)]
+  for b, u in zip(corpus.banks, used):
+    texts.extend(t for t, keep in zip(b.texts, u) if keep)
+    offsets.append(len(texts))
+  st = encoders.EncodeStats()
+  t0 = time.perf_counter()
+  emb = encoders.encode(enc, texts, cache_dir=cache_dir, progress=progress, stats=st)
+  bank_emb = []
+  for g, (b, u) in enumerate(zip(corpus.banks, used)):
+    full = np.zeros((len(b), enc.dim), np.float32)
+    full[u] = emb[offsets[g]:offsets[g + 1]]
+    bank_emb.append(full)
+  info = {"encoder": getattr(enc, "name", str(encoder)), "encoder_identity": enc.identity_hash[:16],
+          "max_length": getattr(enc, "max_length", None), "dim": enc.dim,
+          "encode_wall_seconds": round(time.perf_counter() - t0, 2), **st.as_dict()}
+  info["seconds"] = round(info["seconds"], 2)
+  return EmbeddedCorpus(corpus, bank_emb, emb[:offsets[0]]), info
+
+
+def build_benchmark(ec: EmbeddedCorpus, *, k: int = DEFAULT_K, multistore: bool = False) -> Benchmark:
+  """Top-K candidates, gold masks and the `Stream` for every evaluable query of an embedded corpus.
+
+  Single-store: candidates from the dialogue store (store 0) only. Multi-store: top-K/2 from each
+  store, merged in score order. Queries with no gold memory among the stores used are excluded and
+  counted in `stats['queries_without_gold_in_stores_excluded']`.
+  """
+  corpus = ec.corpus
+  if multistore and k % 2:
+    raise ValueError(f"multi-store candidates need an even K, got {k}")
+  d = ec.query_embeddings.shape[1] if ec.query_embeddings.size else (
+      ec.bank_embeddings[0].shape[1] if ec.bank_embeddings else 0)
+  by_group = collections.defaultdict(list)
+  for n, q in enumerate(corpus.queries):
+    by_group[q.group].append(n)
+  nq = len(corpus.queries)
+  index = np.full((nq, k), -1, np.int32)
+  scores = np.full((nq, k), -np.inf, np.float32)
+  gold = np.zeros((nq, k), bool)
+  num_gold_store = np.zeros((nq, 2), np.int32)
+  for g, rows in by_group.items():
+    bank = corpus.banks[g]
+    b_emb = ec.bank_embeddings[g]
+    q_emb = ec.query_embeddings[rows]
+    if multistore:
+      parts = [top_k_candidates(q_emb, b_emb, k // 2, valid=bank.stores == s) for s in (0, 1)]
+      idx = np.concatenate([p[0] for p in parts], 1)
+      sc = np.concatenate([p[1] for p in parts], 1)
+      order = np.argsort(-sc, axis=1, kind="stable")
+      idx = np.take_along_axis(idx, order, 1)
+      sc = np.take_along_axis(sc, order, 1)
+    else:
+      idx, sc, _ = top_k_candidates(q_emb, b_emb, k, valid=bank.stores == datasets.STORE_DIALOGUE)
+    index[rows] = idx
+    scores[rows] = sc
+    for r, n in enumerate(rows):
+      gm = datasets.gold_mask(bank, corpus.queries[n].gold)
+      if not multistore:
+        gm &= bank.stores == datasets.STORE_DIALOGUE
+      num_gold_store[n] = [int((gm & (bank.stores == s)).sum()) for s in (0, 1)]
+      valid = idx[r] >= 0
+      gold[n, valid] = gm[idx[r, valid]]
+  mask = index >= 0
+  num_gold = num_gold_store.sum(1)
+  keep = np.nonzero(num_gold > 0)[0]
+  stats = dict(corpus.stats)
+  stats["queries_without_gold_in_stores_excluded"] = int(nq - len(keep))
+  stats["queries_evaluable"] = int(len(keep))
+  cand_ids = np.full((nq, k), "", object)
+  cand_texts = np.full((nq, k), "", object)
+  cand_store = np.zeros((nq, k), np.int8)
+  cand_emb = np.zeros((nq, k, d), np.float32)
+  for n, q in enumerate(corpus.queries):
+    bank = corpus.banks[q.group]
+    for j in np.nonzero(mask[n])[0]:
+      i = index[n, j]
+      cand_ids[n, j] = bank.ids[i]
+      cand_texts[n, j] = bank.texts[i] if bank.texts else ""
+      cand_store[n, j] = bank.stores[i]
+    cand_emb[n, mask[n]] = ec.bank_embeddings[q.group][index[n, mask[n]]]
+  strm = stream_lib.make_stream(ec.query_embeddings[keep], cand_emb[keep], mask[keep], gold[keep],
+                                num_gold[keep])
+  stats["k"] = k
+  stats["multistore"] = multistore
+  stats["banks_smaller_than_k"] = int(sum(
+      int((b.stores == 0).sum() if not multistore else len(b)) < k for b in corpus.banks))
+  bench = Benchmark(
+      name=corpus.name, stream=strm,
+      query_ids=[corpus.queries[n].id for n in keep],
+      query_texts=[corpus.queries[n].text for n in keep],
+      categories=np.asarray([corpus.queries[n].category for n in keep], dtype=object).astype(str)
+      if len(keep) else np.zeros(0, str),
+      candidate_ids=cand_ids[keep].astype(str), candidate_texts=cand_texts[keep].astype(str),
+      candidate_store=cand_store[keep], candidate_scores=scores[keep],
+      group=np.asarray([corpus.queries[n].group for n in keep], np.int32),
+      num_gold_store=num_gold_store[keep], stats=stats)
+  bench.stats["retriever"] = retriever_report(bench)
+  return bench
+
+
+def _rates(gold_top, num_gold, gold_k, s):
+  n = len(num_gold)
+  if n == 0:
+    return {"n": 0, "recall@%d" % s: 0.0, "hitrate@%d" % s: 0.0}
+  return {
+      "n": int(n),
+      f"recall@{s}": float(np.mean(gold_top == num_gold)) * 100,
+      f"hitrate@{s}": float(np.mean(gold_top > 0)) * 100,
+      # All gold inside the top-K / any: the best any reranker of the K candidates can reach.
+      "recall@K_ceiling": float(np.mean(gold_k == num_gold)) * 100,
+      f"recall@{s}_ceiling": float(np.mean((gold_k == num_gold) & (num_gold <= s))) * 100,
+      "hitrate@K_ceiling": float(np.mean(gold_k > 0)) * 100,
+      "gold_outside_top_k": int((num_gold - gold_k).sum()),
+  }
+
+
+def retriever_report(bench: Benchmark, s: int = 5) -> dict:
+  """The frozen retriever ("Only Retriever"): top-`s` candidates by cosine, in percent.
+
+  Recall@s = share of queries with ALL gold memories in the top s (gold outside the top-K are
+  misses); Hitrate@s = ANY. Overall, per category and (multi-store) per store.
+  """
+  strm = bench.stream
+  gold = np.asarray(strm.gold)
+  num_gold = np.asarray(strm.num_gold)
+  top = gold[:, :s]
+  gold_top, gold_k = top.sum(1), gold.sum(1)
+  rep = {"overall": _rates(gold_top, num_gold, gold_k, s), "per_category": {}}
+  for c in sorted(set(bench.categories.tolist())):
+    sel = bench.categories == c
+    rep["per_category"][c] = _rates(gold_top[sel], num_gold[sel], gold_k[sel], s)
+  if bench.stats.get("multistore"):
+    rep["per_store"] = {}
+    for sid, sname in ((0, "dialogue"), (1, "observation")):
+      in_store = bench.candidate_store == sid
+      gs = (gold & in_store)
+      ng = bench.num_gold_store[:, sid]
+      sel = ng > 0  # queries with gold in this store
+      rep["per_store"][sname] = _rates(gs[:, :s].sum(1)[sel], ng[sel], gs.sum(1)[sel], s)
+    rep["observations_in_top%d_mean" % s] = float(
+        (bench.candidate_store[:, :s] == 1).sum(1).mean()) if len(gold) else 0.0
+  return rep
+
+
+def load_benchmark(name: str, *, data_dir=None, encoder="minilm", k: int = DEFAULT_K,
+                   multistore: bool = False, limit: int | None = None, cache_dir=None, seed: int = 0,
+                   progress: bool = True) -> Benchmark:
+  """Loads, encodes (with the on-disk cache) and builds the candidate stream of a benchmark.
+
+  Args:
+    name: 'locomo' | 'longmemeval' (files found via `datasets.resolve_data_dir(data_dir)`),
+      'synthetic', or a path to a user `.jsonl` file (optionally prefixed 'jsonl:').
+    data_dir: directory of the benchmark files (else `$EAR_DATA_DIR`, else ~/.cache/ear_jax/data).
+    encoder: 'minilm', a local Hugging Face checkpoint directory, or a `.npy`/`.npz` of precomputed
+      embeddings (see `ear_jax.encoders`). Ignored for 'synthetic'.
+    k: K, candidates per query.
+    multistore: top-K/2 dialogue turns + top-K/2 observations (Section 5).
+    limit: only the first `limit` conversations (LoCoMo), questions (LongMemEval), queries (JSONL),
+      or the number of queries (synthetic).
+    cache_dir: embedding cache root (else `$EAR_CACHE_DIR`, else ~/.cache/ear_jax).
+    seed: generator seed, used by 'synthetic' only.
+    progress: tqdm progress bar while encoding.
+
+  Returns:
+    A `Benchmark`.
+  """
+  if name == "synthetic":
+    from ear_jax import synthetic  # pylint: disable=g-import-not-at-top
+    kw = {} if limit is None else {"num_queries": int(limit)}
+    ec = synthetic.make_synthetic(seed=seed, multistore=multistore, **kw)
+    info = {"encoder": "synthetic"}
+  else:
+    corpus = datasets.load_corpus(name, data_dir=data_dir, limit=limit)
+    ec, info = embed_corpus(corpus, encoder, cache_dir=cache_dir, progress=progress,
+                            multistore=multistore)
+  bench = build_benchmark(ec, k=k, multistore=multistore)
+  bench.stats["encoding"] = info
+  return bench

@@ -1,0 +1,139 @@
+"""Fetching the official benchmark files into the data directory.
+
+* LoCoMo: `locomo10.json` from github.com/snap-research/LoCoMo (CC BY-NC 4.0, non-commercial),
+  verified against the sha256 of commit 3eb6f2c5 (a different file is an error, not silently used).
+* LongMemEval_S: `longmemeval_s_cleaned.json` from the Hugging Face dataset
+  xiaowu0162/longmemeval-cleaned, else `longmemeval_s.json` from xiaowu0162/longmemeval (MIT).
+
+Files are written atomically (temp file in the same directory + `os.replace`), so an interrupted
+download never leaves a truncated benchmark file behind. Offline, the error says exactly which file
+to put where. `base_url` overrides the host part (tests use a loopback server).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import pathlib
+import tempfile
+import urllib.error
+import urllib.request
+
+from ear_jax import datasets
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  filename: str  # name in the data directory
+  url: str  # official URL
+  path: str  # URL path appended to `base_url` when overridden
+  sha256: str | None  # expected digest, None when the upstream file is not pinned
+
+
+LOCOMO_SHA256 = "79fa87e90f04081343b8c8debecb80a9a6842b76a7aa537dc9fdf651ea698ff4"
+SOURCES = {
+    "locomo": (
+        Source("locomo10.json",
+               "https://github.com/snap-research/LoCoMo/raw/main/data/locomo10.json",
+               "/snap-research/LoCoMo/raw/main/data/locomo10.json", LOCOMO_SHA256),
+    ),
+    "longmemeval": (
+        Source("longmemeval_s_cleaned.json",
+               "https://huggingface.co/datasets/xiaowu0162/longmemeval-cleaned/resolve/main/"
+               "longmemeval_s_cleaned.json",
+               "/datasets/xiaowu0162/longmemeval-cleaned/resolve/main/longmemeval_s_cleaned.json",
+               None),
+        Source("longmemeval_s.json",
+               "https://huggingface.co/datasets/xiaowu0162/longmemeval/resolve/main/longmemeval_s.json",
+               "/datasets/xiaowu0162/longmemeval/resolve/main/longmemeval_s.json", None),
+    ),
+}
+
+
+class DownloadError(RuntimeError):
+  """A benchmark file could not be fetched; the message says what to put where."""
+
+
+def missing_file_message(name: str, data_dir) -> str:
+  """What to download and where to put it, for a missing benchmark file."""
+  data_dir = pathlib.Path(data_dir)
+  srcs = SOURCES[name]
+  lines = [f"benchmark {name!r}: no file in {data_dir}. Put one of these files there:"]
+  for s in srcs:
+    lines.append(f"  {data_dir / s.filename}   <- {s.url}")
+  lines.append(f"or run: python -m experiments.download --benchmark={name} --data_dir={data_dir}")
+  lines.append("(the data directory is --data_dir, else $EAR_DATA_DIR, else ~/.cache/ear_jax/data)")
+  return "\n".join(lines)
+
+
+def _sha256(path) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def fetch(url: str, dest, *, sha256: str | None = None, timeout: float = 60.0) -> pathlib.Path:
+  """Downloads `url` to `dest` atomically, checking `sha256` when given.
+
+  Raises:
+    DownloadError: on a network error or a digest mismatch (nothing is left at `dest`).
+  """
+  dest = pathlib.Path(dest)
+  dest.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix="." + dest.name, suffix=".part")
+  try:
+    h = hashlib.sha256()
+    with os.fdopen(fd, "wb") as f:
+      req = urllib.request.Request(url, headers={"User-Agent": "ear_jax"})
+      with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for chunk in iter(lambda: resp.read(1 << 20), b""):
+          f.write(chunk)
+          h.update(chunk)
+    if sha256 is not None and h.hexdigest() != sha256:
+      raise DownloadError(f"{url}: sha256 {h.hexdigest()} does not match the expected {sha256}; "
+                          f"not written to {dest}")
+    os.replace(tmp, dest)
+    return dest
+  except (urllib.error.URLError, OSError, TimeoutError) as e:
+    raise DownloadError(f"cannot fetch {url}: {e}") from e
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+
+
+def download(name: str, data_dir=None, *, base_url: str | None = None, force: bool = False,
+             timeout: float = 60.0) -> pathlib.Path:
+  """Makes sure the benchmark file of `name` ('locomo' | 'longmemeval') is in the data directory.
+
+  Args:
+    name: benchmark name.
+    data_dir: target directory (else `$EAR_DATA_DIR`, else ~/.cache/ear_jax/data).
+    base_url: replaces `https://github.com` / `https://huggingface.co` (e.g. a mirror or a test
+      server); the official URL path is appended.
+    force: fetch even when a file is already there.
+    timeout: seconds per connection.
+
+  Returns:
+    The path of the benchmark file.
+
+  Raises:
+    DownloadError: naming the file to put where, when every source failed.
+  """
+  if name not in SOURCES:
+    raise ValueError(f"unknown benchmark {name!r}; expected one of {sorted(SOURCES)}")
+  d = datasets.resolve_data_dir(data_dir)
+  if not force:
+    try:
+      return datasets.find_benchmark_file(name, d)
+    except FileNotFoundError:
+      pass
+  errors = []
+  for s in SOURCES[name]:
+    url = s.url if base_url is None else base_url.rstrip("/") + s.path
+    try:
+      return fetch(url, d / s.filename, sha256=s.sha256, timeout=timeout)
+    except DownloadError as e:
+      errors.append(str(e))
+  raise DownloadError("; ".join(errors) + "\n" + missing_file_message(name, d))

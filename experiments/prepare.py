@@ -1,0 +1,91 @@
+"""Dataset report: encodes a benchmark (with the embedding cache), builds its candidates, and prints
+and writes the dataset statistics and the frozen retriever's Recall@5 / Hitrate@5 / Recall@K ceiling
+over ALL evaluable queries, overall and per category.
+
+  EAR_DATA_DIR=../shared/data python -m experiments.prepare --benchmark=locomo
+  python -m experiments.prepare --benchmark=longmemeval --out=runs/prepare_lme.json
+  python -m experiments.prepare --benchmark=jsonl --jsonl=my_bank.jsonl
+  python -m experiments.prepare --benchmark=synthetic
+"""
+import json
+import os
+import pathlib
+import time
+
+from absl import app
+from absl import flags
+
+from ear_jax import candidates
+
+_BENCHMARK = flags.DEFINE_enum("benchmark", "locomo", ["locomo", "longmemeval", "jsonl", "synthetic"],
+                               "Which benchmark.")
+_JSONL = flags.DEFINE_string("jsonl", None, "Path of the user JSONL file (--benchmark=jsonl).")
+_DATA_DIR = flags.DEFINE_string("data_dir", None,
+                                "Benchmark files (else $EAR_DATA_DIR, else ~/.cache/ear_jax/data).")
+_ENCODER = flags.DEFINE_string("encoder", "minilm",
+                               "'minilm', a local HF checkpoint dir, or a .npy/.npz of embeddings.")
+_CACHE_DIR = flags.DEFINE_string("cache_dir", None,
+                                 "Embedding cache root (else $EAR_CACHE_DIR, else ~/.cache/ear_jax).")
+_K = flags.DEFINE_integer("k", 20, "Candidates per query (K).")
+_MULTISTORE = flags.DEFINE_bool("multistore", False, "Top-K/2 dialogue turns + top-K/2 observations.")
+_LIMIT = flags.DEFINE_integer("limit", None, "Only the first N conversations / questions / queries.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed (synthetic benchmark only).")
+_OUT = flags.DEFINE_string("out", None, "JSON output path (default runs/prepare_<benchmark>.json).")
+_PROGRESS = flags.DEFINE_bool("progress", True, "Show the encoding progress bar.")
+
+
+def _table(report):
+  rows = [("overall", report["overall"])] + list(report["per_category"].items())
+  rows += [(f"store:{k}", v) for k, v in report.get("per_store", {}).items()]
+  lines = [f"{'':28s} {'n':>5s} {'R@5':>6s} {'Hit@5':>6s} {'R@K':>6s} {'R@5max':>6s} {'Hit@K':>6s}"]
+  for name, r in rows:
+    if not r["n"]:
+      continue
+    lines.append(f"{name:28s} {r['n']:5d} {r['recall@5']:6.2f} {r['hitrate@5']:6.2f} "
+                 f"{r['recall@K_ceiling']:6.2f} {r['recall@5_ceiling']:6.2f} {r['hitrate@K_ceiling']:6.2f}")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  name = _BENCHMARK.value
+  if name == "jsonl":
+    if not _JSONL.value:
+      raise app.UsageError("--benchmark=jsonl needs --jsonl=PATH")
+    name = "jsonl:" + _JSONL.value
+  t0 = time.perf_counter()
+  bench = candidates.load_benchmark(name, data_dir=_DATA_DIR.value, encoder=_ENCODER.value,
+                                    k=_K.value, multistore=_MULTISTORE.value, limit=_LIMIT.value,
+                                    cache_dir=_CACHE_DIR.value, seed=_SEED.value,
+                                    progress=_PROGRESS.value)
+  stats = dict(bench.stats)
+  stats["wall_seconds"] = round(time.perf_counter() - t0, 2)
+  report = stats.pop("retriever")
+  if bench.name == "locomo":
+    print(f"== Table 1 (LoCoMo): conversations {stats['conversations']}, sessions {stats['sessions']}, "
+          f"dialogue turns {stats['turns']:,}, queries {stats['queries']:,} "
+          f"({stats['queries_evaluable']:,} evaluable)")
+  elif bench.name == "longmemeval":
+    print(f"== LongMemEval: questions {stats['questions']}, evaluable {stats['queries_evaluable']}, "
+          f"sessions {stats['sessions']:,}, turns {stats['turns']:,}, user turns "
+          f"{stats['user_turns']:,} ({stats['user_turns_distinct_texts']:,} distinct texts)")
+  print(f"== {bench.name}: dataset statistics")
+  for key, val in stats.items():
+    if key not in ("encoding",):
+      print(f"  {key}: {val}")
+  print("  encoding: " + ", ".join(f"{k}={v}" for k, v in stats["encoding"].items()))
+  print(f"== frozen retriever ({stats['encoding'].get('encoder')}), K={_K.value}, "
+        f"multistore={_MULTISTORE.value}, all {bench.num_queries} evaluable queries, percent")
+  print(_table(report))
+  out = _OUT.value or os.path.join(
+      "runs", f"prepare_{_BENCHMARK.value}{'_multistore' if _MULTISTORE.value else ''}.json")
+  pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
+  with open(out, "w") as f:
+    json.dump({"benchmark": _BENCHMARK.value, "flags": {
+        "encoder": _ENCODER.value, "k": _K.value, "multistore": _MULTISTORE.value,
+        "limit": _LIMIT.value, "seed": _SEED.value}, "stats": stats, "retriever": report}, f, indent=1)
+  print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+  app.run(main)

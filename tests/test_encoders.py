@@ -1,0 +1,137 @@
+"""Tests for ear_jax/encoders.py: reference embeddings, batching, truncation, cache, precomputed."""
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from ear_jax import encoders
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
+# The published sentence-transformers all-MiniLM-L6-v2 embedding of "hello world" (first dims).
+HELLO_WORLD = [-0.03447729, 0.0310232, 0.00673497, 0.02610896, -0.03936197]
+
+
+@pytest.fixture(scope="module")
+def reference():
+  return json.loads((FIXTURES / "minilm_reference.json").read_text())
+
+
+def test_three_sentences_equal_reference_values(minilm, reference, tmp_path):
+  emb = encoders.encode(minilm, reference["sentences"], cache_dir=tmp_path, progress=False)
+  np.testing.assert_allclose(emb, np.asarray(reference["embeddings"]), atol=1e-5)
+  np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-6)
+  np.testing.assert_allclose(emb[0, :5], HELLO_WORLD, atol=1e-5)
+  assert minilm.dim == 384 and minilm.max_length == 256 and minilm.pooling == "mean"
+
+
+def test_second_call_hits_the_cache_and_encodes_nothing(minilm, tmp_path, monkeypatch):
+  texts = ["the cat sat on the mat", "a dog barked", "the cat sat on the mat"]
+  st1 = encoders.EncodeStats()
+  e1 = encoders.encode(minilm, texts, cache_dir=tmp_path, progress=False, stats=st1)
+  assert (st1.num_unique, st1.num_encoded, st1.num_cached) == (2, 2, 0)  # identical texts once
+  np.testing.assert_array_equal(e1[0], e1[2])
+
+  def boom(*a, **k):
+    raise AssertionError("re-encoded a cached text")
+
+  monkeypatch.setattr(minilm, "encode_new", boom)
+  st2 = encoders.EncodeStats()
+  e2 = encoders.encode(minilm, texts, cache_dir=tmp_path, progress=False, stats=st2)
+  assert (st2.num_encoded, st2.num_cached) == (0, 2)
+  np.testing.assert_array_equal(e1, e2)
+  model_dirs = [p for p in tmp_path.iterdir() if p.is_dir()]
+  assert len(model_dirs) == 1 and model_dirs[0].name.startswith("minilm-")
+
+
+def test_uneven_batch_equals_one_by_one(minilm, tmp_path, monkeypatch):
+  monkeypatch.setattr(minilm, "tokens_per_batch", 4 * 32)  # batch 4 at length 32, 1 at 128
+  texts = [f"sentence number {i} about {w}" for i, w in enumerate(
+      ["apples", "trains", "the weather in Oslo", "jazz", "a long walk", "tea", "chess"])]
+  texts.append(" ".join(["a much longer text that lands in a longer bucket"] * 8))
+  together, _ = minilm.encode_new(texts, progress=False)
+  alone = np.stack([minilm.encode_new([t], progress=False)[0][0] for t in texts])
+  np.testing.assert_allclose(together, alone, atol=1e-5)
+
+
+def test_long_texts_are_truncated_and_counted(minilm):
+  long_text = "word " * 400
+  st = encoders.EncodeStats()
+  emb = encoders.encode(minilm, [long_text, "short"], use_cache=False, progress=False, stats=st)
+  assert st.num_truncated == 1
+  assert np.all(np.isfinite(emb)) and np.allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
+  # Truncation at 256 tokens: more words past the limit change nothing.
+  emb2, n = minilm.encode_new(["word " * 600], progress=False)
+  assert n == 1
+  np.testing.assert_allclose(emb2[0], emb[0], atol=1e-5)
+
+
+class _FakeEncoder(encoders.Encoder):
+  """A deterministic stand-in with a configurable identity."""
+
+  def __init__(self, tag="a", dim=8):
+    self.name, self.dim, self.tag, self.calls = "fake", dim, tag, 0
+
+  @property
+  def identity(self):
+    return {"kind": "fake", "tag": self.tag}
+
+  def encode_new(self, texts, progress=True, bar=None):
+    self.calls += 1
+    rng = [np.random.default_rng(abs(hash(t)) % 2**32).normal(size=self.dim) for t in texts]
+    x = np.asarray(rng, np.float32).reshape(len(texts), self.dim)
+    return x / np.linalg.norm(x, axis=1, keepdims=True), 0
+
+
+def test_cache_of_another_model_is_an_error(tmp_path):
+  a, b = _FakeEncoder("a"), _FakeEncoder("b")
+  encoders.encode(a, ["x", "y"], cache_dir=tmp_path, progress=False)
+  a_dir = next(p for p in tmp_path.iterdir() if p.is_dir())
+  with pytest.raises(ValueError, match="another model"):
+    encoders.encode(b, ["x"], cache_dir=a_dir, progress=False)
+  # Under the root, each model gets its own directory: no mixing.
+  encoders.encode(b, ["x"], cache_dir=tmp_path, progress=False)
+  assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
+
+
+def test_cache_shard_from_another_model_is_an_error(tmp_path):
+  a, b = _FakeEncoder("a"), _FakeEncoder("b")
+  encoders.encode(a, ["x"], cache_dir=tmp_path / "ra", progress=False)
+  encoders.encode(b, ["y"], cache_dir=tmp_path / "rb", progress=False)
+  shard = next((tmp_path / "ra").glob("*/shard-*.npz"))
+  b_dir = next((tmp_path / "rb").iterdir())
+  (b_dir / shard.name).write_bytes(shard.read_bytes())
+  with pytest.raises(ValueError, match="another model"):
+    encoders.encode(b, ["y"], cache_dir=tmp_path / "rb", progress=False)
+
+
+def test_unknown_encoder_path_raises_naming_it(tmp_path):
+  with pytest.raises(ValueError, match="no/such/model"):
+    encoders.load_encoder("no/such/model")
+  (tmp_path / "empty_model").mkdir()
+  with pytest.raises(ValueError, match=r"empty_model.*no config\.json"):
+    encoders.load_encoder(str(tmp_path / "empty_model"))
+  with pytest.raises(ValueError, match=r"missing\.npz.*does not exist"):
+    encoders.load_encoder(str(tmp_path / "missing.npz"))
+
+
+def test_precomputed_npz_with_texts_keys_and_npy_with_sidecar(tmp_path):
+  texts = ["alpha", "beta", "gamma"]
+  emb = np.random.default_rng(0).normal(size=(3, 6)).astype(np.float32)
+  want = emb / np.linalg.norm(emb, axis=1, keepdims=True)
+  np.savez(tmp_path / "t.npz", embeddings=emb, texts=np.asarray(texts))
+  np.savez(tmp_path / "k.npz", embeddings=emb, keys=np.asarray([encoders.text_key(t) for t in texts]))
+  np.save(tmp_path / "e.npy", emb)
+  (tmp_path / "e.texts.json").write_text(json.dumps(texts))
+  for f in ("t.npz", "k.npz", "e.npy"):
+    enc = encoders.load_encoder(str(tmp_path / f))
+    got = encoders.encode(enc, ["gamma", "alpha", "gamma"], cache_dir=tmp_path / "c", progress=False)
+    np.testing.assert_allclose(got, want[[2, 0, 2]], atol=1e-6)
+    with pytest.raises(ValueError, match="no precomputed embedding.*'delta'"):
+      encoders.encode(enc, ["delta"], progress=False)
+
+
+def test_precomputed_npy_without_sidecar_raises(tmp_path):
+  np.save(tmp_path / "e.npy", np.ones((2, 3), np.float32))
+  with pytest.raises(ValueError, match=r"e\.texts\.json"):
+    encoders.load_encoder(str(tmp_path / "e.npy"))
