@@ -495,38 +495,28 @@ def minilm():
     pytest.skip(f"MiniLM not installed: {e}")
 
 
-def test_agent_loop_on_locomo_beats_the_frozen_retriever(minilm):
-  """Two LoCoMo conversations in one memory (their dialogue turns, MiniLM, embedding cache);
-  questions split 80/20 (split seed 1); ONE pass over the training questions, T=4 Explorer rounds
-  each, labels from the simulated critic of Appendix A.2 (p=0.88, r=0.86) driving `feedback`.
-  Held-out adapter-only Recall@5 must rise above the frozen retriever's (the same memory before
-  training). This exact test measured 27.7 -> 31.9 (13 -> 15 of 47 held-out questions). The same
-  loop with other split seeds and critic draws (BUILD_NOTES.md): 34.0->34.0, 27.7->36.2,
-  36.2->42.6: the gain is real but small and noisy at this scale; one split ties."""
+def _locomo_agent_loop(minilm, corpus, split_seed):
+  """One agent loop on a LoCoMo memory: (held-out hits before, after, held-out size, train size)."""
   from ear_jax import datasets  # pylint: disable=g-import-not-at-top
-  path = _DATA_DIR / "locomo10.json"
-  if not path.is_file():
-    pytest.skip(f"LoCoMo not found at {path} (set EAR_DATA_DIR)")
-  corpus = datasets.load_locomo(path, limit=2)
   cfg = EARConfig(dim=minilm.dim, buffer_capacity=256)
-  m = Memory(minilm, config=cfg, seed=1, cache_dir=encoders.default_cache_dir())
+  m = Memory(minilm, config=cfg, seed=split_seed, cache_dir=encoders.default_cache_dir())
   for g, bank in enumerate(corpus.banks):
     turns = bank.stores == datasets.STORE_DIALOGUE
     m.add([t for t, keep in zip(bank.texts, turns) if keep],
           ids=[f"{g}/{i}" for i, keep in zip(bank.ids, turns) if keep])
   questions = [(q.text, {f"{q.group}/{x}" for x in q.gold}) for q in corpus.queries]
-  train_idx, test_idx = datasets.split_indices(len(questions), 1)
+  train_idx, test_idx = datasets.split_indices(len(questions), split_seed)
   train, test = [questions[i] for i in train_idx], [questions[i] for i in test_idx]
 
-  def recall(qs):
+  def hits(qs):
     rs = m.retrieve_batch([q for q, _ in qs], k=5)
     for r in rs:
       m.discard(r)
-    return float(np.mean([gold <= set(r.ids) for (_, gold), r in zip(qs, rs)]))
+    return sum(gold <= set(r.ids) for (_, gold), r in zip(qs, rs))
 
-  before = recall(test)
-  rng = np.random.default_rng(0)
-  p, rc = 0.88, 0.86
+  before = hits(test)
+  rng = np.random.default_rng(split_seed)
+  p, rc = 0.88, 0.86  # the simulated critic of Appendix A.2, on the host
   for start in range(0, len(train), 4):
     batch = train[start:start + 4]
     rs = m.retrieve_batch([q for q, _ in batch], k=5, explore=True)
@@ -541,9 +531,29 @@ def test_agent_loop_on_locomo_beats_the_frozen_retriever(minilm):
         cited.append([i for i in r.ids if rng.random() < (rc if i in gold else p_fp)])
       m.feedback_batch(rs, cited)
   m.flush()
-  after = recall(test)
-  assert int(m.state.queries_seen) == len(train) * cfg.num_rounds  # merged rounds count per step
-  assert after > before, (before, after)  # measured: 0.277 -> 0.319 (13 -> 15 of 47)
+  assert int(m.state.queries_seen) == len(train) * cfg.num_rounds  # one step input per round
+  return before, hits(test), len(test), len(train)
+
+
+def test_agent_loop_on_locomo_beats_the_frozen_retriever(minilm):
+  """Two LoCoMo conversations in one memory (their dialogue turns, MiniLM, embedding cache);
+  questions split 80/20; ONE pass over the training questions, T=4 Explorer rounds each, labels from
+  the simulated critic of Appendix A.2 (p=0.88, r=0.86) driving `feedback`. Held-out adapter-only
+  Recall@5 must rise above the frozen retriever's (the same memory before training), pooled over
+  the three split seeds 0, 1, 2 (every split the loop sees, none chosen for its result): per split
+  the gain is small and noisy at this scale (one split ties), pooled it is not."""
+  from ear_jax import datasets  # pylint: disable=g-import-not-at-top
+  path = _DATA_DIR / "locomo10.json"
+  if not path.is_file():
+    pytest.skip(f"LoCoMo not found at {path} (set EAR_DATA_DIR)")
+  corpus = datasets.load_locomo(path, limit=2)
+  runs = [_locomo_agent_loop(minilm, corpus, seed) for seed in (0, 1, 2)]
+  before = sum(r[0] for r in runs)
+  after = sum(r[1] for r in runs)
+  total = sum(r[2] for r in runs)
+  print(f"held-out all-gold hits per split (before, after, n_test, n_train): {runs}; "
+        f"pooled Recall@5 {100 * before / total:.1f} -> {100 * after / total:.1f}")
+  assert after > before, runs  # held-out queries with all gold in the final 5, summed over splits
 
 
 def test_readme_agent_loop_example_runs_as_written(minilm, tmp_path, monkeypatch, capsys):
