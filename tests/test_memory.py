@@ -563,6 +563,7 @@ def test_readme_agent_loop_example_runs_as_written(minilm, tmp_path, monkeypatch
   monkeypatch.chdir(tmp_path)
   code = (_REPO / "docs" / "agent_loop_example.py").read_text()
   assert len(code.strip().splitlines()) <= 12
+  assert code.strip() in (_REPO / "README.md").read_text()  # the README shows exactly this code
   exec(compile(code, "docs/agent_loop_example.py", "exec"), {"__name__": "__main__"})
   out = capsys.readouterr().out
   assert "Luna" in out
