@@ -135,3 +135,18 @@ def test_precomputed_npy_without_sidecar_raises(tmp_path):
   np.save(tmp_path / "e.npy", np.ones((2, 3), np.float32))
   with pytest.raises(ValueError, match=r"e\.texts\.json"):
     encoders.load_encoder(str(tmp_path / "e.npy"))
+
+
+def test_cls_pooling_is_the_normalized_first_token_and_keys_its_own_cache(minilm, tmp_path):
+  from transformers import AutoTokenizer, FlaxAutoModel  # pylint: disable=g-import-not-at-top
+  cls = encoders.load_encoder("minilm", pooling="cls")
+  assert cls.pooling == "cls" and cls.identity != minilm.identity  # caches never mix
+  text = "Caroline went to the LGBTQ support group yesterday."
+  got = encoders.encode(cls, [text], cache_dir=tmp_path, progress=False)[0]
+  tok = AutoTokenizer.from_pretrained(str(encoders.default_model_dir()))
+  model = FlaxAutoModel.from_pretrained(str(encoders.default_model_dir()))
+  batch = tok([text], return_tensors="np")
+  first = np.asarray(model(**batch).last_hidden_state)[0, 0]
+  np.testing.assert_allclose(got, first / np.linalg.norm(first), atol=1e-5)
+  mean = encoders.encode(minilm, [text], cache_dir=tmp_path, progress=False)[0]
+  assert float(np.abs(got - mean).max()) > 1e-2
