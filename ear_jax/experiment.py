@@ -95,36 +95,11 @@ def _init_states(keys, config):
   return jax.vmap(lambda k: learner.init_learner(k, config))(keys)
 
 
-def _train_padded(state, keys, batches, where, config, hparams, critic):
-  """One seed: scan over `[nb, b]` batches; all-padding batches leave the state untouched."""
-  def body(carry, x):
-    k, batch, w = x
-
-    def run(st):
-      return learner.train_batch(st, k, batch, w, config, hparams, critic)
-
-    def skip(st):
-      records = jax.eval_shape(run, st)[1]
-      return st, jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), records)
-
-    return jax.lax.cond(jnp.any(w), run, skip, carry)
-
-  return jax.lax.scan(body, state, (keys, batches, where))
-
-
 @functools.partial(jax.jit, static_argnames=("config", "critic"))
 def _train_segment(states, keys, streams, where, hparams, config, critic):
   """All seeds: `keys [S, L]`, `streams [S, L, ...]`, `where [L]` (L a multiple of the batch)."""
-  learner.validate_stream(jax.tree_util.tree_map(lambda x: x[0], streams), config)
-  b = config.batch_size
-  length = where.shape[-1]
-  reshape = lambda x: x.reshape((x.shape[0], length // b, b) + x.shape[2:])
-  wb = where.reshape(length // b, b)
-  states, records = jax.vmap(
-      lambda st, k, bt: _train_padded(st, k, bt, wb, config, hparams, critic))(
-          states, reshape(keys), jax.tree_util.tree_map(reshape, streams))
-  return states, jax.tree_util.tree_map(
-      lambda r: r.reshape((r.shape[0], length) + r.shape[3:]), records)
+  return jax.vmap(lambda st, k, s: learner.train_stream(st, k, s, config, hparams, critic,
+                                                       where=where))(states, keys, streams)
 
 
 def _eval_config(config: EARConfig) -> EARConfig:

@@ -11,7 +11,7 @@ ONE `jax.lax.scan` over batches under `jit`; per-query keys are split up front.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import flax
 import jax
@@ -382,7 +382,8 @@ def _pad_to_batches(tree, n: int, batch_size: int):
 
 
 def train_stream(state: LearnerState, keys: jax.Array, stream: Stream, config: EARConfig,
-                 hparams: HParams, critic: Critic = simulated_critic):
+                 hparams: HParams, critic: Critic = simulated_critic,
+                 where: Optional[jax.Array] = None):
   """Online training over a stream, in order, as ONE `lax.scan` over batches.
 
   The stream is cut into batches of `config.batch_size` (the last one padded and masked). Calling
@@ -396,6 +397,10 @@ def train_stream(state: LearnerState, keys: jax.Array, stream: Stream, config: E
     config: static config.
     hparams: hyperparameters.
     critic: the critic.
+    where: optional `[N]` bool, real queries (default: all). Masked queries are padding: they
+      contribute no loss and are not pushed, and a batch without any real query leaves the state
+      untouched (no optimizer step) with all-zero records. This lets callers run fixed-length
+      segments of a stream so that every segment reuses one compiled scan.
 
   Returns:
     `(new_state, records)`: `QueryRecord` fields stacked to `[N, ...]`. For an untrained method
@@ -405,14 +410,25 @@ def train_stream(state: LearnerState, keys: jax.Array, stream: Stream, config: E
   if not config.trains:
     return state, None
   n, b = stream.queries.shape[0], config.batch_size
-  xs = _pad_to_batches((keys, stream), n, b)
-  where = (jnp.arange(xs[0].shape[0] * b) < n).reshape(-1, b)
+  real = jnp.ones((n,), bool) if where is None else jnp.asarray(where, bool)
+  keys, stream, real = _pad_to_batches((keys, stream, real), n, b)
+  real = real & (jnp.arange(real.size) < n).reshape(real.shape)
 
   def body(carry, x):
-    (k, batch), w = x
-    return train_batch(carry, k, batch, w, config, hparams, critic)
+    k, batch, w = x
+    if where is None:  # padding only fills the last batch: every batch holds a real query
+      return train_batch(carry, k, batch, w, config, hparams, critic)
 
-  state, records = jax.lax.scan(body, state, (xs, where))
+    def run(st):
+      return train_batch(st, k, batch, w, config, hparams, critic)
+
+    def skip(st):
+      records = jax.eval_shape(run, st)[1]
+      return st, jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), records)
+
+    return jax.lax.cond(jnp.any(w), run, skip, carry)
+
+  state, records = jax.lax.scan(body, state, (keys, stream, real))
   records = jax.tree_util.tree_map(lambda r: r.reshape((-1,) + r.shape[2:])[:n], records)
   return state, records
 

@@ -134,3 +134,16 @@ def test_train_batch_on_feedback_equals_train_batch_with_the_same_labels():
                                                r1.slate_mask, r1.labels, where, CFG, HP)
   np.testing.assert_allclose(s1.params.w_q, s2.params.w_q, atol=1e-6)
   np.testing.assert_allclose(r1.loss, r2.loss, atol=1e-6)
+
+
+def test_masked_queries_are_padding_and_an_all_padding_batch_is_a_no_op():
+  k_init, keys = learner.episode_keys(jax.random.PRNGKey(5), 16)
+  stream = TRAIN.take(slice(0, 16))
+  where = jnp.arange(16) < 8  # batches 3 and 4 hold no real query
+  init = learner.init_learner(k_init, CFG)
+  masked, rec = learner.train_stream_jit(init, keys, stream, CFG, HP, where=where)
+  head, _ = learner.train_stream_jit(init, keys[:8], stream.take(slice(0, 8)), CFG, HP)
+  for x, y in zip(jax.tree_util.tree_leaves(masked), jax.tree_util.tree_leaves(head)):
+    np.testing.assert_array_equal(x, y)
+  assert int(masked.step) == 2 and int(masked.buffer.num_pushed) == 8
+  assert not np.asarray(rec.slate_mask[8:]).any() and np.all(np.asarray(rec.loss[8:]) == 0)
