@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ear_jax import adapter as adapter_lib
 from ear_jax import learner
 from ear_jax.config import EARConfig, HParams
 

@@ -23,7 +23,7 @@ import functools
 import logging
 import math
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from ear_jax import adapter as adapter_lib
 from ear_jax import explorer as explorer_lib

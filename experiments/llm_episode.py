@@ -28,18 +28,10 @@ from ear_jax import learner as learner_lib
 from ear_jax import memory as memory_lib
 from ear_jax.config import EARConfig, default_hparams
 from ear_jax.llm_critic import LLMCritic, LLMCriticConfig
+from experiments import data_flags
 
-_BENCHMARK = flags.DEFINE_enum("benchmark", "locomo", ["locomo", "longmemeval", "jsonl"],
-                               "Which benchmark (it must have texts for the LLM to read).")
-_JSONL = flags.DEFINE_string("jsonl", None, "User JSONL memory bank (--benchmark=jsonl).")
-_DATA_DIR = flags.DEFINE_string("data_dir", None,
-                                "Benchmark files (else $EAR_DATA_DIR, else ~/.cache/ear_jax/data).")
-_ENCODER = flags.DEFINE_string("encoder", "minilm",
-                               "'minilm', a local HF checkpoint dir, or a .npy/.npz of embeddings.")
-_CACHE_DIR = flags.DEFINE_string("cache_dir", None,
-                                 "Embedding cache root (else $EAR_CACHE_DIR, else ~/.cache/ear_jax).")
-_LIMIT = flags.DEFINE_integer("limit", None, "Only the first N conversations / questions / queries.")
-_K = flags.DEFINE_integer("k", 20, "Candidates per query (K).", lower_bound=1)
+_DATA = data_flags.define(["locomo", "longmemeval", "jsonl"],
+                          "Which benchmark (it must have texts for the LLM to read).")
 _SEED = flags.DEFINE_integer("seed", 0, "Split and learner seed.")
 _MAX_TRAIN = flags.DEFINE_integer("max_train_queries", None,
                                   "Use only the first N queries of the training stream (LLM calls "
@@ -64,13 +56,9 @@ _OUT = flags.DEFINE_string("out", None, "JSON output path (default runs/llm_epis
 def main(argv):
   del argv
   t0 = time.perf_counter()
-  name = _BENCHMARK.value
-  if name == "jsonl":
-    if not _JSONL.value:
-      raise app.UsageError("--benchmark=jsonl needs --jsonl=PATH")
-    name = "jsonl:" + _JSONL.value
-  bench = candidates.load_benchmark(name, data_dir=_DATA_DIR.value, encoder=_ENCODER.value,
-                                    k=_K.value, limit=_LIMIT.value, cache_dir=_CACHE_DIR.value,
+  name = data_flags.benchmark_name(_DATA)
+  bench = candidates.load_benchmark(name, data_dir=_DATA.data_dir.value, encoder=_DATA.encoder.value,
+                                    k=_DATA.k.value, limit=_DATA.limit.value, cache_dir=_DATA.cache_dir.value,
                                     progress=False)
   train_idx, test_idx = datasets.split_indices(bench.num_queries, _SEED.value)
   if _MAX_TRAIN.value is not None:
@@ -78,8 +66,8 @@ def main(argv):
   if len(train_idx) == 0 or len(test_idx) == 0:
     raise app.UsageError(f"{bench.num_queries} queries: too few for a train/test split")
   train, test = bench.take(train_idx), bench.take(test_idx)
-  config = EARConfig(dim=bench.stream.dim, num_candidates=_K.value, num_rounds=_ROUNDS.value,
-                     batch_size=_BATCH.value, slate_size=min(5, _K.value))
+  config = EARConfig(dim=bench.stream.dim, num_candidates=_DATA.k.value, num_rounds=_ROUNDS.value,
+                     batch_size=_BATCH.value, slate_size=min(5, _DATA.k.value))
   hparams = default_hparams(learning_rate=_LR.value)
   critic = LLMCritic(LLMCriticConfig(
       base_url=_BASE_URL.value, model=_MODEL.value, api_key_env=_API_KEY_ENV.value,

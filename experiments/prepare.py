@@ -16,19 +16,10 @@ from absl import app
 from absl import flags
 
 from ear_jax import candidates
+from experiments import data_flags
 
-_BENCHMARK = flags.DEFINE_enum("benchmark", "locomo", ["locomo", "longmemeval", "jsonl", "synthetic"],
-                               "Which benchmark.")
-_JSONL = flags.DEFINE_string("jsonl", None, "Path of the user JSONL file (--benchmark=jsonl).")
-_DATA_DIR = flags.DEFINE_string("data_dir", None,
-                                "Benchmark files (else $EAR_DATA_DIR, else ~/.cache/ear_jax/data).")
-_ENCODER = flags.DEFINE_string("encoder", "minilm",
-                               "'minilm', a local HF checkpoint dir, or a .npy/.npz of embeddings.")
-_CACHE_DIR = flags.DEFINE_string("cache_dir", None,
-                                 "Embedding cache root (else $EAR_CACHE_DIR, else ~/.cache/ear_jax).")
-_K = flags.DEFINE_integer("k", 20, "Candidates per query (K).")
+_DATA = data_flags.define(["locomo", "longmemeval", "jsonl", "synthetic"])
 _MULTISTORE = flags.DEFINE_bool("multistore", False, "Top-K/2 dialogue turns + top-K/2 observations.")
-_LIMIT = flags.DEFINE_integer("limit", None, "Only the first N conversations / questions / queries.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed (synthetic benchmark only).")
 _OUT = flags.DEFINE_string("out", None, "JSON output path (default runs/prepare_<benchmark>.json).")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show the encoding progress bar.")
@@ -48,15 +39,11 @@ def _table(report):
 
 def main(argv):
   del argv
-  name = _BENCHMARK.value
-  if name == "jsonl":
-    if not _JSONL.value:
-      raise app.UsageError("--benchmark=jsonl needs --jsonl=PATH")
-    name = "jsonl:" + _JSONL.value
+  name = data_flags.benchmark_name(_DATA)
   t0 = time.perf_counter()
-  bench = candidates.load_benchmark(name, data_dir=_DATA_DIR.value, encoder=_ENCODER.value,
-                                    k=_K.value, multistore=_MULTISTORE.value, limit=_LIMIT.value,
-                                    cache_dir=_CACHE_DIR.value, seed=_SEED.value,
+  bench = candidates.load_benchmark(name, data_dir=_DATA.data_dir.value, encoder=_DATA.encoder.value,
+                                    k=_DATA.k.value, multistore=_MULTISTORE.value, limit=_DATA.limit.value,
+                                    cache_dir=_DATA.cache_dir.value, seed=_SEED.value,
                                     progress=_PROGRESS.value)
   stats = dict(bench.stats)
   stats["wall_seconds"] = round(time.perf_counter() - t0, 2)
@@ -74,16 +61,16 @@ def main(argv):
     if key not in ("encoding",):
       print(f"  {key}: {val}")
   print("  encoding: " + ", ".join(f"{k}={v}" for k, v in stats["encoding"].items()))
-  print(f"== frozen retriever ({stats['encoding'].get('encoder')}), K={_K.value}, "
+  print(f"== frozen retriever ({stats['encoding'].get('encoder')}), K={_DATA.k.value}, "
         f"multistore={_MULTISTORE.value}, all {bench.num_queries} evaluable queries, percent")
   print(_table(report))
   out = _OUT.value or os.path.join(
-      "runs", f"prepare_{_BENCHMARK.value}{'_multistore' if _MULTISTORE.value else ''}.json")
+      "runs", f"prepare_{_DATA.benchmark.value}{'_multistore' if _MULTISTORE.value else ''}.json")
   pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
   with open(out, "w") as f:
-    json.dump({"benchmark": _BENCHMARK.value, "flags": {
-        "encoder": _ENCODER.value, "k": _K.value, "multistore": _MULTISTORE.value,
-        "limit": _LIMIT.value, "seed": _SEED.value}, "stats": stats, "retriever": report}, f, indent=1)
+    json.dump({"benchmark": _DATA.benchmark.value, "flags": {
+        "encoder": _DATA.encoder.value, "k": _DATA.k.value, "multistore": _MULTISTORE.value,
+        "limit": _DATA.limit.value, "seed": _SEED.value}, "stats": stats, "retriever": report}, f, indent=1)
   print(f"wrote {out}")
 
 

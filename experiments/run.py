@@ -21,21 +21,11 @@ from absl import flags
 from absl import logging as absl_logging
 
 from ear_jax import config as config_lib
+from experiments import data_flags
 
 SUITES = ("main", "ablation", "hparams", "curves", "noise", "multistore", "all")
 
-_BENCHMARK = flags.DEFINE_enum("benchmark", "locomo", ["locomo", "longmemeval", "jsonl",
-                                                       "synthetic"], "Which benchmark.")
-_DATA_DIR = flags.DEFINE_string("data_dir", None,
-                                "Benchmark files (default $EAR_DATA_DIR, else ~/.cache/ear_jax/data).")
-_JSONL = flags.DEFINE_string("jsonl", None, "User JSONL memory bank (--benchmark=jsonl).")
-_ENCODER = flags.DEFINE_string("encoder", "minilm",
-                               "'minilm', a local HF checkpoint dir, or a .npy/.npz of embeddings.")
-_CACHE_DIR = flags.DEFINE_string("cache_dir", None, "Embedding cache root (default "
-                                 "$EAR_CACHE_DIR, else ~/.cache/ear_jax).")
-_LIMIT = flags.DEFINE_integer("limit", None, "Only the first N conversations / questions / "
-                              "queries (a quick slice).")
-_K = flags.DEFINE_integer("k", 20, "Candidates per query (K).", lower_bound=1)
+_DATA = data_flags.define(["locomo", "longmemeval", "jsonl", "synthetic"])
 _METHOD = flags.DEFINE_string("method", "ear", "Method when no --suite is given: one of "
                               f"{', '.join(config_lib.METHODS)}.")
 _SUITE = flags.DEFINE_string("suite", None, f"Suite to run: one of {', '.join(SUITES)}; unset: "
@@ -103,19 +93,19 @@ def build_options():
   if _SUITE.value is None and _METHOD.value not in cfg.METHODS:
     raise app.UsageError(f"unknown --method={_METHOD.value!r}; expected one of "
                          f"{', '.join(cfg.METHODS)}")
-  if _SUITE.value == "multistore" and _BENCHMARK.value == "longmemeval":
+  if _SUITE.value == "multistore" and _DATA.benchmark.value == "longmemeval":
     raise app.UsageError("--suite=multistore needs observations: use --benchmark=locomo "
                          "(or synthetic / jsonl)")
-  bench = _BENCHMARK.value
+  bench = _DATA.benchmark.value
   if bench == "jsonl":
-    if not _JSONL.value:
+    if not _DATA.jsonl.value:
       raise app.UsageError("--benchmark=jsonl needs --jsonl=PATH")
-    if not os.path.isfile(_JSONL.value):
-      raise app.UsageError(f"--jsonl: file {_JSONL.value!r} does not exist")
+    if not os.path.isfile(_DATA.jsonl.value):
+      raise app.UsageError(f"--jsonl: file {_DATA.jsonl.value!r} does not exist")
   elif bench in ("locomo", "longmemeval"):
     from ear_jax import datasets  # pylint: disable=g-import-not-at-top
     try:
-      datasets.find_benchmark_file(bench, _DATA_DIR.value)
+      datasets.find_benchmark_file(bench, _DATA.data_dir.value)
     except FileNotFoundError as e:
       raise app.UsageError(f"--data_dir / --benchmark={bench}: {e}") from None
   config_over = {k: f.value for k, f in _CONFIG_FLAGS.items() if f.value is not None}
@@ -148,8 +138,8 @@ def build_options():
     raise app.UsageError(f"--workdir={workdir} already holds checkpoints: pass --resume to "
                          "continue, or choose another --workdir (nothing was overwritten)")
   return suites.Options(
-      benchmark=bench, data_dir=_DATA_DIR.value, jsonl=_JSONL.value, encoder=_ENCODER.value,
-      cache_dir=_CACHE_DIR.value, limit=_LIMIT.value, k=_K.value, seeds=_SEEDS.value,
+      benchmark=bench, data_dir=_DATA.data_dir.value, jsonl=_DATA.jsonl.value, encoder=_DATA.encoder.value,
+      cache_dir=_DATA.cache_dir.value, limit=_DATA.limit.value, k=_DATA.k.value, seeds=_SEEDS.value,
       workdir=workdir, suite=_SUITE.value, method=_METHOD.value,
       checkpoint_every=_CHECKPOINT_EVERY.value or None, resume=_RESUME.value,
       eval_every=_EVAL_EVERY.value, stop_after_chunks=_STOP_AFTER.value,

@@ -12,12 +12,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
-import os
 import pathlib
 import re
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 

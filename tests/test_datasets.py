@@ -1,5 +1,4 @@
 """Tests for ear_jax/datasets.py: LoCoMo, LongMemEval and JSONL loaders, evidence ids, splits."""
-import copy
 import gzip
 import json
 import pathlib

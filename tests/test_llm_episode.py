@@ -18,7 +18,6 @@ import sys
 import threading
 
 import numpy as np
-import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from core_utils import learnable_stream  # pylint: disable=g-import-not-at-top,wrong-import-position

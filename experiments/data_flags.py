@@ -1,0 +1,46 @@
+"""The data flags shared by the experiment programs: benchmark, files, encoder, slice and K.
+
+Each program calls `define(benchmarks)` once at import; `benchmark_name(data)` turns the flags into
+the name `ear_jax.candidates.load_benchmark` takes (`jsonl:PATH` for a user memory bank).
+"""
+from typing import NamedTuple, Sequence
+
+from absl import app
+from absl import flags
+
+
+class DataFlags(NamedTuple):
+  benchmark: flags.FlagHolder
+  jsonl: flags.FlagHolder
+  data_dir: flags.FlagHolder
+  encoder: flags.FlagHolder
+  cache_dir: flags.FlagHolder
+  limit: flags.FlagHolder
+  k: flags.FlagHolder
+
+
+def define(benchmarks: Sequence[str], benchmark_help: str = "Which benchmark.") -> DataFlags:
+  """Defines --benchmark (one of `benchmarks`), --jsonl, --data_dir, --encoder, --cache_dir,
+  --limit and --k."""
+  return DataFlags(
+      benchmark=flags.DEFINE_enum("benchmark", "locomo", list(benchmarks), benchmark_help),
+      jsonl=flags.DEFINE_string("jsonl", None, "User JSONL memory bank (--benchmark=jsonl)."),
+      data_dir=flags.DEFINE_string(
+          "data_dir", None, "Benchmark files (else $EAR_DATA_DIR, else ~/.cache/ear_jax/data)."),
+      encoder=flags.DEFINE_string(
+          "encoder", "minilm", "'minilm', a local HF checkpoint dir, or a .npy/.npz of embeddings."),
+      cache_dir=flags.DEFINE_string(
+          "cache_dir", None, "Embedding cache root (else $EAR_CACHE_DIR, else ~/.cache/ear_jax)."),
+      limit=flags.DEFINE_integer(
+          "limit", None, "Only the first N conversations / questions / queries (a quick slice)."),
+      k=flags.DEFINE_integer("k", 20, "Candidates per query (K).", lower_bound=1))
+
+
+def benchmark_name(data: DataFlags) -> str:
+  """The `load_benchmark` name of the flags; --benchmark=jsonl without --jsonl is a UsageError."""
+  name = data.benchmark.value
+  if name == "jsonl":
+    if not data.jsonl.value:
+      raise app.UsageError("--benchmark=jsonl needs --jsonl=PATH")
+    return "jsonl:" + data.jsonl.value
+  return name
