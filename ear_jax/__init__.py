@@ -4,35 +4,35 @@ Pure functions over immutable pytree state; a whole online episode is one jitted
 vmapped over seeds and hyperparameters. See README.md for the quick start and EAR_SPEC for the
 equations each function implements.
 """
-from ear_jax.adapter import (AdapterParams, adapt_memories, adapt_queries, adapter_scores,
+from ear_jax.core.adapter import (AdapterParams, adapt_memories, adapt_queries, adapter_scores,
                              init_adapter, relevance_log_probs, relevance_logits, safe_normalize)
-from ear_jax.candidates import (Benchmark, build_benchmark, embed_corpus, load_benchmark,
+from ear_jax.data.candidates import (Benchmark, build_benchmark, embed_corpus, load_benchmark,
                                 retriever_report, top_k_candidates)
-from ear_jax.datasets import (load_corpus, load_jsonl, load_locomo, load_longmemeval,
+from ear_jax.data.corpora import (load_corpus, load_jsonl, load_locomo, load_longmemeval,
                               normalize_evidence, split_indices)
-from ear_jax.encoders import encode, load_encoder
-from ear_jax.sharding import initialize_distributed, run_mesh, sharded_episodes
-from ear_jax.synthetic import make_synthetic
-from ear_jax.checkpointing import CheckpointError, restore_adapter
-from ear_jax.buffer import ReplayBuffer, init_buffer, push_experiences, select_replay
-from ear_jax.config import (METHODS, EARConfig, HParams, default_hparams, stack_hparams)
-from ear_jax.critic import false_positive_rate, oracle_critic, simulated_critic
-from ear_jax.explorer import (BanditStats, ExplorerOutput, explore, greedy_slate, init_bandit,
+from ear_jax.data.encoders import encode, load_encoder
+from ear_jax.experiment.sharding import initialize_distributed, run_mesh, sharded_episodes
+from ear_jax.data.synthetic import make_synthetic
+from ear_jax.experiment.checkpointing import CheckpointError, restore_adapter
+from ear_jax.core.buffer import ReplayBuffer, init_buffer, push_experiences, select_replay
+from ear_jax.core.config import (METHODS, EARConfig, HParams, default_hparams, stack_hparams)
+from ear_jax.core.critic import false_positive_rate, oracle_critic, simulated_critic
+from ear_jax.core.explorer import (BanditStats, ExplorerOutput, explore, greedy_slate, init_bandit,
                               redundancy, top_s_slate, ucb_scores, update_bandit)
-from ear_jax.inference import (EvalResult, adapter_only_slate, evaluate, evaluate_jit,
+from ear_jax.core.inference import (EvalResult, adapter_only_slate, evaluate, evaluate_jit,
                                explorer_slate)
-from ear_jax.learner import (LearnerState, QueryRecord, apply_gradients, episode_keys,
+from ear_jax.core.learner import (LearnerState, QueryRecord, apply_gradients, episode_keys,
                              feedback_loss, init_learner, make_optimizer, query_loss,
                              run_episode, run_episode_jit, train_batch, train_batch_jit,
                              train_batch_on_feedback, train_batch_on_feedback_jit, train_stream,
                              train_stream_jit, validate_stream)
-from ear_jax.llm_critic import (CriticResult, LLMCritic, LLMCriticConfig, build_messages,
+from ear_jax.agent.llm_critic import (CriticResult, LLMCritic, LLMCriticConfig, build_messages,
                                 labels_from_citations, parse_citations)
-from ear_jax.losses import (aggregate_feedback, combined_loss, gumbel_top_s, ranking_loss,
+from ear_jax.core.losses import (aggregate_feedback, combined_loss, gumbel_top_s, ranking_loss,
                             replay_loss, replay_rewards, slate_log_probs)
-from ear_jax.memory import Memory, Retrieval, llm_feedback, run_critic_episode
-from ear_jax.metrics import masked_mean, slate_hit, slate_recall
-from ear_jax.stream import Stream, concat_streams, make_stream
+from ear_jax.agent.memory import Memory, Retrieval, llm_feedback, run_critic_episode
+from ear_jax.core.metrics import masked_mean, slate_hit, slate_recall
+from ear_jax.core.stream import Stream, concat_streams, make_stream
 
 __version__ = "0.1.0"
 

@@ -16,7 +16,7 @@ s = 5, T = 4, B = 4, batch 4; d = 384 and d = 768; EAR with the default config):
   inference  adapter-only and explorer-assisted retrieval (simulated critic) from a bank of 600 and
              of 250 memories, including the top-K retrieval, batch 1 latency and batch 256
              throughput; the paper's Table 8 beside them.
-  encode     MiniLM sentences/s (`ear_jax.encoders`).
+  encode     MiniLM sentences/s (`ear_jax.data.encoders`).
   suite      wall time of `experiments.run --benchmark=locomo --suite=main` (3 seeds x 3 methods).
 
 Timings take the minimum over repetitions (the machine is shared; the minimum is the least
@@ -40,9 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import ear_jax as ej
-from ear_jax import inference
-from ear_jax import learner
-from ear_jax import sharding
+from ear_jax.core import inference
+from ear_jax.core import learner
+from ear_jax.experiment import sharding
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -322,7 +322,7 @@ def run_inference(dim, bank_sizes, batches, reps, calls_b1):
 
 
 def run_encode(num_sentences, data_dir):
-  from ear_jax import encoders  # pylint: disable=g-import-not-at-top
+  from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
   texts = []
   path = pathlib.Path(data_dir) / "locomo10.json" if data_dir else None
   if path is not None and path.is_file():

@@ -1,7 +1,7 @@
 """The data flags shared by the experiment programs: benchmark, files, encoder, slice and K.
 
 Each program calls `define(benchmarks)` once at import; `benchmark_name(data)` turns the flags into
-the name `ear_jax.candidates.load_benchmark` takes (`jsonl:PATH` for a user memory bank).
+the name `ear_jax.data.candidates.load_benchmark` takes (`jsonl:PATH` for a user memory bank).
 """
 from typing import NamedTuple, Sequence
 

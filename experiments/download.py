@@ -5,7 +5,7 @@
 from absl import app
 from absl import flags
 
-from ear_jax import download
+from ear_jax.data import download
 
 _BENCHMARK = flags.DEFINE_multi_enum("benchmark", ["locomo"], ["locomo", "longmemeval"],
                                      "Benchmark(s) to fetch.")

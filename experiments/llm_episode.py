@@ -1,7 +1,7 @@
 """One EAR training episode with a real LLM critic instead of the simulated one.
 
 The benchmark's queries are split 80/20 (Section 4.4, `--seed`); the training stream is processed
-once, in order, with `ear_jax.memory.run_critic_episode` (host-side loop: T Explorer rounds per query
+once, in order, with `ear_jax.agent.memory.run_critic_episode` (host-side loop: T Explorer rounds per query
 whose labels come from the LLM's citations, the learner step jitted). At the end the adapter-only
 Recall@5 / Hitrate@5 on the test split is reported beside the frozen retriever's, with the critic's
 call statistics (unparseable replies, HTTP errors and timeouts apply no update and are counted).
@@ -21,13 +21,13 @@ from absl import logging
 import jax
 import numpy as np
 
-from ear_jax import candidates
-from ear_jax import datasets
-from ear_jax import inference
-from ear_jax import learner as learner_lib
-from ear_jax import memory as memory_lib
-from ear_jax.config import EARConfig, default_hparams
-from ear_jax.llm_critic import LLMCritic, LLMCriticConfig
+from ear_jax.data import candidates
+from ear_jax.data import corpora as datasets
+from ear_jax.core import inference
+from ear_jax.core import learner as learner_lib
+from ear_jax.agent import memory as memory_lib
+from ear_jax.core.config import EARConfig, default_hparams
+from ear_jax.agent.llm_critic import LLMCritic, LLMCriticConfig
 from experiments import data_flags
 
 _DATA = data_flags.define(["locomo", "longmemeval", "jsonl"],

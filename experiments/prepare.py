@@ -15,7 +15,7 @@ import time
 from absl import app
 from absl import flags
 
-from ear_jax import candidates
+from ear_jax.data import candidates
 from experiments import data_flags
 
 _DATA = data_flags.define(["locomo", "longmemeval", "jsonl", "synthetic"])

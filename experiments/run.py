@@ -20,7 +20,7 @@ from absl import app
 from absl import flags
 from absl import logging as absl_logging
 
-from ear_jax import config as config_lib
+from ear_jax.core import config as config_lib
 from experiments import data_flags
 
 SUITES = ("main", "ablation", "hparams", "curves", "noise", "multistore", "all")
@@ -85,7 +85,7 @@ def build_options():
     app.UsageError: naming the offending flag.
   """
   from experiments import suites  # pylint: disable=g-import-not-at-top
-  from ear_jax import config as cfg  # pylint: disable=g-import-not-at-top
+  from ear_jax.core import config as cfg  # pylint: disable=g-import-not-at-top
   if _SEEDS.value is None or _SEEDS.value < 1:
     raise app.UsageError(f"--seeds must be >= 1 (got --seeds={_SEEDS.value})")
   if _SUITE.value is not None and _SUITE.value not in SUITES:
@@ -103,7 +103,7 @@ def build_options():
     if not os.path.isfile(_DATA.jsonl.value):
       raise app.UsageError(f"--jsonl: file {_DATA.jsonl.value!r} does not exist")
   elif bench in ("locomo", "longmemeval"):
-    from ear_jax import datasets  # pylint: disable=g-import-not-at-top
+    from ear_jax.data import corpora as datasets  # pylint: disable=g-import-not-at-top
     try:
       datasets.find_benchmark_file(bench, _DATA.data_dir.value)
     except FileNotFoundError as e:
@@ -153,7 +153,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   opts = build_options()
   from experiments import suites  # pylint: disable=g-import-not-at-top
-  from ear_jax import experiment  # pylint: disable=g-import-not-at-top
+  from ear_jax.experiment import runner as experiment  # pylint: disable=g-import-not-at-top
   absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save at INFO
   logging.getLogger("ear_jax").setLevel(logging.INFO)
   logging.getLogger("ear_jax").addHandler(_stderr_handler())

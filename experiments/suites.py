@@ -1,6 +1,6 @@
 """The paper's experiments as suites: which runs, and how their results become tables and plots.
 
-No algorithm lives here: runs go through `ear_jax.experiment.train_and_evaluate`; this module picks
+No algorithm lives here: runs go through `ear_jax.experiment.runner.train_and_evaluate`; this module picks
 configs, caches runs that several tables share, writes markdown tables (measured beside the paper's
 numbers), PNG plots, per-run JSON and per-query training logs, and `results.json`.
 
@@ -19,10 +19,10 @@ from typing import Optional
 
 import numpy as np
 
-from ear_jax import checkpointing
-from ear_jax import experiment as ex
-from ear_jax import plots
-from ear_jax.config import default_hparams
+from ear_jax.experiment import checkpointing
+from ear_jax.experiment import runner as ex
+from ear_jax.experiment import plots
+from ear_jax.core.config import default_hparams
 
 _LOG = logging.getLogger("ear_jax.suites")
 
@@ -144,14 +144,14 @@ class Runner:
       o = self.opts
       t0 = time.perf_counter()
       if o.benchmark == "synthetic":
-        from ear_jax import candidates, synthetic  # pylint: disable=g-import-not-at-top
+        from ear_jax.data import candidates, synthetic  # pylint: disable=g-import-not-at-top
         ec = synthetic.make_synthetic(seed=0, num_queries=o.synthetic_queries,
                                       dim=o.synthetic_dim, multistore=multistore,
                                       num_banks=max(2, min(25, o.synthetic_queries // 8)))
         b = candidates.build_benchmark(ec, k=o.k, multistore=multistore)
         b.stats["encoding"] = {"encoder": "synthetic"}
       else:
-        from ear_jax import candidates  # pylint: disable=g-import-not-at-top
+        from ear_jax.data import candidates  # pylint: disable=g-import-not-at-top
         name = "jsonl:" + o.jsonl if o.benchmark == "jsonl" else o.benchmark
         b = candidates.load_benchmark(name, data_dir=o.data_dir, encoder=o.encoder, k=o.k,
                                       multistore=multistore, limit=o.limit,

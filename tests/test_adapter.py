@@ -3,8 +3,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ear_jax import adapter
-from ear_jax.config import EARConfig
+from ear_jax.core import adapter
+from ear_jax.core.config import EARConfig
 
 
 def test_identity_init_leaves_embeddings_unchanged():

@@ -3,8 +3,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ear_jax import buffer
-from ear_jax.config import EARConfig
+from ear_jax.core import buffer
+from ear_jax.core.config import EARConfig
 
 CFG = EARConfig(dim=2, num_candidates=2, slate_size=1, buffer_capacity=3, replay_size=2,
                 batch_size=2)

@@ -4,8 +4,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from ear_jax import candidates
-from ear_jax import datasets
+from ear_jax.data import candidates
+from ear_jax.data import corpora as datasets
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 

@@ -10,11 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from ear_jax import candidates
-from ear_jax import checkpointing
-from ear_jax import experiment as ex
-from ear_jax import synthetic
-from ear_jax.config import default_hparams
+from ear_jax.data import candidates
+from ear_jax.experiment import checkpointing
+from ear_jax.experiment import runner as ex
+from ear_jax.data import synthetic
+from ear_jax.core.config import default_hparams
 
 
 @pytest.fixture(scope="module")

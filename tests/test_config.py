@@ -3,9 +3,9 @@ import jax
 import numpy as np
 import pytest
 
-from ear_jax import learner
-from ear_jax.config import EARConfig, default_hparams, stack_hparams
-from ear_jax.stream import make_stream
+from ear_jax.core import learner
+from ear_jax.core.config import EARConfig, default_hparams, stack_hparams
+from ear_jax.core.stream import make_stream
 
 
 @pytest.mark.parametrize("kwargs,message", [

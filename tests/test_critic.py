@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ear_jax import critic
-from ear_jax.config import default_hparams
+from ear_jax.core import critic
+from ear_jax.core.config import default_hparams
 
 
 def test_false_positive_rate_hand_computed():

@@ -6,7 +6,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from ear_jax import datasets
+from ear_jax.data import corpora as datasets
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 LME_TINY = FIXTURES / "longmemeval_tiny.json"

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from ear_jax import datasets
-from ear_jax import download
+from ear_jax.data import corpora as datasets
+from ear_jax.data import download
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from ear_jax import encoders
+from ear_jax.data import encoders
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 # The published sentence-transformers all-MiniLM-L6-v2 embedding of "hello world" (first dims).

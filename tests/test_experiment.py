@@ -8,10 +8,10 @@ import jax
 import numpy as np
 import pytest
 
-from ear_jax import candidates
-from ear_jax import experiment as ex
-from ear_jax import synthetic
-from ear_jax.config import default_hparams
+from ear_jax.data import candidates
+from ear_jax.experiment import runner as ex
+from ear_jax.data import synthetic
+from ear_jax.core.config import default_hparams
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_store_metrics_hand_computed_case():
 
 
 def test_store_proximity_delta_is_unchanged_by_the_identity_adapter(bench):
-  from ear_jax import learner
+  from ear_jax.core import learner
   config = ex.build_config("ear", dim=16, num_candidates=20, buffer_capacity=64)
   params = learner.init_learner(jax.random.PRNGKey(0), config).params
   s = bench.stream.take(np.arange(8))

@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from ear_jax import critic, explorer
-from ear_jax.config import default_hparams
+from ear_jax.core import critic, explorer
+from ear_jax.core.config import default_hparams
 
 HP = default_hparams()  # lambda = 0.4 / 0.3 / 0.3, alpha = 0.5
 

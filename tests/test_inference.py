@@ -3,10 +3,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ear_jax import inference, learner, metrics
-from ear_jax.config import EARConfig, default_hparams
-from ear_jax.critic import oracle_critic
-from ear_jax.stream import make_stream
+from ear_jax.core import inference, learner, metrics
+from ear_jax.core.config import EARConfig, default_hparams
+from ear_jax.core.critic import oracle_critic
+from ear_jax.core.stream import make_stream
 
 CFG = EARConfig.for_method("ear", dim=2, num_candidates=4, slate_size=2, num_rounds=2)
 M = np.array([[1.0, 0.0], [0.8, 0.6], [0.6, 0.8], [0.0, 1.0]])

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ear_jax import inference, learner
-from ear_jax.config import EARConfig, default_hparams, stack_hparams
-from ear_jax.stream import make_stream
+from ear_jax.core import inference, learner
+from ear_jax.core.config import EARConfig, default_hparams, stack_hparams
+from ear_jax.core.stream import make_stream
 from tests.core_utils import learnable_stream
 
 CFG = EARConfig.for_method("ear", dim=16, num_candidates=8, slate_size=2, num_rounds=3,

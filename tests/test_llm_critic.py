@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from ear_jax import llm_critic
-from ear_jax.llm_critic import (CriticResult, LLMCritic, LLMCriticConfig, build_messages,
+from ear_jax.agent import llm_critic
+from ear_jax.agent.llm_critic import (CriticResult, LLMCritic, LLMCriticConfig, build_messages,
                                 labels_from_citations, parse_citations)
 
 _KEY_ENV = "EAR_JAX_TEST_LLM_KEY"

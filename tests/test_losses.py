@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ear_jax import losses
+from ear_jax.core import losses
 
 LOG123 = jnp.log(jnp.array([1.0, 2.0, 3.0]))
 

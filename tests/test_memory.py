@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ear_jax import encoders
-from ear_jax import learner as learner_lib
-from ear_jax import memory as memory_lib
-from ear_jax.config import EARConfig, default_hparams
-from ear_jax.memory import Memory, Retrieval
-from ear_jax.stream import Stream
+from ear_jax.data import encoders
+from ear_jax.core import learner as learner_lib
+from ear_jax.agent import memory as memory_lib
+from ear_jax.core.config import EARConfig, default_hparams
+from ear_jax.agent.memory import Memory, Retrieval
+from ear_jax.core.stream import Stream
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 _D = 16
@@ -341,9 +341,9 @@ def test_save_replaces_the_previous_checkpoint_and_ignores_stale_temporaries(tmp
 
 _CHILD = textwrap.dedent("""
     import sys, time, numpy as np
-    from ear_jax import memory as memory_lib
-    from ear_jax.memory import Memory
-    from ear_jax.config import EARConfig
+    from ear_jax.agent import memory as memory_lib
+    from ear_jax.agent.memory import Memory
+    from ear_jax.core.config import EARConfig
     path, where = sys.argv[1], sys.argv[2]
     rng = np.random.default_rng(0)
     cfg = EARConfig(dim=8, num_candidates=4, slate_size=2, num_rounds=1, batch_size=1,
@@ -497,7 +497,7 @@ def minilm():
 
 def _locomo_agent_loop(minilm, corpus, split_seed):
   """One agent loop on a LoCoMo memory: (held-out hits before, after, held-out size, train size)."""
-  from ear_jax import datasets  # pylint: disable=g-import-not-at-top
+  from ear_jax.data import corpora as datasets  # pylint: disable=g-import-not-at-top
   cfg = EARConfig(dim=minilm.dim, buffer_capacity=256)
   m = Memory(minilm, config=cfg, seed=split_seed, cache_dir=encoders.default_cache_dir())
   for g, bank in enumerate(corpus.banks):
@@ -542,7 +542,7 @@ def test_agent_loop_on_locomo_beats_the_frozen_retriever(minilm):
   Recall@5 must rise above the frozen retriever's (the same memory before training), pooled over
   the three split seeds 0, 1, 2 (every split the loop sees, none chosen for its result): per split
   the gain is small and noisy at this scale (one split ties), pooled it is not."""
-  from ear_jax import datasets  # pylint: disable=g-import-not-at-top
+  from ear_jax.data import corpora as datasets  # pylint: disable=g-import-not-at-top
   path = _DATA_DIR / "locomo10.json"
   if not path.is_file():
     pytest.skip(f"LoCoMo not found at {path} (set EAR_DATA_DIR)")

@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ear_jax import learner
-from ear_jax.config import EARConfig, default_hparams
-from ear_jax.stream import make_stream
+from ear_jax.core import learner
+from ear_jax.core.config import EARConfig, default_hparams
+from ear_jax.core.stream import make_stream
 from tests import numpy_reference as ref
 
 D, K = 8, 6

@@ -63,8 +63,8 @@ def test_results_json_has_every_field(all_suites):
 
 
 def test_suite_resumed_after_a_kill_matches_the_uninterrupted_run(tmp_path):
-  from ear_jax import checkpointing
-  from ear_jax import experiment
+  from ear_jax.experiment import checkpointing
+  from ear_jax.experiment import runner as experiment
   full_wd = tmp_path / "full"
   full = suites.run(suites.Options(**dict(TINY, workdir=str(full_wd), suite=None, method="ear")))
   tmp_path = tmp_path / "killed"
@@ -113,7 +113,7 @@ def test_bad_flags_fail_fast_naming_the_flag(tmp_path):
 @pytest.mark.skipif(not (DATA_DIR / "locomo10.json").is_file(), reason="LoCoMo file not present")
 def test_main_on_a_locomo_slice_with_the_real_encoder(tmp_path):
   try:
-    from ear_jax import encoders
+    from ear_jax.data import encoders
     encoders.load_encoder("minilm")
   except Exception as e:  # pylint: disable=broad-except
     pytest.skip(f"MiniLM encoder unavailable: {e}")

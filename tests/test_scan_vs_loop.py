@@ -14,7 +14,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from core_utils import learnable_stream  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import ear_jax as ej
-from ear_jax import learner
+from ear_jax.core import learner
 
 
 def _loop(key, stream, config, hparams):

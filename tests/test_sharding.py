@@ -1,4 +1,4 @@
-"""`ear_jax.sharding`: the run axis of a sweep split over 4 forced CPU devices equals one device."""
+"""`ear_jax.experiment.sharding`: the run axis of a sweep split over 4 forced CPU devices equals one device."""
 import json
 import os
 import pathlib
@@ -15,7 +15,7 @@ _SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from core_utils import learnable_stream
     import ear_jax as ej
-    from ear_jax import sharding
+    from ear_jax.experiment import sharding
     assert jax.device_count() == 4, jax.devices()
     stream = ej.stream.to_device(learnable_stream(0, 48, d=16, k=8))
     config = ej.EARConfig(dim=16, num_candidates=8, slate_size=3, num_rounds=2, replay_size=2,

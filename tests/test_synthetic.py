@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ear_jax import candidates
-from ear_jax import datasets
-from ear_jax import synthetic
+from ear_jax.data import candidates
+from ear_jax.data import corpora as datasets
+from ear_jax.data import synthetic
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from ear_jax.config import HParams
+from ear_jax.core.config import HParams
 
 
 def false_positive_rate(num_gold: jax.Array, num_other: jax.Array, precision: jax.Array,

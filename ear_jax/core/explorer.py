@@ -15,7 +15,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from ear_jax.config import HParams
+from ear_jax.core.config import HParams
 
 # The s picks and T rounds are short static loops: unrolled, XLA fuses them (no while-loop
 # overhead per pick on CPU; about 15-20 % of an EAR training step at d = 384, BUILD_NOTES issue 5).

@@ -3,7 +3,7 @@
 A loader returns a `Corpus`: one `Bank` of memories per conversation (LoCoMo), per question
 (LongMemEval) or per named bank (JSONL), and the evaluable `Query`s in file order, each pointing at
 its bank (`group`) and naming its gold memory ids. `stats` counts everything dropped or excluded.
-Embedding and candidate selection happen in `ear_jax.candidates` (`load_benchmark`).
+Embedding and candidate selection happen in `ear_jax.data.candidates` (`load_benchmark`).
 
 Memory stores: 0 = dialogue turns (episodic), 1 = observations (semantic, Section 5). An observation
 lists the dialogue ids it references (`Bank.refs`); it is gold for a query when it, or any dialogue id
@@ -126,7 +126,7 @@ def find_benchmark_file(name: str, data_dir=None) -> pathlib.Path:
   for n in names:
     if (d / n).is_file():
       return d / n
-  from ear_jax import download  # pylint: disable=g-import-not-at-top
+  from ear_jax.data import download  # pylint: disable=g-import-not-at-top
   raise FileNotFoundError(download.missing_file_message(name, d))
 
 

@@ -18,14 +18,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ear_jax import adapter as adapter_lib
-from ear_jax import buffer as buffer_lib
-from ear_jax import explorer as explorer_lib
-from ear_jax import losses
-from ear_jax.config import EARConfig, HParams
-from ear_jax.critic import simulated_critic
-from ear_jax.explorer import Critic
-from ear_jax.stream import Stream
+from ear_jax.core import adapter as adapter_lib
+from ear_jax.core import buffer as buffer_lib
+from ear_jax.core import explorer as explorer_lib
+from ear_jax.core import losses
+from ear_jax.core.config import EARConfig, HParams
+from ear_jax.core.critic import simulated_critic
+from ear_jax.core.explorer import Critic
+from ear_jax.core.stream import Stream
 
 
 @flax.struct.dataclass

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ear_jax import datasets
+from ear_jax.data import corpora as datasets
 
 
 def _unit(x):
@@ -59,7 +59,7 @@ def make_synthetic(*, seed: int = 0, num_queries: int = 500, num_banks: int = 25
   Returns:
     `candidates.EmbeddedCorpus` named 'synthetic'.
   """
-  from ear_jax import candidates  # pylint: disable=g-import-not-at-top
+  from ear_jax.data import candidates  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(seed)
   a = hidden_map(dim, angle, seed)
   sizes = rng.integers(bank_size[0], bank_size[1] + 1, size=num_banks)

@@ -50,15 +50,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ear_jax import adapter as adapter_lib
-from ear_jax import explorer as explorer_lib
-from ear_jax import learner as learner_lib
-from ear_jax.config import EARConfig, HParams, default_hparams
-from ear_jax.stream import Stream
+from ear_jax.core import adapter as adapter_lib
+from ear_jax.core import explorer as explorer_lib
+from ear_jax.core import learner as learner_lib
+from ear_jax.core.config import EARConfig, HParams, default_hparams
+from ear_jax.core.stream import Stream
 
 STORES = {"dialogue": 0, "episodic": 0, "observation": 1, "semantic": 1}
 STORE_NAMES = ("dialogue", "observation")
-CHECKPOINT_FORMAT = "ear_jax.memory/1"
+CHECKPOINT_FORMAT = "ear_jax.agent.memory/1"
 _LATEST = "LATEST"
 _META = "meta.json"
 _ARRAYS = "arrays"
@@ -235,7 +235,7 @@ class Memory:
 
   Args:
     encoder: 'minilm' (default), a local Hugging Face checkpoint directory, a `.npy`/`.npz` of
-      precomputed embeddings, an `ear_jax.encoders.Encoder`, or None (then every `add`/`retrieve`
+      precomputed embeddings, an `ear_jax.data.encoders.Encoder`, or None (then every `add`/`retrieve`
       must pass embeddings). A spec string is loaded lazily, at the first text that needs encoding.
     config: `EARConfig`; default `EARConfig(dim=encoder dim)` (or `dim=` when there is no encoder).
       Its `dim` must match the encoder's.
@@ -256,7 +256,7 @@ class Memory:
                hparams: Optional[HParams] = None, seed: int = 0, dim: Optional[int] = None,
                multistore: bool = False, cache_dir=None, max_sessions: int = 4096,
                initial_capacity: int = _MIN_CAPACITY):
-    from ear_jax import encoders  # pylint: disable=g-import-not-at-top
+    from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
     self._encoder_spec = None
     self._encoder = None
     if encoder is not None:
@@ -351,7 +351,7 @@ class Memory:
 
   def _get_encoder(self):
     if self._encoder is None and self._encoder_spec is not None:
-      from ear_jax import encoders  # pylint: disable=g-import-not-at-top
+      from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
       enc = encoders.load_encoder(self._encoder_spec)
       if enc.dim != self.config.dim:
         raise ValueError(f"encoder {self._encoder_spec!r} has dimension {enc.dim}, but this memory "
@@ -369,7 +369,7 @@ class Memory:
     enc = self._get_encoder()
     if enc is None:
       raise ValueError(f"this memory has no encoder: pass {what} embeddings explicitly")
-    from ear_jax import encoders  # pylint: disable=g-import-not-at-top
+    from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
     emb = encoders.encode(enc, texts, cache_dir=self.cache_dir, use_cache=self.cache_dir is not None,
                           progress=False)
     return _check_embeddings(emb, len(texts), self.config.dim, f"encoder output for {what}")
@@ -950,7 +950,7 @@ class Memory:
       raise ValueError(f"checkpoint {str(root)!r} was written with another config: "
                        + "; ".join(diffs))
     enc_meta = meta["encoder"]
-    from ear_jax import encoders  # pylint: disable=g-import-not-at-top
+    from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
     if isinstance(encoder, str) and encoder == "saved":
       enc_arg = enc_meta["spec"]
     elif encoder is None:

@@ -11,13 +11,13 @@ from typing import NamedTuple
 
 import jax
 
-from ear_jax import adapter as adapter_lib
-from ear_jax import explorer as explorer_lib
-from ear_jax import metrics
-from ear_jax.config import EARConfig, HParams
-from ear_jax.critic import simulated_critic
-from ear_jax.explorer import Critic
-from ear_jax.stream import Stream
+from ear_jax.core import adapter as adapter_lib
+from ear_jax.core import explorer as explorer_lib
+from ear_jax.core import metrics
+from ear_jax.core.config import EARConfig, HParams
+from ear_jax.core.critic import simulated_critic
+from ear_jax.core.explorer import Critic
+from ear_jax.core.stream import Stream
 
 
 def adapter_only_slate(params: adapter_lib.AdapterParams, query: jax.Array,

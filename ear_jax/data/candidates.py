@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ear_jax import datasets
-from ear_jax import stream as stream_lib
+from ear_jax.data import corpora as datasets
+from ear_jax.core import stream as stream_lib
 
 DEFAULT_K = 20
 _QUERY_BATCH = 64
@@ -136,13 +136,13 @@ def embed_corpus(corpus: datasets.Corpus, encoder="minilm", *, cache_dir=None, p
                  multistore: bool = False) -> tuple[EmbeddedCorpus, dict]:
   """Encodes every query and the memories (of the stores used) of every queried bank, once.
 
-  Identical texts are encoded once and the on-disk cache is used (`ear_jax.encoders.encode`).
+  Identical texts are encoded once and the on-disk cache is used (`ear_jax.data.encoders.encode`).
   Banks that no evaluable query searches (e.g. LongMemEval `_abs` questions) are left as zeros.
 
   Returns:
     (`EmbeddedCorpus`, encoding statistics).
   """
-  from ear_jax import encoders  # pylint: disable=g-import-not-at-top
+  from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
   enc = encoders.load_encoder(encoder)
   queried = {q.group for q in corpus.queries}  # banks without an evaluable query are not encoded
   used = [np.zeros(len(b), bool) if g not in queried else
@@ -302,7 +302,7 @@ def load_benchmark(name: str, *, data_dir=None, encoder="minilm", k: int = DEFAU
       'synthetic', or a path to a user `.jsonl` file (optionally prefixed 'jsonl:').
     data_dir: directory of the benchmark files (else `$EAR_DATA_DIR`, else ~/.cache/ear_jax/data).
     encoder: 'minilm', a local Hugging Face checkpoint directory, or a `.npy`/`.npz` of precomputed
-      embeddings (see `ear_jax.encoders`). Ignored for 'synthetic'.
+      embeddings (see `ear_jax.data.encoders`). Ignored for 'synthetic'.
     k: K, candidates per query.
     multistore: top-K/2 dialogue turns + top-K/2 observations (Section 5).
     limit: only the first `limit` conversations (LoCoMo), questions (LongMemEval), queries (JSONL),
@@ -315,7 +315,7 @@ def load_benchmark(name: str, *, data_dir=None, encoder="minilm", k: int = DEFAU
     A `Benchmark`.
   """
   if name == "synthetic":
-    from ear_jax import synthetic  # pylint: disable=g-import-not-at-top
+    from ear_jax.data import synthetic  # pylint: disable=g-import-not-at-top
     kw = {} if limit is None else {"num_queries": int(limit)}
     ec = synthetic.make_synthetic(seed=seed, multistore=multistore, **kw)
     info = {"encoder": "synthetic"}

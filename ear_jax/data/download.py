@@ -19,7 +19,7 @@ import tempfile
 import urllib.error
 import urllib.request
 
-from ear_jax import datasets
+from ear_jax.data import corpora as datasets
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from ear_jax.adapter import MASKED_LOGIT, relevance_log_probs
+from ear_jax.core.adapter import MASKED_LOGIT, relevance_log_probs
 
 
 def _safe_div(num, den):

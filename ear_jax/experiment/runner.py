@@ -29,13 +29,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ear_jax import adapter as adapter_lib
-from ear_jax import datasets
-from ear_jax import inference
-from ear_jax import learner
-from ear_jax.config import EARConfig, HParams, METHODS, default_hparams
-from ear_jax.critic import simulated_critic
-from ear_jax.stream import Stream
+from ear_jax.core import adapter as adapter_lib
+from ear_jax.data import corpora as datasets
+from ear_jax.core import inference
+from ear_jax.core import learner
+from ear_jax.core.config import EARConfig, HParams, METHODS, default_hparams
+from ear_jax.core.critic import simulated_critic
+from ear_jax.core.stream import Stream
 
 _LOG = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
     eval_every: evaluate the test set every this many training queries (learning curves), at 0 and
       at the end; None: only at the end.
     checkpoint_every: save a checkpoint every this many training queries and at the end.
-    checkpointer: an `ear_jax.checkpointing.RunCheckpointer` (None: no checkpoints).
+    checkpointer: an `ear_jax.experiment.checkpointing.RunCheckpointer` (None: no checkpoints).
     resume: continue from the checkpointer's latest checkpoint when there is one.
     stop_after_chunks: raise `Interrupted` after this many segments (after their checkpoint).
     critic: the critic (static).

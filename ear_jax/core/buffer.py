@@ -14,7 +14,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from ear_jax.config import EARConfig
+from ear_jax.core.config import EARConfig
 
 
 @flax.struct.dataclass

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ear_jax import learner
-from ear_jax.config import EARConfig, HParams
+from ear_jax.core import learner
+from ear_jax.core.config import EARConfig, HParams
 
 FORMAT = "ear_jax.run_checkpoint/1"
 _META_FILE = "ear_run.json"  # written next to the step directories once a run is bound

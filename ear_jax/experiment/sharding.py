@@ -23,11 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ear_jax import learner
-from ear_jax.config import EARConfig, HParams
-from ear_jax.critic import simulated_critic
-from ear_jax.explorer import Critic
-from ear_jax.stream import Stream
+from ear_jax.core import learner
+from ear_jax.core.config import EARConfig, HParams
+from ear_jax.core.critic import simulated_critic
+from ear_jax.core.explorer import Critic
+from ear_jax.core.stream import Stream
 
 RUN_AXIS = "runs"
 

@@ -16,7 +16,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from ear_jax.config import EARConfig
+from ear_jax.core.config import EARConfig
 
 _NORM_EPS = 1e-12
 # Logit given to masked candidates inside softmaxes (finite, so masked reductions never make NaN).

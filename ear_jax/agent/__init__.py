@@ -1,0 +1,1 @@
+"""The agent layer: the stateful `Memory` and LLM clients."""

@@ -1,0 +1,1 @@
+"""Benchmarks and the frozen encoder: corpora, embeddings, candidate streams."""

@@ -1,0 +1,1 @@
+"""Experiment machinery: train-and-evaluate over seeds, checkpoints, sharding, plots."""
