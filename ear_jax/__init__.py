@@ -16,12 +16,16 @@ from ear_jax.data.synthetic import make_synthetic
 from ear_jax.experiment.checkpointing import CheckpointError, restore_adapter
 from ear_jax.core.buffer import ReplayBuffer, init_buffer, push_experiences, select_replay
 from ear_jax.core.config import (METHODS, EARConfig, HParams, default_hparams, stack_hparams)
-from ear_jax.core.critic import false_positive_rate, oracle_critic, simulated_critic
+from ear_jax.core.critic import (CRITICS, OracleCritic, SimulatedCritic, SlateView, default_critic,
+                                 false_positive_rate, make_simulated_critic, oracle_critic,
+                                 simulated_critic, slate_view, stack_critics)
+from ear_jax.core.slates import gather_slate, top_s_slate
+from ear_jax.core.retrieval import retrieve, slate_from_candidates, top_k_search
 from ear_jax.core.explorer import (BanditStats, ExplorerOutput, explore, greedy_slate, init_bandit,
-                              redundancy, top_s_slate, ucb_scores, update_bandit)
+                              redundancy, ucb_scores, update_bandit)
 from ear_jax.core.inference import (EvalResult, adapter_only_slate, evaluate, evaluate_jit,
                                explorer_slate)
-from ear_jax.core.learner import (LearnerState, QueryRecord, apply_gradients, episode_keys,
+from ear_jax.core.learner import (LearnerState, QueryRecord, apply_gradients, collect_feedback, episode_keys,
                              feedback_loss, init_learner, make_optimizer, query_loss,
                              run_episode, run_episode_jit, train_batch, train_batch_jit,
                              train_batch_on_feedback, train_batch_on_feedback_jit, train_stream,
@@ -56,5 +60,7 @@ __all__ = [
     "safe_normalize", "select_replay", "simulated_critic", "slate_hit", "slate_log_probs",
     "slate_recall", "stack_hparams", "top_s_slate", "train_batch", "train_batch_jit",
     "train_batch_on_feedback", "train_batch_on_feedback_jit", "train_stream", "train_stream_jit",
-    "ucb_scores", "update_bandit", "validate_stream",
+    "ucb_scores", "update_bandit", "validate_stream", "CRITICS", "OracleCritic", "SimulatedCritic",
+    "SlateView", "default_critic", "make_simulated_critic", "slate_view", "stack_critics",
+    "gather_slate", "retrieve", "slate_from_candidates", "top_k_search", "collect_feedback",
 ]

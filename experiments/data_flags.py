@@ -3,6 +3,7 @@
 Each program calls `define(benchmarks)` once at import; `benchmark_name(data)` turns the flags into
 the name `ear_jax.data.candidates.load_benchmark` takes (`jsonl:PATH` for a user memory bank).
 """
+import os
 from typing import NamedTuple, Sequence
 
 from absl import app
@@ -37,10 +38,20 @@ def define(benchmarks: Sequence[str], benchmark_help: str = "Which benchmark.") 
 
 
 def benchmark_name(data: DataFlags) -> str:
-  """The `load_benchmark` name of the flags; --benchmark=jsonl without --jsonl is a UsageError."""
+  """The `load_benchmark` name of the flags.
+
+  Raises:
+    app.UsageError: --benchmark=jsonl without --jsonl, or a --jsonl path that is a directory or
+      does not exist.
+  """
   name = data.benchmark.value
   if name == "jsonl":
-    if not data.jsonl.value:
+    path = data.jsonl.value
+    if not path:
       raise app.UsageError("--benchmark=jsonl needs --jsonl=PATH")
-    return "jsonl:" + data.jsonl.value
+    if os.path.isdir(path):
+      raise app.UsageError(f"--jsonl={path} is a directory; pass the path of a .jsonl file")
+    if not os.path.isfile(path):
+      raise app.UsageError(f"--jsonl={path}: file does not exist")
+    return "jsonl:" + path
   return name

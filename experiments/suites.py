@@ -6,6 +6,11 @@ numbers), PNG plots, per-run JSON and per-query training logs, and `results.json
 
 Suites: main (Table 2), ablation (Table 3), hparams (Tables 6-7), curves (Figs. 3-4), noise (Fig. 5),
 multistore (Tables 4-5, Fig. 6, Appendix C), all.
+
+Every suite also compares its methods with a baseline on PAIRED seeds (same seed = same split and
+keys; see `_pair`): the mean per-seed difference and its 95% t-interval over seeds
+(`ear_jax.experiment.stats`) go into the tables ("Δ ... [95% CI]" columns), into results.json
+("paired": suite -> list of records) and into the readings (`results_md.readings_md`).
 """
 from __future__ import annotations
 
@@ -22,7 +27,9 @@ import numpy as np
 from ear_jax.experiment import checkpointing
 from ear_jax.experiment import runner as ex
 from ear_jax.experiment import plots
+from ear_jax.experiment import stats
 from ear_jax.core.config import default_hparams
+from experiments import results_md
 
 _LOG = logging.getLogger("ear_jax.suites")
 
@@ -136,6 +143,7 @@ class Runner:
     self.tables = {}  # suite -> markdown
     self.plots = []
     self.timings = {}
+    self.paired = {}  # suite -> [paired-comparison records] (see `_pair`)
     self.seeds = list(range(opts.seeds))
 
   # -- data ---------------------------------------------------------------------------------------
@@ -310,26 +318,151 @@ def _m(summary, metric):
   return summary["metrics"][metric]
 
 
+# ------------------------------------------------------------------------------------------------
+# Paired comparisons over seeds (GitHub issue 14).
+#
+# Seeds are paired by construction. `Runner.bench` computes ONE split per seed
+# (`ex.seed_splits` -> `datasets.split_indices(N, seed)`, a fixed numpy permutation) and every run
+# on that benchmark gets the same split and the same seed list; `runner.train_and_evaluate` derives
+# every PRNG key of seed i from `PRNGKey(seeds[i])`: the adapter init, the per-query episode keys
+# (query n of seed i uses key n, which drives the simulated critic's noise and the exploration) and
+# the evaluation key. So seed i of every method sees the same train/test split and the same keys,
+# and the per-seed difference `method_i - baseline_i` removes the split-to-split variation both
+# share. (Runs with a different number of epochs split the episode key into a different number of
+# query keys, so their critic draws differ; split and evaluation key still match. Runs on the
+# multi-store benchmark are only paired with other multi-store runs.)
+#
+# `_pair` records every comparison in `Runner.paired[suite]` (-> results.json "paired"): the
+# `stats.paired_difference` fields (n, mean, sd, lo, hi, per_seed, verdict, confidence) plus who
+# is compared, the metric, the paper's difference where the paper gives both numbers, and whether
+# the verdict agrees with the paper's direction. Records with `primary` feed the "Readings" list.
+
+DELTA_NOTE = ("Δ columns: mean over seeds of the per-seed paired difference method − baseline "
+              "(same seed = same train/test split and PRNG keys), in points, with its "
+              f"[{stats.INTERVAL_LABEL}] (Student t, n−1 dof; 'better'/'worse' only when the "
+              "interval excludes 0, otherwise a tie).")
+
+
+def _sign(v):
+  if v is None or not np.isfinite(v) or v == 0:
+    return None
+  return 1 if v > 0 else -1
+
+
+def _pair(r: Runner, suite: str, treatment: dict, baseline: dict, metric: str, t_values,
+          b_values, *, paper_delta=None, expected_sign=None, primary: bool = True,
+          score: bool = True) -> dict:
+  """Paired difference `treatment - baseline` of per-seed values, recorded for results.json.
+
+  Args:
+    r: the runner (records go to `r.paired[suite]`).
+    suite: suite name.
+    treatment: `{"label", "run", "mode"}` describing the method (JSON).
+    baseline: the same for the baseline.
+    metric: metric label, e.g. "R@5".
+    t_values: per-seed values of the treatment (seed order `r.seeds`).
+    b_values: per-seed values of the baseline, same seeds.
+    paper_delta: the paper's difference for this comparison, if it reports both numbers.
+    expected_sign: the paper's direction (+1 / -1) when it states one without numbers
+      (default: the sign of `paper_delta`).
+    primary: list this comparison in the suite's readings.
+    score: the metric is a score (higher = better); False for e.g. a count, whose 'better' /
+      'worse' verdicts are read as 'higher' / 'lower'.
+
+  Returns:
+    The `PairedDifference.to_json()` dict.
+  """
+  d = stats.paired_difference(t_values, b_values).to_json()
+  sign = expected_sign if expected_sign is not None else _sign(paper_delta)
+  r.paired.setdefault(suite, []).append({
+      "treatment": treatment, "baseline": baseline, "metric": metric, **d,
+      "paper_delta": None if paper_delta is None else round(float(paper_delta), 2),
+      "expected_sign": sign, "vs_paper": stats.agreement(d, sign), "primary": primary,
+      "score": score})
+  return d
+
+
+def _side(label: str, summary: dict, mode: Optional[str]) -> dict:
+  return {"label": label, "run": summary.get("run"), "mode": mode}
+
+
+def _pair_runs(r: Runner, suite: str, t: tuple, b: tuple, metrics=("recall", "hitrate"),
+               paper: Optional[dict] = None, primary=True,
+               expected: Optional[dict] = None) -> dict:
+  """`_pair` of test metrics of two runs: `t = (label, summary, mode)`, `b` likewise.
+
+  Args:
+    r: the runner.
+    suite: suite name.
+    t: treatment `(label, summary, test mode)`.
+    b: baseline `(label, summary, test mode)`.
+    metrics: 'recall' (R@5) and / or 'hitrate' (Hit@5).
+    paper: optional `{metric: paper difference}`.
+    primary: a bool, or the set of metrics that feed the readings.
+    expected: optional `{metric: +1 / -1}`, the paper's direction where it gives no numbers.
+
+  Returns:
+    `{metric: difference dict}`.
+
+  Raises:
+    ValueError: when the two runs do not share seeds and test-set size (not paired).
+  """
+  (tl, ts, tm), (bl, bs, bm) = t, b
+  if ts.get("seeds") != bs.get("seeds") or ts.get("num_test") != bs.get("num_test"):
+    raise ValueError(f"{tl} and {bl} are not paired: seeds {ts.get('seeds')} vs "
+                     f"{bs.get('seeds')}, test sizes {ts.get('num_test')} vs {bs.get('num_test')}")
+  out = {}
+  for metric in metrics:
+    pm = primary if isinstance(primary, bool) else metric in primary
+    out[metric] = _pair(r, suite, _side(tl, ts, tm), _side(bl, bs, bm), _METRIC_LABELS[metric],
+                        _m(ts, f"{metric}_{tm}")["per_seed"], _m(bs, f"{metric}_{bm}")["per_seed"],
+                        paper_delta=(paper or {}).get(metric),
+                        expected_sign=(expected or {}).get(metric), primary=pm)
+  return out
+
+
+_METRIC_LABELS = {"recall": "R@5", "hitrate": "Hit@5"}
+_fd = stats.format_difference
+
+
 def suite_main(r: Runner) -> str:
   pk = r.paper_key()
   runs = {m: r.run(m) for m in ("retriever", "rl_update", "ear")}
   modes = {"retriever": "adapter", "rl_update": "adapter", "ear": "explorer"}
   names = {"retriever": "Only Retriever", "rl_update": "Reranker + RL update",
            "ear": "EAR (ours)"}
-  rows = []
+  rows, deltas = [], {}
+  base = ("Only Retriever", runs["retriever"], "adapter")
+  pbase = PAPER["main"].get(pk, {}).get("retriever") if pk else None
   for m, s in runs.items():
     mode = modes[m]
     other = "explorer" if mode == "adapter" else "adapter"
     paper = PAPER["main"].get(pk, {}).get(m) if pk else None
+    dcells = ["(baseline)", "(baseline)"]
+    if m != "retriever":
+      deltas[names[m]] = _pair_runs(
+          r, "main", (names[m], s, mode), base,
+          paper={"recall": paper[0] - pbase[0], "hitrate": paper[1] - pbase[1]} if paper else None)
+      dcells = [_fd(deltas[names[m]]["recall"]), _fd(deltas[names[m]]["hitrate"])]
     rows.append([names[m], f"{mode}", _p(paper[0]) if paper else "–",
-                 _fmt(_m(s, f"recall_{mode}")), _p(paper[1]) if paper else "–",
-                 _fmt(_m(s, f"hitrate_{mode}")), _fmt(_m(s, f"recall_{other}")),
+                 _fmt(_m(s, f"recall_{mode}")), dcells[0], _p(paper[1]) if paper else "–",
+                 _fmt(_m(s, f"hitrate_{mode}")), dcells[1], _fmt(_m(s, f"recall_{other}")),
                  _fmt(_m(s, f"hitrate_{other}"))])
+  # The paper's headline ordering also puts EAR above the RL-update reranker.
+  prl = PAPER["main"].get(pk, {}).get("rl_update") if pk else None
+  pear = PAPER["main"].get(pk, {}).get("ear") if pk else None
+  _pair_runs(r, "main", (names["ear"], runs["ear"], "explorer"),
+             (names["rl_update"], runs["rl_update"], "adapter"),
+             paper={"recall": pear[0] - prl[0], "hitrate": pear[1] - prl[1]} if pear else None,
+             primary={"recall"})
   ceil = runs["retriever"]["ceiling"]
   md = [f"### Table 2 (retrieval columns) — {r.opts.benchmark}",
         "",
-        _md_table(["Method", "test mode", "paper R@5", "R@5", "paper Hit@5", "Hit@5",
-                   "R@5 (other mode)", "Hit@5 (other mode)"], rows),
+        _md_table(["Method", "test mode", "paper R@5", "R@5", "Δ R@5 vs retriever [95% CI]",
+                   "paper Hit@5", "Hit@5", "Δ Hit@5 vs retriever [95% CI]", "R@5 (other mode)",
+                   "Hit@5 (other mode)"], rows),
+        "",
+        DELTA_NOTE + " Baseline: Only Retriever (the frozen retriever's top-5).",
         "",
         f"Test queries per seed: {runs['ear']['num_test']}, training queries: "
         f"{runs['ear']['num_train']}, seeds: {len(r.seeds)}. Recall@K ceiling (all gold in the "
@@ -353,8 +486,13 @@ def suite_main(r: Runner) -> str:
   paper = ({names[m]: {"Recall@5": PAPER["main"][pk][m][0], "Hitrate@5": PAPER["main"][pk][m][1]}
             for m in runs} if pk else None)
   plots.grouped_bars(r.plot_path("table2_main"), ["Recall@5", "Hitrate@5"], series,
-                     title=f"Table 2, {r.opts.benchmark} (mean ± std over {len(r.seeds)} seeds; "
+                     title=f"Table 2, {r.opts.benchmark} (mean over {len(r.seeds)} seeds; "
                            "— paper)", ylabel="%", paper=paper)
+  plots.paired_differences(
+      r.plot_path("table2_paired_vs_retriever"),
+      {lab: {"Recall@5": d["recall"], "Hitrate@5": d["hitrate"]} for lab, d in deltas.items()},
+      title=f"Table 2, {r.opts.benchmark}: paired difference vs Only Retriever, "
+            f"{len(r.seeds)} seeds", ylabel="Δ (points)", baseline="Only Retriever")
   if cats:
     plots.grouped_bars(r.plot_path("table2_per_category"), cats,
                        {names[m]: {c: runs[m]["per_category"][c][f"recall_{modes[m]}"]["per_seed"]
@@ -371,51 +509,105 @@ def suite_ablation(r: Runner) -> str:
                ("EAR w/o Explorer at test time", "ear", "adapter"),
                ("Only Explorer at test time", "retriever", "explorer"),
                ("EAR (ours)", "ear", "explorer")]
-  rows, series = [], {}
+  rows, series, deltas = [], {}, {}
+  base = ("Only Retriever", r.run("retriever"), "adapter")
+  pret = PAPER["main"][pk]["retriever"][0] if pk else None  # Table 2's retriever
+  ear = r.run("ear")
   for label, method, mode in rows_spec:
     s = r.run(method)
     pl = PAPER["ablation"]["longmemeval"][(method, mode)]
     pc = PAPER["ablation"]["locomo"][(method, mode)]
+    pv = PAPER["ablation"][pk][(method, mode)] if pk else None
+    # Baselines: the frozen retriever (does the variant help at all?) and full EAR evaluated in
+    # the same test mode (what the paper's ablation removes a component from).
+    d_ret = _pair_runs(r, "ablation", (label, s, mode), base,
+                       paper={"recall": pv - pret} if pk else None, primary={"recall"})
+    d_ear = None
+    if method != "ear":
+      d_ear = _pair_runs(r, "ablation", (label, s, mode), (f"EAR ({mode} at test)", ear, mode),
+                         metrics=("recall",),
+                         paper={"recall": pv - PAPER["ablation"][pk][("ear", mode)]}
+                         if pk else None)["recall"]
+    deltas[label] = {"vs Only Retriever": d_ret["recall"]}
+    if d_ear is not None:
+      deltas[label]["vs EAR (same test mode)"] = d_ear
     rows.append([label, mode, _p(pl), _p(pc), _fmt(_m(s, f"recall_{mode}")),
-                 _fmt(_m(s, f"hitrate_{mode}"))])
+                 _fd(d_ret["recall"]), _fd(d_ear) if d_ear is not None else "(reference)",
+                 _fmt(_m(s, f"hitrate_{mode}")), _fd(d_ret["hitrate"])])
     series[label] = {"Recall@5": _m(s, f"recall_{mode}")["per_seed"]}
   md = [f"### Table 3 (ablation) — {r.opts.benchmark}", "",
         "Top four rows: explorer disabled at test (adapter top-5); bottom two: explorer at test.",
         "",
         _md_table(["Variant", "test mode", "paper LongMemEval R@5", "paper LoCoMo R@5",
-                   "R@5 (here)", "Hit@5 (here)"], rows)]
+                   "R@5 (here)", "Δ R@5 vs retriever [95% CI]",
+                   "Δ R@5 vs EAR, same test mode [95% CI]", "Hit@5 (here)",
+                   "Δ Hit@5 vs retriever [95% CI]"], rows), "",
+        DELTA_NOTE + " Baselines: Only Retriever (top-5 of the frozen retriever) and EAR's own "
+        "adapter evaluated in the row's test mode ('(reference)': EAR itself)."]
   paper = None
   if pk:
     paper = {lab: {"Recall@5": PAPER["ablation"][pk][(m, mo)]} for lab, m, mo in rows_spec}
   plots.grouped_bars(r.plot_path("table3_ablation"), ["Recall@5"], series,
                      title=f"Table 3, {r.opts.benchmark} (— paper)", ylabel="Recall@5 (%)",
                      paper=paper)
+  plots.paired_differences(r.plot_path("table3_paired"), deltas,
+                           title=f"Table 3, {r.opts.benchmark}: paired Δ Recall@5, "
+                                 f"{len(r.seeds)} seeds", ylabel="Δ Recall@5 (points)",
+                           baseline="Only Retriever / EAR (same test mode)")
   return "\n".join(md)
 
 
 def suite_hparams(r: Runner) -> str:
   pkl = PAPER["hparams"]["longmemeval"]
+  # Paired baselines (adapter-only test mode, as the paper's Tables 6-7): the frozen retriever,
+  # and the default setting (T=4, B=4, similarity replay) the paper picks as best. The paper's
+  # numbers are LongMemEval's, so its direction is only checked on LongMemEval.
+  lme = r.opts.benchmark == "longmemeval"
+  pret = PAPER["main"]["longmemeval"]["retriever"][0]
+  base = ("Only Retriever", r.run("retriever"), "adapter")
+  default = r.run("ear", config_overrides={"num_rounds": 4, "replay_size": 4})
+
+  def deltas(label, s, tag, default_label, default_tag):
+    # Table 7's 'similarity' row is the T=4, B=4 run of Table 6: not read twice.
+    d_ret = _pair_runs(r, "hparams", (label, s, "adapter"), base,
+                       paper={"recall": pkl[tag] - pret} if lme else None,
+                       primary={"recall"} if tag != "similarity" else False)
+    if tag == default_tag:
+      return d_ret, None
+    d_def = _pair_runs(r, "hparams", (label, s, "adapter"), (default_label, default, "adapter"),
+                       metrics=("recall",),
+                       paper={"recall": pkl[tag] - pkl[default_tag]} if lme else None)
+    return d_ret, d_def["recall"]
+
   rows, series = [], {}
   for t, bsz in ((2, 4), (4, 4), (8, 4), (4, 2), (4, 8)):
     s = r.run("ear", config_overrides={"num_rounds": t, "replay_size": bsz}
               if (t, bsz) != (4, 4) else {"num_rounds": 4, "replay_size": 4})
     tag = f"T{t}B{bsz}"
-    rows.append([t, bsz, _p(pkl[tag]), _fmt(_m(s, "recall_adapter")),
+    d_ret, d_def = deltas(f"EAR T={t}, B={bsz}", s, tag, "EAR T=4, B=4", "T4B4")
+    rows.append([t, bsz, _p(pkl[tag]), _fmt(_m(s, "recall_adapter")), _fd(d_ret["recall"]),
+                 _fd(d_def) if d_def is not None else "(reference)",
                  _fmt(_m(s, "recall_explorer")), _fmt(s["critic_calls"], 0)])
     series[f"T={t}, B={bsz}"] = {"Recall@5": _m(s, "recall_adapter")["per_seed"]}
   rows7, series7 = [], {}
   for strat in ("similarity", "reward", "random"):
     s = r.run("ear", config_overrides={"replay_strategy": strat, "num_rounds": 4,
                                        "replay_size": 4})
-    rows7.append([strat, _p(pkl[strat]), _fmt(_m(s, "recall_adapter")),
+    d_ret, d_def = deltas(f"EAR {strat} replay", s, strat, "EAR similarity replay", "similarity")
+    rows7.append([strat, _p(pkl[strat]), _fmt(_m(s, "recall_adapter")), _fd(d_ret["recall"]),
+                  _fd(d_def) if d_def is not None else "(reference)",
                   _fmt(_m(s, "recall_explorer"))])
     series7[strat] = {"Recall@5": _m(s, "recall_adapter")["per_seed"]}
   md = [f"### Table 6 (exploration rounds T, replay batch B) — {r.opts.benchmark}", "",
         "Paper: LongMemEval, Recall@5 of the updated adapter (explorer off at test).", "",
-        _md_table(["T", "B", "paper R@5", "R@5 adapter (here)", "R@5 explorer (here)",
+        _md_table(["T", "B", "paper R@5", "R@5 adapter (here)", "Δ R@5 vs retriever [95% CI]",
+                   "Δ R@5 vs T=4, B=4 [95% CI]", "R@5 explorer (here)",
                    "critic calls (train)"], rows), "",
         f"### Table 7 (replay sampling strategy) — {r.opts.benchmark}", "",
-        _md_table(["strategy", "paper R@5", "R@5 adapter (here)", "R@5 explorer (here)"], rows7)]
+        _md_table(["strategy", "paper R@5", "R@5 adapter (here)", "Δ R@5 vs retriever [95% CI]",
+                   "Δ R@5 vs similarity [95% CI]", "R@5 explorer (here)"], rows7), "",
+        DELTA_NOTE + " Adapter-only test mode; baselines: Only Retriever and the default "
+        "setting (T=4, B=4, similarity replay; '(reference)')."]
   plots.grouped_bars(r.plot_path("table6_T_B"), ["Recall@5"], series,
                      title=f"Table 6, {r.opts.benchmark} (adapter only)", ylabel="Recall@5 (%)")
   plots.grouped_bars(r.plot_path("table7_strategy"), ["Recall@5"], series7,
@@ -447,16 +639,26 @@ def suite_curves(r: Runner) -> str:
   for m, s in list(runs.items()) + [("rl_update_budget", rl_e)]:
     curve = s["curve"]
     mins = min(float(np.mean(p["recall_adapter"])) for p in curve)
-    rows.append([names.get(m, f"RL update, {t} epochs (matched critic budget)"),
-                 _fmt(_m(s, "recall_adapter")), f"{mins - ref:+.2f}",
+    label = names.get(m, f"RL update, {t} epochs (matched critic budget)")
+    # Final test Recall@5 (explorer off) paired with the retriever; the figures give no numbers,
+    # only that EAR ends above the retriever (Figs. 3-4).
+    d = _pair_runs(r, "curves", (label, s, "adapter"), ("Only Retriever", base, "adapter"),
+                   metrics=("recall",), expected={"recall": 1} if m == "ear" else None)
+    rows.append([label, _fmt(_m(s, "recall_adapter")), _fd(d["recall"]), f"{mins - ref:+.2f}",
                  _p(ex.first_crossing(curve, "recall_adapter", ref, "queries_seen")),
                  _p(ex.first_crossing(curve, "recall_adapter", ref, "critic_calls")),
                  _fmt(s["critic_calls"], 0)])
   md = [f"### Figures 3–4 (learning curves, explorer off at test) — {r.opts.benchmark}", "",
         f"Test Recall@5 evaluated every {ev} training queries inside the chunked scan. Only "
         f"Retriever: {ref:.2f}. Paper: {PAPER['curves']['fig3']} {PAPER['curves']['fig4']}", "",
-        _md_table(["run", "final R@5", "worst drop vs retriever", "queries to reach retriever",
-                   "critic calls to reach retriever", "critic calls (total)"], rows)]
+        _md_table(["run", "final R@5", "Δ final R@5 vs retriever [95% CI]",
+                   "worst drop vs retriever", "queries to reach retriever",
+                   "critic calls to reach retriever", "critic calls (total)"], rows), "",
+        DELTA_NOTE + " Curve bands in the plots: the same interval of the mean at each point."]
+  # Fig. 4: at a matched critic budget EAR stays ahead of the multi-epoch RL update.
+  _pair_runs(r, "curves", ("EAR", runs["ear"], "adapter"),
+             (f"RL update, {t} epochs", rl_e, "adapter"), metrics=("recall",),
+             expected={"recall": 1})
   plots.learning_curves(r.plot_path("fig3_sample_efficiency"),
                         {names[m]: runs[m]["curve"] for m in names}, x="queries_seen",
                         hlines={"Only Retriever": ref},
@@ -473,27 +675,48 @@ def suite_noise(r: Runner) -> str:
   r.bench()
   ev = _eval_every(r)
   levels = tuple(r.opts.noise_levels)
-  ref = _m(r.run("retriever"), "recall_adapter")["mean"]
+  ret = r.run("retriever")
+  ref = _m(ret, "recall_adapter")["mean"]
   grid = np.full((len(levels), len(levels)), np.nan)
   rows, diag = [], {}
+  # Paired baseline: the frozen retriever, since the paper's claim (Fig. 5) is that EAR stays above
+  # the retriever at every noise level; diagonal cells (P = R) feed the readings.
+  drows, marks, counts = [], [], {stats.BETTER: 0, stats.TIE: 0, stats.WORSE: 0}
+  sym = {stats.BETTER: "+", stats.WORSE: "−"}
   for i, p in enumerate(levels):
     row = [f"{p:g}"]
+    drow, mrow = [f"{p:g}"], []
     for j, rc in enumerate(levels):
       s = r.run("ear", hparam_overrides={"critic_precision": p, "critic_recall": rc},
                 eval_every=ev if p == rc else None)
       grid[i, j] = _m(s, "recall_adapter")["mean"]
       row.append(_fmt(_m(s, "recall_adapter")))
+      d = _pair_runs(r, "noise", (f"EAR, critic P={p:g} R={rc:g}", s, "adapter"),
+                     ("Only Retriever", ret, "adapter"), metrics=("recall",),
+                     expected={"recall": 1}, primary=p == rc)["recall"]
+      drow.append(_fd(d))
+      mrow.append(sym.get(d["verdict"], "="))
+      counts[d["verdict"]] = counts.get(d["verdict"], 0) + 1
       if p == rc:
         diag[f"P=R={p:g}"] = s["curve"]
     rows.append(row)
+    drows.append(drow)
+    marks.append(mrow)
   md = [f"### Figure 5 (critic noise) — {r.opts.benchmark}", "",
         f"Final test Recall@5 of EAR's adapter (explorer off at test); rows precision, columns "
         f"recall. Only Retriever: {ref:.2f}. Paper: {PAPER['noise']}", "",
         _md_table(["precision \\ recall"] + [f"{c:g}" for c in levels], rows), "",
-        f"Cells above the retriever: {int((grid > ref).sum())}/{grid.size}."]
+        f"Cells above the retriever (means): {int((grid > ref).sum())}/{grid.size}.", "",
+        "Δ R@5 vs retriever [95% CI], same grid:", "",
+        _md_table(["precision \\ recall"] + [f"{c:g}" for c in levels], drows), "",
+        f"Paired verdicts vs the retriever: better in {counts[stats.BETTER]}/{grid.size}, tie in "
+        f"{grid.size - counts[stats.BETTER] - counts[stats.WORSE]}/{grid.size}, worse in "
+        f"{counts[stats.WORSE]}/{grid.size} cells. " + DELTA_NOTE]
   plots.heatmap(r.plot_path("fig5_noise_grid"), levels, levels, grid,
                 title=f"Fig. 5: EAR R@5 (explorer off), {r.opts.benchmark}; retriever {ref:.1f}",
-                row_label="critic precision", col_label="critic recall")
+                row_label="critic precision", col_label="critic recall", marks=marks,
+                marks_note="+ / = / − : paired Δ vs retriever better / tie / worse "
+                           f"({stats.INTERVAL_LABEL})")
   plots.learning_curves(r.plot_path("fig5_noise_curves"), diag, hlines={"Only Retriever": ref},
                         title=f"Fig. 5: EAR under critic noise, {r.opts.benchmark}")
   return "\n".join(md)
@@ -522,7 +745,37 @@ def suite_multistore(r: Runner) -> str:
     mode = "adapter" if m == "retriever" else "explorer"
     for typ, s in (("Only Dialogues", single[m]), ("Dialogue + Observations",
                                                    ret if m == "retriever" else ear)):
-      rows4.append([name, typ, _fmt(_m(s, f"recall_{mode}")), _fmt(_m(s, f"hitrate_{mode}"))])
+      dcells = ["(baseline)", "(baseline)"]
+      if m == "ear":
+        # Paired with the retriever on the same candidates (same benchmark, so same splits).
+        b_s = single["retriever"] if typ == "Only Dialogues" else ret
+        d = _pair_runs(r, "multistore", (f"EAR ({typ})", s, mode),
+                       (f"Retriever Only ({typ})", b_s, "adapter"), primary=typ != "Only Dialogues")
+        dcells = [_fd(d["recall"]), _fd(d["hitrate"])]
+      rows4.append([name, typ, _fmt(_m(s, f"recall_{mode}")), dcells[0],
+                    _fmt(_m(s, f"hitrate_{mode}")), dcells[1]])
+  # Table 5 / Fig. 6, paired with the retriever on the multi-store candidates.
+  rows5 = []
+  t5_metrics = (("recall_dialogue", "R@5 dialogue", 0), ("recall_observation", "R@5 obs.", 1),
+                ("observations_in_slate", "obs in top-5", None))
+  for name, mode in (("EAR (explorer at test)", "explorer"), ("EAR (adapter only)", "adapter")):
+    for c in ["all"] + cats:
+      row = [name, c]
+      for field, mlabel, pidx in t5_metrics:
+        paper = None
+        if pidx is not None and mode == "explorer" and c != "all" and r.opts.benchmark == "locomo":
+          paper = pm["ear"][c][pidx] - pm["retriever"][c][pidx]
+        # Fig. 6: fewer observations than the retriever; Table 5: more dialogue recall.
+        expected = {"observations_in_slate": -1, "recall_dialogue": 1}.get(field)
+        d = _pair(r, "multistore", {"label": f"{name}, {c}", "run": ear.get("run"), "mode": mode},
+                  {"label": f"Retriever Only, {c}", "run": ret.get("run"), "mode": "adapter"},
+                  mlabel, ear["multistore"]["per_category"][mode][c][field]["per_seed"],
+                  ret["multistore"]["per_category"]["adapter"][c][field]["per_seed"],
+                  paper_delta=paper, expected_sign=None if paper is not None else expected,
+                  primary=c == "all" and mode == "explorer",
+                  score=field != "observations_in_slate")
+        row.append(_fd(d))
+      rows5.append(row)
   diag = ear["multistore"]["appendix_c"]
   rows_c = [[g, _fmt(v["n"], 0), _fmt(v["delta_before"], 4), _fmt(v["delta_after"], 4)]
             for g, v in diag.items()]
@@ -530,13 +783,19 @@ def suite_multistore(r: Runner) -> str:
         "The paper's Table 4 reports only F1 / LLM-judge (an answering LLM is out of scope here); "
         "this is Recall@5 / Hitrate@5 with dialogue-only vs dialogue + observation candidates "
         "(top-K/2 from each store). 'Only Observations' is not run.", "",
-        _md_table(["Method", "candidates", "R@5", "Hit@5"], rows4), "",
+        _md_table(["Method", "candidates", "R@5", "Δ R@5 vs retriever [95% CI]", "Hit@5",
+                   "Δ Hit@5 vs retriever [95% CI]"], rows4), "",
+        DELTA_NOTE + " Baseline: Retriever Only on the same candidates.", "",
         f"### Table 5 / Figure 6 (multi-store, per category) — {r.opts.benchmark}", "",
         "Recall@5 per store over queries with gold in that store (all that store's gold in the "
         "final 5); 'obs in top-5' = mean number of observations in the final 5 (Fig. 6). "
         f"{PAPER['fig6']}", "",
         _md_table(["Method", "category", "n test", "paper R@5 dialogue", "R@5 dialogue",
                    "paper R@5 obs.", "R@5 obs.", "obs in top-5"], rows), "",
+        "Paired Δ vs Retriever Only on the same multi-store candidates [95% CI] ('all' = every "
+        "test query):", "",
+        _md_table(["Method", "category", "Δ R@5 dialogue", "Δ R@5 obs.", "Δ obs in top-5"],
+                  rows5), "",
         "### Appendix C diagnostic (Δ = d_episodic − d_semantic)", "",
         "The paper's curated 50-memory pool and 10 hand-labelled queries are not available: Δ is "
         "computed here for every LoCoMo test query against its own K candidates (dialogue = "
@@ -604,11 +863,12 @@ def run(opts: Options) -> dict:
     _LOG.info("suite %d/%d: %s on %s (%.0f s elapsed%s)", i + 1, len(names), name,
               opts.benchmark, elapsed, eta)
     md = SUITE_FNS[name](r)
-    r.tables[name] = md
+    r.tables[name] = md  # RESULTS.md adds the readings from results.json "paired"
     r.timings[name] = round(time.perf_counter() - t0, 1)
-    md_parts.append(md)
+    readings = results_md.readings_md(r.paired.get(name, []))
+    md_parts.append(md + ("\n\n" + readings if readings else ""))
     with open(r.workdir / f"table_{name}.md", "w") as f:
-      f.write(md + "\n")
+      f.write(md_parts[-1] + "\n")
   wall = time.perf_counter() - t_start
   b = r.bench()
   results = {
@@ -618,6 +878,9 @@ def run(opts: Options) -> dict:
       "versions": ex.versions(), "seeds": r.seeds,
       "dataset": {k: v for k, v in b.stats.items() if k not in ("evidence_ids_dropped_list",)},
       "runs": r.summaries, "tables": r.tables, "plots": r.plots,
+      # suite -> [{treatment, baseline, metric, n, mean, sd, lo, hi, per_seed, verdict,
+      #            confidence, interval, paper_delta, expected_sign, vs_paper, primary, score}]
+      "paired": r.paired, "paired_note": DELTA_NOTE,
       "suite_wall_seconds": r.timings, "wall_seconds": round(wall, 1),
   }
   with open(r.workdir / "results.json", "w") as f:

@@ -34,7 +34,7 @@ def draw_randoms(key, config) -> Randoms:
   import jax  # only for reproducing the JAX draws in tests
   k_train, k_replay = jax.random.split(key)
   k_slate, k_critic = jax.random.split(k_train)
-  r = config.rounds_per_query
+  r = config.num_rounds if config.to_dict()["train_slate"] == "explorer" else 1
   s, k = config.slate_size, config.num_candidates
   round_keys = jax.random.split(k_critic, r)
   critic_u = np.stack([np.asarray(jax.random.uniform(rk, (s,))) for rk in round_keys])
@@ -180,10 +180,10 @@ def _query(state, q, cands, valid, gold, rnd: Randoms, config, hp):
   """Loss, gradients and the experience of one query against the state at the batch's start."""
   s, k = config.slate_size, config.num_candidates
   qt, qn, mts, mns, z = _forward(state["wq"], state["wm"], q, cands)
-  if config.train_slate == "explorer":
+  if config.to_dict()["train_slate"] == "explorer":
     slates, labels = _explore(z, mts, valid, gold, rnd.critic_u, config, hp)
   else:
-    if config.train_slate == "adapter":
+    if config.to_dict()["train_slate"] == "adapter":
       slate = _top(z, valid, s)
     else:
       slate = _top(z / hp["tau"] + rnd.slate_gumbel, valid, s)
@@ -208,9 +208,9 @@ def _query(state, q, cands, valid, gold, rnd: Randoms, config, hp):
   loss_rep = 0.0
   if config.use_replay:
     bv = state["buf_valid"]
-    if config.replay_strategy == "similarity":
+    if config.to_dict()["replay_strategy"] == "similarity":
       score = state["buf_q"] @ q
-    elif config.replay_strategy == "reward":
+    elif config.to_dict()["replay_strategy"] == "reward":
       score = -np.array([(state["buf_ybar"][c][state["buf_obs"][c]].sum() /
                           max(state["buf_obs"][c].sum(), 1)) for c in range(len(bv))])
     else:
@@ -257,7 +257,7 @@ def numpy_train_batch(state, batch, randoms: List[Randoms], config, hp):
   gwq = sum(o["gwq"] for o in outs) / len(outs)
   gwm = sum(o["gwm"] for o in outs) / len(outs)
   lr = hp["learning_rate"]
-  if config.optimizer == "adam":
+  if config.to_dict()["optimizer"] == "adam":
     b1, b2, eps = 0.9, 0.999, 1e-8
     state["t"] += 1
     t = state["t"]
@@ -294,6 +294,9 @@ def numpy_train_stream(state, stream, config, hp, rng: np.random.Generator):
   return state
 
 
-def hp_dict(hparams):
-  """`HParams` -> dict of floats."""
-  return {f.name: float(getattr(hparams, f.name)) for f in dataclasses.fields(hparams)}
+def hp_dict(hparams, critic=None):
+  """`HParams` and the simulated critic's parameters (default: the paper's) -> dict of floats."""
+  from ear_jax.core import critic as critic_lib  # the default critic's values
+  critic = critic_lib.default_critic() if critic is None else critic
+  return {**{f.name: float(getattr(hparams, f.name)) for f in dataclasses.fields(hparams)},
+          "critic_precision": float(critic.precision), "critic_recall": float(critic.recall)}

@@ -42,17 +42,17 @@ def test_similarity_replay_picks_the_most_similar_and_fewer_when_fewer():
   buf = buffer.init_buffer(CFG)
   buf = _push(buf, [1])
   idx, mask = buffer.select_replay(jax.random.PRNGKey(0), buf, jnp.array([1.0, 0.0]), 2,
-                                   "similarity")
+                                   buffer.similarity_replay)
   assert list(np.asarray(mask)) == [True, False] and int(idx[0]) == 0
   buf = _push(buf, [5, -3])
   idx, mask = buffer.select_replay(jax.random.PRNGKey(0), buf, jnp.array([1.0, 0.0]), 2,
-                                   "similarity")
+                                   buffer.similarity_replay)
   assert bool(mask.all()) and list(np.asarray(buf.queries[idx, 0])) == [5.0, 1.0]
 
 
 def test_reward_replay_picks_the_lowest_mean_reward():
   buf = _push(buffer.init_buffer(CFG), [0.5, -1.0, 0.25])
-  idx, mask = buffer.select_replay(jax.random.PRNGKey(0), buf, jnp.zeros(2), 2, "reward")
+  idx, mask = buffer.select_replay(jax.random.PRNGKey(0), buf, jnp.zeros(2), 2, buffer.reward_replay)
   assert list(np.asarray(buf.ybar[idx, 0])) == [-1.0, 0.25]
 
 
@@ -61,7 +61,7 @@ def test_random_replay_draws_valid_experiences_by_key():
   buf = _push(buffer.init_buffer(cfg), [1, 2, 3, 4, 5])
   picks = set()
   for i in range(20):
-    idx, mask = buffer.select_replay(jax.random.PRNGKey(i), buf, jnp.zeros(2), 2, "random")
+    idx, mask = buffer.select_replay(jax.random.PRNGKey(i), buf, jnp.zeros(2), 2, buffer.random_replay)
     assert bool(mask.all()) and bool(buf.valid[idx].all())
     picks.add(tuple(np.asarray(idx)))
   assert len(picks) > 1
@@ -69,5 +69,33 @@ def test_random_replay_draws_valid_experiences_by_key():
 
 def test_empty_buffer_replays_nothing():
   idx, mask = buffer.select_replay(jax.random.PRNGKey(0), buffer.init_buffer(CFG),
-                                   jnp.ones(2), 2, "similarity")
+                                   jnp.ones(2), 2, buffer.similarity_replay)
   assert not bool(mask.any())
+
+
+def _newest_replay(key, buf, query):
+  """A user-defined strategy: replay the most recently pushed experiences."""
+  del key, query
+  capacity = buf.valid.shape[0]
+  age = (buf.insert_index - 1 - jnp.arange(capacity)) % capacity
+  return -age.astype(jnp.float32)
+
+
+def test_a_new_replay_strategy_is_one_function_and_one_registry_line(monkeypatch):
+  from ear_jax.core import config as config_lib
+  monkeypatch.setitem(buffer.REPLAY_STRATEGIES, "newest", _newest_replay)
+  cfg = config_lib.EARConfig.for_method("ear", dim=2, num_candidates=3, replay_size=2,
+                                        buffer_capacity=4, slate_size=2)
+  assert cfg.to_dict()["replay_strategy"] == "similarity"  # the paper's Eq. (15) by default
+  cfg = config_lib.EARConfig.for_method("ear", dim=2, num_candidates=3, replay_size=2,
+                                        buffer_capacity=4, slate_size=2, replay_strategy="newest")
+  assert cfg.replay_strategy is _newest_replay
+  assert cfg.to_dict()["replay_strategy"] == "newest"
+  buf = buffer.init_buffer(cfg)
+  for i in range(3):
+    q = jnp.eye(2)[i % 2][None]
+    buf = buffer.push_experiences(buf, q, jnp.zeros((1, 3, 2)), jnp.ones((1, 3), bool),
+                                  jnp.zeros((1, 3), bool), jnp.zeros((1, 3)), jnp.ones(1, bool))
+  idx, mask = buffer.select_replay(jax.random.PRNGKey(0), buf, jnp.ones(2), 2, cfg.replay_strategy)
+  assert mask.tolist() == [True, True]
+  assert idx.tolist() == [2, 1]  # the newest two slots, newest first

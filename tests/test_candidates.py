@@ -1,11 +1,11 @@
-"""Tests for ear_jax/candidates.py: top-K, padding/masks, gold, multi-store, the Benchmark."""
+"""Tests for ear_jax/data/candidates.py: top-K, padding/masks, gold, multi-store, the Benchmark."""
 import pathlib
 
 import numpy as np
 import pytest
 
 from ear_jax.data import candidates
-from ear_jax.data import corpora as datasets
+from ear_jax.data import corpus as corpus_lib
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 
@@ -51,14 +51,14 @@ def _corpus(bank_sizes, gold, stores=None, refs=None, d=8, seed=0):
   for g, m in enumerate(bank_sizes):
     st = np.zeros(m, np.int8) if stores is None else np.asarray(stores[g], np.int8)
     rf = [()] * m if refs is None else refs[g]
-    banks.append(datasets.Bank(ids=[f"b{g}m{i}" for i in range(m)], texts=[f"text {g}/{i}" for i in range(m)],
+    banks.append(corpus_lib.Bank(ids=[f"b{g}m{i}" for i in range(m)], texts=[f"text {g}/{i}" for i in range(m)],
                                stores=st, refs=rf))
     embs.append(_unit(rng.normal(size=(m, d))))
-  queries = [datasets.Query(id=f"q{n}", text=f"query {n}", gold=tuple(gids), category=f"c{n % 2}",
+  queries = [corpus_lib.Query(id=f"q{n}", text=f"query {n}", gold=tuple(gids), category=f"c{n % 2}",
                             group=g) for n, (g, gids) in enumerate(gold)]
   qe = _unit(rng.normal(size=(len(queries), d)))
-  corpus = datasets.Corpus("toy", banks, queries, {"queries": len(queries)})
-  return candidates.EmbeddedCorpus(corpus, embs, qe)
+  corpus = corpus_lib.Corpus("toy", banks, queries, {"queries": len(queries)})
+  return corpus_lib.EmbeddedCorpus(corpus, embs, qe)
 
 
 def test_stream_gold_mask_and_gold_outside_top_k():
@@ -118,6 +118,7 @@ def test_benchmark_take_selects_rows():
   np.testing.assert_array_equal(sub.stream.queries, bench.stream.queries[[2, 0]])
 
 
+@pytest.mark.slow
 def test_longmemeval_fixture_end_to_end_with_minilm(minilm, tmp_path):
   bench = candidates.load_benchmark(str(FIXTURES / "longmemeval_tiny.json"), encoder=minilm,
                                     cache_dir=tmp_path, progress=False)
@@ -130,6 +131,7 @@ def test_longmemeval_fixture_end_to_end_with_minilm(minilm, tmp_path):
   assert bench.stats["retriever"]["overall"]["hitrate@5"] == 100.0
 
 
+@pytest.mark.slow
 def test_locomo_one_conversation_with_minilm(locomo_path, minilm, tmp_path):
   bench = candidates.load_benchmark("locomo", data_dir=locomo_path.parent, encoder=minilm, limit=1,
                                     multistore=True, cache_dir=tmp_path, progress=False)

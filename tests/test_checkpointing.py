@@ -3,9 +3,6 @@ import hashlib
 import os
 import pathlib
 
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 "
-                      "--xla_llvm_disable_expensive_passes=true")
-
 import jax
 import numpy as np
 import pytest

@@ -1,7 +1,10 @@
 """Configuration errors are ValueErrors naming the offending value, before anything is traced."""
 import jax
 import numpy as np
+import optax
 import pytest
+
+from ear_jax.core import buffer
 
 from ear_jax.core import learner
 from ear_jax.core.config import EARConfig, default_hparams, stack_hparams
@@ -36,8 +39,8 @@ def test_unknown_method_and_field():
 def test_bad_hparams():
   with pytest.raises(ValueError, match="unknown hyperparameter"):
     default_hparams(lr=1.0)
-  with pytest.raises(ValueError, match="critic_precision"):
-    default_hparams(critic_precision=1.5)
+  with pytest.raises(ValueError, match="unknown hyperparameter"):
+    default_hparams(critic_precision=0.9)  # the critic owns its parameters
   with pytest.raises(ValueError, match="tau"):
     default_hparams(tau=0.0)
 
@@ -56,6 +59,17 @@ def test_make_stream_names_the_bad_field():
     make_stream(np.ones((2, 4)), np.ones((2, 3, 4)), gold=np.ones((2, 2), bool))
   with pytest.raises(ValueError, match="queries contains NaN"):
     make_stream(np.full((1, 2), np.nan), np.ones((1, 3, 2)))
+
+
+def test_strategies_are_functions_named_by_their_registry():
+  cfg = EARConfig.for_method("rl_update", optimizer="sgd", replay_strategy="reward")
+  assert cfg == EARConfig.for_method("rl_update", optimizer=optax.sgd,
+                                     replay_strategy=buffer.reward_replay)
+  d = cfg.to_dict()
+  assert (d["train_slate"], d["optimizer"], d["replay_strategy"]) == ("gumbel", "sgd", "reward")
+  assert EARConfig.from_dict(d) == cfg
+  assert EARConfig.for_method("retriever").to_dict()["train_slate"] == "none"
+  assert not EARConfig.for_method("retriever").trains
 
 
 def test_config_is_hashable_and_hparams_stack():

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 from ear_jax.core import critic
-from ear_jax.core.config import default_hparams
 
 
 def test_false_positive_rate_hand_computed():
@@ -27,10 +26,10 @@ def test_empirical_precision_and_recall_match_targets(precision, recall):
   # have 1-4 gold memories): 1 <= n <= 3, where p_fp is never clipped for these targets.
   num_gold = rng.integers(1, 4, size=n_slates)
   gold = np.arange(s)[None, :] < num_gold[:, None]
-  hp = default_hparams(critic_precision=precision, critic_recall=recall)
+  hp = (precision, recall)
   keys = jax.random.split(jax.random.PRNGKey(0), n_slates)
-  labels = jax.jit(jax.vmap(critic.simulated_critic, in_axes=(0, 0, None, None)))(
-      keys, jnp.asarray(gold), jnp.ones((s,), bool), hp)
+  labels = jax.jit(jax.vmap(critic.simulated_critic, in_axes=(0, 0, None, None, None)))(
+      keys, jnp.asarray(gold), jnp.ones((s,), bool), *hp)
   cited = np.asarray(labels) > 0
   tp = np.sum(cited & gold)
   emp_recall = tp / gold.sum()
@@ -40,23 +39,38 @@ def test_empirical_precision_and_recall_match_targets(precision, recall):
 
 
 def test_masked_positions_are_never_cited():
-  hp = default_hparams(critic_precision=0.5, critic_recall=1.0)
+  hp = (0.5, 1.0)
   labels = critic.simulated_critic(jax.random.PRNGKey(0), jnp.array([True, False, True]),
-                                   jnp.array([True, True, False]), hp)
+                                   jnp.array([True, True, False]), *hp)
   assert float(labels[2]) == -1.0 and float(labels[0]) == 1.0
 
 
 def test_different_keys_give_different_labels():
-  hp = default_hparams(critic_precision=0.6, critic_recall=0.6)
+  hp = (0.6, 0.6)
   gold = jnp.array([True, True, False, False, False])
   draws = {tuple(np.asarray(critic.simulated_critic(jax.random.PRNGKey(i), gold,
-                                                    jnp.ones(5, bool), hp))) for i in range(20)}
+                                                    jnp.ones(5, bool), *hp))) for i in range(20)}
   assert len(draws) > 1
 
 
 def test_all_gold_slate_has_precision_one():
-  hp = default_hparams(critic_precision=0.7, critic_recall=0.7)
+  hp = (0.7, 0.7)
   keys = jax.random.split(jax.random.PRNGKey(1), 2000)
-  labels = jax.vmap(critic.simulated_critic, in_axes=(0, None, None, None))(
-      keys, jnp.ones(5, bool), jnp.ones(5, bool), hp)
+  labels = jax.vmap(critic.simulated_critic, in_axes=(0, None, None, None, None))(
+      keys, jnp.ones(5, bool), jnp.ones(5, bool), *hp)
   assert abs(float(jnp.mean(labels > 0)) - 0.7) < 0.02  # recall holds; nothing else to cite
+
+
+def test_critic_pytree_sees_the_slate_through_a_view_and_vmaps_over_its_parameters():
+  query, cands = jnp.ones(3), jnp.arange(12.0).reshape(4, 3)
+  gold = jnp.array([False, True, False, True])
+  view = critic.slate_view(query, cands, gold, jnp.array([1, 0, -1]), jnp.array([True, True, False]))
+  np.testing.assert_array_equal(view.gold, [True, False, False])
+  np.testing.assert_array_equal(view.memories, [cands[1], cands[0], jnp.zeros(3)])
+  np.testing.assert_array_equal(critic.OracleCritic()(jax.random.PRNGKey(0), view), [1, -1, -1])
+  sweep = critic.stack_critics([critic.make_simulated_critic(p, p) for p in (0.7, 1.0)])
+  labels = jax.jit(jax.vmap(lambda c: c(jax.random.PRNGKey(3), view)))(sweep)
+  assert labels.shape == (2, 3)
+  np.testing.assert_array_equal(labels[1], [1, -1, -1])  # p = r = 1 cites exactly the gold
+  with pytest.raises(ValueError, match="critic precision must be in"):
+    critic.make_simulated_critic(precision=1.5)

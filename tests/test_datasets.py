@@ -1,4 +1,4 @@
-"""Tests for ear_jax/datasets.py: LoCoMo, LongMemEval and JSONL loaders, evidence ids, splits."""
+"""Tests for ear_jax/data/corpora.py and its loaders (locomo, longmemeval, jsonl): evidence ids, splits."""
 import gzip
 import json
 import pathlib
@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from ear_jax.data import corpora as datasets
+from ear_jax.data import corpus as corpus_lib
+from ear_jax.data import sources
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 LME_TINY = FIXTURES / "longmemeval_tiny.json"
@@ -82,14 +84,14 @@ def test_locomo_observation_gold_is_derived_from_referenced_dia_ids(locomo):
   b = locomo.banks[0]
   q = next(q for q in locomo.queries if q.text == "When did Caroline go to the LGBTQ support group?")
   assert q.gold == ("D1:3",) and q.category == "temporal"
-  gm = datasets.gold_mask(b, q.gold)
+  gm = corpus_lib.gold_mask(b, q.gold)
   gold_ids = [i for i, g in zip(b.ids, gm) if g]
   assert "D1:3" in gold_ids
   obs = [b.texts[b.ids.index(i)] for i in gold_ids if i.startswith("O")]
   assert "Caroline attended an LGBTQ support group recently and found the transgender stories inspiring." in obs
   # Every gold observation references a gold turn; every observation referencing one is gold.
   for i, refs, s, g in zip(b.ids, b.refs, b.stores, gm):
-    if s == datasets.STORE_OBSERVATION:
+    if s == corpus_lib.STORE_OBSERVATION:
       assert g == ("D1:3" in refs)
 
 
@@ -246,6 +248,7 @@ def test_longmemeval_empty_bank_raises(tmp_path):
     datasets.load_longmemeval(_write(tmp_path, "lme.json", data))
 
 
+@pytest.mark.slow
 def test_longmemeval_s_counts_on_the_real_file(longmemeval_s_path):
   c = datasets.load_longmemeval(longmemeval_s_path)
   s = c.stats
@@ -269,7 +272,7 @@ def test_jsonl_fixture_banks_gold_and_exclusions():
   s = c.stats
   assert s["queries_empty_evidence_dropped"] == 1 and s["queries_without_gold_excluded"] == 1
   assert s["evidence_ids_dropped"] == 1
-  assert datasets.gold_mask(c.banks[0], c.queries[0].gold).tolist() == [True, False, False, True]
+  assert corpus_lib.gold_mask(c.banks[0], c.queries[0].gold).tolist() == [True, False, False, True]
 
 
 @pytest.mark.parametrize("lines, pattern", [
@@ -308,6 +311,31 @@ def test_missing_benchmark_file_says_what_to_put_where(tmp_path):
   assert str(tmp_path / "locomo10.json") in msg
   assert "https://github.com/snap-research/LoCoMo/raw/main/data/locomo10.json" in msg
   assert "experiments.download" in msg
+
+
+def test_registry_dispatches_names_prefixes_and_paths(tmp_path, lme_tiny):
+  for name, entry in datasets.REGISTRY.items():  # a download lands under a name the loader finds
+    assert all(s.filename in entry.files for s in sources.SOURCES.get(name, ()))
+  p = tmp_path / "any_name.json"
+  p.write_bytes(LME_TINY.read_bytes())
+  assert [q.id for q in datasets.load_corpus(f"longmemeval:{p}").queries] == ["a1b2c3d4", "gpt4_0c1d2e3f"]
+  assert datasets.load_corpus(str(LME_TINY)).stats == lme_tiny.stats
+  with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
+    datasets.load_corpus("nope")
+  with pytest.raises(ValueError, match="jsonl:<path>"):
+    datasets.load_corpus("jsonl")
+
+
+def test_a_new_benchmark_is_one_loader_and_one_registry_line(tmp_path, monkeypatch):
+  def load_toy(path, *, limit=None):
+    return corpus_lib.Corpus("toy", [], [], {"file": str(path), "limit": limit})
+
+  monkeypatch.setitem(datasets.REGISTRY, "toy", datasets.CorpusLoader(load_toy, ("toy.json",)))
+  (tmp_path / "toy.json").write_text("[]")
+  assert datasets.load_corpus("toy", data_dir=tmp_path, limit=3).stats == {
+      "file": str(tmp_path / "toy.json"), "limit": 3}
+  with pytest.raises(FileNotFoundError, match=r"toy\.json"):
+    datasets.find_benchmark_file("toy", tmp_path / "elsewhere")
 
 
 def test_split_is_80_20_disjoint_and_seeded():

@@ -1,4 +1,4 @@
-"""Tests for ear_jax/download.py against a loopback HTTP server (never the internet)."""
+"""Tests for ear_jax/data/download.py against a loopback HTTP server (never the internet)."""
 import functools
 import hashlib
 import http.server
@@ -9,6 +9,7 @@ import pytest
 
 from ear_jax.data import corpora as datasets
 from ear_jax.data import download
+from ear_jax.data import sources
 
 
 @pytest.fixture
@@ -34,17 +35,17 @@ def _put(www, url_path, data: bytes):
 
 def test_locomo_download_verifies_sha256_and_writes_atomically(server, tmp_path, locomo_path):
   base, www = server
-  _put(www, download.SOURCES["locomo"][0].path, locomo_path.read_bytes())
+  _put(www, sources.SOURCES["locomo"][0].path, locomo_path.read_bytes())
   out = download.download("locomo", tmp_path / "data", base_url=base)
   assert out == tmp_path / "data" / "locomo10.json"
-  assert hashlib.sha256(out.read_bytes()).hexdigest() == download.LOCOMO_SHA256
+  assert hashlib.sha256(out.read_bytes()).hexdigest() == sources.LOCOMO_SHA256
   assert [p.name for p in (tmp_path / "data").iterdir()] == ["locomo10.json"]  # no temp left
   assert datasets.load_locomo(out).stats["queries"] == 1540
 
 
 def test_wrong_sha256_is_an_error_and_leaves_nothing(server, tmp_path):
   base, www = server
-  _put(www, download.SOURCES["locomo"][0].path, b'[{"not": "locomo"}]')
+  _put(www, sources.SOURCES["locomo"][0].path, b'[{"not": "locomo"}]')
   with pytest.raises(download.DownloadError, match="sha256"):
     download.download("locomo", tmp_path / "data", base_url=base)
   assert not any((tmp_path / "data").iterdir())
@@ -60,7 +61,7 @@ def test_fetch_checks_digest_of_arbitrary_bytes(server, tmp_path):
 
 def test_longmemeval_falls_back_to_the_second_source(server, tmp_path):
   base, www = server
-  cleaned, original = download.SOURCES["longmemeval"]
+  cleaned, original = sources.SOURCES["longmemeval"]
   _put(www, original.path, b"[]")  # only the second source exists (the first gives 404)
   out = download.download("longmemeval", tmp_path / "data", base_url=base)
   assert out.name == original.filename and out.read_bytes() == b"[]"

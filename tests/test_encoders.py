@@ -1,10 +1,15 @@
-"""Tests for ear_jax/encoders.py: reference embeddings, batching, truncation, cache, precomputed."""
+"""Tests for ear_jax/data encoders (encoders, flax_encoder, precomputed, embedding_cache).
+
+Reference embeddings, batching, truncation, cache, precomputed embeddings.
+"""
 import json
 import pathlib
+import re
 
 import numpy as np
 import pytest
 
+from ear_jax.data import embedding_cache
 from ear_jax.data import encoders
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
@@ -17,6 +22,7 @@ def reference():
   return json.loads((FIXTURES / "minilm_reference.json").read_text())
 
 
+@pytest.mark.slow
 def test_three_sentences_equal_reference_values(minilm, reference, tmp_path):
   emb = encoders.encode(minilm, reference["sentences"], cache_dir=tmp_path, progress=False)
   np.testing.assert_allclose(emb, np.asarray(reference["embeddings"]), atol=1e-5)
@@ -25,6 +31,7 @@ def test_three_sentences_equal_reference_values(minilm, reference, tmp_path):
   assert minilm.dim == 384 and minilm.max_length == 256 and minilm.pooling == "mean"
 
 
+@pytest.mark.slow
 def test_second_call_hits_the_cache_and_encodes_nothing(minilm, tmp_path, monkeypatch):
   texts = ["the cat sat on the mat", "a dog barked", "the cat sat on the mat"]
   st1 = encoders.EncodeStats()
@@ -44,6 +51,7 @@ def test_second_call_hits_the_cache_and_encodes_nothing(minilm, tmp_path, monkey
   assert len(model_dirs) == 1 and model_dirs[0].name.startswith("minilm-")
 
 
+@pytest.mark.slow
 def test_uneven_batch_equals_one_by_one(minilm, tmp_path, monkeypatch):
   monkeypatch.setattr(minilm, "tokens_per_batch", 4 * 32)  # batch 4 at length 32, 1 at 128
   texts = [f"sentence number {i} about {w}" for i, w in enumerate(
@@ -54,6 +62,7 @@ def test_uneven_batch_equals_one_by_one(minilm, tmp_path, monkeypatch):
   np.testing.assert_allclose(together, alone, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_long_texts_are_truncated_and_counted(minilm):
   long_text = "word " * 400
   st = encoders.EncodeStats()
@@ -120,7 +129,7 @@ def test_precomputed_npz_with_texts_keys_and_npy_with_sidecar(tmp_path):
   emb = np.random.default_rng(0).normal(size=(3, 6)).astype(np.float32)
   want = emb / np.linalg.norm(emb, axis=1, keepdims=True)
   np.savez(tmp_path / "t.npz", embeddings=emb, texts=np.asarray(texts))
-  np.savez(tmp_path / "k.npz", embeddings=emb, keys=np.asarray([encoders.text_key(t) for t in texts]))
+  np.savez(tmp_path / "k.npz", embeddings=emb, keys=np.asarray([embedding_cache.text_key(t) for t in texts]))
   np.save(tmp_path / "e.npy", emb)
   (tmp_path / "e.texts.json").write_text(json.dumps(texts))
   for f in ("t.npz", "k.npz", "e.npy"):
@@ -137,6 +146,7 @@ def test_precomputed_npy_without_sidecar_raises(tmp_path):
     encoders.load_encoder(str(tmp_path / "e.npy"))
 
 
+@pytest.mark.slow
 def test_cls_pooling_is_the_normalized_first_token_and_keys_its_own_cache(minilm, tmp_path):
   from transformers import AutoTokenizer, FlaxAutoModel  # pylint: disable=g-import-not-at-top
   cls = encoders.load_encoder("minilm", pooling="cls")
@@ -150,3 +160,12 @@ def test_cls_pooling_is_the_normalized_first_token_and_keys_its_own_cache(minilm
   np.testing.assert_allclose(got, first / np.linalg.norm(first), atol=1e-5)
   mean = encoders.encode(minilm, [text], cache_dir=tmp_path, progress=False)[0]
   assert float(np.abs(got - mean).max()) > 1e-2
+
+
+def test_no_data_module_changes_the_environment():
+  """A library changes no global state at import: offline loading is `local_files_only=True`."""
+  pkg = pathlib.Path(encoders.__file__).parent
+  writes = re.compile(r"os\.environ(\.setdefault|\.update|\[[^\]]+\]\s*=)|os\.putenv")
+  for src in sorted(pkg.glob("*.py")):
+    assert not writes.search(src.read_text()), src.name
+  assert "local_files_only=True" in (pkg / "flax_encoder.py").read_text()

@@ -1,9 +1,4 @@
 """Tests of ear_jax/experiment.py: splits, vmapped seeds, chunked training with curves, summaries."""
-import os
-
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 "
-                      "--xla_llvm_disable_expensive_passes=true")  # tiny shapes: compile fast
-
 import jax
 import numpy as np
 import pytest

@@ -5,6 +5,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from ear_jax.core import critic, explorer
+from ear_jax.core.slates import gather_slate, top_s_slate
 from ear_jax.core.config import default_hparams
 
 HP = default_hparams()  # lambda = 0.4 / 0.3 / 0.3, alpha = 0.5
@@ -51,7 +52,7 @@ def test_four_candidate_explorer_worked_by_hand():
   # U2 = U3 = 0.5 sqrt(log 3): A = [0.2112, 0.1312, 0.3972, 0.1572] -> m2; then minus
   # 0.3 * gram[:, 2] = [0.18, 0.288, -, 0.24]: [0.0312, -0.1568, -, -0.0828] -> m0.
   gold = jnp.array([False, False, True, False])
-  fb = lambda k, s, m: critic.oracle_critic(k, explorer.gather_slate(gold, s, m, False), m, HP)
+  fb = lambda k, s, m: critic.oracle_critic(k, gather_slate(gold, s, m, False), m)
   out = explorer.explore(jax.random.PRNGKey(0), Z, GRAM, jnp.ones(4, bool), fb, HP, 2, 2)
   np.testing.assert_array_equal(out.slates, [[0, 1], [2, 0]])
   np.testing.assert_array_equal(out.labels, [[-1, -1], [1, -1]])
@@ -70,7 +71,7 @@ def test_fewer_valid_candidates_than_s_gives_empty_positions():
   slate, mask = explorer.greedy_slate(Z, jnp.zeros(4), GRAM, where, HP, 3)
   assert list(np.asarray(slate)) == [1, 3, -1]
   assert list(np.asarray(mask)) == [True, True, False]
-  top, top_mask = explorer.top_s_slate(Z, where, 3)
+  top, top_mask = top_s_slate(Z, where, 3)
   assert list(np.asarray(top)) == [1, 3, -1] and list(np.asarray(top_mask)) == [True, True, False]
 
 
@@ -102,9 +103,9 @@ _greedy = jax.jit(lambda z, u, g, w, s: explorer.greedy_slate(z, u, g, w, HP, s)
 
 
 def test_explore_is_a_scan_over_rounds_that_differs_by_key():
-  hp = default_hparams(critic_precision=0.6, critic_recall=0.6)
+  hp = default_hparams()
   gold = jnp.array([True, False, True, False])
-  fb = lambda k, s, m: critic.simulated_critic(k, explorer.gather_slate(gold, s, m, False), m, hp)
+  fb = lambda k, s, m: critic.simulated_critic(k, gather_slate(gold, s, m, False), m, 0.6, 0.6)
   run = jax.jit(lambda key: explorer.explore(key, Z, GRAM, jnp.ones(4, bool), fb, hp, 4, 2))
   outs = [run(jax.random.PRNGKey(i)) for i in range(8)]
   assert outs[0].slates.shape == (4, 2)

@@ -5,7 +5,7 @@ import numpy as np
 
 from ear_jax.core import inference, learner, metrics
 from ear_jax.core.config import EARConfig, default_hparams
-from ear_jax.core.critic import oracle_critic
+from ear_jax.core.critic import OracleCritic
 from ear_jax.core.stream import make_stream
 
 CFG = EARConfig.for_method("ear", dim=2, num_candidates=4, slate_size=2, num_rounds=2)
@@ -23,7 +23,7 @@ def _stream():
 def test_adapter_only_metrics_hand_computed():
   params = learner.init_learner(jax.random.PRNGKey(0), CFG).params
   res = inference.evaluate(jax.random.PRNGKey(0), params, _stream(), CFG, default_hparams(),
-                           oracle_critic)
+                           OracleCritic())
   np.testing.assert_array_equal(res.adapter_slates, [[0, 1]] * 3)
   np.testing.assert_array_equal(res.adapter_recall, [True, False, False])
   np.testing.assert_array_equal(res.adapter_hit, [True, False, True])
@@ -34,7 +34,7 @@ def test_adapter_only_metrics_hand_computed():
 def test_explorer_assisted_inference_finds_gold_with_feedback():
   params = learner.init_learner(jax.random.PRNGKey(0), CFG).params
   res = inference.evaluate(jax.random.PRNGKey(0), params, _stream(), CFG, default_hparams(),
-                           oracle_critic)
+                           OracleCritic())
   # Query 2: round 1 shows [0, 1] (both -1); round 2 moves to the unexplored gold m2, then the
   # diversity penalty keeps m3 (0.8 similar to m2) out: [2, 0] (worked out in test_explorer.py).
   np.testing.assert_array_equal(res.explorer_slates[1], [2, 0])

@@ -1,13 +1,10 @@
-"""Tests of ear_jax/llm_critic.py against a real chat-completions HTTP server on 127.0.0.1."""
+"""Tests of ear_jax/agent/llm_critic.py against a real chat-completions HTTP server on 127.0.0.1."""
 from __future__ import annotations
 
 import dataclasses
-import http.server
-import json
 import logging
 import random
 import socket
-import threading
 import time
 
 import numpy as np
@@ -15,110 +12,18 @@ import pytest
 
 from ear_jax.agent import llm_critic
 from ear_jax.agent.llm_critic import (CriticResult, LLMCritic, LLMCriticConfig, build_messages,
-                                labels_from_citations, parse_citations)
+                                      format_citations, labels_from_citations, parse_citations)
+from tests.test_llm_client import RecordingSleep as _RecordingSleep
+from tests.test_llm_client import Reply, server  # noqa: F401  # pylint: disable=unused-import
 
 _KEY_ENV = "EAR_JAX_TEST_LLM_KEY"
 _MEMORIES = ["Alice moved to Paris in May.", "Bob likes\n chess.", "The cat is called Tom."]
 _QUESTION = "Where did Alice move?"
 
 
-@dataclasses.dataclass
-class Reply:
-  """One scripted server reply."""
-  status: int = 200
-  content: str | None = "Paris.\n[0]"
-  raw_body: bytes | None = None  # sent as is instead of a chat-completions JSON body
-  delay_s: float = 0.0  # before the status line
-  trickle_s: float = 0.0  # between body bytes
-  headers: dict[str, str] = dataclasses.field(default_factory=dict)
-
-
-class _ChatServer(http.server.ThreadingHTTPServer):
-  daemon_threads = True
-
-  def __init__(self):
-    super().__init__(("127.0.0.1", 0), _ChatHandler)
-    self.script: list[Reply] = []
-    self.requests: list[dict] = []
-    self.stop = threading.Event()
-    self.lock = threading.Lock()
-
-  def next_reply(self) -> Reply:
-    with self.lock:
-      return self.script.pop(0) if len(self.script) > 1 else self.script[0]
-
-  def handle_error(self, request, client_address):
-    pass  # the client hung up on a slow reply: expected, keep the test output clean
-
-
-class _ChatHandler(http.server.BaseHTTPRequestHandler):
-  protocol_version = "HTTP/1.1"
-
-  def log_message(self, *args):
-    pass
-
-  def do_POST(self):  # pylint: disable=invalid-name
-    length = int(self.headers.get("Content-Length", "0"))
-    raw = self.rfile.read(length)
-    server: _ChatServer = self.server
-    with server.lock:
-      server.requests.append({"path": self.path, "headers": dict(self.headers.items()),
-                              "json": json.loads(raw)})
-    reply = server.next_reply()
-    if reply.delay_s and server.stop.wait(reply.delay_s):
-      return
-    if reply.raw_body is not None:
-      body = reply.raw_body
-    elif reply.status == 200:
-      body = json.dumps({"id": "x", "object": "chat.completion", "choices": [
-          {"index": 0, "message": {"role": "assistant", "content": reply.content},
-           "finish_reason": "stop"}]}).encode()
-    else:
-      body = json.dumps({"error": {"message": f"scripted {reply.status}"}}).encode()
-    self.send_response(reply.status)
-    self.send_header("Content-Type", "application/json")
-    self.send_header("Content-Length", str(len(body)))
-    for k, v in reply.headers.items():
-      self.send_header(k, v)
-    self.end_headers()
-    if reply.trickle_s:
-      for i in range(len(body)):
-        if server.stop.wait(reply.trickle_s):
-          return
-        self.wfile.write(body[i:i + 1])
-        self.wfile.flush()
-    else:
-      self.wfile.write(body)
-
-
-@pytest.fixture
-def server(monkeypatch):
-  for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-    monkeypatch.delenv(var, raising=False)
-  monkeypatch.setenv("NO_PROXY", "127.0.0.1")
-  srv = _ChatServer()
-  thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-  thread.start()
-  yield srv
-  srv.stop.set()
-  srv.shutdown()
-  srv.server_close()
-  thread.join(timeout=5)
-
-
-class _RecordingSleep:
-
-  def __init__(self):
-    self.delays: list[float] = []
-
-  def __call__(self, seconds: float):
-    self.delays.append(seconds)
-
-
 def _client(server, sleep=None, **overrides) -> LLMCritic:
-  kwargs = dict(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", model="test-model",
-                api_key_env=_KEY_ENV, timeout_s=0.3, max_retries=2, backoff_base_s=0.0,
-                backoff_max_s=0.0)
+  kwargs = dict(base_url=server.url, model="test-model", api_key_env=_KEY_ENV, timeout_s=0.3,
+                max_retries=2, backoff_base_s=0.0, backoff_max_s=0.0)
   kwargs.update(overrides)
   return LLMCritic(LLMCriticConfig(**kwargs), sleep=sleep or _RecordingSleep(),
                    rng=random.Random(0))
@@ -469,3 +374,110 @@ def test_backoff_is_exponential_capped_and_reproducible_with_a_seed():
 
 def test_statuses_constant_lists_every_status():
   assert llm_critic.STATUSES == ("ok", "unparseable", "http_error", "timeout", "connection_error")
+
+
+def test_public_names_stay_importable_from_llm_critic():
+  import ear_jax  # pylint: disable=import-outside-toplevel
+  for name in ("CriticResult", "LLMCritic", "LLMCriticConfig", "build_messages",
+               "labels_from_citations", "parse_citations", "STATUSES", "format_memories"):
+    assert hasattr(llm_critic, name), name
+  assert ear_jax.LLMCritic is LLMCritic and ear_jax.LLMCriticConfig is LLMCriticConfig
+
+
+def test_critic_config_keeps_its_fields_and_checks_system_prompt():
+  config = LLMCriticConfig(base_url="http://localhost:1/v1", model="m", system_prompt="Be terse.")
+  assert config.system_prompt == "Be terse." and config.seed is None and config.max_retries == 3
+  with pytest.raises(ValueError, match="system_prompt"):
+    LLMCriticConfig(base_url="http://localhost:1/v1", model="m", system_prompt=None)
+
+
+def test_format_citations_is_read_back_by_the_parser():
+  assert format_citations([2, 0, 2]) == "[0, 2]" and format_citations([]) == "[NO_CITE]"
+  assert parse_citations("Answer.\n" + format_citations([3, 1]), 4) == (1, 3)
+
+
+def test_system_prompt_and_seed_are_sent(server):
+  _client(server, system_prompt="Be terse.", seed=11).critique(_QUESTION, _MEMORIES)
+  body = server.requests[0]["json"]
+  assert body["messages"][0] == {"role": "system", "content": "Be terse."} and body["seed"] == 11
+
+
+# ---------------------------------------------------------------------------------------------------
+# The critic protocol: critic(key, view)
+
+
+@dataclasses.dataclass
+class _View:
+  """A stand-in for `ear_jax.core.critic.SlateView` (duck typing)."""
+  query_text: str
+  texts: tuple
+  slate_mask: np.ndarray
+
+
+def test_call_maps_citations_back_to_slate_positions(server):
+  server.script = [Reply(content="Paris.\n[0, 2]")]
+  critic = _client(server)
+  view = _View(_QUESTION, tuple(_MEMORIES), np.array([True, False, True, True, False]))
+  labels = critic(None, view)
+  assert labels.dtype == np.float32 and labels.shape == (5,)
+  np.testing.assert_array_equal(labels, [1, -1, -1, 1, -1])  # cited texts 0, 2 sit at slots 0, 3
+  prompt = server.requests[0]["json"]["messages"][-1]["content"]
+  assert "[0] Alice moved" in prompt and "[2] The cat" in prompt and "[3]" not in prompt
+  assert critic.stats["ok"] == 1
+
+
+def test_call_ignores_the_key_and_accepts_a_jax_mask(server):
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  server.script = [Reply(content="[NO_CITE]")]
+  view = _View(_QUESTION, ("a", "b"), jnp.array([True, True, False]))
+  labels = _client(server)(jax.random.PRNGKey(3), view)
+  np.testing.assert_array_equal(labels, [-1, -1, -1])
+
+
+@pytest.mark.parametrize("reply", [Reply(content="no list"), Reply(status=500), Reply(status=401)])
+def test_call_returns_none_for_an_unusable_reply(server, reply):
+  server.script = [reply]
+  critic = _client(server, max_retries=0)
+  assert critic(None, _View(_QUESTION, ("a",), np.array([False, True]))) is None
+  assert critic.stats["calls"] == 1 and critic.stats["ok"] == 0
+
+
+def test_call_on_an_empty_slate_returns_none_without_a_request(server):
+  critic = _client(server)
+  assert critic(None, _View(_QUESTION, (), np.zeros(3, bool))) is None
+  assert server.requests == [] and critic.stats["calls"] == 0
+
+
+def test_call_accepts_texts_for_every_position(server):
+  server.script = [Reply(content="[1]")]
+  view = _View(_QUESTION, ("a", "", "c"), np.array([True, False, True]))
+  np.testing.assert_array_equal(_client(server)(None, view), [-1, -1, 1])
+  prompt = server.requests[0]["json"]["messages"][-1]["content"]
+  assert "[0] a\n[1] c" in prompt
+
+
+def test_call_with_the_library_slate_view(server):
+  critic_lib = pytest.importorskip("ear_jax.core.critic")
+  if not hasattr(critic_lib, "SlateView"):
+    pytest.skip("ear_jax.core.critic has no SlateView")
+  server.script = [Reply(content="[0]")]
+  view = critic_lib.SlateView(
+      query=np.zeros(2, np.float32), slate=np.array([4, -1, 7], np.int32),
+      slate_mask=np.array([True, False, True]), memories=np.zeros((3, 2), np.float32),
+      gold=np.zeros(3, bool), query_text=_QUESTION, texts=("m4", "m7"))
+  np.testing.assert_array_equal(_client(server)(None, view), [1, -1, -1])
+  without_text = view._replace(query_text=None, texts=None)
+  with pytest.raises(TypeError, match="query_text"):
+    _client(server)(None, without_text)
+
+
+def test_call_checks_the_view(server):
+  critic = _client(server)
+  with pytest.raises(ValueError, match="3 texts for 1 non-empty"):
+    critic(None, _View(_QUESTION, ("a", "b", "c"), np.array([True, False])))
+  with pytest.raises(ValueError, match="1-D"):
+    critic(None, _View(_QUESTION, ("a",), np.array([[True]])))
+  with pytest.raises(TypeError, match="query_text"):
+    critic(None, object())
+  assert server.requests == []

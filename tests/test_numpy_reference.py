@@ -31,7 +31,7 @@ def _run_both(config, hparams, num_batches=4, seed=0):
   state = learner.init_learner(jax.random.PRNGKey(99), config)
   np_state = ref.init_numpy_state(config)
   hp = ref.hp_dict(hparams)
-  step = jax.jit(learner.train_batch, static_argnames=("config", "critic"))
+  step = jax.jit(learner.train_batch, static_argnames=("config",))
   for i in range(num_batches):
     sl = slice(i * b, (i + 1) * b)
     batch = stream.take(sl)

@@ -15,6 +15,7 @@ from core_utils import learnable_stream  # pylint: disable=g-import-not-at-top,w
 
 import ear_jax as ej
 from ear_jax.core import learner
+from ear_jax.core import stream as stream_lib
 
 
 def _loop(key, stream, config, hparams):
@@ -33,7 +34,7 @@ def _loop(key, stream, config, hparams):
 
 
 def _check(config, n=30, seed=0):
-  stream = ej.stream.to_device(learnable_stream(seed, n, d=config.dim,
+  stream = stream_lib.to_device(learnable_stream(seed, n, d=config.dim,
                                                 k=config.num_candidates, num_valid=6))
   hparams = ej.default_hparams()
   key = jax.random.PRNGKey(seed)

@@ -16,8 +16,9 @@ _SCRIPT = textwrap.dedent("""
     from core_utils import learnable_stream
     import ear_jax as ej
     from ear_jax.experiment import sharding
+    from ear_jax.core import stream as stream_lib
     assert jax.device_count() == 4, jax.devices()
-    stream = ej.stream.to_device(learnable_stream(0, 48, d=16, k=8))
+    stream = stream_lib.to_device(learnable_stream(0, 48, d=16, k=8))
     config = ej.EARConfig(dim=16, num_candidates=8, slate_size=3, num_rounds=2, replay_size=2,
                           buffer_capacity=32, batch_size=4)
     out = {{}}

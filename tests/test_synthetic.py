@@ -1,4 +1,4 @@
-"""Tests for ear_jax/synthetic.py: seeded, mediocre frozen cosine, learnable by a linear adapter."""
+"""Tests for ear_jax/data/synthetic.py: seeded, mediocre frozen cosine, learnable by a linear adapter."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -898,7 +898,7 @@ class Memory:
           "slate_mask", "labels")}
     meta = {
         "format": CHECKPOINT_FORMAT,
-        "config": dataclasses.asdict(self.config),
+        "config": self.config.to_dict(),
         "encoder": {"spec": self._encoder_spec, "identity_hash": self._encoder_identity,
                     "dim": self.config.dim},
         "seed": self.seed, "multistore": self.multistore, "max_sessions": self.max_sessions,

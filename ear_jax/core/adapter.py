@@ -9,14 +9,15 @@ low-rank option (the paper's stated future work) holds `W = A B^T` with `A, B` o
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import chex
 import flax
 import jax
 import jax.numpy as jnp
 
-from ear_jax.core.config import EARConfig
+if TYPE_CHECKING:
+  from ear_jax.core.config import EARConfig
 
 _NORM_EPS = 1e-12
 # Logit given to masked candidates inside softmaxes (finite, so masked reductions never make NaN).

@@ -7,14 +7,15 @@ adapter (Alg. 3: the adapter is re-applied at replay time). When full, the oldes
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import chex
 import flax
 import jax
 import jax.numpy as jnp
 
-from ear_jax.core.config import EARConfig
+if TYPE_CHECKING:
+  from ear_jax.core.config import EARConfig
 
 
 @flax.struct.dataclass
@@ -79,31 +80,51 @@ def experience_rewards(buffer: ReplayBuffer) -> jax.Array:
   return num / jnp.maximum(jnp.sum(buffer.observed, axis=-1), 1)
 
 
+def similarity_replay(key: jax.Array, buffer: ReplayBuffer, query: jax.Array) -> jax.Array:
+  """Eq. (15): replay the experiences whose pre-adapter query is most similar, `q^T q_r`."""
+  del key
+  return buffer.queries @ query
+
+
+def reward_replay(key: jax.Array, buffer: ReplayBuffer, query: jax.Array) -> jax.Array:
+  """Table 7 'reward': replay the experiences with the lowest mean reward."""
+  del key, query
+  return -experience_rewards(buffer)
+
+
+def random_replay(key: jax.Array, buffer: ReplayBuffer, query: jax.Array) -> jax.Array:
+  """Table 7 'random': replay uniformly at random (without replacement); the key is consumed."""
+  del query
+  return jax.random.uniform(key, buffer.valid.shape)
+
+
+# A replay strategy scores every slot for one query: `(key, buffer, query [d]) -> scores [C]`;
+# `select_replay` takes the top-B valid slots. Adding a strategy: one function + one line here.
+REPLAY_STRATEGIES = {
+    "similarity": similarity_replay,
+    "reward": reward_replay,
+    "random": random_replay,
+}
+
+
 def select_replay(key: jax.Array, buffer: ReplayBuffer, query: jax.Array, replay_size: int,
-                  strategy: str):
+                  strategy=similarity_replay):
   """Chooses the experiences to replay for one query, Eq. (15) and Table 7.
 
   Args:
-    key: PRNG key (used by 'random'); the key is consumed.
+    key: PRNG key (given to the strategy, e.g. 'random'); the key is consumed.
     buffer: the buffer as it stood before this query's batch.
     query: `[d]` pre-adapter query embedding.
     replay_size: `B` (static).
-    strategy: 'similarity' (top-B by `q^T q_r`, Eq. (15)), 'reward' (bottom-B by mean reward) or
-      'random' (uniform without replacement).
+    strategy: a replay strategy `(key, buffer, query) -> scores [C]` (see `REPLAY_STRATEGIES`):
+      the B valid slots with the highest scores are replayed.
 
   Returns:
     `(indices [B] int32, replay_mask [B] bool)`: fewer than B are valid while the buffer holds
     fewer than B experiences.
   """
   chex.assert_rank(query, 1)
-  if strategy == "similarity":
-    score = buffer.queries @ query
-  elif strategy == "reward":
-    score = -experience_rewards(buffer)
-  elif strategy == "random":
-    score = jax.random.uniform(key, buffer.valid.shape)
-  else:
-    raise ValueError(f"unknown replay_strategy={strategy!r}")
+  score = strategy(key, buffer, query)
   vals, idx = jax.lax.top_k(jnp.where(buffer.valid, score, -jnp.inf), replay_size)
   return idx.astype(jnp.int32), vals > -jnp.inf
 

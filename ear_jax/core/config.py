@@ -10,17 +10,30 @@ Symbols: `d` embedding dimension, `K` candidates per query, `s` slate size, `T` 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import flax
 import jax
 import jax.numpy as jnp
+import optax
 
-TRAIN_SLATES = ("explorer", "adapter", "gumbel", "none")
+from ear_jax.core.buffer import REPLAY_STRATEGIES, similarity_replay
+from ear_jax.core.policies import TRAIN_SLATES, explorer_slates
+
 LOSS_FORMS = ("flat", "sequential")
-REPLAY_STRATEGIES = ("similarity", "reward", "random")
 REPLAY_UNOBSERVED = ("negative", "ignore")
-OPTIMIZERS = ("adam", "sgd")
+# The optimizer is an optax alias `learning_rate -> optax.GradientTransformation` (the learning rate
+# is injected from `HParams.learning_rate` at every step, so it can be swept with `vmap`).
+OPTIMIZERS = {
+    "adam": optax.adam,
+    "sgd": optax.sgd,
+}
+# The behaviours passed in as functions, with the registry that names them for the command line.
+STRATEGY_REGISTRIES = {
+    "train_slate": TRAIN_SLATES,
+    "replay_strategy": REPLAY_STRATEGIES,
+    "optimizer": OPTIMIZERS,
+}
 
 # Methods of Tables 2-3 as presets of the switches below.
 METHODS = {
@@ -42,6 +55,28 @@ def _check_choice(name, value, choices):
     raise ValueError(f"unknown {name}={value!r}; expected one of {choices}")
 
 
+def _resolve(name: str, value: Any) -> Any:
+  """A registry name -> its function; a function passes through (None only for `train_slate`)."""
+  registry = STRATEGY_REGISTRIES[name]
+  if isinstance(value, str):
+    if value not in registry:
+      raise ValueError(f"unknown {name}={value!r}; expected one of {tuple(registry)} or a function")
+    return registry[value]
+  if value is None and None in registry.values():
+    return None
+  if not callable(value):
+    raise ValueError(f"{name} must be a name in {tuple(registry)} or a function, got {value!r}")
+  return value
+
+
+def strategy_name(name: str, value: Any) -> str:
+  """The registry name of a strategy function (`module.qualname` for an unregistered one)."""
+  for key, fn in STRATEGY_REGISTRIES[name].items():
+    if fn is value:
+      return key
+  return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
+
+
 @dataclasses.dataclass(frozen=True)
 class EARConfig:
   """Shapes and discrete switches of an EAR learner (static under `jit`).
@@ -54,16 +89,20 @@ class EARConfig:
     replay_size: `B`, replayed experiences per query (Eq. (15)); 4 in the paper.
     buffer_capacity: `C`, ring-buffer capacity (Eq. (13)-(14)); the oldest is overwritten.
     batch_size: training queries per optimizer step (Appendix A.1: 4).
-    train_slate: how the training slate is chosen: 'explorer' (T rounds of Eq. (8)), 'adapter'
-      (top-s of z, one critic call), 'gumbel' (Gumbel top-s of z/tau, one critic call, RMM) or 'none'
-      (no training: Only Retriever / Only Explorer at test).
+    train_slate: the training-slate policy (a function of `ear_jax.core.policies`, or its name in
+      `TRAIN_SLATES`): 'explorer' (T rounds of Eq. (8)), 'adapter' (top-s of z, one critic call),
+      'gumbel' (Gumbel top-s of z/tau, one critic call, RMM) or None / 'none' (no training: Only
+      Retriever / Only Explorer at test).
     use_replay: add the replay loss of Eq. (16).
     loss_form: 'flat' (softmax over all K, Alg. 3 line 7) or 'sequential' (Plackett-Luce: position j
       excludes the items chosen before it, Section 3.4).
-    replay_strategy: 'similarity' (Eq. (15)), 'reward' (bottom-B by mean reward) or 'random' (Table 7).
+    replay_strategy: a replay strategy `(key, buffer, query) -> scores [C]` (or its name in
+      `REPLAY_STRATEGIES`): 'similarity' (Eq. (15)), 'reward' (bottom-B by mean reward) or 'random'
+      (Table 7).
     replay_unobserved: 'negative' (Eq. (20) literally: never-chosen items get -1) or 'ignore'
       (never-chosen items are left out of the replay loss, Eq. (13)).
-    optimizer: 'adam' (default; the paper names none) or 'sgd'.
+    optimizer: an optax alias `learning_rate -> optax.GradientTransformation` (or its name in
+      `OPTIMIZERS`): 'adam' (default; the paper names none) or 'sgd'.
     adapter_rank: None for the full d x d adapter (Eq. (3)); an int r for the low-rank W = A B^T.
     grad_clip_norm: optional global-norm gradient clipping (None = off).
     loss_on_tempered_logits: the REINFORCE loss uses log softmax(z / tau) (RMM) instead of softmax(z).
@@ -75,17 +114,19 @@ class EARConfig:
   replay_size: int = 4
   buffer_capacity: int = 2048
   batch_size: int = 4
-  train_slate: str = "explorer"
+  train_slate: Optional[Callable] = explorer_slates
   use_replay: bool = True
   loss_form: str = "flat"
-  replay_strategy: str = "similarity"
+  replay_strategy: Callable = similarity_replay
   replay_unobserved: str = "negative"
-  optimizer: str = "adam"
+  optimizer: Callable = optax.adam
   adapter_rank: Optional[int] = None
   grad_clip_norm: Optional[float] = None
   loss_on_tempered_logits: bool = False
 
   def __post_init__(self):
+    for name in STRATEGY_REGISTRIES:  # names -> functions (the core only sees functions)
+      object.__setattr__(self, name, _resolve(name, getattr(self, name)))
     for name in ("dim", "num_candidates", "slate_size", "num_rounds", "replay_size",
                  "buffer_capacity", "batch_size"):
       value = getattr(self, name)
@@ -102,11 +143,8 @@ class EARConfig:
     if self.slate_size > self.num_candidates:
       raise ValueError(
           f"slate_size s={self.slate_size} is larger than num_candidates K={self.num_candidates}")
-    _check_choice("train_slate", self.train_slate, TRAIN_SLATES)
     _check_choice("loss_form", self.loss_form, LOSS_FORMS)
-    _check_choice("replay_strategy", self.replay_strategy, REPLAY_STRATEGIES)
     _check_choice("replay_unobserved", self.replay_unobserved, REPLAY_UNOBSERVED)
-    _check_choice("optimizer", self.optimizer, OPTIMIZERS)
     if self.adapter_rank is not None and not (
         isinstance(self.adapter_rank, int) and 1 <= self.adapter_rank <= self.dim):
       raise ValueError(f"adapter_rank must be None or an int in [1, dim={self.dim}], "
@@ -115,13 +153,21 @@ class EARConfig:
       raise ValueError(f"grad_clip_norm must be None or > 0, got {self.grad_clip_norm!r}")
 
   @property
-  def rounds_per_query(self) -> int:
-    """Slates (= critic calls) per training query: T for the Explorer, 1 otherwise, 0 untrained."""
-    return {"explorer": self.num_rounds, "none": 0}.get(self.train_slate, 1)
-
-  @property
   def trains(self) -> bool:
-    return self.train_slate != "none"
+    return self.train_slate is not None
+
+  def to_dict(self) -> dict:
+    """JSON-able fields; strategy functions by their registry names (see `strategy_name`)."""
+    d = dataclasses.asdict(self)
+    for name in STRATEGY_REGISTRIES:
+      value = getattr(self, name)
+      d[name] = "none" if value is None else strategy_name(name, value)
+    return d
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "EARConfig":
+    """Inverse of `to_dict` (registered strategies only; unknown fields are an error)."""
+    return cls(**d)
 
   @classmethod
   def for_method(cls, method: str, **overrides) -> "EARConfig":
@@ -148,7 +194,8 @@ class HParams:
   """Continuous hyperparameters (array leaves; `vmap` over them for sweeps).
 
   Defaults are the paper's (Appendix A): s=5, lambda_rel/div/exp = 0.4/0.3/0.3, alpha = 0.5,
-  b = 0.5, tau = 0.5, lambda_rep = 1, learning rate 1e-3, critic precision 0.88 / recall 0.86.
+  b = 0.5, tau = 0.5, lambda_rep = 1, learning rate 1e-3. (The simulated critic's precision and
+  recall belong to the critic: `ear_jax.core.critic.SimulatedCritic`.)
   """
   lambda_rel: jax.Array  # [] float32, Eq. (7) relevance weight
   lambda_div: jax.Array  # [] float32, Eq. (7) redundancy weight
@@ -158,26 +205,20 @@ class HParams:
   tau: jax.Array  # [] float32, Gumbel temperature of Eq. (19)
   lambda_rep: jax.Array  # [] float32, Eq. (17)
   learning_rate: jax.Array  # [] float32, eta of Eq. (18)
-  critic_precision: jax.Array  # [] float32, Appendix A.2
-  critic_recall: jax.Array  # [] float32, Appendix A.2
 
 
-_HPARAM_DEFAULTS = dict(lambda_rel=0.4, lambda_div=0.3, lambda_exp=0.3, alpha=0.5, baseline=0.5,
-                        tau=0.5, lambda_rep=1.0, learning_rate=1e-3, critic_precision=0.88,
-                        critic_recall=0.86)
+# The paper's values (Appendix A, A.1): the one place they are written down.
+HPARAM_DEFAULTS = dict(lambda_rel=0.4, lambda_div=0.3, lambda_exp=0.3, alpha=0.5, baseline=0.5,
+                       tau=0.5, lambda_rep=1.0, learning_rate=1e-3)
 
 
 def default_hparams(**overrides) -> HParams:
   """`HParams` with the paper's values, `overrides` applied (scalars or arrays for a sweep)."""
-  unknown = set(overrides) - set(_HPARAM_DEFAULTS)
+  unknown = set(overrides) - set(HPARAM_DEFAULTS)
   if unknown:
     raise ValueError(f"unknown hyperparameter(s) {sorted(unknown)}; "
-                     f"expected some of {sorted(_HPARAM_DEFAULTS)}")
-  values = {**_HPARAM_DEFAULTS, **overrides}
-  for name in ("critic_precision", "critic_recall"):
-    v = jnp.asarray(values[name])
-    if jnp.any((v <= 0) | (v > 1)):
-      raise ValueError(f"{name} must be in (0, 1], got {values[name]!r}")
+                     f"expected some of {sorted(HPARAM_DEFAULTS)}")
+  values = {**HPARAM_DEFAULTS, **overrides}
   v = jnp.asarray(values["tau"])
   if jnp.any(v <= 0):
     raise ValueError(f"tau must be > 0, got {values['tau']!r}")

@@ -1,18 +1,70 @@
-"""The simulated citation critic of Appendix A.2, as a pure function (so episodes stay in `jit`).
+"""The critic protocol and the simulated citation critic of Appendix A.2.
 
-Symbols: `s` slate size.
+Symbols: `s` slate size, `d` dimension.
 
-A critic is any pure function `critic(key, slate_gold, slate_mask, hparams) -> labels` with
-`slate_gold [s]` bool (which slate items are gold), `slate_mask [s]` bool (which positions hold an
-item) and `labels [s]` float32 in {-1, +1}. Research code can pass its own to the episode functions.
+One protocol for every critic, jitted or not: a critic is a callable `critic(key, view) -> labels`
+that sees one shown slate through a `SlateView` (the query, the slate's candidate positions and
+memory embeddings, gold flags where known, and, on the host, the query text and the memory texts)
+and returns `[s]` float32 labels in {-1, +1} (+1 = cited / useful, -1 at empty positions). A critic
+OWNS its parameters: jitted critics are `flax.struct.dataclass` pytrees whose fields are array
+leaves (so a sweep over a critic's precision is a `vmap`, and the critic is an ordinary argument of
+jitted functions, not a static one); a parameter-free function becomes such a pytree with
+`jax.tree_util.Partial(fn)`. A host-side critic (an LLM, `ear_jax.agent.llm_critic.LLMCritic`)
+implements the same call on host arrays and may return None for an unusable reply (no update).
+
+`CRITICS` maps command-line names to constructors; adding a critic is one class and one line there.
 """
 from __future__ import annotations
 
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
 import chex
+import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ear_jax.core.config import HParams
+from ear_jax.core.slates import gather_slate
+
+# The paper's simulated critic (Appendix A.2): precision 0.88, recall 0.86.
+DEFAULT_PRECISION = 0.88
+DEFAULT_RECALL = 0.86
+
+
+class SlateView(NamedTuple):
+  """What a critic sees of one shown slate (unbatched).
+
+  Jitted critics read the array fields; host critics (LLMs) read `query_text` and `texts`.
+  """
+  query: jax.Array  # [d] float32, pre-adapter query embedding
+  slate: jax.Array  # [s] int32 candidate positions (-1 = empty position)
+  slate_mask: jax.Array  # [s] bool, positions holding a memory
+  memories: jax.Array  # [s, d] float32 pre-adapter embeddings of the slate's memories (0 if empty)
+  gold: jax.Array  # [s] bool, gold flags where known (simulated critics); False otherwise
+  query_text: Optional[str] = None  # host critics only
+  texts: Optional[Sequence[str]] = None  # host critics only: the memories' texts, in slate order
+  ids: Optional[Sequence[str]] = None  # host critics only: the memories' ids, in slate order
+
+
+# critic(key, view) -> labels [s] float32 in {-1, +1} (None from a host critic = unusable reply).
+Critic = Callable[[jax.Array, SlateView], Any]
+
+
+def slate_view(query: jax.Array, candidates: jax.Array, gold: Optional[jax.Array],
+               slate: jax.Array, slate_mask: jax.Array) -> SlateView:
+  """The `SlateView` of a slate of one query's K candidates.
+
+  Args:
+    query: `[d]` pre-adapter query.
+    candidates: `[K, d]` pre-adapter candidates.
+    gold: `[K]` bool gold flags, or None when unknown (all False).
+    slate: `[s]` int32 candidate positions (-1 = empty).
+    slate_mask: `[s]` bool.
+  """
+  gold_s = (jnp.zeros(slate.shape, bool) if gold is None else
+            gather_slate(gold, slate, slate_mask, False))
+  return SlateView(query=query, slate=slate, slate_mask=slate_mask,
+                   memories=gather_slate(candidates, slate, slate_mask, 0.0), gold=gold_s)
 
 
 def false_positive_rate(num_gold: jax.Array, num_other: jax.Array, precision: jax.Array,
@@ -32,7 +84,7 @@ def false_positive_rate(num_gold: jax.Array, num_other: jax.Array, precision: ja
 
 
 def simulated_critic(key: jax.Array, slate_gold: jax.Array, slate_mask: jax.Array,
-                     hparams: HParams) -> jax.Array:
+                     precision: jax.Array, recall: jax.Array) -> jax.Array:
   """Labels a slate like an LLM citing memories with given precision and recall (Appendix A.2).
 
   Each gold item is cited with probability `r`; each non-gold item with `p_fp` (see
@@ -43,7 +95,8 @@ def simulated_critic(key: jax.Array, slate_gold: jax.Array, slate_mask: jax.Arra
     key: PRNG key; the key is consumed.
     slate_gold: `[s]` bool, which slate items are gold.
     slate_mask: `[s]` bool, which slate positions hold an item.
-    hparams: `critic_precision` (p) and `critic_recall` (r).
+    precision: `p`.
+    recall: `r`.
 
   Returns:
     `[s]` float32 labels in {-1, +1} (-1 at empty positions).
@@ -51,15 +104,62 @@ def simulated_critic(key: jax.Array, slate_gold: jax.Array, slate_mask: jax.Arra
   chex.assert_rank([slate_gold, slate_mask], 1)
   gold = slate_gold & slate_mask
   other = ~slate_gold & slate_mask
-  p_fp = false_positive_rate(jnp.sum(gold), jnp.sum(other), hparams.critic_precision,
-                             hparams.critic_recall)
+  p_fp = false_positive_rate(jnp.sum(gold), jnp.sum(other), precision, recall)
   u = jax.random.uniform(key, slate_mask.shape)
-  cited = (gold & (u < hparams.critic_recall)) | (other & (u < p_fp))
+  cited = (gold & (u < recall)) | (other & (u < p_fp))
   return jnp.where(cited, 1.0, -1.0).astype(jnp.float32)
 
 
-def oracle_critic(key: jax.Array, slate_gold: jax.Array, slate_mask: jax.Array,
-                  hparams: HParams) -> jax.Array:
+@flax.struct.dataclass
+class SimulatedCritic:
+  """The simulated citation critic of Appendix A.2 as a critic pytree (its parameters are leaves).
+
+  Build it with `make_simulated_critic` (validates); `stack_critics` stacks several for a `vmap`.
+  """
+  precision: jax.Array  # [] float32, p
+  recall: jax.Array  # [] float32, r
+
+  def __call__(self, key: jax.Array, view: SlateView) -> jax.Array:
+    return simulated_critic(key, view.gold, view.slate_mask, self.precision, self.recall)
+
+
+def oracle_critic(key: jax.Array, slate_gold: jax.Array, slate_mask: jax.Array) -> jax.Array:
   """A noiseless critic: +1 exactly for gold items (precision = recall = 1). The key is unused."""
-  del key, hparams
+  del key
   return jnp.where(slate_gold & slate_mask, 1.0, -1.0).astype(jnp.float32)
+
+
+@flax.struct.dataclass
+class OracleCritic:
+  """`oracle_critic` as a critic pytree (no parameters)."""
+
+  def __call__(self, key: jax.Array, view: SlateView) -> jax.Array:
+    return oracle_critic(key, view.gold, view.slate_mask)
+
+
+def make_simulated_critic(precision=DEFAULT_PRECISION, recall=DEFAULT_RECALL) -> SimulatedCritic:
+  """A `SimulatedCritic` (scalars, or arrays for a sweep), both values checked to be in (0, 1]."""
+  for name, value in (("precision", precision), ("recall", recall)):
+    v = np.asarray(value, np.float64)
+    if not np.all((v > 0) & (v <= 1)):
+      raise ValueError(f"critic {name} must be in (0, 1], got {value!r}")
+  return SimulatedCritic(precision=jnp.asarray(precision, jnp.float32),
+                         recall=jnp.asarray(recall, jnp.float32))
+
+
+def default_critic() -> SimulatedCritic:
+  """The paper's simulated critic, p = 0.88, r = 0.86 (Appendix A.2); usable inside `jit`."""
+  return SimulatedCritic(precision=jnp.float32(DEFAULT_PRECISION),
+                         recall=jnp.float32(DEFAULT_RECALL))
+
+
+def stack_critics(critics) -> Any:
+  """Stacks critic pytrees of one type along a new leading axis (for `vmap` sweeps)."""
+  return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *critics)
+
+
+# Command-line names -> constructors (keyword arguments are the critic's parameters).
+CRITICS = {
+    "simulated": make_simulated_critic,
+    "oracle": OracleCritic,
+}

@@ -8,21 +8,20 @@ the slate holds every valid candidate and the remaining positions are empty (ind
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import chex
 import flax
 import jax
 import jax.numpy as jnp
 
-from ear_jax.core.config import HParams
+if TYPE_CHECKING:
+  from ear_jax.core.config import HParams
 
 # The s picks and T rounds are short static loops: unrolled, XLA fuses them (no while-loop
 # overhead per pick on CPU; about 15-20 % of an EAR training step at d = 384, BUILD_NOTES issue 5).
 _UNROLL = True
 
-# A critic maps (key, slate_gold [s] bool, slate_mask [s] bool, hparams) -> labels [s] in {-1, +1}.
-Critic = Callable[[jax.Array, jax.Array, jax.Array, HParams], jax.Array]
 # The Explorer's feedback callback: (key, slate [s] int32, slate_mask [s] bool) -> labels [s].
 SlateFeedback = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -116,22 +115,6 @@ def greedy_slate(relevance: jax.Array, ucb: jax.Array, gram: jax.Array, where: j
   return slate, slate_mask
 
 
-def top_s_slate(scores: jax.Array, where: jax.Array, slate_size: int):
-  """The `s` highest-scoring valid candidates, best first (adapter-only inference, Section 3.6).
-
-  Args:
-    scores: `[K]` scores (e.g. adapted logits `z`).
-    where: `[K]` bool, valid candidates.
-    slate_size: `s` (static).
-
-  Returns:
-    `(slate [s] int32, slate_mask [s] bool)`, empty positions as in `greedy_slate`.
-  """
-  vals, idx = jax.lax.top_k(jnp.where(where, scores, -jnp.inf), slate_size)
-  ok = vals > -jnp.inf
-  return jnp.where(ok, idx, -1).astype(jnp.int32), ok
-
-
 def update_bandit(stats: BanditStats, slate: jax.Array, slate_mask: jax.Array,
                   labels: jax.Array) -> BanditStats:
   """Bandit update for the chosen items only, Eq. (9).
@@ -191,10 +174,3 @@ def explore(key: jax.Array, relevance: jax.Array, gram: jax.Array, where: jax.Ar
       unroll=_UNROLL)
   return ExplorerOutput(slates=slates, slate_mask=masks, labels=labels.astype(jnp.float32),
                         stats=stats)
-
-
-def gather_slate(values: jax.Array, slate: jax.Array, slate_mask: jax.Array, fill=0):
-  """`values[slate]` along axis 0 with `fill` at empty positions (index -1 never wraps around)."""
-  got = values[jnp.maximum(slate, 0)]
-  shape = slate_mask.shape + (1,) * (got.ndim - slate_mask.ndim)
-  return jnp.where(slate_mask.reshape(shape), got, fill)

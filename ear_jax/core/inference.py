@@ -11,32 +11,26 @@ from typing import NamedTuple
 
 import jax
 
+from typing import Optional
+
 from ear_jax.core import adapter as adapter_lib
+from ear_jax.core import critic as critic_lib
 from ear_jax.core import explorer as explorer_lib
 from ear_jax.core import metrics
+from ear_jax.core import retrieval
 from ear_jax.core.config import EARConfig, HParams
-from ear_jax.core.critic import simulated_critic
-from ear_jax.core.explorer import Critic
+from ear_jax.core.critic import Critic
 from ear_jax.core.stream import Stream
 
 
 def adapter_only_slate(params: adapter_lib.AdapterParams, query: jax.Array,
                        candidates: jax.Array, where: jax.Array, slate_size: int):
-  """`S_adapter = TopS_i z_i^phi` for one query (Section 3.6).
-
-  Args:
-    params: adapter parameters.
-    query: `[d]` pre-adapter query.
-    candidates: `[K, d]` pre-adapter candidates.
-    where: `[K]` bool, valid candidates.
-    slate_size: `s` (static).
+  """`S_adapter = TopS_i z_i^phi` for one query (Section 3.6): `retrieval.slate_from_candidates`.
 
   Returns:
     `(slate [s] int32, slate_mask [s] bool, logits [K])`.
   """
-  z = adapter_lib.adapter_scores(params, query, candidates)
-  slate, slate_mask = explorer_lib.top_s_slate(z, where, slate_size)
-  return slate, slate_mask, z
+  return retrieval.slate_from_candidates(params, query, candidates, where, slate_size)
 
 
 def explorer_slate(key: jax.Array, params: adapter_lib.AdapterParams, query: jax.Array,
@@ -78,7 +72,7 @@ class EvalResult(NamedTuple):
 
 
 def evaluate(key: jax.Array, params: adapter_lib.AdapterParams, stream: Stream,
-             config: EARConfig, hparams: HParams, critic: Critic = simulated_critic) -> EvalResult:
+             config: EARConfig, hparams: HParams, critic: Optional[Critic] = None) -> EvalResult:
   """Scores a test stream in one vmapped call, in both inference modes (adapter frozen).
 
   Args:
@@ -87,19 +81,20 @@ def evaluate(key: jax.Array, params: adapter_lib.AdapterParams, stream: Stream,
     stream: `M` test queries.
     config: static config.
     hparams: hyperparameters (Explorer weights, critic precision/recall).
-    critic: the critic used by explorer-assisted inference.
+    critic: the critic used by explorer-assisted inference (default: the paper's simulated
+      critic).
 
   Returns:
     An `EvalResult`; means are over queries with gold (`num_gold > 0`).
   """
+  critic = critic_lib.default_critic() if critic is None else critic
   keys = jax.random.split(key, stream.queries.shape[0])
 
   def one(k, q, c, where, gold, num_gold):
     a_slate, a_mask, _ = adapter_only_slate(params, q, c, where, config.slate_size)
 
     def feedback(kk, slate, slate_mask):
-      return critic(kk, explorer_lib.gather_slate(gold, slate, slate_mask, False), slate_mask,
-                    hparams)
+      return critic(kk, critic_lib.slate_view(q, c, gold, slate, slate_mask))
 
     out = explorer_slate(k, params, q, c, where, feedback, config, hparams)
     e_slate, e_mask = out.slates[-1], out.slate_mask[-1]
@@ -120,4 +115,4 @@ def evaluate(key: jax.Array, params: adapter_lib.AdapterParams, stream: Stream,
       hitrate_explorer=metrics.masked_mean(e_h, has_gold))
 
 
-evaluate_jit = jax.jit(evaluate, static_argnames=("config", "critic"))
+evaluate_jit = jax.jit(evaluate, static_argnames=("config",))

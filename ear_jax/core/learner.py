@@ -8,6 +8,11 @@ A batch of `b` queries is processed together (`vmap`) against the adapter and bu
 the batch's start; their losses are averaged into one gradient and one optimizer step; then their
 experiences are pushed into the buffer. With `b = 1` this is exactly Algorithm 1. A whole episode is
 ONE `jax.lax.scan` over batches under `jit`; per-query keys are split up front.
+
+One learner step for every caller: `train_batch_on_feedback` takes the slates and labels of a batch
+(wherever they came from) and does the gradient step and the push. `train_batch` (the scanned
+episodes) first collects them with a jitted critic (`collect_feedback`), `ear_jax.agent.Memory` and
+the LLM episode collect them on the host.
 """
 from __future__ import annotations
 
@@ -20,11 +25,11 @@ import optax
 
 from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import buffer as buffer_lib
-from ear_jax.core import explorer as explorer_lib
+from ear_jax.core import critic as critic_lib
 from ear_jax.core import losses
 from ear_jax.core.config import EARConfig, HParams
-from ear_jax.core.critic import simulated_critic
-from ear_jax.core.explorer import Critic
+from ear_jax.core.critic import Critic
+from ear_jax.core.slates import gather_slate
 from ear_jax.core.stream import Stream
 
 
@@ -51,16 +56,20 @@ class QueryRecord(NamedTuple):
 
 
 def make_optimizer(config: EARConfig) -> optax.GradientTransformation:
-  """The update direction before the learning rate: Adam (default) or SGD, with optional clipping.
+  """`config.optimizer` (an optax alias, Adam by default) with its learning rate injected as state.
 
-  The learning rate is applied by `apply_gradients` from `HParams.learning_rate`, so it can be
-  swept with `vmap`.
+  `optax.inject_hyperparams` keeps the learning rate in the optimizer state, where
+  `apply_gradients` sets it from `HParams.learning_rate` before every step, so it can be swept with
+  `vmap`. Optional global-norm clipping (`config.grad_clip_norm`) comes first.
   """
-  parts = []
-  if config.grad_clip_norm is not None:
-    parts.append(optax.clip_by_global_norm(config.grad_clip_norm))
-  parts.append(optax.scale_by_adam() if config.optimizer == "adam" else optax.identity())
-  return optax.chain(*parts)
+
+  def build(learning_rate):
+    opt = config.optimizer(learning_rate)
+    if config.grad_clip_norm is None:
+      return opt
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), opt)
+
+  return optax.inject_hyperparams(build)(learning_rate=jnp.float32(0.0))
 
 
 def init_learner(key: jax.Array, config: EARConfig) -> LearnerState:
@@ -79,48 +88,49 @@ def init_learner(key: jax.Array, config: EARConfig) -> LearnerState:
 
 def apply_gradients(state: LearnerState, grads: adapter_lib.AdapterParams, config: EARConfig,
                     hparams: HParams) -> LearnerState:
-  """One optax step `phi <- phi - eta * direction(grad)`, Eq. (18)."""
-  updates, opt_state = make_optimizer(config).update(grads, state.opt_state, state.params)
-  updates = jax.tree_util.tree_map(lambda u: -hparams.learning_rate * u, updates)
+  """One optax step `phi <- phi - eta * direction(grad)`, Eq. (18), with `eta` from `hparams`."""
+  opt_state = state.opt_state._replace(hyperparams={
+      **state.opt_state.hyperparams,
+      "learning_rate": jnp.asarray(hparams.learning_rate, jnp.float32)})
+  updates, opt_state = make_optimizer(config).update(grads, opt_state, state.params)
   return state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state,
                        step=state.step + 1)
 
 
-def training_slates(key: jax.Array, relevance: jax.Array, gram_fn, where: jax.Array,
-                    feedback, config: EARConfig, hparams: HParams):
-  """The training slates of one query and their labels, by `config.train_slate`.
+def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: jax.Array,
+                     candidates: jax.Array, where: jax.Array, gold: jax.Array, config: EARConfig,
+                     hparams: HParams, critic: Critic):
+  """The training slates of one query and the critic's labels, by `config.train_slate`.
 
-  'explorer': T rounds of Alg. 2; 'adapter': top-s of z, one critic call; 'gumbel': Gumbel top-s of
-  z / tau (Eq. (19)), one critic call.
+  Adapts the candidates (Eq. (3)-(4)) with the parameters at the batch's start and runs the
+  training-slate policy (the Explorer's T rounds, Alg. 2, by default), showing each slate to the
+  critic through a `SlateView`. Nothing here is differentiated.
 
   Args:
-    key: PRNG key; the key is consumed.
-    relevance: `[K]` adapted logits `z` (treated as constants).
-    gram_fn: `() -> [K, K]` adapted candidate similarities (only the Explorer calls it).
+    key: PRNG key of the query's training slates; the key is consumed.
+    params: adapter parameters.
+    query: `[d]` pre-adapter query.
+    candidates: `[K, d]` pre-adapter candidates.
     where: `[K]` bool, valid candidates.
-    feedback: `(key, slate, slate_mask) -> labels [s]`.
+    gold: `[K]` bool, gold candidates (seen only by simulated critics).
     config: static config.
     hparams: hyperparameters.
+    critic: a critic pytree `(key, SlateView) -> labels [s]`.
 
   Returns:
-    `(slates [R, s], slate_mask [R, s], labels [R, s])`.
+    `(slates [R, s] int32, slate_mask [R, s] bool, labels [R, s] float32)`.
   """
-  k_slate, k_critic = jax.random.split(key)
-  z = jax.lax.stop_gradient(relevance)
-  s = config.slate_size
-  if config.train_slate == "explorer":
-    out = explorer_lib.explore(k_critic, z, gram_fn(), where, feedback, hparams,
-                               config.num_rounds, s)
-    return out.slates, out.slate_mask, out.labels
-  if config.train_slate == "adapter":
-    slate, slate_mask = explorer_lib.top_s_slate(z, where, s)
-  elif config.train_slate == "gumbel":
-    slate, slate_mask = losses.gumbel_top_s(k_slate, z, where, hparams.tau, s)
-  else:
-    raise ValueError(f"train_slate={config.train_slate!r} produces no training slates")
-  labels = jnp.where(slate_mask, feedback(jax.random.split(k_critic, 1)[0], slate, slate_mask),
-                     -1.0)
-  return slate[None], slate_mask[None], labels[None].astype(jnp.float32)
+  params = jax.lax.stop_gradient(params)
+  q_t = adapter_lib.adapt_queries(params, query)
+  m_t = adapter_lib.adapt_memories(params, candidates)
+  z = adapter_lib.relevance_logits(q_t, m_t)
+
+  def feedback(k, slate, slate_mask):
+    return critic(k, critic_lib.slate_view(query, candidates, gold, slate, slate_mask))
+
+  if config.train_slate is None:
+    raise ValueError("a config without a training-slate policy (train_slate=None) does not train")
+  return config.train_slate(key, z, lambda: m_t @ m_t.T, where, feedback, config, hparams)
 
 
 def experience_replay_loss(key: jax.Array, params: adapter_lib.AdapterParams,
@@ -170,8 +180,8 @@ def _replay_loss_on(params, replay: _Replay, config, hparams):
     z = adapter_lib.adapter_scores(params, e.queries, e.candidates)
     slate, slate_mask = losses.gumbel_top_s(k, z, e.mask, hparams.tau, config.slate_size)
     rewards, counts = losses.replay_rewards(e.ybar, e.observed, config.replay_unobserved)
-    r = explorer_lib.gather_slate(rewards, slate, slate_mask, -1.0)
-    c = explorer_lib.gather_slate(counts, slate, slate_mask, False)
+    r = gather_slate(rewards, slate, slate_mask, -1.0)
+    c = gather_slate(counts, slate, slate_mask, False)
     return losses.ranking_loss(z, e.mask, slate[None], slate_mask[None], r[None],
                                hparams.baseline, config.loss_form, count_mask=c[None])
 
@@ -236,15 +246,12 @@ def _feedback_loss_from_logits(params, replay, z, where, slates, slate_mask, lab
 def query_loss(params: adapter_lib.AdapterParams, key: jax.Array, query: jax.Array,
                candidates: jax.Array, where: jax.Array, gold: jax.Array,
                buffer: buffer_lib.ReplayBuffer, config: EARConfig, hparams: HParams,
-               critic: Critic = simulated_critic):
-  """`L_EAR` of one training query (Eq. (17)) with everything the step needs as aux outputs.
-
-  Adapts the candidates once (Eq. (3)-(4)), reuses them for every Explorer round and for the
-  current-query loss (Eq. (10)), aggregates the feedback (Eq. (11)-(12)) and adds the replay loss.
+               critic: Optional[Critic] = None):
+  """`L_EAR` of one training query (Eq. (17)): `collect_feedback`, then `feedback_loss`.
 
   Args:
-    params: adapter parameters (differentiated).
-    key: PRNG key of this query; the key is consumed.
+    params: adapter parameters (differentiated; the slates are chosen with them held constant).
+    key: PRNG key of this query, split into (slates, replay); the key is consumed.
     query: `[d]` pre-adapter query.
     candidates: `[K, d]` pre-adapter candidates.
     where: `[K]` bool, valid candidates.
@@ -252,32 +259,17 @@ def query_loss(params: adapter_lib.AdapterParams, key: jax.Array, query: jax.Arr
     buffer: the buffer as it stood at the batch's start.
     config: static config.
     hparams: hyperparameters.
-    critic: `(key, slate_gold, slate_mask, hparams) -> labels`.
+    critic: the critic (default: the paper's simulated critic).
 
   Returns:
     `(loss [], (record: QueryRecord, observed [K] bool, ybar [K] float32))`.
   """
+  critic = critic_lib.default_critic() if critic is None else critic
   k_train, k_replay = jax.random.split(key)
-  replay = _prepare_replay(k_replay, buffer, query, config) if config.use_replay else None
-  return _query_loss_core(params, k_train, replay, query, candidates, where, gold, config, hparams,
-                          critic)
-
-
-def _query_loss_core(params, k_train, replay, query, candidates, where, gold, config, hparams,
-                     critic):
-  """`query_loss` with the replay already gathered (`replay` is None without replay)."""
-  q_t = adapter_lib.adapt_queries(params, query)
-  m_t = adapter_lib.adapt_memories(params, candidates)
-  z = adapter_lib.relevance_logits(q_t, m_t)
-
-  def feedback(k, slate, slate_mask):
-    return critic(k, explorer_lib.gather_slate(gold, slate, slate_mask, False), slate_mask,
-                  hparams)
-
-  slates, slate_mask, labels = training_slates(k_train, z, lambda: m_t @ m_t.T, where, feedback,
-                                               config, hparams)
-  return _feedback_loss_from_logits(params, replay, z, where, slates, slate_mask, labels, config,
-                                    hparams)
+  slates, slate_mask, labels = collect_feedback(k_train, params, query, candidates, where, gold,
+                                                config, hparams, critic)
+  return feedback_loss(params, k_replay, query, candidates, where, slates, slate_mask, labels,
+                       buffer, config, hparams)
 
 
 def _batch_replay(keys, buffer, queries, config):
@@ -311,40 +303,41 @@ def _masked_batch_mean(loss, where):
 
 
 def train_batch(state: LearnerState, keys: jax.Array, batch: Stream, where: jax.Array,
-                config: EARConfig, hparams: HParams, critic: Critic = simulated_critic):
-  """One online step on a batch of queries: vmapped losses, averaged gradient, one optimizer step,
-  then the batch's experiences pushed (Appendix A.1; Alg. 1 lines 1-11).
+                config: EARConfig, hparams: HParams, critic: Optional[Critic] = None):
+  """One online step on a batch of queries with a jitted critic (Appendix A.1; Alg. 1 lines 1-11):
+  the batch's slates and labels (`collect_feedback`, vmapped), then `train_batch_on_feedback`.
 
   Args:
     state: learner state at the batch's start.
-    keys: `[b]` PRNG keys, one per query; consumed.
+    keys: `[b]` PRNG keys, one per query, each split into (slates, replay); consumed.
     batch: a `Stream` of `b` queries.
     where: `[b]` bool, real (non-padding) queries.
     config: static config.
     hparams: hyperparameters.
-    critic: the critic.
+    critic: a critic pytree (default: the paper's simulated critic).
 
   Returns:
     `(new_state, records)` with `QueryRecord` fields stacked to `[b, ...]`.
   """
-  # The same computation as `jax.vmap(query_loss)`, with the replay gathered once per batch.
+  critic = critic_lib.default_critic() if critic is None else critic
   k_train, k_replay = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
-  replay, buffer = _batch_replay(k_replay, state.buffer, batch.queries, config)
-
-  def batch_loss(params):
-    loss, aux = jax.vmap(_query_loss_core,
-                         in_axes=(None, 0, 0, 0, 0, 0, 0, None, None, None))(
-        params, k_train, replay, batch.queries, batch.candidates, batch.mask, batch.gold, config,
-        hparams, critic)
-    return _masked_batch_mean(loss, where), aux
-
-  return _step(state, batch_loss, batch, where, config, hparams, buffer)
+  slates, slate_mask, labels = jax.vmap(
+      collect_feedback, in_axes=(0, None, 0, 0, 0, 0, None, None, None))(
+          k_train, state.params, batch.queries, batch.candidates, batch.mask, batch.gold, config,
+          hparams, critic)
+  return train_batch_on_feedback(state, k_replay, batch, slates, slate_mask, labels, where,
+                                 config, hparams)
 
 
 def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
                             slates: jax.Array, slate_mask: jax.Array, labels: jax.Array,
                             where: jax.Array, config: EARConfig, hparams: HParams):
-  """`train_batch` for slates and labels collected outside `jit` (e.g. from an LLM critic).
+  """THE learner step: a batch's slates and labels -> one optimizer step and the batch's pushes.
+
+  The batch's replays are selected and gathered once (Eq. (15)), its losses (Eq. (10)-(17)) are
+  vmapped and averaged into one gradient, one optimizer step follows (Eq. (18)), then the batch's
+  experiences (Eq. (11)-(14)) are pushed. The slates and labels may come from a jitted critic
+  (`train_batch`) or from the host (an LLM critic, `ear_jax.agent.Memory`).
 
   Args:
     state: learner state at the batch's start.
@@ -382,7 +375,7 @@ def _pad_to_batches(tree, n: int, batch_size: int):
 
 
 def train_stream(state: LearnerState, keys: jax.Array, stream: Stream, config: EARConfig,
-                 hparams: HParams, critic: Critic = simulated_critic,
+                 hparams: HParams, critic: Optional[Critic] = None,
                  where: Optional[jax.Array] = None):
   """Online training over a stream, in order, as ONE `lax.scan` over batches.
 
@@ -409,6 +402,7 @@ def train_stream(state: LearnerState, keys: jax.Array, stream: Stream, config: E
   validate_stream(stream, config)
   if not config.trains:
     return state, None
+  critic = critic_lib.default_critic() if critic is None else critic
   n, b = stream.queries.shape[0], config.batch_size
   real = jnp.ones((n,), bool) if where is None else jnp.asarray(where, bool)
   keys, stream, real = _pad_to_batches((keys, stream, real), n, b)
@@ -440,10 +434,11 @@ def episode_keys(key: jax.Array, num_queries: int):
 
 
 def run_episode(key: jax.Array, stream: Stream, config: EARConfig, hparams: HParams,
-                critic: Critic = simulated_critic):
+                critic: Optional[Critic] = None):
   """A whole online training episode: init, then `train_stream` over the stream (one scan).
 
-  Jitted with `config` and `critic` static; `vmap` over `key` (seeds) or `hparams` (sweeps).
+  Jitted with `config` static; `vmap` over `key` (seeds), `hparams` (sweeps) or the critic's
+  parameters (noise sweeps).
 
   Args:
     key: PRNG key of the episode; the key is consumed.
@@ -477,7 +472,7 @@ def validate_stream(stream: Stream, config: EARConfig) -> None:
     raise ValueError("the stream holds no queries")
 
 
-train_batch_jit = jax.jit(train_batch, static_argnames=("config", "critic"))
+train_batch_jit = jax.jit(train_batch, static_argnames=("config",))
 train_batch_on_feedback_jit = jax.jit(train_batch_on_feedback, static_argnames=("config",))
-train_stream_jit = jax.jit(train_stream, static_argnames=("config", "critic"))
-run_episode_jit = jax.jit(run_episode, static_argnames=("config", "critic"))
+train_stream_jit = jax.jit(train_stream, static_argnames=("config",))
+run_episode_jit = jax.jit(run_episode, static_argnames=("config",))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ear_jax.core.explorer import gather_slate
+from ear_jax.core.slates import gather_slate
 
 
 def gold_in_slate(gold: jax.Array, slate: jax.Array, slate_mask: jax.Array) -> jax.Array:

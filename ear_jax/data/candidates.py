@@ -5,7 +5,7 @@ Symbols: `N` queries, `K` candidates per query, `M` memories in a bank, `d` embe
 `top_k_candidates` scores queries against one bank in fixed-size, jitted batches (banks padded to a
 power of two so only a few shapes compile) and returns candidate indices in rank order, padded to K
 with `-1` and a mask when the bank has fewer than K memories. `build_benchmark` does this for every
-bank of a `datasets.Corpus` and assembles a `Benchmark` (the stream plus ids, texts, stores,
+bank of a `corpus.Corpus` and assembles a `Benchmark` (the stream plus ids, texts, stores,
 categories and statistics). The multi-store variant (Section 5) takes the top-K/2 dialogue turns and
 the top-K/2 observations separately, then orders the K by cosine; an observation is gold when a
 dialogue id it references is gold. Gold memories outside the top-K stay gold (`num_gold`).
@@ -24,8 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ear_jax.data import corpora as datasets
 from ear_jax.core import stream as stream_lib
+from ear_jax.data import corpora
+from ear_jax.data import corpus as corpus_lib
+from ear_jax.data import encoders
+from ear_jax.data import synthetic
 
 DEFAULT_K = 20
 _QUERY_BATCH = 64
@@ -124,29 +127,20 @@ def top_k_candidates(queries: np.ndarray, bank: np.ndarray, k: int, valid: np.nd
   return idx, sc, mask
 
 
-@dataclasses.dataclass
-class EmbeddedCorpus:
-  """A corpus with embeddings: `bank_embeddings[g]` `[M_g, d]`, `query_embeddings` `[N, d]`."""
-  corpus: datasets.Corpus
-  bank_embeddings: list[np.ndarray]
-  query_embeddings: np.ndarray
-
-
-def embed_corpus(corpus: datasets.Corpus, encoder="minilm", *, cache_dir=None, progress=True,
-                 multistore: bool = False) -> tuple[EmbeddedCorpus, dict]:
+def embed_corpus(corpus: corpus_lib.Corpus, encoder="minilm", *, cache_dir=None, progress=True,
+                 multistore: bool = False) -> tuple[corpus_lib.EmbeddedCorpus, dict]:
   """Encodes every query and the memories (of the stores used) of every queried bank, once.
 
   Identical texts are encoded once and the on-disk cache is used (`ear_jax.data.encoders.encode`).
   Banks that no evaluable query searches (e.g. LongMemEval `_abs` questions) are left as zeros.
 
   Returns:
-    (`EmbeddedCorpus`, encoding statistics).
+    (`ear_jax.data.corpus.EmbeddedCorpus`, encoding statistics).
   """
-  from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
   enc = encoders.load_encoder(encoder)
   queried = {q.group for q in corpus.queries}  # banks without an evaluable query are not encoded
   used = [np.zeros(len(b), bool) if g not in queried else
-          np.ones(len(b), bool) if multistore else b.stores == datasets.STORE_DIALOGUE
+          np.ones(len(b), bool) if multistore else b.stores == corpus_lib.STORE_DIALOGUE
           for g, b in enumerate(corpus.banks)]
   texts = [q.text for q in corpus.queries]
   offsets = [len(texts)]
@@ -165,10 +159,11 @@ def embed_corpus(corpus: datasets.Corpus, encoder="minilm", *, cache_dir=None, p
           "max_length": getattr(enc, "max_length", None), "dim": enc.dim,
           "encode_wall_seconds": round(time.perf_counter() - t0, 2), **st.as_dict()}
   info["seconds"] = round(info["seconds"], 2)
-  return EmbeddedCorpus(corpus, bank_emb, emb[:offsets[0]]), info
+  return corpus_lib.EmbeddedCorpus(corpus, bank_emb, emb[:offsets[0]]), info
 
 
-def build_benchmark(ec: EmbeddedCorpus, *, k: int = DEFAULT_K, multistore: bool = False) -> Benchmark:
+def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
+                    multistore: bool = False) -> Benchmark:
   """Top-K candidates, gold masks and the `Stream` for every evaluable query of an embedded corpus.
 
   Single-store: candidates from the dialogue store (store 0) only. Multi-store: top-K/2 from each
@@ -200,13 +195,13 @@ def build_benchmark(ec: EmbeddedCorpus, *, k: int = DEFAULT_K, multistore: bool 
       idx = np.take_along_axis(idx, order, 1)
       sc = np.take_along_axis(sc, order, 1)
     else:
-      idx, sc, _ = top_k_candidates(q_emb, b_emb, k, valid=bank.stores == datasets.STORE_DIALOGUE)
+      idx, sc, _ = top_k_candidates(q_emb, b_emb, k, valid=bank.stores == corpus_lib.STORE_DIALOGUE)
     index[rows] = idx
     scores[rows] = sc
     for r, n in enumerate(rows):
-      gm = datasets.gold_mask(bank, corpus.queries[n].gold)
+      gm = corpus_lib.gold_mask(bank, corpus.queries[n].gold)
       if not multistore:
-        gm &= bank.stores == datasets.STORE_DIALOGUE
+        gm &= bank.stores == corpus_lib.STORE_DIALOGUE
       num_gold_store[n] = [int((gm & (bank.stores == s)).sum()) for s in (0, 1)]
       valid = idx[r] >= 0
       gold[n, valid] = gm[idx[r, valid]]
@@ -298,8 +293,9 @@ def load_benchmark(name: str, *, data_dir=None, encoder="minilm", k: int = DEFAU
   """Loads, encodes (with the on-disk cache) and builds the candidate stream of a benchmark.
 
   Args:
-    name: 'locomo' | 'longmemeval' (files found via `datasets.resolve_data_dir(data_dir)`),
-      'synthetic', or a path to a user `.jsonl` file (optionally prefixed 'jsonl:').
+    name: 'synthetic', or any name `ear_jax.data.corpora.load_corpus` takes: 'locomo' |
+      'longmemeval' (files found via `corpora.resolve_data_dir(data_dir)`), a path to a user
+      `.jsonl` file (optionally prefixed 'jsonl:'), or '<benchmark>:<path>'.
     data_dir: directory of the benchmark files (else `$EAR_DATA_DIR`, else ~/.cache/ear_jax/data).
     encoder: 'minilm', a local Hugging Face checkpoint directory, or a `.npy`/`.npz` of precomputed
       embeddings (see `ear_jax.data.encoders`). Ignored for 'synthetic'.
@@ -315,12 +311,11 @@ def load_benchmark(name: str, *, data_dir=None, encoder="minilm", k: int = DEFAU
     A `Benchmark`.
   """
   if name == "synthetic":
-    from ear_jax.data import synthetic  # pylint: disable=g-import-not-at-top
     kw = {} if limit is None else {"num_queries": int(limit)}
     ec = synthetic.make_synthetic(seed=seed, multistore=multistore, **kw)
     info = {"encoder": "synthetic"}
   else:
-    corpus = datasets.load_corpus(name, data_dir=data_dir, limit=limit)
+    corpus = corpora.load_corpus(name, data_dir=data_dir, limit=limit)
     ec, info = embed_corpus(corpus, encoder, cache_dir=cache_dir, progress=progress,
                             multistore=multistore)
   bench = build_benchmark(ec, k=k, multistore=multistore)

@@ -1,4 +1,4 @@
-"""Fetching the official benchmark files into the data directory.
+"""Fetching the official benchmark files (`ear_jax.data.sources.SOURCES`) into the data directory.
 
 * LoCoMo: `locomo10.json` from github.com/snap-research/LoCoMo (CC BY-NC 4.0, non-commercial),
   verified against the sha256 of commit 3eb6f2c5 (a different file is an error, not silently used).
@@ -11,7 +11,6 @@ to put where. `base_url` overrides the host part (tests use a loopback server).
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import pathlib
@@ -19,51 +18,12 @@ import tempfile
 import urllib.error
 import urllib.request
 
-from ear_jax.data import corpora as datasets
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-  filename: str  # name in the data directory
-  url: str  # official URL
-  path: str  # URL path appended to `base_url` when overridden
-  sha256: str | None  # expected digest, None when the upstream file is not pinned
-
-
-LOCOMO_SHA256 = "79fa87e90f04081343b8c8debecb80a9a6842b76a7aa537dc9fdf651ea698ff4"
-SOURCES = {
-    "locomo": (
-        Source("locomo10.json",
-               "https://github.com/snap-research/LoCoMo/raw/main/data/locomo10.json",
-               "/snap-research/LoCoMo/raw/main/data/locomo10.json", LOCOMO_SHA256),
-    ),
-    "longmemeval": (
-        Source("longmemeval_s_cleaned.json",
-               "https://huggingface.co/datasets/xiaowu0162/longmemeval-cleaned/resolve/main/"
-               "longmemeval_s_cleaned.json",
-               "/datasets/xiaowu0162/longmemeval-cleaned/resolve/main/longmemeval_s_cleaned.json",
-               None),
-        Source("longmemeval_s.json",
-               "https://huggingface.co/datasets/xiaowu0162/longmemeval/resolve/main/longmemeval_s.json",
-               "/datasets/xiaowu0162/longmemeval/resolve/main/longmemeval_s.json", None),
-    ),
-}
+from ear_jax.data import corpora
+from ear_jax.data import sources
 
 
 class DownloadError(RuntimeError):
   """A benchmark file could not be fetched; the message says what to put where."""
-
-
-def missing_file_message(name: str, data_dir) -> str:
-  """What to download and where to put it, for a missing benchmark file."""
-  data_dir = pathlib.Path(data_dir)
-  srcs = SOURCES[name]
-  lines = [f"benchmark {name!r}: no file in {data_dir}. Put one of these files there:"]
-  for s in srcs:
-    lines.append(f"  {data_dir / s.filename}   <- {s.url}")
-  lines.append(f"or run: python -m experiments.download --benchmark={name} --data_dir={data_dir}")
-  lines.append("(the data directory is --data_dir, else $EAR_DATA_DIR, else ~/.cache/ear_jax/data)")
-  return "\n".join(lines)
 
 
 def _sha256(path) -> str:
@@ -121,19 +81,19 @@ def download(name: str, data_dir=None, *, base_url: str | None = None, force: bo
   Raises:
     DownloadError: naming the file to put where, when every source failed.
   """
-  if name not in SOURCES:
-    raise ValueError(f"unknown benchmark {name!r}; expected one of {sorted(SOURCES)}")
-  d = datasets.resolve_data_dir(data_dir)
+  if name not in sources.SOURCES:
+    raise ValueError(f"unknown benchmark {name!r}; expected one of {sorted(sources.SOURCES)}")
+  d = corpora.resolve_data_dir(data_dir)
   if not force:
     try:
-      return datasets.find_benchmark_file(name, d)
+      return corpora.find_benchmark_file(name, d)
     except FileNotFoundError:
       pass
   errors = []
-  for s in SOURCES[name]:
+  for s in sources.SOURCES[name]:
     url = s.url if base_url is None else base_url.rstrip("/") + s.path
     try:
       return fetch(url, d / s.filename, sha256=s.sha256, timeout=timeout)
     except DownloadError as e:
       errors.append(str(e))
-  raise DownloadError("; ".join(errors) + "\n" + missing_file_message(name, d))
+  raise DownloadError("; ".join(errors) + "\n" + sources.missing_file_message(name, d))

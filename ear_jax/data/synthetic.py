@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ear_jax.data import corpora as datasets
+from ear_jax.data import corpus as corpus_lib
 
 
 def _unit(x):
@@ -41,7 +41,7 @@ def hidden_map(dim: int, angle: float, seed: int) -> np.ndarray:
 def make_synthetic(*, seed: int = 0, num_queries: int = 500, num_banks: int = 25, dim: int = 32,
                    bank_size: tuple[int, int] = (12, 96), max_gold: int = 2, angle: float = 0.8,
                    noise: float = 0.35, lookalikes: int = 3, multistore: bool = False):
-  """Generates an `candidates.EmbeddedCorpus` (no texts, no encoder needed).
+  """Generates an `EmbeddedCorpus` (no texts, no encoder needed).
 
   Args:
     seed: generator seed (same seed, same benchmark).
@@ -57,9 +57,8 @@ def make_synthetic(*, seed: int = 0, num_queries: int = 500, num_banks: int = 25
       references its source memory (so it is gold when that memory is).
 
   Returns:
-    `candidates.EmbeddedCorpus` named 'synthetic'.
+    `ear_jax.data.corpus.EmbeddedCorpus` named 'synthetic'.
   """
-  from ear_jax.data import candidates  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(seed)
   a = hidden_map(dim, angle, seed)
   sizes = rng.integers(bank_size[0], bank_size[1] + 1, size=num_banks)
@@ -76,7 +75,7 @@ def make_synthetic(*, seed: int = 0, num_queries: int = 500, num_banks: int = 25
     for _ in range(lookalikes if g else 0):  # distractors near q (bank 0 stays smaller than K)
       vecs.append(_unit(q + 0.6 * rng.normal(size=dim) / np.sqrt(dim)))
     q_emb.append(q)
-    queries.append(datasets.Query(id=f"syn{n}", text="", gold=tuple(f"m{i}" for i in gold_idx),
+    queries.append(corpus_lib.Query(id=f"syn{n}", text="", gold=tuple(f"m{i}" for i in gold_idx),
                                   category=f"{n_gold}-gold", group=g))
   banks, bank_emb = [], []
   for g in range(num_banks):
@@ -91,12 +90,12 @@ def make_synthetic(*, seed: int = 0, num_queries: int = 500, num_banks: int = 25
       ids += [f"o{i}" for i in src]
       stores += [1] * len(src)
       refs += [(f"m{i}",) for i in src]
-    banks.append(datasets.Bank(ids=ids, texts=[""] * len(ids), stores=np.asarray(stores, np.int8),
+    banks.append(corpus_lib.Bank(ids=ids, texts=[""] * len(ids), stores=np.asarray(stores, np.int8),
                                refs=refs))
     bank_emb.append(vecs)
-  corpus = datasets.Corpus(
+  corpus = corpus_lib.Corpus(
       name="synthetic", banks=banks, queries=queries,
       stats={"queries": num_queries, "queries_evaluable": num_queries, "banks": num_banks,
              "memories": int(sum(len(b) for b in banks)), "dim": dim, "angle": angle,
              "noise": noise, "seed": seed})
-  return candidates.EmbeddedCorpus(corpus, bank_emb, np.asarray(q_emb, np.float32))
+  return corpus_lib.EmbeddedCorpus(corpus, bank_emb, np.asarray(q_emb, np.float32))

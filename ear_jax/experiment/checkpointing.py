@@ -31,7 +31,7 @@ import numpy as np
 from ear_jax.core import learner
 from ear_jax.core.config import EARConfig, HParams
 
-FORMAT = "ear_jax.run_checkpoint/1"
+FORMAT = "ear_jax.run_checkpoint/2"
 _META_FILE = "ear_run.json"  # written next to the step directories once a run is bound
 
 
@@ -56,7 +56,7 @@ def _hparams_json(hparams: HParams) -> dict:
 
 
 def _config_from_json(d: dict) -> EARConfig:
-  return EARConfig(**d)
+  return EARConfig.from_dict(d)
 
 
 def _abstract(tree):
@@ -84,7 +84,7 @@ class RunCheckpointer:
     """Sets the identity that every checkpoint of this run must match, and the restore target."""
     self._target = {"state": _abstract(target), "keys": jax.ShapeDtypeStruct((len(seeds), 2),
                                                                               jnp.uint32)}
-    self._ident = {"format": FORMAT, "config": dataclasses.asdict(config),
+    self._ident = {"format": FORMAT, "config": config.to_dict(),
                    "hparams": _hparams_json(hparams), "seeds": [int(s) for s in seeds],
                    "num_train": int(num_train), "segment": int(segment),
                    "leaves": _leaf_specs(self._target)}
@@ -253,7 +253,7 @@ def restore_adapter(workdir, *, run: Optional[str] = None, config: Optional[EARC
   meta = ckpt.read_meta(position)
   stored = _config_from_json(meta["config"])
   if config is not None and config != stored:
-    a, b = dataclasses.asdict(stored), dataclasses.asdict(config)
+    a, b = stored.to_dict(), config.to_dict()
     fields = sorted(k for k in a if a[k] != b[k])
     raise ValueError(
         f"checkpoint in {dirs[0]} has another config: "

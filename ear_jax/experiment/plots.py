@@ -1,14 +1,20 @@
-"""PNG plots of EAR experiments (matplotlib, Agg backend): mean ± std over seeds.
+"""PNG plots of EAR experiments (matplotlib, Agg backend): means over seeds with 95% intervals.
 
 Learning curves (Figs. 3-5) take the `curve` lists of `experiment.summarize` (one point per
-evaluation, each metric `[S]`); bar charts take `{label: [S] values}`.
+evaluation, each metric `[S]`); bar charts take `{label: [S] values}`. Bands and error bars are the
+95% Student-t interval of the mean over seeds (`stats.mean_interval`), and say so in the legend;
+`paired_differences` plots per-seed paired differences against a baseline (`stats.paired_difference`)
+with their intervals and a line at 0.
 """
 from __future__ import annotations
 
 import pathlib
+import textwrap
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
+
+from ear_jax.experiment import stats
 
 
 def _plt():
@@ -21,7 +27,9 @@ def _plt():
 def learning_curves(path, curves: Mapping[str, list], *, metric: str = "recall_adapter",
                     x: str = "queries_seen", title: str = "", xlabel: Optional[str] = None,
                     hlines: Optional[Mapping[str, float]] = None, ylabel: str = "Recall@5 (%)"):
-  """One line per run: mean over seeds of `metric` against mean `x`, with a ± std band.
+  """One line per run: mean over seeds of `metric` against mean `x`, with a 95% interval band.
+
+  The band is the 95% t-interval of the mean over seeds at each evaluation (none with one seed).
 
   Args:
     path: output PNG path.
@@ -39,10 +47,12 @@ def learning_curves(path, curves: Mapping[str, list], *, metric: str = "recall_a
     if not curve:
       continue
     xs = np.array([np.mean(p[x]) for p in curve])
-    ys = np.stack([_floats(p[metric]) for p in curve])  # [P, S]
-    mean, std = np.nanmean(ys, 1), np.nanstd(ys, 1)
+    ys = [stats.mean_interval(_floats(p[metric])) for p in curve]  # (mean, lo, hi, n) per point
+    mean = np.array([y[0] for y in ys])
+    lo, hi = np.array([y[1] for y in ys]), np.array([y[2] for y in ys])
     line, = ax.plot(xs, mean, label=label, marker="o", ms=2.5, lw=1.4)
-    ax.fill_between(xs, mean - std, mean + std, color=line.get_color(), alpha=0.2, lw=0)
+    if np.isfinite(lo).any():
+      ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
   for i, (label, value) in enumerate((hlines or {}).items()):
     ax.axhline(value, ls="--", lw=1.0, color=f"C{7 + i}", label=label)
   ax.set_xlabel(xlabel or {"queries_seen": "training queries seen",
@@ -50,14 +60,15 @@ def learning_curves(path, curves: Mapping[str, list], *, metric: str = "recall_a
   ax.set_ylabel(ylabel)
   ax.set_title(title, fontsize=10)
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=8, title=f"bands: {stats.INTERVAL_LABEL}", title_fontsize=7)
   fig.tight_layout()
   _save(fig, path)
 
 
 def grouped_bars(path, groups: Sequence[str], series: Mapping[str, Mapping[str, Sequence[float]]],
                  *, title: str = "", ylabel: str = "", paper: Optional[Mapping] = None):
-  """Grouped bars: for every group, one bar per series, height mean over seeds, error bar std.
+  """Grouped bars: for every group, one bar per series; height mean over seeds, error bar its 95%
+  t-interval over seeds (none with one seed).
 
   Args:
     path: output PNG path.
@@ -72,10 +83,12 @@ def grouped_bars(path, groups: Sequence[str], series: Mapping[str, Mapping[str, 
   xs = np.arange(len(groups))
   for i, (label, vals) in enumerate(series.items()):
     arrs = [_floats(vals.get(g, [])) for g in groups]
-    means = [np.nanmean(a) if np.isfinite(a).any() else np.nan for a in arrs]
-    stds = [np.nanstd(a) if np.isfinite(a).any() else 0.0 for a in arrs]
+    ivs = [stats.mean_interval(a) for a in arrs]  # (mean, lo, hi, n)
+    means = np.array([m for m, _, _, _ in ivs])
+    yerr = np.array([[m - lo, hi - m] if np.isfinite(lo) else [0.0, 0.0]
+                     for m, lo, hi, _ in ivs]).T.reshape(2, -1)
     pos = xs - 0.4 + width * (i + 0.5)
-    ax.bar(pos, means, width, yerr=stds, capsize=3, label=label, color=f"C{i}")
+    ax.bar(pos, means, width, yerr=yerr, capsize=3, label=label, color=f"C{i}")
     if paper and label in paper:
       pv = [paper[label].get(g, np.nan) for g in groups]
       ax.scatter(pos, pv, marker="_", s=200, color="k", zorder=3,
@@ -85,14 +98,79 @@ def grouped_bars(path, groups: Sequence[str], series: Mapping[str, Mapping[str, 
   ax.set_ylabel(ylabel)
   ax.set_title(title, fontsize=10)
   ax.grid(alpha=0.3, axis="y")
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=8, title=f"error bars: {stats.INTERVAL_LABEL}", title_fontsize=7)
+  fig.tight_layout()
+  _save(fig, path)
+
+
+def paired_differences(path, diffs: Mapping[str, Mapping[str, Mapping]], *, title: str = "",
+                       ylabel: str = "difference (points)", baseline: str = "baseline"):
+  """Paired differences vs a baseline: one marker per (comparison, metric), 95% interval bars.
+
+  Args:
+    path: output PNG path.
+    diffs: `{comparison_label: {metric: d}}`, `d` a `stats.PairedDifference` or its `to_json()`
+      dict (mean, lo, hi, n, verdict).
+    title: plot title.
+    ylabel: axis label (the metric difference, treatment - baseline).
+    baseline: the baseline's name (axis label).
+  """
+  plt = _plt()
+  labels = list(diffs)
+  metrics = []
+  for per in diffs.values():
+    metrics += [m for m in per if m not in metrics]
+  fig, ax = plt.subplots(figsize=(max(6.4, 1.1 * len(labels) + 2), 4.2))
+  xs = np.arange(len(labels))
+  width = 0.6 / max(1, len(metrics))
+  for j, metric in enumerate(metrics):
+    pos, mean, err, open_ = [], [], [], []
+    for i, lab in enumerate(labels):
+      d = diffs[lab].get(metric)
+      if d is None:
+        continue
+      g = d.get if isinstance(d, Mapping) else lambda k, _d=d: getattr(_d, k)
+      m, lo, hi = (np.nan if g(k) is None else float(g(k)) for k in ("mean", "lo", "hi"))
+      pos.append(xs[i] - 0.3 + width * (j + 0.5))
+      mean.append(m)
+      err.append([m - lo, hi - m] if np.isfinite(lo) and np.isfinite(hi) else [0.0, 0.0])
+      open_.append(g("verdict") not in (stats.BETTER, stats.WORSE))
+    if not pos:
+      continue
+    pos, mean, err, open_ = np.array(pos), np.array(mean), np.array(err).T, np.array(open_)
+    ax.errorbar(pos, mean, yerr=err, fmt="none", ecolor=f"C{j}", capsize=4, lw=1.4)
+    filled = (~open_).any()
+    if filled:
+      ax.scatter(pos[~open_], mean[~open_], color=f"C{j}", zorder=3, s=30, label=metric)
+    if open_.any():
+      ax.scatter(pos[open_], mean[open_], facecolors="white", edgecolors=f"C{j}", zorder=3, s=30,
+                 label=None if filled else metric)
+  ax.axhline(0.0, color="k", lw=1.0)
+  ax.set_xticks(xs)
+  ax.set_xticklabels([textwrap.fill(lab, 22) for lab in labels], fontsize=8)
+  ax.set_ylabel(f"{ylabel}\nvs {baseline}")
+  ax.set_title(title, fontsize=10)
+  ax.grid(alpha=0.3, axis="y")
+  ax.legend(fontsize=8, title=f"mean ± {stats.INTERVAL_LABEL}\n(open marker: tie)",
+            title_fontsize=7)
   fig.tight_layout()
   _save(fig, path)
 
 
 def heatmap(path, rows: Sequence[float], cols: Sequence[float], values: np.ndarray, *,
-            title: str = "", row_label: str = "", col_label: str = ""):
-  """A annotated heat map of `values [len(rows), len(cols)]` (e.g. Recall@5 over P x R)."""
+            title: str = "", row_label: str = "", col_label: str = "",
+            marks: Optional[Sequence[Sequence[str]]] = None, marks_note: str = ""):
+  """An annotated heat map of `values [len(rows), len(cols)]` (e.g. Recall@5 over P x R).
+
+  Args:
+    path: output PNG path.
+    rows, cols: row / column values.
+    values: `[len(rows), len(cols)]` cell values.
+    title, row_label, col_label: labels.
+    marks: optional `[len(rows)][len(cols)]` short strings printed under each value (e.g. the
+      verdict of a paired comparison).
+    marks_note: caption explaining `marks` (under the plot).
+  """
   plt = _plt()
   fig, ax = plt.subplots(figsize=(5.2, 4.2))
   im = ax.imshow(values, cmap="viridis", origin="lower")
@@ -104,8 +182,13 @@ def heatmap(path, rows: Sequence[float], cols: Sequence[float], values: np.ndarr
   ax.set_ylabel(row_label)
   for i in range(len(rows)):
     for j in range(len(cols)):
-      ax.text(j, i, f"{values[i, j]:.1f}", ha="center", va="center", color="w", fontsize=8)
+      text = f"{values[i, j]:.1f}"
+      if marks is not None and marks[i][j]:
+        text += f"\n{marks[i][j]}"
+      ax.text(j, i, text, ha="center", va="center", color="w", fontsize=8)
   fig.colorbar(im, ax=ax)
+  if marks_note:
+    fig.text(0.01, 0.01, marks_note, fontsize=7, ha="left", va="bottom")
   ax.set_title(title, fontsize=10)
   fig.tight_layout()
   _save(fig, path)
@@ -124,4 +207,4 @@ def _save(fig, path):
   _plt().close(fig)
 
 
-__all__ = ["grouped_bars", "heatmap", "learning_curves"]
+__all__ = ["grouped_bars", "heatmap", "learning_curves", "paired_differences"]

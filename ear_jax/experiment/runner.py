@@ -34,7 +34,7 @@ from ear_jax.data import corpora as datasets
 from ear_jax.core import inference
 from ear_jax.core import learner
 from ear_jax.core.config import EARConfig, HParams, METHODS, default_hparams
-from ear_jax.core.critic import simulated_critic
+from ear_jax.core import critic as critic_lib
 from ear_jax.core.stream import Stream
 
 _LOG = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def hparams_dict(hparams: HParams) -> dict:
 
 
 def config_dict(config: EARConfig) -> dict:
-  return dataclasses.asdict(config)
+  return config.to_dict()
 
 
 def seed_splits(num_queries: int, seeds: Sequence[int], train_fraction: float = 0.8):
@@ -95,7 +95,7 @@ def _init_states(keys, config):
   return jax.vmap(lambda k: learner.init_learner(k, config))(keys)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "critic"))
+@functools.partial(jax.jit, static_argnames=("config",))
 def _train_segment(states, keys, streams, where, hparams, config, critic):
   """All seeds: `keys [S, L]`, `streams [S, L, ...]`, `where [L]` (L a multiple of the batch)."""
   return jax.vmap(lambda st, k, s: learner.train_stream(st, k, s, config, hparams, critic,
@@ -110,7 +110,7 @@ def _eval_config(config: EARConfig) -> EARConfig:
                    buffer_capacity=1)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "critic"))
+@functools.partial(jax.jit, static_argnames=("config",))
 def _evaluate_seeds(keys, params, streams, hparams, config, critic):
   return jax.vmap(lambda k, p, s: inference.evaluate(k, p, s, config, hparams, critic))(
       keys, params, streams)
@@ -192,7 +192,7 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
                        checkpoint_every: Optional[int] = None,
                        checkpointer=None, resume: bool = False,
                        stop_after_chunks: Optional[int] = None,
-                       critic=simulated_critic, progress: bool = False) -> RunResult:
+                       critic=None, progress: bool = False) -> RunResult:
   """Trains one method on every seed at once (vmap) and evaluates it on each seed's test set.
 
   Args:
@@ -210,13 +210,14 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
     checkpointer: an `ear_jax.experiment.checkpointing.RunCheckpointer` (None: no checkpoints).
     resume: continue from the checkpointer's latest checkpoint when there is one.
     stop_after_chunks: raise `Interrupted` after this many segments (after their checkpoint).
-    critic: the critic (static).
+    critic: a critic pytree shared by the seeds (default: the paper's simulated critic).
     progress: show a tqdm bar over segments.
 
   Returns:
     A `RunResult`.
   """
   t0 = time.perf_counter()
+  critic = critic_lib.default_critic() if critic is None else critic
   seeds = list(seeds)
   train_index = np.tile(np.asarray(train_index), (1, epochs))
   n = train_index.shape[1]

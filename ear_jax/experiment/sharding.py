@@ -25,8 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ear_jax.core import learner
 from ear_jax.core.config import EARConfig, HParams
-from ear_jax.core.critic import simulated_critic
-from ear_jax.core.explorer import Critic
+from ear_jax.core import critic as critic_lib
 from ear_jax.core.stream import Stream
 
 RUN_AXIS = "runs"
@@ -88,7 +87,7 @@ def _pad_runs(tree, num_runs: int, padded: int):
 
 
 def sharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hparams: HParams,
-                     critic: Critic = simulated_critic, *, mesh: Optional[Mesh] = None,
+                     critic=None, *, mesh: Optional[Mesh] = None,
                      hparams_batched: bool = False):
   """`jax.vmap(run_episode)` over `R` runs, the run axis split over the devices of `mesh`.
 
@@ -102,7 +101,7 @@ def sharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hparams
     config: static config.
     hparams: `HParams` shared by all runs, or with a leading `[R]` axis on every leaf when
       `hparams_batched` (a hyperparameter sweep; build it with `config.stack_hparams`).
-    critic: the critic (static).
+    critic: a critic pytree shared by the runs (default: the paper's simulated critic).
     mesh: a 1-D mesh with axis `'runs'` (default: `run_mesh()`, all devices).
     hparams_batched: whether `hparams` has the leading run axis.
 
@@ -111,6 +110,7 @@ def sharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hparams
     arrays (use `gather_to_host` in multi-host runs).
   """
   mesh = run_mesh() if mesh is None else mesh
+  critic = critic_lib.default_critic() if critic is None else critic
   keys = np.asarray(keys)
   if keys.ndim != 2:
     raise ValueError(f"keys must be [R, 2] raw uint32 PRNG keys, got shape {keys.shape}")
@@ -125,8 +125,9 @@ def sharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hparams
   else:
     hp_g = jax.tree_util.tree_map(lambda x: _global_array(np.asarray(x), replicated), hparams)
   stream_g = jax.tree_util.tree_map(lambda x: _global_array(np.asarray(x), replicated), stream)
-  fn = _sharded_fn(mesh, config, critic, hparams_batched)
-  state, records = fn(keys_g, stream_g, hp_g)
+  critic_g = jax.tree_util.tree_map(lambda x: _global_array(np.asarray(x), replicated), critic)
+  fn = _sharded_fn(mesh, config, hparams_batched)
+  state, records = fn(keys_g, stream_g, hp_g, critic_g)
   if padded != num_runs:
     state, records = jax.tree_util.tree_map(lambda x: x[:num_runs], (state, records))
   return state, records
@@ -138,16 +139,16 @@ def _vmapped_episodes(keys, stream, config, hparams, critic, hparams_batched):
 
 
 @functools.lru_cache(maxsize=None)
-def _sharded_fn(mesh: Mesh, config: EARConfig, critic: Critic, hparams_batched: bool):
-  """The jitted `shard_map(vmap(run_episode))` for one (mesh, config, critic), built once."""
+def _sharded_fn(mesh: Mesh, config: EARConfig, hparams_batched: bool):
+  """The jitted `shard_map(vmap(run_episode))` for one (mesh, config), built once."""
   hp_spec = P(RUN_AXIS) if hparams_batched else P()
 
-  def per_device(keys, stream, hparams):
+  def per_device(keys, stream, hparams, critic):
     return _vmapped_episodes(keys, stream, config, hparams, critic, hparams_batched)
 
   # check_vma=False: the runs never communicate, so each device simply holds its own runs (the
   # zero-initialised scan carries are not marked as varying over the mesh axis).
-  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(RUN_AXIS), P(), hp_spec),
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(RUN_AXIS), P(), hp_spec, P()),
                                out_specs=P(RUN_AXIS), check_vma=False))
 
 
@@ -160,11 +161,12 @@ def gather_to_host(tree):
 
 
 def unsharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hparams: HParams,
-                       critic: Critic = simulated_critic, *, hparams_batched: bool = False):
+                       critic=None, *, hparams_batched: bool = False):
   """The reference: `jax.vmap(run_episode)` over the runs on the default device (one call)."""
+  critic = critic_lib.default_critic() if critic is None else critic
   return _vmapped_episodes_jit(jnp.asarray(keys), stream, config, hparams, critic,
                               hparams_batched)
 
 
 _vmapped_episodes_jit = jax.jit(_vmapped_episodes,
-                                static_argnames=("config", "critic", "hparams_batched"))
+                                static_argnames=("config", "hparams_batched"))

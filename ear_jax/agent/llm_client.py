@@ -1,0 +1,458 @@
+"""A generic client for OpenAI-compatible chat-completions endpoints (standard library only).
+
+Used by the LLM critic (`llm_critic.py`) and meant for any other host-side LLM call (answer
+generation, an LLM judge): `ChatClient.chat(messages, **decoding) -> (text, usage)`, or
+`ChatClient.complete(...)`, which never raises on a network or server failure and returns a
+`ChatResult` with a status instead. Works with vLLM, llama.cpp server, Ollama and hosted APIs.
+
+Guarantees:
+  * No redirects. An HTTP 3xx reply is an `http_error` (not retried); the request is never re-sent
+    to the `Location`, so the `Authorization` header only ever goes to the configured URL.
+  * The API key is read from the environment variable named by `api_key_env` at each request and
+    sent only in that request's `Authorization` header. It is never stored on the client and never
+    written anywhere: every error string, exception message and log line of the client has the key
+    (and its escaped or split forms) replaced by `[REDACTED]` (the reply text itself is returned
+    verbatim; `ChatClient.redact` scrubs text a caller wants to log). A key holding a line break,
+    another control character or a non-ASCII character is rejected with a `ValueError` that names
+    the variable but not the value, before anything is sent.
+  * A bad reply never raises out of `complete`: a body that is not JSON, JSON without
+    `choices[0].message.content`, content of the wrong type, or a body over `max_response_bytes` is
+    'unparseable' (not retried); an HTTP error status is 'http_error' (429 and 5xx retried); a
+    timeout, a refused or reset connection, or a body cut short of its `Content-Length` is
+    'timeout' / 'connection_error' (retried). Server text quoted in errors is truncated and has
+    its control characters escaped.
+  * Bounded: each attempt takes at most about `timeout_s` (connect, each read, the whole reply); a
+    call makes at most `1 + max_retries` attempts and waits at most `backoff_max_s` between them.
+  * Thread-safe: one client may be shared by several threads; `stats` is updated under a lock.
+
+Host-side code (network I/O): never jitted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import math
+import numbers
+import os
+import random
+import re
+import socket
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from absl import logging
+
+# Outcome of one call.
+STATUSES = ("ok", "unparseable", "http_error", "timeout", "connection_error")
+STATS_KEYS = ("calls",) + STATUSES + ("retries",)
+DECODING_KEYS = ("temperature", "max_tokens", "seed", "top_p", "stop")
+
+REDACTED = "[REDACTED]"
+_MAX_SECONDS = 1e6  # larger delays overflow time.sleep / socket timeouts on some platforms
+_MAX_ERROR_BODY_BYTES = 4096  # of an HTTP error's body, read to quote it
+_MAX_MESSAGE_CHARS = 600  # of an error message
+_READ_CHUNK_BYTES = 1 << 16
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+_RULES = {  # numeric config field or decoding parameter -> keyword arguments of `_check_number`
+    "timeout_s": dict(minimum=0.0, strict=True, maximum=_MAX_SECONDS),
+    "max_retries": dict(minimum=0, strict=False, maximum=1000, integer=True),
+    "backoff_base_s": dict(minimum=0.0, strict=False, maximum=_MAX_SECONDS),
+    "backoff_max_s": dict(minimum=0.0, strict=False, maximum=_MAX_SECONDS),
+    "max_response_bytes": dict(minimum=0, strict=True, integer=True),
+    "temperature": dict(minimum=0.0, strict=False),
+    "top_p": dict(minimum=0.0, strict=True, maximum=1.0),
+    "max_tokens": dict(minimum=0, strict=True, integer=True),
+    "seed": dict(minimum=-2.0 ** 63, strict=False, maximum=2.0 ** 63, integer=True),
+}
+
+
+def _check_number(owner: str, name: str, value: Any, *, minimum: float, strict: bool,
+                  maximum: float = math.inf, integer: bool = False):
+  """ValueError naming `owner.name` unless `value` is a finite number (an integer) in range."""
+  ok = (isinstance(value, numbers.Integral if integer else numbers.Real)
+        and not isinstance(value, bool))
+  if ok:
+    x = float(value)
+    ok = math.isfinite(x) and (x > minimum if strict else x >= minimum) and x <= maximum
+  if not ok:
+    bound = f"{'>' if strict else '>='} {minimum:g}"
+    bound += f", <= {maximum:g}" if maximum < math.inf else ""
+    kind = "an integer" if integer else "a finite number"
+    raise ValueError(f"{owner}.{name} must be {kind} {bound}, got {value!r}")
+
+
+def _check_decoding(owner: str, decoding: Mapping[str, Any]):
+  """Validates decoding parameters (`DECODING_KEYS`); None means 'not sent'."""
+  for name, value in decoding.items():
+    if name not in DECODING_KEYS:
+      raise ValueError(f"{owner}: unknown decoding parameter {name!r}, not in {DECODING_KEYS}")
+    if name in _RULES and value is not None:
+      _check_number(owner, name, value, **_RULES[name])
+    elif name == "stop" and value is not None and not (isinstance(value, str) or (
+        isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value))):
+      raise ValueError(f"{owner}.stop must be a string or a list of strings, got {value!r}")
+
+
+def chat_completions_url(base_url: str) -> str:
+  """`{base_url}/chat/completions`; ValueError naming the problem for a malformed base URL."""
+  if not isinstance(base_url, str) or not base_url.strip():
+    raise ValueError(f"base_url must be a non-empty URL string, got {base_url!r}")
+  url = base_url.strip()
+  shown = repr(url) if "@" not in url else "(not shown: it holds credentials)"
+  try:
+    parts = urllib.parse.urlsplit(url)
+    _ = parts.port  # raises ValueError on a non-numeric port
+  except ValueError as e:
+    raise ValueError(f"base_url {shown} is not a valid URL: {e}") from None
+  for bad, problem in (
+      (any(c.isspace() or not c.isprintable() for c in url), "must not hold spaces or controls"),
+      (parts.scheme not in ("http", "https"), "must start with http:// or https://"),
+      (not parts.hostname, "has no host"),
+      ("@" in parts.netloc, "must not hold credentials: put the key in the api_key_env variable"),
+      (parts.query or parts.fragment, "must not have a query string or fragment")):
+    if bad:
+      raise ValueError(f"base_url {shown} {problem}")
+  path = parts.path.rstrip("/")
+  if not path.endswith("/chat/completions"):
+    path += "/chat/completions"
+  return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatClientConfig:
+  """Configuration of a `ChatClient` (host-side; never a jit argument).
+
+  Attributes:
+    base_url: the endpoint's base URL, e.g. `http://localhost:8000/v1` (requests go to
+      `{base_url}/chat/completions`); a URL already ending in `/chat/completions` is used as is.
+    model: the model name sent in the request body.
+    api_key_env: NAME of the environment variable holding the API key, read at every request. A
+      missing or empty variable sends no `Authorization` header (fine for local servers).
+    temperature: sampling temperature (0.0 = greedy, the most reproducible); finite, >= 0.
+    max_tokens: the reply's token budget; an integer >= 1.
+    timeout_s: seconds allowed for connecting, each socket read, and the whole reply; finite, > 0.
+    max_retries: retries after the first attempt for HTTP 429/5xx, timeouts and connection errors;
+      a call makes at most `1 + max_retries` requests. An integer >= 0.
+    backoff_base_s: the delay before retry `i` (0-based) is drawn uniformly from
+      `[c / 2, c]` with `c = min(backoff_max_s, backoff_base_s * 2**i)` (exponential, equal jitter).
+    backoff_max_s: cap of the exponential delay and of a server's `Retry-After`; finite, >= 0.
+    seed: sampling seed sent to servers that support it; None sends none.
+    max_response_bytes: a longer reply body is 'unparseable' (bounds memory against a bad server).
+  """
+  base_url: str
+  model: str
+  api_key_env: str = "OPENAI_API_KEY"
+  temperature: float = 0.0
+  max_tokens: int = 512
+  timeout_s: float = 60.0
+  max_retries: int = 3
+  backoff_base_s: float = 1.0
+  backoff_max_s: float = 30.0
+  seed: int | None = None
+  max_response_bytes: int = 16 << 20
+
+  def __post_init__(self):
+    owner = type(self).__name__
+    chat_completions_url(self.base_url)  # raises ValueError on a malformed base URL
+    if not isinstance(self.model, str) or not self.model.strip():
+      raise ValueError(f"{owner}.model must be a non-empty string, got {self.model!r}")
+    if not (isinstance(self.api_key_env, str) and re.fullmatch(r"[A-Za-z_]\w*", self.api_key_env)
+            and self.api_key_env.isascii()):
+      raise ValueError(f"{owner}.api_key_env must be an environment variable name, got "
+                       f"{self.api_key_env!r}")
+    for name in ("timeout_s", "max_retries", "backoff_base_s", "backoff_max_s",
+                 "max_response_bytes"):
+      _check_number(owner, name, getattr(self, name), **_RULES[name])
+    _check_decoding(owner, {k: getattr(self, k) for k in ("temperature", "max_tokens", "seed")})
+
+
+class ChatResult(NamedTuple):
+  """Outcome of one `ChatClient.complete` call.
+
+  Attributes:
+    text: the reply's `choices[0].message.content` ('' when no usable reply arrived).
+    usage: the reply's numeric `usage` counters (e.g. `prompt_tokens`), `{}` when absent.
+    status: one of `STATUSES`.
+    attempts: HTTP requests made (1 + retries).
+    error: a short, key-free description of the failure; None when `status == 'ok'`.
+  """
+  text: str
+  usage: dict[str, Any]
+  status: str
+  attempts: int
+  error: str | None
+
+
+class ChatError(RuntimeError):
+  """Raised by `ChatClient.chat` when no usable reply arrived; `result` is the `ChatResult`."""
+
+  def __init__(self, result: ChatResult):
+    super().__init__(f"{result.status} after {result.attempts} attempt(s): {result.error}")
+    self.result, self.status = result, result.status
+
+
+class _Failure(Exception):
+  """One failed attempt: `status` in STATUSES, and whether it may be retried."""
+
+  def __init__(self, status: str, message: str, retryable: bool, retry_after_s=None):
+    super().__init__(message)
+    self.status, self.retryable, self.retry_after_s = status, retryable, retry_after_s
+
+
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+  """Follows no redirect: the 3xx reply surfaces as an `HTTPError`."""
+
+  def redirect_request(self, *args, **kwargs):
+    return None
+
+
+def _escape(text: str) -> str:
+  """`text` with control characters escaped (no log injection from server text)."""
+  return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def _replace_secrets(text: str, secrets: Sequence[str]) -> str:
+  for secret in filter(None, secrets):
+    forms = {secret, secret.strip(), repr(secret)[1:-1], json.dumps(secret)[1:-1],
+             str(secret.encode("utf-8", "backslashreplace"))[2:-1], _escape(secret)}
+    forms.update(part for part in re.split(r"[\r\n]+", secret) if len(part.strip()) >= 4)
+    for form in sorted(filter(None, forms), key=len, reverse=True):
+      text = text.replace(form, REDACTED)
+      for k in range(len(form) - 1, 3, -1):  # a form cut off at the end of the text
+        if text.endswith(form[:k]):
+          text = text[:-k] + REDACTED
+          break
+  return text
+
+
+def scrub(text: str, secrets: Sequence[str], limit: int | None = None) -> str:
+  """`text` with every secret (escaped, line-split or cut-off forms too) replaced by `REDACTED`,
+  then cut to `limit` chars plus `...` if `limit` is set (a secret cut there is scrubbed too)."""
+  text = _replace_secrets(text, secrets)
+  if limit is not None and len(text) > limit:
+    text = _replace_secrets(text[:limit], secrets) + "..."
+  return text
+
+
+def _message(failure: Exception, secrets: Sequence[str]) -> str:
+  """A failure's message for results and logs: key-free, control characters escaped, bounded."""
+  return scrub(_escape(scrub(str(failure), secrets)), secrets, _MAX_MESSAGE_CHARS)
+
+
+def _check_api_key(name: str, key: str):
+  """ValueError (naming the variable, never the value) for a key that cannot be a header value."""
+  if any(not 0x20 <= ord(c) <= 0x7e for c in key):
+    raise ValueError(
+        f"the API key in ${name} contains a line break, a control character or a non-ASCII "
+        "character; it was not sent (the value is not shown). Fix the environment variable.")
+
+
+def _retry_after_seconds(headers: Any) -> float | None:
+  try:
+    value = headers.get("Retry-After") if headers is not None else None
+    seconds = float(value) if value is not None else None
+  except (TypeError, ValueError):
+    return None  # an HTTP-date or garbage: fall back to the exponential delay
+  return max(0.0, seconds) if seconds is not None and math.isfinite(seconds) else None
+
+
+def _parse_reply(raw: bytes) -> tuple[str, dict[str, int | float]]:
+  """`(choices[0].message.content, usage)` of a chat-completions body; ValueError if malformed."""
+  try:
+    payload = json.loads(raw.decode("utf-8"))
+    content = payload["choices"][0]["message"]["content"]
+  except RecursionError:
+    raise ValueError("JSON nested too deeply") from None
+  except (ValueError, KeyError, IndexError, TypeError) as e:
+    raise ValueError(f"{type(e).__name__}: {e}") from None
+  if isinstance(content, list) and all(  # content parts: [{"type": "text", "text": ...}, ...]
+      isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content):
+    content = "".join(p.get("text", "") for p in content)
+  if not isinstance(content, (str, type(None))):
+    raise ValueError(f"message content has type {type(content).__name__}")
+  usage = payload.get("usage") if isinstance(payload, dict) else None  # keep numeric counters only
+  usage = {str(k): v for k, v in usage.items() if isinstance(v, (int, float))
+           and not isinstance(v, bool)} if isinstance(usage, dict) else {}
+  return content or "", usage
+
+
+class ChatClient:
+  """An OpenAI-compatible chat-completions client with retries (see the module's Guarantees).
+
+  Args:
+    config: the endpoint, decoding defaults and retry settings.
+    sleep: called with the backoff delay in seconds (inject a no-op or a recorder in tests).
+    rng: source of the backoff jitter (`random.Random`; a fixed seed makes delays reproducible).
+  """
+
+  def __init__(self, config: ChatClientConfig, *, sleep: Callable[[float], None] = time.sleep,
+               rng: random.Random | None = None):
+    if not isinstance(config, ChatClientConfig):
+      raise ValueError(f"config must be a ChatClientConfig, got {type(config).__name__}")
+    self.config = config
+    self.url = chat_completions_url(config.base_url)
+    self._sleep = sleep
+    self._rng = rng if rng is not None else random.Random()
+    self._lock = threading.Lock()
+    self.stats: dict[str, int] = {key: 0 for key in STATS_KEYS}
+
+  def __repr__(self):
+    return f"ChatClient(url={self.url!r}, model={self.config.model!r})"
+
+  def count(self, *keys: str, n: int = 1):
+    """Adds `n` to each `stats[key]`, atomically (thread-safe)."""
+    with self._lock:
+      for key in keys:
+        self.stats[key] = self.stats.get(key, 0) + n
+
+  def redact(self, text: str, limit: int | None = None) -> str:
+    """`scrub(text, [current API key], limit)`: for reply text a caller puts in a message."""
+    return scrub(text, [os.environ.get(self.config.api_key_env, "")], limit)
+
+  def backoff_delay(self, retry_index: int, retry_after_s: float | None = None) -> float:
+    """Seconds to wait before retry `retry_index` (0-based); honours Retry-After, capped."""
+    growth = 2.0 ** min(int(retry_index), 1000)  # no OverflowError for huge retry counts
+    cap = min(self.config.backoff_max_s, self.config.backoff_base_s * growth)
+    with self._lock:
+      delay = cap * (0.5 + 0.5 * self._rng.random())
+    if retry_after_s is not None:
+      delay = max(delay, min(retry_after_s, self.config.backoff_max_s))
+    return delay
+
+  def build_body(self, messages: Sequence[Mapping[str, Any]], **decoding: Any) -> bytes:
+    """The JSON request body; `decoding` (`DECODING_KEYS`) overrides the config's values.
+
+    Raises:
+      ValueError: for empty or malformed messages or a bad decoding parameter.
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+      raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    for i, m in enumerate(messages):
+      if (not isinstance(m, Mapping) or not isinstance(m.get("role"), str)
+          or not isinstance(m.get("content"), (str, list))):
+        raise ValueError(f"messages[{i}] must be a dict with a string 'role' and a 'content'")
+    _check_decoding("decoding", decoding)
+    params = {k: getattr(self.config, k) for k in ("temperature", "max_tokens", "seed")} | decoding
+    body = {"model": self.config.model, "messages": [dict(m) for m in messages], "stream": False}
+    body.update({k: int(v) if k in ("max_tokens", "seed") else v
+                 for k, v in params.items() if v is not None})
+    try:
+      return json.dumps(body, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"request body is not JSON-serializable: {e}") from None
+
+  def chat(self, messages: Sequence[Mapping[str, Any]],
+           **decoding: Any) -> tuple[str, dict[str, Any]]:
+    """One chat completion: `(reply text, usage)`.
+
+    Raises:
+      ChatError: when no usable reply arrived after the retries (`.status`, `.result`).
+      ValueError: for malformed messages, a bad decoding parameter or a malformed API key.
+    """
+    result = self.complete(messages, **decoding)
+    if result.status != "ok":
+      raise ChatError(result)
+    return result.text, result.usage
+
+  def complete(self, messages: Sequence[Mapping[str, Any]], **decoding: Any) -> ChatResult:
+    """One chat completion with retries; never raises on a network or server failure.
+
+    Raises:
+      ValueError: for malformed messages, a bad decoding parameter or a malformed API key (before
+        anything is sent).
+    """
+    body = self.build_body(messages, **decoding)
+    secrets: list[str] = []
+    attempts = 0
+    failure: _Failure | None = None
+    raw = b""
+    for retry_index in range(int(self.config.max_retries) + 1):
+      if retry_index > 0:
+        delay = self.backoff_delay(retry_index - 1, failure.retry_after_s if failure else None)
+        self.count("retries")
+        logging.info("LLM chat: retry %d/%d in %.3fs after %s: %s", retry_index,
+                     self.config.max_retries, delay, failure.status, _message(failure, secrets))
+        self._sleep(delay)
+      api_key = os.environ.get(self.config.api_key_env, "")
+      if api_key:
+        _check_api_key(self.config.api_key_env, api_key)
+        secrets.append(api_key)
+      attempts += 1
+      try:
+        raw = self._attempt(body, api_key)
+        failure = None
+        break
+      except _Failure as f:
+        failure = f
+        if not f.retryable:
+          break
+      except Exception as e:  # pylint: disable=broad-except  # never crash the caller's loop
+        failure = _Failure("connection_error", f"{type(e).__name__}: {e}", retryable=False)
+        break
+
+    if failure is None:
+      try:
+        text, usage = _parse_reply(raw)
+      except ValueError as e:
+        failure = _Failure("unparseable", f"not a chat-completions reply ({e}): "
+                           f"{raw[:_MAX_ERROR_BODY_BYTES].decode('utf-8', 'replace')!r}",
+                           retryable=False)
+    if failure is not None:
+      error = _message(failure, secrets)
+      self.count("calls", failure.status)
+      logging.info("LLM chat: %s after %d attempt(s): %s", failure.status, attempts, error)
+      return ChatResult(text="", usage={}, status=failure.status, attempts=attempts, error=error)
+    self.count("calls", "ok")
+    return ChatResult(text=text, usage=usage, status="ok", attempts=attempts, error=None)
+
+  def _attempt(self, body: bytes, api_key: str) -> bytes:
+    """One POST, no redirects; returns the raw reply body or raises `_Failure`."""
+    headers = {"Content-Type": "application/json", "Accept": "application/json",
+               "User-Agent": "ear_jax-llm-client"}
+    if api_key:
+      headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+    opener = urllib.request.build_opener(_RefuseRedirects)
+    timeout = float(self.config.timeout_s)
+    limit = int(self.config.max_response_bytes)
+    deadline = time.monotonic() + timeout
+    try:
+      with opener.open(request, timeout=timeout) as response:
+        raw = bytearray()
+        while chunk := response.read1(_READ_CHUNK_BYTES):  # one recv: the deadline is checked often
+          raw += chunk
+          if time.monotonic() > deadline:
+            raise TimeoutError(f"reply not complete within {timeout}s")
+          if len(raw) > limit:
+            raise _Failure("unparseable", f"reply body exceeds max_response_bytes={limit}", False)
+        expected = response.headers.get("Content-Length")
+        if expected is not None and expected.strip().isdigit() and len(raw) < int(expected):
+          raise http.client.IncompleteRead(raw, int(expected) - len(raw))  # server closed early
+    except urllib.error.HTTPError as e:
+      try:
+        detail = e.read(_MAX_ERROR_BODY_BYTES).decode("utf-8", "replace")
+      except Exception:  # pylint: disable=broad-except
+        detail = ""
+      finally:
+        e.close()
+      note = " (redirects are never followed)" if 300 <= e.code <= 399 else ""
+      retryable = e.code == 429 or 500 <= e.code <= 599
+      raise _Failure("http_error", f"HTTP {e.code} {str(e.reason)[:80]}{note}: {detail.strip()}",
+                     retryable, _retry_after_seconds(e.headers)) from None
+    except urllib.error.URLError as e:
+      if isinstance(e.reason, (TimeoutError, socket.timeout)):
+        raise _Failure("timeout", f"timed out after {timeout}s: {e.reason}", True) from None
+      raise _Failure("connection_error", f"{e.reason}", True) from None
+    except (TimeoutError, socket.timeout) as e:
+      raise _Failure("timeout", f"timed out after {timeout}s: {e}", True) from None
+    except (http.client.HTTPException, ConnectionError, OSError) as e:
+      raise _Failure("connection_error", f"{type(e).__name__}: {e}", True) from None
+    return bytes(raw)

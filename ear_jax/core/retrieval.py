@@ -1,0 +1,110 @@
+"""The one retrieval path: top-K candidate search (Eq. (1)), then adapt -> slate (Section 3.6).
+
+Symbols: `n` queries, `M` bank rows, `d` dimension, `K` candidates, `s` slate size.
+
+Every caller goes through these functions: the benchmark pipeline builds its candidate streams with
+`top_k_search`, `ear_jax.agent.Memory` retrieves with `top_k_search` + `slate_from_candidates`, and
+`experiments.bench` times `retrieve` (search + adapter-only slate), i.e. exactly what users call.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from ear_jax.core import adapter as adapter_lib
+from ear_jax.core import explorer as explorer_lib
+from ear_jax.core.slates import top_s_slate
+
+
+def top_k_search(queries: jax.Array, bank: jax.Array, valid: jax.Array, k: int,
+                 stores: Optional[jax.Array] = None):
+  """Top-K bank rows by cosine (Eq. (1)); with `stores`, the top-K/2 of each of two stores.
+
+  Ties go to the lower index. Banks with fewer than K valid rows give padded, masked positions.
+
+  Args:
+    queries: `[n, d]` unit query embeddings (frozen encoder).
+    bank: `[M, d]` unit memory embeddings.
+    valid: `[M]` bool, rows that may be returned.
+    k: `K` (static).
+    stores: optional `[M]` int32 store code (0 episodic, 1 semantic) for the multi-store candidates
+      of Section 5: the top-K/2 of each store, merged by score.
+
+  Returns:
+    `(index [n, K] int32 (-1 = padding), scores [n, K] float32 (-inf = padding), mask [n, K] bool)`,
+    best first.
+  """
+  scores = queries @ bank.T  # [n, M]
+  if stores is None:
+    vals, idx = jax.lax.top_k(jnp.where(valid[None, :], scores, -jnp.inf), k)
+  else:
+    half = k // 2
+    parts = [jax.lax.top_k(jnp.where((valid & (stores == s))[None, :], scores, -jnp.inf), half)
+             for s in (0, 1)]
+    vals = jnp.concatenate([p[0] for p in parts], 1)
+    idx = jnp.concatenate([p[1] for p in parts], 1)
+    vals, order = jax.lax.top_k(vals, k)
+    idx = jnp.take_along_axis(idx, order, 1)
+  mask = vals > -jnp.inf
+  return jnp.where(mask, idx, -1).astype(jnp.int32), vals, mask
+
+
+def slate_from_candidates(params: adapter_lib.AdapterParams, query: jax.Array,
+                          candidates: jax.Array, where: jax.Array, slate_size: int, hparams=None,
+                          stats: Optional[explorer_lib.BanditStats] = None):
+  """Adapt -> slate for one query: the adapter's top-s (Section 3.6), or one Explorer round.
+
+  Without `stats` this is adapter-only inference, `S = TopS_i z_i^phi`. With the query's bandit
+  statistics it is one Explorer round (Eq. (5)-(8)): the greedy slate of
+  `lambda_rel z - lambda_div D + lambda_exp U` (needs `hparams`).
+
+  Args:
+    params: adapter parameters.
+    query: `[d]` pre-adapter query.
+    candidates: `[K, d]` pre-adapter candidates.
+    where: `[K]` bool, valid candidates.
+    slate_size: `s` (static).
+    hparams: Explorer hyperparameters (only with `stats`).
+    stats: optional `BanditStats` of the query's earlier rounds.
+
+  Returns:
+    `(slate [s] int32, slate_mask [s] bool, logits z [K])`.
+  """
+  q_t = adapter_lib.adapt_queries(params, query)
+  m_t = adapter_lib.adapt_memories(params, candidates)
+  z = adapter_lib.relevance_logits(q_t, m_t)
+  if stats is None:
+    slate, slate_mask = top_s_slate(z, where, slate_size)
+  else:
+    ucb = explorer_lib.ucb_scores(stats, hparams.alpha)
+    slate, slate_mask = explorer_lib.greedy_slate(z, ucb, m_t @ m_t.T, where, hparams, slate_size)
+  return slate, slate_mask, z
+
+
+def retrieve(params: adapter_lib.AdapterParams, queries: jax.Array, bank: jax.Array,
+             valid: jax.Array, k: int, slate_size: int):
+  """Batched adapter-only retrieval: `top_k_search`, then `slate_from_candidates` per query.
+
+  Args:
+    params: adapter parameters.
+    queries: `[n, d]` pre-adapter queries.
+    bank: `[M, d]` memory embeddings.
+    valid: `[M]` bool.
+    k: `K` (static).
+    slate_size: `s` (static).
+
+  Returns:
+    `(memory rows [n, s] int32 (-1 = empty), candidates [n, K] int32, logits [n, K])`.
+  """
+  idx, _, mask = top_k_search(queries, bank, valid, k)
+  cands = bank[jnp.maximum(idx, 0)]
+  slate, slate_mask, z = jax.vmap(slate_from_candidates, in_axes=(None, 0, 0, 0, None))(
+      params, queries, cands, mask, slate_size)
+  rows = jnp.where(slate_mask, jnp.take_along_axis(idx, jnp.maximum(slate, 0), 1), -1)
+  return rows, idx, z
+
+
+top_k_search_jit = jax.jit(top_k_search, static_argnames=("k",))
+retrieve_jit = jax.jit(retrieve, static_argnames=("k", "slate_size"))

@@ -1,0 +1,213 @@
+"""The LoCoMo loader (`locomo10.json`): one memory bank per conversation, QA items as queries.
+
+Bank = the conversation's dialogue turns, text `"<speaker>: <text>"` plus `" [image: <blip_caption>]"`
+when the turn shares an image, id = the `dia_id`; observations
+(`observation.session_N_observation.<speaker> = [[fact, dia_id(s)], ...]`) are store 1 with ids
+`"O<N>:<j>"`. QA categories 1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop are kept;
+5 (adversarial) is dropped. Evidence ids are normalised (`normalize_evidence`), ids that do not
+name a turn of the conversation are dropped and counted; queries left without gold are excluded and
+counted (an EMPTY evidence list is a known quirk: the query is dropped and counted; an ABSENT
+`evidence` field is an error). A field of the wrong type (`"conversation": null`, an `observation`
+list, a number as turn text, ...) is a `ValueError` naming the file, the conversation and the field.
+"""
+from __future__ import annotations
+
+import collections
+import pathlib
+import re
+
+import numpy as np
+
+from ear_jax.data import corpus as corpus_lib
+from ear_jax.data import parsing
+
+CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
+ADVERSARIAL = 5
+FILES = ("locomo10.json",)  # looked up in the data directory
+_EVIDENCE_RE = re.compile(r"^D:?(\d+):0*(\d+)$")
+_SESSION_RE = re.compile(r"^session_(\d+)$")
+
+
+def normalize_evidence(raw) -> tuple[list[str], list[str]]:
+  """Normalises LoCoMo evidence / observation references to `"D<session>:<turn>"` ids.
+
+  A value may be a string or a list of strings; each string may hold several ids joined by `;`,
+  `,` or spaces. Each token matching `D:?(\\d+):0*(\\d+)` becomes `D<s>:<t>` ("D:11:26" -> "D11:26",
+  "D30:05" -> "D30:5"); other tokens (e.g. a bare "D") are returned as malformed.
+
+  Returns:
+    (normalised ids in order without repeats, malformed tokens).
+  """
+  items = raw if isinstance(raw, (list, tuple)) else [raw]
+  ids, bad = [], []
+  for item in items:
+    for tok in re.split(r"[;,\s]+", str(item).strip()):
+      if not tok:
+        continue
+      m = _EVIDENCE_RE.match(tok)
+      if m is None:
+        bad.append(tok)
+        continue
+      norm = f"D{int(m.group(1))}:{int(m.group(2))}"
+      if norm not in ids:
+        ids.append(norm)
+  return ids, bad
+
+
+def _evidence_value(value, where, key):
+  """`value` if it is a string or a list of strings (LoCoMo `evidence`, an observation's dia_id)."""
+  parsing.check(value, parsing.STRING_OR_LIST, where, key)
+  if isinstance(value, list):
+    for i, item in enumerate(value):
+      if not isinstance(item, str):
+        raise ValueError(f"{where}: field {key!r} must be a string or a list of strings, but entry "
+                         f"{i} is {parsing.json_type(item)}")
+  return value
+
+
+def _dialogue_turns(conv_dict, where, st):
+  """(ids, texts) of the dialogue turns of a `conversation` object, sessions in number order."""
+  sessions = sorted((int(m.group(1)), k) for k in conv_dict if (m := _SESSION_RE.match(k)))
+  ids, texts = [], []
+  for _, key in sessions:
+    turns = parsing.check(conv_dict[key], parsing.LIST, where, f"conversation.{key}")
+    st["sessions"] += 1
+    for j, turn in enumerate(turns):
+      w = f"{where}, {key} turn {j}"
+      dia_id = parsing.name(turn, "dia_id", w)
+      speaker = parsing.require(turn, "speaker", w, parsing.STRING)
+      text = parsing.require(turn, "text", w, parsing.STRING)
+      t = f"{speaker}: {text}"
+      caption = parsing.optional(turn, "blip_caption", w, parsing.STRING_OR_NULL, None)
+      if caption:
+        t += f" [image: {caption}]"
+      ids.append(dia_id)
+      texts.append(t)
+  return ids, texts
+
+
+def _observations(obs, where, turn_ids, st):
+  """(ids, texts, refs) of the observation store of one conversation."""
+  ids, texts, refs = [], [], []
+
+  def session_number(k):
+    num = re.findall(r"\d+", k)
+    return int(num[0]) if num else 0
+
+  for okey in sorted(obs, key=session_number):
+    num = re.findall(r"\d+", okey)
+    n_sess = num[0] if num else okey
+    per_speaker = obs[okey]
+    if per_speaker is None:
+      continue
+    parsing.check(per_speaker, parsing.OBJECT, where, f"observation.{okey}")
+    j = 0
+    for speaker, facts in per_speaker.items():
+      field = f"observation.{okey}.{speaker}"
+      parsing.check(facts, parsing.LIST, where, field)
+      for e, fact in enumerate(facts):
+        if not isinstance(fact, (list, tuple)) or len(fact) < 2:
+          raise ValueError(f"{where}: observation {okey}/{speaker} entry {fact!r} is not [fact, dia_id]")
+        w = f"{where}, {field} entry {e}"
+        parsing.check(fact[0], parsing.STRING, w, "fact")
+        r, bad = normalize_evidence(_evidence_value(fact[1], w, "dia_id"))
+        good = tuple(x for x in r if x in turn_ids)
+        if len(good) < len(r) or bad:
+          st["observation_refs_unresolvable"] += len(r) - len(good) + len(bad)
+        ids.append(f"O{n_sess}:{j}")
+        texts.append(fact[0])
+        refs.append(good)
+        j += 1
+        st["observations"] += 1
+  return ids, texts, refs
+
+
+def load_locomo(path, *, limit: int | None = None) -> corpus_lib.Corpus:
+  """LoCoMo (see module docstring). `limit`: only the first `limit` conversations.
+
+  Raises:
+    FileNotFoundError: no such file.
+    ValueError: naming the file, the conversation and the field, for malformed input.
+  """
+  path = pathlib.Path(path)
+  data = parsing.read_json(path)
+  if not isinstance(data, list):
+    raise ValueError(f"{path}: expected a JSON list of conversations, got {parsing.json_type(data)}")
+  if limit is not None:
+    data = data[:limit]
+  banks, queries = [], []
+  st = collections.Counter()
+  per_cat = collections.Counter()
+  dropped_ids = []
+  for g, conv in enumerate(data):
+    parsing.check_object(conv, f"{path}: conversation {g}")
+    sample_id = parsing.name(conv, "sample_id", f"{path}: conversation {g}", default=str(g))
+    where = f"{path}: conversation {sample_id!r}"
+    c = parsing.require(conv, "conversation", where, parsing.OBJECT)
+    qa = parsing.require(conv, "qa", where, parsing.LIST)
+    ids, texts = _dialogue_turns(c, where, st)
+    if not ids:
+      raise ValueError(f"{where}: empty memory bank (no dialogue turns)")
+    st["turns"] += len(ids)
+    stores = [corpus_lib.STORE_DIALOGUE] * len(ids)
+    refs = [()] * len(ids)
+    turn_ids = set(ids)
+    obs = conv.get("observation")
+    if obs is not None:
+      parsing.check(obs, parsing.Kind((dict,), "a JSON object (session_N_observation -> speaker -> "
+                                               "[[fact, dia_id], ...])"), where, "observation")
+      o_ids, o_texts, o_refs = _observations(obs, where, turn_ids, st)
+      ids += o_ids
+      texts += o_texts
+      refs += o_refs
+      stores += [corpus_lib.STORE_OBSERVATION] * len(o_ids)
+    banks.append(corpus_lib.Bank(ids=ids, texts=texts, stores=np.asarray(stores, np.int8),
+                                 refs=refs))
+    for qi, item in enumerate(qa):
+      w = f"{where}, qa item {qi}"
+      cat = parsing.require(item, "category", w)
+      if cat == ADVERSARIAL and not isinstance(cat, bool):
+        st["queries_adversarial_dropped"] += 1
+        continue
+      if isinstance(cat, bool) or cat not in CATEGORIES:
+        raise ValueError(f"{w}: unknown category {cat!r}")
+      question = parsing.require(item, "question", w, parsing.STRING)
+      evidence = _evidence_value(parsing.require(item, "evidence", w), w, "evidence")
+      st["queries"] += 1
+      if not evidence:
+        st["queries_empty_evidence_dropped"] += 1
+        continue
+      norm, bad = normalize_evidence(evidence)
+      for e in (evidence if isinstance(evidence, list) else [evidence]):
+        if normalize_evidence(e) != ([str(e)], []):  # not already one canonical "D<s>:<t>"
+          st["evidence_entries_malformed"] += 1
+      gold = tuple(x for x in norm if x in turn_ids)
+      dropped = [x for x in norm if x not in turn_ids] + bad
+      if dropped:
+        st["evidence_ids_dropped"] += len(dropped)
+        dropped_ids.extend(f"{sample_id}/{x}" for x in dropped)
+      if not gold:
+        st["queries_without_gold_excluded"] += 1
+        continue
+      category = CATEGORIES[cat]
+      per_cat[category] += 1
+      queries.append(corpus_lib.Query(id=f"{sample_id}/q{qi}", text=question, gold=gold,
+                                      category=category, group=g))
+  stats = {
+      "file": str(path),
+      "conversations": len(banks),
+      "sessions": st["sessions"],
+      "turns": st["turns"],
+      "observations": st["observations"],
+      "queries": st["queries"],
+      "queries_evaluable": len(queries),
+      "queries_adversarial_dropped": st["queries_adversarial_dropped"],
+      "queries_empty_evidence_dropped": st["queries_empty_evidence_dropped"],
+      "queries_without_gold_excluded": st["queries_without_gold_excluded"],
+      "evidence_entries_malformed": st["evidence_entries_malformed"],
+      "evidence_ids_dropped": st["evidence_ids_dropped"],
+      "evidence_ids_dropped_list": dropped_ids,
+      "observation_refs_unresolvable": st["observation_refs_unresolvable"],
+      "queries_per_category": dict(sorted(per_cat.items())),
+  }
+  return corpus_lib.Corpus(name="locomo", banks=banks, queries=queries, stats=stats)

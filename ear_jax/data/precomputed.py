@@ -1,0 +1,75 @@
+"""Precomputed embeddings, for encoders JAX cannot run: looked up by text.
+
+Symbols: `n` texts, `d` embedding dimension.
+
+Either a `.npz` file with `embeddings` `[n, d]` float and EITHER `texts` `[n]` str (looked up by exact
+text) OR `keys` `[n]` str (the hex sha256 of each UTF-8 text, `embedding_cache.text_key`), or a `.npy`
+file `[n, d]` with a sidecar `<same stem>.texts.json` (a JSON list of the n texts). Every requested
+text must be present. Rows are L2-normalised on load.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+
+from ear_jax.data import embedding_cache
+from ear_jax.data import encoder_base
+
+
+class PrecomputedEncoder(encoder_base.Encoder):
+  """Embeddings looked up in a `.npz` (`embeddings` + `texts` or `keys`) or `.npy` (+ `.texts.json`).
+
+  Raises:
+    ValueError: naming the file, when it is missing, malformed, or holds NaN/Inf.
+  """
+
+  def __init__(self, path):
+    path = pathlib.Path(path).expanduser()
+    if not path.is_file():
+      raise ValueError(f"precomputed embedding file {str(path)!r} does not exist")
+    self.path = path.resolve()
+    self.name = path.stem
+    text_key = embedding_cache.text_key
+    if path.suffix == ".npz":
+      with np.load(path, allow_pickle=False) as z:
+        if "embeddings" not in z:
+          raise ValueError(f"{path}: missing array 'embeddings' (expected 'embeddings' and 'texts' or 'keys')")
+        emb = np.asarray(z["embeddings"], np.float32)
+        if "keys" in z:
+          keys = [str(k) for k in z["keys"]]
+        elif "texts" in z:
+          keys = [text_key(str(t)) for t in z["texts"]]
+        else:
+          raise ValueError(f"{path}: missing array 'texts' or 'keys' next to 'embeddings'")
+    elif path.suffix == ".npy":
+      emb = np.asarray(np.load(path, allow_pickle=False), np.float32)
+      side = path.with_suffix(".texts.json")
+      if not side.is_file():
+        raise ValueError(f"{path}: a .npy of embeddings needs its texts in {side} (a JSON list)")
+      keys = [text_key(t) for t in json.loads(side.read_text())]
+    else:
+      raise ValueError(f"{path}: precomputed embeddings must be a .npy or .npz file")
+    if emb.ndim != 2 or emb.shape[0] != len(keys):
+      raise ValueError(f"{path}: embeddings shape {emb.shape} does not match {len(keys)} texts/keys")
+    if not np.all(np.isfinite(emb)):
+      raise ValueError(f"{path}: embeddings contain NaN or Inf")
+    self._emb = encoder_base.l2_normalize(emb)
+    self._index = {k: i for i, k in enumerate(keys)}
+    self.dim = int(emb.shape[1])
+    self.max_length = None
+    self._sha = encoder_base.hash_file(path)
+
+  @property
+  def identity(self) -> dict:
+    return {"kind": "precomputed", "sha256": self._sha, "dim": self.dim}
+
+  def encode_new(self, texts, progress=True, bar=None):
+    texts = encoder_base.check_texts(texts)
+    rows = [self._index.get(embedding_cache.text_key(t)) for t in texts]
+    missing = [t for t, r in zip(texts, rows) if r is None]
+    if missing:
+      raise ValueError(f"{self.path}: {len(missing)} texts have no precomputed embedding, "
+                       f"e.g. {missing[0][:80]!r}")
+    return self._emb[np.asarray(rows, np.int64)].reshape(len(texts), self.dim), 0

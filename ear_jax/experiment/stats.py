@@ -1,0 +1,219 @@
+"""Paired comparisons over seeds: the mean per-seed difference and its Student-t interval.
+
+Every run of the experiment suites is repeated on `S` seeds, and seed `i` is the same for every
+method (the same train/test split, the same PRNG keys; see `runner.train_and_evaluate`). Two
+methods are therefore compared on the per-seed differences `d_i = treatment_i - baseline_i`,
+which removes the split-to-split variation that both methods share.
+
+The interval is a t-interval over seeds: with `n` seeds, mean `m` and sample standard deviation
+`sd` (ddof = 1) of the differences,
+
+  `m ± t_{n-1, (1 + c) / 2} · sd / sqrt(n)`
+
+for confidence `c` (0.95 by default). It treats the seeds as independent draws of the whole
+experiment (split, initialisation, critic noise, exploration); it says nothing about the
+variation over test queries within one seed, and with 3 seeds it is wide (t_{2, 0.975} = 4.30).
+
+Verdicts: 'better' / 'worse' when the interval lies entirely above / below 0, otherwise 'tie'
+(the seeds cannot order the two methods). Degenerate cases:
+
+- `n = 1`: no interval (`lo = hi = nan`), verdict 'tie (n=1)'.
+- `n = 0` (no seed has both values): everything nan, verdict 'no data'.
+- `sd = 0` with `n >= 2` (every seed shows the same difference): the interval is the point
+  `lo = hi = mean`, so it excludes 0 exactly when `mean != 0`; the verdict is then 'better' /
+  'worse' by the sign of the mean, and 'tie' for identical inputs (mean = 0). No NaN appears.
+
+Library code: numpy and scipy only.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping, NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+from scipy import stats as sp_stats
+
+BETTER, WORSE, TIE, TIE_N1, NO_DATA = "better", "worse", "tie", "tie (n=1)", "no data"
+
+INTERVAL_LABEL = "95% t-interval over seeds"
+
+
+class PairedDifference(NamedTuple):
+  """Paired difference `treatment - baseline` over seeds.
+
+  Attributes:
+    n: seeds with a finite value in both runs.
+    mean: mean per-seed difference.
+    sd: sample standard deviation of the differences (ddof = 1; nan for n < 2).
+    lo: lower end of the t-interval (nan for n < 2).
+    hi: upper end of the t-interval (nan for n < 2).
+    per_seed: the per-seed differences, in the given seed order (None where a value is missing).
+    verdict: 'better', 'worse', 'tie', 'tie (n=1)' or 'no data'.
+    confidence: the interval's confidence level.
+  """
+  n: int
+  mean: float
+  sd: float
+  lo: float
+  hi: float
+  per_seed: list
+  verdict: str
+  confidence: float
+
+  def to_json(self, digits: int = 4) -> dict:
+    """A JSON-able dict; nan -> None, floats rounded to `digits`."""
+    return {"n": self.n, "mean": _round(self.mean, digits), "sd": _round(self.sd, digits),
+            "lo": _round(self.lo, digits), "hi": _round(self.hi, digits),
+            "per_seed": [_round(v, digits) for v in self.per_seed], "verdict": self.verdict,
+            "confidence": self.confidence,
+            "interval": f"t-interval over seeds (n={self.n}, ddof=1)"}
+
+
+def _round(v, digits):
+  if v is None or not math.isfinite(v):
+    return None
+  return round(float(v), digits)
+
+
+def _floats(values) -> np.ndarray:
+  return np.asarray([np.nan if v is None else float(v)
+                     for v in np.ravel(np.asarray(values, object))], np.float64)
+
+
+def t_quantile(n: int, confidence: float = 0.95) -> float:
+  """`t_{n-1, (1 + confidence) / 2}` (nan for n < 2)."""
+  if n < 2:
+    return float("nan")
+  return float(sp_stats.t.ppf(0.5 * (1.0 + confidence), n - 1))
+
+
+def mean_interval(values: Sequence[Optional[float]], confidence: float = 0.95):
+  """Mean of `values` over seeds and its t-interval (NaN / None seeds dropped).
+
+  Args:
+    values: per-seed values.
+    confidence: the interval's confidence level.
+
+  Returns:
+    `(mean, lo, hi, n)`; `lo = hi = nan` for n < 2, `lo = hi = mean` when all values are equal.
+  """
+  v = _floats(values)
+  v = v[np.isfinite(v)]
+  n = int(v.size)
+  if n == 0:
+    return float("nan"), float("nan"), float("nan"), 0
+  mean = float(v.mean())
+  if n < 2:
+    return mean, float("nan"), float("nan"), n
+  half = t_quantile(n, confidence) * float(v.std(ddof=1)) / math.sqrt(n)
+  return mean, mean - half, mean + half, n
+
+
+def paired_difference(treatment: Sequence[Optional[float]], baseline: Sequence[Optional[float]],
+                      confidence: float = 0.95) -> PairedDifference:
+  """Mean per-seed difference `treatment - baseline` with its t-interval over seeds.
+
+  The two sequences hold one value per seed in the same seed order. Seeds where either value is
+  missing (None / NaN) are dropped from the statistics (their `per_seed` entry is None).
+
+  Args:
+    treatment: per-seed metric of the method.
+    baseline: per-seed metric of the baseline, same seeds in the same order.
+    confidence: the interval's confidence level, in (0, 1).
+
+  Returns:
+    A `PairedDifference` (see the module docstring for the degenerate cases).
+
+  Raises:
+    ValueError: when the lengths differ or `confidence` is outside (0, 1).
+  """
+  if not 0.0 < confidence < 1.0:
+    raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+  t, b = _floats(treatment), _floats(baseline)
+  if t.shape != b.shape:
+    raise ValueError(f"treatment has {t.size} seeds but baseline has {b.size}: a paired "
+                     "difference needs one value per seed in both")
+  diff = t - b
+  ok = np.isfinite(diff)
+  per_seed = [float(x) if f else None for x, f in zip(diff, ok)]
+  d = diff[ok]
+  n = int(d.size)
+  nan = float("nan")
+  if n == 0:
+    return PairedDifference(0, nan, nan, nan, nan, per_seed, NO_DATA, confidence)
+  mean = float(d.mean())
+  if n == 1:
+    return PairedDifference(1, mean, nan, nan, nan, per_seed, TIE_N1, confidence)
+  sd = float(d.std(ddof=1))
+  half = t_quantile(n, confidence) * sd / math.sqrt(n)
+  lo, hi = mean - half, mean + half
+  verdict = BETTER if lo > 0 else WORSE if hi < 0 else TIE
+  return PairedDifference(n, mean, sd, lo, hi, per_seed, verdict, confidence)
+
+
+DifferenceLike = Union[PairedDifference, Mapping]
+
+
+def _get(d: DifferenceLike, field: str):
+  v = d[field] if isinstance(d, Mapping) else getattr(d, field)
+  return float("nan") if v is None else v
+
+
+def format_difference(d: Optional[DifferenceLike], digits: int = 2) -> str:
+  """Table cell of a paired difference: `"+3.21 [+0.85, +5.57]"`.
+
+  Args:
+    d: a `PairedDifference` or its `to_json()` dict (None: no comparison).
+    digits: decimals.
+
+  Returns:
+    `"mean [lo, hi]"` with signs; `"+3.21 (n=1)"` without an interval; `"–"` without data.
+  """
+  if d is None or _get(d, "n") == 0:
+    return "–"
+  mean, lo, hi = _get(d, "mean"), _get(d, "lo"), _get(d, "hi")
+  if not (math.isfinite(lo) and math.isfinite(hi)):
+    return f"{mean:+.{digits}f} (n={_get(d, 'n')})"
+  return f"{mean:+.{digits}f} [{lo:+.{digits}f}, {hi:+.{digits}f}]"
+
+
+def describe_verdict(d: DifferenceLike, neutral: bool = False) -> str:
+  """The verdict in words, e.g. 'better (interval excludes 0)' or 'tie (interval includes 0)'.
+
+  Args:
+    d: a paired difference.
+    neutral: say 'higher' / 'lower' instead of 'better' / 'worse' (for a quantity that is not a
+      score, e.g. a count).
+  """
+  v = d["verdict"] if isinstance(d, Mapping) else d.verdict
+  if v in (BETTER, WORSE):
+    if neutral:
+      v = "higher" if v == BETTER else "lower"
+    return f"{v} (interval excludes 0)"
+  if v == TIE:
+    return "tie (interval includes 0)"
+  return v
+
+
+def agreement(d: DifferenceLike, expected_sign: Optional[float]) -> Optional[str]:
+  """Whether a verdict matches the direction the paper reports.
+
+  Args:
+    d: a paired difference.
+    expected_sign: the paper's difference (only its sign is used); None or 0: no claim.
+
+  Returns:
+    'holds' (the interval excludes 0 on the paper's side), 'opposite' (it excludes 0 on the other
+    side), 'not separated' (tie) or None without a paper direction.
+  """
+  if expected_sign is None or expected_sign == 0 or not math.isfinite(expected_sign):
+    return None
+  v = d["verdict"] if isinstance(d, Mapping) else d.verdict
+  if v not in (BETTER, WORSE):
+    return "not separated"
+  return "holds" if (v == BETTER) == (expected_sign > 0) else "opposite"
+
+
+__all__ = ["BETTER", "INTERVAL_LABEL", "NO_DATA", "PairedDifference", "TIE", "TIE_N1", "WORSE",
+           "agreement", "describe_verdict", "format_difference", "mean_interval",
+           "paired_difference", "t_quantile"]
