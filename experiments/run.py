@@ -20,17 +20,19 @@ from absl import app
 from absl import flags
 from absl import logging as absl_logging
 
+from ear_jax.core import buffer as buffer_lib
 from ear_jax.core import config as config_lib
+from ear_jax.core import critic as critic_lib
 from experiments import data_flags
 
 SUITES = ("main", "ablation", "hparams", "curves", "noise", "multistore", "all")
 
 _DATA = data_flags.define(["locomo", "longmemeval", "jsonl", "synthetic"])
-_METHOD = flags.DEFINE_string("method", "ear", "Method when no --suite is given: one of "
-                              f"{', '.join(config_lib.METHODS)}.")
-_SUITE = flags.DEFINE_string("suite", None, f"Suite to run: one of {', '.join(SUITES)}; unset: "
-                             "run --method only.")
-_SEEDS = flags.DEFINE_integer("seeds", 3, "Number of seeds (0..seeds-1), run together with vmap.")
+_METHOD = flags.DEFINE_enum("method", "ear", list(config_lib.METHODS),
+                            "Method when no --suite is given.")
+_SUITE = flags.DEFINE_enum("suite", None, list(SUITES), "Suite to run; unset: run --method only.")
+_SEEDS = flags.DEFINE_integer("seeds", 3, "Number of seeds (0..seeds-1), run together with vmap.",
+                              lower_bound=1)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default runs/<benchmark>_"
                                "<suite or method>).")
 _CHECKPOINT_EVERY = flags.DEFINE_integer(
@@ -52,7 +54,7 @@ _CONFIG_FLAGS = {
     "loss_form": flags.DEFINE_enum("loss_form", None, list(config_lib.LOSS_FORMS),
                                    "Eq. (10) form: flat (default) or sequential."),
     "replay_strategy": flags.DEFINE_enum("replay_strategy", None,
-                                         list(config_lib.REPLAY_STRATEGIES),
+                                         list(buffer_lib.REPLAY_STRATEGIES),
                                          "Eq. (15) / Table 7."),
     "replay_unobserved": flags.DEFINE_enum("replay_unobserved", None,
                                            list(config_lib.REPLAY_UNOBSERVED),
@@ -68,13 +70,19 @@ _CONFIG_FLAGS = {
     "slate_size": flags.DEFINE_integer("slate_size", None, "Slate size s (5)."),
     "grad_clip_norm": flags.DEFINE_float("grad_clip_norm", None, "Global-norm clipping (off)."),
 }
-# Every continuous hyperparameter (None = the paper's value).
+# Every continuous hyperparameter (None = the paper's value, defined once in core.config).
 _HPARAM_FLAGS = {
     name: flags.DEFINE_float(name, None, f"HParams.{name} (default {default}).")
-    for name, default in (("lambda_rel", 0.4), ("lambda_div", 0.3), ("lambda_exp", 0.3),
-                          ("alpha", 0.5), ("baseline", 0.5), ("tau", 0.5), ("lambda_rep", 1.0),
-                          ("learning_rate", 1e-3), ("critic_precision", 0.88),
-                          ("critic_recall", 0.86))
+    for name, default in config_lib.HPARAM_DEFAULTS.items()
+}
+# The simulated critic's parameters (Appendix A.2; None = the paper's, defined in core.critic).
+_CRITIC_FLAGS = {
+    "precision": flags.DEFINE_float(
+        "critic_precision", None, f"Simulated critic precision p (default "
+        f"{critic_lib.DEFAULT_PRECISION}).", lower_bound=0.0, upper_bound=1.0),
+    "recall": flags.DEFINE_float(
+        "critic_recall", None, f"Simulated critic recall r (default {critic_lib.DEFAULT_RECALL}).",
+        lower_bound=0.0, upper_bound=1.0),
 }
 
 
@@ -86,22 +94,12 @@ def build_options():
   """
   from experiments import suites  # pylint: disable=g-import-not-at-top
   from ear_jax.core import config as cfg  # pylint: disable=g-import-not-at-top
-  if _SEEDS.value is None or _SEEDS.value < 1:
-    raise app.UsageError(f"--seeds must be >= 1 (got --seeds={_SEEDS.value})")
-  if _SUITE.value is not None and _SUITE.value not in SUITES:
-    raise app.UsageError(f"unknown --suite={_SUITE.value!r}; expected one of {', '.join(SUITES)}")
-  if _SUITE.value is None and _METHOD.value not in cfg.METHODS:
-    raise app.UsageError(f"unknown --method={_METHOD.value!r}; expected one of "
-                         f"{', '.join(cfg.METHODS)}")
   if _SUITE.value == "multistore" and _DATA.benchmark.value == "longmemeval":
     raise app.UsageError("--suite=multistore needs observations: use --benchmark=locomo "
                          "(or synthetic / jsonl)")
   bench = _DATA.benchmark.value
   if bench == "jsonl":
-    if not _DATA.jsonl.value:
-      raise app.UsageError("--benchmark=jsonl needs --jsonl=PATH")
-    if not os.path.isfile(_DATA.jsonl.value):
-      raise app.UsageError(f"--jsonl: file {_DATA.jsonl.value!r} does not exist")
+    data_flags.benchmark_name(_DATA)  # UsageError: missing --jsonl, a directory, no such file
   elif bench in ("locomo", "longmemeval"):
     from ear_jax.data import corpora as datasets  # pylint: disable=g-import-not-at-top
     try:
@@ -110,6 +108,11 @@ def build_options():
       raise app.UsageError(f"--data_dir / --benchmark={bench}: {e}") from None
   config_over = {k: f.value for k, f in _CONFIG_FLAGS.items() if f.value is not None}
   hparam_over = {k: f.value for k, f in _HPARAM_FLAGS.items() if f.value is not None}
+  critic_over = {k: f.value for k, f in _CRITIC_FLAGS.items() if f.value is not None}
+  try:
+    critic_lib.make_simulated_critic(**critic_over)
+  except ValueError as e:
+    raise app.UsageError(f"--critic_precision / --critic_recall: {e}") from None
   try:
     probe = cfg.EARConfig.for_method(_METHOD.value if _SUITE.value is None else "ear",
                                      **{"dim": max(config_over.get("adapter_rank") or 1, 8),
@@ -144,6 +147,7 @@ def build_options():
       checkpoint_every=_CHECKPOINT_EVERY.value or None, resume=_RESUME.value,
       eval_every=_EVAL_EVERY.value, stop_after_chunks=_STOP_AFTER.value,
       progress=_PROGRESS.value, config_overrides=config_over, hparam_overrides=hparam_over,
+      critic_overrides=critic_over,
       synthetic_queries=_SYN_QUERIES.value, synthetic_dim=_SYN_DIM.value, noise_levels=levels,
       command=" ".join(shlex.quote(a) for a in ["python", "-m", "experiments.run"] + sys.argv[1:]))
 
@@ -177,6 +181,4 @@ def _stderr_handler():
 
 
 if __name__ == "__main__":
-  flags.register_validator("seeds", lambda v: v is None or v >= 1,
-                           message="--seeds must be >= 1", flag_values=flags.FLAGS)
   app.run(main)

@@ -28,6 +28,7 @@ from ear_jax.experiment import checkpointing
 from ear_jax.experiment import runner as ex
 from ear_jax.experiment import plots
 from ear_jax.experiment import stats
+from ear_jax.core import critic as critic_lib
 from ear_jax.core.config import default_hparams
 from experiments import results_md
 
@@ -103,6 +104,7 @@ class Options:
   progress: bool = True
   config_overrides: dict = dataclasses.field(default_factory=dict)
   hparam_overrides: dict = dataclasses.field(default_factory=dict)
+  critic_overrides: dict = dataclasses.field(default_factory=dict)  # simulated critic p / r
   synthetic_queries: int = 500
   synthetic_dim: int = 32
   noise_levels: tuple = (0.7, 0.8, 0.9, 1.0)
@@ -173,8 +175,8 @@ class Runner:
 
   # -- one run ------------------------------------------------------------------------------------
   def run(self, method: str, *, multistore: bool = False, config_overrides=None,
-          hparam_overrides=None, epochs: int = 1, eval_every: Optional[int] = None,
-          label: Optional[str] = None) -> dict:
+          hparam_overrides=None, critic_overrides=None, epochs: int = 1,
+          eval_every: Optional[int] = None, label: Optional[str] = None) -> dict:
     """Runs `method` on all seeds (or returns the cached result); returns its summary dict."""
     o = self.opts
     b = self.bench(multistore)
@@ -183,15 +185,19 @@ class Runner:
     config = ex.build_config(method, dim=b.stream.dim, num_candidates=b.stream.num_candidates,
                              **cfg_over)
     hparams = default_hparams(**hp_over)
+    critic_over = {**o.critic_overrides, **(critic_overrides or {})}
+    critic = critic_lib.make_simulated_critic(**critic_over)
+    critic_json = {"precision": float(critic.precision), "recall": float(critic.recall)}
     if not config.trains:
       epochs, eval_every = 1, eval_every
-    key = (multistore, method, config, tuple(sorted(ex.hparams_dict(hparams).items())), epochs,
-           eval_every)
+    key = (multistore, method, config, tuple(sorted(ex.hparams_dict(hparams).items())),
+           tuple(sorted(critic_json.items())), epochs, eval_every)
     if key in self._memo:
       return self._memo[key]
     name = label or method
     parts = [name] + [f"{k}={v}" for k, v in sorted((config_overrides or {}).items())]
     parts += [f"{k}={v}" for k, v in sorted((hparam_overrides or {}).items())]
+    parts += [f"critic_{k}={v}" for k, v in sorted((critic_overrides or {}).items())]
     if multistore:
       parts.append("multistore")
     if epochs > 1:
@@ -206,7 +212,7 @@ class Runner:
         summary = json.load(f)
       if (summary.get("config") == ex.config_dict(config) and summary.get("seeds") == self.seeds
           and summary.get("hparams") == ex.hparams_dict(hparams)
-          and summary.get("epochs", 1) == epochs):
+          and summary.get("critic") == critic_json and summary.get("epochs", 1) == epochs):
         _LOG.info("%s: finished earlier, loaded %s", run_name, done)
         self._memo[key] = summary
         self.summaries[run_name] = summary
@@ -225,12 +231,13 @@ class Runner:
           run_name, b.stream, train_idx, test_idx, config, hparams, self.seeds, epochs=epochs,
           eval_every=eval_every, checkpoint_every=o.checkpoint_every if ckpt else None,
           checkpointer=ckpt, resume=o.resume, stop_after_chunks=o.stop_after_chunks,
-          progress=o.progress)
+          critic=critic, progress=o.progress)
     finally:
       if ckpt is not None:
         ckpt.close()
     summary = ex.summarize(result, b.stream, b.categories)
     summary["method"] = method
+    summary["critic"] = critic_json
     summary["run"] = run_name
     summary["epochs"] = epochs
     if multistore:
@@ -687,7 +694,7 @@ def suite_noise(r: Runner) -> str:
     row = [f"{p:g}"]
     drow, mrow = [f"{p:g}"], []
     for j, rc in enumerate(levels):
-      s = r.run("ear", hparam_overrides={"critic_precision": p, "critic_recall": rc},
+      s = r.run("ear", critic_overrides={"precision": p, "recall": rc},
                 eval_every=ev if p == rc else None)
       grid[i, j] = _m(s, "recall_adapter")["mean"]
       row.append(_fmt(_m(s, "recall_adapter")))

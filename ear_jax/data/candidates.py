@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import time
 from typing import Any
 
@@ -24,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ear_jax.core import retrieval
 from ear_jax.core import stream as stream_lib
 from ear_jax.data import corpora
 from ear_jax.data import corpus as corpus_lib
@@ -81,14 +81,6 @@ class Benchmark:
         num_gold_store=self.num_gold_store[index])
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
-def _score_top_k(queries, bank, valid, *, k):
-  """`[Q, d]` x `[Mp, d]` -> top-k (scores `[Q, k]`, indices `[Q, k]`); invalid memories are -inf."""
-  scores = queries @ bank.T
-  scores = jnp.where(valid[None, :], scores, -jnp.inf)
-  return jax.lax.top_k(scores, k)
-
-
 def top_k_candidates(queries: np.ndarray, bank: np.ndarray, k: int, valid: np.ndarray | None = None,
                      batch_size: int = _QUERY_BATCH) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Top-`k` memories of one bank by cosine for each query (ties: lower index first).
@@ -119,7 +111,8 @@ def top_k_candidates(queries: np.ndarray, bank: np.ndarray, k: int, valid: np.nd
     qb = np.zeros((batch_size, queries.shape[1]), np.float32)
     n = min(batch_size, nq - s)
     qb[:n] = queries[s:s + n]
-    v, i = _score_top_k(jnp.asarray(qb), jnp.asarray(bank_p), jnp.asarray(valid_p), k=k)
+    i, v, _ = retrieval.top_k_search_jit(jnp.asarray(qb), jnp.asarray(bank_p), jnp.asarray(valid_p),
+                                         k=k)
     sc[s:s + n] = np.asarray(v)[:n]
     idx[s:s + n] = np.asarray(i)[:n]
   mask = np.isfinite(sc)
