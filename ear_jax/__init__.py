@@ -25,11 +25,12 @@ from ear_jax.core.explorer import (BanditStats, ExplorerOutput, explore, greedy_
                               redundancy, ucb_scores, update_bandit)
 from ear_jax.core.inference import (EvalResult, adapter_only_slate, evaluate, evaluate_jit,
                                explorer_slate)
-from ear_jax.core.learner import (LearnerState, QueryRecord, apply_gradients, collect_feedback, episode_keys,
-                             feedback_loss, init_learner, make_optimizer, query_loss,
-                             run_episode, run_episode_jit, train_batch, train_batch_jit,
-                             train_batch_on_feedback, train_batch_on_feedback_jit, train_stream,
-                             train_stream_jit, validate_stream)
+from ear_jax.core.learner import (LearnerState, QueryRecord, apply_gradients, collect_feedback,
+                                  feedback_loss, init_learner, make_optimizer, query_loss,
+                                  train_batch, train_batch_jit, train_batch_on_feedback,
+                                  train_batch_on_feedback_jit)
+from ear_jax.core.episode import (episode_keys, run_episode, run_episode_jit, train_stream,
+                                  train_stream_jit, validate_stream)
 from ear_jax.agent.llm_critic import (CriticResult, LLMCritic, LLMCriticConfig, build_messages,
                                 labels_from_citations, parse_citations)
 from ear_jax.core.losses import (aggregate_feedback, combined_loss, gumbel_top_s, ranking_loss,

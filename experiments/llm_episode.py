@@ -1,10 +1,11 @@
 """One EAR training episode with a real LLM critic instead of the simulated one.
 
 The benchmark's queries are split 80/20 (Section 4.4, `--seed`); the training stream is processed
-once, in order, with `ear_jax.agent.memory.run_critic_episode` (host-side loop: T Explorer rounds per query
-whose labels come from the LLM's citations, the learner step jitted). At the end the adapter-only
-Recall@5 / Hitrate@5 on the test split is reported beside the frozen retriever's, with the critic's
-call statistics (unparseable replies, HTTP errors and timeouts apply no update and are counted).
+once, in order, with `ear_jax.agent.episode.run_critic_episode` (host-side loop: T Explorer rounds per
+query whose labels come from the LLM's citations through the critic protocol `critic(key, view)`, then
+the one jitted learner step). At the end the adapter-only Recall@5 / Hitrate@5 on the test split is
+reported beside the frozen retriever's, with the critic's call statistics (unparseable replies, HTTP
+errors and timeouts apply no update and are counted).
 
   python -m experiments.llm_episode --benchmark=locomo --limit=1 \\
       --base_url=http://localhost:8000/v1 --model=Qwen/Qwen2.5-7B-Instruct --max_train_queries=40
@@ -25,7 +26,7 @@ from ear_jax.data import candidates
 from ear_jax.data import corpora as datasets
 from ear_jax.core import inference
 from ear_jax.core import learner as learner_lib
-from ear_jax.agent import memory as memory_lib
+from ear_jax.agent import episode as episode_lib
 from ear_jax.core.config import EARConfig, default_hparams
 from ear_jax.agent.llm_critic import LLMCritic, LLMCriticConfig
 from experiments import data_flags
@@ -81,7 +82,7 @@ def main(argv):
       logging.info("trained on %d/%d queries; critic %s", done, total, critic.stats)
 
   t_train = time.perf_counter()
-  state, stats = memory_lib.run_critic_episode(
+  state, stats = episode_lib.run_critic_episode(
       k_episode, train.stream, train.query_texts, train.candidate_texts, critic, config, hparams,
       progress=progress)
   t_train = time.perf_counter() - t_train

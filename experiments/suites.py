@@ -93,7 +93,7 @@ class Options:
   cache_dir: Optional[str] = None
   limit: Optional[int] = None
   k: int = 20
-  seeds: int = 3
+  seeds: int = 10
   workdir: str = "runs/default"
   suite: Optional[str] = None
   method: str = "ear"
@@ -451,10 +451,11 @@ def suite_main(r: Runner) -> str:
           r, "main", (names[m], s, mode), base,
           paper={"recall": paper[0] - pbase[0], "hitrate": paper[1] - pbase[1]} if paper else None)
       dcells = [_fd(deltas[names[m]]["recall"]), _fd(deltas[names[m]]["hitrate"])]
+    # The Δ columns come last so the earlier columns keep their positions.
     rows.append([names[m], f"{mode}", _p(paper[0]) if paper else "–",
-                 _fmt(_m(s, f"recall_{mode}")), dcells[0], _p(paper[1]) if paper else "–",
-                 _fmt(_m(s, f"hitrate_{mode}")), dcells[1], _fmt(_m(s, f"recall_{other}")),
-                 _fmt(_m(s, f"hitrate_{other}"))])
+                 _fmt(_m(s, f"recall_{mode}")), _p(paper[1]) if paper else "–",
+                 _fmt(_m(s, f"hitrate_{mode}")), _fmt(_m(s, f"recall_{other}")),
+                 _fmt(_m(s, f"hitrate_{other}")), dcells[0], dcells[1]])
   # The paper's headline ordering also puts EAR above the RL-update reranker.
   prl = PAPER["main"].get(pk, {}).get("rl_update") if pk else None
   pear = PAPER["main"].get(pk, {}).get("ear") if pk else None
@@ -465,9 +466,9 @@ def suite_main(r: Runner) -> str:
   ceil = runs["retriever"]["ceiling"]
   md = [f"### Table 2 (retrieval columns) — {r.opts.benchmark}",
         "",
-        _md_table(["Method", "test mode", "paper R@5", "R@5", "Δ R@5 vs retriever [95% CI]",
-                   "paper Hit@5", "Hit@5", "Δ Hit@5 vs retriever [95% CI]", "R@5 (other mode)",
-                   "Hit@5 (other mode)"], rows),
+        _md_table(["Method", "test mode", "paper R@5", "R@5", "paper Hit@5", "Hit@5",
+                   "R@5 (other mode)", "Hit@5 (other mode)", "Δ R@5 vs retriever [95% CI]",
+                   "Δ Hit@5 vs retriever [95% CI]"], rows),
         "",
         DELTA_NOTE + " Baseline: Only Retriever (the frozen retriever's top-5).",
         "",

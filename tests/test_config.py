@@ -6,6 +6,7 @@ import pytest
 
 from ear_jax.core import buffer
 
+from ear_jax.core import episode
 from ear_jax.core import learner
 from ear_jax.core.config import EARConfig, default_hparams, stack_hparams
 from ear_jax.core.stream import make_stream
@@ -49,7 +50,7 @@ def test_mismatched_stream_shapes_raise_before_tracing():
   cfg = EARConfig(dim=4, num_candidates=3, slate_size=2)
   s = make_stream(np.ones((2, 5)), np.ones((2, 3, 5)))
   with pytest.raises(ValueError, match=r"stream.queries has shape \(2, 5\), expected \(2, 4\)"):
-    learner.run_episode_jit(jax.random.PRNGKey(0), s, cfg, default_hparams())
+    episode.run_episode_jit(jax.random.PRNGKey(0), s, cfg, default_hparams())
 
 
 def test_make_stream_names_the_bad_field():

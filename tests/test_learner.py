@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ear_jax.core import inference, learner
+from ear_jax.core import episode, inference, learner
 from ear_jax.core.config import EARConfig, default_hparams, stack_hparams
 from ear_jax.core.stream import make_stream
 from tests.core_utils import learnable_stream
@@ -20,20 +20,20 @@ TRAIN = learnable_stream(0, 42)  # not a multiple of the batch size: the last ba
 def test_jit_does_not_retrace_on_a_second_call():
   traces = []
 
-  def episode(key, stream):
+  def ep(key, stream):
     traces.append(1)
-    return learner.run_episode(key, stream, CFG, HP)
+    return episode.run_episode(key, stream, CFG, HP)
 
-  f = jax.jit(episode)
+  f = jax.jit(ep)
   jax.block_until_ready(f(jax.random.PRNGKey(0), TRAIN))
   jax.block_until_ready(f(jax.random.PRNGKey(1), TRAIN))
   assert len(traces) == 1
 
 
 def test_same_key_identical_different_keys_differ():
-  a = learner.run_episode_jit(jax.random.PRNGKey(0), TRAIN, CFG, HP)
-  b = learner.run_episode_jit(jax.random.PRNGKey(0), TRAIN, CFG, HP)
-  c = learner.run_episode_jit(jax.random.PRNGKey(1), TRAIN, CFG, HP)
+  a = episode.run_episode_jit(jax.random.PRNGKey(0), TRAIN, CFG, HP)
+  b = episode.run_episode_jit(jax.random.PRNGKey(0), TRAIN, CFG, HP)
+  c = episode.run_episode_jit(jax.random.PRNGKey(1), TRAIN, CFG, HP)
   for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
     np.testing.assert_array_equal(x, y)
   assert not np.array_equal(a[1].labels, c[1].labels)
@@ -41,7 +41,7 @@ def test_same_key_identical_different_keys_differ():
 
 
 def test_records_and_counters():
-  state, rec = learner.run_episode_jit(jax.random.PRNGKey(0), TRAIN, CFG, HP)
+  state, rec = episode.run_episode_jit(jax.random.PRNGKey(0), TRAIN, CFG, HP)
   assert rec.slates.shape == (42, 3, 2) and rec.loss.shape == (42,)
   assert int(state.queries_seen) == 42 and int(state.critic_calls) == 42 * 3
   assert int(state.step) == 11 and int(state.buffer.num_pushed) == 42
@@ -51,11 +51,11 @@ def test_records_and_counters():
 
 def test_vmap_over_three_seeds_equals_a_loop():
   keys = jax.random.split(jax.random.PRNGKey(7), 3)
-  f = jax.jit(jax.vmap(learner.run_episode, in_axes=(0, None, None, None)),
+  f = jax.jit(jax.vmap(episode.run_episode, in_axes=(0, None, None, None)),
               static_argnums=(2,))
   vs, vr = f(keys, TRAIN, CFG, HP)
   for i in range(3):
-    s, r = learner.run_episode_jit(keys[i], TRAIN, CFG, HP)
+    s, r = episode.run_episode_jit(keys[i], TRAIN, CFG, HP)
     np.testing.assert_array_equal(vr.slates[i], r.slates)
     np.testing.assert_array_equal(vr.labels[i], r.labels)
     np.testing.assert_allclose(vs.params.w_q[i], s.params.w_q, atol=1e-5)
@@ -64,20 +64,20 @@ def test_vmap_over_three_seeds_equals_a_loop():
 
 def test_vmap_over_hyperparameters_equals_a_loop():
   hps = [default_hparams(learning_rate=lr, alpha=a) for lr, a in ((1e-3, 0.5), (1e-2, 1.0))]
-  f = jax.jit(jax.vmap(learner.run_episode, in_axes=(None, None, None, 0)), static_argnums=(2,))
+  f = jax.jit(jax.vmap(episode.run_episode, in_axes=(None, None, None, 0)), static_argnums=(2,))
   vs, vr = f(jax.random.PRNGKey(3), TRAIN, CFG, stack_hparams(hps))
   for i, hp in enumerate(hps):
-    s, r = learner.run_episode_jit(jax.random.PRNGKey(3), TRAIN, CFG, hp)
+    s, r = episode.run_episode_jit(jax.random.PRNGKey(3), TRAIN, CFG, hp)
     np.testing.assert_array_equal(vr.slates[i], r.slates)
     np.testing.assert_allclose(vs.params.w_q[i], s.params.w_q, atol=1e-5)
 
 
 def test_chunked_training_equals_one_scan():
-  k_init, keys = learner.episode_keys(jax.random.PRNGKey(5), 42)
-  full, _ = learner.train_stream_jit(learner.init_learner(k_init, CFG), keys, TRAIN, CFG, HP)
+  k_init, keys = episode.episode_keys(jax.random.PRNGKey(5), 42)
+  full, _ = episode.train_stream_jit(learner.init_learner(k_init, CFG), keys, TRAIN, CFG, HP)
   state = learner.init_learner(k_init, CFG)
   for start, stop in ((0, 16), (16, 32), (32, 42)):
-    state, _ = learner.train_stream_jit(state, keys[start:stop], TRAIN.take(slice(start, stop)),
+    state, _ = episode.train_stream_jit(state, keys[start:stop], TRAIN.take(slice(start, stop)),
                                         CFG, HP)
   for x, y in zip(jax.tree_util.tree_leaves(full), jax.tree_util.tree_leaves(state)):
     np.testing.assert_array_equal(x, y)
@@ -89,7 +89,7 @@ def test_zero_vectors_and_masked_candidates_give_finite_losses_and_params(method
                              replay_size=2, buffer_capacity=8, batch_size=2)
   mask = np.array([[True] * 4, [False] * 4, [True, False, False, False], [True] * 4])
   stream = make_stream(np.zeros((4, 4)), np.zeros((4, 4, 4)), mask, np.zeros((4, 4), bool))
-  state, rec = learner.run_episode_jit(jax.random.PRNGKey(0), stream, cfg, HP)
+  state, rec = episode.run_episode_jit(jax.random.PRNGKey(0), stream, cfg, HP)
   assert np.all(np.isfinite(rec.loss))
   assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves(state.params))
   assert not bool(rec.slate_mask[1].any())  # the all-masked query gets an empty slate
@@ -97,7 +97,7 @@ def test_zero_vectors_and_masked_candidates_give_finite_losses_and_params(method
 
 def test_untrained_method_leaves_the_state_unchanged():
   cfg = EARConfig.for_method("retriever", dim=16, num_candidates=8, slate_size=2)
-  state, rec = learner.run_episode_jit(jax.random.PRNGKey(0), TRAIN, cfg, HP)
+  state, rec = episode.run_episode_jit(jax.random.PRNGKey(0), TRAIN, cfg, HP)
   assert rec is None and float(jnp.abs(state.params.w_q).sum()) == 0.0
 
 
@@ -106,7 +106,7 @@ def test_ear_learns_a_learnable_stream():
   cfg = dataclasses.replace(CFG, buffer_capacity=512)
   hp = default_hparams(learning_rate=1e-2)
   untrained = learner.init_learner(jax.random.PRNGKey(0), cfg)
-  state, _ = learner.run_episode_jit(jax.random.PRNGKey(0), train, cfg, hp)
+  state, _ = episode.run_episode_jit(jax.random.PRNGKey(0), train, cfg, hp)
   before = inference.evaluate_jit(jax.random.PRNGKey(9), untrained.params, test, cfg, hp)
   after = inference.evaluate_jit(jax.random.PRNGKey(9), state.params, test, cfg, hp)
   assert float(before.recall_adapter) < 0.1  # frozen cosine prefers the distractors
@@ -114,13 +114,17 @@ def test_ear_learns_a_learnable_stream():
   assert float(after.hitrate_adapter) > float(before.hitrate_adapter) + 0.3
 
 
-def test_low_rank_adapter_episode_runs_and_learns():
+def test_low_rank_adapter_episode_learns_a_learnable_stream():
   cfg = EARConfig.for_method("ear", dim=16, num_candidates=8, slate_size=2, num_rounds=3,
                              replay_size=2, buffer_capacity=512, batch_size=4, adapter_rank=8)
-  state, rec = learner.run_episode_jit(jax.random.PRNGKey(0), learnable_stream(1, 200), cfg,
-                                       default_hparams(learning_rate=1e-2))
-  assert state.params.w_q is None and float(jnp.abs(state.params.a_q).sum()) > 0
-  assert np.all(np.isfinite(rec.loss))
+  hp = default_hparams(learning_rate=1e-2)
+  test = learnable_stream(2, 200)
+  untrained = learner.init_learner(jax.random.PRNGKey(0), cfg)
+  state, rec = episode.run_episode_jit(jax.random.PRNGKey(0), learnable_stream(1, 400), cfg, hp)
+  assert state.params.w_q is None and np.all(np.isfinite(rec.loss))
+  before = inference.evaluate_jit(jax.random.PRNGKey(9), untrained.params, test, cfg, hp)
+  after = inference.evaluate_jit(jax.random.PRNGKey(9), state.params, test, cfg, hp)
+  assert float(after.recall_adapter) > float(before.recall_adapter) + 0.2
 
 
 def test_train_batch_on_feedback_equals_train_batch_with_the_same_labels():
@@ -137,12 +141,12 @@ def test_train_batch_on_feedback_equals_train_batch_with_the_same_labels():
 
 
 def test_masked_queries_are_padding_and_an_all_padding_batch_is_a_no_op():
-  k_init, keys = learner.episode_keys(jax.random.PRNGKey(5), 16)
+  k_init, keys = episode.episode_keys(jax.random.PRNGKey(5), 16)
   stream = TRAIN.take(slice(0, 16))
   where = jnp.arange(16) < 8  # batches 3 and 4 hold no real query
   init = learner.init_learner(k_init, CFG)
-  masked, rec = learner.train_stream_jit(init, keys, stream, CFG, HP, where=where)
-  head, _ = learner.train_stream_jit(init, keys[:8], stream.take(slice(0, 8)), CFG, HP)
+  masked, rec = episode.train_stream_jit(init, keys, stream, CFG, HP, where=where)
+  head, _ = episode.train_stream_jit(init, keys[:8], stream.take(slice(0, 8)), CFG, HP)
   for x, y in zip(jax.tree_util.tree_leaves(masked), jax.tree_util.tree_leaves(head)):
     np.testing.assert_array_equal(x, y)
   assert int(masked.step) == 2 and int(masked.buffer.num_pushed) == 8

@@ -65,10 +65,11 @@ def check_cell(cell, per_seed):
 def test_retriever_method_table_matches_an_independent_frozen_top5(tmp_path):
   res = suites.run(suites.Options(**dict(TINY, workdir=str(tmp_path / "wd"), suite=None,
                                          method="retriever", checkpoint_every=None)))
-  run = res["runs"]["retriever"]
+  (name, run), = res["runs"].items()
+  assert run["method"] == "retriever"
   on_disk = json.loads((tmp_path / "wd" / "results.json").read_text())
-  assert on_disk["runs"]["retriever"]["metrics"] == run["metrics"]
-  test_index = np.load(tmp_path / "wd" / "runs" / "retriever" / "test_eval.npz")["test_index"]
+  assert on_disk["runs"][name]["metrics"] == run["metrics"]
+  test_index = np.load(tmp_path / "wd" / "runs" / name / "test_eval.npz")["test_index"]
   assert test_index.shape == (2, run["num_test"])
   bench = suites.Runner(suites.Options(**dict(TINY, workdir=str(tmp_path / "b")))).bench()
   recall, hit = frozen_top5_metrics(bench.stream, test_index)

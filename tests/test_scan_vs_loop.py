@@ -14,13 +14,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from core_utils import learnable_stream  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import ear_jax as ej
+from ear_jax.core import episode
 from ear_jax.core import learner
 from ear_jax.core import stream as stream_lib
 
 
 def _loop(key, stream, config, hparams):
   n, b = stream.queries.shape[0], config.batch_size
-  k_init, keys = learner.episode_keys(key, n)
+  k_init, keys = episode.episode_keys(key, n)
   state = learner.init_learner(k_init, config)
   records = []
   for start in range(0, n, b):
@@ -38,7 +39,7 @@ def _check(config, n=30, seed=0):
                                                 k=config.num_candidates, num_valid=6))
   hparams = ej.default_hparams()
   key = jax.random.PRNGKey(seed)
-  scan_state, scan_rec = learner.run_episode_jit(key, stream, config, hparams)
+  scan_state, scan_rec = episode.run_episode_jit(key, stream, config, hparams)
   loop_state, loop_rec = _loop(key, stream, config, hparams)
   np.testing.assert_array_equal(scan_rec.slates, loop_rec.slates)
   np.testing.assert_array_equal(scan_rec.labels, loop_rec.labels)

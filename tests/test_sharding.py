@@ -1,10 +1,23 @@
-"""`ear_jax.experiment.sharding`: the run axis of a sweep split over 4 forced CPU devices equals one device."""
+"""`ear_jax.experiment.sharding`: the run axis of a sweep split over the devices equals one `vmap`.
+
+Fast: in process, on the default device(s). Slow: a fresh interpreter with 4 forced CPU devices (the
+device count is fixed when JAX starts; only the child's environment is changed).
+"""
 import json
 import os
 import pathlib
 import subprocess
 import sys
 import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+import ear_jax as ej
+from ear_jax.core import stream as stream_lib
+from ear_jax.experiment import sharding
+from tests.core_utils import learnable_stream
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -66,6 +79,29 @@ def _run_forced_devices():
   return json.loads(line[len("RESULT"):])
 
 
+def test_sharded_seeds_equal_unsharded_on_the_default_devices():
+  stream = stream_lib.to_device(learnable_stream(0, 8, d=8, k=6))
+  config = ej.EARConfig(dim=8, num_candidates=6, slate_size=2, num_rounds=2, replay_size=2,
+                        buffer_capacity=8, batch_size=2)
+  keys = np.asarray(jax.vmap(jax.random.PRNGKey)(np.arange(3)))
+  hp = ej.default_hparams()
+  a = sharding.gather_to_host(sharding.sharded_episodes(keys, stream, config, hp))
+  b = sharding.gather_to_host(sharding.unsharded_episodes(keys, stream, config, hp))
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    assert x.shape == y.shape and x.shape[0] == 3
+    if x.dtype.kind == "f":
+      np.testing.assert_allclose(x, y, atol=1e-5)
+    else:
+      np.testing.assert_array_equal(x, y)
+  assert np.all(a[0].queries_seen == 8)
+  assert np.any(a[0].params.w_q[0] != a[0].params.w_q[1])  # the seeds are really different runs
+  with pytest.raises(ValueError, match=r"\[R, 2\]"):
+    sharding.sharded_episodes(keys[0], stream, config, hp)
+
+
+@pytest.mark.slow
 def test_sharded_sweep_equals_unsharded_on_four_cpu_devices():
   out = _run_forced_devices()
   assert out["num_devices"] == 4

@@ -19,8 +19,8 @@ Research code restores a trained adapter with `restore_adapter(workdir)`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import pathlib
 from typing import Optional, Sequence
 
@@ -30,18 +30,10 @@ import numpy as np
 
 from ear_jax.core import learner
 from ear_jax.core.config import EARConfig, HParams
+from ear_jax.io.checkpoints import CheckpointError, CheckpointStore, check_compatible
 
 FORMAT = "ear_jax.run_checkpoint/2"
-_META_FILE = "ear_run.json"  # written next to the step directories once a run is bound
-
-
-class CheckpointError(RuntimeError):
-  """A checkpoint that cannot be read: corrupted, truncated or not written by ear_jax."""
-
-
-def _ocp():
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  return ocp
+_UNTOUCHED = "The existing checkpoints were left untouched"
 
 
 def _leaf_specs(tree) -> list:
@@ -64,17 +56,30 @@ def _abstract(tree):
       lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
+def _flat_ident(ident: dict) -> dict:
+  """The identity as one flat dict ('config.replay_size', 'seeds', ...), for `check_compatible`."""
+  out = {}
+  for key in ("config", "hparams", "seeds", "num_train", "segment"):
+    value = ident.get(key)
+    if key in ("config", "hparams") and isinstance(value, dict):
+      out.update({f"{key}.{k}": v for k, v in value.items()})
+    else:
+      out[key] = value
+  return out
+
+
 class RunCheckpointer:
   """Checkpoints of one run (one method on S seeds) in `directory`, keeping the last `max_to_keep`.
 
   Usage: `bind(...)` with the run's identity and an example state, then `save(position, state,
-  extra)` / `latest_position()` / `restore()`.
+  extra)` / `latest_position()` / `restore()`. The files are written by an
+  `ear_jax.io.checkpoints.CheckpointStore` (atomic, verified, locked against concurrent writers).
   """
 
   def __init__(self, directory, *, max_to_keep: int = 3):
     self.directory = pathlib.Path(directory).absolute()
     self.max_to_keep = max_to_keep
-    self._manager = None
+    self._store = CheckpointStore(self.directory, max_to_keep=max_to_keep)
     self._ident = None
     self._target = None
 
@@ -89,88 +94,74 @@ class RunCheckpointer:
                    "num_train": int(num_train), "segment": int(segment),
                    "leaves": _leaf_specs(self._target)}
 
-  def _mgr(self):
-    if self._manager is None:
-      ocp = _ocp()
-      self._manager = ocp.CheckpointManager(
-          self.directory,
-          options=ocp.CheckpointManagerOptions(max_to_keep=self.max_to_keep, create=True,
-                                               enable_async_checkpointing=False),
-          item_names=("state", "meta"))
-    return self._manager
-
   def existing_steps(self) -> list:
-    """Step directories present on disk (without opening them)."""
-    if not self.directory.is_dir():
-      return []
-    return sorted(int(p.name) for p in self.directory.iterdir()
-                  if p.is_dir() and p.name.isdigit())
+    """Complete step directories present on disk (without opening them)."""
+    return self._store.steps()
 
   def latest_position(self) -> Optional[int]:
-    steps = self.existing_steps()
-    return steps[-1] if steps else None
+    return self._store.latest_step()
 
   # -- save / restore -------------------------------------------------------------------------
+  def _keys(self):
+    return jnp.stack([jax.random.PRNGKey(s) for s in self._ident["seeds"]]).astype(jnp.uint32)
+
   def save(self, position: int, state, extra: Optional[dict] = None) -> None:
-    """Saves `(state, position)` (and JSON `extra`) as step `position`; waits until written."""
+    """Saves `(state, position)` (and JSON `extra`) as step `position`; waits until verified.
+
+    Raises:
+      ValueError: the directory already holds a step >= `position` (another run's checkpoints:
+        nothing is overwritten).
+      CheckpointError: the write failed or another process is writing the directory.
+    """
     if self._ident is None:
       raise RuntimeError("call bind() before save()")
-    ocp = _ocp()
-    keys = jnp.stack([jax.random.PRNGKey(s) for s in self._ident["seeds"]]).astype(jnp.uint32)
     meta = dict(self._ident, position=int(position), extra=extra or {})
-    self._mgr().save(int(position), args=ocp.args.Composite(
-        state=ocp.args.StandardSave({"state": state, "keys": keys}),
-        meta=ocp.args.JsonSave(meta)), force=True)
-    self._mgr().wait_until_finished()
+    latest = self._store.latest_step()
+    if latest is not None and int(position) <= latest:
+      raise ValueError(f"{self.directory} already holds checkpoint step {latest} >= {position}: "
+                       "pass --resume to continue that run, or choose another --workdir (nothing "
+                       "was overwritten)")
+    self._store.save(int(position), {"state": state, "keys": self._keys()}, meta)
 
   def read_meta(self, position: Optional[int] = None) -> dict:
     """The JSON metadata of a step (default: the latest). Raises CheckpointError if unreadable."""
     position = self.latest_position() if position is None else position
     if position is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    path = self.directory / str(position) / "meta"
-    try:
-      files = [p for p in path.iterdir() if p.is_file()] if path.is_dir() else []
+    step_dir = self.directory / str(position)
+    if step_dir.is_dir() and not (step_dir / "meta").exists():
       data = None
-      for p in files:
-        if p.suffix == ".json" or p.name == "metadata":
-          with open(p) as f:
-            cand = json.load(f)
-          if isinstance(cand, dict) and "format" in cand:
-            data = cand
-            break
-    except (OSError, ValueError) as e:
-      raise CheckpointError(
-          f"checkpoint {path.parent} is unreadable (corrupted?): {e}. The existing checkpoints "
-          f"were left untouched.") from e
+    else:
+      try:
+        data = self._store.read_meta(position)
+      except CheckpointError as e:
+        raise CheckpointError(f"checkpoint {step_dir} is unreadable (corrupted?): {e}. "
+                              f"{_UNTOUCHED}.") from e
     if data is None or data.get("format") != FORMAT:
       raise CheckpointError(
-          f"{path.parent} is not an ear_jax run checkpoint (no '{FORMAT}' metadata): it was "
-          "written by another program or is corrupted. The existing checkpoints were left "
-          "untouched; use another --workdir or remove it.")
+          f"{step_dir} is not an ear_jax run checkpoint (no '{FORMAT}' metadata): it was "
+          f"written by another program or is corrupted. {_UNTOUCHED}; use another --workdir or "
+          "remove it.")
     return data
 
   def check_compatible(self, meta: dict) -> None:
     """ValueError naming every field in which `meta` differs from this run."""
-    diffs = []
-    for key in ("config", "hparams", "seeds", "num_train", "segment"):
-      if meta.get(key) != self._ident[key]:
-        if key in ("config", "hparams"):
-          a, b = meta.get(key) or {}, self._ident[key]
-          fields = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-          diffs.append(f"{key} fields {', '.join(f'{k}: checkpoint={a.get(k)!r} vs run={b.get(k)!r}' for k in fields)}")
-        else:
-          diffs.append(f"{key}: checkpoint={meta.get(key)!r} vs run={self._ident[key]!r}")
-    if meta.get("leaves") != self._ident["leaves"] and not diffs:
-      diffs.append("array shapes differ")
-    if diffs:
+    try:
+      check_compatible(_flat_ident(meta), _flat_ident(self._ident),
+                       f"checkpoint in {self.directory} (stored) and this run (expected)")
+      if meta.get("leaves") != self._ident["leaves"]:
+        stored = {p: (s, d) for p, s, d in meta.get("leaves") or []}
+        check_compatible(stored, {p: (s, d) for p, s, d in self._ident["leaves"]},
+                         f"array shapes of the checkpoint in {self.directory} and this run")
+    except ValueError as e:
       raise ValueError(
-          f"checkpoint in {self.directory} was written by a different run and cannot be resumed "
-          f"here: " + "; ".join(diffs) + ". The existing checkpoints were left untouched; use "
-          "another --workdir, or the original settings.")
+          f"{e}. It was written by a different run and cannot be resumed here; {_UNTOUCHED[0].lower()}"
+          f"{_UNTOUCHED[1:]}: use another --workdir, or the original settings.") from None
 
   def restore(self, position: Optional[int] = None):
     """`(state, position, extra)` of a step (default: the latest), after checking compatibility.
+
+    The JSON identity is checked before any array is read; nothing is deleted on failure.
 
     Raises:
       ValueError: the checkpoint belongs to another config / shape / seed set.
@@ -181,26 +172,19 @@ class RunCheckpointer:
     position = self.latest_position() if position is None else position
     meta = self.read_meta(position)
     self.check_compatible(meta)
-    ocp = _ocp()
     try:
-      restored = self._mgr().restore(position, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(self._target)))
-      tree = restored["state"]
-    except Exception as e:  # pylint: disable=broad-except
+      tree, _ = self._store.restore(position, target=self._target)
+    except (CheckpointError, ValueError) as e:
       raise CheckpointError(
           f"checkpoint step {position} in {self.directory} could not be restored (corrupted or "
-          f"truncated): {type(e).__name__}: {str(e)[:300]}. The existing checkpoints were left "
-          "untouched; remove that step directory to fall back to an earlier one, or use another "
-          "--workdir.") from e
-    expected = jnp.stack([jax.random.PRNGKey(s) for s in self._ident["seeds"]])
-    if not np.array_equal(np.asarray(tree["keys"]), np.asarray(expected, np.uint32)):
+          f"truncated): {e}. {_UNTOUCHED}; remove that step directory to fall back to an earlier "
+          "one, or use another --workdir.") from e
+    if not np.array_equal(np.asarray(tree["keys"]), np.asarray(self._keys())):
       raise ValueError(f"checkpoint in {self.directory} holds keys of other seeds")
     return tree["state"], int(meta["position"]), meta.get("extra", {})
 
   def close(self):
-    if self._manager is not None:
-      self._manager.close()
-      self._manager = None
+    self._store.close()
 
 
 def find_run_dirs(workdir) -> list:
@@ -253,11 +237,9 @@ def restore_adapter(workdir, *, run: Optional[str] = None, config: Optional[EARC
   meta = ckpt.read_meta(position)
   stored = _config_from_json(meta["config"])
   if config is not None and config != stored:
-    a, b = stored.to_dict(), config.to_dict()
-    fields = sorted(k for k in a if a[k] != b[k])
-    raise ValueError(
-        f"checkpoint in {dirs[0]} has another config: "
-        + ", ".join(f"{k}: checkpoint={a[k]!r} vs requested={b[k]!r}" for k in fields))
+    check_compatible(stored.to_dict(), config.to_dict(),
+                     f"config of the checkpoint in {dirs[0]} (stored) and the requested one "
+                     "(expected)")
   seeds = meta["seeds"]
   target = jax.eval_shape(
       jax.vmap(lambda k: learner.init_learner(k, stored)),
@@ -268,8 +250,8 @@ def restore_adapter(workdir, *, run: Optional[str] = None, config: Optional[EARC
   if _leaf_specs(ckpt._target) != meta["leaves"]:  # pylint: disable=protected-access
     raise ValueError(f"checkpoint in {dirs[0]} has array shapes that do not match its config "
                      f"{stored}")
-  state, _, _ = ckpt.restore(meta["position"])
-  ckpt.close()
+  with contextlib.closing(ckpt):
+    state, _, _ = ckpt.restore(meta["position"])
   params = state.params
   if seed_index is not None:
     if not 0 <= seed_index < len(seeds):

@@ -185,7 +185,8 @@ def heatmap(path, rows: Sequence[float], cols: Sequence[float], values: np.ndarr
       text = f"{values[i, j]:.1f}"
       if marks is not None and marks[i][j]:
         text += f"\n{marks[i][j]}"
-      ax.text(j, i, text, ha="center", va="center", color="w", fontsize=8)
+      bright = im.norm(values[i, j]) > 0.6 if np.isfinite(values[i, j]) else False
+      ax.text(j, i, text, ha="center", va="center", color="k" if bright else "w", fontsize=8)
   fig.colorbar(im, ax=ax)
   if marks_note:
     fig.text(0.01, 0.01, marks_note, fontsize=7, ha="left", va="bottom")

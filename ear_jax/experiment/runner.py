@@ -9,10 +9,10 @@ the first 80 % are the online training stream, the rest the test set. All seeds 
 shapes, so their streams are stacked on a leading axis and every seed runs in ONE vmapped call.
 
 Training is cut into segments of `gcd(checkpoint_every, eval_every)` queries (a multiple of the batch
-size): `learner.train_stream` over consecutive segments equals one call over the whole stream, and an
+size): `episode.train_stream` over consecutive segments equals one call over the whole stream, and an
 interrupted run resumed from a checkpoint replays exactly the same segments, so its final state is
 bitwise identical to an uninterrupted run. Query `n` of seed `i` always uses key `keys[i, n]` of
-`learner.episode_keys`. The test set is evaluated (both inference modes) after every segment that
+`episode.episode_keys`. The test set is evaluated (both inference modes) after every segment that
 ends on a multiple of `eval_every`, which gives the learning curves of Figs. 3-5 without re-running
 episodes. Library code: no flags are read here.
 """
@@ -20,24 +20,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 import time
 from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 import numpy as np
 
 from ear_jax.core import adapter as adapter_lib
 from ear_jax.data import corpora as datasets
 from ear_jax.core import inference
+from ear_jax.core import episode
 from ear_jax.core import learner
 from ear_jax.core.config import EARConfig, HParams, METHODS, default_hparams
 from ear_jax.core import critic as critic_lib
 from ear_jax.core.stream import Stream
 
-_LOG = logging.getLogger(__name__)
 
 # Test-time mode of each method when a single number is quoted (Tables 2-3).
 METRIC_NAMES = ("recall_adapter", "hitrate_adapter", "recall_explorer", "hitrate_explorer")
@@ -98,7 +98,7 @@ def _init_states(keys, config):
 @functools.partial(jax.jit, static_argnames=("config",))
 def _train_segment(states, keys, streams, where, hparams, config, critic):
   """All seeds: `keys [S, L]`, `streams [S, L, ...]`, `where [L]` (L a multiple of the batch)."""
-  return jax.vmap(lambda st, k, s: learner.train_stream(st, k, s, config, hparams, critic,
+  return jax.vmap(lambda st, k, s: episode.train_stream(st, k, s, config, hparams, critic,
                                                        where=where))(states, keys, streams)
 
 
@@ -118,7 +118,7 @@ def _evaluate_seeds(keys, params, streams, hparams, config, critic):
 
 @functools.partial(jax.jit, static_argnames=("num",))
 def _episode_keys(keys, num):
-  return jax.vmap(lambda k: learner.episode_keys(k, num))(keys)
+  return jax.vmap(lambda k: episode.episode_keys(k, num))(keys)
 
 
 def _split_seed_keys(keys):
@@ -238,7 +238,7 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
       curve = extra.get("curve", [])
       logs = [{k: np.asarray(v) for k, v in extra.get("train_log", {}).items()}] if position else []
       resumed_from = position
-      _LOG.info("%s: resumed from position %d/%d", name, position, n)
+      logging.info("%s: resumed from position %d/%d", name, position, n)
   if config.trains:
     if eval_every and position == 0:
       ev = _evaluate_seeds(jax.vmap(jax.random.fold_in, (0, None))(eval_key, 0), states.params,

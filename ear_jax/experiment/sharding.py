@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ear_jax.core import episode
 from ear_jax.core import learner
 from ear_jax.core.config import EARConfig, HParams
 from ear_jax.core import critic as critic_lib
@@ -91,7 +92,7 @@ def sharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hparams
                      hparams_batched: bool = False):
   """`jax.vmap(run_episode)` over `R` runs, the run axis split over the devices of `mesh`.
 
-  Equals `jax.vmap(learner.run_episode, in_axes=(0, None, None, 0 or None))(...)` (the same
+  Equals `jax.vmap(episode.run_episode, in_axes=(0, None, None, 0 or None))(...)` (the same
   numbers up to float reassociation in batched matmuls), but each device runs `R / D` of the runs.
 
   Args:
@@ -134,7 +135,7 @@ def sharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hparams
 
 
 def _vmapped_episodes(keys, stream, config, hparams, critic, hparams_batched):
-  return jax.vmap(learner.run_episode, in_axes=(0, None, None, 0 if hparams_batched else None,
+  return jax.vmap(episode.run_episode, in_axes=(0, None, None, 0 if hparams_batched else None,
                                                 None))(keys, stream, config, hparams, critic)
 
 

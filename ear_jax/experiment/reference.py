@@ -1,5 +1,8 @@
 """An independent, straightforward NumPy implementation of one EAR / RL-update training step.
 
+An oracle for the tests (`tests/test_numpy_reference.py`: the jitted `learner.train_batch` equals
+it on identical draws) and the NumPy baseline of `experiments.bench` (the `numpy` row).
+
 Written from the paper's equations with plain loops and hand-derived gradients (no autodiff), so it
 shares no code with `ear_jax`. Random numbers are passed in (`Randoms`), so the JAX step and this one
 can be fed identical draws: `draw_randoms` reproduces the JAX step's key splitting.
@@ -8,7 +11,7 @@ Public:
   `numpy_train_batch(state, batch, randoms, config, hp)` -> (state, records): one optimizer step on a
     batch (losses averaged over the batch's queries, experiences pushed after the step).
   `numpy_train_stream(state, stream, config, hp, rng)` -> state: a whole stream, with NumPy draws
-    (used by `experiments.bench` for the `numpy` row).
+    (the `numpy` row of `experiments.bench`, via `ear_jax.experiment.benchmarking.run_numpy`).
   `init_numpy_state(config)`, `draw_randoms(key, config)`.
 """
 from __future__ import annotations
@@ -48,13 +51,16 @@ def draw_randoms(key, config) -> Randoms:
 
 
 def numpy_randoms(rng: np.random.Generator, config) -> Randoms:
-  r, s, k = config.rounds_per_query, config.slate_size, config.num_candidates
+  """Fresh NumPy draws for one query (same shapes as `draw_randoms`; not the JAX values)."""
+  r = config.num_rounds if config.to_dict()["train_slate"] == "explorer" else 1
+  s, k = config.slate_size, config.num_candidates
   return Randoms(critic_u=rng.random((r, s)), slate_gumbel=rng.gumbel(size=k),
                  select_u=rng.random(config.buffer_capacity),
                  replay_gumbel=rng.gumbel(size=(config.replay_size, k)))
 
 
 def init_numpy_state(config):
+  """Zero adapters, zero Adam moments and an empty ring buffer of `config.buffer_capacity`."""
   d, c, k = config.dim, config.buffer_capacity, config.num_candidates
   zeros = lambda: np.zeros((d, d))
   return dict(wq=zeros(), wm=zeros(), mq=zeros(), mm=zeros(), vq=zeros(), vm=zeros(), t=0,

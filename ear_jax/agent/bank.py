@@ -1,0 +1,387 @@
+"""The growable memory bank of `Memory`: ids, texts, stores and device-resident embeddings.
+
+Symbols: `n` memories in the bank, `C` capacity (a power of two >= n), `d` dimension, `K`
+candidates per query, `q` queries of one call.
+
+The embeddings live on the device as a `[C, d]` array with a `[C]` validity mask and a `[C]` store
+code (0 dialogue / episodic, 1 observation / semantic). `C` doubles when the bank is full, so the
+jitted candidate search compiles once per capacity (and per power-of-two query count), i.e. O(log n)
+times. The search is `ear_jax.core.retrieval.top_k_search`, the same as the benchmark pipeline's:
+
+* without `multistore` only dialogue memories (store 0) are candidates (as in the benchmark pipeline
+  and `docs/jsonl_format.md`);
+* with `multistore` the candidates are the top-K/2 of each store (Section 5).
+
+The bank is not thread-safe on its own: `Memory` serialises every call under its lock. Its arrays
+are never updated in place (every write makes new arrays), so a reference taken under the lock is a
+consistent snapshot.
+"""
+from __future__ import annotations
+
+import collections.abc
+import functools
+import os
+import threading
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ear_jax.core import retrieval as retrieval_lib
+from ear_jax.data import encoder_base
+
+STORES = {"dialogue": 0, "episodic": 0, "observation": 1, "semantic": 1}
+STORE_NAMES = ("dialogue", "observation")
+MIN_CAPACITY = 32
+
+
+class InputTypeError(TypeError, ValueError):
+  """An argument of the wrong type (a `TypeError`, and a `ValueError` like every input error)."""
+
+
+def pow2_at_least(n: int, minimum: int = 1) -> int:
+  """The smallest power of two `>= max(n, minimum, 1)`."""
+  n = max(n, minimum, 1)
+  return 1 << (n - 1).bit_length()
+
+
+# ------------------------------------------------------------------------------------------------
+# input validation (pure: no state is read or written)
+
+
+def check_text_list(texts, what: str) -> list[str]:
+  """One string, or a sequence of non-empty strings that UTF-8 can encode, as a list.
+
+  Raises:
+    InputTypeError: `texts` is not a string or a sequence (a dict, a set, bytes, a number...), or
+      one element is not a string.
+    ValueError: an empty sequence, an empty text, or a text with a lone surrogate (naming its index).
+  """
+  if isinstance(texts, str):
+    texts = [texts]
+  elif (not isinstance(texts, collections.abc.Sequence)
+        or isinstance(texts, (bytes, bytearray, memoryview))):
+    raise InputTypeError(f"{what} must be a string or a sequence (list, tuple) of strings, got "
+                         f"{type(texts).__name__}")
+  texts = list(texts)
+  if not texts:
+    raise ValueError(f"{what} is empty: pass at least one text")
+  for i, t in enumerate(texts):
+    if not isinstance(t, str):
+      raise InputTypeError(f"{what}[{i}] must be a string, got {type(t).__name__}")
+    if not t.strip():
+      raise ValueError(f"{what}[{i}] is an empty text")
+  try:
+    encoder_base.check_texts(texts)
+  except ValueError as e:
+    raise ValueError(f"{what}: {e}") from None
+  return texts
+
+
+def check_embeddings(emb, n: Optional[int], dim: int, what: str) -> np.ndarray:
+  """`[n, d]` finite, non-zero rows, returned L2-normalised as float32.
+
+  Raises:
+    ValueError: naming the shape or the offending rows.
+  """
+  try:
+    arr = np.asarray(emb, np.float32)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{what} must be a float array: {e}") from None
+  if arr.ndim != 2 or arr.shape[1] != dim or (n is not None and arr.shape[0] != n):
+    want = f"[{n if n is not None else 'n'}, {dim}]"
+    raise ValueError(f"{what} has shape {arr.shape}, expected {want} (wrong dimension: this "
+                     f"memory's encoder dimension is d={dim})")
+  bad = ~np.all(np.isfinite(arr), axis=1)
+  if bad.any():
+    raise ValueError(f"{what} contains non-finite values (NaN or Inf) in row(s) "
+                     f"{np.nonzero(bad)[0][:10].tolist()}")
+  norm = np.linalg.norm(arr, axis=1, keepdims=True)
+  if (norm[:, 0] <= 1e-12).any():
+    raise ValueError(f"{what} contains all-zero row(s) "
+                     f"{np.nonzero(norm[:, 0] <= 1e-12)[0][:10].tolist()}: an embedding must have "
+                     "a direction")
+  return (arr / norm).astype(np.float32)
+
+
+def store_codes(store, n: int) -> np.ndarray:
+  """`[n]` int8 store codes from one store (name or 0/1) or one per memory."""
+
+  def code(s):
+    if isinstance(s, (int, np.integer)) and not isinstance(s, bool) and int(s) in (0, 1):
+      return int(s)
+    if isinstance(s, str) and s in STORES:
+      return STORES[s]
+    raise ValueError(f"unknown store {s!r}; expected one of {sorted(STORES)} or 0/1")
+
+  if isinstance(store, (str, int, np.integer)):
+    return np.full(n, code(store), np.int8)
+  if not isinstance(store, collections.abc.Sequence):
+    raise InputTypeError(f"store must be a store name, 0/1, or a sequence of them, got "
+                         f"{type(store).__name__}")
+  if len(store) != n:
+    raise ValueError(f"store has {len(store)} entries for {n} texts")
+  return np.asarray([code(s) for s in store], np.int8)
+
+
+def check_id_list(ids, n: int) -> list[str]:
+  """`n` distinct, non-empty string ids (UTF-8 encodable)."""
+  if isinstance(ids, str):
+    ids = [ids]
+  elif not isinstance(ids, collections.abc.Sequence):
+    raise InputTypeError(f"ids must be a string or a sequence of strings, got {type(ids).__name__}")
+  ids = list(ids)
+  if len(ids) != n:
+    raise ValueError(f"ids has {len(ids)} entries for {n} texts")
+  for i in ids:
+    if not isinstance(i, str) or not i:
+      raise ValueError(f"memory ids must be non-empty strings, got {i!r}")
+  try:
+    encoder_base.check_texts(ids)
+  except ValueError as e:
+    raise ValueError(f"ids: {e}") from None
+  seen, dup = set(), set()
+  for i in ids:
+    (dup if i in seen else seen).add(i)
+  if dup:
+    raise ValueError(f"duplicate memory ids {sorted(dup)[:5]} in this call")
+  return ids
+
+
+# ------------------------------------------------------------------------------------------------
+# jitted kernels (compiled once per capacity C and query count)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "multistore"))
+def _search(queries, emb, valid, stores, *, k, multistore):
+  """Candidates of `[q, d]` queries: `(index [q, K], mask [q, K], embeddings [q, K, d])`."""
+  if multistore:
+    idx, _, mask = retrieval_lib.top_k_search(queries, emb, valid, k, stores)
+  else:  # dialogue memories only (store 0), as the benchmark pipeline
+    idx, _, mask = retrieval_lib.top_k_search(queries, emb, valid & (stores == 0), k)
+  cands = jnp.where(mask[..., None], emb[jnp.maximum(idx, 0)], 0.0)
+  return idx, mask, cands
+
+
+@jax.jit
+def _write(emb, valid, stores, rows, row_stores, row_valid, start):
+  """Writes `[m, d]` rows (those with `row_valid`) at rows `start..` of the `[C, d]` bank."""
+  cap = emb.shape[0]
+  at = jnp.where(row_valid, start + jnp.arange(rows.shape[0]), cap)  # C = dropped
+  return (emb.at[at].set(rows, mode="drop"), valid.at[at].set(True, mode="drop"),
+          stores.at[at].set(row_stores, mode="drop"))
+
+
+class Bank:
+  """Ids, texts and store codes on the host; `[C, d]` embeddings, mask and stores on the device.
+
+  Args:
+    dim: `d`.
+    initial_capacity: rounded up to a power of two (at least `MIN_CAPACITY`).
+  """
+
+  def __init__(self, dim: int, initial_capacity: int = MIN_CAPACITY):
+    self.dim = int(dim)
+    cap = pow2_at_least(initial_capacity, MIN_CAPACITY)
+    self.emb = jnp.zeros((cap, self.dim), jnp.float32)  # [C, d]
+    self.valid = jnp.zeros((cap,), bool)  # [C]
+    self.stores = jnp.zeros((cap,), jnp.int32)  # [C]
+    self.ids: list[str] = []
+    self.texts: list[str] = []
+    self.store_codes = np.zeros((0,), np.int8)  # [n], host copy of the stores
+    self.row_of: dict[str, int] = {}
+
+  def __len__(self):
+    return len(self.ids)
+
+  @property
+  def capacity(self) -> int:
+    return int(self.emb.shape[0])
+
+  def default_ids(self, n: int) -> list[str]:
+    """`"m<row>"` for the next `n` rows; ValueError if one is taken by an explicit id."""
+    ids = [f"m{len(self.ids) + i}" for i in range(n)]
+    clash = [i for i in ids if i in self.row_of]
+    if clash:
+      raise ValueError(f"default ids {clash[:5]} are already taken; pass ids= explicitly")
+    return ids
+
+  def check_new_ids(self, ids: list[str]) -> None:
+    taken = [i for i in ids if i in self.row_of]
+    if taken:
+      raise ValueError(f"memory ids {taken[:5]} are already in the bank")
+
+  def append(self, ids: list[str], texts: list[str], codes: np.ndarray, emb: np.ndarray) -> None:
+    """Appends validated memories (`check_new_ids` first); doubles `C` while it is too small."""
+    n, start = len(ids), len(self.ids)
+    if start + n > self.capacity:
+      cap = pow2_at_least(start + n, self.capacity)
+      grow = lambda a: jnp.concatenate([a, jnp.zeros((cap - a.shape[0],) + a.shape[1:], a.dtype)])
+      self.emb, self.valid, self.stores = grow(self.emb), grow(self.valid), grow(self.stores)
+    m = pow2_at_least(n)  # the write compiles once per power-of-two batch size
+    pad = lambda a: np.concatenate([a, np.zeros((m - n,) + a.shape[1:], a.dtype)])
+    self.emb, self.valid, self.stores = _write(
+        self.emb, self.valid, self.stores, pad(emb), pad(codes.astype(np.int32)),
+        np.arange(m) < n, np.int32(start))
+    for j, i in enumerate(ids):
+      self.row_of[i] = start + j
+    self.ids.extend(ids)
+    self.texts.extend(texts)
+    self.store_codes = np.concatenate([self.store_codes, codes.astype(np.int8)])
+
+  def available(self, num_candidates: int, multistore: bool) -> int:
+    """How many candidates a query can get: `min(n_dialogue, K)`, or per store `min(., K/2)`."""
+    counts = [int((self.store_codes == s).sum()) for s in (0, 1)]
+    if not multistore:
+      return min(counts[0], num_candidates)
+    return sum(min(c, num_candidates // 2) for c in counts)
+
+  def check_k(self, k: int, num_candidates: int, multistore: bool) -> None:
+    """ValueError when a query cannot get `k` candidates from this bank."""
+    avail = self.available(num_candidates, multistore)
+    if k <= avail:
+      return
+    if avail == 0:
+      raise ValueError(f"k={k} is larger than the memory bank: the bank is empty"
+                       + ("" if multistore or not len(self) else
+                          " of dialogue memories (observations are candidates only with multistore)"))
+    raise ValueError(f"k={k} is larger than the memory bank: only {avail} memories can be "
+                     f"retrieved ({len(self)} in the bank)")
+
+  def search(self, queries: np.ndarray, num_candidates: int, multistore: bool):
+    """Top-K candidates of `[q, d]` unit queries (see the module docstring).
+
+    Returns:
+      `(rows [q, K] int32 (-1 = padding), mask [q, K] bool, embeddings [q, K, d] float32)`, numpy,
+      best first.
+    """
+    q = queries.shape[0]
+    q_pad = pow2_at_least(q)
+    padded = np.zeros((q_pad, self.dim), np.float32)
+    padded[:q] = queries
+    idx, mask, cands = _search(padded, self.emb, self.valid, self.stores, k=num_candidates,
+                               multistore=multistore)
+    return np.asarray(idx)[:q], np.asarray(mask)[:q], np.asarray(cands)[:q]
+
+  def embeddings(self) -> np.ndarray:
+    """`[n, d]` the frozen (pre-adapter) unit embeddings (a host copy)."""
+    return np.array(self.emb[:len(self.ids)])
+
+  def describe(self, rows) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """`(ids, texts, store names)` of bank rows."""
+    rows = [int(r) for r in rows]
+    return (tuple(self.ids[r] for r in rows), tuple(self.texts[r] for r in rows),
+            tuple(STORE_NAMES[int(self.store_codes[r])] for r in rows))
+
+  # ----------------------------------------------------------------------------------------------
+  # snapshot / restore
+
+  def snapshot(self):
+    """`(arrays, meta)` of the bank (host copies; arrays omitted when the bank is empty)."""
+    n = len(self.ids)
+    arrays = {}
+    if n:
+      arrays = {"embeddings": np.array(self.emb[:n]), "stores": self.store_codes.copy()}
+    return arrays, {"ids": list(self.ids), "texts": list(self.texts)}
+
+  @classmethod
+  def restore(cls, dim: int, arrays, meta, where: str) -> "Bank":
+    """The bank of `snapshot`; ValueError naming `where` when the arrays do not match the ids."""
+    ids, texts = list(meta["ids"]), list(meta["texts"])
+    n = len(ids)
+    bank = cls(dim, max(n, MIN_CAPACITY))
+    if len(texts) != n:
+      raise ValueError(f"{where}: {n} memory ids but {len(texts)} texts")
+    if n:
+      emb = np.asarray(arrays["embeddings"], np.float32)
+      codes = np.asarray(arrays["stores"]).astype(np.int8)
+      if emb.shape != (n, dim) or codes.shape != (n,):
+        raise ValueError(f"{where}: bank embeddings {emb.shape} / stores {codes.shape} do not match "
+                         f"{n} memories of dimension {dim}")
+      bank.append(ids, texts, codes, emb)
+    return bank
+
+
+class EncoderSlot:
+  """The frozen encoder f_theta of a memory: an `Encoder`, or a spec loaded at first use.
+
+  A spec string is checked at once (`encoders.check_encoder_spec`: the data layer names a missing
+  path) and loaded lazily under a lock, then checked against the dimension and, when known, the
+  model identity the memory was built with. Encoding itself runs outside `Memory`'s state lock.
+
+  Args:
+    encoder: 'minilm', a checkpoint directory, a `.npy`/`.npz` file, an `Encoder`, or None.
+  """
+
+  def __init__(self, encoder: Any):
+    from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
+    self._lock = threading.Lock()
+    self.encoder, self.spec = None, None
+    if isinstance(encoder, encoders.Encoder):
+      self.encoder = encoder
+      src = getattr(encoder, "model_dir", None) or getattr(encoder, "path", None)
+      self.spec = "minilm" if encoder.name == "minilm" else (str(src) if src is not None else None)
+    elif isinstance(encoder, (str, os.PathLike)):
+      self.spec = str(encoders.check_encoder_spec(encoder))
+    elif encoder is not None:
+      raise InputTypeError(f"encoder must be a spec string, an Encoder or None, got "
+                           f"{type(encoder).__name__}")
+    self.identity = self.encoder.identity_hash if self.encoder is not None else None
+
+  @property
+  def dim(self) -> Optional[int]:
+    """The dimension when known without loading a model."""
+    if self.encoder is not None:
+      return self.encoder.dim
+    return 384 if self.spec == "minilm" else None
+
+  def get(self, dim: int):
+    """The encoder (loaded now if it was given as a spec), or None."""
+    with self._lock:
+      if self.encoder is None and self.spec is not None:
+        from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
+        enc = encoders.load_encoder(self.spec)
+        if enc.dim != dim:
+          raise ValueError(f"encoder {self.spec!r} has dimension {enc.dim}, but this memory uses "
+                           f"d={dim}")
+        if self.identity is not None and enc.identity_hash != self.identity:
+          raise ValueError(f"encoder {self.spec!r} is not the model this memory was built with "
+                           f"(identity {enc.identity_hash[:16]} != {self.identity[:16]}): its "
+                           "embeddings would not match the bank")
+        self.encoder, self.identity = enc, enc.identity_hash
+      return self.encoder
+
+  def embed(self, texts: list[str], dim: int, cache_dir, what: str) -> np.ndarray:
+    """`[n, d]` unit embeddings of checked texts (ValueError without an encoder)."""
+    enc = self.get(dim)
+    if enc is None:
+      raise ValueError(f"this memory has no encoder: pass {what} embeddings explicitly")
+    from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
+    emb = encoders.encode(enc, texts, cache_dir=cache_dir, use_cache=cache_dir is not None,
+                          progress=False)
+    return check_embeddings(emb, len(texts), dim, f"encoder output for {what}")
+
+  def meta(self, dim: int) -> dict:
+    return {"spec": self.spec, "identity_hash": self.identity, "dim": dim}
+
+  @classmethod
+  def for_checkpoint(cls, encoder: Any, saved: dict, where: str) -> "EncoderSlot":
+    """The slot of a loaded memory: 'saved' (the saved spec, checked lazily against the saved
+    identity), None, or an encoder / spec whose dimension and identity must match the saved ones."""
+    if isinstance(encoder, str) and encoder == "saved":
+      slot = cls(None)
+      slot.spec, slot.identity = saved["spec"], saved["identity_hash"]
+      return slot
+    if encoder is None:
+      return cls(None)
+    from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
+    enc = encoders.load_encoder(encoder)
+    if enc.dim != saved["dim"]:
+      raise ValueError(f"{where} was written with encoder dimension d={saved['dim']}, but encoder "
+                       f"{enc.name!r} has dimension {enc.dim}")
+    if saved["identity_hash"] and enc.identity_hash != saved["identity_hash"]:
+      raise ValueError(f"{where} was written with another encoder model (identity "
+                       f"{saved['identity_hash'][:16]}), not {enc.name!r} (identity "
+                       f"{enc.identity_hash[:16]})")
+    return cls(enc)

@@ -1,0 +1,126 @@
+"""The learner driver of `Memory`: closed sessions queue up; every `b` of them -> ONE learner step.
+
+Symbols: `b` batch size (`config.batch_size`), `T` Explorer rounds, `K` candidates, `d` dimension.
+
+The driver owns the `LearnerState`. `push` queues the `TrainItem`s of closed sessions (see
+`ear_jax.agent.sessions`); as soon as `b` are queued, ONE call of
+`ear_jax.core.learner.train_batch_on_feedback_jit` trains on them: slates, masks and labels
+`[b, T, K]` (every shown slate stored K wide, masked, so the shown size `k <= K` may vary), the
+current loss over each query's rounds (Eq. (10)), the replay loss (Eq. (15)-(16)), one optax step
+(Eq. (17)-(18)), then ONE experience per query pushed (Eq. (11)-(14)). This is the same step, with
+the same shapes, as the benchmark episodes' `train_batch` (which collects its slates with a jitted
+critic). `flush` trains what is queued in one padded, masked batch per `b` items.
+
+Keys: `k_init, k_train, k_critic = jax.random.split(jax.random.PRNGKey(seed), 3)`; `k_init`
+initialises the learner, batch number `j` (0, 1, ...) uses the replay keys
+`jax.random.split(jax.random.fold_in(k_train, j), b)` (one per query of the batch), and `k_critic`
+is `Memory`'s (critic calls). The same calls with the same seed give the same parameters.
+
+Not thread-safe on its own: `Memory` holds its lock around every call.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ear_jax.agent.sessions import TrainItem
+from ear_jax.core import learner as learner_lib
+from ear_jax.core.config import EARConfig, HParams
+from ear_jax.core.stream import Stream
+
+
+def seed_keys(seed: int):
+  """`(k_init, k_train, k_critic)` of a memory's seed (see the module docstring)."""
+  k_init, k_train, k_critic = jax.random.split(jax.random.PRNGKey(int(seed)), 3)
+  return k_init, k_train, k_critic
+
+
+class Driver:
+  """Queue of closed sessions and the learner state they train.
+
+  Args:
+    config: static config.
+    hparams: hyperparameters.
+    seed: the memory's seed (see `seed_keys`).
+  """
+
+  def __init__(self, config: EARConfig, hparams: HParams, seed: int):
+    self.config = config
+    self.hparams = hparams
+    k_init, self.train_key, _ = seed_keys(seed)
+    self.state: learner_lib.LearnerState = learner_lib.init_learner(k_init, config)
+    self.ready: list[TrainItem] = []
+    self.num_batches = 0
+
+  def push(self, items) -> int:
+    """Queues closed sessions and trains every full batch; returns the learner steps taken."""
+    self.ready.extend(items)
+    steps = 0
+    while len(self.ready) >= self.config.batch_size:
+      self._train(self.config.batch_size)
+      steps += 1
+    return steps
+
+  def flush(self) -> int:
+    """Trains everything queued (the last batch padded and masked); returns the steps taken."""
+    steps = self.push(())
+    if self.ready:
+      self._train(len(self.ready))
+      steps += 1
+    return steps
+
+  def _train(self, n: int) -> None:
+    items, self.ready = self.ready[:n], self.ready[n:]
+    b = self.config.batch_size
+    pad = [items[0]] * (b - n)  # padding rows (where = False): no loss, not pushed
+    stacked = TrainItem(*(np.stack(x) for x in zip(*(items + pad))))
+    batch = Stream(queries=stacked.query, candidates=stacked.candidates, mask=stacked.mask,
+                   gold=np.zeros(stacked.mask.shape, bool),
+                   num_gold=np.zeros((b,), np.int32))
+    keys = jax.random.split(jax.random.fold_in(self.train_key, self.num_batches), b)
+    self.state, _ = learner_lib.train_batch_on_feedback_jit(
+        self.state, keys, batch, stacked.slates, stacked.slate_mask, stacked.labels,
+        jnp.arange(b) < n, self.config, self.hparams)
+    self.num_batches += 1
+
+  # ----------------------------------------------------------------------------------------------
+  # snapshot / restore
+
+  def snapshot(self):
+    """`(arrays, meta)`: learner leaves, hyperparameters and queued items (host copies)."""
+    leaves = jax.tree_util.tree_leaves(self.state)
+    arrays = {"learner": {f"{i:04d}": np.asarray(x) for i, x in enumerate(leaves)},
+              "hparams": {f.name: np.asarray(getattr(self.hparams, f.name))
+                          for f in dataclasses.fields(self.hparams)}}
+    if self.ready:
+      arrays["ready"] = {f: np.stack([getattr(it, f) for it in self.ready])
+                         for f in TrainItem._fields}
+    return arrays, {"num_batches": self.num_batches, "num_ready": len(self.ready),
+                    "num_learner_leaves": len(leaves)}
+
+  @classmethod
+  def restore(cls, config: EARConfig, seed: int, arrays, meta, where: str) -> "Driver":
+    """The driver of `snapshot`; ValueError naming `where` when the learner does not fit `config`."""
+    hparams = HParams(**{k: jnp.asarray(v, jnp.float32) for k, v in arrays["hparams"].items()})
+    out = cls(config, hparams, seed)
+    template = jax.tree_util.tree_leaves(out.state)
+    stored = arrays["learner"]
+    if len(stored) != len(template) or meta["num_learner_leaves"] != len(template):
+      raise ValueError(f"{where}: the learner state has {len(stored)} arrays, expected "
+                       f"{len(template)} for this config")
+    leaves = []
+    for i, t in enumerate(template):
+      x = np.asarray(stored[f"{i:04d}"])
+      if x.shape != t.shape:
+        raise ValueError(f"{where}: learner array {i} has shape {x.shape}, expected {t.shape}")
+      leaves.append(jnp.asarray(x, t.dtype))
+    out.state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out.state), leaves)
+    if meta["num_ready"]:
+      r = arrays["ready"]
+      out.ready = [TrainItem(*(np.asarray(r[f][j]) for f in TrainItem._fields))
+                   for j in range(meta["num_ready"])]
+    out.num_batches = int(meta["num_batches"])
+    return out

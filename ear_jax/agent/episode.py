@@ -1,0 +1,184 @@
+"""Host-side critic loops: one agent step (`llm_feedback`) and a training episode (`run_critic_episode`).
+
+Symbols: `N` queries, `K` candidates, `s` slate size, `T` Explorer rounds, `b` batch size.
+
+`round_slates` / `update_bandits` play one round for a batch of queries (also `Memory`'s, through
+`ear_jax.agent.sessions`). Both loops use the library's critic protocol (`ear_jax.core.critic`):
+`critic(key, view) -> labels [s]` or None (an unusable reply: no update), with a `SlateView` that
+carries `query_text` and the memories' `texts` for host critics such as
+`ear_jax.agent.llm_critic.LLMCritic`; and the one learner step,
+`ear_jax.core.learner.train_batch_on_feedback_jit`.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import jax
+import numpy as np
+
+from ear_jax.core import critic as critic_lib
+from ear_jax.core import episode as episode_lib
+from ear_jax.core import explorer as explorer_lib
+from ear_jax.core import learner as learner_lib
+from ear_jax.core import policies
+from ear_jax.core import retrieval as retrieval_lib
+from ear_jax.core.config import EARConfig, HParams
+from ear_jax.core.stream import Stream
+
+if TYPE_CHECKING:
+  from ear_jax.agent.memory import Memory, Retrieval
+
+
+@functools.partial(jax.jit, static_argnames=("k", "explore"))
+def _round_slates(params, queries, candidates, mask, mean, counts, hparams, *, k, explore):
+  def one(q, c, where, mu, cnt):
+    stats = explorer_lib.BanditStats(mean=mu, counts=cnt) if explore else None
+    return retrieval_lib.slate_from_candidates(params, q, c, where, k, hparams, stats)
+
+  return jax.vmap(one)(queries, candidates, mask, mean, counts)
+
+
+_update_bandits = jax.jit(jax.vmap(explorer_lib.update_bandit))
+
+
+def round_slates(params, hparams, queries, candidates, mask, mean, counts, k: int, explore: bool):
+  """One round for `n` queries: adapter top-k, or an Explorer round with the given statistics.
+
+  Args:
+    params: adapter parameters.
+    hparams: hyperparameters (the Explorer's).
+    queries: `[n, d]`; candidates: `[n, K, d]`; mask: `[n, K]`; mean, counts: `[n, K]` bandit
+      statistics (only read with `explore`).
+    k: slate size (static).
+    explore: Explorer round (Eq. (5)-(8)) instead of the adapter's top-k.
+
+  Returns:
+    `(slate [n, k] int32, slate_mask [n, k] bool, z [n, K] float32)`, numpy. `n` is padded to a
+    power of two inside (one compilation per power of two).
+  """
+  n = queries.shape[0]
+  m = 1 << max(n - 1, 0).bit_length()
+  pad = lambda a: np.concatenate([a, np.zeros((m - n,) + a.shape[1:], a.dtype)])
+  out = _round_slates(params, pad(queries), pad(candidates), pad(mask), pad(mean), pad(counts),
+                      hparams, k=k, explore=bool(explore))
+  return tuple(np.asarray(x)[:n] for x in out)
+
+
+def update_bandits(mean, counts, slates, slate_mask, labels):
+  """Eq. (9) for `n` queries: `(mean [n, K], counts [n, K])` after the slates' labels (numpy)."""
+  stats = _update_bandits(explorer_lib.BanditStats(mean=mean, counts=counts), slates, slate_mask,
+                          labels)
+  return np.asarray(stats.mean), np.asarray(stats.counts)
+
+
+
+def llm_feedback(memory: "Memory", critic, query: str, k: int = 5, explore: bool = True, *,
+                 query_embedding=None) -> tuple["Retrieval", Any]:
+  """One agent step with a host critic: `retrieve` -> `critic(key, view)` -> `feedback`.
+
+  An unusable reply (labels None) closes the retrieval with no update (counted in
+  `memory.stats['critic_no_update']` and in the critic's own `stats`); the loop never crashes on it.
+
+  Returns:
+    `(retrieval, labels)`: labels `[k]` float32 in {-1, +1}, or None.
+  """
+  r = memory.retrieve(query, k=k, explore=explore, query_embedding=query_embedding)
+  return r, memory.feedback_from_critic(r, critic)
+
+
+def check_labels(labels, k: int, what: str) -> np.ndarray:
+  """A critic's `[k]` labels as float32 in {-1, +1}; ValueError naming `what` otherwise."""
+  try:
+    arr = np.asarray(labels, np.float32)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{what} returned labels that are not a float array: {e}") from None
+  if arr.shape != (k,) or not np.all(np.isin(arr, (-1.0, 1.0))):
+    raise ValueError(f"{what} must return [{k}] labels in {{-1, +1}} (or None), got shape "
+                     f"{arr.shape} with values {np.unique(arr)[:5].tolist()}")
+  return arr
+
+
+def run_critic_episode(key: jax.Array, stream: Stream, query_texts: Sequence[str],
+                       candidate_texts: np.ndarray, critic, config: EARConfig, hparams: HParams,
+                       *, state: Optional[learner_lib.LearnerState] = None, progress=None):
+  """An online EAR training episode whose critic lives on the host (e.g. an `LLMCritic`).
+
+  Alg. 1 with the Explorer's rounds unrolled on the host: per batch of `b` queries, T rounds of
+  (one jitted Explorer round for the batch, Eq. (5)-(8), via `retrieval.slate_from_candidates` ->
+  one `critic(key, view)` per query -> bandit update, Eq. (9)); then ONE jitted learner step
+  (`learner.train_batch_on_feedback_jit`, Eq. (10)-(18)) with the batch's `[b, T, s]` slates. A
+  critic call returning None (unparseable reply, HTTP error, timeout) leaves that round out of the
+  loss and of the bandit statistics and is counted.
+
+  Keys are those of `ear_jax.core.episode.run_episode`: `(k_init, per-query keys) =
+  episode_keys(key, N)`, each query key split into (slates, replay) as in `learner.train_batch`,
+  the slates key into T round keys for the critic as in the Explorer policy. The view's `gold` comes
+  from `stream.gold`, so a jitted simulated critic reproduces `run_episode` exactly.
+
+  Args:
+    key: PRNG key of the episode; the key is consumed.
+    stream: `N` training queries.
+    query_texts: `N` question texts shown to the critic.
+    candidate_texts: `[N, K]` memory texts of the candidates.
+    critic: `critic(key, SlateView) -> labels [s]` or None.
+    config: static config (`train_slate` must be the Explorer).
+    hparams: hyperparameters.
+    state: a learner state to continue from (default: a fresh one from the key).
+    progress: optional callable `(queries_done, num_queries)`.
+
+  Returns:
+    `(state, stats)` with `stats` counting critic calls, usable / unusable replies and steps.
+  """
+  if config.train_slate is not policies.explorer_slates:
+    raise ValueError("run_critic_episode runs the Explorer: config.train_slate must be 'explorer'")
+  episode_lib.validate_stream(stream, config)
+  n = stream.num_queries
+  if len(query_texts) != n or np.shape(candidate_texts)[:2] != (n, config.num_candidates):
+    raise ValueError(f"need {n} query texts and [{n}, {config.num_candidates}] candidate texts, "
+                     f"got {len(query_texts)} and {np.shape(candidate_texts)}")
+  k_init, keys = episode_lib.episode_keys(key, n)
+  if state is None:
+    state = learner_lib.init_learner(k_init, config)
+  b, T, s, K = config.batch_size, config.num_rounds, config.slate_size, config.num_candidates
+  split = jax.vmap(jax.random.split)
+  k_slates, k_replay = np.moveaxis(np.asarray(split(keys)), 1, 0)
+  round_keys = np.asarray(jax.vmap(lambda k: jax.random.split(k, T))(split(k_slates)[:, 1]))
+  host = jax.tree_util.tree_map(np.asarray, stream)
+  stats = collections.Counter()
+  for start in range(0, n, b):
+    rows = np.arange(start, min(start + b, n))
+    nb = len(rows)
+    idx = np.concatenate([rows, np.full(b - nb, rows[-1])])  # pad the last batch (masked)
+    batch = host.take(idx)
+    mean, counts = np.zeros((b, K), np.float32), np.zeros((b, K), np.float32)
+    slates = np.full((b, T, s), -1, np.int32)
+    slate_mask = np.zeros((b, T, s), bool)
+    labels = np.full((b, T, s), -1.0, np.float32)
+    for t in range(T):
+      sl, sm, _ = round_slates(state.params, hparams, batch.queries, batch.candidates,
+                                            batch.mask, mean, counts, s, explore=True)
+      for i, row in enumerate(rows):
+        view = critic_lib.slate_view(batch.queries[i], batch.candidates[i], batch.gold[i], sl[i],
+                                     sm[i])._replace(
+            query_text=query_texts[row],
+            texts=[str(candidate_texts[row][p]) for p in sl[i][sm[i]]])
+        got = critic(round_keys[row, t], view)
+        stats["critic_calls"] += 1
+        if got is None:
+          stats["critic_no_update"] += 1
+          continue
+        stats["critic_ok"] += 1
+        lab = check_labels(got, s, "the critic")
+        slates[i, t], slate_mask[i, t], labels[i, t] = sl[i], sm[i], np.where(sm[i], lab, -1.0)
+      mean, counts = update_bandits(mean, counts, slates[:, t], slate_mask[:, t],
+                                                 labels[:, t])
+    state, _ = learner_lib.train_batch_on_feedback_jit(
+        state, k_replay[idx], batch, slates, slate_mask, labels, np.arange(b) < nb, config,
+        hparams)
+    stats["learner_steps"] += 1
+    stats["queries"] += nb
+    if progress is not None:
+      progress(int(stats["queries"]), n)
+  return state, dict(stats)

@@ -1,0 +1,1 @@
+"""Persistence shared by the agent and experiment layers: atomic, verified Orbax checkpoints."""

@@ -1,0 +1,400 @@
+"""`CheckpointStore`: atomic, verified, inter-process-locked Orbax checkpoints of (arrays, JSON meta).
+
+The one checkpoint mechanism of ear_jax, used by the experiment runner (`RunCheckpointer`) and by
+`Memory`. A store is a directory holding one subdirectory per step (`<directory>/<step>/`), each an
+Orbax `CheckpointManager` step with two items:
+
+  * `state`: the array pytree, saved with `StandardSave`. Its Orbax custom metadata records every
+    leaf's path, shape, dtype and SHA-256, so a bit flip or truncation in the array files is a
+    `CheckpointError` on restore, never silently wrong numbers. Zero-size leaves (which Orbax cannot
+    write) are stored as a scalar placeholder and rebuilt from the record.
+  * `meta`: the caller's JSON dict, saved with `JsonSave` (file `<step>/meta/metadata`).
+
+Guarantees:
+
+  * Atomic: Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it when complete; the
+    readers (`steps`, `latest_step`, `read_meta`, `restore`) only see the digit-named directories, so
+    a reader sees the previous or the new step, never a half-written one. A save killed at any
+    moment (even SIGKILL) leaves the latest complete step loadable; its debris is removed by the
+    next save.
+  * Verified before cleanup: after Orbax has finished, the new step's meta and array metadata are
+    read back and compared with what was saved; only then are steps beyond `max_to_keep` deleted
+    (renamed away first, then removed). A step that fails verification is discarded and the older
+    ones are kept.
+  * Serialised: a whole save runs under an exclusive `fcntl.flock` on `<directory>/.lock`, so two
+    processes saving to one directory never interleave (nor delete each other's temporaries); a
+    writer that waits longer than `lock_timeout_s` gets a `CheckpointError`. The lock file is removed
+    again when the save ends (a killed writer's stale file is harmless).
+  * Clear errors: unreadable, truncated or corrupted checkpoints are `CheckpointError`s naming the
+    path; incompatible requests are `ValueError`s listing the differences. Nothing is ever deleted
+    or rewritten by a read.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import shutil
+import sys
+import threading
+import time
+from typing import Optional
+
+import numpy as np
+
+from ear_jax.io import _leaves
+from ear_jax.io._lock import DirLock, LockTimeout
+
+_STATE, _META = "state", "meta"
+_META_FILE = "metadata"  # the file name of Orbax's JsonCheckpointHandler
+_TMP_MARK = ".orbax-checkpoint-tmp"
+_TRASH = ".trash-"
+_RECORD = "ear_jax.io/leaves-1"  # key of the leaf record in the `state` item's custom metadata
+_MISSING = "<missing>"
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint that cannot be read or written: corrupted, truncated, foreign, missing or locked."""
+
+
+def check_compatible(stored: dict, expected: dict, what: str) -> None:
+  """Raises a ValueError listing every key whose value differs between `stored` and `expected`.
+
+  Args:
+    stored: the values read from a checkpoint.
+    expected: the values the caller needs.
+    what: what is compared, the subject of the message (e.g. "checkpoint /x/7 config").
+
+  Raises:
+    ValueError: `<what> differs in N field(s): key: stored=... vs expected=...; ...`.
+  """
+  keys = sorted(set(stored) | set(expected), key=str)
+  diffs = [f"{k}: stored={stored.get(k, _MISSING)!r} vs expected={expected.get(k, _MISSING)!r}"
+           for k in keys if stored.get(k, _MISSING) != expected.get(k, _MISSING)]
+  if diffs:
+    raise ValueError(f"{what} differs in {len(diffs)} field(s): " + "; ".join(diffs))
+
+
+# -- Orbax, quietly ----------------------------------------------------------------------------
+_LOOP_CLOSED = "Event loop is closed"
+_quiet_installed = False
+
+
+class _DropLoopClosed(logging.Filter):
+  """Drops asyncio's 'Event loop is closed' noise (tasks finalised after their loop closed)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    try:
+      text = record.getMessage()
+    except Exception:  # pylint: disable=broad-except
+      text = str(record.msg)
+    exc = record.exc_info[1] if record.exc_info else None
+    return _LOOP_CLOSED not in text and _LOOP_CLOSED not in str(exc or "")
+
+
+def _install_quiet() -> None:
+  """Silences only RuntimeError('Event loop is closed') reports; everything else passes through."""
+  global _quiet_installed
+  if _quiet_installed:
+    return
+  _quiet_installed = True
+  for name in ("asyncio", "absl"):
+    logging.getLogger(name).addFilter(_DropLoopClosed())
+  prev_unraisable, prev_thread = sys.unraisablehook, threading.excepthook
+
+  def unraisable(u):
+    if not (isinstance(u.exc_value, RuntimeError) and _LOOP_CLOSED in str(u.exc_value)):
+      prev_unraisable(u)
+
+  def thread_hook(a):
+    if not (isinstance(a.exc_value, RuntimeError) and _LOOP_CLOSED in str(a.exc_value)):
+      prev_thread(a)
+
+  sys.unraisablehook, threading.excepthook = unraisable, thread_hook
+
+
+def _ocp():
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  _install_quiet()
+  return ocp
+
+
+def _canonical(obj) -> str:
+  return json.dumps(obj, sort_keys=True)
+
+
+def _json_roundtrip(meta: dict, what: str) -> dict:
+  if not isinstance(meta, dict):
+    raise ValueError(f"{what} must be a dict, got {type(meta).__name__}")
+  try:
+    return json.loads(json.dumps(meta, allow_nan=True))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{what} is not JSON-serialisable: {e}") from e
+
+
+# -- the store -------------------------------------------------------------------------------
+class CheckpointStore:
+  """Atomic Orbax checkpoints of (array pytree, JSON meta) in `directory`, one subdirectory per step.
+
+  Args:
+    directory: the store's directory (made absolute; created by the first save).
+    max_to_keep: how many of the newest steps a save keeps (None: all).
+    lock_timeout_s: how long a save waits for another process's save to the same directory.
+  """
+
+  def __init__(self, directory, *, max_to_keep: int | None = 3, lock_timeout_s: float = 60.0):
+    if max_to_keep is not None and (isinstance(max_to_keep, bool) or int(max_to_keep) < 1):
+      raise ValueError(f"max_to_keep must be None or >= 1, got {max_to_keep!r}")
+    self.directory = pathlib.Path(directory).expanduser().absolute()
+    self.max_to_keep = None if max_to_keep is None else int(max_to_keep)
+    self.lock_timeout_s = float(lock_timeout_s)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def close(self) -> None:
+    """Releases resources. Every Orbax object is closed after each call, so nothing is pending."""
+
+  def __repr__(self):
+    return f"CheckpointStore({str(self.directory)!r}, max_to_keep={self.max_to_keep})"
+
+  # -- listing --------------------------------------------------------------------------------
+  def steps(self) -> list[int]:
+    """The complete steps on disk, ascending (temporaries and removed steps are not listed)."""
+    try:
+      entries = list(os.scandir(self.directory))
+    except (FileNotFoundError, NotADirectoryError):
+      return []
+    return sorted(int(e.name) for e in entries
+                  if e.name.isascii() and e.name.isdigit() and str(int(e.name)) == e.name
+                  and e.is_dir())
+
+  def latest_step(self) -> int | None:
+    steps = self.steps()
+    return steps[-1] if steps else None
+
+  def _step_dir(self, step: int | None) -> pathlib.Path:
+    if step is None:
+      step = self.latest_step()
+      if step is None:
+        raise CheckpointError(f"no checkpoint in {self.directory}")
+    path = self.directory / str(int(step))
+    if not path.is_dir():
+      raise CheckpointError(f"checkpoint step {step} not found: no directory {path} (steps on "
+                            f"disk: {self.steps()})")
+    return path
+
+  def _latest_retry(self, fn, step):
+    """fn(step dir); with step=None, retries if a concurrent save removed that step meanwhile."""
+    for attempt in range(3):
+      path = self._step_dir(step)
+      try:
+        return fn(path)
+      except CheckpointError:
+        if step is not None or path.is_dir() or attempt == 2:
+          raise
+
+  # -- reading --------------------------------------------------------------------------------
+  def read_meta(self, step: int | None = None) -> dict:
+    """The JSON meta of `step` (default: the latest).
+
+    Raises:
+      CheckpointError: no such step, or its meta file is missing, truncated or not a JSON object;
+        the message names the file.
+    """
+    return self._latest_retry(self._read_meta_at, step)
+
+  @staticmethod
+  def _read_meta_at(path: pathlib.Path) -> dict:
+    file = path / _META / _META_FILE
+    try:
+      text = file.read_text(encoding="utf-8")
+    except FileNotFoundError as e:
+      raise CheckpointError(f"checkpoint {path} has no meta file {file}: it was not written by "
+                            "ear_jax.io or is incomplete") from e
+    except (OSError, UnicodeDecodeError) as e:
+      raise CheckpointError(f"meta file {file} is unreadable: {e}") from e
+    try:
+      data = json.loads(text)
+    except ValueError as e:
+      raise CheckpointError(f"meta file {file} is truncated or corrupted (invalid JSON: {e})") from e
+    if not isinstance(data, dict):
+      raise CheckpointError(f"meta file {file} holds a {type(data).__name__}, not a JSON object")
+    return data
+
+  @staticmethod
+  def _array_metadata(state_dir: pathlib.Path) -> tuple[Optional[dict], dict]:
+    """(the leaf record, or None for a checkpoint saved without one; {leaf: (shape, dtype)})."""
+    ocp = _ocp()
+    with contextlib.closing(ocp.StandardCheckpointHandler()) as handler:
+      md = handler.metadata(state_dir)
+    custom = md.custom_metadata or {}
+    record = custom.get(_RECORD) if isinstance(custom, dict) else None
+    return record, _leaves.metadata_shapes(md.tree)
+
+  def restore(self, step: int | None = None, target=None):
+    """`(arrays, meta)` of `step` (default: the latest).
+
+    Args:
+      step: the step to restore; None for the latest.
+      target: an abstract pytree (`jax.ShapeDtypeStruct` leaves, or arrays) for Orbax's
+        `StandardRestore`: the arrays come back in its structure, shapes, dtypes and shardings.
+        None restores the tree as saved (containers as dicts / lists; numpy leaves come back as
+        numpy arrays, jax leaves as jax arrays).
+
+    Raises:
+      CheckpointError: no such step, or its files are missing, truncated or corrupted (every leaf
+        is checked against the SHA-256 recorded at save time); the message names the directory.
+      ValueError: `target` does not match the stored arrays (the leaves that differ are listed).
+    """
+    return self._latest_retry(lambda path: self._restore_at(path, target), step)
+
+  def _restore_at(self, path: pathlib.Path, target):
+    meta = self._read_meta_at(path)
+    state_dir = path / _STATE
+    ocp = _ocp()
+    try:
+      if not state_dir.is_dir():
+        raise FileNotFoundError(f"no array directory {state_dir}")
+      record, _ = self._array_metadata(state_dir)
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f"checkpoint {path}: the array metadata in {state_dir} is unreadable "
+                            f"(truncated or corrupted?): {type(e).__name__}: {str(e)[:300]}") from e
+    if record is not None and target is not None:
+      target = _leaves.restore_target(target, record)  # ValueError before any array is read
+    try:
+      with contextlib.closing(ocp.Checkpointer(ocp.StandardCheckpointHandler())) as ckptr:
+        arrays = ckptr.restore(state_dir, args=ocp.args.StandardRestore(target))
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f"checkpoint {path}: the arrays in {state_dir} could not be restored "
+                            f"(truncated or corrupted?): {type(e).__name__}: {str(e)[:300]}") from e
+    if record is not None:
+      arrays, bad = _leaves.check_restored(arrays, record)
+      if bad:
+        raise CheckpointError(
+            f"checkpoint {path} is corrupted (its array data does not match what was saved): "
+            + "; ".join(bad[:5]) + ("; ..." if len(bad) > 5 else ""))
+    return arrays, meta
+
+  # -- writing --------------------------------------------------------------------------------
+  def save(self, step: int, arrays, meta: dict) -> pathlib.Path:
+    """Saves `(arrays, meta)` as `step`, verifies it, then drops steps beyond `max_to_keep`.
+
+    Args:
+      step: a non-negative int larger than every step on disk.
+      arrays: a pytree of numeric arrays (jax or numpy).
+      meta: a JSON-serialisable dict.
+
+    Returns:
+      The new step's directory.
+
+    Raises:
+      ValueError: bad step (not larger than the latest), arrays or meta; nothing was written.
+      CheckpointError: another process holds the directory's lock beyond `lock_timeout_s`, or the
+        write or its verification failed (the older steps are kept).
+    """
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+      raise ValueError(f"step must be a non-negative int, got {step!r}")
+    step = int(step)
+    expected_meta = _json_roundtrip(meta, "meta")
+    tree, record = _leaves.prepare(arrays)
+    try:
+      self.directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+      raise CheckpointError(f"cannot create checkpoint directory {self.directory}: {e}") from e
+    with self._locked():
+      self._remove_debris()
+      latest = self.latest_step()
+      if latest is not None and step <= latest:
+        raise ValueError(f"step {step} is not a new step: {self.directory} already holds step "
+                         f"{latest} (a save needs a larger step)")
+      self._write(step, tree, record, meta)
+      path = self.directory / str(step)
+      try:
+        self._verify(path, record, expected_meta)
+      except CheckpointError:
+        self._remove(path)
+        raise
+      self._prune()
+    return path
+
+  @contextlib.contextmanager
+  def _locked(self):
+    lock = DirLock(self.directory, self.lock_timeout_s)
+    try:
+      lock.acquire()
+    except LockTimeout as e:
+      raise CheckpointError(f"checkpoint directory {e}. Nothing was written; retry when that "
+                            "process has finished.") from None
+    try:
+      yield
+    finally:
+      lock.release()
+
+  def _write(self, step: int, tree, record: dict, meta: dict) -> None:
+    ocp = _ocp()
+    try:
+      manager = ocp.CheckpointManager(
+          self.directory,
+          options=ocp.CheckpointManagerOptions(
+              max_to_keep=None, create=True, enable_async_checkpointing=False,
+              cleanup_tmp_directories=False, save_root_metadata=False,
+              lightweight_initialize=True),
+          item_names=(_STATE, _META))
+      with contextlib.closing(manager):
+        manager.save(step, args=ocp.args.Composite(**{
+            _STATE: ocp.args.StandardSave(tree, custom_metadata={_RECORD: record}),
+            _META: ocp.args.JsonSave(meta)}), force=True)
+        manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      self._remove_debris()
+      raise CheckpointError(f"saving step {step} to {self.directory} failed: "
+                            f"{type(e).__name__}: {str(e)[:300]}. The older steps were kept.") from e
+    if not (self.directory / str(step)).is_dir():
+      raise CheckpointError(f"saving step {step} to {self.directory} wrote no step directory")
+
+  def _verify(self, path: pathlib.Path, record: dict, expected_meta: dict) -> None:
+    """Reads the new step's meta and array metadata back and compares them with what was saved."""
+    if _canonical(self._read_meta_at(path)) != _canonical(expected_meta):
+      raise CheckpointError(f"verification of {path} failed: its meta reads back differently")
+    try:
+      stored, shapes = self._array_metadata(path / _STATE)
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f"verification of {path} failed: its array metadata is unreadable: "
+                            f"{type(e).__name__}: {str(e)[:300]}") from e
+    if stored != record or shapes != _leaves.stored_shapes(record):
+      raise CheckpointError(f"verification of {path} failed: its array metadata reads back "
+                            "differently from what was saved")
+
+  def _prune(self) -> None:
+    if self.max_to_keep is None:
+      return
+    for step in self.steps()[:-self.max_to_keep]:
+      self._remove(self.directory / str(step))
+
+  def _remove(self, path: pathlib.Path) -> None:
+    """Renames `path` out of the step namespace (atomic for readers), then deletes it."""
+    trash = self.directory / f"{_TRASH}{path.name}-{os.getpid()}-{time.time_ns()}"
+    try:
+      os.rename(path, trash)
+    except FileNotFoundError:
+      return
+    shutil.rmtree(trash, ignore_errors=True)
+
+  def _remove_debris(self) -> None:
+    """Removes temporaries of killed or failed saves (only called while holding the lock)."""
+    try:
+      entries = list(os.scandir(self.directory))
+    except FileNotFoundError:
+      return
+    for e in entries:
+      if (_TMP_MARK in e.name or e.name.startswith(_TRASH)) and e.is_dir(follow_symlinks=False):
+        shutil.rmtree(e.path, ignore_errors=True)
+
+
+__all__ = ["CheckpointError", "CheckpointStore", "check_compatible"]
