@@ -221,8 +221,10 @@ def _print_table(results, d0):
   print(f"| peak matmul | {results['peak']['gflops']:.1f} GFLOP/s | {results['peak']['by_size']} |")
   for bank, row in results.get("inference", {}).items():
     for name, r in row.items():
+      paper = PAPER_TABLE8["adapter_only_s_per_query" if "adapter" in name else
+                           "explorer_s_per_query"]
       print(f"| {name} {bank} | {r['ms_per_query']:.4f} ms/query, {r['queries_per_s']:.0f} q/s | "
-            f"paper: {PAPER_TABLE8['adapter_only_s_per_query' if 'adapter' in name else 'explorer_s_per_query']} s/query |")
+            f"paper: {paper} s/query |")
   for name in ("encode", "suite"):
     r = results[name]
     val = r.get("sentences_per_s") or r.get("suite_s")

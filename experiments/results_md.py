@@ -4,83 +4,15 @@
 
 Copies each workdir's plots to results/<benchmark>/ and rewrites the block between the
 `<!-- generated:begin -->` / `<!-- generated:end -->` markers of RESULTS.md; text outside the block
-(the written reading of the numbers) is kept.
-
-After each suite's tables a generated "Readings" list states, for every primary paired comparison
-in results.json "paired" (per-seed differences vs a baseline, `ear_jax.experiment.stats`), the
-mean difference with its 95% t-interval over seeds, whether the interval excludes 0 (else: a tie),
-and whether that matches the paper's direction.
+(the written reading of the numbers) is kept. The generation lives in
+`ear_jax.experiment.results_md` (readings of the paired comparisons included).
 """
-import json
 import pathlib
-import shutil
 import sys
 
-from ear_jax.experiment import stats
-
-BEGIN, END = "<!-- generated:begin -->", "<!-- generated:end -->"
-
-_VS_PAPER = {"holds": "the paper's direction holds", "opposite": "opposite to the paper",
-             "not separated": "the paper's ordering is not separated here"}
-
-
-def _side(s: dict) -> str:
-  return f"{s['label']} [{s['mode']}]" if s.get("mode") else s["label"]
-
-
-def reading(rec: dict) -> str:
-  """One reading of a paired-comparison record of results.json "paired".
-
-  E.g. 'EAR (ours) [explorer] vs Only Retriever [adapter], R@5: +3.80 [+1.20, +6.40]: better
-  (interval excludes 0); paper +12.46 → the paper's direction holds'.
-  """
-  line = (f"{_side(rec['treatment'])} vs {_side(rec['baseline'])}, {rec['metric']}: "
-          f"{stats.format_difference(rec)}: "
-          f"{stats.describe_verdict(rec, neutral=rec.get('score') is False)}")
-  vs = rec.get("vs_paper")
-  if vs:
-    paper = rec.get("paper_delta")
-    ref = f"paper {paper:+.2f}" if paper is not None else (
-        "paper: " + ("higher" if (rec.get("expected_sign") or 0) > 0 else "lower"))
-    line += f"; {ref} → {_VS_PAPER.get(vs, vs)}"
-  return line
-
-
-def readings_md(records: list, primary_only: bool = True) -> str:
-  """Markdown "Readings" list of a suite's paired comparisons ('' when there are none)."""
-  recs = [r for r in records if r.get("primary") or not primary_only]
-  if not recs:
-    return ""
-  n = sorted({r["n"] for r in recs})
-  head = (f"Readings (paired per-seed differences, mean [{stats.INTERVAL_LABEL}], n = "
-          f"{', '.join(map(str, n))}; an interval containing 0 is a tie):")
-  return "\n".join([head, ""] + [f"- {reading(r)}" for r in recs])
-
-
-def section(workdir: pathlib.Path, out_root: pathlib.Path) -> str:
-  res = json.loads((workdir / "results.json").read_text())
-  bench = res["benchmark"]
-  dest = out_root / bench
-  dest.mkdir(parents=True, exist_ok=True)
-  lines = [f"## {bench}", "", "Command:", "", "```", res["command"], "```", "",
-           f"Seeds: {res['seeds']}; encoder: {res['dataset'].get('encoding', {}).get('encoder')}; "
-           f"versions: " + ", ".join(f"{k} {v}" for k, v in res["versions"].items()), "",
-           "Wall time per suite (s, this machine, shared CPUs): " + ", ".join(
-               f"{k} {v}" for k, v in res["suite_wall_seconds"].items()), ""]
-  paired = res.get("paired", {})
-  for name, md in res["tables"].items():
-    lines += [md, ""]
-    readings = readings_md(paired.get(name, []))
-    if readings:
-      lines += [readings, ""]
-  for p in res["plots"]:
-    src = pathlib.Path(p)
-    if not src.is_absolute():
-      src = pathlib.Path.cwd() / src
-    if src.is_file():
-      shutil.copy(src, dest / src.name)
-      lines.append(f"![{src.stem}]({dest.relative_to(out_root.parent)}/{src.name})")
-  return "\n".join(lines) + "\n"
+from ear_jax.experiment import results_md
+# Kept importable from here for tests/test_stats.py (the library module is the one to import).
+from ear_jax.experiment.results_md import reading, readings_md  # pylint: disable=unused-import
 
 
 def main(argv):
@@ -88,15 +20,8 @@ def main(argv):
   if not workdirs:
     print(__doc__)
     return 2
-  root = pathlib.Path("RESULTS.md")
-  out_root = pathlib.Path("results")
-  gen = BEGIN + "\n" + "\n".join(section(w, out_root) for w in workdirs) + END
-  if root.is_file() and BEGIN in root.read_text():
-    text = root.read_text()
-    text = text[:text.index(BEGIN)] + gen + text[text.index(END) + len(END):]
-  else:
-    text = "# Results\n\n" + gen + "\n"
-  root.write_text(text)
+  root, out_root = pathlib.Path("RESULTS.md"), pathlib.Path("results")
+  results_md.write_results_md(workdirs, root, out_root)
   print(f"wrote {root} and {out_root}/")
   return 0
 

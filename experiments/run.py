@@ -93,7 +93,7 @@ def build_options():
   Raises:
     app.UsageError: naming the offending flag.
   """
-  from experiments import suites  # pylint: disable=g-import-not-at-top
+  from ear_jax.experiment import suites  # pylint: disable=g-import-not-at-top
   from ear_jax.core import config as cfg  # pylint: disable=g-import-not-at-top
   if _SUITE.value == "multistore" and _DATA.benchmark.value == "longmemeval":
     raise app.UsageError("--suite=multistore needs observations: use --benchmark=locomo "
@@ -157,7 +157,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   opts = build_options()
-  from experiments import suites  # pylint: disable=g-import-not-at-top
+  from ear_jax.experiment import suites  # pylint: disable=g-import-not-at-top
   from ear_jax.experiment import runner as experiment  # pylint: disable=g-import-not-at-top
   absl_logging.set_verbosity(absl_logging.INFO)
   # Orbax logs every save at INFO through absl: keep ear_jax's progress lines, drop Orbax's.

@@ -5,6 +5,7 @@ import pytest
 
 from ear_jax.data import candidates
 from ear_jax.experiment import runner as ex
+from ear_jax.experiment import summaries
 from ear_jax.data import synthetic
 from ear_jax.core.config import default_hparams
 
@@ -43,7 +44,7 @@ def test_seeds_differ_and_curve_ends_at_final_adapter_metric(bench):
   # Adapter-only evaluation is deterministic: the last curve point equals the final metric.
   np.testing.assert_allclose(res.curve[-1]["recall_adapter"],
                              100 * np.asarray(res.eval["recall_adapter"]), rtol=1e-6)
-  s = ex.summarize(res, bench.stream, bench.categories)
+  s = summaries.summarize(res, bench.stream, bench.categories)
   for m in ex.METRIC_NAMES:
     assert len(s["metrics"][m]["per_seed"]) == 2 and s["metrics"][m]["mean"] is not None
   assert set(s["per_category"]) == set(bench.categories.tolist())
@@ -66,7 +67,7 @@ def test_store_metrics_hand_computed_case():
   gold = np.array([[True, False, True, False]])
   store = np.array([[0, 1, 1, 0]], np.int8)
   ngs = np.array([[1, 1]])
-  m = ex.store_metrics(slates, gold, store, ngs)
+  m = summaries.store_metrics(slates, gold, store, ngs)
   assert m["recall_dialogue"] == 100.0 and m["recall_observation"] == 0.0
   assert m["observations_in_slate"] == 1.0
 
@@ -77,6 +78,6 @@ def test_store_proximity_delta_is_unchanged_by_the_identity_adapter(bench):
   params = learner.init_learner(jax.random.PRNGKey(0), config).params
   s = bench.stream.take(np.arange(8))
   store = np.tile(np.array([0, 1] * 10, np.int8), (8, 1))
-  before, after = ex.store_proximity_delta(params, s.queries, s.candidates, s.mask, store)
+  before, after = summaries.store_proximity_delta(params, s.queries, s.candidates, s.mask, store)
   np.testing.assert_allclose(before, after, atol=1e-5)
   assert np.all(np.isfinite(before))

@@ -36,9 +36,9 @@ def _unit(x):
   return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
-def _memory(seed=0, n=24, **cfg):
+def _memory(seed=0, n=24, max_sessions=4096, **cfg):
   rng = np.random.default_rng(100)
-  m = Memory(None, config=_config(**cfg), seed=seed)
+  m = Memory(None, config=_config(**cfg), seed=seed, max_sessions=max_sessions)
   m.add([f"memory text {i}" for i in range(n)], ids=[f"id{i}" for i in range(n)],
         embeddings=rng.normal(size=(n, _D)))
   return m
@@ -123,56 +123,56 @@ def test_adapter_only_feedback_closes_the_session_and_trains_every_batch_size_se
 
 
 def test_explorer_rounds_of_a_query_train_once_as_one_query_after_t_rounds():
-  m = _memory(num_rounds=3, batch_size=1)
-  r1 = m.retrieve("q", k=3, explore=True, query_embedding=_queries(1)[0])
-  assert m.feedback(r1, []) is False  # all three shown memories were useless
-  r2 = m.retrieve(continue_from=r1, k=3, explore=True)
-  assert r2.session_id == r1.session_id and r2.round == 2 and r2.query == "q"
-  assert set(r2.ids) != set(r1.ids)  # UCB + negative means push towards untried candidates
-  assert m.feedback(r2, [r2.ids[0]]) is False and m.num_pending == 1 and m.num_ready == 0
-  r3 = m.retrieve(continue_from=r2, k=2, explore=True)  # k may change between rounds
-  assert m.feedback(r3, []) is True  # T rounds: ONE training query, ONE experience
-  assert int(m.state.step) == 1 and int(m.state.queries_seen) == 1
-  assert int(m.state.buffer.num_pushed) == 1
+  m = _memory()  # T = 2 rounds, batch size 2
+  rs = m.retrieve_batch(["q", "p"], k=3, explore=True, query_embeddings=_queries(2))
+  assert m.feedback_batch(rs, [[], []]) == 0  # all shown memories were useless
+  r2 = m.retrieve_batch(continue_from=rs, k=2, explore=True)  # k may change between rounds
+  assert r2[0].session_id == rs[0].session_id and r2[0].round == 2 and r2[0].query == "q"
+  assert not set(r2[0].ids) & set(rs[0].ids)  # UCB + negative means push towards untried ones
+  assert m.num_pending == 2 and m.num_ready == 0 and int(m.state.step) == 0
+  assert m.feedback(r2[0], [r2[0].ids[0]]) is False and m.num_ready == 1
+  assert m.feedback(r2[1], []) is True  # T rounds each: TWO training queries, TWO experiences
+  assert int(m.state.step) == 1 and int(m.state.queries_seen) == 2
+  assert int(m.state.buffer.num_pushed) == 2
   observed = np.asarray(m.state.buffer.observed[0])
-  assert observed.sum() == len(set(r1.ids) | set(r2.ids) | set(r3.ids))
-  with pytest.raises(ValueError, match="played all T=3 Explorer rounds"):
-    m.retrieve(continue_from=r3, k=3, explore=True)
+  assert observed.sum() == len(set(rs[0].ids) | set(r2[0].ids)) == 5
+  with pytest.raises(ValueError, match="played all T=2 Explorer rounds"):
+    m.retrieve(continue_from=r2[0], k=3, explore=True)
 
 
 def test_flush_trains_sessions_with_feedback_in_one_padded_batch():
-  m = _memory(num_rounds=4, batch_size=4)
+  m = _memory()
   rs = m.retrieve_batch(["a", "b", "c"], k=3, explore=True, query_embeddings=_queries(3))
   m.feedback_batch(rs[:2], [[rs[0].ids[0]], []])  # rs[2] is still open: its session stays
   assert int(m.state.step) == 0 and m.num_pending == 2
   assert m.flush() is True
   assert int(m.state.step) == 1 and int(m.state.queries_seen) == 2 and m.num_pending == 0
   m.feedback(rs[2], [])  # the open retrieval was left alone
-  assert m.flush() is True and int(m.state.queries_seen) == 3
+  assert m.flush() is True and int(m.state.queries_seen) == 3 and int(m.state.step) == 2
   assert m.flush() is False
 
 
 def test_close_and_eviction_queue_sessions_with_feedback_and_drop_the_others():
-  m = _memory(num_rounds=4, batch_size=1, max_sessions=2)
+  m = _memory(max_sessions=2)
   r = m.retrieve("a", k=3, explore=True, query_embedding=_queries(1)[0])
   m.feedback(r, [r.ids[1]])
-  assert m.close(r) is True and int(m.state.queries_seen) == 1  # closed with one round
+  assert m.close(r) is False and m.num_ready == 1  # closed with one round: queued
   r = m.retrieve("b", k=3, explore=True, query_embedding=_queries(2)[1])
   m.feedback(r, [])
   m.retrieve_batch(["c", "d"], k=3, explore=True, query_embeddings=_queries(3)[1:])
   assert int(m.state.queries_seen) == 2  # "b" was evicted with its feedback: trained
-  assert m.stats["learner_steps"] == 2
+  assert m.stats["learner_steps"] == 1 and len(m._sessions.by_id) == 2
   with pytest.raises(ValueError, match="no longer open|evicted"):
     m.feedback(r, [])
 
 
 def test_multistore_takes_half_the_candidates_from_each_store():
   rng = np.random.default_rng(3)
-  m = Memory(None, config=_config(num_candidates=4, slate_size=2), multistore=True)
+  m = Memory(None, config=_config(), multistore=True)
   m.add([f"d{i}" for i in range(10)], embeddings=rng.normal(size=(10, _D)))
   m.add([f"o{i}" for i in range(10)], store="observation", embeddings=rng.normal(size=(10, _D)))
-  r = m.retrieve("q", k=4, query_embedding=_queries(1)[0])
-  assert sorted(r.stores) == ["dialogue", "dialogue", "observation", "observation"]
+  r = m.retrieve("q", k=8, query_embedding=_queries(1)[0])
+  assert sorted(r.stores) == ["dialogue"] * 4 + ["observation"] * 4
 
 
 class _Critic:
@@ -189,7 +189,7 @@ class _Critic:
 
 
 def test_feedback_from_critic_without_usable_labels_applies_no_update():
-  m = _memory(batch_size=1)
+  m = _memory()
   r, labels = memory_lib.llm_feedback(m, _Critic(None), "where?", k=3,
                                       query_embedding=_queries(1)[0])
   assert labels is None and m.stats["critic_no_update"] == 1
@@ -199,7 +199,7 @@ def test_feedback_from_critic_without_usable_labels_applies_no_update():
   critic = _Critic((1,))
   r, labels = memory_lib.llm_feedback(m, critic, "where?", k=3, explore=False,
                                       query_embedding=_queries(1)[0])
-  assert labels.tolist() == [-1.0, 1.0, -1.0] and int(m.state.step) == 1 and m.stats["cited"] == 1
+  assert labels.tolist() == [-1.0, 1.0, -1.0] and m.num_ready == 1 and m.stats["cited"] == 1
   view = critic.views[0]
   assert view.query_text == "where?" and tuple(view.texts) == r.texts and tuple(view.ids) == r.ids
   assert view.memories.shape == (3, _D) and view.slate_mask.all()
@@ -283,12 +283,12 @@ def test_retrieve_rejects_empty_query():
 
 
 def test_feedback_batch_is_all_or_nothing():
-  m = _memory(batch_size=1)
+  m = _memory()
   rs = m.retrieve_batch(["a", "b"], k=3, query_embeddings=_queries(2))
   rejects(m, lambda: m.feedback_batch(rs, [[rs[0].ids[0]], ["nope"]]),
           r"feedback_batch item 1: cited ids \['nope'\]")
   rejects(m, lambda: m.feedback_batch([rs[0], rs[0]], [[], []]), "appears twice")
-  assert m.feedback_batch(rs, [[rs[0].ids[0]], []]) == 2
+  assert m.feedback_batch(rs, [[rs[0].ids[0]], []]) == 1
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""Tests of experiments/run.py and experiments/suites.py: a method run whose table is checked against
-an independent frozen top-5 computation (fast), every suite end to end on the synthetic benchmark,
-`main` on a LoCoMo slice with the real encoder, kill-and-resume, and flag errors (slow)."""
+"""Tests of experiments/run.py and ear_jax/experiment/suites: a method run whose table is checked
+against an independent frozen top-5 computation (fast), every suite end to end on the synthetic
+benchmark, `main` on a LoCoMo slice with the real encoder, kill-and-resume, and flag errors
+(slow)."""
 import json
 import os
 import pathlib
@@ -10,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from experiments import suites
+from ear_jax.experiment import suites
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DATA_DIR = pathlib.Path(os.environ.get("EAR_DATA_DIR", REPO.parent / "shared" / "data"))

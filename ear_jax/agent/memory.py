@@ -419,14 +419,15 @@ class Memory:
                        query_text=s.query, texts=list(texts), ids=list(ids))
       key = jax.random.fold_in(self._critic_key, s.open_id)
     labels = critic(key, view)
+    if labels is not None:
+      labels = check_labels(labels, k, "the critic")  # ValueError: the retrieval stays open
     with self._lock:
-      self.stats["critic_calls"] += 1
       if labels is None:
-        self.stats["critic_no_update"] += 1
         self.discard(retrieval)
-        return None
-    labels = check_labels(labels, k, "the critic")
-    self.feedback(retrieval, [i for i, y in zip(ids, labels) if y > 0])
+        self.stats["critic_no_update"] += 1
+      else:
+        self.feedback(retrieval, [i for i, y in zip(ids, labels) if y > 0])
+      self.stats["critic_calls"] += 1
     return labels
 
   # ----------------------------------------------------------------------------------------------

@@ -73,7 +73,8 @@ def read(path):
                        "checkpoint step")
     where = f"checkpoint {str(root)!r} (step {step})"
     meta = store.read_meta(step)
-    ckpt.check_compatible({"format": meta.get("format")}, {"format": FORMAT}, where)
+    ckpt.check_compatible({k: meta[k] for k in ("format",) if k in meta}, {"format": FORMAT},
+                          where)
     arrays, meta = store.restore(step)
   return arrays, meta, where
 

@@ -36,25 +36,13 @@ def adapter_only_slate(params: adapter_lib.AdapterParams, query: jax.Array,
 def explorer_slate(key: jax.Array, params: adapter_lib.AdapterParams, query: jax.Array,
                    candidates: jax.Array, where: jax.Array, feedback, config: EARConfig,
                    hparams: HParams) -> explorer_lib.ExplorerOutput:
-  """Explorer-assisted inference for one query: T rounds with the critic (Section 3.6).
-
-  Args:
-    key: PRNG key; the key is consumed.
-    params: adapter parameters.
-    query: `[d]` pre-adapter query.
-    candidates: `[K, d]` pre-adapter candidates.
-    where: `[K]` bool, valid candidates.
-    feedback: `(key, slate, slate_mask) -> labels [s]`.
-    config: static config (`num_rounds`, `slate_size`).
-    hparams: Explorer hyperparameters.
+  """Explorer-assisted inference for one query (Section 3.6): `retrieval.explorer_slate`.
 
   Returns:
     The `ExplorerOutput`; the final slate is `out.slates[-1]`.
   """
-  q_t = adapter_lib.adapt_queries(params, query)
-  m_t = adapter_lib.adapt_memories(params, candidates)
-  return explorer_lib.explore(key, adapter_lib.relevance_logits(q_t, m_t), m_t @ m_t.T, where,
-                              feedback, hparams, config.num_rounds, config.slate_size)
+  return retrieval.explorer_slate(key, params, query, candidates, where, feedback,
+                                  config.num_rounds, config.slate_size, hparams)
 
 
 class EvalResult(NamedTuple):

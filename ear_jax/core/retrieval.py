@@ -3,8 +3,9 @@
 Symbols: `n` queries, `M` bank rows, `d` dimension, `K` candidates, `s` slate size.
 
 Every caller goes through these functions: the benchmark pipeline builds its candidate streams with
-`top_k_search`, `ear_jax.agent.Memory` retrieves with `top_k_search` + `slate_from_candidates`, and
-`experiments.bench` times `retrieve` (search + adapter-only slate), i.e. exactly what users call.
+`top_k_search`, `ear_jax.agent.Memory` retrieves with `top_k_search` + `slate_from_candidates`,
+`inference.evaluate` uses `slate_from_candidates` and `explorer_slate`, and `experiments.bench`
+times `retrieve` and `explorer_retrieve`, i.e. exactly what users call.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ear_jax.core import adapter as adapter_lib
+from ear_jax.core import critic as critic_lib
 from ear_jax.core import explorer as explorer_lib
 from ear_jax.core.slates import top_s_slate
 
@@ -37,6 +39,11 @@ def top_k_search(queries: jax.Array, bank: jax.Array, valid: jax.Array, k: int,
     best first.
   """
   scores = queries @ bank.T  # [n, M]
+  if bank.shape[0] < k:  # a bank smaller than K: pad with invalid rows (static shapes)
+    pad = k - bank.shape[0]
+    scores = jnp.pad(scores, ((0, 0), (0, pad)))
+    valid = jnp.pad(valid, (0, pad))
+    stores = None if stores is None else jnp.pad(stores, (0, pad), constant_values=-1)
   if stores is None:
     vals, idx = jax.lax.top_k(jnp.where(valid[None, :], scores, -jnp.inf), k)
   else:
@@ -85,7 +92,12 @@ def slate_from_candidates(params: adapter_lib.AdapterParams, query: jax.Array,
 
 def retrieve(params: adapter_lib.AdapterParams, queries: jax.Array, bank: jax.Array,
              valid: jax.Array, k: int, slate_size: int):
-  """Batched adapter-only retrieval: `top_k_search`, then `slate_from_candidates` per query.
+  """Batched adapter-only retrieval: `top_k_search`, then the adapter's top-s of each query.
+
+  When the batch's `n K` candidate rows outnumber the bank's `M` rows (a static shape test), the
+  bank is adapted once and the candidates' adapted rows are gathered from it; otherwise the `n K`
+  candidates are adapted (`slate_from_candidates`). Both give the same logits (Eq. (3)-(4) act
+  row by row).
 
   Args:
     params: adapter parameters.
@@ -99,12 +111,82 @@ def retrieve(params: adapter_lib.AdapterParams, queries: jax.Array, bank: jax.Ar
     `(memory rows [n, s] int32 (-1 = empty), candidates [n, K] int32, logits [n, K])`.
   """
   idx, _, mask = top_k_search(queries, bank, valid, k)
-  cands = bank[jnp.maximum(idx, 0)]
-  slate, slate_mask, z = jax.vmap(slate_from_candidates, in_axes=(None, 0, 0, 0, None))(
-      params, queries, cands, mask, slate_size)
+  safe = jnp.maximum(idx, 0)
+  if queries.shape[0] * k > bank.shape[0]:
+    bank_t = adapter_lib.adapt_memories(params, bank)  # [M, d]
+    q_t = adapter_lib.adapt_queries(params, queries)  # [n, d]
+    z = jnp.einsum("nkd,nd->nk", bank_t[safe], q_t)
+    slate, slate_mask = jax.vmap(top_s_slate, in_axes=(0, 0, None))(z, mask, slate_size)
+  else:
+    slate, slate_mask, z = jax.vmap(slate_from_candidates, in_axes=(None, 0, 0, 0, None))(
+        params, queries, bank[safe], mask, slate_size)
   rows = jnp.where(slate_mask, jnp.take_along_axis(idx, jnp.maximum(slate, 0), 1), -1)
   return rows, idx, z
 
 
+def explorer_slate(key: jax.Array, params: adapter_lib.AdapterParams, query: jax.Array,
+                   candidates: jax.Array, where: jax.Array, feedback, num_rounds: int,
+                   slate_size: int, hparams) -> explorer_lib.ExplorerOutput:
+  """Explorer-assisted slate of one query: T rounds with the critic (Section 3.6, Alg. 2).
+
+  Args:
+    key: PRNG key; the key is consumed.
+    params: adapter parameters.
+    query: `[d]` pre-adapter query.
+    candidates: `[K, d]` pre-adapter candidates.
+    where: `[K]` bool, valid candidates.
+    feedback: `(key, slate, slate_mask) -> labels [s]`.
+    num_rounds: `T` (static).
+    slate_size: `s` (static).
+    hparams: Explorer hyperparameters.
+
+  Returns:
+    The `ExplorerOutput`; the final slate is `out.slates[-1]`.
+  """
+  q_t = adapter_lib.adapt_queries(params, query)
+  m_t = adapter_lib.adapt_memories(params, candidates)
+  return explorer_lib.explore(key, adapter_lib.relevance_logits(q_t, m_t), m_t @ m_t.T, where,
+                              feedback, hparams, num_rounds, slate_size)
+
+
+def explorer_retrieve(key: jax.Array, params: adapter_lib.AdapterParams, queries: jax.Array,
+                      bank: jax.Array, valid: jax.Array, gold: jax.Array, k: int,
+                      num_rounds: int, slate_size: int, hparams, critic: critic_lib.Critic):
+  """Batched explorer-assisted retrieval: `top_k_search`, then `explorer_slate` per query.
+
+  Args:
+    key: PRNG key for the critic; the key is consumed.
+    params: adapter parameters.
+    queries: `[n, d]` pre-adapter queries.
+    bank: `[M, d]` memory embeddings.
+    valid: `[M]` bool.
+    gold: `[n, M]` bool gold flags (what a simulated critic sees; all False when unknown).
+    k: `K` (static).
+    num_rounds: `T` (static).
+    slate_size: `s` (static).
+    hparams: Explorer hyperparameters.
+    critic: a jitted critic pytree (e.g. `critic.default_critic()`).
+
+  Returns:
+    `[n, s]` int32 memory rows of round T's slate (-1 = empty).
+  """
+  idx, _, mask = top_k_search(queries, bank, valid, k)
+  safe = jnp.maximum(idx, 0)
+  cand_gold = jnp.take_along_axis(gold, safe, 1) & mask
+
+  def one(kk, q, c, g, where):
+    def feedback(k2, slate, slate_mask):
+      return critic(k2, critic_lib.slate_view(q, c, g, slate, slate_mask))
+
+    out = explorer_slate(kk, params, q, c, where, feedback, num_rounds, slate_size, hparams)
+    return out.slates[-1], out.slate_mask[-1]
+
+  slate, slate_mask = jax.vmap(one)(jax.random.split(key, queries.shape[0]), queries, bank[safe],
+                                    cand_gold, mask)
+  return jnp.where(slate_mask, jnp.take_along_axis(idx, jnp.maximum(slate, 0), 1), -1)
+
+
 top_k_search_jit = jax.jit(top_k_search, static_argnames=("k",))
 retrieve_jit = jax.jit(retrieve, static_argnames=("k", "slate_size"))
+explorer_retrieve_jit = jax.jit(explorer_retrieve,
+                                static_argnames=("k", "num_rounds", "slate_size"))

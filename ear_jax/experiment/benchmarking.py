@@ -214,44 +214,11 @@ def run_seeds(stream: Stream, config: EARConfig, hparams: HParams, num_seeds: in
 
 
 # ------------------------------------------------------------------------------------------------
-def explorer_retrieve(key: jax.Array, params: AdapterParams, queries: jax.Array, bank: jax.Array,
-                      valid: jax.Array, gold: jax.Array, config: EARConfig, hparams: HParams,
-                      critic: critic_lib.Critic):
-  """Batched explorer-assisted retrieval: `retrieval.top_k_search`, then T Explorer rounds.
-
-  Per query, `inference.explorer_slate` with `critic` shown each slate through
-  `critic.slate_view`; round T's slate is returned (Section 3.6). The batched counterpart of
-  `retrieval.retrieve` for explorer-assisted inference.
-
-  Args:
-    key: PRNG key for the critic; the key is consumed.
-    params: adapter parameters.
-    queries: `[n, d]` pre-adapter queries.
-    bank: `[M, d]` memory embeddings.
-    valid: `[M]` bool.
-    gold: `[n, M]` bool gold flags (what a simulated critic sees).
-    config: static config (`num_candidates`, `num_rounds`, `slate_size`).
-    hparams: Explorer hyperparameters.
-    critic: a jitted critic pytree, e.g. `critic.default_critic()`.
-
-  Returns:
-    `[n, s]` int32 memory rows of round T's slate (-1 = empty).
-  """
-  idx, _, mask = retrieval.top_k_search(queries, bank, valid, config.num_candidates)
-  safe = jnp.maximum(idx, 0)
-  cand_gold = jnp.take_along_axis(gold, safe, 1) & mask
-
-  def one(k, q, c, g, where):
-    def feedback(kk, slate, slate_mask):
-      return critic(kk, critic_lib.slate_view(q, c, g, slate, slate_mask))
-
-    out = inference.explorer_slate(k, params, q, c, where, feedback, config, hparams)
-    return out.slates[-1], out.slate_mask[-1]
-
-  slate, slate_mask = jax.vmap(one)(jax.random.split(key, queries.shape[0]), queries, bank[safe],
-                                    cand_gold, mask)
-  return jnp.where(slate_mask, jnp.take_along_axis(idx, jnp.maximum(slate, 0), 1), -1)
-
+def explorer_retrieve(key, params, queries, bank, valid, gold, config, hparams, critic):
+  """`retrieval.explorer_retrieve` with the shapes taken from `config`."""
+  return retrieval.explorer_retrieve(key, params, queries, bank, valid, gold,
+                                     config.num_candidates, config.num_rounds, config.slate_size,
+                                     hparams, critic)
 
 explorer_retrieve_jit = jax.jit(explorer_retrieve, static_argnames=("config",))
 

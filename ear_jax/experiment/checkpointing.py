@@ -2,8 +2,9 @@
 
 Symbols: `S` seeds.
 
-A run directory holds an Orbax `CheckpointManager` whose step is the number of training queries
-processed (the position in the stream). Each step stores two items:
+A run directory is an `ear_jax.io.checkpoints.CheckpointStore` (atomic, verified Orbax steps, locked
+against concurrent writers) whose step is the number of training queries processed (the position
+in the stream). Each step stores two items:
 
   * `state`: the stacked `LearnerState` `[S, ...]` (adapter, optimizer state, Experience Buffer,
     counters) and the seeds' PRNG keys, saved with `StandardSave`;
@@ -154,9 +155,8 @@ class RunCheckpointer:
         check_compatible(stored, {p: (s, d) for p, s, d in self._ident["leaves"]},
                          f"array shapes of the checkpoint in {self.directory} and this run")
     except ValueError as e:
-      raise ValueError(
-          f"{e}. It was written by a different run and cannot be resumed here; {_UNTOUCHED[0].lower()}"
-          f"{_UNTOUCHED[1:]}: use another --workdir, or the original settings.") from None
+      raise ValueError(f"{e}. It was written by a different run and cannot be resumed here. "
+                       f"{_UNTOUCHED}; use another --workdir, or the original settings.") from None
 
   def restore(self, position: Optional[int] = None):
     """`(state, position, extra)` of a step (default: the latest), after checking compatibility.

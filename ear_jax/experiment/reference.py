@@ -4,12 +4,12 @@ An oracle for the tests (`tests/test_numpy_reference.py`: the jitted `learner.tr
 it on identical draws) and the NumPy baseline of `experiments.bench` (the `numpy` row).
 
 Written from the paper's equations with plain loops and hand-derived gradients (no autodiff), so it
-shares no code with `ear_jax`. Random numbers are passed in (`Randoms`), so the JAX step and this one
-can be fed identical draws: `draw_randoms` reproduces the JAX step's key splitting.
+shares no code with `ear_jax`. Random numbers are passed in (`Randoms`), so the JAX step and this
+one can be fed identical draws: `draw_randoms` reproduces the JAX step's key splitting.
 
 Public:
-  `numpy_train_batch(state, batch, randoms, config, hp)` -> (state, records): one optimizer step on a
-    batch (losses averaged over the batch's queries, experiences pushed after the step).
+  `numpy_train_batch(state, batch, randoms, config, hp)` -> (state, records): one optimizer step on
+    a batch (losses averaged over the batch's queries, experiences pushed after the step).
   `numpy_train_stream(state, stream, config, hp, rng)` -> state: a whole stream, with NumPy draws
     (the `numpy` row of `experiments.bench`, via `ear_jax.experiment.benchmarking.run_numpy`).
   `init_numpy_state(config)`, `draw_randoms(key, config)`.

@@ -52,7 +52,14 @@ _META_FILE = "metadata"  # the file name of Orbax's JsonCheckpointHandler
 _TMP_MARK = ".orbax-checkpoint-tmp"
 _TRASH = ".trash-"
 _RECORD = "ear_jax.io/leaves-1"  # key of the leaf record in the `state` item's custom metadata
-_MISSING = "<missing>"
+
+
+class _Missing:
+  def __repr__(self):
+    return "<missing>"
+
+
+_MISSING = _Missing()
 
 
 class CheckpointError(RuntimeError):

@@ -1,0 +1,136 @@
+"""The paper's experiments as suites: which runs, and how their results become tables and plots.
+
+No algorithm lives here: runs go through `ear_jax.experiment.runner.train_and_evaluate` (via
+`Runner`, which caches runs that several tables share); the suites write markdown tables (measured
+beside the paper's numbers), PNG plots, per-run JSON and per-query training logs, and
+`results.json`.
+
+Suites (`SUITES`, name -> function): main (Table 2), ablation (Table 3), hparams (Tables 6-7),
+curves (Figs. 3-4), noise (Fig. 5), multistore (Tables 4-5, Fig. 6, Appendix C); `all` runs them in
+order.
+
+Every suite also compares its methods with a baseline on PAIRED seeds (same seed = same split and
+keys; see `pairing`): the mean per-seed difference and its 95% t-interval over seeds
+(`ear_jax.experiment.stats`) go into the tables ("Δ ... [95% CI]" columns), into results.json
+("paired": suite -> list of records) and into the readings (`results_md.readings_md`).
+
+Modules: `options` (Options), `paper` (the paper's numbers, table cells), `run_cache` (Runner),
+`pairing` (paired comparisons), `main_ablation`, `hparams_curves`, `noise_multistore` (the suites).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+from absl import logging
+import numpy as np
+
+from ear_jax.experiment import plots
+from ear_jax.experiment import results_md
+from ear_jax.experiment import summaries
+from ear_jax.experiment.suites import hparams_curves
+from ear_jax.experiment.suites import main_ablation
+from ear_jax.experiment.suites import noise_multistore
+from ear_jax.experiment.suites.options import Options
+from ear_jax.experiment.suites.pairing import DELTA_NOTE, get_metric
+from ear_jax.experiment.suites.paper import PAPER, fmt, md_table
+from ear_jax.experiment.suites.run_cache import Runner
+
+
+# Suite name -> suite function `(Runner) -> markdown` (adding a suite: one function, one line here).
+# The order is the order of `--suite=all`.
+SUITES = {
+    "main": main_ablation.suite_main,
+    "ablation": main_ablation.suite_ablation,
+    "hparams": hparams_curves.suite_hparams,
+    "curves": hparams_curves.suite_curves,
+    "noise": noise_multistore.suite_noise,
+    "multistore": noise_multistore.suite_multistore,
+}
+ALL_ORDER = tuple(SUITES)
+SUITE_NAMES = ALL_ORDER + ("all",)  # the values of `--suite`
+
+
+def suite_names(suite: str, benchmark: str) -> list:
+  """The suites `suite` stands for ('all': every suite the benchmark supports)."""
+  names = list(ALL_ORDER) if suite == "all" else [suite]
+  if suite == "all" and benchmark == "longmemeval":
+    names.remove("multistore")  # LongMemEval has no observation store
+  return names
+
+
+def run_single_method(r: Runner) -> str:
+  """Runs `opts.method` alone (no suite): its table and, with `eval_every`, its learning curve."""
+  s = r.run(r.opts.method, eval_every=r.opts.eval_every if r.opts.eval_every else None)
+  rows = [[s["method"], fmt(get_metric(s, "recall_adapter")),
+           fmt(get_metric(s, "hitrate_adapter")), fmt(get_metric(s, "recall_explorer")),
+           fmt(get_metric(s, "hitrate_explorer")), fmt(s["ceiling"]["recall@K"])]]
+  if s.get("curve") and len(s["curve"]) > 1:
+    plots.learning_curves(r.plot_path(f"curve_{s['method']}"), {s["method"]: s["curve"]},
+                          title=f"{s['method']} on {r.opts.benchmark}")
+  return "\n".join([f"### {s['method']} — {r.opts.benchmark}", "",
+                    md_table(["method", "R@5 adapter", "Hit@5 adapter", "R@5 explorer",
+                              "Hit@5 explorer", "Recall@K ceiling"], rows)])
+
+
+def run(opts: Options) -> dict:
+  """Runs `opts.suite` (or the single `opts.method`) and writes the workdir; returns results."""
+  t_start = time.perf_counter()
+  r = Runner(opts)
+  names = suite_names(opts.suite, opts.benchmark) if opts.suite else []
+  md_parts = []
+  if not names:
+    md_parts.append(run_single_method(r))
+    r.timings["method"] = round(time.perf_counter() - t_start, 1)
+  for i, name in enumerate(names):
+    t0 = time.perf_counter()
+    elapsed = t0 - t_start
+    eta = ("" if i == 0 else
+           f", ETA for the remaining suites ~{elapsed / i * (len(names) - i):.0f} s")
+    logging.info("suite %d/%d: %s on %s (%.0f s elapsed%s)", i + 1, len(names), name,
+                 opts.benchmark, elapsed, eta)
+    md = SUITES[name](r)
+    r.tables[name] = md  # RESULTS.md adds the readings from results.json "paired"
+    r.timings[name] = round(time.perf_counter() - t0, 1)
+    readings = results_md.readings_md(r.paired.get(name, []))
+    md_parts.append(md + ("\n\n" + readings if readings else ""))
+    with open(r.workdir / f"table_{name}.md", "w") as f:
+      f.write(md_parts[-1] + "\n")
+  wall = time.perf_counter() - t_start
+  b = r.bench()
+  results = {
+      "command": opts.command, "suite": opts.suite, "method": None if opts.suite else opts.method,
+      "benchmark": opts.benchmark, "options": {k: v for k, v in dataclasses.asdict(opts).items()
+                                               if k != "command"},
+      "versions": summaries.versions(), "seeds": r.seeds,
+      "dataset": {k: v for k, v in b.stats.items() if k not in ("evidence_ids_dropped_list",)},
+      "runs": r.summaries, "tables": r.tables, "plots": r.plots,
+      # suite -> [{treatment, baseline, metric, n, mean, sd, lo, hi, per_seed, verdict,
+      #            confidence, interval, paper_delta, expected_sign, vs_paper, primary, score}]
+      "paired": r.paired, "paired_note": DELTA_NOTE,
+      "suite_wall_seconds": r.timings, "wall_seconds": round(wall, 1),
+  }
+  with open(r.workdir / "results.json", "w") as f:
+    json.dump(results, f, indent=1, default=_json_default)
+  text = "\n\n".join(md_parts)
+  with open(r.workdir / "tables.md", "w") as f:
+    f.write(text + "\n")
+  return results
+
+
+def _json_default(o):
+  """`json.dump` fallback: numpy scalars / arrays and tuples as JSON, anything else as str."""
+  if isinstance(o, (np.integer,)):
+    return int(o)
+  if isinstance(o, (np.floating,)):
+    return float(o)
+  if isinstance(o, np.ndarray):
+    return o.tolist()
+  if isinstance(o, tuple):
+    return list(o)
+  return str(o)
+
+
+__all__ = ["ALL_ORDER", "DELTA_NOTE", "Options", "PAPER", "Runner", "SUITES", "SUITE_NAMES", "run",
+           "run_single_method", "suite_names"]

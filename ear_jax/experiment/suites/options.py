@@ -1,0 +1,33 @@
+"""`Options`: everything a suite run needs, as one dataclass (no flags are read here)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass
+class Options:
+  """Everything a suite needs; built from flags by experiments/run.py (or directly in tests)."""
+  benchmark: str = "synthetic"  # locomo | longmemeval | jsonl | synthetic
+  data_dir: Optional[str] = None
+  jsonl: Optional[str] = None
+  encoder: str = "minilm"
+  cache_dir: Optional[str] = None
+  limit: Optional[int] = None
+  k: int = 20
+  seeds: int = 10
+  workdir: str = "runs/default"
+  suite: Optional[str] = None
+  method: str = "ear"
+  checkpoint_every: Optional[int] = 256
+  resume: bool = False
+  eval_every: int = 64
+  stop_after_chunks: Optional[int] = None
+  progress: bool = True
+  config_overrides: dict = dataclasses.field(default_factory=dict)
+  hparam_overrides: dict = dataclasses.field(default_factory=dict)
+  critic_overrides: dict = dataclasses.field(default_factory=dict)  # simulated critic p / r
+  synthetic_queries: int = 500
+  synthetic_dim: int = 32
+  noise_levels: tuple = (0.7, 0.8, 0.9, 1.0)
+  command: str = ""

@@ -1,0 +1,124 @@
+"""Paired comparisons over seeds (GitHub issue 14): each suite compares its methods with a baseline.
+
+Seeds are paired by construction. `Runner.bench` computes ONE split per seed
+(`runner.seed_splits` -> `datasets.split_indices(N, seed)`, a fixed numpy permutation) and every run
+on that benchmark gets the same split and the same seed list; `runner.train_and_evaluate` derives
+every PRNG key of seed i from `PRNGKey(seeds[i])`: the adapter init, the per-query episode keys
+(query n of seed i uses key n, which drives the simulated critic's noise and the exploration) and
+the evaluation key. So seed i of every method sees the same train/test split and the same keys,
+and the per-seed difference `method_i - baseline_i` removes the split-to-split variation both
+share. (Runs with a different number of epochs split the episode key into a different number of
+query keys, so their critic draws differ; split and evaluation key still match. Runs on the
+multi-store benchmark are only paired with other multi-store runs.)
+
+`pair` records every comparison in `Runner.paired[suite]` (-> results.json "paired"): the
+`stats.paired_difference` fields (n, mean, sd, lo, hi, per_seed, verdict, confidence) plus who
+is compared, the metric, the paper's difference where the paper gives both numbers, and whether
+the verdict agrees with the paper's direction. Records with `primary` feed the "Readings" list
+(`ear_jax.experiment.results_md.readings_md`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ear_jax.experiment import stats
+from ear_jax.experiment.suites.run_cache import Runner
+
+
+def get_metric(summary, metric):
+  """`summary["metrics"][metric]`: a `mean_std` dict of a run summary."""
+  return summary["metrics"][metric]
+
+
+DELTA_NOTE = ("Δ columns: mean over seeds of the per-seed paired difference method − baseline "
+              "(same seed = same train/test split and PRNG keys), in points, with its "
+              f"[{stats.INTERVAL_LABEL}] (Student t, n−1 dof; 'better'/'worse' only when the "
+              "interval excludes 0, otherwise a tie).")
+
+
+METRIC_LABELS = {"recall": "R@5", "hitrate": "Hit@5"}
+
+# A paired difference as a table cell: '+1.23 [-0.45, +2.91]'.
+fd = stats.format_difference
+
+
+def _sign(v):
+  if v is None or not np.isfinite(v) or v == 0:
+    return None
+  return 1 if v > 0 else -1
+
+
+def pair(r: Runner, suite: str, treatment: dict, baseline: dict, metric: str, t_values,
+         b_values, *, paper_delta=None, expected_sign=None, primary: bool = True,
+         score: bool = True) -> dict:
+  """Paired difference `treatment - baseline` of per-seed values, recorded for results.json.
+
+  Args:
+    r: the runner (records go to `r.paired[suite]`).
+    suite: suite name.
+    treatment: `{"label", "run", "mode"}` describing the method (JSON).
+    baseline: the same for the baseline.
+    metric: metric label, e.g. "R@5".
+    t_values: per-seed values of the treatment (seed order `r.seeds`).
+    b_values: per-seed values of the baseline, same seeds.
+    paper_delta: the paper's difference for this comparison, if it reports both numbers.
+    expected_sign: the paper's direction (+1 / -1) when it states one without numbers
+      (default: the sign of `paper_delta`).
+    primary: list this comparison in the suite's readings.
+    score: the metric is a score (higher = better); False for e.g. a count, whose 'better' /
+      'worse' verdicts are read as 'higher' / 'lower'.
+
+  Returns:
+    The `PairedDifference.to_json()` dict.
+  """
+  d = stats.paired_difference(t_values, b_values).to_json()
+  sign = expected_sign if expected_sign is not None else _sign(paper_delta)
+  r.paired.setdefault(suite, []).append({
+      "treatment": treatment, "baseline": baseline, "metric": metric, **d,
+      "paper_delta": None if paper_delta is None else round(float(paper_delta), 2),
+      "expected_sign": sign, "vs_paper": stats.agreement(d, sign), "primary": primary,
+      "score": score})
+  return d
+
+
+def side(label: str, summary: dict, mode: Optional[str]) -> dict:
+  """JSON description of one side of a comparison: label, run name and test mode."""
+  return {"label": label, "run": summary.get("run"), "mode": mode}
+
+
+def pair_runs(r: Runner, suite: str, t: tuple, b: tuple, metrics=("recall", "hitrate"),
+              paper: Optional[dict] = None, primary=True,
+              expected: Optional[dict] = None) -> dict:
+  """`pair` of test metrics of two runs: `t = (label, summary, mode)`, `b` likewise.
+
+  Args:
+    r: the runner.
+    suite: suite name.
+    t: treatment `(label, summary, test mode)`.
+    b: baseline `(label, summary, test mode)`.
+    metrics: 'recall' (R@5) and / or 'hitrate' (Hit@5).
+    paper: optional `{metric: paper difference}`.
+    primary: a bool, or the set of metrics that feed the readings.
+    expected: optional `{metric: +1 / -1}`, the paper's direction where it gives no numbers.
+
+  Returns:
+    `{metric: difference dict}`.
+
+  Raises:
+    ValueError: when the two runs do not share seeds and test-set size (not paired).
+  """
+  (tl, ts, tm), (bl, bs, bm) = t, b
+  if ts.get("seeds") != bs.get("seeds") or ts.get("num_test") != bs.get("num_test"):
+    raise ValueError(f"{tl} and {bl} are not paired: seeds {ts.get('seeds')} vs "
+                     f"{bs.get('seeds')}, test sizes {ts.get('num_test')} vs {bs.get('num_test')}")
+  out = {}
+  for metric in metrics:
+    pm = primary if isinstance(primary, bool) else metric in primary
+    out[metric] = pair(r, suite, side(tl, ts, tm), side(bl, bs, bm), METRIC_LABELS[metric],
+                       get_metric(ts, f"{metric}_{tm}")["per_seed"],
+                       get_metric(bs, f"{metric}_{bm}")["per_seed"],
+                       paper_delta=(paper or {}).get(metric),
+                       expected_sign=(expected or {}).get(metric), primary=pm)
+  return out

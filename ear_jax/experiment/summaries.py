@@ -1,0 +1,187 @@
+"""JSON-able summaries of experiment runs: mean ± std over seeds, the Recall@K ceiling,
+per-category metrics, learning-curve crossings, the multi-store diagnostics (Table 5, Fig. 6,
+Appendix C) and the library versions a result depends on.
+
+`summarize` turns a `runner.RunResult` into the per-run dict written to `result.json` and
+`results.json` (percent, per seed and mean ± std). Library code: no flags are read here.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ear_jax.core import adapter as adapter_lib
+from ear_jax.core.config import EARConfig, HParams
+from ear_jax.core.stream import Stream
+from ear_jax.experiment.runner import METRIC_NAMES, RunResult
+
+
+def hparams_dict(hparams: HParams) -> dict:
+  """The hyperparameters as plain floats (for JSON)."""
+  return {f.name: float(np.asarray(getattr(hparams, f.name)))
+          for f in dataclasses.fields(hparams)}
+
+
+def config_dict(config: EARConfig) -> dict:
+  """The static config as a JSON-able dict."""
+  return config.to_dict()
+
+
+def mean_std(values) -> dict:
+  """`{"per_seed", "mean", "std"}` (population std over seeds; NaN seeds ignored)."""
+  v = np.asarray(values, np.float64).reshape(-1)
+  ok = v[np.isfinite(v)]
+  return {"per_seed": [None if not np.isfinite(x) else round(float(x), 4) for x in v],
+          "mean": round(float(ok.mean()), 4) if ok.size else None,
+          "std": round(float(ok.std()), 4) if ok.size else None}
+
+
+def _masked_pct(values, where):
+  values, where = np.asarray(values, np.float64), np.asarray(where, bool)
+  return 100.0 * (values * where).sum(-1) / np.maximum(where.sum(-1), 1)
+
+
+def ceiling(stream: Stream, test_index: np.ndarray, slate_size: int = 5) -> dict:
+  """Best achievable test metrics of any reranker of the K candidates, per seed (percent).
+
+  `recall@K`: all gold inside the top-K; `recall@s`: that and at most `s` gold; `hitrate@K`: any.
+  """
+  gold = np.asarray(stream.gold)[test_index].sum(-1)
+  ng = np.asarray(stream.num_gold)[test_index]
+  has = ng > 0
+  return {"recall@K": mean_std(_masked_pct(gold >= ng, has)),
+          f"recall@{slate_size}": mean_std(_masked_pct((gold >= ng) & (ng <= slate_size), has)),
+          "hitrate@K": mean_std(_masked_pct(gold > 0, has))}
+
+
+def summarize(result: RunResult, stream: Stream, categories: Optional[np.ndarray] = None,
+              slate_size: int = 5) -> dict:
+  """JSON-able summary of a run: per-seed and mean ± std of the four test metrics (percent),
+  per category, the Recall@K ceiling, critic calls, the learning curve and wall time."""
+  ev = result.eval
+  has = np.asarray(stream.num_gold)[result.test_index] > 0
+  out = {"name": result.name, "config": config_dict(result.config),
+         "hparams": hparams_dict(result.hparams), "seeds": result.seeds,
+         "num_train": int(result.train_index.shape[1]), "num_test": int(result.test_index.shape[1]),
+         "metrics": {m: mean_std(100.0 * np.asarray(ev[m], np.float64)) for m in METRIC_NAMES},
+         "ceiling": ceiling(stream, result.test_index, slate_size),
+         "critic_calls": mean_std(result.critic_calls),
+         "wall_seconds": round(result.wall_seconds, 2), "resumed_from": result.resumed_from}
+  if categories is not None:
+    cats = np.asarray(categories)[result.test_index]  # [S, M]
+    per = {}
+    for c in sorted(set(np.asarray(categories).tolist())):
+      sel = (cats == c) & has
+      entry = {"n": mean_std(sel.sum(-1))}
+      for src, m in (("adapter_recall", "recall_adapter"), ("adapter_hit", "hitrate_adapter"),
+                     ("explorer_recall", "recall_explorer"),
+                     ("explorer_hit", "hitrate_explorer")):
+        vals = _masked_pct(ev[src], sel)
+        entry[m] = mean_std(np.where(sel.sum(-1) > 0, vals, np.nan))
+      per[c] = entry
+    out["per_category"] = per
+  if result.curve:
+    out["curve"] = result.curve
+  return out
+
+
+def first_crossing(curve: list, metric: str, level: float, x: str = "queries_seen"):
+  """Mean-over-seeds x at which `metric` first reaches `level` (None if never)."""
+  for p in curve:
+    if np.mean(p[metric]) >= level and p["position"] > 0:
+      return float(np.mean(p[x]))
+  return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-store diagnostics (Section 5, Appendix C)
+
+
+def store_metrics(slates: np.ndarray, gold: np.ndarray, store: np.ndarray,
+                  num_gold_store: np.ndarray, where: Optional[np.ndarray] = None) -> dict:
+  """Per-store Recall@s and observations in the final slate (Table 5, Fig. 6), in percent.
+
+  Args:
+    slates: `[..., M, s]` int candidate indices (-1 = empty).
+    gold: `[..., M, K]` bool gold candidates.
+    store: `[..., M, K]` int8 store of each candidate (0 dialogue, 1 observation).
+    num_gold_store: `[..., M, 2]` gold memories per store in the whole bank.
+    where: optional `[..., M]` bool, queries to average over.
+
+  Returns:
+    `{"recall_dialogue", "recall_observation"` `[...]` percent over queries with gold in that
+    store, `"observations_in_slate"` `[...]` mean count}`.
+  """
+  slates = np.asarray(slates)
+  valid = slates >= 0
+  idx = np.maximum(slates, 0)
+  g = np.take_along_axis(np.asarray(gold), idx, -1) & valid
+  st = np.take_along_axis(np.asarray(store), idx, -1)
+  where = np.ones(slates.shape[:-1], bool) if where is None else np.asarray(where, bool)
+  out = {}
+  for sid, sname in ((0, "dialogue"), (1, "observation")):
+    ng = np.asarray(num_gold_store)[..., sid]
+    hits = (g & (st == sid)).sum(-1)
+    sel = where & (ng > 0)
+    out[f"recall_{sname}"] = np.where(sel.sum(-1) > 0, _masked_pct(hits >= ng, sel), np.nan)
+  obs = ((st == 1) & valid).sum(-1)
+  out["observations_in_slate"] = (obs * where).sum(-1) / np.maximum(where.sum(-1), 1)
+  return out
+
+
+def store_proximity_delta(params: adapter_lib.AdapterParams, queries: jax.Array,
+                          candidates: jax.Array, mask: jax.Array, store: jax.Array):
+  """Appendix C, Eq. (21)-(23): `Delta(q) = d_e(q) - d_s(q)` before and after the adapter.
+
+  `d_e`/`d_s` is the mean cosine distance `1 - sim` of the query to the query's episodic (store 0)
+  / semantic (store 1) candidates. Positive: closer to semantic memories.
+
+  Args:
+    params: adapter parameters (unbatched).
+    queries: `[M, d]` pre-adapter queries.
+    candidates: `[M, K, d]` pre-adapter candidates.
+    mask: `[M, K]` bool valid candidates.
+    store: `[M, K]` int store ids.
+
+  Returns:
+    `(delta_before [M], delta_after [M])`; NaN where a query lacks candidates of one store.
+  """
+  def delta(q, m):
+    sim = jnp.einsum("nd,nkd->nk", q, m)
+    out = []
+    for sid in (0, 1):
+      w = mask & (store == sid)
+      d = jnp.sum(jnp.where(w, 1.0 - sim, 0.0), -1) / jnp.maximum(jnp.sum(w, -1), 1)
+      out.append(jnp.where(jnp.any(w, -1), d, jnp.nan))
+    return out[0] - out[1]
+
+  unit = adapter_lib.safe_normalize
+  before = delta(unit(queries), unit(candidates))
+  q_t = jax.vmap(lambda q: adapter_lib.adapt_queries(params, q))(queries)
+  m_t = jax.vmap(lambda c: adapter_lib.adapt_memories(params, c))(candidates)
+  return before, delta(q_t, m_t)
+
+
+def versions() -> dict:
+  """Versions of the libraries a result depends on."""
+  import platform  # pylint: disable=g-import-not-at-top
+  import flax  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  import ear_jax  # pylint: disable=g-import-not-at-top
+  out = {"python": platform.python_version(), "jax": jax.__version__, "flax": flax.__version__,
+         "optax": optax.__version__, "ear_jax": ear_jax.__version__,
+         "numpy": np.__version__, "backend": jax.default_backend()}
+  try:
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    out["orbax_checkpoint"] = ocp.__version__
+  except Exception:  # pylint: disable=broad-except
+    pass
+  return out
+
+
+__all__ = ["ceiling", "config_dict", "first_crossing", "hparams_dict", "mean_std",
+           "store_metrics", "store_proximity_delta", "summarize", "versions"]
