@@ -1,9 +1,9 @@
 """One EAR training episode with a real LLM critic instead of the simulated one.
 
 The benchmark's queries are split 80/20 (Section 4.4, `--seed`); the training stream is processed
-once, in order, with `ear_jax.agent.episode.run_critic_episode` (host-side loop: T Explorer rounds per
-query whose labels come from the LLM's citations through the critic protocol `critic(key, view)`, then
-the one jitted learner step). At the end the adapter-only Recall@5 / Hitrate@5 on the test split is
+once, in order, with `ear_jax.agent.episode.run_critic_episode` (host-side loop: T Explorer rounds
+per query whose labels come from the LLM's citations through the critic protocol
+`critic(key, view)`, then the one jitted learner step). At the end the adapter-only Recall@5 / Hitrate@5 on the test split is
 reported beside the frozen retriever's, with the critic's call statistics (unparseable replies, HTTP
 errors and timeouts apply no update and are counted).
 

@@ -23,12 +23,14 @@ def setup():
   return bench, train, test, config
 
 
-def _run(setup, directory, **kw):
+def _run(setup, directory, eval_every=16, **kw):
+  """A 2-seed EAR run checkpointed every 16 queries; `eval_every=None` skips the learning curve
+  (and its compilation) for the tests that never reach an evaluation."""
   bench, train, test, config = setup
   kw.setdefault("config", config)
   config = kw.pop("config")
   return ex.train_and_evaluate("ear", bench.stream, train, test, config, default_hparams(),
-                               [0, 1], eval_every=16, checkpoint_every=16,
+                               [0, 1], eval_every=eval_every, checkpoint_every=16,
                                checkpointer=checkpointing.RunCheckpointer(directory), **kw)
 
 
@@ -52,6 +54,7 @@ def uninterrupted(setup, tmp_path_factory):
   return _run(setup, d), d
 
 
+@pytest.mark.slow
 def test_interrupted_then_resumed_run_is_bitwise_identical(setup, uninterrupted, tmp_path):
   full, _ = uninterrupted
   with pytest.raises(ex.Interrupted) as e:
@@ -67,6 +70,7 @@ def test_interrupted_then_resumed_run_is_bitwise_identical(setup, uninterrupted,
     np.testing.assert_array_equal(full.train_log[k], resumed.train_log[k])
 
 
+@pytest.mark.slow
 def test_restore_adapter_gives_the_final_adapter_and_rejects_another_config(setup, uninterrupted):
   full, d = uninterrupted
   params, config, meta = checkpointing.restore_adapter(d, seed_index=1)
@@ -77,20 +81,19 @@ def test_restore_adapter_gives_the_final_adapter_and_rejects_another_config(setu
     checkpointing.restore_adapter(d, config=other)
 
 
-def test_resume_with_another_config_is_a_clear_error_and_keeps_checkpoints(setup, uninterrupted,
-                                                                           tmp_path):
+def test_resume_with_another_config_is_a_clear_error_and_keeps_checkpoints(setup, tmp_path):
   with pytest.raises(ex.Interrupted):
-    _run(setup, tmp_path / "c", stop_after_chunks=1)
+    _run(setup, tmp_path / "c", eval_every=None, stop_after_chunks=1)
   before = _tree_hash(tmp_path / "c")
   other = setup[3].__class__(**{**setup[3].__dict__, "replay_size": 2})
   with pytest.raises(ValueError, match="replay_size"):
-    _run(setup, tmp_path / "c", resume=True, config=other)
+    _run(setup, tmp_path / "c", eval_every=None, resume=True, config=other)
   assert _tree_hash(tmp_path / "c") == before
 
 
 def test_corrupted_checkpoint_is_a_clear_error_and_keeps_checkpoints(setup, tmp_path):
   with pytest.raises(ex.Interrupted):
-    _run(setup, tmp_path / "c", stop_after_chunks=2)
+    _run(setup, tmp_path / "c", eval_every=None, stop_after_chunks=2)
   step = tmp_path / "c" / "32" / "state"
   data = [p for p in step.rglob("*") if p.is_file() and p.stat().st_size > 64]
   assert data
@@ -98,7 +101,7 @@ def test_corrupted_checkpoint_is_a_clear_error_and_keeps_checkpoints(setup, tmp_
     p.write_bytes(p.read_bytes()[:16])
   before = _tree_hash(tmp_path / "c")
   with pytest.raises(checkpointing.CheckpointError, match="left untouched"):
-    _run(setup, tmp_path / "c", resume=True)
+    _run(setup, tmp_path / "c", eval_every=None, resume=True)
   assert _tree_hash(tmp_path / "c") == before
   assert sorted(os.listdir(tmp_path / "c")) == ["16", "32"]
 

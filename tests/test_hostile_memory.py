@@ -163,7 +163,7 @@ def test_save_while_another_thread_mutates_gives_self_consistent_checkpoints(tmp
     assert sum(s.rounds for s in ss.by_id.values()) == x.stats["feedback"]
     assert x.stats["retrievals"] == ss.next_retrieval == len(ss.by_id)
     assert int(st.queries_seen) == 2 * int(st.step) == int(st.buffer.num_pushed)
-    assert int(st.queries_seen) + x.num_ready == x.stats["queries_trained"]
+    assert int(st.queries_seen) + x.num_ready == x.stats["queries_queued"]
     assert all(ss.by_id[sid].open_id == rid for rid, sid in ss.open.items())
     r = x.retrieve("after load", k=3, query_embedding=_queries(1)[0])
     x.feedback(r, [])

@@ -253,3 +253,49 @@ def test_one_checkpoint_error_class_everywhere():
   assert ear_jax.CheckpointError is checkpointing.CheckpointError is checkpoints.CheckpointError
   assert issubclass(CheckpointError, RuntimeError)
   assert pathlib.Path(CheckpointStore("relative").directory).is_absolute()
+
+
+def test_only_event_loop_closed_and_abandoned_orbax_coroutines_are_silenced():
+  from ear_jax.io import _quiet  # pylint: disable=g-import-not-at-top
+  passed = []
+  hook = _quiet._filtered_unraisable(passed.append)  # pylint: disable=protected-access
+
+  class Unraisable(NamedTuple):
+    exc_value: BaseException
+    object: object = None
+
+  async def orbax_like():
+    pass
+
+  coro = orbax_like()
+  coro.close()
+  hook(Unraisable(RuntimeError("Event loop is closed")))
+  hook(Unraisable(RuntimeError("something else")))
+  hook(Unraisable(ValueError("x"), coro))  # not an Orbax coroutine: reported
+  assert [str(u.exc_value) for u in passed] == ["something else", "x"]
+
+
+def test_run_checkpointer_refuses_overwrites_and_lists_differing_fields(tmp_path):
+  from ear_jax.core import learner  # pylint: disable=g-import-not-at-top
+  from ear_jax.core.config import EARConfig, default_hparams  # pylint: disable=g-import-not-at-top
+  config = EARConfig(dim=8, num_candidates=8, buffer_capacity=8)
+  states = jax.vmap(lambda k: learner.init_learner(k, config))(
+      jnp.stack([jax.random.PRNGKey(s) for s in (0, 1)]))
+
+  def bound(cfg):
+    ckpt = checkpointing.RunCheckpointer(tmp_path / "run")
+    ckpt.bind(config=cfg, hparams=default_hparams(), seeds=[0, 1], num_train=32, segment=16,
+              target=states)
+    return ckpt
+
+  ckpt = bound(config)
+  ckpt.save(16, states, {"curve": []})
+  with pytest.raises(ValueError, match="--resume"):
+    bound(config).save(16, states, {})  # a fresh run over these checkpoints
+  restored, position, _ = bound(config).restore()
+  assert position == 16 and _bitwise_equal(restored, states)
+  other = EARConfig(dim=8, num_candidates=8, buffer_capacity=8, num_rounds=config.num_rounds + 1)
+  with pytest.raises(ValueError, match=rf"config.num_rounds: stored={config.num_rounds} vs "
+                                       rf"expected={config.num_rounds + 1}.*left untouched"):
+    bound(other).restore()
+  assert sorted(os.listdir(tmp_path / "run")) == ["16"]

@@ -17,7 +17,14 @@ import subprocess
 import sys
 import threading
 
+import jax
 import numpy as np
+import pytest
+
+from ear_jax.agent import episode as episode_lib
+from ear_jax.core import critic as critic_lib
+from ear_jax.core import episode as core_episode
+from ear_jax.core.config import EARConfig, default_hparams
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from core_utils import learnable_stream  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -92,6 +99,28 @@ def _write_bank(tmp_path, n=60, k=8):
   return jsonl, npz, gold_texts
 
 
+@pytest.mark.slow
+def test_run_critic_episode_with_a_jitted_critic_equals_run_episode():
+  """The host loop (one jitted Explorer round per batch, critic(key, view) per query, one learner
+  step per batch) with the simulated critic is `run_episode` exactly: same keys, same step."""
+  stream = learnable_stream(0, 10, d=16, k=8, num_gold=2)  # 10 queries: the last batch is padded
+  cfg = EARConfig(dim=16, num_candidates=8, slate_size=3, num_rounds=2, batch_size=4,
+                  buffer_capacity=16, replay_size=2)
+  hp = default_hparams(learning_rate=0.05)
+  critic = critic_lib.make_simulated_critic(0.8, 0.9)
+  texts = np.full((10, 8), "memory")
+  state, stats = episode_lib.run_critic_episode(jax.random.PRNGKey(3), stream,
+                                                [f"q{i}" for i in range(10)], texts, critic, cfg,
+                                                hp)
+  ref, _ = core_episode.run_episode(jax.random.PRNGKey(3), stream, cfg, hp, critic)
+  assert stats == {"critic_calls": 20, "critic_ok": 20, "learner_steps": 3, "queries": 10}
+  assert int(state.step) == int(ref.step) == 3 and int(state.queries_seen) == 10
+  for x, y in zip(jax.tree_util.tree_leaves((state.params, state.buffer)),
+                  jax.tree_util.tree_leaves((ref.params, ref.buffer))):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_llm_episode_program_learns_from_a_loopback_llm(tmp_path, monkeypatch):
   for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
     monkeypatch.delenv(var, raising=False)

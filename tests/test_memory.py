@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ear_jax.agent import memory as memory_lib
-from ear_jax.agent.memory import Memory, Retrieval
+from ear_jax.agent.memory import Memory
 from ear_jax.core.config import EARConfig
 from ear_jax.data import encoders
 from ear_jax.io import checkpoints

@@ -1,7 +1,8 @@
 """`ear_jax.experiment.sharding`: the run axis of a sweep split over the devices equals one `vmap`.
 
-Fast: in process, on the default device(s). Slow: a fresh interpreter with 4 forced CPU devices (the
-device count is fixed when JAX starts; only the child's environment is changed).
+Fast: the mesh and the argument checks, in process. Slow: the equality itself, in a fresh interpreter
+with 4 forced CPU devices (the device count is fixed when JAX starts; only the child's environment
+is changed), for 6 seeds (padded to 8 runs) and for 4 hyperparameter settings.
 """
 import json
 import os
@@ -79,26 +80,17 @@ def _run_forced_devices():
   return json.loads(line[len("RESULT"):])
 
 
-def test_sharded_seeds_equal_unsharded_on_the_default_devices():
-  stream = stream_lib.to_device(learnable_stream(0, 8, d=8, k=6))
+def test_run_mesh_spans_every_device_and_bad_keys_fail_before_any_compilation():
+  mesh = sharding.run_mesh()
+  assert mesh.axis_names == (sharding.RUN_AXIS,) and mesh.devices.size == jax.device_count()
+  assert sharding.run_mesh(jax.devices()[:1]).devices.size == 1
+  stream = stream_lib.to_device(learnable_stream(0, 4, d=8, k=6))
   config = ej.EARConfig(dim=8, num_candidates=6, slate_size=2, num_rounds=2, replay_size=2,
                         buffer_capacity=8, batch_size=2)
-  keys = np.asarray(jax.vmap(jax.random.PRNGKey)(np.arange(3)))
-  hp = ej.default_hparams()
-  a = sharding.gather_to_host(sharding.sharded_episodes(keys, stream, config, hp))
-  b = sharding.gather_to_host(sharding.unsharded_episodes(keys, stream, config, hp))
-  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-  assert len(la) == len(lb)
-  for x, y in zip(la, lb):
-    assert x.shape == y.shape and x.shape[0] == 3
-    if x.dtype.kind == "f":
-      np.testing.assert_allclose(x, y, atol=1e-5)
-    else:
-      np.testing.assert_array_equal(x, y)
-  assert np.all(a[0].queries_seen == 8)
-  assert np.any(a[0].params.w_q[0] != a[0].params.w_q[1])  # the seeds are really different runs
-  with pytest.raises(ValueError, match=r"\[R, 2\]"):
-    sharding.sharded_episodes(keys[0], stream, config, hp)
+  key = jax.random.PRNGKey(0)
+  for bad in (key, np.stack([np.asarray(key)] * 2)[None]):  # [2] and [1, 2, 2], not [R, 2]
+    with pytest.raises(ValueError, match=r"\[R, 2\]"):
+      sharding.sharded_episodes(bad, stream, config, ej.default_hparams())
 
 
 @pytest.mark.slow

@@ -56,7 +56,8 @@ def check_text_list(texts, what: str) -> list[str]:
   Raises:
     InputTypeError: `texts` is not a string or a sequence (a dict, a set, bytes, a number...), or
       one element is not a string.
-    ValueError: an empty sequence, an empty text, or a text with a lone surrogate (naming its index).
+    ValueError: an empty sequence, an empty text, or a text with a lone surrogate (naming its
+      index).
   """
   if isinstance(texts, str):
     texts = [texts]
@@ -244,8 +245,8 @@ class Bank:
       return
     if avail == 0:
       raise ValueError(f"k={k} is larger than the memory bank: the bank is empty"
-                       + ("" if multistore or not len(self) else
-                          " of dialogue memories (observations are candidates only with multistore)"))
+                       + ("" if multistore or not len(self) else " of dialogue memories "
+                          "(observations are candidates only with multistore)"))
     raise ValueError(f"k={k} is larger than the memory bank: only {avail} memories can be "
                      f"retrieved ({len(self)} in the bank)")
 
@@ -286,19 +287,20 @@ class Bank:
     return arrays, {"ids": list(self.ids), "texts": list(self.texts)}
 
   @classmethod
-  def restore(cls, dim: int, arrays, meta, where: str) -> "Bank":
-    """The bank of `snapshot`; ValueError naming `where` when the arrays do not match the ids."""
+  def restore(cls, dim: int, arrays, meta, where: str, min_capacity: int) -> "Bank":
+    """The bank of `snapshot` (capacity at least `min_capacity`, e.g. K); ValueError naming `where`
+    when the arrays do not match the ids."""
     ids, texts = list(meta["ids"]), list(meta["texts"])
     n = len(ids)
-    bank = cls(dim, max(n, MIN_CAPACITY))
+    bank = cls(dim, max(n, min_capacity))
     if len(texts) != n:
       raise ValueError(f"{where}: {n} memory ids but {len(texts)} texts")
     if n:
       emb = np.asarray(arrays["embeddings"], np.float32)
       codes = np.asarray(arrays["stores"]).astype(np.int8)
       if emb.shape != (n, dim) or codes.shape != (n,):
-        raise ValueError(f"{where}: bank embeddings {emb.shape} / stores {codes.shape} do not match "
-                         f"{n} memories of dimension {dim}")
+        raise ValueError(f"{where}: bank embeddings {emb.shape} / stores {codes.shape} do not "
+                         f"match {n} memories of dimension {dim}")
       bank.append(ids, texts, codes, emb)
     return bank
 

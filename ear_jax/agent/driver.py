@@ -103,7 +103,7 @@ class Driver:
 
   @classmethod
   def restore(cls, config: EARConfig, seed: int, arrays, meta, where: str) -> "Driver":
-    """The driver of `snapshot`; ValueError naming `where` when the learner does not fit `config`."""
+    """The driver of `snapshot`; ValueError naming `where` when it does not fit `config`."""
     hparams = HParams(**{k: jnp.asarray(v, jnp.float32) for k, v in arrays["hparams"].items()})
     out = cls(config, hparams, seed)
     template = jax.tree_util.tree_leaves(out.state)
@@ -120,6 +120,13 @@ class Driver:
     out.state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out.state), leaves)
     if meta["num_ready"]:
       r = arrays["ready"]
+      T, K, d = config.num_rounds, config.num_candidates, config.dim
+      shapes = dict(query=(d,), candidates=(K, d), mask=(K,), slates=(T, K), slate_mask=(T, K),
+                    labels=(T, K))
+      for f, shape in shapes.items():
+        if np.shape(r[f]) != (meta["num_ready"],) + shape:
+          raise ValueError(f"{where}: queued training array {f!r} has shape {np.shape(r[f])}, "
+                           f"expected {(meta['num_ready'],) + shape}")
       out.ready = [TrainItem(*(np.asarray(r[f][j]) for f in TrainItem._fields))
                    for j in range(meta["num_ready"])]
     out.num_batches = int(meta["num_batches"])

@@ -1,4 +1,4 @@
-"""Host-side critic loops: one agent step (`llm_feedback`) and a training episode (`run_critic_episode`).
+"""Host-side critic loops: an agent step (`llm_feedback`), a training episode (`run_critic_episode`).
 
 Symbols: `N` queries, `K` candidates, `s` slate size, `T` Explorer rounds, `b` batch size.
 

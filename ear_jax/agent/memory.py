@@ -1,20 +1,11 @@
-"""`Memory`: the stateful front of EAR for a live agent (add, retrieve, learn from citations, persist).
+"""`Memory`: the stateful front of EAR for a live agent (add, retrieve, learn from citations, save).
 
-Symbols: `n` memories, `d` dimension, `K` candidates per query, `k` memories shown (`k <= K`), `T`
-Explorer rounds per query, `b` batch size.
-
-`Memory` holds three parts, each a small module over the pure core, and serialises them with one
-lock:
-
-* `bank.Bank`: ids, texts, stores and the device-resident `[C, d]` embeddings (C doubles when full);
-  candidates come from `ear_jax.core.retrieval.top_k_search`.
-* `sessions.Sessions`: one query session per question (candidates, bandit statistics, its rounds);
-  slates from `ear_jax.core.retrieval.slate_from_candidates`.
-* `driver.Driver`: the learner state; every `b` closed sessions -> one
-  `ear_jax.core.learner.train_batch_on_feedback_jit` step.
-
-Persistence: `ear_jax.agent.persistence` (the shared `ear_jax.io.checkpoints` store). The critic
-loops `llm_feedback` and `run_critic_episode` live in `ear_jax.agent.episode` (re-exported here).
+Symbols: `n` memories, `d` dimension, `K` candidates, `k` memories shown (`k <= K`), `T` Explorer
+rounds, `b` batch size. `Memory` serialises three parts over the pure core with one lock:
+`bank.Bank` (ids, texts, device-resident `[C, d]` embeddings; `retrieval.top_k_search`),
+`sessions.Sessions` (one session per query; `retrieval.slate_from_candidates`) and `driver.Driver`
+(the learner state; `learner.train_batch_on_feedback_jit`). Checkpoints: `persistence`; critic
+loops: `episode` (`llm_feedback`, `run_critic_episode`, re-exported here).
 """
 from __future__ import annotations
 
@@ -102,7 +93,8 @@ class Memory:
     if config is None:
       d = dim if dim is not None else enc_dim
       if d is None:
-        raise ValueError("the embedding dimension is unknown: pass config=EARConfig(dim=...) or dim=")
+        raise ValueError("the embedding dimension is unknown: pass config=EARConfig(dim=...) or "
+                         "dim=")
       config = EARConfig(dim=_check_int(d, "dim", 1))
     if not isinstance(config, EARConfig):
       raise InputTypeError(f"config must be an EARConfig, got {type(config).__name__}")
@@ -114,6 +106,8 @@ class Memory:
       raise ValueError(f"multistore needs an even num_candidates K, got {config.num_candidates}")
     if not config.trains:
       raise ValueError("config.train_slate='none' never learns; use train_slate='explorer'")
+    if hparams is not None and not isinstance(hparams, HParams):
+      raise InputTypeError(f"hparams must be an HParams, got {type(hparams).__name__}")
     self.config = config
     self.multistore = bool(multistore)
     self.cache_dir = None if cache_dir is None else str(cache_dir)
@@ -167,7 +161,8 @@ class Memory:
 
   @property
   def ids(self) -> list[str]:
-    return list(self._bank.ids)
+    with self._lock:
+      return list(self._bank.ids)
 
   @property
   def encoder(self):
@@ -270,27 +265,33 @@ class Memory:
         sids = [self._sessions.continuable_session(r, k) for r in prev]
         if len(set(sids)) != len(sids):
           raise ValueError("a session appears twice in continue_from")
-        return self._play_rounds(sids, k, explore)
+        ss = [self._sessions.by_id[sid] for sid in sids]
+        stack = lambda f: np.stack([getattr(s, f) for s in ss])
+        slates = round_slates(self.params, self.hparams, stack("query_emb"), stack("cand_emb"),
+                              stack("cand_mask"), stack("mean"), stack("counts"), k, explore)
+        return self._open_rounds(sids, slates, explore)
     if queries is None and query_embeddings is None:
       raise ValueError("pass queries (texts) or query_embeddings")
     texts = None if queries is None else bank_lib.check_text_list(queries, "queries")
     q_emb = self._embed(texts, query_embeddings, None if texts is None else len(texts), "query")
     texts = texts if texts is not None else [""] * q_emb.shape[0]
+    if not texts:
+      raise ValueError("query_embeddings is empty: pass at least one query")
     if len(texts) > self.max_sessions:
       raise ValueError(f"{len(texts)} queries in one call exceed max_sessions={self.max_sessions}")
     with self._lock:
       self._bank.check_k(k, self.config.num_candidates, self.multistore)
       rows, mask, cands = self._bank.search(q_emb, self.config.num_candidates, self.multistore)
+      zeros = np.zeros(mask.shape, np.float32)  # fresh bandit statistics (Alg. 2 line 3)
+      slates = round_slates(self.params, self.hparams, q_emb, cands, mask, zeros, zeros, k, explore)
       sids = [self._sessions.new(t, q, r, c, m)
               for t, q, r, c, m in zip(texts, q_emb, rows, cands, mask)]
-      return self._play_rounds(sids, k, explore)
+      return self._open_rounds(sids, slates, explore)
 
-  def _play_rounds(self, sids: list[int], k: int, explore: bool) -> list[Retrieval]:
-    ss = [self._sessions.by_id[sid] for sid in sids]
-    stack = lambda f: np.stack([getattr(s, f) for s in ss])
-    slate, slate_mask, z = round_slates(self.params, self.hparams, stack("query_emb"),
-                                        stack("cand_emb"), stack("cand_mask"), stack("mean"),
-                                        stack("counts"), k, explore)
+  def _open_rounds(self, sids: list[int], slates, explore: bool) -> list[Retrieval]:
+    """Opens the retrievals of computed slates `(slate [n, k], mask [n, k], z [n, K])`, then evicts
+    beyond `max_sessions` (which may train)."""
+    slate, slate_mask, z = slates
     out = []
     for i, sid in enumerate(sids):
       rid = self._sessions.open_round(sid, slate[i][slate_mask[i]], explore)
@@ -311,7 +312,7 @@ class Memory:
   def _learn(self, items) -> int:
     steps = self._driver.push(items)
     self.stats["learner_steps"] += steps
-    self.stats["queries_trained"] += len(items)
+    self.stats["queries_queued"] += len(items)
     return steps
 
   def _apply(self, sid: int, labels: np.ndarray) -> int:

@@ -7,7 +7,8 @@ writes atomically under an inter-process lock and verifies a new step before it 
 (it keeps the last few), so a save killed at any moment leaves the previous checkpoint loadable.
 
 A checkpoint of another format or config is refused with the differing fields
-(`checkpoints.check_compatible`); a truncated one raises `checkpoints.CheckpointError` naming the path.
+(`checkpoints.check_compatible`); a truncated one raises `checkpoints.CheckpointError` naming the
+path.
 """
 from __future__ import annotations
 
@@ -51,8 +52,13 @@ def write(root: pathlib.Path, arrays, meta: dict) -> pathlib.Path:
   """Saves `(arrays, meta)` as the next step of the store at `root`; returns the step's path."""
   ckpt = _checkpoints()
   with ckpt.CheckpointStore(root) as store:
-    latest = store.latest_step()
-    return store.save(1 if latest is None else latest + 1, arrays, {**meta, "format": FORMAT})
+    for attempt in range(3):  # another process may take the next step between the two calls
+      latest = store.latest_step()
+      try:
+        return store.save(1 if latest is None else latest + 1, arrays, {**meta, "format": FORMAT})
+      except ValueError as e:
+        if "is not a new step" not in str(e) or attempt == 2:
+          raise
 
 
 def read(path):
@@ -91,12 +97,12 @@ def snapshot(memory):
   hyperparameters, queued items); empty parts are left out. Meta: the settings (config, seed,
   encoder, ...), the stats and each part's JSON meta under its name.
   """
-  parts = {"bank": memory._bank.snapshot(), "sessions": memory._sessions.snapshot(),  # pylint: disable=protected-access
-           "driver": memory._driver.snapshot()}  # pylint: disable=protected-access
+  parts = {"bank": memory._bank.snapshot(), "sessions": memory._sessions.snapshot(),
+           "driver": memory._driver.snapshot()}
   arrays = {name: a for name, (a, _) in parts.items() if a}
   meta = dict(config=memory.config.to_dict(), seed=memory.seed, multistore=memory.multistore,
               max_sessions=memory.max_sessions, cache_dir=memory.cache_dir,
-              stats=dict(memory.stats), encoder=memory._encoder.meta(memory.config.dim))  # pylint: disable=protected-access
+              stats=dict(memory.stats), encoder=memory._encoder.meta(memory.config.dim))
   return arrays, {**meta, **{name: m for name, (_, m) in parts.items()}}
 
 
@@ -105,8 +111,8 @@ def save(memory, path) -> pathlib.Path:
   moment, copied to the host) and written OUTSIDE it, so agents are not blocked by disk I/O; saves
   of one memory are serialised by its save lock, and processes by the store's file lock."""
   root = checkpoint_dir(path)
-  with memory._save_lock:  # pylint: disable=protected-access
-    with memory._lock:  # pylint: disable=protected-access
+  with memory._save_lock:
+    with memory._lock:
       arrays, meta = snapshot(memory)
     return write(root, arrays, meta)
 
@@ -114,14 +120,15 @@ def save(memory, path) -> pathlib.Path:
 def _install(memory, arrays, meta, where: str, generation: int) -> None:
   """Replaces a memory's parts, settings and stats by a checkpoint's (call under its lock)."""
   config = memory.config
-  bank = Bank.restore(config.dim, arrays.get("bank", {}), meta["bank"], where)
+  bank = Bank.restore(config.dim, arrays.get("bank", {}), meta["bank"], where,
+                      config.num_candidates)
   sessions = Sessions.restore(config, meta["max_sessions"], arrays.get("sessions", {}),
-                              meta["sessions"], where, memory._sessions.token, generation)  # pylint: disable=protected-access
+                              meta["sessions"], where, memory._sessions.token, generation)
   driver = Driver.restore(config, meta["seed"], arrays["driver"], meta["driver"], where)
-  memory._bank, memory._sessions, memory._driver = bank, sessions, driver  # pylint: disable=protected-access
+  memory._bank, memory._sessions, memory._driver = bank, sessions, driver
   memory.seed, memory.multistore = int(meta["seed"]), bool(meta["multistore"])
   memory.max_sessions, memory.cache_dir = int(meta["max_sessions"]), meta["cache_dir"]
-  memory._critic_key = seed_keys(memory.seed)[2]  # pylint: disable=protected-access
+  memory._critic_key = seed_keys(memory.seed)[2]
   memory.stats = collections.Counter(meta["stats"])
 
 
@@ -158,9 +165,9 @@ def restore(memory, path) -> None:
   """
   arrays, meta, where = read(path)
   check_config(meta["config"], memory.config, where)
-  saved, ours = meta["encoder"]["identity_hash"], memory._encoder.identity  # pylint: disable=protected-access
+  saved, ours = meta["encoder"]["identity_hash"], memory._encoder.identity
   if saved and ours and saved != ours:
     raise ValueError(f"{where} was written with another encoder model (identity {saved[:16]}, "
                      f"this memory's is {ours[:16]})")
-  with memory._lock:  # pylint: disable=protected-access
+  with memory._lock:
     _install(memory, arrays, meta, where, memory.generation + 1)

@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from ear_jax.agent.bank import InputTypeError
 from ear_jax.agent.episode import update_bandits
 from ear_jax.core.config import EARConfig
 
@@ -81,7 +82,6 @@ def citation_labels(shown: list[str], cited_ids, rid: int) -> np.ndarray:
     cited_ids = [cited_ids]
   elif isinstance(cited_ids, (collections.abc.Mapping, bytes)) or not isinstance(
       cited_ids, collections.abc.Iterable):
-    from ear_jax.agent.bank import InputTypeError  # pylint: disable=g-import-not-at-top
     raise InputTypeError(f"cited_ids must be a collection of memory ids, got "
                          f"{type(cited_ids).__name__}")
   cited_ids = list(cited_ids)
@@ -178,7 +178,6 @@ class Sessions:
       return sid
     if isinstance(retrieval, (int, np.integer)) and not isinstance(retrieval, bool):
       return self.open_session(int(retrieval))
-    from ear_jax.agent.bank import InputTypeError  # pylint: disable=g-import-not-at-top
     raise InputTypeError(f"expected a Retrieval (or its retrieval_id), got "
                          f"{type(retrieval).__name__}")
 
@@ -199,8 +198,7 @@ class Sessions:
   def continuable_session(self, r: Retrieval, k: int) -> int:
     """The session of finished retrieval `r` if it may play another round of `k` memories."""
     if not isinstance(r, Retrieval):
-      from ear_jax.agent.bank import InputTypeError  # pylint: disable=g-import-not-at-top
-      raise InputTypeError(f"continue_from takes Retrieval objects, got {type(r).__name__}")
+        raise InputTypeError(f"continue_from takes Retrieval objects, got {type(r).__name__}")
     self.check_identity(r)
     rid, sid = r.retrieval_id, r.session_id
     if rid in self.open:

@@ -28,23 +28,22 @@ Guarantees:
   * Clear errors: unreadable, truncated or corrupted checkpoints are `CheckpointError`s naming the
     path; incompatible requests are `ValueError`s listing the differences. Nothing is ever deleted
     or rewritten by a read.
+  * Quiet: every Orbax object is closed after each call, and Orbax's asyncio noise ("Event loop is
+    closed", tracebacks of the coroutines a failed read abandons) is kept off stderr (`_quiet`).
 """
 from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import pathlib
 import shutil
-import sys
-import threading
 import time
 from typing import Optional
 
 import numpy as np
 
-from ear_jax.io import _leaves
+from ear_jax.io import _leaves, _quiet
 from ear_jax.io._lock import DirLock, LockTimeout
 
 _STATE, _META = "state", "meta"
@@ -84,47 +83,9 @@ def check_compatible(stored: dict, expected: dict, what: str) -> None:
     raise ValueError(f"{what} differs in {len(diffs)} field(s): " + "; ".join(diffs))
 
 
-# -- Orbax, quietly ----------------------------------------------------------------------------
-_LOOP_CLOSED = "Event loop is closed"
-_quiet_installed = False
-
-
-class _DropLoopClosed(logging.Filter):
-  """Drops asyncio's 'Event loop is closed' noise (tasks finalised after their loop closed)."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    try:
-      text = record.getMessage()
-    except Exception:  # pylint: disable=broad-except
-      text = str(record.msg)
-    exc = record.exc_info[1] if record.exc_info else None
-    return _LOOP_CLOSED not in text and _LOOP_CLOSED not in str(exc or "")
-
-
-def _install_quiet() -> None:
-  """Silences only RuntimeError('Event loop is closed') reports; everything else passes through."""
-  global _quiet_installed
-  if _quiet_installed:
-    return
-  _quiet_installed = True
-  for name in ("asyncio", "absl"):
-    logging.getLogger(name).addFilter(_DropLoopClosed())
-  prev_unraisable, prev_thread = sys.unraisablehook, threading.excepthook
-
-  def unraisable(u):
-    if not (isinstance(u.exc_value, RuntimeError) and _LOOP_CLOSED in str(u.exc_value)):
-      prev_unraisable(u)
-
-  def thread_hook(a):
-    if not (isinstance(a.exc_value, RuntimeError) and _LOOP_CLOSED in str(a.exc_value)):
-      prev_thread(a)
-
-  sys.unraisablehook, threading.excepthook = unraisable, thread_hook
-
-
 def _ocp():
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  _install_quiet()
+  _quiet.install()
   return ocp
 
 
@@ -265,21 +226,24 @@ class CheckpointStore:
     meta = self._read_meta_at(path)
     state_dir = path / _STATE
     ocp = _ocp()
-    try:
-      if not state_dir.is_dir():
-        raise FileNotFoundError(f"no array directory {state_dir}")
-      record, _ = self._array_metadata(state_dir)
-    except Exception as e:  # pylint: disable=broad-except
+    if not state_dir.is_dir():
+      raise CheckpointError(f"checkpoint {path} has no array directory {state_dir}")
+    found, failure = _quiet.call(lambda: self._array_metadata(state_dir))
+    if failure:
       raise CheckpointError(f"checkpoint {path}: the array metadata in {state_dir} is unreadable "
-                            f"(truncated or corrupted?): {type(e).__name__}: {str(e)[:300]}") from e
+                            f"(truncated or corrupted?): {failure}")
+    record = found[0]
     if record is not None and target is not None:
       target = _leaves.restore_target(target, record)  # ValueError before any array is read
-    try:
+
+    def read():
       with contextlib.closing(ocp.Checkpointer(ocp.StandardCheckpointHandler())) as ckptr:
-        arrays = ckptr.restore(state_dir, args=ocp.args.StandardRestore(target))
-    except Exception as e:  # pylint: disable=broad-except
+        return ckptr.restore(state_dir, args=ocp.args.StandardRestore(target))
+
+    arrays, failure = _quiet.call(read)
+    if failure:
       raise CheckpointError(f"checkpoint {path}: the arrays in {state_dir} could not be restored "
-                            f"(truncated or corrupted?): {type(e).__name__}: {str(e)[:300]}") from e
+                            f"(truncated or corrupted?): {failure}")
     if record is not None:
       arrays, bad = _leaves.check_restored(arrays, record)
       if bad:
@@ -345,7 +309,8 @@ class CheckpointStore:
 
   def _write(self, step: int, tree, record: dict, meta: dict) -> None:
     ocp = _ocp()
-    try:
+
+    def write():
       manager = ocp.CheckpointManager(
           self.directory,
           options=ocp.CheckpointManagerOptions(
@@ -358,10 +323,12 @@ class CheckpointStore:
             _STATE: ocp.args.StandardSave(tree, custom_metadata={_RECORD: record}),
             _META: ocp.args.JsonSave(meta)}), force=True)
         manager.wait_until_finished()
-    except Exception as e:  # pylint: disable=broad-except
+
+    _, failure = _quiet.call(write)
+    if failure:
       self._remove_debris()
-      raise CheckpointError(f"saving step {step} to {self.directory} failed: "
-                            f"{type(e).__name__}: {str(e)[:300]}. The older steps were kept.") from e
+      raise CheckpointError(f"saving step {step} to {self.directory} failed: {failure}. The older "
+                            "steps were kept.")
     if not (self.directory / str(step)).is_dir():
       raise CheckpointError(f"saving step {step} to {self.directory} wrote no step directory")
 
@@ -369,11 +336,11 @@ class CheckpointStore:
     """Reads the new step's meta and array metadata back and compares them with what was saved."""
     if _canonical(self._read_meta_at(path)) != _canonical(expected_meta):
       raise CheckpointError(f"verification of {path} failed: its meta reads back differently")
-    try:
-      stored, shapes = self._array_metadata(path / _STATE)
-    except Exception as e:  # pylint: disable=broad-except
+    found, failure = _quiet.call(lambda: self._array_metadata(path / _STATE))
+    if failure:
       raise CheckpointError(f"verification of {path} failed: its array metadata is unreadable: "
-                            f"{type(e).__name__}: {str(e)[:300]}") from e
+                            f"{failure}")
+    stored, shapes = found
     if stored != record or shapes != _leaves.stored_shapes(record):
       raise CheckpointError(f"verification of {path} failed: its array metadata reads back "
                             "differently from what was saved")

@@ -1,0 +1,83 @@
+"""Keeps Orbax's asyncio noise off stderr: "Event loop is closed" reports, and the tracebacks of
+coroutines that Orbax leaves pending when a restore or save fails (printed when they are finalised,
+often at interpreter exit). Only those are dropped; every other report passes through."""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+import threading
+
+_LOOP_CLOSED = "Event loop is closed"
+_quiet_installed = False
+
+
+class _DropLoopClosed(logging.Filter):
+  """Drops asyncio's 'Event loop is closed' noise (tasks finalised after their loop closed)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    try:
+      text = record.getMessage()
+    except Exception:  # pylint: disable=broad-except
+      text = str(record.msg)
+    exc = record.exc_info[1] if record.exc_info else None
+    return _LOOP_CLOSED not in text and _LOOP_CLOSED not in str(exc or "")
+
+
+def _loop_closed(exc) -> bool:
+  return isinstance(exc, RuntimeError) and _LOOP_CLOSED in str(exc)
+
+
+def _abandoned_orbax_coroutine(u) -> bool:
+  """An Orbax coroutine left pending by a failed restore/save, finalised after its loop closed."""
+  code = getattr(u.object, "cr_code", None)
+  if code is None or f"{os.sep}orbax{os.sep}" not in code.co_filename:
+    return False
+  exc = u.exc_value
+  return _loop_closed(exc) or isinstance(exc, GeneratorExit) or isinstance(
+      getattr(exc, "__cause__", None) or getattr(exc, "__context__", None), GeneratorExit)
+
+
+def _filtered_unraisable(prev):
+  def hook(u):
+    if not (_loop_closed(u.exc_value) or _abandoned_orbax_coroutine(u)):
+      prev(u)
+  return hook
+
+
+def install() -> None:
+  """Silences only 'Event loop is closed' reports and Orbax's abandoned coroutines (at exit)."""
+  global _quiet_installed
+  if _quiet_installed:
+    return
+  _quiet_installed = True
+  for name in ("asyncio", "absl"):
+    logging.getLogger(name).addFilter(_DropLoopClosed())
+  prev_thread = threading.excepthook
+
+  def thread_hook(a):
+    if not _loop_closed(a.exc_value):
+      prev_thread(a)
+
+  sys.unraisablehook, threading.excepthook = _filtered_unraisable(sys.unraisablehook), thread_hook
+
+
+def call(fn):
+  """`(fn(), None)`, or `(None, "Type: message")` if it raised.
+
+  After a failure, the coroutines Orbax left pending are collected at once under the filtered
+  `sys.unraisablehook`, so they print nothing (now or at exit). The exception is not handed to the
+  caller, since its traceback would keep them alive.
+  """
+  try:
+    return fn(), None
+  except Exception as e:  # pylint: disable=broad-except
+    failure = f"{type(e).__name__}: {str(e)[:300]}"
+  prev = sys.unraisablehook
+  sys.unraisablehook = _filtered_unraisable(prev)
+  try:
+    gc.collect()
+  finally:
+    sys.unraisablehook = prev
+  return None, failure
