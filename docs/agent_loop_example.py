@@ -4,8 +4,13 @@ memory.add(["Alice: I adopted a cat named Luna.", "Bob: I started learning the v
             "Alice: Luna sleeps on my keyboard.", "Bob: My sister lives in Lisbon.",
             "Alice: I work as a nurse in Boston.", "Bob: I ran a marathon last spring."])
 for question, gold in [("What is Alice's cat called?", {"m0"}), ("Where does Bob's sister live?", {"m3"})] * 2:
-    r = memory.retrieve(question, k=3, explore=True)  # one Explorer round over the top-K candidates
-    memory.feedback(r, [i for i in r.ids if i in gold])  # the ids your LLM cited; EAR step every 4
+    r = memory.retrieve(question, k=3, explore=True)  # Explorer round 1 over the top-K candidates
+    while True:  # play the T rounds of this question; they train as ONE query (Eq. 11-14)
+        memory.feedback(r, [i for i in r.ids if i in gold])  # the ids your LLM cited
+        if r.round >= memory.config.num_rounds:  # rounds are 1-based
+            break
+        r = memory.retrieve(k=3, explore=True, continue_from=r)  # the next Explorer round
+memory.flush()  # train the questions still waiting for a full batch of 4
 memory.save("ear_memory_ckpt")  # atomic Orbax checkpoint: bank, embeddings, learner, config
 memory = Memory.load("ear_memory_ckpt")
 print(memory.retrieve("Who has a cat?", k=2).texts)
