@@ -160,8 +160,8 @@ def main(argv):
   from ear_jax.experiment import suites  # pylint: disable=g-import-not-at-top
   from ear_jax.experiment import runner as experiment  # pylint: disable=g-import-not-at-top
   absl_logging.set_verbosity(absl_logging.INFO)
-  # Orbax logs every save at INFO through absl: keep ear_jax's progress lines, drop Orbax's.
-  absl_logging.get_absl_handler().addFilter(_NotOrbax())
+  # JAX and Orbax log at INFO through absl too (backends, every save): keep only ear_jax's lines.
+  absl_logging.get_absl_handler().addFilter(_OnlyEarJaxInfo())
   try:
     results = suites.run(opts)
   except experiment.Interrupted as e:
@@ -174,11 +174,12 @@ def main(argv):
   return 0
 
 
-class _NotOrbax(logging.Filter):
-  """Drops INFO records logged from inside Orbax (warnings and errors still pass)."""
+class _OnlyEarJaxInfo(logging.Filter):
+  """Drops INFO records of other libraries (their warnings and errors still pass)."""
 
   def filter(self, record):
-    return record.levelno >= logging.WARNING or "orbax" not in record.pathname
+    path = record.pathname.replace("\\", "/")
+    return record.levelno >= logging.WARNING or "/ear_jax/" in path or "/experiments/" in path
 
 
 if __name__ == "__main__":
