@@ -7,7 +7,6 @@ import pytest
 from ear_jax.core import buffer
 
 from ear_jax.core import episode
-from ear_jax.core import learner
 from ear_jax.core.config import EARConfig, default_hparams, stack_hparams
 from ear_jax.core.stream import make_stream
 

@@ -53,7 +53,7 @@ def test_different_keys_give_different_labels():
   assert len(draws) > 1
 
 
-def test_all_gold_slate_has_precision_one():
+def test_all_gold_slate_is_cited_at_the_target_recall():
   hp = (0.7, 0.7)
   keys = jax.random.split(jax.random.PRNGKey(1), 2000)
   labels = jax.vmap(critic.simulated_critic, in_axes=(0, None, None, None, None))(

@@ -49,6 +49,7 @@ def test_records_and_counters():
   assert int(rec.num_replayed[0]) == 0 and int(rec.num_replayed[-1]) == 2  # empty buffer first
 
 
+@pytest.mark.slow
 def test_vmap_over_three_seeds_equals_a_loop():
   keys = jax.random.split(jax.random.PRNGKey(7), 3)
   f = jax.jit(jax.vmap(episode.run_episode, in_axes=(0, None, None, None)),
@@ -62,6 +63,7 @@ def test_vmap_over_three_seeds_equals_a_loop():
     np.testing.assert_allclose(vs.params.w_m[i], s.params.w_m, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_vmap_over_hyperparameters_equals_a_loop():
   hps = [default_hparams(learning_rate=lr, alpha=a) for lr, a in ((1e-3, 0.5), (1e-2, 1.0))]
   f = jax.jit(jax.vmap(episode.run_episode, in_axes=(None, None, None, 0)), static_argnums=(2,))
@@ -72,6 +74,7 @@ def test_vmap_over_hyperparameters_equals_a_loop():
     np.testing.assert_allclose(vs.params.w_q[i], s.params.w_q, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_chunked_training_equals_one_scan():
   k_init, keys = episode.episode_keys(jax.random.PRNGKey(5), 42)
   full, _ = episode.train_stream_jit(learner.init_learner(k_init, CFG), keys, TRAIN, CFG, HP)
@@ -83,7 +86,8 @@ def test_chunked_training_equals_one_scan():
     np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.parametrize("method", ["ear", "rl_update", "ear_no_replay", "ear_no_explorer"])
+@pytest.mark.parametrize("method", ["ear"] + [pytest.param(m, marks=pytest.mark.slow) for m in
+                                             ("rl_update", "ear_no_replay", "ear_no_explorer")])
 def test_zero_vectors_and_masked_candidates_give_finite_losses_and_params(method):
   cfg = EARConfig.for_method(method, dim=4, num_candidates=4, slate_size=2, num_rounds=2,
                              replay_size=2, buffer_capacity=8, batch_size=2)
@@ -114,6 +118,7 @@ def test_ear_learns_a_learnable_stream():
   assert float(after.hitrate_adapter) > float(before.hitrate_adapter) + 0.3
 
 
+@pytest.mark.slow
 def test_low_rank_adapter_episode_learns_a_learnable_stream():
   cfg = EARConfig.for_method("ear", dim=16, num_candidates=8, slate_size=2, num_rounds=3,
                              replay_size=2, buffer_capacity=512, batch_size=4, adapter_rank=8)
@@ -140,6 +145,7 @@ def test_train_batch_on_feedback_equals_train_batch_with_the_same_labels():
   np.testing.assert_allclose(r1.loss, r2.loss, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_masked_queries_are_padding_and_an_all_padding_batch_is_a_no_op():
   k_init, keys = episode.episode_keys(jax.random.PRNGKey(5), 16)
   stream = TRAIN.take(slice(0, 16))

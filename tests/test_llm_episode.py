@@ -26,8 +26,7 @@ from ear_jax.core import critic as critic_lib
 from ear_jax.core import episode as core_episode
 from ear_jax.core.config import EARConfig, default_hparams
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from core_utils import learnable_stream  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tests.core_utils import learnable_stream
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 _MEMORY_LINE = re.compile(r"^\[(\d+)\] (.*)$")

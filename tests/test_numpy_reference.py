@@ -61,11 +61,11 @@ BASE = dict(dim=D, num_candidates=K, slate_size=3, num_rounds=3, replay_size=2,
 
 @pytest.mark.parametrize("overrides", [
     {},
-    {"loss_form": "sequential"},
-    {"replay_unobserved": "ignore"},
-    {"replay_strategy": "reward"},
-    {"replay_strategy": "random"},
-    {"optimizer": "sgd"},
+    pytest.param({"loss_form": "sequential"}, marks=pytest.mark.slow),
+    pytest.param({"replay_unobserved": "ignore"}, marks=pytest.mark.slow),
+    pytest.param({"replay_strategy": "reward"}, marks=pytest.mark.slow),
+    pytest.param({"replay_strategy": "random"}, marks=pytest.mark.slow),
+    pytest.param({"optimizer": "sgd"}, marks=pytest.mark.slow),
 ], ids=["ear", "sequential", "ignore", "reward", "random", "sgd"])
 def test_ear_step_matches_numpy(overrides):
   config = EARConfig.for_method("ear", **{**BASE, **overrides})
@@ -73,7 +73,9 @@ def test_ear_step_matches_numpy(overrides):
   _run_both(config, default_hparams(learning_rate=0.05))
 
 
-@pytest.mark.parametrize("method", ["rl_update", "ear_no_explorer", "ear_no_replay"])
+@pytest.mark.parametrize("method", ["rl_update",
+                                    pytest.param("ear_no_explorer", marks=pytest.mark.slow),
+                                    pytest.param("ear_no_replay", marks=pytest.mark.slow)])
 def test_baseline_steps_match_numpy(method):
   config = EARConfig.for_method(method, **BASE)
   _run_both(config, default_hparams(learning_rate=0.05))

@@ -3,15 +3,13 @@
 `experiments.bench` compares their speed; this checks that they compute the same thing: the same
 slates, labels and buffer, and the same parameters after the same stream.
 """
-import sys
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from core_utils import learnable_stream  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tests.core_utils import learnable_stream
 
 import ear_jax as ej
 from ear_jax.core import episode
@@ -55,6 +53,7 @@ def _check(config, n=30, seed=0):
   assert float(jnp.max(jnp.abs(scan_state.params.w_m))) > 0  # it did learn something
 
 
+@pytest.mark.slow
 def test_scan_and_loop_give_identical_params_for_ear():
   _check(ej.EARConfig(dim=16, num_candidates=8, slate_size=3, num_rounds=2, replay_size=2,
                       buffer_capacity=64, batch_size=4))
