@@ -24,6 +24,7 @@ import json
 import time
 
 from absl import logging
+import jax
 import numpy as np
 
 from ear_jax.experiment import plots
@@ -74,17 +75,42 @@ def run_single_method(r: Runner) -> str:
                               "Hit@5 explorer", "Recall@K ceiling"], rows)])
 
 
+class _CompileClock:
+  """Sums JAX's tracing, lowering and XLA compile durations (`jax.monitoring` events)."""
+
+  def __init__(self):
+    self.seconds = 0.0
+
+  def __call__(self, event: str, duration: float, **kwargs):
+    del kwargs
+    if event.startswith("/jax/core/compile/"):
+      self.seconds += duration
+
+  def __enter__(self):
+    jax.monitoring.register_event_duration_secs_listener(self)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self)
+
+
 def run(opts: Options) -> dict:
   """Runs `opts.suite` (or the single `opts.method`) and writes the workdir; returns results."""
+  with _CompileClock() as clock:
+    return _run(opts, clock)
+
+
+def _run(opts: Options, clock: _CompileClock) -> dict:
   t_start = time.perf_counter()
   r = Runner(opts)
+  compile_seconds = {}
   names = suite_names(opts.suite, opts.benchmark) if opts.suite else []
   md_parts = []
   if not names:
     md_parts.append(run_single_method(r))
     r.timings["method"] = round(time.perf_counter() - t_start, 1)
   for i, name in enumerate(names):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), clock.seconds
     elapsed = t0 - t_start
     eta = ("" if i == 0 else
            f", ETA for the remaining suites ~{elapsed / i * (len(names) - i):.0f} s")
@@ -93,6 +119,7 @@ def run(opts: Options) -> dict:
     md = SUITES[name](r)
     r.tables[name] = md  # RESULTS.md adds the readings from results.json "paired"
     r.timings[name] = round(time.perf_counter() - t0, 1)
+    compile_seconds[name] = round(clock.seconds - c0, 1)
     readings = results_md.readings_md(r.paired.get(name, []))
     md_parts.append(md + ("\n\n" + readings if readings else ""))
     with open(r.workdir / f"table_{name}.md", "w") as f:
@@ -110,6 +137,8 @@ def run(opts: Options) -> dict:
       #            confidence, interval, paper_delta, expected_sign, vs_paper, primary, score}]
       "paired": r.paired, "paired_note": DELTA_NOTE,
       "suite_wall_seconds": r.timings, "wall_seconds": round(wall, 1),
+      # JAX tracing + lowering + XLA compilation inside each suite (`jax.monitoring` events).
+      "suite_compile_seconds": compile_seconds, "compile_seconds": round(clock.seconds, 1),
   }
   with open(r.workdir / "results.json", "w") as f:
     json.dump(results, f, indent=1, default=_json_default)
