@@ -88,6 +88,42 @@ def llm_feedback(memory: "Memory", critic, query: str, k: int = 5, explore: bool
   return r, memory.feedback_from_critic(r, critic)
 
 
+def feedback_from_critic(memory: "Memory", retrieval, critic) -> Optional[np.ndarray]:
+  """Shows a retrieval's slate to a host critic and applies its labels.
+
+  The critic follows the library's protocol `critic(key, view) -> labels [k]` or None (e.g.
+  `LLMCritic`); the view carries `query_text`, `texts` and `ids`. It is called outside the lock
+  with the key `jax.random.fold_in(k_critic, retrieval_id)` (see `ear_jax.agent.driver`). None
+  (an unusable reply) discards the retrieval with NO update, counted in
+  `stats['critic_no_update']`.
+
+  Returns:
+    The labels, or None.
+  """
+  with memory._lock:
+    sid = memory._sessions.resolve_open(retrieval)
+    s = memory._sessions.by_id[sid]
+    if not s.query:
+      raise ValueError(f"retrieval {s.open_id} has no query text to show the critic")
+    k = len(s.open_slate)
+    ids, texts, _ = memory._bank.describe(s.cand_idx[s.open_slate])
+    view = critic_lib.SlateView(query=s.query_emb, slate=s.open_slate.copy(), slate_mask=np.ones(k, bool),
+                     memories=s.cand_emb[s.open_slate], gold=np.zeros(k, bool),
+                     query_text=s.query, texts=list(texts), ids=list(ids))
+    key = jax.random.fold_in(memory._critic_key, s.open_id)
+  labels = critic(key, view)
+  if labels is not None:
+    labels = check_labels(labels, k, "the critic")  # ValueError: the retrieval stays open
+  with memory._lock:
+    if labels is None:
+      memory.discard(retrieval)
+      memory.stats["critic_no_update"] += 1
+    else:
+      memory.feedback(retrieval, [i for i, y in zip(ids, labels) if y > 0])
+    memory.stats["critic_calls"] += 1
+  return labels
+
+
 def check_labels(labels, k: int, what: str) -> np.ndarray:
   """A critic's `[k]` labels as float32 in {-1, +1}; ValueError naming `what` otherwise."""
   try:

@@ -14,19 +14,18 @@ import pathlib
 import threading
 from typing import Any, Iterable, Optional, Sequence
 
-import jax
 import numpy as np
 
 from ear_jax.agent import bank as bank_lib
 from ear_jax.agent import persistence
 from ear_jax.agent.bank import InputTypeError
 from ear_jax.agent.driver import Driver, seed_keys
-from ear_jax.agent.episode import check_labels, llm_feedback, round_slates, run_critic_episode
+from ear_jax.agent import episode
+from ear_jax.agent.episode import llm_feedback, round_slates, run_critic_episode
 from ear_jax.agent.sessions import Retrieval, Sessions, citation_labels
 from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import learner as learner_lib
 from ear_jax.core.config import EARConfig, HParams, default_hparams
-from ear_jax.core.critic import SlateView
 
 __all__ = ["Memory", "Retrieval", "llm_feedback", "run_critic_episode"]
 
@@ -397,39 +396,14 @@ class Memory:
       return steps + padded > 0
 
   def feedback_from_critic(self, retrieval, critic) -> Optional[np.ndarray]:
-    """Shows a retrieval's slate to a host critic and applies its labels.
-
-    The critic follows the library's protocol `critic(key, view) -> labels [k]` or None (e.g.
-    `LLMCritic`); the view carries `query_text`, `texts` and `ids`. It is called outside the lock
-    with the key `jax.random.fold_in(k_critic, retrieval_id)` (see `ear_jax.agent.driver`). None
-    (an unusable reply) discards the retrieval with NO update, counted in
-    `stats['critic_no_update']`.
+    """Shows a retrieval's slate to a host critic (`critic(key, view)`, e.g. `LLMCritic`) and
+    applies its labels; None (an unusable reply) discards the retrieval with NO update. See
+    `ear_jax.agent.episode.feedback_from_critic`.
 
     Returns:
       The labels, or None.
     """
-    with self._lock:
-      sid = self._sessions.resolve_open(retrieval)
-      s = self._sessions.by_id[sid]
-      if not s.query:
-        raise ValueError(f"retrieval {s.open_id} has no query text to show the critic")
-      k = len(s.open_slate)
-      ids, texts, _ = self._bank.describe(s.cand_idx[s.open_slate])
-      view = SlateView(query=s.query_emb, slate=s.open_slate.copy(), slate_mask=np.ones(k, bool),
-                       memories=s.cand_emb[s.open_slate], gold=np.zeros(k, bool),
-                       query_text=s.query, texts=list(texts), ids=list(ids))
-      key = jax.random.fold_in(self._critic_key, s.open_id)
-    labels = critic(key, view)
-    if labels is not None:
-      labels = check_labels(labels, k, "the critic")  # ValueError: the retrieval stays open
-    with self._lock:
-      if labels is None:
-        self.discard(retrieval)
-        self.stats["critic_no_update"] += 1
-      else:
-        self.feedback(retrieval, [i for i, y in zip(ids, labels) if y > 0])
-      self.stats["critic_calls"] += 1
-    return labels
+    return episode.feedback_from_critic(self, retrieval, critic)
 
   # ----------------------------------------------------------------------------------------------
   # persistence (`ear_jax.agent.persistence`)
