@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import chex
 import flax
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,14 @@ class Stream:
     return jax.tree_util.tree_map(lambda x: x[index], self)
 
 
+def _check(assertion, *args, message: str):
+  """Runs a `chex` assertion; a failure is a `ValueError` with `message` (naming the field)."""
+  try:
+    assertion(*args)
+  except AssertionError as e:
+    raise ValueError(f"{message} ({str(e).strip()[:200]})") from None
+
+
 def make_stream(queries, candidates, mask=None, gold=None, num_gold=None) -> Stream:
   """Builds and validates a `Stream` from array-likes.
 
@@ -69,33 +78,30 @@ def make_stream(queries, candidates, mask=None, gold=None, num_gold=None) -> Str
   """
   queries = np.asarray(queries, np.float32)
   candidates = np.asarray(candidates, np.float32)
-  if queries.ndim != 2:
-    raise ValueError(f"queries must be [N, d], got shape {queries.shape}")
-  if candidates.ndim != 3:
-    raise ValueError(f"candidates must be [N, K, d], got shape {candidates.shape}")
+  _check(chex.assert_rank, queries, 2, message=f"queries must be [N, d], got shape {queries.shape}")
+  _check(chex.assert_rank, candidates, 3,
+         message=f"candidates must be [N, K, d], got shape {candidates.shape}")
   n, d = queries.shape
-  if candidates.shape[0] != n or candidates.shape[2] != d:
-    raise ValueError(
-        f"candidates shape {candidates.shape} does not match queries shape {queries.shape}: "
-        f"expected [{n}, K, {d}]")
+  _check(chex.assert_shape, candidates, (n, None, d),
+         message=f"candidates shape {candidates.shape} does not match queries shape "
+                 f"{queries.shape}: expected [{n}, K, {d}]")
   k = candidates.shape[1]
   mask = np.ones((n, k), bool) if mask is None else np.asarray(mask, bool)
   gold = np.zeros((n, k), bool) if gold is None else np.asarray(gold, bool)
   for name, arr in (("mask", mask), ("gold", gold)):
-    if arr.shape != (n, k):
-      raise ValueError(f"{name} must have shape [N, K] = {(n, k)}, got {arr.shape}")
+    _check(chex.assert_shape, arr, (n, k),
+           message=f"{name} must have shape [N, K] = {(n, k)}, got {arr.shape}")
   if np.any(gold & ~mask):
     raise ValueError("gold marks a masked (padding) candidate")
   if num_gold is None:
     num_gold = gold.sum(-1)
   num_gold = np.asarray(num_gold, np.int32)
-  if num_gold.shape != (n,):
-    raise ValueError(f"num_gold must have shape [N] = {(n,)}, got {num_gold.shape}")
+  _check(chex.assert_shape, num_gold, (n,),
+         message=f"num_gold must have shape [N] = {(n,)}, got {num_gold.shape}")
   if np.any(num_gold < gold.sum(-1)):
     raise ValueError("num_gold is smaller than the number of gold candidates for some query")
   for name, arr in (("queries", queries), ("candidates", candidates)):
-    if not np.all(np.isfinite(arr)):
-      raise ValueError(f"{name} contains NaN or Inf")
+    _check(chex.assert_tree_all_finite, arr, message=f"{name} contains NaN or Inf")
   return Stream(queries=queries, candidates=candidates, mask=mask, gold=gold, num_gold=num_gold)
 
 
