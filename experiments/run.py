@@ -156,12 +156,12 @@ def build_options():
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  opts = build_options()
-  from ear_jax.experiment import suites  # pylint: disable=g-import-not-at-top
-  from ear_jax.experiment import runner as experiment  # pylint: disable=g-import-not-at-top
   absl_logging.set_verbosity(absl_logging.INFO)
   # JAX and Orbax log at INFO through absl too (backends, every save): keep only ear_jax's lines.
   absl_logging.get_absl_handler().addFilter(_OnlyEarJaxInfo())
+  opts = build_options()
+  from ear_jax.experiment import suites  # pylint: disable=g-import-not-at-top
+  from ear_jax.experiment import runner as experiment  # pylint: disable=g-import-not-at-top
   try:
     results = suites.run(opts)
   except experiment.Interrupted as e:
