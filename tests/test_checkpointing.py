@@ -81,6 +81,7 @@ def test_restore_adapter_gives_the_final_adapter_and_rejects_another_config(setu
     checkpointing.restore_adapter(d, config=other)
 
 
+@pytest.mark.slow
 def test_resume_with_another_config_is_a_clear_error_and_keeps_checkpoints(setup, tmp_path):
   with pytest.raises(ex.Interrupted):
     _run(setup, tmp_path / "c", eval_every=None, stop_after_chunks=1)

@@ -59,6 +59,7 @@ def test_scan_and_loop_give_identical_params_for_ear():
                       buffer_capacity=64, batch_size=4))
 
 
+@pytest.mark.slow
 def test_scan_and_loop_agree_with_a_padded_last_batch_and_a_full_buffer():
   # 30 queries in batches of 4 (last batch padded); capacity 8 (the ring buffer wraps around).
   _check(ej.EARConfig(dim=16, num_candidates=8, slate_size=3, num_rounds=2, replay_size=2,
