@@ -11,8 +11,6 @@ import pathlib
 import sys
 
 from ear_jax.experiment import results_md
-# Kept importable from here for tests/test_stats.py (the library module is the one to import).
-from ear_jax.experiment.results_md import reading, readings_md  # pylint: disable=unused-import
 
 
 def main(argv):

@@ -106,7 +106,7 @@ def test_mean_interval():
 
 
 def test_readings_from_records():
-  from experiments import results_md  # pylint: disable=g-import-not-at-top
+  from ear_jax.experiment import results_md  # pylint: disable=g-import-not-at-top
   d = stats.paired_difference([45.0, 47.0, 46.0], [40.0, 41.0, 42.0]).to_json()
   rec = {"treatment": {"label": "EAR (ours)", "mode": "explorer"},
          "baseline": {"label": "Only Retriever", "mode": "adapter"}, "metric": "R@5", **d,

@@ -153,6 +153,11 @@ def default_critic() -> SimulatedCritic:
                          recall=jnp.float32(DEFAULT_RECALL))
 
 
+def or_default(critic: Optional[Critic]) -> Critic:
+  """`critic`, or the paper's simulated critic (`default_critic()`) when it is None."""
+  return default_critic() if critic is None else critic
+
+
 def stack_critics(critics) -> Any:
   """Stacks critic pytrees of one type along a new leading axis (for `vmap` sweeps)."""
   return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *critics)

@@ -56,7 +56,7 @@ def train_stream(state: LearnerState, keys: jax.Array, stream: Stream, config: E
   validate_stream(stream, config)
   if not config.trains:
     return state, None
-  critic = critic_lib.default_critic() if critic is None else critic
+  critic = critic_lib.or_default(critic)
   n, b = stream.queries.shape[0], config.batch_size
   real = jnp.ones((n,), bool) if where is None else jnp.asarray(where, bool)
   keys, stream, real = _pad_to_batches((keys, stream, real), n, b)

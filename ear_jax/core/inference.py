@@ -75,7 +75,7 @@ def evaluate(key: jax.Array, params: adapter_lib.AdapterParams, stream: Stream,
   Returns:
     An `EvalResult`; means are over queries with gold (`num_gold > 0`).
   """
-  critic = critic_lib.default_critic() if critic is None else critic
+  critic = critic_lib.or_default(critic)
   keys = jax.random.split(key, stream.queries.shape[0])
 
   def one(k, q, c, where, gold, num_gold):

@@ -264,7 +264,7 @@ def query_loss(params: adapter_lib.AdapterParams, key: jax.Array, query: jax.Arr
   Returns:
     `(loss [], (record: QueryRecord, observed [K] bool, ybar [K] float32))`.
   """
-  critic = critic_lib.default_critic() if critic is None else critic
+  critic = critic_lib.or_default(critic)
   k_train, k_replay = jax.random.split(key)
   slates, slate_mask, labels = collect_feedback(k_train, params, query, candidates, where, gold,
                                                 config, hparams, critic)
@@ -319,7 +319,7 @@ def train_batch(state: LearnerState, keys: jax.Array, batch: Stream, where: jax.
   Returns:
     `(new_state, records)` with `QueryRecord` fields stacked to `[b, ...]`.
   """
-  critic = critic_lib.default_critic() if critic is None else critic
+  critic = critic_lib.or_default(critic)
   k_train, k_replay = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
   slates, slate_mask, labels = jax.vmap(
       collect_feedback, in_axes=(0, None, 0, 0, 0, 0, None, None, None))(

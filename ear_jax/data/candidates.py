@@ -19,7 +19,6 @@ import dataclasses
 import time
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -130,11 +130,7 @@ def load_locomo(path, *, limit: int | None = None) -> corpus_lib.Corpus:
     ValueError: naming the file, the conversation and the field, for malformed input.
   """
   path = pathlib.Path(path)
-  data = parsing.read_json(path)
-  if not isinstance(data, list):
-    raise ValueError(f"{path}: expected a JSON list of conversations, got {parsing.json_type(data)}")
-  if limit is not None:
-    data = data[:limit]
+  data = parsing.read_json_list(path, "conversations", limit)
   banks, queries = [], []
   st = collections.Counter()
   per_cat = collections.Counter()

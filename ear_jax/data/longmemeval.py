@@ -31,11 +31,7 @@ def load_longmemeval(path, *, limit: int | None = None) -> corpus_lib.Corpus:
     ValueError: naming the file, the question and the field, for malformed input.
   """
   path = pathlib.Path(path)
-  data = parsing.read_json(path)
-  if not isinstance(data, list):
-    raise ValueError(f"{path}: expected a JSON list of questions, got {parsing.json_type(data)}")
-  if limit is not None:
-    data = data[:limit]
+  data = parsing.read_json_list(path, "questions", limit)
   banks, queries = [], []
   st = collections.Counter()
   per_type = collections.Counter()

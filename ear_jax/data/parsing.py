@@ -161,3 +161,15 @@ def read_json(path) -> Any:
     if isinstance(e, FileNotFoundError):
       raise
     raise ValueError(f"{path}: cannot read (truncated or corrupt file?): {e}") from e
+
+
+def read_json_list(path, what: str, limit: int | None = None) -> list:
+  """`read_json` of a file that must hold a JSON list (of `what`), cut to its first `limit` items.
+
+  Raises:
+    As `read_json`, and ValueError naming the file when the top level is not a list.
+  """
+  data = read_json(path)
+  if not isinstance(data, list):
+    raise ValueError(f"{path}: expected a JSON list of {what}, got {json_type(data)}")
+  return data if limit is None else data[:limit]

@@ -25,7 +25,6 @@ import numpy as np
 
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import episode
-from ear_jax.core import inference
 from ear_jax.core import learner
 from ear_jax.core import policies
 from ear_jax.core import retrieval

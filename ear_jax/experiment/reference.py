@@ -303,6 +303,6 @@ def numpy_train_stream(state, stream, config, hp, rng: np.random.Generator):
 def hp_dict(hparams, critic=None):
   """`HParams` and the simulated critic's parameters (default: the paper's) -> dict of floats."""
   from ear_jax.core import critic as critic_lib  # the default critic's values
-  critic = critic_lib.default_critic() if critic is None else critic
+  critic = critic_lib.or_default(critic)
   return {**{f.name: float(getattr(hparams, f.name)) for f in dataclasses.fields(hparams)},
           "critic_precision": float(critic.precision), "critic_recall": float(critic.recall)}

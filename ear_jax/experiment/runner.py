@@ -207,7 +207,7 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
     A `RunResult`.
   """
   t0 = time.perf_counter()
-  critic = critic_lib.default_critic() if critic is None else critic
+  critic = critic_lib.or_default(critic)
   seeds = list(seeds)
   train_index = np.tile(np.asarray(train_index), (1, epochs))
   n = train_index.shape[1]

@@ -24,7 +24,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ear_jax.core import episode
-from ear_jax.core import learner
 from ear_jax.core.config import EARConfig, HParams
 from ear_jax.core import critic as critic_lib
 from ear_jax.core.stream import Stream
@@ -111,7 +110,7 @@ def sharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hparams
     arrays (use `gather_to_host` in multi-host runs).
   """
   mesh = run_mesh() if mesh is None else mesh
-  critic = critic_lib.default_critic() if critic is None else critic
+  critic = critic_lib.or_default(critic)
   keys = np.asarray(keys)
   if keys.ndim != 2:
     raise ValueError(f"keys must be [R, 2] raw uint32 PRNG keys, got shape {keys.shape}")
@@ -164,7 +163,7 @@ def gather_to_host(tree):
 def unsharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hparams: HParams,
                        critic=None, *, hparams_batched: bool = False):
   """The reference: `jax.vmap(run_episode)` over the runs on the default device (one call)."""
-  critic = critic_lib.default_critic() if critic is None else critic
+  critic = critic_lib.or_default(critic)
   return _vmapped_episodes_jit(jnp.asarray(keys), stream, config, hparams, critic,
                               hparams_batched)
 
