@@ -3,6 +3,7 @@ corrupted files, the lock, compatibility messages. The multi-process ones are in
 test_hostile_checkpoints.py."""
 import fcntl
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -299,3 +300,34 @@ def test_run_checkpointer_refuses_overwrites_and_lists_differing_fields(tmp_path
                                        rf"expected={config.num_rounds + 1}.*left untouched"):
     bound(other).restore()
   assert sorted(os.listdir(tmp_path / "run")) == ["16"]
+
+
+def test_never_retrieved_reports_are_dropped_only_for_a_directory_whose_failure_was_reported(
+    tmp_path, caplog):
+  """The sibling reads of a failed restore die later as 'Task exception was never retrieved'."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  import gc  # pylint: disable=g-import-not-at-top
+  from ear_jax.io import _quiet  # pylint: disable=g-import-not-at-top
+  _quiet.install()
+  failed, other = tmp_path / "failed" / "state", tmp_path / "other" / "state"
+
+  def boom():
+    raise ValueError(f"OUT_OF_RANGE reading {failed}")
+
+  assert _quiet.call(boom, failed)[1].startswith("ValueError: OUT_OF_RANGE")
+
+  async def read(directory):
+    raise ValueError(f"OUT_OF_RANGE: Error reading 'v/0.0' at {directory}")
+
+  async def abandon(directory):
+    task = asyncio.ensure_future(read(directory))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    return id(task)
+
+  with caplog.at_level(logging.ERROR, logger="asyncio"):
+    for directory in (failed, other):
+      asyncio.run(abandon(directory))
+      gc.collect()
+  reports = [r for r in caplog.records if "never retrieved" in r.getMessage()]
+  assert len(reports) == 1 and str(other) in str(reports[0].exc_info[1])

@@ -1,6 +1,8 @@
-"""Keeps Orbax's asyncio noise off stderr: "Event loop is closed" reports, and the tracebacks of
+"""Keeps Orbax's asyncio noise off stderr: "Event loop is closed" reports, the tracebacks of
 coroutines that Orbax leaves pending when a restore or save fails (printed when they are finalised,
-often at interpreter exit). Only those are dropped; every other report passes through."""
+often at interpreter exit), and asyncio's "Task exception was never retrieved" for the sibling reads
+of a failed restore (they fail with the same corrupted directory, after the first failure was already
+raised as a `CheckpointError`). Only those are dropped; every other report passes through."""
 from __future__ import annotations
 
 import gc
@@ -10,7 +12,10 @@ import sys
 import threading
 
 _LOOP_CLOSED = "Event loop is closed"
+_NEVER_RETRIEVED = "Task exception was never retrieved"
 _quiet_installed = False
+_failed_dirs: set[str] = set()  # directories whose read / write `call` already reported as failed
+_failed_lock = threading.Lock()
 
 
 class _DropLoopClosed(logging.Filter):
@@ -22,7 +27,14 @@ class _DropLoopClosed(logging.Filter):
     except Exception:  # pylint: disable=broad-except
       text = str(record.msg)
     exc = record.exc_info[1] if record.exc_info else None
-    return _LOOP_CLOSED not in text and _LOOP_CLOSED not in str(exc or "")
+    if _LOOP_CLOSED in text or _LOOP_CLOSED in str(exc or ""):
+      return False
+    return not (_NEVER_RETRIEVED in text and _names_failed_dir(f"{text} {exc or ''}"))
+
+
+def _names_failed_dir(text: str) -> bool:
+  with _failed_lock:
+    return any(d in text for d in _failed_dirs)
 
 
 def _loop_closed(exc) -> bool:
@@ -63,10 +75,11 @@ def install() -> None:
   sys.unraisablehook, threading.excepthook = _filtered_unraisable(sys.unraisablehook), thread_hook
 
 
-def call(fn):
+def call(fn, directory=None):
   """`(fn(), None)`, or `(None, "Type: message")` if it raised.
 
-  After a failure, the coroutines Orbax left pending are collected at once under the filtered
+  After a failure, asyncio's "Task exception was never retrieved" reports that name `directory` (the
+  sibling reads of the failed call, finalised later) are dropped for the rest of the process. Then the coroutines Orbax left pending are collected at once under the filtered
   `sys.unraisablehook`, so they print nothing (now or at exit). The exception is not handed to the
   caller, since its traceback would keep them alive.
   """
@@ -74,6 +87,9 @@ def call(fn):
     return fn(), None
   except Exception as e:  # pylint: disable=broad-except
     failure = f"{type(e).__name__}: {str(e)[:300]}"
+  if directory is not None:
+    with _failed_lock:
+      _failed_dirs.add(str(directory))
   prev = sys.unraisablehook
   sys.unraisablehook = _filtered_unraisable(prev)
   try:

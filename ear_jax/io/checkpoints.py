@@ -228,7 +228,7 @@ class CheckpointStore:
     ocp = _ocp()
     if not state_dir.is_dir():
       raise CheckpointError(f"checkpoint {path} has no array directory {state_dir}")
-    found, failure = _quiet.call(lambda: self._array_metadata(state_dir))
+    found, failure = _quiet.call(lambda: self._array_metadata(state_dir), state_dir)
     if failure:
       raise CheckpointError(f"checkpoint {path}: the array metadata in {state_dir} is unreadable "
                             f"(truncated or corrupted?): {failure}")
@@ -240,7 +240,7 @@ class CheckpointStore:
       with contextlib.closing(ocp.Checkpointer(ocp.StandardCheckpointHandler())) as ckptr:
         return ckptr.restore(state_dir, args=ocp.args.StandardRestore(target))
 
-    arrays, failure = _quiet.call(read)
+    arrays, failure = _quiet.call(read, state_dir)
     if failure:
       raise CheckpointError(f"checkpoint {path}: the arrays in {state_dir} could not be restored "
                             f"(truncated or corrupted?): {failure}")
@@ -324,7 +324,7 @@ class CheckpointStore:
             _META: ocp.args.JsonSave(meta)}), force=True)
         manager.wait_until_finished()
 
-    _, failure = _quiet.call(write)
+    _, failure = _quiet.call(write, self.directory / str(step))
     if failure:
       self._remove_debris()
       raise CheckpointError(f"saving step {step} to {self.directory} failed: {failure}. The older "
@@ -336,7 +336,7 @@ class CheckpointStore:
     """Reads the new step's meta and array metadata back and compares them with what was saved."""
     if _canonical(self._read_meta_at(path)) != _canonical(expected_meta):
       raise CheckpointError(f"verification of {path} failed: its meta reads back differently")
-    found, failure = _quiet.call(lambda: self._array_metadata(path / _STATE))
+    found, failure = _quiet.call(lambda: self._array_metadata(path / _STATE), path / _STATE)
     if failure:
       raise CheckpointError(f"verification of {path} failed: its array metadata is unreadable: "
                             f"{failure}")
