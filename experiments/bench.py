@@ -2,6 +2,7 @@ r"""Speed of ear_jax, measured against baselines measured in the same run (issue
 
   python -m experiments.bench              # full table (a few minutes on 2 CPU cores), bench.json
   python -m experiments.bench --quick      # every field on tiny shapes (~30 s; used by a test)
+  python -m experiments.bench --suite=scale   # memory at scale, 1k -> 1M (issue 13; see below)
 
 Everything runs on one fixed synthetic stream shaped like LoCoMo training (1,232 queries, K = 20,
 s = 5, T = 4, B = 4, batch 4; d = 384 and d = 768; EAR with the default config):
@@ -20,6 +21,11 @@ s = 5, T = 4, B = 4, batch 4; d = 384 and d = 768; EAR with the default config):
   encode     MiniLM sentences/s (`ear_jax.data.encoders`).
   suite      wall time of `experiments.run --benchmark=locomo --suite=main` (3 seeds x 3 methods).
 
+`--suite=scale` (issue 13, `ear_jax.experiment.scale_bench`): add, retrieve (p50 / p90, batch 1 and
+batch 256), feedback and save costs of `Memory` against bank size (`--scale_sizes`) for the exact
+fp32, exact bf16 and faiss paths (`--scale_paths`), each beside the memory-bandwidth and matmul
+bounds measured in the same run; writes `--scale_out` (JSON), a markdown table and a log-log plot.
+
 The measurements are `ear_jax.experiment.benchmarking`; this program reads the flags, calls them
 and prints the table. Timings take the minimum over repetitions (the machine is shared; the minimum
 is the least disturbed run). Every ratio is printed with its target and whether it is met.
@@ -30,6 +36,7 @@ import json
 import os
 import pathlib
 import platform
+import shutil
 import sys
 
 from absl import app
@@ -46,6 +53,16 @@ from ear_jax.experiment import sharding
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 ROWS = ("scan", "loop", "numpy", "seeds", "inference", "encode", "suite")
 
+_SUITE = flags.DEFINE_enum("suite", "default", ["default", "scale"], "Which benchmark: the "
+                           "default rows, or memory at scale (issue 13).")
+_SCALE_SIZES = flags.DEFINE_list("scale_sizes", ["1000", "10000", "100000", "1000000"],
+                                 "--suite=scale: bank sizes.")
+_SCALE_PATHS = flags.DEFINE_list("scale_paths", ["exact", "bf16", "ivf", "ivf_clustered"],
+                                 "--suite=scale: paths (exact, bf16, ivf, ivf_clustered, hnsw).")
+_SCALE_OUT = flags.DEFINE_string("scale_out", "results/scale/scale.json", "--suite=scale: JSON "
+                                 "output; the table (.md) and plot (.png) are written beside it.")
+_SCALE_CALLS = flags.DEFINE_integer("scale_calls", 20, "--suite=scale: retrieve+feedback rounds "
+                                    "per (path, size).", lower_bound=2)
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny shapes, one repetition: every field in ~30 s.")
 _OUT = flags.DEFINE_string("out", "bench.json", "Where to write the results (JSON).")
 _NUM_QUERIES = flags.DEFINE_integer("num_queries", 1232, "Training queries of the stream.",
@@ -84,6 +101,8 @@ TARGETS = {
 def main(argv):
   del argv
   sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  if _SUITE.value == "scale":
+    return _scale()
   quick = _QUICK.value
   skip = set(_SKIP.value)
   n = 32 if quick else _NUM_QUERIES.value
@@ -162,6 +181,30 @@ def main(argv):
   with open(_OUT.value, "w") as f:
     json.dump(results, f, indent=1)
   print(f"wrote {_OUT.value}")
+
+
+def _scale():
+  """`--suite=scale`: `scale_bench.run`, then the JSON, the markdown table and the plot."""
+  from ear_jax.experiment import scale_bench  # pylint: disable=g-import-not-at-top
+  sizes = [int(x) for x in _SCALE_SIZES.value]
+  out = pathlib.Path(_SCALE_OUT.value)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  quick = _QUICK.value
+  res = scale_bench.run(sizes, _SCALE_PATHS.value, dim=64 if quick else 384,
+                        calls=_SCALE_CALLS.value, batch=16 if quick else 256,
+                        save_dir=str(out.parent / "saves"),
+                        peak_sizes=(256,) if quick else (768, 1024, 1536),
+                        bandwidth_bytes=4e7 if quick else 1.5e9)
+  shutil.rmtree(out.parent / "saves", ignore_errors=True)  # the timed saves' scratch directory
+  res["command"] = "python -m experiments.bench " + " ".join(sys.argv[1:])
+  res["machine"] = {"cpu_count": os.cpu_count(), "backend": jax.default_backend(),
+                    "jax": jax.__version__, "processor": platform.processor()}
+  text = scale_bench.table(res)
+  out.write_text(json.dumps(res, indent=1))
+  out.with_suffix(".md").write_text(f"Command: `{res['command']}`\n\n{text}\n")
+  scale_bench.plot(res, str(out.with_suffix(".png")))
+  print(text)
+  print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
 
 
 # ------------------------------------------------------------------------------------------------

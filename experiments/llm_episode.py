@@ -1,12 +1,18 @@
-"""One EAR training episode with a real LLM critic instead of the simulated one.
+"""One EAR training episode with a real LLM critic, beside simulated critics on the same episode.
 
 The benchmark's queries are split 80/20 (Section 4.4, `--seed`); the training stream is processed
 once, in order, with `ear_jax.agent.episode.run_critic_episode` (host-side loop: T Explorer rounds
-per query whose labels come from the LLM's citations through the critic protocol
-`critic(key, view)`, then the one jitted learner step). At the end the adapter-only Recall@5 / Hitrate@5 on the test split is
-reported beside the frozen retriever's, with the critic's call statistics (unparseable replies, HTTP
-errors and timeouts apply no update and are counted).
+per query whose labels come from the critic through the protocol `critic(key, view)`, then the one
+jitted learner step). The same loop, with the same keys, split and stream, runs each simulated
+critic of `--simulated=P:R` (Appendix A.2), so the only difference between the runs is the critic
+(the paper's Appendix B.4 compares the two). At the end the adapter-only Recall@5 / Hitrate@5 on
+the test split is reported for each run beside the frozen retriever's, with the LLM critic's call
+statistics (unparseable replies, HTTP errors and timeouts apply no update and are counted).
+Without `--base_url` the local llama.cpp server (SmolLM2-135M-Instruct) is started for the run;
+replies are cached (`--llm_cache_dir`), so a rerun or a resumed run costs only the missing calls.
 
+  python -m experiments.llm_episode --benchmark=locomo --limit=2 --max_train_queries=100 \\
+      --simulated=0.88:0.86 --simulated=0.3:0.4
   python -m experiments.llm_episode --benchmark=locomo --limit=1 \\
       --base_url=http://localhost:8000/v1 --model=Qwen/Qwen2.5-7B-Instruct --max_train_queries=40
   OPENAI_API_KEY=... python -m experiments.llm_episode --base_url=https://api.openai.com/v1 \\
@@ -22,42 +28,73 @@ from absl import logging
 import jax
 import numpy as np
 
-from ear_jax.data import candidates
-from ear_jax.data import corpora as datasets
+from ear_jax.agent import episode as episode_lib
+from ear_jax.agent.llm_critic import DEFAULT_PROMPT, PROMPTS, LLMCritic, LLMCriticConfig
+from ear_jax.core import critic as critic_lib
 from ear_jax.core import inference
 from ear_jax.core import learner as learner_lib
-from ear_jax.agent import episode as episode_lib
 from ear_jax.core.config import EARConfig, default_hparams
-from ear_jax.agent.llm_critic import LLMCritic, LLMCriticConfig
+from ear_jax.data import candidates
+from ear_jax.data import corpora as datasets
 from experiments import data_flags
+from experiments import llm_flags
 
 _DATA = data_flags.define(["locomo", "longmemeval", "jsonl"],
                           "Which benchmark (it must have texts for the LLM to read).")
+_LLM = llm_flags.define(max_tokens=96)
 _SEED = flags.DEFINE_integer("seed", 0, "Split and learner seed.")
 _MAX_TRAIN = flags.DEFINE_integer("max_train_queries", None,
                                   "Use only the first N queries of the training stream (LLM calls "
-                                  "cost money: T per query).")
+                                  "cost time or money: T per query).")
 _ROUNDS = flags.DEFINE_integer("num_rounds", 4, "Explorer rounds T per training query.")
 _BATCH = flags.DEFINE_integer("batch_size", 4, "Training queries per optimizer step.")
 _LR = flags.DEFINE_float("learning_rate", 1e-3, "Adapter learning rate.")
-_BASE_URL = flags.DEFINE_string("base_url", None, "OpenAI-compatible endpoint, e.g. "
-                                "http://localhost:8000/v1.", required=True)
-_MODEL = flags.DEFINE_string("model", None, "Model name sent to the endpoint.", required=True)
-_API_KEY_ENV = flags.DEFINE_string("api_key_env", "OPENAI_API_KEY",
-                                   "NAME of the environment variable holding the API key.")
-_TIMEOUT = flags.DEFINE_float("timeout_s", 60.0, "Seconds per request (connect, read, whole reply).")
-_RETRIES = flags.DEFINE_integer("max_retries", 3, "Retries for HTTP 429/5xx, timeouts, connection "
-                                "errors.")
-_BACKOFF = flags.DEFINE_float("backoff_base_s", 1.0, "Base of the exponential retry backoff.")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature.")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 512, "Reply token budget.")
+_PROMPT = flags.DEFINE_enum("prompt", DEFAULT_PROMPT, list(PROMPTS), "LLM critic prompt.")
+_CONSTRAINED = flags.DEFINE_bool("constrained", True, "Send the reply's JSON schema as "
+                                 "response_format (constrained decoding).")
+_USE_LLM = flags.DEFINE_bool("llm", True, "Run the LLM critic (--nollm: only the simulated ones).")
+_SIMULATED = flags.DEFINE_multi_string("simulated", [], "P:R of a simulated critic to run on the "
+                                       "same episode (repeatable), e.g. 0.88:0.86.")
 _OUT = flags.DEFINE_string("out", None, "JSON output path (default runs/llm_episode_<bench>.json).")
+
+
+def _simulated_critics():
+  critics = []
+  for spec in _SIMULATED.value:
+    try:
+      p, r = (float(x) for x in spec.split(":"))
+      critics.append((f"simulated P={p:g} R={r:g}", critic_lib.make_simulated_critic(p, r)))
+    except ValueError as e:
+      raise app.UsageError(f"--simulated={spec!r}: expected P:R with both in (0, 1] ({e})")
+  return critics
+
+
+def _train(name, critic, k_episode, train, config, hparams):
+  def progress(done, total):
+    if done % (10 * config.batch_size) == 0 or done == total:
+      logging.info("%s: trained on %d/%d queries; %s", name, done, total,
+                   getattr(critic, "stats", ""))
+
+  t = time.perf_counter()
+  state, stats = episode_lib.run_critic_episode(
+      k_episode, train.stream, train.query_texts, train.candidate_texts, critic, config, hparams,
+      progress=progress)
+  return state, stats, time.perf_counter() - t
+
+
+def _scores(state, k_eval, test, config, hparams) -> dict:
+  after = inference.evaluate_jit(k_eval, state.params, test.stream, config, hparams)
+  return {"test_recall@5_adapter": float(after.recall_adapter) * 100,
+          "test_hitrate@5_adapter": float(after.hitrate_adapter) * 100,
+          "params_finite": bool(all(np.all(np.isfinite(np.asarray(x)))
+                                    for x in jax.tree_util.tree_leaves(state.params)))}
 
 
 def main(argv):
   del argv
   t0 = time.perf_counter()
   name = data_flags.benchmark_name(_DATA)
+  simulated = _simulated_critics()
   bench = candidates.load_benchmark(name, data_dir=_DATA.data_dir.value, encoder=_DATA.encoder.value,
                                     k=_DATA.k.value, limit=_DATA.limit.value, cache_dir=_DATA.cache_dir.value,
                                     progress=False)
@@ -70,44 +107,49 @@ def main(argv):
   config = EARConfig(dim=bench.stream.dim, num_candidates=_DATA.k.value, num_rounds=_ROUNDS.value,
                      batch_size=_BATCH.value, slate_size=min(5, _DATA.k.value))
   hparams = default_hparams(learning_rate=_LR.value)
-  critic = LLMCritic(LLMCriticConfig(
-      base_url=_BASE_URL.value, model=_MODEL.value, api_key_env=_API_KEY_ENV.value,
-      timeout_s=_TIMEOUT.value, max_retries=_RETRIES.value, backoff_base_s=_BACKOFF.value,
-      temperature=_TEMPERATURE.value, max_tokens=_MAX_TOKENS.value))
-  key = jax.random.PRNGKey(_SEED.value)
-  k_episode, k_eval = jax.random.split(key)
-
-  def progress(done, total):
-    if done % (10 * config.batch_size) == 0 or done == total:
-      logging.info("trained on %d/%d queries; critic %s", done, total, critic.stats)
-
-  t_train = time.perf_counter()
-  state, stats = episode_lib.run_critic_episode(
-      k_episode, train.stream, train.query_texts, train.candidate_texts, critic, config, hparams,
-      progress=progress)
-  t_train = time.perf_counter() - t_train
+  k_episode, k_eval = jax.random.split(jax.random.PRNGKey(_SEED.value))
   frozen = learner_lib.init_learner(jax.random.PRNGKey(0), config).params
   before = inference.evaluate_jit(k_eval, frozen, test.stream, config, hparams)
-  after = inference.evaluate_jit(k_eval, state.params, test.stream, config, hparams)
   result = {
-      "benchmark": bench.name, "seed": _SEED.value, "model": _MODEL.value,
-      "base_url": _BASE_URL.value, "num_train_queries": int(len(train_idx)),
+      "benchmark": bench.name, "seed": _SEED.value, "num_train_queries": int(len(train_idx)),
       "num_test_queries": int(len(test_idx)), "num_rounds": config.num_rounds,
       "batch_size": config.batch_size, "learning_rate": _LR.value,
       "test_recall@5_retriever": float(before.recall_adapter) * 100,
-      "test_hitrate@5_retriever": float(before.hitrate_adapter) * 100,
-      "test_recall@5_ear_adapter": float(after.recall_adapter) * 100,
-      "test_hitrate@5_ear_adapter": float(after.hitrate_adapter) * 100,
-      "episode": stats, "critic": dict(critic.stats),
-      "params_finite": bool(all(np.all(np.isfinite(np.asarray(x)))
-                                for x in jax.tree_util.tree_leaves(state.params))),
-      "train_seconds": round(t_train, 2), "wall_seconds": round(time.perf_counter() - t0, 2),
+      "test_hitrate@5_retriever": float(before.hitrate_adapter) * 100, "runs": {},
   }
+  if _USE_LLM.value:
+    with llm_flags.endpoint(_LLM) as (base_url, model, info):
+      critic = LLMCritic(LLMCriticConfig(**llm_flags.client_kwargs(_LLM, base_url, model),
+                                         prompt=_PROMPT.value, constrained=_CONSTRAINED.value))
+      state, stats, seconds = _train("LLM critic", critic, k_episode, train, config, hparams)
+    calls = critic.client.stats["calls"] - critic.client.stats["cache_hits"]
+    result.update(model=model, base_url=base_url, endpoint=info, prompt=_PROMPT.value,
+                  constrained=_CONSTRAINED.value, critic=dict(critic.stats),
+                  client=dict(critic.client.stats), episode=stats,
+                  train_seconds=round(seconds, 2),
+                  seconds_per_fresh_call=critic.client.stats["seconds"] / calls if calls else None)
+    scores = _scores(state, k_eval, test, config, hparams)
+    result["runs"][f"LLM critic ({model})"] = dict(scores, episode=stats)
+    # Backward-compatible keys of the LLM run.
+    result["test_recall@5_ear_adapter"] = scores["test_recall@5_adapter"]
+    result["test_hitrate@5_ear_adapter"] = scores["test_hitrate@5_adapter"]
+    result["params_finite"] = scores["params_finite"]
+  for label, critic in simulated:
+    state, stats, seconds = _train(label, critic, k_episode, train, config, hparams)
+    result["runs"][label] = dict(_scores(state, k_eval, test, config, hparams), episode=stats,
+                                 train_seconds=round(seconds, 2))
+  result["wall_seconds"] = round(time.perf_counter() - t0, 2)
   out = pathlib.Path(_OUT.value or f"runs/llm_episode_{bench.name}.json")
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=1))
-  print(f"test Recall@5: retriever {result['test_recall@5_retriever']:.2f} -> EAR (LLM critic) "
-        f"{result['test_recall@5_ear_adapter']:.2f}; critic {critic.stats}; wrote {out}")
+  lines = [f"test Recall@5 (adapter-only, {len(test_idx)} test queries, {len(train_idx)} training "
+           f"queries, seed {_SEED.value}): frozen retriever {result['test_recall@5_retriever']:.2f}"]
+  for label, run in result["runs"].items():
+    lines.append(f"  EAR with {label}: {run['test_recall@5_adapter']:.2f} "
+                 f"(Hit@5 {run['test_hitrate@5_adapter']:.2f}; {run['episode']})")
+  if _USE_LLM.value:
+    lines.append(f"  LLM critic {result['critic']}; client {result['client']}")
+  print("\n".join(lines) + f"\nwrote {out}")
 
 
 if __name__ == "__main__":

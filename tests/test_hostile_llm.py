@@ -1,6 +1,6 @@
 """Hostile endpoints and hostile input for the LLM client and critic (issue 10, item 4).
 
-Every server is a loopback (127.0.0.1) `ChatServer` from tests/test_llm_client.py; every timeout is
+Every server is a loopback (127.0.0.1) `ChatServer` from tests/llm_fakes.py; every timeout is
 short, so no test can hang.
 """
 from __future__ import annotations
@@ -17,8 +17,7 @@ import pytest
 from ear_jax.agent.llm_client import ChatClient, ChatClientConfig, ChatError
 from ear_jax.agent.llm_critic import (LLMCritic, LLMCriticConfig, format_citations,
                                       parse_citations)
-from tests.test_llm_client import KEY_ENV, MESSAGES, RecordingSleep, Reply
-from tests.test_llm_client import second_server, server  # noqa: F401  # pylint: disable=unused-import
+from tests.llm_fakes import KEY_ENV, MESSAGES, RecordingSleep, Reply
 
 _MEMORIES = ["Alice moved to Paris in May.", "Bob likes chess.", "The cat is called Tom."]
 _QUESTION = "Where did Alice move?"

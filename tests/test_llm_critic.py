@@ -13,8 +13,8 @@ import pytest
 from ear_jax.agent import llm_critic
 from ear_jax.agent.llm_critic import (CriticResult, LLMCritic, LLMCriticConfig, build_messages,
                                       format_citations, labels_from_citations, parse_citations)
-from tests.test_llm_client import RecordingSleep as _RecordingSleep
-from tests.test_llm_client import Reply, server  # noqa: F401  # pylint: disable=unused-import
+from tests.llm_fakes import RecordingSleep as _RecordingSleep
+from tests.llm_fakes import Reply
 
 _KEY_ENV = "EAR_JAX_TEST_LLM_KEY"
 _MEMORIES = ["Alice moved to Paris in May.", "Bob likes\n chess.", "The cat is called Tom."]
@@ -301,7 +301,7 @@ def test_429_is_retried_and_retry_after_is_honoured_up_to_the_cap(server):
 @pytest.mark.parametrize("status", [400, 401, 403, 404])
 def test_client_errors_other_than_429_are_not_retried(server, status):
   server.script = [Reply(status=status), Reply()]
-  client = _client(server, max_retries=3)
+  client = _client(server, max_retries=3, constrained=False)  # (a 400 on response_format: below)
   result = client.critique(_QUESTION, _MEMORIES)
   assert result.status == "http_error" and result.labels is None
   assert result.attempts == 1 and len(server.requests) == 1
@@ -386,7 +386,8 @@ def test_public_names_stay_importable_from_llm_critic():
 
 def test_critic_config_keeps_its_fields_and_checks_system_prompt():
   config = LLMCriticConfig(base_url="http://localhost:1/v1", model="m", system_prompt="Be terse.")
-  assert config.system_prompt == "Be terse." and config.seed is None and config.max_retries == 3
+  assert config.system_prompt == "Be terse." and config.seed == 0 and config.max_retries == 3
+  assert config.prompt == "judge_each_json" and config.constrained and config.temperature == 0.0
   with pytest.raises(ValueError, match="system_prompt"):
     LLMCriticConfig(base_url="http://localhost:1/v1", model="m", system_prompt=None)
 

@@ -138,7 +138,8 @@ def test_llm_episode_program_learns_from_a_loopback_llm(tmp_path, monkeypatch):
          f"--encoder={npz}", "--k=8", "--num_rounds=2", "--learning_rate=0.03",
          f"--base_url=http://127.0.0.1:{srv.server_address[1]}/v1", "--model=loopback",
          "--api_key_env=EAR_TEST_NO_KEY", "--timeout_s=5", "--max_retries=2",
-         "--backoff_base_s=0", f"--out={out}", f"--cache_dir={tmp_path / 'cache'}"],
+         "--backoff_base_s=0", f"--out={out}", f"--cache_dir={tmp_path / 'cache'}",
+         "--llm_cache_dir=", "--simulated=1:1"],
         cwd=_REPO, env=env, capture_output=True, text=True, timeout=300)
   finally:
     srv.shutdown()
@@ -153,3 +154,7 @@ def test_llm_episode_program_learns_from_a_loopback_llm(tmp_path, monkeypatch):
   assert res["episode"]["learner_steps"] == 12 and res["params_finite"]
   assert res["test_recall@5_retriever"] <= 20.0
   assert res["test_recall@5_ear_adapter"] >= res["test_recall@5_retriever"] + 40.0
+  # The simulated critic P = R = 1 (an oracle, like this loopback LLM) ran the same episode.
+  oracle = res["runs"]["simulated P=1 R=1"]
+  assert oracle["episode"]["critic_ok"] == 96 and "critic_no_update" not in oracle["episode"]
+  assert oracle["test_recall@5_adapter"] >= res["test_recall@5_retriever"] + 40.0

@@ -12,17 +12,22 @@ times. The search is `ear_jax.core.retrieval.top_k_search`, the same as the benc
   and `docs/jsonl_format.md`);
 * with `multistore` the candidates are the top-K/2 of each store (Section 5).
 
+Options (`Memory(bank_dtype=..., index=...)`): the embeddings may be stored as bfloat16 (half the
+memory and bytes per exact search); `index` replaces the exact device search by an approximate
+faiss searcher (`ear_jax.index.ann`), which returns rows that are then gathered from the same
+device array, so EAR sees the same kind of candidates.
+
 The bank is not thread-safe on its own: `Memory` serialises every call under its lock. Its arrays
 are never updated in place (every write makes new arrays), so a reference taken under the lock is a
-consistent snapshot.
+consistent snapshot (the ANN searcher, a host object, is updated in place under that lock).
 """
 from __future__ import annotations
 
 import collections.abc
 import functools
-import os
-import threading
-from typing import Any, Optional
+import hashlib
+import json
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +38,7 @@ from ear_jax.data import encoder_base
 
 STORES = {"dialogue": 0, "episodic": 0, "observation": 1, "semantic": 1}
 STORE_NAMES = ("dialogue", "observation")
+BANK_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 MIN_CAPACITY = 32
 
 
@@ -156,22 +162,38 @@ def check_id_list(ids, n: int) -> list[str]:
 
 @functools.partial(jax.jit, static_argnames=("k", "multistore"))
 def _search(queries, emb, valid, stores, *, k, multistore):
-  """Candidates of `[q, d]` queries: `(index [q, K], mask [q, K], embeddings [q, K, d])`."""
+  """Candidates of `[q, d]` queries: `(index [q, K], mask [q, K])`."""
   if multistore:
     idx, _, mask = retrieval_lib.top_k_search(queries, emb, valid, k, stores)
   else:  # dialogue memories only (store 0), as the benchmark pipeline
     idx, _, mask = retrieval_lib.top_k_search(queries, emb, valid & (stores == 0), k)
-  cands = jnp.where(mask[..., None], emb[jnp.maximum(idx, 0)], 0.0)
-  return idx, mask, cands
+  return idx, mask
+
+
+@jax.jit
+def _gather(emb, idx, mask):
+  """`[q, K, d]` float32 rows of the candidates (zero where masked). A separate jitted call: fused
+  with the search, XLA shares the widening of a bfloat16 bank and materialises it (~8x slower)."""
+  return jnp.where(mask[..., None], emb[jnp.maximum(idx, 0)].astype(jnp.float32), 0.0)
 
 
 @jax.jit
 def _write(emb, valid, stores, rows, row_stores, row_valid, start):
-  """Writes `[m, d]` rows (those with `row_valid`) at rows `start..` of the `[C, d]` bank."""
+  """Writes `[m, d]` rows (those with `row_valid`) at rows `start..` of the `[C, d]` bank (new
+  arrays: one copy of the bank per `append` call, so batch large adds)."""
   cap = emb.shape[0]
   at = jnp.where(row_valid, start + jnp.arange(rows.shape[0]), cap)  # C = dropped
-  return (emb.at[at].set(rows, mode="drop"), valid.at[at].set(True, mode="drop"),
+  return (emb.at[at].set(rows.astype(emb.dtype), mode="drop"), valid.at[at].set(True, mode="drop"),
           stores.at[at].set(row_stores, mode="drop"))
+
+
+def rows_digest(ids, texts, codes: np.ndarray, emb: np.ndarray) -> str:
+  """SHA-256 of bank rows (ids, texts, store codes, float32 embeddings): what a saved shard holds."""
+  h = hashlib.sha256()
+  h.update(json.dumps([list(ids), list(texts)], ensure_ascii=False).encode("utf-8"))
+  h.update(np.ascontiguousarray(codes, np.int8).tobytes())
+  h.update(np.ascontiguousarray(emb, np.float32).tobytes())
+  return h.hexdigest()
 
 
 class Bank:
@@ -180,18 +202,32 @@ class Bank:
   Args:
     dim: `d`.
     initial_capacity: rounded up to a power of two (at least `MIN_CAPACITY`).
+    dtype: 'float32' or 'bfloat16', the dtype of the device embeddings (bf16 halves the bank's
+      memory and bytes read per exact search; candidates and scores are float32 either way).
+    index: 'exact' (the device search) or an ANN searcher of `ear_jax.index.ann.SEARCHERS`.
+    index_options: keyword options of that searcher (e.g. `{'nprobe': 64}`).
   """
 
-  def __init__(self, dim: int, initial_capacity: int = MIN_CAPACITY):
-    self.dim = int(dim)
+  def __init__(self, dim: int, initial_capacity: int = MIN_CAPACITY, dtype: str = "float32",
+               index: str = "exact", index_options: Optional[dict] = None):
+    from ear_jax.index import ann  # pylint: disable=g-import-not-at-top
+    if dtype not in BANK_DTYPES:
+      raise ValueError(f"unknown bank_dtype {dtype!r}; expected one of {sorted(BANK_DTYPES)}")
+    if not isinstance(index, str):
+      raise InputTypeError(f"index must be a string, got {type(index).__name__}")
+    self.dim, self.dtype = int(dim), dtype
+    self.index_name, self.index_options = index, dict(index_options or {})
+    self.searcher = ann.make_searcher(index, self.dim, self.index_options)
     cap = pow2_at_least(initial_capacity, MIN_CAPACITY)
-    self.emb = jnp.zeros((cap, self.dim), jnp.float32)  # [C, d]
+    self.emb = jnp.zeros((cap, self.dim), BANK_DTYPES[dtype])  # [C, d]
     self.valid = jnp.zeros((cap,), bool)  # [C]
     self.stores = jnp.zeros((cap,), jnp.int32)  # [C]
     self.ids: list[str] = []
     self.texts: list[str] = []
     self.store_codes = np.zeros((0,), np.int8)  # [n], host copy of the stores
+    self.store_counts = [0, 0]  # memories per store (O(1) `available` at any bank size)
     self.row_of: dict[str, int] = {}
+    self.digests: dict[tuple[int, int], str] = {}  # (start, count) -> rows_digest, rows are final
 
   def __len__(self):
     return len(self.ids)
@@ -199,6 +235,16 @@ class Bank:
   @property
   def capacity(self) -> int:
     return int(self.emb.shape[0])
+
+  def settings(self) -> dict:
+    """The bank's options as `Memory` takes them (saved in checkpoints)."""
+    return {"bank_dtype": self.dtype, "index": self.index_name,
+            "index_options": dict(self.index_options)}
+
+  def nbytes(self) -> int:
+    """Bytes held for the bank's vectors: the device arrays plus any ANN index."""
+    dev = sum(int(a.size) * a.dtype.itemsize for a in (self.emb, self.valid, self.stores))
+    return dev + (self.searcher.nbytes() if self.searcher is not None else 0)
 
   def default_ids(self, n: int) -> list[str]:
     """`"m<row>"` for the next `n` rows; ValueError if one is taken by an explicit id."""
@@ -225,15 +271,18 @@ class Bank:
     self.emb, self.valid, self.stores = _write(
         self.emb, self.valid, self.stores, pad(emb), pad(codes.astype(np.int32)),
         np.arange(m) < n, np.int32(start))
+    if self.searcher is not None:
+      self.searcher.add(emb, codes, start)
     for j, i in enumerate(ids):
       self.row_of[i] = start + j
     self.ids.extend(ids)
     self.texts.extend(texts)
     self.store_codes = np.concatenate([self.store_codes, codes.astype(np.int8)])
+    self.store_counts = [c + int((codes == s).sum()) for s, c in enumerate(self.store_counts)]
 
   def available(self, num_candidates: int, multistore: bool) -> int:
     """How many candidates a query can get: `min(n_dialogue, K)`, or per store `min(., K/2)`."""
-    counts = [int((self.store_codes == s).sum()) for s in (0, 1)]
+    counts = self.store_counts
     if not multistore:
       return min(counts[0], num_candidates)
     return sum(min(c, num_candidates // 2) for c in counts)
@@ -251,7 +300,8 @@ class Bank:
                      f"retrieved ({len(self)} in the bank)")
 
   def search(self, queries: np.ndarray, num_candidates: int, multistore: bool):
-    """Top-K candidates of `[q, d]` unit queries (see the module docstring).
+    """Top-K candidates of `[q, d]` unit queries (see the module docstring), by the exact device
+    search or the ANN searcher.
 
     Returns:
       `(rows [q, K] int32 (-1 = padding), mask [q, K] bool, embeddings [q, K, d] float32)`, numpy,
@@ -261,13 +311,19 @@ class Bank:
     q_pad = pow2_at_least(q)
     padded = np.zeros((q_pad, self.dim), np.float32)
     padded[:q] = queries
-    idx, mask, cands = _search(padded, self.emb, self.valid, self.stores, k=num_candidates,
-                               multistore=multistore)
+    if self.searcher is None:
+      idx, mask = _search(padded, self.emb, self.valid, self.stores, k=num_candidates,
+                          multistore=multistore)
+    else:
+      idx, mask = self.searcher.search(padded, num_candidates, multistore)
+    cands = _gather(self.emb, idx, mask)
     return np.asarray(idx)[:q], np.asarray(mask)[:q], np.asarray(cands)[:q]
 
-  def embeddings(self) -> np.ndarray:
-    """`[n, d]` the frozen (pre-adapter) unit embeddings (a host copy)."""
-    return np.array(self.emb[:len(self.ids)])
+  def embeddings(self, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
+    """`[n, d]` the frozen (pre-adapter) unit embeddings of rows `start:stop` (a float32 host
+    copy)."""
+    stop = len(self.ids) if stop is None else stop
+    return np.asarray(self.emb[start:stop].astype(jnp.float32))
 
   def describe(self, rows) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """`(ids, texts, store names)` of bank rows."""
@@ -276,114 +332,37 @@ class Bank:
             tuple(STORE_NAMES[int(self.store_codes[r])] for r in rows))
 
   # ----------------------------------------------------------------------------------------------
-  # snapshot / restore
+  # rows for snapshots and shards (`ear_jax.agent.persistence`)
 
-  def snapshot(self):
-    """`(arrays, meta)` of the bank (host copies; arrays omitted when the bank is empty)."""
-    n = len(self.ids)
-    arrays = {}
-    if n:
-      arrays = {"embeddings": np.array(self.emb[:n]), "stores": self.store_codes.copy()}
-    return arrays, {"ids": list(self.ids), "texts": list(self.texts)}
+  def rows(self, start: int, stop: int):
+    """`(arrays, meta)` of rows `start:stop`: embeddings (float32) and stores; ids and texts."""
+    arrays = {"embeddings": self.embeddings(start, stop),
+              "stores": self.store_codes[start:stop].copy()}
+    return arrays, {"ids": self.ids[start:stop], "texts": self.texts[start:stop]}
 
-  @classmethod
-  def restore(cls, dim: int, arrays, meta, where: str, min_capacity: int) -> "Bank":
-    """The bank of `snapshot` (capacity at least `min_capacity`, e.g. K); ValueError naming `where`
-    when the arrays do not match the ids."""
+  def digest(self, start: int, stop: int) -> str:
+    """`rows_digest` of rows `start:stop` (cached: rows never change once appended)."""
+    key = (int(start), int(stop) - int(start))
+    if key not in self.digests:
+      arrays, meta = self.rows(start, stop)
+      self.digests[key] = rows_digest(meta["ids"], meta["texts"], arrays["stores"],
+                                      arrays["embeddings"])
+    return self.digests[key]
+
+  def extend_rows(self, arrays, meta, where: str) -> None:
+    """Appends saved rows (a snapshot or a shard); ValueError naming `where` when they disagree."""
     ids, texts = list(meta["ids"]), list(meta["texts"])
     n = len(ids)
-    bank = cls(dim, max(n, min_capacity))
     if len(texts) != n:
       raise ValueError(f"{where}: {n} memory ids but {len(texts)} texts")
-    if n:
-      emb = np.asarray(arrays["embeddings"], np.float32)
-      codes = np.asarray(arrays["stores"]).astype(np.int8)
-      if emb.shape != (n, dim) or codes.shape != (n,):
-        raise ValueError(f"{where}: bank embeddings {emb.shape} / stores {codes.shape} do not "
-                         f"match {n} memories of dimension {dim}")
-      bank.append(ids, texts, codes, emb)
-    return bank
-
-
-class EncoderSlot:
-  """The frozen encoder f_theta of a memory: an `Encoder`, or a spec loaded at first use.
-
-  A spec string is checked at once (`encoders.check_encoder_spec`: the data layer names a missing
-  path) and loaded lazily under a lock, then checked against the dimension and, when known, the
-  model identity the memory was built with. Encoding itself runs outside `Memory`'s state lock.
-
-  Args:
-    encoder: 'minilm', a checkpoint directory, a `.npy`/`.npz` file, an `Encoder`, or None.
-  """
-
-  def __init__(self, encoder: Any):
-    from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
-    self._lock = threading.Lock()
-    self.encoder, self.spec = None, None
-    if isinstance(encoder, encoders.Encoder):
-      self.encoder = encoder
-      src = getattr(encoder, "model_dir", None) or getattr(encoder, "path", None)
-      self.spec = "minilm" if encoder.name == "minilm" else (str(src) if src is not None else None)
-    elif isinstance(encoder, (str, os.PathLike)):
-      self.spec = str(encoders.check_encoder_spec(encoder))
-    elif encoder is not None:
-      raise InputTypeError(f"encoder must be a spec string, an Encoder or None, got "
-                           f"{type(encoder).__name__}")
-    self.identity = self.encoder.identity_hash if self.encoder is not None else None
-
-  @property
-  def dim(self) -> Optional[int]:
-    """The dimension when known without loading a model."""
-    if self.encoder is not None:
-      return self.encoder.dim
-    return 384 if self.spec == "minilm" else None
-
-  def get(self, dim: int):
-    """The encoder (loaded now if it was given as a spec), or None."""
-    with self._lock:
-      if self.encoder is None and self.spec is not None:
-        from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
-        enc = encoders.load_encoder(self.spec)
-        if enc.dim != dim:
-          raise ValueError(f"encoder {self.spec!r} has dimension {enc.dim}, but this memory uses "
-                           f"d={dim}")
-        if self.identity is not None and enc.identity_hash != self.identity:
-          raise ValueError(f"encoder {self.spec!r} is not the model this memory was built with "
-                           f"(identity {enc.identity_hash[:16]} != {self.identity[:16]}): its "
-                           "embeddings would not match the bank")
-        self.encoder, self.identity = enc, enc.identity_hash
-      return self.encoder
-
-  def embed(self, texts: list[str], dim: int, cache_dir, what: str) -> np.ndarray:
-    """`[n, d]` unit embeddings of checked texts (ValueError without an encoder)."""
-    enc = self.get(dim)
-    if enc is None:
-      raise ValueError(f"this memory has no encoder: pass {what} embeddings explicitly")
-    from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
-    emb = encoders.encode(enc, texts, cache_dir=cache_dir, use_cache=cache_dir is not None,
-                          progress=False)
-    return check_embeddings(emb, len(texts), dim, f"encoder output for {what}")
-
-  def meta(self, dim: int) -> dict:
-    return {"spec": self.spec, "identity_hash": self.identity, "dim": dim}
-
-  @classmethod
-  def for_checkpoint(cls, encoder: Any, saved: dict, where: str) -> "EncoderSlot":
-    """The slot of a loaded memory: 'saved' (the saved spec, checked lazily against the saved
-    identity), None, or an encoder / spec whose dimension and identity must match the saved ones."""
-    if isinstance(encoder, str) and encoder == "saved":
-      slot = cls(None)
-      slot.spec, slot.identity = saved["spec"], saved["identity_hash"]
-      return slot
-    if encoder is None:
-      return cls(None)
-    from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
-    enc = encoders.load_encoder(encoder)
-    if enc.dim != saved["dim"]:
-      raise ValueError(f"{where} was written with encoder dimension d={saved['dim']}, but encoder "
-                       f"{enc.name!r} has dimension {enc.dim}")
-    if saved["identity_hash"] and enc.identity_hash != saved["identity_hash"]:
-      raise ValueError(f"{where} was written with another encoder model (identity "
-                       f"{saved['identity_hash'][:16]}), not {enc.name!r} (identity "
-                       f"{enc.identity_hash[:16]})")
-    return cls(enc)
+    if not n:
+      return
+    emb = np.asarray(arrays["embeddings"], np.float32)
+    codes = np.asarray(arrays["stores"]).astype(np.int8)
+    if emb.shape != (n, self.dim) or codes.shape != (n,):
+      raise ValueError(f"{where}: bank embeddings {emb.shape} / stores {codes.shape} do not "
+                       f"match {n} memories of dimension {self.dim}")
+    dup = [i for i in ids if i in self.row_of]
+    if dup or len(set(ids)) != n:
+      raise ValueError(f"{where}: duplicate memory ids {dup[:5]}")
+    self.append(ids, texts, codes, emb)

@@ -24,6 +24,12 @@ Guarantees:
   * Bounded: each attempt takes at most about `timeout_s` (connect, each read, the whole reply); a
     call makes at most `1 + max_retries` attempts and waits at most `backoff_max_s` between them.
   * Thread-safe: one client may be shared by several threads; `stats` is updated under a lock.
+  * Reproducible and resumable: temperature 0 and seed 0 by default; with `cache_dir` set, every
+    usable reply is stored on disk (`ear_jax.agent.llm_cache`, keyed by endpoint, model, messages
+    and decoding settings, never the key) and a repeated request is answered from there.
+  * Constrained decoding where the endpoint has it: a `response_format` (e.g. llama.cpp's
+    `{"type": "json_object", "schema": ...}`) is sent as given; an endpoint that rejects it with
+    HTTP 400 / 422 gets the request again without it, once, and no `response_format` afterwards.
 
 Host-side code (network I/O): never jitted.
 """
@@ -47,6 +53,7 @@ from typing import Any, NamedTuple
 from absl import logging
 
 # STATUSES, DECODING_KEYS and ChatClientConfig are part of this module's public API.
+from ear_jax.agent.llm_cache import ResponseCache, cache_key
 from ear_jax.agent.llm_config import (DECODING_KEYS, REDACTED, STATS_KEYS, STATUSES,  # pylint: disable=unused-import
                                       _CONTROL, _MAX_ERROR_BODY_BYTES, _MAX_MESSAGE_CHARS,
                                       _READ_CHUNK_BYTES, ChatClientConfig, _check_decoding,
@@ -60,14 +67,18 @@ class ChatResult(NamedTuple):
     text: the reply's `choices[0].message.content` ('' when no usable reply arrived).
     usage: the reply's numeric `usage` counters (e.g. `prompt_tokens`), `{}` when absent.
     status: one of `STATUSES`.
-    attempts: HTTP requests made (1 + retries).
+    attempts: HTTP requests made (1 + retries; 0 for a reply from the cache).
     error: a short, key-free description of the failure; None when `status == 'ok'`.
+    cached: the reply came from the on-disk cache (no request was made).
+    constrained: the reply was decoded under the request's `response_format`.
   """
   text: str
   usage: dict[str, Any]
   status: str
   attempts: int
   error: str | None
+  cached: bool = False
+  constrained: bool = False
 
 
 class ChatError(RuntimeError):
@@ -81,9 +92,11 @@ class ChatError(RuntimeError):
 class _Failure(Exception):
   """One failed attempt: `status` in STATUSES, and whether it may be retried."""
 
-  def __init__(self, status: str, message: str, retryable: bool, retry_after_s=None):
+  def __init__(self, status: str, message: str, retryable: bool, retry_after_s=None,
+               code: int | None = None):
     super().__init__(message)
     self.status, self.retryable, self.retry_after_s = status, retryable, retry_after_s
+    self.code = code  # the HTTP status of an http_error
 
 
 class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
@@ -181,12 +194,14 @@ class ChatClient:
     self._sleep = sleep
     self._rng = rng if rng is not None else random.Random()
     self._lock = threading.Lock()
-    self.stats: dict[str, int] = {key: 0 for key in STATS_KEYS}
+    self.stats: dict[str, float] = {key: 0 for key in STATS_KEYS}
+    self.cache = ResponseCache(config.cache_dir) if config.cache_dir is not None else None
+    self.response_format_supported = True
 
   def __repr__(self):
     return f"ChatClient(url={self.url!r}, model={self.config.model!r})"
 
-  def count(self, *keys: str, n: int = 1):
+  def count(self, *keys: str, n: float = 1):
     """Adds `n` to each `stats[key]`, atomically (thread-safe)."""
     with self._lock:
       for key in keys:
@@ -206,8 +221,8 @@ class ChatClient:
       delay = max(delay, min(retry_after_s, self.config.backoff_max_s))
     return delay
 
-  def build_body(self, messages: Sequence[Mapping[str, Any]], **decoding: Any) -> bytes:
-    """The JSON request body; `decoding` (`DECODING_KEYS`) overrides the config's values.
+  def request_body(self, messages: Sequence[Mapping[str, Any]], **decoding: Any) -> dict[str, Any]:
+    """The request body as a dict; `decoding` (`DECODING_KEYS`) overrides the config's values.
 
     Raises:
       ValueError: for empty or malformed messages or a bad decoding parameter.
@@ -223,10 +238,21 @@ class ChatClient:
     body = {"model": self.config.model, "messages": [dict(m) for m in messages], "stream": False}
     body.update({k: int(v) if k in ("max_tokens", "seed") else v
                  for k, v in params.items() if v is not None})
+    if "response_format" in body:
+      body["response_format"] = dict(body["response_format"])
+    self._encode(body)
+    return body
+
+  @staticmethod
+  def _encode(body: dict[str, Any]) -> bytes:
     try:
       return json.dumps(body, allow_nan=False).encode("utf-8")
     except (TypeError, ValueError) as e:
       raise ValueError(f"request body is not JSON-serializable: {e}") from None
+
+  def build_body(self, messages: Sequence[Mapping[str, Any]], **decoding: Any) -> bytes:
+    """`request_body(...)` as the JSON bytes sent."""
+    return self._encode(self.request_body(messages, **decoding))
 
   def chat(self, messages: Sequence[Mapping[str, Any]],
            **decoding: Any) -> tuple[str, dict[str, Any]]:
@@ -242,13 +268,44 @@ class ChatClient:
     return result.text, result.usage
 
   def complete(self, messages: Sequence[Mapping[str, Any]], **decoding: Any) -> ChatResult:
-    """One chat completion with retries; never raises on a network or server failure.
+    """One chat completion with retries (or from the cache); never raises on a network or server
+    failure.
+
+    A `response_format` the endpoint rejects (HTTP 400 or 422) is dropped: the request is repeated
+    once without it, and later calls of this client send none (`response_format_supported`
+    becomes False; counted in `stats['response_format_fallbacks']`). `ChatResult.constrained`
+    says whether the reply was decoded under a `response_format`.
 
     Raises:
       ValueError: for malformed messages, a bad decoding parameter or a malformed API key (before
         anything is sent).
     """
-    body = self.build_body(messages, **decoding)
+    body = self.request_body(messages, **decoding)
+    if "response_format" in body and not self.response_format_supported:
+      del body["response_format"]
+    result, code = self._complete_body(body)
+    if result.status == "http_error" and code in (400, 422) and "response_format" in body:
+      logging.warning("LLM chat: the endpoint rejected response_format (%s); repeating without "
+                      "it, and sending none from now on", result.error)
+      self.response_format_supported = False
+      self.count("response_format_fallbacks")
+      del body["response_format"]
+      retry, _ = self._complete_body(body)
+      result = retry._replace(attempts=retry.attempts + result.attempts)
+    status = result.status
+    self.count("calls", status)
+    if result.cached:
+      self.count("cache_hits")
+    return result._replace(constrained="response_format" in body and status == "ok")
+
+  def _complete_body(self, body: dict[str, Any]) -> tuple[ChatResult, int | None]:
+    """`(result, HTTP status of a failed reply or None)`: from the cache, or by requests."""
+    key = cache_key(self.url, body) if self.cache is not None else ""
+    if self.cache is not None and (hit := self.cache.get(key)) is not None:
+      return ChatResult(text=hit[0], usage=hit[1], status="ok", attempts=0, error=None,
+                        cached=True), None
+    t0 = time.perf_counter()
+    raw_body = self._encode(body)
     secrets: list[str] = []
     attempts = 0
     failure: _Failure | None = None
@@ -266,7 +323,7 @@ class ChatClient:
         secrets.append(api_key)
       attempts += 1
       try:
-        raw = self._attempt(body, api_key)
+        raw = self._attempt(raw_body, api_key)
         failure = None
         break
       except _Failure as f:
@@ -284,13 +341,18 @@ class ChatClient:
         failure = _Failure("unparseable", f"not a chat-completions reply ({e}): "
                            f"{raw[:_MAX_ERROR_BODY_BYTES].decode('utf-8', 'replace')!r}",
                            retryable=False)
+    self.count("seconds", n=time.perf_counter() - t0)
     if failure is not None:
       error = _message(failure, secrets)
-      self.count("calls", failure.status)
       logging.info("LLM chat: %s after %d attempt(s): %s", failure.status, attempts, error)
-      return ChatResult(text="", usage={}, status=failure.status, attempts=attempts, error=error)
-    self.count("calls", "ok")
-    return ChatResult(text=text, usage=usage, status="ok", attempts=attempts, error=None)
+      return ChatResult(text="", usage={}, status=failure.status, attempts=attempts,
+                        error=error), failure.code
+    for name in ("prompt_tokens", "completion_tokens"):
+      if isinstance(usage.get(name), (int, float)) and math.isfinite(usage[name]):
+        self.count(name, n=usage[name])
+    if self.cache is not None:
+      self.cache.put(key, text, usage, url=self.url, model=self.config.model)
+    return ChatResult(text=text, usage=usage, status="ok", attempts=attempts, error=None), None
 
   def _attempt(self, body: bytes, api_key: str) -> bytes:
     """One POST, no redirects; returns the raw reply body or raises `_Failure`."""
@@ -325,7 +387,7 @@ class ChatClient:
       note = " (redirects are never followed)" if 300 <= e.code <= 399 else ""
       retryable = e.code == 429 or 500 <= e.code <= 599
       raise _Failure("http_error", f"HTTP {e.code} {str(e.reason)[:80]}{note}: {detail.strip()}",
-                     retryable, _retry_after_seconds(e.headers)) from None
+                     retryable, _retry_after_seconds(e.headers), code=e.code) from None
     except urllib.error.URLError as e:
       if isinstance(e.reason, (TimeoutError, socket.timeout)):
         raise _Failure("timeout", f"timed out after {timeout}s: {e.reason}", True) from None

@@ -16,8 +16,14 @@ from typing import Any
 
 # Outcome of one call.
 STATUSES = ("ok", "unparseable", "http_error", "timeout", "connection_error")
-STATS_KEYS = ("calls",) + STATUSES + ("retries",)
-DECODING_KEYS = ("temperature", "max_tokens", "seed", "top_p", "stop")
+# Counters of a client: `calls` (every `complete`, cache hits included) = the sum of the statuses;
+# `retries`; `cache_hits`; `unusable` (usable HTTP replies the caller could not use: counted by the
+# caller, e.g. a critic reply without citations); `response_format_fallbacks` (requests repeated
+# without `response_format` after the endpoint rejected it); `prompt_tokens`, `completion_tokens`
+# and `seconds` (wall time in requests) of the fresh replies only: a cache hit costs none.
+STATS_KEYS = (("calls",) + STATUSES + ("retries", "cache_hits", "unusable",
+              "response_format_fallbacks", "prompt_tokens", "completion_tokens", "seconds"))
+DECODING_KEYS = ("temperature", "max_tokens", "seed", "top_p", "stop", "response_format")
 
 REDACTED = "[REDACTED]"
 _MAX_SECONDS = 1e6  # larger delays overflow time.sleep / socket timeouts on some platforms
@@ -65,6 +71,10 @@ def _check_decoding(owner: str, decoding: Mapping[str, Any]):
     elif name == "stop" and value is not None and not (isinstance(value, str) or (
         isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value))):
       raise ValueError(f"{owner}.stop must be a string or a list of strings, got {value!r}")
+    elif name == "response_format" and value is not None:
+      if not (isinstance(value, Mapping) and isinstance(value.get("type"), str)):
+        raise ValueError(f"{owner}.response_format must be a dict with a string 'type' (e.g. "
+                         f"{{'type': 'json_object', 'schema': {{...}}}}), got {value!r}")
 
 
 def chat_completions_url(base_url: str) -> str:
@@ -110,8 +120,12 @@ class ChatClientConfig:
     backoff_base_s: the delay before retry `i` (0-based) is drawn uniformly from
       `[c / 2, c]` with `c = min(backoff_max_s, backoff_base_s * 2**i)` (exponential, equal jitter).
     backoff_max_s: cap of the exponential delay and of a server's `Retry-After`; finite, >= 0.
-    seed: sampling seed sent to servers that support it; None sends none.
+    seed: sampling seed sent to servers that support it (a fixed 0 by default, with temperature 0:
+      evaluation runs are reproducible); None sends none.
     max_response_bytes: a longer reply body is 'unparseable' (bounds memory against a bad server).
+    cache_dir: a folder for the on-disk reply cache (`ear_jax.agent.llm_cache`), keyed by the
+      endpoint, model, messages and decoding settings: an interrupted run resumes and a rerun costs
+      nothing. None = no cache.
   """
   base_url: str
   model: str
@@ -122,8 +136,9 @@ class ChatClientConfig:
   max_retries: int = 3
   backoff_base_s: float = 1.0
   backoff_max_s: float = 30.0
-  seed: int | None = None
+  seed: int | None = 0
   max_response_bytes: int = 16 << 20
+  cache_dir: str | None = None
 
   def __post_init__(self):
     owner = type(self).__name__
@@ -138,3 +153,6 @@ class ChatClientConfig:
                  "max_response_bytes"):
       _check_number(owner, name, getattr(self, name), **_RULES[name])
     _check_decoding(owner, {k: getattr(self, k) for k in ("temperature", "max_tokens", "seed")})
+    if self.cache_dir is not None and not (isinstance(self.cache_dir, str) and self.cache_dir):
+      raise ValueError(f"{owner}.cache_dir must be a folder path string or None, got "
+                       f"{self.cache_dir!r}")

@@ -9,9 +9,15 @@ numbered memories of the slate and to cite the ones it used, and turns the citat
 
 Symbols: `s` slate size (the number of memories shown to the model).
 
-Citation format (RMM / EAR): the memories are numbered from 0 as `[0] text`, `[1] text`, ... and the
-reply ends with a line holding the cited indices as a bracketed list, `[0, 2]`, or `[NO_CITE]` when no
-memory was useful. `parse_citations` reads that line strictly, see its docstring.
+Citation formats (`ear_jax.agent.llm_citations`): the memories are numbered from 0 as `[0] text`,
+`[1] text`, ... The prompt (`PROMPTS`, chosen by `LLMCriticConfig.prompt`) asks for a JSON object
+(`{"useful": [true/false per memory]}` by default, or `{"cited": [numbers]}` and variants) sent with its JSON schema as
+`response_format={"type": "json_object", "schema": ...}`, so that servers with constrained decoding
+(llama.cpp's `llama_cpp.server` builds a grammar from the schema) can only produce a valid reply; or
+for free text ending with a line holding the cited indices, `[0, 2]`, or `[NO_CITE]` (`free_text`,
+RMM / EAR's format). An endpoint that rejects `response_format` (HTTP 400 / 422) is asked again
+without it, once, and never again (`ChatClient`); the prompt still asks for JSON. `parse_reply`
+reads a JSON object first and falls back to the free-text parser `parse_citations`.
 
 Failure policy: `LLMCritic.critique` never raises into the agent loop once the client is built (only
 programmer errors raise `ValueError`: an empty memory list, an empty question, a bad config, an API key
@@ -28,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,28 +42,20 @@ from typing import Any, NamedTuple
 from absl import logging
 import numpy as np
 
-from ear_jax.agent.llm_client import STATS_KEYS, STATUSES, ChatClient, ChatClientConfig
+from ear_jax.agent.llm_citations import (DEFAULT_PROMPT, DEFAULT_SYSTEM_PROMPT, PROMPTS,  # pylint: disable=unused-import
+                                         CriticPrompt,
+                                         build_messages, citation_schema, format_citations,
+                                         format_memories, labels_from_citations, parse_citations,
+                                         parse_json_citations, parse_reply, response_format)
+from ear_jax.agent.llm_client import STATUSES, ChatClient, ChatClientConfig
 
-__all__ = ["STATUSES", "DEFAULT_SYSTEM_PROMPT", "LLMCriticConfig", "CriticResult", "LLMCritic",
-           "parse_citations", "format_citations", "labels_from_citations", "format_memories",
-           "build_messages"]
+__all__ = ["STATUSES", "DEFAULT_SYSTEM_PROMPT", "PROMPTS", "LLMCriticConfig", "CriticResult",
+           "LLMCritic", "parse_citations", "parse_json_citations", "parse_reply",
+           "format_citations", "labels_from_citations", "format_memories", "build_messages",
+           "citation_schema", "response_format"]
 
-DEFAULT_SYSTEM_PROMPT = (
-    "You are a helpful assistant. You answer the user's question using memories retrieved from "
-    "earlier conversations, and you say which memories you used."
-)
-
-_INSTRUCTION = (
-    "Answer the question using the memories above where they help. Then, on the last line, cite the "
-    "memories you actually used to answer, by their numbers, as a bracketed comma-separated list, "
-    "for example [0, 2]. If none of the memories was useful, write [NO_CITE] on the last line "
-    "instead. Write nothing after that line."
-)
-
-# The last bracketed group of a reply (innermost brackets: no `[` or `]` inside).
-_BRACKET_GROUP = re.compile(r"\[([^\[\]]*)\]")
-_INDEX = re.compile(r"[0-9]+")
-_NO_CITE = "NO_CITE"
+# The critic's own counters (its client's `client.stats` also has tokens, cache hits, seconds).
+CRITIC_STATS_KEYS = ("calls",) + STATUSES + ("retries",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +68,25 @@ class LLMCriticConfig(ChatClientConfig):
 
   Attributes:
     system_prompt: the system message.
+    prompt: a `PROMPTS` name: what the model is asked for (`judge_each_json`, the default,
+      chosen on pilot slates, see `llm_citations.DEFAULT_PROMPT`; `cite_json`,
+      `answer_cite_json`, `free_text`).
+    constrained: send the prompt's JSON schema as `response_format` (constrained decoding where
+      the endpoint has it).
   """
   system_prompt: str = DEFAULT_SYSTEM_PROMPT
+  prompt: str = DEFAULT_PROMPT
+  constrained: bool = True
 
   def __post_init__(self):
     super().__post_init__()
     if not isinstance(self.system_prompt, str):
       raise ValueError(f"LLMCriticConfig.system_prompt must be a string, got {self.system_prompt!r}")
+    if self.prompt not in PROMPTS:
+      raise ValueError(f"LLMCriticConfig.prompt must be one of {sorted(PROMPTS)}, got "
+                       f"{self.prompt!r}")
+    if not isinstance(self.constrained, bool):
+      raise ValueError(f"LLMCriticConfig.constrained must be a bool, got {self.constrained!r}")
 
 
 class CriticResult(NamedTuple):
@@ -98,101 +107,8 @@ class CriticResult(NamedTuple):
   status: str
   attempts: int
   error: str | None
-
-
-def parse_citations(text: str, num_memories: int) -> tuple[int, ...] | None:
-  """Parses the citations of a reply, strictly. Never raises on any `text`.
-
-  The citation list is the LAST bracketed group of the reply (inline markers such as `... Paris [0].`
-  earlier in the answer are ignored). It is accepted only if it is exactly one of:
-  `[NO_CITE]` (any ASCII case, surrounding spaces allowed) -> `()`; or one or more non-negative ASCII
-  decimal integers separated by commas, spaces around them allowed (`[0, 2]`, `[0,2]`, `[ 2 ]`), every
-  one `< num_memories`. Duplicates (`[1, 1]`) are collapsed: they name the same memory, so no
-  information is lost. Anything else gives None: no bracketed group, an empty list `[]`, an index out
-  of range (however many digits), a negative or non-integer entry (`[-1]`, `[1.5]`, `[a]`, `[+1]`),
-  `NO_CITE` mixed with indices, a missing or trailing comma (`[0 2]`, `[0, 2,]`), or a last group that
-  is not a citation list at all. `format_citations` writes a list this function reads back.
-
-  Args:
-    text: the model's reply.
-    num_memories: `s`, the number of memories shown to the model.
-
-  Returns:
-    The sorted, de-duplicated cited indices, each in `[0, num_memories)` (`()` for `[NO_CITE]`), or
-    None when the reply has no valid citation list.
-
-  Raises:
-    ValueError: if `num_memories` is negative.
-  """
-  if num_memories < 0:
-    raise ValueError(f"num_memories must be >= 0, got {num_memories}")
-  if not isinstance(text, str):
-    return None
-  groups = _BRACKET_GROUP.findall(text)
-  if not groups:
-    return None
-  body = groups[-1].strip()
-  if body.isascii() and body.upper() == _NO_CITE:
-    return ()
-  items = [item.strip() for item in body.split(",")]
-  if not all(_INDEX.fullmatch(item) for item in items):
-    return None
-  items = [item.lstrip("0") or "0" for item in items]
-  if any(len(item) > len(str(num_memories)) for item in items):
-    return None  # out of range, however many digits (int() would refuse over 4300)
-  indices = {int(item) for item in items}
-  if any(i >= num_memories for i in indices):
-    return None
-  return tuple(sorted(indices))
-
-
-def format_citations(cited: Sequence[int]) -> str:
-  """The citation line for `cited`: `[0, 2]`, or `[NO_CITE]` when empty (inverse of the parser)."""
-  cited = sorted({int(i) for i in cited})
-  return "[" + ", ".join(map(str, cited)) + "]" if cited else f"[{_NO_CITE}]"
-
-
-def labels_from_citations(cited: Sequence[int], slate_size: int) -> np.ndarray:
-  """Turns cited slate positions into the critic's labels (+1 cited, -1 not cited).
-
-  Args:
-    cited: 0-based positions in the slate, each in `[0, slate_size)`.
-    slate_size: `s`.
-
-  Returns:
-    `[s]` float32 of ±1.
-
-  Raises:
-    ValueError: if a position is out of range.
-  """
-  labels = np.full((slate_size,), -1.0, dtype=np.float32)
-  for i in cited:
-    if not 0 <= int(i) < slate_size:
-      raise ValueError(f"cited position {i} is outside the slate of size {slate_size}")
-    labels[int(i)] = 1.0
-  return labels
-
-
-def format_memories(memory_texts: Sequence[str]) -> str:
-  """Numbers the memories from 0, one per line: `[0] text`. Whitespace runs become one space."""
-  return "\n".join(f"[{i}] {' '.join(text.split())}" for i, text in enumerate(memory_texts))
-
-
-def build_messages(question: str, memory_texts: Sequence[str],
-                   system_prompt: str = DEFAULT_SYSTEM_PROMPT) -> list[dict[str, str]]:
-  """The chat messages asking the model to answer `question` from the memories and cite them.
-
-  Args:
-    question: the user's question.
-    memory_texts: `s` memory texts, in slate order (memory `i` is shown as `[i]`).
-    system_prompt: the system message.
-
-  Returns:
-    `[{"role": "system", ...}, {"role": "user", ...}]`.
-  """
-  user = (f"Memories:\n{format_memories(memory_texts)}\n\n"
-          f"Question: {' '.join(question.split())}\n\n{_INSTRUCTION}")
-  return [{"role": "system", "content": system_prompt}, {"role": "user", "content": user}]
+  cached: bool = False
+  constrained: bool = False
 
 
 def _view_attr(view: Any, name: str) -> Any:
@@ -226,7 +142,7 @@ class LLMCritic:
     self.client = ChatClient(config, sleep=sleep, rng=rng)
     self.url = self.client.url
     self._lock = threading.Lock()
-    self.stats: dict[str, int] = {key: 0 for key in STATS_KEYS}
+    self.stats: dict[str, int] = {key: 0 for key in CRITIC_STATS_KEYS}
 
   def __repr__(self):
     return f"LLMCritic(url={self.url!r}, model={self.config.model!r})"
@@ -300,29 +216,39 @@ class LLMCritic:
         raise ValueError(f"memory_texts[{i}] must be a string, got {type(text).__name__}")
 
     s = len(memory_texts)
-    reply = self.client.complete(build_messages(question, memory_texts, self.config.system_prompt))
+    prompt = PROMPTS[self.config.prompt]
+    decoding = {}
+    if self.config.constrained and prompt.schema is not None:
+      decoding["response_format"] = response_format(prompt.schema(s))
+    reply = self.client.complete(
+        build_messages(question, memory_texts, self.config.system_prompt, self.config.prompt),
+        **decoding)
     if reply.attempts > 1:
       self._count("retries", n=reply.attempts - 1)
     if reply.status != "ok":
       return self._give_up(reply.status, reply.error or "", reply.attempts, raw_text="")
     text = reply.text
-    cited = parse_citations(text, s)
+    cited = parse_reply(text, s)
     if cited is None:
+      self.client.count("unusable")
       tail = text.strip().splitlines()[-1] if text.strip() else ""
       return self._give_up("unparseable", f"no valid citation list for {s} memories; last line: "
-                           f"{self.client.redact(tail, 200)!r}", reply.attempts, raw_text=text)
+                           f"{self.client.redact(tail, 200)!r}", reply.attempts, raw_text=text,
+                           cached=reply.cached)
     self._count("calls", "ok")
     return CriticResult(labels=labels_from_citations(cited, s), cited=cited, raw_text=text,
-                        status="ok", attempts=reply.attempts, error=None)
+                        status="ok", attempts=reply.attempts, error=None, cached=reply.cached,
+                        constrained=reply.constrained)
 
   def _count(self, *keys: str, n: int = 1):
     with self._lock:
       for key in keys:
         self.stats[key] += n
 
-  def _give_up(self, status: str, error: str, attempts: int, raw_text: str) -> CriticResult:
+  def _give_up(self, status: str, error: str, attempts: int, raw_text: str,
+               cached: bool = False) -> CriticResult:
     self._count("calls", status)
     logging.warning("LLM critic: %s after %d attempt(s), no update for this slate: %s",
                     status, attempts, error)
     return CriticResult(labels=None, cited=None, raw_text=raw_text, status=status,
-                        attempts=attempts, error=error)
+                        attempts=attempts, error=error, cached=cached)

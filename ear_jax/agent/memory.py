@@ -19,6 +19,7 @@ import numpy as np
 from ear_jax.agent import bank as bank_lib
 from ear_jax.agent import persistence
 from ear_jax.agent.bank import InputTypeError
+from ear_jax.agent.encoder_slot import EncoderSlot
 from ear_jax.agent.driver import Driver, seed_keys
 from ear_jax.agent import episode
 from ear_jax.agent.episode import llm_feedback, round_slates, run_critic_episode
@@ -77,17 +78,23 @@ class Memory:
     cache_dir: embedding cache root for `encoders.encode` (None: no disk cache).
     max_sessions: query sessions kept (>= 1); beyond it the least recently used is evicted.
     initial_capacity: initial bank capacity (rounded up to a power of two).
+    bank_dtype: 'float32' or 'bfloat16', the dtype of the device-resident bank.
+    index: how the K candidates are found: 'exact' (the streamed device search,
+      `retrieval.top_k_search`) or an approximate faiss searcher, 'faiss_hnsw' / 'faiss_ivf'
+      (`ear_jax.index.ann.SEARCHERS`; measured recall in BENCHMARKS.md "Scale"). EAR works on the
+      candidates the same way whichever produced them.
+    index_options: keyword options of that searcher (e.g. `{'nlist': 1024, 'nprobe': 64}`).
   """
 
   def __init__(self, encoder: Any = "minilm", *, config: Optional[EARConfig] = None,
                hparams: Optional[HParams] = None, seed: int = 0, dim: Optional[int] = None,
                multistore: bool = False, cache_dir=None, max_sessions: int = 4096,
-               initial_capacity: int = bank_lib.MIN_CAPACITY):
+               initial_capacity: int = bank_lib.MIN_CAPACITY, bank_dtype: str = "float32",
+               index: str = "exact", index_options: Optional[dict] = None):
     self.seed = _check_int(seed, "seed", 0)
     self.max_sessions = _check_int(max_sessions, "max_sessions", 1)
     _check_int(initial_capacity, "initial_capacity", 1)
-    self._encoder = encoder if isinstance(encoder, bank_lib.EncoderSlot) else (
-        bank_lib.EncoderSlot(encoder))
+    self._encoder = encoder if isinstance(encoder, EncoderSlot) else EncoderSlot(encoder)
     enc_dim = self._encoder.dim
     if config is None:
       d = dim if dim is not None else enc_dim
@@ -113,7 +120,10 @@ class Memory:
     self._lock = threading.RLock()
     self._save_lock = threading.Lock()
     self._critic_key = seed_keys(self.seed)[2]
-    self._bank = bank_lib.Bank(config.dim, max(initial_capacity, config.num_candidates))
+    if index_options is not None and not isinstance(index_options, dict):
+      raise InputTypeError(f"index_options must be a dict, got {type(index_options).__name__}")
+    self._bank = bank_lib.Bank(config.dim, max(initial_capacity, config.num_candidates),
+                               bank_dtype, index, index_options)
     self._sessions = Sessions(config, self.max_sessions)
     self._driver = Driver(config, default_hparams() if hparams is None else hparams, self.seed)
     self.stats = collections.Counter()

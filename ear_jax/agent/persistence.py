@@ -1,10 +1,22 @@
 """Checkpoints of `Memory`, through the shared checkpoint mechanism `ear_jax.io.checkpoints`.
 
 A memory directory is a `CheckpointStore`: numbered steps (1, 2, ...), each holding the arrays
-(bank embeddings and stores, learner state, hyperparameters, sessions, queued training items) and
-one JSON meta dict (format tag, config, encoder, ids, texts, sessions, counters, stats). The store
-writes atomically under an inter-process lock and verifies a new step before it deletes older ones
-(it keeps the last few), so a save killed at any moment leaves the previous checkpoint loadable.
+(learner state, hyperparameters, sessions, queued training items) and one JSON meta dict (format
+tag, config, encoder, bank settings, sessions, counters, stats, and the list of bank shards). The
+store writes atomically under an inter-process lock and verifies a new step before it deletes older
+ones (it keeps the last few), so a save killed at any moment leaves the previous checkpoint
+loadable.
+
+The bank is append-only, so it is saved as append-only shards: `<directory>/bank_shards/` is a
+second `CheckpointStore` whose steps each hold a contiguous run of bank rows (embeddings, stores,
+ids, texts) and are never rewritten. A save writes ONE new shard with the rows added since the
+latest checkpoint (recognised by the SHA-256 of each listed shard's rows, cached in the bank), then
+the main step that lists every shard. Saving after adding 1,000 memories to a 1M bank therefore
+writes 1,000 rows plus the learner state, not the bank. Atomicity: a shard is complete before the
+main step that lists it exists; a save killed before its main step leaves an unlisted shard that
+the next save deletes; shards are deleted only when no kept main step lists them. One memory save
+at a time per directory (`CheckpointStore.writer`, an inter-process lock). Checkpoints written with
+the bank inline (before shards) still load.
 
 A checkpoint of another format or config is refused with the differing fields
 (`checkpoints.check_compatible`); a truncated one raises `checkpoints.CheckpointError` naming the
@@ -17,12 +29,16 @@ import os
 import pathlib
 from typing import Any, Optional
 
-from ear_jax.agent.bank import Bank, EncoderSlot
+from ear_jax.agent import bank as bank_lib
+from ear_jax.agent.bank import Bank
+from ear_jax.agent.encoder_slot import EncoderSlot
 from ear_jax.agent.driver import Driver, seed_keys
 from ear_jax.agent.sessions import Sessions
 from ear_jax.core.config import EARConfig
 
 FORMAT = "ear_jax.agent.memory/2"
+BANK_LAYOUT = "shards-1"  # meta["bank"]["layout"] of a checkpoint with the bank in shards
+SHARDS = "bank_shards"
 
 
 def _checkpoints():
@@ -61,8 +77,47 @@ def write(root: pathlib.Path, arrays, meta: dict) -> pathlib.Path:
           raise
 
 
+def _listed_shards(store) -> list[dict]:
+  """The shard records of the latest main step of `store` ([] when none can be reused)."""
+  try:
+    meta = store.read_meta()
+  except Exception:  # pylint: disable=broad-except  (no step, or an unreadable one: write afresh)
+    return []
+  bank = meta.get("bank") if meta.get("format") == FORMAT else None
+  if not isinstance(bank, dict) or bank.get("layout") != BANK_LAYOUT:
+    return []
+  return list(bank.get("shards", []))
+
+
+def _reusable(bank: Bank, records: list[dict]) -> list[dict]:
+  """The leading shard records whose rows are this bank's rows (call under the memory's lock)."""
+  out, covered = [], 0
+  for r in records:
+    start, count = int(r["start"]), int(r["count"])
+    if start != covered or start + count > len(bank) or bank.digest(start, start + count) != (
+        r["digest"]):
+      break
+    out.append(r)
+    covered += count
+  return out
+
+
+def _prune_shards(store, shards) -> None:
+  """Deletes shards no kept main step lists, older than the newest listed one (killed saves)."""
+  listed = set()
+  for step in store.steps():
+    try:
+      listed.update(int(r["step"]) for r in store.read_meta(step).get("bank", {}).get("shards", []))
+    except Exception:  # pylint: disable=broad-except  (unreadable step: keep everything)
+      return
+  newest = max(listed, default=0)
+  for step in shards.steps():
+    if step not in listed and step < newest:
+      shards.delete(step)
+
+
 def read(path):
-  """`(arrays, meta, where)` of the latest memory checkpoint at `path`.
+  """`(arrays, meta, where, root)` of the latest memory checkpoint at `path`.
 
   Raises:
     ValueError: no checkpoint there, or one of another format (with the differing fields).
@@ -82,7 +137,7 @@ def read(path):
     ckpt.check_compatible({k: meta[k] for k in ("format",) if k in meta}, {"format": FORMAT},
                           where)
     arrays, meta = store.restore(step)
-  return arrays, meta, where
+  return arrays, meta, where, root
 
 
 def check_config(stored: dict, expected: EARConfig, where: str) -> None:
@@ -93,12 +148,11 @@ def check_config(stored: dict, expected: EARConfig, where: str) -> None:
 def snapshot(memory):
   """`(arrays, meta)` of a memory at one moment (host copies; call under its lock).
 
-  Arrays: `bank` (embeddings, stores), `sessions` (their stacked arrays), `driver` (learner leaves,
-  hyperparameters, queued items); empty parts are left out. Meta: the settings (config, seed,
-  encoder, ...), the stats and each part's JSON meta under its name.
+  Arrays: `sessions` (their stacked arrays), `driver` (learner leaves, hyperparameters, queued
+  items); empty parts are left out. Meta: the settings (config, seed, encoder, ...), the stats and
+  each part's JSON meta under its name. The bank is saved in shards by `save`.
   """
-  parts = {"bank": memory._bank.snapshot(), "sessions": memory._sessions.snapshot(),
-           "driver": memory._driver.snapshot()}
+  parts = {"sessions": memory._sessions.snapshot(), "driver": memory._driver.snapshot()}
   arrays = {name: a for name, (a, _) in parts.items() if a}
   meta = dict(config=memory.config.to_dict(), seed=memory.seed, multistore=memory.multistore,
               max_sessions=memory.max_sessions, cache_dir=memory.cache_dir,
@@ -108,20 +162,66 @@ def snapshot(memory):
 
 def save(memory, path) -> pathlib.Path:
   """`Memory.save`: the snapshot is taken under the memory's lock (arrays and metadata of one
-  moment, copied to the host) and written OUTSIDE it, so agents are not blocked by disk I/O; saves
-  of one memory are serialised by its save lock, and processes by the store's file lock."""
+  moment, new bank rows copied to the host) and written OUTSIDE it, so agents are not blocked by
+  disk I/O; saves of one memory are serialised by its save lock, and processes by the store's
+  writer lock. Only the bank rows added since the latest checkpoint at `path` are written."""
+  ckpt = _checkpoints()
   root = checkpoint_dir(path)
-  with memory._save_lock:
+  with memory._save_lock, ckpt.CheckpointStore(root).writer() as store:
+    shards = ckpt.CheckpointStore(root / SHARDS, max_to_keep=None)
+    listed = _listed_shards(store)
     with memory._lock:
       arrays, meta = snapshot(memory)
-    return write(root, arrays, meta)
+      bank = memory._bank
+      records = _reusable(bank, listed)
+      start, stop = sum(int(r["count"]) for r in records), len(bank)
+      new_rows = bank.rows(start, stop) if stop > start else None
+      digest = bank.digest(start, stop) if stop > start else None
+    if new_rows is not None:
+      step = (shards.latest_step() or 0) + 1
+      shards.save(step, new_rows[0], {**new_rows[1], "start": start, "digest": digest})
+      records.append({"step": step, "start": start, "count": stop - start, "digest": digest})
+    meta["bank"] = {"layout": BANK_LAYOUT, "n": stop, "shards": records,
+                    **memory._bank.settings()}
+    path = write(root, arrays, meta)
+    _prune_shards(store, shards)
+    return path
 
 
-def _install(memory, arrays, meta, where: str, generation: int) -> None:
+def read_bank(root: pathlib.Path, settings: dict, config: EARConfig, arrays, meta,
+              where: str) -> Bank:
+  """The bank of a checkpoint (its shards, or the inline rows of an older checkpoint) with the bank
+  `settings` (dtype, index); ValueError / CheckpointError naming `where` or the shard."""
+  ckpt = _checkpoints()
+  info = meta["bank"]
+  layout = info.get("layout") if isinstance(info, dict) else None
+  n = int(info["n"]) if layout == BANK_LAYOUT else len(info["ids"])
+  bank = Bank(config.dim, max(n, config.num_candidates), settings["bank_dtype"],
+              settings["index"], settings["index_options"])
+  if layout != BANK_LAYOUT:  # the bank inline (checkpoints written before shards)
+    bank.extend_rows(arrays.get("bank", {}), info, where)
+    return bank
+  shards = ckpt.CheckpointStore(root / SHARDS, max_to_keep=None)
+  for r in info["shards"]:
+    at = f"bank shard {r['step']} of {where}"
+    if int(r["start"]) != len(bank):
+      raise ckpt.CheckpointError(f"{at} starts at row {r['start']}, expected {len(bank)}")
+    rows, rmeta = shards.restore(int(r["step"]))
+    digest = bank_lib.rows_digest(rmeta["ids"], rmeta["texts"], rows["stores"], rows["embeddings"])
+    if digest != r["digest"] or len(rmeta["ids"]) != int(r["count"]):
+      raise ckpt.CheckpointError(f"{at} does not hold the rows the checkpoint lists (another "
+                                 "memory's shard?)")
+    bank.extend_rows(rows, rmeta, at)
+    bank.digests[(int(r["start"]), int(r["count"]))] = digest
+  if len(bank) != n:
+    raise ckpt.CheckpointError(f"{where}: its shards hold {len(bank)} memories, expected {n}")
+  return bank
+
+
+def _install(memory, root, arrays, meta, where: str, generation: int) -> None:
   """Replaces a memory's parts, settings and stats by a checkpoint's (call under its lock)."""
   config = memory.config
-  bank = Bank.restore(config.dim, arrays.get("bank", {}), meta["bank"], where,
-                      config.num_candidates)
+  bank = read_bank(root, memory._bank.settings(), config, arrays, meta, where)
   sessions = Sessions.restore(config, meta["max_sessions"], arrays.get("sessions", {}),
                               meta["sessions"], where, memory._sessions.token, generation)
   driver = Driver.restore(config, meta["seed"], arrays["driver"], meta["driver"], where)
@@ -130,6 +230,12 @@ def _install(memory, arrays, meta, where: str, generation: int) -> None:
   memory.max_sessions, memory.cache_dir = int(meta["max_sessions"]), meta["cache_dir"]
   memory._critic_key = seed_keys(memory.seed)[2]
   memory.stats = collections.Counter(meta["stats"])
+
+
+def _saved_settings(meta) -> dict:
+  """The bank options a checkpoint was written with (defaults for older checkpoints)."""
+  info = meta["bank"]
+  return {k: info[k] for k in ("bank_dtype", "index", "index_options") if k in info}
 
 
 def load(cls, path, *, encoder: Any = "saved", config: Optional[EARConfig] = None):
@@ -146,14 +252,14 @@ def load(cls, path, *, encoder: Any = "saved", config: Optional[EARConfig] = Non
     ValueError: no checkpoint at `path`, another format, config, encoder dimension or model.
     CheckpointError: a truncated checkpoint (naming its path).
   """
-  arrays, meta, where = read(path)
+  arrays, meta, where, root = read(path)
   if config is not None:
     check_config(meta["config"], config, where)
   slot = EncoderSlot.for_checkpoint(encoder, meta["encoder"], where)
   memory = cls(slot, config=EARConfig.from_dict(meta["config"]), seed=meta["seed"],
                multistore=meta["multistore"], cache_dir=meta["cache_dir"],
-               max_sessions=meta["max_sessions"])
-  _install(memory, arrays, meta, where, generation=0)
+               max_sessions=meta["max_sessions"], **_saved_settings(meta))
+  _install(memory, root, arrays, meta, where, generation=0)
   return memory
 
 
@@ -163,11 +269,11 @@ def restore(memory, path) -> None:
   The checkpoint's config must equal the memory's, and its encoder identity (when both are known)
   the memory's. The memory's generation is bumped, so every `Retrieval` returned before is stale.
   """
-  arrays, meta, where = read(path)
+  arrays, meta, where, root = read(path)
   check_config(meta["config"], memory.config, where)
   saved, ours = meta["encoder"]["identity_hash"], memory._encoder.identity
   if saved and ours and saved != ours:
     raise ValueError(f"{where} was written with another encoder model (identity {saved[:16]}, "
                      f"this memory's is {ours[:16]})")
   with memory._lock:
-    _install(memory, arrays, meta, where, memory.generation + 1)
+    _install(memory, root, arrays, meta, where, memory.generation + 1)

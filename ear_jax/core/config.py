@@ -22,6 +22,21 @@ from ear_jax.core.policies import TRAIN_SLATES, explorer_slates
 
 LOSS_FORMS = ("flat", "sequential")
 REPLAY_UNOBSERVED = ("negative", "ignore")
+# Eq. (10)'s per-position weights: 'none' (the paper) or 'balanced' (positives and negatives of a
+# query carry equal total weight; `ear_jax.core.losses.label_weights`).
+LABEL_WEIGHTS = ("none", "balanced")
+# Explorer-assisted final slate: round T's slate (the paper, Section 3.6) or the top-s by bandit
+# mean after the T rounds, ties by adapted relevance ('exploit', `explorer.exploit_slate`).
+FINAL_SLATES = ("round_T", "exploit")
+# Learning-rate schedules (optax), a multiplier of `HParams.learning_rate` by optimizer step:
+# name -> `fn(steps) -> optax.Schedule`; `steps` is `EARConfig.lr_schedule_steps`.
+LR_SCHEDULES = {
+    "constant": None,
+    # 1 / sqrt(1 + step / steps): no horizon needed (an online stream has no known end).
+    "rsqrt": lambda steps: lambda count: jax.lax.rsqrt(1.0 + count / steps),
+    # cosine decay from 1 to 0.1 over `steps` optimizer steps, then 0.1.
+    "cosine": lambda steps: optax.cosine_decay_schedule(1.0, steps, alpha=0.1),
+}
 # The optimizer is an optax alias `learning_rate -> optax.GradientTransformation` (the learning rate
 # is injected from `HParams.learning_rate` at every step, so it can be swept with `vmap`).
 OPTIMIZERS = {
@@ -47,6 +62,14 @@ METHODS = {
     "ear_no_replay": dict(train_slate="explorer", use_replay=False),
     # Table 3: "+ Only Experience Buffer during training": adapter top-s slate, one critic call, replay.
     "ear_no_explorer": dict(train_slate="adapter", use_replay=True),
+    # Beyond the paper (issue 12): EAR with the switches chosen on validation data by
+    # `--suite=tune` (LoCoMo; BUILD_NOTES "Issue 12"); its hyperparameters: METHOD_HPARAMS.
+    "ear_tuned": dict(train_slate="explorer", use_replay=True, replay_strategy="random",
+                      replay_size=8, final_slate="exploit", test_rounds=4),
+}
+# Hyperparameters of a method where they differ from the paper's (`hparams_for_method`).
+METHOD_HPARAMS = {
+    "ear_tuned": dict(learning_rate=1e-4, baseline=0.0, tau=0.25),
 }
 
 
@@ -106,6 +129,16 @@ class EARConfig:
     adapter_rank: None for the full d x d adapter (Eq. (3)); an int r for the low-rank W = A B^T.
     grad_clip_norm: optional global-norm gradient clipping (None = off).
     loss_on_tempered_logits: the REINFORCE loss uses log softmax(z / tau) (RMM) instead of softmax(z).
+    label_weights: Eq. (10)'s per-position weights, 'none' (the paper) or 'balanced' (the positive
+      and the negative positions of a query carry equal total weight).
+    final_slate: explorer-assisted inference's slate, 'round_T' (the paper) or 'exploit' (top-s by
+      bandit mean after the T rounds, ties by adapted relevance).
+    test_rounds: `T` at test (explorer-assisted inference); None: `num_rounds`.
+    lr_schedule: a name in `LR_SCHEDULES`: 'constant' (the paper), 'rsqrt' or 'cosine' (optax
+      multipliers of `HParams.learning_rate` by optimizer step).
+    lr_schedule_steps: the schedule's scale in optimizer steps.
+    weight_decay: decoupled decay of the adapter's parameters toward 0 (W -> 0, i.e. toward the
+      identity map), `phi <- phi - eta * weight_decay * phi` per step (optax); 0 = off.
   """
   dim: int = 384
   num_candidates: int = 20
@@ -123,6 +156,13 @@ class EARConfig:
   adapter_rank: Optional[int] = None
   grad_clip_norm: Optional[float] = None
   loss_on_tempered_logits: bool = False
+  # Beyond the paper (issue 12); the defaults are the paper's and are left out of `to_dict`.
+  label_weights: str = "none"
+  final_slate: str = "round_T"
+  test_rounds: Optional[int] = None
+  lr_schedule: str = "constant"
+  lr_schedule_steps: int = 100
+  weight_decay: float = 0.0
 
   def __post_init__(self):
     for name in STRATEGY_REGISTRIES:  # names -> functions (the core only sees functions)
@@ -151,17 +191,41 @@ class EARConfig:
                        f"got {self.adapter_rank!r}")
     if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
       raise ValueError(f"grad_clip_norm must be None or > 0, got {self.grad_clip_norm!r}")
+    _check_choice("label_weights", self.label_weights, LABEL_WEIGHTS)
+    _check_choice("final_slate", self.final_slate, FINAL_SLATES)
+    _check_choice("lr_schedule", self.lr_schedule, tuple(LR_SCHEDULES))
+    if self.test_rounds is not None and (isinstance(self.test_rounds, bool) or not isinstance(
+        self.test_rounds, int) or self.test_rounds < 1):
+      raise ValueError(f"test_rounds must be None or an int >= 1, got {self.test_rounds!r}")
+    if isinstance(self.lr_schedule_steps, bool) or not isinstance(
+        self.lr_schedule_steps, int) or self.lr_schedule_steps < 1:
+      raise ValueError(f"lr_schedule_steps must be an int >= 1, got {self.lr_schedule_steps!r}")
+    if not (isinstance(self.weight_decay, (int, float)) and not isinstance(self.weight_decay, bool)
+            and self.weight_decay >= 0):
+      raise ValueError(f"weight_decay must be a float >= 0, got {self.weight_decay!r}")
 
   @property
   def trains(self) -> bool:
     return self.train_slate is not None
 
+  @property
+  def eval_rounds(self) -> int:
+    """`T` of explorer-assisted inference: `test_rounds`, else `num_rounds`."""
+    return self.num_rounds if self.test_rounds is None else self.test_rounds
+
   def to_dict(self) -> dict:
-    """JSON-able fields; strategy functions by their registry names (see `strategy_name`)."""
+    """JSON-able fields; strategy functions by their registry names (see `strategy_name`).
+
+    The issue-12 fields are written only when they differ from their (the paper's) defaults, so
+    checkpoints and saved memories written before they existed still match.
+    """
     d = dataclasses.asdict(self)
     for name in STRATEGY_REGISTRIES:
       value = getattr(self, name)
       d[name] = "none" if value is None else strategy_name(name, value)
+    for name, default in _OPTIONAL_DEFAULTS.items():
+      if d[name] == default:
+        del d[name]
     return d
 
   @classmethod
@@ -174,7 +238,8 @@ class EARConfig:
     """The config of a named method of Tables 2-3, with `overrides` applied on top.
 
     Args:
-      method: one of `METHODS`: 'retriever', 'rl_update', 'ear', 'ear_no_replay', 'ear_no_explorer'.
+      method: one of `METHODS`: 'retriever', 'rl_update', 'ear', 'ear_no_replay', 'ear_no_explorer',
+        'ear_tuned'.
       **overrides: any `EARConfig` field.
 
     Raises:
@@ -187,6 +252,11 @@ class EARConfig:
     if unknown:
       raise ValueError(f"unknown EARConfig field(s) {sorted(unknown)}")
     return cls(**{**METHODS[method], **overrides})
+
+
+_OPTIONAL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EARConfig)
+                      if f.name in ("label_weights", "final_slate", "test_rounds", "lr_schedule",
+                                    "lr_schedule_steps", "weight_decay")}
 
 
 @flax.struct.dataclass
@@ -228,3 +298,14 @@ def default_hparams(**overrides) -> HParams:
 def stack_hparams(hparams_list) -> HParams:
   """Stacks `HParams` along a new leading axis (for `vmap` sweeps)."""
   return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *hparams_list)
+
+
+def hparams_for_method(method: str, **overrides) -> HParams:
+  """`default_hparams` with the method's own values (`METHOD_HPARAMS`), then `overrides`.
+
+  Raises:
+    ValueError: for an unknown method or hyperparameter.
+  """
+  if method not in METHODS:
+    raise ValueError(f"unknown method={method!r}; expected one of {tuple(METHODS)}")
+  return default_hparams(**{**METHOD_HPARAMS.get(method, {}), **overrides})

@@ -174,3 +174,27 @@ def explore(key: jax.Array, relevance: jax.Array, gram: jax.Array, where: jax.Ar
       unroll=_UNROLL)
   return ExplorerOutput(slates=slates, slate_mask=masks, labels=labels.astype(jnp.float32),
                         stats=stats)
+
+
+def exploit_slate(stats: BanditStats, relevance: jax.Array, where: jax.Array, slate_size: int):
+  """The top-s by bandit mean after the T rounds, ties broken by adapted relevance ('exploit').
+
+  Candidates the critic confirmed (mean > 0) come first, never-pulled ones (mean 0) by relevance
+  next, refuted ones (mean < 0) last. Beyond the paper, whose final slate is round T's.
+
+  Args:
+    stats: bandit statistics after round T.
+    relevance: `[K]` adapted relevance logits.
+    where: `[K]` bool, valid candidates.
+    slate_size: `s` (static).
+
+  Returns:
+    `(slate [s] int32, slate_mask [s] bool)`; positions past the number of valid candidates are
+    empty (index -1, mask False).
+  """
+  chex.assert_rank([relevance, where], 1)
+  mean = jnp.where(where, stats.mean, -jnp.inf)
+  rel = jnp.where(where, jax.lax.stop_gradient(relevance), -jnp.inf)
+  order = jnp.lexsort((rel, mean))[::-1][:slate_size].astype(jnp.int32)  # mean, then relevance
+  ok = where[order]
+  return jnp.where(ok, order, -1), ok

@@ -3,7 +3,8 @@
 Symbols: `M` test queries, `K` candidates, `s` slate size, `T` Explorer rounds.
 
 Adapter-only inference takes the top-s of the adapted logits `z`; explorer-assisted inference runs
-T Explorer rounds with the critic and returns round T's slate.
+T Explorer rounds with the critic (`EARConfig.eval_rounds`) and returns round T's slate (the paper)
+or, with `final_slate='exploit'`, the top-s by bandit mean.
 """
 from __future__ import annotations
 
@@ -39,10 +40,19 @@ def explorer_slate(key: jax.Array, params: adapter_lib.AdapterParams, query: jax
   """Explorer-assisted inference for one query (Section 3.6): `retrieval.explorer_slate`.
 
   Returns:
-    The `ExplorerOutput`; the final slate is `out.slates[-1]`.
+    The `ExplorerOutput` of `config.eval_rounds` rounds (`final_slate` picks the answer).
   """
   return retrieval.explorer_slate(key, params, query, candidates, where, feedback,
-                                  config.num_rounds, config.slate_size, hparams)
+                                  config.eval_rounds, config.slate_size, hparams)
+
+
+def final_slate(out: explorer_lib.ExplorerOutput, relevance: jax.Array, where: jax.Array,
+                config: EARConfig):
+  """The explorer-assisted answer by `config.final_slate`: round T's slate (the paper) or the
+  top-s by bandit mean (`explorer.exploit_slate`). Returns `(slate [s], slate_mask [s])`."""
+  if config.final_slate == "round_T":
+    return out.slates[-1], out.slate_mask[-1]
+  return explorer_lib.exploit_slate(out.stats, relevance, where, config.slate_size)
 
 
 class EvalResult(NamedTuple):
@@ -50,7 +60,7 @@ class EvalResult(NamedTuple):
   adapter_slates: jax.Array  # [M, s] int32
   adapter_recall: jax.Array  # [M] bool, all gold in the adapter-only slate
   adapter_hit: jax.Array  # [M] bool, any gold in it
-  explorer_slates: jax.Array  # [M, s] int32 (round T's slate)
+  explorer_slates: jax.Array  # [M, s] int32 (round T's slate, or the exploit slate)
   explorer_recall: jax.Array  # [M] bool
   explorer_hit: jax.Array  # [M] bool
   recall_adapter: jax.Array  # [] Recall@s, adapter-only
@@ -79,13 +89,13 @@ def evaluate(key: jax.Array, params: adapter_lib.AdapterParams, stream: Stream,
   keys = jax.random.split(key, stream.queries.shape[0])
 
   def one(k, q, c, where, gold, num_gold):
-    a_slate, a_mask, _ = adapter_only_slate(params, q, c, where, config.slate_size)
+    a_slate, a_mask, z = adapter_only_slate(params, q, c, where, config.slate_size)
 
     def feedback(kk, slate, slate_mask):
       return critic(kk, critic_lib.slate_view(q, c, gold, slate, slate_mask))
 
     out = explorer_slate(k, params, q, c, where, feedback, config, hparams)
-    e_slate, e_mask = out.slates[-1], out.slate_mask[-1]
+    e_slate, e_mask = final_slate(out, z, where, config)
     a_hits = metrics.gold_in_slate(gold, a_slate, a_mask)
     e_hits = metrics.gold_in_slate(gold, e_slate, e_mask)
     return (a_slate, metrics.slate_recall(a_hits, num_gold), metrics.slate_hit(a_hits),

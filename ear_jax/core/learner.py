@@ -27,7 +27,7 @@ from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import buffer as buffer_lib
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import losses
-from ear_jax.core.config import EARConfig, HParams
+from ear_jax.core.config import LR_SCHEDULES, EARConfig, HParams
 from ear_jax.core.critic import Critic
 from ear_jax.core.slates import gather_slate
 from ear_jax.core.stream import Stream
@@ -60,14 +60,22 @@ def make_optimizer(config: EARConfig) -> optax.GradientTransformation:
 
   `optax.inject_hyperparams` keeps the learning rate in the optimizer state, where
   `apply_gradients` sets it from `HParams.learning_rate` before every step, so it can be swept with
-  `vmap`. Optional global-norm clipping (`config.grad_clip_norm`) comes first.
+  `vmap`. Optional global-norm clipping (`config.grad_clip_norm`) comes first; optional decoupled
+  weight decay toward 0 (`config.weight_decay`) and a learning-rate schedule (`config.lr_schedule`,
+  `optax.scale_by_schedule`) come after the optimizer. With the defaults the transformation is the
+  bare optimizer (the paper's).
   """
 
   def build(learning_rate):
-    opt = config.optimizer(learning_rate)
-    if config.grad_clip_norm is None:
-      return opt
-    return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), opt)
+    parts = [] if config.grad_clip_norm is None else [
+        optax.clip_by_global_norm(config.grad_clip_norm)]
+    parts.append(config.optimizer(learning_rate))
+    if config.weight_decay:  # decoupled: phi <- phi - eta * weight_decay * phi
+      parts.append(optax.add_decayed_weights(-learning_rate * config.weight_decay))
+    schedule = LR_SCHEDULES[config.lr_schedule]
+    if schedule is not None:  # a multiplier of the whole step by optimizer step
+      parts.append(optax.scale_by_schedule(schedule(config.lr_schedule_steps)))
+    return parts[0] if len(parts) == 1 else optax.chain(*parts)
 
   return optax.inject_hyperparams(build)(learning_rate=jnp.float32(0.0))
 
@@ -183,7 +191,8 @@ def _replay_loss_on(params, replay: _Replay, config, hparams):
     r = gather_slate(rewards, slate, slate_mask, -1.0)
     c = gather_slate(counts, slate, slate_mask, False)
     return losses.ranking_loss(z, e.mask, slate[None], slate_mask[None], r[None],
-                               hparams.baseline, config.loss_form, count_mask=c[None])
+                               hparams.baseline, config.loss_form, count_mask=c[None],
+                               weighting=config.label_weights)
 
   per_exp = jax.vmap(one)(jax.random.split(replay.key, config.replay_size), replay.experiences)
   return losses.replay_loss(per_exp, replay.mask), jnp.sum(replay.mask).astype(jnp.int32)
@@ -231,7 +240,7 @@ def _feedback_loss_from_logits(params, replay, z, where, slates, slate_mask, lab
                                hparams):
   loss_logits = z / hparams.tau if config.loss_on_tempered_logits else z
   loss_cur = losses.ranking_loss(loss_logits, where, slates, slate_mask, labels, hparams.baseline,
-                                 config.loss_form)
+                                 config.loss_form, weighting=config.label_weights)
   observed, ybar = losses.aggregate_feedback(slates, slate_mask, labels, config.num_candidates)
   if config.use_replay:
     loss_rep, num_replayed = _replay_loss_on(params, replay, config, hparams)

@@ -20,36 +20,130 @@ from ear_jax.core import explorer as explorer_lib
 from ear_jax.core.slates import top_s_slate
 
 
+# The streamed search holds at most about this many scores at a time (16 MB of float32): a block
+# is `max(MIN_CHUNK, SCORE_BUDGET // n)` rows (rounded down to a power of two, so it divides the
+# power-of-two capacities of `ear_jax.agent.bank.Bank`). On CPU one large block is faster than a
+# scan of small ones for a few queries (XLA parallelises the matrix-vector product only outside a
+# loop), so a single query scans only banks of more than 4M rows.
+SCORE_BUDGET = 1 << 22
+MIN_CHUNK = 1 << 12
+
+
+def block_rows(num_queries: int) -> int:
+  """Rows per block of the streamed search for `num_queries` queries (a power of two)."""
+  rows = max(MIN_CHUNK, SCORE_BUDGET // max(num_queries, 1))
+  return 1 << (rows.bit_length() - 1)
+
+
+def _chunk_scores(queries: jax.Array, rows: jax.Array) -> jax.Array:
+  """`[n, c]` float32 cosines of queries against a block of bank rows (fp32 or bf16 rows).
+
+  A bfloat16 block is widened to float32 as it is read (XLA's CPU bf16 matrix products are several
+  times slower than widening): for a few queries as one fused multiply-reduce per query, else as a
+  widened block for the float32 matrix product.
+  """
+  queries = queries.astype(jnp.float32)
+  if rows.dtype != jnp.float32 and queries.shape[0] <= 4:
+    return jnp.stack([(rows.astype(jnp.float32) * q).sum(-1) for q in queries])
+  return jax.lax.dot_general(queries, rows.astype(jnp.float32), (((1,), (1,)), ((), ())))
+
+
+def _masked_top(scores, where, k):
+  """`(values [n, k], index [n, k])` of `scores [n, c]` restricted to `where [c]` (or `[n, c]`)."""
+  return jax.lax.top_k(jnp.where(where, scores, -jnp.inf), k)
+
+
+def _merge(best, new, k):
+  """Merges two `(values, index)` candidate lists; `best` first, so equal values keep the lower
+  bank index (the running list holds only lower indices than a later chunk)."""
+  vals = jnp.concatenate([best[0], new[0]], 1)
+  idx = jnp.concatenate([best[1], new[1]], 1)
+  vals, order = jax.lax.top_k(vals, k)
+  return vals, jnp.take_along_axis(idx, order, 1)
+
+
+def _block_top(queries, rows, valid, stores, offset, per_store):
+  """Top-`per_store` of one block of rows: one list, or one per store (0, 1)."""
+  scores = _chunk_scores(queries, rows)
+  if stores is None:
+    vals, idx = _masked_top(scores, valid[None, :], per_store)
+    return ((vals, idx + offset),)
+  out = []
+  for s in (0, 1):
+    vals, idx = _masked_top(scores, (valid & (stores == s))[None, :], per_store)
+    out.append((vals, idx + offset))
+  return tuple(out)
+
+
+def _streaming_top(queries, bank, valid, stores, per_store, chunk):
+  """The top-`per_store` lists over the whole bank, scanning it in `chunk`-row blocks (`lax.scan`
+  with a running top list merged by `lax.top_k`): the `[n, M]` score matrix is never formed."""
+  m = bank.shape[0]
+  num_full = m // chunk
+  n = queries.shape[0]
+  lists = 1 if stores is None else 2
+  init = tuple((jnp.full((n, per_store), -jnp.inf, jnp.float32),
+                jnp.zeros((n, per_store), jnp.int32)) for _ in range(lists))
+
+  full = num_full * chunk
+  blocks = (bank[:full].reshape(num_full, chunk, -1), valid[:full].reshape(num_full, chunk),
+            None if stores is None else stores[:full].reshape(num_full, chunk),
+            jnp.arange(num_full, dtype=jnp.int32) * chunk)
+
+  def step(best, block):
+    rows, v, st, start = block
+    new = _block_top(queries, rows, v, st, start, per_store)
+    return tuple(_merge(b, x, per_store) for b, x in zip(best, new)), None
+
+  best, _ = jax.lax.scan(step, init, blocks)
+  rest = m - num_full * chunk
+  if rest:  # the tail rows (a bank whose size is not a multiple of the chunk)
+    tail = slice(num_full * chunk, m)
+    new = _block_top(queries, bank[tail], valid[tail],
+                     None if stores is None else stores[tail], num_full * chunk,
+                     min(per_store, rest))
+    best = tuple(_merge(b, x, per_store) for b, x in zip(best, new))
+  return best
+
+
 def top_k_search(queries: jax.Array, bank: jax.Array, valid: jax.Array, k: int,
-                 stores: Optional[jax.Array] = None):
+                 stores: Optional[jax.Array] = None, chunk: Optional[int] = None):
   """Top-K bank rows by cosine (Eq. (1)); with `stores`, the top-K/2 of each of two stores.
 
   Ties go to the lower index. Banks with fewer than K valid rows give padded, masked positions.
+  A bank of more than `chunk` rows is streamed: a `lax.scan` over `chunk`-row blocks keeps a
+  running top-K (each block's `lax.top_k`, a partial selection, merged into it), so the `[n, M]`
+  score matrix is never formed and nothing is sorted; at most `n chunk` scores (about
+  `SCORE_BUDGET`) exist at once and the bank is read once. The bank may be float32 or bfloat16
+  (scores are computed in float32 either way).
 
   Args:
     queries: `[n, d]` unit query embeddings (frozen encoder).
-    bank: `[M, d]` unit memory embeddings.
+    bank: `[M, d]` unit memory embeddings (float32 or bfloat16).
     valid: `[M]` bool, rows that may be returned.
     k: `K` (static).
     stores: optional `[M]` int32 store code (0 episodic, 1 semantic) for the multi-store candidates
       of Section 5: the top-K/2 of each store, merged by score.
+    chunk: rows per block of the streamed search (static); default `block_rows(n)`.
 
   Returns:
     `(index [n, K] int32 (-1 = padding), scores [n, K] float32 (-inf = padding), mask [n, K] bool)`,
     best first.
   """
-  scores = queries @ bank.T  # [n, M]
-  if bank.shape[0] < k:  # a bank smaller than K: pad with invalid rows (static shapes)
-    pad = k - bank.shape[0]
-    scores = jnp.pad(scores, ((0, 0), (0, pad)))
-    valid = jnp.pad(valid, (0, pad))
-    stores = None if stores is None else jnp.pad(stores, (0, pad), constant_values=-1)
-  if stores is None:
-    vals, idx = jax.lax.top_k(jnp.where(valid[None, :], scores, -jnp.inf), k)
+  per_store = k if stores is None else k // 2
+  chunk = block_rows(queries.shape[0]) if chunk is None else int(chunk)
+  if bank.shape[0] > chunk:
+    parts = _streaming_top(queries, bank, valid, stores, per_store, chunk)
   else:
-    half = k // 2
-    parts = [jax.lax.top_k(jnp.where((valid & (stores == s))[None, :], scores, -jnp.inf), half)
-             for s in (0, 1)]
+    if bank.shape[0] < per_store:  # a bank smaller than K: pad with invalid rows (static shapes)
+      pad = per_store - bank.shape[0]
+      bank = jnp.pad(bank, ((0, pad), (0, 0)))
+      valid = jnp.pad(valid, (0, pad))
+      stores = None if stores is None else jnp.pad(stores, (0, pad), constant_values=-1)
+    parts = _block_top(queries, bank, valid, stores, 0, per_store)
+  if stores is None:
+    vals, idx = parts[0]
+  else:
     vals = jnp.concatenate([p[0] for p in parts], 1)
     idx = jnp.concatenate([p[1] for p in parts], 1)
     vals, order = jax.lax.top_k(vals, k)
@@ -186,7 +280,7 @@ def explorer_retrieve(key: jax.Array, params: adapter_lib.AdapterParams, queries
   return jnp.where(slate_mask, jnp.take_along_axis(idx, jnp.maximum(slate, 0), 1), -1)
 
 
-top_k_search_jit = jax.jit(top_k_search, static_argnames=("k",))
+top_k_search_jit = jax.jit(top_k_search, static_argnames=("k", "chunk"))
 retrieve_jit = jax.jit(retrieve, static_argnames=("k", "slate_size"))
 explorer_retrieve_jit = jax.jit(explorer_retrieve,
                                 static_argnames=("k", "num_rounds", "slate_size"))

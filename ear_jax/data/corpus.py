@@ -10,6 +10,10 @@ counts everything dropped or excluded.
 Memory stores: 0 = dialogue turns (episodic), 1 = observations (semantic, Section 5). An observation
 lists the dialogue ids it references (`Bank.refs`); it is gold for a query when it, or any dialogue id
 it references, is gold (`gold_mask`).
+
+For question answering (issue 11) a `Query` also carries its gold `answer` (None when the file has
+none) and, for LongMemEval, the question's date; a `Bank` carries each memory's session date
+(`dates`, None when the file has none), so an answer prompt can date every memory.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ class Bank:
   texts: list[str]  # [M]
   stores: np.ndarray  # [M] int8, 0 = dialogue, 1 = observation
   refs: list[tuple[str, ...]]  # [M] dialogue ids an observation references; () for dialogue turns
+  dates: list[str] | None = None  # [M] the session date of each memory ('' when unknown)
 
   def __len__(self):
     return len(self.ids)
@@ -45,6 +50,8 @@ class Query:
   gold: tuple[str, ...]  # gold memory ids (LoCoMo: normalised, resolvable dia_ids)
   category: str
   group: int  # index of its bank in `Corpus.banks`
+  answer: str | None = None  # the gold answer (LoCoMo: str(answer); numbers become strings)
+  date: str | None = None  # when the question is asked (LongMemEval `question_date`)
 
 
 @dataclasses.dataclass

@@ -3,7 +3,10 @@
 Bank = the conversation's dialogue turns, text `"<speaker>: <text>"` plus `" [image: <blip_caption>]"`
 when the turn shares an image, id = the `dia_id`; observations
 (`observation.session_N_observation.<speaker> = [[fact, dia_id(s)], ...]`) are store 1 with ids
-`"O<N>:<j>"`. QA categories 1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop are kept;
+`"O<N>:<j>"`. Every memory is dated with its session's `session_<N>_date_time` (`Bank.dates`; ''
+when absent; a non-string date is an error). Each query carries its gold `answer` (`str(answer)`:
+a few answers are numbers; None and counted in `queries_without_answer` when the field is absent;
+a list, object or null is an error). QA categories 1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop are kept;
 5 (adversarial) is dropped. Evidence ids are normalised (`normalize_evidence`), ids that do not
 name a turn of the conversation are dropped and counted; queries left without gold are excluded and
 counted (an EMPTY evidence list is a known quirk: the query is dropped and counted; an ABSENT
@@ -26,6 +29,8 @@ ADVERSARIAL = 5
 FILES = ("locomo10.json",)  # looked up in the data directory
 _EVIDENCE_RE = re.compile(r"^D:?(\d+):0*(\d+)$")
 _SESSION_RE = re.compile(r"^session_(\d+)$")
+_DATE_RE = re.compile(r"^session_(\d+)_date_time$")
+_ANSWER = parsing.Kind((str, int, float), "a string or a number")
 
 
 def normalize_evidence(raw) -> tuple[list[str], list[str]]:
@@ -65,11 +70,30 @@ def _evidence_value(value, where, key):
   return value
 
 
+def _session_dates(conv_dict, where) -> dict[str, str]:
+  """Session number (as a string) -> its `session_<N>_date_time` ('' when absent)."""
+  dates = {}
+  for k, v in conv_dict.items():
+    m = _DATE_RE.match(k)
+    if m:
+      dates[str(int(m.group(1)))] = parsing.check(v, parsing.STRING, where, f"conversation.{k}")
+  return dates
+
+
+def _answer(item, where, st) -> str | None:
+  """The gold answer as a string (numbers too); None, counted, when the field is absent."""
+  value = parsing.optional(item, "answer", where, _ANSWER, None)
+  if value is None:
+    st["queries_without_answer"] += 1
+    return None
+  return str(value)
+
+
 def _dialogue_turns(conv_dict, where, st):
-  """(ids, texts) of the dialogue turns of a `conversation` object, sessions in number order."""
+  """(ids, texts, session numbers) of a `conversation` object's turns, sessions in number order."""
   sessions = sorted((int(m.group(1)), k) for k in conv_dict if (m := _SESSION_RE.match(k)))
-  ids, texts = [], []
-  for _, key in sessions:
+  ids, texts, nums = [], [], []
+  for num, key in sessions:
     turns = parsing.check(conv_dict[key], parsing.LIST, where, f"conversation.{key}")
     st["sessions"] += 1
     for j, turn in enumerate(turns):
@@ -83,12 +107,13 @@ def _dialogue_turns(conv_dict, where, st):
         t += f" [image: {caption}]"
       ids.append(dia_id)
       texts.append(t)
-  return ids, texts
+      nums.append(str(num))
+  return ids, texts, nums
 
 
 def _observations(obs, where, turn_ids, st):
-  """(ids, texts, refs) of the observation store of one conversation."""
-  ids, texts, refs = [], [], []
+  """(ids, texts, refs, session numbers) of the observation store of one conversation."""
+  ids, texts, refs, nums = [], [], [], []
 
   def session_number(k):
     num = re.findall(r"\d+", k)
@@ -117,9 +142,10 @@ def _observations(obs, where, turn_ids, st):
         ids.append(f"O{n_sess}:{j}")
         texts.append(fact[0])
         refs.append(good)
+        nums.append(str(int(n_sess)) if str(n_sess).isdigit() else str(n_sess))
         j += 1
         st["observations"] += 1
-  return ids, texts, refs
+  return ids, texts, refs, nums
 
 
 def load_locomo(path, *, limit: int | None = None) -> corpus_lib.Corpus:
@@ -141,7 +167,8 @@ def load_locomo(path, *, limit: int | None = None) -> corpus_lib.Corpus:
     where = f"{path}: conversation {sample_id!r}"
     c = parsing.require(conv, "conversation", where, parsing.OBJECT)
     qa = parsing.require(conv, "qa", where, parsing.LIST)
-    ids, texts = _dialogue_turns(c, where, st)
+    ids, texts, nums = _dialogue_turns(c, where, st)
+    session_dates = _session_dates(c, where)
     if not ids:
       raise ValueError(f"{where}: empty memory bank (no dialogue turns)")
     st["turns"] += len(ids)
@@ -152,13 +179,14 @@ def load_locomo(path, *, limit: int | None = None) -> corpus_lib.Corpus:
     if obs is not None:
       parsing.check(obs, parsing.Kind((dict,), "a JSON object (session_N_observation -> speaker -> "
                                                "[[fact, dia_id], ...])"), where, "observation")
-      o_ids, o_texts, o_refs = _observations(obs, where, turn_ids, st)
+      o_ids, o_texts, o_refs, o_nums = _observations(obs, where, turn_ids, st)
       ids += o_ids
       texts += o_texts
       refs += o_refs
+      nums += o_nums
       stores += [corpus_lib.STORE_OBSERVATION] * len(o_ids)
     banks.append(corpus_lib.Bank(ids=ids, texts=texts, stores=np.asarray(stores, np.int8),
-                                 refs=refs))
+                                 refs=refs, dates=[session_dates.get(n, "") for n in nums]))
     for qi, item in enumerate(qa):
       w = f"{where}, qa item {qi}"
       cat = parsing.require(item, "category", w)
@@ -168,6 +196,7 @@ def load_locomo(path, *, limit: int | None = None) -> corpus_lib.Corpus:
       if isinstance(cat, bool) or cat not in CATEGORIES:
         raise ValueError(f"{w}: unknown category {cat!r}")
       question = parsing.require(item, "question", w, parsing.STRING)
+      answer = _answer(item, w, st)
       evidence = _evidence_value(parsing.require(item, "evidence", w), w, "evidence")
       st["queries"] += 1
       if not evidence:
@@ -188,7 +217,7 @@ def load_locomo(path, *, limit: int | None = None) -> corpus_lib.Corpus:
       category = CATEGORIES[cat]
       per_cat[category] += 1
       queries.append(corpus_lib.Query(id=f"{sample_id}/q{qi}", text=question, gold=gold,
-                                      category=category, group=g))
+                                      category=category, group=g, answer=answer))
   stats = {
       "file": str(path),
       "conversations": len(banks),
@@ -200,6 +229,7 @@ def load_locomo(path, *, limit: int | None = None) -> corpus_lib.Corpus:
       "queries_adversarial_dropped": st["queries_adversarial_dropped"],
       "queries_empty_evidence_dropped": st["queries_empty_evidence_dropped"],
       "queries_without_gold_excluded": st["queries_without_gold_excluded"],
+      "queries_without_answer": st["queries_without_answer"],
       "evidence_entries_malformed": st["evidence_entries_malformed"],
       "evidence_ids_dropped": st["evidence_ids_dropped"],
       "evidence_ids_dropped_list": dropped_ids,

@@ -4,6 +4,11 @@ Bank = the USER turns of the question's own haystack, id = `session_id + "_" + (
 counting all turns of the session; gold = user turns with `has_answer`; `_abs` questions and questions
 without a gold user turn (e.g. assistant-only evidence) are excluded and counted; category =
 `question_type`. Duplicate sessions inside a haystack are kept (as the official protocol does).
+For question answering each query carries its gold `answer` (`str(answer)`; None when absent) and
+its `question_date`, and each memory its session's date from `haystack_dates` (`Bank.dates`; ''
+when the file has no dates). Abstention questions stay out of the retrieval queries (they have no
+gold turn); `ear_jax.data.answer_metrics.is_abstention` and the abstention judge prompt of
+`ear_jax.agent.qa` handle them as LongMemEval's scorer does (`_abs` in the question id).
 A field of the wrong type is a `ValueError` naming the file, the question and the field.
 """
 from __future__ import annotations
@@ -16,6 +21,7 @@ import numpy as np
 from ear_jax.data import corpus as corpus_lib
 from ear_jax.data import parsing
 
+_ANSWER = parsing.Kind((str, int, float), "a string or a number")
 # Looked up in the data directory in this order; the first that exists is used.
 FILES = (
     "longmemeval_s_cleaned.json", "longmemeval_s_cleaned.json.gz",
@@ -46,8 +52,17 @@ def load_longmemeval(path, *, limit: int | None = None) -> corpus_lib.Corpus:
     if len(sids) != len(sessions):
       raise ValueError(f"{where}: {len(sids)} haystack_session_ids but {len(sessions)} "
                        "haystack_sessions")
-    ids, texts, gold = [], [], []
+    hdates = parsing.optional(item, "haystack_dates", where, parsing.LIST, None)
+    if hdates is not None and len(hdates) != len(sessions):
+      raise ValueError(f"{where}: {len(hdates)} haystack_dates but {len(sessions)} haystack_sessions")
+    answer = parsing.optional(item, "answer", where, _ANSWER, None)
+    qdate = parsing.optional(item, "question_date", where, parsing.STRING_OR_NULL, None)
+    ids, texts, gold, dates = [], [], [], []
     for s, (sid, sess) in enumerate(zip(sids, sessions)):
+      sdate = "" if hdates is None else hdates[s]
+      if not isinstance(sdate, str):
+        raise ValueError(f"{where}: field 'haystack_dates' entry {s} must be a string, got "
+                         f"{parsing.json_type(sdate)}")
       if not parsing.is_kind(sid, parsing.NAME):
         raise ValueError(f"{where}: field 'haystack_session_ids' entry {s} must be a string, got "
                          f"{parsing.json_type(sid)}")
@@ -65,6 +80,7 @@ def load_longmemeval(path, *, limit: int | None = None) -> corpus_lib.Corpus:
         tid = f"{sid}_{i + 1}"
         ids.append(tid)
         texts.append(content)
+        dates.append(sdate)
         texts_seen.add(content)
         if turn.get("has_answer"):
           gold.append(tid)
@@ -72,7 +88,7 @@ def load_longmemeval(path, *, limit: int | None = None) -> corpus_lib.Corpus:
       raise ValueError(f"{where}: empty memory bank (no user turns in its haystack)")
     st["user_turns"] += len(ids)
     banks.append(corpus_lib.Bank(ids=ids, texts=texts, stores=np.zeros(len(ids), np.int8),
-                                 refs=[()] * len(ids)))
+                                 refs=[()] * len(ids), dates=dates))
     st["questions"] += 1
     if qid.endswith("_abs"):
       st["questions_abs_excluded"] += 1
@@ -82,7 +98,8 @@ def load_longmemeval(path, *, limit: int | None = None) -> corpus_lib.Corpus:
       continue
     per_type[qtype] += 1
     queries.append(corpus_lib.Query(id=qid, text=question, gold=tuple(dict.fromkeys(gold)),
-                                    category=qtype, group=g))
+                                    category=qtype, group=g,
+                                    answer=None if answer is None else str(answer), date=qdate))
   stats = {
       "file": str(path),
       "questions": st["questions"],

@@ -64,13 +64,21 @@ def readings_md(records: list, primary_only: bool = True) -> str:
   return "\n".join([head, ""] + [f"- {reading(r)}" for r in recs])
 
 
-def section(workdir: pathlib.Path, out_root: pathlib.Path) -> str:
-  """The markdown section of one workdir; copies its plots to `out_root/<benchmark>/`."""
+def section(workdir: pathlib.Path, out_root: pathlib.Path, title: str | None = None,
+            level: int = 2) -> str:
+  """The markdown section of one workdir; copies its plots to `out_root/<benchmark>/`.
+
+  Args:
+    workdir: an `experiments.run` workdir with a results.json.
+    out_root: where the plots are copied (one folder per benchmark).
+    title: the section's heading (default: the benchmark's name).
+    level: the heading's level (2: '##').
+  """
   res = json.loads((workdir / "results.json").read_text())
   bench = res["benchmark"]
   dest = out_root / bench
   dest.mkdir(parents=True, exist_ok=True)
-  lines = [f"## {bench}", "", "Command:", "", "```", res["command"], "```", "",
+  lines = ["#" * level + f" {title or bench}", "", "Command:", "", "```", res["command"], "```", "",
            f"Seeds: {res['seeds']}; encoder: {res['dataset'].get('encoding', {}).get('encoder')}; "
            f"versions: " + ", ".join(f"{k} {v}" for k, v in res["versions"].items()), "",
            "Wall time per suite (s, this machine, shared CPUs): " + ", ".join(
@@ -110,4 +118,36 @@ def write_results_md(workdirs: Sequence[pathlib.Path],
   root.write_text(text)
 
 
-__all__ = ["BEGIN", "END", "reading", "readings_md", "section", "write_results_md"]
+# Issue 12's "Beyond the paper" block: generated from the `--suite=tune` / `--suite=beyond`
+# workdirs between these markers; the written explanation around it is kept.
+BEYOND_BEGIN, BEYOND_END = "<!-- beyond:begin -->", "<!-- beyond:end -->"
+
+
+def write_beyond_md(workdirs: Sequence[pathlib.Path],
+                    root: pathlib.Path = pathlib.Path("RESULTS.md"),
+                    out_root: pathlib.Path = pathlib.Path("results")) -> None:
+  """Rewrites RESULTS.md's "Beyond the paper" block from tune / beyond workdirs.
+
+  Args:
+    workdirs: `experiments.run` workdirs of `--suite=tune` and `--suite=beyond`.
+    root: the RESULTS.md to rewrite; the block is appended (under a heading) when missing.
+    out_root: where the plots are copied, one folder per benchmark.
+  """
+  parts = []
+  for w in workdirs:
+    res = json.loads((pathlib.Path(w) / "results.json").read_text())
+    what = {"tune": "validation tuning", "beyond": "test split"}.get(res.get("suite"),
+                                                                    res.get("suite") or "run")
+    parts.append(section(pathlib.Path(w), out_root, title=f"{res['benchmark']}: {what}",
+                         level=3))
+  gen = BEYOND_BEGIN + "\n" + "\n".join(parts) + BEYOND_END
+  text = root.read_text() if root.is_file() else "# Results\n"
+  if BEYOND_BEGIN in text:
+    text = text[:text.index(BEYOND_BEGIN)] + gen + text[text.index(BEYOND_END) + len(BEYOND_END):]
+  else:
+    text = text.rstrip("\n") + "\n\n## Beyond the paper (issue 12)\n\n" + gen + "\n"
+  root.write_text(text)
+
+
+__all__ = ["BEGIN", "BEYOND_BEGIN", "BEYOND_END", "END", "reading", "readings_md", "section",
+           "write_beyond_md", "write_results_md"]

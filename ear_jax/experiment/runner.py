@@ -69,6 +69,34 @@ def seed_splits(num_queries: int, seeds: Sequence[int], train_fraction: float = 
   return train, test
 
 
+def validation_split(train_index: np.ndarray, validation_fraction: float = 0.2):
+  """Per seed, the training stream's last `validation_fraction` as a validation set (issue 12).
+
+  Candidates are trained online on the first part (`fit`) and scored on the rest (`validation`);
+  the test split is never touched. Training order is stream order, so "last" is the end of the
+  online stream: `fit + validation == train` per seed, in order.
+
+  Args:
+    train_index: `[S, N]` training queries per seed (from `seed_splits`).
+    validation_fraction: share of each training stream held out, in (0, 1).
+
+  Returns:
+    `(fit_index [S, N - V], validation_index [S, V])`, `V = round(validation_fraction * N)`.
+
+  Raises:
+    ValueError: for a fraction outside (0, 1) or a stream too short for both parts.
+  """
+  if not 0.0 < validation_fraction < 1.0:
+    raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction}")
+  train_index = np.asarray(train_index)
+  n = train_index.shape[1]
+  v = int(round(validation_fraction * n))
+  if v < 1 or v >= n:
+    raise ValueError(f"a training stream of {n} queries gives an empty fit or validation part "
+                     f"(validation_fraction={validation_fraction})")
+  return train_index[:, :n - v], train_index[:, n - v:]
+
+
 def stack_streams(stream: Stream, index: np.ndarray) -> Stream:
   """`[S, n, ...]` stream: row `i` is `stream.take(index[i])`."""
   index = np.asarray(index)
@@ -95,9 +123,9 @@ def _train_segment(states, keys, streams, where, hparams, config, critic):
 def _eval_config(config: EARConfig) -> EARConfig:
   """The fields `inference.evaluate` depends on (so methods share one compiled evaluation)."""
   return EARConfig(dim=config.dim, num_candidates=config.num_candidates,
-                   slate_size=config.slate_size, num_rounds=config.num_rounds,
+                   slate_size=config.slate_size, num_rounds=config.eval_rounds,
                    adapter_rank=config.adapter_rank, replay_size=1, batch_size=1,
-                   buffer_capacity=1)
+                   buffer_capacity=1, final_slate=config.final_slate)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))

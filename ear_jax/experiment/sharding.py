@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ear_jax.core import episode
 from ear_jax.core.config import EARConfig, HParams
 from ear_jax.core import critic as critic_lib
+from ear_jax.core import retrieval
 from ear_jax.core.stream import Stream
 
 RUN_AXIS = "runs"
@@ -170,3 +171,80 @@ def unsharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hpara
 
 _vmapped_episodes_jit = jax.jit(_vmapped_episodes,
                                 static_argnames=("config", "hparams_batched"))
+
+
+# ------------------------------------------------------------------------------------------------
+# candidate search over a bank sharded across devices (issue 13)
+
+BANK_AXIS = "bank"
+
+
+def bank_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """A 1-D `Mesh` with axis `'bank'` over `devices` (default: every device of every process)."""
+  devices = jax.devices() if devices is None else list(devices)
+  return Mesh(np.asarray(devices), (BANK_AXIS,))
+
+
+def shard_bank(bank: np.ndarray, valid: np.ndarray, mesh: Mesh):
+  """`(bank [M', d], valid [M'])` as global arrays split by rows over the mesh's `'bank'` axis.
+
+  `M'` is `M` rounded up to a multiple of the device count (the padding rows are invalid). Each
+  device holds `M' / D` consecutive rows; every process passes the same host arrays (multi-host:
+  each process only materialises its own devices' rows, `jax.make_array_from_callback`).
+  """
+  bank, valid = np.asarray(bank), np.asarray(valid, bool)
+  num_dev = mesh.devices.size
+  padded = -(-bank.shape[0] // num_dev) * num_dev
+  pad = padded - bank.shape[0]
+  bank = np.pad(bank, ((0, pad), (0, 0)))
+  valid = np.pad(valid, (0, pad))
+  rows = NamedSharding(mesh, P(BANK_AXIS))
+  return _global_array(bank, rows), _global_array(valid, rows)
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_search_fn(mesh: Mesh, k: int):
+  """The jitted `shard_map` search: per-device top-K, all-gather, merge (built once per mesh, K)."""
+
+  def per_device(queries, bank, valid):
+    idx, vals, _ = retrieval.top_k_search(queries, bank, valid, k)
+    offset = jax.lax.axis_index(BANK_AXIS) * bank.shape[0]
+    idx = jnp.where(idx >= 0, idx + offset, -1)
+    # [D, n, K] from every device, in device order = ascending bank rows.
+    all_vals = jax.lax.all_gather(vals, BANK_AXIS)
+    all_idx = jax.lax.all_gather(idx, BANK_AXIS)
+    n = queries.shape[0]
+    all_vals = jnp.moveaxis(all_vals, 0, 1).reshape(n, -1)
+    all_idx = jnp.moveaxis(all_idx, 0, 1).reshape(n, -1)
+    vals, order = jax.lax.top_k(all_vals, k)  # equal scores: the lower device, i.e. lower row
+    idx = jnp.take_along_axis(all_idx, order, 1)
+    mask = vals > -jnp.inf
+    return jnp.where(mask, idx, -1).astype(jnp.int32), vals, mask
+
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(BANK_AXIS), P(BANK_AXIS)),
+                               out_specs=P(), check_vma=False))
+
+
+def sharded_top_k_search(queries, bank: jax.Array, valid: jax.Array, k: int, *,
+                         mesh: Optional[Mesh] = None):
+  """`retrieval.top_k_search` over a bank split by rows across devices (`shard_bank`).
+
+  Each device searches its own rows (the streamed exact top-K of `top_k_search`), the `D` lists of
+  K are all-gathered and merged by `lax.top_k`; the result, replicated on every device, equals the
+  unsharded search exactly (the same rows, scores and tie order: equal scores go to the lower row).
+  Communication per query is `D K` (score, row) pairs, independent of `M`. Dialogue-only search:
+  restrict `valid` to store 0 (the multi-store split is not offered here).
+
+  Args:
+    queries: `[n, d]` unit queries (replicated).
+    bank: `[M', d]` the global sharded bank of `shard_bank`.
+    valid: `[M']` its validity mask.
+    k: `K`.
+    mesh: the mesh the bank was sharded with (default: `bank_mesh()`).
+
+  Returns:
+    `(index [n, K] int32 (-1 = padding), scores [n, K], mask [n, K])`, best first.
+  """
+  mesh = bank_mesh() if mesh is None else mesh
+  queries = _global_array(np.asarray(queries, np.float32), NamedSharding(mesh, P()))
+  return _sharded_search_fn(mesh, int(k))(queries, bank, valid)

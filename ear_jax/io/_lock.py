@@ -24,10 +24,11 @@ class DirLock:
   Args:
     directory: an existing directory.
     timeout_s: how long `__enter__` waits before raising `LockTimeout`.
+    name: the lock file's name (another name is another, independent lock).
   """
 
-  def __init__(self, directory: pathlib.Path, timeout_s: float):
-    self.path = pathlib.Path(directory) / LOCK_NAME
+  def __init__(self, directory: pathlib.Path, timeout_s: float, name: str = LOCK_NAME):
+    self.path = pathlib.Path(directory) / name
     self.timeout_s = float(timeout_s)
     self._fd = None
 

@@ -44,13 +44,14 @@ from typing import Optional
 import numpy as np
 
 from ear_jax.io import _leaves, _quiet
-from ear_jax.io._lock import DirLock, LockTimeout
+from ear_jax.io._lock import LOCK_NAME, DirLock, LockTimeout
 
 _STATE, _META = "state", "meta"
 _META_FILE = "metadata"  # the file name of Orbax's JsonCheckpointHandler
 _TMP_MARK = ".orbax-checkpoint-tmp"
 _TRASH = ".trash-"
-_RECORD = "ear_jax.io/leaves-1"  # key of the leaf record in the `state` item's custom metadata
+_RECORD = "ear_jax.io/leaves-1"
+WRITER_LOCK = ".writer-lock"  # the lock of `CheckpointStore.writer`  # key of the leaf record in the `state` item's custom metadata
 
 
 class _Missing:
@@ -294,9 +295,33 @@ class CheckpointStore:
       self._prune()
     return path
 
+  def delete(self, step: int) -> None:
+    """Removes `step` (atomically for readers: renamed out of the step namespace first), under the
+    store's lock; a step that is not there is ignored."""
+    if not self.directory.is_dir():
+      return
+    with self._locked():
+      self._remove(self.directory / str(int(step)))
+
   @contextlib.contextmanager
-  def _locked(self):
-    lock = DirLock(self.directory, self.lock_timeout_s)
+  def writer(self, name: str = WRITER_LOCK):
+    """An exclusive inter-process lock for a caller's multi-step write to this store (a lock file
+    separate from the one each `save` takes, so saves can run while it is held). Creates the
+    directory.
+
+    Raises:
+      CheckpointError: another process held it longer than `lock_timeout_s`.
+    """
+    try:
+      self.directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+      raise CheckpointError(f"cannot create checkpoint directory {self.directory}: {e}") from e
+    with self._locked(name):
+      yield self
+
+  @contextlib.contextmanager
+  def _locked(self, name: str = LOCK_NAME):
+    lock = DirLock(self.directory, self.lock_timeout_s, name)
     try:
       lock.acquire()
     except LockTimeout as e:

@@ -7,7 +7,8 @@ beside the paper's numbers), PNG plots, per-run JSON and per-query training logs
 
 Suites (`SUITES`, name -> function): main (Table 2), ablation (Table 3), hparams (Tables 6-7),
 curves (Figs. 3-4), noise (Fig. 5), multistore (Tables 4-5, Fig. 6, Appendix C); `all` runs them in
-order.
+order. `qa` (Table 2's F1 / BLEU-1 / J, Tables 4-5's QA columns) needs an LLM endpoint and runs by
+name only.
 
 Every suite also compares its methods with a baseline on PAIRED seeds (same seed = same split and
 keys; see `pairing`): the mean per-seed difference and its 95% t-interval over seeds
@@ -33,6 +34,8 @@ from ear_jax.experiment import summaries
 from ear_jax.experiment.suites import hparams_curves
 from ear_jax.experiment.suites import main_ablation
 from ear_jax.experiment.suites import noise_multistore
+from ear_jax.experiment.suites import qa
+from ear_jax.experiment.suites import tune
 from ear_jax.experiment.suites.options import Options
 from ear_jax.experiment.suites.pairing import DELTA_NOTE, get_metric
 from ear_jax.experiment.suites.paper import PAPER, fmt, md_table
@@ -50,7 +53,13 @@ SUITES = {
     "multistore": noise_multistore.suite_multistore,
 }
 ALL_ORDER = tuple(SUITES)
-SUITE_NAMES = ALL_ORDER + ("all",)  # the values of `--suite`
+# Suites that need an LLM endpoint run by name only, never as part of `all`.
+SUITES["qa"] = qa.suite_qa  # issue 11: F1 / BLEU-1 / J of answers from the final slates
+# Issue 12 (beyond the paper), by name only: validation tuning (LoCoMo) and the test comparison of
+# the paper's EAR, `ear_tuned` and the retriever.
+SUITES["tune"] = tune.suite_tune
+SUITES["beyond"] = tune.suite_beyond
+SUITE_NAMES = tuple(SUITES) + ("all",)  # the values of `--suite`
 
 
 def suite_names(suite: str, benchmark: str) -> list:
@@ -136,6 +145,7 @@ def _run(opts: Options, clock: _CompileClock) -> dict:
       # suite -> [{treatment, baseline, metric, n, mean, sd, lo, hi, per_seed, verdict,
       #            confidence, interval, paper_delta, expected_sign, vs_paper, primary, score}]
       "paired": r.paired, "paired_note": DELTA_NOTE,
+      "qa": getattr(r, "qa", None),  # --suite=qa: settings, endpoints, per-method QA results
       "suite_wall_seconds": r.timings, "wall_seconds": round(wall, 1),
       # JAX tracing + lowering + XLA compilation inside each suite (`jax.monitoring` events).
       "suite_compile_seconds": compile_seconds, "compile_seconds": round(clock.seconds, 1),

@@ -30,4 +30,5 @@ class Options:
   synthetic_queries: int = 500
   synthetic_dim: int = 32
   noise_levels: tuple = (0.7, 0.8, 0.9, 1.0)
+  qa: dict = dataclasses.field(default_factory=dict)  # --suite=qa: `suites.qa.QASettings` fields
   command: str = ""

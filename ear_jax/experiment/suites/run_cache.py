@@ -18,7 +18,7 @@ from absl import logging
 import numpy as np
 
 from ear_jax.core import critic as critic_lib
-from ear_jax.core.config import default_hparams
+from ear_jax.core.config import hparams_for_method
 from ear_jax.experiment import checkpointing
 from ear_jax.experiment import runner
 from ear_jax.experiment import summaries
@@ -85,7 +85,7 @@ class Runner:
     hp_over = {**o.hparam_overrides, **(hparam_overrides or {})}
     config = runner.build_config(method, dim=b.stream.dim, num_candidates=b.stream.num_candidates,
                                  **cfg_over)
-    hparams = default_hparams(**hp_over)
+    hparams = hparams_for_method(method, **hp_over)  # the paper's, or the method's own
     critic_over = {**o.critic_overrides, **(critic_overrides or {})}
     critic = critic_lib.make_simulated_critic(**critic_over)
     critic_json = {"precision": float(critic.precision), "recall": float(critic.recall)}

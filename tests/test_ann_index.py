@@ -1,0 +1,99 @@
+"""ANN candidate search (faiss) against the exact device search, and `Memory(index=...)`."""
+import numpy as np
+import pytest
+
+from ear_jax import EARConfig
+from ear_jax.agent.memory import Memory
+from ear_jax.core import retrieval
+from ear_jax.index import ann
+
+D = 16
+
+
+def _clustered(n, seed=0, centers=20):
+  """Unit vectors around a few centres (the structure real embeddings have)."""
+  rng = np.random.default_rng(seed)
+  c = rng.normal(size=(centers, D))
+  x = c[rng.integers(0, centers, n)] + 0.35 * rng.normal(size=(n, D))
+  return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def _exact(q, bank, k):
+  idx, _, _ = retrieval.top_k_search_jit(q, bank, np.ones(len(bank), bool), k=k)
+  return np.asarray(idx)
+
+
+def _recall(a, b):
+  return float(np.mean([len(set(x) & set(y)) / len(y) for x, y in zip(a, b)]))
+
+
+def test_ivf_probing_every_list_is_exact_and_fewer_lists_keep_high_recall():
+  bank, q = _clustered(3000), _clustered(50, seed=1)
+  exact = _exact(q, bank, 20)
+  full = ann.faiss_ivf(D, nlist=16, nprobe=16, train_factor=39)
+  full.add(bank, np.zeros(3000, np.int8), 0)
+  rows, mask = full.search(q, 20, multistore=False)
+  assert mask.all()
+  assert _recall(rows, exact) == 1.0  # every list probed: the exact candidates (as a set)
+  some = ann.faiss_ivf(D, nlist=16, nprobe=8)
+  some.add(bank[:1000], np.zeros(1000, np.int8), 0)  # two adds: trained at 624 held vectors
+  some.add(bank[1000:], np.zeros(2000, np.int8), 1000)
+  assert _recall(some.search(q, 20, False)[0], exact) >= 0.95
+
+
+def test_hnsw_recall_at_20_against_exact_on_a_small_bank():
+  bank, q = _clustered(2000, seed=2), _clustered(50, seed=3)
+  hnsw = ann.faiss_hnsw(D, hnsw_m=16, ef_construction=64, ef_search=128)
+  hnsw.add(bank, np.zeros(2000, np.int8), 0)
+  assert _recall(hnsw.search(q, 20, False)[0], _exact(q, bank, 20)) >= 0.98
+
+
+def test_searchers_keep_the_store_rules_and_row_numbers():
+  bank = _clustered(400, seed=4)
+  codes = (np.arange(400) % 3 == 0).astype(np.int8)  # every third row an observation
+  s = ann.faiss_hnsw(D, ef_search=400)
+  s.add(bank[:150], codes[:150], 0)
+  s.add(bank[150:], codes[150:], 150)
+  rows, _ = s.search(bank[:5], 10, multistore=False)
+  assert (codes[rows] == 0).all()
+  exact = _exact(bank[:5], np.where(codes[:, None] == 0, bank, -bank * 0), 10)
+  assert _recall(rows, exact) >= 0.98
+  rows, mask = s.search(bank[:5], 10, multistore=True)
+  assert mask.all() and all(sorted(codes[r].tolist()) == [0] * 5 + [1] * 5 for r in rows)
+
+
+def test_a_searcher_pads_when_the_store_is_small():
+  s = ann.faiss_ivf(D, nlist=4, nprobe=4)
+  s.add(_clustered(3), np.zeros(3, np.int8), 0)
+  rows, mask = s.search(_clustered(2, seed=9), 5, False)
+  assert mask.sum(1).tolist() == [3, 3] and (rows[:, 3:] == -1).all()
+
+
+def test_unknown_index_and_bad_options_are_clear_errors():
+  with pytest.raises(ValueError, match=r"unknown index 'annoy'.*exact.*faiss_hnsw"):
+    Memory(None, dim=D, index="annoy")
+  with pytest.raises(ValueError, match=r"bad index_options for index='faiss_ivf'"):
+    Memory(None, dim=D, index="faiss_ivf", index_options={"nprobes": 3})
+  with pytest.raises(ValueError, match="unknown bank_dtype"):
+    Memory(None, dim=D, bank_dtype="float16")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", ["faiss_hnsw", "faiss_ivf"])
+def test_memory_with_an_ann_index_retrieves_learns_and_saves(tmp_path, index):
+  cfg = EARConfig(dim=D, num_candidates=8, slate_size=3, num_rounds=1, batch_size=1,
+                  buffer_capacity=8, replay_size=2)
+  bank = _clustered(500, seed=5)
+  opts = {"nlist": 8, "nprobe": 8} if index == "faiss_ivf" else {"ef_search": 500}
+  m = Memory(None, config=cfg, index=index, index_options=opts)
+  exact = Memory(None, config=cfg)
+  for mem in (m, exact):
+    mem.add([f"t{i}" for i in range(500)], embeddings=bank)
+  r, e = m.retrieve(query_embedding=bank[7], k=3), exact.retrieve(query_embedding=bank[7], k=3)
+  assert r.ids == e.ids  # the same candidates, so the same adapter slate
+  assert m.feedback(r, [r.ids[0]])
+  m.save(tmp_path / "m")
+  back = Memory.load(tmp_path / "m")
+  assert back._bank.settings() == m._bank.settings()
+  assert back.retrieve(query_embedding=bank[7], k=3).ids == m.retrieve(query_embedding=bank[7],
+                                                                      k=3).ids
