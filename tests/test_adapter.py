@@ -1,5 +1,6 @@
 """Eq. (3)-(4): the residual adapter and the relevance distribution."""
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 
@@ -47,6 +48,7 @@ def test_all_masked_log_probs_are_finite():
   assert np.all(np.isfinite(np.asarray(lp)))
 
 
+@pytest.mark.slow
 def test_low_rank_adapter_starts_at_identity_and_learns():
   cfg = EARConfig(dim=4, num_candidates=2, slate_size=1, adapter_rank=2)
   p = adapter.init_adapter(jax.random.PRNGKey(0), cfg)

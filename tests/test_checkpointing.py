@@ -92,6 +92,7 @@ def test_resume_with_another_config_is_a_clear_error_and_keeps_checkpoints(setup
   assert _tree_hash(tmp_path / "c") == before
 
 
+@pytest.mark.slow
 def test_corrupted_checkpoint_is_a_clear_error_and_keeps_checkpoints(setup, tmp_path):
   with pytest.raises(ex.Interrupted):
     _run(setup, tmp_path / "c", eval_every=None, stop_after_chunks=2)

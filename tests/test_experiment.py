@@ -31,6 +31,7 @@ def test_segment_length_rejects_periods_off_the_batch_grid():
     ex.segment_length(100, 4, 30, None)
 
 
+@pytest.mark.slow
 def test_seeds_differ_and_curve_ends_at_final_adapter_metric(bench):
   train, test = ex.seed_splits(bench.num_queries, [0, 1])
   config = ex.build_config("ear", dim=16, num_candidates=20, buffer_capacity=64)
@@ -51,6 +52,7 @@ def test_seeds_differ_and_curve_ends_at_final_adapter_metric(bench):
   assert 0 < s["ceiling"]["recall@K"]["mean"] <= 100
 
 
+@pytest.mark.slow
 def test_retriever_run_keeps_identity_adapter_and_matches_frozen_top5(bench):
   train, test = ex.seed_splits(bench.num_queries, [0])
   config = ex.build_config("retriever", dim=16, num_candidates=20, buffer_capacity=64)
@@ -72,6 +74,7 @@ def test_store_metrics_hand_computed_case():
   assert m["observations_in_slate"] == 1.0
 
 
+@pytest.mark.slow
 def test_store_proximity_delta_is_unchanged_by_the_identity_adapter(bench):
   from ear_jax.core import learner
   config = ex.build_config("ear", dim=16, num_candidates=20, buffer_capacity=64)

@@ -237,6 +237,7 @@ def test_10000_adversarial_steps_of_memorys_learner_step_keep_params_finite():
 # the retrieval rule
 
 
+@pytest.mark.slow
 def test_without_multistore_observations_are_never_candidates():
   rng = np.random.default_rng(1)
   m = Memory(None, config=_config())

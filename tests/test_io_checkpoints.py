@@ -147,6 +147,7 @@ def _damaged_copies(tmp_path, src, damage):
     yield copy, rel
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["bit flip", "truncation"])
 def test_damaged_array_files_are_checkpoint_errors_naming_the_path_never_wrong_data(tmp_path,
                                                                                    damage):

@@ -17,6 +17,7 @@ HP = default_hparams(learning_rate=3e-3)
 TRAIN = learnable_stream(0, 42)  # not a multiple of the batch size: the last batch is padded
 
 
+@pytest.mark.slow
 def test_jit_does_not_retrace_on_a_second_call():
   traces = []
 
@@ -30,6 +31,7 @@ def test_jit_does_not_retrace_on_a_second_call():
   assert len(traces) == 1
 
 
+@pytest.mark.slow
 def test_same_key_identical_different_keys_differ():
   a = episode.run_episode_jit(jax.random.PRNGKey(0), TRAIN, CFG, HP)
   b = episode.run_episode_jit(jax.random.PRNGKey(0), TRAIN, CFG, HP)

@@ -105,6 +105,7 @@ def test_server_that_exits_at_start_is_an_error_naming_the_log(gguf, tmp_path):
   assert not server.running
 
 
+@pytest.mark.slow
 def test_server_that_never_answers_times_out_and_is_stopped(gguf, tmp_path):
   log = tmp_path / "silent.log"
   server = LlamaServer(gguf, log_path=log, startup_timeout_s=1.0, stop_timeout_s=2.0,
@@ -116,6 +117,7 @@ def test_server_that_never_answers_times_out_and_is_stopped(gguf, tmp_path):
   assert not server.running and server.process is None
 
 
+@pytest.mark.slow
 def test_server_that_ignores_sigterm_is_killed(gguf, tmp_path):
   code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
           "print('ignoring', flush=True); time.sleep(60)")

@@ -33,6 +33,7 @@ def _unit(x):
 # bank
 
 
+@pytest.mark.slow
 def test_bank_capacity_doubles_and_candidate_search_compiles_once_per_capacity():
   rng = np.random.default_rng(0)
   bank = bank_lib.Bank(_D, 8)

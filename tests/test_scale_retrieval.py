@@ -64,6 +64,7 @@ def test_streamed_multistore_search_equals_the_one_block_search():
   assert all(sorted(np.asarray(stores)[row].tolist()) == [0] * 5 + [1] * 5 for row in idx)
 
 
+@pytest.mark.slow
 def test_a_bfloat16_bank_gives_float32_scores_close_to_the_float32_bank():
   bank = _bank(2000, 32, dup=False)
   q = jnp.asarray(np.random.default_rng(3).normal(size=(2, 32)), jnp.float32)
