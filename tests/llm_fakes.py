@@ -166,20 +166,21 @@ def stop_server(srv: ChatServer, thread: threading.Thread):
   thread.join(timeout=5)
 
 
-@pytest.fixture
-def server(monkeypatch):
+def _served(monkeypatch):
   clear_proxies(monkeypatch)
   srv, thread = start_server()
   yield srv
   stop_server(srv, thread)
+
+
+@pytest.fixture
+def server(monkeypatch):
+  yield from _served(monkeypatch)
 
 
 @pytest.fixture
 def second_server(monkeypatch):
-  clear_proxies(monkeypatch)
-  srv, thread = start_server()
-  yield srv
-  stop_server(srv, thread)
+  yield from _served(monkeypatch)
 
 
 class RecordingSleep:
@@ -191,12 +192,13 @@ class RecordingSleep:
     self.delays.append(seconds)
 
 
-def make_client(server, sleep=None, **overrides) -> ChatClient:
+def make_client(server, sleep=None, *, client_cls=ChatClient, config_cls=ChatClientConfig,
+                **overrides):
+  """A `client_cls` (ChatClient, or LLMCritic with its config) on `server`: fast retries, fixed rng."""
   kwargs = dict(base_url=server.url, model="test-model", api_key_env=KEY_ENV, timeout_s=0.3,
                 max_retries=2, backoff_base_s=0.0, backoff_max_s=0.0)
   kwargs.update(overrides)
-  return ChatClient(ChatClientConfig(**kwargs), sleep=sleep or RecordingSleep(),
-                    rng=random.Random(0))
+  return client_cls(config_cls(**kwargs), sleep=sleep or RecordingSleep(), rng=random.Random(0))
 
 
 

@@ -1,21 +1,17 @@
 """Append-only bank shards: a save writes only the rows added since the latest checkpoint."""
 import os
 import pathlib
-import signal
-import subprocess
-import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
 
 from ear_jax import EARConfig
+from tests.kill_helpers import sigkill_at
 from ear_jax.agent import persistence
 from ear_jax.agent.memory import Memory
 from ear_jax.io import checkpoints
 
-_REPO = pathlib.Path(__file__).resolve().parents[1]
 D = 8
 CFG = EARConfig(dim=D, num_candidates=4, slate_size=2, num_rounds=1, batch_size=1,
                 buffer_capacity=8, replay_size=2)
@@ -134,23 +130,7 @@ _CHILD = textwrap.dedent("""
 def test_sigkill_during_an_incremental_save_leaves_the_previous_checkpoint_loadable(tmp_path,
                                                                                    stage):
   path = str(tmp_path / "ckpt")
-  env = {**os.environ, "PYTHONPATH": str(_REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-         "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.Popen([sys.executable, "-c", _CHILD, path, stage], stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True, env=env)
-  try:
-    deadline, line = time.monotonic() + 180, ""
-    while time.monotonic() < deadline:
-      line = proc.stdout.readline()
-      if not line or "IN_SAVE" in line:
-        break
-    assert "IN_SAVE" in line, "the child never reached the save"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-  assert proc.returncode == -signal.SIGKILL
+  sigkill_at(_CHILD, [path, stage])
   m = Memory.load(path)  # the previous checkpoint: 10 memories in one shard
   assert len(m) == 10 and [r["count"] for r in _listed(path)] == [10]
   assert sorted(_shards(path)) == ([1] if stage == "shard" else [1, 2])  # 2: written, unlisted

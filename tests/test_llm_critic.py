@@ -14,19 +14,15 @@ from ear_jax.agent import llm_critic
 from ear_jax.agent.llm_critic import (CriticResult, LLMCritic, LLMCriticConfig, build_messages,
                                       format_citations, labels_from_citations, parse_citations)
 from tests.llm_fakes import RecordingSleep as _RecordingSleep
-from tests.llm_fakes import Reply
+from tests.llm_fakes import KEY_ENV, Reply, make_client
 
-_KEY_ENV = "EAR_JAX_TEST_LLM_KEY"
+_KEY_ENV = KEY_ENV
 _MEMORIES = ["Alice moved to Paris in May.", "Bob likes\n chess.", "The cat is called Tom."]
 _QUESTION = "Where did Alice move?"
 
 
 def _client(server, sleep=None, **overrides) -> LLMCritic:
-  kwargs = dict(base_url=server.url, model="test-model", api_key_env=_KEY_ENV, timeout_s=0.3,
-                max_retries=2, backoff_base_s=0.0, backoff_max_s=0.0)
-  kwargs.update(overrides)
-  return LLMCritic(LLMCriticConfig(**kwargs), sleep=sleep or _RecordingSleep(),
-                   rng=random.Random(0))
+  return make_client(server, sleep, client_cls=LLMCritic, config_cls=LLMCriticConfig, **overrides)
 
 
 # ---------------------------------------------------------------------------------------------------

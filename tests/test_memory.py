@@ -4,11 +4,7 @@ from __future__ import annotations
 import copy
 import os
 import pathlib
-import signal
-import subprocess
-import sys
 import textwrap
-import time
 
 import jax
 import numpy as np
@@ -19,6 +15,7 @@ from ear_jax.agent.memory import Memory
 from ear_jax.core.config import EARConfig
 from ear_jax.data import encoders
 from ear_jax.io import checkpoints
+from tests.kill_helpers import sigkill_at
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 _D = 16
@@ -390,24 +387,7 @@ _CHILD = textwrap.dedent("""
 @pytest.mark.slow
 def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
   path = str(tmp_path / "ckpt")
-  env = {**os.environ, "PYTHONPATH": str(_REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-         "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.Popen([sys.executable, "-c", _CHILD, path], stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True, env=env)
-  try:
-    deadline = time.monotonic() + 180
-    line = ""
-    while time.monotonic() < deadline:
-      line = proc.stdout.readline()
-      if not line or "IN_SAVE" in line:
-        break
-    assert "IN_SAVE" in line, "the child never reached the save"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-  assert proc.returncode == -signal.SIGKILL
+  sigkill_at(_CHILD, [path])
   m = Memory.load(path)
   assert len(m) == 10 and int(m.state.step) == 1
   np.testing.assert_array_equal(np.asarray(m.params.w_q), np.load(path + ".w_q.npy"))
