@@ -57,8 +57,9 @@ _SUITE = flags.DEFINE_enum("suite", "default", ["default", "scale"], "Which benc
                            "default rows, or memory at scale (issue 13).")
 _SCALE_SIZES = flags.DEFINE_list("scale_sizes", ["1000", "10000", "100000", "1000000"],
                                  "--suite=scale: bank sizes.")
-_SCALE_PATHS = flags.DEFINE_list("scale_paths", ["exact", "bf16", "ivf", "ivf_clustered"],
-                                 "--suite=scale: paths (exact, bf16, ivf, ivf_clustered, hnsw).")
+_SCALE_PATHS = flags.DEFINE_list("scale_paths", ["exact", "bf16", "ivf", "ivf_clustered", "pq"],
+                                 "--suite=scale: paths (exact, bf16, ivf, ivf_clustered, pq, "
+                                 "hnsw).")
 _SCALE_OUT = flags.DEFINE_string("scale_out", "results/scale/scale.json", "--suite=scale: JSON "
                                  "output; the table (.md) and plot (.png) are written beside it.")
 _SCALE_CALLS = flags.DEFINE_integer("scale_calls", 20, "--suite=scale: retrieve+feedback rounds "

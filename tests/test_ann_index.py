@@ -62,6 +62,47 @@ def test_searchers_keep_the_store_rules_and_row_numbers():
   assert mask.all() and all(sorted(codes[r].tolist()) == [0] * 5 + [1] * 5 for r in rows)
 
 
+def _random(n, seed):
+  """Unit vectors without any structure (the worst case for IVF and HNSW)."""
+  x = np.random.default_rng(seed).normal(size=(n, 32))
+  return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def test_pq_with_exact_rerank_keeps_high_recall_on_unstructured_vectors():
+  from ear_jax.agent import bank as bank_lib  # pylint: disable=g-import-not-at-top
+  bank, q = _random(4000, 6), _random(40, 7)
+  exact = _exact(q, bank, 20)
+  recalls = {}
+  for rerank in (1, 20):
+    b = bank_lib.Bank(32, index="faiss_pq",
+                      index_options={"pq_m": 16, "rerank": rerank, "train_size": 2000})
+    b.append([f"m{i}" for i in range(4000)], ["t"] * 4000, np.zeros(4000, np.int8), bank)
+    rows, mask, cands = b.search(q, 20, multistore=False)
+    assert mask.all() and b.searcher._stores[0].index is not None  # trained, not the flat stage
+    np.testing.assert_array_equal(cands, bank[rows])
+    recalls[rerank] = _recall(rows, exact)
+  assert recalls[20] >= 0.98 and recalls[20] > recalls[1]
+  # Re-ranked rows come out in exact-score order.
+  scores = np.einsum("qd,qkd->qk", q, cands)
+  assert (np.diff(scores, axis=1) <= 1e-6).all()
+
+
+def test_rerank_keeps_the_multistore_rule():
+  from ear_jax.agent import bank as bank_lib  # pylint: disable=g-import-not-at-top
+  vecs = _random(600, 8)
+  codes = (np.arange(600) % 4 == 0).astype(np.int8)
+  b = bank_lib.Bank(32, index="faiss_pq", index_options={"pq_m": 8, "rerank": 5, "train_size": 100})
+  b.append([f"m{i}" for i in range(600)], ["t"] * 600, codes, vecs)
+  rows, mask, _ = b.search(vecs[:6], 8, multistore=True)
+  assert mask.all() and all(sorted(codes[r].tolist()) == [0] * 4 + [1] * 4 for r in rows)
+  exact = Memory(None, dim=32, multistore=True)
+  assert exact._bank.searcher is None
+  with pytest.raises(ValueError, match="pq_m=5 must divide the dimension 32"):
+    Memory(None, dim=32, index="faiss_pq", index_options={"pq_m": 5})
+  with pytest.raises(ValueError, match="rerank must be >= 1"):
+    Memory(None, dim=32, index="faiss_pq", index_options={"rerank": 0})
+
+
 def test_a_searcher_pads_when_the_store_is_small():
   s = ann.faiss_ivf(D, nlist=4, nprobe=4)
   s.add(_clustered(3), np.zeros(3, np.int8), 0)
@@ -79,12 +120,13 @@ def test_unknown_index_and_bad_options_are_clear_errors():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", ["faiss_hnsw", "faiss_ivf"])
+@pytest.mark.parametrize("index", ["faiss_hnsw", "faiss_ivf", "faiss_pq"])
 def test_memory_with_an_ann_index_retrieves_learns_and_saves(tmp_path, index):
   cfg = EARConfig(dim=D, num_candidates=8, slate_size=3, num_rounds=1, batch_size=1,
                   buffer_capacity=8, replay_size=2)
   bank = _clustered(500, seed=5)
-  opts = {"nlist": 8, "nprobe": 8} if index == "faiss_ivf" else {"ef_search": 500}
+  opts = {"faiss_ivf": {"nlist": 8, "nprobe": 8}, "faiss_hnsw": {"ef_search": 500},
+          "faiss_pq": {"pq_m": 8, "train_size": 200}}[index]
   m = Memory(None, config=cfg, index=index, index_options=opts)
   exact = Memory(None, config=cfg)
   for mem in (m, exact):

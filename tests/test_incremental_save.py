@@ -3,6 +3,7 @@ import os
 import pathlib
 import textwrap
 
+import jax
 import numpy as np
 import pytest
 
@@ -140,3 +141,81 @@ def test_sigkill_during_an_incremental_save_leaves_the_previous_checkpoint_loada
   assert sorted(_shards(path)) == [1, _listed(path)[1]["step"]]
   assert not [p for p in pathlib.Path(path).rglob("*orbax-checkpoint-tmp*")]
   assert Memory.load(path).ids == m.ids
+
+
+def _trained(seed=0, n=40, feedbacks=30, bank_dtype="float32"):
+  """A memory whose 8-slot replay buffer has wrapped around, with open sessions left."""
+  m = Memory(None, config=CFG, bank_dtype=bank_dtype)
+  m.add([f"a{i}" for i in range(n)], embeddings=_emb(n, seed))
+  q = _emb(feedbacks + 3, seed + 1)
+  for i in range(feedbacks):
+    r = m.retrieve(query_embedding=q[i], k=2, explore=i % 2 == 0)
+    m.feedback(r, [r.ids[0]] if i % 3 else [])
+  for i in range(feedbacks, feedbacks + 3):  # sessions left open, one with a pending retrieval
+    m.retrieve(query_embedding=q[i], k=2)
+  return m
+
+
+def _state_equal(a, b):
+  la, lb = jax.tree_util.tree_leaves(a._driver.state), jax.tree_util.tree_leaves(b._driver.state)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("bank_dtype", ["float32", "bfloat16"])
+def test_buffer_and_sessions_are_saved_as_bank_rows_and_restored_bit_for_bit(tmp_path, bank_dtype):
+  m = _trained(bank_dtype=bank_dtype)
+  assert int(m._driver.state.buffer.num_pushed) > CFG.buffer_capacity  # the ring wrapped
+  # The host mirror of the buffer's rows gathers back exactly the buffer's candidates.
+  buf = m._driver.state.buffer
+  np.testing.assert_array_equal(
+      np.asarray(m._bank.gather(m._driver.buffer_rows, m._driver.buffer_rows >= 0, "t")),
+      np.asarray(buf.candidates))
+  m.save(tmp_path / "m")
+  arrays, _ = checkpoints.CheckpointStore(tmp_path / "m").restore()
+  sizes = [np.shape(x) for x in jax.tree_util.tree_leaves(arrays)]
+  assert (CFG.buffer_capacity, CFG.num_candidates, D) not in sizes  # no [C, K, d] array
+  assert "cand_emb" not in arrays["sessions"]
+  back = Memory.load(tmp_path / "m")
+  _state_equal(m, back)
+  for sid, s in m._sessions.by_id.items():
+    np.testing.assert_array_equal(back._sessions.by_id[sid].cand_emb, s.cand_emb)
+  # Both go on learning identically (the restored mirror is the original's).
+  np.testing.assert_array_equal(back._driver.buffer_rows, m._driver.buffer_rows)
+  for mem in (m, back):
+    for i in range(12):
+      r = mem.retrieve(query_embedding=_emb(12, 7)[i], k=2)
+      mem.feedback(r, [r.ids[1]])
+  _state_equal(m, back)
+
+
+def test_checkpoints_with_the_buffer_and_sessions_inline_still_load_and_save_inline(tmp_path):
+  m = _trained()
+  arrays, meta = persistence.snapshot(m)  # rewritten as before rows were kept
+  paths, _ = jax.tree_util.tree_flatten_with_path(m._driver.state)
+  i = [jax.tree_util.keystr(p) for p, _ in paths].index(".buffer.candidates")
+  arrays["driver"]["learner"][f"{i:04d}"] = np.asarray(m._driver.state.buffer.candidates)
+  del arrays["driver"]["buffer_rows"]
+  arrays["sessions"]["cand_emb"] = np.stack([s.cand_emb for s in m._sessions.by_id.values()])
+  m.save(tmp_path / "m")  # the bank shards and a main step, then the old-style main step on top
+  with checkpoints.CheckpointStore(tmp_path / "m") as store:
+    meta["bank"] = store.read_meta()["bank"]
+  persistence.write(tmp_path / "m", arrays, meta)
+  back = Memory.load(tmp_path / "m")
+  _state_equal(m, back)
+  assert back._driver.buffer_rows is None  # rows unknown: later saves keep the inline form
+  back.save(tmp_path / "n")
+  _state_equal(back, Memory.load(tmp_path / "n"))
+
+
+def test_buffer_rows_outside_the_bank_are_an_error_naming_the_checkpoint(tmp_path):
+  m = _trained()
+  m.save(tmp_path / "m")
+  arrays, meta = persistence.snapshot(m)
+  arrays["driver"]["buffer_rows"][0, 0] = 10_000
+  with checkpoints.CheckpointStore(tmp_path / "m") as store:
+    meta["bank"] = store.read_meta()["bank"]
+  persistence.write(tmp_path / "m", arrays, meta)
+  with pytest.raises(ValueError, match=r"replay buffer of checkpoint .*outside the bank"):
+    Memory.load(tmp_path / "m")

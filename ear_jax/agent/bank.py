@@ -1,12 +1,15 @@
 """The growable memory bank of `Memory`: ids, texts, stores and device-resident embeddings.
 
-Symbols: `n` memories in the bank, `C` capacity (a power of two >= n), `d` dimension, `K`
-candidates per query, `q` queries of one call.
+Symbols: `n` memories in the bank, `C` capacity (`capacity_for(n)`: a power of two up to 4,096,
+then a multiple of a quarter power of two, so `C <= 1.25 n`), `d` dimension, `K` candidates per
+query, `q` queries of one call.
 
 The embeddings live on the device as a `[C, d]` array with a `[C]` validity mask and a `[C]` store
-code (0 dialogue / episodic, 1 observation / semantic). `C` doubles when the bank is full, so the
-jitted candidate search compiles once per capacity (and per power-of-two query count), i.e. O(log n)
-times. The search is `ear_jax.core.retrieval.top_k_search`, the same as the benchmark pipeline's:
+code (0 dialogue / episodic, 1 observation / semantic). `C` grows when the bank is full (one copy of
+the bank), so the jitted candidate search compiles once per capacity (and per power-of-two query
+count), i.e. O(log n) times; an add writes its rows in place (donated buffers). One `search` call is
+one jitted computation (search, candidate gather and, for `Memory`, the first-round slate) and one
+device-to-host copy. The search is `ear_jax.core.retrieval.top_k_search`, the same as the benchmark pipeline's:
 
 * without `multistore` only dialogue memories (store 0) are candidates (as in the benchmark pipeline
   and `docs/jsonl_format.md`);
@@ -17,9 +20,10 @@ memory and bytes per exact search); `index` replaces the exact device search by 
 faiss searcher (`ear_jax.index.ann`), which returns rows that are then gathered from the same
 device array, so EAR sees the same kind of candidates.
 
-The bank is not thread-safe on its own: `Memory` serialises every call under its lock. Its arrays
-are never updated in place (every write makes new arrays), so a reference taken under the lock is a
-consistent snapshot (the ANN searcher, a host object, is updated in place under that lock).
+The bank is not thread-safe on its own: `Memory` serialises every call under its lock. Its device
+arrays are updated in place by `append` (donated: an earlier reference to them is invalid
+afterwards), so nothing keeps a reference beyond the lock; reads copy to the host under it (the ANN
+searcher, a host object, is updated in place under that lock too).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ear_jax.core import explorer as explorer_lib
 from ear_jax.core import retrieval as retrieval_lib
 from ear_jax.data import encoder_base
 
@@ -40,6 +45,7 @@ STORES = {"dialogue": 0, "episodic": 0, "observation": 1, "semantic": 1}
 STORE_NAMES = ("dialogue", "observation")
 BANK_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 MIN_CAPACITY = 32
+FINE_CAPACITY = 4096  # beyond this the capacity grows in quarter steps (`capacity_for`)
 
 
 class InputTypeError(TypeError, ValueError):
@@ -50,6 +56,18 @@ def pow2_at_least(n: int, minimum: int = 1) -> int:
   """The smallest power of two `>= max(n, minimum, 1)`."""
   n = max(n, minimum, 1)
   return 1 << (n - 1).bit_length()
+
+
+def capacity_for(n: int, minimum: int = MIN_CAPACITY) -> int:
+  """The bank capacity `C` that holds `n` rows: a power of two up to `FINE_CAPACITY`, then the next
+  multiple of a quarter of the power of two below (5/4, 6/4, 7/4, 8/4 of it). An exact search reads
+  all `C` rows, so this bounds the rows read to 1.25 `n` (2 `n` with powers of two) for 4 compiles
+  of the search per doubling."""
+  n = max(n, minimum, 1)
+  if n <= FINE_CAPACITY:
+    return pow2_at_least(n)
+  step = 1 << (n.bit_length() - 3)  # a quarter of the power of two <= n
+  return -(-n // step) * step
 
 
 # ------------------------------------------------------------------------------------------------
@@ -160,27 +178,94 @@ def check_id_list(ids, n: int) -> list[str]:
 # jitted kernels (compiled once per capacity C and query count)
 
 
+def _candidates(queries, emb, valid, stores, rows, mask, k, multistore):
+  """Traced: `(rows [q, K], mask [q, K], embeddings [q, K, d] float32)` of `[q, d]` queries, by the
+  exact search (`rows is None`) or for the rows an ANN searcher found. The gather reads the bank
+  through an optimisation barrier: otherwise XLA shares one float32 widening of a bfloat16 bank
+  between the search and the gather and materialises it (~8x slower)."""
+  if rows is None:
+    if multistore:
+      rows, _, mask = retrieval_lib.top_k_search(queries, emb, valid, k, stores)
+    else:  # dialogue memories only (store 0), as the benchmark pipeline
+      rows, _, mask = retrieval_lib.top_k_search(queries, emb, valid & (stores == 0), k)
+  elif rows.shape[1] > k:  # an ANN searcher's `rerank * K` proposals: keep the exact top K
+    rows, mask = _rerank(queries, emb, stores, rows, mask, k, multistore)
+  return rows, mask, _rows_of(jax.lax.optimization_barrier(emb), rows, mask)
+
+
+def _rerank(queries, emb, stores, rows, mask, k, multistore):
+  """The exact top-`k` (per store: top-`k/2` of each, merged) of proposed rows `[q, R]`."""
+  cands = _rows_of(emb, rows, mask)  # [q, R, d]
+  scores = jnp.einsum("qd,qrd->qr", queries.astype(jnp.float32), cands)
+  lists = []
+  for where, per in (((mask,), k),) if not multistore else (
+      ((mask, stores[jnp.maximum(rows, 0)] == s), k // 2) for s in (0, 1)):
+    ok = functools.reduce(jnp.logical_and, where)
+    vals, pos = jax.lax.top_k(jnp.where(ok, scores, -jnp.inf), per)
+    lists.append((vals, jnp.take_along_axis(rows, pos, 1)))
+  vals = jnp.concatenate([v for v, _ in lists], 1)
+  got = jnp.concatenate([r for _, r in lists], 1)
+  vals, order = jax.lax.top_k(vals, k)  # equal scores: store 0 first
+  got = jnp.take_along_axis(got, order, 1)
+  keep = vals > -jnp.inf
+  return jnp.where(keep, got, -1).astype(jnp.int32), keep
+
+
+def _rows_of(emb, rows, mask):
+  """`[..., d]` float32 bank rows (zero where masked)."""
+  return jnp.where(mask[..., None], emb[jnp.maximum(rows, 0)].astype(jnp.float32), 0.0)
+
+
+_gather = jax.jit(_rows_of)
+
+
+def _pack(rows, mask, cands, slates=None):
+  """The outputs of a search as two arrays (one device-to-host copy each): `[q, 2K (+ 2s)]` int32
+  (rows, mask, slate, slate mask) and `[q, K d (+ K)]` float32 (candidates' embeddings, z)."""
+  q = rows.shape[0]
+  ints, floats = [rows, mask.astype(jnp.int32)], [cands.reshape(q, -1)]
+  if slates is not None:
+    slate, slate_mask, z = slates
+    ints += [slate, slate_mask.astype(jnp.int32)]
+    floats.append(z)
+  return jnp.concatenate(ints, 1), jnp.concatenate(floats, 1)
+
+
+def _unpack(ints: np.ndarray, floats: np.ndarray, q: int, k: int, d: int, slate_size=None):
+  """`_pack`'s outputs, host views of the first `q` queries."""
+  ints, floats = ints[:q], floats[:q]
+  out = (ints[:, :k], ints[:, k:2 * k].astype(bool), floats[:, :k * d].reshape(q, k, d))
+  if slate_size is None:
+    return out
+  s = slate_size
+  return out + ((ints[:, 2 * k:2 * k + s], ints[:, 2 * k + s:].astype(bool), floats[:, k * d:]),)
+
+
 @functools.partial(jax.jit, static_argnames=("k", "multistore"))
-def _search(queries, emb, valid, stores, *, k, multistore):
-  """Candidates of `[q, d]` queries: `(index [q, K], mask [q, K])`."""
-  if multistore:
-    idx, _, mask = retrieval_lib.top_k_search(queries, emb, valid, k, stores)
-  else:  # dialogue memories only (store 0), as the benchmark pipeline
-    idx, _, mask = retrieval_lib.top_k_search(queries, emb, valid & (stores == 0), k)
-  return idx, mask
+def _search(queries, emb, valid, stores, rows, mask, *, k, multistore):
+  """`_candidates` as one jitted call (packed, `_pack`)."""
+  return _pack(*_candidates(queries, emb, valid, stores, rows, mask, k, multistore))
 
 
-@jax.jit
-def _gather(emb, idx, mask):
-  """`[q, K, d]` float32 rows of the candidates (zero where masked). A separate jitted call: fused
-  with the search, XLA shares the widening of a bfloat16 bank and materialises it (~8x slower)."""
-  return jnp.where(mask[..., None], emb[jnp.maximum(idx, 0)].astype(jnp.float32), 0.0)
+@functools.partial(jax.jit, static_argnames=("k", "multistore", "slate_size", "explore"))
+def _search_slates(queries, emb, valid, stores, rows, mask, params, hparams, *, k, multistore,
+                   slate_size, explore):
+  """`_candidates`, then each query's first-round slate (fresh bandit statistics, Alg. 2 line 3)
+  in the same jitted call: `_pack(rows, mask, embeddings, (slate, slate_mask, z))`."""
+  rows, mask, cands = _candidates(queries, emb, valid, stores, rows, mask, k, multistore)
+  fresh = jnp.zeros(mask.shape[1:], jnp.float32)
+
+  def one(q, c, where):
+    stats = explorer_lib.BanditStats(mean=fresh, counts=fresh) if explore else None
+    return retrieval_lib.slate_from_candidates(params, q, c, where, slate_size, hparams, stats)
+
+  return _pack(rows, mask, cands, jax.vmap(one)(queries, cands, mask))
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
 def _write(emb, valid, stores, rows, row_stores, row_valid, start):
-  """Writes `[m, d]` rows (those with `row_valid`) at rows `start..` of the `[C, d]` bank (new
-  arrays: one copy of the bank per `append` call, so batch large adds)."""
+  """Writes `[m, d]` rows (those with `row_valid`) at rows `start..` of the `[C, d]` bank, in place
+  (the bank's arrays are donated: an add costs the rows it writes, not a copy of the bank)."""
   cap = emb.shape[0]
   at = jnp.where(row_valid, start + jnp.arange(rows.shape[0]), cap)  # C = dropped
   return (emb.at[at].set(rows.astype(emb.dtype), mode="drop"), valid.at[at].set(True, mode="drop"),
@@ -201,7 +286,7 @@ class Bank:
 
   Args:
     dim: `d`.
-    initial_capacity: rounded up to a power of two (at least `MIN_CAPACITY`).
+    initial_capacity: rounded up by `capacity_for` (at least `MIN_CAPACITY`).
     dtype: 'float32' or 'bfloat16', the dtype of the device embeddings (bf16 halves the bank's
       memory and bytes read per exact search; candidates and scores are float32 either way).
     index: 'exact' (the device search) or an ANN searcher of `ear_jax.index.ann.SEARCHERS`.
@@ -218,7 +303,7 @@ class Bank:
     self.dim, self.dtype = int(dim), dtype
     self.index_name, self.index_options = index, dict(index_options or {})
     self.searcher = ann.make_searcher(index, self.dim, self.index_options)
-    cap = pow2_at_least(initial_capacity, MIN_CAPACITY)
+    cap = capacity_for(initial_capacity)
     self.emb = jnp.zeros((cap, self.dim), BANK_DTYPES[dtype])  # [C, d]
     self.valid = jnp.zeros((cap,), bool)  # [C]
     self.stores = jnp.zeros((cap,), jnp.int32)  # [C]
@@ -260,10 +345,10 @@ class Bank:
       raise ValueError(f"memory ids {taken[:5]} are already in the bank")
 
   def append(self, ids: list[str], texts: list[str], codes: np.ndarray, emb: np.ndarray) -> None:
-    """Appends validated memories (`check_new_ids` first); doubles `C` while it is too small."""
+    """Appends validated memories (`check_new_ids` first); grows `C` when it is too small."""
     n, start = len(ids), len(self.ids)
     if start + n > self.capacity:
-      cap = pow2_at_least(start + n, self.capacity)
+      cap = capacity_for(start + n, self.capacity)
       grow = lambda a: jnp.concatenate([a, jnp.zeros((cap - a.shape[0],) + a.shape[1:], a.dtype)])
       self.emb, self.valid, self.stores = grow(self.emb), grow(self.valid), grow(self.stores)
     m = pow2_at_least(n)  # the write compiles once per power-of-two batch size
@@ -299,25 +384,53 @@ class Bank:
     raise ValueError(f"k={k} is larger than the memory bank: only {avail} memories can be "
                      f"retrieved ({len(self)} in the bank)")
 
-  def search(self, queries: np.ndarray, num_candidates: int, multistore: bool):
+  def search(self, queries: np.ndarray, num_candidates: int, multistore: bool, slate=None):
     """Top-K candidates of `[q, d]` unit queries (see the module docstring), by the exact device
-    search or the ANN searcher.
+    search or the ANN searcher, in one jitted call and one device-to-host copy.
+
+    Args:
+      queries: `[q, d]` unit queries.
+      num_candidates: `K`.
+      multistore: the top-K/2 of each store instead of the dialogue memories' top-K.
+      slate: optional `(params, hparams, slate_size, explore)`: also each query's first-round slate
+        (adapter top-s, or an Explorer round from fresh bandit statistics), computed in the same
+        call as the search.
 
     Returns:
       `(rows [q, K] int32 (-1 = padding), mask [q, K] bool, embeddings [q, K, d] float32)`, numpy,
-      best first.
+      best first; with `slate` a fourth element `(slate [q, s] int32, slate_mask [q, s] bool,
+      z [q, K] float32)`.
     """
     q = queries.shape[0]
     q_pad = pow2_at_least(q)
-    padded = np.zeros((q_pad, self.dim), np.float32)
-    padded[:q] = queries
-    if self.searcher is None:
-      idx, mask = _search(padded, self.emb, self.valid, self.stores, k=num_candidates,
-                          multistore=multistore)
+    padded = np.asarray(queries, np.float32)
+    if q_pad != q:
+      padded = np.concatenate([padded, np.zeros((q_pad - q, self.dim), np.float32)])
+    rows = mask = None
+    if self.searcher is not None:
+      rows, mask = self.searcher.search(padded, num_candidates * self.searcher.rerank, multistore)
+    args = (padded, self.emb, self.valid, self.stores, rows, mask)
+    size = None
+    if slate is None:
+      out = _search(*args, k=num_candidates, multistore=multistore)
     else:
-      idx, mask = self.searcher.search(padded, num_candidates, multistore)
-    cands = _gather(self.emb, idx, mask)
-    return np.asarray(idx)[:q], np.asarray(mask)[:q], np.asarray(cands)[:q]
+      params, hparams, size, explore = slate
+      out = _search_slates(*args, params, hparams, k=num_candidates, multistore=multistore,
+                           slate_size=int(size), explore=bool(explore))
+    ints, floats = jax.device_get(out)
+    return _unpack(ints, floats, q, num_candidates, self.dim, size)
+
+  def gather(self, rows, mask, where: str) -> jax.Array:
+    """`[n, K, d]` float32 device array of bank rows `rows [n, K]` (zero where not `mask`), exactly
+    the candidates' embeddings `search` gave for them; ValueError naming `where` for rows outside
+    the bank (what checkpoints store instead of candidates' embeddings)."""
+    rows, mask = np.asarray(rows), np.asarray(mask)
+    if rows.ndim != 2 or rows.shape != mask.shape or mask.dtype != bool:
+      raise ValueError(f"{where}: candidate rows {rows.shape} and mask {mask.shape} "
+                       f"({mask.dtype}) do not match")
+    if (mask & ((rows < 0) | (rows >= len(self)))).any():
+      raise ValueError(f"{where}: candidate rows outside the bank's {len(self)} memories")
+    return _gather(self.emb, rows.astype(np.int32), mask)
 
   def embeddings(self, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
     """`[n, d]` the frozen (pre-adapter) unit embeddings of rows `start:stop` (a float32 host

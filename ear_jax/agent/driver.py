@@ -21,6 +21,7 @@ Not thread-safe on its own: `Memory` holds its lock around every call.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,9 @@ from ear_jax.agent.sessions import TrainItem
 from ear_jax.core import learner as learner_lib
 from ear_jax.core.config import EARConfig, HParams
 from ear_jax.core.stream import Stream
+
+
+_BUFFER_CANDIDATES = ".buffer.candidates"  # the learner leaf saved as bank rows
 
 
 def seed_keys(seed: int):
@@ -54,6 +58,12 @@ class Driver:
     self.state: learner_lib.LearnerState = learner_lib.init_learner(k_init, config)
     self.ready: list[TrainItem] = []
     self.num_batches = 0
+    # The bank rows of the replay buffer's candidates, slot by slot (-1 = padding or empty): what
+    # checkpoints save instead of the `[C, K, d]` embeddings. None after restoring a checkpoint
+    # written before rows were kept (then the embeddings are saved inline).
+    cap, k = config.buffer_capacity, config.num_candidates
+    self.buffer_rows: Optional[np.ndarray] = np.full((cap, k), -1, np.int32)
+    self.insert_index = 0  # host copy of `state.buffer.insert_index`
 
   def push(self, items) -> int:
     """Queues closed sessions and trains every full batch; returns the learner steps taken."""
@@ -85,44 +95,75 @@ class Driver:
         self.state, keys, batch, stacked.slates, stacked.slate_mask, stacked.labels,
         jnp.arange(b) < n, self.config, self.hparams)
     self.num_batches += 1
+    cap = self.config.buffer_capacity  # the step pushed the n queries in order (`push_experiences`)
+    if self.buffer_rows is not None:
+      self.buffer_rows[(self.insert_index + np.arange(n)) % cap] = np.where(
+          stacked.mask[:n], stacked.rows[:n], -1)
+    self.insert_index = (self.insert_index + n) % cap
 
   # ----------------------------------------------------------------------------------------------
   # snapshot / restore
 
   def snapshot(self):
-    """`(arrays, meta)`: learner leaves, hyperparameters and queued items (host copies)."""
-    leaves = jax.tree_util.tree_leaves(self.state)
-    arrays = {"learner": {f"{i:04d}": np.asarray(x) for i, x in enumerate(leaves)},
+    """`(arrays, meta)`: learner leaves, hyperparameters and queued items (host copies).
+
+    The replay buffer's candidates (`[C, K, d]`, the largest part) are saved as their bank rows
+    (`buffer_rows [C, K]`), which `restore` gathers back from the bank."""
+    paths, _ = jax.tree_util.tree_flatten_with_path(self.state)
+    by_rows = self.buffer_rows is not None
+    arrays = {"learner": {f"{i:04d}": np.asarray(x) for i, (p, x) in enumerate(paths)
+                          if not (by_rows and jax.tree_util.keystr(p) == _BUFFER_CANDIDATES)},
               "hparams": {f.name: np.asarray(getattr(self.hparams, f.name))
                           for f in dataclasses.fields(self.hparams)}}
+    if by_rows:
+      arrays["buffer_rows"] = self.buffer_rows.copy()
     if self.ready:
       arrays["ready"] = {f: np.stack([getattr(it, f) for it in self.ready])
                          for f in TrainItem._fields}
     return arrays, {"num_batches": self.num_batches, "num_ready": len(self.ready),
-                    "num_learner_leaves": len(leaves)}
+                    "num_learner_leaves": len(paths)}
 
   @classmethod
-  def restore(cls, config: EARConfig, seed: int, arrays, meta, where: str) -> "Driver":
-    """The driver of `snapshot`; ValueError naming `where` when it does not fit `config`."""
+  def restore(cls, config: EARConfig, seed: int, arrays, meta, where: str, gather) -> "Driver":
+    """The driver of `snapshot`; ValueError naming `where` when it does not fit `config`.
+    `gather(rows [n, K], mask [n, K], where)` gives bank rows' embeddings (the buffer's
+    candidates)."""
     hparams = HParams(**{k: jnp.asarray(v, jnp.float32) for k, v in arrays["hparams"].items()})
     out = cls(config, hparams, seed)
-    template = jax.tree_util.tree_leaves(out.state)
-    stored = arrays["learner"]
-    if len(stored) != len(template) or meta["num_learner_leaves"] != len(template):
-      raise ValueError(f"{where}: the learner state has {len(stored)} arrays, expected "
-                       f"{len(template)} for this config")
+    paths, treedef = jax.tree_util.tree_flatten_with_path(out.state)
+    stored = dict(arrays["learner"])
+    by_rows = "buffer_rows" in arrays
+    if len(stored) + by_rows != len(paths) or meta["num_learner_leaves"] != len(paths):
+      raise ValueError(f"{where}: the learner state has {len(stored) + by_rows} arrays, expected "
+                       f"{len(paths)} for this config")
     leaves = []
-    for i, t in enumerate(template):
-      x = np.asarray(stored[f"{i:04d}"])
+    for i, (p, t) in enumerate(paths):
+      key = f"{i:04d}"
+      if by_rows and jax.tree_util.keystr(p) == _BUFFER_CANDIDATES:
+        rows = np.asarray(arrays["buffer_rows"])
+        if rows.shape != t.shape[:2]:
+          raise ValueError(f"{where}: buffer_rows has shape {rows.shape}, expected {t.shape[:2]}")
+        out.buffer_rows = rows.astype(np.int32)
+        leaves.append(gather(rows, rows >= 0, f"the replay buffer of {where}"))
+        continue
+      if key not in stored:
+        raise ValueError(f"{where}: learner array {i} is missing")
+      x = np.asarray(stored[key])
       if x.shape != t.shape:
         raise ValueError(f"{where}: learner array {i} has shape {x.shape}, expected {t.shape}")
       leaves.append(jnp.asarray(x, t.dtype))
-    out.state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out.state), leaves)
+    out.state = jax.tree_util.tree_unflatten(treedef, leaves)
+    out.insert_index = int(out.state.buffer.insert_index)
+    if not by_rows:  # written before rows were kept: keep saving the embeddings inline
+      out.buffer_rows = None
     if meta["num_ready"]:
-      r = arrays["ready"]
+      r = dict(arrays["ready"])
       T, K, d = config.num_rounds, config.num_candidates, config.dim
+      if "rows" not in r:  # written before rows were kept
+        r["rows"] = np.full((meta["num_ready"], K), -1, np.int32)
+        out.buffer_rows = None
       shapes = dict(query=(d,), candidates=(K, d), mask=(K,), slates=(T, K), slate_mask=(T, K),
-                    labels=(T, K))
+                    labels=(T, K), rows=(K,))
       for f, shape in shapes.items():
         if np.shape(r[f]) != (meta["num_ready"],) + shape:
           raise ValueError(f"{where}: queued training array {f!r} has shape {np.shape(r[f])}, "

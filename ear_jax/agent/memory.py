@@ -77,7 +77,7 @@ class Memory:
     multistore: candidates = top-K/2 dialogue memories + top-K/2 observations (Section 5).
     cache_dir: embedding cache root for `encoders.encode` (None: no disk cache).
     max_sessions: query sessions kept (>= 1); beyond it the least recently used is evicted.
-    initial_capacity: initial bank capacity (rounded up to a power of two).
+    initial_capacity: initial bank capacity (rounded up by `bank.capacity_for`).
     bank_dtype: 'float32' or 'bfloat16', the dtype of the device-resident bank.
     index: how the K candidates are found: 'exact' (the streamed device search,
       `retrieval.top_k_search`) or an approximate faiss searcher, 'faiss_hnsw' / 'faiss_ivf'
@@ -136,7 +136,7 @@ class Memory:
 
   @property
   def capacity(self) -> int:
-    """`C`, the current bank capacity (a power of two)."""
+    """`C`, the current bank capacity (`bank.capacity_for` of the rows held)."""
     return self._bank.capacity
 
   @property
@@ -193,7 +193,7 @@ class Memory:
   # add and retrieve
 
   def add(self, texts, *, store="dialogue", ids=None, embeddings=None) -> list[str]:
-    """Appends memories to the bank (batched encoding; capacity doubles when full).
+    """Appends memories to the bank (batched encoding; capacity grows when full).
 
     Args:
       texts: one string, or a sequence (list, tuple) of non-empty strings (a dict, a set or bytes
@@ -290,9 +290,9 @@ class Memory:
       raise ValueError(f"{len(texts)} queries in one call exceed max_sessions={self.max_sessions}")
     with self._lock:
       self._bank.check_k(k, self.config.num_candidates, self.multistore)
-      rows, mask, cands = self._bank.search(q_emb, self.config.num_candidates, self.multistore)
-      zeros = np.zeros(mask.shape, np.float32)  # fresh bandit statistics (Alg. 2 line 3)
-      slates = round_slates(self.params, self.hparams, q_emb, cands, mask, zeros, zeros, k, explore)
+      rows, mask, cands, slates = self._bank.search(
+          q_emb, self.config.num_candidates, self.multistore,
+          slate=(self.params, self.hparams, k, explore))
       sids = [self._sessions.new(t, q, r, c, m)
               for t, q, r, c, m in zip(texts, q_emb, rows, cands, mask)]
       return self._open_rounds(sids, slates, explore)

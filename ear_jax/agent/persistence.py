@@ -12,7 +12,10 @@ second `CheckpointStore` whose steps each hold a contiguous run of bank rows (em
 ids, texts) and are never rewritten. A save writes ONE new shard with the rows added since the
 latest checkpoint (recognised by the SHA-256 of each listed shard's rows, cached in the bank), then
 the main step that lists every shard. Saving after adding 1,000 memories to a 1M bank therefore
-writes 1,000 rows plus the learner state, not the bank. Atomicity: a shard is complete before the
+writes 1,000 rows plus the learner state, not the bank. Nor does the main step repeat what the
+bank holds: the replay buffer's candidates and the sessions' candidates (`[C, K, d]` and
+`[sessions, K, d]`, the bulk of the learner's state) are saved as their bank rows and gathered back
+from the restored bank (`Bank.gather`), bit for bit. Atomicity: a shard is complete before the
 main step that lists it exists; a save killed before its main step leaves an unlisted shard that
 the next save deletes; shards are deleted only when no kept main step lists them. One memory save
 at a time per directory (`CheckpointStore.writer`, an inter-process lock). Checkpoints written with
@@ -223,8 +226,10 @@ def _install(memory, root, arrays, meta, where: str, generation: int) -> None:
   config = memory.config
   bank = read_bank(root, memory._bank.settings(), config, arrays, meta, where)
   sessions = Sessions.restore(config, meta["max_sessions"], arrays.get("sessions", {}),
-                              meta["sessions"], where, memory._sessions.token, generation)
-  driver = Driver.restore(config, meta["seed"], arrays["driver"], meta["driver"], where)
+                              meta["sessions"], where, memory._sessions.token, generation,
+                              bank.gather)
+  driver = Driver.restore(config, meta["seed"], arrays["driver"], meta["driver"], where,
+                          bank.gather)
   memory._bank, memory._sessions, memory._driver = bank, sessions, driver
   memory.seed, memory.multistore = int(meta["seed"]), bool(meta["multistore"])
   memory.max_sessions, memory.cache_dir = int(meta["max_sessions"]), meta["cache_dir"]

@@ -101,6 +101,8 @@ class TrainItem(NamedTuple):
   slates: np.ndarray  # [T, K] int32 candidate positions of each round (-1 = empty)
   slate_mask: np.ndarray  # [T, K] bool (rows of rounds without feedback are all False)
   labels: np.ndarray  # [T, K] float32 labels in {-1, +1}
+  rows: np.ndarray  # [K] int32 bank rows of the candidates (-1 = padding): checkpoints save these
+  #   instead of the candidates' embeddings, which the bank already holds
 
 
 @dataclasses.dataclass
@@ -126,7 +128,8 @@ class Session:
 
   def train_item(self) -> TrainItem:
     return TrainItem(self.query_emb.copy(), self.cand_emb.copy(), self.cand_mask.copy(),
-                     self.slates.copy(), self.slate_mask.copy(), self.labels.copy())
+                     self.slates.copy(), self.slate_mask.copy(), self.labels.copy(),
+                     self.cand_idx.copy())
 
 
 class Sessions:
@@ -331,8 +334,9 @@ class Sessions:
     """`(arrays, meta)`: host copies of every session (arrays omitted when there is none)."""
     ss = list(self.by_id.items())
     arrays = {}
-    if ss:
-      arrays = {f: np.stack([getattr(s, f) for _, s in ss]) for f in _ARRAY_FIELDS}
+    if ss:  # not the candidates' embeddings: `restore` gathers them from the bank by `cand_idx`
+      arrays = {f: np.stack([getattr(s, f) for _, s in ss]) for f in _ARRAY_FIELDS
+                if f != "cand_emb"}
     meta = {
         "counters": {"next_retrieval": self.next_retrieval, "next_session": self.next_session,
                      "clock": self.clock},
@@ -346,10 +350,18 @@ class Sessions:
 
   @classmethod
   def restore(cls, config: EARConfig, max_sessions: int, arrays, meta, where: str, token: str,
-              generation: int) -> "Sessions":
+              generation: int, gather) -> "Sessions":
     """The sessions of `snapshot` under a memory's identity; ValueError naming `where` on a shape
-    mismatch."""
+    mismatch. `gather(rows [n, K], mask [n, K])` gives the candidates' embeddings from the restored
+    bank (checkpoints written before this hold them inline)."""
     out = cls(config, max_sessions, token, generation)
+    arrays = dict(arrays)
+    if meta["sessions"] and "cand_emb" not in arrays:
+      for f in ("cand_idx", "cand_mask"):
+        if f not in arrays:
+          raise ValueError(f"{where}: the session array {f!r} is missing")
+      arrays["cand_emb"] = np.asarray(gather(arrays["cand_idx"], arrays["cand_mask"],
+                                             f"the sessions of {where}"))
     T, K, d = config.num_rounds, config.num_candidates, config.dim
     shapes = {"query_emb": (d,), "cand_idx": (K,), "cand_emb": (K, d), "cand_mask": (K,),
               "mean": (K,), "counts": (K,), "slates": (T, K), "slate_mask": (T, K),

@@ -2,8 +2,8 @@
 
 Symbols: `M` memories, `d` dimension, `K` candidates, `n` queries per call.
 
-For each bank size and each path (`PATHS`: exact fp32, exact bf16, the faiss IVF and HNSW
-searchers), a `Memory(None, config=EARConfig(dim=d), ...)` is filled with unit embeddings through
+For each bank size and each path (`PATHS`: exact fp32, exact bf16, the faiss IVF, PQ fast-scan
+with exact re-ranking, and HNSW searchers), a `Memory(None, config=EARConfig(dim=d), ...)` is filled with unit embeddings through
 `Memory.add(..., embeddings=...)` and timed as an agent uses it: `retrieve(query_embedding=q, k=5)`
 then `feedback` (p50 / p90 of `calls` rounds), the candidate search alone (`Bank.search`, what the
 bandwidth bound applies to), `retrieve_batch` of 256 queries, and (exact fp32) the first save and
@@ -45,6 +45,10 @@ PATHS = {
     "bf16": ({"bank_dtype": "bfloat16"}, "random"),
     "ivf": ({"index": "faiss_ivf", "index_options": IVF}, "random"),
     "ivf_clustered": ({"index": "faiss_ivf", "index_options": IVF}, "clustered"),
+    # PQ fast-scan (d / 2 sub-quantizers x 4 bits: 96 B per memory at d = 384) proposing
+    # 50 K = 1,000 rows that the bank re-scores exactly: a compressed exhaustive scan, the ANN path
+    # for data without structure.
+    "pq": ({"index": "faiss_pq", "index_options": {"rerank": 50}}, "random"),
     "hnsw": ({"index": "faiss_hnsw", "index_options": {
         "hnsw_m": 32, "ef_construction": 80, "ef_search": 256, "build_threads": 1}}, "random"),
 }
