@@ -14,6 +14,8 @@ import pathlib
 import threading
 from typing import Any, Iterable, Optional, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ear_jax.agent import bank as bank_lib
@@ -141,11 +143,16 @@ class Memory:
 
   @property
   def state(self) -> learner_lib.LearnerState:
-    return self._driver.state
+    """A copy of the learner state (the live one is updated in place by every learner step: its
+    arrays are donated to the step, so a reference to them would not survive it)."""
+    with self._lock:
+      return jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, self._driver.state))
 
   @property
   def params(self) -> adapter_lib.AdapterParams:
-    return self._driver.state.params
+    """A copy of the adapter parameters (see `state`)."""
+    with self._lock:
+      return jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, self._driver.state.params))
 
   @property
   def hparams(self) -> HParams:
@@ -276,7 +283,7 @@ class Memory:
           raise ValueError("a session appears twice in continue_from")
         ss = [self._sessions.by_id[sid] for sid in sids]
         stack = lambda f: np.stack([getattr(s, f) for s in ss])
-        slates = round_slates(self.params, self.hparams, stack("query_emb"), stack("cand_emb"),
+        slates = round_slates(self._driver.state.params, self.hparams, stack("query_emb"), stack("cand_emb"),
                               stack("cand_mask"), stack("mean"), stack("counts"), k, explore)
         return self._open_rounds(sids, slates, explore)
     if queries is None and query_embeddings is None:
@@ -292,7 +299,7 @@ class Memory:
       self._bank.check_k(k, self.config.num_candidates, self.multistore)
       rows, mask, cands, slates = self._bank.search(
           q_emb, self.config.num_candidates, self.multistore,
-          slate=(self.params, self.hparams, k, explore))
+          slate=(self._driver.state.params, self.hparams, k, explore))
       sids = [self._sessions.new(t, q, r, c, m)
               for t, q, r, c, m in zip(texts, q_emb, rows, cands, mask)]
       return self._open_rounds(sids, slates, explore)
