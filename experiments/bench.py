@@ -53,8 +53,10 @@ from ear_jax.experiment import sharding
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 ROWS = ("scan", "loop", "numpy", "seeds", "inference", "encode", "suite")
 
-_SUITE = flags.DEFINE_enum("suite", "default", ["default", "scale"], "Which benchmark: the "
-                           "default rows, or memory at scale (issue 13).")
+_SUITE = flags.DEFINE_enum("suite", "default", ["default", "scale", "scale_probes"],
+                           "Which benchmark: the default rows, memory at scale (issue 13), or the "
+                           "probes behind its design choices (PQ settings, retrieve latency warm "
+                           "and cold).")
 _SCALE_SIZES = flags.DEFINE_list("scale_sizes", ["1000", "10000", "100000", "1000000"],
                                  "--suite=scale: bank sizes.")
 _SCALE_PATHS = flags.DEFINE_list("scale_paths", ["exact", "bf16", "ivf", "ivf_clustered", "pq"],
@@ -104,6 +106,8 @@ def main(argv):
   sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   if _SUITE.value == "scale":
     return _scale()
+  if _SUITE.value == "scale_probes":
+    return _scale_probes()
   quick = _QUICK.value
   skip = set(_SKIP.value)
   n = 32 if quick else _NUM_QUERIES.value
@@ -206,6 +210,27 @@ def _scale():
   scale_bench.plot(res, str(out.with_suffix(".png")))
   print(text)
   print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+
+
+def _scale_probes():
+  """`--suite=scale_probes`: `scale_bench.pq_probe` and `latency_probe` -> JSON and markdown next to
+  `--scale_out`."""
+  from ear_jax.experiment import scale_bench  # pylint: disable=g-import-not-at-top
+  out = pathlib.Path(_SCALE_OUT.value).with_name("probes.json")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  quick = _QUICK.value
+  pq = scale_bench.pq_probe(m=20_000 if quick else 1_000_000, dim=64 if quick else 384,
+                            num_queries=20 if quick else 100,
+                            probes=(("PQ16x4fs", 400), ("PQ32x4fs", 200), ("PQ64x4fs", 200))
+                            if quick else scale_bench.PQ_PROBES)
+  lat = scale_bench.latency_probe(m=2_000 if quick else 10_000, dim=64 if quick else 384,
+                                  calls=20 if quick else 100)
+  command = "python -m experiments.bench " + " ".join(sys.argv[1:])
+  out.write_text(json.dumps({"command": command, "pq": pq, "latency": lat}, indent=1))
+  text = scale_bench.probes_table(pq, lat)
+  out.with_suffix(".md").write_text(f"Command: `{command}`\n\n{text}\n")
+  print(text)
+  print(f"wrote {out}, {out.with_suffix('.md')}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -352,8 +352,8 @@ class Sessions:
   def restore(cls, config: EARConfig, max_sessions: int, arrays, meta, where: str, token: str,
               generation: int, gather) -> "Sessions":
     """The sessions of `snapshot` under a memory's identity; ValueError naming `where` on a shape
-    mismatch. `gather(rows [n, K], mask [n, K])` gives the candidates' embeddings from the restored
-    bank (checkpoints written before this hold them inline)."""
+    mismatch. `gather(rows [n, K], mask [n, K], where)` gives the candidates' embeddings from the
+    restored bank (checkpoints written before this hold them inline)."""
     out = cls(config, max_sessions, token, generation)
     arrays = dict(arrays)
     if meta["sessions"] and "cand_emb" not in arrays:

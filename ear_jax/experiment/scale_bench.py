@@ -288,3 +288,108 @@ def plot(res: dict, path: str) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------
+# probes behind the design choices (`--suite=scale_probes`)
+
+# (faiss factory string, proposals re-ranked exactly) on random unit vectors, one query at a time
+PQ_PROBES = (("PQ128x4fs", 2000), ("PQ192x4fs", 1000), ("PQ384x4fs", 1000))
+
+
+def pq_probe(m: int = 1_000_000, dim: int = 384, num_queries: int = 100, k: int = 20,
+             probes=PQ_PROBES, shards: int = 2) -> list[dict]:
+  """faiss alone on `m` random unit vectors: p50 per query and recall@k against the exact top-k of
+  PQ fast-scan + exact re-ranking of the best proposals (numpy), and the middle setting split in
+  `shards` threaded `IndexShards`."""
+  import faiss  # pylint: disable=g-import-not-at-top
+  x = np.concatenate([embeddings("random", s, min(m, s + ADD_BATCH), dim, m)
+                      for s in range(0, m, ADD_BATCH)])
+  qs = queries("random", num_queries, dim, m)
+  exact = np.argsort(-(qs @ x.T), axis=1, kind="stable")[:, :k]
+  threads = faiss.omp_get_max_threads()
+  out = []
+  settings = [(f, r, 1) for f, r in probes] + [(probes[1][0], probes[1][1], shards)]
+  for factory, rerank, parts in settings:
+    base = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    base.train(x[:ADD_BATCH])
+    if parts == 1:
+      index = base
+      index.add(x)
+    else:
+      index = faiss.IndexShards(dim, True, True)
+      held = []
+      for p in range(parts):
+        part = faiss.clone_index(base)
+        part.add(x[p * m // parts:(p + 1) * m // parts])
+        held.append(part)  # keep the Python objects alive
+        index.add_shard(part)
+    faiss.omp_set_num_threads(1)
+    ts, rec = [], []
+    try:
+      for i in range(num_queries):
+        t = time.perf_counter()
+        _, ids = index.search(qs[i:i + 1], rerank)
+        rows = ids[0][ids[0] >= 0]
+        top = rows[np.argsort(-(x[rows] @ qs[i]), kind="stable")[:k]]
+        ts.append(time.perf_counter() - t)
+        rec.append(len(set(top.tolist()) & set(exact[i].tolist())) / k)
+    finally:
+      faiss.omp_set_num_threads(threads)
+    out.append({"factory": factory, "rerank": rerank, "shards": parts, "M": m,
+                "p50_ms": float(np.median(ts) * 1e3), "recall_at_k": float(np.mean(rec))})
+    logging.info("pq probe %s", out[-1])
+    del index, base
+    gc.collect()
+  return out
+
+
+def latency_probe(m: int = 10_000, dim: int = 384, calls: int = 100) -> dict:
+  """`Memory.retrieve` p50 at `m` memories back to back, between feedbacks, after a 100 MB cache
+  sweep and after 10 ms idle; and a no-op jitted call and the bank's `jnp.sum` warm / after idle."""
+  mem = Memory(None, config=EARConfig(dim=dim), initial_capacity=m)
+  _fill(mem, "random", m, dim)
+  qs = queries("random", calls + 8, dim, m)
+  for q in qs[-8:]:  # compile retrieve and the learner step
+    r = mem.retrieve(query_embedding=q, k=5)
+    mem.feedback(r, [r.ids[0]])
+  sweep = np.ones(25_000_000, np.float32)
+  between = {"back_to_back": lambda r: mem.discard(r),
+             "feedback": lambda r: (mem.feedback(r, [r.ids[0]]),
+                                    benchmarking.block(mem._driver.state)),  # pylint: disable=protected-access
+             "cache_sweep": lambda r: (mem.discard(r), sweep.sum()),
+             "idle_10ms": lambda r: (mem.discard(r), time.sleep(0.01))}
+  out = {"M": m}
+  for name, then in between.items():
+    ts = []
+    for q in qs[:calls]:
+      t = time.perf_counter()
+      r = mem.retrieve(query_embedding=q, k=5)
+      ts.append(time.perf_counter() - t)
+      then(r)
+    out[f"retrieve_{name}_p50_ms"] = float(np.median(ts) * 1e3)
+  noop, total = jax.jit(lambda a: a + 1), jax.jit(jnp.sum)
+  one, emb = jnp.ones(3), mem._bank.emb  # pylint: disable=protected-access
+  for name, fn in (("noop", lambda: noop(one)), ("bank_sum", lambda: total(emb))):
+    benchmarking.block(fn())
+    for idle in (0.0, 0.01):
+      ts = []
+      for _ in range(calls):
+        time.sleep(idle)
+        ts.append(_timed(fn)[0])
+      out[f"{name}_{'idle_10ms' if idle else 'warm'}_p50_ms"] = float(np.median(ts) * 1e3)
+  logging.info("latency probe %s", out)
+  return out
+
+
+def probes_table(pq: list[dict], lat: dict) -> str:
+  """Markdown of `pq_probe` and `latency_probe`."""
+  lines = ["| faiss index (1M random unit vectors) | re-ranked | shards | p50 per query | recall@20 |",
+           "|---|---|---|---|---|"]
+  for r in pq:
+    lines.append(f"| {r['factory']} | {r['rerank']:,} | {r['shards']} | {r['p50_ms']:.2f} ms | "
+                 f"{r['recall_at_k']:.3f} |")
+  lines += ["", f"| at {lat['M']:,} memories | p50 |", "|---|---|"]
+  lines += [f"| {k[:-7].replace('_', ' ')} | {v:.3f} ms |" for k, v in lat.items()
+            if k.endswith("_p50_ms")]
+  return "\n".join(lines)
