@@ -384,8 +384,9 @@ def latency_probe(m: int = 10_000, dim: int = 384, calls: int = 100) -> dict:
 
 def probes_table(pq: list[dict], lat: dict) -> str:
   """Markdown of `pq_probe` and `latency_probe`."""
-  lines = ["| faiss index (1M random unit vectors) | re-ranked | shards | p50 per query | recall@20 |",
-           "|---|---|---|---|---|"]
+  size = f"{pq[0]['M']:,}" if pq else "-"
+  lines = [f"| faiss index ({size} random unit vectors) | re-ranked | shards | p50 per query | "
+           "recall@20 |", "|---|---|---|---|---|"]
   for r in pq:
     lines.append(f"| {r['factory']} | {r['rerank']:,} | {r['shards']} | {r['p50_ms']:.2f} ms | "
                  f"{r['recall_at_k']:.3f} |")
