@@ -130,6 +130,17 @@ def test_eviction_queues_least_recently_used_sessions_with_feedback_and_drops_th
     ss.open_session(rid_b)
 
 
+def test_eviction_drops_closed_sessions_before_open_ones_each_least_recently_used_first():
+  rng = np.random.default_rng(4)
+  ss = Sessions(_config(), max_sessions=5)  # one round per session: feedback closes it
+  sids = [_session(ss, rng) for _ in range(5)]
+  for sid in (sids[2], sids[4]):  # closed: 2 and 4; open: 0, 1, 3 (0 least recently used)
+    ss.open_round(sid, np.asarray([0], np.int32), explore=False)
+    assert ss.record(sid, np.asarray([1.0], np.float32)) is not None
+  extra = [_session(ss, rng) for _ in range(3)]  # 3 over the limit
+  assert ss.evict() == [] and set(ss.by_id) == {sids[1], sids[3]} | set(extra)
+
+
 # ------------------------------------------------------------------------------------------------
 # driver
 

@@ -415,9 +415,9 @@ class Bank:
       out = _search(*args, k=num_candidates, multistore=multistore)
     else:
       params, hparams, size, explore = slate
-      out = _search_slates(*args, params, hparams, k=num_candidates, multistore=multistore,
-                           slate_size=int(size), explore=bool(explore))
-    ints, floats = jax.device_get(out)
+      out = _search_slates(*args, params, hparams if explore else None, k=num_candidates,
+                           multistore=multistore, slate_size=int(size), explore=bool(explore))
+    ints, floats = (np.asarray(a) for a in out)  # (jax.device_get costs ~0.1 ms more here)
     return _unpack(ints, floats, q, num_candidates, self.dim, size)
 
   def gather(self, rows, mask, where: str) -> jax.Array:

@@ -316,9 +316,14 @@ class Sessions:
     excess = len(self.by_id) - self.max_sessions
     if excess <= 0:
       return items
-    order = ([sid for sid, s in self.by_id.items() if s.closed]
-             + [sid for sid, s in self.by_id.items() if not s.closed])
-    for sid in order[:excess]:
+    victims = []  # closed ones first, then open ones, each least recently used first; the scan
+    for want_closed in (True, False):  # stops at the first `excess` (O(1) when the LRU is closed)
+      for sid, s in self.by_id.items():
+        if len(victims) == excess:
+          break
+        if s.closed == want_closed:
+          victims.append(sid)
+    for sid in victims:
       s = self.by_id.pop(sid)
       if not s.closed:
         item = self._close(s)
