@@ -8,8 +8,9 @@ The embeddings live on the device as a `[C, d]` array with a `[C]` validity mask
 code (0 dialogue / episodic, 1 observation / semantic). `C` grows when the bank is full (one copy of
 the bank), so the jitted candidate search compiles once per capacity (and per power-of-two query
 count), i.e. O(log n) times; an add writes its rows in place (donated buffers). One `search` call is
-one jitted computation (search, candidate gather and, for `Memory`, the first-round slate) and one
-device-to-host copy. The search is `ear_jax.core.retrieval.top_k_search`, the same as the benchmark pipeline's:
+one jitted computation (search, candidate gather and, for `Memory`, the first-round slate) whose
+outputs come back packed in two host copies. The search is `ear_jax.core.retrieval.top_k_search`,
+the same as the benchmark pipeline's:
 
 * without `multistore` only dialogue memories (store 0) are candidates (as in the benchmark pipeline
   and `docs/jsonl_format.md`);
@@ -197,10 +198,13 @@ def _rerank(queries, emb, stores, rows, mask, k, multistore):
   """The exact top-`k` (per store: top-`k/2` of each, merged) of proposed rows `[q, R]`."""
   cands = _rows_of(emb, rows, mask)  # [q, R, d]
   scores = jnp.einsum("qd,qrd->qr", queries.astype(jnp.float32), cands)
+  if multistore:
+    row_stores = stores[jnp.maximum(rows, 0)]
+    groups = [(mask & (row_stores == s), k // 2) for s in (0, 1)]
+  else:
+    groups = [(mask, k)]
   lists = []
-  for where, per in (((mask,), k),) if not multistore else (
-      ((mask, stores[jnp.maximum(rows, 0)] == s), k // 2) for s in (0, 1)):
-    ok = functools.reduce(jnp.logical_and, where)
+  for ok, per in groups:
     vals, pos = jax.lax.top_k(jnp.where(ok, scores, -jnp.inf), per)
     lists.append((vals, jnp.take_along_axis(rows, pos, 1)))
   vals = jnp.concatenate([v for v, _ in lists], 1)
@@ -253,13 +257,10 @@ def _search_slates(queries, emb, valid, stores, rows, mask, params, hparams, *, 
   """`_candidates`, then each query's first-round slate (fresh bandit statistics, Alg. 2 line 3)
   in the same jitted call: `_pack(rows, mask, embeddings, (slate, slate_mask, z))`."""
   rows, mask, cands = _candidates(queries, emb, valid, stores, rows, mask, k, multistore)
-  fresh = jnp.zeros(mask.shape[1:], jnp.float32)
-
-  def one(q, c, where):
-    stats = explorer_lib.BanditStats(mean=fresh, counts=fresh) if explore else None
-    return retrieval_lib.slate_from_candidates(params, q, c, where, slate_size, hparams, stats)
-
-  return _pack(rows, mask, cands, jax.vmap(one)(queries, cands, mask))
+  fresh = jnp.zeros(mask.shape, jnp.float32)
+  stats = explorer_lib.BanditStats(mean=fresh, counts=fresh) if explore else None
+  return _pack(rows, mask, cands,
+               retrieval_lib.batch_slates(params, queries, cands, mask, slate_size, hparams, stats))
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
@@ -386,7 +387,7 @@ class Bank:
 
   def search(self, queries: np.ndarray, num_candidates: int, multistore: bool, slate=None):
     """Top-K candidates of `[q, d]` unit queries (see the module docstring), by the exact device
-    search or the ANN searcher, in one jitted call and one device-to-host copy.
+    search or the ANN searcher, in one jitted call and two host copies (`_pack`).
 
     Args:
       queries: `[q, d]` unit queries.

@@ -33,11 +33,8 @@ if TYPE_CHECKING:
 
 @functools.partial(jax.jit, static_argnames=("k", "explore"))
 def _round_slates(params, queries, candidates, mask, mean, counts, hparams, *, k, explore):
-  def one(q, c, where, mu, cnt):
-    stats = explorer_lib.BanditStats(mean=mu, counts=cnt) if explore else None
-    return retrieval_lib.slate_from_candidates(params, q, c, where, k, hparams, stats)
-
-  return jax.vmap(one)(queries, candidates, mask, mean, counts)
+  stats = explorer_lib.BanditStats(mean=mean, counts=counts) if explore else None
+  return retrieval_lib.batch_slates(params, queries, candidates, mask, k, hparams, stats)
 
 
 _update_bandits = jax.jit(jax.vmap(explorer_lib.update_bandit))

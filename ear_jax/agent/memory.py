@@ -82,9 +82,9 @@ class Memory:
     initial_capacity: initial bank capacity (rounded up by `bank.capacity_for`).
     bank_dtype: 'float32' or 'bfloat16', the dtype of the device-resident bank.
     index: how the K candidates are found: 'exact' (the streamed device search,
-      `retrieval.top_k_search`) or an approximate faiss searcher, 'faiss_hnsw' / 'faiss_ivf'
-      (`ear_jax.index.ann.SEARCHERS`; measured recall in BENCHMARKS.md "Scale"). EAR works on the
-      candidates the same way whichever produced them.
+      `retrieval.top_k_search`) or an approximate faiss searcher, 'faiss_hnsw' / 'faiss_ivf' /
+      'faiss_pq' (`ear_jax.index.ann.SEARCHERS`; measured recall in BENCHMARKS.md "Scale"). EAR
+      works on the candidates the same way whichever produced them.
     index_options: keyword options of that searcher (e.g. `{'nlist': 1024, 'nprobe': 64}`).
   """
 
@@ -283,8 +283,9 @@ class Memory:
           raise ValueError("a session appears twice in continue_from")
         ss = [self._sessions.by_id[sid] for sid in sids]
         stack = lambda f: np.stack([getattr(s, f) for s in ss])
-        slates = round_slates(self._driver.state.params, self.hparams, stack("query_emb"), stack("cand_emb"),
-                              stack("cand_mask"), stack("mean"), stack("counts"), k, explore)
+        slates = round_slates(self._driver.state.params, self.hparams, stack("query_emb"),
+                              stack("cand_emb"), stack("cand_mask"), stack("mean"),
+                              stack("counts"), k, explore)
         return self._open_rounds(sids, slates, explore)
     if queries is None and query_embeddings is None:
       raise ValueError("pass queries (texts) or query_embeddings")

@@ -184,6 +184,19 @@ def slate_from_candidates(params: adapter_lib.AdapterParams, query: jax.Array,
   return slate, slate_mask, z
 
 
+def batch_slates(params: adapter_lib.AdapterParams, queries: jax.Array, candidates: jax.Array,
+                 where: jax.Array, slate_size: int, hparams=None,
+                 stats: Optional[explorer_lib.BanditStats] = None):
+  """`slate_from_candidates` for `n` queries (vmapped): `[n, d]` queries, `[n, K, d]` candidates,
+  `[n, K]` masks, and `[n, K]` bandit statistics for an Explorer round (None: adapter top-s).
+
+  Returns:
+    `(slate [n, s] int32, slate_mask [n, s] bool, logits z [n, K])`.
+  """
+  return jax.vmap(slate_from_candidates, in_axes=(None, 0, 0, 0, None, None, 0))(
+      params, queries, candidates, where, slate_size, hparams, stats)
+
+
 def retrieve(params: adapter_lib.AdapterParams, queries: jax.Array, bank: jax.Array,
              valid: jax.Array, k: int, slate_size: int):
   """Batched adapter-only retrieval: `top_k_search`, then the adapter's top-s of each query.
@@ -212,8 +225,7 @@ def retrieve(params: adapter_lib.AdapterParams, queries: jax.Array, bank: jax.Ar
     z = jnp.einsum("nkd,nd->nk", bank_t[safe], q_t)
     slate, slate_mask = jax.vmap(top_s_slate, in_axes=(0, 0, None))(z, mask, slate_size)
   else:
-    slate, slate_mask, z = jax.vmap(slate_from_candidates, in_axes=(None, 0, 0, 0, None))(
-        params, queries, bank[safe], mask, slate_size)
+    slate, slate_mask, z = batch_slates(params, queries, bank[safe], mask, slate_size)
   rows = jnp.where(slate_mask, jnp.take_along_axis(idx, jnp.maximum(slate, 0), 1), -1)
   return rows, idx, z
 

@@ -355,8 +355,8 @@ def latency_probe(m: int = 10_000, dim: int = 384, calls: int = 100) -> dict:
     mem.feedback(r, [r.ids[0]])
   sweep = np.ones(25_000_000, np.float32)
   between = {"back_to_back": lambda r: mem.discard(r),
-             "feedback": lambda r: (mem.feedback(r, [r.ids[0]]),
-                                    benchmarking.block(mem._driver.state)),  # pylint: disable=protected-access
+             "feedback": lambda r: (mem.feedback(r, [r.ids[0]]), benchmarking.block(
+                 mem._driver.state)),  # pylint: disable=protected-access
              "cache_sweep": lambda r: (mem.discard(r), sweep.sum()),
              "idle_10ms": lambda r: (mem.discard(r), time.sleep(0.01))}
   out = {"M": m}

@@ -195,10 +195,10 @@ def faiss_hnsw(dim: int, *, hnsw_m: int = 32, ef_construction: int = 80,
 def faiss_pq(dim: int, *, pq_m: Optional[int] = None, rerank: int = 50, train_size: int = 65536,
              build_threads: Optional[int] = None) -> FaissSearcher:
   """PQ fast-scan with exact re-ranking: `faiss.IndexPQFastScan` (`pq_m` sub-quantizers of 4 bits,
-  default `d / 2`; `pq_m / 2` bytes per memory, scanned with SIMD lookups) proposes `rerank * K` rows, which the
-  bank re-scores exactly on the device (`ear_jax.agent.bank`) to keep the top K. A compressed
-  exhaustive scan: unlike IVF or HNSW it does not rely on neighbourhoods, so its recall holds on
-  data without cluster structure. Searched exactly (`IndexFlatIP`) until a store holds
+  default `d / 2`; `pq_m / 2` bytes per memory, scanned with SIMD lookups) proposes `rerank * K`
+  rows, which the bank re-scores exactly on the device (`ear_jax.agent.bank`) to keep the top K. A
+  compressed exhaustive scan: unlike IVF or HNSW it does not rely on neighbourhoods, so its recall
+  holds on data without cluster structure. Searched exactly (`IndexFlatIP`) until a store holds
   `train_size` vectors; the quantizer is trained on those."""
   faiss = _faiss()
   pq_m = dim // 2 if pq_m is None else int(pq_m)
