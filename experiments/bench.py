@@ -3,6 +3,7 @@ r"""Speed of ear_jax, measured against baselines measured in the same run (issue
   python -m experiments.bench              # full table (a few minutes on 2 CPU cores), bench.json
   python -m experiments.bench --quick      # every field on tiny shapes (~30 s; used by a test)
   python -m experiments.bench --suite=scale   # memory at scale, 1k -> 1M (issue 13; see below)
+  python -m experiments.bench --suite=first_stage   # BM25 / hybrid candidates, 10k -> 1M (issue 18)
 
 Everything runs on one fixed synthetic stream shaped like LoCoMo training (1,232 queries, K = 20,
 s = 5, T = 4, B = 4, batch 4; d = 384 and d = 768; EAR with the default config):
@@ -48,15 +49,19 @@ from ear_jax.core import episode
 from ear_jax.core import stream as stream_lib
 from ear_jax.core.config import EARConfig, default_hparams
 from ear_jax.experiment import benchmarking as bm
-from ear_jax.experiment import sharding
+from experiments import dist_flags
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 ROWS = ("scan", "loop", "numpy", "seeds", "inference", "encode", "suite")
 
-_SUITE = flags.DEFINE_enum("suite", "default", ["default", "scale", "scale_probes"],
-                           "Which benchmark: the default rows, memory at scale (issue 13), or the "
+_SUITE = flags.DEFINE_enum("suite", "default", ["default", "scale", "scale_probes", "distributed",
+                                                "first_stage"],
+                           "Which benchmark: the default rows, memory at scale (issue 13), the "
                            "probes behind its design choices (PQ settings, retrieve latency warm "
-                           "and cold).")
+                           "and cold), or the cross-process merge of the sharded search (issue 23; "
+                           "run one process per --process_id with --coordinator).")
+_DIST_ROWS = flags.DEFINE_integer("distributed_rows", 1_000_000, "--suite=distributed: bank rows "
+                                  "(split over the processes).", lower_bound=2)
 _SCALE_SIZES = flags.DEFINE_list("scale_sizes", ["1000", "10000", "100000", "1000000"],
                                  "--suite=scale: bank sizes.")
 _SCALE_PATHS = flags.DEFINE_list("scale_paths", ["exact", "bf16", "ivf", "ivf_clustered", "pq"],
@@ -81,12 +86,7 @@ _DATA_DIR = flags.DEFINE_string("data_dir", None, "Benchmark data for `suite` an
                                 "(default: $EAR_DATA_DIR or ../shared/data).")
 _SUITE_TIMEOUT = flags.DEFINE_integer("suite_timeout", 900, "Seconds before `suite` gives up.",
                                       lower_bound=1)
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process "
-                                   "0 (or 'auto'); also $EAR_COORDINATOR_ADDRESS.")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.",
-                                      lower_bound=1)
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.",
-                                   lower_bound=0)
+_DIST = dist_flags.define()  # --coordinator (alias --coordinator_address), --num_processes, ...
 flags.register_validator("skip", lambda rows: set(rows) <= set(ROWS),
                          f"--skip takes a comma-separated subset of {', '.join(ROWS)}")
 flags.register_validator("dims", lambda dims: bool(dims) and all(d.isdigit() and int(d) > 0
@@ -103,11 +103,15 @@ TARGETS = {
 
 def main(argv):
   del argv
-  sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  dist_flags.initialize(_DIST)
+  if _SUITE.value == "distributed":
+    return _distributed()
   if _SUITE.value == "scale":
     return _scale()
   if _SUITE.value == "scale_probes":
     return _scale_probes()
+  if _SUITE.value == "first_stage":
+    return _first_stage()
   quick = _QUICK.value
   skip = set(_SKIP.value)
   n = 32 if quick else _NUM_QUERIES.value
@@ -188,6 +192,25 @@ def main(argv):
   print(f"wrote {_OUT.value}")
 
 
+def _distributed():
+  """`--suite=distributed`: `distributed_bench.run` in every process; process 0 prints the table
+  and writes it (JSON and markdown) under results/distributed/."""
+  from ear_jax.experiment import distributed_bench  # pylint: disable=g-import-not-at-top
+  quick = _QUICK.value
+  res = distributed_bench.run(m=20_000 if quick else _DIST_ROWS.value, dim=64 if quick else 384,
+                              batches=(1, 16) if quick else (1, 256), reps=2 if quick else 5)
+  if jax.process_index() != 0:
+    return 0
+  res["command"] = "python -m experiments.bench " + " ".join(sys.argv[1:])
+  out = pathlib.Path("results/distributed")
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "distributed.json").write_text(json.dumps(res, indent=1))
+  md = distributed_bench.table(res)
+  (out / "distributed.md").write_text(md + "\n")
+  print(md)
+  return 0
+
+
 def _scale():
   """`--suite=scale`: `scale_bench.run`, then the JSON, the markdown table and the plot."""
   from ear_jax.experiment import scale_bench  # pylint: disable=g-import-not-at-top
@@ -210,6 +233,25 @@ def _scale():
   scale_bench.plot(res, str(out.with_suffix(".png")))
   print(text)
   print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+
+
+def _first_stage():
+  """`--suite=first_stage`: `first_stage_bench.run` (BM25 / hybrid candidates and
+  `Memory.retrieve` with hybrid at 10k, 100k, 1M memories) -> JSON and markdown under
+  results/first_stage/."""
+  from ear_jax.experiment import first_stage_bench  # pylint: disable=g-import-not-at-top
+  quick = _QUICK.value
+  res = first_stage_bench.run([2_000] if quick else [10_000, 100_000, 1_000_000],
+                              dim=32 if quick else 384, calls=3 if quick else 20,
+                              bandwidth_bytes=4e7 if quick else 1.5e9)
+  res["command"] = "python -m experiments.bench " + " ".join(sys.argv[1:])
+  out = pathlib.Path(_SCALE_OUT.value).parent.parent / "first_stage" / "first_stage.json"
+  out.parent.mkdir(parents=True, exist_ok=True)
+  text = first_stage_bench.table(res)
+  out.write_text(json.dumps(res, indent=1))
+  out.with_suffix(".md").write_text(f"Command: `{res['command']}`\n\n{text}\n")
+  print(text)
+  print(f"wrote {out}, {out.with_suffix('.md')}")
 
 
 def _scale_probes():

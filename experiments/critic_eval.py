@@ -28,6 +28,7 @@ from ear_jax.core.config import EARConfig, default_hparams
 from ear_jax.data import candidates
 from ear_jax.data import corpora as datasets
 from ear_jax.experiment import critic_eval
+from experiments import cli
 from experiments import data_flags
 from experiments import llm_flags
 
@@ -142,4 +143,4 @@ def main(argv):
                  result["seconds_per_fresh_call"], stats["cache_hits"], out))
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)  # a usage error: its message, not absl's help dump

@@ -42,9 +42,16 @@ def benchmark_name(data: DataFlags) -> str:
 
   Raises:
     app.UsageError: --benchmark=jsonl without --jsonl, or a --jsonl path that is a directory or
-      does not exist.
+      does not exist; a benchmark file (LoCoMo, LongMemEval) that is not in the data directory
+      (the message says where to put it and how to download it).
   """
   name = data.benchmark.value
+  if name in ("locomo", "longmemeval"):
+    from ear_jax.data import corpora  # pylint: disable=g-import-not-at-top
+    try:
+      corpora.find_benchmark_file(name, data.data_dir.value)
+    except FileNotFoundError as e:
+      raise app.UsageError(f"--data_dir / --benchmark={name}: {e}") from None
   if name == "jsonl":
     path = data.jsonl.value
     if not path:

@@ -36,6 +36,7 @@ from ear_jax.core import learner as learner_lib
 from ear_jax.core.config import EARConfig, default_hparams
 from ear_jax.data import candidates
 from ear_jax.data import corpora as datasets
+from experiments import cli
 from experiments import data_flags
 from experiments import llm_flags
 
@@ -153,4 +154,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)  # a usage error: its message, not absl's help dump

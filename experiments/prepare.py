@@ -1,8 +1,9 @@
 """Dataset report: encodes a benchmark (with the embedding cache), builds its candidates, and prints
-and writes the dataset statistics and the frozen retriever's Recall@5 / Hitrate@5 / Recall@K ceiling
+and writes the dataset statistics and the frozen first stage's Recall@5 / Hitrate@5 / Recall@K ceiling
 over ALL evaluable queries, overall and per category.
 
   EAR_DATA_DIR=../shared/data python -m experiments.prepare --benchmark=locomo
+  python -m experiments.prepare --benchmark=locomo --candidates=bm25     # or hybrid
   python -m experiments.prepare --benchmark=longmemeval --out=runs/prepare_lme.json
   python -m experiments.prepare --benchmark=jsonl --jsonl=my_bank.jsonl
   python -m experiments.prepare --benchmark=synthetic
@@ -16,9 +17,12 @@ from absl import app
 from absl import flags
 
 from ear_jax.data import candidates
+from experiments import cli
 from experiments import data_flags
+from experiments import first_stage_flags
 
 _DATA = data_flags.define(["locomo", "longmemeval", "jsonl", "synthetic"])
+_FIRST_STAGE = first_stage_flags.define()
 _MULTISTORE = flags.DEFINE_bool("multistore", False, "Top-K/2 dialogue turns + top-K/2 observations.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed (synthetic benchmark only).")
 _OUT = flags.DEFINE_string("out", None, "JSON output path (default runs/prepare_<benchmark>.json).")
@@ -40,11 +44,14 @@ def _table(report):
 def main(argv):
   del argv
   name = data_flags.benchmark_name(_DATA)
+  fs = first_stage_flags.options(_FIRST_STAGE)
   t0 = time.perf_counter()
   bench = candidates.load_benchmark(name, data_dir=_DATA.data_dir.value, encoder=_DATA.encoder.value,
                                     k=_DATA.k.value, multistore=_MULTISTORE.value, limit=_DATA.limit.value,
                                     cache_dir=_DATA.cache_dir.value, seed=_SEED.value,
-                                    progress=_PROGRESS.value)
+                                    progress=_PROGRESS.value, candidates=fs["candidates"],
+                                    side_features=bool(fs["side_features"]),
+                                    first_stage_options=first_stage_flags.first_stage_options(fs))
   stats = dict(bench.stats)
   stats["wall_seconds"] = round(time.perf_counter() - t0, 2)
   report = stats.pop("retriever")
@@ -61,18 +68,22 @@ def main(argv):
     if key not in ("encoding",):
       print(f"  {key}: {val}")
   print("  encoding: " + ", ".join(f"{k}={v}" for k, v in stats["encoding"].items()))
-  print(f"== frozen retriever ({stats['encoding'].get('encoder')}), K={_DATA.k.value}, "
+  print(f"== frozen first stage: candidates={fs['candidates']}"
+        + (f" ({stats['first_stage_options']})" if "first_stage_options" in stats else "")
+        + f", encoder {stats['encoding'].get('encoder')}, K={_DATA.k.value}, "
         f"multistore={_MULTISTORE.value}, all {bench.num_queries} evaluable queries, percent")
   print(_table(report))
-  out = _OUT.value or os.path.join(
-      "runs", f"prepare_{_DATA.benchmark.value}{'_multistore' if _MULTISTORE.value else ''}.json")
+  suffix = ("_multistore" if _MULTISTORE.value else "") + (
+      "" if fs["candidates"] == "dense" else "_" + fs["candidates"])
+  out = _OUT.value or os.path.join("runs", f"prepare_{_DATA.benchmark.value}{suffix}.json")
   pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
   with open(out, "w") as f:
     json.dump({"benchmark": _DATA.benchmark.value, "flags": {
         "encoder": _DATA.encoder.value, "k": _DATA.k.value, "multistore": _MULTISTORE.value,
+        **fs,
         "limit": _DATA.limit.value, "seed": _SEED.value}, "stats": stats, "retriever": report}, f, indent=1)
   print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)  # a usage error: its message, not absl's help dump

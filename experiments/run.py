@@ -8,8 +8,10 @@
 
 Writes into --workdir: results.json (config, versions, per-seed and mean ± std Recall@5/Hitrate@5
 in both inference modes, per category, the Recall@K ceiling, wall time), tables.md and
-table_<suite>.md (measured beside the paper), plots/*.png (mean ± std over seeds),
-runs/<run>/{result.json, train_log.npz, test_eval.npz} and checkpoints/<run>/ (Orbax).
+table_<suite>.md (measured beside the paper), plots/*.png (means over seeds with 95 % intervals),
+runs/<run>/{result.json, train_log.npz, test_eval.npz, adapter/} (adapter/: the final adapters of
+a trained method, Orbax, 11 MB on LoCoMo with 10 seeds) and, only with --checkpoint_every=N,
+checkpoints/<run>/ (Orbax training checkpoints for --resume).
 Benchmark files come from --data_dir, else $EAR_DATA_DIR, else ~/.cache/ear_jax/data.
 """
 import logging
@@ -24,12 +26,18 @@ from absl import logging as absl_logging
 from ear_jax.core import buffer as buffer_lib
 from ear_jax.core import config as config_lib
 from ear_jax.core import critic as critic_lib
+from experiments import cli
 from experiments import data_flags
+from experiments import first_stage_flags
+from experiments import dist_flags
 
 SUITES = ("main", "ablation", "hparams", "curves", "noise", "multistore", "qa", "all",
-          "tune", "beyond")  # tune / beyond: issue 12 (validation tuning, ear_tuned vs ear)
+          "tune", "beyond",  # tune / beyond: issue 12 (validation tuning, ear_tuned vs ear)
+          "first_stage_tune", "first_stage")  # issue 18: EAR over dense / BM25 / hybrid
 
 _DATA = data_flags.define(["locomo", "longmemeval", "jsonl", "synthetic"])
+_FIRST_STAGE = first_stage_flags.define()  # issue 18: --candidates=dense|bm25|hybrid
+_DIST = dist_flags.define()  # issue 23: --coordinator / --num_processes / --process_id
 _METHOD = flags.DEFINE_enum("method", "ear", list(config_lib.METHODS),
                             "Method when no --suite is given.")
 _SUITE = flags.DEFINE_enum("suite", None, list(SUITES), "Suite to run; unset: run --method only.")
@@ -39,9 +47,14 @@ _SEEDS = flags.DEFINE_integer("seeds", 10, "Number of seeds (0..seeds-1), run to
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default runs/<benchmark>_"
                                "<suite or method>).")
 _CHECKPOINT_EVERY = flags.DEFINE_integer(
-    "checkpoint_every", 256, "Save an Orbax checkpoint every N training queries (a multiple of "
-    "--batch_size); 0 disables checkpoints.")
-_RESUME = flags.DEFINE_bool("resume", False, "Continue the runs found in --workdir.")
+    "checkpoint_every", 0, "Save an Orbax training checkpoint (the whole learner state: 362 MB per "
+    "step for EAR on LoCoMo with 10 seeds; the last 3 kept per run) every N training queries (a "
+    "multiple of --batch_size), so that --resume continues an interrupted run mid-way; 0 "
+    "(default): none. Every finished run keeps its final adapters anyway (runs/<run>/adapter, "
+    "11 MB there).")
+_RESUME = flags.DEFINE_bool("resume", False, "Continue in --workdir: finished runs are loaded "
+                            "from runs/<run>/result.json, interrupted ones continue from their "
+                            "last training checkpoint (with --checkpoint_every).")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 64, "Learning curves: evaluate the test set every "
                                    "N training queries (a multiple of --batch_size).")
 _STOP_AFTER = flags.DEFINE_integer("stop_after_chunks", None, "Testing: stop a run after N "
@@ -96,6 +109,8 @@ _CONFIG_FLAGS = {
     "replay_size": flags.DEFINE_integer("replay_size", None, "Replayed experiences B (4)."),
     "slate_size": flags.DEFINE_integer("slate_size", None, "Slate size s (5)."),
     "grad_clip_norm": flags.DEFINE_float("grad_clip_norm", None, "Global-norm clipping (off)."),
+    "side_init": flags.DEFINE_float("side_init", None, "Side features: the first stage's score "
+                                    "weight at the start (EARConfig.side_init).", lower_bound=0.0),
 }
 # Every continuous hyperparameter (None = the paper's value, defined once in core.config).
 _HPARAM_FLAGS = {
@@ -125,8 +140,8 @@ def build_options():
     raise app.UsageError("--suite=multistore needs observations: use --benchmark=locomo "
                          "(or synthetic / jsonl)")
   bench = _DATA.benchmark.value
-  if _SUITE.value == "tune" and bench == "longmemeval":
-    raise app.UsageError("--suite=tune: LongMemEval_S is the held-out transfer benchmark and is "
+  if _SUITE.value in ("tune", "first_stage_tune") and bench == "longmemeval":
+    raise app.UsageError(f"--suite={_SUITE.value}: LongMemEval_S is the held-out transfer benchmark and is "
                          "never tuned on; use --benchmark=locomo (--suite=beyond reports it)")
   if bench == "jsonl":
     data_flags.benchmark_name(_DATA)  # UsageError: missing --jsonl, a directory, no such file
@@ -172,7 +187,8 @@ def build_options():
                          "continue, or choose another --workdir (nothing was overwritten)")
   return suites.Options(
       benchmark=bench, data_dir=_DATA.data_dir.value, jsonl=_DATA.jsonl.value, encoder=_DATA.encoder.value,
-      cache_dir=_DATA.cache_dir.value, limit=_DATA.limit.value, k=_DATA.k.value, seeds=_SEEDS.value,
+      cache_dir=_DATA.cache_dir.value, limit=_DATA.limit.value, k=_DATA.k.value,
+      **first_stage_flags.options(_FIRST_STAGE), seeds=_SEEDS.value,
       workdir=workdir, suite=_SUITE.value, method=_METHOD.value,
       checkpoint_every=_CHECKPOINT_EVERY.value or None, resume=_RESUME.value,
       eval_every=_EVAL_EVERY.value, stop_after_chunks=_STOP_AFTER.value,
@@ -207,6 +223,8 @@ def main(argv):
   absl_logging.set_verbosity(absl_logging.INFO)
   # JAX and Orbax log at INFO through absl too (backends, every save): keep only ear_jax's lines.
   absl_logging.get_absl_handler().addFilter(_OnlyEarJaxInfo())
+  if dist_flags.initialize(_DIST):  # before any other JAX call
+    dist_flags.check_supported(suite=_SUITE.value, resume=_RESUME.value)
   opts = build_options()
   from ear_jax.experiment import suites  # pylint: disable=g-import-not-at-top
   from ear_jax.experiment import runner as experiment  # pylint: disable=g-import-not-at-top
@@ -215,6 +233,10 @@ def main(argv):
   except experiment.Interrupted as e:
     print(f"interrupted: {e}; resume with --resume --workdir={opts.workdir}")
     return 3
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_index() != 0:  # multi-process: process 0 writes and prints the tables
+    print(f"process {jax.process_index()} of {jax.process_count()}: done")
+    return 0
   print("\n\n".join(results["tables"].values()) if results["tables"] else open(
       os.path.join(opts.workdir, "tables.md")).read())
   print(f"\nwall time {results['wall_seconds']:.1f} s; wrote {opts.workdir}/results.json, "
@@ -231,4 +253,4 @@ class _OnlyEarJaxInfo(logging.Filter):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)  # a usage error: its message, not absl's help dump

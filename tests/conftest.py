@@ -1,9 +1,12 @@
 """Shared fixtures (the real benchmark data directory, the MiniLM encoder loaded once) and the
 session's XLA compile-speed flags.
 
-Tiers (pytest.ini registers the marker): `python -m pytest -q -m "not slow" tests` is the fast tier;
-`python -m pytest -q tests` runs everything (CI).
+Tiers (pytest.ini registers the markers): `python -m pytest -q -m "not slow" tests` is the fast tier;
+`python -m pytest -q tests` runs everything (CI). Tests marked `real_llm` (llama.cpp + SmolLM2) skip
+when the LLM extra is not installed; such skips are summed up in a banner at the end of the run,
+and with `EAR_REQUIRE_REAL_LLM=1` (what `.ci/run` sets once the extra installed) they fail it.
 """
+import collections
 import os
 import pathlib
 import sys
@@ -48,6 +51,45 @@ def pytest_unconfigure(config):
   if _SAVED_XLA_FLAGS is None and os.environ.get("XLA_FLAGS") == COMPILE_SPEED_XLA_FLAGS:
     del os.environ["XLA_FLAGS"]
   _SAVED_XLA_FLAGS = "unset"
+
+
+# Issue 20, item 9: a skipped real-LLM tier is loud (a banner after the summary, whatever -r says).
+_REAL_LLM_SKIPS = []  # (nodeid, reason) of the real_llm tests that skipped in this session
+REQUIRE_REAL_LLM = "EAR_REQUIRE_REAL_LLM"
+
+
+def _skip_reason(report) -> str:
+  longrepr = report.longrepr
+  if isinstance(longrepr, tuple) and len(longrepr) == 3:
+    return str(longrepr[2]).replace("Skipped: ", "", 1)
+  return str(longrepr)
+
+
+def pytest_runtest_logreport(report):
+  if report.skipped and "real_llm" in report.keywords:
+    _REAL_LLM_SKIPS.append((report.nodeid, _skip_reason(report)))
+
+
+def pytest_sessionfinish(session, exitstatus):
+  """With EAR_REQUIRE_REAL_LLM=1 a skipped real-LLM test fails an otherwise green session."""
+  if (_REAL_LLM_SKIPS and os.environ.get(REQUIRE_REAL_LLM) == "1"
+      and exitstatus == pytest.ExitCode.OK):
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+  del exitstatus, config
+  if not _REAL_LLM_SKIPS:
+    return
+  tr = terminalreporter
+  tr.write_sep("!", f"REAL-LLM TIER SKIPPED: {len(_REAL_LLM_SKIPS)} test(s) did not run",
+               red=True, bold=True)
+  for reason, n in collections.Counter(r for _, r in _REAL_LLM_SKIPS).most_common():
+    tr.write_line(f"  {n} x {reason}")
+  tr.write_line("The local LLM (llama.cpp server, LLM critic, QA answers and judge) was NOT tested. "
+                "Install the LLM extra (README, Install) and rerun.")
+  if os.environ.get(REQUIRE_REAL_LLM) == "1":
+    tr.write_line(f"{REQUIRE_REAL_LLM}=1: the session fails.", red=True, bold=True)
 
 
 @pytest.fixture(scope="session")

@@ -118,3 +118,29 @@ def test_foreign_checkpoint_directory_is_a_clear_error_and_is_left_alone(setup, 
   assert _tree_hash(tmp_path / "c") == before
   with pytest.raises(checkpointing.CheckpointError):
     checkpointing.restore_adapter(tmp_path / "c")
+
+
+def test_final_adapter_is_replaced_atomically_and_only_training_checkpoints_have_positions(
+    tmp_path):
+  """Issue 20 item 10: `save_adapter` keeps one small step (a rerun replaces it); asking such a
+  workdir for an intermediate position names the flag that would have written it."""
+  from ear_jax.core import adapter as adapter_lib
+  config = ex.build_config("ear", dim=8, num_candidates=20)
+  store = tmp_path / "wd" / "runs" / "ear" / checkpointing.ADAPTER_DIR
+
+  def params(v):
+    return adapter_lib.AdapterParams(w_q=np.full((2, 8, 8), v, np.float32),
+                                     w_m=np.full((2, 8, 8), -v, np.float32))
+
+  for v in (1.0, 2.0):
+    checkpointing.save_adapter(store, params(v), config=config, hparams=default_hparams(),
+                               seeds=[0, 1], position=40)
+  assert [p.name for p in store.iterdir() if p.name.isdigit()] == ["1"]
+  got, stored, meta = checkpointing.restore_adapter(tmp_path / "wd", run="ear", seed_index=1)
+  assert stored == config and meta["position"] == 40 and meta["seeds"] == [0, 1]
+  np.testing.assert_array_equal(np.asarray(got.w_q), np.full((8, 8), 2.0, np.float32))
+  with pytest.raises(FileNotFoundError, match="--checkpoint_every"):
+    checkpointing.restore_adapter(tmp_path / "wd", run="ear", position=16)
+  with pytest.raises(ValueError, match="num_rounds"):
+    checkpointing.restore_adapter(store, config=ex.build_config("ear", dim=8, num_candidates=20,
+                                                                num_rounds=2))

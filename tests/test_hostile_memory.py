@@ -343,3 +343,153 @@ def test_load_of_a_truncated_checkpoint_is_a_checkpoint_error_naming_the_file(tm
   meta.write_text(meta.read_text()[:100])
   with pytest.raises(checkpoints.CheckpointError, match=str(meta)):
     Memory.load(tmp_path / "c")
+
+
+# ------------------------------------------------------------------------------------------------
+# embeddings of any magnitude; non-real embeddings refused (issue 20, item 3)
+
+
+@pytest.mark.parametrize("scale", [1e20, 1e30, 1e-25, 1e300, 1e-300])
+def test_huge_or_tiny_embeddings_are_normalised_never_zeroed(scale):
+  """A float32 norm of 1e20 x overflows to inf (and x / inf = 0); one of 1e-25 x underflows to 0."""
+  m = _memory()
+  v = np.random.default_rng(3).normal(size=(2, _D))
+  ids = m.add(["huge or tiny a", "huge or tiny b"], embeddings=v * scale)
+  stored = m.embeddings()[-2:]
+  np.testing.assert_allclose(np.linalg.norm(stored, axis=1), 1.0, atol=1e-6)
+  np.testing.assert_allclose(stored, _unit(v), atol=1e-6)
+  plain = m.retrieve(query_embedding=v[0], k=3)
+  scaled = m.retrieve(query_embedding=v[0] * scale, k=3)
+  assert scaled.ids == plain.ids and scaled.ids[0] == ids[0]
+  np.testing.assert_allclose(scaled.scores, plain.scores, atol=1e-5)
+  assert scaled.scores[0] > 0.99  # the query is (a multiple of) the stored row: cosine 1, not 0
+
+
+def test_ordinary_embeddings_are_normalised_bit_for_bit_as_before():
+  """The overflow-safe path is taken only by rows whose float32 norm overflows or underflows."""
+  m = _memory()
+  v = np.random.default_rng(4).normal(size=(5, _D)) * np.array([[1e-3], [1e-1], [1.0], [10], [1e6]])
+  m.add([f"t{i}" for i in range(5)], embeddings=v)
+  x = v.astype(np.float32)
+  np.testing.assert_array_equal(m.embeddings()[-5:],
+                                (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32))
+
+
+_NOT_REAL = [
+    (np.ones((1, _D)) * (1 + 1j), "complex"),
+    (np.ones((1, _D), bool), "bool"),
+    (np.full((1, _D), "0.5"), "strings"),
+    (np.full((1, _D), 0.5, dtype=object), "Python objects"),
+]
+
+
+@pytest.mark.parametrize("emb, problem", _NOT_REAL, ids=["complex", "bool", "str", "object"])
+def test_non_real_embeddings_are_refused_naming_the_problem(emb, problem):
+  m = _memory()
+  rejects(m, lambda: m.add(["x"], embeddings=emb), rf"memory embeddings has dtype .*{problem}")
+  rejects(m, lambda: m.retrieve(query_embedding=emb[0], k=3),
+          rf"query_embedding has dtype .*{problem}")
+  rejects(m, lambda: m.retrieve_batch(query_embeddings=emb, k=3),
+          rf"query embeddings has dtype .*{problem}")
+
+
+def test_ragged_or_none_embeddings_are_refused_naming_the_argument():
+  m = _memory()
+  rejects(m, lambda: m.add(["x", "y"], embeddings=[[0.5] * _D, [0.5] * 3]), "memory embeddings")
+  rejects(m, lambda: m.add(["x"], embeddings=[[None] * _D]), "memory embeddings has dtype object")
+  rejects(m, lambda: m.retrieve(query_embedding="0.5", k=3), "query_embedding must be an array")
+
+
+def test_embeddings_beyond_float64_are_refused_as_non_finite():
+  m = _memory()
+  rejects(m, lambda: m.add(["x"], embeddings=np.full((1, _D), np.inf)), "non-finite")
+  rejects(m, lambda: m.retrieve(query_embedding=np.full(_D, -np.inf), k=3), "non-finite")
+
+
+# ------------------------------------------------------------------------------------------------
+# default ids beside explicit ones; messages that say what is wrong (issue 20, item 6)
+
+
+def test_default_ids_skip_explicit_ids_of_the_same_form():
+  m = Memory(None, config=_config(), seed=0)
+  v = np.random.default_rng(5).normal(size=(48, _D))
+  assert m.add(["explicit"], ids=["m36"], embeddings=v[:1]) == ["m36"]
+  got = [m.add([f"t{i}"], embeddings=v[1 + i:2 + i])[0] for i in range(40)]  # rows 1..40
+  assert "m36" not in got and len(set(got)) == 40
+  assert got[:35] == [f"m{i}" for i in range(1, 36)]  # "m<row>" while it is free
+  assert got[35:] == ["m37", "m38", "m39", "m40", "m41"]
+  assert m.add(["a", "b"], ids=["m43", "m44"], embeddings=v[41:43]) == ["m43", "m44"]
+  assert m.add(["c", "d", "e"], embeddings=v[43:46]) == ["m45", "m46", "m47"]  # j from row 43
+  assert len(set(m.ids)) == len(m) == 46
+
+
+def test_a_count_mismatch_is_reported_as_a_count_not_a_dimension():
+  m = _memory()
+  with pytest.raises(ValueError) as info:
+    m.add(["a", "b"], embeddings=np.ones((3, _D)))
+  assert "3 row(s) for 2 text(s)" in str(info.value)
+  assert "dimension" not in str(info.value)
+  rejects(m, lambda: m.add(["a"], embeddings=np.ones((2, _D + 1))),
+          r"1 text\(s\).*; wrong dimension")  # both problems named
+  rejects(m, lambda: m.add(["a"], embeddings=np.ones(_D)), r"has shape \(16,\), expected a 2-D")
+  rejects(m, lambda: m.retrieve(query_embedding=np.ones((1, _D)), k=3),
+          r"query_embedding has shape \(1, 16\), expected one \[16\] vector")
+
+
+# ------------------------------------------------------------------------------------------------
+# a float64 run keeps its float dtype (issue 20, item 8)
+
+
+@pytest.mark.slow  # an x64 compile of one training step: ~5 s
+def test_a_float64_step_equals_the_float64_numpy_reference():
+  """Under `jax_enable_x64`, with float64 parameters, inputs and hyperparameters, one Adam step
+  equals the float64 NumPy reference to rounding (it differed by 2e-10 when the injected learning
+  rate was rounded to float32)."""
+  from ear_jax.core.stream import Stream  # pylint: disable=g-import-not-at-top
+  from ear_jax.experiment import reference as ref  # pylint: disable=g-import-not-at-top
+  d, k, b = 8, 6, 2
+  config = EARConfig.for_method("ear", dim=d, num_candidates=k, slate_size=3, num_rounds=3,
+                                replay_size=2, buffer_capacity=5, batch_size=b)
+  rng = np.random.default_rng(0)
+  q, c = rng.normal(size=(b, d)), rng.normal(size=(b, k, d))
+  q /= np.linalg.norm(q, axis=-1, keepdims=True)
+  c /= np.linalg.norm(c, axis=-1, keepdims=True)
+  mask, gold = np.ones((b, k), bool), rng.random((b, k)) < 0.35
+  gold[:, 0] = True
+  lr = 0.0123456789  # not a float32 number
+  with jax.enable_x64(True):
+    keys = jax.random.split(jax.random.PRNGKey(0), b)
+    randoms = [ref.draw_randoms(key, config) for key in keys]  # float64 draws, as the x64 step's
+    state = learner_lib.init_learner(jax.random.PRNGKey(9), config)
+    params64 = jax.tree_util.tree_map(lambda x: x.astype(jnp.float64), state.params)
+    state = state.replace(params=params64,
+                          opt_state=learner_lib.make_optimizer(config).init(params64))
+    state = state.replace(buffer=jax.tree_util.tree_map(
+        lambda x: x.astype(jnp.float64) if x.dtype == jnp.float32 else x, state.buffer))
+    assert state.opt_state.hyperparams["learning_rate"].dtype == jnp.float64
+    hparams = default_hparams(dtype=jnp.float64, learning_rate=lr)
+    batch = Stream(queries=jnp.asarray(q), candidates=jnp.asarray(c), mask=jnp.asarray(mask),
+                   gold=jnp.asarray(gold), num_gold=jnp.asarray(gold.sum(-1), jnp.int32))
+    step = jax.jit(learner_lib.train_batch, static_argnames=("config",))
+    new, _ = step(state, keys, batch, jnp.ones((b,), bool), config, hparams)
+    assert new.params.w_q.dtype == jnp.float64
+    assert new.opt_state.hyperparams["learning_rate"].dtype == jnp.float64
+    hp = ref.hp_dict(hparams)
+    assert hp["learning_rate"] == lr
+    want, _ = ref.numpy_train_batch(ref.init_numpy_state(config),
+                                    dict(queries=q, candidates=c, mask=mask, gold=gold), randoms,
+                                    config, hp)
+  np.testing.assert_allclose(np.asarray(new.params.w_q), want["wq"], rtol=0, atol=1e-15)
+  np.testing.assert_allclose(np.asarray(new.params.w_m), want["wm"], rtol=0, atol=1e-15)
+
+
+def test_a_float32_state_keeps_a_float32_learning_rate():
+  """The float32 path is unchanged: the injected rate is float32 (bit-identical results)."""
+  config = _config()
+  state = learner_lib.init_learner(jax.random.PRNGKey(0), config)
+  assert state.opt_state.hyperparams["learning_rate"].dtype == jnp.float32
+  grads = jax.tree_util.tree_map(jnp.ones_like, state.params)
+  for hp in (default_hparams(learning_rate=0.05), default_hparams(learning_rate=np.float64(0.05))):
+    new = learner_lib.apply_gradients(state, grads, config, hp)
+    assert new.opt_state.hyperparams["learning_rate"].dtype == jnp.float32
+    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(new.params))

@@ -1,6 +1,7 @@
 """Append-only bank shards: a save writes only the rows added since the latest checkpoint."""
 import os
 import pathlib
+import shutil
 import textwrap
 
 import jax
@@ -72,7 +73,10 @@ def test_shards_no_kept_step_lists_are_deleted(tmp_path):
   for i in range(5):  # 5 saves, each with new rows; max_to_keep=3 main steps
     m.add([f"x{i}"], embeddings=_emb(1, i))
     m.save(path)
-  assert sorted(_shards(path)) == [1, 2, 3, 4, 5]  # all listed by the newest step (append-only)
+  # Compacted: 1 | 1+1 -> shard 2 | 2, 1 (3) | 2+1+1 -> shard 4 | 4, 1 (5). Shard 1 is listed by
+  # no kept main step (3, 4, 5), shards 2 and 3 by step 3.
+  assert [(r["start"], r["count"], r["step"]) for r in _listed(path)] == [(0, 4, 4), (4, 1, 5)]
+  assert sorted(_shards(path)) == [2, 3, 4, 5]
   c = Memory(None, config=CFG)  # another bank replaces it: old shards go once unlisted
   c.add(["y"] * 1, embeddings=_emb(1, 9))
   for _ in range(3):
@@ -93,7 +97,18 @@ def test_a_missing_or_foreign_shard_is_a_checkpoint_error_naming_it(tmp_path):
     Memory.load(path)
   os.rename(shard.with_name("2x"), shard)
   meta = shard / "meta" / "metadata"
-  meta.write_text(meta.read_text().replace('"b"', '"z"'))
+  text = meta.read_text()
+  meta.write_text(text.replace('"b"', '"z"'))  # edited: the store's digest no longer matches
+  with pytest.raises(checkpoints.CheckpointError, match=f"meta file {meta} .*does not match"):
+    Memory.load(path)
+  meta.write_text(text)
+  other = Memory(None, config=CFG)  # a complete shard of another memory in its place
+  other.add([f"a{i}" for i in range(6)], embeddings=_emb(6, 0))
+  other.save(tmp_path / "o")
+  other.add(["z"], embeddings=_emb(1, 1))
+  other.save(tmp_path / "o")
+  shutil.rmtree(shard)
+  shutil.copytree(tmp_path / "o" / persistence.SHARDS / "2", shard)
   with pytest.raises(checkpoints.CheckpointError, match=r"bank shard 2 of checkpoint .* does not "
                                                         r"hold the rows"):
     Memory.load(path)

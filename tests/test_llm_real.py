@@ -12,7 +12,7 @@ import pytest
 
 from ear_jax.agent import llm_server
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real_llm]  # real_llm: conftest.py
 
 
 @pytest.fixture(scope="module")

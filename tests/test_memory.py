@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import os
 import pathlib
 import textwrap
 
@@ -424,9 +423,6 @@ def test_same_calls_and_seed_give_the_same_retrievals_and_params():
 # ------------------------------------------------------------------------------------------------
 # real data, real encoder: the agent loop on LoCoMo and the README example
 
-_DATA_DIR = pathlib.Path(os.environ.get("EAR_DATA_DIR", "/work/shared/data"))
-
-
 @pytest.fixture(scope="module")
 def minilm():
   try:
@@ -479,7 +475,7 @@ def _locomo_agent_loop(minilm, corpus, split_seed):
 
 
 @pytest.mark.slow
-def test_agent_loop_on_locomo_beats_the_frozen_retriever(minilm):
+def test_agent_loop_on_locomo_beats_the_frozen_retriever(minilm, locomo_path):
   """Two LoCoMo conversations in one memory (their dialogue turns, MiniLM, embedding cache);
   questions split 80/20; ONE pass over the training questions, T=4 Explorer rounds each (one
   training query each), labels from the simulated critic of Appendix A.2 (p=0.88, r=0.86) driving
@@ -487,10 +483,7 @@ def test_agent_loop_on_locomo_beats_the_frozen_retriever(minilm):
   before training), pooled over the three split seeds 0, 1, 2 (every split the loop sees, none
   chosen for its result)."""
   from ear_jax.data import corpora as datasets  # pylint: disable=g-import-not-at-top
-  path = _DATA_DIR / "locomo10.json"
-  if not path.is_file():
-    pytest.skip(f"LoCoMo not found at {path} (set EAR_DATA_DIR)")
-  corpus = datasets.load_locomo(path, limit=2)
+  corpus = datasets.load_locomo(locomo_path, limit=2)  # conftest: $EAR_DATA_DIR or ../shared/data
   runs = [_locomo_agent_loop(minilm, corpus, seed) for seed in (0, 1, 2)]
   before = sum(r[0] for r in runs)
   after = sum(r[1] for r in runs)

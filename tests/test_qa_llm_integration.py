@@ -3,7 +3,7 @@
 gold turns. Slow tier; skipped (with the reason printed) when the LLM extra is not installed."""
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real_llm]  # real_llm: conftest.py
 
 
 def test_local_llm_answers_judges_and_critiques_three_locomo_questions(data_dir, tmp_path,

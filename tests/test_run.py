@@ -133,6 +133,31 @@ def test_main_suite_table_matches_results_json_and_the_frozen_top5(all_suites):
 
 
 @pytest.mark.slow
+def test_a_method_alone_gives_the_same_numbers_per_seed_as_inside_the_all_suite(all_suites,
+                                                                                 tmp_path):
+  """Issue 20 item 11: a method's numbers depend on the method, seeds, data and settings only,
+  not on the suite that ran it nor on how training was cut into segments (the all-suite run
+  checkpoints every 16 queries and evaluates curves; the lone run does neither)."""
+  from ear_jax.experiment import checkpointing
+  results, wd = all_suites
+  alone = suites.run(suites.Options(**dict(TINY, workdir=str(tmp_path), suite=None, method="ear",
+                                           checkpoint_every=None, eval_every=48)))
+  (name, lone), = alone["runs"].items()
+  curves_run = [r for n, r in results["runs"].items() if n.startswith("ear_eval=")]
+  assert curves_run  # the curves suite's EAR run (evaluated every few queries)
+  for inside in [results["runs"]["ear"]] + curves_run:
+    assert inside["seeds"] == lone["seeds"] == [0, 1]
+    for metric, values in lone["metrics"].items():
+      assert inside["metrics"][metric]["per_seed"] == values["per_seed"], metric
+    np.testing.assert_array_equal(inside["critic_calls"]["per_seed"],
+                                  lone["critic_calls"]["per_seed"])
+  a, _, _ = checkpointing.restore_adapter(wd, run="ear", seed_index=None)
+  b, _, _ = checkpointing.restore_adapter(tmp_path, run=name, seed_index=None)
+  np.testing.assert_array_equal(np.asarray(a.w_q), np.asarray(b.w_q))
+  np.testing.assert_array_equal(np.asarray(a.w_m), np.asarray(b.w_m))
+
+
+@pytest.mark.slow
 def test_results_json_has_every_field(all_suites):
   _, wd = all_suites
   res = json.loads((wd / "results.json").read_text())
@@ -172,6 +197,43 @@ def test_suite_resumed_after_a_kill_matches_the_uninterrupted_run(tmp_path):
   assert resumed["runs"][name]["curve"] == ref["curve"]
   p2, _, _ = checkpointing.restore_adapter(full_wd, run="ear_eval=16", seed_index=None)
   np.testing.assert_array_equal(np.asarray(p1.w_q), np.asarray(p2.w_q))
+
+
+def _dir_bytes(path):
+  return sum(p.stat().st_size for p in pathlib.Path(path).rglob("*") if p.is_file())
+
+
+@pytest.mark.slow
+def test_a_default_run_writes_no_training_checkpoints_only_its_small_final_adapter(tmp_path):
+  """Issue 20 item 10: training checkpoints only when asked for; the final adapter is always kept
+  (small: the adapter alone), restorable, and equal to the last training checkpoint's adapter of
+  the same run made with --checkpoint_every (same numbers too: checkpoints change nothing)."""
+  from ear_jax.experiment import checkpointing
+  opts = {k: v for k, v in TINY.items() if k != "checkpoint_every"}
+  plain = suites.run(suites.Options(**dict(opts, workdir=str(tmp_path / "plain"), suite=None,
+                                           method="ear")))
+  name = "ear_eval=16"
+  assert not (tmp_path / "plain" / "checkpoints").exists()
+  adapter_dir = tmp_path / "plain" / "runs" / name / "adapter"
+  params, _, meta = checkpointing.restore_adapter(tmp_path / "plain", seed_index=None)
+  assert meta["format"] == checkpointing.ADAPTER_FORMAT and meta["position"] == 48
+  raw = sum(np.asarray(x).nbytes for x in jax_leaves(params))
+  assert raw == 2 * 2 * 16 * 16 * 4  # w_q, w_m: [S=2, 16, 16] float32
+  assert _dir_bytes(adapter_dir) < raw + 64_000, _dir_bytes(adapter_dir)  # Orbax files + JSON
+  ckpt = suites.run(suites.Options(**dict(opts, workdir=str(tmp_path / "ckpt"), suite=None,
+                                          method="ear", checkpoint_every=16)))
+  assert ckpt["runs"][name]["metrics"] == plain["runs"][name]["metrics"]
+  from_ckpt, _, _ = checkpointing.restore_adapter(tmp_path / "ckpt", run=name, seed_index=None,
+                                                  position=48)
+  for a, b in zip(jax_leaves(params), jax_leaves(from_ckpt)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The training checkpoint is the whole learner state (optimizer, Experience Buffer): larger.
+  assert _dir_bytes(tmp_path / "ckpt" / "checkpoints" / name) > 3 * _dir_bytes(adapter_dir)
+
+
+def jax_leaves(tree):
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.tree_util.tree_leaves(tree)
 
 
 def _cli(*args, env=None):

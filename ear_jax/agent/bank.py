@@ -106,29 +106,42 @@ def check_text_list(texts, what: str) -> list[str]:
 
 
 def check_embeddings(emb, n: Optional[int], dim: int, what: str) -> np.ndarray:
-  """`[n, d]` finite, non-zero rows, returned L2-normalised as float32.
+  """`[n, d]` real, finite, non-zero rows, returned L2-normalised as float32.
+
+  Rows of any magnitude are normalised without overflow or underflow (`encoder_base.unit_rows`);
+  complex, boolean, string or object arrays are refused, never silently converted.
 
   Raises:
-    ValueError: naming the shape or the offending rows.
+    ValueError: naming what is wrong: the dtype, the number of rows (one per text), the
+      dimension, or the offending rows (NaN / Inf, all zero).
   """
-  try:
-    arr = np.asarray(emb, np.float32)
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"{what} must be a float array: {e}") from None
-  if arr.ndim != 2 or arr.shape[1] != dim or (n is not None and arr.shape[0] != n):
-    want = f"[{n if n is not None else 'n'}, {dim}]"
-    raise ValueError(f"{what} has shape {arr.shape}, expected {want} (wrong dimension: this "
-                     f"memory's encoder dimension is d={dim})")
-  bad = ~np.all(np.isfinite(arr), axis=1)
-  if bad.any():
-    raise ValueError(f"{what} contains non-finite values (NaN or Inf) in row(s) "
-                     f"{np.nonzero(bad)[0][:10].tolist()}")
-  norm = np.linalg.norm(arr, axis=1, keepdims=True)
-  if (norm[:, 0] <= 1e-12).any():
-    raise ValueError(f"{what} contains all-zero row(s) "
-                     f"{np.nonzero(norm[:, 0] <= 1e-12)[0][:10].tolist()}: an embedding must have "
-                     "a direction")
-  return (arr / norm).astype(np.float32)
+  arr = encoder_base.real_array(emb, what)
+  rows = n if n is not None else "n"
+  if arr.ndim != 2:
+    raise ValueError(f"{what} has shape {arr.shape}, expected a 2-D [{rows}, {dim}] array "
+                     "(one row per text)")
+  problems = []
+  if n is not None and arr.shape[0] != n:
+    problems.append(f"{arr.shape[0]} row(s) for {n} text(s): pass one embedding per text")
+  if arr.shape[1] != dim:
+    problems.append(f"wrong dimension: this memory's encoder dimension is d={dim}")
+  if problems:
+    raise ValueError(f"{what} has shape {arr.shape}, expected [{rows}, {dim}] "
+                     f"({'; '.join(problems)})")
+  return encoder_base.unit_rows(arr, what)
+
+
+def real_query_vector(emb, dim: int) -> np.ndarray:
+  """One `[d]` query embedding as a real array (checked and normalised by `check_embeddings`).
+
+  Raises:
+    ValueError: for a non-real dtype, or a shape other than `[d]`.
+  """
+  arr = encoder_base.real_array(emb, "query_embedding")
+  if arr.ndim != 1:
+    raise ValueError(f"query_embedding has shape {arr.shape}, expected one [{dim}] vector "
+                     "(for several queries pass retrieve_batch(query_embeddings=[n, d]))")
+  return arr
 
 
 def store_codes(store, n: int) -> np.ndarray:
@@ -333,11 +346,14 @@ class Bank:
     return dev + (self.searcher.nbytes() if self.searcher is not None else 0)
 
   def default_ids(self, n: int) -> list[str]:
-    """`"m<row>"` for the next `n` rows; ValueError if one is taken by an explicit id."""
-    ids = [f"m{len(self.ids) + i}" for i in range(n)]
-    clash = [i for i in ids if i in self.row_of]
-    if clash:
-      raise ValueError(f"default ids {clash[:5]} are already taken; pass ids= explicitly")
+    """`n` free ids `"m<j>"`, `j` counting up from the next row, skipping any taken by an
+    explicit id (so `"m<row>"` whenever it is free). A function of the bank's ids alone, so a
+    loaded memory gives the same defaults as the one that was saved."""
+    ids, j = [], len(self.ids)
+    while len(ids) < n:
+      if f"m{j}" not in self.row_of:
+        ids.append(f"m{j}")
+      j += 1
     return ids
 
   def check_new_ids(self, ids: list[str]) -> None:

@@ -129,6 +129,9 @@ class Driver:
                           for f in dataclasses.fields(self.hparams)}}
     if by_rows:
       arrays["buffer_rows"] = self.buffer_rows.copy()
+      if self.config.side_features:  # the candidates' first-stage features are not bank rows
+        arrays["buffer_features"] = np.asarray(
+            self.state.buffer.candidates[..., self.config.dim:])
     if self.ready:
       arrays["ready"] = {f: np.stack([getattr(it, f) for it in self.ready])
                          for f in TrainItem._fields}
@@ -156,7 +159,14 @@ class Driver:
         if rows.shape != t.shape[:2]:
           raise ValueError(f"{where}: buffer_rows has shape {rows.shape}, expected {t.shape[:2]}")
         out.buffer_rows = rows.astype(np.int32)
-        leaves.append(gather(rows, rows >= 0, f"the replay buffer of {where}"))
+        cands = gather(rows, rows >= 0, f"the replay buffer of {where}")
+        if config.side_features:
+          feats = np.asarray(arrays.get("buffer_features", np.zeros((0,))), np.float32)
+          if feats.shape != t.shape[:2] + (config.side_features,):
+            raise ValueError(f"{where}: buffer_features has shape {feats.shape}, expected "
+                             f"{t.shape[:2] + (config.side_features,)}")
+          cands = jnp.concatenate([cands, jnp.asarray(feats)], -1)
+        leaves.append(cands)
         continue
       if key not in stored:
         raise ValueError(f"{where}: learner array {i} is missing")
@@ -174,7 +184,7 @@ class Driver:
       if "rows" not in r:  # written before rows were kept
         r["rows"] = np.full((meta["num_ready"], K), -1, np.int32)
         out.buffer_rows = None
-      shapes = dict(query=(d,), candidates=(K, d), mask=(K,), slates=(T, K), slate_mask=(T, K),
+      shapes = dict(query=(d,), candidates=(K, d + config.side_features), mask=(K,), slates=(T, K), slate_mask=(T, K),
                     labels=(T, K), rows=(K,))
       for f, shape in shapes.items():
         if np.shape(r[f]) != (meta["num_ready"],) + shape:

@@ -105,7 +105,7 @@ def feedback_from_critic(memory: "Memory", retrieval, critic) -> Optional[np.nda
     k = len(s.open_slate)
     ids, texts, _ = memory._bank.describe(s.cand_idx[s.open_slate])
     view = critic_lib.SlateView(query=s.query_emb, slate=s.open_slate.copy(), slate_mask=np.ones(k, bool),
-                     memories=s.cand_emb[s.open_slate], gold=np.zeros(k, bool),
+                     memories=s.cand_emb[s.open_slate, :memory.config.dim], gold=np.zeros(k, bool),
                      query_text=s.query, texts=list(texts), ids=list(ids))
     key = jax.random.fold_in(memory._critic_key, s.open_id)
   labels = critic(key, view)

@@ -10,6 +10,15 @@ located with `importlib.util.find_spec`, never imported (importing it needs anot
     client = ChatClient(ChatClientConfig(base_url=server.base_url, model=server.model))
   # stopped: SIGTERM, then SIGKILL after `stop_timeout_s`
 
+The server dies with the process that started it, however that process ends (SIGKILL included,
+whichever of its threads called `start`): it runs under a small stdlib supervisor
+(`_server_supervisor.py`) that holds the read end of a pipe whose write end only the starting
+process holds; end-of-file on it stops the server. On Linux the server also gets SIGKILL when the
+supervisor itself dies (`prctl(PR_SET_PDEATHSIG)`, set in the single-threaded supervisor, never in
+the multi-threaded starter: that signal follows the parent *thread*). One gap: a child made by a
+bare `os.fork()` of the starting process (e.g. multiprocessing's "fork" start method) inherits the
+pipe's write end, so the server then lives until that child exits too.
+
 Failure policy: every failure is a `LlamaServerError` naming the problem: a missing `llama_cpp`
 (which requirements file to install), a missing or non-GGUF model file, a server that exits during
 start-up or does not answer within `startup_timeout_s` (the error names the server's log file and
@@ -54,6 +63,8 @@ DEFAULT_THREADS = 1
 _SERVER_MODULES = ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "starlette_context",
                    "pydantic_settings")
 _LOG_TAIL_LINES = 15
+# Runs the server and stops it when the starting process is gone (see the module docstring).
+_SUPERVISOR = pathlib.Path(__file__).resolve().with_name("_server_supervisor.py")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
@@ -184,7 +195,8 @@ class LlamaServer:
       `llama_cpp` modules are not required.
 
   Attributes (after `start`): `base_url` (`http://host:port/v1`), `model`, `port`, `log_path`,
-  `process`.
+  `process` (the server's supervisor, which leads the server's own process group and exits with
+  the server's status).
   """
 
   def __init__(self, model_path: str | os.PathLike | None = None, *, host: str = "127.0.0.1",
@@ -207,6 +219,7 @@ class LlamaServer:
     self.command = tuple(command) if command is not None else None
     self.process: subprocess.Popen | None = None
     self._log_file = None
+    self._lifeline = None  # the write end of the supervisor's lifeline pipe (held, never written)
 
   @property
   def base_url(self) -> str:
@@ -266,12 +279,19 @@ class LlamaServer:
         argv = [arg.replace("{" + name + "}", value) for arg in argv]
     self._log_file = open(self.log_path, "ab")  # pylint: disable=consider-using-with
     logging.info("LLM server: starting %s (log %s)", " ".join(argv), self.log_path)
+    self._close_lifeline()  # of an earlier server that exited by itself
+    read_end, self._lifeline = os.pipe()  # non-inheritable: no other child gets the write end
     try:
-      self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log_file,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+      self.process = subprocess.Popen(
+          [sys.executable, "-I", str(_SUPERVISOR), str(read_end), repr(self.stop_timeout_s), "--",
+           *argv], stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
+          start_new_session=True, pass_fds=(read_end,))
     except OSError as e:
+      self._close_lifeline()
       self._close_log()
       raise LlamaServerError(f"could not start the LLM server {argv[0]!r}: {e}") from None
+    finally:
+      os.close(read_end)
     atexit.register(self.stop)
     try:
       self._wait_ready()
@@ -316,15 +336,24 @@ class LlamaServer:
     atexit.unregister(self.stop)
     if process is not None and process.poll() is None:
       try:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=self.stop_timeout_s)
+        process.send_signal(signal.SIGTERM)  # the supervisor: SIGTERM, SIGKILL after the timeout
+        process.wait(timeout=self.stop_timeout_s + 5.0)
       except subprocess.TimeoutExpired:
         logging.warning("LLM server: no exit %gs after SIGTERM, killing it", self.stop_timeout_s)
-        process.kill()
+        try:
+          os.killpg(process.pid, signal.SIGKILL)  # the supervisor's group: it and the server
+        except ProcessLookupError:
+          pass
         process.wait(timeout=10)
       except ProcessLookupError:
         pass
+    self._close_lifeline()
     self._close_log()
+
+  def _close_lifeline(self):
+    if self._lifeline is not None:
+      os.close(self._lifeline)
+      self._lifeline = None
 
   def _close_log(self):
     if self._log_file is not None:

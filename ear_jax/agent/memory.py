@@ -10,6 +10,7 @@ loops: `episode` (`llm_feedback`, `run_critic_episode`, re-exported here).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import pathlib
 import threading
 from typing import Any, Iterable, Optional, Sequence
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ear_jax.agent import bank as bank_lib
+from ear_jax.agent import lexical_bank
 from ear_jax.agent import persistence
 from ear_jax.agent.bank import InputTypeError
 from ear_jax.agent.encoder_slot import EncoderSlot
@@ -29,6 +31,7 @@ from ear_jax.agent.sessions import Retrieval, Sessions, citation_labels
 from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import learner as learner_lib
 from ear_jax.core.config import EARConfig, HParams, default_hparams
+from ear_jax.data import first_stage
 
 __all__ = ["Memory", "Retrieval", "llm_feedback", "run_critic_episode"]
 
@@ -39,6 +42,31 @@ def _check_int(value, name: str, minimum: int) -> int:
   if value < minimum:
     raise ValueError(f"{name} must be >= {minimum}, got {name}={value}")
   return int(value)
+
+
+def _first_stage(config: EARConfig, candidates, options, multistore: bool, index: str):
+  """`(config, LexicalBank or None)` of a memory's first stage (see `Memory`'s `candidates`)."""
+  if not isinstance(candidates, str):
+    raise InputTypeError(f"candidates must be a string, got {type(candidates).__name__}")
+  first_stage.check_generator(candidates)
+  if options is None:
+    options = first_stage.FirstStageOptions()
+  elif not isinstance(options, first_stage.FirstStageOptions):
+    raise InputTypeError("first_stage_options must be a first_stage.FirstStageOptions, got "
+                         f"{type(options).__name__}")
+  f = lexical_bank.NUM_FEATURES
+  if candidates != "dense" and not config.side_features:
+    config = dataclasses.replace(config, side_features=f)
+  if config.side_features not in (0, f):
+    raise ValueError(f"config.side_features={config.side_features}, but a memory's first stage "
+                     f"gives {f} features {first_stage.FEATURES} (or 0 with candidates='dense')")
+  if not lexical_bank.needs_lexical(candidates, config.side_features):
+    return config, None
+  if index != "exact":
+    raise ValueError(f"index={index!r} cannot serve candidates={candidates!r} (or side features): "
+                     "the lexical first stage fuses every memory's cosine with its BM25 score; "
+                     "use index='exact' (BENCHMARKS.md 'First stage at scale')")
+  return config, lexical_bank.LexicalBank(candidates, options, multistore)
 
 
 class Memory:
@@ -86,13 +114,24 @@ class Memory:
       'faiss_pq' (`ear_jax.index.ann.SEARCHERS`; measured recall in BENCHMARKS.md "Scale"). EAR
       works on the candidates the same way whichever produced them.
     index_options: keyword options of that searcher (e.g. `{'nlist': 1024, 'nprobe': 64}`).
+    candidates: the first stage (`ear_jax.data.first_stage.GENERATORS`): 'dense' (the frozen
+      cosine, above; the default), 'bm25' or 'hybrid' (BM25 over the memories' texts, alone or
+      fused with the cosine; `ear_jax.agent.lexical_bank`): the same candidates, in the same order,
+      as the benchmark pipeline's generator over the same bank. With 'bm25' / 'hybrid' each
+      candidate carries the first stage's scores as side features (`first_stage.FEATURES`), so
+      `config.side_features` is set to 3 (a config with another nonzero value is refused), and
+      queries need their texts. 'dense' with `config.side_features=3` keeps the dense candidates
+      and adds the features. Not with an ANN `index`.
+    first_stage_options: the hybrid fusion (`first_stage.FirstStageOptions`; default its defaults).
   """
 
   def __init__(self, encoder: Any = "minilm", *, config: Optional[EARConfig] = None,
                hparams: Optional[HParams] = None, seed: int = 0, dim: Optional[int] = None,
                multistore: bool = False, cache_dir=None, max_sessions: int = 4096,
                initial_capacity: int = bank_lib.MIN_CAPACITY, bank_dtype: str = "float32",
-               index: str = "exact", index_options: Optional[dict] = None):
+               index: str = "exact", index_options: Optional[dict] = None,
+               candidates: str = "dense",
+               first_stage_options: Optional[first_stage.FirstStageOptions] = None):
     self.seed = _check_int(seed, "seed", 0)
     self.max_sessions = _check_int(max_sessions, "max_sessions", 1)
     _check_int(initial_capacity, "initial_capacity", 1)
@@ -116,6 +155,8 @@ class Memory:
       raise ValueError("config.train_slate='none' never learns; use train_slate='explorer'")
     if hparams is not None and not isinstance(hparams, HParams):
       raise InputTypeError(f"hparams must be an HParams, got {type(hparams).__name__}")
+    config, self._lexical = _first_stage(config, candidates, first_stage_options, multistore,
+                                         index)
     self.config = config
     self.multistore = bool(multistore)
     self.cache_dir = None if cache_dir is None else str(cache_dir)
@@ -157,6 +198,16 @@ class Memory:
   @property
   def hparams(self) -> HParams:
     return self._driver.hparams
+
+  @property
+  def candidates(self) -> str:
+    """The first stage: 'dense', 'bm25' or 'hybrid'."""
+    return "dense" if self._lexical is None else self._lexical.candidates
+
+  @property
+  def first_stage_options(self) -> first_stage.FirstStageOptions:
+    """The hybrid fusion's settings."""
+    return first_stage.FirstStageOptions() if self._lexical is None else self._lexical.options
 
   @property
   def generation(self) -> int:
@@ -206,8 +257,11 @@ class Memory:
       texts: one string, or a sequence (list, tuple) of non-empty strings (a dict, a set or bytes
         is a TypeError).
       store: 'dialogue' (episodic, 0) or 'observation' (semantic, 1), or one per text.
-      ids: `n` unique string ids not yet in the bank; default `"m<row>"`.
-      embeddings: optional `[n, d]` precomputed embeddings (finite, non-zero; normalised here).
+      ids: `n` unique string ids not yet in the bank; default `"m<row>"`, or the next free
+        `"m<j>"` (j > row) where an explicit id already took it.
+      embeddings: optional `[n, d]` precomputed real embeddings, one row per text (finite,
+        non-zero, any magnitude; normalised here without overflow; complex, boolean, string or
+        object arrays are refused).
 
     Returns:
       The ids of the added memories.
@@ -220,11 +274,17 @@ class Memory:
       with self._lock:
         self._bank.check_new_ids(ids)
     emb = self._embed(texts, embeddings, n, "memory")
+    tokens = None if self._lexical is None else lexical_bank.tokenize(texts)
     with self._lock:  # re-checked: another thread may have added since
       if ids is None:
         ids = self._bank.default_ids(n)
       self._bank.check_new_ids(ids)
+      start = len(self._bank)
+      if self._lexical is not None:
+        self._lexical.sync(self._bank)  # (a no-op unless a restore left it behind)
       self._bank.append(ids, texts, codes, emb)
+      if self._lexical is not None:
+        self._lexical.append(tokens, codes, start)
       self.stats["memories_added"] += n
       return list(ids)
 
@@ -239,7 +299,9 @@ class Memory:
     """Retrieves `k` memories for one query (see `retrieve_batch`)."""
     if query is not None and not isinstance(query, str):
       raise InputTypeError(f"query must be a string, got {type(query).__name__}")
-    emb = None if query_embedding is None else np.asarray(query_embedding, np.float32)[None]
+    emb = None
+    if query_embedding is not None:
+      emb = bank_lib.real_query_vector(query_embedding, self.config.dim)[None]
     if continue_from is not None:
       if query is not None or emb is not None:
         raise ValueError("pass either a query / query_embedding or continue_from, not both")
@@ -296,11 +358,18 @@ class Memory:
       raise ValueError("query_embeddings is empty: pass at least one query")
     if len(texts) > self.max_sessions:
       raise ValueError(f"{len(texts)} queries in one call exceed max_sessions={self.max_sessions}")
+    if self._lexical is not None and not any(texts):
+      raise ValueError(f"candidates={self.candidates!r} ranks by the query's text (BM25): pass "
+                       "queries (texts), with query_embeddings or without")
     with self._lock:
       self._bank.check_k(k, self.config.num_candidates, self.multistore)
-      rows, mask, cands, slates = self._bank.search(
-          q_emb, self.config.num_candidates, self.multistore,
-          slate=(self._driver.state.params, self.hparams, k, explore))
+      slate = (self._driver.state.params, self.hparams, k, explore)
+      if self._lexical is None:
+        rows, mask, cands, slates = self._bank.search(q_emb, self.config.num_candidates,
+                                                      self.multistore, slate=slate)
+      else:
+        rows, mask, cands, slates = self._lexical.search(self._bank, q_emb, texts,
+                                                         self.config.num_candidates, slate)
       sids = [self._sessions.new(t, q, r, c, m)
               for t, q, r, c, m in zip(texts, q_emb, rows, cands, mask)]
       return self._open_rounds(sids, slates, explore)

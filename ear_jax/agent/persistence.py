@@ -7,41 +7,63 @@ store writes atomically under an inter-process lock and verifies a new step befo
 ones (it keeps the last few), so a save killed at any moment leaves the previous checkpoint
 loadable.
 
-The bank is append-only, so it is saved as append-only shards: `<directory>/bank_shards/` is a
-second `CheckpointStore` whose steps each hold a contiguous run of bank rows (embeddings, stores,
-ids, texts) and are never rewritten. A save writes ONE new shard with the rows added since the
-latest checkpoint (recognised by the SHA-256 of each listed shard's rows, cached in the bank), then
-the main step that lists every shard. Saving after adding 1,000 memories to a 1M bank therefore
-writes 1,000 rows plus the learner state, not the bank. Nor does the main step repeat what the
-bank holds: the replay buffer's candidates and the sessions' candidates (`[C, K, d]` and
-`[sessions, K, d]`, the bulk of the learner's state) are saved as their bank rows and gathered back
-from the restored bank (`Bank.gather`), bit for bit. Atomicity: a shard is complete before the
-main step that lists it exists; a save killed before its main step leaves an unlisted shard that
-the next save deletes; shards are deleted only when no kept main step lists them. One memory save
-at a time per directory (`CheckpointStore.writer`, an inter-process lock). Checkpoints written with
-the bank inline (before shards) still load.
+The bank is append-only, so it is saved as shards: `<directory>/bank_shards/` is a second
+`CheckpointStore` whose steps each hold a contiguous run of bank rows (embeddings, stores, ids,
+texts); a shard step is never modified. A save writes at most ONE new shard with the rows added
+since the latest checkpoint (recognised by the SHA-256 of each listed shard's rows, cached in the
+bank), then the main step that lists every shard. Saving after adding 1,000 memories to a 1M bank
+therefore writes 1,000 rows plus the learner state, not the bank.
+
+Compaction keeps loading as fast after 200 saves as after one: every listed shard holds more rows
+than all later shards together (`_compaction_start`); when the new rows break that, the tail of
+small shards is merged with them into the one shard the save writes (its rows copied from the bank
+in memory). At most log2(n) + 1 shards are listed, and a row is rewritten at most log2(n) times in
+all, so a save writes, amortised, O(log n) rows per row added: usually just the new rows, sometimes
+the last few small shards too; a large shard is rewritten only once the rows after it outgrow it.
+
+An ANN searcher (`index=...`) is saved as itself in `<directory>/ann_index/` (faiss's own
+serialisation, `ann.FaissSearcher.state`, verified like every array), so a loaded memory retrieves
+exactly what it retrieved before, whatever the save and add boundaries; a save writes it only when
+rows were added since the index the latest checkpoint lists (O(index bytes) then).
+
+The main step does not repeat what the bank holds: the replay buffer's candidates and the sessions'
+candidates (`[C, K, d]` and `[sessions, K, d]`, the bulk of the learner's state) are saved as their
+bank rows and gathered back from the restored bank (`Bank.gather`), bit for bit.
+
+Atomicity: shards and indexes are complete before the main step that lists them exists; a save
+killed before its main step leaves unlisted ones that the next save deletes; they are deleted only
+when no kept main step lists them (so a killed compacting save leaves the previous checkpoint with
+all its shards). One memory save at a time per directory (`CheckpointStore.writer`, an
+inter-process lock). Checkpoints written with the bank inline (before shards), or before indexes
+were saved (the index is then rebuilt by adding the rows), still load.
 
 A checkpoint of another format or config is refused with the differing fields
-(`checkpoints.check_compatible`); a truncated one raises `checkpoints.CheckpointError` naming the
-path.
+(`checkpoints.check_compatible`); a truncated or corrupted one (the meta JSON included: the store
+verifies it against its digest) raises `checkpoints.CheckpointError` naming the path; an unknown
+format, bank layout, bank dtype or index is a `checkpoints.CheckpointFormatError` naming the meta
+file and the field.
 """
 from __future__ import annotations
 
 import collections
+import json
 import os
 import pathlib
 from typing import Any, Optional
 
 from ear_jax.agent import bank as bank_lib
+from ear_jax.agent import lexical_bank
 from ear_jax.agent.bank import Bank
 from ear_jax.agent.encoder_slot import EncoderSlot
 from ear_jax.agent.driver import Driver, seed_keys
 from ear_jax.agent.sessions import Sessions
 from ear_jax.core.config import EARConfig
+from ear_jax.index import ann
 
 FORMAT = "ear_jax.agent.memory/2"
 BANK_LAYOUT = "shards-1"  # meta["bank"]["layout"] of a checkpoint with the bank in shards
 SHARDS = "bank_shards"
+ANN_INDEX = "ann_index"  # the store of saved ANN searchers (meta["bank"]["ann_index"] lists one)
 
 
 def _checkpoints():
@@ -80,16 +102,38 @@ def write(root: pathlib.Path, arrays, meta: dict) -> pathlib.Path:
           raise
 
 
-def _listed_shards(store) -> list[dict]:
-  """The shard records of the latest main step of `store` ([] when none can be reused)."""
+def _listed(store) -> tuple[list[dict], Optional[dict]]:
+  """`(shard records, ANN index record or None)` of the latest main step of `store` (nothing when
+  none can be reused)."""
   try:
-    meta = store.read_meta()
+    meta = store.read_meta(verify=False)  # what is reused is checked against the bank
   except Exception:  # pylint: disable=broad-except  (no step, or an unreadable one: write afresh)
-    return []
+    return [], None
   bank = meta.get("bank") if meta.get("format") == FORMAT else None
   if not isinstance(bank, dict) or bank.get("layout") != BANK_LAYOUT:
-    return []
-  return list(bank.get("shards", []))
+    return [], None
+  index = bank.get("ann_index")
+  return list(bank.get("shards", [])), (index if isinstance(index, dict) else None)
+
+
+def _compaction_start(counts: list[int]) -> int:
+  """Where the shards to merge start: the smallest `i` with `counts[i] <= sum(counts[i+1:])`, or
+  `len(counts)` when every shard holds more rows than all later ones together.
+
+  Merging `counts[i:]` into one shard restores that invariant (every earlier shard was larger than
+  all later rows, the new ones included), under which a bank of n rows has at most log2(n) + 1
+  shards; a row is rewritten only into a shard at least twice the size of the one it was in, so at
+  most log2(n) times.
+
+  Args:
+    counts: the row counts of the shards, oldest first (the one a save adds last).
+  """
+  start, later = len(counts), 0
+  for i in range(len(counts) - 1, -1, -1):
+    if counts[i] <= later:
+      start = i
+    later += counts[i]
+  return start
 
 
 def _reusable(bank: Bank, records: list[dict]) -> list[dict]:
@@ -105,26 +149,33 @@ def _reusable(bank: Bank, records: list[dict]) -> list[dict]:
   return out
 
 
-def _prune_shards(store, shards) -> None:
-  """Deletes shards no kept main step lists, older than the newest listed one (killed saves)."""
-  listed = set()
+def _prune(store, shards, indexes) -> None:
+  """Deletes shards and saved ANN indexes that no kept main step lists and that are older than the
+  newest listed one (compacted, replaced, or left by killed saves; all of them when none is
+  listed). Called under the store's writer lock, after the new main step was written."""
+  listed_shards, listed_indexes = set(), set()
   for step in store.steps():
     try:
-      listed.update(int(r["step"]) for r in store.read_meta(step).get("bank", {}).get("shards", []))
+      bank = store.read_meta(step, verify=False).get("bank", {})
+      listed_shards.update(int(r["step"]) for r in bank.get("shards", []))
+      if bank.get("ann_index"):
+        listed_indexes.add(int(bank["ann_index"]["step"]))
     except Exception:  # pylint: disable=broad-except  (unreadable step: keep everything)
       return
-  newest = max(listed, default=0)
-  for step in shards.steps():
-    if step not in listed and step < newest:
-      shards.delete(step)
+  for sub, listed in ((shards, listed_shards), (indexes, listed_indexes)):
+    newest = max(listed) if listed else float("inf")
+    for step in sub.steps():
+      if step not in listed and step < newest:
+        sub.delete(step)
 
 
 def read(path):
-  """`(arrays, meta, where, root)` of the latest memory checkpoint at `path`.
+  """`(arrays, meta, where, root, meta_file)` of the latest memory checkpoint at `path`.
 
   Raises:
-    ValueError: no checkpoint there, or one of another format (with the differing fields).
-    CheckpointError: a truncated or unreadable checkpoint (naming the path).
+    ValueError: no checkpoint there.
+    CheckpointFormatError: one of another format (naming the meta file, with the differing field).
+    CheckpointError: a truncated, unreadable or corrupted checkpoint (naming the path).
   """
   ckpt = _checkpoints()
   root = checkpoint_dir(path)
@@ -136,11 +187,16 @@ def read(path):
       raise ValueError(f"no ear_jax Memory checkpoint at {str(root)!r}: the directory holds no "
                        "checkpoint step")
     where = f"checkpoint {str(root)!r} (step {step})"
+    meta_file = store.meta_file(step)
     meta = store.read_meta(step)
-    ckpt.check_compatible({k: meta[k] for k in ("format",) if k in meta}, {"format": FORMAT},
-                          where)
+    try:
+      ckpt.check_compatible({k: meta[k] for k in ("format",) if k in meta}, {"format": FORMAT},
+                            where)
+    except ValueError as e:
+      raise ckpt.CheckpointFormatError(f"{e} (field 'format' of {meta_file}: not a Memory "
+                                       "checkpoint this version reads)") from None
     arrays, meta = store.restore(step)
-  return arrays, meta, where, root
+  return arrays, meta, where, root, meta_file
 
 
 def check_config(stored: dict, expected: EARConfig, where: str) -> None:
@@ -160,6 +216,8 @@ def snapshot(memory):
   meta = dict(config=memory.config.to_dict(), seed=memory.seed, multistore=memory.multistore,
               max_sessions=memory.max_sessions, cache_dir=memory.cache_dir,
               stats=dict(memory.stats), encoder=memory._encoder.meta(memory.config.dim))
+  # The first stage (its lexical index is rebuilt from the bank's verified texts on load).
+  meta["first_stage"] = lexical_bank.options_meta(memory.candidates, memory.first_stage_options)
   return arrays, {**meta, **{name: m for name, (_, m) in parts.items()}}
 
 
@@ -172,38 +230,125 @@ def save(memory, path) -> pathlib.Path:
   root = checkpoint_dir(path)
   with memory._save_lock, ckpt.CheckpointStore(root).writer() as store:
     shards = ckpt.CheckpointStore(root / SHARDS, max_to_keep=None)
-    listed = _listed_shards(store)
+    indexes = ckpt.CheckpointStore(root / ANN_INDEX, max_to_keep=None)
+    listed, listed_index = _listed(store)
     with memory._lock:
       arrays, meta = snapshot(memory)
       bank = memory._bank
       records = _reusable(bank, listed)
-      start, stop = sum(int(r["count"]) for r in records), len(bank)
+      stop = len(bank)
+      counts = [int(r["count"]) for r in records]
+      covered = sum(counts)
+      # The one shard this save writes: the new rows, merged with the tail of shards that breaks
+      # the compaction invariant (then those rows are rewritten from the bank).
+      first = _compaction_start(counts + ([stop - covered] if stop > covered else []))
+      first = min(first, len(records))
+      start = int(records[first]["start"]) if first < len(records) else covered
+      records = records[:first]
       new_rows = bank.rows(start, stop) if stop > start else None
       digest = bank.digest(start, stop) if stop > start else None
+      index_state, searcher = None, bank.searcher
+      if searcher is not None and not (
+          listed_index and listed_index.get("state_id") == searcher.state_id
+          and listed_index.get("n") == stop and listed_index.get("name") == searcher.name):
+        index_state = searcher.state()  # under the lock: an add changes the index in place
+      index_record = listed_index if searcher is not None else None
     if new_rows is not None:
       step = (shards.latest_step() or 0) + 1
       shards.save(step, new_rows[0], {**new_rows[1], "start": start, "digest": digest})
       records.append({"step": step, "start": start, "count": stop - start, "digest": digest})
+    if index_state is not None:
+      step = (indexes.latest_step() or 0) + 1
+      index_meta = {**index_state[1], "n": stop}
+      indexes.save(step, index_state[0], index_meta)
+      index_record = {"step": step, "n": stop, "name": index_meta["name"],
+                      "state_id": index_meta["state_id"]}
     meta["bank"] = {"layout": BANK_LAYOUT, "n": stop, "shards": records,
                     **memory._bank.settings()}
+    if index_record is not None:
+      meta["bank"]["ann_index"] = index_record
     path = write(root, arrays, meta)
-    _prune_shards(store, shards)
+    _prune(store, shards, indexes)
     return path
 
 
-def read_bank(root: pathlib.Path, settings: dict, config: EARConfig, arrays, meta,
-              where: str) -> Bank:
-  """The bank of a checkpoint (its shards, or the inline rows of an older checkpoint) with the bank
-  `settings` (dtype, index); ValueError / CheckpointError naming `where` or the shard."""
+def _bank_info(meta, meta_file) -> dict:
+  """`meta['bank']`, with its layout, dtype and index checked: CheckpointFormatError naming the
+  meta file and the field for a value this version does not know."""
   ckpt = _checkpoints()
-  info = meta["bank"]
-  layout = info.get("layout") if isinstance(info, dict) else None
+  info = meta.get("bank")
+  if not isinstance(info, dict):
+    raise ckpt.CheckpointFormatError(f"{meta_file}: field 'bank' is a {type(info).__name__}, not "
+                                     "an object")
+  known = {"layout": (BANK_LAYOUT,), "bank_dtype": tuple(bank_lib.BANK_DTYPES),
+           "index": ann.INDEXES}  # each may be absent (older checkpoints: inline bank, defaults)
+  for field, values in known.items():
+    if field in info and info[field] not in values:
+      raise ckpt.CheckpointFormatError(
+          f"{meta_file}: field 'bank.{field}' is {info[field]!r}, which this version of ear_jax "
+          f"does not know (it reads {list(values)}"
+          + (" or no layout: the inline bank of older checkpoints" if field == "layout" else "")
+          + "); written by a newer ear_jax, or corrupted")
+  if not isinstance(info.get("index_options", {}), dict):
+    raise ckpt.CheckpointFormatError(f"{meta_file}: field 'bank.index_options' is not an object")
+  return info
+
+
+def _restore_index(root: pathlib.Path, record, bank: Bank, where: str) -> None:
+  """Installs the saved ANN searcher `record` lists into `bank`'s searcher (rows already in)."""
+  ckpt = _checkpoints()
+  at = f"ANN index {record.get('step') if isinstance(record, dict) else record!r} of {where}"
+  try:
+    step = int(record["step"])
+  except (TypeError, KeyError, ValueError):
+    raise ckpt.CheckpointError(f"{at}: field 'bank.ann_index' is not an index record") from None
+  indexes = ckpt.CheckpointStore(root / ANN_INDEX, max_to_keep=None)
+  state, imeta = indexes.restore(step)
+  if imeta.get("n") != len(bank) or imeta.get("state_id") != record.get("state_id"):
+    raise ckpt.CheckpointError(f"{at} does not hold the index the checkpoint lists (it covers "
+                               f"{imeta.get('n')} rows, the bank {len(bank)}; another memory's?)")
+  try:
+    bank.searcher.restore_state(state, imeta, bank.store_codes, at)
+  except (ValueError, KeyError, TypeError) as e:
+    raise ckpt.CheckpointError(f"{at}: {e}") from None
+
+
+def read_bank(root: pathlib.Path, settings: dict, config: EARConfig, arrays, meta,
+              where: str, meta_file) -> Bank:
+  """The bank of a checkpoint (its shards, or the inline rows of an older checkpoint) with the bank
+  `settings` (dtype, index); ValueError / CheckpointError naming `where` or the shard.
+
+  An ANN searcher is the saved one when the checkpoint has one and `settings` are the saved
+  settings (then it is exactly the searcher that was saved); otherwise it is built by adding the
+  rows (checkpoints written before searchers were saved, or a memory restoring with other
+  index settings)."""
+  ckpt = _checkpoints()
+  info = _bank_info(meta, meta_file)
+  layout = info.get("layout")
   n = int(info["n"]) if layout == BANK_LAYOUT else len(info["ids"])
   bank = Bank(config.dim, max(n, config.num_candidates), settings["bank_dtype"],
               settings["index"], settings["index_options"])
+  saved_index = info.get("ann_index")
+  searcher = bank.searcher
+  if searcher is None or saved_index is None or not _same_settings(_saved_settings(meta),
+                                                                    settings):
+    saved_index = None
+  else:
+    bank.searcher = None  # not fed row by row: its saved state is installed below
   if layout != BANK_LAYOUT:  # the bank inline (checkpoints written before shards)
     bank.extend_rows(arrays.get("bank", {}), info, where)
-    return bank
+  else:
+    _extend_from_shards(bank, root, info, where)
+  if len(bank) != n:
+    raise ckpt.CheckpointError(f"{where}: its shards hold {len(bank)} memories, expected {n}")
+  if saved_index is not None:
+    bank.searcher = searcher
+    _restore_index(root, saved_index, bank, where)
+  return bank
+
+
+def _extend_from_shards(bank: Bank, root: pathlib.Path, info: dict, where: str) -> None:
+  ckpt = _checkpoints()
   shards = ckpt.CheckpointStore(root / SHARDS, max_to_keep=None)
   for r in info["shards"]:
     at = f"bank shard {r['step']} of {where}"
@@ -216,31 +361,45 @@ def read_bank(root: pathlib.Path, settings: dict, config: EARConfig, arrays, met
                                  "memory's shard?)")
     bank.extend_rows(rows, rmeta, at)
     bank.digests[(int(r["start"]), int(r["count"]))] = digest
-  if len(bank) != n:
-    raise ckpt.CheckpointError(f"{where}: its shards hold {len(bank)} memories, expected {n}")
-  return bank
 
 
-def _install(memory, root, arrays, meta, where: str, generation: int) -> None:
+def _install(memory, root, arrays, meta, where: str, meta_file, generation: int) -> None:
   """Replaces a memory's parts, settings and stats by a checkpoint's (call under its lock)."""
   config = memory.config
-  bank = read_bank(root, memory._bank.settings(), config, arrays, meta, where)
+  bank = read_bank(root, memory._bank.settings(), config, arrays, meta, where, meta_file)
   sessions = Sessions.restore(config, meta["max_sessions"], arrays.get("sessions", {}),
                               meta["sessions"], where, memory._sessions.token, generation,
                               bank.gather)
   driver = Driver.restore(config, meta["seed"], arrays["driver"], meta["driver"], where,
                           bank.gather)
   memory._bank, memory._sessions, memory._driver = bank, sessions, driver
+  if memory._lexical is not None:  # rebuilt from the restored bank's texts at the next search
+    memory._lexical = memory._lexical.fresh()
   memory.seed, memory.multistore = int(meta["seed"]), bool(meta["multistore"])
   memory.max_sessions, memory.cache_dir = int(meta["max_sessions"]), meta["cache_dir"]
   memory._critic_key = seed_keys(memory.seed)[2]
   memory.stats = collections.Counter(meta["stats"])
 
 
+def _first_stage(meta, meta_file):
+  """`(candidates, FirstStageOptions)` of a checkpoint (dense for one written before first stages);
+  CheckpointFormatError naming the meta file and the field for one this version does not know."""
+  try:
+    return lexical_bank.options_from_meta(meta.get("first_stage"), str(meta_file))
+  except ValueError as e:
+    raise _checkpoints().CheckpointFormatError(str(e)) from None
+
+
 def _saved_settings(meta) -> dict:
   """The bank options a checkpoint was written with (defaults for older checkpoints)."""
   info = meta["bank"]
   return {k: info[k] for k in ("bank_dtype", "index", "index_options") if k in info}
+
+
+def _same_settings(saved: dict, settings: dict) -> bool:
+  keys = ("bank_dtype", "index", "index_options")
+  return json.dumps([saved.get(k) for k in keys], sort_keys=True) == json.dumps(
+      [settings.get(k) for k in keys], sort_keys=True, default=str)
 
 
 def load(cls, path, *, encoder: Any = "saved", config: Optional[EARConfig] = None):
@@ -255,16 +414,21 @@ def load(cls, path, *, encoder: Any = "saved", config: Optional[EARConfig] = Non
 
   Raises:
     ValueError: no checkpoint at `path`, another format, config, encoder dimension or model.
-    CheckpointError: a truncated checkpoint (naming its path).
+    CheckpointError: a truncated or corrupted checkpoint (naming its path); a
+      `CheckpointFormatError` for an unknown format, layout, dtype or index (naming the file and
+      the field).
   """
-  arrays, meta, where, root = read(path)
+  arrays, meta, where, root, meta_file = read(path)
   if config is not None:
     check_config(meta["config"], config, where)
   slot = EncoderSlot.for_checkpoint(encoder, meta["encoder"], where)
+  _bank_info(meta, meta_file)  # an unknown layout, dtype or index names the file and the field
+  candidates, fs_options = _first_stage(meta, meta_file)
   memory = cls(slot, config=EARConfig.from_dict(meta["config"]), seed=meta["seed"],
                multistore=meta["multistore"], cache_dir=meta["cache_dir"],
-               max_sessions=meta["max_sessions"], **_saved_settings(meta))
-  _install(memory, root, arrays, meta, where, generation=0)
+               max_sessions=meta["max_sessions"], candidates=candidates,
+               first_stage_options=fs_options, **_saved_settings(meta))
+  _install(memory, root, arrays, meta, where, meta_file, generation=0)
   return memory
 
 
@@ -274,11 +438,16 @@ def restore(memory, path) -> None:
   The checkpoint's config must equal the memory's, and its encoder identity (when both are known)
   the memory's. The memory's generation is bumped, so every `Retrieval` returned before is stale.
   """
-  arrays, meta, where, root = read(path)
+  arrays, meta, where, root, meta_file = read(path)
   check_config(meta["config"], memory.config, where)
+  stage = _first_stage(meta, meta_file)
+  if stage != (memory.candidates, memory.first_stage_options):
+    raise ValueError(f"{where} was written with candidates={stage[0]!r} ({stage[1]}); this memory "
+                     f"uses candidates={memory.candidates!r} ({memory.first_stage_options}): load "
+                     "it with Memory.load")
   saved, ours = meta["encoder"]["identity_hash"], memory._encoder.identity
   if saved and ours and saved != ours:
     raise ValueError(f"{where} was written with another encoder model (identity {saved[:16]}, "
                      f"this memory's is {ours[:16]})")
   with memory._lock:
-    _install(memory, root, arrays, meta, where, memory.generation + 1)
+    _install(memory, root, arrays, meta, where, meta_file, memory.generation + 1)

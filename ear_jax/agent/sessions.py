@@ -111,7 +111,7 @@ class Session:
   query: str
   query_emb: np.ndarray  # [d] float32
   cand_idx: np.ndarray  # [K] int32 bank rows, -1 = padding
-  cand_emb: np.ndarray  # [K, d] float32
+  cand_emb: np.ndarray  # [K, d + F] float32 (embedding | first-stage features, F = 0 without)
   cand_mask: np.ndarray  # [K] bool
   mean: np.ndarray  # [K] float32 bandit mean mu_i, Eq. (9)
   counts: np.ndarray  # [K] float32 bandit counts N_i
@@ -342,6 +342,8 @@ class Sessions:
     if ss:  # not the candidates' embeddings: `restore` gathers them from the bank by `cand_idx`
       arrays = {f: np.stack([getattr(s, f) for _, s in ss]) for f in _ARRAY_FIELDS
                 if f != "cand_emb"}
+      if self.config.side_features:  # but their first-stage features (per query, [n, K, F])
+        arrays["cand_features"] = np.stack([s.cand_emb[:, self.config.dim:] for _, s in ss])
     meta = {
         "counters": {"next_retrieval": self.next_retrieval, "next_session": self.next_session,
                      "clock": self.clock},
@@ -367,8 +369,17 @@ class Sessions:
           raise ValueError(f"{where}: the session array {f!r} is missing")
       arrays["cand_emb"] = np.asarray(gather(arrays["cand_idx"], arrays["cand_mask"],
                                              f"the sessions of {where}"))
+      if config.side_features:
+        feats = np.asarray(arrays.get("cand_features", np.zeros((0,))), np.float32)
+        want = arrays["cand_emb"].shape[:2] + (config.side_features,)
+        if feats.shape != want:
+          raise ValueError(f"{where}: the session array 'cand_features' has shape {feats.shape}, "
+                           f"expected {want}")
+        arrays["cand_emb"] = np.concatenate([arrays["cand_emb"], feats], -1)
+    arrays.pop("cand_features", None)
     T, K, d = config.num_rounds, config.num_candidates, config.dim
-    shapes = {"query_emb": (d,), "cand_idx": (K,), "cand_emb": (K, d), "cand_mask": (K,),
+    shapes = {"query_emb": (d,), "cand_idx": (K,), "cand_emb": (K, d + config.side_features),
+              "cand_mask": (K,),
               "mean": (K,), "counts": (K,), "slates": (T, K), "slate_mask": (T, K),
               "labels": (T, K)}
     sessions = meta["sessions"]

@@ -30,7 +30,7 @@ class AdapterParams:
 
   For the full adapter `w_q`, `w_m` are `[d, d]` and the low-rank factors are None; for the
   low-rank adapter `w_q`, `w_m` are None and `(a_q, b_q)`, `(a_m, b_m)` are `[d, r]` with
-  `W = A B^T`.
+  `W = A B^T`. With first-stage side features `w_side` `[F]` weighs them (`relevance`).
   """
   w_q: Optional[jax.Array] = None  # [d, d] float32
   w_m: Optional[jax.Array] = None  # [d, d] float32
@@ -38,6 +38,8 @@ class AdapterParams:
   b_q: Optional[jax.Array] = None  # [d, r] float32
   a_m: Optional[jax.Array] = None  # [d, r] float32
   b_m: Optional[jax.Array] = None  # [d, r] float32
+  # Weights of the first-stage side features (`config.side_features = F > 0`), else None.
+  w_side: Optional[jax.Array] = None  # [F] float32
 
 
 def init_adapter(key: jax.Array, config: EARConfig) -> AdapterParams:
@@ -48,18 +50,24 @@ def init_adapter(key: jax.Array, config: EARConfig) -> AdapterParams:
     config: static config (`dim`, `adapter_rank`).
 
   Returns:
-    `AdapterParams` with `W_q = W_m = 0`.
+    `AdapterParams` with `W_q = W_m = 0` (and, with side features, `w_side = [side_init, -1, 0,
+    ...]`: the initial relevance is `side_init` times the first stage's normalised score).
   """
   d = config.dim
+  w_side = None
+  if config.side_features:
+    w_side = jnp.zeros((config.side_features,), jnp.float32).at[:2].set(
+        jnp.asarray([config.side_init, -1.0], jnp.float32))
   if config.adapter_rank is None:
     zeros = jnp.zeros((d, d), jnp.float32)
-    return AdapterParams(w_q=zeros, w_m=zeros)
+    return AdapterParams(w_q=zeros, w_m=zeros, w_side=w_side)
   r = config.adapter_rank
   k_q, k_m = jax.random.split(key)
   scale = 1.0 / jnp.sqrt(jnp.float32(d))
   return AdapterParams(
       a_q=jnp.zeros((d, r), jnp.float32), b_q=scale * jax.random.normal(k_q, (d, r), jnp.float32),
-      a_m=jnp.zeros((d, r), jnp.float32), b_m=scale * jax.random.normal(k_m, (d, r), jnp.float32))
+      a_m=jnp.zeros((d, r), jnp.float32), b_m=scale * jax.random.normal(k_m, (d, r), jnp.float32),
+      w_side=w_side)
 
 
 def safe_normalize(x: jax.Array) -> jax.Array:
@@ -131,6 +139,41 @@ def relevance_log_probs(logits: jax.Array, where: jax.Array) -> jax.Array:
   return jax.nn.log_softmax(jnp.where(where, logits, MASKED_LOGIT))
 
 
+def split_candidates(params: AdapterParams, c: jax.Array):
+  """`(embeddings [..., d], side features [..., F] or None)` of candidate rows `c [..., d + F]`.
+
+  Without side features (`params.w_side is None`) the rows are the embeddings themselves.
+  """
+  if params.w_side is None:
+    return c, None
+  f = params.w_side.shape[-1]
+  return c[..., :-f], c[..., -f:]
+
+
+def relevance(params: AdapterParams, q: jax.Array, c: jax.Array):
+  """Adapt -> relevance of one query's candidates: Eq. (3)-(4), plus the side term.
+
+  `z_i = q~ . m~_i` (Eq. (4)); with first-stage side features `z_i = q~ . m~_i + w_side . f_i`,
+  where each candidate row of `c` is `[m_i (d) | f_i (F)]` (Appendix B.6: the first stage's scores
+  as side information). Every caller (learner, replay, retrieval, inference) computes `z` here.
+
+  Args:
+    params: adapter parameters.
+    q: `[d]` pre-adapter query.
+    c: `[K, d]` pre-adapter candidates (`[K, d + F]` with side features).
+
+  Returns:
+    `(z [K] logits, m~ [K, d] adapted candidate embeddings)` (the latter for the Gram matrix of
+    Eq. (6)).
+  """
+  m, f = split_candidates(params, c)
+  m_t = adapt_memories(params, m)
+  z = relevance_logits(adapt_queries(params, q), m_t)
+  if f is not None:
+    z = z + f @ params.w_side
+  return z, m_t
+
+
 def adapter_scores(params: AdapterParams, q: jax.Array, m: jax.Array) -> jax.Array:
-  """Convenience: `z = adapt_memories(m) @ adapt_queries(q)` for `q [d]`, `m [K, d]` -> `[K]`."""
-  return relevance_logits(adapt_queries(params, q), adapt_memories(params, m))
+  """`z` of `relevance` alone, for `q [d]` and candidates `m [K, d]` (`[K, d + F]`) -> `[K]`."""
+  return relevance(params, q, m)[0]

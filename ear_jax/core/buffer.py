@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 class ReplayBuffer:
   """Fixed-capacity ring buffer of experiences."""
   queries: jax.Array  # [C, d] float32, pre-adapter query embeddings
-  candidates: jax.Array  # [C, K, d] float32, pre-adapter candidate embeddings
+  candidates: jax.Array  # [C, K, d (+ F)] float32, pre-adapter candidate rows (+ side features)
   mask: jax.Array  # [C, K] bool, valid candidates
   observed: jax.Array  # [C, K] bool, candidates that received feedback (Eq. (11))
   ybar: jax.Array  # [C, K] float32, mean labels (Eq. (12)); 0 where unobserved
@@ -35,7 +35,8 @@ def init_buffer(config: EARConfig) -> ReplayBuffer:
   """An empty buffer of capacity `config.buffer_capacity`."""
   c, k, d = config.buffer_capacity, config.num_candidates, config.dim
   return ReplayBuffer(
-      queries=jnp.zeros((c, d), jnp.float32), candidates=jnp.zeros((c, k, d), jnp.float32),
+      queries=jnp.zeros((c, d), jnp.float32),
+      candidates=jnp.zeros((c, k, d + config.side_features), jnp.float32),
       mask=jnp.zeros((c, k), bool), observed=jnp.zeros((c, k), bool),
       ybar=jnp.zeros((c, k), jnp.float32), valid=jnp.zeros((c,), bool),
       insert_index=jnp.zeros((), jnp.int32), num_pushed=jnp.zeros((), jnp.int32))

@@ -65,7 +65,9 @@ METHODS = {
     # Beyond the paper (issue 12): EAR with the switches chosen on validation data by
     # `--suite=tune` (LoCoMo; BUILD_NOTES "Issue 12"); its hyperparameters: METHOD_HPARAMS.
     "ear_tuned": dict(train_slate="explorer", use_replay=True, replay_strategy="random",
-                      replay_size=8, final_slate="exploit", test_rounds=4),
+                      replay_size=8, final_slate="exploit", test_rounds=4,
+                      # issue 18, chosen by `--suite=first_stage_tune` (acts with side features only)
+                      side_init=0.05),
 }
 # Hyperparameters of a method where they differ from the paper's (`hparams_for_method`).
 METHOD_HPARAMS = {
@@ -139,6 +141,13 @@ class EARConfig:
     lr_schedule_steps: the schedule's scale in optimizer steps.
     weight_decay: decoupled decay of the adapter's parameters toward 0 (W -> 0, i.e. toward the
       identity map), `phi <- phi - eta * weight_decay * phi` per step (optax); 0 = off.
+    side_features: `F`, first-stage features per candidate used as side information (0 = off,
+      the paper). With F > 0 each candidate row is `[embedding (d) | features (F)]`, feature 0 is
+      the first stage's own score (normalised), feature 1 the frozen dense cosine, and the
+      relevance is `z_i = q~ . m~_i + w . f_i` (`ear_jax.core.adapter.relevance`).
+    side_init: the initial weight of feature 0 (the first stage's score); with the weight of
+      feature 1 at -1 the initial `z` is `side_init * f_0`, so before any feedback the adapter-only
+      slate is the first stage's own top-s.
   """
   dim: int = 384
   num_candidates: int = 20
@@ -163,6 +172,9 @@ class EARConfig:
   lr_schedule: str = "constant"
   lr_schedule_steps: int = 100
   weight_decay: float = 0.0
+  # First-stage scores as side information (Appendix B.6; issue 18). 0 = off (the paper).
+  side_features: int = 0
+  side_init: float = 0.5  # chosen for `ear` by `--suite=first_stage_tune` (LoCoMo validation)
 
   def __post_init__(self):
     for name in STRATEGY_REGISTRIES:  # names -> functions (the core only sees functions)
@@ -203,6 +215,13 @@ class EARConfig:
     if not (isinstance(self.weight_decay, (int, float)) and not isinstance(self.weight_decay, bool)
             and self.weight_decay >= 0):
       raise ValueError(f"weight_decay must be a float >= 0, got {self.weight_decay!r}")
+    if isinstance(self.side_features, bool) or not isinstance(self.side_features, int) or not (
+        self.side_features == 0 or self.side_features >= 2):
+      raise ValueError("side_features must be 0 (off) or an int >= 2 (feature 0: the first "
+                       f"stage's score, feature 1: the dense cosine), got {self.side_features!r}")
+    if isinstance(self.side_init, bool) or not isinstance(self.side_init, (int, float)) or not (
+        self.side_init >= 0):
+      raise ValueError(f"side_init must be a float >= 0, got {self.side_init!r}")
 
   @property
   def trains(self) -> bool:
@@ -256,7 +275,8 @@ class EARConfig:
 
 _OPTIONAL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EARConfig)
                       if f.name in ("label_weights", "final_slate", "test_rounds", "lr_schedule",
-                                    "lr_schedule_steps", "weight_decay")}
+                                    "lr_schedule_steps", "weight_decay", "side_features",
+                                    "side_init")}
 
 
 @flax.struct.dataclass
@@ -282,8 +302,11 @@ HPARAM_DEFAULTS = dict(lambda_rel=0.4, lambda_div=0.3, lambda_exp=0.3, alpha=0.5
                        tau=0.5, lambda_rep=1.0, learning_rate=1e-3)
 
 
-def default_hparams(**overrides) -> HParams:
-  """`HParams` with the paper's values, `overrides` applied (scalars or arrays for a sweep)."""
+def default_hparams(*, dtype=jnp.float32, **overrides) -> HParams:
+  """`HParams` with the paper's values, `overrides` applied (scalars or arrays for a sweep).
+
+  `dtype`: the run's float dtype (`jnp.float64` for a float64 run under `jax_enable_x64`, where
+  the learner keeps it: no hyperparameter is rounded to float32)."""
   unknown = set(overrides) - set(HPARAM_DEFAULTS)
   if unknown:
     raise ValueError(f"unknown hyperparameter(s) {sorted(unknown)}; "
@@ -292,7 +315,7 @@ def default_hparams(**overrides) -> HParams:
   v = jnp.asarray(values["tau"])
   if jnp.any(v <= 0):
     raise ValueError(f"tau must be > 0, got {values['tau']!r}")
-  return HParams(**{k: jnp.asarray(v, jnp.float32) for k, v in values.items()})
+  return HParams(**{k: jnp.asarray(v, dtype) for k, v in values.items()})
 
 
 def stack_hparams(hparams_list) -> HParams:

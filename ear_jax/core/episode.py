@@ -114,14 +114,15 @@ def validate_stream(stream: Stream, config: EARConfig) -> None:
             ("queries", "candidates", "mask", "gold", "num_gold")}
   n = shapes["queries"][0] if shapes["queries"] else None
   expected = {"queries": (n, config.dim),
-              "candidates": (n, config.num_candidates, config.dim),
+              "candidates": (n, config.num_candidates, config.dim + config.side_features),
               "mask": (n, config.num_candidates), "gold": (n, config.num_candidates),
               "num_gold": (n,)}
   for field, shape in shapes.items():
     if shape != expected[field]:
       raise ValueError(
           f"stream.{field} has shape {shape}, expected {expected[field]} for config "
-          f"dim={config.dim}, num_candidates={config.num_candidates}")
+          f"dim={config.dim}, num_candidates={config.num_candidates}, "
+          f"side_features={config.side_features}")
   if n == 0:
     raise ValueError("the stream holds no queries")
 

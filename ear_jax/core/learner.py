@@ -77,7 +77,9 @@ def make_optimizer(config: EARConfig) -> optax.GradientTransformation:
       parts.append(optax.scale_by_schedule(schedule(config.lr_schedule_steps)))
     return parts[0] if len(parts) == 1 else optax.chain(*parts)
 
-  return optax.inject_hyperparams(build)(learning_rate=jnp.float32(0.0))
+  # A weak 0.0: `init` stores the learning rate in the parameters' float dtype (float32, or float64
+  # for a float64 run), and `apply_gradients` keeps that dtype.
+  return optax.inject_hyperparams(build)(learning_rate=0.0)
 
 
 def init_learner(key: jax.Array, config: EARConfig) -> LearnerState:
@@ -96,10 +98,15 @@ def init_learner(key: jax.Array, config: EARConfig) -> LearnerState:
 
 def apply_gradients(state: LearnerState, grads: adapter_lib.AdapterParams, config: EARConfig,
                     hparams: HParams) -> LearnerState:
-  """One optax step `phi <- phi - eta * direction(grad)`, Eq. (18), with `eta` from `hparams`."""
+  """One optax step `phi <- phi - eta * direction(grad)`, Eq. (18), with `eta` from `hparams`.
+
+  `eta` takes the dtype of the learning rate in the optimizer state (the run's float dtype: float32,
+  or float64 in a float64 run), so a float64 run's `eta` is never rounded to float32.
+  """
+  stored = state.opt_state.hyperparams["learning_rate"]
   opt_state = state.opt_state._replace(hyperparams={
       **state.opt_state.hyperparams,
-      "learning_rate": jnp.asarray(hparams.learning_rate, jnp.float32)})
+      "learning_rate": jnp.asarray(hparams.learning_rate, stored.dtype)})
   updates, opt_state = make_optimizer(config).update(grads, opt_state, state.params)
   return state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state,
                        step=state.step + 1)
@@ -129,9 +136,7 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
     `(slates [R, s] int32, slate_mask [R, s] bool, labels [R, s] float32)`.
   """
   params = jax.lax.stop_gradient(params)
-  q_t = adapter_lib.adapt_queries(params, query)
-  m_t = adapter_lib.adapt_memories(params, candidates)
-  z = adapter_lib.relevance_logits(q_t, m_t)
+  z, m_t = adapter_lib.relevance(params, query, candidates)
 
   def feedback(k, slate, slate_mask):
     return critic(k, critic_lib.slate_view(query, candidates, gold, slate, slate_mask))

@@ -173,9 +173,7 @@ def slate_from_candidates(params: adapter_lib.AdapterParams, query: jax.Array,
   Returns:
     `(slate [s] int32, slate_mask [s] bool, logits z [K])`.
   """
-  q_t = adapter_lib.adapt_queries(params, query)
-  m_t = adapter_lib.adapt_memories(params, candidates)
-  z = adapter_lib.relevance_logits(q_t, m_t)
+  z, m_t = adapter_lib.relevance(params, query, candidates)
   if stats is None:
     slate, slate_mask = top_s_slate(z, where, slate_size)
   else:
@@ -249,9 +247,8 @@ def explorer_slate(key: jax.Array, params: adapter_lib.AdapterParams, query: jax
   Returns:
     The `ExplorerOutput`; the final slate is `out.slates[-1]`.
   """
-  q_t = adapter_lib.adapt_queries(params, query)
-  m_t = adapter_lib.adapt_memories(params, candidates)
-  return explorer_lib.explore(key, adapter_lib.relevance_logits(q_t, m_t), m_t @ m_t.T, where,
+  z, m_t = adapter_lib.relevance(params, query, candidates)
+  return explorer_lib.explore(key, z, m_t @ m_t.T, where,
                               feedback, hparams, num_rounds, slate_size)
 
 

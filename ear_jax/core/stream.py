@@ -24,13 +24,14 @@ class Stream:
 
   Attributes:
     queries: `[N, d]` float32 pre-adapter query embeddings (unit vectors).
-    candidates: `[N, K, d]` float32 pre-adapter candidate embeddings (zeros where masked).
+    candidates: `[N, K, d]` float32 pre-adapter candidate embeddings (zeros where masked); with
+      first-stage side features `[N, K, d + F]`: each row is `[embedding | features]`.
     mask: `[N, K]` bool, True where the candidate is a real memory.
     gold: `[N, K]` bool, True where the candidate is a gold memory of the query.
     num_gold: `[N]` int32, gold memories of the query in its whole bank (>= gold.sum(-1)).
   """
   queries: jax.Array  # [N, d] float32
-  candidates: jax.Array  # [N, K, d] float32
+  candidates: jax.Array  # [N, K, d (+ F)] float32
   mask: jax.Array  # [N, K] bool
   gold: jax.Array  # [N, K] bool
   num_gold: jax.Array  # [N] int32
@@ -42,6 +43,11 @@ class Stream:
   @property
   def dim(self) -> int:
     return int(self.queries.shape[-1])
+
+  @property
+  def num_side_features(self) -> int:
+    """`F`, first-stage side features per candidate row (0: plain embeddings)."""
+    return int(self.candidates.shape[-1] - self.queries.shape[-1])
 
   @property
   def num_candidates(self) -> int:
@@ -60,7 +66,8 @@ def _check(assertion, *args, message: str):
     raise ValueError(f"{message} ({str(e).strip()[:200]})") from None
 
 
-def make_stream(queries, candidates, mask=None, gold=None, num_gold=None) -> Stream:
+def make_stream(queries, candidates, mask=None, gold=None, num_gold=None,
+                features=None) -> Stream:
   """Builds and validates a `Stream` from array-likes.
 
   Args:
@@ -69,6 +76,7 @@ def make_stream(queries, candidates, mask=None, gold=None, num_gold=None) -> Str
     mask: optional `[N, K]` bool candidate mask (default: all valid).
     gold: optional `[N, K]` bool gold mask (default: no gold).
     num_gold: optional `[N]` total gold per query (default: `gold.sum(-1)`).
+    features: optional `[N, K, F]` first-stage side features, appended to each candidate row.
 
   Returns:
     A `Stream` of numpy arrays with canonical dtypes.
@@ -102,6 +110,12 @@ def make_stream(queries, candidates, mask=None, gold=None, num_gold=None) -> Str
     raise ValueError("num_gold is smaller than the number of gold candidates for some query")
   for name, arr in (("queries", queries), ("candidates", candidates)):
     _check(chex.assert_tree_all_finite, arr, message=f"{name} contains NaN or Inf")
+  if features is not None:
+    features = np.asarray(features, np.float32)
+    _check(chex.assert_shape, features, (n, k, None),
+           message=f"features must be [N, K, F] with [N, K] = {(n, k)}, got {features.shape}")
+    _check(chex.assert_tree_all_finite, features, message="features contains NaN or Inf")
+    candidates = np.concatenate([candidates, np.where(mask[..., None], features, 0.0)], -1)
   return Stream(queries=queries, candidates=candidates, mask=mask, gold=gold, num_gold=num_gold)
 
 

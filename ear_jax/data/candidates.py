@@ -2,7 +2,7 @@
 
 Symbols: `N` queries, `K` candidates per query, `M` memories in a bank, `d` embedding dimension.
 
-`top_k_candidates` scores queries against one bank in fixed-size, jitted batches (banks padded to a
+`first_stage.top_k_candidates` (dense) scores queries against one bank in fixed-size, jitted batches (banks padded to a
 power of two so only a few shapes compile) and returns candidate indices in rank order, padded to K
 with `-1` and a mask when the bank has fewer than K memories. `build_benchmark` does this for every
 bank of a `corpus.Corpus` and assembles a `Benchmark` (the stream plus ids, texts, stores,
@@ -19,18 +19,17 @@ import dataclasses
 import time
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
-from ear_jax.core import retrieval
 from ear_jax.core import stream as stream_lib
 from ear_jax.data import corpora
 from ear_jax.data import corpus as corpus_lib
 from ear_jax.data import encoders
+from ear_jax.data import first_stage
 from ear_jax.data import synthetic
 
 DEFAULT_K = 20
-_QUERY_BATCH = 64
+top_k_candidates = first_stage.top_k_candidates  # the dense first stage (Eq. (1))
 
 
 @dataclasses.dataclass
@@ -80,45 +79,6 @@ class Benchmark:
         num_gold_store=self.num_gold_store[index])
 
 
-def top_k_candidates(queries: np.ndarray, bank: np.ndarray, k: int, valid: np.ndarray | None = None,
-                     batch_size: int = _QUERY_BATCH) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Top-`k` memories of one bank by cosine for each query (ties: lower index first).
-
-  Args:
-    queries: `[Nq, d]` unit query embeddings.
-    bank: `[M, d]` unit memory embeddings.
-    k: K, the number of candidates.
-    valid: optional `[M]` bool, memories that may be chosen (e.g. one store).
-    batch_size: queries per jitted call (the last batch is padded).
-
-  Returns:
-    (`index` `[Nq, K]` int32 memory indices, -1 on padding; `scores` `[Nq, K]` float32, -inf on
-    padding; `mask` `[Nq, K]` bool, True on real candidates), in decreasing score order.
-  """
-  queries = np.asarray(queries, np.float32)
-  bank = np.asarray(bank, np.float32)
-  nq, m = queries.shape[0], bank.shape[0]
-  valid = np.ones(m, bool) if valid is None else np.asarray(valid, bool)
-  mp = max(k, 1 << max(0, int(np.ceil(np.log2(max(m, 1))))))
-  bank_p = np.zeros((mp, bank.shape[1]), np.float32)
-  bank_p[:m] = bank
-  valid_p = np.zeros(mp, bool)
-  valid_p[:m] = valid
-  idx = np.full((nq, k), -1, np.int32)
-  sc = np.full((nq, k), -np.inf, np.float32)
-  for s in range(0, nq, batch_size):
-    qb = np.zeros((batch_size, queries.shape[1]), np.float32)
-    n = min(batch_size, nq - s)
-    qb[:n] = queries[s:s + n]
-    i, v, _ = retrieval.top_k_search_jit(jnp.asarray(qb), jnp.asarray(bank_p), jnp.asarray(valid_p),
-                                         k=k)
-    sc[s:s + n] = np.asarray(v)[:n]
-    idx[s:s + n] = np.asarray(i)[:n]
-  mask = np.isfinite(sc)
-  idx = np.where(mask, idx, -1)
-  return idx, sc, mask
-
-
 def embed_corpus(corpus: corpus_lib.Corpus, encoder="minilm", *, cache_dir=None, progress=True,
                  multistore: bool = False) -> tuple[corpus_lib.EmbeddedCorpus, dict]:
   """Encodes every query and the memories (of the stores used) of every queried bank, once.
@@ -155,13 +115,26 @@ def embed_corpus(corpus: corpus_lib.Corpus, encoder="minilm", *, cache_dir=None,
 
 
 def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
-                    multistore: bool = False) -> Benchmark:
+                    multistore: bool = False, candidates: str = "dense",
+                    side_features: bool = False,
+                    first_stage_options: first_stage.FirstStageOptions | None = None) -> Benchmark:
   """Top-K candidates, gold masks and the `Stream` for every evaluable query of an embedded corpus.
 
   Single-store: candidates from the dialogue store (store 0) only. Multi-store: top-K/2 from each
   store, merged in score order. Queries with no gold memory among the stores used are excluded and
   counted in `stats['queries_without_gold_in_stores_excluded']`.
+
+  Args:
+    ec: the embedded corpus.
+    k: K, candidates per query.
+    multistore: top-K/2 dialogue turns + top-K/2 observations (Section 5).
+    candidates: the first stage, a name in `first_stage.GENERATORS` ('dense', 'bm25', 'hybrid').
+    side_features: append the first-stage features (`first_stage.FEATURES`) to every candidate
+      row of the stream (for `EARConfig.side_features`).
+    first_stage_options: the hybrid fusion's settings (default `FirstStageOptions()`).
   """
+  generator = first_stage.check_generator(candidates)
+  fs_options = first_stage_options or first_stage.FirstStageOptions()
   corpus = ec.corpus
   if multistore and k % 2:
     raise ValueError(f"multi-store candidates need an even K, got {k}")
@@ -175,21 +148,28 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
   scores = np.full((nq, k), -np.inf, np.float32)
   gold = np.zeros((nq, k), bool)
   num_gold_store = np.zeros((nq, 2), np.int32)
+  feats = np.zeros((nq, k, len(first_stage.FEATURES)), np.float32) if side_features else None
   for g, rows in by_group.items():
     bank = corpus.banks[g]
-    b_emb = ec.bank_embeddings[g]
-    q_emb = ec.query_embeddings[rows]
+    used = np.ones(len(bank), bool) if multistore else bank.stores == corpus_lib.STORE_DIALOGUE
+    inputs = first_stage.bank_inputs(
+        ec.query_embeddings[rows], ec.bank_embeddings[g],
+        [corpus.queries[n].text for n in rows],
+        list(bank.texts) if bank.texts else [""] * len(bank), used, lexical_rows=used)
     if multistore:
-      parts = [top_k_candidates(q_emb, b_emb, k // 2, valid=bank.stores == s) for s in (0, 1)]
+      parts = [generator(inputs._replace(valid=bank.stores == s), k // 2, fs_options)
+               for s in (0, 1)]
       idx = np.concatenate([p[0] for p in parts], 1)
       sc = np.concatenate([p[1] for p in parts], 1)
       order = np.argsort(-sc, axis=1, kind="stable")
       idx = np.take_along_axis(idx, order, 1)
       sc = np.take_along_axis(sc, order, 1)
     else:
-      idx, sc, _ = top_k_candidates(q_emb, b_emb, k, valid=bank.stores == corpus_lib.STORE_DIALOGUE)
+      idx, sc = generator(inputs, k, fs_options)
     index[rows] = idx
     scores[rows] = sc
+    if side_features:
+      feats[rows] = first_stage.features(inputs, idx, sc)
     for r, n in enumerate(rows):
       gm = corpus_lib.gold_mask(bank, corpus.queries[n].gold)
       if not multistore:
@@ -216,8 +196,12 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
       cand_store[n, j] = bank.stores[i]
     cand_emb[n, mask[n]] = ec.bank_embeddings[q.group][index[n, mask[n]]]
   strm = stream_lib.make_stream(ec.query_embeddings[keep], cand_emb[keep], mask[keep], gold[keep],
-                                num_gold[keep])
+                                num_gold[keep], features=None if feats is None else feats[keep])
   stats["k"] = k
+  stats["candidates"] = candidates
+  if candidates == "hybrid":
+    stats["first_stage_options"] = dataclasses.asdict(fs_options)
+  stats["side_features"] = list(first_stage.FEATURES) if side_features else []
   stats["multistore"] = multistore
   stats["banks_smaller_than_k"] = int(sum(
       int((b.stores == 0).sum() if not multistore else len(b)) < k for b in corpus.banks))
@@ -281,7 +265,8 @@ def retriever_report(bench: Benchmark, s: int = 5) -> dict:
 
 def load_benchmark(name: str, *, data_dir=None, encoder="minilm", k: int = DEFAULT_K,
                    multistore: bool = False, limit: int | None = None, cache_dir=None, seed: int = 0,
-                   progress: bool = True) -> Benchmark:
+                   progress: bool = True, candidates: str = "dense", side_features: bool = False,
+                   first_stage_options: first_stage.FirstStageOptions | None = None) -> Benchmark:
   """Loads, encodes (with the on-disk cache) and builds the candidate stream of a benchmark.
 
   Args:
@@ -298,10 +283,14 @@ def load_benchmark(name: str, *, data_dir=None, encoder="minilm", k: int = DEFAU
     cache_dir: embedding cache root (else `$EAR_CACHE_DIR`, else ~/.cache/ear_jax).
     seed: generator seed, used by 'synthetic' only.
     progress: tqdm progress bar while encoding.
+    candidates: the first stage ('dense', 'bm25', 'hybrid'; `first_stage.GENERATORS`).
+    side_features: append the first-stage features to every candidate row (`build_benchmark`).
+    first_stage_options: the hybrid fusion's settings.
 
   Returns:
     A `Benchmark`.
   """
+  first_stage.check_generator(candidates)
   if name == "synthetic":
     kw = {} if limit is None else {"num_queries": int(limit)}
     ec = synthetic.make_synthetic(seed=seed, multistore=multistore, **kw)
@@ -310,6 +299,7 @@ def load_benchmark(name: str, *, data_dir=None, encoder="minilm", k: int = DEFAU
     corpus = corpora.load_corpus(name, data_dir=data_dir, limit=limit)
     ec, info = embed_corpus(corpus, encoder, cache_dir=cache_dir, progress=progress,
                             multistore=multistore)
-  bench = build_benchmark(ec, k=k, multistore=multistore)
+  bench = build_benchmark(ec, k=k, multistore=multistore, candidates=candidates,
+                          side_features=side_features, first_stage_options=first_stage_options)
   bench.stats["encoding"] = info
   return bench

@@ -63,10 +63,90 @@ def check_texts(texts: Sequence[str]) -> list[str]:
   return texts
 
 
-def l2_normalize(x: np.ndarray) -> np.ndarray:
-  """Rows scaled to unit L2 norm (zero rows stay zero), float32."""
-  norm = np.linalg.norm(x, axis=-1, keepdims=True)
-  return (x / np.maximum(norm, 1e-12)).astype(np.float32)
+# A float32 row whose norm is at most this (or infinite) is rescaled before it is normalised.
+_MIN_NORM = 1e-12
+_NOT_REAL = {"c": "complex numbers (the imaginary part would be dropped; pass np.real(x) or "
+                  "np.abs(x) explicitly if that is meant)",
+             "b": "booleans", "U": "strings", "S": "bytes", "O": "Python objects (ragged rows, "
+             "None or non-numeric values?)", "M": "dates", "m": "time deltas",
+             "V": "structured records"}
+
+
+def _is_real_dtype(dtype: np.dtype) -> bool:
+  """Float or integer dtypes, including JAX's extra floats (bfloat16, float8_*)."""
+  if dtype.kind in "fiu":
+    return True
+  if dtype.kind != "V":  # ml_dtypes' floats are kind "V"; its finfo would accept complex too
+    return False
+  try:
+    import ml_dtypes  # pylint: disable=g-import-not-at-top
+    ml_dtypes.finfo(dtype)
+    return True
+  except (ImportError, ValueError, TypeError):
+    return False
+
+
+def real_array(x, what: str) -> np.ndarray:
+  """`x` as a NumPy array of real numbers (float or integer dtype), never silently converted.
+
+  Raises:
+    ValueError: naming `what` and the problem: complex (its imaginary part would be dropped),
+      boolean, string, object (ragged rows, None) or other non-real values, or something that
+      is not an array at all.
+  """
+  if isinstance(x, (str, bytes)):
+    raise ValueError(f"{what} must be an array of real numbers, got a {type(x).__name__}")
+  try:
+    arr = np.asarray(x)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{what} must be an array of real numbers: {e}") from None
+  if not _is_real_dtype(arr.dtype):
+    kind = _NOT_REAL.get(arr.dtype.kind, "not real numbers")
+    raise ValueError(f"{what} has dtype {arr.dtype}: {kind}; embeddings must be real numbers "
+                     "(a float array)")
+  return arr
+
+
+def unit_rows(x: np.ndarray, what: str) -> np.ndarray:
+  """`[n, d]` real rows scaled to unit L2 norm, float32, without overflow or underflow.
+
+  An ordinary row (float32 norm finite and above 1e-12) is `x / ||x||` in float32, the plain
+  float32 normalisation bit for bit. A row whose float32 squares overflow or underflow (entries
+  beyond about 1e19 or below about 1e-19 in size, or float64 values beyond float32's range) is
+  first divided by its largest `|x_i|` in float64 (or the input's wider float), then normalised.
+
+  Args:
+    x: `[n, d]` real array (see `real_array`).
+    what: what `x` is, for errors (e.g. `"memory embeddings"` or `"<file>: embeddings"`).
+
+  Returns:
+    `[n, d]` float32 unit rows.
+
+  Raises:
+    ValueError: naming `what` and the rows that hold NaN or Inf, or that are all zero.
+  """
+  x = np.asarray(x)
+  bad = ~np.all(np.isfinite(x), axis=-1)
+  if bad.any():
+    raise ValueError(f"{what} contains non-finite values (NaN or Inf) in row(s) "
+                     f"{np.nonzero(bad)[0][:10].tolist()}")
+  with np.errstate(over="ignore", under="ignore"):
+    x32 = x.astype(np.float32)  # as np.asarray(x, np.float32): a float64 beyond 3.4e38 -> inf
+    norm = np.linalg.norm(x32, axis=-1, keepdims=True)
+  ok = np.isfinite(norm[:, 0]) & (norm[:, 0] > _MIN_NORM)
+  out = x32 / np.where(ok[:, None], norm, np.float32(1))
+  if not ok.all():
+    rows = np.nonzero(~ok)[0]
+    wide = np.longdouble if x.dtype == np.longdouble else np.float64
+    r = x[rows].astype(wide)
+    scale = np.max(np.abs(r), axis=-1, keepdims=True)
+    zero = scale[:, 0] == 0
+    if zero.any():
+      raise ValueError(f"{what} contains all-zero row(s) {rows[zero][:10].tolist()}: an "
+                       "embedding must have a direction")
+    r = r / scale  # entries in [-1, 1], the largest +-1: the squares neither overflow nor vanish
+    out[rows] = (r / np.linalg.norm(r, axis=-1, keepdims=True)).astype(np.float32)
+  return out
 
 
 def hash_file(path: pathlib.Path) -> str:

@@ -5,12 +5,15 @@ Symbols: `n` texts, `d` embedding dimension.
 Either a `.npz` file with `embeddings` `[n, d]` float and EITHER `texts` `[n]` str (looked up by exact
 text) OR `keys` `[n]` str (the hex sha256 of each UTF-8 text, `embedding_cache.text_key`), or a `.npy`
 file `[n, d]` with a sidecar `<same stem>.texts.json` (a JSON list of the n texts). Every requested
-text must be present. Rows are L2-normalised on load.
+text must be present. Rows are L2-normalised on load, without overflow or underflow
+(`encoder_base.unit_rows`); a non-real dtype (complex, bool, strings), NaN / Inf or an
+all-zero row is an error naming the file.
 """
 from __future__ import annotations
 
 import json
 import pathlib
+import zipfile
 
 import numpy as np
 
@@ -18,11 +21,21 @@ from ear_jax.data import embedding_cache
 from ear_jax.data import encoder_base
 
 
+def _read(z, name: str, path: pathlib.Path) -> np.ndarray:
+  """Array `name` of an open `.npz`; an object array (ragged rows, None) is an error naming both."""
+  try:
+    return z[name]
+  except ValueError as e:
+    raise ValueError(f"{path}: array {name!r} cannot be read ({e}; an array of Python objects, "
+                     "e.g. ragged rows or None, is not allowed)") from None
+
+
 class PrecomputedEncoder(encoder_base.Encoder):
   """Embeddings looked up in a `.npz` (`embeddings` + `texts` or `keys`) or `.npy` (+ `.texts.json`).
 
   Raises:
-    ValueError: naming the file, when it is missing, malformed, or holds NaN/Inf.
+    ValueError: naming the file, when it is missing, malformed, not real numbers, or holds
+      NaN / Inf or an all-zero row.
   """
 
   def __init__(self, path):
@@ -33,29 +46,36 @@ class PrecomputedEncoder(encoder_base.Encoder):
     self.name = path.stem
     text_key = embedding_cache.text_key
     if path.suffix == ".npz":
-      with np.load(path, allow_pickle=False) as z:
-        if "embeddings" not in z:
-          raise ValueError(f"{path}: missing array 'embeddings' (expected 'embeddings' and 'texts' or 'keys')")
-        emb = np.asarray(z["embeddings"], np.float32)
-        if "keys" in z:
-          keys = [str(k) for k in z["keys"]]
-        elif "texts" in z:
-          keys = [text_key(str(t)) for t in z["texts"]]
-        else:
-          raise ValueError(f"{path}: missing array 'texts' or 'keys' next to 'embeddings'")
+      try:
+        with np.load(path, allow_pickle=False) as z:
+          if "embeddings" not in z:
+            raise ValueError(f"{path}: missing array 'embeddings' (expected 'embeddings' and "
+                             "'texts' or 'keys')")
+          emb = _read(z, "embeddings", path)
+          if "keys" in z:
+            keys = [str(k) for k in _read(z, "keys", path)]
+          elif "texts" in z:
+            keys = [text_key(str(t)) for t in _read(z, "texts", path)]
+          else:
+            raise ValueError(f"{path}: missing array 'texts' or 'keys' next to 'embeddings'")
+      except (OSError, EOFError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path}: not a readable .npz file ({type(e).__name__}: {e})") from None
     elif path.suffix == ".npy":
-      emb = np.asarray(np.load(path, allow_pickle=False), np.float32)
+      try:
+        emb = np.load(path, allow_pickle=False)
+      except (OSError, EOFError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable .npy array of numbers ({type(e).__name__}: "
+                         f"{e})") from None
       side = path.with_suffix(".texts.json")
       if not side.is_file():
         raise ValueError(f"{path}: a .npy of embeddings needs its texts in {side} (a JSON list)")
       keys = [text_key(t) for t in json.loads(side.read_text())]
     else:
       raise ValueError(f"{path}: precomputed embeddings must be a .npy or .npz file")
+    emb = encoder_base.real_array(emb, f"{path}: embeddings")
     if emb.ndim != 2 or emb.shape[0] != len(keys):
       raise ValueError(f"{path}: embeddings shape {emb.shape} does not match {len(keys)} texts/keys")
-    if not np.all(np.isfinite(emb)):
-      raise ValueError(f"{path}: embeddings contain NaN or Inf")
-    self._emb = encoder_base.l2_normalize(emb)
+    self._emb = encoder_base.unit_rows(emb, f"{path}: embeddings")  # NaN / Inf / zero rows refused
     self._index = {k: i for i, k in enumerate(keys)}
     self.dim = int(emb.shape[1])
     self.max_length = None

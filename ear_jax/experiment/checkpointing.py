@@ -16,7 +16,10 @@ Restoring checks the JSON BEFORE touching the arrays: a checkpoint of another co
 or segmentation is a `ValueError` that says what differs; an unreadable or foreign directory is a
 `CheckpointError`. Nothing here ever deletes or rewrites an existing checkpoint on a failed restore.
 
-Research code restores a trained adapter with `restore_adapter(workdir)`.
+A finished run also keeps its final adapters alone (`save_adapter`, `ADAPTER_FORMAT`): only the
+`AdapterParams` of every seed, one small verified step in `<workdir>/runs/<run>/adapter/`, written
+whether or not training checkpoints were asked for. Research code restores a trained adapter with
+`restore_adapter(workdir, run=...)`, from that store or from the run's training checkpoints.
 """
 from __future__ import annotations
 
@@ -34,6 +37,8 @@ from ear_jax.core.config import EARConfig, HParams
 from ear_jax.io.checkpoints import CheckpointError, CheckpointStore, check_compatible
 
 FORMAT = "ear_jax.run_checkpoint/2"
+ADAPTER_FORMAT = "ear_jax.run_adapter/1"  # a finished run's final adapters alone (`save_adapter`)
+ADAPTER_DIR = "adapter"  # `<workdir>/runs/<run>/adapter`
 _UNTOUCHED = "The existing checkpoints were left untouched"
 
 
@@ -187,36 +192,122 @@ class RunCheckpointer:
     self._store.close()
 
 
+def save_adapter(directory, params, *, config: EARConfig, hparams: HParams, seeds: Sequence[int],
+                 position: int) -> pathlib.Path:
+  """Saves a finished run's final adapters (every seed) as one small verified checkpoint step.
+
+  Only the `AdapterParams` are stored (for the full adapter `2 d^2` float32 per seed: 1.2 MB at
+  d = 384), not the optimizer state or the Experience Buffer that make a training checkpoint large.
+  A save replaces the previous one atomically (a new step is written and verified before the older
+  one is removed, `CheckpointStore(max_to_keep=1)`), so a rerun into the same workdir leaves the
+  adapter that goes with its own `result.json`, and a kill at any moment leaves one of the two.
+
+  Args:
+    directory: the store, `<workdir>/runs/<run>/adapter`.
+    params: `AdapterParams` with a leading seed axis `[S, ...]` (numpy or jax).
+    config: the run's static config.
+    hparams: the run's hyperparameters.
+    seeds: the `S` seeds.
+    position: training queries seen (the run's stream length).
+
+  Returns:
+    The step directory written.
+
+  Raises:
+    CheckpointError: the write or its verification failed (the previous adapter is kept).
+  """
+  meta = {"format": ADAPTER_FORMAT, "config": config.to_dict(), "hparams": _hparams_json(hparams),
+          "seeds": [int(s) for s in seeds], "position": int(position),
+          "leaves": _leaf_specs(params)}
+  with contextlib.closing(CheckpointStore(directory, max_to_keep=1)) as store:
+    latest = store.latest_step()
+    return store.save(0 if latest is None else latest + 1, {"params": params}, meta)
+
+
 def find_run_dirs(workdir) -> list:
   """Run checkpoint directories under `workdir` (`workdir/checkpoints/<run>`, or `workdir` itself)."""
   workdir = pathlib.Path(workdir)
-  cands = [workdir] + (sorted(p for p in (workdir / "checkpoints").iterdir() if p.is_dir())
-                       if (workdir / "checkpoints").is_dir() else [])
+  cands = ([workdir] if workdir.name != ADAPTER_DIR else []) + (
+      sorted(p for p in (workdir / "checkpoints").iterdir() if p.is_dir())
+      if (workdir / "checkpoints").is_dir() else [])
   return [p for p in cands if any(c.is_dir() and c.name.isdigit() for c in p.iterdir())]
+
+
+def find_adapter_dirs(workdir) -> list:
+  """Final-adapter stores under `workdir` (`workdir/runs/<run>/adapter`, or `workdir` itself)."""
+  workdir = pathlib.Path(workdir)
+  cands = [workdir] if workdir.name == ADAPTER_DIR else []
+  if (workdir / "runs").is_dir():
+    cands += sorted(p / ADAPTER_DIR for p in (workdir / "runs").iterdir()
+                    if (p / ADAPTER_DIR).is_dir())
+  return [p for p in cands if any(c.is_dir() and c.name.isdigit() for c in p.iterdir())]
+
+
+def _run_name(path: pathlib.Path) -> str:
+  return path.parent.name if path.name == ADAPTER_DIR else path.name
+
+
+def _stacked_state_target(config: EARConfig, num_seeds: int):
+  """Abstract `[S, ...]` LearnerState of `config` (`jax.eval_shape`: nothing is allocated)."""
+  return jax.eval_shape(jax.vmap(lambda k: learner.init_learner(k, config)),
+                        jax.ShapeDtypeStruct((num_seeds, 2), jnp.uint32))
+
+
+def _check_config(stored: EARConfig, config: Optional[EARConfig], where) -> None:
+  if config is not None and config != stored:
+    check_compatible(stored.to_dict(), config.to_dict(),
+                     f"config of the checkpoint in {where} (stored) and the requested one "
+                     "(expected)")
+
+
+def _restore_final_adapter(directory: pathlib.Path, config: Optional[EARConfig]):
+  """`(params [S, ...], config, meta)` from a `save_adapter` store."""
+  with contextlib.closing(CheckpointStore(directory, max_to_keep=None)) as store:
+    try:
+      meta = store.read_meta()
+    except CheckpointError as e:
+      raise CheckpointError(f"adapter {directory} is unreadable (corrupted?): {e}") from e
+    if meta.get("format") != ADAPTER_FORMAT:
+      raise CheckpointError(f"{directory} is not an ear_jax run adapter (no '{ADAPTER_FORMAT}' "
+                            "metadata): it was written by another program or is corrupted")
+    stored = _config_from_json(meta["config"])
+    _check_config(stored, config, directory)
+    target = _stacked_state_target(stored, len(meta["seeds"])).params
+    if _leaf_specs(target) != meta["leaves"]:
+      raise ValueError(f"adapter in {directory} has array shapes that do not match its config "
+                       f"{stored}")
+    tree, _ = store.restore(target={"params": target})
+  return tree["params"], stored, meta
 
 
 def restore_adapter(workdir, *, run: Optional[str] = None, config: Optional[EARConfig] = None,
                     seed_index: Optional[int] = 0, position: Optional[int] = None):
   """Restores a trained adapter from a run's workdir, for use in research code.
 
-  The arrays are restored against an abstract target built from the stored config
-  (`jax.eval_shape` of `learner.init_learner`), so nothing is allocated twice and a shape mismatch
-  is caught before any array is read.
+  Every finished run of `experiments.run` keeps its final adapters in `runs/<run>/adapter`
+  (`save_adapter`); a run with `--checkpoint_every` also has training checkpoints in
+  `checkpoints/<run>`, the only source of an intermediate `position`. The arrays are restored
+  against an abstract target built from the stored config (`jax.eval_shape` of
+  `learner.init_learner`), so nothing is allocated twice and a shape mismatch is caught before any
+  array is read.
 
   Args:
-    workdir: the `--workdir` of `experiments.run` (its `checkpoints/<run>` subdirectories are
-      searched) or a run checkpoint directory itself.
+    workdir: the `--workdir` of `experiments.run` (its `runs/<run>/adapter` and
+      `checkpoints/<run>` subdirectories are searched), a run checkpoint directory or an adapter
+      directory itself.
     run: the run name (e.g. 'ear'); needed when the workdir holds several runs.
     config: optional expected `EARConfig`; a checkpoint of another config is a ValueError naming
       the fields that differ.
     seed_index: which seed's adapter (`0..S-1`); None returns the stacked `[S, ...]` adapter.
-    position: the step (training queries seen); default the latest.
+    position: the step (training queries seen) of a training checkpoint; default the final
+      adapter (or the latest training checkpoint when the run kept no final adapter).
 
   Returns:
-    `(params: AdapterParams, config: EARConfig, meta: dict)`.
+    `(params: AdapterParams, config: EARConfig, meta: dict)`; `meta["position"]` is the number of
+    training queries the adapter has seen.
 
   Raises:
-    FileNotFoundError: no checkpoint found.
+    FileNotFoundError: no adapter or checkpoint found (or no training checkpoint for `position`).
     ValueError: other config / shape, ambiguous run.
     CheckpointError: unreadable or foreign checkpoint.
   """
@@ -225,39 +316,42 @@ def restore_adapter(workdir, *, run: Optional[str] = None, config: Optional[EARC
     raise FileNotFoundError(f"workdir {str(workdir)!r} does not exist")
   if run is not None:
     dirs = [workdir / "checkpoints" / run] if (workdir / "checkpoints" / run).is_dir() else []
+    adapters = [p for p in find_adapter_dirs(workdir) if _run_name(p) == run]
   else:
-    dirs = find_run_dirs(workdir)
-  if not dirs:
-    raise FileNotFoundError(f"no run checkpoint found under {str(workdir)!r}"
+    dirs, adapters = find_run_dirs(workdir), find_adapter_dirs(workdir)
+  names = sorted({_run_name(p) for p in dirs + adapters})
+  if not names:
+    raise FileNotFoundError(f"no run adapter or checkpoint found under {str(workdir)!r}"
                             + (f" for run {run!r}" if run else ""))
-  if len(dirs) > 1:
-    raise ValueError(f"{str(workdir)!r} holds several runs ({', '.join(p.name for p in dirs)}); "
-                     "pass run=<name>")
-  ckpt = RunCheckpointer(dirs[0])
-  meta = ckpt.read_meta(position)
-  stored = _config_from_json(meta["config"])
-  if config is not None and config != stored:
-    check_compatible(stored.to_dict(), config.to_dict(),
-                     f"config of the checkpoint in {dirs[0]} (stored) and the requested one "
-                     "(expected)")
-  seeds = meta["seeds"]
-  target = jax.eval_shape(
-      jax.vmap(lambda k: learner.init_learner(k, stored)),
-      jax.ShapeDtypeStruct((len(seeds), 2), jnp.uint32))
-  ckpt._target = {"state": target,  # pylint: disable=protected-access
-                  "keys": jax.ShapeDtypeStruct((len(seeds), 2), jnp.uint32)}
-  ckpt._ident = dict(meta)  # pylint: disable=protected-access
-  if _leaf_specs(ckpt._target) != meta["leaves"]:  # pylint: disable=protected-access
-    raise ValueError(f"checkpoint in {dirs[0]} has array shapes that do not match its config "
-                     f"{stored}")
-  with contextlib.closing(ckpt):
-    state, _, _ = ckpt.restore(meta["position"])
-  params = state.params
+  if len(names) > 1:
+    raise ValueError(f"{str(workdir)!r} holds several runs ({', '.join(names)}); pass run=<name>")
+  if position is None and adapters:
+    params, stored, meta = _restore_final_adapter(adapters[0], config)
+  else:
+    if not dirs:
+      raise FileNotFoundError(
+          f"run {names[0]!r} in {str(workdir)!r} kept only its final adapter ({adapters[0]}), no "
+          f"training checkpoint at position {position}: rerun it with --checkpoint_every=N")
+    ckpt = RunCheckpointer(dirs[0])
+    meta = ckpt.read_meta(position)
+    stored = _config_from_json(meta["config"])
+    _check_config(stored, config, dirs[0])
+    seeds = meta["seeds"]
+    ckpt._target = {"state": _stacked_state_target(stored, len(seeds)),  # pylint: disable=protected-access
+                    "keys": jax.ShapeDtypeStruct((len(seeds), 2), jnp.uint32)}
+    ckpt._ident = dict(meta)  # pylint: disable=protected-access
+    if _leaf_specs(ckpt._target) != meta["leaves"]:  # pylint: disable=protected-access
+      raise ValueError(f"checkpoint in {dirs[0]} has array shapes that do not match its config "
+                       f"{stored}")
+    with contextlib.closing(ckpt):
+      state, _, _ = ckpt.restore(meta["position"])
+    params = state.params
   if seed_index is not None:
-    if not 0 <= seed_index < len(seeds):
-      raise ValueError(f"seed_index={seed_index} out of range for {len(seeds)} seeds")
+    if not 0 <= seed_index < len(meta["seeds"]):
+      raise ValueError(f"seed_index={seed_index} out of range for {len(meta['seeds'])} seeds")
     params = jax.tree_util.tree_map(lambda x: x[seed_index], params)
   return params, stored, meta
 
 
-__all__ = ["CheckpointError", "RunCheckpointer", "find_run_dirs", "restore_adapter", "FORMAT"]
+__all__ = ["ADAPTER_DIR", "ADAPTER_FORMAT", "CheckpointError", "RunCheckpointer", "FORMAT",
+           "find_adapter_dirs", "find_run_dirs", "restore_adapter", "save_adapter"]

@@ -14,6 +14,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from ear_jax.experiment import sharding
 from ear_jax.experiment import stats
 
 
@@ -66,24 +67,29 @@ def learning_curves(path, curves: Mapping[str, list], *, metric: str = "recall_a
 
 
 def grouped_bars(path, groups: Sequence[str], series: Mapping[str, Mapping[str, Sequence[float]]],
-                 *, title: str = "", ylabel: str = "", paper: Optional[Mapping] = None):
-  """Grouped bars: for every group, one bar per series; height mean over seeds, error bar its 95%
-  t-interval over seeds (none with one seed).
+                 *, title: str = "", ylabel: str = "", paper: Optional[Mapping] = None,
+                 interval: str = stats.INTERVAL_LABEL):
+  """Grouped bars: for every group, one bar per series; height the mean of its values, error bar
+  the 95% t-interval of that mean (none for a single value).
 
   Args:
     path: output PNG path.
     groups: x-axis groups (e.g. question categories).
-    series: `{series_label: {group: [S] values}}`.
+    series: `{series_label: {group: [n] values}}`: per seed (the default) or, say, per question.
     title, ylabel: labels.
     paper: optional `{series_label: {group: value}}` drawn as black markers (the paper's numbers).
+    interval: what the values are samples of, for the legend ('95% t-interval over seeds'). When
+      every bar has a single value the legend says there is no interval instead.
   """
   plt = _plt()
   fig, ax = plt.subplots(figsize=(max(6.4, 1.2 * len(groups) * max(1, len(series)) / 2), 4.2))
   width = 0.8 / max(1, len(series))
   xs = np.arange(len(groups))
+  any_interval = False
   for i, (label, vals) in enumerate(series.items()):
     arrs = [_floats(vals.get(g, [])) for g in groups]
     ivs = [stats.mean_interval(a) for a in arrs]  # (mean, lo, hi, n)
+    any_interval |= any(np.isfinite(lo) for _, lo, _, _ in ivs)
     means = np.array([m for m, _, _, _ in ivs])
     yerr = np.array([[m - lo, hi - m] if np.isfinite(lo) else [0.0, 0.0]
                      for m, lo, hi, _ in ivs]).T.reshape(2, -1)
@@ -98,7 +104,8 @@ def grouped_bars(path, groups: Sequence[str], series: Mapping[str, Mapping[str, 
   ax.set_ylabel(ylabel)
   ax.set_title(title, fontsize=10)
   ax.grid(alpha=0.3, axis="y")
-  ax.legend(fontsize=8, title=f"error bars: {stats.INTERVAL_LABEL}", title_fontsize=7)
+  ax.legend(fontsize=8, title=f"error bars: {interval}" if any_interval else
+            "one value per bar: no interval", title_fontsize=7)
   fig.tight_layout()
   _save(fig, path)
 
@@ -202,9 +209,10 @@ def _floats(values) -> np.ndarray:
 
 
 def _save(fig, path):
-  path = pathlib.Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=110)
+  if sharding.is_primary():  # multi-process runs: process 0 alone writes files
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
   _plt().close(fig)
 
 

@@ -37,6 +37,7 @@ from ear_jax.core import learner
 from ear_jax.core.config import EARConfig, HParams, METHODS, default_hparams
 from ear_jax.core import critic as critic_lib
 from ear_jax.core.stream import Stream
+from ear_jax.experiment import sharding
 
 
 # Test-time mode of each method when a single number is quoted (Tables 2-3).
@@ -194,10 +195,10 @@ def _record_log(records) -> dict:
   }
 
 
-def _curve_point(position, states, ev) -> dict:
+def _curve_point(position, queries_seen, critic_calls, ev) -> dict:
   point = {"position": int(position),
-           "queries_seen": np.asarray(states.queries_seen).tolist(),
-           "critic_calls": np.asarray(states.critic_calls).tolist()}
+           "queries_seen": np.asarray(queries_seen).tolist(),
+           "critic_calls": np.asarray(critic_calls).tolist()}
   for m in METRIC_NAMES:
     point[m] = (100.0 * np.asarray(getattr(ev, m), np.float64)).tolist()
   return point
@@ -210,7 +211,8 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
                        checkpoint_every: Optional[int] = None,
                        checkpointer=None, resume: bool = False,
                        stop_after_chunks: Optional[int] = None,
-                       critic=None, progress: bool = False) -> RunResult:
+                       critic=None, progress: bool = False,
+                       seed_axis: Optional[sharding.SeedAxis] = None) -> RunResult:
   """Trains one method on every seed at once (vmap) and evaluates it on each seed's test set.
 
   Args:
@@ -230,6 +232,10 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
     stop_after_chunks: raise `Interrupted` after this many segments (after their checkpoint).
     critic: a critic pytree shared by the seeds (default: the paper's simulated critic).
     progress: show a tqdm bar over segments.
+    seed_axis: split the seeds over the devices of every process (`sharding.SeedAxis`); default:
+      when several processes run (`jax.distributed`), over all their devices, else one device.
+      Each device then trains and evaluates its own seeds with the same per-seed computation and
+      every process gets the whole result back; no checkpointer then (ValueError).
 
   Returns:
     A `RunResult`.
@@ -244,6 +250,12 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
   episode_key, eval_key = _split_seed_keys(seed_keys(seeds))
   init_keys, query_keys = _episode_keys(episode_key, n)
   states = _init_states(init_keys, config)
+  if seed_axis is None and jax.process_count() > 1:
+    seed_axis = sharding.SeedAxis(len(seeds))
+  if seed_axis is not None and checkpointer is not None:
+    raise ValueError(f"{name}: checkpoints of a run split over devices / processes are not "
+                     "offered; pass checkpointer=None")
+  place = _Placement(seed_axis, config, critic)
   seg = segment_length(n, config.batch_size, checkpoint_every, eval_every)
   seg = -(-seg // config.batch_size) * config.batch_size
   ecfg = _eval_config(config)
@@ -257,11 +269,12 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
       logs = [{k: np.asarray(v) for k, v in extra.get("train_log", {}).items()}] if position else []
       resumed_from = position
       logging.info("%s: resumed from position %d/%d", name, position, n)
+  states = place.states(states)
   if config.trains:
     if eval_every and position == 0:
-      ev = _evaluate_seeds(jax.vmap(jax.random.fold_in, (0, None))(eval_key, 0), states.params,
-                           test, hparams, ecfg, critic)
-      curve.append(_curve_point(0, states, ev))
+      ev = place.evaluate(jax.vmap(jax.random.fold_in, (0, None))(eval_key, 0), states, test,
+                          hparams, ecfg)
+      curve.append(_curve_point(0, *place.host((states.queries_seen, states.critic_calls, ev))))
     bar = None
     if progress:
       from tqdm import auto as tqdm  # pylint: disable=g-import-not-at-top
@@ -275,17 +288,19 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
       # the whole run compiles once.
       pad = np.minimum(np.arange(sl.start, sl.start + seg), n - 1)
       where = np.arange(sl.start, sl.start + seg) < n
-      states, records = _train_segment(states, query_keys[:, pad],
-                                       jax.tree_util.tree_map(lambda x: x[:, pad], train),
-                                       jnp.asarray(where), hparams, config, critic)
-      logs.append(_record_log(jax.tree_util.tree_map(lambda r: r[:, :end - sl.start], records)))
+      states, records = place.train(states, query_keys[:, pad],
+                                    jax.tree_util.tree_map(lambda x: x[:, pad], train),
+                                    where, hparams)
+      logs.append(_record_log(jax.tree_util.tree_map(lambda r: r[:, :end - sl.start],
+                                                     place.host(records))))
       position = end
       if bar is not None:
         bar.update(end - sl.start)
       if eval_every and (position % eval_every == 0 or position == n):
-        ev = _evaluate_seeds(jax.vmap(jax.random.fold_in, (0, None))(eval_key, position),
-                             states.params, test, hparams, ecfg, critic)
-        curve.append(_curve_point(position, states, ev))
+        ev = place.evaluate(jax.vmap(jax.random.fold_in, (0, None))(eval_key, position),
+                            states, test, hparams, ecfg)
+        curve.append(_curve_point(position, *place.host((states.queries_seen,
+                                                         states.critic_calls, ev))))
       chunks += 1
       if checkpointer is not None and (position == n or (
           checkpoint_every and position % checkpoint_every == 0)):
@@ -300,21 +315,61 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
       bar.close()
   elif checkpointer is not None and checkpointer.latest_position() is None:
     checkpointer.save(0, states, {"curve": [], "train_log": {}})
-  ev = _evaluate_seeds(eval_key, states.params, test, hparams, ecfg, critic)
+  ev = place.evaluate(eval_key, states, test, hparams, ecfg)
+  ev, final_state = place.host((ev, states))
   ev = {k: np.asarray(v) for k, v in ev._asdict().items()}
   if eval_every and not config.trains:
-    curve = [dict(_curve_point(0, states, _DictView(ev)), position=0)]
+    curve = [dict(_curve_point(0, final_state.queries_seen, final_state.critic_calls,
+                               _DictView(ev)), position=0)]
   train_log = ({k: np.concatenate([l[k] for l in logs], 1) for k in logs[0]} if logs else {})
   return RunResult(name=name, config=config, hparams=hparams, seeds=seeds,
                    train_index=train_index, test_index=np.asarray(test_index), eval=ev,
-                   curve=curve, train_log=train_log, final_state=jax.device_get(states),
-                   critic_calls=np.asarray(states.critic_calls),
+                   curve=curve, train_log=train_log, final_state=final_state,
+                   critic_calls=np.asarray(final_state.critic_calls),
                    wall_seconds=time.perf_counter() - t0, resumed_from=resumed_from)
 
 
 class _DictView:
   def __init__(self, d):
     self.__dict__.update(d)
+
+
+class _Placement:
+  """Where `train_and_evaluate` runs its seeds: one device (`seed_axis` None: the jitted calls as
+  they are) or split over the devices of every process (`sharding.SeedAxis`: the same jitted
+  per-seed functions inside `shard_map`, streams placed per segment, results all-gathered)."""
+
+  def __init__(self, seed_axis: Optional[sharding.SeedAxis], config: EARConfig, critic):
+    self.seed_axis, self.config, self.critic = seed_axis, config, critic
+
+  def states(self, states):
+    if self.seed_axis is None:
+      return states
+    return self.seed_axis.shard(jax.device_get(states))
+
+  def train(self, states, keys, streams, where, hparams):
+    if self.seed_axis is None:
+      return _train_segment(states, keys, streams, jnp.asarray(where), hparams, self.config,
+                            self.critic)
+    ax = self.seed_axis
+    return ax.map(_train_segment, {"states": states, "keys": ax.shard(jax.device_get(keys)),
+                                   "streams": ax.shard(streams)},
+                  {"where": np.asarray(where), "hparams": hparams, "critic": self.critic},
+                  config=self.config)
+
+  def evaluate(self, keys, states, streams, hparams, ecfg):
+    if self.seed_axis is None:
+      return _evaluate_seeds(keys, states.params, streams, hparams, ecfg, self.critic)
+    ax = self.seed_axis
+    return ax.map(_evaluate_seeds, {"keys": ax.shard(jax.device_get(keys)),
+                                    "params": states.params, "streams": ax.shard(streams)},
+                  {"hparams": hparams, "critic": self.critic}, config=ecfg)
+
+  def host(self, tree):
+    """Host numpy copies (multi-process: all-gathered, a collective every process must call)."""
+    if self.seed_axis is None:
+      return jax.device_get(tree)
+    return self.seed_axis.to_host(tree)
 
 
 __all__ = ["Interrupted", "RunResult", "build_config", "default_hparams", "seed_keys",

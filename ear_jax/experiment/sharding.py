@@ -11,6 +11,13 @@ multiple of `D` by repeating the last run; the padding is dropped from the resul
 
 On CPU, `XLA_FLAGS=--xla_force_host_platform_device_count=4` (set before JAX starts) gives four
 devices, which is how `tests/test_sharding.py` checks that sharded results equal unsharded ones.
+
+Several processes (issue 23; `jax.distributed`, CPU collectives over gloo): `initialize_distributed`
+first, then every process runs the same program. `SeedAxis` splits an experiment's seeds over all
+processes' devices (`runner.train_and_evaluate` uses it by itself when `jax.process_count() > 1`),
+`is_primary` says which process writes files, and `shard_bank_local` builds the global bank from
+the rows each process holds for `sharded_top_k_search`. `tests/test_multiprocess.py` runs both on
+two local processes.
 """
 from __future__ import annotations
 
@@ -62,12 +69,79 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
     num_processes = int(os.environ[ENV_NUM_PROCESSES])
   if process_id is None and os.environ.get(ENV_PROCESS_ID):
     process_id = int(os.environ[ENV_PROCESS_ID])
+  # CPU processes exchange data through gloo (the default, "none", refuses cross-process
+  # collectives); GPUs / TPUs ignore this setting.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if address == "auto":
     jax.distributed.initialize()
   else:
     jax.distributed.initialize(coordinator_address=address, num_processes=num_processes,
                                process_id=process_id)
   return True
+
+
+def is_primary() -> bool:
+  """True in the process that writes files: process 0 (the only process of a 1-process run)."""
+  return jax.process_index() == 0
+
+
+class SeedAxis:
+  """`S` seeds' `[S, ...]` trees on a mesh, the seed axis split over its devices (multi-process).
+
+  `runner.train_and_evaluate` uses it when several processes run (`jax.process_count() > 1`):
+  every process holds the same host arrays (it loaded the same benchmark), `shard` places each
+  device's seeds (padded to `S'`, a multiple of the device count, by repeating the last seed),
+  `map` runs a per-seed-batch function with `jax.shard_map` (each device `vmap`s its `S' / D`
+  seeds; nothing is communicated) and `to_host` all-gathers a result back to every process's
+  host, the padding dropped.
+  """
+
+  def __init__(self, num_seeds: int, mesh: Optional[Mesh] = None):
+    self.mesh = run_mesh() if mesh is None else mesh
+    self.num_seeds = int(num_seeds)
+    num_dev = self.mesh.devices.size
+    self.padded = -(-self.num_seeds // num_dev) * num_dev
+    self._rows = NamedSharding(self.mesh, P(RUN_AXIS))
+    self._replicated = NamedSharding(self.mesh, P())
+
+  def shard(self, tree):
+    """Host `[S, ...]` leaves -> global `[S', ...]` arrays split by seeds over the mesh."""
+    tree = _pad_runs(tree, self.num_seeds, self.padded)
+    return jax.tree_util.tree_map(lambda x: _global_array(x, self._rows), tree)
+
+  def to_host(self, tree):
+    """Global `[S', ...]` leaves -> host numpy `[S, ...]` on every process (a collective)."""
+    return jax.tree_util.tree_map(lambda x: np.asarray(x)[:self.num_seeds], gather_to_host(tree))
+
+  def map(self, fn, sharded: dict, replicated: dict, **static):
+    """`fn(**sharded, **replicated, **static)` with each device on its own seeds.
+
+    Args:
+      fn: a function of per-seed-batched arguments whose every output has the leading seed axis.
+      sharded: name -> global `[S', ...]` tree (from `shard` or an earlier `map`).
+      replicated: name -> host tree every device sees whole (hyperparameters, a critic).
+      **static: hashable static arguments (a config).
+
+    Returns:
+      `fn`'s outputs as global `[S', ...]` arrays split by seeds.
+    """
+    names = tuple(sharded) + tuple(replicated)
+    call = _seed_sharded_fn(fn, self.mesh, names, len(sharded), tuple(sorted(static.items())))
+    rep = [jax.tree_util.tree_map(lambda x: _global_array(np.asarray(x), self._replicated), v)
+           for v in replicated.values()]
+    return call(*sharded.values(), *rep)
+
+
+@functools.lru_cache(maxsize=None)
+def _seed_sharded_fn(fn, mesh: Mesh, names: tuple, num_sharded: int, static: tuple):
+  """The jitted `shard_map` of `fn` for `SeedAxis.map` (built once per function, mesh, statics)."""
+  in_specs = tuple(P(RUN_AXIS) if i < num_sharded else P() for i in range(len(names)))
+
+  def per_device(*args):
+    return fn(**dict(zip(names, args)), **dict(static))
+
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=P(RUN_AXIS),
+                               check_vma=False))
 
 
 def run_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
@@ -202,14 +276,67 @@ def shard_bank(bank: np.ndarray, valid: np.ndarray, mesh: Mesh):
   return _global_array(bank, rows), _global_array(valid, rows)
 
 
+def shard_bank_local(local_bank: np.ndarray, local_valid: np.ndarray,
+                     mesh: Optional[Mesh] = None):
+  """The global bank from the rows each process holds (issue 23: a bank split across processes).
+
+  Process `p` passes only its own `M_p` rows; the bank is their concatenation in process order
+  (global row = `M_0 + ... + M_{p-1}` + local row), as if one process held all of it. Every process
+  holds `R` rows (`max_p M_p` rounded up to a multiple of its device count; the padding rows are
+  invalid, and `row_ids` maps each held row to its global row, -1 for padding). A collective: every
+  process calls it (with the same mesh, in the same order). One process: `shard_bank` with row ids.
+
+  Args:
+    local_bank: `[M_p, d]` this process's rows.
+    local_valid: `[M_p]` their validity mask.
+    mesh: a 1-D `'bank'` mesh over every process's devices, process-major (default `bank_mesh()`).
+
+  Returns:
+    `(bank [P R, d], valid [P R], row_ids [P R] int32)`, global arrays split by rows over the mesh;
+    pass `row_ids` to `sharded_top_k_search`.
+  """
+  mesh = bank_mesh() if mesh is None else mesh
+  local_bank = np.asarray(local_bank)
+  local_valid = np.asarray(local_valid, bool)
+  if local_bank.ndim != 2 or local_valid.shape != local_bank.shape[:1]:
+    raise ValueError(f"local_bank must be [M_p, d] and local_valid [M_p], got {local_bank.shape} "
+                     f"and {local_valid.shape}")
+  num_local = len([d for d in mesh.devices.flat if d.process_index == jax.process_index()])
+  counts = np.asarray(_allgather_host(np.asarray([local_bank.shape[0]], np.int64))).reshape(-1)
+  rows = max(-(-int(counts.max()) // num_local) * num_local, num_local)
+  start = int(counts[:jax.process_index()].sum())
+  pad = rows - local_bank.shape[0]
+  ids = np.pad(np.arange(start, start + local_bank.shape[0], dtype=np.int32), (0, pad),
+               constant_values=-1)
+  by_rows = NamedSharding(mesh, P(BANK_AXIS))
+  size = rows * jax.process_count()
+
+  def put(x):
+    return jax.make_array_from_process_local_data(by_rows, x, (size,) + x.shape[1:])
+
+  return (put(np.pad(local_bank, ((0, pad), (0, 0)))), put(np.pad(local_valid, (0, pad))),
+          put(ids))
+
+
+def _allgather_host(x: np.ndarray) -> np.ndarray:
+  """`[P, ...]`: every process's `x` (one process: `x[None]`)."""
+  if jax.process_count() == 1:
+    return x[None]
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return np.asarray(multihost_utils.process_allgather(x))
+
+
 @functools.lru_cache(maxsize=None)
-def _sharded_search_fn(mesh: Mesh, k: int):
+def _sharded_search_fn(mesh: Mesh, k: int, with_rows: bool = False):
   """The jitted `shard_map` search: per-device top-K, all-gather, merge (built once per mesh, K)."""
 
-  def per_device(queries, bank, valid):
+  def per_device(queries, bank, valid, *row_ids):
     idx, vals, _ = retrieval.top_k_search(queries, bank, valid, k)
-    offset = jax.lax.axis_index(BANK_AXIS) * bank.shape[0]
-    idx = jnp.where(idx >= 0, idx + offset, -1)
+    if with_rows:  # the held rows' global numbers (`shard_bank_local`)
+      idx = jnp.where(idx >= 0, row_ids[0][jnp.maximum(idx, 0)], -1)
+    else:
+      offset = jax.lax.axis_index(BANK_AXIS) * bank.shape[0]
+      idx = jnp.where(idx >= 0, idx + offset, -1)
     # [D, n, K] from every device, in device order = ascending bank rows.
     all_vals = jax.lax.all_gather(vals, BANK_AXIS)
     all_idx = jax.lax.all_gather(idx, BANK_AXIS)
@@ -221,12 +348,13 @@ def _sharded_search_fn(mesh: Mesh, k: int):
     mask = vals > -jnp.inf
     return jnp.where(mask, idx, -1).astype(jnp.int32), vals, mask
 
-  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(BANK_AXIS), P(BANK_AXIS)),
-                               out_specs=P(), check_vma=False))
+  in_specs = (P(), P(BANK_AXIS), P(BANK_AXIS)) + ((P(BANK_AXIS),) if with_rows else ())
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=P(),
+                               check_vma=False))
 
 
 def sharded_top_k_search(queries, bank: jax.Array, valid: jax.Array, k: int, *,
-                         mesh: Optional[Mesh] = None):
+                         mesh: Optional[Mesh] = None, row_ids: Optional[jax.Array] = None):
   """`retrieval.top_k_search` over a bank split by rows across devices (`shard_bank`).
 
   Each device searches its own rows (the streamed exact top-K of `top_k_search`), the `D` lists of
@@ -241,10 +369,15 @@ def sharded_top_k_search(queries, bank: jax.Array, valid: jax.Array, k: int, *,
     valid: `[M']` its validity mask.
     k: `K`.
     mesh: the mesh the bank was sharded with (default: `bank_mesh()`).
+    row_ids: `[M']` the global row of each held row (`shard_bank_local`: a bank split across
+      processes); None: rows are numbered by position (`shard_bank`).
 
   Returns:
-    `(index [n, K] int32 (-1 = padding), scores [n, K], mask [n, K])`, best first.
+    `(index [n, K] int32 (-1 = padding), scores [n, K], mask [n, K])`, best first, replicated on
+    every device of every process (multi-process: each reads it with `np.asarray`).
   """
   mesh = bank_mesh() if mesh is None else mesh
   queries = _global_array(np.asarray(queries, np.float32), NamedSharding(mesh, P()))
-  return _sharded_search_fn(mesh, int(k))(queries, bank, valid)
+  if row_ids is None:
+    return _sharded_search_fn(mesh, int(k))(queries, bank, valid)
+  return _sharded_search_fn(mesh, int(k), True)(queries, bank, valid, row_ids)

@@ -160,6 +160,7 @@ def store_proximity_delta(params: adapter_lib.AdapterParams, queries: jax.Array,
     return out[0] - out[1]
 
   unit = adapter_lib.safe_normalize
+  candidates = adapter_lib.split_candidates(params, candidates)[0]  # embeddings (no side features)
   before = delta(unit(queries), unit(candidates))
   q_t = jax.vmap(lambda q: adapter_lib.adapt_queries(params, q))(queries)
   m_t = jax.vmap(lambda c: adapter_lib.adapt_memories(params, c))(candidates)
@@ -180,7 +181,23 @@ def versions() -> dict:
     out["orbax_checkpoint"] = ocp.__version__
   except Exception:  # pylint: disable=broad-except
     pass
+  # XLA compiles for the host's instruction set, so float rounding (and through EAR's argmax
+  # decisions, a few slates) can differ between CPU models: results name theirs (issue 20).
+  out["cpu"] = _cpu_model()
   return out
+
+
+def _cpu_model() -> str:
+  """The CPU model name (Linux `/proc/cpuinfo`), else `platform.processor()` / machine."""
+  import platform  # pylint: disable=g-import-not-at-top
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine() or "unknown"
 
 
 __all__ = ["ceiling", "config_dict", "first_crossing", "hparams_dict", "mean_std",

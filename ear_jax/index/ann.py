@@ -23,11 +23,23 @@ A searcher with `rerank > 1` proposes `rerank * K` rows; `ear_jax.agent.bank` re
 the exact inner product against its device rows (per store with `multistore`) and keeps the K
 best, in the same jitted call as the candidate gather.
 
+A searcher is saved as itself, not rebuilt (`FaissSearcher.state` / `restore_state`): each store's
+faiss index in faiss's own serialisation (`faiss.serialize_index`, a uint8 array) and its bank rows.
+Rebuilding could not give the same index back: IVF / PQ train on the vectors held when a store
+reaches its training size, which depends on how the rows were batched into `add`s, and HNSW
+inserts each batch highest level first (and, multi-threaded, in an order that depends on thread
+timing). faiss does not save HNSW's level generator: a restored one is advanced past the one draw
+per vector held, so adds after a load get the levels they would have got (the hostile checkpoint
+tests check that adds after a load continue identically). `state_id` names one state of a
+searcher (a new random id after every add that changes it; a restored searcher keeps the saved
+one), so a checkpoint can reuse an index it wrote before when nothing was added since.
+
 This module is host-side (faiss runs on the CPU, numpy in and out); it is its own layer between
 `io` and `agent` because `core` does no I/O and `data` is about benchmarks.
 """
 from __future__ import annotations
 
+import uuid
 from typing import Callable, Optional
 
 import numpy as np
@@ -74,6 +86,43 @@ class _StoreIndex:
       index.add(held)
       self.index, self._pending, self._flat = index, [], None
 
+  def state(self) -> tuple[dict, dict]:
+    """`(arrays, meta)`: the serialised faiss index (the trained one, or the flat one holding the
+    vectors while untrained) `[bytes]` uint8 and the rows `[n_s]` int64."""
+    faiss = _faiss()
+    trained = self.index is not None
+    index = self.index if trained else self._flat
+    return ({"index": faiss.serialize_index(index), "rows": self.rows.copy()},
+            {"trained": trained, "ntotal": int(index.ntotal)})
+
+  def restore_state(self, arrays, meta, where: str) -> None:
+    """Installs a `state()`; ValueError naming `where` when it is not an index of this kind."""
+    faiss = _faiss()
+    rows = np.asarray(arrays["rows"]).astype(np.int64)
+    try:
+      index = faiss.deserialize_index(np.ascontiguousarray(arrays["index"], np.uint8))
+    except Exception as e:  # pylint: disable=broad-except  (faiss: a RuntimeError of C++ text)
+      raise ValueError(f"{where}: faiss cannot read the saved index: {e}") from None
+    trained = meta.get("trained")
+    if not isinstance(trained, bool) or (not trained and self._train is None):
+      raise ValueError(f"{where}: field 'trained' is {trained!r}, not a state of this index")
+    want = self._make() if trained else faiss.IndexFlatIP(self.dim)
+    if (type(index) is not type(want) or index.d != self.dim or index.ntotal != len(rows)
+        or index.metric_type != want.metric_type or int(meta.get("ntotal", -1)) != len(rows)
+        or (trained and not index.is_trained)):
+      raise ValueError(f"{where}: the saved index ({type(index).__name__}, d={index.d}, "
+                       f"{index.ntotal} vectors) is not a {type(want).__name__} of dimension "
+                       f"{self.dim} over its {len(rows)} rows")
+    self.rows = rows
+    if hasattr(index, "hnsw"):  # its level generator as after drawing one level per vector held
+      for _ in range(index.ntotal):
+        index.hnsw.rng.rand_float()
+    if trained:
+      self.index, self._flat, self._pending = index, None, []
+    else:  # the held vectors, float32 as added, are the flat index's
+      self.index, self._flat = None, index
+      self._pending = [index.reconstruct_n(0, index.ntotal)] if index.ntotal else []
+
   def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """`(scores [n, k] (-inf = none), rows [n, k] (-1 = none))`."""
     n = queries.shape[0]
@@ -110,15 +159,49 @@ class FaissSearcher:
     self.build_threads = build_threads
     self._configure = configure or (lambda index: None)
     self._stores = [_StoreIndex(make, ready, train, self.dim) for _ in (0, 1)]
+    self.state_id = uuid.uuid4().hex  # names this state; a new one after every add
 
   def __len__(self):
     return sum(len(s) for s in self._stores)
+
+  def state(self) -> tuple[dict, dict]:
+    """`(arrays, meta)` from which `restore_state` rebuilds exactly this searcher: per store
+    (`store0`, `store1`) its faiss index serialised by faiss (uint8) and its bank rows (int64);
+    meta: the searcher's name, `state_id` and each store's kind and size. O(index bytes)."""
+    arrays, stores = {}, []
+    for s, store in enumerate(self._stores):
+      arrays[f"store{s}"], info = store.state()
+      stores.append(info)
+    return arrays, {"name": self.name, "state_id": self.state_id, "stores": stores}
+
+  def restore_state(self, arrays, meta, codes: np.ndarray, where: str) -> None:
+    """Installs a saved `state()` for a bank whose rows have store codes `codes [n]`.
+
+    Raises:
+      ValueError: naming `where` (and the field) when the state is of another searcher, is not
+        readable by faiss, or its rows are not exactly each store's bank rows in order.
+    """
+    if meta.get("name") != self.name:
+      raise ValueError(f"{where}: field 'name' is {meta.get('name')!r}, expected {self.name!r}")
+    stores = meta.get("stores")
+    if not isinstance(stores, list) or len(stores) != len(self._stores) or not all(
+        isinstance(x, dict) for x in stores):
+      raise ValueError(f"{where}: field 'stores' is not a list of {len(self._stores)} records")
+    for s, (store, info) in enumerate(zip(self._stores, stores)):
+      rows = np.asarray(arrays[f"store{s}"]["rows"])
+      if not np.array_equal(rows, np.flatnonzero(np.asarray(codes) == s)):
+        raise ValueError(f"{where}: the saved index of store {s} does not hold exactly that "
+                         "store's bank rows in order")
+      store.restore_state(arrays[f"store{s}"], info, f"{where} (store {s})")
+    self.state_id = str(meta.get("state_id"))
 
   def add(self, emb: np.ndarray, codes: np.ndarray, start: int) -> None:
     """Indexes `[m, d]` unit rows with store `codes [m]` that are bank rows `start, start+1, ...`."""
     faiss = _faiss()
     emb = np.ascontiguousarray(emb, np.float32)
     rows = start + np.arange(emb.shape[0])
+    if emb.shape[0]:
+      self.state_id = uuid.uuid4().hex
     threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(self.build_threads or threads)
     try:

@@ -10,6 +10,13 @@ Orbax `CheckpointManager` step with two items:
     write) are stored as a scalar placeholder and rebuilt from the record.
   * `meta`: the caller's JSON dict, saved with `JsonSave` (file `<step>/meta/metadata`).
 
+Every byte a restore depends on is verified: the SHA-256 of the canonical JSON of the meta dict and
+the leaf record together is written twice, into the meta file (key `ear_jax.io/sha256`, removed
+again on read) and into the array item's custom metadata, so a changed meta value, leaf record or
+digest (or a flipped key that hides one digest) is a `CheckpointError` naming the meta file.
+Checkpoints written before this digest (neither copy present) still load. An unknown field in the
+custom metadata (another record version) is a `CheckpointError` naming the file and the field.
+
 Guarantees:
 
   * Atomic: Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it when complete; the
@@ -34,6 +41,7 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import pathlib
@@ -50,8 +58,11 @@ _STATE, _META = "state", "meta"
 _META_FILE = "metadata"  # the file name of Orbax's JsonCheckpointHandler
 _TMP_MARK = ".orbax-checkpoint-tmp"
 _TRASH = ".trash-"
-_RECORD = "ear_jax.io/leaves-1"
-WRITER_LOCK = ".writer-lock"  # the lock of `CheckpointStore.writer`  # key of the leaf record in the `state` item's custom metadata
+_RECORD = "ear_jax.io/leaves-1"  # key of the leaf record in the `state` item's custom metadata
+_DIGEST = "ear_jax.io/sha256"  # key of the meta + record digest (custom metadata and meta file)
+_CUSTOM_KEYS = (_RECORD, _DIGEST)  # the custom metadata fields this version reads
+_ORBAX_METADATA = "_METADATA"  # Orbax's array metadata file (it holds the custom metadata)
+WRITER_LOCK = ".writer-lock"  # the lock of `CheckpointStore.writer`
 
 
 class _Missing:
@@ -64,6 +75,11 @@ _MISSING = _Missing()
 
 class CheckpointError(RuntimeError):
   """A checkpoint that cannot be read or written: corrupted, truncated, foreign, missing or locked."""
+
+
+class CheckpointFormatError(CheckpointError, ValueError):
+  """A checkpoint of another or an unknown format, layout or version (the message names the file
+  and the field). Also a `ValueError`, the error a checkpoint of another format always was."""
 
 
 def check_compatible(stored: dict, expected: dict, what: str) -> None:
@@ -90,8 +106,30 @@ def _ocp():
   return ocp
 
 
+def _this_process_only() -> dict:
+  """Orbax keyword arguments that keep a save / restore inside the calling process.
+
+  In a multi-process JAX run (`jax.distributed`, issue 23) Orbax would otherwise synchronise every
+  process (barriers and broadcasts that the others, not saving, never join). A store is written by
+  one process: its arrays are host-local (numpy or single-device), so nothing is lost. One process:
+  no arguments (Orbax's defaults).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_count() == 1:
+    return {}
+  me = jax.process_index()
+  return {"multiprocessing_options": _ocp().options.MultiprocessingOptions(
+      primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"ear_jax_p{me}")}
+
+
 def _canonical(obj) -> str:
   return json.dumps(obj, sort_keys=True)
+
+
+def _meta_digest(meta: dict, record) -> str:
+  """SHA-256 of the canonical JSON of a step's meta dict and leaf record (what a restore reads
+  besides the array data, which the record's per-leaf digests cover)."""
+  return hashlib.sha256(_canonical({"meta": meta, "leaves": record}).encode("utf-8")).hexdigest()
 
 
 def _json_roundtrip(meta: dict, what: str) -> dict:
@@ -169,17 +207,39 @@ class CheckpointStore:
           raise
 
   # -- reading --------------------------------------------------------------------------------
-  def read_meta(self, step: int | None = None) -> dict:
-    """The JSON meta of `step` (default: the latest).
+  def read_meta(self, step: int | None = None, *, verify: bool = True) -> dict:
+    """The JSON meta of `step` (default: the latest), verified against the digest recorded at save
+    time (when the step has one: steps written before it are returned unverified).
+
+    Args:
+      step: the step; None for the latest.
+      verify: False reads the meta file alone, unverified (for bookkeeping that checks what it
+        uses some other way; it skips reading the array metadata, a few ms).
 
     Raises:
-      CheckpointError: no such step, or its meta file is missing, truncated or not a JSON object;
-        the message names the file.
+      CheckpointError: no such step, or its meta file is missing, truncated, not a JSON object or
+        does not match its digest; the message names the file.
     """
+    if not verify:
+      return self._latest_retry(
+          lambda path: {k: v for k, v in self._read_meta_file(path).items() if k != _DIGEST}, step)
     return self._latest_retry(self._read_meta_at, step)
 
+  def meta_file(self, step: int) -> pathlib.Path:
+    """The path of `step`'s meta file (what error messages about a meta field name)."""
+    return self.directory / str(int(step)) / _META / _META_FILE
+
+  def _read_meta_at(self, path: pathlib.Path) -> dict:
+    raw = self._read_meta_file(path)
+    state_dir = path / _STATE
+    if _DIGEST not in raw and not state_dir.is_dir():
+      return raw  # written before digests, without arrays: nothing to check against
+    custom, _ = self._read_array_metadata(path, state_dir)
+    return self._checked_meta(path, raw, custom)
+
   @staticmethod
-  def _read_meta_at(path: pathlib.Path) -> dict:
+  def _read_meta_file(path: pathlib.Path) -> dict:
+    """The meta file's JSON object as written (digest key included), unverified."""
     file = path / _META / _META_FILE
     try:
       text = file.read_text(encoding="utf-8")
@@ -197,14 +257,57 @@ class CheckpointStore:
     return data
 
   @staticmethod
-  def _array_metadata(state_dir: pathlib.Path) -> tuple[Optional[dict], dict]:
-    """(the leaf record, or None for a checkpoint saved without one; {leaf: (shape, dtype)})."""
+  def _checked_meta(path: pathlib.Path, raw: dict, custom: dict) -> dict:
+    """The caller's meta of a step: `raw` without its digest, checked against both copies of the
+    digest (`_meta_digest` of the meta and the leaf record). Neither copy: a step written before
+    digests, returned as it is."""
+    meta = {k: v for k, v in raw.items() if k != _DIGEST}
+    in_file, in_custom = raw.get(_DIGEST), custom.get(_DIGEST)
+    if in_file is None and in_custom is None:
+      return meta
+    file = path / _META / _META_FILE
+    if in_file != in_custom:
+      raise CheckpointError(
+          f"meta file {file} and the array metadata {path / _STATE / _ORBAX_METADATA} hold "
+          f"different digests (field {_DIGEST!r}): the checkpoint is corrupted")
+    if _meta_digest(meta, custom.get(_RECORD)) != in_custom:
+      raise CheckpointError(
+          f"meta file {file} (or the leaf record in {path / _STATE / _ORBAX_METADATA}) does not "
+          "match the SHA-256 recorded at save time: the checkpoint's metadata is corrupted or was "
+          "edited")
+    return meta
+
+  def _read_array_metadata(self, path: pathlib.Path, state_dir: pathlib.Path):
+    """`(custom metadata dict, {leaf: (shape, dtype)})` of a step's array item; CheckpointError
+    naming the file when it is missing, unreadable or holds a field this version does not know."""
+    if not state_dir.is_dir():
+      raise CheckpointError(f"checkpoint {path} has no array directory {state_dir}")
+    found, failure = _quiet.call(lambda: self._array_metadata(state_dir), state_dir)
+    if failure:
+      raise CheckpointError(f"checkpoint {path}: the array metadata in {state_dir} is unreadable "
+                            f"(truncated or corrupted?): {failure}")
+    custom, shapes = found
+    if not isinstance(custom, dict):
+      raise CheckpointError(f"checkpoint {path}: the custom metadata in "
+                            f"{state_dir / _ORBAX_METADATA} is a {type(custom).__name__}, not a "
+                            "JSON object (corrupted?)")
+    unknown = sorted(set(custom) - set(_CUSTOM_KEYS), key=str)
+    if unknown:
+      raise CheckpointFormatError(
+          f"checkpoint {path}: the array metadata {state_dir / _ORBAX_METADATA} holds unknown "
+          f"field(s) {unknown} (written by a newer ear_jax, or corrupted); this version reads "
+          f"{list(_CUSTOM_KEYS)}")
+    return custom, shapes
+
+  @staticmethod
+  def _array_metadata(state_dir: pathlib.Path) -> tuple[dict, dict]:
+    """(the custom metadata: leaf record and digest, {} for a checkpoint saved without them;
+    {leaf: (shape, dtype)})."""
     ocp = _ocp()
-    with contextlib.closing(ocp.StandardCheckpointHandler()) as handler:
+    with contextlib.closing(ocp.StandardCheckpointHandler(**_this_process_only())) as handler:
       md = handler.metadata(state_dir)
-    custom = md.custom_metadata or {}
-    record = custom.get(_RECORD) if isinstance(custom, dict) else None
-    return record, _leaves.metadata_shapes(md.tree)
+    custom = md.custom_metadata
+    return ({} if custom is None else custom), _leaves.metadata_shapes(md.tree)
 
   def restore(self, step: int | None = None, target=None):
     """`(arrays, meta)` of `step` (default: the latest).
@@ -224,21 +327,18 @@ class CheckpointStore:
     return self._latest_retry(lambda path: self._restore_at(path, target), step)
 
   def _restore_at(self, path: pathlib.Path, target):
-    meta = self._read_meta_at(path)
+    raw = self._read_meta_file(path)
     state_dir = path / _STATE
     ocp = _ocp()
-    if not state_dir.is_dir():
-      raise CheckpointError(f"checkpoint {path} has no array directory {state_dir}")
-    found, failure = _quiet.call(lambda: self._array_metadata(state_dir), state_dir)
-    if failure:
-      raise CheckpointError(f"checkpoint {path}: the array metadata in {state_dir} is unreadable "
-                            f"(truncated or corrupted?): {failure}")
-    record = found[0]
+    custom, _ = self._read_array_metadata(path, state_dir)
+    meta = self._checked_meta(path, raw, custom)
+    record = custom.get(_RECORD)
     if record is not None and target is not None:
       target = _leaves.restore_target(target, record)  # ValueError before any array is read
 
     def read():
-      with contextlib.closing(ocp.Checkpointer(ocp.StandardCheckpointHandler())) as ckptr:
+      with contextlib.closing(ocp.Checkpointer(
+          ocp.StandardCheckpointHandler(**_this_process_only()), **_this_process_only())) as ckptr:
         return ckptr.restore(state_dir, args=ocp.args.StandardRestore(target))
 
     arrays, failure = _quiet.call(read, state_dir)
@@ -274,7 +374,10 @@ class CheckpointStore:
       raise ValueError(f"step must be a non-negative int, got {step!r}")
     step = int(step)
     expected_meta = _json_roundtrip(meta, "meta")
+    if _DIGEST in expected_meta:
+      raise ValueError(f"meta key {_DIGEST!r} is reserved for the checkpoint's digest")
     tree, record = _leaves.prepare(arrays)
+    digest = _meta_digest(expected_meta, record)
     try:
       self.directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -285,7 +388,8 @@ class CheckpointStore:
       if latest is not None and step <= latest:
         raise ValueError(f"step {step} is not a new step: {self.directory} already holds step "
                          f"{latest} (a save needs a larger step)")
-      self._write(step, tree, record, meta)
+      self._write(step, tree, {_RECORD: record, _DIGEST: digest},
+                  {**expected_meta, _DIGEST: digest})
       path = self.directory / str(step)
       try:
         self._verify(path, record, expected_meta)
@@ -332,20 +436,21 @@ class CheckpointStore:
     finally:
       lock.release()
 
-  def _write(self, step: int, tree, record: dict, meta: dict) -> None:
+  def _write(self, step: int, tree, custom: dict, meta: dict) -> None:
     ocp = _ocp()
 
     def write():
       manager = ocp.CheckpointManager(
           self.directory,
           options=ocp.CheckpointManagerOptions(
-              max_to_keep=None, create=True, enable_async_checkpointing=False,
+              # `save` created the directory (Orbax refuses `create` with one active process).
+              max_to_keep=None, create=not _this_process_only(), enable_async_checkpointing=False,
               cleanup_tmp_directories=False, save_root_metadata=False,
-              lightweight_initialize=True),
+              lightweight_initialize=True, **_this_process_only()),
           item_names=(_STATE, _META))
       with contextlib.closing(manager):
         manager.save(step, args=ocp.args.Composite(**{
-            _STATE: ocp.args.StandardSave(tree, custom_metadata={_RECORD: record}),
+            _STATE: ocp.args.StandardSave(tree, custom_metadata=custom),
             _META: ocp.args.JsonSave(meta)}), force=True)
         manager.wait_until_finished()
 
@@ -359,14 +464,14 @@ class CheckpointStore:
 
   def _verify(self, path: pathlib.Path, record: dict, expected_meta: dict) -> None:
     """Reads the new step's meta and array metadata back and compares them with what was saved."""
-    if _canonical(self._read_meta_at(path)) != _canonical(expected_meta):
+    try:
+      custom, shapes = self._read_array_metadata(path, path / _STATE)
+      meta = self._checked_meta(path, self._read_meta_file(path), custom)
+    except CheckpointError as e:
+      raise CheckpointError(f"verification of {path} failed: {e}") from e
+    if _canonical(meta) != _canonical(expected_meta) or _DIGEST not in custom:
       raise CheckpointError(f"verification of {path} failed: its meta reads back differently")
-    found, failure = _quiet.call(lambda: self._array_metadata(path / _STATE), path / _STATE)
-    if failure:
-      raise CheckpointError(f"verification of {path} failed: its array metadata is unreadable: "
-                            f"{failure}")
-    stored, shapes = found
-    if stored != record or shapes != _leaves.stored_shapes(record):
+    if custom.get(_RECORD) != record or shapes != _leaves.stored_shapes(record):
       raise CheckpointError(f"verification of {path} failed: its array metadata reads back "
                             "differently from what was saved")
 
@@ -396,4 +501,4 @@ class CheckpointStore:
         shutil.rmtree(e.path, ignore_errors=True)
 
 
-__all__ = ["CheckpointError", "CheckpointStore", "check_compatible"]
+__all__ = ["CheckpointError", "CheckpointFormatError", "CheckpointStore", "check_compatible"]

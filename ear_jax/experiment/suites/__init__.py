@@ -31,6 +31,7 @@ import numpy as np
 from ear_jax.experiment import plots
 from ear_jax.experiment import results_md
 from ear_jax.experiment import summaries
+from ear_jax.experiment.suites import first_stage
 from ear_jax.experiment.suites import hparams_curves
 from ear_jax.experiment.suites import main_ablation
 from ear_jax.experiment.suites import noise_multistore
@@ -38,7 +39,7 @@ from ear_jax.experiment.suites import qa
 from ear_jax.experiment.suites import tune
 from ear_jax.experiment.suites.options import Options
 from ear_jax.experiment.suites.pairing import DELTA_NOTE, get_metric
-from ear_jax.experiment.suites.paper import PAPER, fmt, md_table
+from ear_jax.experiment.suites.paper import PAPER, fmt, md_table, with_cell_note
 from ear_jax.experiment.suites.run_cache import Runner
 
 
@@ -59,6 +60,10 @@ SUITES["qa"] = qa.suite_qa  # issue 11: F1 / BLEU-1 / J of answers from the fina
 # the paper's EAR, `ear_tuned` and the retriever.
 SUITES["tune"] = tune.suite_tune
 SUITES["beyond"] = tune.suite_beyond
+# Issue 18, by name only: the first stage's settings tuned on LoCoMo validation, and EAR over
+# dense / BM25 / hybrid candidates on the test split.
+SUITES["first_stage_tune"] = first_stage.suite_first_stage_tune
+SUITES["first_stage"] = first_stage.suite_first_stage
 SUITE_NAMES = tuple(SUITES) + ("all",)  # the values of `--suite`
 
 
@@ -79,9 +84,10 @@ def run_single_method(r: Runner) -> str:
   if s.get("curve") and len(s["curve"]) > 1:
     plots.learning_curves(r.plot_path(f"curve_{s['method']}"), {s["method"]: s["curve"]},
                           title=f"{s['method']} on {r.opts.benchmark}")
-  return "\n".join([f"### {s['method']} — {r.opts.benchmark}", "",
-                    md_table(["method", "R@5 adapter", "Hit@5 adapter", "R@5 explorer",
-                              "Hit@5 explorer", "Recall@K ceiling"], rows)])
+  return with_cell_note("\n".join([f"### {s['method']} — {r.opts.benchmark}", "",
+                                   md_table(["method", "R@5 adapter", "Hit@5 adapter",
+                                             "R@5 explorer", "Hit@5 explorer",
+                                             "Recall@K ceiling"], rows)]))
 
 
 class _CompileClock:
@@ -125,14 +131,15 @@ def _run(opts: Options, clock: _CompileClock) -> dict:
            f", ETA for the remaining suites ~{elapsed / i * (len(names) - i):.0f} s")
     logging.info("suite %d/%d: %s on %s (%.0f s elapsed%s)", i + 1, len(names), name,
                  opts.benchmark, elapsed, eta)
-    md = SUITES[name](r)
+    md = with_cell_note(SUITES[name](r))
     r.tables[name] = md  # RESULTS.md adds the readings from results.json "paired"
     r.timings[name] = round(time.perf_counter() - t0, 1)
     compile_seconds[name] = round(clock.seconds - c0, 1)
     readings = results_md.readings_md(r.paired.get(name, []))
     md_parts.append(md + ("\n\n" + readings if readings else ""))
-    with open(r.workdir / f"table_{name}.md", "w") as f:
-      f.write(md_parts[-1] + "\n")
+    if r.writes:  # multi-process: process 0 alone writes the workdir
+      with open(r.workdir / f"table_{name}.md", "w") as f:
+        f.write(md_parts[-1] + "\n")
   wall = time.perf_counter() - t_start
   b = r.bench()
   results = {
@@ -140,6 +147,8 @@ def _run(opts: Options, clock: _CompileClock) -> dict:
       "benchmark": opts.benchmark, "options": {k: v for k, v in dataclasses.asdict(opts).items()
                                                if k != "command"},
       "versions": summaries.versions(), "seeds": r.seeds,
+      # jax.distributed runs: the seeds were split over this many processes' devices.
+      "processes": {"count": jax.process_count(), "devices": jax.device_count()},
       "dataset": {k: v for k, v in b.stats.items() if k not in ("evidence_ids_dropped_list",)},
       "runs": r.summaries, "tables": r.tables, "plots": r.plots,
       # suite -> [{treatment, baseline, metric, n, mean, sd, lo, hi, per_seed, verdict,
@@ -150,11 +159,12 @@ def _run(opts: Options, clock: _CompileClock) -> dict:
       # JAX tracing + lowering + XLA compilation inside each suite (`jax.monitoring` events).
       "suite_compile_seconds": compile_seconds, "compile_seconds": round(clock.seconds, 1),
   }
-  with open(r.workdir / "results.json", "w") as f:
-    json.dump(results, f, indent=1, default=_json_default)
   text = "\n\n".join(md_parts)
-  with open(r.workdir / "tables.md", "w") as f:
-    f.write(text + "\n")
+  if r.writes:
+    with open(r.workdir / "results.json", "w") as f:
+      json.dump(results, f, indent=1, default=_json_default)
+    with open(r.workdir / "tables.md", "w") as f:
+      f.write(text + "\n")
   return results
 
 

@@ -15,11 +15,17 @@ class Options:
   cache_dir: Optional[str] = None
   limit: Optional[int] = None
   k: int = 20
+  # The first stage (issue 18): a name in `ear_jax.data.first_stage.GENERATORS`; side features
+  # (the first stage's scores as side information) default to on for every generator but 'dense'.
+  candidates: str = "dense"
+  side_features: Optional[bool] = None
+  fusion: Optional[str] = None  # hybrid: 'rrf' | 'weighted' (None: FirstStageOptions' default)
+  lexical_weight: Optional[float] = None  # hybrid 'weighted': the BM25 share
   seeds: int = 10
   workdir: str = "runs/default"
   suite: Optional[str] = None
   method: str = "ear"
-  checkpoint_every: Optional[int] = 256
+  checkpoint_every: Optional[int] = None  # training checkpoints only when asked for
   resume: bool = False
   eval_every: int = 64
   stop_after_chunks: Optional[int] = None
@@ -32,3 +38,14 @@ class Options:
   noise_levels: tuple = (0.7, 0.8, 0.9, 1.0)
   qa: dict = dataclasses.field(default_factory=dict)  # --suite=qa: `suites.qa.QASettings` fields
   command: str = ""
+
+  @property
+  def use_side_features(self) -> bool:
+    return self.candidates != "dense" if self.side_features is None else bool(self.side_features)
+
+  def first_stage_options(self):
+    """The hybrid fusion's `FirstStageOptions` (defaults where the option is None)."""
+    from ear_jax.data import first_stage  # pylint: disable=g-import-not-at-top
+    over = {k: v for k, v in (("fusion", self.fusion), ("lexical_weight", self.lexical_weight))
+            if v is not None}
+    return first_stage.FirstStageOptions(**over)

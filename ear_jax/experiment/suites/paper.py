@@ -49,6 +49,18 @@ PAPER_TABLE2_OTHER_ENCODERS = "Table 2 also lists Stella / GTE rows; only Contri
 # Table cells.
 
 
+# Printed under every table with 'mean ± std' cells (issue 20, item 13).
+CELL_NOTE = ("Cells 'a ± b': mean ± standard deviation over the seeds (population std; a spread, not "
+             "a confidence interval) of the per-seed value, in percent unless the column says "
+             "otherwise; each seed has its own 80/20 train/test split and PRNG keys. 'paper' "
+             "columns: the paper's reported numbers (Contriever retriever, 3 runs).")
+
+
+def with_cell_note(md: str) -> str:
+  """`md` followed by `CELL_NOTE` when it holds a 'mean ± std' cell."""
+  return md + "\n\n" + CELL_NOTE if " ± " in md else md
+
+
 def fmt(ms, digits=2):
   """A `mean_std` dict as 'mean ± std' ('–' when missing)."""
   if ms is None or ms.get("mean") is None:

@@ -349,13 +349,17 @@ def _tables(r: Runner, results: dict, info: dict, settings: QASettings) -> str:
              "(calls, cache hits, tokens, seconds, unusable replies) are in results.json under "
              "'qa'."]
   labels = [lab for lab, _, _ in MAIN_ROWS]
-  plots.grouped_bars(r.plot_path("qa_table2"), ["F1", "BLEU-1", "J"],
-                     {lab: {"F1": [results[lab]["means"]["f1"]],
-                            "BLEU-1": [results[lab]["means"]["bleu1"]],
-                            "J": [results[lab]["means"]["j"]]} for lab in labels},
+  # Per-question scores: the bars are the table's means, the error bars its interval (over
+  # questions, not seeds: `settings.seeds` seeds' questions are pooled).
+  per_q = {lab: {name: [np.nan if v is None else 100.0 * v
+                        for v in results[lab]["per_question"][key]]
+                 for name, key in (("F1", "f1"), ("BLEU-1", "bleu1"), ("J", "j"))}
+           for lab in labels}
+  plots.grouped_bars(r.plot_path("qa_table2"), ["F1", "BLEU-1", "J"], per_q,
                      title=f"QA from the final 5 memories, {bname} ({info.get('answer_model')})",
                      ylabel="%", paper={lab: {"F1": pq[m][0], "J": pq[m][1]}
-                                        for lab, m, mode in MAIN_ROWS[:3] if m in pq})
+                                        for lab, m, mode in MAIN_ROWS[:3] if m in pq},
+                     interval="95% t-interval over questions")
   plots.grouped_bars(r.plot_path("qa_j_per_category"), cats,
                      {lab: {c: [results[lab]["per_category"].get(c, {}).get("j", np.nan)]
                             for c in cats} for lab in labels},

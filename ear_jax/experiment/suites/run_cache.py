@@ -3,8 +3,13 @@
 A run is `runner.train_and_evaluate` of one method on all seeds. Runs that several tables share are
 computed once per process (memo keyed by method, config, hyperparameters, critic, epochs and
 evaluation period); with `Options.resume` a run whose `runs/<run>/result.json` matches is loaded
-instead, and interrupted runs continue from `checkpoints/<run>/`. Per run the workdir gets
-`runs/<run>/{result.json, train_log.npz, test_eval.npz}`.
+instead, and interrupted runs continue from `checkpoints/<run>/` (written only with
+`Options.checkpoint_every`). Per run the workdir gets `runs/<run>/{result.json, train_log.npz,
+test_eval.npz}` and, for a trained method, `runs/<run>/adapter/` (its final adapters, small).
+
+Multi-process runs (`jax.distributed`, see `ear_jax.experiment.sharding`): every process runs the
+same program (the seeds split over all devices inside `runner.train_and_evaluate`) and gets the same
+results; only process 0 (`sharding.is_primary`) writes into the workdir, and no run is checkpointed.
 """
 from __future__ import annotations
 
@@ -15,12 +20,14 @@ import time
 from typing import Optional
 
 from absl import logging
+import jax
 import numpy as np
 
 from ear_jax.core import critic as critic_lib
 from ear_jax.core.config import hparams_for_method
 from ear_jax.experiment import checkpointing
 from ear_jax.experiment import runner
+from ear_jax.experiment import sharding
 from ear_jax.experiment import summaries
 from ear_jax.experiment.suites.options import Options
 from ear_jax.experiment.suites.paper import fmt
@@ -37,7 +44,15 @@ class Runner:
   def __init__(self, opts: Options):
     self.opts = opts
     self.workdir = pathlib.Path(opts.workdir)
-    self.workdir.mkdir(parents=True, exist_ok=True)
+    self.writes = sharding.is_primary()  # multi-process: process 0 alone writes the workdir
+    # Orbax saves are collectives over every process; a checkpoint of a multi-process run is not
+    # offered (yet): such runs are not checkpointed (see BUILD_NOTES "Multi-process runs").
+    self.checkpoints = bool(opts.checkpoint_every) and jax.process_count() == 1
+    if opts.checkpoint_every and not self.checkpoints:
+      logging.warning("%d processes: runs are not checkpointed (--checkpoint_every ignored)",
+                      jax.process_count())
+    if self.writes:
+      self.workdir.mkdir(parents=True, exist_ok=True)
     self._benches = {}
     self._splits = {}
     self._memo = {}
@@ -59,14 +74,20 @@ class Runner:
         ec = synthetic.make_synthetic(seed=0, num_queries=o.synthetic_queries,
                                       dim=o.synthetic_dim, multistore=multistore,
                                       num_banks=max(2, min(25, o.synthetic_queries // 8)))
-        b = candidates.build_benchmark(ec, k=o.k, multistore=multistore)
+        b = candidates.build_benchmark(ec, k=o.k, multistore=multistore,
+                                       candidates=o.candidates,
+                                       side_features=o.use_side_features,
+                                       first_stage_options=o.first_stage_options())
         b.stats["encoding"] = {"encoder": "synthetic"}
       else:
         from ear_jax.data import candidates  # pylint: disable=g-import-not-at-top
         name = "jsonl:" + o.jsonl if o.benchmark == "jsonl" else o.benchmark
         b = candidates.load_benchmark(name, data_dir=o.data_dir, encoder=o.encoder, k=o.k,
                                       multistore=multistore, limit=o.limit,
-                                      cache_dir=o.cache_dir, progress=o.progress)
+                                      cache_dir=o.cache_dir, progress=o.progress,
+                                      candidates=o.candidates,
+                                      side_features=o.use_side_features,
+                                      first_stage_options=o.first_stage_options())
       logging.info("benchmark %s%s: %d queries, d=%d, K=%d (%.1f s)", o.benchmark,
                    " (multi-store)" if multistore else "", b.num_queries, b.stream.dim,
                    b.stream.num_candidates, time.perf_counter() - t0)
@@ -84,7 +105,7 @@ class Runner:
     cfg_over = {**o.config_overrides, **(config_overrides or {})}
     hp_over = {**o.hparam_overrides, **(hparam_overrides or {})}
     config = runner.build_config(method, dim=b.stream.dim, num_candidates=b.stream.num_candidates,
-                                 **cfg_over)
+                                 side_features=b.stream.num_side_features or None, **cfg_over)
     hparams = hparams_for_method(method, **hp_over)  # the paper's, or the method's own
     critic_over = {**o.critic_overrides, **(critic_overrides or {})}
     critic = critic_lib.make_simulated_critic(**critic_over)
@@ -120,7 +141,7 @@ class Runner:
         self.summaries[run_name] = summary
         return summary
     ckpt = None
-    if o.checkpoint_every and config.trains:
+    if self.checkpoints and config.trains:
       ckpt_dir = self.workdir / "checkpoints" / run_name
       ckpt = checkpointing.RunCheckpointer(ckpt_dir)
       if ckpt.existing_steps() and not o.resume:
@@ -144,20 +165,32 @@ class Runner:
     summary["epochs"] = epochs
     if multistore:
       summary["multistore"] = self._multistore_extras(b, result)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if result.train_log:
-      np.savez_compressed(run_dir / "train_log.npz", train_index=result.train_index,
-                          seeds=np.asarray(self.seeds), **result.train_log)
-    np.savez_compressed(run_dir / "test_eval.npz", test_index=result.test_index,
-                        **{k: v for k, v in result.eval.items()})
-    with open(done, "w") as f:
-      json.dump(summary, f, indent=1)
+    if self.writes:
+      self._write_run(run_dir, result, summary)
     logging.info("%s: R@5 adapter %s | explorer %s (%.1f s)", run_name,
                  fmt(summary["metrics"]["recall_adapter"]),
                  fmt(summary["metrics"]["recall_explorer"]), time.perf_counter() - t0)
     self._memo[key] = summary
     self.summaries[run_name] = summary
     return summary
+
+  def _write_run(self, run_dir, result, summary) -> None:
+    """`runs/<run>/{train_log.npz, test_eval.npz, adapter/, result.json}` (result.json last: it
+    marks done); `adapter/` (trained methods only) holds the final adapters of every seed, what
+    `checkpointing.restore_adapter(workdir, run=...)` reads."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if result.train_log:
+      np.savez_compressed(run_dir / "train_log.npz", train_index=result.train_index,
+                          seeds=np.asarray(self.seeds), **result.train_log)
+    np.savez_compressed(run_dir / "test_eval.npz", test_index=result.test_index,
+                        **{k: v for k, v in result.eval.items()})
+    # Orbax saves are collectives over every process (see __init__): multi-process runs keep none.
+    if result.config.trains and jax.process_count() == 1:
+      checkpointing.save_adapter(run_dir / checkpointing.ADAPTER_DIR, result.final_state.params,
+                                 config=result.config, hparams=result.hparams, seeds=result.seeds,
+                                 position=result.train_index.shape[1])
+    with open(run_dir / "result.json", "w") as f:
+      json.dump(summary, f, indent=1)
 
   def _multistore_extras(self, b, result) -> dict:
     """Table 5 / Fig. 6 per category and mode, and the Appendix C diagnostic (all seeds)."""

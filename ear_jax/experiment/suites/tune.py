@@ -20,6 +20,7 @@ Every call is cached in `<workdir>/tune/*.json` (`--resume` reuses it). The chos
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import re
 
@@ -84,13 +85,15 @@ class _Tuner:
     train, _ = r._splits[False]  # pylint: disable=protected-access
     self.fit, self.val = runner.validation_split(train)
     self.dir = r.workdir / "tune"
-    self.dir.mkdir(parents=True, exist_ok=True)
+    if r.writes:  # multi-process: process 0 alone writes the workdir
+      self.dir.mkdir(parents=True, exist_ok=True)
     self.rows = []  # {stage, variant, switches, hparams, adapter [S], round_T [S], exploit [S]}
 
   def config(self, method, switches):
     o = self.r.opts
     return runner.build_config(method, dim=self.stream.dim,
                                num_candidates=self.stream.num_candidates,
+                               side_features=self.stream.num_side_features or None,
                                **{**o.config_overrides, **switches})
 
   def run(self, stage, variant, switches, hp_list, method="ear"):
@@ -115,7 +118,8 @@ class _Tuner:
                                    eval_variants=EVAL_VARIANTS)
       res = {"adapter": out["recall_adapter"].tolist(), "seconds": round(out["seconds"], 1),
              **{v: out["explorer"][v]["recall"].tolist() for v in EVAL_VARIANTS}}
-      path.write_text(json.dumps({"ident": ident, "result": res}))
+      if self.r.writes:
+        path.write_text(json.dumps({"ident": ident, "result": res}))
     rows = []
     for i, h in enumerate(hp_list):
       row = {"stage": stage, "variant": variant, "method": method, "switches": dict(switches),
@@ -240,11 +244,16 @@ def _fd(d):
   return stats.format_difference(d)
 
 
+def _open_w(r: Runner, path):
+  """`open(path, "w")`, or a sink in the processes that do not write (multi-process runs)."""
+  return open(path, "w") if r.writes else io.StringIO()
+
+
 def suite_tune(r: Runner) -> str:
   res = tune(r)
   rows, ret, paper, chosen = res["rows"], res["retriever"], res["paper"], res["chosen"]
   switches, hp = chosen_preset(res)
-  with open(r.workdir / "tune" / "chosen.json", "w") as f:
+  with _open_w(r, r.workdir / "tune" / "chosen.json") as f:
     json.dump({"switches": switches, "hparams": hp, "final_slate": res["final_slate"],
                "validation_recall_adapter": chosen["adapter"],
                "validation_recall_explorer": chosen[res["final_slate"]]}, f, indent=1)
@@ -279,7 +288,7 @@ def suite_tune(r: Runner) -> str:
   plots.grouped_bars(r.plot_path("tune_variants"), list(series["adapter only"]), series,
                      title="validation Recall@5 per setting (mean, 95% interval over seeds)",
                      ylabel="Recall@5 (%)")
-  with open(r.workdir / "tune" / "sweep_table.json", "w") as f:
+  with _open_w(r, r.workdir / "tune" / "sweep_table.json") as f:
     json.dump(rows, f, indent=1)
   nv = r._splits[False][0].shape[1] - t_fit_size(r)  # pylint: disable=protected-access
   md = [f"### Tuning on validation (issue 12) — {r.opts.benchmark}", "",

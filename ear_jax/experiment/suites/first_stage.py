@@ -1,0 +1,243 @@
+"""Suites `first_stage_tune` and `first_stage` (issue 18): EAR over the retrievers users pick.
+
+The paper's Table 10 question (EAR layered on another first stage, its scores as side
+information) asked of the first stages agent memories run: dense (the frozen encoder, the paper's
+setting), BM25 and a hybrid of the two (`ear_jax.data.first_stage`).
+
+`first_stage_tune` (LoCoMo only; the honest protocol of issue 12, `runner.validation_split`): per
+seed the training stream's last 20 % is validation, the test split is never read.
+  A. the hybrid fusion: reciprocal-rank fusion or a weighted sum with the BM25 share in
+     `LEXICAL_WEIGHT_GRID`, scored by the frozen first stage's validation Recall@5;
+  B. `side_init` (the first stage's weight in `z` at the start) in `SIDE_INIT_GRID` for `ear` and
+     `ear_tuned`, trained on the fit part of BM25 and of hybrid candidates, scored by validation
+     adapter-only Recall@5 (mean over both first stages).
+The table says whether the library's defaults (`FirstStageOptions`, `EARConfig.side_init`, the
+`ear_tuned` preset) hold the chosen values.
+
+`first_stage` (any benchmark; LongMemEval_S is the held-out transfer test): for each first stage in
+`GENERATORS_SHOWN`, the frozen first stage and `ear` / `ear_tuned` (adapter only, and explorer-
+assisted at T = 4), trained on every seed's full training stream and scored on its test split, with
+per-seed paired differences against the same first stage and against the best frozen one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from absl import logging
+import numpy as np
+
+from ear_jax.core import config as config_lib
+from ear_jax.data import first_stage
+from ear_jax.experiment import plots
+from ear_jax.experiment import runner
+from ear_jax.experiment import sweep
+from ear_jax.experiment.suites.pairing import DELTA_NOTE, fd, get_metric, pair_runs
+from ear_jax.experiment.suites.paper import fmt, md_table
+from ear_jax.experiment.suites.run_cache import Runner
+
+GENERATORS_SHOWN = ("dense", "bm25", "hybrid")
+LEXICAL_WEIGHT_GRID = (0.3, 0.4, 0.5, 0.6, 0.7)
+SIDE_INIT_GRID = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+TUNED_METHODS = ("ear", "ear_tuned")
+TEST_ROUNDS = 4
+MODES = {"adapter": "adapter only", "explorer": "explorer-assisted, T = 4"}
+# Issue 18's targets (test split, 10 seeds): the best frozen first stage's R@5, the adapter-only
+# gain over it, and the explorer-assisted R@5.
+TARGETS = {"locomo": {"first_stage": 46.0, "adapter_gain": 5.0, "explorer": 55.0},
+           "longmemeval": {"adapter_gain": 3.0, "explorer": 80.0}}
+
+
+def sub_runner(r: Runner, candidates: str, **options) -> Runner:
+  """A `Runner` over the same benchmark, seeds and splits with another first stage.
+
+  Its runs go to `<workdir>/first_stage/<candidates>[...]/`; its paired comparisons, summaries and
+  plots are recorded in `r`'s (one results.json).
+  """
+  tag = "_".join([candidates] + [f"{k}={v}" for k, v in sorted(options.items())])
+  opts = dataclasses.replace(r.opts, candidates=candidates,
+                             workdir=str(r.workdir / "first_stage" / tag), **options)
+  sub = Runner(opts)
+  sub.paired = r.paired
+  sub.summaries = r.summaries
+  sub.plots = r.plots
+  return sub
+
+
+def _validation(r: Runner):
+  """`(fit [S, N], validation [S, V])` of every seed's training stream (never the test split)."""
+  r.bench()
+  train, _ = r._splits[False]  # pylint: disable=protected-access
+  return runner.validation_split(train)
+
+
+def _first_stage_recall(r: Runner, index: np.ndarray) -> np.ndarray:
+  """`[S]` Recall@5 (percent) of the frozen first stage's own top-5 on `index [S, V]`."""
+  s = r.bench().stream
+  gold, num_gold = np.asarray(s.gold), np.asarray(s.num_gold)
+  hit = gold[:, :5].sum(1) == num_gold  # candidates are in the first stage's order
+  return np.asarray([100.0 * hit[i].mean() for i in index])
+
+
+def tune_first_stage(r: Runner) -> dict:
+  """Stages A and B on validation data (see the module docstring); returns every scored row."""
+  if r.opts.benchmark == "longmemeval":
+    raise ValueError("first_stage_tune: LongMemEval_S is the held-out transfer benchmark and is "
+                     "never tuned on; use --benchmark=locomo")
+  out = {"fusion": [], "side_init": []}
+  fit, val = _validation(r)
+  options = [("rrf", {"fusion": "rrf"})] + [
+      (f"weighted {w}", {"fusion": "weighted", "lexical_weight": w}) for w in LEXICAL_WEIGHT_GRID]
+  for name, over in [("dense", None), ("bm25", None)] + [("hybrid " + n, o) for n, o in options]:
+    sub = sub_runner(r, name.split()[0], side_features=False, **(over or {}))
+    rec = _first_stage_recall(sub, val)
+    out["fusion"].append({"first_stage": name, "options": over, "per_seed": rec.tolist(),
+                          "mean": float(rec.mean())})
+    logging.info("first_stage_tune A: %s validation R@5 %.2f", name, rec.mean())
+  hybrids = [row for row in out["fusion"] if row["first_stage"].startswith("hybrid")]
+  best = max(hybrids, key=lambda row: row["mean"] + 1e-9 * (row["options"]["fusion"] == "rrf"))
+  out["chosen_fusion"] = best["options"]
+  for cand, over in (("bm25", {}), ("hybrid", best["options"])):
+    sub = sub_runner(r, cand, side_features=True, **over)
+    stream = sub.bench().stream
+    for method in TUNED_METHODS:
+      hp = config_lib.hparams_for_method(method, **r.opts.hparam_overrides)
+      for side_init in SIDE_INIT_GRID:
+        config = runner.build_config(method, dim=stream.dim, num_candidates=stream.num_candidates,
+                                     side_features=stream.num_side_features,
+                                     **{**r.opts.config_overrides, "side_init": side_init})
+        res = sweep.sweep_validation(
+            stream, fit, val, config, config_lib.stack_hparams([hp]), r.seeds,
+            eval_variants={"T4": {"test_rounds": TEST_ROUNDS, "final_slate": config.final_slate}})
+        row = {"first_stage": cand, "method": method, "side_init": side_init,
+               "adapter": res["recall_adapter"][0].tolist(),
+               "explorer": res["explorer"]["T4"]["recall"][0].tolist()}
+        out["side_init"].append(row)
+        logging.info("first_stage_tune B: %s %s side_init=%g: validation R@5 adapter %.2f, "
+                     "explorer %.2f", cand, method, side_init, np.mean(row["adapter"]),
+                     np.mean(row["explorer"]))
+  out["chosen_side_init"] = {}
+  for method in TUNED_METHODS:
+    means = {si: np.mean([np.mean(row["adapter"]) for row in out["side_init"]
+                          if row["method"] == method and row["side_init"] == si])
+             for si in SIDE_INIT_GRID}
+    out["chosen_side_init"][method] = max(SIDE_INIT_GRID, key=lambda si: (means[si], -si))
+  return out
+
+
+def library_defaults() -> dict:
+  """What the library runs without flags: the hybrid fusion and each method's `side_init`."""
+  fs = first_stage.FirstStageOptions()
+  fusion = {"fusion": fs.fusion} if fs.fusion == "rrf" else {
+      "fusion": fs.fusion, "lexical_weight": fs.lexical_weight}
+  return {"fusion": fusion, "side_init": {
+      m: config_lib.EARConfig.for_method(m, side_features=3).side_init for m in TUNED_METHODS}}
+
+
+def suite_first_stage_tune(r: Runner) -> str:
+  """Validation tuning of the first stage's settings (LoCoMo); writes first_stage_tune.json."""
+  res = tune_first_stage(r)
+  lib = library_defaults()
+  res["library_defaults"] = lib
+  res["defaults_hold_choice"] = (lib["fusion"] == res["chosen_fusion"]
+                                 and lib["side_init"] == res["chosen_side_init"])
+  if r.writes:
+    (r.workdir / "first_stage_tune.json").write_text(json.dumps(res, indent=1))
+  rows_a = [[row["first_stage"], fmt({"mean": row["mean"], "std": float(np.std(row["per_seed"]))})]
+            for row in res["fusion"]]
+  rows_b = [[row["first_stage"], row["method"], f"{row['side_init']:g}",
+             fmt({"mean": float(np.mean(row["adapter"])), "std": float(np.std(row["adapter"]))}),
+             fmt({"mean": float(np.mean(row["explorer"])),
+                  "std": float(np.std(row["explorer"]))})]
+            for row in res["side_init"]]
+  return "\n".join([
+      f"### First stage: validation tuning — {r.opts.benchmark} ({len(r.seeds)} seeds, "
+      "validation = last 20 % of each seed's training stream; the test split is not read)", "",
+      "A. Frozen first stage, validation Recall@5 (its own top-5):", "",
+      md_table(["first stage", "validation R@5"], rows_a), "",
+      f"Chosen hybrid fusion: {res['chosen_fusion']}.", "",
+      "B. `side_init` (the first stage's weight in z at the start), trained on the fit part:", "",
+      md_table(["first stage", "method", "side_init", "validation R@5 adapter",
+                "validation R@5 explorer T=4"], rows_b), "",
+      f"Chosen side_init (best mean adapter-only validation R@5 over bm25 and hybrid): "
+      f"{res['chosen_side_init']}. Library defaults: {lib}; they "
+      f"{'hold' if res['defaults_hold_choice'] else 'DO NOT hold'} the chosen values.",
+      "Cells: mean ± std over seeds (percent)."])
+
+
+def _best_first_stage(runs: dict) -> str:
+  return max(runs, key=lambda g: get_metric(runs[g]["retriever"], "recall_adapter")["mean"])
+
+
+def _target_cell(value, target):
+  if target is None:
+    return "–"
+  return f"{'met' if value >= target else 'not met'} (≥ {target:g})"
+
+
+def suite_first_stage(r: Runner) -> str:
+  """Frozen first stage vs `ear` / `ear_tuned` over dense, BM25 and hybrid candidates (test)."""
+  runs = {}
+  for g in GENERATORS_SHOWN:
+    sub = sub_runner(r, g)
+    runs[g] = {m: sub.run(m) for m in ("retriever",) + TUNED_METHODS}
+    for m in TUNED_METHODS:
+      cfg = runs[g][m]["config"]
+      if (cfg.get("test_rounds") or cfg["num_rounds"]) != TEST_ROUNDS:
+        raise ValueError(f"{m} tests with T != {TEST_ROUNDS}; this suite compares at T = 4")
+  best = _best_first_stage(runs)
+  targets = TARGETS.get(r.opts.benchmark, {})
+  rows, diffs = [], {}
+  for g in GENERATORS_SHOWN:
+    ret = runs[g]["retriever"]
+    rows.append([g, "frozen first stage", "top-5", fmt(get_metric(ret, "recall_adapter")),
+                 "(baseline)", "(baseline)" if g == best else fd(pair_runs(
+                     r, "first_stage", (f"{g} first stage", ret, "adapter"),
+                     (f"{best} first stage", runs[best]["retriever"], "adapter"),
+                     metrics=("recall",), primary=False)["recall"]),
+                 fmt(get_metric(ret, "hitrate_adapter")), "–"])
+    for m in TUNED_METHODS:
+      for mode in MODES:
+        s = runs[g][m]
+        d_own = pair_runs(r, "first_stage", (f"{m} over {g}", s, mode),
+                          (f"{g} first stage", ret, "adapter"), primary={"recall"})
+        d_best = pair_runs(r, "first_stage", (f"{m} over {g}", s, mode),
+                           (f"{best} first stage", runs[best]["retriever"], "adapter"),
+                           metrics=("recall",), primary=False)
+        diffs[f"{m} / {g} [{MODES[mode]}]"] = {"Recall@5": d_best["recall"]}
+        mean = get_metric(s, f"recall_{mode}")["mean"]
+        target = "–"
+        if g == best and mode == "adapter" and "adapter_gain" in targets:
+          target = (f"{'met' if d_best['recall']['mean'] >= targets['adapter_gain'] else 'not met'}"
+                    f" (Δ ≥ +{targets['adapter_gain']:g})")
+        elif mode == "explorer" and "explorer" in targets:
+          target = _target_cell(mean, targets["explorer"])
+        rows.append([g, m, MODES[mode], fmt(get_metric(s, f"recall_{mode}")),
+                     fd(d_own["recall"]), fd(d_best["recall"]),
+                     fmt(get_metric(s, f"hitrate_{mode}")), target])
+  best_mean = get_metric(runs[best]["retriever"], "recall_adapter")["mean"]
+  note = ""
+  if "first_stage" in targets:
+    note = (f" Target for the best frozen first stage (R@5 ≥ {targets['first_stage']:g}): "
+            f"{best} {best_mean:.2f}, {'met' if best_mean >= targets['first_stage'] else 'not met'}.")
+  ceil = {g: fmt(runs[g]["retriever"]["ceiling"]["recall@K"]) for g in GENERATORS_SHOWN}
+  plots.paired_differences(r.plot_path("first_stage_paired_vs_best"), diffs,
+                           title=f"{r.opts.benchmark}: paired Δ R@5 vs the best frozen first "
+                                 f"stage ({best}), {len(r.seeds)} seeds", ylabel="Δ (points)",
+                           baseline=f"{best} first stage")
+  fs_opts = dataclasses.asdict(r.opts.first_stage_options())
+  return "\n".join([
+      f"### First stage: EAR over dense, BM25 and hybrid candidates — {r.opts.benchmark} "
+      "(test split)", "",
+      md_table(["first stage", "method", "test mode", "R@5", "Δ R@5 vs same first stage "
+                "[95% CI]", f"Δ R@5 vs best first stage ({best}) [95% CI]", "Hit@5",
+                "issue 18 target"], rows), "",
+      DELTA_NOTE + f" The frozen first stage is the generator's own top-5. Side information: on "
+      f"for bm25 and hybrid (z = adapted cosine + w . [first-stage score, dense cosine, BM25]), off "
+      f"for dense (the paper's EAR). Hybrid fusion: {fs_opts}. Recall@K ceiling (all gold in the "
+      f"K = {r.opts.k} candidates): {ceil}." + note])
+
+
+__all__ = ["GENERATORS_SHOWN", "LEXICAL_WEIGHT_GRID", "SIDE_INIT_GRID", "TARGETS",
+           "library_defaults", "sub_runner", "suite_first_stage", "suite_first_stage_tune",
+           "tune_first_stage"]

@@ -1,0 +1,27 @@
+"""`python -m experiments.bench --suite=first_stage --quick`: every field of the table, tiny shapes."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_first_stage_suite_quick_writes_every_field(tmp_path):
+  out = tmp_path / "scale" / "scale.json"
+  proc = subprocess.run([sys.executable, "-m", "experiments.bench", "--suite=first_stage", "--quick",
+                         f"--scale_out={out}"], cwd=REPO, capture_output=True, text=True,
+                        timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"}, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  res = json.loads((tmp_path / "first_stage" / "first_stage.json").read_text())
+  (row,) = res["rows"]
+  for key in ("dense", "bm25", "hybrid_rrf", "hybrid_weighted", "retrieve", "bm25_host"):
+    assert row[key]["p50_ms"] > 0, key
+  assert row["index_build_s"] > 0 and row["retrieve_after_add_s"] > 0
+  assert 0 < row["matching_mean"] <= row["M"]
+  assert res["bandwidth"]["gb_per_s"] > 0 and len(res["loadavg_before"]) == 3
+  assert "| 2,000 |" in (tmp_path / "first_stage" / "first_stage.md").read_text()
