@@ -1,28 +1,28 @@
-r"""Speed of ear_jax, measured against baselines measured in the same run (issue 5).
+r"""Speed of ear_jax, measured against baselines measured in the same run.
 
   python -m experiments.bench              # full table (a few minutes on 2 CPU cores), bench.json
   python -m experiments.bench --quick      # every field on tiny shapes (~30 s; used by a test)
-  python -m experiments.bench --suite=scale   # memory at scale, 1k -> 1M (issue 13; see below)
-  python -m experiments.bench --suite=first_stage   # BM25 / hybrid candidates, 10k -> 1M (issue 18)
+  python -m experiments.bench --suite=scale   # memory at scale, 1k -> 1M (see below)
+  python -m experiments.bench --suite=first_stage   # BM25 / hybrid candidates, 10k -> 1M
 
 Everything runs on one fixed synthetic stream shaped like LoCoMo training (1,232 queries, K = 20,
 s = 5, T = 4, B = 4, batch 4; d = 384 and d = 768; EAR with the default config):
-  scan       EAR training as one jitted `lax.scan` over the stream (`run_episode_jit`), queries/s;
+  scan       EAR training as one jitted `lax.scan` over the stream (`run_episode`), queries/s;
              compile time reported separately.
-  loop       the same jitted per-batch step (`train_batch_jit`) called from a Python loop.
+  loop       the same jitted per-batch step (`learner.train_batch`) called from a Python loop.
   numpy      the independent NumPy implementation (`ear_jax.experiment.reference`), queries/s.
   seeds      8 seeds with `vmap` in one call (`sharding.sharded_episodes`: all devices) vs 8
-             sequential `run_episode_jit` calls.
+             sequential jitted `run_episode` calls.
   roofline   FLOPs of one EAR training query (counted by `ear_flops_per_query`), achieved GFLOP/s
              of `scan`, and the peak fp32 matmul GFLOP/s of this machine measured in the same run.
-  inference  adapter-only retrieval (`retrieval.retrieve_jit`) and explorer-assisted retrieval
+  inference  adapter-only retrieval (`retrieval.retrieve`, jitted) and explorer-assisted retrieval
              (`retrieval.top_k_search` + `inference.explorer_slate`, the paper's simulated critic:
-             `benchmarking.explorer_retrieve_jit`) from a bank of 600 and of 250 memories, top-K
+             `benchmarking.explorer_retrieve`) from a bank of 600 and of 250 memories, top-K
              search included, batch 1 latency and batch 256 throughput; paper Table 8 beside them.
   encode     MiniLM sentences/s (`ear_jax.data.encoders`).
   suite      wall time of `experiments.run --benchmark=locomo --suite=main` (3 seeds x 3 methods).
 
-`--suite=scale` (issue 13, `ear_jax.experiment.scale_bench`): add, retrieve (p50 / p90, batch 1 and
+`--suite=scale` (`ear_jax.experiment.scale_bench`): add, retrieve (p50 / p90, batch 1 and
 batch 256), feedback and save costs of `Memory` against bank size (`--scale_sizes`) for the exact
 fp32, exact bf16 and faiss paths (`--scale_paths`), each beside the memory-bandwidth and matmul
 bounds measured in the same run; writes `--scale_out` (JSON), a markdown table and a log-log plot.
@@ -56,9 +56,9 @@ ROWS = ("scan", "loop", "numpy", "seeds", "inference", "encode", "suite")
 
 _SUITE = flags.DEFINE_enum("suite", "default", ["default", "scale", "scale_probes", "distributed",
                                                 "first_stage"],
-                           "Which benchmark: the default rows, memory at scale (issue 13), the "
+                           "Which benchmark: the default rows, memory at scale, the "
                            "probes behind its design choices (PQ settings, retrieve latency warm "
-                           "and cold), or the cross-process merge of the sharded search (issue 23; "
+                           "and cold), or the cross-process merge of the sharded search ("
                            "run one process per --process_id with --coordinator).")
 _DIST_ROWS = flags.DEFINE_integer("distributed_rows", 1_000_000, "--suite=distributed: bank rows "
                                   "(split over the processes).", lower_bound=2)
@@ -71,6 +71,9 @@ _SCALE_OUT = flags.DEFINE_string("scale_out", "results/scale/scale.json", "--sui
                                  "output; the table (.md) and plot (.png) are written beside it.")
 _SCALE_CALLS = flags.DEFINE_integer("scale_calls", 20, "--suite=scale: retrieve+feedback rounds "
                                     "per (path, size).", lower_bound=2)
+_FIRST_STAGE_OUT = flags.DEFINE_string(
+    "first_stage_out", "results/first_stage/first_stage.json", "--suite=first_stage: JSON "
+    "output; the table (.md) is written beside it.")
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny shapes, one repetition: every field in ~30 s.")
 _OUT = flags.DEFINE_string("out", "bench.json", "Where to write the results (JSON).")
 _NUM_QUERIES = flags.DEFINE_integer("num_queries", 1232, "Training queries of the stream.",
@@ -150,8 +153,8 @@ def main(argv):
   results["peak"] = max(results["peak"], peak2, key=lambda p: p["gflops"])
   if "loop" not in skip:
     row, state = bm.run_loop(streams[d0], configs[d0], hparams, reps)
-    scan_state, _ = episode.run_episode_jit(jax.random.PRNGKey(0), streams[d0], configs[d0],
-                                            hparams)
+    scan_state, _ = jax.jit(episode.run_episode, static_argnames=("config",))(
+        jax.random.PRNGKey(0), streams[d0], configs[d0], hparams)
     row["max_abs_param_diff_vs_scan"] = float(max(
         jnp.max(jnp.abs(a - b)) for a, b in zip(jax.tree_util.tree_leaves(state.params),
                                                 jax.tree_util.tree_leaves(scan_state.params))))
@@ -237,15 +240,15 @@ def _scale():
 
 def _first_stage():
   """`--suite=first_stage`: `first_stage_bench.run` (BM25 / hybrid candidates and
-  `Memory.retrieve` with hybrid at 10k, 100k, 1M memories) -> JSON and markdown under
-  results/first_stage/."""
+  `Memory.retrieve` with hybrid at 10k, 100k, 1M memories) -> `--first_stage_out` (JSON) and the
+  markdown table beside it."""
   from ear_jax.experiment import first_stage_bench  # pylint: disable=g-import-not-at-top
   quick = _QUICK.value
   res = first_stage_bench.run([2_000] if quick else [10_000, 100_000, 1_000_000],
                               dim=32 if quick else 384, calls=3 if quick else 20,
                               bandwidth_bytes=4e7 if quick else 1.5e9)
   res["command"] = "python -m experiments.bench " + " ".join(sys.argv[1:])
-  out = pathlib.Path(_SCALE_OUT.value).parent.parent / "first_stage" / "first_stage.json"
+  out = pathlib.Path(_FIRST_STAGE_OUT.value)
   out.parent.mkdir(parents=True, exist_ok=True)
   text = first_stage_bench.table(res)
   out.write_text(json.dumps(res, indent=1))

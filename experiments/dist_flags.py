@@ -1,4 +1,4 @@
-"""Flags of a multi-process run (`jax.distributed`), shared by the absl programs (issue 23).
+"""Flags of a multi-process run (`jax.distributed`), shared by the absl programs.
 
   python -m experiments.run ... --coordinator=HOST:PORT --num_processes=N --process_id=I
 

@@ -1,4 +1,4 @@
-"""The first-stage flags shared by the experiment programs (issue 18): which candidate generator
+"""The first-stage flags shared by the experiment programs: which candidate generator
 produces the K candidates, the hybrid fusion's settings, and whether the first stage's scores reach
 EAR as side information.
 

@@ -58,6 +58,8 @@ _SIMULATED = flags.DEFINE_multi_string("simulated", [], "P:R of a simulated crit
                                        "same episode (repeatable), e.g. 0.88:0.86.")
 _OUT = flags.DEFINE_string("out", None, "JSON output path (default runs/llm_episode_<bench>.json).")
 
+_evaluate = jax.jit(inference.evaluate, static_argnames=("config",))
+
 
 def _simulated_critics():
   critics = []
@@ -84,7 +86,7 @@ def _train(name, critic, k_episode, train, config, hparams):
 
 
 def _scores(state, k_eval, test, config, hparams) -> dict:
-  after = inference.evaluate_jit(k_eval, state.params, test.stream, config, hparams)
+  after = _evaluate(k_eval, state.params, test.stream, config, hparams)
   return {"test_recall@5_adapter": float(after.recall_adapter) * 100,
           "test_hitrate@5_adapter": float(after.hitrate_adapter) * 100,
           "params_finite": bool(all(np.all(np.isfinite(np.asarray(x)))
@@ -110,7 +112,7 @@ def main(argv):
   hparams = default_hparams(learning_rate=_LR.value)
   k_episode, k_eval = jax.random.split(jax.random.PRNGKey(_SEED.value))
   frozen = learner_lib.init_learner(jax.random.PRNGKey(0), config).params
-  before = inference.evaluate_jit(k_eval, frozen, test.stream, config, hparams)
+  before = _evaluate(k_eval, frozen, test.stream, config, hparams)
   result = {
       "benchmark": bench.name, "seed": _SEED.value, "num_train_queries": int(len(train_idx)),
       "num_test_queries": int(len(test_idx)), "num_rounds": config.num_rounds,

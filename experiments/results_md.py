@@ -1,7 +1,7 @@
 """Assembles RESULTS.md from the workdirs of `experiments.run` (tables, plots, commands, timings).
 
   python -m experiments.results_md runs/locomo_main [runs/longmemeval_all ...]
-  python -m experiments.results_md --beyond runs/locomo_tune runs/locomo_beyond ...  # issue 12
+  python -m experiments.results_md --beyond runs/locomo_tune runs/locomo_beyond ...
 
 Copies each workdir's plots to results/<benchmark>/ and rewrites the block between the
 `<!-- generated:begin -->` / `<!-- generated:end -->` markers of RESULTS.md; text outside the block

@@ -23,21 +23,21 @@ from absl import app
 from absl import flags
 from absl import logging as absl_logging
 
-from ear_jax.core import buffer as buffer_lib
 from ear_jax.core import config as config_lib
 from ear_jax.core import critic as critic_lib
 from experiments import cli
+from experiments import config_flags
 from experiments import data_flags
 from experiments import first_stage_flags
 from experiments import dist_flags
 
 SUITES = ("main", "ablation", "hparams", "curves", "noise", "multistore", "qa", "all",
-          "tune", "beyond",  # tune / beyond: issue 12 (validation tuning, ear_tuned vs ear)
-          "first_stage_tune", "first_stage")  # issue 18: EAR over dense / BM25 / hybrid
+          "tune", "beyond",  # tune / beyond: validation tuning, ear_tuned vs ear
+          "first_stage_tune", "first_stage")  # EAR over dense / BM25 / hybrid
 
 _DATA = data_flags.define(["locomo", "longmemeval", "jsonl", "synthetic"])
-_FIRST_STAGE = first_stage_flags.define()  # issue 18: --candidates=dense|bm25|hybrid
-_DIST = dist_flags.define()  # issue 23: --coordinator / --num_processes / --process_id
+_FIRST_STAGE = first_stage_flags.define()  # --candidates=dense|bm25|hybrid
+_DIST = dist_flags.define()  # --coordinator / --num_processes / --process_id
 _METHOD = flags.DEFINE_enum("method", "ear", list(config_lib.METHODS),
                             "Method when no --suite is given.")
 _SUITE = flags.DEFINE_enum("suite", None, list(SUITES), "Suite to run; unset: run --method only.")
@@ -64,7 +64,7 @@ _NOISE_LEVELS = flags.DEFINE_list("noise_levels", ["0.7", "0.8", "0.9", "1.0"],
                                   "Critic precision / recall grid of the noise suite (Fig. 5).")
 _SYN_QUERIES = flags.DEFINE_integer("synthetic_queries", 500, "Synthetic benchmark: queries.")
 _SYN_DIM = flags.DEFINE_integer("synthetic_dim", 32, "Synthetic benchmark: dimension d.")
-# --suite=qa (issue 11): answers from the final slates, scored with F1 / BLEU-1 / LLM judge.
+# --suite=qa: answers from the final slates, scored with F1 / BLEU-1 / LLM judge.
 _QA_FLAGS = {
     "limit": flags.DEFINE_integer("qa_limit", 50, "QA: the first N test questions of each QA seed "
                                   "(0 = all).", lower_bound=0),
@@ -89,34 +89,10 @@ _QA_FLAGS = {
                                  upper_bound=65535),
 }
 
-# Every switch of EARConfig (None = the method's default).
-_CONFIG_FLAGS = {
-    "loss_form": flags.DEFINE_enum("loss_form", None, list(config_lib.LOSS_FORMS),
-                                   "Eq. (10) form: flat (default) or sequential."),
-    "replay_strategy": flags.DEFINE_enum("replay_strategy", None,
-                                         list(buffer_lib.REPLAY_STRATEGIES),
-                                         "Eq. (15) / Table 7."),
-    "replay_unobserved": flags.DEFINE_enum("replay_unobserved", None,
-                                           list(config_lib.REPLAY_UNOBSERVED),
-                                           "Eq. (20): never-chosen items -1 or ignored."),
-    "optimizer": flags.DEFINE_enum("optimizer", None, list(config_lib.OPTIMIZERS),
-                                   "adam (default) or sgd."),
-    "adapter_rank": flags.DEFINE_integer("adapter_rank", None, "Low-rank adapter rank (unset: "
-                                         "full d x d)."),
-    "buffer_capacity": flags.DEFINE_integer("buffer_capacity", None, "Experience Buffer size C."),
-    "batch_size": flags.DEFINE_integer("batch_size", None, "Queries per optimizer step (4)."),
-    "num_rounds": flags.DEFINE_integer("num_rounds", None, "Explorer rounds T (4)."),
-    "replay_size": flags.DEFINE_integer("replay_size", None, "Replayed experiences B (4)."),
-    "slate_size": flags.DEFINE_integer("slate_size", None, "Slate size s (5)."),
-    "grad_clip_norm": flags.DEFINE_float("grad_clip_norm", None, "Global-norm clipping (off)."),
-    "side_init": flags.DEFINE_float("side_init", None, "Side features: the first stage's score "
-                                    "weight at the start (EARConfig.side_init).", lower_bound=0.0),
-}
-# Every continuous hyperparameter (None = the paper's value, defined once in core.config).
-_HPARAM_FLAGS = {
-    name: flags.DEFINE_float(name, None, f"HParams.{name} (default {default}).")
-    for name, default in config_lib.HPARAM_DEFAULTS.items()
-}
+# Every field of EARConfig but those the data fixes, and every continuous hyperparameter, one
+# flag each, generated from the dataclasses (None = the method's value; `experiments.config_flags`).
+_CONFIG_FLAGS = config_flags.define_config_flags()
+_HPARAM_FLAGS = config_flags.define_hparam_flags()
 # The simulated critic's parameters (Appendix A.2; None = the paper's, defined in core.critic).
 _CRITIC_FLAGS = {
     "precision": flags.DEFINE_float(
@@ -151,8 +127,8 @@ def build_options():
       datasets.find_benchmark_file(bench, _DATA.data_dir.value)
     except FileNotFoundError as e:
       raise app.UsageError(f"--data_dir / --benchmark={bench}: {e}") from None
-  config_over = {k: f.value for k, f in _CONFIG_FLAGS.items() if f.value is not None}
-  hparam_over = {k: f.value for k, f in _HPARAM_FLAGS.items() if f.value is not None}
+  config_over = config_flags.overrides(_CONFIG_FLAGS)
+  hparam_over = config_flags.overrides(_HPARAM_FLAGS)
   critic_over = {k: f.value for k, f in _CRITIC_FLAGS.items() if f.value is not None}
   try:
     critic_lib.make_simulated_critic(**critic_over)

@@ -1,4 +1,5 @@
 """ANN candidate search (faiss) against the exact device search, and `Memory(index=...)`."""
+import jax
 import numpy as np
 import pytest
 
@@ -6,6 +7,8 @@ from ear_jax import EARConfig
 from ear_jax.agent.memory import Memory
 from ear_jax.core import retrieval
 from ear_jax.index import ann
+
+jit_top_k_search = jax.jit(retrieval.top_k_search, static_argnames=("k", "chunk"))
 
 D = 16
 
@@ -19,7 +22,7 @@ def _clustered(n, seed=0, centers=20):
 
 
 def _exact(q, bank, k):
-  idx, _, _ = retrieval.top_k_search_jit(q, bank, np.ones(len(bank), bool), k=k)
+  idx, _, _ = jit_top_k_search(q, bank, np.ones(len(bank), bool), k=k)
   return np.asarray(idx)
 
 

@@ -89,7 +89,7 @@ def test_a_new_replay_strategy_is_one_function_and_one_registry_line(monkeypatch
   assert cfg.to_dict()["replay_strategy"] == "similarity"  # the paper's Eq. (15) by default
   cfg = config_lib.EARConfig.for_method("ear", dim=2, num_candidates=3, replay_size=2,
                                         buffer_capacity=4, slate_size=2, replay_strategy="newest")
-  assert cfg.replay_strategy is _newest_replay
+  assert buffer.replay_strategy(cfg.replay_strategy) is _newest_replay
   assert cfg.to_dict()["replay_strategy"] == "newest"
   buf = buffer.init_buffer(cfg)
   for i in range(3):

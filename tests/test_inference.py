@@ -25,8 +25,8 @@ def test_adapter_only_metrics_hand_computed():
   res = inference.evaluate(jax.random.PRNGKey(0), params, _stream(), CFG, default_hparams(),
                            OracleCritic())
   np.testing.assert_array_equal(res.adapter_slates, [[0, 1]] * 3)
-  np.testing.assert_array_equal(res.adapter_recall, [True, False, False])
-  np.testing.assert_array_equal(res.adapter_hit, [True, False, True])
+  np.testing.assert_array_equal(res.adapter_all_gold, [True, False, False])
+  np.testing.assert_array_equal(res.adapter_any_gold, [True, False, True])
   np.testing.assert_allclose(res.recall_adapter, 1 / 3, rtol=1e-6)
   np.testing.assert_allclose(res.hitrate_adapter, 2 / 3, rtol=1e-6)
 
@@ -38,9 +38,9 @@ def test_explorer_assisted_inference_finds_gold_with_feedback():
   # Query 2: round 1 shows [0, 1] (both -1); round 2 moves to the unexplored gold m2, then the
   # diversity penalty keeps m3 (0.8 similar to m2) out: [2, 0] (worked out in test_explorer.py).
   np.testing.assert_array_equal(res.explorer_slates[1], [2, 0])
-  assert bool(res.explorer_hit[1]) and not bool(res.adapter_hit[1])
-  assert not bool(res.explorer_recall[1])
-  assert not bool(res.explorer_recall[2])  # a gold memory outside the top-K is a miss
+  assert bool(res.explorer_any_gold[1]) and not bool(res.adapter_any_gold[1])
+  assert not bool(res.explorer_all_gold[1])
+  assert not bool(res.explorer_all_gold[2])  # a gold memory outside the top-K is a miss
 
 
 def test_metrics_are_safe_on_empty_sets():

@@ -11,6 +11,13 @@ from ear_jax.core.config import EARConfig, default_hparams, stack_hparams
 from ear_jax.core.stream import make_stream
 from tests.core_utils import learnable_stream
 
+jit_run_episode = jax.jit(episode.run_episode, static_argnames=("config",))
+jit_train_stream = jax.jit(episode.train_stream, static_argnames=("config",))
+jit_evaluate = jax.jit(inference.evaluate, static_argnames=("config",))
+jit_train_batch = jax.jit(learner.train_batch, static_argnames=("config",))
+jit_train_batch_on_feedback = jax.jit(learner.train_batch_on_feedback,
+                                      static_argnames=("config",))
+
 CFG = EARConfig.for_method("ear", dim=16, num_candidates=8, slate_size=2, num_rounds=3,
                            replay_size=2, buffer_capacity=64, batch_size=4)
 HP = default_hparams(learning_rate=3e-3)
@@ -33,9 +40,9 @@ def test_jit_does_not_retrace_on_a_second_call():
 
 @pytest.mark.slow
 def test_same_key_identical_different_keys_differ():
-  a = episode.run_episode_jit(jax.random.PRNGKey(0), TRAIN, CFG, HP)
-  b = episode.run_episode_jit(jax.random.PRNGKey(0), TRAIN, CFG, HP)
-  c = episode.run_episode_jit(jax.random.PRNGKey(1), TRAIN, CFG, HP)
+  a = jit_run_episode(jax.random.PRNGKey(0), TRAIN, CFG, HP)
+  b = jit_run_episode(jax.random.PRNGKey(0), TRAIN, CFG, HP)
+  c = jit_run_episode(jax.random.PRNGKey(1), TRAIN, CFG, HP)
   for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
     np.testing.assert_array_equal(x, y)
   assert not np.array_equal(a[1].labels, c[1].labels)
@@ -43,7 +50,7 @@ def test_same_key_identical_different_keys_differ():
 
 
 def test_records_and_counters():
-  state, rec = episode.run_episode_jit(jax.random.PRNGKey(0), TRAIN, CFG, HP)
+  state, rec = jit_run_episode(jax.random.PRNGKey(0), TRAIN, CFG, HP)
   assert rec.slates.shape == (42, 3, 2) and rec.loss.shape == (42,)
   assert int(state.queries_seen) == 42 and int(state.critic_calls) == 42 * 3
   assert int(state.step) == 11 and int(state.buffer.num_pushed) == 42
@@ -58,7 +65,7 @@ def test_vmap_over_three_seeds_equals_a_loop():
               static_argnums=(2,))
   vs, vr = f(keys, TRAIN, CFG, HP)
   for i in range(3):
-    s, r = episode.run_episode_jit(keys[i], TRAIN, CFG, HP)
+    s, r = jit_run_episode(keys[i], TRAIN, CFG, HP)
     np.testing.assert_array_equal(vr.slates[i], r.slates)
     np.testing.assert_array_equal(vr.labels[i], r.labels)
     np.testing.assert_allclose(vs.params.w_q[i], s.params.w_q, atol=1e-5)
@@ -71,7 +78,7 @@ def test_vmap_over_hyperparameters_equals_a_loop():
   f = jax.jit(jax.vmap(episode.run_episode, in_axes=(None, None, None, 0)), static_argnums=(2,))
   vs, vr = f(jax.random.PRNGKey(3), TRAIN, CFG, stack_hparams(hps))
   for i, hp in enumerate(hps):
-    s, r = episode.run_episode_jit(jax.random.PRNGKey(3), TRAIN, CFG, hp)
+    s, r = jit_run_episode(jax.random.PRNGKey(3), TRAIN, CFG, hp)
     np.testing.assert_array_equal(vr.slates[i], r.slates)
     np.testing.assert_allclose(vs.params.w_q[i], s.params.w_q, atol=1e-5)
 
@@ -79,11 +86,11 @@ def test_vmap_over_hyperparameters_equals_a_loop():
 @pytest.mark.slow
 def test_chunked_training_equals_one_scan():
   k_init, keys = episode.episode_keys(jax.random.PRNGKey(5), 42)
-  full, _ = episode.train_stream_jit(learner.init_learner(k_init, CFG), keys, TRAIN, CFG, HP)
+  full, _ = jit_train_stream(learner.init_learner(k_init, CFG), keys, TRAIN, CFG, HP)
   state = learner.init_learner(k_init, CFG)
   for start, stop in ((0, 16), (16, 32), (32, 42)):
-    state, _ = episode.train_stream_jit(state, keys[start:stop], TRAIN.take(slice(start, stop)),
-                                        CFG, HP)
+    state, _ = jit_train_stream(state, keys[start:stop], TRAIN.take(slice(start, stop)),
+                                CFG, HP)
   for x, y in zip(jax.tree_util.tree_leaves(full), jax.tree_util.tree_leaves(state)):
     np.testing.assert_array_equal(x, y)
 
@@ -95,7 +102,7 @@ def test_zero_vectors_and_masked_candidates_give_finite_losses_and_params(method
                              replay_size=2, buffer_capacity=8, batch_size=2)
   mask = np.array([[True] * 4, [False] * 4, [True, False, False, False], [True] * 4])
   stream = make_stream(np.zeros((4, 4)), np.zeros((4, 4, 4)), mask, np.zeros((4, 4), bool))
-  state, rec = episode.run_episode_jit(jax.random.PRNGKey(0), stream, cfg, HP)
+  state, rec = jit_run_episode(jax.random.PRNGKey(0), stream, cfg, HP)
   assert np.all(np.isfinite(rec.loss))
   assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves(state.params))
   assert not bool(rec.slate_mask[1].any())  # the all-masked query gets an empty slate
@@ -103,7 +110,7 @@ def test_zero_vectors_and_masked_candidates_give_finite_losses_and_params(method
 
 def test_untrained_method_leaves_the_state_unchanged():
   cfg = EARConfig.for_method("retriever", dim=16, num_candidates=8, slate_size=2)
-  state, rec = episode.run_episode_jit(jax.random.PRNGKey(0), TRAIN, cfg, HP)
+  state, rec = jit_run_episode(jax.random.PRNGKey(0), TRAIN, cfg, HP)
   assert rec is None and float(jnp.abs(state.params.w_q).sum()) == 0.0
 
 
@@ -112,9 +119,9 @@ def test_ear_learns_a_learnable_stream():
   cfg = dataclasses.replace(CFG, buffer_capacity=512)
   hp = default_hparams(learning_rate=1e-2)
   untrained = learner.init_learner(jax.random.PRNGKey(0), cfg)
-  state, _ = episode.run_episode_jit(jax.random.PRNGKey(0), train, cfg, hp)
-  before = inference.evaluate_jit(jax.random.PRNGKey(9), untrained.params, test, cfg, hp)
-  after = inference.evaluate_jit(jax.random.PRNGKey(9), state.params, test, cfg, hp)
+  state, _ = jit_run_episode(jax.random.PRNGKey(0), train, cfg, hp)
+  before = jit_evaluate(jax.random.PRNGKey(9), untrained.params, test, cfg, hp)
+  after = jit_evaluate(jax.random.PRNGKey(9), state.params, test, cfg, hp)
   assert float(before.recall_adapter) < 0.1  # frozen cosine prefers the distractors
   assert float(after.recall_adapter) > float(before.recall_adapter) + 0.3
   assert float(after.hitrate_adapter) > float(before.hitrate_adapter) + 0.3
@@ -127,10 +134,10 @@ def test_low_rank_adapter_episode_learns_a_learnable_stream():
   hp = default_hparams(learning_rate=1e-2)
   test = learnable_stream(2, 200)
   untrained = learner.init_learner(jax.random.PRNGKey(0), cfg)
-  state, rec = episode.run_episode_jit(jax.random.PRNGKey(0), learnable_stream(1, 400), cfg, hp)
+  state, rec = jit_run_episode(jax.random.PRNGKey(0), learnable_stream(1, 400), cfg, hp)
   assert state.params.w_q is None and np.all(np.isfinite(rec.loss))
-  before = inference.evaluate_jit(jax.random.PRNGKey(9), untrained.params, test, cfg, hp)
-  after = inference.evaluate_jit(jax.random.PRNGKey(9), state.params, test, cfg, hp)
+  before = jit_evaluate(jax.random.PRNGKey(9), untrained.params, test, cfg, hp)
+  after = jit_evaluate(jax.random.PRNGKey(9), state.params, test, cfg, hp)
   assert float(after.recall_adapter) > float(before.recall_adapter) + 0.2
 
 
@@ -138,11 +145,11 @@ def test_train_batch_on_feedback_equals_train_batch_with_the_same_labels():
   state = learner.init_learner(jax.random.PRNGKey(0), CFG)
   keys = jax.random.split(jax.random.PRNGKey(1), 4)
   batch, where = TRAIN.take(slice(0, 4)), jnp.ones(4, bool)
-  s1, r1 = learner.train_batch_jit(state, keys, batch, where, CFG, HP)
+  s1, r1 = jit_train_batch(state, keys, batch, where, CFG, HP)
   # Same replay keys: train_batch splits each query key into (train, replay).
   replay_keys = jax.vmap(lambda k: jax.random.split(k)[1])(keys)
-  s2, r2 = learner.train_batch_on_feedback_jit(state, replay_keys, batch, r1.slates,
-                                               r1.slate_mask, r1.labels, where, CFG, HP)
+  s2, r2 = jit_train_batch_on_feedback(state, replay_keys, batch, r1.slates,
+                                       r1.slate_mask, r1.labels, where, CFG, HP)
   np.testing.assert_allclose(s1.params.w_q, s2.params.w_q, atol=1e-6)
   np.testing.assert_allclose(r1.loss, r2.loss, atol=1e-6)
 
@@ -153,8 +160,8 @@ def test_masked_queries_are_padding_and_an_all_padding_batch_is_a_no_op():
   stream = TRAIN.take(slice(0, 16))
   where = jnp.arange(16) < 8  # batches 3 and 4 hold no real query
   init = learner.init_learner(k_init, CFG)
-  masked, rec = episode.train_stream_jit(init, keys, stream, CFG, HP, where=where)
-  head, _ = episode.train_stream_jit(init, keys[:8], stream.take(slice(0, 8)), CFG, HP)
+  masked, rec = jit_train_stream(init, keys, stream, CFG, HP, where=where)
+  head, _ = jit_train_stream(init, keys[:8], stream.take(slice(0, 8)), CFG, HP)
   for x, y in zip(jax.tree_util.tree_leaves(masked), jax.tree_util.tree_leaves(head)):
     np.testing.assert_array_equal(x, y)
   assert int(masked.step) == 2 and int(masked.buffer.num_pushed) == 8

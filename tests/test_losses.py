@@ -64,11 +64,16 @@ def test_replay_rewards_both_readings():
   np.testing.assert_array_equal(c, [True, True, True, False])
 
 
-def test_gumbel_top_s_with_given_noise():
-  slate, mask = losses.gumbel_top_s_with_noise(jnp.array([0.0, 3.0, 0.0]),
-                                               jnp.array([1.0, 0.0, 0.5]), jnp.ones(3, bool),
-                                               jnp.float32(0.5), 2)
-  assert list(np.asarray(slate)) == [1, 0] and bool(mask.all())
+def test_gumbel_top_s_is_the_top_s_slate_of_tempered_logits_plus_the_keys_gumbel_noise():
+  key, z, tau = jax.random.PRNGKey(3), jnp.array([1.0, 0.0, 0.5, -2.0]), jnp.float32(0.5)
+  where = jnp.array([True, True, True, False])
+  slate, mask = losses.gumbel_top_s(key, z, where, tau, 3)
+  g = jax.random.gumbel(key, (4,), jnp.float32)  # the noise the key draws, Eq. (19)
+  want = np.argsort(-np.where(np.asarray(where), np.asarray(z / tau + g), -np.inf))[:3]
+  np.testing.assert_array_equal(slate, want)
+  assert bool(mask.all())
+  slate, mask = losses.gumbel_top_s(key, z, where, tau, 4)  # 3 valid: the 4th position is empty
+  assert int(slate[3]) == -1 and mask.tolist() == [True, True, True, False]
 
 
 def test_gumbel_top_s_samples_without_replacement_and_respects_masks():

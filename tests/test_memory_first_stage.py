@@ -1,6 +1,6 @@
 """`Memory(candidates='bm25' | 'hybrid')`: the benchmark pipeline's first stage in a live memory."""
-import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -56,23 +56,30 @@ def _pipeline(texts, emb, qtexts, qemb, stores, k, name, options, multistore):
   return idx, first_stage.features(inputs, idx, sc)
 
 
-CASES = [("bm25", first_stage.FirstStageOptions(), False),
-         ("hybrid", first_stage.FirstStageOptions(fusion="rrf"), False),
-         ("hybrid", first_stage.FirstStageOptions(fusion="weighted"), False),
-         ("hybrid", first_stage.FirstStageOptions(fusion="rrf", rrf_k=3.0), False),
-         ("hybrid", first_stage.FirstStageOptions(fusion="rrf"), True),
-         ("hybrid", first_stage.FirstStageOptions(fusion="weighted", lexical_weight=0.3), True),
-         ("bm25", first_stage.FirstStageOptions(), True),
-         ("dense", first_stage.FirstStageOptions(), False)]
+_slow = pytest.mark.slow
+# (the default hybrid, single and multi-store, is in the fast tier: test_..._equal_build_benchmark)
+CASES = [pytest.param("hybrid", first_stage.FirstStageOptions(fusion="rrf"), True, marks=_slow),
+         pytest.param("bm25", first_stage.FirstStageOptions(), False, marks=_slow),
+         pytest.param("hybrid", first_stage.FirstStageOptions(fusion="weighted"), False,
+                      marks=_slow),
+         pytest.param("hybrid", first_stage.FirstStageOptions(fusion="rrf"), False, marks=_slow),
+         pytest.param("hybrid", first_stage.FirstStageOptions(fusion="rrf", rrf_k=3.0), False,
+                      marks=_slow),
+         pytest.param("hybrid", first_stage.FirstStageOptions(fusion="weighted",
+                                                              lexical_weight=0.3), True,
+                      marks=_slow),
+         pytest.param("bm25", first_stage.FirstStageOptions(), True, marks=_slow),
+         pytest.param("dense", first_stage.FirstStageOptions(), False, marks=_slow)]
 
 
 @pytest.mark.parametrize("name,options,multistore", CASES)
 def test_memory_candidates_equal_the_benchmark_pipeline(name, options, multistore):
   texts, emb, qtexts, qemb = _bank()
+  texts[40:50], emb[40:50] = texts[10:20], emb[10:20]  # duplicates: equal scores, ties by row
   stores = (np.arange(len(texts)) % 3 == 2).astype(np.int8)  # every third memory an observation
   config = EARConfig(dim=DIM, num_candidates=8, side_features=3)
   mem = Memory(None, config=config, candidates=name, first_stage_options=options,
-               multistore=multistore)
+               multistore=multistore, initial_capacity=64)  # one capacity: fewer compiles
   # added in three calls (the index is rebuilt after each), with a search in between
   for a, b in ((0, 20), (20, 21), (21, 60)):
     mem.add(texts[a:b], embeddings=emb[a:b], store=[int(s) for s in stores[a:b]])
@@ -90,8 +97,22 @@ def test_memory_candidates_equal_the_benchmark_pipeline(name, options, multistor
   np.testing.assert_allclose(first, want_feats[:, :5, 0], atol=1e-5)
 
 
+def test_ranks_equal_a_comparison_count_with_ties_and_masked_rows():
+  rng = np.random.default_rng(0)
+  ranks = jax.jit(lexical_bank._ranks_one)  # pylint: disable=protected-access
+  for _ in range(10):
+    x = rng.integers(0, 12, 300).astype(np.float32)  # many equal values
+    where = rng.random(300) < 0.7
+    rows = rng.choice(300, 25, replace=False).astype(np.int32)
+    got = np.asarray(ranks(x, where, rows, x[rows]))
+    want = [1 + np.sum(where & ((x > x[r]) | ((x == x[r]) & (np.arange(300) < r)))) for r in rows]
+    np.testing.assert_array_equal(got[where[rows]], np.asarray(want)[where[rows]])
+
+
 def test_bm25_scores_equal_the_lexical_module():
   texts, _, qtexts, _ = _bank(n=40)
+  texts[3] = "What is the"  # stop words only: an empty document
+  texts[9] = "golf golf golf golf hotel"
   lex = lexical_bank.LexicalBank("bm25", first_stage.FirstStageOptions(), multistore=True)
   for a, b in ((0, 7), (7, 8), (8, 40)):
     lex.append(lexical_bank.tokenize(texts[a:b]), np.zeros(b - a, np.int8), a)
@@ -144,6 +165,7 @@ def _trained_memory(tmp_path, candidates="hybrid"):
   return mem, qtexts, qemb
 
 
+@pytest.mark.slow
 def test_save_load_gives_the_same_memory(tmp_path):
   mem, qtexts, qemb = _trained_memory(tmp_path)
   mem.save(tmp_path / "m")
@@ -165,6 +187,7 @@ def test_save_load_gives_the_same_memory(tmp_path):
           == mem.retrieve("tango", k=3, query_embedding=qemb[0]).ids)
 
 
+@pytest.mark.slow
 def test_restore_refuses_another_first_stage_and_rebuilds_the_index(tmp_path):
   mem, qtexts, qemb = _trained_memory(tmp_path)
   mem.save(tmp_path / "m")
@@ -180,8 +203,24 @@ def test_restore_refuses_another_first_stage_and_rebuilds_the_index(tmp_path):
           == mem.retrieve(qtexts[0], k=3, query_embedding=qemb[0]).ids)
 
 
+def test_load_without_learning_keeps_first_stage_and_candidates(tmp_path):
+  texts, emb, qtexts, qemb = _bank(n=40)
+  mem = Memory(None, config=EARConfig(dim=DIM, num_candidates=8), candidates="bm25",
+               first_stage_options=first_stage.FirstStageOptions(fusion="weighted"))
+  mem.add(texts, embeddings=emb)
+  want = mem.retrieve_batch(qtexts, k=3, query_embeddings=qemb)
+  mem.save(tmp_path / "m")
+  back = Memory.load(tmp_path / "m", encoder=None)
+  assert (back.candidates, back.first_stage_options) == (mem.candidates, mem.first_stage_options)
+  got = back.retrieve_batch(qtexts, k=3, query_embeddings=qemb)
+  np.testing.assert_array_equal(_candidates(back, got)[0], _candidates(mem, want)[0])
+  np.testing.assert_array_equal(_candidates(back, got)[1], _candidates(mem, want)[1])
+
+
 def test_tampered_texts_are_refused_naming_the_shard(tmp_path):
-  mem, _, _ = _trained_memory(tmp_path)
+  texts, emb, _, _ = _bank(n=40)
+  mem = Memory(None, dim=DIM, candidates="hybrid")
+  mem.add(texts, embeddings=emb)
   mem.save(tmp_path / "m")
   hits = [p for p in (tmp_path / "m" / "bank_shards").rglob("*")
           if p.is_file() and b"tango" in p.read_bytes()]
@@ -196,3 +235,81 @@ def test_old_checkpoints_without_a_first_stage_are_dense():
   assert lexical_bank.options_from_meta(None, "x") == ("dense", first_stage.FirstStageOptions())
   with pytest.raises(ValueError, match="first_stage"):
     lexical_bank.options_from_meta({"candidates": "splade", "options": {}}, "meta.json")
+
+
+@pytest.mark.parametrize("rrf_k", [60.0, 3.0, 1.0])
+def test_rrf_score_rounds_as_the_pipelines_float64_sum(rrf_k):
+  a, b = np.meshgrid(np.arange(1, 400), np.arange(1, 400))
+  want = (1.0 / (rrf_k + a) + 1.0 / (rrf_k + b)).astype(np.float32)
+  score = jax.jit(lexical_bank._rrf_score)  # pylint: disable=protected-access  (as XLA compiles it)
+  got = np.asarray(score(np.float32(rrf_k) + a.astype(np.float32),
+                         np.float32(rrf_k) + b.astype(np.float32)))
+  plain = (np.float32(1) / (np.float32(rrf_k) + a.astype(np.float32))
+           + np.float32(1) / (np.float32(rrf_k) + b.astype(np.float32)))
+  assert (plain != want).any()  # plain float32 would break ties the pipeline keeps
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("multistore", [False, True])
+def test_memory_candidates_equal_build_benchmark(multistore):
+  """The benchmark pipeline itself (`candidates.build_benchmark`, default hybrid options) and a
+  `Memory` over the same bank: the same candidate ids in the same order, the same features."""
+  from ear_jax.data import candidates as candidates_lib  # pylint: disable=g-import-not-at-top
+  from ear_jax.data import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  texts, emb, qtexts, qemb = _bank(n=50, nq=8, seed=4)
+  stores = (np.arange(50) % 4 == 3).astype(np.int8)
+  ids = [f"d{i}" for i in range(50)]
+  bank = corpus_lib.Bank(ids=ids, texts=texts, stores=stores, refs=[()] * 50)
+  queries = [corpus_lib.Query(id=f"q{i}", text=t, gold=(ids[4 * i],), category="c", group=0)
+             for i, t in enumerate(qtexts)]
+  ec = corpus_lib.EmbeddedCorpus(corpus_lib.Corpus("t", [bank], queries, {}), [emb], qemb)
+  bench = candidates_lib.build_benchmark(ec, k=8, multistore=multistore, candidates="hybrid",
+                                         side_features=True)
+  mem = Memory(None, config=EARConfig(dim=DIM, num_candidates=8), candidates="hybrid",
+               multistore=multistore)
+  mem.add(texts, ids=ids, embeddings=emb, store=[int(s) for s in stores])
+  got = mem.retrieve_batch(qtexts, k=3, query_embeddings=qemb)
+  rows, feats = _candidates(mem, got)
+  np.testing.assert_array_equal(np.where(rows >= 0, np.asarray(ids)[rows], ""),
+                                bench.candidate_ids)
+  np.testing.assert_allclose(feats, np.asarray(bench.stream.candidates)[..., DIM:], atol=1e-5)
+
+
+def test_threads_adding_and_retrieving_leave_the_index_in_step():
+  import threading  # pylint: disable=g-import-not-at-top
+  texts, emb, qtexts, qemb = _bank(n=64, nq=4, seed=7)
+  mem = Memory(None, config=EARConfig(dim=DIM, num_candidates=8), candidates="hybrid",
+               initial_capacity=64)
+  mem.add(texts[:8], embeddings=emb[:8])
+  errors = []
+
+  def adder(lo):
+    try:
+      for i in range(lo, lo + 28, 4):
+        mem.add(texts[i:i + 4], ids=[f"t{j}" for j in range(i, i + 4)], embeddings=emb[i:i + 4])
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  def retriever():
+    try:
+      for t, q in zip(qtexts * 3, np.concatenate([qemb] * 3)):
+        mem.discard(mem.retrieve(t, k=2, query_embedding=q))
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  threads = [threading.Thread(target=adder, args=(8,)), threading.Thread(target=adder, args=(36,)),
+             threading.Thread(target=retriever), threading.Thread(target=retriever)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors
+  assert len(mem) == 64
+  bank_texts = list(mem._bank.texts)  # pylint: disable=protected-access  (rows in the threads' order)
+  got = mem.retrieve_batch(qtexts, k=2, query_embeddings=qemb)
+  rows, feats = _candidates(mem, got)
+  want_rows, want_feats = _pipeline(bank_texts, mem.embeddings(), qtexts, qemb,
+                                    np.zeros(64, np.int8), 8, "hybrid",
+                                    first_stage.FirstStageOptions(), False)
+  np.testing.assert_array_equal(rows, want_rows)
+  np.testing.assert_allclose(feats, want_feats, atol=1e-5)

@@ -19,6 +19,9 @@ from ear_jax.core.critic import OracleCritic
 from ear_jax.core.stream import Stream, make_stream
 from tests.test_memory import _config
 
+jit_train_batch_on_feedback = jax.jit(learner_lib.train_batch_on_feedback,
+                                      static_argnames=("config",))
+
 _D = 16
 
 
@@ -179,7 +182,7 @@ def test_driver_step_is_train_batch_on_feedback_with_the_documented_keys():
     b = TrainItem(*(np.stack(x) for x in zip(*items[2 * j:2 * j + 2])))
     batch = Stream(queries=b.query, candidates=b.candidates, mask=b.mask,
                    gold=np.zeros(b.mask.shape, bool), num_gold=np.zeros(2, np.int32))
-    state, _ = learner_lib.train_batch_on_feedback_jit(
+    state, _ = jit_train_batch_on_feedback(
         state, jax.random.split(jax.random.fold_in(k_train, j), 2), batch, b.slates, b.slate_mask,
         b.labels, jnp.ones(2, bool), cfg, default_hparams())
   for x, y in zip(jax.tree_util.tree_leaves(d.state), jax.tree_util.tree_leaves(state)):

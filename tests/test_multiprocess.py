@@ -188,8 +188,8 @@ def test_search_over_a_bank_split_across_two_processes_equals_the_one_process_se
   _ok(results)
   outs = [_result(r[1]) for r in results]
   bank, valid, queries, _ = bank_case()
-  ref_idx, ref_scores, ref_mask = map(np.asarray, retrieval.top_k_search_jit(queries, bank, valid,
-                                                                             k=20))
+  ref_idx, ref_scores, ref_mask = map(np.asarray, retrieval.top_k_search(queries, bank, valid,
+                                                                         k=20))
   assert ref_idx[0][:3].tolist() == [3, 500, 900]  # the ties: lower row first
   for out in outs:  # both processes hold the whole (replicated) answer
     assert (out["processes"], out["devices"], out["global_rows"]) == (2, 2, 1200)  # 600 rows each (process 1 padded)
@@ -238,7 +238,7 @@ def test_shard_bank_local_in_one_process_equals_the_unsharded_search():
   bank, valid = bank[:50], valid[:50]
   b, v, ids = sharding.shard_bank_local(bank, valid)
   idx, scores, mask = sharding.sharded_top_k_search(queries, b, v, 8, row_ids=ids)
-  ref = retrieval.top_k_search_jit(queries, bank, valid, k=8)
+  ref = retrieval.top_k_search(queries, bank, valid, k=8)
   np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref[0]))
   np.testing.assert_array_equal(np.asarray(mask), np.asarray(ref[2]))
   with pytest.raises(ValueError, match=r"\[M_p, d\]"):

@@ -1,9 +1,12 @@
 """The streamed exact search (`retrieval.top_k_search` in blocks) against an independent sort."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ear_jax.core import retrieval
+
+jit_top_k_search = jax.jit(retrieval.top_k_search, static_argnames=("k", "chunk"))
 
 
 def _bank(m, d, seed=0, dup=True):
@@ -30,8 +33,8 @@ def test_streamed_search_equals_a_stable_numpy_sort_with_ties_and_invalid_rows(m
   valid = rng.random(m) < 0.8
   valid[[5, m // 3, m // 2, m - 1]] = True
   q = np.concatenate([bank[5:6], rng.normal(size=(3, 12)).astype(np.float32)])
-  idx, scores, mask = retrieval.top_k_search_jit(jnp.asarray(q), jnp.asarray(bank),
-                                                 jnp.asarray(valid), k=20, chunk=chunk)
+  idx, scores, mask = jit_top_k_search(jnp.asarray(q), jnp.asarray(bank),
+                                       jnp.asarray(valid), k=20, chunk=chunk)
   np.testing.assert_array_equal(idx, _numpy_top(q, bank, valid, 20))
   assert np.asarray(idx)[0, :4].tolist() == [5, m // 3, m // 2, m - 1]
   np.testing.assert_allclose(scores, np.sort(np.where(valid[None], q @ bank.T, -np.inf),
@@ -44,7 +47,7 @@ def test_streamed_search_pads_when_fewer_than_k_rows_are_valid():
   valid = np.zeros(300, bool)
   valid[[7, 250, 299]] = True
   q = bank[250:251]
-  idx, scores, mask = retrieval.top_k_search_jit(q, bank, valid, k=6, chunk=32)
+  idx, scores, mask = jit_top_k_search(q, bank, valid, k=6, chunk=32)
   assert idx[0, 0] == 250 and sorted(np.asarray(idx)[0, :3].tolist()) == [7, 250, 299]
   assert np.asarray(idx)[0, 3:].tolist() == [-1, -1, -1]
   assert np.asarray(mask)[0].tolist() == [True] * 3 + [False] * 3
@@ -71,9 +74,9 @@ def test_a_bfloat16_bank_gives_float32_scores_close_to_the_float32_bank():
   valid = jnp.ones(2000, bool)
   for n in (1, 8):  # the multiply-reduce (few queries) and the widened product
     qq = jnp.tile(q, (n // 2 + 1, 1))[:n]
-    i32, s32, _ = retrieval.top_k_search_jit(qq, bank, valid, k=20, chunk=256)
-    i16, s16, _ = retrieval.top_k_search_jit(qq, jnp.asarray(bank, jnp.bfloat16), valid, k=20,
-                                             chunk=256)
+    i32, s32, _ = jit_top_k_search(qq, bank, valid, k=20, chunk=256)
+    i16, s16, _ = jit_top_k_search(qq, jnp.asarray(bank, jnp.bfloat16), valid, k=20,
+                                   chunk=256)
     assert s16.dtype == jnp.float32
     exact16 = np.asarray(jnp.asarray(bank, jnp.bfloat16), np.float32) @ np.asarray(qq).T
     np.testing.assert_allclose(np.asarray(s16), np.take_along_axis(exact16.T, np.asarray(i16), 1),

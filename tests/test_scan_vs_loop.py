@@ -1,4 +1,4 @@
-"""The `scan` path (`run_episode_jit`) and the Python loop over `train_batch_jit` do equal work.
+"""The `scan` path (jitted `run_episode`) and a Python loop over jitted `train_batch` do equal work.
 
 `experiments.bench` compares their speed; this checks that they compute the same thing: the same
 slates, labels and buffer, and the same parameters after the same stream.
@@ -16,6 +16,9 @@ from ear_jax.core import episode
 from ear_jax.core import learner
 from ear_jax.core import stream as stream_lib
 
+jit_train_batch = jax.jit(learner.train_batch, static_argnames=("config",))
+jit_run_episode = jax.jit(episode.run_episode, static_argnames=("config",))
+
 
 def _loop(key, stream, config, hparams):
   n, b = stream.queries.shape[0], config.batch_size
@@ -26,7 +29,7 @@ def _loop(key, stream, config, hparams):
     idx = np.minimum(np.arange(start, start + b), n - 1)
     where = jnp.asarray(np.arange(start, start + b) < n)
     batch = jax.tree_util.tree_map(lambda x: x[idx], stream)
-    state, rec = learner.train_batch_jit(state, keys[idx], batch, where, config, hparams)
+    state, rec = jit_train_batch(state, keys[idx], batch, where, config, hparams)
     records.append(jax.tree_util.tree_map(np.asarray, rec))
   records = jax.tree_util.tree_map(lambda *r: np.concatenate(r)[:n], *records)
   return state, records
@@ -37,7 +40,7 @@ def _check(config, n=30, seed=0):
                                                 k=config.num_candidates, num_valid=6))
   hparams = ej.default_hparams()
   key = jax.random.PRNGKey(seed)
-  scan_state, scan_rec = episode.run_episode_jit(key, stream, config, hparams)
+  scan_state, scan_rec = jit_run_episode(key, stream, config, hparams)
   loop_state, loop_rec = _loop(key, stream, config, hparams)
   np.testing.assert_array_equal(scan_rec.slates, loop_rec.slates)
   np.testing.assert_array_equal(scan_rec.labels, loop_rec.labels)

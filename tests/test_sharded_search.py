@@ -31,7 +31,7 @@ _SCRIPT = textwrap.dedent("""
       mesh = sharding.bank_mesh()
       bank_g, valid_g = sharding.shard_bank(bank, valid, mesh)
       a = sharding.sharded_top_k_search(q, bank_g, valid_g, 20, mesh=mesh)
-      b = retrieval.top_k_search_jit(q, bank, valid, k=20)
+      b = jax.jit(retrieval.top_k_search, static_argnames=("k", "chunk"))(q, bank, valid, k=20)
       out["cases"].append(dict(
           shards=len(bank_g.addressable_shards), idx=np.asarray(a[0]).tolist(),
           ref=np.asarray(b[0]).tolist(), mask_equal=bool(np.array_equal(a[2], b[2])),

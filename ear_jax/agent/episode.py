@@ -7,7 +7,7 @@ Symbols: `N` queries, `K` candidates, `s` slate size, `T` Explorer rounds, `b` b
 `critic(key, view) -> labels [s]` or None (an unusable reply: no update), with a `SlateView` that
 carries `query_text` and the memories' `texts` for host critics such as
 `ear_jax.agent.llm_critic.LLMCritic`; and the one learner step,
-`ear_jax.core.learner.train_batch_on_feedback_jit`.
+`ear_jax.core.learner.train_batch_on_feedback` (jitted here).
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ def _round_slates(params, queries, candidates, mask, mean, counts, hparams, *, k
 
 
 _update_bandits = jax.jit(jax.vmap(explorer_lib.update_bandit))
+_train_step = jax.jit(learner_lib.train_batch_on_feedback, static_argnames=("config",))
 
 
 def round_slates(params, hparams, queries, candidates, mask, mean, counts, k: int, explore: bool):
@@ -141,7 +142,7 @@ def run_critic_episode(key: jax.Array, stream: Stream, query_texts: Sequence[str
   Alg. 1 with the Explorer's rounds unrolled on the host: per batch of `b` queries, T rounds of
   (one jitted Explorer round for the batch, Eq. (5)-(8), via `retrieval.slate_from_candidates` ->
   one `critic(key, view)` per query -> bandit update, Eq. (9)); then ONE jitted learner step
-  (`learner.train_batch_on_feedback_jit`, Eq. (10)-(18)) with the batch's `[b, T, s]` slates. A
+  (`learner.train_batch_on_feedback`, Eq. (10)-(18)) with the batch's `[b, T, s]` slates. A
   critic call returning None (unparseable reply, HTTP error, timeout) leaves that round out of the
   loss and of the bandit statistics and is counted.
 
@@ -164,7 +165,7 @@ def run_critic_episode(key: jax.Array, stream: Stream, query_texts: Sequence[str
   Returns:
     `(state, stats)` with `stats` counting critic calls, usable / unusable replies and steps.
   """
-  if config.train_slate is not policies.explorer_slates:
+  if policies.train_slate_policy(config.train_slate) is not policies.explorer_slates:
     raise ValueError("run_critic_episode runs the Explorer: config.train_slate must be 'explorer'")
   episode_lib.validate_stream(stream, config)
   n = stream.num_queries
@@ -207,7 +208,7 @@ def run_critic_episode(key: jax.Array, stream: Stream, query_texts: Sequence[str
         slates[i, t], slate_mask[i, t], labels[i, t] = sl[i], sm[i], np.where(sm[i], lab, -1.0)
       mean, counts = update_bandits(mean, counts, slates[:, t], slate_mask[:, t],
                                                  labels[:, t])
-    state, _ = learner_lib.train_batch_on_feedback_jit(
+    state, _ = _train_step(
         state, k_replay[idx], batch, slates, slate_mask, labels, np.arange(b) < nb, config,
         hparams)
     stats["learner_steps"] += 1

@@ -20,8 +20,10 @@ same scores for the same texts), the same features, the same ties (lower bank ro
   rows. Only rows in the top-`t` of either ranking, `t = ceil(rrf_k + 2 K) + 1` (capped at `C`),
   can be in the fused top-K (a row ranked below `t` in both has a fused score below
   `2 / (rrf_k + t) < 1 / (rrf_k + K)`, which each of the cosine top-K beats), so the kernel ranks
-  those `2 t` rows exactly: a row's rank in the other ranking is `1 +` the valid rows before it
-  (a comparison count over the bank, `O(t C)` per query), never a sort of the bank.
+  those `2 t` rows exactly: a row's rank in the other ranking is `1 +` the valid rows before it,
+  counted by a binary search among the `t` (`_ranks_one`, `O(C log t)` per query), never by a sort
+  of the bank. The fused score is rounded as the pipeline's float64 sum rounded to float32
+  (`_rrf_score`), so equal sums tie there and here (lower row first).
 
 Host / device split (the device-side discipline of `bank.Bank`): BM25 runs on the host (bm25s) and
 only each query's nonzero `(row, score)` pairs go to the device, padded to a power-of-two bucket;
@@ -47,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -105,30 +107,43 @@ class LexicalBank:
   def __init__(self, candidates: str, options: first_stage.FirstStageOptions, multistore: bool):
     first_stage.check_generator(candidates)
     self.candidates, self.options, self.multistore = candidates, options, bool(multistore)
-    self.vocab: dict[str, int] = {}
-    self._docs: list[np.ndarray] = []  # per indexed memory: its token ids (int32)
-    self._rows: list[int] = []  # per indexed memory: its bank row
+    self.vocab: dict[str, int] = {}  # token -> id, in order of first appearance
+    self._tokens: list[np.ndarray] = []  # per `append`: the token ids of its indexed memories
+    self._lengths: list[np.ndarray] = []  # per `append`: their token counts (int64)
+    self._rows: list[np.ndarray] = []  # per `append`: their bank rows (int32)
+    self.num_docs = 0  # indexed memories
     self.synced = 0  # bank rows seen (indexed or skipped)
     self._engine = None
     self._engine_docs = -1  # indexed memories when the engine was built
+    self._rows_of = np.zeros((0,), np.int32)  # [L] bank row of each indexed memory
 
   def fresh(self) -> "LexicalBank":
     """An empty index with the same settings (it catches up with a bank at its first search)."""
     return LexicalBank(self.candidates, self.options, self.multistore)
 
+  def sharing(self, candidates: str, options: first_stage.FirstStageOptions) -> "LexicalBank":
+    """Another first stage over this index (its state shared as of now, not copied: for
+    benchmarks that compare generators on one index)."""
+    other = LexicalBank(candidates, options, self.multistore)
+    other.__dict__.update({k: v for k, v in self.__dict__.items()
+                           if k not in ("candidates", "options")})
+    return other
+
   def __len__(self):
-    return len(self._docs)
+    return self.num_docs
 
   def append(self, tokens: Sequence[Sequence[str]], codes: np.ndarray, start: int) -> None:
     """Indexes new bank rows `start, start + 1, ...` (their `tokenize`d texts and store codes)."""
     if start != self.synced:
       raise ValueError(f"lexical index out of step with the bank: rows from {start}, expected "
                        f"{self.synced}")
-    for j, (toks, code) in enumerate(zip(tokens, codes)):
-      if self.multistore or int(code) == 0:
-        self._docs.append(np.fromiter((self.vocab.setdefault(w, len(self.vocab)) for w in toks),
-                                      np.int32))
-        self._rows.append(start + j)
+    keep = [j for j, code in enumerate(codes) if self.multistore or int(code) == 0]
+    ids = self.vocab.setdefault
+    self._tokens.append(np.fromiter((ids(w, len(self.vocab)) for j in keep for w in tokens[j]),
+                                    np.int32))
+    self._lengths.append(np.asarray([len(tokens[j]) for j in keep], np.int64))
+    self._rows.append(start + np.asarray(keep, np.int32))
+    self.num_docs += len(keep)
     self.synced = start + len(codes)
 
   def sync(self, bank: bank_lib.Bank) -> None:
@@ -139,21 +154,23 @@ class LexicalBank:
 
   def _scores_engine(self):
     """The bm25s engine over the indexed memories, rebuilt when memories were added since."""
-    if self._engine_docs != len(self._docs):
+    if self._engine_docs != self.num_docs:
       self._engine = None
-      if self._docs:
-        engine = lexical.new_engine()
-        engine.index(([d.tolist() for d in self._docs], self.vocab), create_empty_token=False,
-                     show_progress=False)
-        self._engine = engine
-      self._engine_docs = len(self._docs)
+      if self.num_docs:
+        flat = np.concatenate(self._tokens)
+        lengths = np.concatenate(self._lengths)
+        self._tokens, self._lengths = [flat], [lengths]
+        self._rows = [np.concatenate(self._rows)]
+        self._engine = build_engine(flat, lengths, self.vocab)
+      self._rows_of = self._rows[0] if self._rows else np.zeros((0,), np.int32)
+      self._engine_docs = self.num_docs
     return self._engine
 
   def pairs(self, query_texts: Sequence[str], capacity: int, num_padded: int):
     """Each query's nonzero BM25 scores as `(rows [q, B] int32, scores [q, B] float32)`; padding
     rows are `capacity` (dropped by the device scatter)."""
     engine = self._scores_engine()
-    rows_of = np.asarray(self._rows, np.int32)
+    rows_of = self._rows_of
     found = []
     for toks in tokenize(query_texts):
       if engine is None or not toks:
@@ -199,6 +216,45 @@ class LexicalBank:
     return bank_lib._unpack(ints, floats, q, num_candidates, bank.dim + NUM_FEATURES, size)  # pylint: disable=protected-access
 
 
+def build_engine(token_ids: np.ndarray, lengths: np.ndarray, vocab: dict):
+  """A `lexical.new_engine()` indexing `L` documents given as token ids, built with bm25s's own
+  scoring functions applied to all (document, term) pairs at once.
+
+  bm25s's `index` computes the same numbers one document at a time in Python (about 19 s for a
+  million memories here, against about 2 s this way); each (document, term) score is the same
+  elementwise arithmetic in the same dtypes (bm25s's `_select_tfc_scorer` / `_build_idf_array`),
+  the sparse matrix is bm25s's own `_np_csc`, so the scores equal `lexical.LexicalIndex` of the
+  same texts bit for bit (`tests/test_memory_first_stage.py` checks it).
+
+  Args:
+    token_ids: `[T]` int32 the documents' token ids, concatenated.
+    lengths: `[L]` int64 tokens per document.
+    vocab: token -> id (ids `0..V-1`).
+  """
+  scoring = lexical._bm25s().scoring  # pylint: disable=protected-access
+  engine = lexical.new_engine()
+  n, v = len(lengths), len(vocab)
+  doc = np.repeat(np.arange(n, dtype=np.int64), lengths)
+  pairs, tf = np.unique(doc * v + token_ids, return_counts=True)
+  d, tok = pairs // v, pairs % v
+  df = np.bincount(tok, minlength=v)
+  idf = scoring._build_idf_array(dict(enumerate(df.tolist())), n_docs=n,  # pylint: disable=protected-access
+                                 compute_idf_fn=scoring._select_idf_scorer(engine.idf_method),  # pylint: disable=protected-access
+                                 dtype=engine.dtype)
+  tfc = scoring._select_tfc_scorer(engine.method)(  # pylint: disable=protected-access
+      tf_array=tf.astype(engine.dtype), l_d=lengths[d], l_avg=lengths.mean(), k1=engine.k1,
+      b=engine.b, delta=engine.delta)
+  scores = (idf[tok] * tfc).astype(engine.dtype)
+  data, indices, indptr = engine._np_csc(data=scores, rows=d.astype(engine.int_dtype),  # pylint: disable=protected-access
+                                         cols=tok.astype(engine.int_dtype), shape=(n, v))
+  engine.scores = {"data": data.astype(engine.dtype), "indices": indices, "indptr": indptr,
+                   "num_docs": n}
+  engine.vocab_dict = dict(vocab)
+  engine.unique_token_ids_set = set(engine.vocab_dict.values())
+  engine.nonoccurrence_array = None
+  return engine
+
+
 # ------------------------------------------------------------------------------------------------
 # jitted kernels
 
@@ -214,13 +270,41 @@ def _masked_top(x, where, k):
   return jax.lax.top_k(jnp.where(where[None], x, -jnp.inf), k)
 
 
+def _ranks_one(x, where, rows, vals):
+  """`[t]` 1-based ranks of bank rows `rows [t]` (values `vals [t]`) in the ranking of `x [C]`
+  over `where [C]` (higher first, lower row first on ties), without sorting the bank.
+
+  The `t` rows are sorted by (value desc, row asc); a binary search in that order gives each bank
+  row the number of the `t` that precede it (`ceil(log2(t + 1))` steps over the bank, ties by row
+  included), and a histogram of those numbers, accumulated, counts the bank rows that precede each
+  of the `t`. `O(C log t)` instead of the `O(t C)` of a comparison count (BM25 has many equal
+  scores: every row sharing no term scores 0).
+  """
+  t, c = rows.shape[0], x.shape[0]
+  neg, s_rows, perm = jax.lax.sort((-vals, rows, jnp.arange(t, dtype=jnp.int32)), num_keys=2)
+  s_vals = -neg
+  col = jnp.arange(c, dtype=jnp.int32)
+
+  def step(_, bounds):  # invariant: the first `lo` of the t precede row j, those from `hi` do not
+    lo, hi = bounds
+    mid = (lo + hi) // 2
+    at = jnp.minimum(mid, t - 1)
+    v, r = s_vals[at], s_rows[at]
+    before = ((v > x) | ((v == x) & (r < col))) & (mid < hi)
+    return jnp.where(before, mid + 1, lo), jnp.where(before, hi, mid)
+
+  pos, _ = jax.lax.fori_loop(0, max(1, t.bit_length()), step,
+                             (jnp.zeros((c,), jnp.int32), jnp.full((c,), t, jnp.int32)))
+  pos = jnp.where(where, pos, t + 1)  # invalid rows precede nothing
+  # cum[i] = bank rows with at most i of the t before them = rows before the i-th, plus itself
+  cum = jnp.cumsum(jnp.zeros((t + 2,), jnp.int32).at[pos].add(1))
+  return jnp.zeros((t,), jnp.int32).at[perm].set(cum[:t])
+
+
 def _ranks_of(x, where, rows, vals):
-  """`[q, R]` 1-based rank of bank rows `rows [q, R]` (values `vals`) in the ranking of `x [q, C]`
-  over `where` (higher first, lower row first on ties)."""
-  col = jnp.arange(x.shape[1], dtype=jnp.int32)
-  before = (x[:, None, :] > vals[..., None]) | ((x[:, None, :] == vals[..., None])
-                                                & (col[None, None, :] < rows[..., None]))
-  return 1 + jnp.sum(before & where[None, None, :], axis=-1, dtype=jnp.int32)
+  """`_ranks_one` for each query of `x [q, C]`, `rows` and `vals` `[q, t]` -> `[q, t]` (one
+  query after the other: batched binary searches are several times slower on CPU)."""
+  return jax.lax.map(lambda a: _ranks_one(a[0], where, a[1], a[2]), (x, rows, vals))
 
 
 def _minmax(x, where):
@@ -229,6 +313,38 @@ def _minmax(x, where):
   hi = jnp.max(jnp.where(where[None], x, -jnp.inf), axis=1, keepdims=True)
   span = hi - lo
   return jnp.where(span > 0, (x - lo) / jnp.where(span > 0, span, 1.0), 0.0)
+
+
+def _split(a):
+  """Veltkamp's split of float32 `a` into two 12-bit halves (`hi + lo == a` exactly)."""
+  c = 4097.0 * a
+  hi = c - (c - a)
+  return hi, a - hi
+
+
+def _two_sum(a, b):
+  """`(s, e)` with `s = fl(a + b)` and `s + e == a + b` exactly (Knuth)."""
+  s = a + b
+  bb = s - a
+  return s, (a - (s - bb)) + (b - bb)
+
+
+def _recip(x):
+  """`1 / x` as a float32 pair `hi + lo` (about 48 bits; Dekker's exact product for the residual)."""
+  hi = 1.0 / x
+  p = hi * x
+  (ah, al), (bh, bl) = _split(hi), _split(x)
+  e = ((ah * bh - p) + ah * bl + al * bh) + al * bl  # hi * x == p + e exactly
+  return hi, ((1.0 - p) - e) / x
+
+
+def _rrf_score(a, b):
+  """`1 / a + 1 / b` rounded once to float32 from about 48 bits, as the pipeline's float64 sum
+  rounded to float32: rank pairs with equal sums (1/10 + 1/8 = 1/40 + 1/5) get equal scores, so
+  their order is the lower row first there and here (plain float32 arithmetic differs by an ulp)."""
+  (ah, al), (bh, bl) = _recip(a), _recip(b)
+  s, e = _two_sum(ah, bh)
+  return s + (e + (al + bl))
 
 
 def _rrf(cos, lex, where, k, rrf_k):
@@ -244,7 +360,7 @@ def _rrf(cos, lex, where, k, rrf_k):
   rank_ld = _ranks_of(lex, where, r_d, lex_at_d)
   rank_dl = _ranks_of(cos, where, r_l, cos_at_l)
   in_d = jnp.any((r_l[:, :, None] == r_d[:, None, :]) & ok_d[:, None, :], axis=-1)
-  fuse = lambda a, b: 1.0 / (rrf_k + a.astype(jnp.float32)) + 1.0 / (rrf_k + b.astype(jnp.float32))
+  fuse = lambda a, b: _rrf_score(rrf_k + a.astype(jnp.float32), rrf_k + b.astype(jnp.float32))
   rows = jnp.concatenate([r_d, r_l], 1)
   fused = jnp.concatenate([fuse(pos, rank_ld), fuse(rank_dl, pos)], 1)
   ok = jnp.concatenate([ok_d, ok_l & ~in_d], 1)

@@ -78,9 +78,8 @@ PROMPTS: dict[str, CriticPrompt] = {
 }
 
 
-# Chosen on 30 + 10 pilot slates of LoCoMo's training split (disjoint from the 300 measured ones)
-# with SmolLM2-135M-Instruct: citation F1 0.28 (judge_each_json) vs 0.12 (answer_cite_json) vs
-# 0.08 (cite_json); RESULTS.md, "LLM critic (issue 11)".
+# Chosen on pilot slates of LoCoMo's training split (disjoint from the measured ones) with
+# SmolLM2-135M-Instruct, by citation F1 (the comparison: RESULTS.md, "LLM critic").
 DEFAULT_PROMPT = "judge_each_json"
 
 

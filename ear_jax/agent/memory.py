@@ -4,7 +4,7 @@ Symbols: `n` memories, `d` dimension, `K` candidates, `k` memories shown (`k <= 
 rounds, `b` batch size. `Memory` serialises three parts over the pure core with one lock:
 `bank.Bank` (ids, texts, device-resident `[C, d]` embeddings; `retrieval.top_k_search`),
 `sessions.Sessions` (one session per query; `retrieval.slate_from_candidates`) and `driver.Driver`
-(the learner state; `learner.train_batch_on_feedback_jit`). Checkpoints: `persistence`; critic
+(the learner state; `learner.train_batch_on_feedback`). Checkpoints: `persistence`; critic
 loops: `episode` (`llm_feedback`, `run_critic_episode`, re-exported here).
 """
 from __future__ import annotations

@@ -37,6 +37,12 @@ all its shards). One memory save at a time per directory (`CheckpointStore.write
 inter-process lock). Checkpoints written with the bank inline (before shards), or before indexes
 were saved (the index is then rebuilt by adding the rows), still load.
 
+The first stage (`Memory(candidates=...)`, meta field `first_stage`: the generator and the hybrid
+fusion's options; absent in older checkpoints, which load as 'dense') is saved in the verified
+meta; its BM25 index is not saved but rebuilt from the bank's texts (verified by the shards'
+digests) at the first search after `load` / `restore` (`ear_jax.agent.lexical_bank`), so it has
+the bank's guarantees and nothing more to tamper with.
+
 A checkpoint of another format or config is refused with the differing fields
 (`checkpoints.check_compatible`); a truncated or corrupted one (the meta JSON included: the store
 verifies it against its digest) raises `checkpoints.CheckpointError` naming the path; an unknown
@@ -440,8 +446,9 @@ def restore(memory, path) -> None:
   """
   arrays, meta, where, root, meta_file = read(path)
   check_config(meta["config"], memory.config, where)
-  stage = _first_stage(meta, meta_file)
-  if stage != (memory.candidates, memory.first_stage_options):
+  stage = _first_stage(meta, meta_file)  # (the fusion's options matter to 'hybrid' only)
+  if stage[0] != memory.candidates or (stage[0] == "hybrid"
+                                       and stage[1] != memory.first_stage_options):
     raise ValueError(f"{where} was written with candidates={stage[0]!r} ({stage[1]}); this memory "
                      f"uses candidates={memory.candidates!r} ({memory.first_stage_options}): load "
                      "it with Memory.load")

@@ -174,6 +174,15 @@ def relevance(params: AdapterParams, q: jax.Array, c: jax.Array):
   return z, m_t
 
 
+def gram(m_adapted: jax.Array) -> jax.Array:
+  """`G_il = m~_i . m~_l`, the adapted candidates' similarities of Eq. (6): `[K, d]` -> `[K, K]`.
+
+  The Explorer's redundancy reads it (`explorer.redundancy`); `m_adapted` is `relevance`'s second
+  output.
+  """
+  return m_adapted @ m_adapted.T
+
+
 def adapter_scores(params: AdapterParams, q: jax.Array, m: jax.Array) -> jax.Array:
   """`z` of `relevance` alone, for `q [d]` and candidates `m [K, d]` (`[K, d + F]`) -> `[K]`."""
   return relevance(params, q, m)[0]

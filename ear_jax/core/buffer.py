@@ -7,15 +7,15 @@ adapter (Alg. 3: the adapter is re-applied at replay time). When full, the oldes
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import chex
 import flax
 import jax
 import jax.numpy as jnp
 
-if TYPE_CHECKING:
-  from ear_jax.core.config import EARConfig
+from ear_jax.core.config import EARConfig, resolve_strategy
+from ear_jax.core.types import ReplayStrategy
 
 
 @flax.struct.dataclass
@@ -101,15 +101,24 @@ def random_replay(key: jax.Array, buffer: ReplayBuffer, query: jax.Array) -> jax
 
 # A replay strategy scores every slot for one query: `(key, buffer, query [d]) -> scores [C]`;
 # `select_replay` takes the top-B valid slots. Adding a strategy: one function + one line here.
-REPLAY_STRATEGIES = {
+REPLAY_STRATEGIES: dict[str, ReplayStrategy] = {
     "similarity": similarity_replay,
     "reward": reward_replay,
     "random": random_replay,
 }
 
 
+def replay_strategy(value) -> ReplayStrategy:
+  """`EARConfig.replay_strategy` (a name in `REPLAY_STRATEGIES`, or a function) -> the function.
+
+  Raises:
+    ValueError: for a name not in `REPLAY_STRATEGIES`.
+  """
+  return resolve_strategy("replay_strategy", value, REPLAY_STRATEGIES)
+
+
 def select_replay(key: jax.Array, buffer: ReplayBuffer, query: jax.Array, replay_size: int,
-                  strategy=similarity_replay):
+                  strategy="similarity"):
   """Chooses the experiences to replay for one query, Eq. (15) and Table 7.
 
   Args:
@@ -117,15 +126,15 @@ def select_replay(key: jax.Array, buffer: ReplayBuffer, query: jax.Array, replay
     buffer: the buffer as it stood before this query's batch.
     query: `[d]` pre-adapter query embedding.
     replay_size: `B` (static).
-    strategy: a replay strategy `(key, buffer, query) -> scores [C]` (see `REPLAY_STRATEGIES`):
-      the B valid slots with the highest scores are replayed.
+    strategy: a replay strategy `(key, buffer, query) -> scores [C]` or its name in
+      `REPLAY_STRATEGIES`: the B valid slots with the highest scores are replayed.
 
   Returns:
     `(indices [B] int32, replay_mask [B] bool)`: fewer than B are valid while the buffer holds
     fewer than B experiences.
   """
   chex.assert_rank(query, 1)
-  score = strategy(key, buffer, query)
+  score = replay_strategy(strategy)(key, buffer, query)
   vals, idx = jax.lax.top_k(jnp.where(buffer.valid, score, -jnp.inf), replay_size)
   return idx.astype(jnp.int32), vals > -jnp.inf
 

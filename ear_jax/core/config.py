@@ -10,15 +10,14 @@ Symbols: `d` embedding dimension, `K` candidates per query, `s` slate size, `T` 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import NamedTuple, Optional, Union
 
 import flax
 import jax
 import jax.numpy as jnp
 import optax
 
-from ear_jax.core.buffer import REPLAY_STRATEGIES, similarity_replay
-from ear_jax.core.policies import TRAIN_SLATES, explorer_slates
+from ear_jax.core.types import Critic, Optimizer, ReplayStrategy, TrainSlatePolicy
 
 LOSS_FORMS = ("flat", "sequential")
 REPLAY_UNOBSERVED = ("negative", "ignore")
@@ -43,12 +42,12 @@ OPTIMIZERS = {
     "adam": optax.adam,
     "sgd": optax.sgd,
 }
-# The behaviours passed in as functions, with the registry that names them for the command line.
-STRATEGY_REGISTRIES = {
-    "train_slate": TRAIN_SLATES,
-    "replay_strategy": REPLAY_STRATEGIES,
-    "optimizer": OPTIMIZERS,
-}
+# The behaviours passed in as functions are named in the config by strings (or given as the
+# functions themselves) and resolved where they are used, by the registry beside them:
+# `train_slate` by `ear_jax.core.policies.train_slate_policy` (`TRAIN_SLATES`), `replay_strategy`
+# by `ear_jax.core.buffer.replay_strategy` (`REPLAY_STRATEGIES`), `optimizer` by `optimizer_fn`
+# (`OPTIMIZERS`). So this module imports no module of the core but `types`.
+STRATEGY_FIELDS = ("train_slate", "replay_strategy", "optimizer")
 
 # Methods of Tables 2-3 as presets of the switches below.
 METHODS = {
@@ -62,12 +61,12 @@ METHODS = {
     "ear_no_replay": dict(train_slate="explorer", use_replay=False),
     # Table 3: "+ Only Experience Buffer during training": adapter top-s slate, one critic call, replay.
     "ear_no_explorer": dict(train_slate="adapter", use_replay=True),
-    # Beyond the paper (issue 12): EAR with the switches chosen on validation data by
-    # `--suite=tune` (LoCoMo; BUILD_NOTES "Issue 12"); its hyperparameters: METHOD_HPARAMS.
+    # Beyond the paper: EAR with the switches chosen on validation data by `--suite=tune`
+    # (LoCoMo; BUILD_NOTES, "validation protocol and ear_tuned"); its hyperparameters:
+    # METHOD_HPARAMS (`Method.named` pairs the two).
+    # `side_init` was chosen by `--suite=first_stage_tune` (acts with side features only).
     "ear_tuned": dict(train_slate="explorer", use_replay=True, replay_strategy="random",
-                      replay_size=8, final_slate="exploit", test_rounds=4,
-                      # issue 18, chosen by `--suite=first_stage_tune` (acts with side features only)
-                      side_init=0.05),
+                      replay_size=8, final_slate="exploit", test_rounds=4, side_init=0.05),
 }
 # Hyperparameters of a method where they differ from the paper's (`hparams_for_method`).
 METHOD_HPARAMS = {
@@ -80,25 +79,34 @@ def _check_choice(name, value, choices):
     raise ValueError(f"unknown {name}={value!r}; expected one of {choices}")
 
 
-def _resolve(name: str, value: Any) -> Any:
-  """A registry name -> its function; a function passes through (None only for `train_slate`)."""
-  registry = STRATEGY_REGISTRIES[name]
+def resolve_strategy(field: str, value, registry: dict):
+  """A strategy field's value -> its function: a name is looked up in `registry`, a function
+  passes through ('none' and None give None where the registry holds 'none').
+
+  Raises:
+    ValueError: naming the field and the registry's names, for an unknown name.
+  """
   if isinstance(value, str):
     if value not in registry:
-      raise ValueError(f"unknown {name}={value!r}; expected one of {tuple(registry)} or a function")
+      raise ValueError(f"unknown {field}={value!r}; expected one of {tuple(registry)} or a "
+                       "function")
     return registry[value]
-  if value is None and None in registry.values():
+  if value is None and "none" in registry:
     return None
   if not callable(value):
-    raise ValueError(f"{name} must be a name in {tuple(registry)} or a function, got {value!r}")
+    raise ValueError(f"{field} must be a name in {tuple(registry)} or a function, got {value!r}")
   return value
 
 
-def strategy_name(name: str, value: Any) -> str:
-  """The registry name of a strategy function (`module.qualname` for an unregistered one)."""
-  for key, fn in STRATEGY_REGISTRIES[name].items():
-    if fn is value:
-      return key
+def optimizer_fn(config: "EARConfig") -> Optimizer:
+  """The optax alias of `config.optimizer` (a name in `OPTIMIZERS`, or the alias itself)."""
+  return resolve_strategy("optimizer", config.optimizer, OPTIMIZERS)
+
+
+def _strategy_name(value) -> str:
+  """A strategy field for `to_dict`: its name (`module.qualname` for a function given as such)."""
+  if isinstance(value, str):
+    return value
   return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
 
 
@@ -114,20 +122,21 @@ class EARConfig:
     replay_size: `B`, replayed experiences per query (Eq. (15)); 4 in the paper.
     buffer_capacity: `C`, ring-buffer capacity (Eq. (13)-(14)); the oldest is overwritten.
     batch_size: training queries per optimizer step (Appendix A.1: 4).
-    train_slate: the training-slate policy (a function of `ear_jax.core.policies`, or its name in
-      `TRAIN_SLATES`): 'explorer' (T rounds of Eq. (8)), 'adapter' (top-s of z, one critic call),
-      'gumbel' (Gumbel top-s of z/tau, one critic call, RMM) or None / 'none' (no training: Only
-      Retriever / Only Explorer at test).
+    train_slate: the training-slate policy, a name in `ear_jax.core.policies.TRAIN_SLATES` (or a
+      `TrainSlatePolicy` function): 'explorer' (T rounds of Eq. (8)), 'adapter' (top-s of z, one
+      critic call), 'gumbel' (Gumbel top-s of z/tau, one critic call, RMM) or 'none' / None (no
+      training: Only Retriever / Only Explorer at test).
     use_replay: add the replay loss of Eq. (16).
     loss_form: 'flat' (softmax over all K, Alg. 3 line 7) or 'sequential' (Plackett-Luce: position j
       excludes the items chosen before it, Section 3.4).
-    replay_strategy: a replay strategy `(key, buffer, query) -> scores [C]` (or its name in
-      `REPLAY_STRATEGIES`): 'similarity' (Eq. (15)), 'reward' (bottom-B by mean reward) or 'random'
-      (Table 7).
+    replay_strategy: the replay strategy, a name in `ear_jax.core.buffer.REPLAY_STRATEGIES` (or a
+      `ReplayStrategy` function `(key, buffer, query) -> scores [C]`): 'similarity' (Eq. (15)),
+      'reward' (bottom-B by mean reward) or 'random' (Table 7).
     replay_unobserved: 'negative' (Eq. (20) literally: never-chosen items get -1) or 'ignore'
       (never-chosen items are left out of the replay loss, Eq. (13)).
-    optimizer: an optax alias `learning_rate -> optax.GradientTransformation` (or its name in
-      `OPTIMIZERS`): 'adam' (default; the paper names none) or 'sgd'.
+    optimizer: a name in `OPTIMIZERS`, 'adam' (default; the paper names none) or 'sgd' (or an
+      optax alias `learning_rate -> optax.GradientTransformation`; a registered alias is stored
+      by its name).
     adapter_rank: None for the full d x d adapter (Eq. (3)); an int r for the low-rank W = A B^T.
     grad_clip_norm: optional global-norm gradient clipping (None = off).
     loss_on_tempered_logits: the REINFORCE loss uses log softmax(z / tau) (RMM) instead of softmax(z).
@@ -156,29 +165,39 @@ class EARConfig:
   replay_size: int = 4
   buffer_capacity: int = 2048
   batch_size: int = 4
-  train_slate: Optional[Callable] = explorer_slates
+  train_slate: Union[str, TrainSlatePolicy, None] = "explorer"
   use_replay: bool = True
   loss_form: str = "flat"
-  replay_strategy: Callable = similarity_replay
+  replay_strategy: Union[str, ReplayStrategy] = "similarity"
   replay_unobserved: str = "negative"
-  optimizer: Callable = optax.adam
+  optimizer: Union[str, Optimizer] = "adam"
   adapter_rank: Optional[int] = None
   grad_clip_norm: Optional[float] = None
   loss_on_tempered_logits: bool = False
-  # Beyond the paper (issue 12); the defaults are the paper's and are left out of `to_dict`.
+  # Beyond the paper; the defaults are the paper's and are left out of `to_dict`.
   label_weights: str = "none"
   final_slate: str = "round_T"
   test_rounds: Optional[int] = None
   lr_schedule: str = "constant"
   lr_schedule_steps: int = 100
   weight_decay: float = 0.0
-  # First-stage scores as side information (Appendix B.6; issue 18). 0 = off (the paper).
+  # First-stage scores as side information (Appendix B.6). 0 = off (the paper).
   side_features: int = 0
   side_init: float = 0.5  # chosen for `ear` by `--suite=first_stage_tune` (LoCoMo validation)
 
   def __post_init__(self):
-    for name in STRATEGY_REGISTRIES:  # names -> functions (the core only sees functions)
-      object.__setattr__(self, name, _resolve(name, getattr(self, name)))
+    # Strategies stay names (resolved where used); `None` is the name 'none', and a registered
+    # optax alias is stored by its name, so equal choices give equal (and equally hashed) configs.
+    if self.train_slate is None:
+      object.__setattr__(self, "train_slate", "none")
+    for name in ("train_slate", "replay_strategy"):
+      value = getattr(self, name)
+      if not (isinstance(value, str) and value) and not callable(value):
+        raise ValueError(f"{name} must be a registry name or a function, got {value!r}")
+    resolve_strategy("optimizer", self.optimizer, OPTIMIZERS)
+    for key, fn in OPTIMIZERS.items():
+      if self.optimizer is fn:
+        object.__setattr__(self, "optimizer", key)
     for name in ("dim", "num_candidates", "slate_size", "num_rounds", "replay_size",
                  "buffer_capacity", "batch_size"):
       value = getattr(self, name)
@@ -225,7 +244,7 @@ class EARConfig:
 
   @property
   def trains(self) -> bool:
-    return self.train_slate is not None
+    return self.train_slate != "none"
 
   @property
   def eval_rounds(self) -> int:
@@ -233,15 +252,14 @@ class EARConfig:
     return self.num_rounds if self.test_rounds is None else self.test_rounds
 
   def to_dict(self) -> dict:
-    """JSON-able fields; strategy functions by their registry names (see `strategy_name`).
+    """JSON-able fields; strategies by their names (`module.qualname` for a function given as such).
 
-    The issue-12 fields are written only when they differ from their (the paper's) defaults, so
-    checkpoints and saved memories written before they existed still match.
+    The fields beyond the paper are written only when they differ from their (the paper's)
+    defaults, so checkpoints and saved memories written before they existed still match.
     """
     d = dataclasses.asdict(self)
-    for name in STRATEGY_REGISTRIES:
-      value = getattr(self, name)
-      d[name] = "none" if value is None else strategy_name(name, value)
+    for name in STRATEGY_FIELDS:
+      d[name] = _strategy_name(getattr(self, name))
     for name, default in _OPTIONAL_DEFAULTS.items():
       if d[name] == default:
         del d[name]
@@ -255,6 +273,9 @@ class EARConfig:
   @classmethod
   def for_method(cls, method: str, **overrides) -> "EARConfig":
     """The config of a named method of Tables 2-3, with `overrides` applied on top.
+
+    The config alone: a method with hyperparameters of its own (`METHOD_HPARAMS`: `ear_tuned`)
+    needs them too, so prefer `Method.named(method)`, which carries both.
 
     Args:
       method: one of `METHODS`: 'retriever', 'rl_update', 'ear', 'ear_no_replay', 'ear_no_explorer',
@@ -324,7 +345,8 @@ def stack_hparams(hparams_list) -> HParams:
 
 
 def hparams_for_method(method: str, **overrides) -> HParams:
-  """`default_hparams` with the method's own values (`METHOD_HPARAMS`), then `overrides`.
+  """`default_hparams` with the method's own values (`METHOD_HPARAMS`), then `overrides`
+  (`Method.named` gives the config and these together).
 
   Raises:
     ValueError: for an unknown method or hyperparameter.
@@ -332,3 +354,37 @@ def hparams_for_method(method: str, **overrides) -> HParams:
   if method not in METHODS:
     raise ValueError(f"unknown method={method!r}; expected one of {tuple(METHODS)}")
   return default_hparams(**{**METHOD_HPARAMS.get(method, {}), **overrides})
+
+
+class Method(NamedTuple):
+  """A method as one object: its static config, its hyperparameters and its critic.
+
+  `Method.named(name)` pairs a preset of `METHODS` with that preset's own hyperparameters
+  (`METHOD_HPARAMS`; the paper's elsewhere), so a preset never meets another's hyperparameters by
+  accident (e.g. `ear_tuned`'s switches with the paper's learning rate). Unpack it where the pure
+  functions want the parts: `run_episode(key, stream, m.config, m.hparams, m.critic)`.
+  """
+  name: str  # the preset's name in `METHODS`
+  config: EARConfig  # static: shapes and switches
+  hparams: HParams  # array leaves: the preset's hyperparameters
+  critic: Optional[Critic] = None  # None: the paper's simulated critic (Appendix A.2)
+
+  @classmethod
+  def named(cls, name: str, *, hparams: Optional[dict] = None, critic: Optional[Critic] = None,
+            dtype=jnp.float32, **config_overrides) -> "Method":
+    """The method `name` of `METHODS`, with overrides applied on top of its own values.
+
+    Args:
+      name: one of `METHODS`.
+      hparams: hyperparameter overrides (`default_hparams` keywords) on top of the method's own.
+      critic: the critic (None: the paper's simulated critic).
+      dtype: the hyperparameters' float dtype.
+      **config_overrides: `EARConfig` fields on top of the preset's.
+
+    Raises:
+      ValueError: for an unknown method, field or hyperparameter.
+    """
+    config = EARConfig.for_method(name, **config_overrides)
+    values = {**METHOD_HPARAMS.get(name, {}), **(hparams or {})}
+    return cls(name=name, config=config, hparams=default_hparams(dtype=dtype, **values),
+               critic=critic)

@@ -16,7 +16,7 @@ implements the same call on host arrays and may return None for an unusable repl
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Optional
 
 import chex
 import flax
@@ -25,29 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ear_jax.core.slates import gather_slate
+from ear_jax.core.types import Critic, SlateView  # pylint: disable=unused-import
 
 # The paper's simulated critic (Appendix A.2): precision 0.88, recall 0.86.
 DEFAULT_PRECISION = 0.88
 DEFAULT_RECALL = 0.86
-
-
-class SlateView(NamedTuple):
-  """What a critic sees of one shown slate (unbatched).
-
-  Jitted critics read the array fields; host critics (LLMs) read `query_text` and `texts`.
-  """
-  query: jax.Array  # [d] float32, pre-adapter query embedding
-  slate: jax.Array  # [s] int32 candidate positions (-1 = empty position)
-  slate_mask: jax.Array  # [s] bool, positions holding a memory
-  memories: jax.Array  # [s, d] float32 pre-adapter embeddings of the slate's memories (0 if empty)
-  gold: jax.Array  # [s] bool, gold flags where known (simulated critics); False otherwise
-  query_text: Optional[str] = None  # host critics only
-  texts: Optional[Sequence[str]] = None  # host critics only: the memories' texts, in slate order
-  ids: Optional[Sequence[str]] = None  # host critics only: the memories' ids, in slate order
-
-
-# critic(key, view) -> labels [s] float32 in {-1, +1} (None from a host critic = unusable reply).
-Critic = Callable[[jax.Array, SlateView], Any]
 
 
 def slate_view(query: jax.Array, candidates: jax.Array, gold: Optional[jax.Array],

@@ -126,6 +126,3 @@ def validate_stream(stream: Stream, config: EARConfig) -> None:
   if n == 0:
     raise ValueError("the stream holds no queries")
 
-
-train_stream_jit = jax.jit(train_stream, static_argnames=("config",))
-run_episode_jit = jax.jit(run_episode, static_argnames=("config",))

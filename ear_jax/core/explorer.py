@@ -8,22 +8,22 @@ the slate holds every valid candidate and the remaining positions are empty (ind
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import chex
 import flax
 import jax
 import jax.numpy as jnp
 
+from ear_jax.core.types import SlateFeedback
+
 if TYPE_CHECKING:
   from ear_jax.core.config import HParams
 
 # The s picks and T rounds are short static loops: unrolled, XLA fuses them (no while-loop
-# overhead per pick on CPU; about 15-20 % of an EAR training step at d = 384, BUILD_NOTES issue 5).
+# overhead per pick on CPU; measured in BUILD_NOTES, "Speed", "Profile first").
 _UNROLL = True
 
-# The Explorer's feedback callback: (key, slate [s] int32, slate_mask [s] bool) -> labels [s].
-SlateFeedback = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 @flax.struct.dataclass

@@ -56,13 +56,14 @@ def final_slate(out: explorer_lib.ExplorerOutput, relevance: jax.Array, where: j
 
 
 class EvalResult(NamedTuple):
-  """Per-query test results in both inference modes, and their means."""
+  """Per-query test results in both inference modes (`[M]` fields, named by what they hold), and
+  their means over queries with gold (`[]` fields, named by the metric: `recall_*`, `hitrate_*`)."""
   adapter_slates: jax.Array  # [M, s] int32
-  adapter_recall: jax.Array  # [M] bool, all gold in the adapter-only slate
-  adapter_hit: jax.Array  # [M] bool, any gold in it
+  adapter_all_gold: jax.Array  # [M] bool, every gold memory in the adapter-only slate (Recall@s)
+  adapter_any_gold: jax.Array  # [M] bool, some gold memory in it (Hitrate@s)
   explorer_slates: jax.Array  # [M, s] int32 (round T's slate, or the exploit slate)
-  explorer_recall: jax.Array  # [M] bool
-  explorer_hit: jax.Array  # [M] bool
+  explorer_all_gold: jax.Array  # [M] bool, every gold memory in the explorer-assisted slate
+  explorer_any_gold: jax.Array  # [M] bool, some gold memory in it
   recall_adapter: jax.Array  # [] Recall@s, adapter-only
   hitrate_adapter: jax.Array  # [] Hitrate@s, adapter-only
   recall_explorer: jax.Array  # [] Recall@s, explorer-assisted
@@ -78,7 +79,7 @@ def evaluate(key: jax.Array, params: adapter_lib.AdapterParams, stream: Stream,
     params: adapter parameters.
     stream: `M` test queries.
     config: static config.
-    hparams: hyperparameters (Explorer weights, critic precision/recall).
+    hparams: hyperparameters (the Explorer's weights; the critic owns its own parameters).
     critic: the critic used by explorer-assisted inference (default: the paper's simulated
       critic).
 
@@ -105,12 +106,10 @@ def evaluate(key: jax.Array, params: adapter_lib.AdapterParams, stream: Stream,
                                                stream.mask, stream.gold, stream.num_gold)
   has_gold = stream.num_gold > 0
   return EvalResult(
-      adapter_slates=a_s, adapter_recall=a_r, adapter_hit=a_h, explorer_slates=e_s,
-      explorer_recall=e_r, explorer_hit=e_h,
+      adapter_slates=a_s, adapter_all_gold=a_r, adapter_any_gold=a_h, explorer_slates=e_s,
+      explorer_all_gold=e_r, explorer_any_gold=e_h,
       recall_adapter=metrics.masked_mean(a_r, has_gold),
       hitrate_adapter=metrics.masked_mean(a_h, has_gold),
       recall_explorer=metrics.masked_mean(e_r, has_gold),
       hitrate_explorer=metrics.masked_mean(e_h, has_gold))
 
-
-evaluate_jit = jax.jit(evaluate, static_argnames=("config",))

@@ -9,8 +9,10 @@ the batch's start; their losses are averaged into one gradient and one optimizer
 experiences are pushed into the buffer. With `b = 1` this is exactly Algorithm 1. A whole episode is
 ONE `jax.lax.scan` over batches under `jit`; per-query keys are split up front.
 
-One learner step for every caller: `train_batch_on_feedback` takes the slates and labels of a batch
-(wherever they came from) and does the gradient step and the push. `train_batch` (the scanned
+One loss, `query_loss(params, query, candidates, where, feedback, replay, config, hparams)`, takes a
+query's `Feedback` (slates, mask, labels) and its gathered `Replay`. One learner step for every
+caller: `train_batch_on_feedback` takes the slates and labels of a batch (wherever they came from),
+vmaps `query_loss` and does the gradient step and the push. `train_batch` (the scanned
 episodes) first collects them with a jitted critic (`collect_feedback`), `ear_jax.agent.Memory` and
 the LLM episode collect them on the host.
 """
@@ -27,7 +29,8 @@ from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import buffer as buffer_lib
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import losses
-from ear_jax.core.config import LR_SCHEDULES, EARConfig, HParams
+from ear_jax.core import policies
+from ear_jax.core.config import LR_SCHEDULES, EARConfig, HParams, optimizer_fn
 from ear_jax.core.critic import Critic
 from ear_jax.core.slates import gather_slate
 from ear_jax.core.stream import Stream
@@ -69,7 +72,7 @@ def make_optimizer(config: EARConfig) -> optax.GradientTransformation:
   def build(learning_rate):
     parts = [] if config.grad_clip_norm is None else [
         optax.clip_by_global_norm(config.grad_clip_norm)]
-    parts.append(config.optimizer(learning_rate))
+    parts.append(optimizer_fn(config)(learning_rate))
     if config.weight_decay:  # decoupled: phi <- phi - eta * weight_decay * phi
       parts.append(optax.add_decayed_weights(-learning_rate * config.weight_decay))
     schedule = LR_SCHEDULES[config.lr_schedule]
@@ -88,7 +91,12 @@ def init_learner(key: jax.Array, config: EARConfig) -> LearnerState:
   Args:
     key: PRNG key (for the low-rank adapter's init); the key is consumed.
     config: static config.
+
+  Raises:
+    ValueError: for a strategy name of `config` that no registry holds.
   """
+  policies.train_slate_policy(config.train_slate)  # unknown names fail here, before any step
+  buffer_lib.replay_strategy(config.replay_strategy)
   params = adapter_lib.init_adapter(key, config)
   zero = jnp.zeros((), jnp.int32)
   return LearnerState(params=params, opt_state=make_optimizer(config).init(params),
@@ -133,7 +141,7 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
     critic: a critic pytree `(key, SlateView) -> labels [s]`.
 
   Returns:
-    `(slates [R, s] int32, slate_mask [R, s] bool, labels [R, s] float32)`.
+    The query's `Feedback`: `slates [R, s]` int32, `slate_mask [R, s]` bool, `labels [R, s]`.
   """
   params = jax.lax.stop_gradient(params)
   z, m_t = adapter_lib.relevance(params, query, candidates)
@@ -141,35 +149,24 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
   def feedback(k, slate, slate_mask):
     return critic(k, critic_lib.slate_view(query, candidates, gold, slate, slate_mask))
 
-  if config.train_slate is None:
-    raise ValueError("a config without a training-slate policy (train_slate=None) does not train")
-  return config.train_slate(key, z, lambda: m_t @ m_t.T, where, feedback, config, hparams)
+  policy = policies.train_slate_policy(config.train_slate)
+  if policy is None:
+    raise ValueError("a config without a training-slate policy (train_slate='none') does not train")
+  return Feedback(*policy(key, z, lambda: adapter_lib.gram(m_t), where, feedback, config, hparams))
 
 
-def experience_replay_loss(key: jax.Array, params: adapter_lib.AdapterParams,
-                           buffer: buffer_lib.ReplayBuffer, query: jax.Array, config: EARConfig,
-                           hparams: HParams):
-  """Replay loss of one query, Eq. (15)-(16), (19)-(20) (Alg. 3 lines 14-22).
+class Feedback(NamedTuple):
+  """The slates one training query showed the critic and the critic's labels (unbatched).
 
-  Selects B experiences (by `config.replay_strategy`), re-applies the current adapter to their
-  pre-adapter embeddings, samples a Gumbel top-s slate per experience and applies the ranking loss
-  with the binary replay rewards.
-
-  Args:
-    key: PRNG key; the key is consumed.
-    params: current adapter parameters (differentiated).
-    buffer: the buffer as it stood at the batch's start.
-    query: `[d]` pre-adapter query.
-    config: static config.
-    hparams: hyperparameters.
-
-  Returns:
-    `(loss [], num_replayed [] int32)`.
+  Where they came from does not matter: a jitted critic (`collect_feedback`) or the host (an LLM,
+  `ear_jax.agent.Memory`).
   """
-  return _replay_loss_on(params, _prepare_replay(key, buffer, query, config), config, hparams)
+  slates: jax.Array  # [R, s] int32 (-1 = empty position)
+  slate_mask: jax.Array  # [R, s] bool; an all-False row: the critic gave no usable answer
+  labels: jax.Array  # [R, s] float32 in {-1, +1}
 
 
-class _Replay(NamedTuple):
+class Replay(NamedTuple):
   """The replay of one query, selected and gathered before the loss (so outside the gradient)."""
   key: jax.Array  # PRNG key of the replay slates (Eq. (19)), split into one key per experience
   indices: jax.Array  # [B] int32 buffer slots (Eq. (15))
@@ -177,24 +174,46 @@ class _Replay(NamedTuple):
   experiences: buffer_lib.Experiences  # [B, ...] the gathered experiences
 
 
-def _prepare_replay(key, buffer, query, config) -> _Replay:
-  """Selects (Eq. (15)) and gathers the B experiences of one query; the key is consumed."""
+def prepare_replay(key: jax.Array, buffer: buffer_lib.ReplayBuffer, query: jax.Array,
+                   config: EARConfig) -> Replay:
+  """Selects (Eq. (15), by `config.replay_strategy`) and gathers the B experiences of one query.
+
+  Args:
+    key: PRNG key, split into (selection, replay slates); the key is consumed.
+    buffer: the buffer as it stood at the batch's start.
+    query: `[d]` pre-adapter query.
+    config: static config.
+  """
   k_select, k_gumbel = jax.random.split(key)
   idx, replay_mask = buffer_lib.select_replay(k_select, buffer, query, config.replay_size,
                                               config.replay_strategy)
-  return _Replay(key=k_gumbel, indices=idx, mask=replay_mask,
-                 experiences=buffer_lib.gather_experiences(buffer, idx))
+  return Replay(key=k_gumbel, indices=idx, mask=replay_mask,
+                experiences=buffer_lib.gather_experiences(buffer, idx))
 
 
-def _replay_loss_on(params, replay: _Replay, config, hparams):
-  """Eq. (16), (19)-(20) on gathered experiences: `(loss [], num_replayed [] int32)`."""
+def experience_replay_loss(params: adapter_lib.AdapterParams, replay: Replay, config: EARConfig,
+                           hparams: HParams):
+  """Replay loss of one query on its gathered experiences, Eq. (16), (19)-(20) (Alg. 3 l. 14-22).
+
+  Re-applies the current adapter to the experiences' pre-adapter embeddings, samples a Gumbel
+  top-s slate per experience and applies the ranking loss with the binary replay rewards.
+
+  Args:
+    params: current adapter parameters (differentiated).
+    replay: the query's `Replay` (`prepare_replay`).
+    config: static config.
+    hparams: hyperparameters.
+
+  Returns:
+    `(loss [], num_replayed [] int32)`.
+  """
 
   def one(k, e):
-    z = adapter_lib.adapter_scores(params, e.queries, e.candidates)
+    z, _ = adapter_lib.relevance(params, e.queries, e.candidates)
     slate, slate_mask = losses.gumbel_top_s(k, z, e.mask, hparams.tau, config.slate_size)
-    rewards, counts = losses.replay_rewards(e.ybar, e.observed, config.replay_unobserved)
+    rewards, counted = losses.replay_rewards(e.ybar, e.observed, config.replay_unobserved)
     r = gather_slate(rewards, slate, slate_mask, -1.0)
-    c = gather_slate(counts, slate, slate_mask, False)
+    c = gather_slate(counted, slate, slate_mask, False)
     return losses.ranking_loss(z, e.mask, slate[None], slate_mask[None], r[None],
                                hparams.baseline, config.loss_form, count_mask=c[None],
                                weighting=config.label_weights)
@@ -203,87 +222,42 @@ def _replay_loss_on(params, replay: _Replay, config, hparams):
   return losses.replay_loss(per_exp, replay.mask), jnp.sum(replay.mask).astype(jnp.int32)
 
 
-def feedback_loss(params: adapter_lib.AdapterParams, key: jax.Array, query: jax.Array,
-                  candidates: jax.Array, where: jax.Array, slates: jax.Array,
-                  slate_mask: jax.Array, labels: jax.Array, buffer: buffer_lib.ReplayBuffer,
-                  config: EARConfig, hparams: HParams):
-  """`L_EAR` of one query whose slates and labels are already known (Eq. (10)-(12), (15)-(17)).
+def query_loss(params: adapter_lib.AdapterParams, query: jax.Array, candidates: jax.Array,
+               where: jax.Array, feedback: Feedback, replay: Optional[Replay], config: EARConfig,
+               hparams: HParams):
+  """`L_EAR` of one training query whose feedback is known, Eq. (10)-(12), (15)-(17).
 
-  This is the learner half of `query_loss`; an agent whose critic lives outside `jit` (an LLM)
-  collects the slates and labels on the host and calls this (via `train_batch_on_feedback`).
+  The current loss (Eq. (10)) on the query's slates and labels, the replay loss (Eq. (16)) on its
+  gathered experiences, combined (Eq. (17)); also the aggregated feedback (Eq. (11)-(12)) that is
+  pushed into the buffer after the step.
 
   Args:
     params: adapter parameters (differentiated).
-    key: PRNG key for the replay; the key is consumed.
     query: `[d]` pre-adapter query.
-    candidates: `[K, d]` pre-adapter candidates.
+    candidates: `[K, d]` pre-adapter candidates (`[K, d + F]` with side features).
     where: `[K]` bool, valid candidates.
-    slates: `[R, s]` int32 training slates (-1 = empty position).
-    slate_mask: `[R, s]` bool.
-    labels: `[R, s]` labels in {-1, +1}.
-    buffer: the buffer as it stood at the batch's start.
+    feedback: the query's `Feedback` (`[R, s]` slates, mask and labels).
+    replay: the query's `Replay` (`prepare_replay`), or None without replay.
     config: static config.
     hparams: hyperparameters.
 
   Returns:
     `(loss [], (record: QueryRecord, observed [K] bool, ybar [K] float32))`.
   """
-  replay = _prepare_replay(key, buffer, query, config) if config.use_replay else None
-  return _feedback_loss_core(params, replay, query, candidates, where, slates, slate_mask, labels,
-                             config, hparams)
-
-
-def _feedback_loss_core(params, replay, query, candidates, where, slates, slate_mask, labels,
-                        config, hparams):
-  """`feedback_loss` with the replay already gathered (`replay` is None without replay)."""
-  z = adapter_lib.adapter_scores(params, query, candidates)
-  return _feedback_loss_from_logits(params, replay, z, where, slates, slate_mask, labels, config,
-                                    hparams)
-
-
-def _feedback_loss_from_logits(params, replay, z, where, slates, slate_mask, labels, config,
-                               hparams):
+  slates, slate_mask, labels = feedback
+  z, _ = adapter_lib.relevance(params, query, candidates)
   loss_logits = z / hparams.tau if config.loss_on_tempered_logits else z
   loss_cur = losses.ranking_loss(loss_logits, where, slates, slate_mask, labels, hparams.baseline,
                                  config.loss_form, weighting=config.label_weights)
   observed, ybar = losses.aggregate_feedback(slates, slate_mask, labels, config.num_candidates)
   if config.use_replay:
-    loss_rep, num_replayed = _replay_loss_on(params, replay, config, hparams)
+    loss_rep, num_replayed = experience_replay_loss(params, replay, config, hparams)
   else:
     loss_rep, num_replayed = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
   loss = losses.combined_loss(loss_cur, loss_rep, hparams.lambda_rep)
   record = QueryRecord(slates=slates, slate_mask=slate_mask, labels=labels, loss=loss,
                        loss_cur=loss_cur, loss_rep=loss_rep, num_replayed=num_replayed)
   return loss, (record, observed, ybar)
-
-
-def query_loss(params: adapter_lib.AdapterParams, key: jax.Array, query: jax.Array,
-               candidates: jax.Array, where: jax.Array, gold: jax.Array,
-               buffer: buffer_lib.ReplayBuffer, config: EARConfig, hparams: HParams,
-               critic: Optional[Critic] = None):
-  """`L_EAR` of one training query (Eq. (17)): `collect_feedback`, then `feedback_loss`.
-
-  Args:
-    params: adapter parameters (differentiated; the slates are chosen with them held constant).
-    key: PRNG key of this query, split into (slates, replay); the key is consumed.
-    query: `[d]` pre-adapter query.
-    candidates: `[K, d]` pre-adapter candidates.
-    where: `[K]` bool, valid candidates.
-    gold: `[K]` bool, gold candidates (seen only by the critic).
-    buffer: the buffer as it stood at the batch's start.
-    config: static config.
-    hparams: hyperparameters.
-    critic: the critic (default: the paper's simulated critic).
-
-  Returns:
-    `(loss [], (record: QueryRecord, observed [K] bool, ybar [K] float32))`.
-  """
-  critic = critic_lib.or_default(critic)
-  k_train, k_replay = jax.random.split(key)
-  slates, slate_mask, labels = collect_feedback(k_train, params, query, candidates, where, gold,
-                                                config, hparams, critic)
-  return feedback_loss(params, k_replay, query, candidates, where, slates, slate_mask, labels,
-                       buffer, config, hparams)
 
 
 def _batch_replay(keys, buffer, queries, config):
@@ -294,7 +268,7 @@ def _batch_replay(keys, buffer, queries, config):
   """
   if not config.use_replay:
     return None, buffer
-  replay = jax.vmap(_prepare_replay, in_axes=(0, None, 0, None))(keys, buffer, queries, config)
+  replay = jax.vmap(prepare_replay, in_axes=(0, None, 0, None))(keys, buffer, queries, config)
   return replay, buffer_lib.after_reads(buffer, replay.indices, replay.experiences)
 
 
@@ -368,18 +342,14 @@ def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
   Returns:
     `(new_state, records)` as in `train_batch`.
   """
-  # The same computation as `jax.vmap(feedback_loss)`, with the replay gathered once per batch.
+  # The batch's replays are gathered once, before the gradient; `query_loss` is vmapped over them.
   replay, buffer = _batch_replay(keys, state.buffer, batch.queries, config)
+  feedback = Feedback(slates=slates, slate_mask=slate_mask, labels=labels)
 
   def batch_loss(params):
-    loss, aux = jax.vmap(_feedback_loss_core,
-                         in_axes=(None, 0, 0, 0, 0, 0, 0, 0, None, None))(
-        params, replay, batch.queries, batch.candidates, batch.mask, slates, slate_mask, labels,
-        config, hparams)
+    loss, aux = jax.vmap(query_loss, in_axes=(None, 0, 0, 0, 0, 0, None, None))(
+        params, batch.queries, batch.candidates, batch.mask, feedback, replay, config, hparams)
     return _masked_batch_mean(loss, where), aux
 
   return _step(state, batch_loss, batch, where, config, hparams, buffer)
 
-
-train_batch_jit = jax.jit(train_batch, static_argnames=("config",))
-train_batch_on_feedback_jit = jax.jit(train_batch_on_feedback, static_argnames=("config",))

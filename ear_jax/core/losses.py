@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from ear_jax.core.adapter import MASKED_LOGIT, relevance_log_probs
+from ear_jax.core.slates import top_s_slate
 
 
 def _safe_div(num, den):
@@ -143,16 +144,17 @@ def replay_rewards(ybar: jax.Array, observed: jax.Array, replay_unobserved: str)
       count) or 'ignore' (never-chosen items are left out of the loss, Eq. (13)).
 
   Returns:
-    `(rewards [K] float32, counts [K] bool)`: which candidates count in the replay loss.
+    `(rewards [K] float32, counted [K] bool)`: `counted` marks the candidates that count in the
+    replay loss.
   """
   rewards = jnp.where(ybar > 0, 1.0, -1.0).astype(jnp.float32)
   if replay_unobserved == "negative":
-    counts = jnp.ones_like(observed)
+    counted = jnp.ones_like(observed)
   elif replay_unobserved == "ignore":
-    counts = observed
+    counted = observed
   else:
     raise ValueError(f"unknown replay_unobserved={replay_unobserved!r}")
-  return rewards, counts
+  return rewards, counted
 
 
 def gumbel_top_s(key: jax.Array, logits: jax.Array, where: jax.Array, tau: jax.Array,
@@ -167,19 +169,10 @@ def gumbel_top_s(key: jax.Array, logits: jax.Array, where: jax.Array, tau: jax.A
     slate_size: `s` (static).
 
   Returns:
-    `(slate [s] int32, slate_mask [s] bool)`, ordered by perturbed score.
+    `(slate [s] int32, slate_mask [s] bool)`, ordered by perturbed score (`slates.top_s_slate`).
   """
   g = jax.random.gumbel(key, logits.shape, jnp.float32)
-  return gumbel_top_s_with_noise(g, logits, where, tau, slate_size)
-
-
-def gumbel_top_s_with_noise(noise: jax.Array, logits: jax.Array, where: jax.Array,
-                            tau: jax.Array, slate_size: int):
-  """`gumbel_top_s` with the Gumbel noise `[K]` given (for tests and reference implementations)."""
-  perturbed = jax.lax.stop_gradient(logits) / tau + noise
-  vals, idx = jax.lax.top_k(jnp.where(where, perturbed, -jnp.inf), slate_size)
-  ok = vals > -jnp.inf
-  return jnp.where(ok, idx, -1).astype(jnp.int32), ok
+  return top_s_slate(jax.lax.stop_gradient(logits) / tau + g, where, slate_size)
 
 
 def replay_loss(per_experience_losses: jax.Array, replay_mask: jax.Array) -> jax.Array:

@@ -17,12 +17,16 @@ function and one line there.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
 from ear_jax.core import explorer
 from ear_jax.core import losses
 from ear_jax.core import slates
+from ear_jax.core.config import resolve_strategy
+from ear_jax.core.types import TrainSlatePolicy
 
 
 def explorer_slates(key, relevance, gram_fn, where, feedback, config, hparams):
@@ -56,9 +60,18 @@ def gumbel_slates(key, relevance, gram_fn, where, feedback, config, hparams):
   return _one_slate(k_critic, slate, slate_mask, feedback)
 
 
-TRAIN_SLATES = {
+TRAIN_SLATES: dict[str, Optional[TrainSlatePolicy]] = {
     "explorer": explorer_slates,
     "adapter": adapter_slates,
     "gumbel": gumbel_slates,
     "none": None,  # no training: Only Retriever / Only Explorer at test
 }
+
+
+def train_slate_policy(value) -> Optional[TrainSlatePolicy]:
+  """`EARConfig.train_slate` (a name in `TRAIN_SLATES`, or a policy) -> the policy (None: 'none').
+
+  Raises:
+    ValueError: for a name not in `TRAIN_SLATES`.
+  """
+  return resolve_strategy("train_slate", value, TRAIN_SLATES)

@@ -178,7 +178,8 @@ def slate_from_candidates(params: adapter_lib.AdapterParams, query: jax.Array,
     slate, slate_mask = top_s_slate(z, where, slate_size)
   else:
     ucb = explorer_lib.ucb_scores(stats, hparams.alpha)
-    slate, slate_mask = explorer_lib.greedy_slate(z, ucb, m_t @ m_t.T, where, hparams, slate_size)
+    slate, slate_mask = explorer_lib.greedy_slate(z, ucb, adapter_lib.gram(m_t), where, hparams,
+                                                  slate_size)
   return slate, slate_mask, z
 
 
@@ -218,9 +219,9 @@ def retrieve(params: adapter_lib.AdapterParams, queries: jax.Array, bank: jax.Ar
   idx, _, mask = top_k_search(queries, bank, valid, k)
   safe = jnp.maximum(idx, 0)
   if queries.shape[0] * k > bank.shape[0]:
-    bank_t = adapter_lib.adapt_memories(params, bank)  # [M, d]
+    bank_t = adapter_lib.adapt_memories(params, bank)  # [M, d], Eq. (3) once per bank row
     q_t = adapter_lib.adapt_queries(params, queries)  # [n, d]
-    z = jnp.einsum("nkd,nd->nk", bank_t[safe], q_t)
+    z = jax.vmap(adapter_lib.relevance_logits)(q_t, bank_t[safe])  # [n, K], Eq. (4)
     slate, slate_mask = jax.vmap(top_s_slate, in_axes=(0, 0, None))(z, mask, slate_size)
   else:
     slate, slate_mask, z = batch_slates(params, queries, bank[safe], mask, slate_size)
@@ -248,8 +249,8 @@ def explorer_slate(key: jax.Array, params: adapter_lib.AdapterParams, query: jax
     The `ExplorerOutput`; the final slate is `out.slates[-1]`.
   """
   z, m_t = adapter_lib.relevance(params, query, candidates)
-  return explorer_lib.explore(key, z, m_t @ m_t.T, where,
-                              feedback, hparams, num_rounds, slate_size)
+  return explorer_lib.explore(key, z, adapter_lib.gram(m_t), where, feedback, hparams, num_rounds,
+                              slate_size)
 
 
 def explorer_retrieve(key: jax.Array, params: adapter_lib.AdapterParams, queries: jax.Array,
@@ -288,8 +289,3 @@ def explorer_retrieve(key: jax.Array, params: adapter_lib.AdapterParams, queries
                                     cand_gold, mask)
   return jnp.where(slate_mask, jnp.take_along_axis(idx, jnp.maximum(slate, 0), 1), -1)
 
-
-top_k_search_jit = jax.jit(top_k_search, static_argnames=("k", "chunk"))
-retrieve_jit = jax.jit(retrieve, static_argnames=("k", "slate_size"))
-explorer_retrieve_jit = jax.jit(explorer_retrieve,
-                                static_argnames=("k", "num_rounds", "slate_size"))

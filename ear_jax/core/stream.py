@@ -119,11 +119,6 @@ def make_stream(queries, candidates, mask=None, gold=None, num_gold=None,
   return Stream(queries=queries, candidates=candidates, mask=mask, gold=gold, num_gold=num_gold)
 
 
-def concat_streams(streams) -> Stream:
-  """Concatenates streams along the query axis (same K and d)."""
-  return jax.tree_util.tree_map(lambda *xs: np.concatenate(xs, 0), *streams)
-
-
 def to_device(stream: Stream) -> Stream:
   """The stream's fields as `jax.Array`s."""
   return jax.tree_util.tree_map(jnp.asarray, stream)

@@ -27,7 +27,8 @@ clipped unigram precision and BP = 1 if c > r else exp(1 - r / c) (c, r: hypothe
 lengths). Tokens: `tokenize`, a regular-expression approximation of `nltk.word_tokenize` (Punkt + Treebank,
 which needs NLTK data files): clitics split off ("children's" -> children 's, "don't" -> do n't),
 hyphenated words and decimals whole, quotes as `` / '', other punctuation alone. On LoCoMo's answers
-it gives NLTK's tokens for all but a few per cent of texts (measured: see BUILD_NOTES, issue 11).
+it gives NLTK's tokens for all but a few per cent of texts (measured: see BUILD_NOTES, "QA
+evaluation").
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ Memory stores: 0 = dialogue turns (episodic), 1 = observations (semantic, Sectio
 lists the dialogue ids it references (`Bank.refs`); it is gold for a query when it, or any dialogue id
 it references, is gold (`gold_mask`).
 
-For question answering (issue 11) a `Query` also carries its gold `answer` (None when the file has
+For question answering a `Query` also carries its gold `answer` (None when the file has
 none) and, for LongMemEval, the question's date; a `Bank` carries each memory's session date
 (`dates`, None when the file has none), so an answer prompt can date every memory.
 """

@@ -26,15 +26,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, NamedTuple, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ear_jax.core import retrieval
+from ear_jax.core.types import CandidateGenerator
 from ear_jax.data import lexical
 
 QUERY_BATCH = 64  # queries per jitted dense search call (the last batch is padded)
 FEATURES = ("first_stage", "dense_cosine", "bm25")
 FUSIONS = ("rrf", "weighted")
+_top_k_search = jax.jit(retrieval.top_k_search, static_argnames=("k", "chunk"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +115,7 @@ def top_k_candidates(queries: np.ndarray, bank: np.ndarray, k: int, valid: np.nd
     qb = np.zeros((batch_size, queries.shape[1]), np.float32)
     n = min(batch_size, nq - s)
     qb[:n] = queries[s:s + n]
-    i, v, _ = retrieval.top_k_search_jit(jnp.asarray(qb), jnp.asarray(bank_p), jnp.asarray(valid_p),
-                                         k=k)
+    i, v, _ = _top_k_search(jnp.asarray(qb), jnp.asarray(bank_p), jnp.asarray(valid_p), k=k)
     sc[s:s + n] = np.asarray(v)[:n]
     idx[s:s + n] = np.asarray(i)[:n]
   mask = np.isfinite(sc)
@@ -169,8 +171,9 @@ def hybrid_generator(inputs: BankInputs, k: int, options: FirstStageOptions):
   return _top(fused.astype(np.float32), inputs.valid, k)
 
 
-# Candidate generator name -> `fn(BankInputs, k, FirstStageOptions) -> (index, scores)`.
-GENERATORS = {
+# Candidate generator name -> `fn(BankInputs, k, FirstStageOptions) -> (index, scores)`
+# (`ear_jax.core.types.CandidateGenerator`).
+GENERATORS: dict[str, CandidateGenerator] = {
     "dense": dense_generator,
     "bm25": bm25_generator,
     "hybrid": hybrid_generator,

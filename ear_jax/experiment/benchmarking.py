@@ -1,8 +1,8 @@
-"""Speed measurements of ear_jax (issue 5): the rows of `experiments.bench`, as library functions.
+"""Speed measurements of ear_jax: the rows of `experiments.bench`, as library functions.
 
-Every row times the functions users call: training with `episode.run_episode_jit` (scan) and
-`learner.train_batch_jit` (loop), sweeps with `sharding.sharded_episodes`, adapter-only retrieval
-with `retrieval.retrieve_jit` and explorer-assisted retrieval with `retrieval.top_k_search` followed
+Every row times the functions users call, jitted: training with `episode.run_episode` (scan) and
+`learner.train_batch` (loop), sweeps with `sharding.sharded_episodes`, adapter-only retrieval
+with `retrieval.retrieve` and explorer-assisted retrieval with `retrieval.top_k_search` followed
 by `inference.explorer_slate` and the paper's simulated critic (`explorer_retrieve`). The NumPy
 baseline is `ear_jax.experiment.reference`. Timings are the minimum over repetitions (on a shared
 machine the minimum is the least disturbed run). No flags are read here.
@@ -71,7 +71,8 @@ def ear_flops_per_query(config: EARConfig) -> dict:
       "adapter_forward": adapter_fwd,
       "adapter_weight_grad": adapter_fwd,
       "logits": 2 * rows_m * d,
-      "explorer_gram": 2 * k * k * d if config.train_slate is policies.explorer_slates else 0,
+      "explorer_gram": 2 * k * k * d if policies.train_slate_policy(config.train_slate)
+                      is policies.explorer_slates else 0,
       "replay_similarity": 2 * c * d if config.use_replay else 0,
   }
   out["total"] = int(sum(out.values()))
@@ -113,12 +114,17 @@ def measure_peak(sizes: Sequence[int] = (768, 1024, 1536), reps: int = 3) -> dic
   return {"gflops": max(out.values()), "by_size": {str(k): round(v, 1) for k, v in out.items()}}
 
 
+_run_episode = jax.jit(episode.run_episode, static_argnames=("config",))
+_train_batch = jax.jit(learner.train_batch, static_argnames=("config",))
+_retrieve = jax.jit(retrieval.retrieve, static_argnames=("k", "slate_size"))
+
+
 # ------------------------------------------------------------------------------------------------
 def run_scan(stream: Stream, config: EARConfig, hparams: HParams, reps: int):
-  """`episode.run_episode_jit` over the whole stream: `(row, compiled)`; compile timed apart."""
+  """Jitted `episode.run_episode` over the whole stream: `(row, compiled)`; compile timed apart."""
   key = jax.random.PRNGKey(0)
   t = time.perf_counter()
-  compiled = episode.run_episode_jit.lower(key, stream, config, hparams).compile()
+  compiled = _run_episode.lower(key, stream, config, hparams).compile()
   compile_s = time.perf_counter() - t
   block(compiled(key, stream, hparams))
   seconds = min_time(lambda: compiled(key, stream, hparams), reps)
@@ -142,22 +148,21 @@ def loop_batches(stream: Stream, config: EARConfig, key: jax.Array):
 
 
 def run_loop(stream: Stream, config: EARConfig, hparams: HParams, reps: int):
-  """`learner.train_batch_jit` called once per batch from Python: `(row, final state)`.
+  """`learner.train_batch` (jitted) called once per batch from Python: `(row, final state)`.
 
   The row also times the same loop with the state donated (XLA may then update the `[C, K, d]`
   buffer in place instead of copying it on every call): what is left is the per-call dispatch.
   """
   k_init, batches = loop_batches(stream, config, jax.random.PRNGKey(0))
   t = time.perf_counter()
-  block(learner.train_batch_jit(learner.init_learner(k_init, config), *batches[0], config,
-                                hparams))
+  block(_train_batch(learner.init_learner(k_init, config), *batches[0], config, hparams))
   compile_s = time.perf_counter() - t
   result = {}
 
   def loop():
     state = learner.init_learner(k_init, config)
     for keys, batch, where in batches:
-      state, _ = learner.train_batch_jit(state, keys, batch, where, config, hparams)
+      state, _ = _train_batch(state, keys, batch, where, config, hparams)
     result["state"] = state
     return state
 
@@ -195,16 +200,16 @@ def run_numpy(stream: Stream, config: EARConfig, hparams: HParams, num_queries: 
 
 def run_seeds(stream: Stream, config: EARConfig, hparams: HParams, num_seeds: int,
               reps: int) -> dict:
-  """`sharding.sharded_episodes` over `num_seeds` seeds vs as many `run_episode_jit` calls."""
+  """`sharding.sharded_episodes` over `num_seeds` seeds vs as many jitted `run_episode` calls."""
   keys = np.asarray(jax.vmap(jax.random.PRNGKey)(jnp.arange(num_seeds)))
   t = time.perf_counter()
   block(sharding.sharded_episodes(keys, stream, config, hparams))
   compile_s = time.perf_counter() - t
   vmapped = min_time(lambda: sharding.sharded_episodes(keys, stream, config, hparams), reps)
-  block(episode.run_episode_jit(jnp.asarray(keys[0]), stream, config, hparams))
+  block(_run_episode(jnp.asarray(keys[0]), stream, config, hparams))
 
   def sequential():
-    return [episode.run_episode_jit(jnp.asarray(k), stream, config, hparams)[0].params
+    return [_run_episode(jnp.asarray(k), stream, config, hparams)[0].params
             for k in keys]
 
   seq = min_time(sequential, reps)
@@ -219,7 +224,7 @@ def explorer_retrieve(key, params, queries, bank, valid, gold, config, hparams, 
                                      config.num_candidates, config.num_rounds, config.slate_size,
                                      hparams, critic)
 
-explorer_retrieve_jit = jax.jit(explorer_retrieve, static_argnames=("config",))
+_explorer_retrieve = jax.jit(explorer_retrieve, static_argnames=("config",))
 
 
 def _latency(fn, calls: int) -> float:
@@ -234,7 +239,7 @@ def _latency(fn, calls: int) -> float:
 
 def run_inference(dim: int, bank_sizes: Sequence[int], batches: Sequence[int], reps: int,
                   calls_b1: int) -> dict:
-  """Adapter-only (`retrieval.retrieve_jit`) and explorer-assisted (`explorer_retrieve_jit`, the
+  """Adapter-only (`retrieval.retrieve`) and explorer-assisted (`explorer_retrieve`, the
   paper's simulated critic) retrieval from random unit banks, top-K search included.
 
   Batch 1 is timed as the median of `calls_b1` single calls (latency), larger batches as the
@@ -257,10 +262,9 @@ def run_inference(dim: int, bank_sizes: Sequence[int], batches: Sequence[int], r
       q = jnp.asarray(unit(rng.normal(size=(b, dim))))
       gold = jnp.asarray(rng.random((b, m)) < 2.0 / m)
       key = jax.random.PRNGKey(b)
-      fa = lambda: retrieval.retrieve_jit(params, q, bank, valid, k=config.num_candidates,
-                                          slate_size=config.slate_size)
-      fe = lambda: explorer_retrieve_jit(key, params, q, bank, valid, gold, config, hparams,
-                                         critic)
+      fa = lambda: _retrieve(params, q, bank, valid, k=config.num_candidates,
+                              slate_size=config.slate_size)
+      fe = lambda: _explorer_retrieve(key, params, q, bank, valid, gold, config, hparams, critic)
       for name, fn in (("adapter", fa), ("explorer", fe)):
         block(fn())
         sec = _latency(fn, calls_b1) if b == 1 else min_time(fn, max(reps, 3))

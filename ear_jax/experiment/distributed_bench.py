@@ -1,4 +1,4 @@
-"""The cross-process merge of the sharded candidate search, timed (issue 23).
+"""The cross-process merge of the sharded candidate search, timed.
 
 Symbols: `M` memories, `P` processes, `d` dimension, `K` candidates, `n` queries per call.
 
@@ -30,6 +30,8 @@ from ear_jax.experiment import benchmarking
 from ear_jax.experiment import scale_bench
 from ear_jax.experiment import sharding
 
+_top_k_search = jax.jit(retrieval.top_k_search, static_argnames=("k", "chunk"))
+
 
 def _rows(m: int, dim: int, p: int, num: int) -> np.ndarray:
   per = -(-m // num)
@@ -57,7 +59,7 @@ def run(m: int = 1_000_000, dim: int = 384, k: int = 20, batches=(1, 256), reps:
     for name, fn in (
         ("sharded", lambda: sharding.sharded_top_k_search(q, bank, valid, k, mesh=mesh,
                                                           row_ids=ids)),
-        ("local", lambda: retrieval.top_k_search_jit(q, local_dev, local_valid, k=k)),
+        ("local", lambda: _top_k_search(q, local_dev, local_valid, k=k)),
         ("tiny", lambda: sharding.sharded_top_k_search(q, *tiny[:2], k, mesh=mesh,
                                                        row_ids=tiny[2]))):
       benchmarking.block(fn())  # compile
@@ -74,7 +76,7 @@ def run(m: int = 1_000_000, dim: int = 384, k: int = 20, batches=(1, 256), reps:
       whole_valid = jax.device_put(np.ones(m, bool))
       for n in batches:
         q = scale_bench.queries("random", n, dim, m)
-        fn = lambda: retrieval.top_k_search_jit(q, whole, whole_valid, k=k)  # noqa: E731
+        fn = lambda: _top_k_search(q, whole, whole_valid, k=k)  # noqa: E731
         benchmarking.block(fn())
         t = benchmarking.min_time(fn, reps if n == 1 else max(2, reps // 2))
         out["rows_per_call"][n]["single"] = {"ms_per_call": 1e3 * t, "ms_per_query": 1e3 * t / n}

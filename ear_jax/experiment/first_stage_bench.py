@@ -1,4 +1,4 @@
-"""The first stage at scale (issue 18): BM25 and hybrid candidates of `Memory` against bank size.
+"""The first stage at scale: BM25 and hybrid candidates of `Memory` against bank size.
 
 Symbols: `M` memories, `d` dimension, `K` candidates.
 
@@ -31,7 +31,6 @@ from typing import Sequence
 import numpy as np
 from absl import logging
 
-from ear_jax.agent import lexical_bank
 from ear_jax.agent.memory import Memory
 from ear_jax.core.config import EARConfig
 from ear_jax.data import first_stage
@@ -110,10 +109,7 @@ def bench_size(m: int, dim: int, calls: int, bandwidth: dict) -> dict:
             "hybrid_rrf": ("hybrid", first_stage.FirstStageOptions(fusion="rrf")),
             "hybrid_weighted": ("hybrid", first_stage.FirstStageOptions(fusion="weighted"))}
   for name, (cand, opts) in stages.items():
-    searcher = lexical_bank.LexicalBank(cand, opts, False)
-    searcher.vocab, searcher._docs, searcher._rows = lex.vocab, lex._docs, lex._rows  # pylint: disable=protected-access
-    searcher.synced, searcher._engine, searcher._engine_docs = (  # pylint: disable=protected-access
-        lex.synced, lex._engine, lex._engine_docs)  # pylint: disable=protected-access
+    searcher = lex.sharing(cand, opts)
     call = lambda i, s=searcher: s.search(bank, qs[i:i + 1], qt[i:i + 1], k, slate)
     for i in range(calls):  # compile (once per power-of-two bucket of BM25 pairs)
       call(i)
@@ -164,8 +160,11 @@ def table(res: dict) -> str:
         f"{p('bm25')} | {p('hybrid_rrf')} | {p('hybrid_weighted')} | "
         f"{r['retrieve']['p50_ms']:.2f} / {r['retrieve']['p90_ms']:.2f} ms | "
         f"{r['retrieve_after_add_s']:.2f} s |")
-  bw = res["bandwidth"]
-  lines += ["", f"d = {res['dim']}, K = 20, one query per call, p50 of {res['calls']}; synthetic "
+  bw, o = res["bandwidth"], res["options"]
+  lines += ["", f"d = {res['dim']}, K = 20, one query per call, p50 of {res['calls']}; `retrieve` "
+            f"uses the default first stage options (fusion {o['fusion']}, lexical_weight "
+            f"{o['lexical_weight']}, rrf_k {o['rrf_k']:g}), each hybrid column its fusion with "
+            "those defaults; synthetic "
             f"texts (Zipf s = {res['zipf_s']} over {res['vocab']:,} words). Bound: the bank's "
             f"float32 bytes / memory bandwidth {bw['gb_per_s']:.1f} GB/s measured in this run "
             f"({res['bandwidth_after']['gb_per_s']:.1f} GB/s at the end). Load average "

@@ -118,7 +118,7 @@ def write_results_md(workdirs: Sequence[pathlib.Path],
   root.write_text(text)
 
 
-# Issue 12's "Beyond the paper" block: generated from the `--suite=tune` / `--suite=beyond`
+# The "Beyond the paper" block: generated from the `--suite=tune` / `--suite=beyond`
 # workdirs between these markers; the written explanation around it is kept.
 BEYOND_BEGIN, BEYOND_END = "<!-- beyond:begin -->", "<!-- beyond:end -->"
 

@@ -34,7 +34,7 @@ from ear_jax.data import corpora as datasets
 from ear_jax.core import inference
 from ear_jax.core import episode
 from ear_jax.core import learner
-from ear_jax.core.config import EARConfig, HParams, METHODS, default_hparams
+from ear_jax.core.config import EARConfig, HParams, METHODS, Method, default_hparams
 from ear_jax.core import critic as critic_lib
 from ear_jax.core.stream import Stream
 from ear_jax.experiment import sharding
@@ -52,10 +52,18 @@ class Interrupted(Exception):
     self.position = position
 
 
-def build_config(method: str, *, dim: int, num_candidates: int, **overrides) -> EARConfig:
-  """`EARConfig.for_method(method, dim=..., num_candidates=..., **overrides)`; None values dropped."""
+def build_method(method: str, *, dim: int, num_candidates: int, hparams: Optional[dict] = None,
+                 critic=None, **overrides) -> Method:
+  """`Method.named(method, dim=..., num_candidates=..., hparams=..., **overrides)`: the preset's
+  config and its own hyperparameters together; None values of `overrides` dropped."""
   overrides = {k: v for k, v in overrides.items() if v is not None}
-  return EARConfig.for_method(method, dim=dim, num_candidates=num_candidates, **overrides)
+  return Method.named(method, hparams=hparams, critic=critic, dim=dim,
+                      num_candidates=num_candidates, **overrides)
+
+
+def build_config(method: str, *, dim: int, num_candidates: int, **overrides) -> EARConfig:
+  """The config of `build_method` alone (for callers that hold the hyperparameters apart)."""
+  return build_method(method, dim=dim, num_candidates=num_candidates, **overrides).config
 
 
 def seed_splits(num_queries: int, seeds: Sequence[int], train_fraction: float = 0.8):
@@ -71,7 +79,7 @@ def seed_splits(num_queries: int, seeds: Sequence[int], train_fraction: float = 
 
 
 def validation_split(train_index: np.ndarray, validation_fraction: float = 0.2):
-  """Per seed, the training stream's last `validation_fraction` as a validation set (issue 12).
+  """Per seed, the training stream's last `validation_fraction` as a validation set.
 
   Candidates are trained online on the first part (`fit`) and scored on the rest (`validation`);
   the test split is never touched. Training order is stream order, so "last" is the end of the
@@ -104,8 +112,9 @@ def stack_streams(stream: Stream, index: np.ndarray) -> Stream:
   return jax.tree_util.tree_map(lambda x: np.stack([np.asarray(x)[i] for i in index]), stream)
 
 
-def seed_keys(seeds: Sequence[int]) -> jax.Array:
-  """`[S, 2]` one PRNG key per seed: `PRNGKey(seed)`."""
+def per_seed_keys(seeds: Sequence[int]) -> jax.Array:
+  """`[S, 2]` one PRNG key per seed of a run: `PRNGKey(seed)` (not `Memory`'s keys of one seed,
+  `ear_jax.agent.driver.seed_keys`)."""
   return jnp.stack([jax.random.PRNGKey(int(s)) for s in seeds])
 
 
@@ -247,7 +256,7 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
   n = train_index.shape[1]
   train = stack_streams(stream, train_index)
   test = stack_streams(stream, test_index)
-  episode_key, eval_key = _split_seed_keys(seed_keys(seeds))
+  episode_key, eval_key = _split_seed_keys(per_seed_keys(seeds))
   init_keys, query_keys = _episode_keys(episode_key, n)
   states = _init_states(init_keys, config)
   if seed_axis is None and jax.process_count() > 1:
@@ -372,6 +381,6 @@ class _Placement:
     return self.seed_axis.to_host(tree)
 
 
-__all__ = ["Interrupted", "RunResult", "build_config", "default_hparams", "seed_keys",
-           "seed_splits", "segment_length", "stack_streams", "train_and_evaluate", "METHODS",
-           "METRIC_NAMES"]
+__all__ = ["Interrupted", "RunResult", "build_config", "build_method", "default_hparams",
+           "per_seed_keys", "seed_splits", "segment_length", "stack_streams", "train_and_evaluate",
+           "METHODS", "METRIC_NAMES"]

@@ -1,4 +1,4 @@
-"""Memory at scale (issue 13): add / retrieve / feedback / save costs against bank size, with bounds.
+"""Memory at scale: add / retrieve / feedback / save costs against bank size, with bounds.
 
 Symbols: `M` memories, `d` dimension, `K` candidates, `n` queries per call.
 
@@ -36,8 +36,8 @@ from ear_jax.core.config import EARConfig
 from ear_jax.experiment import benchmarking
 
 # IVF: 512 lists (k-means on the first 39 x 512 vectors of a store, 10 iterations), 8 probed: a
-# query scans ~1/64 of the bank. One build thread: on this shared 2-core machine faiss's threads
-# waiting for each other made building 2-10x slower.
+# query scans ~1/64 of the bank. One build thread: on a shared small machine faiss's threads
+# waiting for each other made building slower (BUILD_NOTES, "memory at scale").
 IVF = {"nlist": 512, "nprobe": 8, "build_threads": 1}
 # name -> (Memory keyword options, data)
 PATHS = {
@@ -53,6 +53,8 @@ PATHS = {
         "hnsw_m": 32, "ef_construction": 80, "ef_search": 256, "build_threads": 1}}, "random"),
 }
 ADD_BATCH = 1 << 16
+
+_top_k_search = jax.jit(retrieval.top_k_search, static_argnames=("k", "chunk"))
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -120,7 +122,7 @@ def _recall(mem: Memory, qs: np.ndarray, k: int) -> float:
   bank = mem._bank  # pylint: disable=protected-access
   rows, _, _ = bank.search(qs, k, False)
   where = bank.valid & (bank.stores == 0)
-  exact, _, _ = retrieval.top_k_search_jit(jnp.asarray(qs), bank.emb, where, k=k)
+  exact, _, _ = _top_k_search(jnp.asarray(qs), bank.emb, where, k=k)
   exact = np.asarray(exact)
   return float(np.mean([len(set(a) & set(b)) / k for a, b in zip(rows, exact)]))
 

@@ -12,7 +12,7 @@ multiple of `D` by repeating the last run; the padding is dropped from the resul
 On CPU, `XLA_FLAGS=--xla_force_host_platform_device_count=4` (set before JAX starts) gives four
 devices, which is how `tests/test_sharding.py` checks that sharded results equal unsharded ones.
 
-Several processes (issue 23; `jax.distributed`, CPU collectives over gloo): `initialize_distributed`
+Several processes (`jax.distributed`, CPU collectives over gloo): `initialize_distributed`
 first, then every process runs the same program. `SeedAxis` splits an experiment's seeds over all
 processes' devices (`runner.train_and_evaluate` uses it by itself when `jax.process_count() > 1`),
 `is_primary` says which process writes files, and `shard_bank_local` builds the global bank from
@@ -248,7 +248,7 @@ _vmapped_episodes_jit = jax.jit(_vmapped_episodes,
 
 
 # ------------------------------------------------------------------------------------------------
-# candidate search over a bank sharded across devices (issue 13)
+# candidate search over a bank sharded across devices
 
 BANK_AXIS = "bank"
 
@@ -278,7 +278,7 @@ def shard_bank(bank: np.ndarray, valid: np.ndarray, mesh: Mesh):
 
 def shard_bank_local(local_bank: np.ndarray, local_valid: np.ndarray,
                      mesh: Optional[Mesh] = None):
-  """The global bank from the rows each process holds (issue 23: a bank split across processes).
+  """The global bank from the rows each process holds (a bank split across processes).
 
   Process `p` passes only its own `M_p` rows; the bank is their concatenation in process order
   (global row = `M_0 + ... + M_{p-1}` + local row), as if one process held all of it. Every process

@@ -77,9 +77,10 @@ def summarize(result: RunResult, stream: Stream, categories: Optional[np.ndarray
     for c in sorted(set(np.asarray(categories).tolist())):
       sel = (cats == c) & has
       entry = {"n": mean_std(sel.sum(-1))}
-      for src, m in (("adapter_recall", "recall_adapter"), ("adapter_hit", "hitrate_adapter"),
-                     ("explorer_recall", "recall_explorer"),
-                     ("explorer_hit", "hitrate_explorer")):
+      for src, m in (("adapter_all_gold", "recall_adapter"),
+                     ("adapter_any_gold", "hitrate_adapter"),
+                     ("explorer_all_gold", "recall_explorer"),
+                     ("explorer_any_gold", "hitrate_explorer")):
         vals = _masked_pct(ev[src], sel)
         entry[m] = mean_std(np.where(sel.sum(-1) > 0, vals, np.nan))
       per[c] = entry
@@ -182,7 +183,7 @@ def versions() -> dict:
   except Exception:  # pylint: disable=broad-except
     pass
   # XLA compiles for the host's instruction set, so float rounding (and through EAR's argmax
-  # decisions, a few slates) can differ between CPU models: results name theirs (issue 20).
+  # decisions, a few slates) can differ between CPU models: results name theirs.
   out["cpu"] = _cpu_model()
   return out
 

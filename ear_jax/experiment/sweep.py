@@ -1,4 +1,4 @@
-"""Validation sweeps (issue 12): `H` stacked `HParams` x `S` seeds trained in ONE compiled episode.
+"""Validation sweeps: `H` stacked `HParams` x `S` seeds trained in ONE compiled episode.
 
 Symbols: `H` hyperparameter settings, `S` seeds, `N` fit queries, `V` validation queries.
 
@@ -102,7 +102,8 @@ def sweep_validation(stream: Stream, fit_index: np.ndarray, validation_index: np
   fit = runner.stack_streams(stream, fit_index)
   val = runner.stack_streams(stream, validation_index)
   n = np.asarray(fit_index).shape[1]
-  episode_key, eval_key = runner._split_seed_keys(runner.seed_keys(seeds))  # pylint: disable=protected-access
+  episode_key, eval_key = runner._split_seed_keys(  # pylint: disable=protected-access
+      runner.per_seed_keys(seeds))
   init_keys, query_keys = runner._episode_keys(episode_key, n)  # pylint: disable=protected-access
   if config.trains:
     params = _train_grid(init_keys, query_keys, fit, hparams, config, critic)

@@ -109,7 +109,7 @@ def _ocp():
 def _this_process_only() -> dict:
   """Orbax keyword arguments that keep a save / restore inside the calling process.
 
-  In a multi-process JAX run (`jax.distributed`, issue 23) Orbax would otherwise synchronise every
+  In a multi-process JAX run (`jax.distributed`) Orbax would otherwise synchronise every
   process (barriers and broadcasts that the others, not saving, never join). A store is written by
   one process: its arrays are host-local (numpy or single-device), so nothing is lost. One process:
   no arguments (Orbax's defaults).

@@ -55,12 +55,12 @@ SUITES = {
 }
 ALL_ORDER = tuple(SUITES)
 # Suites that need an LLM endpoint run by name only, never as part of `all`.
-SUITES["qa"] = qa.suite_qa  # issue 11: F1 / BLEU-1 / J of answers from the final slates
-# Issue 12 (beyond the paper), by name only: validation tuning (LoCoMo) and the test comparison of
+SUITES["qa"] = qa.suite_qa  # F1 / BLEU-1 / J of answers from the final slates
+# Beyond the paper, by name only: validation tuning (LoCoMo) and the test comparison of
 # the paper's EAR, `ear_tuned` and the retriever.
 SUITES["tune"] = tune.suite_tune
 SUITES["beyond"] = tune.suite_beyond
-# Issue 18, by name only: the first stage's settings tuned on LoCoMo validation, and EAR over
+# The first stage, by name only: the first stage's settings tuned on LoCoMo validation, and EAR over
 # dense / BM25 / hybrid candidates on the test split.
 SUITES["first_stage_tune"] = first_stage.suite_first_stage_tune
 SUITES["first_stage"] = first_stage.suite_first_stage

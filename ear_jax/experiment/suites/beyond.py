@@ -1,11 +1,11 @@
-"""Suite `beyond` (issue 12): the paper's EAR vs `ear_tuned` vs the retriever on the TEST split.
+"""Suite `beyond`: the paper's EAR vs `ear_tuned` vs the retriever on the TEST split.
 
 `ear_tuned` (`core.config.METHODS` / `METHOD_HPARAMS`) holds the setting `--suite=tune` chose on
 LoCoMo validation data; here it is trained on the full training stream of every seed and scored on
 the untouched test split, in both test modes: adapter only, and explorer-assisted at the paper's
 test budget (T = 4 critic calls per test query). Every comparison is a per-seed paired difference
 with its 95 % t-interval (`pairing.pair_runs` -> results.json "paired"), overall and per category,
-checked against issue 12's targets. On LongMemEval_S (never tuned on) this is the transfer test.
+checked against `TARGETS`. On LongMemEval_S (never tuned on) this is the transfer test.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ear_jax.experiment.suites.pairing import DELTA_NOTE, fd, get_metric, pair_r
 from ear_jax.experiment.suites.paper import fmt, md_table
 from ear_jax.experiment.suites.run_cache import Runner
 
-# Issue 12's targets (test split, paired per seed): benchmark -> {test mode: points over retriever}.
+# The targets (test split, paired per seed): benchmark -> {test mode: points over retriever}.
 TARGETS = {"locomo": {"adapter": 8.0, "explorer": 12.0},
            "longmemeval": {"adapter": 3.0, "explorer": 6.0}}
 MODES = {"adapter": "adapter only", "explorer": "explorer-assisted, T = 4"}

@@ -1,11 +1,12 @@
-"""Suites `first_stage_tune` and `first_stage` (issue 18): EAR over the retrievers users pick.
+"""Suites `first_stage_tune` and `first_stage`: EAR over the retrievers users pick.
 
 The paper's Table 10 question (EAR layered on another first stage, its scores as side
 information) asked of the first stages agent memories run: dense (the frozen encoder, the paper's
 setting), BM25 and a hybrid of the two (`ear_jax.data.first_stage`).
 
-`first_stage_tune` (LoCoMo only; the honest protocol of issue 12, `runner.validation_split`): per
-seed the training stream's last 20 % is validation, the test split is never read.
+`first_stage_tune` (LoCoMo only; the validation protocol of `--suite=tune`,
+`runner.validation_split`): per seed the training stream's last 20 % is validation, the test split
+is never read.
   A. the hybrid fusion: reciprocal-rank fusion or a weighted sum with the BM25 share in
      `LEXICAL_WEIGHT_GRID`, scored by the frozen first stage's validation Recall@5;
   B. `side_init` (the first stage's weight in `z` at the start) in `SIDE_INIT_GRID` for `ear` and
@@ -42,7 +43,7 @@ SIDE_INIT_GRID = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 TUNED_METHODS = ("ear", "ear_tuned")
 TEST_ROUNDS = 4
 MODES = {"adapter": "adapter only", "explorer": "explorer-assisted, T = 4"}
-# Issue 18's targets (test split, 10 seeds): the best frozen first stage's R@5, the adapter-only
+# The targets (test split, 10 seeds): the best frozen first stage's R@5, the adapter-only
 # gain over it, and the explorer-assisted R@5.
 TARGETS = {"locomo": {"first_stage": 46.0, "adapter_gain": 5.0, "explorer": 55.0},
            "longmemeval": {"adapter_gain": 3.0, "explorer": 80.0}}
@@ -101,11 +102,12 @@ def tune_first_stage(r: Runner) -> dict:
     sub = sub_runner(r, cand, side_features=True, **over)
     stream = sub.bench().stream
     for method in TUNED_METHODS:
-      hp = config_lib.hparams_for_method(method, **r.opts.hparam_overrides)
       for side_init in SIDE_INIT_GRID:
-        config = runner.build_config(method, dim=stream.dim, num_candidates=stream.num_candidates,
-                                     side_features=stream.num_side_features,
-                                     **{**r.opts.config_overrides, "side_init": side_init})
+        m = runner.build_method(
+            method, dim=stream.dim, num_candidates=stream.num_candidates,
+            hparams=r.opts.hparam_overrides, side_features=stream.num_side_features,
+            **{**r.opts.config_overrides, "side_init": side_init})
+        config, hp = m.config, m.hparams
         res = sweep.sweep_validation(
             stream, fit, val, config, config_lib.stack_hparams([hp]), r.seeds,
             eval_variants={"T4": {"test_rounds": TEST_ROUNDS, "final_slate": config.final_slate}})

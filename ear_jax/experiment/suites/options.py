@@ -15,7 +15,7 @@ class Options:
   cache_dir: Optional[str] = None
   limit: Optional[int] = None
   k: int = 20
-  # The first stage (issue 18): a name in `ear_jax.data.first_stage.GENERATORS`; side features
+  # The first stage: a name in `ear_jax.data.first_stage.GENERATORS`; side features
   # (the first stage's scores as side information) default to on for every generator but 'dense'.
   candidates: str = "dense"
   side_features: Optional[bool] = None

@@ -1,4 +1,4 @@
-"""Paired comparisons over seeds (GitHub issue 14): each suite compares its methods with a baseline.
+"""Paired comparisons over seeds: each suite compares its methods with a baseline.
 
 Seeds are paired by construction. `Runner.bench` computes ONE split per seed
 (`runner.seed_splits` -> `datasets.split_indices(N, seed)`, a fixed numpy permutation) and every run

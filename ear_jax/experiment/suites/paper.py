@@ -49,7 +49,7 @@ PAPER_TABLE2_OTHER_ENCODERS = "Table 2 also lists Stella / GTE rows; only Contri
 # Table cells.
 
 
-# Printed under every table with 'mean ± std' cells (issue 20, item 13).
+# Printed under every table with 'mean ± std' cells.
 CELL_NOTE = ("Cells 'a ± b': mean ± standard deviation over the seeds (population std; a spread, not "
              "a confidence interval) of the per-seed value, in percent unless the column says "
              "otherwise; each seed has its own 80/20 train/test split and PRNG keys. 'paper' "

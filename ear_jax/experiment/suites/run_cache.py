@@ -24,7 +24,6 @@ import jax
 import numpy as np
 
 from ear_jax.core import critic as critic_lib
-from ear_jax.core.config import hparams_for_method
 from ear_jax.experiment import checkpointing
 from ear_jax.experiment import runner
 from ear_jax.experiment import sharding
@@ -33,8 +32,8 @@ from ear_jax.experiment.suites.options import Options
 from ear_jax.experiment.suites.paper import fmt
 
 
-def _slug(s):
-  """A run name safe as a directory name."""
+def slug(s: str) -> str:
+  """A run (or file) name safe as a directory name."""
   return re.sub(r"[^A-Za-z0-9_.=-]+", "_", s)
 
 
@@ -104,9 +103,10 @@ class Runner:
     b = self.bench(multistore)
     cfg_over = {**o.config_overrides, **(config_overrides or {})}
     hp_over = {**o.hparam_overrides, **(hparam_overrides or {})}
-    config = runner.build_config(method, dim=b.stream.dim, num_candidates=b.stream.num_candidates,
-                                 side_features=b.stream.num_side_features or None, **cfg_over)
-    hparams = hparams_for_method(method, **hp_over)  # the paper's, or the method's own
+    m = runner.build_method(  # the preset with its own hyperparameters
+        method, dim=b.stream.dim, num_candidates=b.stream.num_candidates, hparams=hp_over,
+        side_features=b.stream.num_side_features or None, **cfg_over)
+    config, hparams = m.config, m.hparams
     critic_over = {**o.critic_overrides, **(critic_overrides or {})}
     critic = critic_lib.make_simulated_critic(**critic_over)
     critic_json = {"precision": float(critic.precision), "recall": float(critic.recall)}
@@ -126,7 +126,7 @@ class Runner:
       parts.append(f"epochs={epochs}")
     if eval_every:
       parts.append(f"eval={eval_every}")
-    run_name = _slug("_".join(parts))
+    run_name = slug("_".join(parts))
     run_dir = self.workdir / "runs" / run_name
     done = run_dir / "result.json"
     if o.resume and done.is_file():

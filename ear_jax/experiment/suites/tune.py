@@ -1,4 +1,4 @@
-"""Suite `tune` (issue 12): choose EAR's settings on validation data only, in staged vmapped sweeps.
+"""Suite `tune`: choose EAR's settings on validation data only, in staged vmapped sweeps.
 
 Protocol (`ear_jax.experiment.sweep`): per seed, the training stream's last 20 % is validation;
 every candidate is trained online on the first 80 % and scored on validation; the test split is
@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import re
 
 from absl import logging
 import numpy as np
@@ -34,7 +33,7 @@ from ear_jax.experiment import stats
 from ear_jax.experiment import sweep
 from ear_jax.experiment.suites.beyond import suite_beyond  # noqa: F401 (re-exported)
 from ear_jax.experiment.suites.paper import md_table
-from ear_jax.experiment.suites.run_cache import Runner
+from ear_jax.experiment.suites.run_cache import Runner, slug
 
 LR_GRID = (3e-5, 1e-4, 3e-4, 1e-3)
 B_GRID = (0.0, 0.25, 0.5)
@@ -71,10 +70,6 @@ _EPS = 1e-3
 _EXPLORER_KEYS = ("lambda_rel", "lambda_div", "lambda_exp")
 
 
-def _slug(s):
-  return re.sub(r"[^A-Za-z0-9_.=-]+", "_", s)
-
-
 class _Tuner:
   """Runs and caches validation sweeps; keeps every scored setting as a row."""
 
@@ -89,21 +84,23 @@ class _Tuner:
       self.dir.mkdir(parents=True, exist_ok=True)
     self.rows = []  # {stage, variant, switches, hparams, adapter [S], round_T [S], exploit [S]}
 
-  def config(self, method, switches):
+  def method(self, method, switches, hparams=None):
+    """`method` with `switches` and `hparams` (overrides of its own) applied: a `Method`."""
     o = self.r.opts
-    return runner.build_config(method, dim=self.stream.dim,
+    return runner.build_method(method, dim=self.stream.dim,
                                num_candidates=self.stream.num_candidates,
+                               hparams={**o.hparam_overrides, **(hparams or {})},
                                side_features=self.stream.num_side_features or None,
                                **{**o.config_overrides, **switches})
 
   def run(self, stage, variant, switches, hp_list, method="ear"):
     """Scores `hp_list` (dicts of HParams overrides) under `switches`; returns the new rows."""
-    config = self.config(method, switches)
-    hps = [config_lib.default_hparams(**{**self.r.opts.hparam_overrides, **h}) for h in hp_list]
+    config = self.method(method, switches).config
+    hps = [self.method(method, switches, h).hparams for h in hp_list]
     ident = {"config": config.to_dict(), "seeds": self.r.seeds,
              "hparams": [{k: float(v) for k, v in dataclasses.asdict(h).items()} for h in hps],
              "fit": self.fit.tolist(), "validation": self.val.tolist()}
-    path = self.dir / f"{_slug(stage + '_' + variant)}.json"
+    path = self.dir / f"{slug(stage + '_' + variant)}.json"
     res = None
     if self.r.opts.resume and path.is_file():
       stored = json.loads(path.read_text())
@@ -225,12 +222,12 @@ def chosen_preset(result: dict) -> tuple[dict, dict]:
 def preset_matches(result: dict) -> bool:
   """Whether `core.config`'s `ear_tuned` preset holds the chosen setting."""
   switches, hp = chosen_preset(result)
-  want = config_lib.EARConfig.for_method("ear", **switches)
-  have = config_lib.EARConfig.for_method("ear_tuned")
+  want = config_lib.Method.named("ear", hparams=hp, **switches)
+  have = config_lib.Method.named("ear_tuned")
   # `test_rounds` None and `test_rounds == num_rounds` are the same setting.
-  want, have = (dataclasses.replace(c, test_rounds=c.eval_rounds).to_dict() for c in (want, have))
-  have_hp = config_lib.hparams_for_method("ear_tuned")
-  want_hp = config_lib.default_hparams(**hp)
+  want_hp, have_hp = want.hparams, have.hparams
+  want, have = (dataclasses.replace(m.config, test_rounds=m.config.eval_rounds).to_dict()
+                for m in (want, have))
   return want == have and all(np.isclose(float(getattr(have_hp, k)), float(getattr(want_hp, k)))
                               for k in config_lib.HPARAM_DEFAULTS)
 

@@ -1,0 +1,120 @@
+"""Command-line flags generated from the fields of `EARConfig` and `HParams`.
+
+One flag per field, named like the field, its help taken from the field's documentation (the
+`Attributes:` entry of `EARConfig`'s docstring, the comment beside an `HParams` field), its bounds
+checked by absl validators. Every flag defaults to None: the method's (or the paper's) value.
+Fields fixed by the data are not flags: `dim` (the encoder), `num_candidates` (`--k`) and
+`side_features` (the first stage, `--candidates` / `--side_features`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import typing
+
+from absl import flags
+
+from ear_jax.core import buffer
+from ear_jax.core import config as config_lib
+from ear_jax.core import policies
+
+SET_BY_DATA = ("dim", "num_candidates", "side_features")
+
+# Discrete fields -> their choices (a strategy's choices are its registry's names).
+_CHOICES = {
+    "train_slate": lambda: list(policies.TRAIN_SLATES),
+    "replay_strategy": lambda: list(buffer.REPLAY_STRATEGIES),
+    "optimizer": lambda: list(config_lib.OPTIMIZERS),
+    "loss_form": lambda: list(config_lib.LOSS_FORMS),
+    "replay_unobserved": lambda: list(config_lib.REPLAY_UNOBSERVED),
+    "label_weights": lambda: list(config_lib.LABEL_WEIGHTS),
+    "final_slate": lambda: list(config_lib.FINAL_SLATES),
+    "lr_schedule": lambda: list(config_lib.LR_SCHEDULES),
+}
+# Bounds checked by absl validators: (lower bound, inclusive?).
+_BOUNDS = {
+    "slate_size": (1, True), "num_rounds": (1, True), "replay_size": (1, True),
+    "buffer_capacity": (1, True), "batch_size": (1, True), "adapter_rank": (1, True),
+    "test_rounds": (1, True), "lr_schedule_steps": (1, True), "weight_decay": (0.0, True),
+    "side_init": (0.0, True), "grad_clip_norm": (0.0, False), "tau": (0.0, False),
+    "learning_rate": (0.0, True), "lambda_rep": (0.0, True), "alpha": (0.0, True),
+}
+
+
+def _docstring_attributes(cls) -> dict:
+  """`{name: text}` of the `Attributes:` section of a Google-style class docstring."""
+  doc = inspect.getdoc(cls) or ""
+  section = doc.split("Attributes:", 1)[1] if "Attributes:" in doc else ""
+  out, name = {}, None
+  for line in section.splitlines():
+    m = re.match(r"^  (\w+): (.*)$", line)
+    if m:
+      name = m.group(1)
+      out[name] = m.group(2).strip()
+    elif name and line.startswith("    "):
+      out[name] += " " + line.strip()
+    elif line.strip() and not line.startswith(" "):
+      break
+  return out
+
+
+def _field_comments(cls) -> dict:
+  """`{name: comment}` of the `name: type  # comment` lines of a dataclass's source."""
+  return {m.group(1): m.group(2).strip()
+          for m in re.finditer(r"^\s+(\w+): [^#\n]+#\s*(.+)$", inspect.getsource(cls), re.M)}
+
+
+def _bound_validator(name, flag_values):
+  low, inclusive = _BOUNDS[name]
+  op = ">=" if inclusive else ">"
+  flags.register_validator(
+      name, lambda v: v is None or (v >= low if inclusive else v > low),
+      message=f"--{name} must be {op} {low}", flag_values=flag_values)
+
+
+def define_config_flags(flag_values=flags.FLAGS) -> dict:
+  """One flag per `EARConfig` field but `SET_BY_DATA`: `{field: FlagHolder}`."""
+  helps = _docstring_attributes(config_lib.EARConfig)
+  hints = typing.get_type_hints(config_lib.EARConfig)
+  holders = {}
+  for f in dataclasses.fields(config_lib.EARConfig):
+    if f.name in SET_BY_DATA:
+      continue
+    text = f"EARConfig.{f.name}: {helps.get(f.name, '')} (default: the method's)"
+    kind = hints[f.name]
+    if f.name in _CHOICES:
+      holders[f.name] = flags.DEFINE_enum(f.name, None, _CHOICES[f.name](), text,
+                                          flag_values=flag_values)
+    elif kind is bool:
+      holders[f.name] = flags.DEFINE_bool(f.name, None, text, flag_values=flag_values)
+    elif int in (kind, *typing.get_args(kind)):
+      holders[f.name] = flags.DEFINE_integer(f.name, None, text, flag_values=flag_values)
+    elif float in (kind, *typing.get_args(kind)):
+      holders[f.name] = flags.DEFINE_float(f.name, None, text, flag_values=flag_values)
+    elif str in (kind, *typing.get_args(kind)):  # checked by `EARConfig` itself
+      holders[f.name] = flags.DEFINE_string(f.name, None, text, flag_values=flag_values)
+    else:
+      raise TypeError(f"EARConfig.{f.name}: no flag type for {kind}")  # a new field: add it here
+    if f.name in _BOUNDS:
+      _bound_validator(f.name, flag_values)
+  return holders
+
+
+def define_hparam_flags(flag_values=flags.FLAGS) -> dict:
+  """One float flag per `HParams` field: `{field: FlagHolder}` (None = the method's value)."""
+  comments = _field_comments(config_lib.HParams)
+  holders = {}
+  for name, default in config_lib.HPARAM_DEFAULTS.items():
+    what = re.sub(r"^\[\] float32, ", "", comments.get(name, ""))
+    holders[name] = flags.DEFINE_float(
+        name, None, f"HParams.{name}: {what} (the paper's: {default}; default: the method's).",
+        flag_values=flag_values)
+    if name in _BOUNDS:
+      _bound_validator(name, flag_values)
+  return holders
+
+
+def overrides(holders: dict) -> dict:
+  """`{field: value}` of the flags that were set."""
+  return {k: f.value for k, f in holders.items() if f.value is not None}
