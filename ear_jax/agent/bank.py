@@ -279,10 +279,12 @@ def _search_slates(queries, emb, valid, stores, rows, mask, params, hparams, *, 
 @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
 def _write(emb, valid, stores, rows, row_stores, row_valid, start):
   """Writes `[m, d]` rows (those with `row_valid`) at rows `start..` of the `[C, d]` bank, in place
-  (the bank's arrays are donated: an add costs the rows it writes, not a copy of the bank)."""
+  (the bank's arrays are donated: an add costs the rows it writes, not a copy of the bank). Rows
+  of store 2, deleted memories' tombstones (`ear_jax.agent.forget`), are written invalid."""
   cap = emb.shape[0]
   at = jnp.where(row_valid, start + jnp.arange(rows.shape[0]), cap)  # C = dropped
-  return (emb.at[at].set(rows.astype(emb.dtype), mode="drop"), valid.at[at].set(True, mode="drop"),
+  return (emb.at[at].set(rows.astype(emb.dtype), mode="drop"),
+          valid.at[at].set(row_stores < 2, mode="drop"),
           stores.at[at].set(row_stores, mode="drop"))
 
 

@@ -20,8 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ear_jax.agent import bank as bank_lib
+from ear_jax.agent import forget
 from ear_jax.agent import lexical_bank
 from ear_jax.agent import persistence
+from ear_jax.agent import recall as recall_lib
 from ear_jax.agent.bank import InputTypeError
 from ear_jax.agent.encoder_slot import EncoderSlot
 from ear_jax.agent.driver import Driver, seed_keys
@@ -30,7 +32,8 @@ from ear_jax.agent.episode import llm_feedback, round_slates, run_critic_episode
 from ear_jax.agent.sessions import Retrieval, Sessions, citation_labels
 from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import learner as learner_lib
-from ear_jax.core.config import EARConfig, HParams, default_hparams
+from ear_jax.core import policies
+from ear_jax.core.config import EARConfig, HParams, Method, default_hparams
 from ear_jax.data import first_stage
 
 __all__ = ["Memory", "Retrieval", "llm_feedback", "run_critic_episode"]
@@ -42,6 +45,23 @@ def _check_int(value, name: str, minimum: int) -> int:
   if value < minimum:
     raise ValueError(f"{name} must be >= {minimum}, got {name}={value}")
   return int(value)
+
+
+def _check_honoured(config: Optional[EARConfig]) -> None:
+  """Refuses config fields a live `Memory` cannot honour, naming the field."""
+  if config is None or not isinstance(config, EARConfig):
+    return
+  policy = policies.train_slate_policy(config.train_slate)
+  if policy is not None and policy is not policies.TRAIN_SLATES["explorer"]:
+    raise ValueError(
+        f"config.train_slate={config.train_slate!r} is not honoured by Memory: its training "
+        "slates are the Explorer rounds the agent plays (recall / retrieve(explore=True)); "
+        "use train_slate='explorer'")
+  if config.test_rounds is not None and config.test_rounds != config.num_rounds:
+    raise ValueError(
+        f"config.test_rounds={config.test_rounds} is not honoured by Memory: recall plays "
+        f"num_rounds={config.num_rounds} rounds, which train as one query; set test_rounds=None "
+        "or equal to num_rounds")
 
 
 def _first_stage(config: EARConfig, candidates, options, multistore: bool, index: str):
@@ -125,7 +145,8 @@ class Memory:
     first_stage_options: the hybrid fusion (`first_stage.FirstStageOptions`; default its defaults).
   """
 
-  def __init__(self, encoder: Any = "minilm", *, config: Optional[EARConfig] = None,
+  def __init__(self, encoder: Any = "minilm", *, method: Any = None,
+               config: Optional[EARConfig] = None,
                hparams: Optional[HParams] = None, seed: int = 0, dim: Optional[int] = None,
                multistore: bool = False, cache_dir=None, max_sessions: int = 4096,
                initial_capacity: int = bank_lib.MIN_CAPACITY, bank_dtype: str = "float32",
@@ -137,6 +158,20 @@ class Memory:
     _check_int(initial_capacity, "initial_capacity", 1)
     self._encoder = encoder if isinstance(encoder, EncoderSlot) else EncoderSlot(encoder)
     enc_dim = self._encoder.dim
+    if method is not None:
+      if config is not None or hparams is not None:
+        raise ValueError("pass method= (a preset with its own config and hyperparameters) or "
+                         "config= / hparams=, not both")
+      d = dim if dim is not None else enc_dim
+      if isinstance(method, str):
+        if d is None:
+          raise ValueError("the embedding dimension is unknown: pass dim= with method=")
+        method = Method.named(method, dim=_check_int(d, "dim", 1))
+      if not isinstance(method, Method):
+        raise InputTypeError(f"method must be a method name or a Method, got "
+                             f"{type(method).__name__}")
+      config, hparams = method.config, method.hparams
+    _check_honoured(config)
     if config is None:
       d = dim if dim is not None else enc_dim
       if d is None:
@@ -175,7 +210,7 @@ class Memory:
   # properties
 
   def __len__(self):
-    return len(self._bank)
+    return len(self._bank) - forget.num_deleted(self._bank)
 
   @property
   def capacity(self) -> int:
@@ -229,7 +264,7 @@ class Memory:
   @property
   def ids(self) -> list[str]:
     with self._lock:
-      return list(self._bank.ids)
+      return forget.live_ids(self._bank)
 
   @property
   def encoder(self):
@@ -482,6 +517,25 @@ class Memory:
       self.stats["learner_steps"] += padded
       return steps + padded > 0
 
+  def recall(self, question: str, critic, k: int = 5, *,
+             query_embedding=None) -> recall_lib.Recall:
+    """One call per question: T Explorer rounds with `critic`, recorded as ONE training query
+    (Eq. (11)-(14)), and the final slate `config.final_slate` names (round T's, or the top-k by
+    bandit mean for `ear_tuned`). See `ear_jax.agent.recall.recall`.
+
+    Args:
+      question: the question's text.
+      critic: `critic(key, view) -> labels [k]` or None (e.g. `LLMCritic`).
+      k: memories per slate and in the answer.
+      query_embedding: optional `[d]` precomputed embedding of the question.
+    """
+    return recall_lib.recall(self, question, critic, k, query_embedding=query_embedding)
+
+  def search(self, question: Optional[str] = None, k: int = 5, *,
+             query_embedding=None) -> Retrieval:
+    """The adapter-only slate of a question: no critic, no learning."""
+    return recall_lib.search(self, question, k, query_embedding=query_embedding)
+
   def feedback_from_critic(self, retrieval, critic) -> Optional[np.ndarray]:
     """Shows a retrieval's slate to a host critic (`critic(key, view)`, e.g. `LLMCritic`) and
     applies its labels; None (an unusable reply) discards the retrieval with NO update. See
@@ -491,6 +545,28 @@ class Memory:
       The labels, or None.
     """
     return episode.feedback_from_critic(self, retrieval, critic)
+
+  # ----------------------------------------------------------------------------------------------
+  # forgetting (`ear_jax.agent.forget`)
+
+  def delete(self, ids) -> list[str]:
+    """Deletes memories everywhere: never a candidate again (exact, ANN and lexical search), open
+    sessions that had one as a candidate are dropped untrained, queued items and the replay buffer
+    mask it out, and the next `save` leaves no file holding its text or embedding (see
+    `ear_jax.agent.forget`). All ids are checked first (an unknown one: ValueError, nothing
+    changed), then all are deleted under the lock.
+
+    Args:
+      ids: one memory id or a list of distinct ids.
+
+    Returns:
+      The deleted ids.
+    """
+    return forget.delete(self, ids)
+
+  def get(self, ids) -> list[dict]:
+    """`[{'id', 'text', 'store'}]` of memory ids, in order (ValueError for an unknown id)."""
+    return forget.get(self, ids)
 
   # ----------------------------------------------------------------------------------------------
   # persistence (`ear_jax.agent.persistence`)

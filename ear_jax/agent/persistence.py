@@ -58,6 +58,7 @@ import pathlib
 from typing import Any, Optional
 
 from ear_jax.agent import bank as bank_lib
+from ear_jax.agent import forget
 from ear_jax.agent import lexical_bank
 from ear_jax.agent.bank import Bank
 from ear_jax.agent.encoder_slot import EncoderSlot
@@ -274,6 +275,8 @@ def save(memory, path) -> pathlib.Path:
     if index_record is not None:
       meta["bank"]["ann_index"] = index_record
     path = write(root, arrays, meta)
+    # After a deletion no older step may keep the deleted rows (`ear_jax.agent.forget`).
+    forget.purge_older_steps(store, int(meta["stats"].get(forget.DELETED_STAT, 0)))
     _prune(store, shards, indexes)
     return path
 

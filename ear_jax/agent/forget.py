@@ -1,0 +1,194 @@
+"""Forgetting: `Memory.delete` removes memories from every part of a memory and its next checkpoint.
+
+Symbols: `n` bank rows, `K` candidates, `d` dimension, `C` replay buffer capacity, `r` rows
+deleted.
+
+A deleted memory keeps its bank ROW (rows are what sessions, the replay buffer and checkpoints
+refer to) but nothing else: the row becomes a tombstone with store code `DELETED` (2), an id
+`TOMBSTONE + row` that no caller can name, an empty text and a zero embedding, invalid on the
+device. So it is never a candidate again: the exact search, the lexical first stage
+(`ear_jax.agent.lexical_bank`: only stores 0 / 1 are indexed or valid) and the ANN searchers (only
+stores 0 / 1 are added; the searcher is rebuilt without the row) never see it. A loaded checkpoint
+keeps the tombstones (`bank._write` marks store-2 rows invalid).
+
+Everything that held the memory forgets it in the same locked call:
+
+* open sessions whose candidates include it are DROPPED without training (their rounds' feedback
+  was given on slates that contained it; their open retrievals are no longer open);
+* queued training items and the replay buffer keep their experiences with that candidate masked
+  out (mask, observed and the Eq. (12) mean label cleared, its embedding zeroed, its saved bank row
+  -1), so the rest of the feedback still trains;
+* the checkpoint: the bank shard digests of the touched rows are dropped, so the next save rewrites
+  the shards that held them (`persistence._reusable` stops at the first changed shard), and
+  `purge_older_steps` deletes every older main step written before the deletion (with them the
+  shards and ANN indexes only they listed), so no file under the checkpoint directory keeps the
+  memory's vector or text once that save returns. A save killed in between leaves the old or the
+  new checkpoint (the store's atomic steps); the older steps are purged by the next save, since
+  each main step records the number of deletions so far (`stats['memories_deleted']`).
+"""
+from __future__ import annotations
+
+import collections.abc
+
+import jax.numpy as jnp
+import numpy as np
+
+from ear_jax.agent import bank as bank_lib
+from ear_jax.agent.bank import InputTypeError
+
+DELETED = 2  # the store code of a deleted row
+TOMBSTONE = "\x00deleted:"  # + row: the id of a deleted row (check_ids refuses it)
+DELETED_STAT = "memories_deleted"
+
+
+def is_tombstone(memory_id: str) -> bool:
+  return memory_id.startswith(TOMBSTONE)
+
+
+def check_ids(ids, what: str = "ids") -> list[str]:
+  """One id or a non-empty sequence of distinct string ids, as a list (no bank lookup)."""
+  if isinstance(ids, str):
+    ids = [ids]
+  elif (not isinstance(ids, collections.abc.Sequence)
+        or isinstance(ids, (bytes, bytearray, memoryview))):
+    raise InputTypeError(f"{what} must be a memory id (string) or a list of them, got "
+                         f"{type(ids).__name__}")
+  ids = list(ids)
+  if not ids:
+    raise ValueError(f"{what} is empty: pass at least one memory id")
+  for j, i in enumerate(ids):
+    if not isinstance(i, str):
+      raise InputTypeError(f"{what}[{j}] must be a string, got {type(i).__name__}")
+  dup = sorted({i for i in ids if ids.count(i) > 1})
+  if dup:
+    raise ValueError(f"{what}: duplicate memory ids {dup[:5]}")
+  return ids
+
+
+def rows_of(bank: bank_lib.Bank, ids: list[str], what: str = "ids") -> np.ndarray:
+  """`[r]` bank rows of live memory ids; ValueError listing the unknown ones (call under the
+  memory's lock)."""
+  unknown = [i for i in ids if is_tombstone(i) or i not in bank.row_of]
+  if unknown:
+    shown = ", ".join(repr(i) for i in unknown[:5]) + (" ..." if len(unknown) > 5 else "")
+    raise ValueError(f"{what}: unknown memory id(s) {shown} ({len(unknown)} of {len(ids)}; they "
+                     "were never added or were deleted); nothing was changed")
+  return np.asarray([bank.row_of[i] for i in ids], np.int32)
+
+
+def num_deleted(bank: bank_lib.Bank) -> int:
+  return int(np.count_nonzero(bank.store_codes == DELETED))
+
+
+def live_ids(bank: bank_lib.Bank) -> list[str]:
+  return [i for i in bank.ids if not is_tombstone(i)]
+
+
+def _forget_bank(bank: bank_lib.Bank, rows: np.ndarray) -> np.ndarray:
+  """Tombstones bank `rows` in place; returns their former `[r, d]` embeddings."""
+  old = np.asarray(bank.emb[rows].astype(jnp.float32))
+  at = jnp.asarray(rows)
+  bank.emb = bank.emb.at[at].set(0)
+  bank.valid = bank.valid.at[at].set(False)
+  bank.stores = bank.stores.at[at].set(DELETED)
+  for r in rows.tolist():
+    code = int(bank.store_codes[r])
+    bank.store_counts[code] -= 1
+    bank.store_codes[r] = DELETED
+    bank.row_of.pop(bank.ids[r])
+    bank.ids[r] = f"{TOMBSTONE}{r}"
+    bank.row_of[bank.ids[r]] = r
+    bank.texts[r] = ""
+  bank.digests = {(s, c): h for (s, c), h in bank.digests.items()
+                  if not ((rows >= s) & (rows < s + c)).any()}
+  if bank.searcher is not None:  # rebuilt without the rows (faiss indexes cannot all remove)
+    from ear_jax.index import ann  # pylint: disable=g-import-not-at-top
+    bank.searcher = ann.make_searcher(bank.index_name, bank.dim, bank.index_options)
+    if len(bank):
+      bank.searcher.add(bank.embeddings(), bank.store_codes, 0)
+  return old
+
+
+def _mask_item(item, rows: np.ndarray):
+  """A queued `TrainItem` with the candidates at deleted `rows` masked out."""
+  hit = np.isin(item.rows, rows) & item.mask
+  if not hit.any():
+    return item
+  pos = np.flatnonzero(hit)
+  in_slate = np.isin(item.slates, pos) & item.slate_mask
+  cands = item.candidates.copy()
+  cands[hit] = 0.0
+  return item._replace(candidates=cands, mask=item.mask & ~hit,
+                       slate_mask=item.slate_mask & ~in_slate,
+                       labels=np.where(in_slate, 0.0, item.labels).astype(item.labels.dtype),
+                       rows=np.where(hit, -1, item.rows).astype(item.rows.dtype))
+
+
+def _forget_buffer(driver, rows: np.ndarray, old_emb: np.ndarray, dim: int) -> None:
+  """Masks the deleted candidates out of the replay buffer (by their saved bank rows, or by their
+  exact embeddings when the buffer came from a checkpoint without rows)."""
+  buf = driver.state.buffer
+  if driver.buffer_rows is not None:
+    hit = np.isin(driver.buffer_rows, rows)
+    driver.buffer_rows[hit] = -1
+  else:
+    cands = np.asarray(buf.candidates[..., :dim])
+    hit = np.zeros(cands.shape[:2], bool)
+    for e in old_emb:
+      hit |= np.all(cands == e, -1)
+  hit &= np.asarray(buf.mask)
+  if not hit.any():
+    return
+  h = jnp.asarray(hit)
+  buf = buf.replace(candidates=jnp.where(h[..., None], 0.0, buf.candidates),
+                    mask=buf.mask & ~h, observed=buf.observed & ~h,
+                    ybar=jnp.where(h, 0.0, buf.ybar))
+  driver.state = driver.state.replace(buffer=buf)
+
+
+def delete(memory, ids) -> list[str]:
+  """`Memory.delete`: see the module docstring. Validated before anything changes, applied under
+  the memory's lock. Returns the deleted ids."""
+  ids = check_ids(ids)
+  with memory._lock:  # pylint: disable=protected-access
+    bank = memory._bank  # pylint: disable=protected-access
+    rows = rows_of(bank, ids)
+    old = _forget_bank(bank, rows)
+    if memory._lexical is not None:  # rebuilt from the bank's texts at the next search
+      memory._lexical = memory._lexical.fresh()
+    sessions = memory._sessions
+    for sid, s in list(sessions.by_id.items()):
+      if np.isin(s.cand_idx[s.cand_mask], rows).any():
+        if s.open_id >= 0:
+          sessions.open.pop(s.open_id, None)
+        del sessions.by_id[sid]
+        memory.stats["sessions_dropped_by_delete"] += 1
+    driver = memory._driver
+    driver.ready = [_mask_item(it, rows) for it in driver.ready]
+    _forget_buffer(driver, rows, old, memory.config.dim)
+    memory.stats[DELETED_STAT] += len(ids)
+  return ids
+
+
+def get(memory, ids) -> list[dict]:
+  """`Memory.get`: `[{'id', 'text', 'store'}]` of live memory ids, in order."""
+  ids = check_ids(ids)
+  with memory._lock:  # pylint: disable=protected-access
+    bank = memory._bank  # pylint: disable=protected-access
+    rows = rows_of(bank, ids)
+    got = bank.describe(rows)
+  return [{"id": i, "text": t, "store": s} for i, t, s in zip(*got)]
+
+
+def purge_older_steps(store, deleted: int) -> None:
+  """Deletes the main steps older than the newest that were written before its `deleted`-th
+  deletion (their shards and indexes go with the `_prune` that follows). Call under the store's
+  writer lock, after the new step was written and verified."""
+  steps = store.steps()
+  for step in steps[:-1]:
+    try:
+      got = int(store.read_meta(step, verify=False).get("stats", {}).get(DELETED_STAT, 0))
+    except Exception:  # pylint: disable=broad-except  (an unreadable step: it may hold anything)
+      got = -1
+    if got != deleted:
+      store.delete(step)

@@ -1,0 +1,97 @@
+"""`Memory.recall` / `Memory.search` (one call per question) and `Memory(method=...)`."""
+import jax
+import numpy as np
+import pytest
+
+from ear_jax.agent.memory import Memory
+from ear_jax.core import critic as critic_lib
+from ear_jax.core import inference
+from ear_jax.core import stream as stream_lib
+from ear_jax.core.config import EARConfig, Method, default_hparams
+
+D, M = 16, 48
+GOLD = {"m1", "m3", "m7"}
+
+
+def _memory(**kw):
+  rng = np.random.default_rng(0)
+  emb = rng.normal(size=(M, D)).astype(np.float32)
+  mem = Memory(None, **kw) if kw else Memory(None, dim=D)
+  mem.add([f"memory {i}" for i in range(M)], embeddings=emb)
+  return mem, emb
+
+
+def _gold_critic(key, view):
+  del key
+  return np.where([i in GOLD for i in view.ids], 1.0, -1.0).astype(np.float32)
+
+
+@pytest.mark.parametrize("method", ["ear", "ear_tuned"])
+def test_recall_equals_evaluates_explorer_assisted_slate(method):
+  mem, emb = _memory(method=method, dim=D)
+  query = emb[1] + emb[3] + 0.3 * emb[20]
+  out = mem.recall("which memories?", _gold_critic, k=5, query_embedding=query)
+  assert out.final_slate == mem.config.final_slate and len(out.rounds) == mem.config.num_rounds
+  s = mem._sessions.by_id[out.rounds[0].session_id]  # pylint: disable=protected-access
+  ids, _, _ = mem._bank.describe(s.cand_idx)  # pylint: disable=protected-access
+  gold = np.asarray([i in GOLD for i in ids]) & s.cand_mask
+  stream = stream_lib.make_stream(s.query_emb[None], s.cand_emb[None], s.cand_mask[None],
+                                  gold[None])
+  # The simulated critic with precision = recall = 1 cites exactly the gold: the same labels.
+  perfect = critic_lib.make_simulated_critic(precision=1.0, recall=1.0)
+  res = inference.evaluate(jax.random.PRNGKey(0), mem.params, stream_lib.to_device(stream),
+                           mem.config, mem.hparams, perfect)
+  slate = np.asarray(res.explorer_slates[0])
+  expected = [ids[j] for j in slate if j >= 0]
+  assert list(out.ids) == expected
+  for t, r in enumerate(out.rounds):  # every round's slate too
+    assert r.round == t + 1 and r.explore
+
+
+def test_recall_is_one_training_query_and_search_learns_nothing():
+  mem, emb = _memory(method="ear", dim=D)
+  before = dict(mem.stats)
+  mem.search("anything", k=5, query_embedding=emb[2])
+  assert mem.stats["feedback"] == before.get("feedback", 0)
+  assert mem.stats["queries_queued"] == before.get("queries_queued", 0)
+  for i in range(4):  # 4 questions = one batch = one learner step
+    mem.recall(f"question {i}", _gold_critic, k=5, query_embedding=emb[i] + emb[7])
+  assert mem.stats["queries_queued"] == 4 and mem.stats["critic_calls"] == 16
+  assert mem.stats["learner_steps"] == 1
+
+
+def test_an_unusable_critic_reply_ends_the_rounds_without_an_update():
+  mem, emb = _memory(method="ear", dim=D)
+  out = mem.recall("q", lambda key, view: None, k=5, query_embedding=emb[0])
+  assert out.labels == (None,) and len(out.rounds) == 1 and len(out.ids) == 5
+  assert mem.stats["critic_no_update"] == 1 and mem.stats["queries_queued"] == 0
+
+
+def test_recall_needs_the_question_text():
+  mem, emb = _memory(method="ear", dim=D)
+  with pytest.raises(ValueError, match="question's text"):
+    mem.recall("", _gold_critic, query_embedding=emb[0])
+
+
+def test_a_method_brings_its_own_hyperparameters():
+  mem = Memory(None, method="ear_tuned", dim=D)
+  tuned = Method.named("ear_tuned", dim=D)
+  assert mem.config == tuned.config
+  assert float(mem.hparams.learning_rate) == pytest.approx(float(tuned.hparams.learning_rate))
+  assert float(mem.hparams.learning_rate) != pytest.approx(
+      float(default_hparams().learning_rate))
+
+
+def test_method_and_config_together_are_refused():
+  with pytest.raises(ValueError, match="not both"):
+    Memory(None, method="ear", config=EARConfig(dim=D))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(method="rl_update", dim=D), "train_slate"),
+    (dict(method="ear_no_explorer", dim=D), "train_slate"),
+    (dict(config=EARConfig(dim=D, test_rounds=2)), "test_rounds"),
+])
+def test_config_fields_memory_cannot_honour_are_refused_naming_them(kwargs, field):
+  with pytest.raises(ValueError, match=f"config.{field}="):
+    Memory(None, **kwargs)
