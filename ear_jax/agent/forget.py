@@ -188,7 +188,7 @@ def purge_older_steps(store, deleted: int) -> None:
   for step in steps[:-1]:
     try:
       got = int(store.read_meta(step, verify=False).get("stats", {}).get(DELETED_STAT, 0))
-    except Exception:  # pylint: disable=broad-except  (an unreadable step: it may hold anything)
-      got = -1
-    if got != deleted:
+    except Exception:  # pylint: disable=broad-except  (unreadable: it may hold a deleted memory)
+      got = None
+    if (got is None and deleted) or (got is not None and got != deleted):
       store.delete(step)

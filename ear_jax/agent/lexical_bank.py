@@ -137,7 +137,8 @@ class LexicalBank:
     if start != self.synced:
       raise ValueError(f"lexical index out of step with the bank: rows from {start}, expected "
                        f"{self.synced}")
-    keep = [j for j, code in enumerate(codes) if self.multistore or int(code) == 0]
+    keep = [j for j, code in enumerate(codes)  # (store 2: a deleted memory, `agent.forget`)
+            if int(code) == 0 or (self.multistore and int(code) == 1)]
     ids = self.vocab.setdefault
     self._tokens.append(np.fromiter((ids(w, len(self.vocab)) for j in keep for w in tokens[j]),
                                     np.int32))

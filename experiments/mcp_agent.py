@@ -1,0 +1,167 @@
+"""A scripted MCP agent over LoCoMo: does the memory server learn from an agent's citations?
+
+Starts `python -m experiments.mcp_server` as a subprocess and talks to it with the `mcp` SDK's
+stdio client, as any agent would: `remember`s one LoCoMo conversation's turns, measures held-out
+Recall@5 through the adapter-only `search`, then answers the training questions with `recall` +
+`cite` (T rounds each, citing the gold turns it was shown: a perfect critic), and measures the
+held-out Recall@5 again.
+
+  python -m experiments.mcp_agent --locomo=../shared/data/locomo10.json --memory_dir=ear_mcp_run \\
+      --conversation=0 --num_test=40 --epochs=2
+
+Prints the numbers and one JSON line (`RESULT {...}`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import sys
+from typing import Optional
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def server_params(memory_dir, extra_args=(), env: Optional[dict] = None):
+  """`StdioServerParameters` that start this repository's MCP server on `memory_dir`."""
+  from mcp import StdioServerParameters  # pylint: disable=g-import-not-at-top
+  full_env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+              "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), **(env or {})}
+  return StdioServerParameters(
+      command=sys.executable,
+      args=["-m", "experiments.mcp_server", f"--memory_dir={memory_dir}", *extra_args],
+      env=full_env, cwd=str(REPO))
+
+
+async def call(session, tool: str, args: dict):
+  """`(ok, payload)` of one tool call: the JSON result, or the error text."""
+  res = await session.call_tool(tool, args)
+  text = res.content[0].text if res.content else ""
+  if res.isError:
+    return False, text
+  return True, json.loads(text)
+
+
+async def must(session, tool: str, args: dict):
+  ok, out = await call(session, tool, args)
+  if not ok:
+    raise RuntimeError(f"{tool} failed: {out}")
+  return out
+
+
+def locomo_slice(path, conversation: int, num_test: int, seed: int = 0):
+  """`(bank, train queries, test queries)` of one LoCoMo conversation (queries with gold turns,
+  shuffled by `seed`, the first `num_test` held out)."""
+  from ear_jax.data.locomo import load_locomo  # pylint: disable=g-import-not-at-top
+  corpus = load_locomo(path, limit=conversation + 1)
+  bank = corpus.banks[conversation]
+  qs = [q for q in corpus.queries if q.group == conversation and q.gold]
+  order = np.random.default_rng(seed).permutation(len(qs))
+  qs = [qs[i] for i in order]
+  return bank, qs[num_test:], qs[:num_test]
+
+
+async def recall_at(session, queries, to_mem: dict, k: int = 5) -> dict:
+  """Recall@k (every gold memory in the slate, the project's metric, `ear_jax.core.metrics`),
+  the mean fraction of gold in the slate, and Hitrate@k (any gold) of `search` over `queries`."""
+  full, frac, hit = [], [], []
+  for q in queries:
+    out = await must(session, "search", {"question": q.text, "k": k})
+    got = {m["id"] for m in out["memories"]}
+    gold = {to_mem[g] for g in q.gold if g in to_mem}
+    n = len(got & gold)
+    full.append(n == len(gold))
+    frac.append(n / max(len(gold), 1))
+    hit.append(n > 0)
+  return {"recall": float(np.mean(full)), "gold_fraction": float(np.mean(frac)),
+          "hitrate": float(np.mean(hit))}
+
+
+def dialogue_turns(bank) -> tuple[list[str], list[str]]:
+  """`(dia ids, texts)` of the bank's dialogue turns (store 0: the benchmark's candidates; the
+  observations are left out)."""
+  keep = [j for j, s in enumerate(bank.stores) if int(s) == 0]
+  return [bank.ids[j] for j in keep], [bank.texts[j] for j in keep]
+
+
+async def add_turns(session, bank, chunk: int = 256) -> dict:
+  """`remember`s the bank's dialogue turns; returns {LoCoMo dia_id: memory id}."""
+  ids, texts = dialogue_turns(bank)
+  to_mem = {}
+  for s in range(0, len(ids), chunk):
+    out = await must(session, "remember", {"texts": texts[s:s + chunk]})
+    to_mem.update(zip(ids[s:s + chunk], out["ids"]))
+  return to_mem
+
+
+async def train(session, queries, to_mem: dict, rounds: int, k: int = 5) -> int:
+  """Answers each question with `rounds` recall + cite rounds, citing the gold it was shown."""
+  cites = 0
+  for q in queries:
+    gold = {to_mem[g] for g in q.gold if g in to_mem}
+    for _ in range(rounds):
+      out = await must(session, "recall", {"question": q.text, "k": k})
+      used = [m["id"] for m in out["memories"] if m["id"] in gold]
+      await must(session, "cite", {"retrieval_id": out["retrieval_id"], "used_ids": used})
+      cites += len(used)
+  return cites
+
+
+async def run(locomo, memory_dir, *, conversation: int = 0, num_test: int = 40, epochs: int = 2,
+              num_train: Optional[int] = None, server_args=(), seed: int = 0) -> dict:
+  """The scripted agent (see the module docstring); returns the before / after numbers."""
+  from mcp import ClientSession  # pylint: disable=g-import-not-at-top
+  from mcp.client.stdio import stdio_client  # pylint: disable=g-import-not-at-top
+  bank, train_qs, test_qs = locomo_slice(locomo, conversation, num_test, seed)
+  if num_train is not None:
+    train_qs = train_qs[:num_train]
+  async with stdio_client(server_params(memory_dir, server_args)) as (read, write):
+    async with ClientSession(read, write) as session:
+      await session.initialize()
+      to_mem = await add_turns(session, bank)
+      rounds = (await must(session, "stats", {}))["rounds_per_question"]
+      before = await recall_at(session, test_qs, to_mem)
+      for _ in range(epochs):
+        await train(session, train_qs, to_mem, rounds)
+      after = await recall_at(session, test_qs, to_mem)
+      stats = await must(session, "stats", {})
+  return {"memories": len(to_mem), "train_questions": len(train_qs),
+          "test_questions": len(test_qs), "epochs": epochs, "rounds": rounds,
+          "before": before, "after": after,
+          "learner_steps": stats["learner_steps"]}
+
+
+def main(argv):
+  del argv
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  f = flags.FLAGS
+  out = asyncio.run(run(f.locomo, f.memory_dir, conversation=f.conversation, num_test=f.num_test,
+                        epochs=f.epochs, seed=f.seed,
+                        server_args=[f"--method={f.method}", f"--candidates={f.candidates}"]
+                        + ([f"--cache_dir={f.cache_dir}"] if f.cache_dir else [])))
+  b, a = out["before"], out["after"]
+  print(f"held-out Recall@5 through search: {100 * b['recall']:.2f} -> {100 * a['recall']:.2f}; "
+        f"gold fraction {100 * b['gold_fraction']:.2f} -> {100 * a['gold_fraction']:.2f}; "
+        f"Hitrate@5 {100 * b['hitrate']:.2f} -> {100 * a['hitrate']:.2f} "
+        f"({out['test_questions']} questions; "
+        f"{out['train_questions']} training questions x {out['epochs']} epochs x "
+        f"{out['rounds']} rounds; {out['learner_steps']} learner steps)")
+  print("RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+  from absl import app, flags  # pylint: disable=g-import-not-at-top,g-multiple-import
+  flags.DEFINE_string("locomo", None, "locomo10.json", required=True)
+  flags.DEFINE_string("memory_dir", None, "A NEW checkpoint directory for the server.",
+                      required=True)
+  flags.DEFINE_integer("conversation", 0, "LoCoMo conversation index.")
+  flags.DEFINE_integer("num_test", 40, "Held-out questions.")
+  flags.DEFINE_integer("epochs", 2, "Passes over the training questions.")
+  flags.DEFINE_integer("seed", 0, "Question shuffle seed.")
+  flags.DEFINE_string("method", "ear_tuned", "--method of the server.")
+  flags.DEFINE_string("candidates", "dense", "--candidates of the server.")
+  flags.DEFINE_string("cache_dir", None, "--cache_dir of the server (embedding cache).")
+  app.run(main)

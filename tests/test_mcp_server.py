@@ -1,0 +1,359 @@
+"""The MCP server (issue 22, `ear_jax/agent/mcp_server.py`, `experiments/mcp_server.py`), driven by
+the `mcp` SDK's own client: in memory (fast tier, a hashing encoder), and over stdio / HTTP with a
+real subprocess and the MiniLM encoder (slow): the scripted LoCoMo agent's citations raise the
+held-out Recall@5 of `search`, a restart keeps everything, hostile input never stops the server."""
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mcp")
+
+from mcp.shared.memory import create_connected_server_and_client_session  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from ear_jax import EARConfig  # pylint: disable=wrong-import-position
+from ear_jax.agent import mcp_server  # pylint: disable=wrong-import-position
+from ear_jax.agent.memory import Memory  # pylint: disable=wrong-import-position
+from ear_jax.data import encoders  # pylint: disable=wrong-import-position
+from experiments import mcp_agent  # pylint: disable=wrong-import-position
+
+D = 32
+
+
+class HashEncoder(encoders.Encoder):
+  """Bag of hashed words: texts sharing words are close (a deterministic stand-in for MiniLM)."""
+  name, dim = "hash32", D
+
+  @property
+  def identity(self):
+    return {"hash": D}
+
+  _busy = threading.Lock()
+
+  def encode_new(self, texts, progress=True, bar=None):
+    # Like a Hugging Face fast tokenizer, refuses to be used by two threads at once.
+    if not self._busy.acquire(blocking=False):
+      raise RuntimeError("Already borrowed")
+    try:
+      time.sleep(0.002)
+      return self._encode(texts)
+    finally:
+      self._busy.release()
+
+  def _encode(self, texts):
+    out = np.full((len(texts), D), 1e-3, np.float32)
+    for i, t in enumerate(texts):
+      for w in t.lower().split():
+        out[i, int(hashlib.md5(w.encode()).hexdigest(), 16) % D] += 1.0
+    return out / np.linalg.norm(out, axis=1, keepdims=True), 0
+
+
+def _service(tmp_path=None, save_every=1000, memory=None):
+  if memory is None:
+    cfg = EARConfig.for_method("ear_tuned", dim=D, num_candidates=8, buffer_capacity=64)
+    memory = Memory(HashEncoder(), config=cfg)
+  return mcp_server.MemoryService(memory, None if tmp_path is None else tmp_path / "mem",
+                                  save_every)
+
+
+def _run(service, script):
+  """Runs `await script(session)` against `service` through an in-memory MCP client."""
+  async def go():
+    server = mcp_server.build_server(service)
+    async with create_connected_server_and_client_session(server) as session:
+      return await script(session)
+  return asyncio.run(go())
+
+
+FACTS = [f"fact {i}: the {c} {a} lives in room {i}" for i, (c, a) in enumerate(
+    [(c, a) for c in ("red", "blue", "green", "white") for a in ("cat", "dog", "fox", "owl")])]
+
+
+def test_tools_are_listed_with_descriptions_and_schemas():
+  async def script(s):
+    return {t.name: t for t in (await s.list_tools()).tools}
+  tools = _run(_service(), script)
+  assert set(tools) == {"remember", "recall", "cite", "search", "forget", "stats"}
+  assert "after answering" in tools["cite"].description.lower()
+  assert "cite" in tools["recall"].description
+  assert tools["recall"].inputSchema["properties"]["k"]["maximum"] == 8
+  assert tools["remember"].inputSchema["properties"]["texts"]["type"] == "array"
+
+
+def test_round_trip_sessions_and_forget():
+  async def script(s):
+    ids = (await mcp_agent.must(s, "remember", {"texts": FACTS}))["ids"]
+    q = "where does the blue fox live"
+    rounds = []
+    for _ in range(5):  # T = 4 rounds continue one session, the 5th opens a new one
+      r = await mcp_agent.must(s, "recall", {"question": q, "k": 3})
+      rounds.append(r["round"])
+      assert len(r["memories"]) == 3 and r["rounds_per_question"] == 4
+      used = [m["id"] for m in r["memories"] if "blue fox" in m["text"]]
+      out = await mcp_agent.must(s, "cite", {"retrieval_id": r["retrieval_id"], "used_ids": used})
+      assert out["recorded"]
+    assert rounds == [1, 2, 3, 4, 1]
+    target = ids[FACTS.index(next(f for f in FACTS if "blue fox" in f))]
+    found = await mcp_agent.must(s, "search", {"question": q, "k": 3})
+    assert target in [m["id"] for m in found["memories"]]
+    await mcp_agent.must(s, "forget", {"ids": [target]})
+    for tool in ("search", "recall"):
+      got = await mcp_agent.must(s, tool, {"question": q, "k": 8})
+      assert target not in [m["id"] for m in got["memories"]]
+    return await mcp_agent.must(s, "stats", {})
+  st = _run(_service(), script)
+  assert st["memories"] == len(FACTS) - 1 and st["memories_deleted"] == 1
+  assert st["feedback"] == 5
+
+
+HOSTILE = [
+    ("remember", {"texts": 5}, "texts"),
+    ("remember", {"texts": []}, "empty"),
+    ("remember", {"texts": ["x" * (mcp_server.MAX_TEXT_CHARS + 1)]}, "limit"),
+    ("remember", {"texts": ["   "]}, "empty"),
+    ("recall", {"question": 3}, "question"),
+    ("recall", {"question": "fox", "k": "many"}, "k"),
+    ("recall", {"question": "fox", "k": 0}, "k"),
+    ("recall", {"question": "fox", "k": 99}, "k"),
+    ("recall", {}, "question"),
+    ("cite", {"retrieval_id": "abcd-7", "used_ids": []}, "earlier run"),
+    ("cite", {"retrieval_id": 7, "used_ids": []}, "retrieval_id"),
+    ("cite", {"retrieval_id": "nonsense", "used_ids": []}, "not a retrieval id"),
+    ("cite", {"retrieval_id": "x", "used_ids": [1, 2]}, "used_ids"),
+    ("forget", {"ids": ["no-such-id"]}, "unknown memory id"),
+    ("forget", {"ids": "m0" * 0}, "ids"),
+    ("search", {"question": ""}, "question"),
+]
+
+
+@pytest.mark.parametrize("tool,args,message", HOSTILE)
+def test_bad_input_is_a_tool_error_and_the_server_keeps_serving(tool, args, message):
+  async def script(s):
+    await mcp_agent.must(s, "remember", {"texts": FACTS})
+    ok, err = await mcp_agent.call(s, tool, args)
+    st = await mcp_agent.must(s, "stats", {})  # still serving, nothing changed
+    r = await mcp_agent.must(s, "recall", {"question": "red cat", "k": 2})
+    return ok, err, st, r
+  ok, err, st, r = _run(_service(), script)
+  assert not ok and message.lower() in err.lower(), err
+  assert "Traceback" not in err
+  assert st["memories"] == len(FACTS) and st["memories_deleted"] == 0
+  assert len(r["memories"]) == 2
+
+
+def test_cite_errors_unknown_shown_ids_and_twice():
+  async def script(s):
+    await mcp_agent.must(s, "remember", {"texts": FACTS})
+    r = await mcp_agent.must(s, "recall", {"question": "green owl", "k": 2})
+    bad = await mcp_agent.call(s, "cite", {"retrieval_id": r["retrieval_id"],
+                                           "used_ids": ["not-shown"]})
+    good = await mcp_agent.call(s, "cite", {"retrieval_id": r["retrieval_id"], "used_ids": []})
+    twice = await mcp_agent.call(s, "cite", {"retrieval_id": r["retrieval_id"], "used_ids": []})
+    return bad, good, twice
+  bad, good, twice = _run(_service(), script)
+  assert not bad[0] and "not in the slate" in bad[1]
+  assert good[0]
+  assert not twice[0] and "consumed" in twice[1]
+
+
+def test_concurrent_calls_are_safe():
+  async def script(s):
+    await mcp_agent.must(s, "remember", {"texts": FACTS})
+
+    async def agent(j):
+      q = f"which animal lives in room {j}"
+      for _ in range(4):
+        r = await mcp_agent.must(s, "recall", {"question": q, "k": 3})
+        await mcp_agent.must(s, "cite", {"retrieval_id": r["retrieval_id"],
+                                         "used_ids": [r["memories"][0]["id"]]})
+      await mcp_agent.must(s, "remember", {"texts": [f"note {j}"]})
+      await mcp_agent.must(s, "search", {"question": q, "k": 3})
+    await asyncio.gather(*(agent(j) for j in range(8)))
+    return await mcp_agent.must(s, "stats", {})
+  st = _run(_service(), script)
+  assert st["feedback"] == 32 and st["memories"] == len(FACTS) + 8
+  # 8 questions of T = 4 rounds: 8 sessions (one training query each), b = 4 per learner step
+  assert st["learner_steps"] == 2 and st["pending_sessions"] == 0
+
+
+def test_saves_every_n_changes_and_a_restart_continues(tmp_path):
+  svc = _service(tmp_path, save_every=2)
+
+  async def first(s):
+    ids = (await mcp_agent.must(s, "remember", {"texts": FACTS[:8]}))["ids"]
+    r = await mcp_agent.must(s, "recall", {"question": "red dog", "k": 2})
+    await mcp_agent.must(s, "cite", {"retrieval_id": r["retrieval_id"], "used_ids": []})
+    await mcp_agent.must(s, "remember", {"texts": FACTS[8:10]})  # 3 changes: saved once
+    return ids, r["retrieval_id"]
+  ids, old_rid = _run(svc, first)
+  assert svc.saves == 1 and svc.changes == 1
+  on_disk = Memory.load(tmp_path / "mem")
+  assert len(on_disk) == 8  # a crash now loses the last change only
+  svc.close()  # shutdown: everything
+  back = Memory.load(tmp_path / "mem", encoder=HashEncoder())
+  assert back.ids == svc.memory.ids and len(back) == 10
+  svc2 = mcp_server.MemoryService(back, tmp_path / "mem", 2)
+
+  async def second(s):
+    stale = await mcp_agent.call(s, "cite", {"retrieval_id": old_rid, "used_ids": []})
+    st = await mcp_agent.must(s, "stats", {})
+    r = await mcp_agent.must(s, "recall", {"question": "red dog", "k": 2})
+    return stale, st, r
+  stale, st, r = _run(svc2, second)
+  assert not stale[0] and "earlier run" in stale[1]
+  assert st["memories"] == 10 and st["feedback"] == 1
+  assert r["round"] == 2  # (the saved session continues: the same question's next round)
+
+
+def test_loopback_check():
+  assert mcp_server.is_loopback("127.0.0.1") and mcp_server.is_loopback("::1")
+  assert mcp_server.is_loopback("localhost")
+  assert not mcp_server.is_loopback("0.0.0.0") and not mcp_server.is_loopback("192.168.1.4")
+
+
+# --------------------------------------------------------------------------------------------------
+# a real server process (slow): stdio with MiniLM, restart, SIGTERM, HTTP
+
+
+def _stdio(memory_dir, script, extra=()):
+  from mcp import ClientSession  # pylint: disable=g-import-not-at-top
+  from mcp.client.stdio import stdio_client  # pylint: disable=g-import-not-at-top
+
+  async def go():
+    async with stdio_client(mcp_agent.server_params(memory_dir, extra)) as (read, write):
+      async with ClientSession(read, write) as session:
+        await session.initialize()
+        return await script(session)
+  return asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_scripted_locomo_agent_over_stdio_learns_from_citations(tmp_path, locomo_path):
+  out = asyncio.run(mcp_agent.run(locomo_path, tmp_path / "mem", num_test=40, epochs=3,
+                                  server_args=["--save_every=100000"]))  # saved at stdin EOF
+  b, a = out["before"], out["after"]
+  assert out["memories"] == 419 and out["learner_steps"] == 82  # 3 x 110 questions, b = 4
+  assert a["gold_fraction"] >= b["gold_fraction"] + 0.04, out  # measured: 28.75 -> 36.67
+  assert a["recall"] > b["recall"], out
+  # the restart keeps everything: same memories, counters, and the learned ranking
+  test_q = mcp_agent.locomo_slice(locomo_path, 0, 40)[2]
+
+  async def again(s):
+    st = await mcp_agent.must(s, "stats", {})
+    dia_ids, _ = mcp_agent.dialogue_turns(mcp_agent.locomo_slice(locomo_path, 0, 40)[0])
+    to_mem = dict(zip(dia_ids, (f"m{i}" for i in range(out["memories"]))))
+    return st, await mcp_agent.recall_at(s, test_q, to_mem)
+  st, after_restart = _stdio(tmp_path / "mem", again)
+  assert st["memories"] == out["memories"] and st["learner_steps"] == out["learner_steps"]
+  assert after_restart == a
+
+
+@pytest.mark.slow
+def test_stdio_hostile_inputs_and_sigterm_saves(tmp_path):
+  async def script(s):
+    await mcp_agent.must(s, "remember", {"texts": ["alpha beta", "gamma delta", "epsilon"]})
+    errors = []
+    for tool, args, _ in HOSTILE + [("remember", {"texts": ["y" * 2_000_000]}, "")]:
+      ok, err = await mcp_agent.call(s, tool, args)
+      errors.append(ok)
+    st = await mcp_agent.must(s, "stats", {})
+    return errors, st
+  errors, st = _stdio(tmp_path / "mem", script, ["--save_every=1000"])
+  assert not any(errors) and st["memories"] == 3
+  assert Memory.load(tmp_path / "mem").ids == ["m0", "m1", "m2"]  # saved at stdin EOF
+
+  proc = subprocess.Popen(  # SIGTERM: saved before exit
+      [sys.executable, "-m", "experiments.mcp_server", f"--memory_dir={tmp_path / 'mem'}",
+       "--save_every=1000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+      stderr=subprocess.DEVNULL, env=mcp_agent.server_params(tmp_path)[0].env if False else
+      {**os.environ, "PYTHONPATH": str(mcp_agent.REPO), "JAX_PLATFORMS": "cpu"},
+      cwd=str(mcp_agent.REPO))
+  msgs = [{"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+      "protocolVersion": "2025-03-26", "capabilities": {},
+      "clientInfo": {"name": "t", "version": "0"}}},
+          {"jsonrpc": "2.0", "method": "notifications/initialized"},
+          {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+              "name": "remember", "arguments": {"texts": ["zeta"]}}}]
+  for msg in msgs:
+    proc.stdin.write((json.dumps(msg) + "\n").encode())
+  proc.stdin.flush()
+  lines = [proc.stdout.readline() for _ in range(2)]
+  assert b'"ids"' in lines[1] or b"m3" in lines[1], lines
+  proc.send_signal(signal.SIGTERM)
+  assert proc.wait(timeout=120) == 0
+  assert Memory.load(tmp_path / "mem").ids == ["m0", "m1", "m2", "m3"]
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_http_transport_with_bearer_token(tmp_path):
+  import httpx  # pylint: disable=g-import-not-at-top
+  from mcp import ClientSession  # pylint: disable=g-import-not-at-top
+  from mcp.client.streamable_http import streamablehttp_client  # pylint: disable=g-import-not-at-top
+  port = _free_port()
+  env = {**os.environ, "PYTHONPATH": str(mcp_agent.REPO), "JAX_PLATFORMS": "cpu",
+         "EAR_MCP_TOKEN": "s3cret-token"}
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "experiments.mcp_server", f"--memory_dir={tmp_path / 'mem'}",
+       "--transport=http", f"--port={port}"], env=env, cwd=str(mcp_agent.REPO),
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  url = f"http://127.0.0.1:{port}/mcp"
+  try:
+    deadline = time.monotonic() + 120
+    while True:
+      try:
+        r = httpx.post(url, json={})
+        break
+      except httpx.TransportError:
+        assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
+        time.sleep(0.5)
+    assert r.status_code == 401 and "s3cret" not in r.text
+
+    async def go(headers):
+      async with streamablehttp_client(url, headers=headers) as (read, write, _):
+        async with ClientSession(read, write) as s:
+          await s.initialize()
+
+          async def one(j):
+            return await mcp_agent.must(s, "remember", {"texts": [f"item {j}"]})
+          await asyncio.gather(*(one(j) for j in range(6)))
+          return await mcp_agent.must(s, "stats", {})
+    st = asyncio.run(go({"Authorization": "Bearer s3cret-token"}))
+    assert st["memories"] == 6
+  finally:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+  assert len(Memory.load(tmp_path / "mem").ids) == 6
+  bad = subprocess.run(
+      [sys.executable, "-m", "experiments.mcp_server", f"--memory_dir={tmp_path / 'x'}",
+       "--transport=http", "--host=0.0.0.0"], env={**env, "EAR_MCP_TOKEN": ""},
+      cwd=str(mcp_agent.REPO), capture_output=True, text=True, timeout=120)
+  assert bad.returncode != 0 and "not a loopback address" in bad.stderr
+
+
+def test_idle_save(tmp_path):
+  cfg = EARConfig.for_method("ear_tuned", dim=D, num_candidates=8, buffer_capacity=64)
+  svc = mcp_server.MemoryService(Memory(HashEncoder(), config=cfg), tmp_path / "mem",
+                                 save_every=1000, save_idle_s=0.2)
+  svc.remember(FACTS[:3])
+  deadline = time.monotonic() + 60
+  while svc.saves == 0 and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert svc.saves == 1 and svc.changes == 0
+  assert len(Memory.load(tmp_path / "mem", encoder=HashEncoder())) == 3
+  svc.close()
+  assert svc.saves == 1  # nothing left to write at shutdown
