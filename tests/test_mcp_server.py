@@ -239,7 +239,8 @@ def _stdio(memory_dir, script, extra=()):
 @pytest.mark.slow
 def test_scripted_locomo_agent_over_stdio_learns_from_citations(tmp_path, locomo_path):
   out = asyncio.run(mcp_agent.run(locomo_path, tmp_path / "mem", num_test=40, epochs=3,
-                                  server_args=["--save_every=100000"]))  # saved at stdin EOF
+                                  server_args=["--save_every=100000",  # saved at stdin EOF
+                                               f"--cache_dir={tmp_path / 'cache'}"]))
   b, a = out["before"], out["after"]
   assert out["memories"] == 419 and out["learner_steps"] == 82  # 3 x 110 questions, b = 4
   assert a["gold_fraction"] >= b["gold_fraction"] + 0.04, out  # measured: 28.75 -> 36.67

@@ -24,6 +24,9 @@ class EncoderSlot:
   def __init__(self, encoder: Any):
     from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
     self._lock = threading.Lock()
+    # One encode at a time: a Hugging Face fast tokenizer shared by two threads fails with
+    # "RuntimeError: Already borrowed" (Memory encodes outside its own lock).
+    self._encode_lock = threading.Lock()
     self.encoder, self.spec = None, None
     if isinstance(encoder, encoders.Encoder):
       self.encoder = encoder
@@ -65,8 +68,9 @@ class EncoderSlot:
     if enc is None:
       raise ValueError(f"this memory has no encoder: pass {what} embeddings explicitly")
     from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
-    emb = encoders.encode(enc, texts, cache_dir=cache_dir, use_cache=cache_dir is not None,
-                          progress=False)
+    with self._encode_lock:
+      emb = encoders.encode(enc, texts, cache_dir=cache_dir, use_cache=cache_dir is not None,
+                            progress=False)
     return check_embeddings(emb, len(texts), dim, f"encoder output for {what}")
 
   def meta(self, dim: int) -> dict:

@@ -138,7 +138,7 @@ class MemoryService:
     if not save_idle_s >= 0:
       raise ValueError(f"save_idle_s must be >= 0, got {save_idle_s!r}")
     self.memory = memory
-    self.memory_dir = None if memory_dir is None else pathlib.Path(memory_dir)
+    self.memory_dir = None if memory_dir is None else pathlib.Path(memory_dir).expanduser()
     self.save_every = save_every
     self.run_token = secrets.token_hex(4)  # names this server run in its retrieval ids
     self._lock = threading.RLock()  # the service's maps and counters (the memory has its own)
@@ -326,7 +326,7 @@ def open_memory(memory_dir, *, method: str = "ear_tuned", candidates: str = "den
   from ear_jax.agent.encoder_slot import EncoderSlot  # pylint: disable=g-import-not-at-top
   from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
   from ear_jax.core.config import EARConfig, hparams_for_method  # pylint: disable=g-import-not-at-top
-  root = persistence.checkpoint_dir(memory_dir)
+  root = persistence.checkpoint_dir(pathlib.Path(memory_dir).expanduser())
   from ear_jax.io.checkpoints import CheckpointStore  # pylint: disable=g-import-not-at-top
   if root.is_dir() and CheckpointStore(root).latest_step() is not None:
     m = Memory.load(root, encoder="saved" if encoder == "minilm" else encoder)
