@@ -75,6 +75,29 @@ def capacity_for(n: int, minimum: int = MIN_CAPACITY) -> int:
 # input validation (pure: no state is read or written)
 
 
+def string_list(values, what: str, noun: str) -> list[str]:
+  """One string, or a non-empty sequence (list, tuple) of strings, as a list.
+
+  Raises:
+    InputTypeError: not a string or a sequence (a dict, a set, bytes, a number...), or an element
+      that is not a string (naming its index).
+    ValueError: an empty sequence.
+  """
+  if isinstance(values, str):
+    return [values]
+  if (not isinstance(values, collections.abc.Sequence)
+      or isinstance(values, (bytes, bytearray, memoryview))):
+    raise InputTypeError(f"{what} must be a {noun} (string) or a sequence (list, tuple) of "
+                         f"strings, got {type(values).__name__}")
+  values = list(values)
+  if not values:
+    raise ValueError(f"{what} is empty: pass at least one {noun}")
+  for i, v in enumerate(values):
+    if not isinstance(v, str):
+      raise InputTypeError(f"{what}[{i}] must be a string, got {type(v).__name__}")
+  return values
+
+
 def check_text_list(texts, what: str) -> list[str]:
   """One string, or a sequence of non-empty strings that UTF-8 can encode, as a list.
 
@@ -84,18 +107,8 @@ def check_text_list(texts, what: str) -> list[str]:
     ValueError: an empty sequence, an empty text, or a text with a lone surrogate (naming its
       index).
   """
-  if isinstance(texts, str):
-    texts = [texts]
-  elif (not isinstance(texts, collections.abc.Sequence)
-        or isinstance(texts, (bytes, bytearray, memoryview))):
-    raise InputTypeError(f"{what} must be a string or a sequence (list, tuple) of strings, got "
-                         f"{type(texts).__name__}")
-  texts = list(texts)
-  if not texts:
-    raise ValueError(f"{what} is empty: pass at least one text")
+  texts = string_list(texts, what, "text")
   for i, t in enumerate(texts):
-    if not isinstance(t, str):
-      raise InputTypeError(f"{what}[{i}] must be a string, got {type(t).__name__}")
     if not t.strip():
       raise ValueError(f"{what}[{i}] is an empty text")
   try:

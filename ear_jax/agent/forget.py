@@ -28,13 +28,11 @@ Everything that held the memory forgets it in the same locked call:
 """
 from __future__ import annotations
 
-import collections.abc
 
 import jax.numpy as jnp
 import numpy as np
 
 from ear_jax.agent import bank as bank_lib
-from ear_jax.agent.bank import InputTypeError
 
 DELETED = 2  # the store code of a deleted row
 TOMBSTONE = "\x00deleted:"  # + row: the id of a deleted row (check_ids refuses it)
@@ -47,18 +45,7 @@ def is_tombstone(memory_id: str) -> bool:
 
 def check_ids(ids, what: str = "ids") -> list[str]:
   """One id or a non-empty sequence of distinct string ids, as a list (no bank lookup)."""
-  if isinstance(ids, str):
-    ids = [ids]
-  elif (not isinstance(ids, collections.abc.Sequence)
-        or isinstance(ids, (bytes, bytearray, memoryview))):
-    raise InputTypeError(f"{what} must be a memory id (string) or a list of them, got "
-                         f"{type(ids).__name__}")
-  ids = list(ids)
-  if not ids:
-    raise ValueError(f"{what} is empty: pass at least one memory id")
-  for j, i in enumerate(ids):
-    if not isinstance(i, str):
-      raise InputTypeError(f"{what}[{j}] must be a string, got {type(i).__name__}")
+  ids = bank_lib.string_list(ids, what, "memory id")
   dup = sorted({i for i in ids if ids.count(i) > 1})
   if dup:
     raise ValueError(f"{what}: duplicate memory ids {dup[:5]}")
