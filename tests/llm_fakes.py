@@ -23,6 +23,20 @@ import pytest
 
 from ear_jax.agent.llm_client import ChatClient, ChatClientConfig
 
+# A stand-in for the llama.cpp server process (`python -c FAKE_MODELS_SERVER <port>`): answers
+# GET /v1/models (the readiness probe) on 127.0.0.1:<port>, prints one line, serves until killed.
+FAKE_MODELS_SERVER = r"""
+import http.server, json, sys
+class H(http.server.BaseHTTPRequestHandler):
+  def log_message(self, *a): pass
+  def do_GET(self):
+    body = json.dumps({"object": "list", "data": [{"id": "m"}]}).encode()
+    self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+    self.wfile.write(body)
+print("fake server up", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
 KEY_ENV = "EAR_JAX_TEST_LLM_KEY"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
 FAKE_MODEL = "fake-model"

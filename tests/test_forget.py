@@ -12,6 +12,7 @@ from ear_jax import EARConfig
 from ear_jax.agent import forget
 from ear_jax.agent.memory import Memory
 from ear_jax.io.checkpoints import CheckpointStore
+from tests.kill_helpers import STALLED_SAVE_CHILD
 
 D = 8
 
@@ -162,33 +163,12 @@ def test_delete_with_lexical_and_ann_first_stages(tmp_path):
   assert victim not in Memory.load(tmp_path / "ann").retrieve(query_embedding=emb2[7], k=5).ids
 
 
-_KILLED_CHILD = textwrap.dedent("""
-    import sys, time
-    import numpy as np
-    from ear_jax import EARConfig
-    from ear_jax.agent.memory import Memory
-    from ear_jax.io import checkpoints
-    path, stage = sys.argv[1], sys.argv[2]
-    cfg = EARConfig(dim=8, num_candidates=4, slate_size=2, num_rounds=1, batch_size=1,
-                    buffer_capacity=8, replay_size=2)
+_KILLED_CHILD = STALLED_SAVE_CHILD + textwrap.dedent("""
     m = Memory(None, config=cfg)
-    m.add([f"t{i}" for i in range(6)], embeddings=np.random.default_rng(0).normal(size=(6, 8)))
+    m.add([f"t{i}" for i in range(6)], embeddings=rng.normal(size=(6, 8)))
     m.save(path)
     m.delete("m2")
-    real_write, real_delete = checkpoints.CheckpointStore._write, checkpoints.CheckpointStore.delete
-    def stall():
-      print("IN_SAVE", flush=True)
-      time.sleep(120)
-    def write(self, step, *args):
-      if stage != "purge" and (stage == "shard") == (self.directory.name == "bank_shards"):
-        stall()
-      return real_write(self, step, *args)
-    def delete(self, step):
-      if stage == "purge":
-        stall()
-      return real_delete(self, step)
-    checkpoints.CheckpointStore._write = write
-    checkpoints.CheckpointStore.delete = delete
+    stall_save(stage)
     m.save(path)
 """)
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from ear_jax.io.checkpoints import CheckpointError, CheckpointStore
+from tests.kill_helpers import STALLED_SAVE_CHILD
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
@@ -166,6 +167,7 @@ import sys
 import jax
 import numpy as np
 from ear_jax.io.checkpoints import CheckpointError, CheckpointStore
+from tests.kill_helpers import STALLED_SAVE_CHILD
 from ear_jax.experiment import checkpointing
 with CheckpointStore(sys.argv[1]) as store:
   arrays, meta = store.restore()
@@ -450,36 +452,13 @@ def test_after_150_small_saves_a_checkpoint_has_few_shards_and_loads_as_fast_as_
   print(f"{len(listed)} shards listed, {len(shard_dirs)} on disk, load {seconds:.2f} s")
 
 
-_COMPACTING_CHILD = textwrap.dedent("""
-    import sys, time
-    import numpy as np
-    from ear_jax import EARConfig
-    from ear_jax.agent.memory import Memory
-    from ear_jax.io import checkpoints
-    path, stage = sys.argv[1], sys.argv[2]
-    cfg = EARConfig(dim=8, num_candidates=4, slate_size=2, num_rounds=1, batch_size=1,
-                    buffer_capacity=8, replay_size=2)
-    rng = np.random.default_rng(0)
+_COMPACTING_CHILD = STALLED_SAVE_CHILD + textwrap.dedent("""
     m = Memory(None, config=cfg)
     for i in range(5):  # shards after each save: 1 | 2 | 2,1 | 4 | 4,1
       m.add([f"t{i}"], embeddings=rng.normal(size=(1, 8)))
       m.save(path)
     m.add(["t5"], embeddings=rng.normal(size=(1, 8)))  # the 6th save merges 1 + 1 and prunes
-    real_write, real_delete = checkpoints.CheckpointStore._write, checkpoints.CheckpointStore.delete
-    def stall():
-      print("IN_SAVE", flush=True)
-      time.sleep(120)
-    def write(self, step, *args):
-      if stage != "prune" and (stage == "shard") == (self.directory.name == "bank_shards"):
-        (self.directory / f"{step}.orbax-checkpoint-tmp-0").mkdir()
-        stall()
-      return real_write(self, step, *args)
-    def delete(self, step):
-      if stage == "prune":
-        stall()
-      return real_delete(self, step)
-    checkpoints.CheckpointStore._write = write
-    checkpoints.CheckpointStore.delete = delete
+    stall_save(stage, leave_tmp=True)
     m.save(path)
     print("SAVE_FINISHED", flush=True)
 """)

@@ -24,7 +24,7 @@ import pytest
 from ear_jax.agent.llm_client import ChatClient, ChatClientConfig, ChatError
 from ear_jax.agent.llm_critic import (LLMCritic, LLMCriticConfig, format_citations,
                                       parse_citations)
-from tests.llm_fakes import KEY_ENV, MESSAGES, RecordingSleep, Reply
+from tests.llm_fakes import FAKE_MODELS_SERVER, KEY_ENV, MESSAGES, RecordingSleep, Reply
 
 _MEMORIES = ["Alice moved to Paris in May.", "Bob likes chess.", "The cat is called Tom."]
 _QUESTION = "Where did Alice move?"
@@ -328,17 +328,6 @@ else:
 print("READY", box["server"].port, box["server"].process.pid, flush=True)
 time.sleep(600)
 """
-# Answers GET /v1/models on the port given as argv[1] (the readiness probe) until killed.
-_FAKE_LLAMA = r"""
-import http.server, json, sys
-class H(http.server.BaseHTTPRequestHandler):
-  def log_message(self, *a): pass
-  def do_GET(self):
-    body = json.dumps({"object": "list", "data": [{"id": "m"}]}).encode()
-    self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
-    self.wfile.write(body)
-http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-"""
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -358,7 +347,7 @@ def _server_dies_when_killed(tmp_path, *, mode: str, victim: str, fake: bool,
   env = {**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
          "JAX_PLATFORMS": "cpu"}
   argv = [sys.executable, "-c", _STARTER, mode, str(tmp_path / "server.log"), str(gguf)]
-  proc = subprocess.Popen(argv + ([_FAKE_LLAMA] if fake else []), stdout=subprocess.PIPE,
+  proc = subprocess.Popen(argv + ([FAKE_MODELS_SERVER] if fake else []), stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, text=True, env=env)
   group = None
   try:

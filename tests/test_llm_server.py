@@ -15,20 +15,7 @@ import pytest
 
 from ear_jax.agent import llm_server
 from ear_jax.agent.llm_server import LlamaServer, LlamaServerError
-
-# Answers GET /v1/models on the port given as argv[1] until SIGTERM.
-_FAKE_SERVER = r"""
-import http.server, json, sys
-class H(http.server.BaseHTTPRequestHandler):
-  def log_message(self, *a): pass
-  def do_GET(self):
-    body = json.dumps({"object": "list", "data": [{"id": "m"}]}).encode()
-    self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
-    self.wfile.write(body)
-print("fake server up", flush=True)
-http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-"""
-
+from tests.llm_fakes import FAKE_MODELS_SERVER
 
 @pytest.fixture
 def gguf(tmp_path) -> pathlib.Path:
@@ -132,7 +119,7 @@ def test_server_that_ignores_sigterm_is_killed(gguf, tmp_path):
 def test_context_manager_waits_until_ready_then_stops(gguf, tmp_path):
   log = tmp_path / "ok.log"
   with LlamaServer(gguf, log_path=log, model_alias="alias-x", startup_timeout_s=30,
-                   command=[sys.executable, "-c", _FAKE_SERVER, "{port}"]) as server:
+                   command=[sys.executable, "-c", FAKE_MODELS_SERVER, "{port}"]) as server:
     assert server.running
     assert server.base_url == f"http://127.0.0.1:{server.port}/v1"
     assert server.model == "alias-x"
@@ -147,12 +134,13 @@ def test_context_manager_waits_until_ready_then_stops(gguf, tmp_path):
 
 def test_the_model_alias_names_the_gguf_file(gguf, tmp_path):
   with LlamaServer(gguf, log_path=tmp_path / "a.log", startup_timeout_s=30,
-                   command=[sys.executable, "-c", _FAKE_SERVER, "{port}"]) as server:
+                   command=[sys.executable, "-c", FAKE_MODELS_SERVER, "{port}"]) as server:
     assert server.model == "tiny"  # tiny.gguf: another model than the default one's name
 
 
 def test_check_alive_reports_a_crash_after_start(gguf, tmp_path):
-  code = _FAKE_SERVER.replace("serve_forever()", "handle_request(); print('crashed', flush=True)")
+  code = FAKE_MODELS_SERVER.replace("serve_forever()",
+                                    "handle_request(); print('crashed', flush=True)")
   server = LlamaServer(gguf, log_path=tmp_path / "crash.log", startup_timeout_s=30,
                        command=[sys.executable, "-c", code, "{port}"])
   with server:
