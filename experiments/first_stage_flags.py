@@ -56,5 +56,4 @@ def options(fs: FirstStageFlags) -> dict:
 
 def first_stage_options(values: dict) -> first_stage.FirstStageOptions:
   """The hybrid fusion's `FirstStageOptions` from `options(fs)`'s values."""
-  return first_stage.FirstStageOptions(**{k: values[k] for k in ("fusion", "lexical_weight")
-                                          if values[k] is not None})
+  return first_stage.FirstStageOptions.with_defaults(values["fusion"], values["lexical_weight"])

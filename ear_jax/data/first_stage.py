@@ -60,6 +60,13 @@ class FirstStageOptions:
     if not self.rrf_k > 0:
       raise ValueError(f"rrf_k must be > 0, got {self.rrf_k}")
 
+  @classmethod
+  def with_defaults(cls, fusion=None, lexical_weight=None) -> "FirstStageOptions":
+    """The options with `fusion` / `lexical_weight` where given (None: the default)."""
+    over = {k: v for k, v in (("fusion", fusion), ("lexical_weight", lexical_weight))
+            if v is not None}
+    return cls(**over)
+
 
 class BankInputs(NamedTuple):
   """One bank and the queries that search it."""

@@ -29,6 +29,7 @@ from absl import logging
 import numpy as np
 
 from ear_jax.core import config as config_lib
+from ear_jax.data import candidates as candidates_lib
 from ear_jax.data import first_stage
 from ear_jax.experiment import plots
 from ear_jax.experiment import runner
@@ -74,10 +75,9 @@ def _validation(r: Runner):
 
 def _first_stage_recall(r: Runner, index: np.ndarray) -> np.ndarray:
   """`[S]` Recall@5 (percent) of the frozen first stage's own top-5 on `index [S, V]`."""
-  s = r.bench().stream
-  gold, num_gold = np.asarray(s.gold), np.asarray(s.num_gold)
-  hit = gold[:, :5].sum(1) == num_gold  # candidates are in the first stage's order
-  return np.asarray([100.0 * hit[i].mean() for i in index])
+  b = r.bench()
+  return np.asarray([candidates_lib.retriever_report(b.take(i))["overall"]["recall@5"]
+                     for i in index])
 
 
 def tune_first_stage(r: Runner) -> dict:

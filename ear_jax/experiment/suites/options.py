@@ -46,6 +46,4 @@ class Options:
   def first_stage_options(self):
     """The hybrid fusion's `FirstStageOptions` (defaults where the option is None)."""
     from ear_jax.data import first_stage  # pylint: disable=g-import-not-at-top
-    over = {k: v for k, v in (("fusion", self.fusion), ("lexical_weight", self.lexical_weight))
-            if v is not None}
-    return first_stage.FirstStageOptions(**over)
+    return first_stage.FirstStageOptions.with_defaults(self.fusion, self.lexical_weight)
