@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import tqdm
 
-from ear_jax.agent.llm_critic import DEFAULT_PROMPT, PROMPTS, LLMCritic, LLMCriticConfig
+from ear_jax.agent.llm.critic import DEFAULT_PROMPT, PROMPTS, LLMCritic, LLMCriticConfig
 from ear_jax.core.config import EARConfig, default_hparams
 from ear_jax.data import candidates
 from ear_jax.data import corpora as datasets

@@ -1,7 +1,7 @@
 """One EAR training episode with a real LLM critic, beside simulated critics on the same episode.
 
 The benchmark's queries are split 80/20 (Section 4.4, `--seed`); the training stream is processed
-once, in order, with `ear_jax.agent.episode.run_critic_episode` (host-side loop: T Explorer rounds
+once, in order, with `ear_jax.agent.memory.episode.run_critic_episode` (host-side loop: T Explorer rounds
 per query whose labels come from the critic through the protocol `critic(key, view)`, then the one
 jitted learner step). The same loop, with the same keys, split and stream, runs each simulated
 critic of `--simulated=P:R` (Appendix A.2), so the only difference between the runs is the critic
@@ -28,8 +28,8 @@ from absl import logging
 import jax
 import numpy as np
 
-from ear_jax.agent import episode as episode_lib
-from ear_jax.agent.llm_critic import DEFAULT_PROMPT, PROMPTS, LLMCritic, LLMCriticConfig
+from ear_jax.agent.memory import episode as episode_lib
+from ear_jax.agent.llm.critic import DEFAULT_PROMPT, PROMPTS, LLMCritic, LLMCriticConfig
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import inference
 from ear_jax.core import learner as learner_lib

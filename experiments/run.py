@@ -185,7 +185,7 @@ def _qa_settings() -> dict:
     raise app.UsageError("--judge_model is required with --judge_base_url")
   for key in ("base_url", "judge_base_url"):
     if qa[key]:
-      from ear_jax.agent import llm_config  # pylint: disable=g-import-not-at-top
+      from ear_jax.agent.llm import config as llm_config  # pylint: disable=g-import-not-at-top
       try:
         llm_config.chat_completions_url(qa[key])
       except ValueError as e:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from ear_jax.agent.llm_client import ChatClient, ChatClientConfig
+from ear_jax.agent.llm.client import ChatClient, ChatClientConfig
 
 # A stand-in for the llama.cpp server process (`python -c FAKE_MODELS_SERVER <port>`): answers
 # GET /v1/models (the readiness probe) on 127.0.0.1:<port>, prints one line, serves until killed.

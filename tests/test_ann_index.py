@@ -72,7 +72,7 @@ def _random(n, seed):
 
 
 def test_pq_with_exact_rerank_keeps_high_recall_on_unstructured_vectors():
-  from ear_jax.agent import bank as bank_lib  # pylint: disable=g-import-not-at-top
+  from ear_jax.agent.memory import bank as bank_lib  # pylint: disable=g-import-not-at-top
   bank, q = _random(4000, 6), _random(40, 7)
   exact = _exact(q, bank, 20)
   recalls = {}
@@ -91,7 +91,7 @@ def test_pq_with_exact_rerank_keeps_high_recall_on_unstructured_vectors():
 
 
 def test_rerank_keeps_the_multistore_rule():
-  from ear_jax.agent import bank as bank_lib  # pylint: disable=g-import-not-at-top
+  from ear_jax.agent.memory import bank as bank_lib  # pylint: disable=g-import-not-at-top
   vecs = _random(600, 8)
   codes = (np.arange(600) % 4 == 0).astype(np.int8)
   b = bank_lib.Bank(32, index="faiss_pq", index_options={"pq_m": 8, "rerank": 5, "train_size": 100})

@@ -1,4 +1,4 @@
-"""`Memory.delete` (issue 19 item 4, `ear_jax/agent/forget.py`): a deleted memory never comes back,
+"""`Memory.delete` (issue 19 item 4, `ear_jax/agent/memory/forget.py`): a deleted memory never comes back,
 in results, sessions, queued items, the replay buffer, a loaded memory or the checkpoint's bytes."""
 import json
 import pathlib
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ear_jax import EARConfig
-from ear_jax.agent import forget
+from ear_jax.agent.memory import forget
 from ear_jax.agent.memory import Memory
 from ear_jax.io.checkpoints import CheckpointStore
 from tests.kill_helpers import STALLED_SAVE_CHILD

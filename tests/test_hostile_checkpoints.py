@@ -369,7 +369,7 @@ def test_unknown_format_layout_dtype_index_or_record_version_is_a_checkpoint_err
     tmp_path):
   """Each written with a valid digest (as a newer writer would), so only the value is unknown."""
   import json  # pylint: disable=g-import-not-at-top
-  from ear_jax.agent import persistence  # pylint: disable=g-import-not-at-top
+  from ear_jax.agent.memory import persistence  # pylint: disable=g-import-not-at-top
   from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
   from ear_jax.io.checkpoints import CheckpointFormatError  # pylint: disable=g-import-not-at-top
   m = _trained_memory()
@@ -398,7 +398,7 @@ def test_unknown_format_layout_dtype_index_or_record_version_is_a_checkpoint_err
 
 def test_compaction_keeps_log2_shards_and_rewrites_each_row_at_most_log2_times():
   """The save's merge rule alone, over 3,000 saves of random sizes (1 to 2,000 rows, many small)."""
-  from ear_jax.agent.persistence import _compaction_start  # pylint: disable=g-import-not-at-top
+  from ear_jax.agent.memory.persistence import _compaction_start  # pylint: disable=g-import-not-at-top
   rng = random.Random(0)
   shards, writes, n = [], 0, 0  # shards: [rows]; writes: rows written in total
   for _ in range(3000):
@@ -417,7 +417,7 @@ def test_compaction_keeps_log2_shards_and_rewrites_each_row_at_most_log2_times()
 
 @pytest.mark.slow
 def test_after_150_small_saves_a_checkpoint_has_few_shards_and_loads_as_fast_as_one(tmp_path):
-  from ear_jax.agent import persistence  # pylint: disable=g-import-not-at-top
+  from ear_jax.agent.memory import persistence  # pylint: disable=g-import-not-at-top
   from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
   m = Memory(None, config=_mem_config())
   m.add([f"t{i}" for i in range(1000)], embeddings=_unit_rows(1000, 0))
@@ -468,7 +468,7 @@ _COMPACTING_CHILD = STALLED_SAVE_CHILD + textwrap.dedent("""
 @pytest.mark.parametrize("stage", ["shard", "main", "prune"])
 def test_sigkill_during_a_compacting_save_leaves_the_previous_or_the_new_checkpoint(tmp_path,
                                                                                   stage):
-  from ear_jax.agent import persistence  # pylint: disable=g-import-not-at-top
+  from ear_jax.agent.memory import persistence  # pylint: disable=g-import-not-at-top
   from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
   from tests.kill_helpers import sigkill_at  # pylint: disable=g-import-not-at-top
   path = tmp_path / "ckpt"

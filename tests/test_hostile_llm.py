@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 import numpy as np
 import pytest
 
-from ear_jax.agent.llm_client import ChatClient, ChatClientConfig, ChatError
-from ear_jax.agent.llm_critic import (LLMCritic, LLMCriticConfig, format_citations,
+from ear_jax.agent.llm.client import ChatClient, ChatClientConfig, ChatError
+from ear_jax.agent.llm.critic import (LLMCritic, LLMCriticConfig, format_citations,
                                       parse_citations)
 from tests.llm_fakes import FAKE_MODELS_SERVER, KEY_ENV, MESSAGES, RecordingSleep, Reply
 
@@ -311,7 +311,7 @@ def test_critique_labels_match_the_parser_on_random_replies(server):
 # sleeps until it is killed.
 _STARTER = r"""
 import sys, threading, time
-from ear_jax.agent.llm_server import LlamaServer
+from ear_jax.agent.llm.server import LlamaServer
 mode, log, gguf, fake = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 kw = dict(log_path=log, startup_timeout_s=240)
 if fake:

@@ -10,7 +10,7 @@ import pytest
 
 from ear_jax import EARConfig
 from tests.kill_helpers import sigkill_at
-from ear_jax.agent import persistence
+from ear_jax.agent.memory import persistence
 from ear_jax.agent.memory import Memory
 from ear_jax.io import checkpoints
 

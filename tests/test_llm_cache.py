@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from ear_jax.agent.llm_cache import ResponseCache, cache_endpoint, cache_key
-from ear_jax.agent.llm_client import ChatClient, ChatClientConfig
+from ear_jax.agent.llm.cache import ResponseCache, cache_endpoint, cache_key
+from ear_jax.agent.llm.client import ChatClient, ChatClientConfig
 
 from tests.llm_fakes import KEY_ENV, MESSAGES, Reply
 

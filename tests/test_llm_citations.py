@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from ear_jax.agent.llm_citations import (PROMPTS, build_messages, citation_schema,
+from ear_jax.agent.llm.citations import (PROMPTS, build_messages, citation_schema,
                                          judgement_schema, parse_json_citations, parse_reply)
-from ear_jax.agent.llm_critic import LLMCritic, LLMCriticConfig
+from ear_jax.agent.llm.critic import LLMCritic, LLMCriticConfig
 from ear_jax.experiment.critic_eval import SlateRecord, citation_metrics, select_slates
 
 from tests.llm_fakes import Reply

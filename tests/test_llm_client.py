@@ -1,4 +1,4 @@
-"""Tests of ear_jax/agent/llm_client.py against a real chat-completions HTTP server on 127.0.0.1.
+"""Tests of ear_jax/agent/llm/client.py against a real chat-completions HTTP server on 127.0.0.1.
 
 The loopback server (`ChatServer`, `Reply`, the `server` fixture) lives in tests/llm_fakes.py.
 """
@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from ear_jax.agent import llm_client
-from ear_jax.agent.llm_client import (ChatClient, ChatClientConfig, ChatError, ChatResult,
+from ear_jax.agent.llm import client as llm_client
+from ear_jax.agent.llm.client import (ChatClient, ChatClientConfig, ChatError, ChatResult,
                                       chat_completions_url)
 
 from tests.llm_fakes import KEY_ENV, MESSAGES, Reply, make_client

@@ -1,4 +1,4 @@
-"""Tests of ear_jax/agent/llm_critic.py against a real chat-completions HTTP server on 127.0.0.1."""
+"""Tests of ear_jax/agent/llm/critic.py against a real chat-completions HTTP server on 127.0.0.1."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from ear_jax.agent import llm_critic
-from ear_jax.agent.llm_critic import (CriticResult, LLMCritic, LLMCriticConfig, build_messages,
+from ear_jax.agent.llm import critic as llm_critic
+from ear_jax.agent.llm.critic import (CriticResult, LLMCritic, LLMCriticConfig, build_messages,
                                       format_citations, labels_from_citations, parse_citations)
 from tests.llm_fakes import RecordingSleep as _RecordingSleep
 from tests.llm_fakes import KEY_ENV, Reply, make_client

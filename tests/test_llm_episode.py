@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 
-from ear_jax.agent import episode as episode_lib
+from ear_jax.agent.memory import episode as episode_lib
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import episode as core_episode
 from ear_jax.core.config import EARConfig, default_hparams

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from ear_jax.agent import llm_server
+from ear_jax.agent.llm import server as llm_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_llm]  # real_llm: conftest.py
 
@@ -49,7 +49,7 @@ def _slates(locomo_path, n=3, s=5):
 
 def test_smollm2_critiques_locomo_slates_under_constrained_decoding(real_server, locomo_path,
                                                                     tmp_path):
-  from ear_jax.agent.llm_critic import LLMCritic, LLMCriticConfig  # pylint: disable=import-outside-toplevel
+  from ear_jax.agent.llm.critic import LLMCritic, LLMCriticConfig  # pylint: disable=import-outside-toplevel
   config = LLMCriticConfig(base_url=real_server.base_url, model=real_server.model, max_tokens=48,
                            timeout_s=240, cache_dir=str(tmp_path / "cache"))
   critic = LLMCritic(config)

@@ -1,4 +1,4 @@
-"""Tests of ear_jax/agent/llm_server.py: locating the model, start-up failures, readiness, stopping.
+"""Tests of ear_jax/agent/llm/server.py: locating the model, start-up failures, readiness, stopping.
 
 The real llama.cpp server is exercised in tests/test_llm_real.py (slow tier); here the server is a
 small Python command (`command=`), so these tests need no `llama_cpp`.
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from ear_jax.agent import llm_server
-from ear_jax.agent.llm_server import LlamaServer, LlamaServerError
+from ear_jax.agent.llm import server as llm_server
+from ear_jax.agent.llm.server import LlamaServer, LlamaServerError
 from tests.llm_fakes import FAKE_MODELS_SERVER
 
 @pytest.fixture

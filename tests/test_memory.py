@@ -1,4 +1,4 @@
-"""Tests of ear_jax/agent/memory.py: the stateful agent front (`Memory`)."""
+"""Tests of ear_jax/agent/memory/front.py: the stateful agent front (`Memory`)."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from ear_jax.agent import memory as memory_lib
+from ear_jax.agent.memory import front as memory_lib
 from ear_jax.agent.memory import Memory
 from ear_jax.core.config import EARConfig
 from ear_jax.data import encoders

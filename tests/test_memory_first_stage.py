@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from ear_jax.agent import lexical_bank
+from ear_jax.agent.memory import lexical_bank
 from ear_jax.agent.memory import Memory
 from ear_jax.core.config import EARConfig
 from ear_jax.data import first_stage

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ear_jax.agent import bank as bank_lib
-from ear_jax.agent.driver import Driver
+from ear_jax.agent.memory import bank as bank_lib
+from ear_jax.agent.memory.driver import Driver
 from ear_jax.agent.memory import Memory
-from ear_jax.agent.sessions import Sessions, TrainItem
+from ear_jax.agent.memory.sessions import Sessions, TrainItem
 from ear_jax.core import episode as episode_lib
 from ear_jax.core import learner as learner_lib
 from ear_jax.core import retrieval as retrieval_lib

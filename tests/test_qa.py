@@ -6,9 +6,9 @@ import socket
 
 import pytest
 
-from ear_jax.agent import qa
-from ear_jax.agent import qa_prompts as qp
-from ear_jax.agent.llm_client import ChatClient, ChatClientConfig
+from ear_jax.agent.llm import qa
+from ear_jax.agent.llm import qa_prompts as qp
+from ear_jax.agent.llm.client import ChatClient, ChatClientConfig
 
 MEMS = (("Caroline: I went to the LGBTQ support group yesterday.", "1:56 pm on 8 May, 2023"),
         ("Melanie: I ran a charity race last Saturday.", "7:55 pm on 25 May, 2023"),

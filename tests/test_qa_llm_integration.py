@@ -10,9 +10,9 @@ def test_local_llm_answers_judges_and_critiques_three_locomo_questions(data_dir,
                                                                        monkeypatch):
   pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed: pip install -r "
                                           "requirements-llm.txt (see README) to run this test")
-  from ear_jax.agent import llm_server, qa
-  from ear_jax.agent.llm_client import ChatClient, ChatClientConfig, STATUSES
-  from ear_jax.agent.llm_critic import LLMCritic, LLMCriticConfig
+  from ear_jax.agent.llm import qa, server as llm_server
+  from ear_jax.agent.llm.client import ChatClient, ChatClientConfig, STATUSES
+  from ear_jax.agent.llm.critic import LLMCritic, LLMCriticConfig
   from ear_jax.data import corpora
   try:
     llm_server.default_gguf_path()

@@ -103,7 +103,7 @@ def resume_questions(memory) -> dict:
   """{question: a `Retrieval` to continue} for the open sessions of a (loaded) memory, so that the
   same question asked after a restart plays its session's next round. A round shown but never
   cited before the restart is discarded (its retrieval id named the earlier run)."""
-  from ear_jax.agent.sessions import Retrieval  # pylint: disable=g-import-not-at-top
+  from ear_jax.agent.memory.sessions import Retrieval  # pylint: disable=g-import-not-at-top
   out = {}
   with memory._lock:  # pylint: disable=protected-access
     sessions = memory._sessions  # pylint: disable=protected-access
@@ -322,8 +322,8 @@ def open_memory(memory_dir, *, method: str = "ear_tuned", candidates: str = "den
   """The `Memory` at `memory_dir`: loaded when it holds a checkpoint (its saved method and first
   stage win; a different `candidates` is an error), else a new one with `method`'s config and
   hyperparameters (`EARConfig.for_method`, `hparams_for_method`)."""
-  from ear_jax.agent import persistence  # pylint: disable=g-import-not-at-top
-  from ear_jax.agent.encoder_slot import EncoderSlot  # pylint: disable=g-import-not-at-top
+  from ear_jax.agent.memory import persistence  # pylint: disable=g-import-not-at-top
+  from ear_jax.agent.memory.encoder_slot import EncoderSlot  # pylint: disable=g-import-not-at-top
   from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
   from ear_jax.core.config import EARConfig, hparams_for_method  # pylint: disable=g-import-not-at-top
   root = persistence.checkpoint_dir(pathlib.Path(memory_dir).expanduser())

@@ -9,7 +9,7 @@ and returns `[s]` float32 labels in {-1, +1} (+1 = cited / useful, -1 at empty p
 OWNS its parameters: jitted critics are `flax.struct.dataclass` pytrees whose fields are array
 leaves (so a sweep over a critic's precision is a `vmap`, and the critic is an ordinary argument of
 jitted functions, not a static one); a parameter-free function becomes such a pytree with
-`jax.tree_util.Partial(fn)`. A host-side critic (an LLM, `ear_jax.agent.llm_critic.LLMCritic`)
+`jax.tree_util.Partial(fn)`. A host-side critic (an LLM, `ear_jax.agent.llm.critic.LLMCritic`)
 implements the same call on host arrays and may return None for an unusable reply (no update).
 
 `CRITICS` maps command-line names to constructors; adding a critic is one class and one line there.

@@ -1,6 +1,6 @@
 """The benchmarks' own answer scores: LoCoMo's F1 (official rules), BLEU-1, and the abstention rules.
 
-Pure text functions (no I/O, no JAX, no LLM); the LLM judge (J) lives in `ear_jax.agent.qa`.
+Pure text functions (no I/O, no JAX, no LLM); the LLM judge (J) lives in `ear_jax.agent.llm.qa`.
 
 LoCoMo F1, exactly as `eval_question_answering` in snap-research/LoCoMo `task_eval/evaluation.py`:
   * `normalize_answer`: drop commas, lower-case, drop ASCII punctuation, drop the words a / an /
@@ -17,7 +17,7 @@ The categories are LoCoMo's numbers (1 multi-hop, 2 temporal, 3 open-domain, 4 s
 
 LongMemEval's official scorer has no F1 (only the LLM judge); for Table 2's LongMemEval F1 the same
 `token_f1` is used (category rules do not apply). Its abstention questions (`_abs` in the question
-id) are judged with the official abstention prompt (`ear_jax.agent.qa`); `is_abstention` names them.
+id) are judged with the official abstention prompt (`ear_jax.agent.llm.qa`); `is_abstention` names them.
 
 BLEU-1 (`bleu1`) is sentence BLEU-1 as memory-system papers report it for LoCoMo (mem0's and
 A-Mem's `calculate_bleu_scores`: NLTK `sentence_bleu([reference], hypothesis, weights=(1, 0, 0, 0),

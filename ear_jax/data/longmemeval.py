@@ -8,7 +8,7 @@ For question answering each query carries its gold `answer` (`str(answer)`; None
 its `question_date`, and each memory its session's date from `haystack_dates` (`Bank.dates`; ''
 when the file has no dates). Abstention questions stay out of the retrieval queries (they have no
 gold turn); `ear_jax.data.answer_metrics.is_abstention` and the abstention judge prompt of
-`ear_jax.agent.qa` handle them as LongMemEval's scorer does (`_abs` in the question id).
+`ear_jax.agent.llm.qa` handle them as LongMemEval's scorer does (`_abs` in the question id).
 A field of the wrong type is a `ValueError` naming the file, the question and the field.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ citation precision / recall on them (the quantities of the simulated critic, App
 Symbols: `s` slate size, `T` Explorer rounds, `K` candidates.
 
 Slates: `record_training_slates` runs the training episode's host loop
-(`ear_jax.agent.episode.run_critic_episode`: T Explorer rounds per query over the K retrieved
+(`ear_jax.agent.memory.episode.run_critic_episode`: T Explorer rounds per query over the K retrieved
 candidates, the learner step after each batch) with the paper's simulated critic and records every
 slate shown, with the memory texts and gold flags. `select_slates` keeps, per query, the first
 slate holding at least one gold memory (the slates on which precision and recall are defined) and,
@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ear_jax.agent import episode as episode_lib
+from ear_jax.agent.memory import episode as episode_lib
 from ear_jax.core import critic as critic_lib
 
 

@@ -114,7 +114,7 @@ def stack_streams(stream: Stream, index: np.ndarray) -> Stream:
 
 def per_seed_keys(seeds: Sequence[int]) -> jax.Array:
   """`[S, 2]` one PRNG key per seed of a run: `PRNGKey(seed)` (not `Memory`'s keys of one seed,
-  `ear_jax.agent.driver.seed_keys`)."""
+  `ear_jax.agent.memory.driver.seed_keys`)."""
   return jnp.stack([jax.random.PRNGKey(int(s)) for s in seeds])
 
 

@@ -4,7 +4,7 @@ Symbols: `n` queries, `M` memories, `d` dimension, `K` candidates.
 
 A searcher holds one faiss index per store (0 dialogue / episodic, 1 observation / semantic) and the
 bank row of every vector it holds; it answers the same question as the exact device search
-(`ear_jax.core.retrieval.top_k_search` in `ear_jax.agent.bank`): the top-K rows by inner product
+(`ear_jax.core.retrieval.top_k_search` in `ear_jax.agent.memory.bank`): the top-K rows by inner product
 (cosine: the rows are unit vectors) among the dialogue memories, or with `multistore` the top-K/2
 of each store merged by score (equal scores: store 0 first). Rows it cannot fill are -1, masked.
 EAR is unchanged: it works on the K candidates whatever produced them.
@@ -19,7 +19,7 @@ Searchers (`SEARCHERS`, one line each to add another):
 * `faiss_pq`: `IndexPQFastScan` (4-bit product quantization scanned exhaustively; `pq_m`), whose
   `rerank * K` best rows the bank re-scores exactly (`rerank`); trained like IVF (`train_size`).
 
-A searcher with `rerank > 1` proposes `rerank * K` rows; `ear_jax.agent.bank` re-scores them with
+A searcher with `rerank > 1` proposes `rerank * K` rows; `ear_jax.agent.memory.bank` re-scores them with
 the exact inner product against its device rows (per store with `multistore`) and keeps the K
 best, in the same jitted call as the candidate gather.
 
@@ -279,7 +279,7 @@ def faiss_pq(dim: int, *, pq_m: Optional[int] = None, rerank: int = 50, train_si
              build_threads: Optional[int] = None) -> FaissSearcher:
   """PQ fast-scan with exact re-ranking: `faiss.IndexPQFastScan` (`pq_m` sub-quantizers of 4 bits,
   default `d / 2`; `pq_m / 2` bytes per memory, scanned with SIMD lookups) proposes `rerank * K`
-  rows, which the bank re-scores exactly on the device (`ear_jax.agent.bank`) to keep the top K. A
+  rows, which the bank re-scores exactly on the device (`ear_jax.agent.memory.bank`) to keep the top K. A
   compressed exhaustive scan: unlike IVF or HNSW it does not rely on neighbourhoods, so its recall
   holds on data without cluster structure. Searched exactly (`IndexFlatIP`) until a store holds
   `train_size` vectors; the quantizer is trained on those."""
@@ -327,7 +327,7 @@ SEARCHERS: dict[str, Callable[..., FaissSearcher]] = {
     "faiss_ivf": faiss_ivf,
     "faiss_pq": faiss_pq,
 }
-EXACT = "exact"  # the device search of `ear_jax.agent.bank` (not a faiss searcher)
+EXACT = "exact"  # the device search of `ear_jax.agent.memory.bank` (not a faiss searcher)
 INDEXES = (EXACT,) + tuple(SEARCHERS)
 
 

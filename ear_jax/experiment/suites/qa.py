@@ -6,7 +6,7 @@ the Runner's runs (trained once, or loaded with `--resume` from a workdir that h
 test query's final slate is the one `inference.evaluate` chose (`runs/<run>/test_eval.npz`: adapter-
 only and explorer-assisted slates, with the evaluation's keys). The suite checks that those slates
 give the run's Recall@5 before using them. The slate's memories (text + session date) go to
-`ear_jax.agent.qa.evaluate_qa`: answer -> F1 / BLEU-1 (`data.answer_metrics`) -> judge (J).
+`ear_jax.agent.llm.qa.evaluate_qa`: answer -> F1 / BLEU-1 (`data.answer_metrics`) -> judge (J).
 
 QA costs LLM calls, so it runs on a subset: the first `QASettings.limit` test questions of each of
 the first `QASettings.seeds` seeds (every method answers the same questions). With no `base_url` the
@@ -32,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 
-from ear_jax.agent import qa as qa_lib
+from ear_jax.agent.llm import qa as qa_lib
 from ear_jax.experiment import plots
 from ear_jax.experiment import runner as runner_lib
 from ear_jax.experiment import stats
@@ -174,7 +174,7 @@ def _exit_on_signal(signum, frame):
 @contextlib.contextmanager
 def endpoints(settings: QASettings, workdir):
   """`(answer_client, judge_client, info)`; starts the local llama.cpp server when no base_url."""
-  from ear_jax.agent.llm_client import ChatClient, ChatClientConfig  # pylint: disable=g-import-not-at-top
+  from ear_jax.agent.llm.client import ChatClient, ChatClientConfig  # pylint: disable=g-import-not-at-top
   cache = settings.cache_dir or str(workdir / "llm_cache")
   with contextlib.ExitStack() as stack:
     if threading.current_thread() is threading.main_thread():
@@ -182,7 +182,7 @@ def endpoints(settings: QASettings, workdir):
       stack.callback(signal.signal, signal.SIGTERM, signal.signal(signal.SIGTERM, _exit_on_signal))
     base_url, model = settings.base_url, settings.model
     if not base_url:
-      from ear_jax.agent import llm_server  # pylint: disable=g-import-not-at-top
+      from ear_jax.agent.llm import server as llm_server  # pylint: disable=g-import-not-at-top
       server = stack.enter_context(llm_server.LlamaServer(settings.gguf, port=settings.port,
                                                           n_ctx=settings.n_ctx))
       base_url, model = server.base_url, model or server.model

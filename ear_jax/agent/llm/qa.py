@@ -30,8 +30,8 @@ from typing import Any, Optional, Sequence
 
 from absl import logging
 
-from ear_jax.agent import qa_prompts
-from ear_jax.agent.llm_client import ChatClient, ChatResult
+from ear_jax.agent.llm import qa_prompts
+from ear_jax.agent.llm.client import ChatClient, ChatResult
 from ear_jax.data import answer_metrics
 
 ANSWER_MAX_TOKENS = 48

@@ -25,7 +25,7 @@ Guarantees:
     call makes at most `1 + max_retries` attempts and waits at most `backoff_max_s` between them.
   * Thread-safe: one client may be shared by several threads; `stats` is updated under a lock.
   * Reproducible and resumable: temperature 0 and seed 0 by default; with `cache_dir` set, every
-    usable reply is stored on disk (`ear_jax.agent.llm_cache`, keyed by endpoint, model, messages
+    usable reply is stored on disk (`ear_jax.agent.llm.cache`, keyed by endpoint, model, messages
     and decoding settings, never the key) and a repeated request is answered from there.
   * Constrained decoding where the endpoint has it: a `response_format` (e.g. llama.cpp's
     `{"type": "json_object", "schema": ...}`) is sent as given; an endpoint that rejects it with
@@ -53,8 +53,8 @@ from typing import Any, NamedTuple
 from absl import logging
 
 # STATUSES, DECODING_KEYS and ChatClientConfig are part of this module's public API.
-from ear_jax.agent.llm_cache import ResponseCache, cache_key
-from ear_jax.agent.llm_config import (DECODING_KEYS, REDACTED, STATS_KEYS, STATUSES,  # pylint: disable=unused-import
+from ear_jax.agent.llm.cache import ResponseCache, cache_key
+from ear_jax.agent.llm.config import (DECODING_KEYS, REDACTED, STATS_KEYS, STATUSES,  # pylint: disable=unused-import
                                       _CONTROL, _MAX_ERROR_BODY_BYTES, _MAX_MESSAGE_CHARS,
                                       _READ_CHUNK_BYTES, ChatClientConfig, _check_decoding,
                                       chat_completions_url)

@@ -3,7 +3,7 @@
 Symbols: `b` batch size (`config.batch_size`), `T` Explorer rounds, `K` candidates, `d` dimension.
 
 The driver owns the `LearnerState`. `push` queues the `TrainItem`s of closed sessions (see
-`ear_jax.agent.sessions`); as soon as `b` are queued, ONE call of
+`ear_jax.agent.memory.sessions`); as soon as `b` are queued, ONE call of
 `ear_jax.core.learner.train_batch_on_feedback` (jitted with the state donated: updated in place)
 trains on them: slates, masks and labels
 `[b, T, K]` (every shown slate stored K wide, masked, so the shown size `k <= K` may vary), the
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ear_jax.agent.sessions import TrainItem
+from ear_jax.agent.memory.sessions import TrainItem
 from ear_jax.core import learner as learner_lib
 from ear_jax.core.config import EARConfig, HParams
 from ear_jax.core.stream import Stream

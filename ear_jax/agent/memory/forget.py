@@ -7,7 +7,7 @@ A deleted memory keeps its bank ROW (rows are what sessions, the replay buffer a
 refer to) but nothing else: the row becomes a tombstone with store code `DELETED` (2), an id
 `TOMBSTONE + row` that no caller can name, an empty text and a zero embedding, invalid on the
 device. So it is never a candidate again: the exact search, the lexical first stage
-(`ear_jax.agent.lexical_bank`: only stores 0 / 1 are indexed or valid) and the ANN searchers (only
+(`ear_jax.agent.memory.lexical_bank`: only stores 0 / 1 are indexed or valid) and the ANN searchers (only
 stores 0 / 1 are added; the searcher is rebuilt without the row) never see it. A loaded checkpoint
 keeps the tombstones (`bank._write` marks store-2 rows invalid).
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from ear_jax.agent import bank as bank_lib
+from ear_jax.agent.memory import bank as bank_lib
 
 DELETED = 2  # the store code of a deleted row
 TOMBSTONE = "\x00deleted:"  # + row: the id of a deleted row (check_ids refuses it)

@@ -30,8 +30,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from ear_jax.agent.bank import InputTypeError
-from ear_jax.agent.episode import update_bandits
+from ear_jax.agent.memory.bank import InputTypeError
+from ear_jax.agent.memory.episode import update_bandits
 from ear_jax.core.config import EARConfig
 
 _ARRAY_FIELDS = ("query_emb", "cand_idx", "cand_emb", "cand_mask", "mean", "counts", "slates",

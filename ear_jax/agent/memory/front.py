@@ -19,17 +19,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ear_jax.agent import bank as bank_lib
-from ear_jax.agent import forget
-from ear_jax.agent import lexical_bank
-from ear_jax.agent import persistence
-from ear_jax.agent import recall as recall_lib
-from ear_jax.agent.bank import InputTypeError
-from ear_jax.agent.encoder_slot import EncoderSlot
-from ear_jax.agent.driver import Driver, seed_keys
-from ear_jax.agent import episode
-from ear_jax.agent.episode import llm_feedback, round_slates, run_critic_episode
-from ear_jax.agent.sessions import Retrieval, Sessions, citation_labels
+from ear_jax.agent.memory import bank as bank_lib
+from ear_jax.agent.memory import forget
+from ear_jax.agent.memory import lexical_bank
+from ear_jax.agent.memory import persistence
+from ear_jax.agent.memory import recall as recall_lib
+from ear_jax.agent.memory.bank import InputTypeError
+from ear_jax.agent.memory.encoder_slot import EncoderSlot
+from ear_jax.agent.memory.driver import Driver, seed_keys
+from ear_jax.agent.memory import episode
+from ear_jax.agent.memory.episode import llm_feedback, round_slates, run_critic_episode
+from ear_jax.agent.memory.sessions import Retrieval, Sessions, citation_labels
 from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import learner as learner_lib
 from ear_jax.core import policies
@@ -102,7 +102,7 @@ class Memory:
   is closed and queued for the learner when it has `T` rounds of feedback, after the feedback of an
   adapter-only round (`explore=False`), or when it is closed (`close`), flushed (`flush`) or evicted
   (least recently used beyond `max_sessions`) with at least one round of feedback. Every `b` queued
-  sessions -> one learner step (keys: see `ear_jax.agent.driver`).
+  sessions -> one learner step (keys: see `ear_jax.agent.memory.driver`).
 
   Threads: one re-entrant lock guards every state change and read-modify-write (add, retrieve,
   feedback, discard, close, flush, the learner step, the save snapshot, restore); encoding and
@@ -136,7 +136,7 @@ class Memory:
     index_options: keyword options of that searcher (e.g. `{'nlist': 1024, 'nprobe': 64}`).
     candidates: the first stage (`ear_jax.data.first_stage.GENERATORS`): 'dense' (the frozen
       cosine, above; the default), 'bm25' or 'hybrid' (BM25 over the memories' texts, alone or
-      fused with the cosine; `ear_jax.agent.lexical_bank`): the same candidates, in the same order,
+      fused with the cosine; `ear_jax.agent.memory.lexical_bank`): the same candidates, in the same order,
       as the benchmark pipeline's generator over the same bank. With 'bm25' / 'hybrid' each
       candidate carries the first stage's scores as side features (`first_stage.FEATURES`), so
       `config.side_features` is set to 3 (a config with another nonzero value is refused), and
@@ -521,7 +521,7 @@ class Memory:
              query_embedding=None) -> recall_lib.Recall:
     """One call per question: T Explorer rounds with `critic`, recorded as ONE training query
     (Eq. (11)-(14)), and the final slate `config.final_slate` names (round T's, or the top-k by
-    bandit mean for `ear_tuned`). See `ear_jax.agent.recall.recall`.
+    bandit mean for `ear_tuned`). See `ear_jax.agent.memory.recall.recall`.
 
     Args:
       question: the question's text.
@@ -539,7 +539,7 @@ class Memory:
   def feedback_from_critic(self, retrieval, critic) -> Optional[np.ndarray]:
     """Shows a retrieval's slate to a host critic (`critic(key, view)`, e.g. `LLMCritic`) and
     applies its labels; None (an unusable reply) discards the retrieval with NO update. See
-    `ear_jax.agent.episode.feedback_from_critic`.
+    `ear_jax.agent.memory.episode.feedback_from_critic`.
 
     Returns:
       The labels, or None.
@@ -547,13 +547,13 @@ class Memory:
     return episode.feedback_from_critic(self, retrieval, critic)
 
   # ----------------------------------------------------------------------------------------------
-  # forgetting (`ear_jax.agent.forget`)
+  # forgetting (`ear_jax.agent.memory.forget`)
 
   def delete(self, ids) -> list[str]:
     """Deletes memories everywhere: never a candidate again (exact, ANN and lexical search), open
     sessions that had one as a candidate are dropped untrained, queued items and the replay buffer
     mask it out, and the next `save` leaves no file holding its text or embedding (see
-    `ear_jax.agent.forget`). All ids are checked first (an unknown one: ValueError, nothing
+    `ear_jax.agent.memory.forget`). All ids are checked first (an unknown one: ValueError, nothing
     changed), then all are deleted under the lock.
 
     Args:
@@ -569,7 +569,7 @@ class Memory:
     return forget.get(self, ids)
 
   # ----------------------------------------------------------------------------------------------
-  # persistence (`ear_jax.agent.persistence`)
+  # persistence (`ear_jax.agent.memory.persistence`)
 
   def save(self, path) -> pathlib.Path:
     """Writes a consistent snapshot of this moment as the next checkpoint step at `path` (the

@@ -293,7 +293,7 @@ def _search_slates(queries, emb, valid, stores, rows, mask, params, hparams, *, 
 def _write(emb, valid, stores, rows, row_stores, row_valid, start):
   """Writes `[m, d]` rows (those with `row_valid`) at rows `start..` of the `[C, d]` bank, in place
   (the bank's arrays are donated: an add costs the rows it writes, not a copy of the bank). Rows
-  of store 2, deleted memories' tombstones (`ear_jax.agent.forget`), are written invalid."""
+  of store 2, deleted memories' tombstones (`ear_jax.agent.memory.forget`), are written invalid."""
   cap = emb.shape[0]
   at = jnp.where(row_valid, start + jnp.arange(rows.shape[0]), cap)  # C = dropped
   return (emb.at[at].set(rows.astype(emb.dtype), mode="drop"),
@@ -477,7 +477,7 @@ class Bank:
             tuple(STORE_NAMES[int(self.store_codes[r])] for r in rows))
 
   # ----------------------------------------------------------------------------------------------
-  # rows for snapshots and shards (`ear_jax.agent.persistence`)
+  # rows for snapshots and shards (`ear_jax.agent.memory.persistence`)
 
   def rows(self, start: int, stop: int):
     """`(arrays, meta)` of rows `start:stop`: embeddings (float32) and stores; ids and texts."""

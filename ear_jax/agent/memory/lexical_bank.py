@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ear_jax.agent import bank as bank_lib
+from ear_jax.agent.memory import bank as bank_lib
 from ear_jax.core import explorer as explorer_lib
 from ear_jax.core import retrieval as retrieval_lib
 from ear_jax.data import first_stage

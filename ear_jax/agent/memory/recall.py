@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Optional
 import jax
 import numpy as np
 
-from ear_jax.agent import episode
+from ear_jax.agent.memory import episode
 from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import explorer as explorer_lib
 

@@ -2,7 +2,7 @@
 
 Every setting is checked when a `ChatClientConfig` is built (finite, in range, the right type), so a
 bad value is a `ValueError` at construction, never an exception out of a request (see
-`ear_jax.agent.llm_client`).
+`ear_jax.agent.llm.client`).
 """
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ class ChatClientConfig:
     seed: sampling seed sent to servers that support it (a fixed 0 by default, with temperature 0:
       evaluation runs are reproducible); None sends none.
     max_response_bytes: a longer reply body is 'unparseable' (bounds memory against a bad server).
-    cache_dir: a folder for the on-disk reply cache (`ear_jax.agent.llm_cache`), keyed by the
+    cache_dir: a folder for the on-disk reply cache (`ear_jax.agent.llm.cache`), keyed by the
       endpoint, model, messages and decoding settings: an interrupted run resumes and a rerun costs
       nothing. None = no cache.
   """

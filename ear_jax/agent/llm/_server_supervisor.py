@@ -1,7 +1,7 @@
 """Runs one server command and ties its life to the process that started this one.
 
 Run as a script (never imported: it needs only the standard library, and importing `ear_jax`
-would load JAX), by `ear_jax.agent.llm_server.LlamaServer`:
+would load JAX), by `ear_jax.agent.llm.server.LlamaServer`:
 
   python -I _server_supervisor.py LIFELINE_FD STOP_TIMEOUT_S -- SERVER ARGV...
 

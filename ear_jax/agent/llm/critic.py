@@ -9,7 +9,7 @@ numbered memories of the slate and to cite the ones it used, and turns the citat
 
 Symbols: `s` slate size (the number of memories shown to the model).
 
-Citation formats (`ear_jax.agent.llm_citations`): the memories are numbered from 0 as `[0] text`,
+Citation formats (`ear_jax.agent.llm.citations`): the memories are numbered from 0 as `[0] text`,
 `[1] text`, ... The prompt (`PROMPTS`, chosen by `LLMCriticConfig.prompt`) asks for a JSON object
 (`{"useful": [true/false per memory]}` by default, or `{"cited": [numbers]}` and variants) sent with its JSON schema as
 `response_format={"type": "json_object", "schema": ...}`, so that servers with constrained decoding
@@ -42,12 +42,12 @@ from typing import Any, NamedTuple
 from absl import logging
 import numpy as np
 
-from ear_jax.agent.llm_citations import (DEFAULT_PROMPT, DEFAULT_SYSTEM_PROMPT, PROMPTS,  # pylint: disable=unused-import
+from ear_jax.agent.llm.citations import (DEFAULT_PROMPT, DEFAULT_SYSTEM_PROMPT, PROMPTS,  # pylint: disable=unused-import
                                          CriticPrompt,
                                          build_messages, citation_schema, format_citations,
                                          format_memories, labels_from_citations, parse_citations,
                                          parse_json_citations, parse_reply, response_format)
-from ear_jax.agent.llm_client import STATUSES, ChatClient, ChatClientConfig
+from ear_jax.agent.llm.client import STATUSES, ChatClient, ChatClientConfig
 
 __all__ = ["STATUSES", "DEFAULT_SYSTEM_PROMPT", "PROMPTS", "LLMCriticConfig", "CriticResult",
            "LLMCritic", "parse_citations", "parse_json_citations", "parse_reply",
@@ -62,7 +62,7 @@ CRITIC_STATS_KEYS = ("calls",) + STATUSES + ("retries",)
 class LLMCriticConfig(ChatClientConfig):
   """Configuration of an `LLMCritic` (host-side; never a jit argument).
 
-  The fields of `ear_jax.agent.llm_config.ChatClientConfig` (documented and validated there), plus:
+  The fields of `ear_jax.agent.llm.config.ChatClientConfig` (documented and validated there), plus:
 
   Attributes:
     system_prompt: the system message.
@@ -128,7 +128,7 @@ class LLMCritic:
 
   Args:
     config: the critic's settings; its `ChatClientConfig` fields configure the `ChatClient` below.
-    sleep, rng: passed to the `ChatClient` (`ear_jax.agent.llm_client.ChatClient`).
+    sleep, rng: passed to the `ChatClient` (`ear_jax.agent.llm.client.ChatClient`).
   """
 
   def __init__(self, config: LLMCriticConfig, *, sleep: Callable[[float], None] = time.sleep,

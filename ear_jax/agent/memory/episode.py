@@ -3,10 +3,10 @@
 Symbols: `N` queries, `K` candidates, `s` slate size, `T` Explorer rounds, `b` batch size.
 
 `round_slates` / `update_bandits` play one round for a batch of queries (also `Memory`'s, through
-`ear_jax.agent.sessions`). Both loops use the library's critic protocol (`ear_jax.core.critic`):
+`ear_jax.agent.memory.sessions`). Both loops use the library's critic protocol (`ear_jax.core.critic`):
 `critic(key, view) -> labels [s]` or None (an unusable reply: no update), with a `SlateView` that
 carries `query_text` and the memories' `texts` for host critics such as
-`ear_jax.agent.llm_critic.LLMCritic`; and the one learner step,
+`ear_jax.agent.llm.critic.LLMCritic`; and the one learner step,
 `ear_jax.core.learner.train_batch_on_feedback` (jitted here).
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def feedback_from_critic(memory: "Memory", retrieval, critic) -> Optional[np.nda
 
   The critic follows the library's protocol `critic(key, view) -> labels [k]` or None (e.g.
   `LLMCritic`); the view carries `query_text`, `texts` and `ids`. It is called outside the lock
-  with the key `jax.random.fold_in(k_critic, retrieval_id)` (see `ear_jax.agent.driver`). None
+  with the key `jax.random.fold_in(k_critic, retrieval_id)` (see `ear_jax.agent.memory.driver`). None
   (an unusable reply) discards the retrieval with NO update, counted in
   `stats['critic_no_update']`.
 

@@ -40,7 +40,7 @@ were saved (the index is then rebuilt by adding the rows), still load.
 The first stage (`Memory(candidates=...)`, meta field `first_stage`: the generator and the hybrid
 fusion's options; absent in older checkpoints, which load as 'dense') is saved in the verified
 meta; its BM25 index is not saved but rebuilt from the bank's texts (verified by the shards'
-digests) at the first search after `load` / `restore` (`ear_jax.agent.lexical_bank`), so it has
+digests) at the first search after `load` / `restore` (`ear_jax.agent.memory.lexical_bank`), so it has
 the bank's guarantees and nothing more to tamper with.
 
 A checkpoint of another format or config is refused with the differing fields
@@ -57,13 +57,13 @@ import os
 import pathlib
 from typing import Any, Optional
 
-from ear_jax.agent import bank as bank_lib
-from ear_jax.agent import forget
-from ear_jax.agent import lexical_bank
-from ear_jax.agent.bank import Bank
-from ear_jax.agent.encoder_slot import EncoderSlot
-from ear_jax.agent.driver import Driver, seed_keys
-from ear_jax.agent.sessions import Sessions
+from ear_jax.agent.memory import bank as bank_lib
+from ear_jax.agent.memory import forget
+from ear_jax.agent.memory import lexical_bank
+from ear_jax.agent.memory.bank import Bank
+from ear_jax.agent.memory.encoder_slot import EncoderSlot
+from ear_jax.agent.memory.driver import Driver, seed_keys
+from ear_jax.agent.memory.sessions import Sessions
 from ear_jax.core.config import EARConfig
 from ear_jax.index import ann
 
@@ -275,7 +275,7 @@ def save(memory, path) -> pathlib.Path:
     if index_record is not None:
       meta["bank"]["ann_index"] = index_record
     path = write(root, arrays, meta)
-    # After a deletion no older step may keep the deleted rows (`ear_jax.agent.forget`).
+    # After a deletion no older step may keep the deleted rows (`ear_jax.agent.memory.forget`).
     forget.purge_older_steps(store, int(meta["stats"].get(forget.DELETED_STAT, 0)))
     _prune(store, shards, indexes)
     return path
