@@ -377,7 +377,7 @@ def test_unknown_format_layout_dtype_index_or_record_version_is_a_checkpoint_err
   for field, value in [("layout", "shards-2"), ("bank_dtype", "float8"), ("index", "annoy")]:
     path = tmp_path / field
     m.save(path)
-    arrays, meta = persistence.snapshot(m)
+    arrays, meta = persistence.main_step(m._parts())
     meta["bank"] = {**CheckpointStore(path).read_meta()["bank"], field: value}
     step = persistence.write(path, arrays, meta)
     with pytest.raises(CheckpointFormatError,

@@ -207,10 +207,10 @@ def test_buffer_and_sessions_are_saved_as_bank_rows_and_restored_bit_for_bit(tmp
 
 def test_checkpoints_with_the_buffer_and_sessions_inline_still_load_and_save_inline(tmp_path):
   m = _trained()
-  arrays, meta = persistence.snapshot(m)  # rewritten as before rows were kept
-  paths, _ = jax.tree_util.tree_flatten_with_path(m._driver.state)
-  i = [jax.tree_util.keystr(p) for p, _ in paths].index(".buffer.candidates")
-  arrays["driver"]["learner"][f"{i:04d}"] = np.asarray(m._driver.state.buffer.candidates)
+  arrays, meta = persistence.main_step(m._parts())  # rewritten as before rows were kept (and named)
+  arrays["driver"]["learner"] = {f"{i:04d}": np.asarray(x) for i, x in  # by flatten position
+                                 enumerate(jax.tree_util.tree_leaves(m._driver.state))}
+  del meta["driver"]["learner_layout"]
   del arrays["driver"]["buffer_rows"]
   arrays["sessions"]["cand_emb"] = np.stack([s.cand_emb for s in m._sessions.by_id.values()])
   m.save(tmp_path / "m")  # the bank shards and a main step, then the old-style main step on top
@@ -227,7 +227,7 @@ def test_checkpoints_with_the_buffer_and_sessions_inline_still_load_and_save_inl
 def test_buffer_rows_outside_the_bank_are_an_error_naming_the_checkpoint(tmp_path):
   m = _trained()
   m.save(tmp_path / "m")
-  arrays, meta = persistence.snapshot(m)
+  arrays, meta = persistence.main_step(m._parts())
   arrays["driver"]["buffer_rows"][0, 0] = 10_000
   with checkpoints.CheckpointStore(tmp_path / "m") as store:
     meta["bank"] = store.read_meta()["bank"]

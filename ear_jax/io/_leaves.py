@@ -63,26 +63,47 @@ def metadata_shapes(tree) -> dict:
   return {leaf_name(p): (list(m.shape), str(np.dtype(m.dtype))) for p, m in flat}
 
 
-def restore_target(target, record: dict):
-  """The Orbax restore target for `target`; a ValueError listing the leaves that do not match."""
-  flat, treedef = jax.tree_util.tree_flatten_with_path(target)
-  diffs, leaves, names = [], [], set()
-  for p, t in flat:
+def _target_diffs(flat_target, stored: dict) -> list[str]:
+  """The leaves in which `stored` ({name: (shape list, dtype str)}) and a flat target differ."""
+  diffs, names = [], set()
+  for p, t in flat_target:
     name = leaf_name(p)
     names.add(name)
     shape, dtype = list(np.shape(t)), str(np.dtype(t.dtype))
-    rec = record.get(name)
-    if rec is None:
+    got = stored.get(name)
+    if got is None:
       diffs.append(f"{name}: not in the checkpoint")
-    elif rec["shape"] != shape or rec["dtype"] != dtype:
-      diffs.append(f"{name}: stored {rec['dtype']}{rec['shape']} vs expected {dtype}{shape}")
-    empty = rec is not None and rec["empty"]
-    leaves.append(jax.ShapeDtypeStruct((), t.dtype) if empty else t)
-  diffs += [f"{n}: stored but not in the target" for n in sorted(set(record) - names)]
+    elif list(got[0]) != shape or got[1] != dtype:
+      diffs.append(f"{name}: stored {got[1]}{list(got[0])} vs expected {dtype}{shape}")
+  return diffs + [f"{n}: stored but not in the target" for n in sorted(set(stored) - names)]
+
+
+def _raise_diffs(diffs: list[str], what: str) -> None:
   if diffs:
-    raise ValueError(f"the restore target does not match the stored arrays in {len(diffs)} "
-                     "leaves: " + "; ".join(diffs[:10]) + ("; ..." if len(diffs) > 10 else ""))
+    raise ValueError(f"{what} does not match the stored arrays in {len(diffs)} leaves: "
+                     + "; ".join(diffs[:10]) + ("; ..." if len(diffs) > 10 else ""))
+
+
+def restore_target(target, record: dict):
+  """The Orbax restore target for `target`; a ValueError listing the leaves that do not match."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+  _raise_diffs(_target_diffs(flat, {n: (r["shape"], r["dtype"]) for n, r in record.items()}),
+               "the restore target")
+  leaves = [jax.ShapeDtypeStruct((), t.dtype) if record[leaf_name(p)]["empty"] else t
+            for p, t in flat]
   return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def fit_target(target, tree, what: str):
+  """The arrays of a restored (sub)tree `tree` in the structure of the abstract pytree `target`
+  (`jax.ShapeDtypeStruct` leaves), matched by leaf NAME, not by position: a checkpoint restored as
+  saved (containers as dicts) becomes the caller's NamedTuples again, and two same-shaped fields
+  can never swap. ValueError naming `what` and listing every missing, extra or mis-shaped leaf."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+  stored = {leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  _raise_diffs(_target_diffs(flat, {n: (np.shape(x), str(np.asarray(x).dtype))
+                                    for n, x in stored.items()}), what)
+  return jax.tree_util.tree_unflatten(treedef, [stored[leaf_name(p)] for p, _ in flat])
 
 
 def check_restored(arrays, record: dict):

@@ -501,4 +501,7 @@ class CheckpointStore:
         shutil.rmtree(e.path, ignore_errors=True)
 
 
-__all__ = ["CheckpointError", "CheckpointFormatError", "CheckpointStore", "check_compatible"]
+fit_target = _leaves.fit_target  # a restored subtree in an abstract target's structure, by name
+
+__all__ = ["CheckpointError", "CheckpointFormatError", "CheckpointStore", "check_compatible",
+           "fit_target"]

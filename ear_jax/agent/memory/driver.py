@@ -35,6 +35,7 @@ from ear_jax.core.stream import Stream
 
 
 _BUFFER_CANDIDATES = ".buffer.candidates"  # the learner leaf saved as bank rows
+LEARNER_LAYOUT = "named-1"  # meta["learner_layout"]: the state saved as its named pytree
 
 # The learner step with the state donated: the step updates the `[C, K, d]` replay buffer and the
 # optimizer state in place instead of copying them (and allocates no fresh buffer per step).
@@ -117,14 +118,15 @@ class Driver:
   # snapshot / restore
 
   def snapshot(self):
-    """`(arrays, meta)`: learner leaves, hyperparameters and queued items (host copies).
+    """`(arrays, meta)`: learner state, hyperparameters and queued items (host copies).
 
-    The replay buffer's candidates (`[C, K, d]`, the largest part) are saved as their bank rows
-    (`buffer_rows [C, K]`), which `restore` gathers back from the bank."""
-    paths, _ = jax.tree_util.tree_flatten_with_path(self.state)
+    The learner state is saved as the named pytree it is (`LearnerState`, leaves named by their
+    field path, e.g. 'params/w_q') and restored by name against the abstract state of the config
+    (`restore`). The replay buffer's candidates (`[C, K, d]`, the largest part) are saved as their
+    bank rows (`buffer_rows [C, K]`) and an empty placeholder, and gathered back from the bank."""
     by_rows = self.buffer_rows is not None
-    arrays = {"learner": {f"{i:04d}": np.array(x) for i, (p, x) in enumerate(paths)  # own copies
-                          if not (by_rows and jax.tree_util.keystr(p) == _BUFFER_CANDIDATES)},
+    state = _without_candidates(self.state) if by_rows else self.state
+    arrays = {"learner": jax.tree_util.tree_map(np.array, state),  # own host copies
               "hparams": {f.name: np.asarray(getattr(self.hparams, f.name))
                           for f in dataclasses.fields(self.hparams)}}
     if by_rows:
@@ -136,45 +138,41 @@ class Driver:
       arrays["ready"] = {f: np.stack([getattr(it, f) for it in self.ready])
                          for f in TrainItem._fields}
     return arrays, {"num_batches": self.num_batches, "num_ready": len(self.ready),
-                    "num_learner_leaves": len(paths)}
+                    "learner_layout": LEARNER_LAYOUT,
+                    "num_learner_leaves": len(jax.tree_util.tree_leaves(self.state))}
 
   @classmethod
   def restore(cls, config: EARConfig, seed: int, arrays, meta, where: str, gather) -> "Driver":
     """The driver of `snapshot`; ValueError naming `where` when it does not fit `config`.
     `gather(rows [n, K], mask [n, K], where)` gives bank rows' embeddings (the buffer's
-    candidates)."""
+    candidates). Checkpoints written before the learner state was named (its leaves keyed by
+    flatten position, '0000', '0001', ...) still load."""
     hparams = HParams(**{k: jnp.asarray(v, jnp.float32) for k, v in arrays["hparams"].items()})
     out = cls(config, hparams, seed)
-    paths, treedef = jax.tree_util.tree_flatten_with_path(out.state)
-    stored = dict(arrays["learner"])
     by_rows = "buffer_rows" in arrays
-    if len(stored) + by_rows != len(paths) or meta["num_learner_leaves"] != len(paths):
-      raise ValueError(f"{where}: the learner state has {len(stored) + by_rows} arrays, expected "
-                       f"{len(paths)} for this config")
-    leaves = []
-    for i, (p, t) in enumerate(paths):
-      key = f"{i:04d}"
-      if by_rows and jax.tree_util.keystr(p) == _BUFFER_CANDIDATES:
-        rows = np.asarray(arrays["buffer_rows"])
-        if rows.shape != t.shape[:2]:
-          raise ValueError(f"{where}: buffer_rows has shape {rows.shape}, expected {t.shape[:2]}")
-        out.buffer_rows = rows.astype(np.int32)
-        cands = gather(rows, rows >= 0, f"the replay buffer of {where}")
-        if config.side_features:
-          feats = np.asarray(arrays.get("buffer_features", np.zeros((0,))), np.float32)
-          if feats.shape != t.shape[:2] + (config.side_features,):
-            raise ValueError(f"{where}: buffer_features has shape {feats.shape}, expected "
-                             f"{t.shape[:2] + (config.side_features,)}")
-          cands = jnp.concatenate([cands, jnp.asarray(feats)], -1)
-        leaves.append(cands)
-        continue
-      if key not in stored:
-        raise ValueError(f"{where}: learner array {i} is missing")
-      x = np.asarray(stored[key])
-      if x.shape != t.shape:
-        raise ValueError(f"{where}: learner array {i} has shape {x.shape}, expected {t.shape}")
-      leaves.append(jnp.asarray(x, t.dtype))
-    out.state = _owned(jax.tree_util.tree_unflatten(treedef, leaves))
+    target = jax.eval_shape(lambda: out.state)
+    if meta.get("learner_layout") == LEARNER_LAYOUT:
+      abstract = _without_candidates(target) if by_rows else target
+      state = _checkpoints().fit_target(abstract, arrays["learner"],
+                                        f"{where}: the learner state")
+      state = jax.tree_util.tree_map(lambda x, t: jnp.asarray(x, t.dtype), state, abstract)
+    else:
+      state = _positional_state(target, arrays, meta, by_rows, where)
+    if by_rows:
+      t = target.buffer.candidates
+      rows = np.asarray(arrays["buffer_rows"])
+      if rows.shape != t.shape[:2]:
+        raise ValueError(f"{where}: buffer_rows has shape {rows.shape}, expected {t.shape[:2]}")
+      out.buffer_rows = rows.astype(np.int32)
+      cands = gather(rows, rows >= 0, f"the replay buffer of {where}")
+      if config.side_features:
+        feats = np.asarray(arrays.get("buffer_features", np.zeros((0,))), np.float32)
+        if feats.shape != t.shape[:2] + (config.side_features,):
+          raise ValueError(f"{where}: buffer_features has shape {feats.shape}, expected "
+                           f"{t.shape[:2] + (config.side_features,)}")
+        cands = jnp.concatenate([cands, jnp.asarray(feats)], -1)
+      state = state.replace(buffer=state.buffer.replace(candidates=cands))
+    out.state = _owned(state)
     out.insert_index = int(out.state.buffer.insert_index)
     if not by_rows:  # written before rows were kept: keep saving the embeddings inline
       out.buffer_rows = None
@@ -184,8 +182,8 @@ class Driver:
       if "rows" not in r:  # written before rows were kept
         r["rows"] = np.full((meta["num_ready"], K), -1, np.int32)
         out.buffer_rows = None
-      shapes = dict(query=(d,), candidates=(K, d + config.side_features), mask=(K,), slates=(T, K), slate_mask=(T, K),
-                    labels=(T, K), rows=(K,))
+      shapes = dict(query=(d,), candidates=(K, d + config.side_features), mask=(K,),
+                    slates=(T, K), slate_mask=(T, K), labels=(T, K), rows=(K,))
       for f, shape in shapes.items():
         if np.shape(r[f]) != (meta["num_ready"],) + shape:
           raise ValueError(f"{where}: queued training array {f!r} has shape {np.shape(r[f])}, "
@@ -194,3 +192,41 @@ class Driver:
                    for j in range(meta["num_ready"])]
     out.num_batches = int(meta["num_batches"])
     return out
+
+
+def _checkpoints():
+  from ear_jax.io import checkpoints  # pylint: disable=g-import-not-at-top
+  return checkpoints
+
+
+def _without_candidates(state):
+  """`state` with the replay buffer's candidates replaced by an empty `[0]` placeholder (saved as
+  bank rows instead); works on arrays and on abstract (`ShapeDtypeStruct`) states."""
+  empty = jax.ShapeDtypeStruct if isinstance(state.buffer.candidates, jax.ShapeDtypeStruct) else (
+      lambda shape, dtype: np.zeros(shape, dtype))
+  return state.replace(buffer=state.buffer.replace(
+      candidates=empty((0,), state.buffer.candidates.dtype)))
+
+
+def _positional_state(target, arrays, meta, by_rows: bool, where: str):
+  """The learner state of a checkpoint written before it was named: leaves keyed by flatten
+  position ('0000', ...), checked by count and shape (the buffer's candidates are filled in by
+  the caller when saved as bank rows)."""
+  paths, treedef = jax.tree_util.tree_flatten_with_path(target)
+  stored = dict(arrays["learner"])
+  if len(stored) + by_rows != len(paths) or meta["num_learner_leaves"] != len(paths):
+    raise ValueError(f"{where}: the learner state has {len(stored) + by_rows} arrays, expected "
+                     f"{len(paths)} for this config")
+  leaves = []
+  for i, (p, t) in enumerate(paths):
+    if by_rows and jax.tree_util.keystr(p) == _BUFFER_CANDIDATES:
+      leaves.append(np.zeros((0,), t.dtype))
+      continue
+    key = f"{i:04d}"
+    if key not in stored:
+      raise ValueError(f"{where}: learner array {i} is missing")
+    x = np.asarray(stored[key])
+    if x.shape != t.shape:
+      raise ValueError(f"{where}: learner array {i} has shape {x.shape}, expected {t.shape}")
+    leaves.append(jnp.asarray(x, t.dtype))
+  return jax.tree_util.tree_unflatten(treedef, leaves)

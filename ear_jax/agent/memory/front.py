@@ -573,15 +573,65 @@ class Memory:
 
   def save(self, path) -> pathlib.Path:
     """Writes a consistent snapshot of this moment as the next checkpoint step at `path` (the
-    snapshot is copied under the lock, written outside it); returns the step's directory."""
-    return persistence.save(self, path)
+    snapshot is copied under the lock, written outside it, so agents are not blocked by disk
+    I/O; saves of one memory are serialised, and processes by the store's writer lock); returns
+    the step's directory."""
+    with self._save_lock, persistence.Writer(path) as writer:
+      with self._lock:
+        snap = writer.snapshot(self._parts())
+      return writer.write(snap)
 
   @classmethod
   def load(cls, path, *, encoder: Any = "saved", config: Optional[EARConfig] = None) -> "Memory":
-    """A new memory from the latest checkpoint at `path` (see `persistence.load`)."""
-    return persistence.load(cls, path, encoder=encoder, config=config)
+    """A new memory (a new identity) from the latest checkpoint at `path`.
+
+    Args:
+      path: the checkpoint directory given to `save`.
+      encoder: 'saved' (the saved spec, loaded lazily and checked against the saved model
+        identity), an `Encoder` / spec to use instead (dimension and identity must match), or None.
+      config: optional expected `EARConfig`; a different one is an error listing the fields.
+
+    Raises:
+      ValueError: no checkpoint at `path`, another format, config, encoder dimension or model.
+      CheckpointError: a truncated or corrupted checkpoint (naming its path); a
+        `CheckpointFormatError` for an unknown format, layout, dtype or index (naming the file and
+        the field).
+    """
+    ckpt = persistence.read(path)
+    memory = cls(**persistence.memory_args(ckpt, encoder=encoder, config=config))
+    memory._install(persistence.restore_parts(ckpt, memory._bank.settings(), memory.config,
+                                              memory._sessions.token, generation=0))
+    return memory
 
   def restore(self, path) -> None:
-    """Replaces this memory's state by the latest checkpoint at `path`, in place, and bumps the
-    generation: retrievals returned before are stale (see `persistence.restore`)."""
-    persistence.restore(self, path)
+    """Replaces this memory's state by the latest checkpoint at `path`, in place (its config and
+    first stage must equal this memory's, its encoder identity too when both are known), and
+    bumps the generation: retrievals returned before are stale."""
+    ckpt = persistence.read(path)
+    persistence.check_restorable(ckpt, self.config, self.candidates, self.first_stage_options,
+                                 self._encoder.identity)
+    with self._lock:
+      self._install(persistence.restore_parts(ckpt, self._bank.settings(), self.config,
+                                              self._sessions.token, self.generation + 1))
+
+  def _parts(self) -> persistence.Parts:
+    """This memory's parts and settings, what a checkpoint holds (call under the lock)."""
+    settings = dict(config=self.config.to_dict(), seed=self.seed, multistore=self.multistore,
+                    max_sessions=self.max_sessions, cache_dir=self.cache_dir,
+                    stats=dict(self.stats), encoder=self._encoder.meta(self.config.dim),
+                    # its lexical index is rebuilt from the bank's verified texts on load
+                    first_stage=lexical_bank.options_meta(self.candidates,
+                                                          self.first_stage_options))
+    return persistence.Parts(bank=self._bank, sessions=self._sessions, driver=self._driver,
+                             settings=settings)
+
+  def _install(self, parts: persistence.Parts) -> None:
+    """Replaces this memory's parts, settings and stats by a checkpoint's (call under the lock)."""
+    self._bank, self._sessions, self._driver = parts.bank, parts.sessions, parts.driver
+    if self._lexical is not None:  # rebuilt from the restored bank's texts at the next search
+      self._lexical = self._lexical.fresh()
+    settings = parts.settings
+    self.seed, self.multistore = int(settings["seed"]), bool(settings["multistore"])
+    self.max_sessions, self.cache_dir = int(settings["max_sessions"]), settings["cache_dir"]
+    self._critic_key = seed_keys(self.seed)[2]
+    self.stats = collections.Counter(settings["stats"])

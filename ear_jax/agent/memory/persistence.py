@@ -51,7 +51,8 @@ file and the field.
 """
 from __future__ import annotations
 
-import collections
+import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -62,7 +63,7 @@ from ear_jax.agent.memory import forget
 from ear_jax.agent.memory import lexical_bank
 from ear_jax.agent.memory.bank import Bank
 from ear_jax.agent.memory.encoder_slot import EncoderSlot
-from ear_jax.agent.memory.driver import Driver, seed_keys
+from ear_jax.agent.memory.driver import Driver
 from ear_jax.agent.memory.sessions import Sessions
 from ear_jax.core.config import EARConfig
 from ear_jax.index import ann
@@ -176,8 +177,25 @@ def _prune(store, shards, indexes) -> None:
         sub.delete(step)
 
 
-def read(path):
-  """`(arrays, meta, where, root, meta_file)` of the latest memory checkpoint at `path`.
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+  """The latest main step of a memory directory, as `read` found it.
+
+  Attributes:
+    arrays, meta: the step's arrays (as saved) and verified meta.
+    where: "checkpoint '<root>' (step N)", for messages.
+    root: the memory directory.
+    meta_file: the step's meta file, for messages naming a field.
+  """
+  arrays: dict
+  meta: dict
+  where: str
+  root: pathlib.Path
+  meta_file: pathlib.Path
+
+
+def read(path) -> Checkpoint:
+  """The latest memory checkpoint at `path`.
 
   Raises:
     ValueError: no checkpoint there.
@@ -203,7 +221,7 @@ def read(path):
       raise ckpt.CheckpointFormatError(f"{e} (field 'format' of {meta_file}: not a Memory "
                                        "checkpoint this version reads)") from None
     arrays, meta = store.restore(step)
-  return arrays, meta, where, root, meta_file
+  return Checkpoint(arrays=arrays, meta=meta, where=where, root=root, meta_file=meta_file)
 
 
 def check_config(stored: dict, expected: EARConfig, where: str) -> None:
@@ -211,73 +229,132 @@ def check_config(stored: dict, expected: EARConfig, where: str) -> None:
   _checkpoints().check_compatible(stored, expected.to_dict(), f"the config of {where}")
 
 
-def snapshot(memory):
-  """`(arrays, meta)` of a memory at one moment (host copies; call under its lock).
+@dataclasses.dataclass
+class Parts:
+  """A memory's state as a checkpoint holds it: what `Memory` hands to `Writer.snapshot` and
+  installs from `restore_parts` (persistence never reads `Memory` itself).
 
-  Arrays: `sessions` (their stacked arrays), `driver` (learner leaves, hyperparameters, queued
-  items); empty parts are left out. Meta: the settings (config, seed, encoder, ...), the stats and
-  each part's JSON meta under its name. The bank is saved in shards by `save`.
+  Attributes:
+    bank: the `Bank` (ids, texts, embeddings; an ANN searcher).
+    sessions: the open `Sessions`.
+    driver: the learner `Driver` (state, hyperparameters, queued items).
+    settings: JSON settings: config (dict), seed, multistore, max_sessions, cache_dir, stats,
+      encoder (`EncoderSlot.meta`) and first_stage (`lexical_bank.options_meta`).
   """
-  parts = {"sessions": memory._sessions.snapshot(), "driver": memory._driver.snapshot()}
-  arrays = {name: a for name, (a, _) in parts.items() if a}
-  meta = dict(config=memory.config.to_dict(), seed=memory.seed, multistore=memory.multistore,
-              max_sessions=memory.max_sessions, cache_dir=memory.cache_dir,
-              stats=dict(memory.stats), encoder=memory._encoder.meta(memory.config.dim))
-  # The first stage (its lexical index is rebuilt from the bank's verified texts on load).
-  meta["first_stage"] = lexical_bank.options_meta(memory.candidates, memory.first_stage_options)
-  return arrays, {**meta, **{name: m for name, (_, m) in parts.items()}}
+  bank: Bank
+  sessions: Sessions
+  driver: Driver
+  settings: dict
 
 
-def save(memory, path) -> pathlib.Path:
-  """`Memory.save`: the snapshot is taken under the memory's lock (arrays and metadata of one
-  moment, new bank rows copied to the host) and written OUTSIDE it, so agents are not blocked by
-  disk I/O; saves of one memory are serialised by its save lock, and processes by the store's
-  writer lock. Only the bank rows added since the latest checkpoint at `path` are written."""
-  ckpt = _checkpoints()
-  root = checkpoint_dir(path)
-  with memory._save_lock, ckpt.CheckpointStore(root).writer() as store:
-    shards = ckpt.CheckpointStore(root / SHARDS, max_to_keep=None)
-    indexes = ckpt.CheckpointStore(root / ANN_INDEX, max_to_keep=None)
-    listed, listed_index = _listed(store)
-    with memory._lock:
-      arrays, meta = snapshot(memory)
-      bank = memory._bank
-      records = _reusable(bank, listed)
-      stop = len(bank)
-      counts = [int(r["count"]) for r in records]
-      covered = sum(counts)
-      # The one shard this save writes: the new rows, merged with the tail of shards that breaks
-      # the compaction invariant (then those rows are rewritten from the bank).
-      first = _compaction_start(counts + ([stop - covered] if stop > covered else []))
-      first = min(first, len(records))
-      start = int(records[first]["start"]) if first < len(records) else covered
-      records = records[:first]
-      new_rows = bank.rows(start, stop) if stop > start else None
-      digest = bank.digest(start, stop) if stop > start else None
-      index_state, searcher = None, bank.searcher
-      if searcher is not None and not (
-          listed_index and listed_index.get("state_id") == searcher.state_id
-          and listed_index.get("n") == stop and listed_index.get("name") == searcher.name):
-        index_state = searcher.state()  # under the lock: an add changes the index in place
-      index_record = listed_index if searcher is not None else None
-    if new_rows is not None:
-      step = (shards.latest_step() or 0) + 1
-      shards.save(step, new_rows[0], {**new_rows[1], "start": start, "digest": digest})
-      records.append({"step": step, "start": start, "count": stop - start, "digest": digest})
-    if index_state is not None:
-      step = (indexes.latest_step() or 0) + 1
-      index_meta = {**index_state[1], "n": stop}
-      indexes.save(step, index_state[0], index_meta)
-      index_record = {"step": step, "n": stop, "name": index_meta["name"],
+def main_step(parts: Parts):
+  """`(arrays, meta)` of the main step of `parts` except the bank's listing (host copies; call
+  under the memory's lock). Arrays: `sessions` (their stacked arrays), `driver` (the named learner
+  state, hyperparameters, queued items); empty parts are left out. Meta: the settings and each
+  part's JSON meta under its name."""
+  got = {"sessions": parts.sessions.snapshot(), "driver": parts.driver.snapshot()}
+  arrays = {name: a for name, (a, _) in got.items() if a}
+  return arrays, {**parts.settings, **{name: m for name, (_, m) in got.items()}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+  """A memory at one moment, everything a save writes (taken under the memory's lock by
+  `Writer.snapshot`, written outside it by `Writer.write`).
+
+  Attributes:
+    arrays, meta: the main step (`main_step`) without the bank's listing.
+    records: the listed shards this save keeps.
+    start, stop: the bank rows `[start, stop)` of the one shard this save writes (none if equal).
+    new_rows: `Bank.rows(start, stop)` (host copies) or None.
+    digest: their digest or None.
+    index_state: the ANN searcher's state to write (`FaissSearcher.state`) or None.
+    index_record: the saved index the checkpoint lists (None without a searcher).
+    bank_settings: `Bank.settings()`.
+  """
+  arrays: dict
+  meta: dict
+  records: list
+  start: int
+  stop: int
+  new_rows: Optional[tuple]
+  digest: Optional[str]
+  index_state: Optional[tuple]
+  index_record: Optional[dict]
+  bank_settings: dict
+
+
+class Writer:
+  """One save of a memory directory: `with Writer(path) as w: snap = w.snapshot(parts)` (under the
+  memory's lock), then `w.write(snap)` (outside it, so agents are not blocked by disk I/O). Holds
+  the store's inter-process writer lock; only the bank rows added since the latest checkpoint at
+  `path` are written."""
+
+  def __init__(self, path):
+    self.root = checkpoint_dir(path)
+    self._stack = contextlib.ExitStack()
+
+  def __enter__(self) -> "Writer":
+    ckpt = _checkpoints()
+    self.store = self._stack.enter_context(ckpt.CheckpointStore(self.root).writer())
+    self.shards = ckpt.CheckpointStore(self.root / SHARDS, max_to_keep=None)
+    self.indexes = ckpt.CheckpointStore(self.root / ANN_INDEX, max_to_keep=None)
+    self.listed, self.listed_index = _listed(self.store)
+    return self
+
+  def __exit__(self, *exc):
+    return self._stack.__exit__(*exc)
+
+  def snapshot(self, parts: Parts) -> Snapshot:
+    """What a save of `parts` writes (call under the memory's lock)."""
+    arrays, meta = main_step(parts)
+    bank = parts.bank
+    records = _reusable(bank, self.listed)
+    stop = len(bank)
+    counts = [int(r["count"]) for r in records]
+    covered = sum(counts)
+    # The one shard this save writes: the new rows, merged with the tail of shards that breaks
+    # the compaction invariant (then those rows are rewritten from the bank).
+    first = min(_compaction_start(counts + ([stop - covered] if stop > covered else [])),
+                len(records))
+    start = int(records[first]["start"]) if first < len(records) else covered
+    index_state, searcher, listed_index = None, bank.searcher, self.listed_index
+    if searcher is not None and not (
+        listed_index and listed_index.get("state_id") == searcher.state_id
+        and listed_index.get("n") == stop and listed_index.get("name") == searcher.name):
+      index_state = searcher.state()  # under the lock: an add changes the index in place
+    return Snapshot(arrays=arrays, meta=meta, records=records[:first], start=start, stop=stop,
+                    new_rows=bank.rows(start, stop) if stop > start else None,
+                    digest=bank.digest(start, stop) if stop > start else None,
+                    index_state=index_state,
+                    index_record=listed_index if searcher is not None else None,
+                    bank_settings=bank.settings())
+
+  def write(self, snap: Snapshot) -> pathlib.Path:
+    """Writes the shard, the ANN index (when changed) and the main step of `snap`; returns the
+    main step's directory."""
+    records, index_record = list(snap.records), snap.index_record
+    if snap.new_rows is not None:
+      step = (self.shards.latest_step() or 0) + 1
+      self.shards.save(step, snap.new_rows[0],
+                       {**snap.new_rows[1], "start": snap.start, "digest": snap.digest})
+      records.append({"step": step, "start": snap.start, "count": snap.stop - snap.start,
+                      "digest": snap.digest})
+    if snap.index_state is not None:
+      step = (self.indexes.latest_step() or 0) + 1
+      index_meta = {**snap.index_state[1], "n": snap.stop}
+      self.indexes.save(step, snap.index_state[0], index_meta)
+      index_record = {"step": step, "n": snap.stop, "name": index_meta["name"],
                       "state_id": index_meta["state_id"]}
-    meta["bank"] = {"layout": BANK_LAYOUT, "n": stop, "shards": records,
-                    **memory._bank.settings()}
+    meta = dict(snap.meta)
+    meta["bank"] = {"layout": BANK_LAYOUT, "n": snap.stop, "shards": records,
+                    **snap.bank_settings}
     if index_record is not None:
       meta["bank"]["ann_index"] = index_record
-    path = write(root, arrays, meta)
+    path = write(self.root, snap.arrays, meta)
     # After a deletion no older step may keep the deleted rows (`ear_jax.agent.memory.forget`).
-    forget.purge_older_steps(store, int(meta["stats"].get(forget.DELETED_STAT, 0)))
-    _prune(store, shards, indexes)
+    forget.purge_older_steps(self.store, int(meta["stats"].get(forget.DELETED_STAT, 0)))
+    _prune(self.store, self.shards, self.indexes)
     return path
 
 
@@ -372,22 +449,18 @@ def _extend_from_shards(bank: Bank, root: pathlib.Path, info: dict, where: str) 
     bank.digests[(int(r["start"]), int(r["count"]))] = digest
 
 
-def _install(memory, root, arrays, meta, where: str, meta_file, generation: int) -> None:
-  """Replaces a memory's parts, settings and stats by a checkpoint's (call under its lock)."""
-  config = memory.config
-  bank = read_bank(root, memory._bank.settings(), config, arrays, meta, where, meta_file)
-  sessions = Sessions.restore(config, meta["max_sessions"], arrays.get("sessions", {}),
-                              meta["sessions"], where, memory._sessions.token, generation,
-                              bank.gather)
-  driver = Driver.restore(config, meta["seed"], arrays["driver"], meta["driver"], where,
+def restore_parts(ckpt: Checkpoint, bank_settings: dict, config: EARConfig, token: str,
+                  generation: int) -> Parts:
+  """The parts of a checkpoint, for a memory with `config`, bank settings and session `token`
+  (its `Retrieval`s of `generation` are the valid ones)."""
+  meta = ckpt.meta
+  bank = read_bank(ckpt.root, bank_settings, config, ckpt.arrays, meta, ckpt.where, ckpt.meta_file)
+  sessions = Sessions.restore(config, meta["max_sessions"], ckpt.arrays.get("sessions", {}),
+                              meta["sessions"], ckpt.where, token, generation, bank.gather)
+  driver = Driver.restore(config, meta["seed"], ckpt.arrays["driver"], meta["driver"], ckpt.where,
                           bank.gather)
-  memory._bank, memory._sessions, memory._driver = bank, sessions, driver
-  if memory._lexical is not None:  # rebuilt from the restored bank's texts at the next search
-    memory._lexical = memory._lexical.fresh()
-  memory.seed, memory.multistore = int(meta["seed"]), bool(meta["multistore"])
-  memory.max_sessions, memory.cache_dir = int(meta["max_sessions"]), meta["cache_dir"]
-  memory._critic_key = seed_keys(memory.seed)[2]
-  memory.stats = collections.Counter(meta["stats"])
+  settings = {k: meta[k] for k in ("seed", "multistore", "max_sessions", "cache_dir", "stats")}
+  return Parts(bank=bank, sessions=sessions, driver=driver, settings=settings)
 
 
 def _first_stage(meta, meta_file):
@@ -411,53 +484,47 @@ def _same_settings(saved: dict, settings: dict) -> bool:
       [settings.get(k) for k in keys], sort_keys=True, default=str)
 
 
-def load(cls, path, *, encoder: Any = "saved", config: Optional[EARConfig] = None):
-  """`Memory.load`: a new memory (a new identity) from the latest checkpoint at `path`.
+def memory_args(ckpt: Checkpoint, *, encoder: Any = "saved",
+                config: Optional[EARConfig] = None) -> dict:
+  """The `Memory(...)` arguments of a checkpoint, for `Memory.load` (which then installs
+  `restore_parts`).
 
   Args:
-    cls: the `Memory` class.
-    path: the checkpoint directory given to `save`.
+    ckpt: `read`'s checkpoint.
     encoder: 'saved' (the saved spec, loaded lazily and checked against the saved model identity),
       an `Encoder` / spec to use instead (dimension and identity must match), or None.
     config: optional expected `EARConfig`; a different one is an error listing the fields.
 
   Raises:
-    ValueError: no checkpoint at `path`, another format, config, encoder dimension or model.
-    CheckpointError: a truncated or corrupted checkpoint (naming its path); a
-      `CheckpointFormatError` for an unknown format, layout, dtype or index (naming the file and
+    ValueError: another config, encoder dimension or model.
+    CheckpointFormatError: an unknown layout, dtype, index or first stage (naming the file and
       the field).
   """
-  arrays, meta, where, root, meta_file = read(path)
+  meta = ckpt.meta
   if config is not None:
-    check_config(meta["config"], config, where)
-  slot = EncoderSlot.for_checkpoint(encoder, meta["encoder"], where)
-  _bank_info(meta, meta_file)  # an unknown layout, dtype or index names the file and the field
-  candidates, fs_options = _first_stage(meta, meta_file)
-  memory = cls(slot, config=EARConfig.from_dict(meta["config"]), seed=meta["seed"],
-               multistore=meta["multistore"], cache_dir=meta["cache_dir"],
-               max_sessions=meta["max_sessions"], candidates=candidates,
-               first_stage_options=fs_options, **_saved_settings(meta))
-  _install(memory, root, arrays, meta, where, meta_file, generation=0)
-  return memory
+    check_config(meta["config"], config, ckpt.where)
+  slot = EncoderSlot.for_checkpoint(encoder, meta["encoder"], ckpt.where)
+  _bank_info(meta, ckpt.meta_file)  # an unknown layout, dtype or index names the file and field
+  candidates, fs_options = _first_stage(meta, ckpt.meta_file)
+  return dict(encoder=slot, config=EARConfig.from_dict(meta["config"]), seed=meta["seed"],
+              multistore=meta["multistore"], cache_dir=meta["cache_dir"],
+              max_sessions=meta["max_sessions"], candidates=candidates,
+              first_stage_options=fs_options, **_saved_settings(meta))
 
 
-def restore(memory, path) -> None:
-  """`Memory.restore`: the latest checkpoint at `path` replaces the memory's state in place.
-
-  The checkpoint's config must equal the memory's, and its encoder identity (when both are known)
-  the memory's. The memory's generation is bumped, so every `Retrieval` returned before is stale.
-  """
-  arrays, meta, where, root, meta_file = read(path)
-  check_config(meta["config"], memory.config, where)
-  stage = _first_stage(meta, meta_file)  # (the fusion's options matter to 'hybrid' only)
-  if stage[0] != memory.candidates or (stage[0] == "hybrid"
-                                       and stage[1] != memory.first_stage_options):
+def check_restorable(ckpt: Checkpoint, config: EARConfig, candidates: str,
+                     first_stage_options, encoder_identity: Optional[str]) -> None:
+  """`Memory.restore`'s checks: the checkpoint's config must equal the memory's, its first stage
+  the memory's, and its encoder identity (when both are known) the memory's; ValueError naming
+  the checkpoint and the difference."""
+  meta, where = ckpt.meta, ckpt.where
+  check_config(meta["config"], config, where)
+  stage = _first_stage(meta, ckpt.meta_file)  # (the fusion's options matter to 'hybrid' only)
+  if stage[0] != candidates or (stage[0] == "hybrid" and stage[1] != first_stage_options):
     raise ValueError(f"{where} was written with candidates={stage[0]!r} ({stage[1]}); this memory "
-                     f"uses candidates={memory.candidates!r} ({memory.first_stage_options}): load "
-                     "it with Memory.load")
-  saved, ours = meta["encoder"]["identity_hash"], memory._encoder.identity
-  if saved and ours and saved != ours:
+                     f"uses candidates={candidates!r} ({first_stage_options}): load it with "
+                     "Memory.load")
+  saved = meta["encoder"]["identity_hash"]
+  if saved and encoder_identity and saved != encoder_identity:
     raise ValueError(f"{where} was written with another encoder model (identity {saved[:16]}, "
-                     f"this memory's is {ours[:16]})")
-  with memory._lock:
-    _install(memory, root, arrays, meta, where, meta_file, memory.generation + 1)
+                     f"this memory's is {encoder_identity[:16]})")
