@@ -2,14 +2,16 @@
 
 An MCP client (a desktop or IDE assistant, an agent framework) calls six tools:
 
-* `remember(texts)` -> the new memories' ids;
-* `recall(question, k)` -> a retrieval id and `k` memories (id, text) of ONE Explorer round; asking
-  the same question again (after `cite`) plays the next round of the same session, so a question's
-  `T` rounds are one training query (Eq. (11)-(14)), as `Memory` defines;
+* `remember(texts, scope?, dates?)` -> the new memories' ids (in `scope`, e.g. one user's; dated
+  now unless `dates` are given);
+* `recall(question, k, scope?)` -> a retrieval id and `k` memories (id, text, date) of ONE Explorer
+  round over the memories of `scope` (every scope when absent); asking the same question again in
+  the same scope (after `cite`) plays the next round of the same session, so a question's `T`
+  rounds are one training query (Eq. (11)-(14)), as `Memory` defines;
 * `cite(retrieval_id, used_ids)` -> that round's feedback: the memories the answer used are +1, the
   others shown -1 (the agent's LLM is the critic); the description asks the model to call it after
   every answer;
-* `search(question, k)` -> the adapter-only top-k (no exploration, no learning);
+* `search(question, k, scope?)` -> the adapter-only top-k (no exploration, no learning);
 * `forget(ids)` -> `Memory.delete` (gone from results, sessions, the replay buffer, the next
   checkpoint's bytes);
 * `stats()` -> sizes, counters, the learner's progress.
@@ -39,6 +41,8 @@ MAX_TEXT_CHARS = 20_000  # one memory or question
 MAX_TEXTS = 512  # memories per `remember`
 MAX_IDS = 1_000  # ids per `cite` / `forget`
 MAX_OPEN = 4096  # retrievals remembered by id (older ones are reported as expired)
+MAX_SCOPE_CHARS = 200  # one scope name
+MAX_SCOPES = 64  # scope names per query
 
 INSTRUCTIONS = (
     "A long-term memory that learns which memories help you. Store facts with `remember`. Before "
@@ -81,6 +85,24 @@ def _check_list(value, name: str, limit: int, allow_empty: bool = False) -> list
   return list(value)
 
 
+def _check_scope(scope, many: bool):
+  """None, a scope name, or (when `many`) a list of names; ToolInputError otherwise."""
+  if scope is None:
+    return None
+  if many and isinstance(scope, (list, tuple)):
+    names = _check_list(scope, "scope", MAX_SCOPES)
+    return [_check_str(n, f"scope[{i}]", MAX_SCOPE_CHARS) for i, n in enumerate(names)]
+  if not isinstance(scope, str):
+    raise ToolInputError(f"scope must be a string{' or a list of strings' if many else ''}, got "
+                         f"{type(scope).__name__}")
+  return _check_str(scope, "scope", MAX_SCOPE_CHARS)
+
+
+def _scope_key(scope) -> tuple:
+  """The key of a scope spec (None: every scope) in the service's question map."""
+  return () if scope is None else ((scope,) if isinstance(scope, str) else tuple(sorted(scope)))
+
+
 def _check_k(k, num_candidates: int) -> int:
   if isinstance(k, bool) or not isinstance(k, int):
     raise ToolInputError(f"k must be an integer, got {type(k).__name__}")
@@ -100,8 +122,9 @@ def is_loopback(host: str) -> bool:
 
 
 def resume_questions(memory) -> dict:
-  """{question: a `Retrieval` to continue} for the open sessions of a (loaded) memory, so that the
-  same question asked after a restart plays its session's next round. A round shown but never
+  """{(question, scope key): a `Retrieval` to continue} for the open sessions of a (loaded)
+  memory, so that the same question asked in the same scope after a restart plays its session's
+  next round (a session keeps the scope names it was opened with, `Session.scope`). A round shown but never
   cited before the restart is discarded (its retrieval id named the earlier run)."""
   from ear_jax.agent.memory.sessions import Retrieval  # pylint: disable=g-import-not-at-top
   out = {}
@@ -114,7 +137,7 @@ def resume_questions(memory) -> dict:
         memory.discard(s.open_id)
       if not s.consumed:
         continue
-      out[s.query] = Retrieval(
+      out[(s.query, _scope_key(list(s.scope) or None))] = Retrieval(
           retrieval_id=int(s.consumed[-1]), session_id=sid, round=s.rounds, query=s.query, ids=(),
           texts=(), stores=(), scores=(), explore=True, memory_token=sessions.token,
           generation=sessions.generation)
@@ -146,7 +169,7 @@ class MemoryService:
     # once fails ("Already borrowed"): calls that may encode take this lock (after `_lock`).
     self._encode_lock = threading.Lock()
     self._retrievals = collections.OrderedDict()  # retrieval id -> Retrieval
-    self._by_question: dict[str, Any] = {}  # question -> its latest Retrieval
+    self._by_question: dict[tuple, Any] = {}  # (question, scope key) -> its latest Retrieval
     self.changes = 0  # since the last save
     self.touched = False  # retrievals since the last save (sessions to keep at shutdown)
     self.saves = 0
@@ -207,27 +230,46 @@ class MemoryService:
     if due:
       self.save()
 
-  @staticmethod
-  def _slate(r) -> list[dict]:
-    return [{"id": i, "text": t} for i, t in zip(r.ids, r.texts)]
+  def _slate(self, r) -> list[dict]:
+    """The memories of a retrieval: id, text and date (a memory deleted meanwhile: no date)."""
+    dates = {}
+    for i in r.ids:
+      try:
+        dates[i] = self.memory.get([i])[0]["date"]
+      except ValueError:  # deleted since (`forget` in another thread)
+        dates[i] = ""
+    return [{"id": i, "text": t, "date": dates[i]} for i, t in zip(r.ids, r.texts)]
 
   # ----------------------------------------------------------------------------------------------
   # tools
 
-  def remember(self, texts) -> dict:
+  def remember(self, texts, scope=None, dates=None) -> dict:
     texts = _check_list(texts, "texts", MAX_TEXTS)
     for i, t in enumerate(texts):
       _check_str(t, f"texts[{i}]")
+    scope = _check_scope(scope, many=False)
+    if dates is not None:
+      dates = _check_list(dates, "dates", MAX_TEXTS)
+      if len(dates) != len(texts):
+        raise ToolInputError(f"dates has {len(dates)} entries for {len(texts)} texts: give one "
+                             "date per text, or none (then they are dated now)")
+      for i, d in enumerate(dates):
+        _check_str(d, f"dates[{i}]", MAX_SCOPE_CHARS)
     with self._encode_lock:
-      ids = self.memory.add(texts)
+      try:
+        ids = self.memory.add(texts, scope=scope, dates=dates)
+      except ValueError as e:
+        raise ToolInputError(str(e)) from None
     self._changed()
     return {"ids": ids}
 
-  def recall(self, question, k: int = 5) -> dict:
+  def recall(self, question, k: int = 5, scope=None) -> dict:
     question = _check_str(question, "question")
     k = _check_k(k, self.memory.config.num_candidates)
+    scope = _check_scope(scope, many=True)
+    key = (question, _scope_key(scope))
     with self._lock:  # one question's rounds are played in order
-      prev, r = self._by_question.get(question), None
+      prev, r = self._by_question.get(key), None
       if prev is not None:
         try:
           self.memory.discard(prev)  # an earlier round never cited: shown, no feedback
@@ -239,8 +281,11 @@ class MemoryService:
           r = None
       if r is None:
         with self._encode_lock:
-          r = self.memory.retrieve(question, k=k, explore=True)
-      self._by_question[question] = r
+          try:
+            r = self.memory.retrieve(question, k=k, explore=True, scope=scope)
+          except ValueError as e:  # e.g. fewer than k memories in the scope
+            raise ToolInputError(str(e)) from None
+      self._by_question[key] = r
       self.touched = True
       self._last_change = time.monotonic()
       while len(self._by_question) > MAX_OPEN:
@@ -262,15 +307,15 @@ class MemoryService:
     return {"recorded": True, "round": r.round, "rounds_left": max(T - r.round, 0),
             "learner_step": bool(trained)}
 
-  def search(self, question, k: int = 5) -> dict:
+  def search(self, question, k: int = 5, scope=None) -> dict:
     question = _check_str(question, "question")
     k = _check_k(k, self.memory.config.num_candidates)
+    scope = _check_scope(scope, many=True)
     with self._encode_lock:
-      if hasattr(self.memory, "search"):
-        r = self.memory.search(question, k)
-      else:  # (a Memory without `search`: the same, by hand)
-        r = self.memory.retrieve(question, k, explore=False)
-        self.memory.close(r)
+      try:
+        r = self.memory.search(question, k, scope=scope)
+      except ValueError as e:  # e.g. fewer than k memories in the scope
+        raise ToolInputError(str(e)) from None
     return {"memories": self._slate(r)}
 
   def forget(self, ids) -> dict:
@@ -366,25 +411,36 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
                 log_level="WARNING")
   kmax = service.memory.config.num_candidates
 
+  scope_doc = ("Optional scope (e.g. 'user-42' or a project name) that keeps memories apart: "
+               "recall and search with a scope only see memories stored in that scope.")
+
   @mcp.tool(description=(
       "Store new long-term memories (facts, conversation turns, preferences). One memory per "
       "list entry, each a self-contained sentence or short passage (at most "
       f"{MAX_TEXT_CHARS} characters, {MAX_TEXTS} per call). Returns their ids."))
   async def remember(texts: Annotated[list[str], Field(
-      description="The memories to store, one string each.")]) -> dict:
-    return await _run(service, service.remember, texts)
+      description="The memories to store, one string each.")],
+                     scope: Annotated[Optional[str], Field(description=scope_doc)] = None,
+                     dates: Annotated[Optional[list[str]], Field(description=(
+                         "Optional date of each memory (when it was said or happened, e.g. "
+                         "'2023-05-08' or '1:56 pm on 8 May, 2023'); default: now."))] = None
+                     ) -> dict:
+    return await _run(service, service.remember, texts, scope, dates)
 
   @mcp.tool(description=(
       "Retrieve memories relevant to a question BEFORE answering it. Returns a retrieval_id and "
-      "memories (id, text). After answering you MUST call `cite` with this retrieval_id and the "
+      "memories (id, text, date). After answering you MUST call `cite` with this retrieval_id and the "
       "ids of the memories you used: that is how the memory learns what is useful. If these "
       "memories were not enough, cite them (possibly with an empty list) and call `recall` again "
       "with exactly the same question to get another selection (a few rounds per question)."))
   async def recall(question: Annotated[str, Field(
       description="The question you need to answer, in natural language.")],
                    k: Annotated[int, Field(description=f"How many memories (1-{kmax}).",
-                                           ge=1, le=kmax)] = 5) -> dict:
-    return await _run(service, service.recall, question, k)
+                                           ge=1, le=kmax)] = 5,
+                   scope: Annotated[Optional[str], Field(description=(
+                       "Optional scope to recall from (as given to remember); default: every "
+                       "scope."))] = None) -> dict:
+    return await _run(service, service.recall, question, k, scope)
 
   @mcp.tool(description=(
       "Call this after answering from a `recall` result: report which of the recalled memories "
@@ -401,8 +457,11 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
       "best ranking. Use `recall` + `cite` when answering a question."))
   async def search(question: Annotated[str, Field(description="The query.")],
                    k: Annotated[int, Field(description=f"How many memories (1-{kmax}).",
-                                           ge=1, le=kmax)] = 5) -> dict:
-    return await _run(service, service.search, question, k)
+                                           ge=1, le=kmax)] = 5,
+                   scope: Annotated[Optional[str], Field(description=(
+                       "Optional scope to search (as given to remember); default: every "
+                       "scope."))] = None) -> dict:
+    return await _run(service, service.search, question, k, scope)
 
   @mcp.tool(description=(
       "Permanently delete memories by id (e.g. wrong or outdated facts, or at the user's request). "

@@ -34,6 +34,15 @@ tests check that adds after a load continue identically). `state_id` names one s
 searcher (a new random id after every add that changes it; a restored searcher keeps the saved
 one), so a checkpoint can reuse an index it wrote before when nothing was added since.
 
+Scopes (`Memory(...).search(..., scope=...)`): a scoped search passes the allowed scope codes and
+the bank's host scope code of every row; each store searches with a faiss ID selector
+(`IDSelectorBitmap` over its vector positions, in `SearchParameters` / `SearchParametersIVF` /
+`SearchParametersHNSW` carrying the index's own `nprobe` / `efSearch`), so only rows of those
+scopes are proposed. The bitmaps are cached per store and scope set (`MAX_SELECTORS`, least
+recently used first out) and extended in place with the vectors added since, never rebuilt per
+query; a delete rebuilds the searcher, and with it the caches. An index that cannot filter (PQ
+fast-scan, once trained) answers None, and the bank searches that query exactly on the device.
+
 This module is host-side (faiss runs on the CPU, numpy in and out); it is its own layer between
 `io` and `agent` because `core` does no I/O and `data` is about benchmarks.
 """
@@ -46,6 +55,7 @@ import numpy as np
 
 
 SMALL_BATCH = 16  # fewer queries than this are searched on one thread
+MAX_SELECTORS = 64  # scope selectors cached per store
 
 
 def _faiss():
@@ -66,6 +76,8 @@ class _StoreIndex:
     self._pending: list[np.ndarray] = []  # vectors held before an IVF is trained
     self.index = None if train is not None else make()
     self._flat = _faiss().IndexFlatIP(dim) if train is not None else None
+    # scope codes -> [positions covered, bitmap [bytes] uint8, IDSelectorBitmap, vectors selected]
+    self._selectors: dict[tuple[int, ...], list] = {}
 
   def __len__(self):
     return len(self.rows)
@@ -123,13 +135,47 @@ class _StoreIndex:
       self.index, self._flat = None, index
       self._pending = [index.reconstruct_n(0, index.ntotal)] if index.ntotal else []
 
-  def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """`(scores [n, k] (-inf = none), rows [n, k] (-1 = none))`."""
+  def can_filter(self) -> bool:
+    """Whether the index searched now takes an ID selector (PQ fast-scan does not)."""
+    index = self.index if self.index is not None else self._flat
+    return not isinstance(index, _faiss().IndexFastScan)
+
+  def selector(self, codes: tuple[int, ...], row_scopes: np.ndarray):
+    """`(IDSelectorBitmap, count)` over the positions of this store's vectors whose bank rows'
+    scope codes (`row_scopes [n_bank]`) are in `codes`: cached, extended with the vectors added
+    since it was built (the bitmap grows by doubling)."""
+    n = len(self.rows)
+    covered, bits, sel, count = self._selectors.pop(codes, None) or (0, np.zeros(0, np.uint8),
+                                                                       None, 0)
+    if covered < n:
+      need = (n + 7) // 8
+      if need > len(bits):
+        bits = np.concatenate([bits, np.zeros(max(need, 2 * len(bits), 64) - len(bits), np.uint8)])
+        sel = None  # (faiss reads the array in place: a new array needs a new selector)
+      pos = covered + np.flatnonzero(np.isin(row_scopes[self.rows[covered:]], codes))
+      np.bitwise_or.at(bits, pos >> 3, np.left_shift(1, pos & 7).astype(np.uint8))
+      covered, count = n, count + len(pos)
+    if sel is None:
+      sel = _faiss().IDSelectorBitmap(bits)
+    self._selectors[codes] = [covered, bits, sel, count]
+    while len(self._selectors) > MAX_SELECTORS:
+      self._selectors.pop(next(iter(self._selectors)))
+    return sel, count
+
+  def search(self, queries: np.ndarray, k: int, scopes=None) -> tuple[np.ndarray, np.ndarray]:
+    """`(scores [n, k] (-inf = none), rows [n, k] (-1 = none))`; with `scopes` (`(codes,
+    row_scopes)`, see `selector`) only vectors of those scopes."""
     n = queries.shape[0]
-    if not len(self.rows):
+    sel, count = None, len(self.rows)
+    if scopes is not None and count:
+      sel, count = self.selector(*scopes)
+    if not count:  # nothing (of these scopes) here
       return np.full((n, k), -np.inf, np.float32), np.full((n, k), -1, np.int64)
     index = self.index if self.index is not None else self._flat
-    scores, ids = index.search(queries, k)
+    if sel is None:
+      scores, ids = index.search(queries, k)
+    else:
+      scores, ids = index.search(queries, k, params=_with_selector(index, sel))
     ok = ids >= 0
     rows = np.where(ok, self.rows[np.maximum(ids, 0)], -1)
     return np.where(ok, scores, -np.inf).astype(np.float32), rows
@@ -212,16 +258,29 @@ class FaissSearcher:
     finally:
       faiss.omp_set_num_threads(threads)
 
-  def search(self, queries: np.ndarray, k: int, multistore: bool):
+  def search(self, queries: np.ndarray, k: int, multistore: bool, scopes=None):
     """Top-`k` bank rows of `[n, d]` unit queries.
 
     A few queries are searched on one OpenMP thread: on a shared 2-core machine, faiss's threads
     waiting for each other cost more than one query's work (10x on a 10k flat search here).
 
+    Args:
+      queries: `[n, d]` unit queries.
+      k: rows per query.
+      multistore: the top-`k/2` of each store instead of the dialogue memories' top-`k`.
+      scopes: optional `(codes, row_scopes)`: only rows whose scope code (`row_scopes [n_bank]`,
+        the bank's host codes) is in the tuple `codes` (see the module docstring).
+
     Returns:
-      `(rows [n, k] int32 (-1 = none), mask [n, k] bool)`, best first.
+      `(rows [n, k] int32 (-1 = none), mask [n, k] bool)`, best first; None when `scopes` is given
+      and an index searched cannot filter by scope (the caller searches exactly).
     """
     faiss = _faiss()
+    searched = self._stores if multistore else self._stores[:1]
+    if scopes is not None:
+      scopes = (tuple(int(c) for c in scopes[0]), np.asarray(scopes[1]))
+      if not all(store.can_filter() for store in searched if len(store)):
+        return None
     queries = np.ascontiguousarray(queries, np.float32)
     for store in self._stores:
       if store.index is not None:
@@ -229,15 +288,15 @@ class FaissSearcher:
     threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1 if queries.shape[0] < SMALL_BATCH else threads)
     try:
-      return self._search(queries, k, multistore)
+      return self._search(queries, k, multistore, scopes)
     finally:
       faiss.omp_set_num_threads(threads)
 
-  def _search(self, queries, k, multistore):
+  def _search(self, queries, k, multistore, scopes=None):
     if not multistore:
-      scores, rows = self._stores[0].search(queries, k)
+      scores, rows = self._stores[0].search(queries, k, scopes)
     else:
-      parts = [store.search(queries, k // 2) for store in self._stores]
+      parts = [store.search(queries, k // 2, scopes) for store in self._stores]
       scores = np.concatenate([p[0] for p in parts], 1)
       rows = np.concatenate([p[1] for p in parts], 1)
       order = np.argsort(-scores, axis=1, kind="stable")  # equal scores: store 0 first
@@ -255,6 +314,17 @@ class FaissSearcher:
       if index is not None and index.ntotal:
         total += int(faiss.serialize_index(index).nbytes)
     return total
+
+
+def _with_selector(index, sel):
+  """faiss search parameters with ID selector `sel` and `index`'s own search settings."""
+  faiss = _faiss()
+  if hasattr(index, "hnsw"):
+    return faiss.SearchParametersHNSW(sel=sel, efSearch=int(index.hnsw.efSearch))
+  if hasattr(index, "nprobe"):
+    return faiss.SearchParametersIVF(sel=sel, nprobe=int(index.nprobe),
+                                     max_codes=int(index.max_codes))
+  return faiss.SearchParameters(sel=sel)
 
 
 def faiss_hnsw(dim: int, *, hnsw_m: int = 32, ef_construction: int = 80,

@@ -16,6 +16,20 @@ the same as the benchmark pipeline's:
   and `docs/jsonl_format.md`);
 * with `multistore` the candidates are the top-K/2 of each store (Section 5).
 
+Scopes (`Memory.add(..., scope=...)`): every row has a scope (`DEFAULT_SCOPE` unless named), kept
+as a `[C]` int32 scope code on the device beside the stores and the validity mask (written by the
+same jitted `_write`) and as a host table name <-> code (`Bank.scope_names`, in order of first
+use). A query's scope spec (None: every scope; a name; a list of names) becomes `allowed`, a bool
+vector over the scope codes padded to a power of two (`ScopeFilter`: the search compiles once per
+power of two of scopes), gathered by the row codes inside the jitted search (`allowed[scopes]`) and
+ANDed with `valid` (and the store rule), so rows of other scopes are never candidates, however few
+the scope holds (the candidates are then padded and masked as for a small bank); nothing filters
+the bank's rows on the host per query. An ANN searcher gets the scope codes too and searches with
+a faiss ID selector (`ear_jax.index.ann`); the device re-score applies `allowed` again. A searcher
+whose faiss index cannot filter (PQ fast-scan once trained) leaves a scoped query to the exact
+device search. `check_k` / `available` count the memories of the requested scopes (per store).
+Each row also keeps a date (free text, e.g. LoCoMo's "1:56 pm on 8 May, 2023", or ISO 8601).
+
 Options (`Memory(bank_dtype=..., index=...)`): the embeddings may be stored as bfloat16 (half the
 memory and bytes per exact search); `index` replaces the exact device search by an approximate
 faiss searcher (`ear_jax.index.ann`), which returns rows that are then gathered from the same
@@ -30,9 +44,10 @@ from __future__ import annotations
 
 import collections.abc
 import functools
+import datetime
 import hashlib
 import json
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +62,7 @@ STORE_NAMES = ("dialogue", "observation")
 BANK_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 MIN_CAPACITY = 32
 FINE_CAPACITY = 4096  # beyond this the capacity grows in quarter steps (`capacity_for`)
+DEFAULT_SCOPE = "default"  # the scope of memories added without one (scope code 0)
 
 
 class InputTypeError(TypeError, ValueError):
@@ -201,15 +217,100 @@ def check_id_list(ids, n: int) -> list[str]:
   return ids
 
 
+def check_scope(scope) -> str:
+  """The scope of an `add`: None -> `DEFAULT_SCOPE`, else a non-empty string (UTF-8 encodable)."""
+  if scope is None:
+    return DEFAULT_SCOPE
+  if not isinstance(scope, str):
+    raise InputTypeError(f"scope must be a string (one scope for the memories of this call) or "
+                         f"None, got {type(scope).__name__}")
+  if not scope:
+    raise ValueError("scope is an empty string: pass a scope name or None (the default scope)")
+  try:
+    encoder_base.check_texts([scope])
+  except ValueError as e:
+    raise ValueError(f"scope: {e}") from None
+  return scope
+
+
+def check_scope_spec(scope) -> Optional[tuple[str, ...]]:
+  """The scopes a query may see: None (every scope), or the names of one string or a non-empty
+  list / tuple of strings (unknown names are allowed: they hold no memories)."""
+  if scope is None:
+    return None
+  if isinstance(scope, str):
+    return (check_scope(scope),)
+  if not isinstance(scope, (list, tuple)):
+    raise InputTypeError(f"scope must be None, a scope name or a list / tuple of names, got "
+                         f"{type(scope).__name__}")
+  if not scope:
+    raise ValueError("scope is an empty list: pass None for every scope, or at least one name")
+  names = []
+  for i, s in enumerate(scope):
+    if not isinstance(s, str):
+      raise InputTypeError(f"scope[{i}] must be a string, got {type(s).__name__}")
+    names.append(check_scope(s))
+  return tuple(dict.fromkeys(names))
+
+
+def now_date() -> str:
+  """The date of a memory added without one: the UTC time as ISO 8601, to the second."""
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def check_dates(dates, n: int) -> list[str]:
+  """`n` dates (free text), one per memory; None -> `n` times `now_date()`."""
+  if dates is None:
+    return [now_date()] * n
+  if isinstance(dates, str) or not isinstance(dates, collections.abc.Sequence):
+    raise InputTypeError(f"dates must be a sequence (list, tuple) of strings, one per text, got "
+                         f"{type(dates).__name__}")
+  dates = list(dates)
+  if len(dates) != n:
+    raise ValueError(f"dates has {len(dates)} entries for {n} texts")
+  for i, d in enumerate(dates):
+    if not isinstance(d, str):
+      raise InputTypeError(f"dates[{i}] must be a string, got {type(d).__name__}")
+  try:
+    encoder_base.check_texts(dates)
+  except ValueError as e:
+    raise ValueError(f"dates: {e}") from None
+  return dates
+
+
+def scope_label(names: Sequence[str]) -> str:
+  """`scope 'a'` or `scopes ['a', 'b']`, for messages."""
+  return f"scope {names[0]!r}" if len(names) == 1 else f"scopes {list(names)!r}"
+
+
+class ScopeFilter(NamedTuple):
+  """A query's scope spec against one bank's scope table.
+
+  Attributes:
+    names: the scope names asked for.
+    codes: their scope codes in the bank (sorted; unknown names have none).
+    allowed: `[S']` bool, True at those codes, `S'` the number of scopes padded to a power of two.
+  """
+  names: tuple[str, ...]
+  codes: tuple[int, ...]
+  allowed: np.ndarray
+
+
 # ------------------------------------------------------------------------------------------------
 # jitted kernels (compiled once per capacity C and query count)
 
 
-def _candidates(queries, emb, valid, stores, rows, mask, k, multistore):
+def _candidates(queries, emb, valid, stores, scopes, allowed, rows, mask, k, multistore):
   """Traced: `(rows [q, K], mask [q, K], embeddings [q, K, d] float32)` of `[q, d]` queries, by the
-  exact search (`rows is None`) or for the rows an ANN searcher found. The gather reads the bank
-  through an optimisation barrier: otherwise XLA shares one float32 widening of a bfloat16 bank
-  between the search and the gather and materialises it (~8x slower)."""
+  exact search (`rows is None`) or for the rows an ANN searcher found; with `allowed [S']` (a
+  `ScopeFilter`'s) only rows whose scope code `scopes [C]` is allowed (None: every scope). The
+  gather reads the bank through an optimisation barrier: otherwise XLA shares one float32 widening
+  of a bfloat16 bank between the search and the gather and materialises it (~8x slower)."""
+  if allowed is not None:
+    valid = valid & allowed[scopes]
+    if rows is not None:  # (the searcher proposed rows of these scopes only: checked again here)
+      mask = mask & valid[jnp.maximum(rows, 0)]
+      rows = jnp.where(mask, rows, -1)
   if rows is None:
     if multistore:
       rows, _, mask = retrieval_lib.top_k_search(queries, emb, valid, k, stores)
@@ -272,46 +373,70 @@ def _unpack(ints: np.ndarray, floats: np.ndarray, q: int, k: int, d: int, slate_
 
 
 @functools.partial(jax.jit, static_argnames=("k", "multistore"))
-def _search(queries, emb, valid, stores, rows, mask, *, k, multistore):
+def _search(queries, emb, valid, stores, scopes, allowed, rows, mask, *, k, multistore):
   """`_candidates` as one jitted call (packed, `_pack`)."""
-  return _pack(*_candidates(queries, emb, valid, stores, rows, mask, k, multistore))
+  return _pack(*_candidates(queries, emb, valid, stores, scopes, allowed, rows, mask, k,
+                            multistore))
 
 
 @functools.partial(jax.jit, static_argnames=("k", "multistore", "slate_size", "explore"))
-def _search_slates(queries, emb, valid, stores, rows, mask, params, hparams, *, k, multistore,
-                   slate_size, explore):
+def _search_slates(queries, emb, valid, stores, scopes, allowed, rows, mask, params, hparams, *, k,
+                   multistore, slate_size, explore):
   """`_candidates`, then each query's first-round slate (fresh bandit statistics, Alg. 2 line 3)
   in the same jitted call: `_pack(rows, mask, embeddings, (slate, slate_mask, z))`."""
-  rows, mask, cands = _candidates(queries, emb, valid, stores, rows, mask, k, multistore)
+  rows, mask, cands = _candidates(queries, emb, valid, stores, scopes, allowed, rows, mask, k,
+                                  multistore)
   fresh = jnp.zeros(mask.shape, jnp.float32)
   stats = explorer_lib.BanditStats(mean=fresh, counts=fresh) if explore else None
   return _pack(rows, mask, cands,
                retrieval_lib.batch_slates(params, queries, cands, mask, slate_size, hparams, stats))
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-def _write(emb, valid, stores, rows, row_stores, row_valid, start):
-  """Writes `[m, d]` rows (those with `row_valid`) at rows `start..` of the `[C, d]` bank, in place
-  (the bank's arrays are donated: an add costs the rows it writes, not a copy of the bank). Rows
-  of store 2, deleted memories' tombstones (`ear_jax.agent.memory.forget`), are written invalid."""
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2, 3))
+def _write(emb, valid, stores, scopes, rows, row_stores, row_scopes, row_valid, start):
+  """Writes `[m, d]` rows (those with `row_valid`) with their store and scope codes `[m]` at rows
+  `start..` of the `[C, d]` bank, in place (the bank's arrays are donated: an add costs the rows it
+  writes, not a copy of the bank). Rows of store 2, deleted memories' tombstones
+  (`ear_jax.agent.memory.forget`), are written invalid."""
   cap = emb.shape[0]
   at = jnp.where(row_valid, start + jnp.arange(rows.shape[0]), cap)  # C = dropped
   return (emb.at[at].set(rows.astype(emb.dtype), mode="drop"),
           valid.at[at].set(row_stores < 2, mode="drop"),
-          stores.at[at].set(row_stores, mode="drop"))
+          stores.at[at].set(row_stores, mode="drop"),
+          scopes.at[at].set(row_scopes, mode="drop"))
 
 
-def rows_digest(ids, texts, codes: np.ndarray, emb: np.ndarray) -> str:
-  """SHA-256 of bank rows (ids, texts, store codes, float32 embeddings): what a saved shard holds."""
+def rows_digest(ids, texts, codes: np.ndarray, emb: np.ndarray, scopes=None, scope_names=None,
+                dates=None) -> str:
+  """SHA-256 of bank rows (ids, texts, store codes, float32 embeddings, and, when given, scope
+  codes `[n]` with their names and dates): what a saved shard holds. Without scopes and dates it is
+  the digest of the shards written before scopes (which load in `DEFAULT_SCOPE`, date "")."""
   h = hashlib.sha256()
   h.update(json.dumps([list(ids), list(texts)], ensure_ascii=False).encode("utf-8"))
   h.update(np.ascontiguousarray(codes, np.int8).tobytes())
   h.update(np.ascontiguousarray(emb, np.float32).tobytes())
+  if scopes is not None or scope_names is not None or dates is not None:
+    h.update(json.dumps(["scopes", None if scope_names is None else list(scope_names),
+                         None if dates is None else list(dates)],
+                        ensure_ascii=False).encode("utf-8"))
+    if scopes is not None:
+      h.update(np.ascontiguousarray(scopes, np.int32).tobytes())
   return h.hexdigest()
 
 
+def shard_digest(arrays, meta) -> str:
+  """`rows_digest` of saved rows `(arrays, meta)` as `Bank.rows` gives them (or an older shard
+  without scopes and dates); "" for fields no shard holds (never a shard's digest)."""
+  try:
+    return rows_digest(meta["ids"], meta["texts"], arrays["stores"], arrays["embeddings"],
+                       arrays.get("scopes"), meta.get("scope_names"), meta.get("dates"))
+  except (TypeError, ValueError):
+    return ""
+
+
 class Bank:
-  """Ids, texts and store codes on the host; `[C, d]` embeddings, mask and stores on the device.
+  """Ids, texts, store and scope codes and dates on the host; `[C, d]` embeddings, mask, stores and
+  scope codes on the device.
 
   Args:
     dim: `d`.
@@ -336,10 +461,16 @@ class Bank:
     self.emb = jnp.zeros((cap, self.dim), BANK_DTYPES[dtype])  # [C, d]
     self.valid = jnp.zeros((cap,), bool)  # [C]
     self.stores = jnp.zeros((cap,), jnp.int32)  # [C]
+    self.scopes = jnp.zeros((cap,), jnp.int32)  # [C] scope code of each row
     self.ids: list[str] = []
     self.texts: list[str] = []
+    self.dates: list[str] = []
     self.store_codes = np.zeros((0,), np.int8)  # [n], host copy of the stores
     self.store_counts = [0, 0]  # memories per store (O(1) `available` at any bank size)
+    self.scope_codes = np.zeros((0,), np.int32)  # [n], host copy of the scopes
+    self.scope_names: list[str] = [DEFAULT_SCOPE]  # scope code -> name (code 0: the default)
+    self.scope_index: dict[str, int] = {DEFAULT_SCOPE: 0}  # name -> scope code
+    self.scope_counts = np.zeros((1, 2), np.int64)  # [S, 2] memories per scope and store
     self.row_of: dict[str, int] = {}
     self.digests: dict[tuple[int, int], str] = {}  # (start, count) -> rows_digest, rows are final
 
@@ -357,7 +488,8 @@ class Bank:
 
   def nbytes(self) -> int:
     """Bytes held for the bank's vectors: the device arrays plus any ANN index."""
-    dev = sum(int(a.size) * a.dtype.itemsize for a in (self.emb, self.valid, self.stores))
+    dev = sum(int(a.size) * a.dtype.itemsize
+              for a in (self.emb, self.valid, self.stores, self.scopes))
     return dev + (self.searcher.nbytes() if self.searcher is not None else 0)
 
   def default_ids(self, n: int) -> list[str]:
@@ -376,47 +508,112 @@ class Bank:
     if taken:
       raise ValueError(f"memory ids {taken[:5]} are already in the bank")
 
-  def append(self, ids: list[str], texts: list[str], codes: np.ndarray, emb: np.ndarray) -> None:
-    """Appends validated memories (`check_new_ids` first); grows `C` when it is too small."""
+  def scope_code(self, name: str) -> int:
+    """The code of scope `name`, registered (the next code) when it is new."""
+    code = self.scope_index.get(name)
+    if code is None:
+      code = self.scope_index[name] = len(self.scope_names)
+      self.scope_names.append(name)
+      self.scope_counts = np.concatenate([self.scope_counts, np.zeros((1, 2), np.int64)])
+    return code
+
+  def count_rows(self, codes: np.ndarray, scopes: np.ndarray, sign: int = 1) -> None:
+    """Adds (`sign` 1) or removes (-1) rows with store `codes` and scope codes `scopes` from the
+    per-store and per-scope counts (rows of store 2, tombstones, count nowhere)."""
+    live = codes < 2
+    np.add.at(self.scope_counts, (scopes[live], codes[live].astype(np.int64)), sign)
+    self.store_counts = [c + sign * int((codes == s).sum()) for s, c in enumerate(self.store_counts)]
+
+  def append(self, ids: list[str], texts: list[str], codes: np.ndarray, emb: np.ndarray,
+             scopes: Optional[Sequence[str]] = None,
+             dates: Optional[Sequence[str]] = None) -> None:
+    """Appends validated memories (`check_new_ids` first); grows `C` when it is too small.
+
+    Args:
+      ids, texts: `n` each.
+      codes: `[n]` store codes.
+      emb: `[n, d]` unit rows.
+      scopes: `n` scope names (None: `DEFAULT_SCOPE`).
+      dates: `n` dates (None: "").
+    """
     n, start = len(ids), len(self.ids)
+    scopes = [DEFAULT_SCOPE] * n if scopes is None else list(scopes)
+    dates = [""] * n if dates is None else list(dates)
+    if len(scopes) != n or len(dates) != n:
+      raise ValueError(f"{len(scopes)} scopes / {len(dates)} dates for {n} memories")
+    scope_codes = np.asarray([self.scope_code(x) for x in scopes], np.int32).reshape(n)
     if start + n > self.capacity:
       cap = capacity_for(start + n, self.capacity)
       grow = lambda a: jnp.concatenate([a, jnp.zeros((cap - a.shape[0],) + a.shape[1:], a.dtype)])
       self.emb, self.valid, self.stores = grow(self.emb), grow(self.valid), grow(self.stores)
+      self.scopes = grow(self.scopes)
     m = pow2_at_least(n)  # the write compiles once per power-of-two batch size
     pad = lambda a: np.concatenate([a, np.zeros((m - n,) + a.shape[1:], a.dtype)])
-    self.emb, self.valid, self.stores = _write(
-        self.emb, self.valid, self.stores, pad(emb), pad(codes.astype(np.int32)),
-        np.arange(m) < n, np.int32(start))
+    self.emb, self.valid, self.stores, self.scopes = _write(
+        self.emb, self.valid, self.stores, self.scopes, pad(emb), pad(codes.astype(np.int32)),
+        pad(scope_codes), np.arange(m) < n, np.int32(start))
     if self.searcher is not None:
       self.searcher.add(emb, codes, start)
     for j, i in enumerate(ids):
       self.row_of[i] = start + j
     self.ids.extend(ids)
     self.texts.extend(texts)
+    self.dates.extend(dates)
     self.store_codes = np.concatenate([self.store_codes, codes.astype(np.int8)])
-    self.store_counts = [c + int((codes == s).sum()) for s, c in enumerate(self.store_counts)]
+    self.scope_codes = np.concatenate([self.scope_codes, scope_codes])
+    self.count_rows(codes.astype(np.int8), scope_codes)
 
-  def available(self, num_candidates: int, multistore: bool) -> int:
-    """How many candidates a query can get: `min(n_dialogue, K)`, or per store `min(., K/2)`."""
+  def scope_filter(self, scope: Optional[Sequence[str]]) -> Optional[ScopeFilter]:
+    """The `ScopeFilter` of a checked scope spec (`check_scope_spec`); None for every scope."""
+    if scope is None:
+      return None
+    names = tuple(scope)
+    codes = tuple(sorted({self.scope_index[x] for x in names if x in self.scope_index}))
+    allowed = np.zeros(pow2_at_least(len(self.scope_names)), bool)
+    allowed[list(codes)] = True
+    return ScopeFilter(names, codes, allowed)
+
+  def available(self, num_candidates: int, multistore: bool,
+                scope: Optional[Sequence[str]] = None) -> int:
+    """How many candidates a query can get: `min(n_dialogue, K)`, or per store `min(., K/2)`,
+    counting the memories of the scopes `scope` names (None: every scope)."""
     counts = self.store_counts
+    if scope is not None:
+      codes = list(self.scope_filter(scope).codes)
+      counts = [int(c) for c in self.scope_counts[codes].sum(0)] if codes else [0, 0]
     if not multistore:
       return min(counts[0], num_candidates)
     return sum(min(c, num_candidates // 2) for c in counts)
 
-  def check_k(self, k: int, num_candidates: int, multistore: bool) -> None:
-    """ValueError when a query cannot get `k` candidates from this bank."""
-    avail = self.available(num_candidates, multistore)
+  def check_k(self, k: int, num_candidates: int, multistore: bool,
+              scope: Optional[Sequence[str]] = None) -> None:
+    """ValueError when a query (of the scopes `scope` names; None: every scope) cannot get `k`
+    candidates from this bank."""
+    avail = self.available(num_candidates, multistore, scope)
     if k <= avail:
       return
+    if scope is None:
+      of, where, held = "", "the bank", len(self)
+    else:
+      where = scope_label(tuple(scope))
+      of = " of " + where
+      codes = list(self.scope_filter(scope).codes)
+      held = int(self.scope_counts[codes].sum()) if codes else 0
     if avail == 0:
-      raise ValueError(f"k={k} is larger than the memory bank: the bank is empty"
-                       + ("" if multistore or not len(self) else " of dialogue memories "
-                          "(observations are candidates only with multistore)"))
-    raise ValueError(f"k={k} is larger than the memory bank: only {avail} memories can be "
-                     f"retrieved ({len(self)} in the bank)")
+      if multistore or not held:
+        empty = "the bank is empty" if scope is None else f"{where} holds no memories"
+      elif scope is None:  # (the message of a bank without scopes, unchanged)
+        empty = ("the bank is empty of dialogue memories (observations are candidates only with "
+                 "multistore)")
+      else:
+        empty = (f"{where} holds no dialogue memories (observations are candidates only with "
+                 "multistore)")
+      raise ValueError(f"k={k} is larger than the memory bank{of}: {empty}")
+    raise ValueError(f"k={k} is larger than the memory bank{of}: only {avail} memories can be "
+                     f"retrieved ({held} in {where})")
 
-  def search(self, queries: np.ndarray, num_candidates: int, multistore: bool, slate=None):
+  def search(self, queries: np.ndarray, num_candidates: int, multistore: bool, slate=None,
+             scope: Optional[Sequence[str]] = None):
     """Top-K candidates of `[q, d]` unit queries (see the module docstring), by the exact device
     search or the ANN searcher, in one jitted call and two host copies (`_pack`).
 
@@ -427,6 +624,7 @@ class Bank:
       slate: optional `(params, hparams, slate_size, explore)`: also each query's first-round slate
         (adapter top-s, or an Explorer round from fresh bandit statistics), computed in the same
         call as the search.
+      scope: the scope names the candidates come from (`check_scope_spec`; None: every scope).
 
     Returns:
       `(rows [q, K] int32 (-1 = padding), mask [q, K] bool, embeddings [q, K, d] float32)`, numpy,
@@ -439,9 +637,15 @@ class Bank:
     if q_pad != q:
       padded = np.concatenate([padded, np.zeros((q_pad - q, self.dim), np.float32)])
     rows = mask = None
+    filt = self.scope_filter(scope)
+    allowed = None if filt is None else filt.allowed
     if self.searcher is not None:
-      rows, mask = self.searcher.search(padded, num_candidates * self.searcher.rerank, multistore)
-    args = (padded, self.emb, self.valid, self.stores, rows, mask)
+      found = self.searcher.search(
+          padded, num_candidates * self.searcher.rerank, multistore,
+          scopes=None if filt is None else (filt.codes, self.scope_codes))
+      if found is not None:  # (None: this index cannot filter scopes; the exact search does)
+        rows, mask = found
+    args = (padded, self.emb, self.valid, self.stores, self.scopes, allowed, rows, mask)
     size = None
     if slate is None:
       out = _search(*args, k=num_candidates, multistore=multistore)
@@ -476,22 +680,34 @@ class Bank:
     return (tuple(self.ids[r] for r in rows), tuple(self.texts[r] for r in rows),
             tuple(STORE_NAMES[int(self.store_codes[r])] for r in rows))
 
+  def records(self, rows) -> list[dict]:
+    """`[{'id', 'text', 'store', 'scope', 'date'}]` of (live) bank rows, in order."""
+    return [{"id": self.ids[r], "text": self.texts[r],
+             "store": STORE_NAMES[int(self.store_codes[r])],
+             "scope": self.scope_names[int(self.scope_codes[r])], "date": self.dates[r]}
+            for r in (int(r) for r in rows)]
+
   # ----------------------------------------------------------------------------------------------
   # rows for snapshots and shards (`ear_jax.agent.memory.persistence`)
 
   def rows(self, start: int, stop: int):
-    """`(arrays, meta)` of rows `start:stop`: embeddings (float32) and stores; ids and texts."""
+    """`(arrays, meta)` of rows `start:stop`: embeddings (float32), stores and scope codes `[m]`
+    int32 (codes into `meta['scope_names']`, this run's own table of the scopes it uses); ids,
+    texts, scope names and dates."""
+    codes = self.scope_codes[start:stop]
+    used, local = np.unique(codes, return_inverse=True)
     arrays = {"embeddings": self.embeddings(start, stop),
-              "stores": self.store_codes[start:stop].copy()}
-    return arrays, {"ids": self.ids[start:stop], "texts": self.texts[start:stop]}
+              "stores": self.store_codes[start:stop].copy(),
+              "scopes": local.reshape(-1).astype(np.int32)}
+    return arrays, {"ids": self.ids[start:stop], "texts": self.texts[start:stop],
+                    "scope_names": [self.scope_names[int(c)] for c in used],
+                    "dates": self.dates[start:stop]}
 
   def digest(self, start: int, stop: int) -> str:
-    """`rows_digest` of rows `start:stop` (cached: rows never change once appended)."""
+    """`shard_digest` of rows `start:stop` (cached: rows never change once appended)."""
     key = (int(start), int(stop) - int(start))
     if key not in self.digests:
-      arrays, meta = self.rows(start, stop)
-      self.digests[key] = rows_digest(meta["ids"], meta["texts"], arrays["stores"],
-                                      arrays["embeddings"])
+      self.digests[key] = shard_digest(*self.rows(start, stop))
     return self.digests[key]
 
   def extend_rows(self, arrays, meta, where: str) -> None:
@@ -510,4 +726,25 @@ class Bank:
     dup = [i for i in ids if i in self.row_of]
     if dup or len(set(ids)) != n:
       raise ValueError(f"{where}: duplicate memory ids {dup[:5]}")
-    self.append(ids, texts, codes, emb)
+    scopes, dates = _saved_scopes(arrays, meta, n, where)
+    self.append(ids, texts, codes, emb, scopes, dates)
+
+
+def _saved_scopes(arrays, meta, n: int, where: str):
+  """`(scope names [n] or None, dates [n] or None)` of saved rows (None: rows saved before scopes
+  and dates, which are in `DEFAULT_SCOPE` with date ""); ValueError naming `where`."""
+  names, dates = meta.get("scope_names"), meta.get("dates")
+  scopes = None
+  if "scopes" in arrays or names is not None:
+    local = np.asarray(arrays.get("scopes", ()))
+    if (not isinstance(names, list) or not all(isinstance(x, str) and x for x in names)
+        or local.shape != (n,) or not np.issubdtype(local.dtype, np.integer)
+        or (n and (local.min() < 0 or local.max() >= len(names)))):
+      raise ValueError(f"{where}: the rows' scopes (codes {local.shape} into "
+                       f"{len(names) if isinstance(names, list) else names!r} names) do not "
+                       f"match {n} memories")
+    scopes = [names[int(c)] for c in local]
+  if dates is not None and (not isinstance(dates, list) or len(dates) != n
+                            or not all(isinstance(x, str) for x in dates)):
+    raise ValueError(f"{where}: field 'dates' is not {n} strings")
+  return scopes, dates

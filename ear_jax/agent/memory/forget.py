@@ -25,6 +25,11 @@ Everything that held the memory forgets it in the same locked call:
   memory's vector or text once that save returns. A save killed in between leaves the old or the
   new checkpoint (the store's atomic steps); the older steps are purged by the next save, since
   each main step records the number of deletions so far (`stats['memories_deleted']`).
+
+Correcting: `Memory.update(id, text=..., embedding=...)` is a delete of the memory's row (all of
+the above: the old text and vector leave candidates, sessions, the buffer and the next
+checkpoint) and an append of a new row with the same id, store, scope and date, in one locked
+call. `Memory.get` / `Memory.list` give `{'id', 'text', 'store', 'scope', 'date'}` records.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ear_jax.agent.memory import bank as bank_lib
+from ear_jax.data import encoder_base
 
 DELETED = 2  # the store code of a deleted row
 TOMBSTONE = "\x00deleted:"  # + row: the id of a deleted row (check_ids refuses it)
@@ -78,10 +84,12 @@ def _forget_bank(bank: bank_lib.Bank, rows: np.ndarray) -> np.ndarray:
   bank.emb = bank.emb.at[at].set(0)
   bank.valid = bank.valid.at[at].set(False)
   bank.stores = bank.stores.at[at].set(DELETED)
+  bank.scopes = bank.scopes.at[at].set(0)
+  bank.count_rows(bank.store_codes[rows], bank.scope_codes[rows], -1)
   for r in rows.tolist():
-    code = int(bank.store_codes[r])
-    bank.store_counts[code] -= 1
     bank.store_codes[r] = DELETED
+    bank.scope_codes[r] = 0  # (a tombstone is in the default scope, with no date)
+    bank.dates[r] = ""
     bank.row_of.pop(bank.ids[r])
     bank.ids[r] = f"{TOMBSTONE}{r}"
     bank.row_of[bank.ids[r]] = r
@@ -138,33 +146,94 @@ def delete(memory, ids) -> list[str]:
   the memory's lock. Returns the deleted ids."""
   ids = check_ids(ids)
   with memory._lock:  # pylint: disable=protected-access
-    bank = memory._bank  # pylint: disable=protected-access
-    rows = rows_of(bank, ids)
-    old = _forget_bank(bank, rows)
-    if memory._lexical is not None:  # rebuilt from the bank's texts at the next search
-      memory._lexical = memory._lexical.fresh()
-    sessions = memory._sessions
-    for sid, s in list(sessions.by_id.items()):
-      if np.isin(s.cand_idx[s.cand_mask], rows).any():
-        if s.open_id >= 0:
-          sessions.open.pop(s.open_id, None)
-        del sessions.by_id[sid]
-        memory.stats["sessions_dropped_by_delete"] += 1
-    driver = memory._driver
-    driver.ready = [_mask_item(it, rows) for it in driver.ready]
-    _forget_buffer(driver, rows, old, memory.config.dim)
-    memory.stats[DELETED_STAT] += len(ids)
+    _forget_rows(memory, rows_of(memory._bank, ids))  # pylint: disable=protected-access
   return ids
 
 
+def _forget_rows(memory, rows: np.ndarray) -> None:
+  """Deletes live bank `rows` everywhere (see the module docstring; call under the lock)."""
+  bank = memory._bank  # pylint: disable=protected-access
+  old = _forget_bank(bank, rows)
+  if memory._lexical is not None:  # rebuilt from the bank's texts at the next search
+    memory._lexical = memory._lexical.fresh()
+  sessions = memory._sessions
+  for sid, s in list(sessions.by_id.items()):
+    if np.isin(s.cand_idx[s.cand_mask], rows).any():
+      if s.open_id >= 0:
+        sessions.open.pop(s.open_id, None)
+      del sessions.by_id[sid]
+      memory.stats["sessions_dropped_by_delete"] += 1
+  driver = memory._driver
+  driver.ready = [_mask_item(it, rows) for it in driver.ready]
+  _forget_buffer(driver, rows, old, memory.config.dim)
+  memory.stats[DELETED_STAT] += len(rows)
+
+
 def get(memory, ids) -> list[dict]:
-  """`Memory.get`: `[{'id', 'text', 'store'}]` of live memory ids, in order."""
+  """`Memory.get`: `[{'id', 'text', 'store', 'scope', 'date'}]` of live memory ids, in order."""
   ids = check_ids(ids)
   with memory._lock:  # pylint: disable=protected-access
+    return memory._bank.records(rows_of(memory._bank, ids))  # pylint: disable=protected-access
+
+
+def list_memories(memory, scope=None) -> list[dict]:
+  """`Memory.list`: `get`'s records of the live memories of the scopes `scope` names (None: every
+  scope; a name; a list of names), in bank row order (an updated memory at its update)."""
+  names = bank_lib.check_scope_spec(scope)
+  with memory._lock:  # pylint: disable=protected-access
     bank = memory._bank  # pylint: disable=protected-access
-    rows = rows_of(bank, ids)
-    got = bank.describe(rows)
-  return [{"id": i, "text": t, "store": s} for i, t, s in zip(*got)]
+    live = bank.store_codes < DELETED
+    if names is not None:
+      filt = bank.scope_filter(names)
+      live &= np.isin(bank.scope_codes, np.asarray(filt.codes, np.int32))
+    return bank.records(np.flatnonzero(live))
+
+
+def update(memory, memory_id, *, text=None, embedding=None) -> str:
+  """`Memory.update`: replaces memory `memory_id` by a corrected one with the same id, store,
+  scope and date: the old row is deleted everywhere (`delete`: candidates, open sessions, queued
+  items, the replay buffer, the next checkpoint) and a new row appended, in one locked call.
+
+  Args:
+    memory: the memory.
+    memory_id: the id of a live memory.
+    text: the new text (None: keep the text).
+    embedding: the new `[d]` (or `[1, d]`) embedding (None: encode `text`, outside the lock).
+
+  Returns:
+    The id.
+
+  Raises:
+    ValueError: an unknown id (naming it), nothing to update, or an invalid text or embedding
+      (nothing changed).
+  """
+  if not isinstance(memory_id, str):
+    raise bank_lib.InputTypeError(f"memory_id must be a string, got {type(memory_id).__name__}")
+  if text is None and embedding is None:
+    raise ValueError(f"update of memory {memory_id!r} changes nothing: pass text= and/or "
+                     "embedding=")
+  if text is not None:
+    if not isinstance(text, str):
+      raise bank_lib.InputTypeError(f"text must be a string, got {type(text).__name__}")
+    text = bank_lib.check_text_list(text, "text")[0]
+  with memory._lock:  # pylint: disable=protected-access
+    rows_of(memory._bank, [memory_id], "memory_id")  # pylint: disable=protected-access
+  dim = memory.config.dim
+  if embedding is not None:
+    arr = encoder_base.real_array(embedding, "embedding")
+    emb = bank_lib.check_embeddings(arr[None] if arr.ndim == 1 else arr, 1, dim, "embedding")
+  else:
+    emb = memory._embed([text], None, 1, "the updated memory's")  # pylint: disable=protected-access
+  with memory._lock:  # pylint: disable=protected-access  (re-checked: another call may delete)
+    bank = memory._bank  # pylint: disable=protected-access
+    row = int(rows_of(bank, [memory_id], "memory_id")[0])
+    new_text = bank.texts[row] if text is None else text
+    code = bank.store_codes[row:row + 1].copy()
+    scope, date = bank.scope_names[int(bank.scope_codes[row])], bank.dates[row]
+    _forget_rows(memory, np.asarray([row], np.int32))  # (the lexical index: rebuilt at next search)
+    bank.append([memory_id], [new_text], code, emb, [scope], [date])
+    memory.stats["memories_updated"] += 1
+  return memory_id
 
 
 def purge_older_steps(store, deleted: int) -> None:

@@ -24,7 +24,7 @@ from ear_jax.agent.memory import forget
 from ear_jax.agent.memory import lexical_bank
 from ear_jax.agent.memory import persistence
 from ear_jax.agent.memory import recall as recall_lib
-from ear_jax.agent.memory.bank import InputTypeError
+from ear_jax.agent.memory.bank import DEFAULT_SCOPE, InputTypeError
 from ear_jax.agent.memory.encoder_slot import EncoderSlot
 from ear_jax.agent.memory.driver import Driver, seed_keys
 from ear_jax.agent.memory import episode
@@ -36,7 +36,7 @@ from ear_jax.core import policies
 from ear_jax.core.config import EARConfig, HParams, Method, default_hparams
 from ear_jax.data import first_stage
 
-__all__ = ["Memory", "Retrieval", "llm_feedback", "run_critic_episode"]
+__all__ = ["DEFAULT_SCOPE", "Memory", "Retrieval", "llm_feedback", "run_critic_episode"]
 
 
 def _check_int(value, name: str, minimum: int) -> int:
@@ -97,6 +97,16 @@ class Memory:
   `docs/jsonl_format.md`; observations are never candidates unless `multistore=True`, which takes
   the top-K/2 of each store (Section 5). Then either the adapter's top-k (Section 3.6) or one
   Explorer round (Eq. (5)-(8)) with the session's bandit statistics.
+
+  Scopes: every memory has a scope (`add(..., scope='user-42')`; `DEFAULT_SCOPE` when none is
+  given) and a date. A query with `scope=` (a name, or a list of names; `retrieve`,
+  `retrieve_batch`, `search`, `recall`) gets candidates of those scopes only, by the same rule
+  within them; `scope=None` (the default) searches every scope. The filter runs inside the device
+  search (and the faiss searchers' ID selectors, and the lexical first stage), so a memory of
+  another scope is never a candidate, even when the scope holds fewer than K memories. One adapter
+  and one replay buffer learn from every scope's feedback. `list(scope)` / `get(ids)` give the
+  memories' records; `update(id, text=..., embedding=...)` corrects one memory (see
+  `ear_jax.agent.memory.forget`).
 
   Training: a query's rounds are ONE training query and ONE experience (Eq. (10)-(14)). A session
   is closed and queued for the learner when it has `T` rounds of feedback, after the feedback of an
@@ -285,7 +295,8 @@ class Memory:
   # ----------------------------------------------------------------------------------------------
   # add and retrieve
 
-  def add(self, texts, *, store="dialogue", ids=None, embeddings=None) -> list[str]:
+  def add(self, texts, *, store="dialogue", ids=None, embeddings=None, scope=None,
+          dates=None) -> list[str]:
     """Appends memories to the bank (batched encoding; capacity grows when full).
 
     Args:
@@ -297,6 +308,10 @@ class Memory:
       embeddings: optional `[n, d]` precomputed real embeddings, one row per text (finite,
         non-zero, any magnitude; normalised here without overflow; complex, boolean, string or
         object arrays are refused).
+      scope: the scope of these memories: a non-empty string (e.g. 'user-42'), or None for
+        `DEFAULT_SCOPE`.
+      dates: one date per text (free text, e.g. "1:56 pm on 8 May, 2023", or ISO 8601); None: the
+        UTC time of this call, ISO 8601.
 
     Returns:
       The ids of the added memories.
@@ -304,6 +319,8 @@ class Memory:
     texts = bank_lib.check_text_list(texts, "texts")
     n = len(texts)
     codes = bank_lib.store_codes(store, n)
+    scope = bank_lib.check_scope(scope)
+    dates = bank_lib.check_dates(dates, n)
     if ids is not None:
       ids = bank_lib.check_id_list(ids, n)
       with self._lock:
@@ -317,7 +334,7 @@ class Memory:
       start = len(self._bank)
       if self._lexical is not None:
         self._lexical.sync(self._bank)  # (a no-op unless a restore left it behind)
-      self._bank.append(ids, texts, codes, emb)
+      self._bank.append(ids, texts, codes, emb, [scope] * n, dates)
       if self._lexical is not None:
         self._lexical.append(tokens, codes, start)
       self.stats["memories_added"] += n
@@ -330,7 +347,8 @@ class Memory:
     return k
 
   def retrieve(self, query: Optional[str] = None, k: int = 5, explore: bool = False, *,
-               continue_from: Optional[Retrieval] = None, query_embedding=None) -> Retrieval:
+               continue_from: Optional[Retrieval] = None, query_embedding=None,
+               scope=None) -> Retrieval:
     """Retrieves `k` memories for one query (see `retrieve_batch`)."""
     if query is not None and not isinstance(query, str):
       raise InputTypeError(f"query must be a string, got {type(query).__name__}")
@@ -342,11 +360,11 @@ class Memory:
         raise ValueError("pass either a query / query_embedding or continue_from, not both")
       return self.retrieve_batch(None, k, explore, continue_from=[continue_from])[0]
     return self.retrieve_batch(None if query is None else [query], k, explore,
-                               query_embeddings=emb)[0]
+                               query_embeddings=emb, scope=scope)[0]
 
   def retrieve_batch(self, queries: Optional[Sequence[str]] = None, k: int = 5,
                      explore: bool = False, *, continue_from: Optional[Sequence[Retrieval]] = None,
-                     query_embeddings=None) -> list[Retrieval]:
+                     query_embeddings=None, scope=None) -> list[Retrieval]:
     """Retrieves `k` memories for each of `n` queries in one batched call.
 
     Each query gets its candidates (see the class docstring), then the adapter-only top-k of `z`
@@ -362,12 +380,16 @@ class Memory:
         were discarded): play their next round (same query and candidates, bandit statistics kept;
         at most T rounds).
       query_embeddings: optional `[n, d]` precomputed query embeddings.
+      scope: the scopes every query's candidates come from: None (every scope), a scope name, or
+        a list / tuple of names (an unknown name holds no memories). Ignored with
+        `continue_from` (a session keeps its candidates).
 
     Returns:
       `n` `Retrieval`s.
     """
     k = self._check_k(k)
     explore = bool(explore)
+    scope = bank_lib.check_scope_spec(scope)
     if continue_from is not None:
       if queries is not None or query_embeddings is not None:
         raise ValueError("pass either queries / query_embeddings or continue_from, not both")
@@ -397,15 +419,15 @@ class Memory:
       raise ValueError(f"candidates={self.candidates!r} ranks by the query's text (BM25): pass "
                        "queries (texts), with query_embeddings or without")
     with self._lock:
-      self._bank.check_k(k, self.config.num_candidates, self.multistore)
+      self._bank.check_k(k, self.config.num_candidates, self.multistore, scope)
       slate = (self._driver.state.params, self.hparams, k, explore)
       if self._lexical is None:
         rows, mask, cands, slates = self._bank.search(q_emb, self.config.num_candidates,
-                                                      self.multistore, slate=slate)
+                                                      self.multistore, slate=slate, scope=scope)
       else:
         rows, mask, cands, slates = self._lexical.search(self._bank, q_emb, texts,
-                                                         self.config.num_candidates, slate)
-      sids = [self._sessions.new(t, q, r, c, m)
+                                                         self.config.num_candidates, slate, scope)
+      sids = [self._sessions.new(t, q, r, c, m, scope or ())
               for t, q, r, c, m in zip(texts, q_emb, rows, cands, mask)]
       return self._open_rounds(sids, slates, explore)
 
@@ -518,7 +540,7 @@ class Memory:
       return steps + padded > 0
 
   def recall(self, question: str, critic, k: int = 5, *,
-             query_embedding=None) -> recall_lib.Recall:
+             query_embedding=None, learn: bool = True, scope=None) -> recall_lib.Recall:
     """One call per question: T Explorer rounds with `critic`, recorded as ONE training query
     (Eq. (11)-(14)), and the final slate `config.final_slate` names (round T's, or the top-k by
     bandit mean for `ear_tuned`). See `ear_jax.agent.memory.recall.recall`.
@@ -528,13 +550,18 @@ class Memory:
       critic: `critic(key, view) -> labels [k]` or None (e.g. `LLMCritic`).
       k: memories per slate and in the answer.
       query_embedding: optional `[d]` precomputed embedding of the question.
+      learn: False: the same rounds with the adapter frozen and no training query (explorer-
+        assisted inference on a test question, as `ear_jax.core.inference.evaluate`).
+      scope: the scopes the candidates come from (None: every scope; see `retrieve_batch`).
     """
-    return recall_lib.recall(self, question, critic, k, query_embedding=query_embedding)
+    return recall_lib.recall(self, question, critic, k, query_embedding=query_embedding,
+                             learn=learn, scope=scope)
 
-  def search(self, question: Optional[str] = None, k: int = 5, *,
-             query_embedding=None) -> Retrieval:
-    """The adapter-only slate of a question: no critic, no learning."""
-    return recall_lib.search(self, question, k, query_embedding=query_embedding)
+  def search(self, question: Optional[str] = None, k: int = 5, *, query_embedding=None,
+             scope=None) -> Retrieval:
+    """The adapter-only slate of a question: no critic, no learning (`scope`: see
+    `retrieve_batch`)."""
+    return recall_lib.search(self, question, k, query_embedding=query_embedding, scope=scope)
 
   def feedback_from_critic(self, retrieval, critic) -> Optional[np.ndarray]:
     """Shows a retrieval's slate to a host critic (`critic(key, view)`, e.g. `LLMCritic`) and
@@ -565,8 +592,25 @@ class Memory:
     return forget.delete(self, ids)
 
   def get(self, ids) -> list[dict]:
-    """`[{'id', 'text', 'store'}]` of memory ids, in order (ValueError for an unknown id)."""
+    """`[{'id', 'text', 'store', 'scope', 'date'}]` of memory ids, in order (ValueError for an
+    unknown id)."""
     return forget.get(self, ids)
+
+  def update(self, memory_id: str, *, text: Optional[str] = None, embedding=None) -> str:
+    """Corrects one memory: the old row is deleted everywhere (as `delete`) and a new one with the
+    same id, store, scope and date appended, atomically under the lock. `text` None keeps the
+    text; `embedding` None encodes the new text (outside the lock); both None is a ValueError, as
+    is an unknown id (see `ear_jax.agent.memory.forget.update`).
+
+    Returns:
+      The id.
+    """
+    return forget.update(self, memory_id, text=text, embedding=embedding)
+
+  def list(self, scope=None) -> list[dict]:
+    """The live memories (`get`'s records) of the scopes `scope` names (None: every scope; a
+    name; a list of names), in bank order (an updated memory where its update put it)."""
+    return forget.list_memories(self, scope)
 
   # ----------------------------------------------------------------------------------------------
   # persistence (`ear_jax.agent.memory.persistence`)

@@ -41,6 +41,12 @@ nothing of the index: it is a deterministic function of the bank's texts (verifi
 digests) and of the first stage's settings (in the verified meta), rebuilt on the first search
 after `load` / `restore`. Measured costs: BENCHMARKS.md "First stage at scale".
 
+Scopes: a scoped query (`bank.ScopeFilter`) ANDs `allowed[scopes]` into the valid rows inside the
+jitted call, before any ranking, so rows of other scopes are never candidates and count in no
+normalisation over rows or candidates (the min-max of 'weighted', the RRF ranks, the features).
+The BM25 statistics themselves (document frequencies, mean length) are those of the whole index,
+every scope together: one index, as for the stores.
+
 ANN searchers (`index='faiss_*'`) are refused with bm25 / hybrid / side features: the fusion needs
 every valid row's cosine (the min-max normalisation, the RRF ranks).
 """
@@ -71,7 +77,7 @@ def needs_lexical(candidates: str, side_features: int) -> bool:
 
 
 def options_meta(candidates: str, options: first_stage.FirstStageOptions) -> dict:
-  """The first stage as checkpoints store it (`persistence.snapshot`)."""
+  """The first stage as checkpoints store it (`Memory._parts`, `persistence.main_step`)."""
   return {"candidates": candidates, "options": dataclasses.asdict(options)}
 
 
@@ -189,7 +195,7 @@ class LexicalBank:
     return rows, scores
 
   def search(self, bank: bank_lib.Bank, queries: np.ndarray, query_texts: Sequence[str],
-             num_candidates: int, slate):
+             num_candidates: int, slate, scope=None):
     """`bank.Bank.search` with this first stage: `(rows [q, K], mask [q, K], candidates
     [q, K, d + F] (embedding | features), (slate [q, s], slate_mask [q, s], z [q, K]))`.
 
@@ -199,6 +205,8 @@ class LexicalBank:
       query_texts: `[q]` their texts (BM25's input).
       num_candidates: `K`.
       slate: `(params, hparams, slate_size, explore)` of the first round (see `bank.Bank.search`).
+      scope: the scope names the candidates come from (`bank.check_scope_spec`; None: every
+        scope).
     """
     self.sync(bank)
     q = queries.shape[0]
@@ -208,7 +216,9 @@ class LexicalBank:
     lex_rows, lex_scores = self.pairs(query_texts, bank.capacity, q_pad)
     params, hparams, size, explore = slate
     o = self.options
-    out = _search_slates(padded, bank.emb, bank.valid, bank.stores, lex_rows, lex_scores, params,
+    filt = bank.scope_filter(scope)
+    out = _search_slates(padded, bank.emb, bank.valid, bank.stores, bank.scopes,
+                         None if filt is None else filt.allowed, lex_rows, lex_scores, params,
                          hparams if explore else None, k=num_candidates,
                          multistore=self.multistore, generator=self.candidates, fusion=o.fusion,
                          rrf_k=float(o.rrf_k), lexical_weight=float(o.lexical_weight),
@@ -428,10 +438,14 @@ def _block(queries, emb, valid, stores, lex_rows, lex_scores, k, multistore, gen
 
 @functools.partial(jax.jit, static_argnames=("k", "multistore", "generator", "fusion", "rrf_k",
                                              "lexical_weight", "slate_size", "explore"))
-def _search_slates(queries, emb, valid, stores, lex_rows, lex_scores, params, hparams, *, k,
-                   multistore, generator, fusion, rrf_k, lexical_weight, slate_size, explore):
+def _search_slates(queries, emb, valid, stores, scopes, allowed, lex_rows, lex_scores, params,
+                   hparams, *, k, multistore, generator, fusion, rrf_k, lexical_weight, slate_size,
+                   explore):
   """The first stage of `[q, d]` queries, their candidates' rows `[embedding | features]` and
-  each query's first-round slate, in one call (packed as `bank._pack`)."""
+  each query's first-round slate, in one call (packed as `bank._pack`); with `allowed [S']`
+  only rows whose scope code `scopes [C]` is allowed (None: every scope)."""
+  if allowed is not None:
+    valid = valid & allowed[scopes]
   cap = emb.shape[0]
   q = queries.shape[0]
   per_block = min(q, bank_lib.pow2_at_least(max(1, retrieval_lib.SCORE_BUDGET // cap) + 1) // 2)

@@ -8,8 +8,10 @@ ones (it keeps the last few), so a save killed at any moment leaves the previous
 loadable.
 
 The bank is append-only, so it is saved as shards: `<directory>/bank_shards/` is a second
-`CheckpointStore` whose steps each hold a contiguous run of bank rows (embeddings, stores, ids,
-texts); a shard step is never modified. A save writes at most ONE new shard with the rows added
+`CheckpointStore` whose steps each hold a contiguous run of bank rows (embeddings, stores, scope
+codes with the shard's scope names, ids, texts, dates: `Bank.rows`); a shard step is never
+modified. Shards written before scopes (no scope codes, names or dates) load in `DEFAULT_SCOPE`
+with date "" (`Bank.extend_rows`; their digest is the older one, `bank.shard_digest`). A save writes at most ONE new shard with the rows added
 since the latest checkpoint (recognised by the SHA-256 of each listed shard's rows, cached in the
 bank), then the main step that lists every shard. Saving after adding 1,000 memories to a 1M bank
 therefore writes 1,000 rows plus the learner state, not the bank.
@@ -441,7 +443,7 @@ def _extend_from_shards(bank: Bank, root: pathlib.Path, info: dict, where: str) 
     if int(r["start"]) != len(bank):
       raise ckpt.CheckpointError(f"{at} starts at row {r['start']}, expected {len(bank)}")
     rows, rmeta = shards.restore(int(r["step"]))
-    digest = bank_lib.rows_digest(rmeta["ids"], rmeta["texts"], rows["stores"], rows["embeddings"])
+    digest = bank_lib.shard_digest(rows, rmeta)
     if digest != r["digest"] or len(rmeta["ids"]) != int(r["count"]):
       raise ckpt.CheckpointError(f"{at} does not hold the rows the checkpoint lists (another "
                                  "memory's shard?)")

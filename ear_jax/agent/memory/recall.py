@@ -23,6 +23,7 @@ import numpy as np
 
 from ear_jax.agent.memory import episode
 from ear_jax.core import adapter as adapter_lib
+from ear_jax.core import critic as critic_lib
 from ear_jax.core import explorer as explorer_lib
 
 if TYPE_CHECKING:
@@ -61,8 +62,12 @@ def _exploit(params, query, candidates, mask, mean, counts, *, k):
 
 
 def recall(memory: "Memory", question: str, critic, k: int = 5, *,
-           query_embedding=None) -> Recall:
+           query_embedding=None, learn: bool = True, scope=None) -> Recall:
   """T Explorer rounds of `question` with `critic`, one training query, the final slate.
+
+  With `learn=False` the rounds are explorer-assisted inference with the adapter frozen, as
+  `ear_jax.core.inference.evaluate` plays a test query: the same slates, bandit updates and final
+  slate, but nothing is queued for the learner (`_frozen_rounds`).
 
   Args:
     memory: the memory.
@@ -71,6 +76,8 @@ def recall(memory: "Memory", question: str, critic, k: int = 5, *,
       `SlateView`'s `ids` / `texts`).
     k: memories per slate and in the answer.
     query_embedding: optional `[d]` precomputed embedding of the question.
+    learn: False: no training query (a test question; `Recall.rounds` then holds round 1 only).
+    scope: the scopes the candidates come from (None: every scope; `Memory.retrieve_batch`).
 
   Returns:
     A `Recall`.
@@ -78,7 +85,9 @@ def recall(memory: "Memory", question: str, critic, k: int = 5, *,
   if not isinstance(question, str) or not question:
     raise ValueError("recall needs the question's text (a non-empty string): the critic reads it")
   rounds, labels = [], []
-  r = memory.retrieve(question, k, explore=True, query_embedding=query_embedding)
+  r = memory.retrieve(question, k, explore=True, query_embedding=query_embedding, scope=scope)
+  if not learn:
+    return _frozen_rounds(memory, r, critic, k)
   for t in range(memory.config.num_rounds):
     if t:
       r = memory.retrieve(k=k, explore=True, continue_from=r)
@@ -106,9 +115,71 @@ def recall(memory: "Memory", question: str, critic, k: int = 5, *,
                 final_slate=memory.config.final_slate)
 
 
+def _frozen_rounds(memory: "Memory", first: "Retrieval", critic, k: int) -> Recall:
+  """`recall(learn=False)`: the T rounds of `first`'s query played off the memory's sessions.
+
+  `first` (round 1, already retrieved) is closed without feedback, so its session queues nothing;
+  rounds 2..T are made by the same `episode.round_slates` as `retrieve(continue_from=...)` from
+  the bandit statistics updated here (Eq. (9), `episode.update_bandits`), all with the adapter as
+  it stood at `first`. The critic's key of round t is `fold_in(fold_in(k_critic, retrieval_id),
+  t)`. An unusable reply (None) ends the rounds (the answer is then the last round's slate).
+  """
+  with memory._lock:  # pylint: disable=protected-access
+    sid = memory._sessions.resolve_open(first)  # pylint: disable=protected-access
+    s = memory._sessions.by_id[sid]  # pylint: disable=protected-access
+    query, query_emb, cand_idx = s.query, s.query_emb, s.cand_idx
+    cand_emb, cand_mask = s.cand_emb, s.cand_mask
+    slate = np.asarray(s.open_slate, np.int32).copy()
+    params = memory.params
+    memory.discard(first)
+    memory.close(first)  # no feedback: nothing is queued
+    base_key = jax.random.fold_in(memory._critic_key, first.retrieval_id)  # pylint: disable=protected-access
+  config, hparams = memory.config, memory.hparams
+  K, d = config.num_candidates, config.dim
+  mean, counts = np.zeros((K,), np.float32), np.zeros((K,), np.float32)
+  z = np.zeros((K,), np.float32)
+  z[slate] = first.scores
+  labels = []
+  for t in range(config.eval_rounds):  # T at test (Memory refuses test_rounds != num_rounds)
+    if t:
+      sl, sm, zz = episode.round_slates(params, hparams, query_emb[None], cand_emb[None],
+                                        cand_mask[None], mean[None], counts[None], k, True)
+      slate, z = sl[0][sm[0]], zz[0]
+    with memory._lock:  # pylint: disable=protected-access
+      ids, texts, _ = memory._bank.describe(cand_idx[slate])  # pylint: disable=protected-access
+    view = critic_lib.SlateView(query=query_emb, slate=slate.copy(),
+                                slate_mask=np.ones(len(slate), bool),
+                                memories=cand_emb[slate, :d], gold=np.zeros(len(slate), bool),
+                                query_text=query, texts=list(texts), ids=list(ids))
+    y = critic(jax.random.fold_in(base_key, t), view)
+    memory.stats["critic_calls"] += 1
+    if y is None:
+      memory.stats["critic_no_update"] += 1
+      labels.append(None)
+      break
+    y = episode.check_labels(y, len(slate), "the critic")
+    labels.append(y)
+    full = np.full((1, K), -1, np.int32)
+    mask = np.zeros((1, K), bool)
+    lab = np.full((1, K), -1.0, np.float32)
+    full[0, :len(slate)], mask[0, :len(slate)], lab[0, :len(slate)] = slate, True, y
+    m, c = episode.update_bandits(mean[None], counts[None], full, mask, lab)
+    mean, counts = m[0], c[0]
+  if config.final_slate != "round_T":
+    out, out_mask, z = (np.asarray(x) for x in _exploit(params, query_emb, cand_emb, cand_mask,
+                                                        mean, counts, k=k))
+    slate = out[out_mask]
+  with memory._lock:  # pylint: disable=protected-access
+    ids, texts, stores = memory._bank.describe(cand_idx[slate])  # pylint: disable=protected-access
+  memory.stats["frozen_recalls"] += 1
+  return Recall(ids=tuple(ids), texts=tuple(texts), stores=tuple(stores),
+                scores=tuple(float(x) for x in z[slate]), rounds=(first,), labels=tuple(labels),
+                final_slate=config.final_slate)
+
+
 def search(memory: "Memory", question: Optional[str] = None, k: int = 5, *,
-           query_embedding=None) -> "Retrieval":
+           query_embedding=None, scope=None) -> "Retrieval":
   """The adapter-only slate of a question: no critic, no learning (its session is closed empty)."""
-  r = memory.retrieve(question, k, explore=False, query_embedding=query_embedding)
+  r = memory.retrieve(question, k, explore=False, query_embedding=query_embedding, scope=scope)
   memory.close(r)
   return r

@@ -125,6 +125,7 @@ class Session:
   open_explore: bool = False
   consumed: list = dataclasses.field(default_factory=list)  # retrieval ids answered or discarded
   last_used: int = 0
+  scope: tuple = ()  # the scope names its candidates came from (empty: every scope)
 
   def train_item(self) -> TrainItem:
     return TrainItem(self.query_emb.copy(), self.cand_emb.copy(), self.cand_mask.copy(),
@@ -226,8 +227,10 @@ class Sessions:
   # ----------------------------------------------------------------------------------------------
   # state changes
 
-  def new(self, query: str, query_emb, cand_idx, cand_emb, cand_mask) -> int:
-    """Opens a session with zero statistics (Alg. 2 line 3); returns its id."""
+  def new(self, query: str, query_emb, cand_idx, cand_emb, cand_mask, scope=()) -> int:
+    """Opens a session with zero statistics (Alg. 2 line 3); returns its id. `scope`: the scope
+    names its candidates came from (empty: every scope), kept for callers that key questions by
+    scope (`ear_jax.agent.mcp_server`)."""
     T, K = self.config.num_rounds, self.config.num_candidates
     sid = self.next_session
     self.next_session += 1
@@ -236,7 +239,8 @@ class Sessions:
         cand_idx=np.array(cand_idx, np.int32), cand_emb=np.array(cand_emb, np.float32),
         cand_mask=np.array(cand_mask, bool), mean=np.zeros((K,), np.float32),
         counts=np.zeros((K,), np.float32), slates=np.full((T, K), -1, np.int32),
-        slate_mask=np.zeros((T, K), bool), labels=np.full((T, K), -1.0, np.float32))
+        slate_mask=np.zeros((T, K), bool), labels=np.full((T, K), -1.0, np.float32),
+        scope=tuple(scope or ()))
     return sid
 
   def open_round(self, sid: int, positions: np.ndarray, explore: bool) -> int:
@@ -351,7 +355,7 @@ class Sessions:
                       "open_id": s.open_id,
                       "open_slate": None if s.open_slate is None else s.open_slate.tolist(),
                       "open_explore": s.open_explore, "consumed": list(s.consumed),
-                      "last_used": s.last_used} for sid, s in ss],
+                      "last_used": s.last_used, "scope": list(s.scope)} for sid, s in ss],
     }
     return arrays, meta
 
@@ -396,7 +400,8 @@ class Sessions:
                   open_slate=None if sm["open_slate"] is None
                   else np.asarray(sm["open_slate"], np.int32),
                   open_explore=bool(sm["open_explore"]), consumed=list(sm["consumed"]),
-                  last_used=int(sm["last_used"]))
+                  last_used=int(sm["last_used"]),
+                  scope=tuple(str(x) for x in sm.get("scope", ())))  # (older: every scope)
       out.by_id[int(sm["id"])] = s
       if s.open_id >= 0:
         out.open[s.open_id] = int(sm["id"])

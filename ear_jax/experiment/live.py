@@ -1,0 +1,513 @@
+"""The live benchmark: a benchmark's questions streamed through `Memory`, beside the jitted runner.
+
+Symbols: `S` seeds, `N` training questions of a seed, `M` test questions, `K` candidates, `s` slate
+size, `T` Explorer rounds, `d` dimension.
+
+For one seed, `run_seed` replays what `ear_jax.experiment.runner.train_and_evaluate` computes in one
+`lax.scan`, one question at a time through the agent's `ear_jax.agent.memory.Memory`:
+
+* the memories: every queried bank's dialogue turns, added once with precomputed embeddings, one
+  `scope` per bank (a LoCoMo conversation, a LongMemEval question's haystack), so that a question's
+  candidates are the top-K of its own bank, as the runner's (`candidates.build_benchmark`);
+* the split: the runner's (`runner.seed_splits`), the training questions in stream order, each
+  `Memory.recall` (T Explorer rounds, one training query; a learner step every `b` questions, the
+  last batch padded by `Memory.flush`), then on the test questions adapter-only inference
+  (`Memory.search`) and explorer-assisted inference with the adapter frozen
+  (`Memory.recall(learn=False)`), as `inference.evaluate` does (it never trains on the test set);
+* the critic: `StreamCritic`, the simulated critic of Appendix A.2 on the host with the runner's
+  per-round keys (`critic_round_keys`), so that a slate the runner also shows gets the same labels.
+
+What differs from the runner: (1) by construction, the learner's own keys (`Memory`'s
+`ear_jax.agent.memory.driver.seed_keys`: the replay's random selection and Gumbel slates, Eq. (15)
+and (19)) are not the runner's per-query replay keys; given the runner's replay keys the live run
+is the runner's, slate for slate (`tests/test_live.py`, a multi-bank synthetic benchmark). (2)
+Float rounding: `Memory` re-normalises every embedding (1 ulp off the stream's), two LoCoMo
+questions have tied candidates in another order, and XLA rounds the runner's vmapped scan
+differently from the live step. The online dynamics amplify such ulp-level differences: on the
+whole of LoCoMo the runner does not even reproduce itself when seed 0 is vmapped alone instead of
+beside seed 1 (2/3 of the adapter-only test slates the same). So on real data the two agree in
+distribution, not slate for slate: the paired difference live - runner over seeds is the check.
+
+Timing: each `recall` / `search` is timed with `time.perf_counter`, minus the time spent inside the
+critic (`StreamCritic.seconds`); the learner steps (inside the training recalls and `flush`) are
+included. Library code: no flags are read here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Optional, Sequence
+
+from absl import logging
+import jax
+import numpy as np
+
+from ear_jax.agent.memory import Memory
+from ear_jax.core import critic as critic_lib
+from ear_jax.core import episode
+from ear_jax.core.config import Method
+from ear_jax.data import candidates as candidates_lib
+from ear_jax.data import corpora
+from ear_jax.data import corpus as corpus_lib
+from ear_jax.data import synthetic
+from ear_jax.experiment import runner
+from ear_jax.experiment import stats
+
+MODES = ("adapter", "explorer")  # adapter-only (Memory.search), explorer-assisted (recall)
+
+
+@dataclasses.dataclass
+class LiveData:
+  """A benchmark as both the runner and `Memory` see it.
+
+  Attributes:
+    bench: the runner's `Benchmark` (its stream, candidates, in query order).
+    ec: the embedded corpus it was built from (banks, texts, embeddings).
+    corpus_index: `[N]` int, the corpus query of each benchmark query.
+    gold_ids: per benchmark query, the `Memory` ids of its gold dialogue memories (whole bank).
+    memory_ids: per bank `g`, the `Memory` ids of its dialogue rows (None for unqueried banks).
+    dialogue_rows: per bank, its dialogue rows (indices into `ec.bank_embeddings[g]`).
+    bank_id_of: `Memory` id -> the memory's id in its bank (the benchmark's candidate ids).
+  """
+  bench: candidates_lib.Benchmark
+  ec: corpus_lib.EmbeddedCorpus
+  corpus_index: np.ndarray
+  gold_ids: list
+  memory_ids: list
+  dialogue_rows: list
+  bank_id_of: dict
+
+  def scope(self, group: int) -> str:
+    """The `Memory` scope of bank `group`."""
+    return f"{self.bench.name}-{int(group)}"
+
+  def query_text(self, i: int) -> str:
+    """Benchmark query `i`'s text (a placeholder for text-less synthetic queries)."""
+    return self.bench.query_texts[i] or f"question {self.bench.query_ids[i]}"
+
+  def candidate_bank_ids(self, i: int) -> list:
+    """The bank ids of the runner's candidates of benchmark query `i`, in rank order."""
+    return [c for c in self.bench.candidate_ids[i] if c]
+
+  def source(self, memory_id: str) -> tuple:
+    """`(bank, id in the bank)` of a `Memory` id: bank ids repeat across banks (LoCoMo's
+    'D1:3'), so a memory is named by both."""
+    return int(memory_id.split(":", 1)[0]), self.bank_id_of[memory_id]
+
+
+def _memory_ids(bank: corpus_lib.Bank, g: int, rows: np.ndarray) -> list:
+  """Memory ids `"<g>:<id>"` of a bank's rows (`"<g>:<id>#<row>"` where the bank repeats an id)."""
+  counts = {}
+  for r in rows:
+    counts[bank.ids[r]] = counts.get(bank.ids[r], 0) + 1
+  return [f"{g}:{bank.ids[r]}" + (f"#{r}" if counts[bank.ids[r]] > 1 else "") for r in rows]
+
+
+def live_data(ec: corpus_lib.EmbeddedCorpus, *, k: int = candidates_lib.DEFAULT_K) -> LiveData:
+  """The runner's benchmark of an embedded corpus (`candidates.build_benchmark`, single store,
+  dense candidates) and the ids `Memory` gives its memories.
+
+  Raises:
+    ValueError: when the benchmark's queries cannot be matched with the corpus's.
+  """
+  bench = candidates_lib.build_benchmark(ec, k=k)
+  corpus = ec.corpus
+  queried = sorted(set(int(g) for g in bench.group))
+  memory_ids, rows_of = [None] * len(corpus.banks), [None] * len(corpus.banks)
+  for g in queried:
+    bank = corpus.banks[g]
+    rows = np.nonzero(bank.stores == corpus_lib.STORE_DIALOGUE)[0]
+    rows_of[g], memory_ids[g] = rows, _memory_ids(bank, g, rows)
+  # The benchmark keeps the corpus queries with gold among the dialogue turns, in file order.
+  keep = [n for n, q in enumerate(corpus.queries)
+          if (corpus_lib.gold_mask(corpus.banks[q.group], q.gold)
+              & (corpus.banks[q.group].stores == corpus_lib.STORE_DIALOGUE)).any()]
+  if len(keep) != bench.num_queries or any(
+      corpus.queries[n].id != qid for n, qid in zip(keep, bench.query_ids)):
+    raise ValueError("the benchmark's queries do not match the corpus's queries with gold")
+  gold_ids = []
+  for n in keep:
+    q = corpus.queries[n]
+    gm = corpus_lib.gold_mask(corpus.banks[q.group], q.gold)[rows_of[q.group]]
+    gold_ids.append(frozenset(np.asarray(memory_ids[q.group], object)[gm].tolist()))
+  bank_id_of = {m: corpus.banks[g].ids[r] for g in queried
+                for m, r in zip(memory_ids[g], rows_of[g])}
+  return LiveData(bench=bench, ec=ec, corpus_index=np.asarray(keep, np.int64), gold_ids=gold_ids,
+                  memory_ids=memory_ids, dialogue_rows=rows_of, bank_id_of=bank_id_of)
+
+
+def build_memory(data: LiveData, method: Method, seed: int) -> Memory:
+  """A `Memory` of `method` (its config and hyperparameters) holding every queried bank's dialogue
+  turns with their precomputed embeddings, one scope per bank (`LiveData.scope`).
+  """
+  groups = sorted(set(int(g) for g in data.bench.group))
+  total = sum(len(data.dialogue_rows[g]) for g in groups)
+  mem = Memory(None, method=method, seed=seed, initial_capacity=max(total, 1),
+               max_sessions=64)
+  for g in groups:
+    bank, rows = data.ec.corpus.banks[g], data.dialogue_rows[g]
+    ids = data.memory_ids[g]
+    texts = [(bank.texts[r] if bank.texts and bank.texts[r] else f"memory {i}")
+             for r, i in zip(rows, ids)]
+    mem.add(texts, ids=ids, embeddings=data.ec.bank_embeddings[g][rows], scope=data.scope(g))
+  return mem
+
+
+def critic_round_keys(seed: int, num_train: int, num_test: int, train_rounds: int,
+                      test_rounds: int):
+  """The runner's critic keys of one seed: `(train [N, T, 2], test [M, T_test, 2])` uint32.
+
+  As `runner.train_and_evaluate` (`PRNGKey(seed)` split into episode and evaluation keys,
+  `episode.episode_keys`), `learner.train_batch` (query key -> (slates, replay)),
+  `policies.explorer_slates` (slates key -> (_, critic)), `explorer.explore` (critic key -> one
+  key per round) and `inference.evaluate` (evaluation key -> one key per test query -> one per
+  round).
+  """
+  episode_key, eval_key = jax.random.split(runner.per_seed_keys([seed])[0])
+  _, query_keys = episode.episode_keys(episode_key, num_train)
+  split = jax.vmap(jax.random.split)
+  k_slates = split(query_keys)[:, 0]
+  k_critic = split(k_slates)[:, 1]
+  train = jax.vmap(lambda k: jax.random.split(k, train_rounds))(k_critic)
+  test = jax.vmap(lambda k: jax.random.split(k, test_rounds))(jax.random.split(eval_key, num_test))
+  return np.asarray(train), np.asarray(test)
+
+
+_simulated = jax.jit(critic_lib.simulated_critic)
+
+
+class StreamCritic:
+  """The simulated critic of Appendix A.2 as a host critic for `Memory.recall`.
+
+  `start(gold_ids, round_keys)` names the question's gold memory ids and its `[T, 2]` round keys;
+  call t of the question then labels the shown slate with `critic_lib.simulated_critic` under key
+  `round_keys[t]` (the key `Memory` passes is ignored), gold = the shown ids in `gold_ids`: the
+  runner's labels for the same slate. A slate shorter than `s` is padded (masked) to `s` as the
+  runner's slate would be. `seconds` sums the time spent inside calls.
+
+  Args:
+    critic: the `SimulatedCritic` (precision, recall).
+    slate_size: `s`.
+  """
+
+  def __init__(self, critic: critic_lib.SimulatedCritic, slate_size: int):
+    self.critic, self.slate_size = critic, int(slate_size)
+    self.seconds, self.calls = 0.0, 0
+    self._gold, self._keys, self._t = frozenset(), None, 0
+
+  def start(self, gold_ids, round_keys: np.ndarray) -> None:
+    self._gold, self._keys, self._t = frozenset(gold_ids), np.asarray(round_keys), 0
+
+  def __call__(self, key, view):
+    del key
+    t0 = time.perf_counter()
+    if self._keys is None or self._t >= len(self._keys):
+      raise RuntimeError("StreamCritic: more calls than round keys (call start first)")
+    k = len(view.ids)
+    s = max(self.slate_size, k)
+    gold = np.zeros((s,), bool)
+    gold[:k] = [i in self._gold for i in view.ids]
+    mask = np.arange(s) < k
+    labels = np.asarray(_simulated(self._keys[self._t], gold, mask, self.critic.precision,
+                                   self.critic.recall))[:k]
+    self._t += 1
+    self.calls += 1
+    self.seconds += time.perf_counter() - t0
+    return labels
+
+
+@dataclasses.dataclass
+class SeedResult:
+  """One seed streamed through `Memory`.
+
+  Attributes:
+    seed: the seed.
+    all_gold: mode -> `[M]` bool, every gold memory of test question j in its slate (Recall@s).
+    any_gold: mode -> `[M]` bool, some gold memory in it (Hitrate@s).
+    recall, hitrate: mode -> the means over test questions (fractions).
+    slates: mode -> `[M]` tuples of the returned memory ids.
+    seconds: 'train' (the N training recalls and the final flush), 'search' and 'recall_test'
+      (the M test questions), each excluding the critic; 'critic' the time inside the critic;
+      'add' the time to fill the memory.
+    per_question_ms: 'train' `[N]`, 'search' `[M]`, 'recall_test' `[M]` (critic excluded).
+    outside_candidates: shown or returned ids that are not among the runner's candidates of the
+      question (0 when the live candidates are the runner's).
+    learner_steps: `Memory.stats['learner_steps']` after training.
+  """
+  seed: int
+  all_gold: dict
+  any_gold: dict
+  recall: dict
+  hitrate: dict
+  slates: dict
+  seconds: dict
+  per_question_ms: dict
+  outside_candidates: int
+  learner_steps: int
+
+
+def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[int],
+             test_index: Sequence[int], critic: Optional[critic_lib.SimulatedCritic] = None, *,
+             progress: Optional[Callable[[str], None]] = None) -> SeedResult:
+  """Streams one seed's split through a fresh `Memory` (see the module docstring).
+
+  Args:
+    data: the benchmark (`live_data`).
+    method: the method (`runner.build_method`), the same object the runner runs.
+    seed: the seed (the runner's keys of this seed; the `Memory`'s seed).
+    train_index: `[N]` benchmark queries of the training stream, in order.
+    test_index: `[M]` test queries.
+    critic: the simulated critic (default: the paper's).
+    progress: optional callable taking a line of text (every 500 questions).
+
+  Returns:
+    A `SeedResult`.
+  """
+  critic = critic or critic_lib.make_simulated_critic()
+  config = method.config
+  s = config.slate_size
+  train_index, test_index = np.asarray(train_index), np.asarray(test_index)
+  t0 = time.perf_counter()
+  mem = build_memory(data, method, seed)
+  add_seconds = time.perf_counter() - t0
+  train_keys, test_keys = critic_round_keys(seed, len(train_index), len(test_index),
+                                            config.num_rounds, config.eval_rounds)
+  host = StreamCritic(critic, s)
+  queries = np.asarray(data.bench.stream.queries)
+  outside = 0
+  cand_sets = {}
+
+  def check(i, ids):  # the shown memories are among the runner's candidates of question i
+    nonlocal outside
+    if i not in cand_sets:
+      g = int(data.bench.group[i])
+      cand_sets[i] = frozenset((g, c) for c in data.candidate_bank_ids(i))
+    outside += sum(1 for x in ids if data.source(x) not in cand_sets[i])
+
+  ms = {"train": [], "search": [], "recall_test": []}
+  for n, i in enumerate(train_index):
+    host.start(data.gold_ids[i], train_keys[n])
+    c0, t = host.seconds, time.perf_counter()
+    out = mem.recall(data.query_text(i), host, s, query_embedding=queries[i],
+                     scope=data.scope(data.bench.group[i]))
+    ms["train"].append(1e3 * (time.perf_counter() - t - (host.seconds - c0)))
+    check(i, [x for r in out.rounds for x in r.ids])
+    if progress is not None and (n + 1) % 500 == 0:
+      progress(f"seed {seed}: {n + 1}/{len(train_index)} training questions")
+  t = time.perf_counter()
+  mem.flush()
+  ms["train"][-1] += 1e3 * (time.perf_counter() - t)  # the padded last batch's step
+  steps = int(mem.stats["learner_steps"])
+  slates = {"adapter": [], "explorer": []}
+  for i in test_index:
+    t = time.perf_counter()
+    r = mem.search(data.query_text(i), s, query_embedding=queries[i], scope=data.scope(data.bench.group[i]))
+    ms["search"].append(1e3 * (time.perf_counter() - t))
+    slates["adapter"].append(tuple(r.ids))
+  for j, i in enumerate(test_index):
+    host.start(data.gold_ids[i], test_keys[j])
+    c0, t = host.seconds, time.perf_counter()
+    out = mem.recall(data.query_text(i), host, s, query_embedding=queries[i], learn=False,
+                     scope=data.scope(data.bench.group[i]))
+    ms["recall_test"].append(1e3 * (time.perf_counter() - t - (host.seconds - c0)))
+    slates["explorer"].append(tuple(out.ids))
+  if int(mem.stats["learner_steps"]) != steps:
+    raise RuntimeError("the test questions trained the adapter")
+  num_gold = np.asarray(data.bench.stream.num_gold)
+  all_gold, any_gold, recall, hitrate = {}, {}, {}, {}
+  for mode in MODES:
+    for i, ids in zip(test_index, slates[mode]):
+      check(i, ids)
+    hits = np.asarray([sum(x in data.gold_ids[i] for x in ids)
+                       for i, ids in zip(test_index, slates[mode])])
+    ng = num_gold[test_index]
+    all_gold[mode] = (ng > 0) & (hits >= ng)
+    any_gold[mode] = hits > 0
+    has = ng > 0
+    recall[mode] = float(all_gold[mode][has].mean()) if has.any() else 0.0
+    hitrate[mode] = float(any_gold[mode][has].mean()) if has.any() else 0.0
+  seconds = {k: float(np.sum(v)) / 1e3 for k, v in ms.items()}
+  seconds.update(critic=host.seconds, add=add_seconds)
+  return SeedResult(seed=int(seed), all_gold=all_gold, any_gold=any_gold, recall=recall,
+                    hitrate=hitrate, slates=slates, seconds=seconds,
+                    per_question_ms={k: np.asarray(v) for k, v in ms.items()},
+                    outside_candidates=int(outside), learner_steps=steps)
+
+
+def run_runner(data: LiveData, method: Method, seeds: Sequence[int], train_index: np.ndarray,
+               test_index: np.ndarray, critic: Optional[critic_lib.SimulatedCritic] = None, *,
+               name: str = "runner", timing_repeat: bool = True):
+  """The jitted runner on the same seeds and splits: `(RunResult, warm_seconds or None)`.
+
+  With `timing_repeat` the same call runs a second time (compiled) and its wall time is returned:
+  the scan's cost without compilation.
+  """
+  critic = critic or critic_lib.make_simulated_critic()
+  args = (data.bench.stream, train_index, test_index, method.config, method.hparams, list(seeds))
+  result = runner.train_and_evaluate(name, *args, critic=critic)
+  warm = None
+  if timing_repeat:
+    again = runner.train_and_evaluate(name, *args, critic=critic)
+    warm = again.wall_seconds
+  return result, warm
+
+
+def compare(data: LiveData, result, live: Sequence[SeedResult], scan_seconds: float) -> dict:
+  """Runner vs live per mode: per-seed Recall@s / Hitrate@s (percent), means, the paired
+  difference live - runner (`stats.paired_difference`, 95 % t-interval), the share of test
+  questions with the same slate per seed, and the costs per question (ms): live (critic excluded)
+  and the scan's (`scan_seconds` over all seeds' questions).
+  """
+  out = {"modes": {}, "seeds": [r.seed for r in live]}
+  for mode in MODES:
+    rec = {}
+    for metric in ("recall", "hitrate"):
+      run_v = (100.0 * np.asarray(result.eval[f"{metric}_{mode}"], np.float64)).tolist()
+      live_v = [100.0 * getattr(r, metric)[mode] for r in live]
+      d = stats.paired_difference(live_v, run_v)
+      rec[metric] = {"runner": run_v, "live": live_v,
+                     "runner_mean": float(np.mean(run_v)), "live_mean": float(np.mean(live_v)),
+                     "difference": d.to_json(),
+                     "within_noise": bool(d.n < 2 or (d.lo <= 0 <= d.hi))}
+    rec["same_slate"] = [_same_slates(data, result, j, r, mode) for j, r in enumerate(live)]
+    out["modes"][mode] = rec
+  n_train = result.train_index.shape[1]
+  n_test = result.test_index.shape[1]
+  per_q = n_train + n_test
+  warm = live[1:] if len(live) > 1 else live
+  live_cost = {k: float(np.mean(np.concatenate([r.per_question_ms[k] for r in warm])))
+               for k in ("train", "search", "recall_test")}
+  live_cost_p50 = {k: float(np.median(np.concatenate([r.per_question_ms[k] for r in warm])))
+                   for k in ("train", "search", "recall_test")}
+  total = float(np.mean([(r.seconds["train"] + r.seconds["search"] + r.seconds["recall_test"])
+                         for r in warm]))
+  out["cost_ms_per_question"] = {
+      "live": 1e3 * total / per_q,
+      "live_by_step_mean": live_cost, "live_by_step_p50": live_cost_p50,
+      "scan": 1e3 * scan_seconds / (per_q * len(live)),
+      "definition": ("per question of one seed (N training questions trained, M test questions "
+                     "evaluated in both modes): live = time in Memory.recall / search / flush "
+                     "without the critic, mean over the seeds after the first (warm); scan = the "
+                     "runner's compiled train_and_evaluate wall time over all seeds / (S (N + M))"),
+      "num_train": int(n_train), "num_test": int(n_test),
+      "critic_seconds": [r.seconds["critic"] for r in live],
+      "add_seconds": [r.seconds["add"] for r in live],
+  }
+  out["outside_candidates"] = [r.outside_candidates for r in live]
+  return out
+
+
+def _same_slates(data: LiveData, result, j: int, live: SeedResult, mode: str) -> float:
+  """Share of seed `j`'s test questions whose live slate holds the runner's memories."""
+  slates = np.asarray(result.eval[f"{mode}_slates"])[j]  # [M, s] candidate positions
+  same = []
+  for i, pos, ids in zip(result.test_index[j], slates, live.slates[mode]):
+    g, cands = int(data.bench.group[int(i)]), data.bench.candidate_ids[int(i)]
+    same.append(sorted((g, cands[p]) for p in pos if p >= 0) == sorted(map(data.source, ids)))
+  return float(np.mean(same)) if same else 1.0
+
+
+def load_live_data(benchmark: str, *, data_dir=None, encoder="minilm", cache_dir=None,
+                   limit: Optional[int] = None, k: int = candidates_lib.DEFAULT_K,
+                   progress: bool = True, synthetic_queries: int = 500,
+                   synthetic_dim: int = 32) -> LiveData:
+  """`live_data` of a benchmark loaded as the runner loads it: 'locomo' / 'longmemeval' through
+  `corpora.load_corpus` and `candidates.embed_corpus` (the embedding cache), 'synthetic' as
+  `experiment.suites.Runner.bench` makes it."""
+  if benchmark == "synthetic":
+    ec = synthetic.make_synthetic(seed=0, num_queries=synthetic_queries, dim=synthetic_dim,
+                                  num_banks=max(2, min(25, synthetic_queries // 8)))
+  else:
+    corpus = corpora.load_corpus(benchmark, data_dir=data_dir, limit=limit)
+    ec, _ = candidates_lib.embed_corpus(corpus, encoder, cache_dir=cache_dir, progress=progress)
+  return live_data(ec, k=k)
+
+
+def run(data: LiveData, method: Method, seeds: Sequence[int],
+        critic: Optional[critic_lib.SimulatedCritic] = None, *, time_scan: bool = True,
+        name: str = "live") -> tuple[dict, list]:
+  """The jitted runner and the live stream on the same seeds, compared (`compare`).
+
+  Args:
+    data: the benchmark.
+    method: the method (`runner.build_method`).
+    seeds: the seeds (the runner's splits `runner.seed_splits`).
+    critic: the simulated critic (default: the paper's).
+    time_scan: run the runner a second time (compiled) for the scan's cost; else its first wall
+      time, compilation included.
+    name: run name (logs).
+
+  Returns:
+    `(comparison dict, [SeedResult])`.
+  """
+  critic = critic or critic_lib.make_simulated_critic()
+  seeds = [int(x) for x in seeds]
+  train_index, test_index = runner.seed_splits(data.bench.num_queries, seeds)
+  logging.info("%s: runner, %d seeds, %d training / %d test questions", name, len(seeds),
+               train_index.shape[1], test_index.shape[1])
+  result, warm = run_runner(data, method, seeds, train_index, test_index, critic, name=name,
+                            timing_repeat=time_scan)
+  logging.info("%s: runner R@5 adapter %.2f explorer %.2f (%.1f s; compiled %s s)", name,
+               100 * float(np.mean(result.eval["recall_adapter"])),
+               100 * float(np.mean(result.eval["recall_explorer"])), result.wall_seconds,
+               "-" if warm is None else f"{warm:.1f}")
+  live = []
+  for j, seed in enumerate(seeds):
+    t0 = time.perf_counter()
+    r = run_seed(data, method, seed, train_index[j], test_index[j], critic,
+                 progress=lambda line: logging.info("%s: %s", name, line))
+    live.append(r)
+    logging.info("%s: seed %d (%d/%d): live R@5 adapter %.2f explorer %.2f | runner %.2f %.2f "
+                 "(%.1f s)", name, seed, j + 1, len(seeds), 100 * r.recall["adapter"],
+                 100 * r.recall["explorer"], 100 * float(result.eval["recall_adapter"][j]),
+                 100 * float(result.eval["recall_explorer"][j]), time.perf_counter() - t0)
+  cmp = compare(data, result, live, result.wall_seconds if warm is None else warm)
+  cmp["scan_seconds"] = {"first": result.wall_seconds, "compiled": warm}
+  cmp["method"] = method.name
+  cmp["benchmark"] = data.bench.name
+  cmp["num_queries"] = data.bench.num_queries
+  return cmp, live
+
+
+def table_md(cmp: dict, *, title: str) -> str:
+  """The markdown table of `compare`: per mode runner and live means, the paired difference with
+  its interval, and the cost per question."""
+  lines = [f"### {title}", "",
+           "| mode | metric | runner | live | live − runner [95% CI] | within noise |",
+           "|---|---|---|---|---|---|"]
+  names = {"adapter": "adapter-only", "explorer": "explorer-assisted"}
+  for mode in MODES:
+    for metric, label in (("recall", "R@5"), ("hitrate", "Hit@5")):
+      r = cmp["modes"][mode][metric]
+      lines.append(f"| {names[mode]} | {label} | {r['runner_mean']:.2f} | {r['live_mean']:.2f} | "
+                   f"{stats.format_difference(r['difference'])} | "
+                   f"{'yes' if r['within_noise'] else '**no**'} |")
+  same = ", ".join(f"{names[m]} {100 * float(np.mean(cmp['modes'][m]['same_slate'])):.1f} %"
+                   for m in MODES)
+  lines += ["", f"Test questions whose live slate holds the runner's memories (mean over seeds): "
+            f"{same}. Shown ids outside the runner's candidates: "
+            f"{sum(cmp['outside_candidates'])}."]
+  c = cmp["cost_ms_per_question"]
+  lines += ["", "| cost per question (critic excluded) | ms |", "|---|---|",
+            f"| live (`Memory`), all steps | {c['live']:.2f} |",
+            f"| live: training `recall` (T rounds + learner step / b), mean / p50 | "
+            f"{c['live_by_step_mean']['train']:.2f} / {c['live_by_step_p50']['train']:.2f} |",
+            f"| live: test `search` (adapter-only), mean / p50 | "
+            f"{c['live_by_step_mean']['search']:.2f} / {c['live_by_step_p50']['search']:.2f} |",
+            f"| live: test `recall(learn=False)`, mean / p50 | "
+            f"{c['live_by_step_mean']['recall_test']:.2f} / "
+            f"{c['live_by_step_p50']['recall_test']:.2f} |",
+            f"| scan (`runner.train_and_evaluate`, compiled, all seeds vmapped) | "
+            f"{c['scan']:.3f} |"]
+  per = ["", "| seed | " + " | ".join(f"{names[m]} runner / live" for m in MODES) + " |",
+         "|---|" + "---|" * len(MODES)]
+  for j, seed in enumerate(cmp["seeds"]):
+    cells = [f"{cmp['modes'][m]['recall']['runner'][j]:.2f} / "
+             f"{cmp['modes'][m]['recall']['live'][j]:.2f}" for m in MODES]
+    per.append(f"| {seed} | " + " | ".join(cells) + " |")
+  return "\n".join(lines + ["", "Recall@5 per seed:"] + per)
+
+
+__all__ = ["LiveData", "MODES", "SeedResult", "StreamCritic", "build_memory", "compare",
+           "critic_round_keys", "live_data", "load_live_data", "run", "run_runner", "run_seed",
+           "table_md"]
