@@ -115,6 +115,55 @@ def test_round_trip_sessions_and_forget():
   assert st["feedback"] == 5
 
 
+
+def test_scopes_keep_users_apart_and_memories_carry_dates(tmp_path):
+  """remember / recall / search with a scope see that scope only; sessions are per (question,
+  scope) and continue after a restart; recall and search return each memory's date."""
+  svc = _service(tmp_path)
+  alice, bob = FACTS[:8], FACTS[8:]
+
+  async def first(s):
+    a = (await mcp_agent.must(s, "remember", {"texts": alice, "scope": "alice",
+                                              "dates": [f"2023-05-0{i + 1}" for i in range(8)]}))
+    b = (await mcp_agent.must(s, "remember", {"texts": bob, "scope": "bob"}))
+    q = "where does the red cat live"
+    out = {}
+    for scope, ids in (("alice", a["ids"]), ("bob", b["ids"])):
+      for tool in ("recall", "search"):
+        got = await mcp_agent.must(s, tool, {"question": q, "k": 5, "scope": scope})
+        assert {m["id"] for m in got["memories"]} <= set(ids), (tool, scope)
+        out[(tool, scope)] = got
+    both = await mcp_agent.must(s, "search", {"question": q, "k": 8})  # no scope: every memory
+    r2 = await mcp_agent.must(s, "recall", {"question": q, "k": 5, "scope": "alice"})
+    await mcp_agent.must(s, "cite", {"retrieval_id": r2["retrieval_id"], "used_ids": []})
+    bad = await mcp_agent.call(s, "remember", {"texts": ["x"], "dates": ["a", "b"]})
+    return a, out, both, r2, bad
+  a, out, both, r2, bad = _run(svc, first)
+  dates = {m["id"]: m["date"] for m in out[("search", "alice")]["memories"]}
+  assert all(dates[i] == f"2023-05-0{a['ids'].index(i) + 1}" for i in dates)
+  assert all(m["date"][:4].isdigit() and "T" in m["date"]  # dated now (ISO 8601)
+             for m in out[("recall", "bob")]["memories"])
+  assert out[("recall", "alice")]["round"] == 1 and out[("recall", "bob")]["round"] == 1
+  assert r2["round"] == 1  # the alice round 1 was never cited: discarded, and played again
+  assert not bad[0] and "one date per text" in bad[1]
+  svc.close()
+  assert len(both["memories"]) == 8
+  back = Memory.load(tmp_path / "mem", encoder=HashEncoder())
+  assert {r["scope"] for r in back.list()} == {"alice", "bob"}
+  assert back.list("alice")[0]["date"] == "2023-05-01"
+  svc2 = mcp_server.MemoryService(back, tmp_path / "mem")
+
+  async def second(s):
+    q = "where does the red cat live"
+    again = await mcp_agent.must(s, "recall", {"question": q, "k": 5, "scope": "alice"})
+    other = await mcp_agent.must(s, "recall", {"question": q, "k": 5, "scope": "bob"})
+    return again, other
+  again, other = _run(svc2, second)
+  assert again["round"] == 2  # the cited alice session continues after the restart
+  assert other["round"] == 1  # (bob's round was never cited: a fresh session)
+  assert {m["id"] for m in again["memories"]} <= set(a["ids"])
+
+
 HOSTILE = [
     ("remember", {"texts": 5}, "texts"),
     ("remember", {"texts": []}, "empty"),
@@ -132,6 +181,9 @@ HOSTILE = [
     ("forget", {"ids": ["no-such-id"]}, "unknown memory id"),
     ("forget", {"ids": "m0" * 0}, "ids"),
     ("search", {"question": ""}, "question"),
+    ("search", {"question": "fox", "scope": ""}, "scope"),
+    ("recall", {"question": "fox", "scope": "nobody"}, "scope 'nobody'"),
+    ("remember", {"texts": ["x"], "scope": "s" * 201}, "limit"),
 ]
 
 
