@@ -301,7 +301,8 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
   slates = {"adapter": [], "explorer": []}
   for i in test_index:
     t = time.perf_counter()
-    r = mem.search(data.query_text(i), s, query_embedding=queries[i], scope=data.scope(data.bench.group[i]))
+    r = mem.search(data.query_text(i), s, query_embedding=queries[i],
+                   scope=data.scope(data.bench.group[i]))
     ms["search"].append(1e3 * (time.perf_counter() - t))
     slates["adapter"].append(tuple(r.ids))
   for j, i in enumerate(test_index):

@@ -133,7 +133,8 @@ def _frozen_rounds(memory: "Memory", first: "Retrieval", critic, k: int) -> Reca
     params = memory.params
     memory.discard(first)
     memory.close(first)  # no feedback: nothing is queued
-    base_key = jax.random.fold_in(memory._critic_key, first.retrieval_id)  # pylint: disable=protected-access
+    critic_key = memory._critic_key  # pylint: disable=protected-access
+    base_key = jax.random.fold_in(critic_key, first.retrieval_id)
   config, hparams = memory.config, memory.hparams
   K, d = config.num_candidates, config.dim
   mean, counts = np.zeros((K,), np.float32), np.zeros((K,), np.float32)
