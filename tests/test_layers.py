@@ -50,20 +50,40 @@ def test_the_layer_checker_catches_an_upward_import(tmp_path):
   assert _layer("ear_jax.experiment.runner") == "experiment" and _layer("numpy") is None
 
 
+def _import_graph(package: str):
+  """`module -> {modules of the package it imports}` inside `ear_jax/<package>` (subpackages
+  included, a package as its `__init__`; every import, any depth, also the ones under
+  `if TYPE_CHECKING:`: a type-only import still ties the two modules together). Modules are
+  named by their path under the package without '.py' ('memory/front', 'memory/__init__')."""
+  root = REPO / "ear_jax" / package
+  files = {str(p.relative_to(root).with_suffix("")): p for p in root.rglob("*.py")}
+
+  def resolve(module: str):
+    parts = module.split(".")
+    if parts[:2] != ["ear_jax", package]:
+      return None
+    rest = parts[2:]
+    for n in range(len(rest), 0, -1):  # the longest prefix that is a module or a package
+      name = "/".join(rest[:n])
+      if name in files:
+        return name
+      if f"{name}/__init__" in files:
+        return f"{name}/__init__"
+    return None
+
+  def deps_of(path):
+    """`from pkg import sub` depends on `sub` (a module) or on `pkg` (a name defined there)."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Import):
+        yield from (resolve(a.name) for a in node.names)
+      elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        yield from (resolve(f"{node.module}.{a.name}") for a in node.names)
+
+  return {name: set(deps_of(path)) - {None, name} for name, path in files.items()}
+
+
 def _core_import_graph():
-  """`module -> {core modules it imports}` inside `ear_jax/core` (every import, any depth, also the
-  ones under `if TYPE_CHECKING:`: a type-only import still ties the two modules together)."""
-  core = REPO / "ear_jax" / "core"
-  names = {p.stem for p in core.glob("*.py")}
-  graph = {}
-  for path in core.glob("*.py"):
-    deps = set()
-    for module in _imports(path):
-      parts = module.split(".")
-      if parts[:2] == ["ear_jax", "core"] and len(parts) > 2 and parts[2] in names:
-        deps.add(parts[2])
-    graph[path.stem] = deps - {path.stem}
-  return graph
+  return _import_graph("core")
 
 
 def _cycles(graph):
@@ -84,6 +104,17 @@ def test_the_core_has_no_import_circle():
   assert {"config", "buffer", "policies", "learner", "types"} <= set(graph)
   assert not _cycles(graph), {m: sorted(graph[m]) for m in _cycles(graph)}
   assert not graph["types"], "core/types.py imports nothing from ear_jax"
+
+
+def test_the_agent_layer_has_no_import_circle_and_llm_is_independent_of_memory():
+  graph = _import_graph("agent")
+  assert {"memory/front", "memory/bank", "llm/critic", "mcp_server"} <= set(graph)
+  assert not _cycles(graph), {m: sorted(graph[m]) for m in _cycles(graph)}
+  llm_uses_memory = {m: sorted(d for d in deps if d.startswith("memory/"))
+                     for m, deps in graph.items() if m.startswith("llm/")}
+  assert not any(llm_uses_memory.values()), llm_uses_memory
+  # inside memory/, only the package's __init__ imports the front
+  assert {m for m, deps in graph.items() if "memory/front" in deps} == {"memory/__init__"}
 
 
 def test_the_cycle_checker_finds_a_circle():

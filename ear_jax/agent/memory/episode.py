@@ -1,4 +1,6 @@
-"""Host-side critic loops: an agent step (`llm_feedback`), a training episode (`run_critic_episode`).
+"""Host-side critic loops over arrays: one round's slates for a batch of queries, a training episode
+(`run_critic_episode`); `Memory`'s agent step with a host critic is `Memory.feedback_from_critic` /
+`front.llm_feedback`.
 
 Symbols: `N` queries, `K` candidates, `s` slate size, `T` Explorer rounds, `b` batch size.
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
@@ -26,10 +28,6 @@ from ear_jax.core import policies
 from ear_jax.core import retrieval as retrieval_lib
 from ear_jax.core.config import EARConfig, HParams
 from ear_jax.core.stream import Stream
-
-if TYPE_CHECKING:
-  from ear_jax.agent.memory import Memory, Retrieval
-
 
 @functools.partial(jax.jit, static_argnames=("k", "explore"))
 def _round_slates(params, queries, candidates, mask, mean, counts, hparams, *, k, explore):
@@ -70,56 +68,6 @@ def update_bandits(mean, counts, slates, slate_mask, labels):
                           labels)
   return np.asarray(stats.mean), np.asarray(stats.counts)
 
-
-
-def llm_feedback(memory: "Memory", critic, query: str, k: int = 5, explore: bool = True, *,
-                 query_embedding=None) -> tuple["Retrieval", Any]:
-  """One agent step with a host critic: `retrieve` -> `critic(key, view)` -> `feedback`.
-
-  An unusable reply (labels None) closes the retrieval with no update (counted in
-  `memory.stats['critic_no_update']` and in the critic's own `stats`); the loop never crashes on it.
-
-  Returns:
-    `(retrieval, labels)`: labels `[k]` float32 in {-1, +1}, or None.
-  """
-  r = memory.retrieve(query, k=k, explore=explore, query_embedding=query_embedding)
-  return r, memory.feedback_from_critic(r, critic)
-
-
-def feedback_from_critic(memory: "Memory", retrieval, critic) -> Optional[np.ndarray]:
-  """Shows a retrieval's slate to a host critic and applies its labels.
-
-  The critic follows the library's protocol `critic(key, view) -> labels [k]` or None (e.g.
-  `LLMCritic`); the view carries `query_text`, `texts` and `ids`. It is called outside the lock
-  with the key `jax.random.fold_in(k_critic, retrieval_id)` (see `ear_jax.agent.memory.driver`). None
-  (an unusable reply) discards the retrieval with NO update, counted in
-  `stats['critic_no_update']`.
-
-  Returns:
-    The labels, or None.
-  """
-  with memory._lock:
-    sid = memory._sessions.resolve_open(retrieval)
-    s = memory._sessions.by_id[sid]
-    if not s.query:
-      raise ValueError(f"retrieval {s.open_id} has no query text to show the critic")
-    k = len(s.open_slate)
-    ids, texts, _ = memory._bank.describe(s.cand_idx[s.open_slate])
-    view = critic_lib.SlateView(query=s.query_emb, slate=s.open_slate.copy(), slate_mask=np.ones(k, bool),
-                     memories=s.cand_emb[s.open_slate, :memory.config.dim], gold=np.zeros(k, bool),
-                     query_text=s.query, texts=list(texts), ids=list(ids))
-    key = jax.random.fold_in(memory._critic_key, s.open_id)
-  labels = critic(key, view)
-  if labels is not None:
-    labels = check_labels(labels, k, "the critic")  # ValueError: the retrieval stays open
-  with memory._lock:
-    if labels is None:
-      memory.discard(retrieval)
-      memory.stats["critic_no_update"] += 1
-    else:
-      memory.feedback(retrieval, [i for i, y in zip(ids, labels) if y > 0])
-    memory.stats["critic_calls"] += 1
-  return labels
 
 
 def check_labels(labels, k: int, what: str) -> np.ndarray:

@@ -5,7 +5,7 @@ rounds, `b` batch size. `Memory` serialises three parts over the pure core with 
 `bank.Bank` (ids, texts, device-resident `[C, d]` embeddings; `retrieval.top_k_search`),
 `sessions.Sessions` (one session per query; `retrieval.slate_from_candidates`) and `driver.Driver`
 (the learner state; `learner.train_batch_on_feedback`). Checkpoints: `persistence`; critic
-loops: `episode` (`llm_feedback`, `run_critic_episode`, re-exported here).
+loops: `llm_feedback` (here), `episode.run_critic_episode` (re-exported here).
 """
 from __future__ import annotations
 
@@ -28,9 +28,10 @@ from ear_jax.agent.memory.bank import DEFAULT_SCOPE, InputTypeError
 from ear_jax.agent.memory.encoder_slot import EncoderSlot
 from ear_jax.agent.memory.driver import Driver, seed_keys
 from ear_jax.agent.memory import episode
-from ear_jax.agent.memory.episode import llm_feedback, round_slates, run_critic_episode
+from ear_jax.agent.memory.episode import round_slates, run_critic_episode
 from ear_jax.agent.memory.sessions import Retrieval, Sessions, citation_labels
 from ear_jax.core import adapter as adapter_lib
+from ear_jax.core import critic as critic_lib
 from ear_jax.core import learner as learner_lib
 from ear_jax.core import policies
 from ear_jax.core.config import EARConfig, HParams, Method, default_hparams
@@ -564,14 +565,40 @@ class Memory:
     return recall_lib.search(self, question, k, query_embedding=query_embedding, scope=scope)
 
   def feedback_from_critic(self, retrieval, critic) -> Optional[np.ndarray]:
-    """Shows a retrieval's slate to a host critic (`critic(key, view)`, e.g. `LLMCritic`) and
-    applies its labels; None (an unusable reply) discards the retrieval with NO update. See
-    `ear_jax.agent.memory.episode.feedback_from_critic`.
+    """Shows a retrieval's slate to a host critic and applies its labels.
+
+    The critic follows the library's protocol `critic(key, view) -> labels [k]` or None (e.g.
+    `LLMCritic`); the view carries `query_text`, `texts` and `ids`. It is called outside the lock
+    with the key `jax.random.fold_in(k_critic, retrieval_id)` (see `ear_jax.agent.memory.driver`).
+    None (an unusable reply) discards the retrieval with NO update, counted in
+    `stats['critic_no_update']`.
 
     Returns:
       The labels, or None.
     """
-    return episode.feedback_from_critic(self, retrieval, critic)
+    with self._lock:
+      sid = self._sessions.resolve_open(retrieval)
+      s = self._sessions.by_id[sid]
+      if not s.query:
+        raise ValueError(f"retrieval {s.open_id} has no query text to show the critic")
+      k = len(s.open_slate)
+      ids, texts, _ = self._bank.describe(s.cand_idx[s.open_slate])
+      view = critic_lib.SlateView(
+          query=s.query_emb, slate=s.open_slate.copy(), slate_mask=np.ones(k, bool),
+          memories=s.cand_emb[s.open_slate, :self.config.dim], gold=np.zeros(k, bool),
+          query_text=s.query, texts=list(texts), ids=list(ids))
+      key = jax.random.fold_in(self._critic_key, s.open_id)
+    labels = critic(key, view)
+    if labels is not None:
+      labels = episode.check_labels(labels, k, "the critic")  # ValueError: the retrieval stays open
+    with self._lock:
+      if labels is None:
+        self.discard(retrieval)
+        self.stats["critic_no_update"] += 1
+      else:
+        self.feedback(retrieval, [i for i, y in zip(ids, labels) if y > 0])
+      self.stats["critic_calls"] += 1
+    return labels
 
   # ----------------------------------------------------------------------------------------------
   # forgetting (`ear_jax.agent.memory.forget`)
@@ -679,3 +706,17 @@ class Memory:
     self.max_sessions, self.cache_dir = int(settings["max_sessions"]), settings["cache_dir"]
     self._critic_key = seed_keys(self.seed)[2]
     self.stats = collections.Counter(settings["stats"])
+
+
+def llm_feedback(memory: Memory, critic, query: str, k: int = 5, explore: bool = True, *,
+                 query_embedding=None) -> tuple[Retrieval, Any]:
+  """One agent step with a host critic: `retrieve` -> `critic(key, view)` -> `feedback`.
+
+  An unusable reply (labels None) closes the retrieval with no update (counted in
+  `memory.stats['critic_no_update']` and in the critic's own `stats`); the loop never crashes on it.
+
+  Returns:
+    `(retrieval, labels)`: labels `[k]` float32 in {-1, +1}, or None.
+  """
+  r = memory.retrieve(query, k=k, explore=explore, query_embedding=query_embedding)
+  return r, memory.feedback_from_critic(r, critic)

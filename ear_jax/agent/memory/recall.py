@@ -11,12 +11,16 @@ the paper) or the top-k by bandit mean, ties by adapted relevance ('exploit', `e
 same embeddings, learner state and critic labels it equals `evaluate`'s explorer-assisted slate
 (`tests/test_memory_recall.py`). A critic follows the library's protocol, `critic(key, view) ->
 labels [k]` or None (an unusable reply: that round gets no update and the rounds end there).
+
+The functions take the `Memory` itself (a friend module of `front`, which imports this one, never
+the reverse: the agent layer has no import circle, `tests/test_layers.py`) and hold its lock while
+they read a session's arrays.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -26,8 +30,6 @@ from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import explorer as explorer_lib
 
-if TYPE_CHECKING:
-  from ear_jax.agent.memory import Memory, Retrieval
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +63,7 @@ def _exploit(params, query, candidates, mask, mean, counts, *, k):
   return slate, slate_mask, z
 
 
-def recall(memory: "Memory", question: str, critic, k: int = 5, *,
+def recall(memory: Any, question: str, critic, k: int = 5, *,
            query_embedding=None, learn: bool = True, scope=None) -> Recall:
   """T Explorer rounds of `question` with `critic`, one training query, the final slate.
 
@@ -93,7 +95,7 @@ def recall(memory: "Memory", question: str, critic, k: int = 5, *,
       r = memory.retrieve(k=k, explore=True, continue_from=r)
     rounds.append(r)
     params = memory.params  # the adapter this round's slate used (a copy: feedback may train)
-    y = episode.feedback_from_critic(memory, r, critic)
+    y = memory.feedback_from_critic(r, critic)
     labels.append(y)
     if y is None:  # an unusable reply: no update, and no more rounds on guesswork
       break
@@ -115,7 +117,7 @@ def recall(memory: "Memory", question: str, critic, k: int = 5, *,
                 final_slate=memory.config.final_slate)
 
 
-def _frozen_rounds(memory: "Memory", first: "Retrieval", critic, k: int) -> Recall:
+def _frozen_rounds(memory: Any, first, critic, k: int) -> Recall:
   """`recall(learn=False)`: the T rounds of `first`'s query played off the memory's sessions.
 
   `first` (round 1, already retrieved) is closed without feedback, so its session queues nothing;
@@ -178,8 +180,8 @@ def _frozen_rounds(memory: "Memory", first: "Retrieval", critic, k: int) -> Reca
                 final_slate=config.final_slate)
 
 
-def search(memory: "Memory", question: Optional[str] = None, k: int = 5, *,
-           query_embedding=None, scope=None) -> "Retrieval":
+def search(memory: Any, question: Optional[str] = None, k: int = 5, *,
+           query_embedding=None, scope=None):
   """The adapter-only slate of a question: no critic, no learning (its session is closed empty)."""
   r = memory.retrieve(question, k, explore=False, query_embedding=query_embedding, scope=scope)
   memory.close(r)
