@@ -99,8 +99,16 @@ def main(argv):
     json.dump(cmp, f, indent=1)
   with open(os.path.join(out, "table.md"), "w") as f:
     f.write(md)
+  from ear_jax.experiment import plots  # pylint: disable=g-import-not-at-top
+  names = {"adapter": "adapter-only", "explorer": "explorer-assisted"}
+  plot = os.path.join(out, f"live_vs_runner_{bench}_{_METHOD.value}.png")
+  plots.per_seed_scatter(
+      plot, {names[m]: (cmp["modes"][m]["recall"]["runner"], cmp["modes"][m]["recall"]["live"])
+             for m in live.MODES},
+      xlabel="jitted runner Recall@5 (%)", ylabel="live Memory Recall@5 (%)",
+      title=f"{_METHOD.value} on {bench}: one point per seed")
   print(md)
-  print(f"wrote {out}/results.json, {out}/table.md")
+  print(f"wrote {out}/results.json, {out}/table.md, {plot}")
   return 0
 
 

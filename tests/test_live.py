@@ -93,6 +93,7 @@ def test_live_equals_the_runner_given_the_runners_replay_keys(data, monkeypatch)
     assert cmp["modes"][mode]["same_slate"] == [1.0], mode
 
 
+@pytest.mark.slow
 def test_live_and_runner_are_close_for_ear_tuned_on_one_seed(data):
   cmp, _ = _compare(data, "ear_tuned", seed=1)
   for mode in live.MODES:
@@ -130,7 +131,7 @@ def _gold_critic(key, view):
   return np.where([i in {"m1", "m3", "m7"} for i in view.ids], 1.0, -1.0).astype(np.float32)
 
 
-@pytest.mark.parametrize("method", ["ear", "ear_tuned"])
+@pytest.mark.parametrize("method", [pytest.param("ear", marks=pytest.mark.slow), "ear_tuned"])
 def test_recall_without_learning_equals_evaluate_and_trains_nothing(method):
   mem, emb = _memory(method)
   before = mem.params

@@ -103,11 +103,13 @@ def _expected(m, scope_of, spec, q, multistore):
   return out
 
 
+@pytest.mark.parametrize("num_cases", [pytest.param(8, id="8"),  # the fast tier
+                                       pytest.param(30, id="30", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("stage", FIRST_STAGES, ids=lambda s: s.get("index", s.get("candidates")))
-def test_scoped_candidates_never_leak_across_scopes(stage):
+def test_scoped_candidates_never_leak_across_scopes(stage, num_cases):
   rng = np.random.default_rng(len(str(stage)))
   k = 2
-  for case in range(30):
+  for case in range(num_cases):
     multistore = bool(case % 2)
     m, scope_of = _random_memory(rng, multistore, **stage)
     queries = _unit(rng.normal(size=(2, D)))
@@ -437,6 +439,7 @@ def test_k_errors_name_the_scope_and_its_dialogue_memories():
   assert m.search(query_embedding=np.ones(D), k=1, scope=["d", "o"]).ids == ("m2",)
 
 
+@pytest.mark.slow
 def test_searcher_selectors_follow_adds_across_ivf_training():
   from ear_jax.index import ann  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(10)

@@ -50,6 +50,7 @@ from ear_jax.data import candidates as candidates_lib
 from ear_jax.data import corpora
 from ear_jax.data import corpus as corpus_lib
 from ear_jax.data import synthetic
+from ear_jax.experiment import benchmarking
 from ear_jax.experiment import runner
 from ear_jax.experiment import stats
 
@@ -464,6 +465,13 @@ def run(data: LiveData, method: Method, seeds: Sequence[int],
                  100 * float(result.eval["recall_explorer"][j]), time.perf_counter() - t0)
   cmp = compare(data, result, live, result.wall_seconds if warm is None else warm)
   cmp["scan_seconds"] = {"first": result.wall_seconds, "compiled": warm}
+  # The physical bound of a training question, measured in this run: its FLOPs (adapter matmuls
+  # and gradients, Explorer Gram, replay similarity) over this machine's fp32 matmul peak.
+  peak = benchmarking.measure_peak()
+  flops = benchmarking.ear_flops_per_query(method.config)["total"]
+  cmp["cost_ms_per_question"].update(
+      matmul_peak_gflops=peak["gflops"], flops_per_training_question=flops,
+      bound_ms_per_training_question=1e3 * flops / (peak["gflops"] * 1e9))
   cmp["method"] = method.name
   cmp["benchmark"] = data.bench.name
   cmp["num_queries"] = data.bench.num_queries
@@ -500,6 +508,10 @@ def table_md(cmp: dict, *, title: str) -> str:
             f"{c['live_by_step_p50']['recall_test']:.2f} |",
             f"| scan (`runner.train_and_evaluate`, compiled, all seeds vmapped) | "
             f"{c['scan']:.3f} |"]
+  if "bound_ms_per_training_question" in c:
+    lines.append(f"| bound: FLOPs of a training question ({c['flops_per_training_question'] / 1e6:.1f} "
+                 f"M) / matmul peak measured in this run ({c['matmul_peak_gflops']:.0f} GFLOP/s) | "
+                 f"{c['bound_ms_per_training_question']:.3f} |")
   per = ["", "| seed | " + " | ".join(f"{names[m]} runner / live" for m in MODES) + " |",
          "|---|" + "---|" * len(MODES)]
   for j, seed in enumerate(cmp["seeds"]):

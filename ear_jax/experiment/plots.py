@@ -202,6 +202,27 @@ def heatmap(path, rows: Sequence[float], cols: Sequence[float], values: np.ndarr
   _save(fig, path)
 
 
+def per_seed_scatter(path, series: Mapping[str, tuple], *, xlabel: str, ylabel: str,
+                     title: str = ""):
+  """One point per seed and series (`{name: (x values, y values)}`) with the diagonal y = x:
+  two ways of measuring the same thing agree where the points sit on it."""
+  plt = _plt()
+  fig, ax = plt.subplots(figsize=(4.6, 4.2))
+  lo, hi = np.inf, -np.inf
+  for name, (xs, ys) in series.items():
+    xs, ys = _floats(xs), _floats(ys)
+    ax.scatter(xs, ys, s=22, label=name, alpha=0.8)
+    lo, hi = min(lo, np.nanmin(xs), np.nanmin(ys)), max(hi, np.nanmax(xs), np.nanmax(ys))
+  pad = 0.05 * (hi - lo + 1e-9)
+  ax.plot([lo - pad, hi + pad], [lo - pad, hi + pad], color="gray", lw=1, ls="--")
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=10)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  _save(fig, path)
+
+
 def _floats(values) -> np.ndarray:
   """Values as float64 with None -> NaN."""
   return np.asarray([np.nan if v is None else v for v in np.ravel(np.asarray(values, object))],
@@ -216,4 +237,5 @@ def _save(fig, path):
   _plt().close(fig)
 
 
-__all__ = ["grouped_bars", "heatmap", "learning_curves", "paired_differences"]
+__all__ = ["grouped_bars", "heatmap", "learning_curves", "paired_differences",
+           "per_seed_scatter"]
