@@ -103,9 +103,17 @@ def _expected(m, scope_of, spec, q, multistore):
   return out
 
 
-@pytest.mark.parametrize("num_cases", [pytest.param(8, id="8"),  # the fast tier
-                                       pytest.param(30, id="30", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("stage", FIRST_STAGES, ids=lambda s: s.get("index", s.get("candidates")))
+def _leak_cases():
+  """Every first stage with 30 random cases (slow tier); the fast tier runs 8 cases of dense,
+  hybrid (which covers BM25's masking), HNSW and IVF."""
+  for stage in FIRST_STAGES:
+    name = stage.get("index", stage.get("candidates"))
+    yield pytest.param(stage, 30, id=f"{name}-30", marks=pytest.mark.slow)
+    if name not in ("bm25", "faiss_pq"):
+      yield pytest.param(stage, 8, id=f"{name}-8")
+
+
+@pytest.mark.parametrize("stage,num_cases", list(_leak_cases()))
 def test_scoped_candidates_never_leak_across_scopes(stage, num_cases):
   rng = np.random.default_rng(len(str(stage)))
   k = 2
@@ -266,6 +274,7 @@ def test_bad_scope_specs_of_queries_are_refused():
 # update
 
 
+@pytest.mark.slow
 def test_update_replaces_text_and_vector_everywhere(tmp_path):
   rng = np.random.default_rng(5)
   m = Memory(_HashEncoder(), config=_config(batch_size=1), candidates="hybrid")
