@@ -25,8 +25,14 @@ def test_scale_bench_tiny_run_fields_bounds_and_incremental_save(tmp_path):
   ivf = [r for r in res["rows"] if r["path"] in ("ivf", "pq")]
   assert all(r["recall_at_k"] == 1.0 for r in ivf)  # below the training size: searched exactly
   exact = [r for r in res["rows"] if r["path"] == "exact"]
-  for r in exact:  # the incremental save wrote 1,000 rows, not the bank
-    assert 1000 * 16 * 4 <= r["last_shard_bytes"] < 1000 * 16 * 4 + 200_000
+  for r in exact:
+    # The last save wrote one shard: its 1,000 new rows, merged with the earlier small shards when
+    # they break the compaction invariant (`persistence._compaction_start`). At this tiny M the
+    # third save merges everything (counts [M + 1000, 1000, 1000] -> one shard of M + 3000 rows);
+    # at large M it holds the 1,000 rows (BENCHMARKS.md "Scale"). Per row: the float32 embedding,
+    # the int32 scope code and the JSON id / text / date (< 150 bytes here).
+    per_row = 16 * 4 + 4 + 150
+    assert 1000 * 16 * 4 <= r["last_shard_bytes"] < (r["M"] + 3000) * per_row + 100_000
     assert len(r["save_after_1000_all_s"]) == 3 and r["save_nothing_added_s"] > 0
     # the main step holds the learner state, not the replay buffer's candidates (bank rows)
     assert 0 < r["last_step_bytes"] < 2048 * 20 * 16 * 4
