@@ -52,6 +52,7 @@ from ear_jax.data import corpus as corpus_lib
 from ear_jax.data import synthetic
 from ear_jax.experiment import benchmarking
 from ear_jax.experiment import runner
+from ear_jax.experiment import scale_bench
 from ear_jax.experiment import stats
 
 MODES = ("adapter", "explorer")  # adapter-only (Memory.search), explorer-assisted (recall)
@@ -234,6 +235,7 @@ class SeedResult:
     outside_candidates: shown or returned ids that are not among the runner's candidates of the
       question (0 when the live candidates are the runner's).
     learner_steps: `Memory.stats['learner_steps']` after training.
+    bank_bytes: the bytes one exact search reads (the bank's `[C, d]` embeddings, C its capacity).
   """
   seed: int
   all_gold: dict
@@ -245,6 +247,7 @@ class SeedResult:
   per_question_ms: dict
   outside_candidates: int
   learner_steps: int
+  bank_bytes: int = 0
 
 
 def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[int],
@@ -333,7 +336,8 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
   return SeedResult(seed=int(seed), all_gold=all_gold, any_gold=any_gold, recall=recall,
                     hitrate=hitrate, slates=slates, seconds=seconds,
                     per_question_ms={k: np.asarray(v) for k, v in ms.items()},
-                    outside_candidates=int(outside), learner_steps=steps)
+                    outside_candidates=int(outside), learner_steps=steps,
+                    bank_bytes=int(mem.capacity * method.config.dim * 4))
 
 
 def run_runner(data: LiveData, method: Method, seeds: Sequence[int], train_index: np.ndarray,
@@ -465,13 +469,17 @@ def run(data: LiveData, method: Method, seeds: Sequence[int],
                  100 * float(result.eval["recall_explorer"][j]), time.perf_counter() - t0)
   cmp = compare(data, result, live, result.wall_seconds if warm is None else warm)
   cmp["scan_seconds"] = {"first": result.wall_seconds, "compiled": warm}
-  # The physical bound of a training question, measured in this run: its FLOPs (adapter matmuls
-  # and gradients, Explorer Gram, replay similarity) over this machine's fp32 matmul peak.
+  # The physical bounds, measured in this run: a training question's FLOPs (adapter matmuls and
+  # gradients, Explorer Gram, replay similarity) over this machine's fp32 matmul peak; a search's
+  # bytes (the exact search reads the whole bank once) over its memory bandwidth.
   peak = benchmarking.measure_peak()
+  bandwidth = scale_bench.measure_bandwidth()
   flops = benchmarking.ear_flops_per_query(method.config)["total"]
   cmp["cost_ms_per_question"].update(
       matmul_peak_gflops=peak["gflops"], flops_per_training_question=flops,
-      bound_ms_per_training_question=1e3 * flops / (peak["gflops"] * 1e9))
+      bound_ms_per_training_question=1e3 * flops / (peak["gflops"] * 1e9),
+      bandwidth_gb_per_s=bandwidth["gb_per_s"], bank_bytes=live[0].bank_bytes,
+      bound_ms_per_search=1e3 * live[0].bank_bytes / (bandwidth["gb_per_s"] * 1e9))
   cmp["method"] = method.name
   cmp["benchmark"] = data.bench.name
   cmp["num_queries"] = data.bench.num_queries
@@ -508,6 +516,10 @@ def table_md(cmp: dict, *, title: str) -> str:
             f"{c['live_by_step_p50']['recall_test']:.2f} |",
             f"| scan (`runner.train_and_evaluate`, compiled, all seeds vmapped) | "
             f"{c['scan']:.3f} |"]
+  if "bound_ms_per_search" in c:
+    lines.append(f"| bound: one search reads the bank ({c['bank_bytes'] / 1e6:.1f} MB) / memory "
+                 f"bandwidth measured in this run ({c['bandwidth_gb_per_s']:.1f} GB/s) | "
+                 f"{c['bound_ms_per_search']:.3f} |")
   if "bound_ms_per_training_question" in c:
     lines.append(f"| bound: FLOPs of a training question ({c['flops_per_training_question'] / 1e6:.1f} "
                  f"M) / matmul peak measured in this run ({c['matmul_peak_gflops']:.0f} GFLOP/s) | "
