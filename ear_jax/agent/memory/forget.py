@@ -30,9 +30,13 @@ Correcting: `Memory.update(id, text=..., embedding=...)` is a delete of the memo
 the above: the old text and vector leave candidates, sessions, the buffer and the next
 checkpoint) and an append of a new row with the same id, store, scope and date, in one locked
 call. `Memory.get` / `Memory.list` give `{'id', 'text', 'store', 'scope', 'date'}` records.
+
+The functions work on the memory's parts (bank, sessions, driver, stats), never on `Memory`: the
+front validates, takes its lock and calls them (`Memory.delete`, `update`, `get`, `list`).
 """
 from __future__ import annotations
 
+from typing import Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -141,72 +145,40 @@ def _forget_buffer(driver, rows: np.ndarray, old_emb: np.ndarray, dim: int) -> N
   driver.state = driver.state.replace(buffer=buf)
 
 
-def delete(memory, ids) -> list[str]:
-  """`Memory.delete`: see the module docstring. Validated before anything changes, applied under
-  the memory's lock. Returns the deleted ids."""
-  ids = check_ids(ids)
-  with memory._lock:  # pylint: disable=protected-access
-    _forget_rows(memory, rows_of(memory._bank, ids))  # pylint: disable=protected-access
-  return ids
-
-
-def _forget_rows(memory, rows: np.ndarray) -> None:
-  """Deletes live bank `rows` everywhere (see the module docstring; call under the lock)."""
-  bank = memory._bank  # pylint: disable=protected-access
+def forget_rows(bank: bank_lib.Bank, sessions, driver, rows: np.ndarray, stats) -> None:
+  """Deletes live bank `rows` everywhere (see the module docstring): tombstones in the bank, the
+  open sessions that showed them dropped, masked out of the queued items and the replay buffer;
+  counted in `stats` (a Counter). Call under the memory's lock; the caller refreshes a lexical
+  index (`LexicalBank.fresh`)."""
   old = _forget_bank(bank, rows)
-  if memory._lexical is not None:  # rebuilt from the bank's texts at the next search
-    memory._lexical = memory._lexical.fresh()
-  sessions = memory._sessions
   for sid, s in list(sessions.by_id.items()):
     if np.isin(s.cand_idx[s.cand_mask], rows).any():
       if s.open_id >= 0:
         sessions.open.pop(s.open_id, None)
       del sessions.by_id[sid]
-      memory.stats["sessions_dropped_by_delete"] += 1
-  driver = memory._driver
+      stats["sessions_dropped_by_delete"] += 1
   driver.ready = [_mask_item(it, rows) for it in driver.ready]
-  _forget_buffer(driver, rows, old, memory.config.dim)
-  memory.stats[DELETED_STAT] += len(rows)
+  _forget_buffer(driver, rows, old, driver.config.dim)
+  stats[DELETED_STAT] += len(rows)
 
 
-def get(memory, ids) -> list[dict]:
-  """`Memory.get`: `[{'id', 'text', 'store', 'scope', 'date'}]` of live memory ids, in order."""
-  ids = check_ids(ids)
-  with memory._lock:  # pylint: disable=protected-access
-    return memory._bank.records(rows_of(memory._bank, ids))  # pylint: disable=protected-access
+def records(bank: bank_lib.Bank, ids: list[str]) -> list[dict]:
+  """`[{'id', 'text', 'store', 'scope', 'date'}]` of live memory ids (checked), in order."""
+  return bank.records(rows_of(bank, ids))
 
 
-def list_memories(memory, scope=None) -> list[dict]:
-  """`Memory.list`: `get`'s records of the live memories of the scopes `scope` names (None: every
-  scope; a name; a list of names), in bank row order (an updated memory at its update)."""
-  names = bank_lib.check_scope_spec(scope)
-  with memory._lock:  # pylint: disable=protected-access
-    bank = memory._bank  # pylint: disable=protected-access
-    live = bank.store_codes < DELETED
-    if names is not None:
-      filt = bank.scope_filter(names)
-      live &= np.isin(bank.scope_codes, np.asarray(filt.codes, np.int32))
-    return bank.records(np.flatnonzero(live))
+def list_records(bank: bank_lib.Bank, names: Optional[tuple]) -> list[dict]:
+  """`records` of the live memories of scopes `names` (None: every scope), in bank row order."""
+  live = bank.store_codes < DELETED
+  if names is not None:
+    live &= np.isin(bank.scope_codes, np.asarray(bank.scope_filter(names).codes, np.int32))
+  return bank.records(np.flatnonzero(live))
 
 
-def update(memory, memory_id, *, text=None, embedding=None) -> str:
-  """`Memory.update`: replaces memory `memory_id` by a corrected one with the same id, store,
-  scope and date: the old row is deleted everywhere (`delete`: candidates, open sessions, queued
-  items, the replay buffer, the next checkpoint) and a new row appended, in one locked call.
-
-  Args:
-    memory: the memory.
-    memory_id: the id of a live memory.
-    text: the new text (None: keep the text).
-    embedding: the new `[d]` (or `[1, d]`) embedding (None: encode `text`, outside the lock).
-
-  Returns:
-    The id.
-
-  Raises:
-    ValueError: an unknown id (naming it), nothing to update, or an invalid text or embedding
-      (nothing changed).
-  """
+def check_update(memory_id, text, embedding, dim: int):
+  """`(memory_id, text or None, [1, d] embedding or None)` of an update, validated before anything
+  changes: ValueError / InputTypeError for a non-string id or text, an invalid embedding, or an
+  update that changes nothing."""
   if not isinstance(memory_id, str):
     raise bank_lib.InputTypeError(f"memory_id must be a string, got {type(memory_id).__name__}")
   if text is None and embedding is None:
@@ -216,24 +188,24 @@ def update(memory, memory_id, *, text=None, embedding=None) -> str:
     if not isinstance(text, str):
       raise bank_lib.InputTypeError(f"text must be a string, got {type(text).__name__}")
     text = bank_lib.check_text_list(text, "text")[0]
-  with memory._lock:  # pylint: disable=protected-access
-    rows_of(memory._bank, [memory_id], "memory_id")  # pylint: disable=protected-access
-  dim = memory.config.dim
+  emb = None
   if embedding is not None:
     arr = encoder_base.real_array(embedding, "embedding")
     emb = bank_lib.check_embeddings(arr[None] if arr.ndim == 1 else arr, 1, dim, "embedding")
-  else:
-    emb = memory._embed([text], None, 1, "the updated memory's")  # pylint: disable=protected-access
-  with memory._lock:  # pylint: disable=protected-access  (re-checked: another call may delete)
-    bank = memory._bank  # pylint: disable=protected-access
-    row = int(rows_of(bank, [memory_id], "memory_id")[0])
-    new_text = bank.texts[row] if text is None else text
-    code = bank.store_codes[row:row + 1].copy()
-    scope, date = bank.scope_names[int(bank.scope_codes[row])], bank.dates[row]
-    _forget_rows(memory, np.asarray([row], np.int32))  # (the lexical index: rebuilt at next search)
-    bank.append([memory_id], [new_text], code, emb, [scope], [date])
-    memory.stats["memories_updated"] += 1
-  return memory_id
+  return memory_id, text, emb
+
+
+def replace_row(bank: bank_lib.Bank, sessions, driver, memory_id: str, text: Optional[str],
+                emb: np.ndarray, stats) -> None:
+  """The update itself (call under the lock): `forget_rows` of the memory's row, then a new row
+  with the same id, store, scope and date, the new text (None: the old one) and `emb [1, d]`."""
+  row = int(rows_of(bank, [memory_id], "memory_id")[0])
+  new_text = bank.texts[row] if text is None else text
+  code = bank.store_codes[row:row + 1].copy()
+  scope, date = bank.scope_names[int(bank.scope_codes[row])], bank.dates[row]
+  forget_rows(bank, sessions, driver, np.asarray([row], np.int32), stats)
+  bank.append([memory_id], [new_text], code, emb, [scope], [date])
+  stats["memories_updated"] += 1
 
 
 def purge_older_steps(store, deleted: int) -> None:

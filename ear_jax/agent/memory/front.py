@@ -616,28 +616,51 @@ class Memory:
     Returns:
       The deleted ids.
     """
-    return forget.delete(self, ids)
+    ids = forget.check_ids(ids)
+    with self._lock:
+      self._forget(forget.rows_of(self._bank, ids))
+    return ids
+
+  def _forget(self, rows: np.ndarray) -> None:
+    """`forget.forget_rows` of this memory's parts (call under the lock)."""
+    forget.forget_rows(self._bank, self._sessions, self._driver, rows, self.stats)
+    if self._lexical is not None:  # rebuilt from the bank's texts at the next search
+      self._lexical = self._lexical.fresh()
 
   def get(self, ids) -> list[dict]:
     """`[{'id', 'text', 'store', 'scope', 'date'}]` of memory ids, in order (ValueError for an
     unknown id)."""
-    return forget.get(self, ids)
+    ids = forget.check_ids(ids)
+    with self._lock:
+      return forget.records(self._bank, ids)
 
   def update(self, memory_id: str, *, text: Optional[str] = None, embedding=None) -> str:
     """Corrects one memory: the old row is deleted everywhere (as `delete`) and a new one with the
     same id, store, scope and date appended, atomically under the lock. `text` None keeps the
     text; `embedding` None encodes the new text (outside the lock); both None is a ValueError, as
-    is an unknown id (see `ear_jax.agent.memory.forget.update`).
+    is an unknown id (naming it).
 
     Returns:
       The id.
     """
-    return forget.update(self, memory_id, text=text, embedding=embedding)
+    memory_id, text, emb = forget.check_update(memory_id, text, embedding, self.config.dim)
+    with self._lock:
+      forget.rows_of(self._bank, [memory_id], "memory_id")  # an unknown id: before encoding
+    if emb is None:
+      emb = self._embed([text], None, 1, "the updated memory's")
+    with self._lock:  # (the id is checked again: another call may have deleted it meanwhile)
+      forget.replace_row(self._bank, self._sessions, self._driver, memory_id, text, emb,
+                         self.stats)
+      if self._lexical is not None:  # rebuilt from the bank's texts at the next search
+        self._lexical = self._lexical.fresh()
+    return memory_id
 
   def list(self, scope=None) -> list[dict]:
     """The live memories (`get`'s records) of the scopes `scope` names (None: every scope; a
     name; a list of names), in bank order (an updated memory where its update put it)."""
-    return forget.list_memories(self, scope)
+    names = bank_lib.check_scope_spec(scope)
+    with self._lock:
+      return forget.list_records(self._bank, names)
 
   # ----------------------------------------------------------------------------------------------
   # persistence (`ear_jax.agent.memory.persistence`)
