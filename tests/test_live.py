@@ -56,6 +56,7 @@ def test_live_candidates_are_the_runners_candidates(data):
     mem.discard(r)
 
 
+@pytest.mark.slow
 def test_live_equals_the_runner_given_the_runners_replay_keys(data, monkeypatch):
   # The only difference by construction: Memory's learner draws its replay keys from its own seed
   # (`driver.seed_keys`). Handing it the runner's per-query replay keys makes EAR's run (similarity

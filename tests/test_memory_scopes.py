@@ -104,13 +104,13 @@ def _expected(m, scope_of, spec, q, multistore):
 
 
 def _leak_cases():
-  """Every first stage with 30 random cases (slow tier); the fast tier runs 8 cases of dense,
+  """Every first stage with 30 random cases (slow tier); the fast tier runs 5 cases of dense,
   hybrid (which covers BM25's masking), HNSW and IVF."""
   for stage in FIRST_STAGES:
     name = stage.get("index", stage.get("candidates"))
     yield pytest.param(stage, 30, id=f"{name}-30", marks=pytest.mark.slow)
     if name not in ("bm25", "faiss_pq"):
-      yield pytest.param(stage, 8, id=f"{name}-8")
+      yield pytest.param(stage, 5, id=f"{name}-5")
 
 
 @pytest.mark.parametrize("stage,num_cases", list(_leak_cases()))
