@@ -232,13 +232,16 @@ class MemoryService:
 
   def _slate(self, r) -> list[dict]:
     """The memories of a retrieval: id, text and date (a memory deleted meanwhile: no date)."""
-    dates = {}
-    for i in r.ids:
-      try:
-        dates[i] = self.memory.get([i])[0]["date"]
-      except ValueError:  # deleted since (`forget` in another thread)
-        dates[i] = ""
-    return [{"id": i, "text": t, "date": dates[i]} for i, t in zip(r.ids, r.texts)]
+    try:  # one lookup for the slate
+      dates = [rec["date"] for rec in self.memory.get(list(r.ids))]
+    except ValueError:  # one was deleted since (`forget` in another thread): each on its own
+      dates = []
+      for i in r.ids:
+        try:
+          dates.append(self.memory.get([i])[0]["date"])
+        except ValueError:
+          dates.append("")
+    return [{"id": i, "text": t, "date": d} for i, t, d in zip(r.ids, r.texts, dates)]
 
   # ----------------------------------------------------------------------------------------------
   # tools

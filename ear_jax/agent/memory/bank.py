@@ -91,6 +91,15 @@ def capacity_for(n: int, minimum: int = MIN_CAPACITY) -> int:
 # input validation (pure: no state is read or written)
 
 
+def _check_encodable(values: list[str], what: str) -> None:
+  """`encoder_base.check_texts` (no lone surrogate: UTF-8 encodable), its ValueError prefixed by
+  `what` (the argument's name)."""
+  try:
+    encoder_base.check_texts(values)
+  except ValueError as e:
+    raise ValueError(f"{what}: {e}") from None
+
+
 def string_list(values, what: str, noun: str) -> list[str]:
   """One string, or a non-empty sequence (list, tuple) of strings, as a list.
 
@@ -127,10 +136,7 @@ def check_text_list(texts, what: str) -> list[str]:
   for i, t in enumerate(texts):
     if not t.strip():
       raise ValueError(f"{what}[{i}] is an empty text")
-  try:
-    encoder_base.check_texts(texts)
-  except ValueError as e:
-    raise ValueError(f"{what}: {e}") from None
+  _check_encodable(texts, what)
   return texts
 
 
@@ -205,10 +211,7 @@ def check_id_list(ids, n: int) -> list[str]:
   for i in ids:
     if not isinstance(i, str) or not i:
       raise ValueError(f"memory ids must be non-empty strings, got {i!r}")
-  try:
-    encoder_base.check_texts(ids)
-  except ValueError as e:
-    raise ValueError(f"ids: {e}") from None
+  _check_encodable(ids, "ids")
   seen, dup = set(), set()
   for i in ids:
     (dup if i in seen else seen).add(i)
@@ -226,10 +229,7 @@ def check_scope(scope) -> str:
                          f"None, got {type(scope).__name__}")
   if not scope:
     raise ValueError("scope is an empty string: pass a scope name or None (the default scope)")
-  try:
-    encoder_base.check_texts([scope])
-  except ValueError as e:
-    raise ValueError(f"scope: {e}") from None
+  _check_encodable([scope], "scope")
   return scope
 
 
@@ -271,10 +271,7 @@ def check_dates(dates, n: int) -> list[str]:
   for i, d in enumerate(dates):
     if not isinstance(d, str):
       raise InputTypeError(f"dates[{i}] must be a string, got {type(d).__name__}")
-  try:
-    encoder_base.check_texts(dates)
-  except ValueError as e:
-    raise ValueError(f"dates: {e}") from None
+  _check_encodable(dates, "dates")
   return dates
 
 

@@ -153,8 +153,8 @@ class Driver:
     target = jax.eval_shape(lambda: out.state)
     if meta.get("learner_layout") == LEARNER_LAYOUT:
       abstract = _without_candidates(target) if by_rows else target
-      state = _checkpoints().fit_target(abstract, arrays["learner"],
-                                        f"{where}: the learner state")
+      from ear_jax.io import checkpoints  # pylint: disable=g-import-not-at-top
+      state = checkpoints.fit_target(abstract, arrays["learner"], f"{where}: the learner state")
       state = jax.tree_util.tree_map(lambda x, t: jnp.asarray(x, t.dtype), state, abstract)
     else:
       state = _positional_state(target, arrays, meta, by_rows, where)
@@ -192,11 +192,6 @@ class Driver:
                    for j in range(meta["num_ready"])]
     out.num_batches = int(meta["num_batches"])
     return out
-
-
-def _checkpoints():
-  from ear_jax.io import checkpoints  # pylint: disable=g-import-not-at-top
-  return checkpoints
 
 
 def _without_candidates(state):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import numpy as np
