@@ -20,6 +20,7 @@ from absl import flags
 from absl import logging
 
 from ear_jax.agent import mcp_server
+from ear_jax.agent import mcp_stdio
 from ear_jax.core.config import METHODS
 
 _DIR = flags.DEFINE_string("memory_dir", None, "Checkpoint directory of the memory (created if "
@@ -75,7 +76,7 @@ def main(argv):
   signal.signal(signal.SIGTERM, on_term)
   try:
     if _TRANSPORT.value == "stdio":
-      server.run("stdio")  # returns at stdin EOF
+      mcp_stdio.serve_stdio(server)  # returns at stdin EOF
     else:
       print(f"EAR memory MCP server at http://{host}:{_PORT.value}/mcp"
             + (" (bearer token required)" if token else ""), file=sys.stderr, flush=True)

@@ -37,6 +37,18 @@ print("fake server up", flush=True)
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
+# FAKE_MODELS_SERVER that first starts two children (`sleep`), one in its own session (out of the
+# server's process group), and writes their pids to argv[2]: `python -c FAKE_FORKING_SERVER <port>
+# <pid file>` (the llama.cpp server may fork helpers too; stopping it must stop them).
+FAKE_FORKING_SERVER = r"""
+import os, subprocess, sys
+sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
+kids = [subprocess.Popen(sleep), subprocess.Popen(sleep, start_new_session=True)]
+with open(sys.argv[2] + ".tmp", "w") as f:
+  f.write(" ".join(str(k.pid) for k in kids))
+os.replace(sys.argv[2] + ".tmp", sys.argv[2])
+""" + FAKE_MODELS_SERVER
+
 KEY_ENV = "EAR_JAX_TEST_LLM_KEY"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
 FAKE_MODEL = "fake-model"

@@ -142,3 +142,28 @@ def test_memory_with_an_ann_index_retrieves_learns_and_saves(tmp_path, index):
   assert back._bank.settings() == m._bank.settings()
   assert back.retrieve(query_embedding=bank[7], k=3).ids == m.retrieve(query_embedding=bank[7],
                                                                       k=3).ids
+
+
+@pytest.mark.parametrize("index", ["faiss_hnsw", "faiss_ivf"])
+def test_a_scoped_search_that_finds_fewer_rows_than_the_scope_holds_answers_none(index):
+  # None: the bank searches that batch exactly on the device (masked per scope), so a query
+  # always gets min(k, rows of its scopes) candidates (issue 31 item 2).
+  rng = np.random.default_rng(12)
+  opts = {"faiss_hnsw": {"ef_search": 8, "hnsw_m": 4},
+          "faiss_ivf": {"nlist": 16, "nprobe": 1, "train_factor": 4}}[index]
+  s = ann.make_searcher(index, D, opts)
+  vecs = _clustered(600, seed=6)
+  s.add(vecs, np.zeros(600, np.int8), 0)
+  scopes = np.zeros(600, np.int32)
+  scopes[rng.choice(600, 150, replace=False)] = 1  # a scope of 150 rows
+  scopes[rng.choice(np.flatnonzero(scopes == 0), 5, replace=False)] = 2  # and one of 5
+  q = _clustered(32, seed=7)
+  assert s.search(q, 10, False, scopes=((2,), scopes)) is None  # 5 <= FEW_ROWS * k
+  assert ann.FEW_ROWS * 10 < 150
+  got = s.search(q, 10, False, scopes=((1,), scopes))
+  if index == "faiss_ivf":  # one list of 16 probed: ~9 of the 150 rows, fewer than 10 for some
+    assert got is None
+  for found in (got, s.search(q, 10, False, scopes=((0, 1), scopes)), s.search(q, 10, False)):
+    if found is not None:  # what it answers has every row it may return
+      rows, mask = found
+      assert mask.all() and (rows >= 0).all()

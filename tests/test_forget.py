@@ -1,8 +1,11 @@
 """`Memory.delete` (issue 19 item 4, `ear_jax/agent/memory/forget.py`): a deleted memory never comes back,
 in results, sessions, queued items, the replay buffer, a loaded memory or the checkpoint's bytes."""
 import json
+import os
 import pathlib
+import shutil
 import textwrap
+import time
 
 import jax
 import numpy as np
@@ -71,6 +74,15 @@ def test_deleted_memory_is_never_a_candidate_again():
   assert m.get([m.ids[0]])[0]["text"].startswith("memory text number 0")
 
 
+def test_searching_a_memory_whose_memories_were_all_deleted_says_so():
+  m, emb = _memory()
+  for i in m.ids:  # (one at a time: the shapes the tests above compiled)
+    m.delete(i)
+  with pytest.raises(ValueError, match=r"^k=1 is larger than the memory bank: the memory holds "
+                     r"no memories \(all were deleted\)$"):
+    m.search(query_embedding=emb[0], k=1)
+
+
 def test_unknown_ids_are_refused_and_nothing_changes():
   m, _ = _memory()
   before = (m.ids, m.embeddings().copy(), len(m))
@@ -99,7 +111,7 @@ def test_delete_drops_open_sessions_and_masks_the_buffer_and_queue():
   victim = r.ids[0]
   row = m.ids.index(victim)
   m.delete(victim)
-  with pytest.raises(ValueError, match="no longer open"):
+  with pytest.raises(ValueError, match="session was dropped because .*deleted"):  # (item 3)
     m.feedback(r, [])
   drv = m._driver  # pylint: disable=protected-access
   assert not (drv.buffer_rows == row).any()
@@ -193,3 +205,71 @@ def test_sigkill_during_the_save_after_a_delete(tmp_path, stage):
   store = CheckpointStore(path)  # no step from before the deletion is kept
   assert [store.read_meta(s)["stats"][forget.DELETED_STAT] for s in store.steps()] == [1] * len(
       store.steps())
+
+
+def _trash(root: pathlib.Path) -> list[str]:
+  return sorted(str(p.relative_to(root)) for p in root.rglob(".trash-*"))
+
+
+@pytest.mark.slow  # (~3 s: checkpoints, faiss)
+@pytest.mark.parametrize("index, store", [("exact", "bank_shards"), ("faiss_hnsw", "ann_index")])
+def test_trash_a_killed_delete_left_is_removed_by_a_load_and_by_a_save_without_adds(
+    tmp_path, index, store):
+  m, _ = _memory(n=20, index=index)
+  path = tmp_path / "ckpt"
+  m.save(path)
+  secret = m.get(["m2"])[0]["text"].encode()
+  old = tmp_path / "old-step"
+  shutil.copytree(path / store / "1", old)
+  m.delete("m2")
+  m.save(path)
+  assert not (path / store / "1").exists() and _files_holding(path, secret) == []
+
+  def crash():  # the state a SIGKILL between `_remove`'s rename and its rmtree leaves
+    shutil.copytree(old, path / store / f".trash-1-{os.getpid()}-{time.time_ns()}")
+    assert _trash(path)
+    if store == "bank_shards":
+      assert _files_holding(path, secret)
+
+  crash()
+  back = Memory.load(path)  # a load alone (then recalls: nothing written) ...
+  assert _trash(path) == [] and _files_holding(path, secret) == []
+  assert "m2" not in back.ids and len(back) == 19
+  crash()
+  m.save(path)  # ... or a save that adds nothing removes it
+  assert _trash(path) == [] and _files_holding(path, secret) == []
+  assert Memory.load(path).ids == m.ids
+
+
+_TRASH_CHILD = STALLED_SAVE_CHILD + textwrap.dedent("""
+    import shutil
+    from ear_jax.io import checkpoints as ckpt_lib
+    m = Memory(None, config=cfg, index=stage)
+    m.add([f"forgettable text {i}" for i in range(6)], embeddings=rng.normal(size=(6, 8)))
+    m.save(path)
+    m.delete("m2")
+    store = "bank_shards" if stage == "exact" else "ann_index"
+    real_rmtree = shutil.rmtree
+    def rmtree(p, *args, **kw):  # killed while it deletes the old shard / index it renamed away
+      if f"{store}/.trash-" in str(p):
+        print("IN_SAVE", flush=True)
+        time.sleep(120)
+      return real_rmtree(p, *args, **kw)
+    ckpt_lib.shutil.rmtree = rmtree
+    m.save(path)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", ["exact", "faiss_hnsw"])
+def test_sigkill_while_a_delete_removes_the_old_shard_leaves_nothing_after_a_load(tmp_path, index):
+  from tests.kill_helpers import sigkill_at  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "ckpt"
+  sigkill_at(_TRASH_CHILD, [path, index])
+  store = "bank_shards" if index == "exact" else "ann_index"
+  assert [t.split("/")[0] for t in _trash(path)] == [store]  # what the kill left
+  m = Memory.load(path)  # the new checkpoint (complete before the old shard went)
+  assert len(m) == 5 and "m2" not in m.ids
+  m.search(query_embedding=np.ones(D), k=2)  # recall and search write nothing
+  assert _trash(path) == [] and _files_holding(path, b"forgettable text 2") == []
+  assert _files_holding(path, b"forgettable text 3") != []

@@ -6,7 +6,9 @@ small Python command (`command=`), so these tests need no `llama_cpp`.
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -15,7 +17,7 @@ import pytest
 
 from ear_jax.agent.llm import server as llm_server
 from ear_jax.agent.llm.server import LlamaServer, LlamaServerError
-from tests.llm_fakes import FAKE_MODELS_SERVER
+from tests.llm_fakes import FAKE_FORKING_SERVER, FAKE_MODELS_SERVER
 
 @pytest.fixture
 def gguf(tmp_path) -> pathlib.Path:
@@ -184,3 +186,86 @@ def test_a_port_already_in_use_is_an_error_never_taken_for_our_server(gguf, tmp_
     with pytest.raises(LlamaServerError, match=f"port {port} .* already in use"):
       server.start()
     assert server.process is None
+
+
+# ------------------------------------------------------------------------------------------------
+# processes the server forked stop with it (issue 31, item 9)
+
+
+def _alive(pid: int) -> bool:
+  """True while `pid` runs (a zombie, dead but not yet reaped, counts as gone)."""
+  try:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+  except FileNotFoundError:
+    return False
+  except OSError:  # no /proc (not Linux)
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return False
+    return True
+
+
+def _forked_pids(pid_file: pathlib.Path, timeout_s: float = 30) -> list[int]:
+  deadline = time.monotonic() + timeout_s
+  while not pid_file.exists():
+    assert time.monotonic() < deadline, "the fake server never wrote its children's pids"
+    time.sleep(0.05)
+  return [int(p) for p in pid_file.read_text().split()]
+
+
+def _assert_gone(pids: list[int], what: str, timeout_s: float = 20):
+  deadline = time.monotonic() + timeout_s
+  try:
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    left = [p for p in pids if _alive(p)]
+    assert not left, f"processes forked by the server {left} still run {timeout_s:g} s after {what}"
+  finally:
+    for p in pids:  # never leave them behind, whatever happened
+      try:
+        os.kill(p, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+
+
+@pytest.mark.slow  # three processes: ~2 s
+def test_stop_also_stops_the_processes_the_server_forked(gguf, tmp_path):
+  pid_file = tmp_path / "kids"
+  with LlamaServer(gguf, log_path=tmp_path / "fork.log", startup_timeout_s=30,
+                   command=[sys.executable, "-c", FAKE_FORKING_SERVER, "{port}", str(pid_file)]):
+    kids = _forked_pids(pid_file)
+    assert all(map(_alive, kids))
+  _assert_gone(kids, "stop()")
+
+
+_STARTER = r"""
+import sys, time
+from ear_jax.agent.llm.server import LlamaServer
+LlamaServer(sys.argv[1], log_path=sys.argv[2], startup_timeout_s=60,
+            command=[sys.executable, "-c", sys.argv[3], "{port}", sys.argv[4]]).start()
+print("READY", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow  # a starter process that imports the package: ~5 s
+def test_sigkill_of_the_starter_also_stops_the_processes_the_server_forked(gguf, tmp_path):
+  pid_file = tmp_path / "kids"
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  starter = subprocess.Popen(
+      [sys.executable, "-c", _STARTER, str(gguf), str(tmp_path / "fork.log"), FAKE_FORKING_SERVER,
+       str(pid_file)], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+      env={**os.environ, "PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"})
+  try:
+    assert starter.stdout.readline().startswith("READY"), (tmp_path / "fork.log").read_text()
+    kids = _forked_pids(pid_file)
+    assert all(map(_alive, kids))
+    starter.kill()
+  finally:
+    if starter.poll() is None:
+      starter.kill()
+    starter.wait(timeout=30)
+    starter.stdout.close()
+  _assert_gone(kids, "the starting process was killed")

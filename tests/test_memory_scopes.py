@@ -140,10 +140,56 @@ def test_scoped_candidates_never_leak_across_scopes(stage, num_cases):
         assert int(s.cand_mask.sum()) <= avail
         if not multistore:
           assert set(r.stores) == {"dialogue"}
+        assert int(s.cand_mask.sum()) == avail and len(r) == k, (case, stage, spec)
         if "index" not in stage and stage.get("candidates") == "dense":
           assert set(cands) == _expected(m, scope_of, spec, q, multistore)
-          assert int(s.cand_mask.sum()) == avail
         m.discard(r)
+
+
+SMALL_SCOPE_INDEXES = [
+    dict(index="faiss_hnsw", index_options={"ef_search": 16, "hnsw_m": 4}),
+    dict(index="faiss_ivf", index_options={"nlist": 16, "nprobe": 1, "train_factor": 4}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", SMALL_SCOPE_INDEXES, ids=lambda s: s["index"])
+def test_a_small_scope_of_a_large_ann_bank_gets_all_its_memories(stage):
+  # Scopes of 5 and 60 among 600 memories: the selector-filtered graph / probed lists reach few
+  # of their rows, so the query goes to the exact device search (issue 31 item 2).
+  rng = np.random.default_rng(11)
+  m = Memory(None, config=_config(), **stage)
+  m.add(_texts(rng, 600), embeddings=rng.normal(size=(600, D)), scope="big")
+  few = m.add(_texts(rng, 5), embeddings=rng.normal(size=(5, D)), scope="small")
+  mid = m.add(_texts(rng, 60), embeddings=rng.normal(size=(60, D)), scope="mid")
+  for q in _unit(rng.normal(size=(8, D))):
+    r = m.retrieve(query_embedding=q, k=3, scope="small")
+    s = m._sessions.by_id[r.session_id]  # pylint: disable=protected-access
+    assert len(r) == 3 and set(r.ids) <= set(few)
+    assert set(m._bank.describe(s.cand_idx[s.cand_mask])[0]) == set(few)  # pylint: disable=protected-access
+    m.discard(r)
+    assert len(m.search(query_embedding=q, k=5, scope=["small", "nobody"])) == 5
+    r = m.retrieve(query_embedding=q, k=K, scope="mid")  # (more than FEW_ROWS * K rows)
+    assert len(r) == K and set(r.ids) <= set(mid)
+    m.discard(r)
+
+
+def test_recall_never_shows_the_critic_an_empty_slate(monkeypatch):
+  from ear_jax.index import ann  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(13)
+  m = Memory(None, config=_config(), index="faiss_ivf", index_options={"nlist": 2})
+  m.add(_texts(rng, 8), embeddings=rng.normal(size=(8, D)), scope="s")
+  shown = []
+  critic = lambda key, view: shown.append(view.ids) or np.ones(len(view.ids), np.float32)
+  with pytest.raises(ValueError, match="scope 'empty' holds no memories"):
+    m.recall("q", critic, k=2, query_embedding=rng.normal(size=D), scope="empty")
+  nothing = lambda self, q, k, multistore, scopes=None: (np.full((len(q), k), -1, np.int32),
+                                                          np.zeros((len(q), k), bool))
+  monkeypatch.setattr(ann.FaissSearcher, "search", nothing)  # a searcher that finds nothing
+  for learn in (True, False):
+    with pytest.raises(RuntimeError, match=r"found only 0 of k=2 memories of scope 's'"):
+      m.recall("q", critic, k=2, query_embedding=rng.normal(size=D), scope="s", learn=learn)
+  assert not shown
 
 
 def test_scope_none_gives_the_candidates_of_a_memory_without_scopes():
@@ -297,7 +343,8 @@ def test_update_replaces_text_and_vector_everywhere(tmp_path):
   assert rec == {"id": victim, "text": "purple elephant memo", "store": "dialogue", "scope": "u",
                  "date": "day 3"}
   assert len(m) == 11 and sorted(m.ids) == sorted(ids + ["m10"])
-  with pytest.raises(ValueError, match="no longer open"):
+  with pytest.raises(ValueError, match="no longer open: its session was dropped because "
+                                       ".*(deleted|updated)"):
     m.feedback(open_r, [])
   hit = m.search("purple elephant memo", 3, scope="u")
   assert victim in hit.ids and "purple elephant memo" in hit.texts
@@ -449,12 +496,13 @@ def test_k_errors_name_the_scope_and_its_dialogue_memories():
 
 
 @pytest.mark.slow
-def test_searcher_selectors_follow_adds_across_ivf_training():
+def test_searcher_selectors_follow_adds_across_ivf_training(monkeypatch):
   from ear_jax.index import ann  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(10)
   vecs = _unit(rng.normal(size=(40, D)))
   scopes = np.asarray(rng.integers(0, 3, 40), np.int32)  # the bank's host scope codes
   s = ann.faiss_ivf(D, nlist=2, nprobe=2, train_factor=8)  # trained at 16 vectors
+  monkeypatch.setattr(ann, "FEW_ROWS", 0)  # (the selectors themselves, not the exact fallback)
   q = _unit(rng.normal(size=(3, D)))
   for stop in (10, 25, 40):  # untrained (flat), then trained: the cached bitmaps are extended
     s.add(vecs[stop - 15 if stop > 10 else 0:stop], np.zeros(15 if stop > 10 else 10, np.int8),

@@ -23,7 +23,9 @@ that issued them (one from before a restart is refused by name, never confused w
 and durability: the memory is saved atomically (`Memory.save`) after every `save_every` changes
 (remember, cite, forget) and on shutdown, so a crash loses at most the last `save_every - 1`
 changes and a restart continues from the directory. `build_server` wraps it in the `mcp` SDK's
-`FastMCP`; `serve` runs stdio or streamable HTTP (loopback by default, optional bearer token).
+`FastMCP` (strict argument types); `mcp_stdio.serve_stdio` runs it on stdio (strict UTF-8; every request
+with an id is answered, a malformed one with a JSON-RPC error) and `serve_http` on streamable HTTP
+(loopback by default with Host / Origin checks, optional bearer token).
 
 Symbols: `k` memories per slate, `K` candidates, `T` Explorer rounds per question.
 """
@@ -168,6 +170,7 @@ class MemoryService:
     # `Memory` encodes outside its lock, and a Hugging Face fast tokenizer used by two threads at
     # once fails ("Already borrowed"): calls that may encode take this lock (after `_lock`).
     self._encode_lock = threading.Lock()
+    self._save_lock = threading.Lock()  # one save at a time (taken before `_lock`)
     self._retrievals = collections.OrderedDict()  # retrieval id -> Retrieval
     self._by_question: dict[tuple, Any] = {}  # (question, scope key) -> its latest Retrieval
     self.changes = 0  # since the last save
@@ -228,7 +231,7 @@ class MemoryService:
       self._last_change = time.monotonic()
       due = self.changes >= self.save_every
     if due:
-      self.save()
+      self.save(when_due=True)
 
   def _slate(self, r) -> list[dict]:
     """The memories of a retrieval: id, text and date (a memory deleted meanwhile: no date)."""
@@ -341,19 +344,31 @@ class MemoryService:
   # ----------------------------------------------------------------------------------------------
   # durability
 
-  def save(self) -> None:
-    """Saves now (atomically; `Memory.save`) when there is a directory and unsaved changes."""
+  def save(self, when_due: bool = False) -> None:
+    """Saves now (atomically; `Memory.save`) when there is a directory and unsaved changes.
+
+    Saves run one at a time, and each subtracts exactly the changes it counted before its
+    snapshot (all of them are in it), so a change that arrives during a save is counted by the
+    next one, never by two (the counter never goes below the true number of unsaved changes).
+    `when_due`: only when `save_every` changes are still unsaved once a running save has ended
+    (a change that made the count due while another save ran, which may have covered it)."""
     if self.memory_dir is None:
       return
-    with self._lock:
-      n, touched = self.changes, self.touched
-      if not (n or touched):
-        return
-      self.touched = False
-    self.memory.save(self.memory_dir)
-    with self._lock:
-      self.changes -= n
-      self.saves += 1
+    with self._save_lock:
+      with self._lock:
+        n, touched = self.changes, self.touched
+        if not (n or touched) or (when_due and n < self.save_every):
+          return
+        self.touched = False
+      try:
+        self.memory.save(self.memory_dir)
+      except BaseException:
+        with self._lock:
+          self.touched = self.touched or touched
+        raise
+      with self._lock:
+        self.changes -= n
+        self.saves += 1
 
   def close(self) -> None:
     """The final save (shutdown: stdin EOF, SIGTERM); idempotent."""
@@ -387,8 +402,10 @@ def open_memory(memory_dir, *, method: str = "ear_tuned", candidates: str = "den
   if dim is None:
     dim = slot.get(None).dim
   config = EARConfig.for_method(method, dim=dim)
-  return Memory(slot, config=config, hparams=hparams_for_method(method), seed=seed,
-                cache_dir=cache_dir, candidates=candidates)
+  m = Memory(slot, config=config, hparams=hparams_for_method(method), seed=seed,
+             cache_dir=cache_dir, candidates=candidates)
+  m.claim(root)  # (a second server on this directory is refused, naming this one's pid)
+  return m
 
 
 def _run(service: MemoryService, fn, *args):
@@ -404,14 +421,37 @@ def _run(service: MemoryService, fn, *args):
   return go()
 
 
+def _transport_security(host: str, port: int):
+  """The Host / Origin checks of HTTP on a loopback `host` (DNS rebinding: a web page whose name
+  now resolves to this address): that address (for 127.0.0.1, localhost and ::1: the three names)
+  at `port`; a wrong Host is a 421, a wrong Origin a 403. None (no check) elsewhere: a
+  non-loopback address needs the bearer token, which such a page cannot send."""
+  from mcp.server.transport_security import TransportSecuritySettings  # pylint: disable=g-import-not-at-top
+  if not is_loopback(host):
+    return None
+  if host in ("127.0.0.1", "localhost", "::1", "[::1]"):
+    names = ["127.0.0.1", "localhost", "[::1]"]
+  else:
+    name = host.strip("[]")
+    names = [f"[{name}]" if ":" in name else name]
+  return TransportSecuritySettings(
+      enable_dns_rebinding_protection=True, allowed_hosts=[f"{n}:{port}" for n in names],
+      allowed_origins=[f"http://{n}:{port}" for n in names])
+
+
 def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 8000):
-  """A `FastMCP` server with the six tools over `service` (tools run in worker threads)."""
+  """A `FastMCP` server with the six tools over `service` (tools run in worker threads).
+
+  Arguments are strict JSON types (`StrictInt`, `StrictStr`): `k=true` or `k="5"` is a tool error,
+  never coerced to 1 or 5. HTTP on a loopback address checks the Host and Origin headers against
+  that address and `port` (DNS rebinding), on 127.0.0.2 as on 127.0.0.1.
+  """
   from typing import Annotated  # pylint: disable=g-import-not-at-top
   from mcp.server.fastmcp import FastMCP  # pylint: disable=g-import-not-at-top
-  from pydantic import Field  # pylint: disable=g-import-not-at-top
+  from pydantic import Field, StrictInt, StrictStr  # pylint: disable=g-import-not-at-top
 
   mcp = FastMCP("ear-memory", instructions=INSTRUCTIONS, host=host, port=port,
-                log_level="WARNING")
+                log_level="WARNING", transport_security=_transport_security(host, port))
   kmax = service.memory.config.num_candidates
 
   scope_doc = ("Optional scope (e.g. 'user-42' or a project name) that keeps memories apart: "
@@ -421,10 +461,10 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
       "Store new long-term memories (facts, conversation turns, preferences). One memory per "
       "list entry, each a self-contained sentence or short passage (at most "
       f"{MAX_TEXT_CHARS} characters, {MAX_TEXTS} per call). Returns their ids."))
-  async def remember(texts: Annotated[list[str], Field(
+  async def remember(texts: Annotated[list[StrictStr], Field(
       description="The memories to store, one string each.")],
-                     scope: Annotated[Optional[str], Field(description=scope_doc)] = None,
-                     dates: Annotated[Optional[list[str]], Field(description=(
+                     scope: Annotated[Optional[StrictStr], Field(description=scope_doc)] = None,
+                     dates: Annotated[Optional[list[StrictStr]], Field(description=(
                          "Optional date of each memory (when it was said or happened, e.g. "
                          "'2023-05-08' or '1:56 pm on 8 May, 2023'); default: now."))] = None
                      ) -> dict:
@@ -436,11 +476,11 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
       "ids of the memories you used: that is how the memory learns what is useful. If these "
       "memories were not enough, cite them (possibly with an empty list) and call `recall` again "
       "with exactly the same question to get another selection (a few rounds per question)."))
-  async def recall(question: Annotated[str, Field(
+  async def recall(question: Annotated[StrictStr, Field(
       description="The question you need to answer, in natural language.")],
-                   k: Annotated[int, Field(description=f"How many memories (1-{kmax}).",
-                                           ge=1, le=kmax)] = 5,
-                   scope: Annotated[Optional[str], Field(description=(
+                   k: Annotated[StrictInt, Field(description=f"How many memories (1-{kmax}).",
+                                                 ge=1, le=kmax)] = 5,
+                   scope: Annotated[Optional[StrictStr], Field(description=(
                        "Optional scope to recall from (as given to remember); default: every "
                        "scope."))] = None) -> dict:
     return await _run(service, service.recall, question, k, scope)
@@ -449,19 +489,19 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
       "Call this after answering from a `recall` result: report which of the recalled memories "
       "your answer actually used (their ids; an empty list if none helped). The memory learns "
       "from these citations; call it once per retrieval_id."))
-  async def cite(retrieval_id: Annotated[str, Field(
+  async def cite(retrieval_id: Annotated[StrictStr, Field(
       description="The retrieval_id returned by recall.")],
-                 used_ids: Annotated[list[str], Field(
+                 used_ids: Annotated[list[StrictStr], Field(
                      description="Ids of the recalled memories the answer used.")]) -> dict:
     return await _run(service, service.cite, retrieval_id, used_ids)
 
   @mcp.tool(description=(
       "Look up memories for a query without learning (no citation needed): the memory's current "
       "best ranking. Use `recall` + `cite` when answering a question."))
-  async def search(question: Annotated[str, Field(description="The query.")],
-                   k: Annotated[int, Field(description=f"How many memories (1-{kmax}).",
-                                           ge=1, le=kmax)] = 5,
-                   scope: Annotated[Optional[str], Field(description=(
+  async def search(question: Annotated[StrictStr, Field(description="The query.")],
+                   k: Annotated[StrictInt, Field(description=f"How many memories (1-{kmax}).",
+                                                 ge=1, le=kmax)] = 5,
+                   scope: Annotated[Optional[StrictStr], Field(description=(
                        "Optional scope to search (as given to remember); default: every "
                        "scope."))] = None) -> dict:
     return await _run(service, service.search, question, k, scope)
@@ -469,7 +509,7 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
   @mcp.tool(description=(
       "Permanently delete memories by id (e.g. wrong or outdated facts, or at the user's request). "
       "They are never recalled again and are erased from the saved memory."))
-  async def forget(ids: Annotated[list[str], Field(
+  async def forget(ids: Annotated[list[StrictStr], Field(
       description="Ids of the memories to delete.")]) -> dict:
     return await _run(service, service.forget, ids)
 

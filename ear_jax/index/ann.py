@@ -43,6 +43,16 @@ recently used first out) and extended in place with the vectors added since, nev
 query; a delete rebuilds the searcher, and with it the caches. An index that cannot filter (PQ
 fast-scan, once trained) answers None, and the bank searches that query exactly on the device.
 
+Every query gets `min(k, rows it may return)` rows (per store with `multistore`), however small
+its scopes: a filtered HNSW search walks the whole graph but keeps only selected nodes, and a
+filtered IVF search probes `nprobe` lists that may hold none of a scope's rows, so for a small
+scope both find few of its rows or none, and HNSW slower than the exact device search over the
+whole bank (masked per scope; measured in BUILD_NOTES, issue 31). So a scoped search of a store
+holding at most `FEW_ROWS * k` rows of the scopes goes straight to the exact device search (the
+searcher answers None), and any search (scoped or not) in which a query got fewer rows than it
+may return answers None too, for the whole batch. Widening efSearch / nprobe was not taken: it
+costs as much as the exact search for a small scope and guarantees nothing for HNSW.
+
 This module is host-side (faiss runs on the CPU, numpy in and out); it is its own layer between
 `io` and `agent` because `core` does no I/O and `data` is about benchmarks.
 """
@@ -56,6 +66,7 @@ import numpy as np
 
 SMALL_BATCH = 16  # fewer queries than this are searched on one thread
 MAX_SELECTORS = 64  # scope selectors cached per store
+FEW_ROWS = 8  # a store with at most FEW_ROWS * k rows of a query's scopes is searched exactly
 
 
 def _faiss():
@@ -162,9 +173,17 @@ class _StoreIndex:
       self._selectors.pop(next(iter(self._selectors)))
     return sel, count
 
-  def search(self, queries: np.ndarray, k: int, scopes=None) -> tuple[np.ndarray, np.ndarray]:
+  def count(self, scopes=None) -> int:
+    """The vectors a search with `scopes` (see `search`) may return: all held, or those of the
+    scopes."""
+    if scopes is None or not len(self.rows):
+      return len(self.rows)
+    return self.selector(*scopes)[1]
+
+  def search(self, queries: np.ndarray, k: int, scopes=None):
     """`(scores [n, k] (-inf = none), rows [n, k] (-1 = none))`; with `scopes` (`(codes,
-    row_scopes)`, see `selector`) only vectors of those scopes."""
+    row_scopes)`, see `selector`) only vectors of those scopes. None when a query got fewer than
+    `min(k, count(scopes))` rows (filtered HNSW / IVF reach few rows of a small scope)."""
     n = queries.shape[0]
     sel, count = None, len(self.rows)
     if scopes is not None and count:
@@ -177,6 +196,8 @@ class _StoreIndex:
     else:
       scores, ids = index.search(queries, k, params=_with_selector(index, sel))
     ok = ids >= 0
+    if (ok.sum(1) < min(k, count)).any():
+      return None
     rows = np.where(ok, self.rows[np.maximum(ids, 0)], -1)
     return np.where(ok, scores, -np.inf).astype(np.float32), rows
 
@@ -272,8 +293,10 @@ class FaissSearcher:
         the bank's host codes) is in the tuple `codes` (see the module docstring).
 
     Returns:
-      `(rows [n, k] int32 (-1 = none), mask [n, k] bool)`, best first; None when `scopes` is given
-      and an index searched cannot filter by scope (the caller searches exactly).
+      `(rows [n, k] int32 (-1 = none), mask [n, k] bool)`, best first; None (the caller searches
+      exactly) when a query got fewer than `min(k, rows it may return)` rows of a store (per store
+      `k/2` with `multistore`), or, with `scopes`, when an index searched cannot filter by scope
+      or a store holds at most `FEW_ROWS * k` rows of those scopes.
     """
     faiss = _faiss()
     searched = self._stores if multistore else self._stores[:1]
@@ -281,6 +304,9 @@ class FaissSearcher:
       scopes = (tuple(int(c) for c in scopes[0]), np.asarray(scopes[1]))
       if not all(store.can_filter() for store in searched if len(store)):
         return None
+      per = k // 2 if multistore else k
+      if any(0 < store.count(scopes) <= FEW_ROWS * per for store in searched):
+        return None  # (a few rows: the exact device search is faster and finds them all)
     queries = np.ascontiguousarray(queries, np.float32)
     for store in self._stores:
       if store.index is not None:
@@ -294,9 +320,14 @@ class FaissSearcher:
 
   def _search(self, queries, k, multistore, scopes=None):
     if not multistore:
-      scores, rows = self._stores[0].search(queries, k, scopes)
+      found = self._stores[0].search(queries, k, scopes)
+      if found is None:
+        return None
+      scores, rows = found
     else:
       parts = [store.search(queries, k // 2, scopes) for store in self._stores]
+      if any(p is None for p in parts):
+        return None
       scores = np.concatenate([p[0] for p in parts], 1)
       rows = np.concatenate([p[1] for p in parts], 1)
       order = np.argsort(-scores, axis=1, kind="stable")  # equal scores: store 0 first

@@ -1,10 +1,14 @@
-"""An inter-process lock on a directory: an exclusive `fcntl.flock` on `<directory>/.lock`."""
+"""An inter-process lock on a directory: an exclusive `fcntl.flock` on `<directory>/.lock`
+(`DirLock`), and a directory's owner lock held by one process for as long as it uses it
+(`hold`)."""
 from __future__ import annotations
 
 import fcntl
 import os
 import pathlib
+import threading
 import time
+import weakref
 
 LOCK_NAME = ".lock"
 
@@ -84,3 +88,77 @@ class DirLock:
     finally:
       os.close(self._fd)  # releases the flock
       self._fd = None
+
+
+class Hold:
+  """One holder's share of a process's owner lock on a directory (`hold`); `release` (or garbage
+  collection) gives the share back, and the last share releases the flock."""
+
+  def __init__(self, key: str):
+    self.key = key
+    self._finalizer = weakref.finalize(self, _drop, key)
+
+  @property
+  def held(self) -> bool:
+    return self._finalizer.alive
+
+  def release(self) -> None:
+    """Idempotent."""
+    self._finalizer()
+
+
+# The owner locks this process holds: flock is per open file, so a second flock of one file by the
+# same process would refuse the process itself. One `DirLock` per directory, shared by every
+# `Hold` of this process (process state by nature, hence module state).
+_OWNED: dict[str, list] = {}  # realpath of the lock file -> [DirLock, shares]
+_OWNED_LOCK = threading.Lock()
+
+
+def hold(directory: pathlib.Path, name: str) -> Hold:
+  """A share of this process's exclusive owner lock `<directory>/<name>` (taken now if this process
+  does not hold it yet; never waits).
+
+  Raises:
+    LockTimeout: another process holds it (the message names the directory and its pid).
+  """
+  key = os.path.realpath(pathlib.Path(directory) / name)
+  with _OWNED_LOCK:
+    entry = _OWNED.get(key)
+    if entry is None:
+      lock = DirLock(pathlib.Path(key).parent, 0.0, name)
+      try:
+        lock.acquire()
+      except LockTimeout:
+        raise LockTimeout(f"{lock.path.parent} is in use by another process ({lock.holder()}, "
+                          f"which holds its lock {lock.path})") from None
+      entry = _OWNED[key] = [lock, 0]
+    entry[1] += 1
+  return Hold(key)
+
+
+def _drop(key: str) -> None:
+  with _OWNED_LOCK:
+    entry = _OWNED.get(key)
+    if entry is None:
+      return
+    entry[1] -= 1
+    if entry[1] <= 0:
+      del _OWNED[key]
+      entry[0].release()
+
+
+def _forget_in_child() -> None:
+  """A forked child does not own its parent's directories: it closes its copies of the lock files
+  (the parent keeps the flock) and never unlinks them."""
+  global _OWNED_LOCK  # (another thread may have held it at the fork)
+  _OWNED_LOCK = threading.Lock()
+  for lock, _ in _OWNED.values():
+    try:
+      os.close(lock._fd)  # pylint: disable=protected-access
+    except OSError:
+      pass
+  _OWNED.clear()
+
+
+if hasattr(os, "register_at_fork"):
+  os.register_at_fork(after_in_child=_forget_in_child)

@@ -32,6 +32,12 @@ Guarantees:
     processes saving to one directory never interleave (nor delete each other's temporaries); a
     writer that waits longer than `lock_timeout_s` gets a `CheckpointError`. The lock file is removed
     again when the save ends (a killed writer's stale file is harmless).
+  * Owned (for callers that opt in, as `Memory` does): `own` takes an exclusive owner lock
+    `<directory>/.owner` for as long as the caller uses the directory (shared by the callers of one
+    process, dropped by the kernel when the process dies, even by SIGKILL); another process gets a
+    `DirectoryInUseError` naming the directory and the owner's pid.
+  * No leftovers: a step being deleted is renamed to `.trash-*` first; what a killed delete leaves
+    there is never read, and `remove_trash` (called by every `Memory` save and load) deletes it.
   * Clear errors: unreadable, truncated or corrupted checkpoints are `CheckpointError`s naming the
     path; incompatible requests are `ValueError`s listing the differences. Nothing is ever deleted
     or rewritten by a read.
@@ -52,7 +58,7 @@ from typing import Optional
 import numpy as np
 
 from ear_jax.io import _leaves, _quiet
-from ear_jax.io._lock import LOCK_NAME, DirLock, LockTimeout
+from ear_jax.io._lock import LOCK_NAME, DirLock, Hold, LockTimeout, hold
 
 _STATE, _META = "state", "meta"
 _META_FILE = "metadata"  # the file name of Orbax's JsonCheckpointHandler
@@ -63,6 +69,7 @@ _DIGEST = "ear_jax.io/sha256"  # key of the meta + record digest (custom metadat
 _CUSTOM_KEYS = (_RECORD, _DIGEST)  # the custom metadata fields this version reads
 _ORBAX_METADATA = "_METADATA"  # Orbax's array metadata file (it holds the custom metadata)
 WRITER_LOCK = ".writer-lock"  # the lock of `CheckpointStore.writer`
+OWNER_LOCK = ".owner"  # the lock of `CheckpointStore.own`
 
 
 class _Missing:
@@ -80,6 +87,11 @@ class CheckpointError(RuntimeError):
 class CheckpointFormatError(CheckpointError, ValueError):
   """A checkpoint of another or an unknown format, layout or version (the message names the file
   and the field). Also a `ValueError`, the error a checkpoint of another format always was."""
+
+
+class DirectoryInUseError(CheckpointError, ValueError):
+  """A directory another process owns (`CheckpointStore.own`); the message names the directory and
+  that process's pid. Also a `ValueError`: programs report it as a bad argument (the directory)."""
 
 
 def check_compatible(stored: dict, expected: dict, what: str) -> None:
@@ -423,6 +435,42 @@ class CheckpointStore:
     with self._locked(name):
       yield self
 
+  def own(self, what: str = "directory") -> Hold:
+    """This process's exclusive owner lock of the store's directory (creating it), held until the
+    returned `Hold` is released or garbage-collected; the process shares it among its callers
+    (`_lock.hold`) and the kernel drops it when the process dies, even by SIGKILL. It is
+    independent of the save and writer locks: a store can be read and written by its owner only
+    if every writer takes it, which is the caller's protocol (`Memory` does).
+
+    Args:
+      what: the directory's kind, the subject of the error message (e.g. "memory directory").
+
+    Raises:
+      DirectoryInUseError: another process owns it (naming the directory and its pid).
+      CheckpointError: the directory cannot be created.
+    """
+    try:
+      self.directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+      raise CheckpointError(f"cannot create checkpoint directory {self.directory}: {e}") from e
+    try:
+      return hold(self.directory, OWNER_LOCK)
+    except LockTimeout as e:
+      raise DirectoryInUseError(f"{what} {e}: only one process may use it at a time (stop that "
+                                "one first, or use another directory)") from None
+
+  def remove_trash(self) -> None:
+    """Deletes the steps a `_remove` renamed away but did not finish deleting (it was killed):
+    they are outside the step namespace, so nothing reads them and removing them is always safe
+    (also while another process saves)."""
+    try:
+      entries = list(os.scandir(self.directory))
+    except (FileNotFoundError, NotADirectoryError):
+      return
+    for e in entries:
+      if e.name.startswith(_TRASH) and e.is_dir(follow_symlinks=False):
+        shutil.rmtree(e.path, ignore_errors=True)
+
   @contextlib.contextmanager
   def _locked(self, name: str = LOCK_NAME):
     lock = DirLock(self.directory, self.lock_timeout_s, name)
@@ -503,5 +551,5 @@ class CheckpointStore:
 
 fit_target = _leaves.fit_target  # a restored subtree in an abstract target's structure, by name
 
-__all__ = ["CheckpointError", "CheckpointFormatError", "CheckpointStore", "check_compatible",
-           "fit_target"]
+__all__ = ["CheckpointError", "CheckpointFormatError", "CheckpointStore", "DirectoryInUseError",
+           "check_compatible", "fit_target"]

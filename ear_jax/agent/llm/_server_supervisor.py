@@ -1,7 +1,7 @@
 """Runs one server command and ties its life to the process that started this one.
 
-Run as a script (never imported: it needs only the standard library, and importing `ear_jax`
-would load JAX), by `ear_jax.agent.llm.server.LlamaServer`:
+Run as a script (it needs only the standard library and never imports `ear_jax`, which would
+load JAX), by `ear_jax.agent.llm.server.LlamaServer` (which imports it for `children_of` only):
 
   python -I _server_supervisor.py LIFELINE_FD STOP_TIMEOUT_S -- SERVER ARGV...
 
@@ -12,11 +12,19 @@ gone": the server gets SIGTERM, SIGKILL after `STOP_TIMEOUT_S`, and this supervi
 SIGTERM (or SIGINT / SIGHUP) to the supervisor stops the server the same way. When the server
 exits by itself the supervisor exits with the server's status (the same code, or the same signal).
 
+The server leads its own session and process group, and stopping it signals the whole group
+(SIGTERM; SIGKILL after the timeout), so the processes it forked stop with it; once it has exited,
+SIGKILL goes to whatever is left of its group. On Linux this supervisor is also a child subreaper
+(`prctl(PR_SET_CHILD_SUBREAPER)`): a descendant orphaned by its parent's exit, even one that left
+the server's group (`setsid`), becomes this supervisor's child, and once the server has exited
+every such child gets SIGKILL and is reaped.
+
 On Linux the server is also started with the parent-death signal SIGKILL
 (`prctl(PR_SET_PDEATHSIG)`), bound to this single-threaded supervisor, so a SIGKILL of the
-supervisor itself kills the server too. (The parent-death signal fires when the parent *thread*
-exits: that is why it is set here, in a process with one thread, and not in the starting process,
-whose starting thread may end long before the process.)
+supervisor itself kills the server too (but not the processes the server forked: nothing is left
+to signal them). (The parent-death signal fires when the parent *thread* exits: that is why it is
+set here, in a process with one thread, and not in the starting process, whose starting thread may
+end long before the process.)
 """
 import ctypes
 import os
@@ -24,9 +32,12 @@ import select
 import signal
 import subprocess
 import sys
+import time
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_PR_SET_CHILD_SUBREAPER = 36
 _POLL_S = 0.1
+_STOP_POLL_S = 0.02
 
 
 def _parent_death_kill(parent_pid: int):
@@ -45,18 +56,84 @@ def _parent_death_kill(parent_pid: int):
   return preexec
 
 
-def _stop(proc: subprocess.Popen, timeout_s: float) -> None:
-  """SIGTERM, then SIGKILL after `timeout_s`; returns once the server has exited."""
-  if proc.poll() is not None:
-    return
-  proc.send_signal(signal.SIGTERM)
+def _become_subreaper() -> None:
+  """Linux: orphaned descendants become this process's children (`_end_adopted` ends them)."""
   try:
-    proc.wait(timeout=timeout_s)
-  except subprocess.TimeoutExpired:
-    print(f"server supervisor: no exit {timeout_s:g}s after SIGTERM, killing the server",
-          file=sys.stderr, flush=True)
-    proc.kill()
-    proc.wait()
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+  except (OSError, AttributeError):
+    pass
+
+
+def _exited(pid: int) -> bool:
+  """True once the child `pid` has exited, without reaping it (while it is not reaped its pid, the
+  id of its process group, is not reused, so the group can still be signalled safely)."""
+  try:
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+  except ChildProcessError:  # reaped already
+    return True
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+  try:
+    os.killpg(pgid, sig)
+  except (ProcessLookupError, PermissionError):  # the group is empty
+    pass
+
+
+def children_of(pid: int) -> list[int]:
+  """The pids whose parent is `pid` (from /proc; [] where there is no /proc)."""
+  out = []
+  try:
+    names = os.listdir("/proc")
+  except OSError:
+    return out
+  for name in names:
+    if name.isdigit():
+      try:
+        with open(f"/proc/{name}/stat", "rb") as f:
+          fields = f.read().rsplit(b")", 1)[1].split()  # (the command may hold spaces and ')')
+      except (OSError, IndexError):
+        continue
+      if len(fields) > 1 and fields[1] == str(pid).encode():
+        out.append(int(name))
+  return out
+
+
+def _end_adopted() -> None:
+  """SIGKILLs and reaps this supervisor's children (the server is reaped already): descendants of
+  the server adopted as orphans, until none is left (each kill may orphan another one)."""
+  for _ in range(100):
+    kids = children_of(os.getpid())
+    for pid in kids:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    while True:
+      try:
+        if os.waitpid(-1, os.WNOHANG)[0] == 0:
+          break
+      except ChildProcessError:
+        break
+    if not kids:
+      return
+    time.sleep(_STOP_POLL_S)
+
+
+def _stop(proc: subprocess.Popen, timeout_s: float) -> None:
+  """SIGTERM to the server's process group, SIGKILL after `timeout_s`; then SIGKILL to what is
+  left of the group and to the orphans this supervisor adopted; returns once all have exited."""
+  if not _exited(proc.pid):
+    _signal_group(proc.pid, signal.SIGTERM)  # the server leads its group: pgid = its pid
+    deadline = time.monotonic() + timeout_s
+    while not _exited(proc.pid) and time.monotonic() < deadline:
+      time.sleep(_STOP_POLL_S)
+    if not _exited(proc.pid):
+      print(f"server supervisor: no exit {timeout_s:g}s after SIGTERM, killing the server",
+            file=sys.stderr, flush=True)
+  _signal_group(proc.pid, signal.SIGKILL)  # (its pid is not reused: not reaped yet)
+  proc.wait()
+  _end_adopted()
 
 
 def main(argv) -> int:
@@ -67,13 +144,14 @@ def main(argv) -> int:
   asked = []
   for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(sig, lambda signum, frame: asked.append(signum))
+  _become_subreaper()
   try:
-    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True,
                             preexec_fn=_parent_death_kill(os.getpid()))
   except OSError as e:
     print(f"server supervisor: could not start {command[0]!r}: {e}", file=sys.stderr, flush=True)
     return 127
-  while proc.poll() is None:
+  while not _exited(proc.pid):
     if asked:
       break
     try:

@@ -15,9 +15,12 @@ whichever of its threads called `start`): it runs under a small stdlib superviso
 (`_server_supervisor.py`) that holds the read end of a pipe whose write end only the starting
 process holds; end-of-file on it stops the server. On Linux the server also gets SIGKILL when the
 supervisor itself dies (`prctl(PR_SET_PDEATHSIG)`, set in the single-threaded supervisor, never in
-the multi-threaded starter: that signal follows the parent *thread*). One gap: a child made by a
-bare `os.fork()` of the starting process (e.g. multiprocessing's "fork" start method) inherits the
-pipe's write end, so the server then lives until that child exits too.
+the multi-threaded starter: that signal follows the parent *thread*). The server leads its own
+process group, which the supervisor signals as a whole, so the processes the server forks stop
+with it (on Linux also those that left its group: the supervisor is their subreaper). Gaps: a
+child made by a bare `os.fork()` of the starting process (e.g. multiprocessing's "fork" start
+method) inherits the pipe's write end, so the server then lives until that child exits too; and a
+SIGKILL of the supervisor itself kills the server but not the processes the server forked.
 
 Failure policy: every failure is a `LlamaServerError` naming the problem: a missing `llama_cpp`
 (which requirements file to install), a missing or non-GGUF model file, a server that exits during
@@ -46,6 +49,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from absl import logging
+
+from ear_jax.agent.llm import _server_supervisor
 
 __all__ = ["GGUF_PACKAGE", "GGUF_FILE", "DEFAULT_MODEL_ALIAS", "REQUIREMENTS_FILE",
            "LlamaServerError", "LlamaServer", "default_gguf_path", "check_gguf", "free_port",
@@ -194,8 +199,8 @@ class LlamaServer:
       `llama_cpp` modules are not required.
 
   Attributes (after `start`): `base_url` (`http://host:port/v1`), `model`, `port`, `log_path`,
-  `process` (the server's supervisor, which leads the server's own process group and exits with
-  the server's status).
+  `process` (the server's supervisor, which leads its own session and exits with the server's
+  status; the server leads another, with the processes it forks).
   """
 
   def __init__(self, model_path: str | os.PathLike | None = None, *, host: str = "127.0.0.1",
@@ -339,8 +344,14 @@ class LlamaServer:
         process.wait(timeout=self.stop_timeout_s + 5.0)
       except subprocess.TimeoutExpired:
         logging.warning("LLM server: no exit %gs after SIGTERM, killing it", self.stop_timeout_s)
+        for pid in _server_supervisor.children_of(process.pid):  # the server's group, orphans
+          for kill in (os.killpg, os.kill):
+            try:
+              kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+              pass
         try:
-          os.killpg(process.pid, signal.SIGKILL)  # the supervisor's group: it and the server
+          os.killpg(process.pid, signal.SIGKILL)  # the supervisor's group
         except ProcessLookupError:
           pass
         process.wait(timeout=10)

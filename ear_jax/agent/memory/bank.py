@@ -26,8 +26,10 @@ ANDed with `valid` (and the store rule), so rows of other scopes are never candi
 the scope holds (the candidates are then padded and masked as for a small bank); nothing filters
 the bank's rows on the host per query. An ANN searcher gets the scope codes too and searches with
 a faiss ID selector (`ear_jax.index.ann`); the device re-score applies `allowed` again. A searcher
-whose faiss index cannot filter (PQ fast-scan once trained) leaves a scoped query to the exact
-device search. `check_k` / `available` count the memories of the requested scopes (per store).
+whose faiss index cannot filter (PQ fast-scan once trained), a store holding few rows of the
+scopes, or a search in which a query found fewer rows than it may return leaves the batch to the
+exact device search, so every query gets `min(K, rows of its scopes)` candidates whatever the
+index (`ann.FaissSearcher.search`). `check_k` / `available` count the memories of the requested scopes (per store).
 Each row also keeps a date (free text, e.g. LoCoMo's "1:56 pm on 8 May, 2023", or ISO 8601).
 
 Options (`Memory(bank_dtype=..., index=...)`): the embeddings may be stored as bfloat16 (half the
@@ -47,6 +49,7 @@ import functools
 import datetime
 import hashlib
 import json
+import re
 from typing import NamedTuple, Optional, Sequence
 
 import jax
@@ -199,8 +202,25 @@ def store_codes(store, n: int) -> np.ndarray:
   return np.asarray([code(s) for s in store], np.int8)
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # Unicode category Cc
+
+
+def check_id_chars(ids: list[str], what: str) -> None:
+  """ValueError naming `what` (and the index) for an id holding a control character: NUL-prefixed
+  ids are the tombstones of deleted memories (`forget.TOMBSTONE`), and none may be forged."""
+  for j, i in enumerate(ids):
+    bad = _CONTROL.search(i)
+    if bad is None:
+      continue
+    where = what if len(ids) == 1 and what != "ids" else f"{what}[{j}]"
+    why = ("starts with NUL, the prefix reserved for the ids of deleted memories"
+           if i.startswith("\x00") else
+           f"holds the control character U+{ord(bad.group()):04X} at position {bad.start()}")
+    raise ValueError(f"{where}={i!r} {why}: memory ids may not contain control characters")
+
+
 def check_id_list(ids, n: int) -> list[str]:
-  """`n` distinct, non-empty string ids (UTF-8 encodable)."""
+  """`n` distinct, non-empty string ids (UTF-8 encodable, no control character)."""
   if isinstance(ids, str):
     ids = [ids]
   elif not isinstance(ids, collections.abc.Sequence):
@@ -212,6 +232,7 @@ def check_id_list(ids, n: int) -> list[str]:
     if not isinstance(i, str) or not i:
       raise ValueError(f"memory ids must be non-empty strings, got {i!r}")
   _check_encodable(ids, "ids")
+  check_id_chars(ids, "ids")
   seen, dup = set(), set()
   for i in ids:
     (dup if i in seen else seen).add(i)
@@ -589,15 +610,17 @@ class Bank:
     avail = self.available(num_candidates, multistore, scope)
     if k <= avail:
       return
-    if scope is None:
-      of, where, held = "", "the bank", len(self)
+    if scope is None:  # (the live memories: deleted ones leave tombstone rows)
+      of, where, held = "", "the bank", sum(self.store_counts)
     else:
       where = scope_label(tuple(scope))
       of = " of " + where
       codes = list(self.scope_filter(scope).codes)
       held = int(self.scope_counts[codes].sum()) if codes else 0
     if avail == 0:
-      if multistore or not held:
+      if scope is None and not held and len(self):
+        empty = "the memory holds no memories (all were deleted)"
+      elif multistore or not held:
         empty = "the bank is empty" if scope is None else f"{where} holds no memories"
       elif scope is None:  # (the message of a bank without scopes, unchanged)
         empty = ("the bank is empty of dialogue memories (observations are candidates only with "
@@ -636,12 +659,13 @@ class Bank:
     rows = mask = None
     filt = self.scope_filter(scope)
     allowed = None if filt is None else filt.allowed
-    if self.searcher is not None:
+    if self.searcher is not None:  # (the q queries only: a zero padding query finds nothing)
       found = self.searcher.search(
-          padded, num_candidates * self.searcher.rerank, multistore,
+          padded[:q], num_candidates * self.searcher.rerank, multistore,
           scopes=None if filt is None else (filt.codes, self.scope_codes))
-      if found is not None:  # (None: this index cannot filter scopes; the exact search does)
-        rows, mask = found
+      if found is not None:  # (None: the exact search does it, see `ann.FaissSearcher.search`)
+        rows, mask = (np.concatenate([a, np.full((q_pad - q,) + a.shape[1:], fill, a.dtype)])
+                      for a, fill in zip(found, (-1, False)))
     args = (padded, self.emb, self.valid, self.stores, self.scopes, allowed, rows, mask)
     size = None
     if slate is None:
@@ -672,10 +696,12 @@ class Bank:
     return np.asarray(self.emb[start:stop].astype(jnp.float32))
 
   def describe(self, rows) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    """`(ids, texts, store names)` of bank rows."""
+    """`(ids, texts, store names)` of bank rows (a deleted memory's row, a tombstone: its
+    tombstone id, "" and 'deleted'; `Memory.recall` never shows one, `recall._answer`)."""
     rows = [int(r) for r in rows]
+    names = STORE_NAMES + ("deleted",)  # (store code 2: `forget.DELETED`)
     return (tuple(self.ids[r] for r in rows), tuple(self.texts[r] for r in rows),
-            tuple(STORE_NAMES[int(self.store_codes[r])] for r in rows))
+            tuple(names[int(self.store_codes[r])] for r in rows))
 
   def records(self, rows) -> list[dict]:
     """`[{'id', 'text', 'store', 'scope', 'date'}]` of (live) bank rows, in order."""

@@ -23,8 +23,10 @@ Everything that held the memory forgets it in the same locked call:
   `purge_older_steps` deletes every older main step written before the deletion (with them the
   shards and ANN indexes only they listed), so no file under the checkpoint directory keeps the
   memory's vector or text once that save returns. A save killed in between leaves the old or the
-  new checkpoint (the store's atomic steps); the older steps are purged by the next save, since
-  each main step records the number of deletions so far (`stats['memories_deleted']`).
+  new checkpoint (the store's atomic steps); the older steps are purged by the next save or load
+  (`persistence.tidy`), since each main step records the number of deletions so far
+  (`stats['memories_deleted']`), and so are the `.trash-*` directories a delete killed while it
+  removed an old shard or index leaves.
 
 Correcting: `Memory.update(id, text=..., embedding=...)` is a delete of the memory's row (all of
 the above: the old text and vector leave candidates, sessions, the buffer and the next
@@ -45,7 +47,8 @@ from ear_jax.agent.memory import bank as bank_lib
 from ear_jax.data import encoder_base
 
 DELETED = 2  # the store code of a deleted row
-TOMBSTONE = "\x00deleted:"  # + row: the id of a deleted row (check_ids refuses it)
+TOMBSTONE = "\x00deleted:"  # + row: the id of a deleted row (no caller's id holds a NUL:
+# `bank.check_id_chars`; `rows_of` refuses it)
 DELETED_STAT = "memories_deleted"
 
 
@@ -145,17 +148,20 @@ def _forget_buffer(driver, rows: np.ndarray, old_emb: np.ndarray, dim: int) -> N
   driver.state = driver.state.replace(buffer=buf)
 
 
-def forget_rows(bank: bank_lib.Bank, sessions, driver, rows: np.ndarray, stats) -> None:
+def forget_rows(bank: bank_lib.Bank, sessions, driver, rows: np.ndarray, stats,
+                verb: str = "deleted") -> None:
   """Deletes live bank `rows` everywhere (see the module docstring): tombstones in the bank, the
-  open sessions that showed them dropped, masked out of the queued items and the replay buffer;
-  counted in `stats` (a Counter). Call under the memory's lock; the caller refreshes a lexical
-  index (`LexicalBank.fresh`)."""
+  open sessions that showed them dropped (`Sessions.drop`, naming the memory and `verb`: later
+  feedback on them says so), masked out of the queued items and the replay buffer; counted in
+  `stats` (a Counter). Call under the memory's lock; the caller refreshes a lexical index
+  (`LexicalBank.fresh`)."""
+  names = {int(r): bank.ids[int(r)] for r in rows}  # (read before the tombstones replace them)
   old = _forget_bank(bank, rows)
   for sid, s in list(sessions.by_id.items()):
-    if np.isin(s.cand_idx[s.cand_mask], rows).any():
-      if s.open_id >= 0:
-        sessions.open.pop(s.open_id, None)
-      del sessions.by_id[sid]
+    hit = np.intersect1d(s.cand_idx[s.cand_mask], rows)
+    if hit.size:
+      sessions.drop(sid, f"memory {names[int(hit[0])]!r} among its candidates was {verb} "
+                         f"(Memory.{'update' if verb == 'updated' else 'delete'})")
       stats["sessions_dropped_by_delete"] += 1
   driver.ready = [_mask_item(it, rows) for it in driver.ready]
   _forget_buffer(driver, rows, old, driver.config.dim)
@@ -181,6 +187,7 @@ def check_update(memory_id, text, embedding, dim: int):
   update that changes nothing."""
   if not isinstance(memory_id, str):
     raise bank_lib.InputTypeError(f"memory_id must be a string, got {type(memory_id).__name__}")
+  bank_lib.check_id_chars([memory_id], "memory_id")  # (a tombstone's id is never a memory's)
   if text is None and embedding is None:
     raise ValueError(f"update of memory {memory_id!r} changes nothing: pass text= and/or "
                      "embedding=")
@@ -203,7 +210,7 @@ def replace_row(bank: bank_lib.Bank, sessions, driver, memory_id: str, text: Opt
   new_text = bank.texts[row] if text is None else text
   code = bank.store_codes[row:row + 1].copy()
   scope, date = bank.scope_names[int(bank.scope_codes[row])], bank.dates[row]
-  forget_rows(bank, sessions, driver, np.asarray([row], np.int32), stats)
+  forget_rows(bank, sessions, driver, np.asarray([row], np.int32), stats, verb="updated")
   bank.append([memory_id], [new_text], code, emb, [scope], [date])
   stats["memories_updated"] += 1
 

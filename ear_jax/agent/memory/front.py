@@ -216,6 +216,7 @@ class Memory:
     self._sessions = Sessions(config, self.max_sessions)
     self._driver = Driver(config, default_hparams() if hparams is None else hparams, self.seed)
     self.stats = collections.Counter()
+    self._holds = {}  # memory directory -> this memory's share of the process's owner lock
 
   # ----------------------------------------------------------------------------------------------
   # properties
@@ -351,17 +352,21 @@ class Memory:
                continue_from: Optional[Retrieval] = None, query_embedding=None,
                scope=None) -> Retrieval:
     """Retrieves `k` memories for one query (see `retrieve_batch`)."""
+    queries, emb = self._one_query(query, query_embedding)
+    if continue_from is not None:
+      if query is not None or emb is not None:
+        raise ValueError("pass either a query / query_embedding or continue_from, not both")
+      return self.retrieve_batch(None, k, explore, continue_from=[continue_from])[0]
+    return self.retrieve_batch(queries, k, explore, query_embeddings=emb, scope=scope)[0]
+
+  def _one_query(self, query, query_embedding):
+    """`(queries [1] or None, query_embeddings [1, d] or None)` of `retrieve`'s one query."""
     if query is not None and not isinstance(query, str):
       raise InputTypeError(f"query must be a string, got {type(query).__name__}")
     emb = None
     if query_embedding is not None:
       emb = bank_lib.real_query_vector(query_embedding, self.config.dim)[None]
-    if continue_from is not None:
-      if query is not None or emb is not None:
-        raise ValueError("pass either a query / query_embedding or continue_from, not both")
-      return self.retrieve_batch(None, k, explore, continue_from=[continue_from])[0]
-    return self.retrieve_batch(None if query is None else [query], k, explore,
-                               query_embeddings=emb, scope=scope)[0]
+    return (None if query is None else [query]), emb
 
   def retrieve_batch(self, queries: Optional[Sequence[str]] = None, k: int = 5,
                      explore: bool = False, *, continue_from: Optional[Sequence[Retrieval]] = None,
@@ -407,6 +412,12 @@ class Memory:
                               stack("cand_emb"), stack("cand_mask"), stack("mean"),
                               stack("counts"), k, explore)
         return self._open_rounds(sids, slates, explore)
+    texts, q_emb = self._queries(queries, query_embeddings)
+    return self._retrieve(texts, q_emb, k, explore, scope)
+
+  def _queries(self, queries, query_embeddings) -> tuple[list[str], np.ndarray]:
+    """`(texts [n] ('' where none), [n, d] unit embeddings)` of `retrieve_batch`'s queries,
+    checked and encoded (outside the lock)."""
     if queries is None and query_embeddings is None:
       raise ValueError("pass queries (texts) or query_embeddings")
     texts = None if queries is None else bank_lib.check_text_list(queries, "queries")
@@ -419,6 +430,13 @@ class Memory:
     if self._lexical is not None and not any(texts):
       raise ValueError(f"candidates={self.candidates!r} ranks by the query's text (BM25): pass "
                        "queries (texts), with query_embeddings or without")
+    return texts, q_emb
+
+  def _retrieve(self, texts: list[str], q_emb: np.ndarray, k: int, explore: bool,
+                scope) -> list[Retrieval]:
+    """The retrievals of `_queries` (checked `k` and scope spec), opened in one hold of the lock
+    (re-entrant: `recall.search` holds it around this and the close that follows, so a delete in
+    another thread cannot drop the session in between)."""
     with self._lock:
       self._bank.check_k(k, self.config.num_candidates, self.multistore, scope)
       slate = (self._driver.state.params, self.hparams, k, explore)
@@ -428,6 +446,13 @@ class Memory:
       else:
         rows, mask, cands, slates = self._lexical.search(self._bank, q_emb, texts,
                                                          self.config.num_candidates, slate, scope)
+      short = np.flatnonzero(slates[1].sum(1) < k)
+      if len(short):  # (check_k passed: every first stage finds min(K, rows of the scopes))
+        where = "the bank" if scope is None else bank_lib.scope_label(scope)
+        raise RuntimeError(
+            f"the {self._bank.index_name} / {self.candidates} search found only "
+            f"{int(slates[1][short[0]].sum())} of k={k} memories of {where} for query "
+            f"{int(short[0])}, which holds enough: a bug, please report it")
       sids = [self._sessions.new(t, q, r, c, m, scope or ())
               for t, q, r, c, m in zip(texts, q_emb, rows, cands, mask)]
       return self._open_rounds(sids, slates, explore)
@@ -520,8 +545,8 @@ class Memory:
       if isinstance(retrieval, Retrieval):
         self._sessions.check_identity(retrieval)
         sid = retrieval.session_id
-        if sid not in self._sessions.by_id:
-          raise ValueError(f"the session of retrieval {retrieval.retrieval_id} was evicted")
+        if sid not in self._sessions.by_id:  # (evicted, or dropped by a delete: it says which)
+          raise self._sessions.dropped_error(retrieval.retrieval_id, sid)
       else:
         sid = self._sessions.resolve_open(retrieval)
       item = self._sessions.close(sid)
@@ -669,11 +694,55 @@ class Memory:
     """Writes a consistent snapshot of this moment as the next checkpoint step at `path` (the
     snapshot is copied under the lock, written outside it, so agents are not blocked by disk
     I/O; saves of one memory are serialised, and processes by the store's writer lock); returns
-    the step's directory."""
-    with self._save_lock, persistence.Writer(path) as writer:
-      with self._lock:
-        snap = writer.snapshot(self._parts())
-      return writer.write(snap)
+    the step's directory. Holds the directory from then on (`claim`).
+
+    Raises:
+      DirectoryInUseError: another process holds `path` (naming it and that process's pid).
+    """
+    with self._save_lock:
+      self._hold(path, create=True)
+      with persistence.Writer(path) as writer:
+        with self._lock:
+          snap = writer.snapshot(self._parts())
+        return writer.write(snap)
+
+  def claim(self, path) -> pathlib.Path:
+    """Takes the memory directory `path` (creating it) for this process now, as `load`,
+    `restore` and the first `save` to it do: until `release` (or this memory is garbage-collected,
+    or the process ends, even by SIGKILL) another process that loads, restores or saves it is
+    refused with a `checkpoints.DirectoryInUseError` naming the directory and this process's pid,
+    so two processes (two MCP servers on one `--memory_dir`) never hand out one id for two
+    memories nor overwrite each other's checkpoints. Within one process the lock is shared: other
+    `Memory` instances of this process may load and save the directory (their saves are
+    serialised by the store's writer lock; which of them a later load sees is the caller's
+    business), and a directory released by all of them is claimed again by the next call.
+
+    Returns:
+      The directory.
+    """
+    self._hold(path, create=True)
+    return persistence.checkpoint_dir(path)
+
+  def release(self) -> None:
+    """Gives back this memory's hold on every directory it loaded, restored, saved or claimed
+    (another process can open them once no other `Memory` of this process holds them); a later
+    `save` takes its directory again. Idempotent."""
+    with self._lock:
+      holds, self._holds = list(self._holds.values()), {}
+    for h in holds:
+      h.release()
+
+  def _hold(self, path, *, create: bool):
+    """This memory's hold on the directory `path` (`persistence.own`), taken when it has none;
+    returns the hold it took (None when it already held it, or there is nothing to hold)."""
+    root = persistence.checkpoint_dir(path)
+    with self._lock:
+      if str(root) in self._holds:
+        return None
+      hold = persistence.own(root, create=create)
+      if hold is not None:
+        self._holds[str(root)] = hold
+      return hold
 
   @classmethod
   def load(cls, path, *, encoder: Any = "saved", config: Optional[EARConfig] = None) -> "Memory":
@@ -689,24 +758,44 @@ class Memory:
       ValueError: no checkpoint at `path`, another format, config, encoder dimension or model.
       CheckpointError: a truncated or corrupted checkpoint (naming its path); a
         `CheckpointFormatError` for an unknown format, layout, dtype or index (naming the file and
-        the field).
+        the field); a `DirectoryInUseError` (also a ValueError) when another process holds `path`
+        (naming it and that process's pid). The loaded memory holds `path` (`claim`).
     """
-    ckpt = persistence.read(path)
-    memory = cls(**persistence.memory_args(ckpt, encoder=encoder, config=config))
-    memory._install(persistence.restore_parts(ckpt, memory._bank.settings(), memory.config,
-                                              memory._sessions.token, generation=0))
+    hold = persistence.own(path, create=False)  # (DirectoryInUseError: another process has it)
+    try:
+      ckpt = persistence.read(path)
+      memory = cls(**persistence.memory_args(ckpt, encoder=encoder, config=config))
+      memory._install(persistence.restore_parts(ckpt, memory._bank.settings(), memory.config,
+                                                memory._sessions.token, generation=0))
+    except BaseException:
+      if hold is not None:
+        hold.release()
+      raise
+    if hold is not None:
+      memory._holds[str(ckpt.root)] = hold
+    persistence.tidy(ckpt.root)  # what a killed save left (after the checkpoint was verified)
     return memory
 
   def restore(self, path) -> None:
     """Replaces this memory's state by the latest checkpoint at `path`, in place (its config and
     first stage must equal this memory's, its encoder identity too when both are known), and
-    bumps the generation: retrievals returned before are stale."""
-    ckpt = persistence.read(path)
-    persistence.check_restorable(ckpt, self.config, self.candidates, self.first_stage_options,
-                                 self._encoder.identity)
-    with self._lock:
-      self._install(persistence.restore_parts(ckpt, self._bank.settings(), self.config,
-                                              self._sessions.token, self.generation + 1))
+    bumps the generation: retrievals returned before are stale. Holds the directory from then
+    on (`claim`; `DirectoryInUseError` when another process holds it)."""
+    taken = self._hold(path, create=False)
+    try:
+      ckpt = persistence.read(path)
+      persistence.check_restorable(ckpt, self.config, self.candidates, self.first_stage_options,
+                                   self._encoder.identity)
+      with self._lock:
+        self._install(persistence.restore_parts(ckpt, self._bank.settings(), self.config,
+                                                self._sessions.token, self.generation + 1))
+    except BaseException:
+      if taken is not None:
+        with self._lock:
+          self._holds.pop(str(persistence.checkpoint_dir(path)), None)
+        taken.release()
+      raise
+    persistence.tidy(ckpt.root)  # what a killed save left (after the checkpoint was verified)
 
   def _parts(self) -> persistence.Parts:
     """This memory's parts and settings, what a checkpoint holds (call under the lock)."""

@@ -36,8 +36,13 @@ Atomicity: shards and indexes are complete before the main step that lists them 
 killed before its main step leaves unlisted ones that the next save deletes; they are deleted only
 when no kept main step lists them (so a killed compacting save leaves the previous checkpoint with
 all its shards). One memory save at a time per directory (`CheckpointStore.writer`, an
-inter-process lock). Checkpoints written with the bank inline (before shards), or before indexes
-were saved (the index is then rebuilt by adding the rows), still load.
+inter-process lock), and one process at a time uses a memory directory (`own`: `Memory.load`,
+`restore`, `save` and `claim` take its owner lock; a second process is refused naming the first).
+A load finishes what a killed save left undone once the checkpoint it read is verified (`tidy`:
+the older steps a deletion purges, shards and indexes no kept step lists, `.trash-*`
+directories), so a memory that only loads and recalls keeps no byte of a deleted memory either.
+Checkpoints written with the bank inline (before shards), or before indexes were saved (the index
+is then rebuilt by adding the rows), still load.
 
 The first stage (`Memory(candidates=...)`, meta field `first_stage`: the generator and the hybrid
 fusion's options; absent in older checkpoints, which load as 'dense') is saved in the verified
@@ -53,8 +58,10 @@ file and the field.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import pathlib
@@ -308,9 +315,19 @@ class Writer:
     return self._stack.__exit__(*exc)
 
   def snapshot(self, parts: Parts) -> Snapshot:
-    """What a save of `parts` writes (call under the memory's lock)."""
-    arrays, meta = main_step(parts)
+    """What a save of `parts` writes (call under the memory's lock).
+
+    Raises:
+      CheckpointError: the bank holds one id twice (such a checkpoint could not be loaded); nothing
+        was written.
+    """
     bank = parts.bank
+    if len(bank.row_of) != len(bank.ids):  # (row_of maps each distinct id to its row)
+      dup = sorted(i for i, c in collections.Counter(bank.ids).items() if c > 1)
+      raise _checkpoints().CheckpointError(
+          f"refusing to save {self.root}: the bank holds duplicate memory ids {dup[:5]!r} (a "
+          "checkpoint with them could not be loaded); nothing was written")
+    arrays, meta = main_step(parts)
     records = _reusable(bank, self.listed)
     stop = len(bank)
     counts = [int(r["count"]) for r in records]
@@ -354,10 +371,54 @@ class Writer:
     if index_record is not None:
       meta["bank"]["ann_index"] = index_record
     path = write(self.root, snap.arrays, meta)
-    # After a deletion no older step may keep the deleted rows (`ear_jax.agent.memory.forget`).
-    forget.purge_older_steps(self.store, int(meta["stats"].get(forget.DELETED_STAT, 0)))
-    _prune(self.store, self.shards, self.indexes)
+    _tidy(self.store, self.shards, self.indexes, int(meta["stats"].get(forget.DELETED_STAT, 0)))
     return path
+
+
+def _tidy(store, shards, indexes, deleted: int) -> None:
+  """What a save does once its main step is written and verified: after a deletion no older step
+  may keep the deleted rows (`forget.purge_older_steps`), then the shards and indexes no kept step
+  lists go (`_prune`), and the trash a killed delete left in any of the three stores. Call under
+  the store's writer lock."""
+  forget.purge_older_steps(store, deleted)
+  _prune(store, shards, indexes)
+  for s in (store, shards, indexes):
+    s.remove_trash()
+
+
+def tidy(root: pathlib.Path) -> None:
+  """Finishes what a killed save of the memory directory `root` left undone (`_tidy` for its
+  latest step), so a memory that only loads never keeps a deleted memory's bytes. Call after that
+  step was read and verified (`read`, `restore_parts`), holding the directory (`own`). A
+  directory this process cannot write (read-only) is left as it is."""
+  ckpt = _checkpoints()
+  try:
+    with ckpt.CheckpointStore(root).writer() as store:
+      deleted = int(store.read_meta(verify=False).get("stats", {}).get(forget.DELETED_STAT, 0))
+      _tidy(store, ckpt.CheckpointStore(root / SHARDS, max_to_keep=None),
+            ckpt.CheckpointStore(root / ANN_INDEX, max_to_keep=None), deleted)
+  except (OSError, ckpt.CheckpointError):
+    pass
+
+
+def own(path, *, create: bool):
+  """This process's owner lock (`CheckpointStore.own`, a `Hold`) of the memory directory `path`:
+  one process at a time loads, restores or saves a memory directory. None when there is nothing
+  to hold: no directory and `create` False (`read` then names the missing directory), or one
+  this process cannot write (read-only: it cannot change it either).
+
+  Raises:
+    DirectoryInUseError: another process holds it (naming the directory and that process's pid).
+  """
+  root = checkpoint_dir(path)
+  if not create and not root.is_dir():
+    return None
+  try:
+    return _checkpoints().CheckpointStore(root).own("memory directory")
+  except OSError as e:  # (DirectoryInUseError is not one)
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+      return None
+    raise
 
 
 def _bank_info(meta, meta_file) -> dict:

@@ -18,7 +18,11 @@ A query's rounds are ONE training query and ONE experience (Eq. (10)-(14), Alg. 
   evicted (least recently used beyond `max_sessions`) with at least one round of feedback.
 
 A session without feedback is dropped when closed or evicted. No session is trained one round at a
-time, and a closed session cannot be continued. Not thread-safe on its own: `Memory` holds its lock.
+time, and a closed session cannot be continued. A session that leaves (`evict`, or `drop`: a delete
+or update of one of its candidates, `ear_jax.agent.memory.forget`) is remembered with the reason
+(the last `MAX_GONE`), so feedback, `continue_from` or `close` with one of its retrievals raises a
+`SessionDroppedError` saying why ("retrieval 7 is no longer open: its session was dropped because
+memory 'm3' was deleted"). Not thread-safe on its own: `Memory` holds its lock.
 """
 from __future__ import annotations
 
@@ -33,6 +37,15 @@ import numpy as np
 from ear_jax.agent.memory.bank import InputTypeError
 from ear_jax.agent.memory.episode import update_bandits
 from ear_jax.core.config import EARConfig
+
+MAX_GONE = 4096  # sessions that left remembered with the reason (oldest forgotten first)
+DELETED_REASON = "a memory among its candidates was deleted or updated (Memory.delete / update)"
+
+
+class SessionDroppedError(ValueError):
+  """A retrieval whose session is gone: evicted, or dropped because a delete or an update removed
+  one of its candidates. Its message says which (a `ValueError`, as every input error)."""
+
 
 _ARRAY_FIELDS = ("query_emb", "cand_idx", "cand_emb", "cand_mask", "mean", "counts", "slates",
                  "slate_mask", "labels")
@@ -158,6 +171,9 @@ class Sessions:
     self.next_retrieval = 0
     self.next_session = 0
     self.clock = 0
+    # session id -> (why it left, its open retrieval id or -1), the last MAX_GONE
+    self.gone: "collections.OrderedDict[int, tuple[str, int]]" = collections.OrderedDict()
+    self.gone_floor = -1  # sessions up to this id that left may have been forgotten from `gone`
 
   # ----------------------------------------------------------------------------------------------
   # lookups (raise ValueError, change nothing)
@@ -185,6 +201,21 @@ class Sessions:
     raise InputTypeError(f"expected a Retrieval (or its retrieval_id), got "
                          f"{type(retrieval).__name__}")
 
+  def gone_reason(self, sid: int) -> Optional[str]:
+    """Why session `sid` left (None: it is here, or it is unknown): recorded by `evict` / `drop`;
+    one that left unrecorded was dropped by `forget.forget_rows` (a delete or an update)."""
+    if sid in self.gone:
+      return self.gone[sid][0]
+    if self.gone_floor < sid < self.next_session and sid not in self.by_id:
+      return DELETED_REASON
+    return None
+
+  def dropped_error(self, rid: int, sid: int, what: str = "") -> SessionDroppedError:
+    """The `SessionDroppedError` of retrieval `rid` of session `sid`, which left (`gone_reason`)."""
+    why = self.gone_reason(sid) or "it was evicted or dropped by a delete"
+    return SessionDroppedError(f"{what}retrieval {rid} is no longer open: its session was "
+                               f"dropped because {why}; retrieve again")
+
   def open_session(self, rid: int, session_hint: Optional[int] = None) -> int:
     """The session of open retrieval `rid`."""
     sid = self.open.get(rid)
@@ -194,6 +225,12 @@ class Sessions:
     if s is not None and rid in s.consumed:
       raise ValueError(f"retrieval {rid} was already consumed: its feedback was given or it was "
                        "discarded (each retrieval takes feedback once; retrieve again to continue)")
+    if session_hint is not None and s is None and self.gone_reason(session_hint) is not None:
+      raise self.dropped_error(rid, session_hint)
+    if session_hint is None:  # a bare retrieval id: the session it was open in, if one left
+      for gone_sid, (_, open_rid) in self.gone.items():
+        if open_rid == rid:
+          raise self.dropped_error(rid, gone_sid)
     if 0 <= rid < self.next_retrieval:
       raise ValueError(f"retrieval {rid} is no longer open: it was consumed, or its session was "
                        f"closed, flushed or evicted (max_sessions={self.max_sessions})")
@@ -209,6 +246,8 @@ class Sessions:
       raise ValueError(f"retrieval {rid} has no feedback yet: give its feedback (or discard it) "
                        "before continuing its session")
     s = self.by_id.get(sid)
+    if s is None and self.gone_reason(sid) is not None:
+      raise self.dropped_error(rid, sid, "cannot continue: ")
     if s is None or rid not in s.consumed:
       raise ValueError(f"cannot continue retrieval {rid}: unknown or evicted session")
     if s.rounds >= self.config.num_rounds:
@@ -329,12 +368,26 @@ class Sessions:
           victims.append(sid)
     for sid in victims:
       s = self.by_id.pop(sid)
+      self._remember(sid, s, f"it was evicted (the least recently used beyond "
+                             f"max_sessions={self.max_sessions})")
       if not s.closed:
         item = self._close(s)
         if item is not None:
           items.append(item)
       self.open.pop(s.open_id, None)
     return items
+
+  def drop(self, sid: int, reason: str) -> None:
+    """Removes session `sid` untrained (and its open retrieval), remembering `reason` (e.g.
+    "memory 'm3' was deleted") for the errors of its retrievals."""
+    s = self.by_id.pop(sid)
+    self._remember(sid, s, reason)
+    self.open.pop(s.open_id, None)
+
+  def _remember(self, sid: int, s: Session, reason: str) -> None:
+    self.gone[sid] = (reason, s.open_id)
+    while len(self.gone) > MAX_GONE:
+      self.gone_floor = max(self.gone_floor, self.gone.popitem(last=False)[0])
 
   # ----------------------------------------------------------------------------------------------
   # snapshot / restore

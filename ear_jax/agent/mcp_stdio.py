@@ -1,0 +1,142 @@
+"""The MCP server's stdio transport: the `mcp` SDK's stdio transport with a stdin of its own, so
+that every request with an id is answered.
+
+The SDK decodes stdin with `errors="replace"` (invalid UTF-8 would be stored as U+FFFD) and drops
+messages that fail validation without a reply (a client waits forever). `serve_stdio` hands the
+SDK's `stdio_server` a stdin (`_StdinLines`) that passes on only the lines the SDK can read
+(`check_stdio_line`: strict UTF-8, no lone surrogates, a JSON-RPC message) and answers any other
+line that carries an id with a JSON-RPC error, and a stdout (`_LockedWriter`) shared by both, one
+whole line at a time. The SDK itself is not forked.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+def _request_id(obj):
+  """The id of a parsed JSON-RPC message (a str or int, never a bool), else None."""
+  rid = obj.get("id") if isinstance(obj, dict) else None
+  if isinstance(rid, bool) or not isinstance(rid, (int, str)) or _lone_surrogate(rid):
+    return None
+  return rid
+
+
+def _lone_surrogate(obj) -> bool:
+  """True when a string in `obj` (parsed JSON) holds a lone UTF-16 surrogate (not Unicode text)."""
+  if isinstance(obj, str):
+    try:
+      obj.encode("utf-8")
+    except UnicodeEncodeError:
+      return True
+    return False
+  if isinstance(obj, dict):
+    return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in obj.items())
+  if isinstance(obj, list):
+    return any(_lone_surrogate(v) for v in obj)
+  return False
+
+
+def _error_line(obj, code: int, message: str) -> Optional[str]:
+  """The JSON-RPC error answering `obj` (its id; null when it has none that can be read), or None
+  for a notification or a response (never answered: the problem goes to stderr)."""
+  if isinstance(obj, dict) and "id" not in obj and "method" in obj or (
+      isinstance(obj, dict) and "method" not in obj and ("result" in obj or "error" in obj)):
+    print(f"ear-mcp: ignored a malformed notification or response: {message}", file=sys.stderr)
+    return None
+  import json  # pylint: disable=g-import-not-at-top
+  return json.dumps({"jsonrpc": "2.0", "id": _request_id(obj),
+                     "error": {"code": code, "message": message}})
+
+
+def check_stdio_line(raw: bytes) -> tuple[Optional[str], Optional[str]]:
+  """One line of stdin -> (the line, None) when the SDK can read it as a JSON-RPC message; else
+  (None, the JSON-RPC error to answer it with), (None, None) for a blank line or a malformed
+  notification. Invalid UTF-8 and lone surrogates are parse errors (-32700), never replaced by
+  U+FFFD; `params` that is not an object is invalid params (-32602); other shapes are invalid
+  requests (-32600)."""
+  import json  # pylint: disable=g-import-not-at-top
+  import pydantic  # pylint: disable=g-import-not-at-top
+  from mcp import types  # pylint: disable=g-import-not-at-top
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    try:
+      obj = json.loads(raw.decode("utf-8", "replace"))  # only to read the id
+    except ValueError:
+      obj = None
+    return None, _error_line(obj, types.PARSE_ERROR, f"Parse error: invalid UTF-8 at byte {e.start} "
+                             "of the message; JSON-RPC messages must be UTF-8 text")
+  if not text.strip():
+    return None, None
+  try:
+    types.JSONRPCMessage.model_validate_json(text)
+    return text, None
+  except pydantic.ValidationError as e:
+    json_invalid = any(err.get("type") == "json_invalid" for err in e.errors())
+  try:
+    obj = json.loads(text)
+  except ValueError as e:
+    return None, _error_line(None, types.PARSE_ERROR, f"Parse error: not JSON ({e})")
+  if _lone_surrogate(obj):
+    return None, _error_line(obj, types.PARSE_ERROR, "Parse error: a string holds a lone UTF-16 "
+                             "surrogate (such as \\ud800), which is not Unicode text")
+  if json_invalid:
+    return None, _error_line(obj, types.PARSE_ERROR, "Parse error: not valid JSON")
+  if isinstance(obj, dict) and "params" in obj and not isinstance(obj["params"], dict):
+    return None, _error_line(obj, types.INVALID_PARAMS, "Invalid params: params must be an "
+                             f"object, got {type(obj['params']).__name__}")
+  return None, _error_line(obj, types.INVALID_REQUEST, "Invalid Request: not a JSON-RPC 2.0 "
+                           "request, notification or response")
+
+
+class _LockedWriter:
+  """stdout shared by the SDK's writer and `_StdinLines`' errors: one whole line at a time."""
+
+  def __init__(self, file):
+    import anyio  # pylint: disable=g-import-not-at-top
+    self._file, self._lock = file, anyio.Lock()
+
+  async def write(self, text: str) -> None:
+    async with self._lock:
+      await self._file.write(text)
+
+  async def flush(self) -> None:
+    async with self._lock:
+      await self._file.flush()
+
+
+class _StdinLines:
+  """The `stdin` the SDK's stdio transport reads: lines passed on when it can read them
+  (`check_stdio_line`); any other line with an id is answered here with a JSON-RPC error (the
+  SDK would drop it without an answer, and its client would wait forever) and not passed on."""
+
+  def __init__(self, binary_stdin, stdout: _LockedWriter):
+    self._stdin, self._stdout = binary_stdin, stdout
+
+  def __aiter__(self):
+    return self._lines()
+
+  async def _lines(self):
+    import anyio  # pylint: disable=g-import-not-at-top
+    while raw := await anyio.to_thread.run_sync(self._stdin.readline):
+      line, error = check_stdio_line(raw)
+      if line is not None:
+        yield line
+      elif error is not None:
+        await self._stdout.write(error + "\n")
+        await self._stdout.flush()
+
+
+def serve_stdio(mcp) -> None:
+  """Serves `mcp` (`build_server`) on stdin / stdout until stdin ends: the SDK's stdio transport,
+  reading stdin through `_StdinLines` (strict UTF-8; malformed requests answered)."""
+  import io  # pylint: disable=g-import-not-at-top
+  import anyio  # pylint: disable=g-import-not-at-top
+  from mcp.server.stdio import stdio_server  # pylint: disable=g-import-not-at-top
+
+  async def go():
+    stdout = _LockedWriter(anyio.wrap_file(io.TextIOWrapper(sys.stdout.buffer, encoding="utf-8")))
+    async with stdio_server(_StdinLines(sys.stdin.buffer, stdout), stdout) as (read, write):
+      server = mcp._mcp_server  # pylint: disable=protected-access  (as FastMCP.run_stdio_async)
+      await server.run(read, write, server.create_initialization_options())
+  anyio.run(go)

@@ -1,0 +1,133 @@
+"""Deletes and updates while memories are shown (issue 31 item 3): a critic that deletes or updates a
+shown memory inside `recall`, and a thread deleting while another loops `search` / `recall`, never
+crash; the answer leaves deleted memories out (`Recall.dropped` names them) and shows updated ones
+as they are now; feedback on a retrieval whose session a delete dropped says so."""
+import threading
+
+import numpy as np
+import pytest
+
+from ear_jax import EARConfig
+from ear_jax.agent.memory import Memory
+from ear_jax.agent.memory.sessions import SessionDroppedError
+
+D = 8
+K = 6
+
+
+def _memory(n=12, seed=0, **kw):
+  cfg = EARConfig(dim=D, num_candidates=K, slate_size=3, num_rounds=2, batch_size=2,
+                  buffer_capacity=16, replay_size=2)  # (tests/test_memory_scopes.py's config)
+  m = Memory(None, config=cfg, **kw)
+  rng = np.random.default_rng(seed)
+  m.add([f"text {i}" for i in range(n)], embeddings=rng.normal(size=(n, D)))
+  return m, rng
+
+
+def _editing_critic(m, rng, op, seen):
+  """A critic that deletes (or updates) the first memory of every slate it is shown."""
+
+  def critic(key, view):
+    del key
+    seen.append((list(view.ids), list(view.texts)))
+    if op == "delete":
+      m.delete(view.ids[0])
+    else:
+      m.update(view.ids[0], text=f"corrected {view.ids[0]}", embedding=rng.normal(size=D))
+    return np.ones(len(view.ids), np.float32)
+
+  return critic
+
+
+@pytest.mark.parametrize("op", ["delete", "update"])
+@pytest.mark.parametrize("learn", [False, True])
+def test_a_critic_that_edits_a_shown_memory_inside_recall_gets_an_answer(learn, op):
+  m, rng = _memory()
+  seen = []
+  out = m.recall("q", _editing_critic(m, rng, op, seen), k=3,
+                 query_embedding=rng.normal(size=D), learn=learn)
+  edited = [ids[0] for ids, _ in seen]
+  live = {r["id"]: r["text"] for r in m.list()}
+  assert len(out) == len(out.texts) == len(out.scores) and len(out) >= 1
+  assert all(i in live for i in out.ids)  # never a deleted memory in the answer
+  assert list(out.texts) == [live[i] for i in out.ids]  # updated ones as they are now
+  if op == "delete":
+    assert set(out.dropped) == set(edited) & set(sum((ids for ids, _ in seen), []))
+    assert not set(out.ids) & set(edited)
+  else:
+    assert out.dropped == ()
+  for ids, texts in seen:  # the critic never saw a tombstone
+    assert all(i and not i.startswith("\x00") for i in ids) and all(texts)
+  if learn:  # the delete dropped the session: the rounds end, nothing is trained
+    assert len(seen) == 1 and out.labels == (None,)
+    assert m.stats["recall_sessions_dropped"] == 1 and m.num_pending == 0
+  else:  # the frozen rounds go on without the deleted memory
+    assert len(seen) == m.config.num_rounds and len(set(edited)) == len(edited)
+
+
+def test_feedback_on_a_retrieval_whose_session_a_delete_dropped_names_the_delete():
+  m, rng = _memory()
+  q = rng.normal(size=D)
+  r = m.retrieve(query_embedding=q, k=3, explore=True)
+  m.delete(r.ids[1])
+  for call in (lambda: m.feedback(r, [r.ids[0]]), lambda: m.feedback(r.retrieval_id, []),
+               lambda: m.discard(r), lambda: m.close(r)):
+    with pytest.raises(SessionDroppedError, match=rf"retrieval {r.retrieval_id} is no longer "
+                                                  r"open: its session was dropped because "
+                                                  rf"memory '{r.ids[1]}' among its candidates "
+                                                  r"was deleted \(Memory.delete\)"):
+      call()
+  r2 = m.retrieve(query_embedding=q, k=3, explore=True)
+  m.feedback(r2, [])
+  m.update(r2.ids[0], text="new text", embedding=rng.normal(size=D))
+  with pytest.raises(SessionDroppedError, match=rf"dropped because memory '{r2.ids[0]}' among its "
+                                                r"candidates was updated \(Memory.update\)"):
+    m.retrieve(continue_from=r2, k=3, explore=True)
+  assert issubclass(SessionDroppedError, ValueError)
+
+
+def test_an_evicted_session_says_it_was_evicted():
+  m, rng = _memory(max_sessions=1)
+  r = m.retrieve(query_embedding=rng.normal(size=D), k=2)
+  m.retrieve(query_embedding=rng.normal(size=D), k=2)
+  for call in (lambda: m.feedback(r, []), lambda: m.feedback(r.retrieval_id, [])):
+    with pytest.raises(SessionDroppedError, match=r"session was dropped because it was evicted "
+                                                  r".*max_sessions=1"):
+      call()
+
+
+@pytest.mark.slow
+def test_search_and_recall_succeed_while_another_thread_deletes():
+  m, rng = _memory(n=80, seed=3)
+  queries = rng.normal(size=(40, D))
+  errors, stop = [], threading.Event()
+
+  def deleter():
+    try:
+      for j, i in enumerate(list(m.ids)[:50]):
+        if j % 5 == 4:
+          m.update(i, text=f"updated {i}", embedding=rng.normal(size=D))
+        else:
+          m.delete(i)
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(("deleter", repr(e)))
+    finally:
+      stop.set()
+
+  critic = lambda key, view: np.where(np.arange(len(view.ids)) % 2, 1.0, -1.0).astype(np.float32)
+  t = threading.Thread(target=deleter)
+  t.start()
+  j = 0
+  while not stop.is_set() or j < 12:
+    q = queries[j % len(queries)]
+    try:
+      assert len(m.search(query_embedding=q, k=3)) == 3
+      out = m.recall("q", critic, k=3, query_embedding=q, learn=bool(j % 2))
+      assert all(not i.startswith("\x00") for i in out.ids) and not set(out.ids) & set(
+          out.dropped)
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append((j, repr(e)))
+    j += 1
+  t.join()
+  assert not errors, errors[:3]
+  assert len(m) == 80 - 40
