@@ -39,6 +39,7 @@ _BOUNDS = {
     "test_rounds": (1, True), "lr_schedule_steps": (1, True), "weight_decay": (0.0, True),
     "side_init": (0.0, True), "grad_clip_norm": (0.0, False), "tau": (0.0, False),
     "learning_rate": (0.0, True), "lambda_rep": (0.0, True), "alpha": (0.0, True),
+    "guard_z": (0.0, True), "guard_min_queries": (1, True), "guard_half_life": (0.0, True),
 }
 
 

@@ -11,6 +11,26 @@ started for the run. Replies are cached on disk (`--llm_cache_dir`): an interrup
   python -m experiments.critic_eval --subset=eval --num_slates=300 --num_gold_free=60
   python -m experiments.critic_eval --subset=pilot --num_slates=40 --num_gold_free=10 --prompt=cite_json
   python -m experiments.critic_eval --base_url=http://localhost:8000/v1 --model=qwen2.5-7b
+
+The answer-grounded critic (`--critic=answer`, issue 28; no LLM call: the gold answers play the
+agent's answers). `--subset=validation` scores its threshold grid on the slates of each seed's
+validation queries (the last 20 % of its training stream) and chooses; `--subset=test` measures
+the library's thresholds (`core.critic.ANSWER_DEFAULTS`) on the slates of each seed's test queries,
+beside the simulated critic's settings measured on the same slates:
+
+  python -m experiments.critic_eval --critic=answer --subset=validation --seeds=5
+  python -m experiments.critic_eval --critic=answer --subset=test --seeds=10
+
+`--answers=llm` (test only) measures the same thresholds with a weak agent's own answers instead
+of the gold ones (`ear_jax.experiment.agent_answers`: the local LLM answering each test question
+from the retriever's top-5, the QA suite's answer prompt), beside the gold-answer row on the same
+slates. The answers are read from `--answers_file` (default
+results/critic_eval/llm_answers_<benchmark>.json); `--generate_answers` makes them first (one LLM
+call per test question of the seeds, through the reply cache `--llm_cache_dir`):
+
+  python -m experiments.critic_eval --critic=answer --subset=test --seeds=1 --answers=llm \
+      --generate_answers
+  python -m experiments.critic_eval --critic=answer --subset=test --seeds=1 --answers=llm
 """
 import json
 import pathlib
@@ -35,8 +55,26 @@ from experiments import llm_flags
 _DATA = data_flags.define(["locomo", "longmemeval"], "Which benchmark (texts and gold evidence).")
 _LLM = llm_flags.define(max_tokens=96)
 _SEED = flags.DEFINE_integer("seed", 0, "Split and episode seed.")
-_SUBSET = flags.DEFINE_enum("subset", "eval", ["pilot", "eval"], "pilot: the first "
-                            "--pilot_queries training queries (prompt choice); eval: the rest.")
+_SUBSET = flags.DEFINE_enum("subset", "eval", ["pilot", "eval", "validation", "test"], "pilot: "
+                            "the first --pilot_queries training queries (prompt choice); eval: "
+                            "the rest; --critic=answer: validation (each seed's last 20 % of the "
+                            "training stream: the threshold choice) or test (each seed's test "
+                            "split).")
+_CRITIC = flags.DEFINE_enum("critic", "llm", ["llm", "answer"], "llm: the LLM critic; answer: the "
+                            "answer-grounded critic with the gold answers (no LLM).")
+_SEEDS = flags.DEFINE_integer("seeds", 5, "--critic=answer: seeds 0..N-1 (their splits and "
+                              "episodes), pooled.", lower_bound=1)
+_PER_SEED = flags.DEFINE_integer("queries_per_seed", None, "--critic=answer: only the first N "
+                                 "queries of each seed's split (the QA suite's subset rule; the "
+                                 "episode runs on them); default all.", lower_bound=1)
+_ANSWERS = flags.DEFINE_enum("answers", "gold", ["gold", "llm"], "--critic=answer: the agent's "
+                             "answers the critic reads: gold (a competent agent) or llm (the LLM's "
+                             "answers from --answers_file, beside the gold row; --subset=test).")
+_ANSWERS_FILE = flags.DEFINE_string("answers_file", None, "--answers=llm: the stored answers "
+                                    "(default results/critic_eval/llm_answers_<benchmark>.json).")
+_GENERATE = flags.DEFINE_bool("generate_answers", False, "--answers=llm: ask the LLM (--base_url, "
+                              "else the local server) for the answers the file lacks and write "
+                              "it first.")
 _PILOT = flags.DEFINE_integer("pilot_queries", 60, "Training queries reserved for the pilot.")
 _NUM = flags.DEFINE_integer("num_slates", 300, "Slates holding gold evidence to critique.")
 _NUM_FREE = flags.DEFINE_integer("num_gold_free", 60, "Gold-free slates to critique.")
@@ -97,8 +135,195 @@ def _slates(bench, config, hparams):
   return gold[:_NUM.value], free[:_NUM_FREE.value], len(rows)
 
 
+def _answer_row(name, m):
+  p, a = m["protocol"], m["all_slates"]
+  return (f"| {name} | {p['precision']:.3f} | {p['recall']:.3f} | {p['f1']:.3f} | "
+          f"{a['precision_all_slates']:.3f} | {a['recall']:.3f} | {p['gold_free_any_cited']:.3f} |")
+
+
+_ANSWER_HEADER = ("| critic | precision | recall | F1 | precision, every slate shown | recall, every "
+                  "slate shown | gold-free slates with a citation |\n|---|---|---|---|---|---|---|")
+
+
+def _llm_answer_bench(bench, needed):
+  """`(bench with the LLM's answer support, info)`: its answers to the queries `needed` read from
+  --answers_file (after asking the LLM for the missing ones with --generate_answers)."""
+  from ear_jax.data import answer_metrics  # pylint: disable=g-import-not-at-top
+  from ear_jax.data import answer_support  # pylint: disable=g-import-not-at-top
+  from ear_jax.experiment import agent_answers  # pylint: disable=g-import-not-at-top
+  path = pathlib.Path(_ANSWERS_FILE.value or f"results/critic_eval/llm_answers_{bench.name}.json")
+  if _GENERATE.value:
+    _generate_answers(bench, needed, path)
+  try:
+    answers = agent_answers.read_answers(path, bench, needed)
+    body = agent_answers.load_answers(path)
+  except (FileNotFoundError, ValueError) as e:
+    raise app.UsageError(str(e)) from None
+  status = {a["query_id"]: a.get("status", "ok") for a in body["answers"]}
+  f1 = [answer_metrics.answer_f1(bench.name, answers[n], bench.answers[n], bench.categories[n])
+        if answers[n] else 0.0 for n in needed]
+  info = {"file": str(path), "model": body.get("model", "the LLM"),
+          "memories_shown": body.get("memories_shown"), "questions": int(len(needed)),
+          "unusable": sum(status.get(bench.query_ids[n]) != "ok" for n in needed),
+          "answer_f1": answer_metrics.mean_percent(f1),
+          "source": {k: v for k, v in body.items() if k != "answers"}}
+  return answer_support.with_answer_support(bench, answers, encoder=_DATA.encoder.value,
+                                            cache_dir=_DATA.cache_dir.value), info
+
+
+def _generate_answers(bench, needed, path):
+  """Asks the LLM (the QA suite's answer request) for the answers of `needed` that `path` lacks,
+  and writes the file (entries for other queries kept)."""
+  from ear_jax.experiment import agent_answers  # pylint: disable=g-import-not-at-top
+  from ear_jax.experiment.suites import qa as qa_suite  # pylint: disable=g-import-not-at-top
+  kept = agent_answers.load_answers(path)["answers"] if path.is_file() else []
+  have = {a["query_id"]: a for a in kept
+          if a.get("status") == "ok" or a.get("status") == "empty"}
+  todo = [n for n in needed if bench.query_ids[n] not in have or
+          have[bench.query_ids[n]]["question"] != bench.query_texts[n]]
+  corpus = datasets.load_corpus(data_flags.benchmark_name(_DATA), data_dir=_DATA.data_dir.value,
+                                limit=_DATA.limit.value)
+  items = agent_answers.answer_items(bench, corpus, todo)
+  settings = qa_suite.QASettings(base_url=_LLM.base_url.value, model=_LLM.model.value,
+                                 cache_dir=_LLM.llm_cache_dir.value or None,
+                                 gguf=_LLM.model_path.value, timeout_s=_LLM.timeout_s.value,
+                                 port=None)
+  t0 = time.perf_counter()
+  with qa_suite.endpoints(settings, pathlib.Path("runs")) as (client, _, info):
+    fresh = agent_answers.generate_answers(client, items) if items else []
+    stats = dict(client.stats)
+  done = {a["query_id"] for a in fresh}
+  merged = [a for a in kept if a["query_id"] not in done] + fresh
+  calls = stats.get("calls", 0) - stats.get("cache_hits", 0)
+  logging.info("%d answers asked (%d fresh calls, %.1f s; %.2f s per fresh call)", len(fresh),
+               calls, time.perf_counter() - t0, stats.get("seconds", 0.0) / max(calls, 1))
+  model = info["answer_model"]
+  agent_answers.write_answers(path, bench.name, merged, {
+      "model": model, "local_server": not _LLM.base_url.value,
+      "memories_shown": agent_answers.ANSWER_MEMORIES,
+      "memories": "the frozen first stage's top-5 candidates (the QA suite's Only Retriever slate)",
+      "prompt": "ear_jax.agent.llm.qa_prompts.answer_messages (the QA suite's answer request)",
+      "max_tokens": agent_answers.qa_lib.ANSWER_MAX_TOKENS, "temperature": 0.0})
+
+
+def _answer_main():
+  """--critic=answer: the threshold choice (validation) or the measurement (test)."""
+  from ear_jax.core import critic as critic_lib  # pylint: disable=g-import-not-at-top
+  from ear_jax.data import answer_support  # pylint: disable=g-import-not-at-top
+  from ear_jax.experiment import runner  # pylint: disable=g-import-not-at-top
+  if _SUBSET.value not in ("validation", "test"):
+    raise app.UsageError("--critic=answer takes --subset=validation (the threshold choice) or "
+                         "--subset=test")
+  if _ANSWERS.value == "llm" and _SUBSET.value != "test":
+    raise app.UsageError("--answers=llm measures the chosen thresholds: it takes --subset=test")
+  if _SUBSET.value == "validation" and _DATA.benchmark.value == "longmemeval":
+    raise app.UsageError("--subset=validation chooses thresholds: LongMemEval_S is never tuned "
+                         "on; use --benchmark=locomo")
+  t0 = time.perf_counter()
+  bench = candidates.load_benchmark(data_flags.benchmark_name(_DATA), data_dir=_DATA.data_dir.value,
+                                    encoder=_DATA.encoder.value, k=_DATA.k.value,
+                                    limit=_DATA.limit.value, cache_dir=_DATA.cache_dir.value,
+                                    progress=False)
+  bench = answer_support.with_answer_support(bench, encoder=_DATA.encoder.value,
+                                             cache_dir=_DATA.cache_dir.value)
+  config = EARConfig(dim=bench.stream.dim, num_candidates=_DATA.k.value,
+                     slate_size=min(5, _DATA.k.value))
+  seeds = list(range(_SEEDS.value))
+  train, test = runner.seed_splits(bench.num_queries, seeds)
+  rows = runner.validation_split(train)[1] if _SUBSET.value == "validation" else test
+  if _PER_SEED.value:
+    rows = [np.asarray(r)[:_PER_SEED.value] for r in rows]
+  if _ANSWERS.value == "llm":  # read (or make) the answers first: a bad file fails at once
+    llm_bench, info = _llm_answer_bench(bench, np.unique(np.concatenate(
+        [np.asarray(r).reshape(-1) for r in rows])))
+  slates = [critic_eval.policy_slates(bench, rows[i], s, config, default_hparams())
+            for i, s in enumerate(seeds)]
+  logging.info("recorded the slates of %d seeds in %.1f s", len(seeds), time.perf_counter() - t0)
+  s = config.slate_size
+  result = {"benchmark": bench.name, "subset": _SUBSET.value, "seeds": seeds,
+            "queries_per_seed": _PER_SEED.value,
+            "slates": {"all": sum(len(x.records) for x in slates),
+                       "gold": sum(len(x.gold) for x in slates),
+                       "gold_free": sum(len(x.free) for x in slates)}}
+  lines = []
+  if _SUBSET.value == "validation":
+    settings = critic_eval.answer_grid()
+    stacked = critic_lib.stack_critics([critic_lib.make_answer_critic(**g) for g in settings])
+    metrics = critic_eval.critic_metrics(stacked, slates, s, stacked=True)
+    chosen = critic_eval.choose_answer_thresholds(settings, metrics)
+    defaults = dict(critic_lib.ANSWER_DEFAULTS)
+    holds = chosen is not None and chosen["setting"] == defaults
+    result.update(grid=[{"setting": g, "metrics": m} for g, m in zip(settings, metrics)],
+                  chosen=chosen, library_defaults=defaults, defaults_hold_choice=holds,
+                  rule=f"highest recall with precision >= {critic_eval.MIN_PRECISION}")
+    strict = critic_eval.choose_answer_thresholds(settings, metrics,
+                                                  precision=("all_slates", "precision_all_slates"))
+    result["chosen_if_every_slate_counted"] = strict
+    top = sorted(range(len(settings)), key=lambda i: (-metrics[i]["protocol"]["recall"],
+                                                      -metrics[i]["protocol"]["precision"]))
+    ok = [i for i in top if metrics[i]["protocol"]["precision"] >= critic_eval.MIN_PRECISION][:5]
+    alt = [] if strict is None else [strict["index"]]
+    lines += [f"Answer critic, threshold choice on {bench.name} validation ({len(seeds)} seeds, "
+              f"{result['slates']['gold']} gold + {result['slates']['gold_free']} gold-free "
+              f"protocol slates, {result['slates']['all']} slates shown); rule: {result['rule']}",
+              "", _ANSWER_HEADER]
+    for tag, idx in (("", ok), (" (the choice if precision counted every slate shown)", alt)):
+      for i in idx:
+        lines.append(_answer_row(f"{settings[i]}{tag}", metrics[i]))
+    lines += ["", f"chosen: {None if chosen is None else chosen['setting']}; library defaults "
+              f"{defaults} {'hold' if holds else 'DO NOT hold'} it."]
+  else:
+    answer = critic_lib.make_answer_critic()
+    gold_row = f"answer critic {dict(critic_lib.ANSWER_DEFAULTS)}, gold answers"
+    rows_m = {gold_row: critic_eval.critic_metrics(answer, slates, s)[0]}
+    agent = ""
+    if _ANSWERS.value == "llm":
+      llm_slates = [x._replace(part=llm_bench.take(np.asarray(rows[i])))
+                    for i, x in enumerate(slates)]
+      agent = f"{info['model']}'s answers (retriever top-{info['memories_shown']})"
+      rows_m[f"answer critic, {agent}"] = critic_eval.critic_metrics(answer, llm_slates, s)[0]
+      result["agent_answers"] = info
+    rows_m.update({
+        "simulated critic, the paper's p 0.88 / r 0.86":
+        critic_eval.critic_metrics(critic_lib.default_critic(), slates, s)[0],
+        "oracle (p = r = 1)": critic_eval.critic_metrics(critic_lib.OracleCritic(), slates, s)[0]})
+    result["critics"] = rows_m
+    first = rows_m[gold_row]["protocol"]
+    per = f", the first {_PER_SEED.value} test queries of each" if _PER_SEED.value else ""
+    lines += [f"Answer critic on {bench.name} test slates ({len(seeds)} seeds{per}, "
+              f"{result['slates']['gold']} gold + {result['slates']['gold_free']} gold-free "
+              f"protocol slates, {result['slates']['all']} slates shown), the same thresholds "
+              f"with the gold answers{' and ' + agent if agent else ''} as the agent's", "",
+              _ANSWER_HEADER]
+    lines += [_answer_row(k, m) for k, m in rows_m.items()]
+    lines += [f"| chance (cite at random) | {first['chance_precision']:.3f} | – | – | – | – | – |",
+              f"| cite each slate's first memory | {first['first_precision']:.3f} | "
+              f"{first['first_recall']:.3f} | – | – | – | – |"]
+    if bench.name == "locomo":
+      lines.append("| SmolLM2-135M as the critic, `judge_each_json` (RESULTS.md, issue 11: 300 + "
+                   "30 slates of seed 0's training split; not rerun) | 0.274 | 0.289 | – | – | – "
+                   "| 0.667 |")
+    if agent:
+      a = result["agent_answers"]
+      lines += ["", f"The agent's answers: {a['questions']} test questions, {a['unusable']} "
+                f"unusable (failed or empty: zero support, on which the critic cites the whole "
+                f"slate); their answer F1 "
+                f"against the gold answers {a['answer_f1']:.2f} % (read from {a['file']})."]
+  result["wall_seconds"] = round(time.perf_counter() - t0, 1)
+  out = pathlib.Path(_OUT.value or f"results/critic_eval/answer_{bench.name}_{_SUBSET.value}"
+                     f"{'_llm' if _ANSWERS.value == 'llm' else ''}.json")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=1, default=float))
+  print("\n".join(lines) + f"\n\nwrote {out} ({result['wall_seconds']} s)")
+
+
 def main(argv):
   del argv
+  if _CRITIC.value == "answer":
+    _answer_main()
+    return
+  if _SUBSET.value not in ("pilot", "eval"):
+    raise app.UsageError(f"--subset={_SUBSET.value} is for --critic=answer")
   if _RESCORE.value:
     _rescore(pathlib.Path(_RESCORE.value))
     return

@@ -1,13 +1,18 @@
-"""A scripted MCP agent over LoCoMo: does the memory server learn from an agent's citations?
+"""A scripted MCP agent over LoCoMo: does the memory server learn from an agent's feedback?
 
 Starts `python -m experiments.mcp_server` as a subprocess and talks to it with the `mcp` SDK's
 stdio client, as any agent would: `remember`s one LoCoMo conversation's turns, measures held-out
 Recall@5 through the adapter-only `search`, then answers the training questions with `recall` +
-`cite` (T rounds each, citing the gold turns it was shown: a perfect critic), and measures the
-held-out Recall@5 again.
+`cite` (T rounds each), and measures the held-out Recall@5 again. What `cite` sends
+(`--feedback`):
+
+* `cite`: the ids of the gold turns it was shown (`used_ids`: a perfect citing critic);
+* `answer`: only its answer (`answer=`, the question's LoCoMo gold answer, as a competent agent
+  would answer; no ids): the server labels the shown turns by the answer rule (issue 28). A
+  question without a gold answer gets no `cite` (an agent with nothing to say).
 
   python -m experiments.mcp_agent --locomo=../shared/data/locomo10.json --memory_dir=ear_mcp_run \\
-      --conversation=0 --num_test=40 --epochs=2
+      --conversation=0 --num_test=40 --epochs=2 --feedback=answer
 
 Prints the numbers and one JSON line (`RESULT {...}`).
 """
@@ -97,21 +102,35 @@ async def add_turns(session, bank, chunk: int = 256) -> dict:
   return to_mem
 
 
-async def train(session, queries, to_mem: dict, rounds: int, k: int = 5) -> int:
-  """Answers each question with `rounds` recall + cite rounds, citing the gold it was shown."""
-  cites = 0
+FEEDBACK = ("cite", "answer")
+
+
+async def train(session, queries, to_mem: dict, rounds: int, k: int = 5,
+                feedback: str = "cite") -> tuple[int, int]:
+  """Answers each question with `rounds` recall + cite rounds; `cite` sends the gold ids it was
+  shown (`feedback='cite'`) or the gold answer only (`'answer'`). Returns `(ids cited, answers
+  sent)`."""
+  if feedback not in FEEDBACK:
+    raise ValueError(f"feedback must be one of {FEEDBACK}, got {feedback!r}")
+  cites = answers = 0
   for q in queries:
     gold = {to_mem[g] for g in q.gold if g in to_mem}
+    answer = (q.answer or "").strip()
     for _ in range(rounds):
       out = await must(session, "recall", {"question": q.text, "k": k})
-      used = [m["id"] for m in out["memories"] if m["id"] in gold]
-      await must(session, "cite", {"retrieval_id": out["retrieval_id"], "used_ids": used})
-      cites += len(used)
-  return cites
+      if feedback == "cite":
+        used = [m["id"] for m in out["memories"] if m["id"] in gold]
+        await must(session, "cite", {"retrieval_id": out["retrieval_id"], "used_ids": used})
+        cites += len(used)
+      elif answer:
+        await must(session, "cite", {"retrieval_id": out["retrieval_id"], "answer": answer})
+        answers += 1
+  return cites, answers
 
 
 async def run(locomo, memory_dir, *, conversation: int = 0, num_test: int = 40, epochs: int = 2,
-              num_train: Optional[int] = None, server_args=(), seed: int = 0) -> dict:
+              num_train: Optional[int] = None, server_args=(), seed: int = 0,
+              feedback: str = "cite") -> dict:
   """The scripted agent (see the module docstring); returns the before / after numbers."""
   from mcp import ClientSession  # pylint: disable=g-import-not-at-top
   from mcp.client.stdio import stdio_client  # pylint: disable=g-import-not-at-top
@@ -124,14 +143,16 @@ async def run(locomo, memory_dir, *, conversation: int = 0, num_test: int = 40, 
       to_mem = await add_turns(session, bank)
       rounds = (await must(session, "stats", {}))["rounds_per_question"]
       before = await recall_at(session, test_qs, to_mem)
+      cites = answers = 0
       for _ in range(epochs):
-        await train(session, train_qs, to_mem, rounds)
+        c, a = await train(session, train_qs, to_mem, rounds, feedback=feedback)
+        cites, answers = cites + c, answers + a
       after = await recall_at(session, test_qs, to_mem)
       stats = await must(session, "stats", {})
   return {"memories": len(to_mem), "train_questions": len(train_qs),
           "test_questions": len(test_qs), "epochs": epochs, "rounds": rounds,
-          "before": before, "after": after,
-          "learner_steps": stats["learner_steps"]}
+          "before": before, "after": after, "feedback": feedback, "cites": cites,
+          "answers": answers, "learner_steps": stats["learner_steps"]}
 
 
 def main(argv):
@@ -139,14 +160,14 @@ def main(argv):
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
   out = asyncio.run(run(f.locomo, f.memory_dir, conversation=f.conversation, num_test=f.num_test,
-                        epochs=f.epochs, seed=f.seed,
+                        epochs=f.epochs, seed=f.seed, feedback=f.feedback,
                         server_args=[f"--method={f.method}", f"--candidates={f.candidates}"]
                         + ([f"--cache_dir={f.cache_dir}"] if f.cache_dir else [])))
   b, a = out["before"], out["after"]
   print(f"held-out Recall@5 through search: {100 * b['recall']:.2f} -> {100 * a['recall']:.2f}; "
         f"gold fraction {100 * b['gold_fraction']:.2f} -> {100 * a['gold_fraction']:.2f}; "
         f"Hitrate@5 {100 * b['hitrate']:.2f} -> {100 * a['hitrate']:.2f} "
-        f"({out['test_questions']} questions; "
+        f"({out['test_questions']} questions; feedback={out['feedback']}; "
         f"{out['train_questions']} training questions x {out['epochs']} epochs x "
         f"{out['rounds']} rounds; {out['learner_steps']} learner steps)")
   print("RESULT " + json.dumps(out))
@@ -161,6 +182,8 @@ if __name__ == "__main__":
   flags.DEFINE_integer("num_test", 40, "Held-out questions.")
   flags.DEFINE_integer("epochs", 2, "Passes over the training questions.")
   flags.DEFINE_integer("seed", 0, "Question shuffle seed.")
+  flags.DEFINE_enum("feedback", "cite", ["cite", "answer"],
+                    "What cite sends: the gold ids shown (cite) or only the gold answer (answer).")
   flags.DEFINE_string("method", "ear_tuned", "--method of the server.")
   flags.DEFINE_string("candidates", "dense", "--candidates of the server.")
   flags.DEFINE_string("cache_dir", None, "--cache_dir of the server (embedding cache).")

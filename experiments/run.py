@@ -5,6 +5,9 @@
   python -m experiments.run --benchmark=synthetic --method=ear --seeds=2 --eval_every=32
   python -m experiments.run --flagfile=my.flags --resume            # continue an interrupted run
   python -m experiments.run --benchmark=locomo --suite=qa --qa_limit=15   # F1 / BLEU-1 / J (local LLM)
+  python -m experiments.run --benchmark=locomo --suite=answer_critic  # EAR taught by the answers
+  python -m experiments.run --benchmark=locomo --suite=guard_tune --candidates=hybrid --seeds=5
+  python -m experiments.run --benchmark=locomo --suite=guard --seeds=10  # ear_safe vs paging
 
 Writes into --workdir: results.json (config, versions, per-seed and mean ± std Recall@5/Hitrate@5
 in both inference modes, per category, the Recall@K ceiling, wall time), tables.md and
@@ -33,7 +36,10 @@ from experiments import dist_flags
 
 SUITES = ("main", "ablation", "hparams", "curves", "noise", "multistore", "qa", "all",
           "tune", "beyond",  # tune / beyond: validation tuning, ear_tuned vs ear
-          "first_stage_tune", "first_stage")  # EAR over dense / BM25 / hybrid
+          "first_stage_tune", "first_stage",  # EAR over dense / BM25 / hybrid
+          "answer_critic",  # EAR trained by the answer-grounded critic (issue 28)
+          "guard_tune",  # the guard on LoCoMo validation (issue 27)
+          "guard")  # ear_safe vs the frozen first stage and paging, test split (issue 27)
 
 _DATA = data_flags.define(["locomo", "longmemeval", "jsonl", "synthetic"])
 _FIRST_STAGE = first_stage_flags.define()  # --candidates=dense|bm25|hybrid
@@ -93,6 +99,10 @@ _QA_FLAGS = {
 # flag each, generated from the dataclasses (None = the method's value; `experiments.config_flags`).
 _CONFIG_FLAGS = config_flags.define_config_flags()
 _HPARAM_FLAGS = config_flags.define_hparam_flags()
+_CRITIC = flags.DEFINE_enum("critic", "simulated", ["simulated", "answer"], "The critic of every "
+                            "trained run: simulated (Appendix A.2, --critic_precision / "
+                            "--critic_recall) or answer (the answer-grounded critic with the "
+                            "benchmark's gold answers as the agent's answers; issue 28).")
 # The simulated critic's parameters (Appendix A.2; None = the paper's, defined in core.critic).
 _CRITIC_FLAGS = {
     "precision": flags.DEFINE_float(
@@ -119,6 +129,9 @@ def build_options():
   if _SUITE.value in ("tune", "first_stage_tune") and bench == "longmemeval":
     raise app.UsageError(f"--suite={_SUITE.value}: LongMemEval_S is the held-out transfer benchmark and is "
                          "never tuned on; use --benchmark=locomo (--suite=beyond reports it)")
+  if _CRITIC.value == "answer" and bench == "synthetic":
+    raise app.UsageError("--critic=answer needs the agent's answers: the synthetic benchmark has "
+                         "none (use --benchmark=locomo / longmemeval / jsonl)")
   if bench == "jsonl":
     data_flags.benchmark_name(_DATA)  # UsageError: missing --jsonl, a directory, no such file
   elif bench in ("locomo", "longmemeval"):
@@ -169,7 +182,7 @@ def build_options():
       checkpoint_every=_CHECKPOINT_EVERY.value or None, resume=_RESUME.value,
       eval_every=_EVAL_EVERY.value, stop_after_chunks=_STOP_AFTER.value,
       progress=_PROGRESS.value, config_overrides=config_over, hparam_overrides=hparam_over,
-      critic_overrides=critic_over,
+      critic_overrides=critic_over, critic=_CRITIC.value,
       synthetic_queries=_SYN_QUERIES.value, synthetic_dim=_SYN_DIM.value, noise_levels=levels,
       qa=_qa_settings(),
       command=" ".join(shlex.quote(a) for a in ["python", "-m", "experiments.run"] + sys.argv[1:]))

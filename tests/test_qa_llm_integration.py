@@ -7,17 +7,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.real_llm]  # real_llm: conftest.py
 
 
 def test_local_llm_answers_judges_and_critiques_three_locomo_questions(data_dir, tmp_path,
-                                                                       monkeypatch):
-  pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed: pip install -r "
-                                          "requirements-llm.txt (see README) to run this test")
-  from ear_jax.agent.llm import qa, server as llm_server
+                                                                       monkeypatch, local_llm):
+  llm_server = local_llm
+  from ear_jax.agent.llm import qa
   from ear_jax.agent.llm.client import ChatClient, ChatClientConfig, STATUSES
   from ear_jax.agent.llm.critic import LLMCritic, LLMCriticConfig
   from ear_jax.data import corpora
-  try:
-    llm_server.default_gguf_path()
-  except llm_server.LlamaServerError as e:
-    pytest.skip(str(e))
   if not (data_dir / "locomo10.json").is_file():
     pytest.skip("locomo10.json not found")
   monkeypatch.setenv("NO_PROXY", "127.0.0.1")

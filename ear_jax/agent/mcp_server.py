@@ -8,9 +8,11 @@ An MCP client (a desktop or IDE assistant, an agent framework) calls six tools:
   round over the memories of `scope` (every scope when absent); asking the same question again in
   the same scope (after `cite`) plays the next round of the same session, so a question's `T`
   rounds are one training query (Eq. (11)-(14)), as `Memory` defines;
-* `cite(retrieval_id, used_ids)` -> that round's feedback: the memories the answer used are +1, the
-  others shown -1 (the agent's LLM is the critic); the description asks the model to call it after
-  every answer;
+* `cite(retrieval_id, used_ids?, answer?)` -> that round's feedback: the memories the answer used
+  are +1, the others shown -1. The agent's LLM is the critic: it names the ids it used, or just
+  sends its answer, whose used memories the answer rule finds (`Memory.feedback(answer=...)`,
+  issue 28: no citation and no extra LLM call), or both (their union); the descriptions ask the
+  model to call it with its answer after every answer;
 * `search(question, k, scope?)` -> the adapter-only top-k (no exploration, no learning);
 * `forget(ids)` -> `Memory.delete` (gone from results, sessions, the replay buffer, the next
   checkpoint's bytes);
@@ -49,25 +51,27 @@ MAX_SCOPES = 64  # scope names per query
 INSTRUCTIONS = (
     "A long-term memory that learns which memories help you. Store facts with `remember`. Before "
     "answering a question that may depend on earlier conversations, call `recall` with the "
-    "question; answer from the memories it returns, then ALWAYS call `cite` with the retrieval_id "
-    "and the ids of the memories your answer actually used (an empty list when none helped): your "
-    "citations train the retrieval. If the memories were not enough, call `recall` again with the "
-    "SAME question (after `cite`) to see a different selection. `search` looks up memories "
-    "without learning; `forget` deletes memories permanently.")
+    "question; answer from the memories it returns, then ALWAYS call `cite(retrieval_id, "
+    "answer=<your answer>)` with your answer as you gave it (and, if you know them, used_ids= the "
+    "ids of the memories your answer used): the memory learns from your answer which memories "
+    "helped. If the memories were not enough, call `recall` again with the SAME question (after "
+    "`cite`) to see a different selection. `search` looks up memories without learning; `forget` "
+    "deletes memories permanently.")
 
 
 class ToolInputError(ValueError):
   """Bad tool input: reported to the client as a tool error with this message."""
 
 
-def _check_str(value, name: str, max_chars: int = MAX_TEXT_CHARS) -> str:
+def _check_str(value, name: str, max_chars: int = MAX_TEXT_CHARS,
+               hint: str = "split it into smaller memories") -> str:
   if not isinstance(value, str):
     raise ToolInputError(f"{name} must be a string, got {type(value).__name__}")
   if not value.strip():
     raise ToolInputError(f"{name} is empty")
   if len(value) > max_chars:
     raise ToolInputError(f"{name} has {len(value)} characters, more than the limit of {max_chars}; "
-                         "split it into smaller memories")
+                         f"{hint}")
   return value
 
 
@@ -299,13 +303,27 @@ class MemoryService:
     T = self.memory.config.num_rounds
     return {"retrieval_id": self._rid(r), "round": r.round, "rounds_per_question": T,
             "memories": self._slate(r),
-            "next": "answer from these memories, then call cite(retrieval_id, used_ids)"}
+            "next": "answer from these memories, then call cite(retrieval_id, answer=<your "
+                    "answer>) (and used_ids=<the ids you used>, if you know them)"}
 
-  def cite(self, retrieval_id, used_ids) -> dict:
-    used = _check_list(used_ids, "used_ids", MAX_IDS, allow_empty=True)
+  def cite(self, retrieval_id, used_ids=None, answer=None) -> dict:
+    """A round's feedback: `used_ids` (the memories the answer used), `answer` (the agent's
+    answer: the memories it draws on by the answer rule), or both (their union;
+    `Memory.feedback`); neither is a tool error."""
+    if used_ids is None and answer is None:
+      raise ToolInputError("cite needs used_ids or answer (or both): the ids of the recalled "
+                           "memories your answer used, or your answer itself")
+    used = [] if used_ids is None else _check_list(used_ids, "used_ids", MAX_IDS,
+                                                   allow_empty=True)
+    if answer is not None:
+      answer = _check_str(answer, "answer", hint="send the answer as given, shortened")
     r = self._resolve(retrieval_id)
     try:
-      trained = self.memory.feedback(r, used)
+      if answer is None:
+        trained = self.memory.feedback(r, used)
+      else:
+        with self._encode_lock:  # (the answer is embedded)
+          trained = self.memory.feedback(r, used, answer=answer)
     except ValueError as e:
       raise ToolInputError(str(e)) from None
     self._changed()
@@ -336,7 +354,9 @@ class MemoryService:
     return {"memories": len(m), "candidates": m.candidates,
             "num_candidates": m.config.num_candidates, "rounds_per_question": m.config.num_rounds,
             "learner_steps": int(st.get("learner_steps", 0)),
-            "feedback": int(st.get("feedback", 0)), "retrievals": int(st.get("retrievals", 0)),
+            "feedback": int(st.get("feedback", 0)),
+            "answer_feedback": int(st.get("answer_feedback", 0)),
+            "retrievals": int(st.get("retrievals", 0)),
             "memories_deleted": int(st.get("memories_deleted", 0)),
             "pending_sessions": m.num_pending, "unsaved_changes": self.changes,
             "saves": self.saves}
@@ -472,10 +492,12 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
 
   @mcp.tool(description=(
       "Retrieve memories relevant to a question BEFORE answering it. Returns a retrieval_id and "
-      "memories (id, text, date). After answering you MUST call `cite` with this retrieval_id and the "
-      "ids of the memories you used: that is how the memory learns what is useful. If these "
-      "memories were not enough, cite them (possibly with an empty list) and call `recall` again "
-      "with exactly the same question to get another selection (a few rounds per question)."))
+      "memories (id, text, date). After answering you MUST call `cite(retrieval_id, "
+      "answer=<your answer>)` with this retrieval_id and your answer (and used_ids, the ids of the "
+      "memories you used, if you know them): that is how the memory learns what is useful. If "
+      "these memories were not enough, call `cite` all the same (your best answer, or "
+      "used_ids=[]) and call `recall` again with exactly the same question to get another "
+      "selection (a few rounds per question)."))
   async def recall(question: Annotated[StrictStr, Field(
       description="The question you need to answer, in natural language.")],
                    k: Annotated[StrictInt, Field(description=f"How many memories (1-{kmax}).",
@@ -486,14 +508,19 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
     return await _run(service, service.recall, question, k, scope)
 
   @mcp.tool(description=(
-      "Call this after answering from a `recall` result: report which of the recalled memories "
-      "your answer actually used (their ids; an empty list if none helped). The memory learns "
-      "from these citations; call it once per retrieval_id."))
+      "Call this after answering from a `recall` result, once per retrieval_id: send your answer "
+      "(`answer`, the text you answered with; the memory finds which recalled memories it drew "
+      "on) and/or the ids of the recalled memories your answer used (`used_ids`; an empty list "
+      "if none helped). The memory learns from it which memories help."))
   async def cite(retrieval_id: Annotated[StrictStr, Field(
       description="The retrieval_id returned by recall.")],
-                 used_ids: Annotated[list[StrictStr], Field(
-                     description="Ids of the recalled memories the answer used.")]) -> dict:
-    return await _run(service, service.cite, retrieval_id, used_ids)
+                 used_ids: Annotated[Optional[list[StrictStr]], Field(
+                     description="Ids of the recalled memories the answer used (optional when "
+                                 "you send the answer).")] = None,
+                 answer: Annotated[Optional[StrictStr], Field(
+                     description=f"Your answer to the recalled question, as you gave it (at most "
+                                 f"{MAX_TEXT_CHARS} characters).")] = None) -> dict:
+    return await _run(service, service.cite, retrieval_id, used_ids, answer)
 
   @mcp.tool(description=(
       "Look up memories for a query without learning (no citation needed): the memory's current "

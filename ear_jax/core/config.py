@@ -68,10 +68,14 @@ METHODS = {
     "ear_tuned": dict(train_slate="explorer", use_replay=True, replay_strategy="random",
                       replay_size=8, final_slate="exploit", test_rounds=4, side_init=0.05),
 }
+# `ear_safe`: `ear_tuned` with the guard (`ear_jax.core.guard`): at test time the learned ranking
+# is served only when the training feedback shows it beats the first stage's.
+METHODS["ear_safe"] = dict(METHODS["ear_tuned"], guard=True)
 # Hyperparameters of a method where they differ from the paper's (`hparams_for_method`).
 METHOD_HPARAMS = {
     "ear_tuned": dict(learning_rate=1e-4, baseline=0.0, tau=0.25),
 }
+METHOD_HPARAMS["ear_safe"] = METHOD_HPARAMS["ear_tuned"]
 
 
 def _check_choice(name, value, choices):
@@ -157,6 +161,14 @@ class EARConfig:
     side_init: the initial weight of feature 0 (the first stage's score); with the weight of
       feature 1 at -1 the initial `z` is `side_init * f_0`, so before any feedback the adapter-only
       slate is the first stage's own top-s.
+    guard: keep prequential evidence of whether the adapted ranking beats the first stage's on
+      the critic's citations (`LearnerState.guard`, `ear_jax.core.guard`) and serve the first
+      stage's ranking at test time unless it does (False = off, the paper: no guard state).
+    guard_z: the guard's confidence: the adapted ranking is served when mean(d) - guard_z * se > 0.
+    guard_min_queries: the guard serves the first stage until this many training queries with a
+      cited item have been seen.
+    guard_half_life: the evidence of a query halves in weight after this many later evidence
+      queries (tracks the current adapter); 0 = every query weighs the same.
   """
   dim: int = 384
   num_candidates: int = 20
@@ -184,6 +196,11 @@ class EARConfig:
   # First-stage scores as side information (Appendix B.6). 0 = off (the paper).
   side_features: int = 0
   side_init: float = 0.5  # chosen for `ear` by `--suite=first_stage_tune` (LoCoMo validation)
+  # The guard (beyond the paper, `ear_jax.core.guard`). False = off (the paper).
+  guard: bool = False
+  guard_z: float = 0.5  # z and the half-life: chosen by `--suite=guard_tune` (LoCoMo validation)
+  guard_min_queries: int = 50
+  guard_half_life: float = 250.0
 
   def __post_init__(self):
     # Strategies stay names (resolved where used); `None` is the name 'none', and a registered
@@ -241,6 +258,15 @@ class EARConfig:
     if isinstance(self.side_init, bool) or not isinstance(self.side_init, (int, float)) or not (
         self.side_init >= 0):
       raise ValueError(f"side_init must be a float >= 0, got {self.side_init!r}")
+    if not isinstance(self.guard, bool):
+      raise ValueError(f"guard must be a bool, got {self.guard!r}")
+    for name in ("guard_z", "guard_half_life"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name} must be a float >= 0, got {value!r}")
+    if isinstance(self.guard_min_queries, bool) or not isinstance(
+        self.guard_min_queries, int) or self.guard_min_queries < 1:
+      raise ValueError(f"guard_min_queries must be an int >= 1, got {self.guard_min_queries!r}")
 
   @property
   def trains(self) -> bool:
@@ -279,7 +305,7 @@ class EARConfig:
 
     Args:
       method: one of `METHODS`: 'retriever', 'rl_update', 'ear', 'ear_no_replay', 'ear_no_explorer',
-        'ear_tuned'.
+        'ear_tuned', 'ear_safe'.
       **overrides: any `EARConfig` field.
 
     Raises:
@@ -297,7 +323,8 @@ class EARConfig:
 _OPTIONAL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EARConfig)
                       if f.name in ("label_weights", "final_slate", "test_rounds", "lr_schedule",
                                     "lr_schedule_steps", "weight_decay", "side_features",
-                                    "side_init")}
+                                    "side_init", "guard", "guard_z", "guard_min_queries",
+                                    "guard_half_life")}
 
 
 @flax.struct.dataclass

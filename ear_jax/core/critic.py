@@ -31,9 +31,23 @@ from ear_jax.core.types import Critic, SlateView  # pylint: disable=unused-impor
 DEFAULT_PRECISION = 0.88
 DEFAULT_RECALL = 0.86
 
+# The answer-support features of a candidate, in column order (`Stream.answer_support`, computed by
+# `ear_jax.data.answer_support`): the answer's content words not in the question that the memory
+# holds (a count), their share of the answer's new content words, the cosine of the answer's
+# embedding with the memory's, and the cosine of "question answer" with the memory's.
+ANSWER_FEATURES = ("new_words", "new_word_share", "answer_cosine", "question_answer_cosine")
+# The answer critic's thresholds, chosen on LoCoMo validation (`experiments.critic_eval
+# --critic=answer --subset=validation`; BUILD_NOTES "The answer-grounded critic").
+# The slate's best-supported memory is always cited (best_min_cosine = -inf, so min_overlap does
+# not matter), any memory holding >= 75 % of the answer's new words, or whose "question answer"
+# cosine is >= 0.75.
+ANSWER_DEFAULTS = {"min_overlap": 1.0, "best_min_cosine": -float("inf"), "min_share": 0.75,
+                   "min_cosine": 0.75}
+
 
 def slate_view(query: jax.Array, candidates: jax.Array, gold: Optional[jax.Array],
-               slate: jax.Array, slate_mask: jax.Array) -> SlateView:
+               slate: jax.Array, slate_mask: jax.Array,
+               answer_support: Optional[jax.Array] = None) -> SlateView:
   """The `SlateView` of a slate of one query's K candidates.
 
   Args:
@@ -42,11 +56,16 @@ def slate_view(query: jax.Array, candidates: jax.Array, gold: Optional[jax.Array
     gold: `[K]` bool gold flags, or None when unknown (all False).
     slate: `[s]` int32 candidate positions (-1 = empty).
     slate_mask: `[s]` bool.
+    answer_support: optional `[K, A]` answer-support features (`Stream.answer_support`); None:
+      the view's `answer_support` is None.
   """
   gold_s = (jnp.zeros(slate.shape, bool) if gold is None else
             gather_slate(gold, slate, slate_mask, False))
+  support = (None if answer_support is None else
+             gather_slate(answer_support, slate, slate_mask, 0.0))
   return SlateView(query=query, slate=slate, slate_mask=slate_mask,
-                   memories=gather_slate(candidates, slate, slate_mask, 0.0), gold=gold_s)
+                   memories=gather_slate(candidates, slate, slate_mask, 0.0), gold=gold_s,
+                   answer_support=support)
 
 
 def false_positive_rate(num_gold: jax.Array, num_other: jax.Array, precision: jax.Array,
@@ -119,6 +138,83 @@ class OracleCritic:
     return oracle_critic(key, view.gold, view.slate_mask)
 
 
+def answer_critic(support: jax.Array, slate_mask: jax.Array, min_overlap: jax.Array,
+                  best_min_cosine: jax.Array, min_share: jax.Array,
+                  min_cosine: jax.Array) -> jax.Array:
+  """Labels the shown memories the agent's answer draws on (issue 28; no LLM call, no key).
+
+  The slate's best-supported memory (most new answer words, ties broken by the question-answer
+  cosine; several only on an exact tie) is cited when it holds at least `min_overlap` of the
+  answer's new content words or its question-answer cosine reaches `best_min_cosine`; any memory
+  is cited when it holds at least one new word and a share `>= min_share` of them, or when its
+  question-answer cosine reaches `min_cosine`. A threshold of `inf` switches its branch off.
+  Cited -> +1, else -1 (-1 at empty positions).
+
+  Args:
+    support: `[s, A]` answer-support features of the slate (`ANSWER_FEATURES` order).
+    slate_mask: `[s]` bool, positions holding a memory.
+    min_overlap: `[]` new words the slate's best memory needs.
+    best_min_cosine: `[]` question-answer cosine that suffices for the slate's best memory.
+    min_share: `[]` share of the new words that any memory needs (with at least one).
+    min_cosine: `[]` question-answer cosine that suffices for any memory.
+
+  Returns:
+    `[s]` float32 labels in {-1, +1}.
+  """
+  chex.assert_rank([support, slate_mask], [2, 1])
+  new_words = support[:, ANSWER_FEATURES.index("new_words")]
+  share = support[:, ANSWER_FEATURES.index("new_word_share")]
+  qa_cos = support[:, ANSWER_FEATURES.index("question_answer_cosine")]
+  low = jnp.float32(-jnp.inf)
+  most = jnp.max(jnp.where(slate_mask, new_words, low))
+  tied = slate_mask & (new_words == most)
+  best = tied & (qa_cos == jnp.max(jnp.where(tied, qa_cos, low)))
+  cited = ((best & ((new_words >= min_overlap) | (qa_cos >= best_min_cosine)))
+           | ((new_words >= 1.0) & (share >= min_share)) | (qa_cos >= min_cosine))
+  return jnp.where(cited & slate_mask, 1.0, -1.0).astype(jnp.float32)
+
+
+@flax.struct.dataclass
+class AnswerCritic:
+  """The answer-grounded critic (`answer_critic`) as a critic pytree: its thresholds are leaves,
+  so a threshold sweep is a `vmap`. It reads `view.answer_support` (a stream built with
+  `ear_jax.data.answer_support.with_answer_support`); the key is unused.
+
+  Build it with `make_answer_critic` (the thresholds chosen on LoCoMo validation by default).
+  """
+  min_overlap: jax.Array  # [] float32
+  best_min_cosine: jax.Array  # [] float32
+  min_share: jax.Array  # [] float32
+  min_cosine: jax.Array  # [] float32
+
+  def __call__(self, key: jax.Array, view: SlateView) -> jax.Array:
+    del key
+    if view.answer_support is None:
+      raise ValueError("AnswerCritic needs the answer's support of each shown memory: build the "
+                       "stream with ear_jax.data.answer_support.with_answer_support (the view's "
+                       "answer_support is None)")
+    return answer_critic(view.answer_support, view.slate_mask, self.min_overlap,
+                         self.best_min_cosine, self.min_share, self.min_cosine)
+
+
+def make_answer_critic(min_overlap=None, best_min_cosine=None, min_share=None,
+                       min_cosine=None) -> AnswerCritic:
+  """An `AnswerCritic` (scalars, or arrays for a sweep); None = the default of `ANSWER_DEFAULTS`.
+
+  Raises:
+    ValueError: for a NaN threshold or a negative `min_overlap` / `min_share`.
+  """
+  given = {"min_overlap": min_overlap, "best_min_cosine": best_min_cosine,
+           "min_share": min_share, "min_cosine": min_cosine}
+  values = {k: ANSWER_DEFAULTS[k] if v is None else v for k, v in given.items()}
+  for name, value in values.items():
+    v = np.asarray(value, np.float64)
+    if np.any(np.isnan(v)) or (name in ("min_overlap", "min_share") and np.any(v < 0)):
+      raise ValueError(f"answer critic {name} must be a number (>= 0 for counts and shares; inf "
+                       f"switches its branch off), got {value!r}")
+  return AnswerCritic(**{k: jnp.asarray(v, jnp.float32) for k, v in values.items()})
+
+
 def make_simulated_critic(precision=DEFAULT_PRECISION, recall=DEFAULT_RECALL) -> SimulatedCritic:
   """A `SimulatedCritic` (scalars, or arrays for a sweep), both values checked to be in (0, 1]."""
   for name, value in (("precision", precision), ("recall", recall)):
@@ -149,4 +245,5 @@ def stack_critics(critics) -> Any:
 CRITICS = {
     "simulated": make_simulated_critic,
     "oracle": OracleCritic,
+    "answer": make_answer_critic,
 }

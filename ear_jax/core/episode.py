@@ -125,4 +125,9 @@ def validate_stream(stream: Stream, config: EARConfig) -> None:
           f"side_features={config.side_features}")
   if n == 0:
     raise ValueError("the stream holds no queries")
+  if stream.answer_support is not None and (
+      tuple(stream.answer_support.shape[:2]) != (n, config.num_candidates)
+      or len(stream.answer_support.shape) != 3):
+    raise ValueError(f"stream.answer_support has shape {tuple(stream.answer_support.shape)}, "
+                     f"expected ({n}, {config.num_candidates}, A)")
 

@@ -4,7 +4,16 @@ Symbols: `M` test queries, `K` candidates, `s` slate size, `T` Explorer rounds.
 
 Adapter-only inference takes the top-s of the adapted logits `z`; explorer-assisted inference runs
 T Explorer rounds with the critic (`EARConfig.eval_rounds`) and returns round T's slate (the paper)
-or, with `final_slate='exploit'`, the top-s by bandit mean.
+or, with `final_slate='exploit'`, the top-s by bandit mean. With the guard (`EARConfig.guard`)
+the parameters served at test time are `served_params(state, config)`: the adapter's when the
+guard's evidence says its ranking beats the first stage's, else the untrained adapter's (the first
+stage's ranking).
+
+Paging (beyond the paper, issue 27) is explorer-assisted inference's baseline with the same critic
+and the same T calls of s memories: the critic reads the ranking's top `T s` in T pages of s and the
+answer puts the cited memories first (`retrieval.paging_slate`). `evaluate` scores it over two
+rankings: the first stage's (`guard.first_stage_params`, the untrained adapter) and the one served
+(`params`).
 """
 from __future__ import annotations
 
@@ -17,11 +26,28 @@ from typing import Optional
 from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import explorer as explorer_lib
+from ear_jax.core import guard as guard_lib
 from ear_jax.core import metrics
 from ear_jax.core import retrieval
 from ear_jax.core.config import EARConfig, HParams
 from ear_jax.core.critic import Critic
 from ear_jax.core.stream import Stream
+
+
+def served_params(state, config: EARConfig, z=None) -> adapter_lib.AdapterParams:
+  """The adapter parameters a learner serves at test time (every test-time caller: `evaluate`,
+  `retrieval.slate_from_candidates`, the Explorer at test).
+
+  Without the guard (`state.guard is None`) `state.params`; with it, `state.params` when
+  `guard.serve_adapted(state.guard, config, z)`, else `guard.first_stage_params(config)` (whose
+  top-s is the first stage's). A `jnp.where` on a scalar: jit / vmap over seeds as they are.
+
+  Args:
+    state: a `learner.LearnerState` (anything with `params` and `guard`).
+    config: the learner's static config (`guard_z`, `guard_min_queries`, `side_init`).
+    z: optional confidence overriding `config.guard_z` (float or traced scalar).
+  """
+  return guard_lib.served_params(state.params, state.guard, config, z)
 
 
 def adapter_only_slate(params: adapter_lib.AdapterParams, query: jax.Array,
@@ -56,8 +82,9 @@ def final_slate(out: explorer_lib.ExplorerOutput, relevance: jax.Array, where: j
 
 
 class EvalResult(NamedTuple):
-  """Per-query test results in both inference modes (`[M]` fields, named by what they hold), and
-  their means over queries with gold (`[]` fields, named by the metric: `recall_*`, `hitrate_*`)."""
+  """Per-query test results in every test-time mode (`[M]` fields, named by what they hold), and
+  their means over queries with gold (`[]` fields, named by the metric: `recall_*`, `hitrate_*`).
+  The paging fields come last, so the paper's fields keep their positions."""
   adapter_slates: jax.Array  # [M, s] int32
   adapter_all_gold: jax.Array  # [M] bool, every gold memory in the adapter-only slate (Recall@s)
   adapter_any_gold: jax.Array  # [M] bool, some gold memory in it (Hitrate@s)
@@ -68,48 +95,91 @@ class EvalResult(NamedTuple):
   hitrate_adapter: jax.Array  # [] Hitrate@s, adapter-only
   recall_explorer: jax.Array  # [] Recall@s, explorer-assisted
   hitrate_explorer: jax.Array  # [] Hitrate@s, explorer-assisted
+  # Paging (`retrieval.paging_slate`, T = `config.eval_rounds` pages of s) over the first stage's
+  # ranking and over the served one (`params`): the same critic, keys and number of calls as the
+  # Explorer's.
+  paging_first_stage_slates: jax.Array  # [M, s] int32
+  paging_first_stage_all_gold: jax.Array  # [M] bool
+  paging_first_stage_any_gold: jax.Array  # [M] bool
+  paging_adapted_slates: jax.Array  # [M, s] int32
+  paging_adapted_all_gold: jax.Array  # [M] bool
+  paging_adapted_any_gold: jax.Array  # [M] bool
+  recall_paging_first_stage: jax.Array  # [] Recall@s, paging over the first stage's ranking
+  hitrate_paging_first_stage: jax.Array  # [] Hitrate@s, paging over the first stage's ranking
+  recall_paging_adapted: jax.Array  # [] Recall@s, paging over the served ranking
+  hitrate_paging_adapted: jax.Array  # [] Hitrate@s, paging over the served ranking
 
 
 def evaluate(key: jax.Array, params: adapter_lib.AdapterParams, stream: Stream,
-             config: EARConfig, hparams: HParams, critic: Optional[Critic] = None) -> EvalResult:
-  """Scores a test stream in one vmapped call, in both inference modes (adapter frozen).
+             config: EARConfig, hparams: HParams, critic: Optional[Critic] = None,
+             first_stage: Optional[adapter_lib.AdapterParams] = None) -> EvalResult:
+  """Scores a test stream in one vmapped call, in every test-time mode (adapter frozen).
+
+  Adapter-only, explorer-assisted (T = `config.eval_rounds` rounds), and paging over the first
+  stage's ranking and over `params`' (T pages of s). Query m's key drives its Explorer rounds and
+  both pagings alike (call t of each gets the key of round t: common random numbers, so the modes'
+  per-query differences are not blurred by the critic's noise).
 
   Args:
-    key: PRNG key for the Explorer's critic calls; the key is consumed.
+    key: PRNG key for the critic's calls; the key is consumed.
     params: adapter parameters.
     stream: `M` test queries.
-    config: static config.
+    config: static config (`side_features` / `side_init` give the default `first_stage`).
     hparams: hyperparameters (the Explorer's weights; the critic owns its own parameters).
-    critic: the critic used by explorer-assisted inference (default: the paper's simulated
-      critic).
+    critic: the critic used by explorer-assisted inference and paging (default: the paper's
+      simulated critic); it sees the stream's `answer_support` when the stream carries one.
+    first_stage: the parameters whose ranking is the first stage's; default
+      `guard.first_stage_params(config)` (the untrained adapter).
 
   Returns:
     An `EvalResult`; means are over queries with gold (`num_gold > 0`).
+
+  Raises:
+    ValueError: when `first_stage` is None and `params` has side-feature weights but `config`
+      has no `side_features` (or another number of them).
   """
   critic = critic_lib.or_default(critic)
+  if first_stage is None:
+    f = 0 if params.w_side is None else params.w_side.shape[-1]
+    if f != config.side_features:
+      raise ValueError(f"evaluate: params have {f} side-feature weights but config.side_features "
+                       f"is {config.side_features}; pass the config the adapter was trained with "
+                       "(or first_stage=...)")
+    first_stage = guard_lib.first_stage_params(config)
   keys = jax.random.split(key, stream.queries.shape[0])
+  rounds, s = config.eval_rounds, config.slate_size
 
-  def one(k, q, c, where, gold, num_gold):
-    a_slate, a_mask, z = adapter_only_slate(params, q, c, where, config.slate_size)
+  def one(k, q, c, where, gold, num_gold, support):
+    a_slate, a_mask, z = adapter_only_slate(params, q, c, where, s)
 
     def feedback(kk, slate, slate_mask):
-      return critic(kk, critic_lib.slate_view(q, c, gold, slate, slate_mask))
+      return critic(kk, critic_lib.slate_view(q, c, gold, slate, slate_mask, support))
+
+    def scored(slate, slate_mask):
+      hits = metrics.gold_in_slate(gold, slate, slate_mask)
+      return slate, metrics.slate_recall(hits, num_gold), metrics.slate_hit(hits)
 
     out = explorer_slate(k, params, q, c, where, feedback, config, hparams)
     e_slate, e_mask = final_slate(out, z, where, config)
-    a_hits = metrics.gold_in_slate(gold, a_slate, a_mask)
-    e_hits = metrics.gold_in_slate(gold, e_slate, e_mask)
-    return (a_slate, metrics.slate_recall(a_hits, num_gold), metrics.slate_hit(a_hits),
-            e_slate, metrics.slate_recall(e_hits, num_gold), metrics.slate_hit(e_hits))
+    z_first = adapter_lib.adapter_scores(first_stage, q, c)
+    p_first = retrieval.paging_slate(k, z_first, where, feedback, rounds, s)
+    p_adapted = retrieval.paging_slate(k, z, where, feedback, rounds, s)
+    return (scored(a_slate, a_mask), scored(e_slate, e_mask),
+            scored(p_first.slate, p_first.slate_mask),
+            scored(p_adapted.slate, p_adapted.slate_mask))
 
-  a_s, a_r, a_h, e_s, e_r, e_h = jax.vmap(one)(keys, stream.queries, stream.candidates,
-                                               stream.mask, stream.gold, stream.num_gold)
+  (a_s, a_r, a_h), (e_s, e_r, e_h), (f_s, f_r, f_h), (p_s, p_r, p_h) = jax.vmap(one)(
+      keys, stream.queries, stream.candidates, stream.mask, stream.gold, stream.num_gold,
+      stream.answer_support)
   has_gold = stream.num_gold > 0
+  mean = lambda v: metrics.masked_mean(v, has_gold)
   return EvalResult(
       adapter_slates=a_s, adapter_all_gold=a_r, adapter_any_gold=a_h, explorer_slates=e_s,
       explorer_all_gold=e_r, explorer_any_gold=e_h,
-      recall_adapter=metrics.masked_mean(a_r, has_gold),
-      hitrate_adapter=metrics.masked_mean(a_h, has_gold),
-      recall_explorer=metrics.masked_mean(e_r, has_gold),
-      hitrate_explorer=metrics.masked_mean(e_h, has_gold))
-
+      recall_adapter=mean(a_r), hitrate_adapter=mean(a_h),
+      recall_explorer=mean(e_r), hitrate_explorer=mean(e_h),
+      paging_first_stage_slates=f_s, paging_first_stage_all_gold=f_r,
+      paging_first_stage_any_gold=f_h, paging_adapted_slates=p_s, paging_adapted_all_gold=p_r,
+      paging_adapted_any_gold=p_h,
+      recall_paging_first_stage=mean(f_r), hitrate_paging_first_stage=mean(f_h),
+      recall_paging_adapted=mean(p_r), hitrate_paging_adapted=mean(p_h))

@@ -28,6 +28,7 @@ import optax
 from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import buffer as buffer_lib
 from ear_jax.core import critic as critic_lib
+from ear_jax.core import guard as guard_lib
 from ear_jax.core import losses
 from ear_jax.core import policies
 from ear_jax.core.config import LR_SCHEDULES, EARConfig, HParams, optimizer_fn
@@ -45,6 +46,8 @@ class LearnerState:
   step: jax.Array  # [] int32, optimizer steps taken
   queries_seen: jax.Array  # [] int32, training queries processed
   critic_calls: jax.Array  # [] int32, critic calls spent in training
+  # The guard's evidence (`config.guard`, `ear_jax.core.guard`); None when the guard is off.
+  guard: Optional[guard_lib.GuardState] = None
 
 
 class QueryRecord(NamedTuple):
@@ -56,6 +59,9 @@ class QueryRecord(NamedTuple):
   loss_cur: jax.Array  # [] float32, Eq. (10)
   loss_rep: jax.Array  # [] float32, Eq. (16)
   num_replayed: jax.Array  # [] int32, |J_n|
+  # The guard's evidence of the query (`config.guard`, `guard.query_evidence`), else None.
+  guard_d: Optional[jax.Array] = None  # [] float32, d (0 where it does not count)
+  guard_counts: Optional[jax.Array] = None  # [] bool, the query counts as evidence
 
 
 def make_optimizer(config: EARConfig) -> optax.GradientTransformation:
@@ -101,7 +107,8 @@ def init_learner(key: jax.Array, config: EARConfig) -> LearnerState:
   zero = jnp.zeros((), jnp.int32)
   return LearnerState(params=params, opt_state=make_optimizer(config).init(params),
                       buffer=buffer_lib.init_buffer(config), step=zero, queries_seen=zero,
-                      critic_calls=zero)
+                      critic_calls=zero,
+                      guard=guard_lib.init_guard() if config.guard else None)
 
 
 def apply_gradients(state: LearnerState, grads: adapter_lib.AdapterParams, config: EARConfig,
@@ -122,7 +129,8 @@ def apply_gradients(state: LearnerState, grads: adapter_lib.AdapterParams, confi
 
 def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: jax.Array,
                      candidates: jax.Array, where: jax.Array, gold: jax.Array, config: EARConfig,
-                     hparams: HParams, critic: Critic):
+                     hparams: HParams, critic: Critic,
+                     answer_support: Optional[jax.Array] = None):
   """The training slates of one query and the critic's labels, by `config.train_slate`.
 
   Adapts the candidates (Eq. (3)-(4)) with the parameters at the batch's start and runs the
@@ -139,6 +147,8 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
     config: static config.
     hparams: hyperparameters.
     critic: a critic pytree `(key, SlateView) -> labels [s]`.
+    answer_support: optional `[K, A]` answer-support features (`Stream.answer_support`), shown
+      to the critic in `SlateView.answer_support`.
 
   Returns:
     The query's `Feedback`: `slates [R, s]` int32, `slate_mask [R, s]` bool, `labels [R, s]`.
@@ -147,7 +157,8 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
   z, m_t = adapter_lib.relevance(params, query, candidates)
 
   def feedback(k, slate, slate_mask):
-    return critic(k, critic_lib.slate_view(query, candidates, gold, slate, slate_mask))
+    return critic(k, critic_lib.slate_view(query, candidates, gold, slate, slate_mask,
+                                           answer_support))
 
   policy = policies.train_slate_policy(config.train_slate)
   if policy is None:
@@ -310,9 +321,9 @@ def train_batch(state: LearnerState, keys: jax.Array, batch: Stream, where: jax.
   critic = critic_lib.or_default(critic)
   k_train, k_replay = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
   slates, slate_mask, labels = jax.vmap(
-      collect_feedback, in_axes=(0, None, 0, 0, 0, 0, None, None, None))(
+      collect_feedback, in_axes=(0, None, 0, 0, 0, 0, None, None, None, 0))(
           k_train, state.params, batch.queries, batch.candidates, batch.mask, batch.gold, config,
-          hparams, critic)
+          hparams, critic, batch.answer_support)
   return train_batch_on_feedback(state, k_replay, batch, slates, slate_mask, labels, where,
                                  config, hparams)
 
@@ -325,7 +336,9 @@ def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
   The batch's replays are selected and gathered once (Eq. (15)), its losses (Eq. (10)-(17)) are
   vmapped and averaged into one gradient, one optimizer step follows (Eq. (18)), then the batch's
   experiences (Eq. (11)-(14)) are pushed. The slates and labels may come from a jitted critic
-  (`train_batch`) or from the host (an LLM critic, `ear_jax.agent.Memory`).
+  (`train_batch`) or from the host (an LLM critic, `ear_jax.agent.Memory`). With `config.guard`
+  the guard's evidence of the batch (`guard.query_evidence`, with the parameters at the batch's
+  start) is added to `state.guard`.
 
   Args:
     state: learner state at the batch's start.
@@ -351,5 +364,13 @@ def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
         params, batch.queries, batch.candidates, batch.mask, feedback, replay, config, hparams)
     return _masked_batch_mean(loss, where), aux
 
-  return _step(state, batch_loss, batch, where, config, hparams, buffer)
+  new_state, records = _step(state, batch_loss, batch, where, config, hparams, buffer)
+  if config.guard:
+    d, counts = jax.vmap(guard_lib.query_evidence, in_axes=(None, None, 0, 0, 0, 0, 0, 0, None))(
+        state.params, guard_lib.first_stage_params(config), batch.queries, batch.candidates,
+        batch.mask, slates, slate_mask, labels, config.slate_size)
+    counts = counts & where
+    new_state = new_state.replace(guard=guard_lib.update_guard(state.guard, d, counts, config))
+    records = records._replace(guard_d=jnp.where(counts, d, 0.0), guard_counts=counts)
+  return new_state, records
 

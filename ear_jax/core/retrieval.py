@@ -4,13 +4,14 @@ Symbols: `n` queries, `M` bank rows, `d` dimension, `K` candidates, `s` slate si
 
 Every caller goes through these functions: the benchmark pipeline builds its candidate streams with
 `top_k_search`, `ear_jax.agent.Memory` retrieves with `top_k_search` + `slate_from_candidates`,
-`inference.evaluate` uses `slate_from_candidates` and `explorer_slate`, and `experiments.bench`
-times `retrieve` and `explorer_retrieve`, i.e. exactly what users call.
+`inference.evaluate` uses `slate_from_candidates`, `explorer_slate` and `paging_slate`, and
+`experiments.bench` times `retrieve` and `explorer_retrieve`, i.e. exactly what users call.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -18,6 +19,7 @@ from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import explorer as explorer_lib
 from ear_jax.core.slates import top_s_slate
+from ear_jax.core.types import SlateFeedback
 
 
 # The streamed search holds at most about this many scores at a time (16 MB of float32): a block
@@ -289,3 +291,55 @@ def explorer_retrieve(key: jax.Array, params: adapter_lib.AdapterParams, queries
                                     cand_gold, mask)
   return jnp.where(slate_mask, jnp.take_along_axis(idx, jnp.maximum(slate, 0), 1), -1)
 
+
+
+class PagingOutput(NamedTuple):
+  """What paging's T critic calls show and the answer they give (`paging_slate`)."""
+  pages: jax.Array  # [T, s] int32, call t's slate: ranks t s .. t s + s - 1 (-1 = empty)
+  page_mask: jax.Array  # [T, s] bool
+  labels: jax.Array  # [T, s] float32 critic labels in {-1, +1} (-1 at empty positions)
+  slate: jax.Array  # [s] int32, the answer: cited candidates first (by rank), then the ranking
+  slate_mask: jax.Array  # [s] bool
+
+
+def paging_slate(key: jax.Array, relevance: jax.Array, where: jax.Array,
+                 feedback: SlateFeedback, num_pages: int, slate_size: int) -> PagingOutput:
+  """Paging, the test-time baseline of explorer-assisted inference (beyond the paper, issue 27).
+
+  With the same critic and the same number of calls as T Explorer rounds, the critic is shown the
+  ranking's top `T s` in T pages of `s` (page t = ranks `t s .. t s + s - 1` of `relevance` over
+  the valid candidates, ties to the lower index as in `top_s_slate`), and the answer is the cited
+  candidates first (in ranking order), then the rest by the ranking, cut to `s`. With nothing
+  cited the answer is the ranking's top-s (`top_s_slate`, bit for bit). Pages past the valid
+  candidates are empty (index -1, mask False); the critic is still called on them, as the Explorer
+  calls it on a short slate. One query (unbatched); callers vmap.
+
+  Args:
+    key: PRNG key, split into one key per page as `explorer.explore` splits it into one per
+      round (page t's critic call gets round t's key); the key is consumed.
+    relevance: `[K]` scores to rank by (e.g. adapted logits `z`; treated as constants).
+    where: `[K]` bool, valid candidates.
+    feedback: `(key, slate, slate_mask) -> labels [s]`, the critic of this query.
+    num_pages: `T` critic calls (static).
+    slate_size: `s` (static).
+
+  Returns:
+    A `PagingOutput` (`[T, s]` pages, masks and labels; the `[s]` answer slate and mask).
+  """
+  chex.assert_rank([relevance, where], 1)
+  k = relevance.shape[0]
+  shown = min(num_pages * slate_size, k)  # static: ranks shown (all K when T s >= K)
+  vals, order = jax.lax.top_k(jnp.where(where, jax.lax.stop_gradient(relevance), -jnp.inf), k)
+  ranked_ok = vals > -jnp.inf  # [K] a prefix: the valid candidates come first
+  ranked = jnp.where(ranked_ok, order, -1).astype(jnp.int32)  # [K] candidate at each rank
+  pad = num_pages * slate_size - shown
+  pages = jnp.pad(ranked[:shown], (0, pad), constant_values=-1).reshape(num_pages, slate_size)
+  page_mask = jnp.pad(ranked_ok[:shown], (0, pad)).reshape(num_pages, slate_size)
+  labels = jax.vmap(feedback)(jax.random.split(key, num_pages), pages, page_mask)
+  labels = jnp.where(page_mask, labels, -1.0).astype(jnp.float32)
+  cited = jnp.pad((labels > 0).reshape(-1)[:shown], (0, k - shown))  # [K] by rank
+  rank = jnp.arange(k, dtype=jnp.int32)
+  # Cited ranks sort before every other rank, each group in ranking order; integer keys: no ties.
+  _, pos = jax.lax.top_k(-jnp.where(cited, rank - k, rank), slate_size)
+  return PagingOutput(pages=pages, page_mask=page_mask, labels=labels, slate=ranked[pos],
+                      slate_mask=ranked_ok[pos])

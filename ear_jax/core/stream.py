@@ -6,10 +6,13 @@ A stream holds, for every query, its frozen (pre-adapter) embedding, the embeddi
 candidates from its own memory bank (Eq. (1)), a `mask` (True = a real candidate; banks smaller than K
 are padded), a `gold` mask over the candidates and `num_gold`, the number of gold memories of the query
 in its whole bank (gold memories outside the top-K stay gold: they are misses in Recall@5).
+Optionally, `answer_support`: per candidate, how much the agent's answer draws on it
+(`ear_jax.data.answer_support`), read by the answer-grounded critic; None (the default) = absent,
+and every computation is then exactly what it was without the field.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import chex
 import flax
@@ -29,12 +32,15 @@ class Stream:
     mask: `[N, K]` bool, True where the candidate is a real memory.
     gold: `[N, K]` bool, True where the candidate is a gold memory of the query.
     num_gold: `[N]` int32, gold memories of the query in its whole bank (>= gold.sum(-1)).
+    answer_support: optional `[N, K, A]` float32, the answer-support features of each candidate
+      (`core.critic.ANSWER_FEATURES`; 0 where masked), or None.
   """
   queries: jax.Array  # [N, d] float32
   candidates: jax.Array  # [N, K, d (+ F)] float32
   mask: jax.Array  # [N, K] bool
   gold: jax.Array  # [N, K] bool
   num_gold: jax.Array  # [N] int32
+  answer_support: Optional[jax.Array] = None  # [N, K, A] float32, or None (absent)
 
   @property
   def num_queries(self) -> int:
@@ -67,7 +73,7 @@ def _check(assertion, *args, message: str):
 
 
 def make_stream(queries, candidates, mask=None, gold=None, num_gold=None,
-                features=None) -> Stream:
+                features=None, answer_support=None) -> Stream:
   """Builds and validates a `Stream` from array-likes.
 
   Args:
@@ -77,6 +83,7 @@ def make_stream(queries, candidates, mask=None, gold=None, num_gold=None,
     gold: optional `[N, K]` bool gold mask (default: no gold).
     num_gold: optional `[N]` total gold per query (default: `gold.sum(-1)`).
     features: optional `[N, K, F]` first-stage side features, appended to each candidate row.
+    answer_support: optional `[N, K, A]` answer-support features (`Stream.answer_support`).
 
   Returns:
     A `Stream` of numpy arrays with canonical dtypes.
@@ -116,7 +123,16 @@ def make_stream(queries, candidates, mask=None, gold=None, num_gold=None,
            message=f"features must be [N, K, F] with [N, K] = {(n, k)}, got {features.shape}")
     _check(chex.assert_tree_all_finite, features, message="features contains NaN or Inf")
     candidates = np.concatenate([candidates, np.where(mask[..., None], features, 0.0)], -1)
-  return Stream(queries=queries, candidates=candidates, mask=mask, gold=gold, num_gold=num_gold)
+  if answer_support is not None:
+    answer_support = np.asarray(answer_support, np.float32)
+    _check(chex.assert_shape, answer_support, (n, k, None),
+           message=f"answer_support must be [N, K, A] with [N, K] = {(n, k)}, got "
+                   f"{answer_support.shape}")
+    _check(chex.assert_tree_all_finite, answer_support,
+           message="answer_support contains NaN or Inf")
+    answer_support = np.where(mask[..., None], answer_support, 0.0).astype(np.float32)
+  return Stream(queries=queries, candidates=candidates, mask=mask, gold=gold, num_gold=num_gold,
+                answer_support=answer_support)
 
 
 def to_device(stream: Stream) -> Stream:

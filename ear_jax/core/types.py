@@ -27,7 +27,8 @@ import jax
 class SlateView(NamedTuple):
   """What a critic sees of one shown slate (unbatched).
 
-  Jitted critics read the array fields; host critics (LLMs) read `query_text` and `texts`.
+  Jitted critics read the array fields; host critics (LLMs) read `query_text` and `texts`. The
+  answer-grounded critic reads `answer_support`.
   """
   query: jax.Array  # [d] float32, pre-adapter query embedding
   slate: jax.Array  # [s] int32 candidate positions (-1 = empty position)
@@ -37,6 +38,9 @@ class SlateView(NamedTuple):
   query_text: Optional[str] = None  # host critics only
   texts: Optional[Sequence[str]] = None  # host critics only: the memories' texts, in slate order
   ids: Optional[Sequence[str]] = None  # host critics only: the memories' ids, in slate order
+  # [s, A] float32 answer-support features of the slate's memories (0 if empty), or None when the
+  # stream carries none (`Stream.answer_support`, `ear_jax.core.critic.ANSWER_FEATURES`).
+  answer_support: Optional[jax.Array] = None
 
 
 # critic(key, view) -> labels [s] float32 in {-1, +1} (None from a host critic = unusable reply).

@@ -49,6 +49,7 @@ class Benchmark:
     group: `[N]` int32 index of the query's bank (conversation / question).
     num_gold_store: `[N, 2]` int32 gold memories of the query per store in its whole bank.
     stats: counts, dropped evidence, exclusions, encoding statistics, Recall@K ceiling, ...
+    answers: `[N]` the gold answers ('' where the file has none), or None (synthetic data).
   """
   name: str
   stream: stream_lib.Stream
@@ -62,6 +63,7 @@ class Benchmark:
   group: np.ndarray
   num_gold_store: np.ndarray
   stats: dict[str, Any]
+  answers: list[str] | None = None
 
   @property
   def num_queries(self) -> int:
@@ -76,7 +78,8 @@ class Benchmark:
         categories=self.categories[index], candidate_ids=self.candidate_ids[index],
         candidate_texts=self.candidate_texts[index], candidate_store=self.candidate_store[index],
         candidate_scores=self.candidate_scores[index], group=self.group[index],
-        num_gold_store=self.num_gold_store[index])
+        num_gold_store=self.num_gold_store[index],
+        answers=None if self.answers is None else [self.answers[i] for i in index])
 
 
 def embed_corpus(corpus: corpus_lib.Corpus, encoder="minilm", *, cache_dir=None, progress=True,
@@ -214,7 +217,9 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
       candidate_ids=cand_ids[keep].astype(str), candidate_texts=cand_texts[keep].astype(str),
       candidate_store=cand_store[keep], candidate_scores=scores[keep],
       group=np.asarray([corpus.queries[n].group for n in keep], np.int32),
-      num_gold_store=num_gold_store[keep], stats=stats)
+      num_gold_store=num_gold_store[keep], stats=stats,
+      answers=["" if corpus.queries[n].answer is None else str(corpus.queries[n].answer)
+               for n in keep])
   bench.stats["retriever"] = retriever_report(bench)
   return bench
 

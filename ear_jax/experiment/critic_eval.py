@@ -24,6 +24,7 @@ Host-side code; the episode inside is the library's jitted learner step.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -42,12 +43,14 @@ class SlateRecord(NamedTuple):
     question: the query text.
     texts: the slate's memory texts (non-empty positions, slate order).
     gold: `[len(texts)]` bool, which of them are gold evidence.
+    positions: `[len(texts)]` their candidate positions in `[0, K)` (slate order).
   """
   query: int
   round: int
   question: str
   texts: tuple[str, ...]
   gold: tuple[bool, ...]
+  positions: tuple[int, ...] = ()
 
 
 class _Recorder:
@@ -55,11 +58,13 @@ class _Recorder:
 
   def __init__(self, inner):
     self.inner = inner
-    self.views: list[tuple[str, tuple[str, ...], tuple[bool, ...]]] = []
+    self.views: list[tuple[str, tuple[str, ...], tuple[bool, ...], tuple[int, ...]]] = []
 
   def __call__(self, key, view):
-    gold = np.asarray(view.gold, bool)[np.asarray(view.slate_mask, bool)]
-    self.views.append((view.query_text, tuple(view.texts), tuple(bool(g) for g in gold)))
+    shown = np.asarray(view.slate_mask, bool)
+    gold = np.asarray(view.gold, bool)[shown]
+    self.views.append((view.query_text, tuple(view.texts), tuple(bool(g) for g in gold),
+                       tuple(int(p) for p in np.asarray(view.slate)[shown])))
     return np.asarray(self.inner(key, view))
 
 
@@ -84,8 +89,8 @@ def record_training_slates(key: jax.Array, bench, config, hparams, critic=None) 
            for row in range(start, min(start + b, n))]
   if len(order) != len(recorder.views):
     raise RuntimeError(f"expected {len(order)} critic calls, recorded {len(recorder.views)}")
-  return [SlateRecord(query=row, round=t, question=q, texts=texts, gold=gold)
-          for (row, t), (q, texts, gold) in zip(order, recorder.views)]
+  return [SlateRecord(query=row, round=t, question=q, texts=texts, gold=gold, positions=pos)
+          for (row, t), (q, texts, gold, pos) in zip(order, recorder.views)]
 
 
 def select_slates(records: Sequence[SlateRecord]) -> tuple[list[SlateRecord], list[SlateRecord]]:
@@ -117,7 +122,8 @@ def citation_metrics(slates: Sequence[SlateRecord],
     `recall`, `f1`, `chance_precision`, `first_precision` / `first_recall` (a critic citing
     exactly the slate's first memory, the policy's top pick), `cited_per_slate`, `gold_per_slate`;
     over usable slates
-    without gold: `gold_free_slates`, `gold_free_cited_per_slate`, `gold_free_any_cited`; and
+    without gold: `gold_free_slates`, `gold_free_cited_per_slate`, `gold_free_any_cited`;
+    `precision_all_slates` (cited gold over all citations, gold-free slates included); and
     `position_cite_rate` (per slate position, over usable slates). NaN where undefined.
   """
   if len(slates) != len(cited):
@@ -158,8 +164,65 @@ def citation_metrics(slates: Sequence[SlateRecord],
       "gold_per_slate": div(n_gold, n_gold_slates), "gold_free_slates": free_n,
       "gold_free_cited_per_slate": div(free_cited, free_n),
       "gold_free_any_cited": div(free_any, free_n),
+      # Over every usable slate, gold-free ones included: the precision of the labels the learner
+      # gets (the simulated critic cites nothing on a gold-free slate).
+      "precision_all_slates": div(tp, n_cited + free_cited),
       "position_cite_rate": [div(a, b) for a, b in zip(pos_cited, pos_shown)],
   }
+
+
+@functools.partial(jax.jit, static_argnames=("num_critics",))
+def _jitted_labels(critic, keys, queries, candidates, gold, support, slates, slate_mask,
+                   num_critics):
+  """`[H, n, s]` labels of `H = num_critics` stacked critics on `n` slates (one key per slate);
+  a critic without parameters (`OracleCritic`) is one critic whatever `H`."""
+
+  def one(c, k, q, cand, g, sup, sl, sm):
+    return c(k, critic_lib.slate_view(q, cand, g, sl, sm, sup))
+
+  per_slate = jax.vmap(one, in_axes=(None, 0, 0, 0, 0, 0, 0, 0))
+  return jax.vmap(per_slate, in_axes=(0,) + (None,) * 7, axis_size=num_critics)(
+      critic, keys, queries, candidates, gold, support, slates, slate_mask)
+
+
+def jitted_citations(critic, stream, slates: Sequence[SlateRecord], key: jax.Array,
+                     slate_size: int, stacked: bool = False) -> list:
+  """The citations of a jitted critic (e.g. `AnswerCritic`) on recorded slates.
+
+  Each slate is shown to the critic through `critic.slate_view` of its query's row of `stream`
+  (the stream the slates were recorded on: its gold flags and, for the answer critic, its
+  `answer_support`), exactly as inside the training scan.
+
+  Args:
+    critic: a critic pytree, or (`stacked=True`) critics stacked along a leading axis `H`
+      (`critic.stack_critics`: a threshold sweep, one compiled call).
+    stream: the `Stream` whose rows the records' `query` fields index.
+    slates: the recorded slates (their `positions` are candidate positions).
+    key: PRNG key, split into one key per slate; the key is consumed.
+    slate_size: `s`.
+    stacked: whether `critic` holds `H` critics.
+
+  Returns:
+    Per slate, the cited positions (indices into its `texts`); with `stacked`, `H` such lists.
+  """
+  if not stacked:
+    critic = critic_lib.stack_critics([critic])
+  leaves = jax.tree_util.tree_leaves(critic)
+  num_critics = int(np.shape(leaves[0])[0]) if leaves else 1
+  n = len(slates)
+  rows = np.asarray([r.query for r in slates], np.int64)
+  sl = np.full((n, slate_size), -1, np.int32)
+  for i, r in enumerate(slates):
+    if len(r.positions) != len(r.texts):
+      raise ValueError(f"slate {i} was recorded without its candidate positions")
+    sl[i, :len(r.positions)] = r.positions
+  host = jax.tree_util.tree_map(lambda x: np.asarray(x)[rows], stream)
+  labels = np.asarray(_jitted_labels(critic, jax.random.split(key, n), host.queries,
+                                     host.candidates, host.gold, host.answer_support, sl,
+                                     sl >= 0, num_critics))
+  out = [[[int(j) for j in np.nonzero(lab[i, :len(r.positions)] > 0)[0]]
+          for i, r in enumerate(slates)] for lab in labels]
+  return out if stacked else out[0]
 
 
 def critique_slates(critic, slates: Sequence[SlateRecord],
@@ -175,3 +238,86 @@ def critique_slates(critic, slates: Sequence[SlateRecord],
     if progress is not None:
       progress(i + 1, len(slates))
   return out
+
+
+# --- the answer-grounded critic (issue 28) ---------------------------------------------------------
+# Its thresholds' grid (`core.critic.answer_critic`; inf switches a branch off, -inf cites the
+# slate's best-supported memory always) and the choice rule: the highest recall whose precision
+# (the simulated critic's p: on the protocol's slates holding gold) is at least `MIN_PRECISION`;
+# ties -> the higher precision. The precision over every slate shown (gold-free ones included) is
+# reported beside it (`precision_all_slates`).
+ANSWER_GRID = {"min_overlap": (1.0, 2.0, 3.0, float("inf")),
+               "best_min_cosine": (-float("inf"), 0.5, 0.6, float("inf")),
+               "min_share": (0.4, 0.5, 0.6, 0.75, float("inf")),
+               "min_cosine": (0.7, 0.75, 0.8, float("inf"))}
+MIN_PRECISION = 0.8
+CHOICE_PRECISION = ("protocol", "precision")  # (metrics part, key) the floor applies to
+
+
+def answer_grid(grid=None) -> list[dict]:
+  """Every combination of `grid` (default `ANSWER_GRID`) as `make_answer_critic` keywords."""
+  import itertools  # pylint: disable=g-import-not-at-top
+  grid = grid or ANSWER_GRID
+  names = list(grid)
+  return [dict(zip(names, values)) for values in itertools.product(*(grid[k] for k in names))]
+
+
+class SeedSlates(NamedTuple):
+  """The slates the training policy showed on one seed's queries (`policy_slates`)."""
+  seed: int
+  part: Any  # the `Benchmark` restricted to the rows the episode ran on (answer support included)
+  records: list  # every SlateRecord shown, in order
+  gold: list  # per query, its first slate holding gold (the protocol's slates)
+  free: list  # the first slate of each query whose slates never hold gold
+
+
+def policy_slates(bench, rows, seed: int, config, hparams) -> SeedSlates:
+  """Runs the Explorer training episode (the paper's simulated critic driving it, key
+  `PRNGKey(seed)`) on `bench.take(rows)` and records its slates (`record_training_slates`)."""
+  part = bench.take(np.asarray(rows))
+  records = record_training_slates(jax.random.PRNGKey(seed), part, config, hparams)
+  gold, free = select_slates(records)
+  return SeedSlates(seed=seed, part=part, records=records, gold=gold, free=free)
+
+
+def critic_metrics(critic, seed_slates: Sequence[SeedSlates], slate_size: int,
+                   stacked: bool = False) -> list[dict]:
+  """Per critic (one, or `H` stacked), `{"protocol": citation_metrics of the gold + gold-free
+  slates, "all_slates": citation_metrics of every slate shown}`, pooled over the seeds."""
+  pooled = {"protocol": ([], []), "all_slates": ([], [])}
+  per = []
+  for ss in seed_slates:
+    key = jax.random.PRNGKey(10_000 + ss.seed)
+    sel = ss.gold + ss.free
+    per.append((sel, jitted_citations(critic, ss.part.stream, sel, key, slate_size, stacked),
+                ss.records, jitted_citations(critic, ss.part.stream, ss.records,
+                                             jax.random.fold_in(key, 1), slate_size, stacked)))
+  h = len(per[0][1]) if stacked else 1
+  out = []
+  for i in range(h):
+    for name in pooled:
+      pooled[name] = ([], [])
+    for sel, c_sel, recs, c_all in per:
+      pooled["protocol"][0].extend(sel)
+      pooled["protocol"][1].extend(c_sel[i] if stacked else c_sel)
+      pooled["all_slates"][0].extend(recs)
+      pooled["all_slates"][1].extend(c_all[i] if stacked else c_all)
+    out.append({name: citation_metrics(*v) for name, v in pooled.items()})
+  return out
+
+
+def choose_answer_thresholds(settings: Sequence[dict], metrics: Sequence[dict],
+                             min_precision: float = MIN_PRECISION,
+                             precision: tuple = CHOICE_PRECISION) -> dict:
+  """The setting with the highest protocol recall whose precision (`metrics[i][part][key]` for
+  `precision = (part, key)`) is `>= min_precision` (ties: the higher precision, then the earlier
+  in the grid); None when none is."""
+  best, best_key = None, None
+  for i, (s, m) in enumerate(zip(settings, metrics)):
+    p = m[precision[0]][precision[1]]
+    if not p >= min_precision:
+      continue
+    key = (m["protocol"]["recall"], p, -i)
+    if best_key is None or key > best_key:
+      best, best_key = {"setting": s, "index": i, "metrics": m}, key
+  return best

@@ -131,17 +131,26 @@ def _train_segment(states, keys, streams, where, hparams, config, critic):
 
 
 def _eval_config(config: EARConfig) -> EARConfig:
-  """The fields `inference.evaluate` depends on (so methods share one compiled evaluation)."""
+  """The fields `inference.evaluate` depends on (so methods share one compiled evaluation);
+  `side_features` and `side_init` give its first stage's ranking (paging over the first stage)."""
   return EARConfig(dim=config.dim, num_candidates=config.num_candidates,
                    slate_size=config.slate_size, num_rounds=config.eval_rounds,
                    adapter_rank=config.adapter_rank, replay_size=1, batch_size=1,
-                   buffer_capacity=1, final_slate=config.final_slate)
+                   buffer_capacity=1, final_slate=config.final_slate,
+                   side_features=config.side_features, side_init=config.side_init)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _evaluate_seeds(keys, params, streams, hparams, config, critic):
   return jax.vmap(lambda k, p, s: inference.evaluate(k, p, s, config, hparams, critic))(
       keys, params, streams)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def served_params(states, config: EARConfig):
+  """`inference.served_params` of every seed's learner (`states` stacked `[S, ...]`): what the
+  test set is scored with (the adapter itself without `config.guard`)."""
+  return jax.vmap(lambda st: inference.served_params(st, config))(states)
 
 
 @functools.partial(jax.jit, static_argnames=("num",))
@@ -194,7 +203,10 @@ class RunResult:
 def _record_log(records) -> dict:
   labels = np.asarray(records.labels)
   mask = np.asarray(records.slate_mask)
-  return {
+  guard = {} if records.guard_d is None else {  # the guard's evidence (`config.guard`)
+      "guard_d": np.asarray(records.guard_d, np.float32),
+      "guard_counts": np.asarray(records.guard_counts, bool)}
+  return {**guard,
       "loss": np.asarray(records.loss, np.float32),
       "loss_cur": np.asarray(records.loss_cur, np.float32),
       "loss_rep": np.asarray(records.loss_rep, np.float32),
@@ -338,6 +350,18 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
                    wall_seconds=time.perf_counter() - t0, resumed_from=resumed_from)
 
 
+def evaluate_params(params, stream: Stream, test_index: np.ndarray, config: EARConfig,
+                    hparams: HParams, seeds: Sequence[int], critic=None) -> dict:
+  """Scores `[S]` stacked adapter parameters on each seed's test queries (every test-time mode)
+  with the evaluation keys of `train_and_evaluate`: `params = result.final_state.params` gives
+  `result.eval` of a run without the guard, `served_params(result.final_state, config)` that of a
+  run with it. Returns the `EvalResult` fields as numpy arrays (`[S, M]` / `[S]`)."""
+  _, eval_key = _split_seed_keys(per_seed_keys(list(seeds)))
+  ev = _evaluate_seeds(eval_key, params, stack_streams(stream, test_index), hparams,
+                       _eval_config(config), critic_lib.or_default(critic))
+  return {k: np.asarray(v) for k, v in jax.device_get(ev)._asdict().items()}
+
+
 class _DictView:
   def __init__(self, d):
     self.__dict__.update(d)
@@ -367,11 +391,12 @@ class _Placement:
                   config=self.config)
 
   def evaluate(self, keys, states, streams, hparams, ecfg):
+    params = served_params(states, self.config) if self.config.guard else states.params
     if self.seed_axis is None:
-      return _evaluate_seeds(keys, states.params, streams, hparams, ecfg, self.critic)
+      return _evaluate_seeds(keys, params, streams, hparams, ecfg, self.critic)
     ax = self.seed_axis
     return ax.map(_evaluate_seeds, {"keys": ax.shard(jax.device_get(keys)),
-                                    "params": states.params, "streams": ax.shard(streams)},
+                                    "params": params, "streams": ax.shard(streams)},
                   {"hparams": hparams, "critic": self.critic}, config=ecfg)
 
   def host(self, tree):
@@ -382,5 +407,7 @@ class _Placement:
 
 
 __all__ = ["Interrupted", "RunResult", "build_config", "build_method", "default_hparams",
-           "per_seed_keys", "seed_splits", "segment_length", "stack_streams", "train_and_evaluate",
+           "evaluate_params",
+           "per_seed_keys", "seed_splits", "segment_length", "served_params", "stack_streams",
+           "train_and_evaluate",
            "METHODS", "METRIC_NAMES"]

@@ -5,6 +5,7 @@ search) and `lexical_bank` (BM25 / hybrid first stage), `encoder_slot`, `episode
 slates, host critic loops), `sessions` (one session per question), `driver` (the learner state),
 `forget`, `recall`, `persistence` (checkpoints of a `persistence.Snapshot`), then `front`.
 """
-from ear_jax.agent.memory.front import Memory, Retrieval, llm_feedback, run_critic_episode
+from ear_jax.agent.memory.front import (AnswerFeedback, Memory, Retrieval, llm_feedback,
+                                        run_critic_episode)
 
-__all__ = ["Memory", "Retrieval", "llm_feedback", "run_critic_episode"]
+__all__ = ["AnswerFeedback", "Memory", "Retrieval", "llm_feedback", "run_critic_episode"]

@@ -10,16 +10,24 @@ Symbols: `N` queries, `K` candidates, `s` slate size, `T` Explorer rounds, `b` b
 carries `query_text` and the memories' `texts` for host critics such as
 `ear_jax.agent.llm.critic.LLMCritic`; and the one learner step,
 `ear_jax.core.learner.train_batch_on_feedback` (jitted here).
+
+Feedback from the agent's answer (issue 28): `answer_labels` labels a shown slate by the answer
+rule of the benchmarks (the features of `ear_jax.data.answer_support.slate_support`, then the
+jitted `ear_jax.core.critic.answer_critic` with `ANSWER_DEFAULTS` or a given `AnswerCritic`'s
+thresholds), used by `Memory.feedback(answer=...)` and by the host critic `AnswerFeedback` (an
+agent's answer function as `recall`'s critic).
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
 
+from ear_jax.agent.memory.bank import InputTypeError
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import episode as episode_lib
 from ear_jax.core import explorer as explorer_lib
@@ -28,6 +36,7 @@ from ear_jax.core import policies
 from ear_jax.core import retrieval as retrieval_lib
 from ear_jax.core.config import EARConfig, HParams
 from ear_jax.core.stream import Stream
+from ear_jax.data import answer_support
 
 @functools.partial(jax.jit, static_argnames=("k", "explore"))
 def _round_slates(params, queries, candidates, mask, mean, counts, hparams, *, k, explore):
@@ -80,6 +89,102 @@ def check_labels(labels, k: int, what: str) -> np.ndarray:
     raise ValueError(f"{what} must return [{k}] labels in {{-1, +1}} (or None), got shape "
                      f"{arr.shape} with values {np.unique(arr)[:5].tolist()}")
   return arr
+
+
+_answer_rule = jax.jit(critic_lib.answer_critic)
+
+
+def check_answer(answer, what: str = "answer") -> str:
+  """The agent's answer, checked: a non-empty string (`InputTypeError` / ValueError naming
+  `what`)."""
+  if not isinstance(answer, str):
+    raise InputTypeError(f"{what} must be a string (the agent's answer to the retrieval's "
+                         f"question), got {type(answer).__name__}")
+  if not answer.strip():
+    raise ValueError(f"{what} is empty: give the agent's answer (or cited ids)")
+  return answer
+
+
+def answer_labels(question: str, answer: str, texts: Sequence[str], memories: np.ndarray,
+                  embed: Callable, critic: Optional[critic_lib.AnswerCritic] = None
+                  ) -> np.ndarray:
+  """`[k]` labels of a shown slate from the agent's answer, by the answer rule (issue 28).
+
+  The slate's answer-support features (`answer_support.slate_support`: the answer's new content
+  words held by each memory, their share, the answer's and "question answer"'s cosines with it)
+  -> `critic_lib.answer_critic` (jitted; the slate padded to a power of two, masked) with the
+  thresholds of `critic` (default `make_answer_critic()`, i.e. `ANSWER_DEFAULTS`): the rule the
+  benchmarks' `AnswerCritic` applies inside the scan.
+
+  Args:
+    question: the question's text.
+    answer: the agent's answer (`check_answer`).
+    texts: `[k]` the shown memories' texts, in slate order.
+    memories: `[k, d (+ F)]` their frozen embeddings.
+    embed: `embed(texts) -> [n, d]` unit embeddings by the memories' own encoder (called once).
+    critic: an `AnswerCritic` (its thresholds), or None for the defaults.
+
+  Returns:
+    `[k]` float32 labels in {-1, +1}.
+  """
+  critic = critic_lib.make_answer_critic() if critic is None else critic
+  support = answer_support.slate_support(question, answer, texts, memories, embed)
+  k = support.shape[0]
+  m = 1 << max(k - 1, 0).bit_length()  # one compilation per power of two
+  padded = np.zeros((m, support.shape[1]), np.float32)
+  padded[:k] = support
+  y = _answer_rule(padded, np.arange(m) < k, critic.min_overlap, critic.best_min_cosine,
+                   critic.min_share, critic.min_cosine)
+  return np.asarray(y, np.float32)[:k]
+
+
+@dataclasses.dataclass(frozen=True)
+class AnswerFeedback:
+  """A host critic made of the agent's answers (issue 28): the critic of `Memory.recall` (or
+  `Memory.feedback_from_critic`, `run_critic_episode`) for an agent that only answers.
+
+  Each round, `answer_fn(question, texts)` is the agent answering the question from the shown
+  memories' texts (in slate order); its answer labels the slate by the answer rule
+  (`answer_labels`), so no citation and no extra LLM call is needed. An answer of None or ''
+  (the agent could not answer) is an unusable reply: None, no update. The key is unused.
+
+  Args:
+    answer_fn: `answer_fn(question: str, texts: list[str]) -> str or None`.
+    embed: `embed(texts) -> [n, d]` the memories' encoder; None: `Memory.recall` /
+      `feedback_from_critic` use the memory's own encoder (`bound`), and a call without one is a
+      ValueError.
+    critic: an `AnswerCritic` with other thresholds (default `ANSWER_DEFAULTS`).
+  """
+  answer_fn: Callable
+  embed: Optional[Callable] = None
+  critic: Optional[critic_lib.AnswerCritic] = None
+
+  def __post_init__(self):
+    if not callable(self.answer_fn):
+      raise InputTypeError(f"answer_fn must be a function (question, texts) -> answer, got "
+                           f"{type(self.answer_fn).__name__}")
+    if self.critic is not None and not isinstance(self.critic, critic_lib.AnswerCritic):
+      raise InputTypeError(f"critic must be an AnswerCritic (make_answer_critic), got "
+                           f"{type(self.critic).__name__}")
+
+  def bound(self, embed: Callable) -> "AnswerFeedback":
+    """This critic with `embed` as its encoder, unless it has one."""
+    return self if self.embed is not None else dataclasses.replace(self, embed=embed)
+
+  def __call__(self, key, view) -> Optional[np.ndarray]:
+    del key
+    if self.embed is None:
+      raise ValueError("AnswerFeedback has no encoder to embed the answer: use it through "
+                       "Memory.recall / feedback_from_critic (the memory's encoder), or pass "
+                       "embed=")
+    if view.query_text is None or view.texts is None:
+      raise ValueError("AnswerFeedback needs the view's query_text and texts (a host view)")
+    answer = self.answer_fn(view.query_text, list(view.texts))
+    if answer is None or (isinstance(answer, str) and not answer.strip()):
+      return None
+    answer = check_answer(answer, "the answer of answer_fn")
+    return answer_labels(view.query_text, answer, view.texts, np.asarray(view.memories),
+                         self.embed, self.critic)
 
 
 def run_critic_episode(key: jax.Array, stream: Stream, query_texts: Sequence[str],

@@ -1,4 +1,4 @@
-"""`Memory`: the stateful front of EAR for a live agent (add, retrieve, learn from citations, save).
+"""`Memory`: the stateful front of EAR for a live agent (add, retrieve, learn from feedback, save).
 
 Symbols: `n` memories, `d` dimension, `K` candidates, `k` memories shown (`k <= K`), `T` Explorer
 rounds, `b` batch size. `Memory` serialises three parts over the pure core with one lock:
@@ -28,16 +28,18 @@ from ear_jax.agent.memory.bank import DEFAULT_SCOPE, InputTypeError
 from ear_jax.agent.memory.encoder_slot import EncoderSlot
 from ear_jax.agent.memory.driver import Driver, seed_keys
 from ear_jax.agent.memory import episode
-from ear_jax.agent.memory.episode import round_slates, run_critic_episode
+from ear_jax.agent.memory.episode import AnswerFeedback, round_slates, run_critic_episode
 from ear_jax.agent.memory.sessions import Retrieval, Sessions, citation_labels
 from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import critic as critic_lib
+from ear_jax.core import inference
 from ear_jax.core import learner as learner_lib
 from ear_jax.core import policies
 from ear_jax.core.config import EARConfig, HParams, Method, default_hparams
 from ear_jax.data import first_stage
 
-__all__ = ["DEFAULT_SCOPE", "Memory", "Retrieval", "llm_feedback", "run_critic_episode"]
+__all__ = ["DEFAULT_SCOPE", "AnswerFeedback", "Memory", "Retrieval", "llm_feedback",
+           "run_critic_episode"]
 
 
 def _check_int(value, name: str, minimum: int) -> int:
@@ -246,6 +248,13 @@ class Memory:
   def hparams(self) -> HParams:
     return self._driver.hparams
 
+  def _served_params(self) -> adapter_lib.AdapterParams:
+    """The parameters test-time slates rank by (`core.inference.served_params`): the adapter's,
+    or the first stage's when the guard (`EARConfig.guard`, e.g. `method="ear_safe"`) does not
+    trust it yet. Exploring rounds, whose feedback trains, always use the adapter's. Call under
+    the lock."""
+    return inference.served_params(self._driver.state, self.config)
+
   @property
   def candidates(self) -> str:
     """The first stage: 'dense', 'bm25' or 'hybrid'."""
@@ -408,7 +417,8 @@ class Memory:
           raise ValueError("a session appears twice in continue_from")
         ss = [self._sessions.by_id[sid] for sid in sids]
         stack = lambda f: np.stack([getattr(s, f) for s in ss])
-        slates = round_slates(self._driver.state.params, self.hparams, stack("query_emb"),
+        params = self._driver.state.params if explore else self._served_params()
+        slates = round_slates(params, self.hparams, stack("query_emb"),
                               stack("cand_emb"), stack("cand_mask"), stack("mean"),
                               stack("counts"), k, explore)
         return self._open_rounds(sids, slates, explore)
@@ -433,13 +443,17 @@ class Memory:
     return texts, q_emb
 
   def _retrieve(self, texts: list[str], q_emb: np.ndarray, k: int, explore: bool,
-                scope) -> list[Retrieval]:
+                scope, test_time: bool = False) -> list[Retrieval]:
     """The retrievals of `_queries` (checked `k` and scope spec), opened in one hold of the lock
     (re-entrant: `recall.search` holds it around this and the close that follows, so a delete in
-    another thread cannot drop the session in between)."""
+    another thread cannot drop the session in between). Adapter-only slates, and exploring ones
+    at `test_time` (`recall(learn=False)`), rank by `_served_params`; training rounds by the
+    adapter's."""
     with self._lock:
       self._bank.check_k(k, self.config.num_candidates, self.multistore, scope)
-      slate = (self._driver.state.params, self.hparams, k, explore)
+      train = explore and not test_time
+      params = self._driver.state.params if train else self._served_params()
+      slate = (params, self.hparams, k, explore)
       if self._lexical is None:
         rows, mask, cands, slates = self._bank.search(q_emb, self.config.num_candidates,
                                                       self.multistore, slate=slate, scope=scope)
@@ -490,22 +504,54 @@ class Memory:
     self.stats["cited"] += int((labels > 0).sum())
     return self._learn([] if item is None else [item])
 
-  def feedback(self, retrieval, cited_ids: Iterable[str] = ()) -> bool:
-    """Applies an LLM's citations to a retrieval's slate (labels +1 cited, -1 otherwise).
+  def feedback(self, retrieval, cited_ids: Iterable[str] = (), *,
+               answer: Optional[str] = None) -> bool:
+    """Applies an agent's feedback to a retrieval's slate: labels +1 for the memories it used,
+    -1 for the others shown.
 
-    Updates the session's bandit statistics (Eq. (9)); a session that this closes (see the class
+    The used memories are the cited ids, and, with `answer` (the agent's answer to the
+    retrieval's question), those the answer draws on by the answer rule (issue 28; the rule and
+    thresholds of `ear_jax.core.critic.AnswerCritic`, `ANSWER_DEFAULTS`, chosen on LoCoMo
+    validation: `episode.answer_labels`); with both, their union. The answer and "question
+    answer" are embedded by this memory's encoder outside the lock (a memory without an encoder
+    cannot: ValueError, nothing changed), so the retrieval needs its question's text. Updates
+    the session's bandit statistics (Eq. (9)); a session that this closes (see the class
     docstring) is queued, and every `b` queued sessions make one learner step.
 
     Args:
       retrieval: an open `Retrieval` of this memory (or its `retrieval_id`).
-      cited_ids: ids of the memories of that slate the LLM cited (possibly none).
+      cited_ids: ids of the memories of that slate the agent cited (possibly none).
+      answer: optional non-empty string, the agent's answer.
 
     Returns:
       True when this call triggered a learner step.
     """
-    with self._lock:
-      sid, labels = self._labels_for(retrieval, cited_ids)
-      return self._apply(sid, labels) > 0
+    if answer is None:
+      with self._lock:
+        sid, labels = self._labels_for(retrieval, cited_ids)
+        return self._apply(sid, labels) > 0
+    answer = episode.check_answer(answer)
+    with self._lock:  # checked (ids, open retrieval, question) before encoding
+      sid, _ = self._labels_for(retrieval, cited_ids)
+      s = self._sessions.by_id[sid]
+      if not s.query:
+        raise ValueError(f"retrieval {s.open_id} has no question text: feedback from an answer "
+                         "compares it with the question (retrieve with the question's text)")
+      question, texts = s.query, list(self._bank.describe(s.cand_idx[s.open_slate])[1])
+      memories = s.cand_emb[s.open_slate, :self.config.dim].copy()
+    used = episode.answer_labels(question, answer, texts, memories, self._embed_answer)
+    with self._lock:  # (still open: another call may have consumed it, a delete dropped it)
+      sid, cited = self._labels_for(retrieval, cited_ids)
+      self.stats["answer_feedback"] += 1
+      return self._apply(sid, np.maximum(cited, used)) > 0
+
+  def _embed_answer(self, texts: list[str]) -> np.ndarray:
+    """`[n, d]` embeddings of an answer's texts by this memory's encoder (outside the lock)."""
+    if self._encoder.get(self.config.dim) is None:
+      raise ValueError("this memory has no encoder, so it cannot embed an answer: feedback from "
+                       "an answer needs the memories' encoder (build the Memory with one); give "
+                       "cited ids instead")
+    return self._embed(texts, None, len(texts), "the answer's")
 
   def feedback_batch(self, retrievals: Sequence[Any], cited_ids: Sequence[Iterable[str]]) -> int:
     """`feedback` for many retrievals; all are validated before any is applied.
@@ -573,7 +619,9 @@ class Memory:
 
     Args:
       question: the question's text.
-      critic: `critic(key, view) -> labels [k]` or None (e.g. `LLMCritic`).
+      critic: `critic(key, view) -> labels [k]` or None (e.g. `LLMCritic`), or
+        `AnswerFeedback(answer_fn)`: the agent answers each round's slate and its answer labels
+        it by the answer rule (this memory's encoder embeds the answer).
       k: memories per slate and in the answer.
       query_embedding: optional `[d]` precomputed embedding of the question.
       learn: False: the same rounds with the adapter frozen and no training query (explorer-
@@ -593,7 +641,8 @@ class Memory:
     """Shows a retrieval's slate to a host critic and applies its labels.
 
     The critic follows the library's protocol `critic(key, view) -> labels [k]` or None (e.g.
-    `LLMCritic`); the view carries `query_text`, `texts` and `ids`. It is called outside the lock
+    `LLMCritic`, or `AnswerFeedback`, the agent's answers, whose answer this memory's encoder
+    embeds); the view carries `query_text`, `texts` and `ids`. It is called outside the lock
     with the key `jax.random.fold_in(k_critic, retrieval_id)` (see `ear_jax.agent.memory.driver`).
     None (an unusable reply) discards the retrieval with NO update, counted in
     `stats['critic_no_update']`.
@@ -613,7 +662,7 @@ class Memory:
           memories=s.cand_emb[s.open_slate, :self.config.dim], gold=np.zeros(k, bool),
           query_text=s.query, texts=list(texts), ids=list(ids))
       key = jax.random.fold_in(self._critic_key, s.open_id)
-    labels = critic(key, view)
+    labels = self._bound(critic)(key, view)
     if labels is not None:
       labels = episode.check_labels(labels, k, "the critic")  # ValueError: the retrieval stays open
     with self._lock:
@@ -624,6 +673,10 @@ class Memory:
         self.feedback(retrieval, [i for i, y in zip(ids, labels) if y > 0])
       self.stats["critic_calls"] += 1
     return labels
+
+  def _bound(self, critic):
+    """`critic`, or an `AnswerFeedback` without an encoder bound to this memory's."""
+    return critic.bound(self._embed_answer) if isinstance(critic, AnswerFeedback) else critic
 
   # ----------------------------------------------------------------------------------------------
   # forgetting (`ear_jax.agent.memory.forget`)

@@ -90,13 +90,14 @@ def _answer(memory: Any, ids, scores, shown, final_slate: str, rounds, labels) -
                 labels=tuple(labels), final_slate=final_slate, dropped=dropped)
 
 
-def _retrieve_now(memory: Any, question, k, explore: bool, query_embedding, scope):
+def _retrieve_now(memory: Any, question, k, explore: bool, query_embedding, scope,
+                  test_time: bool = False):
   """One query checked and encoded now (outside the lock); returns `retrieve()`, which opens its
   retrieval (`Memory._retrieve`) when called, under the lock, with what must follow it."""
   k = memory._check_k(k)  # pylint: disable=protected-access
   scope = bank_lib.check_scope_spec(scope)
   texts, q_emb = memory._queries(*memory._one_query(question, query_embedding))  # pylint: disable=protected-access
-  return lambda: memory._retrieve(texts, q_emb, k, explore, scope)[0]  # pylint: disable=protected-access
+  return lambda: memory._retrieve(texts, q_emb, k, explore, scope, test_time)[0]  # pylint: disable=protected-access
 
 
 def recall(memory: Any, question: str, critic, k: int = 5, *,
@@ -118,7 +119,8 @@ def recall(memory: Any, question: str, critic, k: int = 5, *,
     memory: the memory.
     question: the question's text (shown to the critic).
     critic: `critic(key, view) -> labels [k]` or None (e.g. `LLMCritic`, or any function of the
-      `SlateView`'s `ids` / `texts`).
+      `SlateView`'s `ids` / `texts`), or `episode.AnswerFeedback(answer_fn)`: the agent's answer
+      to each round labels it by the answer rule, the memory's encoder embedding the answer.
     k: memories per slate and in the answer.
     query_embedding: optional `[d]` precomputed embedding of the question.
     learn: False: no training query (a test question; `Recall.rounds` then holds round 1 only).
@@ -129,9 +131,10 @@ def recall(memory: Any, question: str, critic, k: int = 5, *,
   """
   if not isinstance(question, str) or not question:
     raise ValueError("recall needs the question's text (a non-empty string): the critic reads it")
+  critic = memory._bound(critic)  # pylint: disable=protected-access  (AnswerFeedback: its encoder)
   if not learn:
-    return _frozen_rounds(memory, _retrieve_now(memory, question, k, True, query_embedding, scope),
-                          critic, k)
+    return _frozen_rounds(memory, _retrieve_now(memory, question, k, True, query_embedding, scope,
+                                                test_time=True), critic, k)
   rounds, labels, lost = [], [], False
   r = memory.retrieve(question, k, explore=True, query_embedding=query_embedding, scope=scope)
   for t in range(memory.config.num_rounds):
@@ -191,7 +194,7 @@ def _frozen_rounds(memory: Any, retrieve_first, critic, k: int) -> Recall:
     cand_emb, cand_mask = s.cand_emb, s.cand_mask.copy()
     cand_ids, cand_texts, _ = memory._bank.describe(cand_idx[cand_mask])  # pylint: disable=protected-access
     slate = np.asarray(s.open_slate, np.int32).copy()
-    params = memory.params
+    params = memory._served_params()  # pylint: disable=protected-access  (test time: guarded)
     memory.discard(first)
     memory.close(first)  # no feedback: nothing is queued
     critic_key = memory._critic_key  # pylint: disable=protected-access

@@ -33,6 +33,9 @@ class Options:
   config_overrides: dict = dataclasses.field(default_factory=dict)
   hparam_overrides: dict = dataclasses.field(default_factory=dict)
   critic_overrides: dict = dataclasses.field(default_factory=dict)  # simulated critic p / r
+  # The critic of every trained run: 'simulated' (Appendix A.2, `critic_overrides`) or 'answer'
+  # (the answer-grounded critic of issue 28 with the gold answers, `core.critic.ANSWER_DEFAULTS`).
+  critic: str = "simulated"
   synthetic_queries: int = 500
   synthetic_dim: int = 32
   noise_levels: tuple = (0.7, 0.8, 0.9, 1.0)

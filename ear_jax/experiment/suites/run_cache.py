@@ -53,6 +53,7 @@ class Runner:
     if self.writes:
       self.workdir.mkdir(parents=True, exist_ok=True)
     self._benches = {}
+    self._answer_benches = {}
     self._splits = {}
     self._memo = {}
     self.summaries = {}  # run name -> summary
@@ -94,12 +95,34 @@ class Runner:
       self._splits[multistore] = runner.seed_splits(b.num_queries, self.seeds)
     return self._benches[multistore]
 
+  def answer_bench(self, multistore: bool = False):
+    """`bench(multistore)` with its stream's answer support from the gold answers (the answer
+    critic's input, `ear_jax.data.answer_support`; same queries, so the same splits)."""
+    if multistore not in self._answer_benches:
+      from ear_jax.data import answer_support  # pylint: disable=g-import-not-at-top
+      t0 = time.perf_counter()
+      self._answer_benches[multistore] = answer_support.with_answer_support(
+          self.bench(multistore), encoder=self.opts.encoder, cache_dir=self.opts.cache_dir,
+          progress=self.opts.progress)
+      logging.info("answer support of %d queries (%.1f s)", self.bench(multistore).num_queries,
+                   time.perf_counter() - t0)
+    return self._answer_benches[multistore]
+
   # -- one run ------------------------------------------------------------------------------------
   def run(self, method: str, *, multistore: bool = False, config_overrides=None,
           hparam_overrides=None, critic_overrides=None, epochs: int = 1,
-          eval_every: Optional[int] = None, label: Optional[str] = None) -> dict:
-    """Runs `method` on all seeds (or returns the cached result); returns its summary dict."""
+          eval_every: Optional[int] = None, label: Optional[str] = None,
+          critic: Optional[str] = None) -> dict:
+    """Runs `method` on all seeds (or returns the cached result); returns its summary dict.
+
+    `critic`: 'simulated' or 'answer' (default `Options.critic`); a trained method with the
+    answer critic runs on `answer_bench` (the same queries and splits) and its run is named
+    `<method>_..._critic=answer`.
+    """
     o = self.opts
+    critic_name = critic or o.critic
+    if critic_name not in ("simulated", "answer"):
+      raise ValueError(f"critic must be 'simulated' or 'answer', got {critic_name!r}")
     b = self.bench(multistore)
     cfg_over = {**o.config_overrides, **(config_overrides or {})}
     hp_over = {**o.hparam_overrides, **(hparam_overrides or {})}
@@ -107,9 +130,19 @@ class Runner:
         method, dim=b.stream.dim, num_candidates=b.stream.num_candidates, hparams=hp_over,
         side_features=b.stream.num_side_features or None, **cfg_over)
     config, hparams = m.config, m.hparams
+    # A method that does not train learns from no critic: it keeps the simulated one (its
+    # explorer-assisted test mode included), so its run is shared with the simulated suites.
+    answer = critic_name == "answer" and config.trains
+    if answer:
+      b = self.answer_bench(multistore)
     critic_over = {**o.critic_overrides, **(critic_overrides or {})}
-    critic = critic_lib.make_simulated_critic(**critic_over)
-    critic_json = {"precision": float(critic.precision), "recall": float(critic.recall)}
+    if answer:
+      critic = critic_lib.make_answer_critic()
+      critic_json = {"name": "answer", **{k: float(getattr(critic, k))
+                                          for k in critic_lib.ANSWER_DEFAULTS}}
+    else:
+      critic = critic_lib.make_simulated_critic(**critic_over)
+      critic_json = {"precision": float(critic.precision), "recall": float(critic.recall)}
     if not config.trains:
       epochs, eval_every = 1, eval_every
     key = (multistore, method, config, tuple(sorted(summaries.hparams_dict(hparams).items())),
@@ -120,6 +153,8 @@ class Runner:
     parts = [name] + [f"{k}={v}" for k, v in sorted((config_overrides or {}).items())]
     parts += [f"{k}={v}" for k, v in sorted((hparam_overrides or {}).items())]
     parts += [f"critic_{k}={v}" for k, v in sorted((critic_overrides or {}).items())]
+    if answer:
+      parts.append("critic=answer")
     if multistore:
       parts.append("multistore")
     if epochs > 1:

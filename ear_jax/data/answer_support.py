@@ -1,0 +1,186 @@
+"""Answer support: how much an agent's answer draws on each candidate memory (issue 28).
+
+Symbols: `N` queries, `K` candidates per query, `d` embedding dimension, `F` answer-support
+features (`core.critic.ANSWER_FEATURES`).
+
+The answer-grounded critic (`ear_jax.core.critic.AnswerCritic`) labels a shown memory "used" when
+the answer draws on it beyond what the question already says. What it reads is computed here, on
+the host, once per query and candidate, from the texts (`[N, K, F]` float32, 0 at padding):
+
+- `new_words`: the number of the answer's content words that are not in the question and appear in
+  the memory. Content words: the lexical first stage's tokens (`lexical.tokenize`: lower-cased
+  `\\w+` runs without bm25s's `en_plus` stop words), each Porter-stemmed (`porter.stem`, as the
+  benchmarks' answer F1 stems), compared as sets;
+- `new_word_share`: `new_words` over the answer's content words not in the question (0 when it
+  has none);
+- `answer_cosine`: the cosine of the answer's embedding with the memory's (the same frozen encoder
+  as the memories, through its on-disk cache);
+- `question_answer_cosine`: the cosine of the embedding of "question answer" (the question with its
+  answer appended) with the memory's.
+
+`with_answer_support(bench, answers)` returns the benchmark with `stream.answer_support` set; it
+travels with the stream like `gold` (splits, seeds, batches), so a jitted critic reads it inside
+the episode's `lax.scan` through `SlateView.answer_support`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from ear_jax.core.critic import ANSWER_FEATURES
+from ear_jax.data import encoders
+from ear_jax.data import lexical
+from ear_jax.data import porter
+
+
+def content_words(texts: Sequence[str]) -> list[frozenset[str]]:
+  """Per text, its set of stemmed content words (see the module docstring)."""
+  return [frozenset(porter.stem(t) for t in tokens) for tokens in lexical.tokenize(texts)]
+
+
+def lexical_support(questions: Sequence[str], answers: Sequence[str],
+                    candidate_texts: np.ndarray, mask: np.ndarray) -> np.ndarray:
+  """`[N, K, 2]` float32 (`new_words`, `new_word_share`) of every candidate (0 at padding).
+
+  Args:
+    questions: `[N]` question texts.
+    answers: `[N]` answer texts ('' = no answer: all zeros).
+    candidate_texts: `[N, K]` memory texts.
+    mask: `[N, K]` bool, real candidates.
+  """
+  n, k = np.shape(mask)
+  q_words = content_words(questions)
+  a_words = content_words(answers)
+  flat = [str(t) for t in np.asarray(candidate_texts, object).reshape(-1)]
+  m_words = content_words(flat)
+  out = np.zeros((n, k, 2), np.float32)
+  for i in range(n):
+    new = a_words[i] - q_words[i]
+    if not new:
+      continue
+    for j in np.nonzero(np.asarray(mask[i], bool))[0]:
+      shared = len(new & m_words[i * k + j])
+      out[i, j] = (shared, shared / len(new))
+  return out
+
+
+def embedding_support(answer_emb: np.ndarray, question_answer_emb: np.ndarray,
+                      candidate_emb: np.ndarray, mask: np.ndarray) -> np.ndarray:
+  """`[N, K, 2]` float32 (`answer_cosine`, `question_answer_cosine`), 0 at padding.
+
+  Args:
+    answer_emb: `[N, d]` unit embeddings of the answers.
+    question_answer_emb: `[N, d]` unit embeddings of "question answer".
+    candidate_emb: `[N, K, d]` unit embeddings of the candidates.
+    mask: `[N, K]` bool.
+  """
+  cos = np.einsum("nd,nkd->nk", answer_emb, candidate_emb)
+  qa_cos = np.einsum("nd,nkd->nk", question_answer_emb, candidate_emb)
+  return np.where(np.asarray(mask, bool)[..., None], np.stack([cos, qa_cos], -1),
+                  0.0).astype(np.float32)
+
+
+def answer_support(questions: Sequence[str], answers: Sequence[str], candidate_texts: np.ndarray,
+                   candidate_emb: np.ndarray, mask: np.ndarray, encoder="minilm", *,
+                   cache_dir=None, progress: bool = False) -> np.ndarray:
+  """`[N, K, F]` float32 answer support of every candidate, in `ANSWER_FEATURES` order.
+
+  Args:
+    questions: `[N]` question texts.
+    answers: `[N]` answer texts (an agent's answers, or the gold answers).
+    candidate_texts: `[N, K]` memory texts.
+    candidate_emb: `[N, K, d]` the candidates' frozen (unit) embeddings.
+    mask: `[N, K]` bool, real candidates.
+    encoder: the frozen encoder of the memories (a spec for `encoders.load_encoder`, or an
+      `Encoder`); the answers are encoded through its on-disk cache.
+    cache_dir: embedding cache root (else `$EAR_CACHE_DIR`, else ~/.cache/ear_jax).
+    progress: tqdm bar while encoding.
+
+  Raises:
+    ValueError: when the lengths or shapes disagree.
+  """
+  answers = ["" if a is None else str(a) for a in answers]
+  n, k = np.shape(mask)
+  if len(questions) != n or len(answers) != n or np.shape(candidate_texts) != (n, k):
+    raise ValueError(f"answer support needs {n} questions, {n} answers and [{n}, {k}] candidate "
+                     f"texts, got {len(questions)}, {len(answers)} and "
+                     f"{np.shape(candidate_texts)}")
+  enc = encoders.load_encoder(encoder) if isinstance(encoder, (str, bytes)) or hasattr(
+      encoder, "__fspath__") else encoder
+  if np.shape(candidate_emb)[:2] != (n, k) or np.shape(candidate_emb)[2] != enc.dim:
+    raise ValueError(f"candidate_emb must be [{n}, {k}, {enc.dim}] (the encoder's dim), got "
+                     f"{np.shape(candidate_emb)}")
+  both = encoders.encode(enc, answers + [f"{q} {a}" for q, a in zip(questions, answers)],
+                         cache_dir=cache_dir, progress=progress)
+  has = np.asarray([bool(a.strip()) for a in answers])
+  emb = embedding_support(both[:n], both[n:], np.asarray(candidate_emb, np.float32), mask)
+  feats = np.concatenate([lexical_support(questions, answers, candidate_texts, mask), emb], -1)
+  assert feats.shape[-1] == len(ANSWER_FEATURES)
+  return np.where(has[:, None, None], feats, 0.0).astype(np.float32)
+
+
+def slate_support(question: str, answer: str, texts: Sequence[str], memories: np.ndarray,
+                  embed) -> np.ndarray:
+  """`[s, F]` float32 answer support of ONE slate of `s` shown memories, in `ANSWER_FEATURES`
+  order: `answer_support`'s features of one query (a live `Memory`'s feedback, issue 28).
+
+  Args:
+    question: the question's text.
+    answer: the agent's answer ('' = no answer: all zeros).
+    texts: `[s]` the shown memories' texts.
+    memories: `[s, d (+ F)]` their frozen (unit) embeddings (columns beyond the encoder's `d`,
+      first-stage side features, are ignored).
+    embed: `embed(texts) -> [n, d]` unit embeddings by the memories' own encoder; called once,
+      with the answer and "question answer".
+
+  Raises:
+    ValueError: when the lengths or shapes disagree.
+  """
+  texts = [str(t) for t in texts]
+  s = len(texts)
+  memories = np.asarray(memories, np.float32)
+  if memories.ndim != 2 or memories.shape[0] != s:
+    raise ValueError(f"slate support needs [{s}, d] memory embeddings for {s} texts, got "
+                     f"{memories.shape}")
+  out = np.zeros((s, len(ANSWER_FEATURES)), np.float32)
+  if not answer.strip() or not s:
+    return out
+  both = np.asarray(embed([answer, f"{question} {answer}"]), np.float32)
+  d = both.shape[-1]
+  if memories.shape[1] < d:
+    raise ValueError(f"the memories' embeddings have {memories.shape[1]} columns, fewer than the "
+                     f"answer's d={d}: they must come from the same encoder")
+  mask = np.ones((1, s), bool)
+  lex = lexical_support([question], [answer], np.asarray([texts], object).reshape(1, s), mask)
+  emb = embedding_support(both[:1], both[1:], memories[None, :, :d], mask)
+  return np.concatenate([lex, emb], -1)[0].astype(np.float32)
+
+
+def with_answer_support(bench, answers: Sequence[str] | None = None, encoder="minilm", *,
+                        cache_dir=None, progress: bool = False):
+  """`bench` (a `candidates.Benchmark`) with `stream.answer_support` from `answers`.
+
+  Args:
+    bench: the benchmark (its stream's first `d` candidate columns are the frozen embeddings).
+    answers: `[N]` answers in the benchmark's query order; default: its gold answers
+      (`bench.answers`, the answers of a competent agent).
+    encoder: the benchmark's encoder (the memories' embeddings must come from it).
+    cache_dir: embedding cache root.
+    progress: tqdm bar while encoding.
+
+  Raises:
+    ValueError: for a benchmark without answers (synthetic) or answers of the wrong length.
+  """
+  if answers is None:
+    answers = bench.answers
+    if answers is None or not any(a for a in answers):
+      raise ValueError(f"benchmark {bench.name!r} holds no answers: answer support needs the "
+                       "agent's answers (pass answers=...)")
+  strm = bench.stream
+  d = strm.dim
+  support = answer_support(bench.query_texts, answers, bench.candidate_texts,
+                           np.asarray(strm.candidates)[..., :d], np.asarray(strm.mask), encoder,
+                           cache_dir=cache_dir, progress=progress)
+  return dataclasses.replace(bench, stream=strm.replace(answer_support=support))

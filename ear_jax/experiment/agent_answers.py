@@ -1,0 +1,151 @@
+"""An agent's own answers for the answer-grounded critic (issue 28): generated, stored, read back.
+
+The answer critic (`core.critic.AnswerCritic`) reads how much an agent's answer draws on each shown
+memory (`data.answer_support`). With the gold answers it measures a competent agent; this module
+supplies a weak one's: the local LLM (or any chat endpoint) answering each question from the
+memories the QA suite would show it for the frozen first stage, i.e. the retriever's top
+`ANSWER_MEMORIES` candidates (rank order, with their session dates), through the QA suite's answer
+prompt and decoding (`agent.llm.qa_prompts.answer_messages`, temperature 0,
+`agent.llm.qa.ANSWER_MAX_TOKENS`). One call per question; no judge call.
+
+The answers are stored as JSON (`write_answers`) keyed by query id and question text, so a table
+regenerates from the file with no LLM call; `read_answers` returns them in the benchmark's query
+order and refuses a file that is missing, of another benchmark, or lacks or misaligns a question
+the measurement needs (the error names the file). An answer call that failed or returned only
+white space is stored as '' (status kept); its answer support is all zeros
+(`data.answer_support`), on which the library's `AnswerCritic` (`best_min_cosine = -inf`: every
+shown memory ties as the best-supported) cites the whole slate: such answers are counted.
+
+Host-side code (file and network I/O): never jitted.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Sequence
+
+import numpy as np
+
+from ear_jax.agent.llm import qa as qa_lib
+from ear_jax.agent.llm import qa_prompts
+
+ANSWER_MEMORIES = 5  # the retriever's top-5: the QA suite's "Only Retriever" slate
+FORMAT = "ear_jax.agent_answers.v1"
+
+
+def answer_items(bench, corpus, rows: Sequence[int], top: int = ANSWER_MEMORIES) -> list:
+  """`QAItem`s of queries `rows` of `bench`, each with its retriever top-`top` memories.
+
+  Args:
+    bench: the `candidates.Benchmark` (candidates in the frozen first stage's rank order).
+    corpus: its `corpus.Corpus` (session dates, question dates, gold answers).
+    rows: query rows of `bench`.
+    top: memories shown per question.
+  """
+  queries = {q.id: q for q in corpus.queries}
+  dates = {}
+  for g, bank in enumerate(corpus.banks):
+    for mid, date in zip(bank.ids, bank.dates or [""] * len(bank.ids)):
+      dates[(g, mid)] = date
+  items = []
+  for n in rows:
+    n = int(n)
+    q = queries.get(bench.query_ids[n])
+    mem = tuple((str(bench.candidate_texts[n, j]),
+                 dates.get((int(bench.group[n]), str(bench.candidate_ids[n, j])), ""))
+                for j in range(min(top, bench.candidate_ids.shape[1]))
+                if bench.candidate_ids[n, j] != "")
+    items.append(qa_lib.QAItem(id=bench.query_ids[n], question=bench.query_texts[n],
+                               gold="" if q is None or q.answer is None else q.answer,
+                               category=bench.categories[n], memories=mem,
+                               question_date=None if q is None else q.date,
+                               benchmark=bench.name))
+  return items
+
+
+def generate_answers(client, items: Sequence, *, max_workers: int = qa_lib.DEFAULT_WORKERS,
+                     max_tokens: int = qa_lib.ANSWER_MAX_TOKENS,
+                     progress: bool = True) -> list[dict]:
+  """Per item `{"query_id", "question", "answer", "status"}`: one answer call each (the QA
+  suite's answer request; `client`'s reply cache makes a rerun free)."""
+  results = qa_lib.run_requests(
+      client, [(qa_prompts.answer_messages(it.question, it.memories, it.question_date),
+                {"temperature": 0.0, "max_tokens": int(max_tokens)}) for it in items],
+      max_workers=max_workers, desc="agent answers", progress=progress)
+  out = []
+  for it, res in zip(items, results):
+    text = res.text.strip() if res.status == "ok" else ""
+    out.append({"query_id": it.id, "question": it.question, "answer": text,
+                "status": res.status if res.status != "ok" or text else "empty"})
+  return out
+
+
+def write_answers(path, bench_name: str, answers: Sequence[dict], info: dict[str, Any]):
+  """Writes `answers` (from `generate_answers`) and `info` (model, settings) as JSON at `path`."""
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  body = {"format": FORMAT, "benchmark": bench_name, **info, "answers": list(answers)}
+  path.write_text(json.dumps(body, indent=1, default=str))
+
+
+def load_answers(path) -> dict:
+  """The JSON `write_answers` wrote.
+
+  Raises:
+    FileNotFoundError: naming the file when it is missing.
+    ValueError: naming the file when it is not such a JSON.
+  """
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"agent answers file {path} not found: generate it with "
+                            "`python -m experiments.critic_eval --critic=answer --answers=llm "
+                            "--generate_answers ...`")
+  try:
+    body = json.loads(path.read_text())
+  except (OSError, ValueError) as e:
+    raise ValueError(f"agent answers file {path} is not readable JSON: {e}") from None
+  if not isinstance(body, dict) or body.get("format") != FORMAT or not isinstance(
+      body.get("answers"), list):
+    raise ValueError(f"agent answers file {path} is not a {FORMAT} file (a JSON object with "
+                     "'format' and an 'answers' list)")
+  return body
+
+
+def read_answers(path, bench, rows: Sequence[int]) -> list[str]:
+  """The stored answers in `bench`'s query order ('' outside `rows`).
+
+  Raises:
+    FileNotFoundError: naming the file when it is missing.
+    ValueError: naming the file when it belongs to another benchmark, when a query of `rows` has
+      no answer there, or when a stored question differs from the benchmark's (misaligned).
+  """
+  body = load_answers(path)
+  if body.get("benchmark") != bench.name:
+    raise ValueError(f"agent answers file {path} holds {body.get('benchmark')!r} answers, not "
+                     f"{bench.name!r}")
+  stored = {}
+  for a in body["answers"]:
+    if not isinstance(a, dict) or not {"query_id", "question", "answer"} <= set(a):
+      raise ValueError(f"agent answers file {path}: an entry lacks query_id / question / answer: "
+                       f"{str(a)[:120]}")
+    stored[str(a["query_id"])] = a
+  out = [""] * bench.num_queries
+  missing, misaligned = [], []
+  for n in np.asarray(rows, np.int64).reshape(-1):
+    qid = bench.query_ids[int(n)]
+    a = stored.get(qid)
+    if a is None:
+      missing.append(qid)
+    elif a["question"] != bench.query_texts[int(n)]:
+      misaligned.append(qid)
+    else:
+      out[int(n)] = str(a["answer"] or "")
+  if missing:
+    raise ValueError(f"agent answers file {path} has no answer for {len(missing)} of the "
+                     f"{len(set(map(int, np.asarray(rows).reshape(-1))))} queries needed (e.g. "
+                     f"{missing[:3]}): generate them with --generate_answers for these seeds")
+  if misaligned:
+    raise ValueError(f"agent answers file {path}: the stored question of {len(misaligned)} queries "
+                     f"differs from the benchmark's (e.g. {misaligned[:3]}): the file belongs to "
+                     "another version of the data; regenerate it")
+  return out

@@ -1,0 +1,308 @@
+"""Suite `guard_tune`: does the guard (`EARConfig.guard`, `ear_jax.core.guard`) keep EAR's
+adapter-only ranking at or above the first stage's? LoCoMo validation only.
+
+The validation protocol of `--suite=tune` (`runner.validation_split`): per seed the training
+stream's last 20 % is validation; the test split is never read, LongMemEval_S is refused. For each
+setting in `SETTINGS` (a critic, a learning rate) one run of `ear_safe` (`ear_tuned` + guard) over the runner's first stage
+(`--candidates`, e.g. hybrid) is trained on the fit part. The guard changes nothing in training
+(its evidence is only recorded), so the same run gives every row: the frozen first stage (the
+untrained adapter), `ear_tuned` (the adapter always served: guard off) and the guard at each
+`Z_GRID` x `HALF_LIFE_GRID` setting (its state folded again from the run's recorded evidence,
+`guard.guard_from_evidence`), all paired per seed against the frozen first stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ear_jax.core import critic as critic_lib
+from ear_jax.core import guard as guard_lib
+from ear_jax.experiment import runner
+from ear_jax.experiment import stats
+from ear_jax.experiment import summaries
+from ear_jax.experiment.suites.first_stage import GENERATORS_SHOWN, _validation, sub_runner
+from ear_jax.experiment.suites.pairing import DELTA_NOTE, fd, pair
+from ear_jax.experiment.suites.paper import fmt, md_table
+from ear_jax.experiment.suites.run_cache import Runner
+
+METHOD = "ear_safe"
+# name -> (simulated critic (precision, recall) overrides, hyperparameter overrides): the default
+# critic, Figure 5's noisiest, and a learning rate 30x the preset's (a setting whose adapter is
+# worse than the first stage: what the guard is for).
+SETTINGS = {"default critic (P .88, R .86)": ({}, {}),
+            "noisy critic (P = R = 0.7)": ({"precision": 0.7, "recall": 0.7}, {}),
+            "default critic, learning rate 3e-3": ({}, {"learning_rate": 3e-3})}
+Z_GRID = (0.0, 0.25, 0.5, 1.0, 1.645)
+HALF_LIFE_GRID = (0.0, 250.0)
+
+
+def _pct(ev, mode):
+  return 100.0 * np.asarray(ev[f"recall_{mode}"], np.float64)
+
+
+def guard_rows(r: Runner, critic_name: str, critic_over: dict, hparam_over: dict) -> dict:
+  """One `ear_safe` run on the fit part; every row's per-seed validation R@5 (percent)."""
+  b = r.bench()
+  stream = b.stream
+  fit, val = _validation(r)
+  m = runner.build_method(METHOD, dim=stream.dim, num_candidates=stream.num_candidates,
+                          hparams={**r.opts.hparam_overrides, **hparam_over},
+                          side_features=stream.num_side_features, **r.opts.config_overrides)
+  config = m.config
+  critic = critic_lib.make_simulated_critic(**critic_over) if critic_over else None
+  res = runner.train_and_evaluate(f"guard_tune {critic_name}", stream, fit, val, config,
+                                  m.hparams, r.seeds, critic=critic, progress=r.opts.progress)
+  states = res.final_state
+  num = len(r.seeds)
+  first = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num,) + x.shape),
+                                 guard_lib.first_stage_params(config))
+  score = lambda p: runner.evaluate_params(p, stream, val, config, m.hparams, r.seeds, critic)
+  ev_first, ev_adapted = score(first), score(states.params)
+  log = res.train_log
+  out = {"critic": critic_name, "critic_overrides": critic_over, "hparam_overrides": hparam_over,
+         "config": config.to_dict(),
+         "frozen": _pct(ev_first, "adapter").tolist(),
+         "adapted": _pct(ev_adapted, "adapter").tolist(),
+         "guarded_run": _pct(res.eval, "adapter").tolist(),
+         "explorer_adapted": _pct(ev_adapted, "explorer").tolist(),
+         "explorer_first": _pct(ev_first, "explorer").tolist(),
+         "evidence": {
+             "queries": int(log["guard_counts"].shape[1]),
+             "with_a_citation": (log["positive_labels"] > 0).sum(1).tolist(),
+             "counted": log["guard_counts"].sum(1).tolist(),
+             "mean_d": [float(log["guard_d"][i][log["guard_counts"][i]].mean())
+                        for i in range(num)]},
+         "guard": []}
+  for h in HALF_LIFE_GRID:
+    cfg = dataclasses.replace(config, guard_half_life=h)
+    g = jax.vmap(lambda d, c: guard_lib.guard_from_evidence(d, c, cfg))(
+        jnp.asarray(log["guard_d"]), jnp.asarray(log["guard_counts"]))
+    for z in Z_GRID:
+      serve = np.asarray(jax.vmap(lambda gg: guard_lib.serve_adapted(gg, cfg, z))(g))
+      lcb = np.asarray(jax.vmap(lambda gg: guard_lib.lower_bound(gg, z))(g))
+      out["guard"].append({
+          "half_life": h, "z": z, "serve_adapted": serve.tolist(), "lcb": lcb.tolist(),
+          "adapter": np.where(serve, out["adapted"], out["frozen"]).tolist(),
+          "explorer_guarded": np.where(serve, out["explorer_adapted"],
+                                       out["explorer_first"]).tolist()})
+  # The run's own evaluation is the guard at the config's (z, half-life): a consistency check.
+  own = [row for row in out["guard"] if row["z"] == config.guard_z
+         and row["half_life"] == config.guard_half_life]
+  if own and not np.allclose(own[0]["adapter"], out["guarded_run"]):
+    raise AssertionError("guard_tune: the run's guarded evaluation differs from the guard folded "
+                         f"from its evidence: {out['guarded_run']} vs {own[0]['adapter']}")
+  logging.info("guard_tune %s: frozen %.2f, adapted %.2f, guarded (run) %.2f", critic_name,
+               np.mean(out["frozen"]), np.mean(out["adapted"]), np.mean(out["guarded_run"]))
+  return out
+
+
+def suite_guard_tune(r: Runner) -> str:
+  """The guard on LoCoMo validation (see the module docstring); writes guard_tune.json."""
+  if r.opts.benchmark == "longmemeval":
+    raise ValueError("guard_tune: LongMemEval_S is the held-out transfer benchmark and is never "
+                     "tuned on; use --benchmark=locomo")
+  results = [guard_rows(r, name, *over) for name, over in SETTINGS.items()]
+  if r.writes:
+    (r.workdir / "guard_tune.json").write_text(json.dumps(results, indent=1))
+  rows = []
+  for res in results:
+    frozen = res["frozen"]
+    d = lambda v: fd(stats.paired_difference(v, frozen).to_json())
+    ev = res["evidence"]
+    rows.append([res["critic"], "frozen first stage", "–", f"{np.mean(frozen):.2f}", "(baseline)",
+                 "–", "–"])
+    rows.append([res["critic"], "ear_tuned (guard off)", "adapter", f"{np.mean(res['adapted']):.2f}",
+                 d(res["adapted"]), f"{len(frozen)}/{len(frozen)}", "–"])
+    for row in res["guard"]:
+      rows.append([res["critic"], f"guard z = {row['z']:g}, half-life {row['half_life']:g}",
+                   "adapter", f"{np.mean(row['adapter']):.2f}", d(row["adapter"]),
+                   f"{int(np.sum(row['serve_adapted']))}/{len(frozen)}",
+                   " ".join(f"{x:+.2f}" for x in row["lcb"])])
+    rows.append([res["critic"], "ear_tuned explorer, adapted z", "explorer T = 4",
+                 f"{np.mean(res['explorer_adapted']):.2f}", d(res["explorer_adapted"]), "–", "–"])
+    rows.append([res["critic"], "ear_tuned explorer, first stage's z", "explorer T = 4",
+                 f"{np.mean(res['explorer_first']):.2f}", d(res["explorer_first"]), "–", "–"])
+    rows.append([res["critic"], f"evidence: {np.mean(ev['counted']):.0f} of "
+                 f"{np.mean(ev['with_a_citation']):.0f} fit queries with a citation count "
+                 f"({ev['queries']} fit queries); mean d per seed "
+                 + " ".join(f"{x:+.3f}" for x in ev["mean_d"]), "", "", "", "", ""])
+  return "\n".join([
+      f"### Guard: adapter-only vs the frozen first stage — {r.opts.benchmark}, "
+      f"{r.opts.candidates} candidates ({len(r.seeds)} seeds, validation = last 20 % of each "
+      "seed's training stream; the test split is not read)", "",
+      md_table(["setting", "row", "mode", "validation R@5", "Δ vs frozen first stage [95% CI]",
+                "seeds serving the adapter", "LCB of mean d per seed"], rows), "",
+      DELTA_NOTE + " One `ear_safe` training run per setting; the guard does not change training, "
+      "so the guard-off row and every guard setting come from the same adapters (guard states "
+      "folded again from the recorded evidence)."])
+
+
+# --suite=guard: the simulated critics of issue 27's targets (training and test time alike).
+TEST_CRITICS = {"default critic (P .88, R .86)": {},
+                "noisy critic (P = R = 0.7)": {"precision": 0.7, "recall": 0.7}}
+# Issue 27's safety target for `ear_safe` adapter-only minus the same frozen first stage (points).
+SAFETY_MEAN, SAFETY_LOWER = 0.0, -1.0
+# Row -> (where its per-seed values come from: the run's own evaluation ('safe'), the same
+# adapters served unguarded ('adapted') or the untrained adapter ('first'); the EvalResult mode).
+TEST_ROWS = {
+    "frozen first stage": ("first", "adapter"),
+    "ear_tuned adapter-only (guard off)": ("adapted", "adapter"),
+    "ear_safe adapter-only (guarded)": ("safe", "adapter"),
+    "ear_safe explorer-assisted": ("safe", "explorer"),
+    "paging over the first stage": ("safe", "paging_first_stage"),
+    "paging over the served ranking": ("safe", "paging_adapted"),
+}
+MODE_LABELS = {"adapter": "top-5", "explorer": "explorer T = {t}",
+               "paging_first_stage": "{t} pages of 5", "paging_adapted": "{t} pages of 5"}
+
+
+def guard_test_rows(r: Runner, candidates: str, critic_name: str, critic_over: dict) -> dict:
+  """One `ear_safe` run over `candidates` on the test split; every row's per-seed metrics.
+
+  Returns:
+    `{"rows": {row: {"recall": [S], "hitrate": [S]}}, "serve_adapted": [S], "summary": ...}`
+    (percent); cached in `<workdir>/guard/<candidates>_<critic>.json` (reused with --resume).
+  """
+  sub = sub_runner(r, candidates)
+  b = sub.bench()
+  stream = b.stream
+  train, test = sub._splits[False]  # pylint: disable=protected-access
+  m = runner.build_method(METHOD, dim=stream.dim, num_candidates=stream.num_candidates,
+                          hparams=r.opts.hparam_overrides,
+                          side_features=stream.num_side_features or None,
+                          **r.opts.config_overrides)
+  config = m.config
+  critic = critic_lib.make_simulated_critic(**critic_over)
+  p, rc = float(critic.precision), float(critic.recall)
+  run_name = f"guard_{candidates}_critic_p{p:.2f}_r{rc:.2f}"
+  cache = r.workdir / "guard" / f"{run_name}.json"
+  ident = {"config": config.to_dict(), "hparams": summaries.hparams_dict(m.hparams),
+           "seeds": r.seeds, "critic": critic_over, "test_index": np.asarray(test).tolist()}
+  if r.opts.resume and cache.is_file():
+    saved = json.loads(cache.read_text())
+    if saved.get("ident") == ident:
+      logging.info("guard %s: finished earlier, loaded %s", run_name, cache)
+      r.summaries[run_name] = saved["summary"]
+      return saved
+  res = runner.train_and_evaluate(run_name, stream, train, test, config, m.hparams, r.seeds,
+                                  critic=critic, progress=r.opts.progress)
+  num = len(r.seeds)
+  first = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num,) + x.shape),
+                                 guard_lib.first_stage_params(config))
+  score = lambda p: runner.evaluate_params(p, stream, test, config, m.hparams, r.seeds, critic)
+  evs = {"safe": res.eval, "first": score(first), "adapted": score(res.final_state.params)}
+  # The same keys and critic: paging over the first stage does not depend on the served params.
+  for src_name in ("first", "adapted"):
+    if not np.array_equal(evs[src_name]["paging_first_stage_slates"],
+                          res.eval["paging_first_stage_slates"]):
+      raise AssertionError(f"guard {run_name}: paging over the first stage differs between the "
+                           f"run's evaluation and the {src_name} parameters'")
+  rows = {name: {metric: (100.0 * np.asarray(evs[src][f"{metric}_{mode}"], np.float64)).tolist()
+                 for metric in ("recall", "hitrate")}
+          for name, (src, mode) in TEST_ROWS.items()}
+  serve = np.asarray(jax.vmap(lambda g: guard_lib.serve_adapted(g, config))(res.final_state.guard))
+  summary = summaries.summarize(res, stream, b.categories)
+  summary.update(method=METHOD, run=run_name, critic={k: float(getattr(critic, k))
+                                                       for k in ("precision", "recall")},
+                 candidates=candidates, epochs=1)
+  for mode in ("paging_first_stage", "paging_adapted"):
+    for metric in ("recall", "hitrate"):
+      summary["metrics"][f"{metric}_{mode}"] = summaries.mean_std(
+          100.0 * np.asarray(res.eval[f"{metric}_{mode}"], np.float64))
+  out = {"ident": ident, "candidates": candidates, "critic": critic_name, "rows": rows,
+         "serve_adapted": serve.tolist(), "test_rounds": config.eval_rounds, "summary": summary}
+  r.summaries[run_name] = summary
+  if r.writes:
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(out, indent=1))
+  logging.info("guard %s: frozen %.2f, ear_tuned %.2f, ear_safe %.2f, explorer %.2f, paging "
+               "first stage %.2f, paging served %.2f (R@5)", run_name,
+               *[np.mean(rows[k]["recall"]) for k in TEST_ROWS])
+  return out
+
+
+def _side(label, run_name, mode):
+  return {"label": label, "run": run_name, "mode": mode}
+
+
+def _at_least(value: float, bound: float) -> bool:
+  """`value >= bound` up to float rounding (a per-seed tie's mean prints as -0.00)."""
+  return value >= bound - 1e-9
+
+
+def _safety_met(d: dict) -> bool:
+  return _at_least(d["mean"], SAFETY_MEAN) and _at_least(d["lo"], SAFETY_LOWER)
+
+
+def _safety_cell(d: dict) -> str:
+  ok = _safety_met(d)
+  return (f"{'met' if ok else 'not met'} (mean ≥ {SAFETY_MEAN:g}, lower bound ≥ "
+          f"{SAFETY_LOWER:g})")
+
+
+def suite_guard(r: Runner) -> str:
+  """`ear_safe` against the frozen first stage and paging, every first stage and critic (test)."""
+  results = [guard_test_rows(r, g, name, over) for g in GENERATORS_SHOWN
+             for name, over in TEST_CRITICS.items()]
+  if r.writes:
+    (r.workdir / "guard.json").write_text(json.dumps(
+        [{k: v for k, v in res.items() if k != "summary"} for res in results], indent=1))
+  table, targets = [], []
+  for res in results:
+    rows, run_name, t = res["rows"], res["summary"]["run"], res["test_rounds"]
+    frozen = rows["frozen first stage"]
+    paging = rows["paging over the first stage"]
+    label = f"{res['candidates']}, {res['critic']}"
+    for name, (_, mode) in TEST_ROWS.items():
+      vals = rows[name]
+      cells = [res["candidates"], res["critic"], name, MODE_LABELS[mode].format(t=t),
+               fmt(summaries.mean_std(vals["recall"]))]
+      if name == "frozen first stage":
+        cells += ["(baseline)", "–"]
+      else:
+        d = pair(r, "guard", _side(f"{name} / {label}", run_name, mode),
+                 _side(f"frozen first stage / {label}", run_name, "adapter"), "R@5",
+                 vals["recall"], frozen["recall"], primary=name.startswith("ear_safe"))
+        cells.append(fd(d))
+        if mode in ("explorer", "paging_adapted"):
+          dp = pair(r, "guard", _side(f"{name} / {label}", run_name, mode),
+                    _side(f"paging over the first stage / {label}", run_name,
+                          "paging_first_stage"), "R@5", vals["recall"], paging["recall"],
+                    primary=mode == "explorer")
+          cells.append(fd(dp))
+        else:
+          cells.append("(baseline)" if mode == "paging_first_stage" else "–")
+      cells.append(fmt(summaries.mean_std(vals["hitrate"])))
+      serving, target = "–", "–"
+      if name == "ear_safe adapter-only (guarded)":
+        serving = f"{int(np.sum(res['serve_adapted']))}/{len(res['serve_adapted'])}"
+        target = "safety: " + _safety_cell(d)
+        targets.append(("safety", _safety_met(d)))
+      elif mode == "explorer":
+        ok = _at_least(dp["mean"], 0.0)
+        target = f"paging: {'met' if ok else 'not met'} (Δ vs paging ≥ 0)"
+        targets.append(("paging", ok))
+      table.append(cells + [serving, target])
+  met = {kind: sum(ok for k, ok in targets if k == kind) for kind in ("safety", "paging")}
+  total = {kind: sum(k == kind for k, _ in targets) for kind in ("safety", "paging")}
+  return "\n".join([
+      f"### Guard: ear_safe against the frozen first stage and paging — {r.opts.benchmark} "
+      f"(test split, {len(r.seeds)} seeds)", "",
+      md_table(["first stage", "critic", "row", "test mode", "R@5", "Δ R@5 vs frozen first stage "
+                "[95% CI]", "Δ R@5 vs paging over the first stage [95% CI]", "Hit@5",
+                "seeds serving the adapter", "issue 27 target"], table), "",
+      DELTA_NOTE + " One `ear_safe` training run per first stage and critic (the guard records "
+      "evidence and changes nothing in training, so its adapter is `ear_tuned`'s); every row is "
+      "scored with that run's critic and evaluation keys. Paging: the critic reads the ranking's "
+      f"top {results[0]['test_rounds']} x 5 in pages of 5 (the same calls as the Explorer) and "
+      "the answer puts the cited memories first. Targets met: safety "
+      f"{met['safety']}/{total['safety']}, paging {met['paging']}/{total['paging']}."])
+
+
+__all__ = ["HALF_LIFE_GRID", "SETTINGS", "TEST_CRITICS", "TEST_ROWS", "Z_GRID", "guard_rows",
+           "suite_guard", "suite_guard_tune", "guard_test_rows"]
