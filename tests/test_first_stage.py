@@ -183,7 +183,7 @@ def test_make_stream_appends_features_and_validates_their_shape():
     stream_lib.make_stream(s.queries, s.candidates[..., :6], features=np.zeros((24, 7, 3)))
 
 
-@pytest.mark.parametrize("side_init", [0.025, 1.0])
+@pytest.mark.parametrize("side_init", [pytest.param(0.025, marks=pytest.mark.slow), 1.0])
 def test_before_feedback_the_adapter_only_slate_is_the_first_stage_top_s(side_init):
   s = _side_stream(seed=1)
   config = EARConfig(dim=6, num_candidates=8, slate_size=3, side_features=3, side_init=side_init)

@@ -103,6 +103,7 @@ def test_unknown_ids_are_refused_and_nothing_changes():
     m.delete(forget.TOMBSTONE + "0")  # a tombstone cannot be named
 
 
+@pytest.mark.slow  # (fast tier's budget; CI's full suite runs it)
 def test_delete_drops_open_sessions_and_masks_the_buffer_and_queue():
   m, emb = _memory()
   _train(m, emb, rounds=5)

@@ -49,6 +49,7 @@ def test_same_key_identical_different_keys_differ():
   assert not np.array_equal(a[0].params.w_q, c[0].params.w_q)
 
 
+@pytest.mark.slow  # (fast tier's budget; CI's full suite runs it)
 def test_records_and_counters():
   state, rec = jit_run_episode(jax.random.PRNGKey(0), TRAIN, CFG, HP)
   assert rec.slates.shape == (42, 3, 2) and rec.loss.shape == (42,)

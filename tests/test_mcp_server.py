@@ -217,6 +217,7 @@ def test_cite_errors_unknown_shown_ids_and_twice():
   assert not twice[0] and "consumed" in twice[1]
 
 
+@pytest.mark.slow  # (fast tier's budget; CI's full suite runs it)
 def test_concurrent_calls_are_safe():
   async def script(s):
     await mcp_agent.must(s, "remember", {"texts": FACTS})

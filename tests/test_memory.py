@@ -393,6 +393,9 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
   r = m.retrieve("q", k=2, query_embedding=np.ones(8))  # usable
   m.feedback(r, [])
   m.save(path)  # a later save works (the killed writer's lock is gone) and cleans its debris
+  # (.owner: this process's owner lock on the directory, held while `m` lives; issue 31 item 6)
+  assert sorted(p.name for p in pathlib.Path(path).iterdir()) == [".owner", "1", "2", "bank_shards"]
+  m.release()
   assert sorted(p.name for p in pathlib.Path(path).iterdir()) == ["1", "2", "bank_shards"]
 
 

@@ -275,6 +275,7 @@ def test_memory_candidates_equal_build_benchmark(multistore):
   np.testing.assert_allclose(feats, np.asarray(bench.stream.candidates)[..., DIM:], atol=1e-5)
 
 
+@pytest.mark.slow  # (fast tier's budget; CI's full suite runs it)
 def test_threads_adding_and_retrieving_leave_the_index_in_step():
   import threading  # pylint: disable=g-import-not-at-top
   texts, emb, qtexts, qemb = _bank(n=64, nq=4, seed=7)

@@ -48,6 +48,7 @@ def test_recall_equals_evaluates_explorer_assisted_slate(method):
     assert r.round == t + 1 and r.explore
 
 
+@pytest.mark.slow  # (fast tier's budget; CI's full suite runs it)
 def test_recall_is_one_training_query_and_search_learns_nothing():
   mem, emb = _memory(method="ear", dim=D)
   before = dict(mem.stats)

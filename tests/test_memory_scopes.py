@@ -192,6 +192,7 @@ def test_recall_never_shows_the_critic_an_empty_slate(monkeypatch):
   assert not shown
 
 
+@pytest.mark.slow  # (fast tier's budget; CI's full suite runs it)
 def test_scope_none_gives_the_candidates_of_a_memory_without_scopes():
   rng = np.random.default_rng(3)
   emb = rng.normal(size=(20, D))
@@ -228,6 +229,7 @@ def test_a_scope_with_fewer_than_k_memories_pads_and_never_borrows():
   assert new[0] not in m.search(query_embedding=np.ones(D), k=3, scope="big").ids
 
 
+@pytest.mark.slow  # (fast tier's budget; CI's full suite runs it)
 def test_one_adapter_and_one_buffer_learn_across_scopes():
   rng = np.random.default_rng(1)
   m = Memory(None, config=_config(batch_size=1))

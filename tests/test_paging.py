@@ -87,6 +87,7 @@ def _by_key(key, slate, slate_mask):
   return jnp.where((jax.random.uniform(key, slate_mask.shape) < 0.5) & slate_mask, 1.0, -1.0)
 
 
+@pytest.mark.slow  # (fast tier's budget; CI's full suite runs it)
 def test_page_t_gets_the_key_of_explorer_round_t_and_jit_equals_eager():
   key, where = jax.random.PRNGKey(7), jnp.asarray([True, True, True, False, True, True])
   eager = retrieval.paging_slate(key, Z, where, _by_key, 3, 2)
@@ -112,6 +113,7 @@ def _stream():
                      num_gold=np.array([1, 2, 2]))
 
 
+@pytest.mark.slow  # (fast tier's budget; CI's full suite runs it)
 def test_evaluate_pages_the_first_stage_and_the_served_ranking_hand_computed():
   params = learner.init_learner(jax.random.PRNGKey(0), CFG).params
   res = jit_evaluate(jax.random.PRNGKey(0), params, _stream(), CFG, default_hparams(),

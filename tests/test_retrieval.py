@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ear_jax.core import adapter, critic, retrieval
 from ear_jax.core.config import EARConfig, default_hparams
@@ -51,6 +52,7 @@ def test_multistore_search_takes_half_from_each_store():
   assert sorted((np.asarray(idx[0]) % 2).tolist()) == [0, 0, 0, 1, 1, 1]
 
 
+@pytest.mark.slow  # (fast tier's budget; CI's full suite runs it)
 def test_retrieve_gives_the_same_slates_whether_it_adapts_the_bank_or_the_candidates():
   rng = np.random.default_rng(2)
   d, k, s = 8, 5, 3

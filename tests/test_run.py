@@ -63,6 +63,7 @@ def check_cell(cell, per_seed):
   assert abs(std - np.std(per_seed)) <= 0.0051, (cell, per_seed)
 
 
+@pytest.mark.slow  # (fast tier's budget; CI's full suite runs it)
 def test_retriever_method_table_matches_an_independent_frozen_top5(tmp_path):
   res = suites.run(suites.Options(**dict(TINY, workdir=str(tmp_path / "wd"), suite=None,
                                          method="retriever", checkpoint_every=None)))
