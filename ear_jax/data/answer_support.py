@@ -107,8 +107,7 @@ def answer_support(questions: Sequence[str], answers: Sequence[str], candidate_t
     raise ValueError(f"answer support needs {n} questions, {n} answers and [{n}, {k}] candidate "
                      f"texts, got {len(questions)}, {len(answers)} and "
                      f"{np.shape(candidate_texts)}")
-  enc = encoders.load_encoder(encoder) if isinstance(encoder, (str, bytes)) or hasattr(
-      encoder, "__fspath__") else encoder
+  enc = encoders.load_encoder(encoder)  # (an `Encoder` is returned as is)
   if np.shape(candidate_emb)[:2] != (n, k) or np.shape(candidate_emb)[2] != enc.dim:
     raise ValueError(f"candidate_emb must be [{n}, {k}, {enc.dim}] (the encoder's dim), got "
                      f"{np.shape(candidate_emb)}")
