@@ -32,7 +32,7 @@ from ear_jax.agent.memory.episode import AnswerFeedback, round_slates, run_criti
 from ear_jax.agent.memory.sessions import Retrieval, Sessions, citation_labels
 from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import critic as critic_lib
-from ear_jax.core import inference
+from ear_jax.core import guard as guard_lib
 from ear_jax.core import learner as learner_lib
 from ear_jax.core import policies
 from ear_jax.core.config import EARConfig, HParams, Method, default_hparams
@@ -90,6 +90,10 @@ def _first_stage(config: EARConfig, candidates, options, multistore: bool, index
                      "the lexical first stage fuses every memory's cosine with its BM25 score; "
                      "use index='exact' (BENCHMARKS.md 'First stage at scale')")
   return config, lexical_bank.LexicalBank(candidates, options, multistore)
+
+# The served parameters of a guarded memory in one compiled call (`core.guard.served_params`:
+# the decision and a leafwise select), not a dozen eager dispatches on every retrieve.
+_served = jax.jit(guard_lib.served_params, static_argnums=2)
 
 
 class Memory:
@@ -249,11 +253,14 @@ class Memory:
     return self._driver.hparams
 
   def _served_params(self) -> adapter_lib.AdapterParams:
-    """The parameters test-time slates rank by (`core.inference.served_params`): the adapter's,
+    """The parameters test-time slates rank by (`core.guard.served_params`): the adapter's,
     or the first stage's when the guard (`EARConfig.guard`, e.g. `method="ear_safe"`) does not
     trust it yet. Exploring rounds, whose feedback trains, always use the adapter's. Call under
     the lock."""
-    return inference.served_params(self._driver.state, self.config)
+    state = self._driver.state
+    if state.guard is None:  # the guard off: the adapter's own parameters, no dispatch
+      return state.params
+    return _served(state.params, state.guard, self.config)  # one jitted call per retrieve
 
   @property
   def candidates(self) -> str:
