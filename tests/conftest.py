@@ -2,7 +2,7 @@
 session's XLA compile-speed flags.
 
 Tiers (pytest.ini registers the markers): `python -m pytest -q -m "not slow" -n 2 tests` is the fast tier;
-`python -m pytest -q tests` runs everything (CI). Tests marked `real_llm` (llama.cpp + SmolLM2) skip
+`python -m pytest -q -n 2 tests` runs everything (CI). Tests marked `real_llm` (llama.cpp + SmolLM2) skip
 when the LLM extra is not installed; such skips are summed up in a banner at the end of the run,
 and with `EAR_REQUIRE_REAL_LLM=1` (what `.ci/run` sets once the extra installed) they fail it.
 """
