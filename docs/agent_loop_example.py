@@ -5,6 +5,7 @@ memory.add(["Alice: I adopted a cat named Luna.", "Bob: I started learning the v
 for question, gold in [("What is Alice's cat called?", {"m0"}), ("Where does Bob's sister live?", {"m3"})] * 2:
     cite = lambda key, view: [1.0 if i in gold else -1.0 for i in view.ids]  # your LLM's citations (LLMCritic)
     answer = memory.recall(question, cite, k=3)  # T Explorer rounds = ONE training query; a step per 4 questions
-memory.save("ear_memory_ckpt")  # atomic Orbax checkpoint: bank, embeddings, learner, config
-memory = Memory.load("ear_memory_ckpt")
+memory.save("ear_memory")  # binds it to the directory: rows in SQLite (each add durable from now on) + the learner (Orbax)
+memory.close()
+memory = Memory.open("ear_memory")
 print(memory.search("Who has a cat?", k=2).texts)  # adapter-only: no critic, no learning

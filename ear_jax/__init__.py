@@ -17,7 +17,7 @@ from ear_jax.core.episode import run_episode
 from ear_jax.core.inference import EvalResult, evaluate
 from ear_jax.core.critic import SlateView, make_simulated_critic
 from ear_jax.core.types import Critic
-from ear_jax.agent.memory import Memory
+from ear_jax.agent.memory import Memory, MemoryConfig
 from ear_jax.experiment.checkpointing import CheckpointError, restore_adapter
 
 __version__ = "0.1.0"
@@ -34,6 +34,6 @@ __all__ = [
     "run_episode", "evaluate", "EvalResult",
     # the critic protocol
     "Critic", "SlateView", "make_simulated_critic",
-    # the agent front and trained adapters
-    "Memory", "CheckpointError", "restore_adapter",
+    # the agent front (its one configuration) and trained adapters
+    "Memory", "MemoryConfig", "CheckpointError", "restore_adapter",
 ]

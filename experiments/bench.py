@@ -22,10 +22,14 @@ s = 5, T = 4, B = 4, batch 4; d = 384 and d = 768; EAR with the default config):
   encode     MiniLM sentences/s (`ear_jax.data.encoders`).
   suite      wall time of `experiments.run --benchmark=locomo --suite=main` (3 seeds x 3 methods).
 
-`--suite=scale` (`ear_jax.experiment.scale_bench`): add, retrieve (p50 / p90, batch 1 and
-batch 256), feedback and save costs of `Memory` against bank size (`--scale_sizes`) for the exact
-fp32, exact bf16 and faiss paths (`--scale_paths`), each beside the memory-bandwidth and matmul
-bounds measured in the same run; writes `--scale_out` (JSON), a markdown table and a log-log plot.
+`--suite=scale` (`ear_jax.experiment.scale_bench`): add, search (p50 / p90, batch 1 and batch
+256), a session's round, feedback and save costs of `Memory` against bank size (`--scale_sizes`)
+for the exact fp32, exact bf16 and faiss paths (`--scale_paths`), each beside the memory-bandwidth
+and matmul bounds measured in the same run, and for the exact path `Memory.open` of the saved
+directory (at 1M against the load before issue 29, target <= 2x) and `add` of one memory to the
+opened memory (target < 50 ms); writes `--scale_out` (JSON), a markdown table and a log-log plot.
+`--suite=first_stage` (`ear_jax.experiment.first_stage_bench`): the BM25 / hybrid first stage
+against bank size, and the search right after adding one memory (target <= 2x a search).
 
 The measurements are `ear_jax.experiment.benchmarking`; this program reads the flags, calls them
 and prints the table. Timings take the minimum over repetitions (the machine is shared; the minimum
@@ -69,8 +73,8 @@ _SCALE_PATHS = flags.DEFINE_list("scale_paths", ["exact", "bf16", "ivf", "ivf_cl
                                  "hnsw).")
 _SCALE_OUT = flags.DEFINE_string("scale_out", "results/scale/scale.json", "--suite=scale: JSON "
                                  "output; the table (.md) and plot (.png) are written beside it.")
-_SCALE_CALLS = flags.DEFINE_integer("scale_calls", 20, "--suite=scale: retrieve+feedback rounds "
-                                    "per (path, size).", lower_bound=2)
+_SCALE_CALLS = flags.DEFINE_integer("scale_calls", 20, "--suite=scale: searches and round + "
+                                    "feedback calls per (path, size).", lower_bound=2)
 _FIRST_STAGE_OUT = flags.DEFINE_string(
     "first_stage_out", "results/first_stage/first_stage.json", "--suite=first_stage: JSON "
     "output; the table (.md) is written beside it.")
@@ -240,7 +244,7 @@ def _scale():
 
 def _first_stage():
   """`--suite=first_stage`: `first_stage_bench.run` (BM25 / hybrid candidates and
-  `Memory.retrieve` with hybrid at 10k, 100k, 1M memories) -> `--first_stage_out` (JSON) and the
+  `Memory.search` with hybrid at 10k, 100k, 1M memories) -> `--first_stage_out` (JSON) and the
   markdown table beside it."""
   from ear_jax.experiment import first_stage_bench  # pylint: disable=g-import-not-at-top
   quick = _QUICK.value

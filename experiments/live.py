@@ -70,8 +70,9 @@ def main(argv):
     probe = config_lib.Method.named(_METHOD.value, dim=8,
                                     hparams=config_flags.overrides(_HPARAM_FLAGS),
                                     **config_flags.overrides(_CONFIG_FLAGS))
-    from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
-    Memory(None, method=probe)  # refuses a config Memory cannot honour, naming the field
+    from ear_jax.agent.memory import Memory, MemoryConfig  # pylint: disable=g-import-not-at-top
+    # refuses a config Memory cannot honour, naming the field
+    Memory(MemoryConfig(encoder=None, config=probe.config, hparams=probe.hparams)).close()
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   from ear_jax.experiment import live  # pylint: disable=g-import-not-at-top

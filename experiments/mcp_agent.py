@@ -176,7 +176,7 @@ def main(argv):
 if __name__ == "__main__":
   from absl import app, flags  # pylint: disable=g-import-not-at-top,g-multiple-import
   flags.DEFINE_string("locomo", None, "locomo10.json", required=True)
-  flags.DEFINE_string("memory_dir", None, "A NEW checkpoint directory for the server.",
+  flags.DEFINE_string("memory_dir", None, "A NEW memory directory for the server.",
                       required=True)
   flags.DEFINE_integer("conversation", 0, "LoCoMo conversation index.")
   flags.DEFINE_integer("num_test", 40, "Held-out questions.")

@@ -5,13 +5,17 @@
   EAR_MCP_TOKEN=secret python -m experiments.mcp_server --memory_dir=DIR --transport=http --port=8765
 
 Tools: remember, recall, cite, search, forget, stats (`ear_jax.agent.mcp_server`). The memory is
-loaded from `--memory_dir` when it holds a checkpoint (a restart continues where it stopped), saved
-atomically after every `--save_every` changes and on shutdown (stdin EOF, SIGTERM, Ctrl-C). HTTP is
-served on loopback unless `--host` names another address (then a bearer token is required).
+`Memory.open(--memory_dir)`: created with the flags' settings when the directory holds none, else
+opened (a restart continues where it stopped; a memory of other settings is refused at start,
+naming the differing fields). Every `remember` / `forget` is durable when it is acknowledged; the
+learner is saved every `--save_learner_s` seconds after a change and at shutdown (stdin EOF,
+SIGTERM, Ctrl-C). HTTP is served on loopback unless `--host` names another address (then a bearer
+token is required).
 
 Needs `pip install mcp` (requirements.txt).
 """
 import os
+import pathlib
 import signal
 import sys
 
@@ -21,23 +25,23 @@ from absl import logging
 
 from ear_jax.agent import mcp_server
 from ear_jax.agent import mcp_stdio
+from ear_jax.agent.memory import Memory, MemoryConfig
 from ear_jax.core.config import METHODS
 
-_DIR = flags.DEFINE_string("memory_dir", None, "Checkpoint directory of the memory (created if "
-                           "missing; loaded if it holds a checkpoint).", required=True)
-_METHOD = flags.DEFINE_enum("method", "ear_tuned", list(METHODS), "EAR method of a NEW memory "
-                            "(config and hyperparameters); a loaded memory keeps its own.")
+_DIR = flags.DEFINE_string("memory_dir", None, "The memory directory (created with the settings "
+                           "below if it holds no memory; else opened, and its stored settings "
+                           "must equal them).", required=True)
+_METHOD = flags.DEFINE_enum("method", "ear_tuned", list(METHODS), "EAR method of the memory "
+                            "(config and hyperparameters).")
 _CANDIDATES = flags.DEFINE_enum("candidates", "dense", ["dense", "bm25", "hybrid"],
                                 "First stage: frozen cosine, BM25, or both fused.")
-_ENCODER = flags.DEFINE_string("encoder", "minilm", "Encoder spec of a new memory: 'minilm' or a "
+_ENCODER = flags.DEFINE_string("encoder", "minilm", "Encoder spec of the memory: 'minilm' or a "
                                "local Hugging Face checkpoint directory.")
 _CACHE = flags.DEFINE_string("cache_dir", None, "Embedding cache directory (default: none).")
-_SAVE_EVERY = flags.DEFINE_integer("save_every", 20, "Save after this many changes (remember, "
-                                   "cite, forget calls); a crash loses at most the last "
-                                   "save_every - 1.", lower_bound=1)
-_SAVE_IDLE = flags.DEFINE_float("save_idle_s", 2.0, "Also save once no tool changed the memory for "
-                                "this many seconds (0: never), so shutdown has little to write.",
-                                lower_bound=0.0)
+_SAVE_LEARNER = flags.DEFINE_float("save_learner_s", mcp_server.SAVE_LEARNER_S, "Save the learner "
+                                   "(adapter, replay buffer, open sessions) this often after a "
+                                   "change, and at shutdown (0: at shutdown only); memories are "
+                                   "durable at once.", lower_bound=0.0)
 _TRANSPORT = flags.DEFINE_enum("transport", "stdio", ["stdio", "http"], "MCP transport: stdio, or "
                                "streamable HTTP at http://HOST:PORT/mcp.")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "HTTP address to bind. Only loopback unless given "
@@ -46,7 +50,7 @@ _PORT = flags.DEFINE_integer("port", 8765, "HTTP port.")
 _TOKEN_ENV = flags.DEFINE_string("token_env", "EAR_MCP_TOKEN", "Environment variable holding the "
                                  "HTTP bearer token; when it is set, every HTTP request must send "
                                  "'Authorization: Bearer <token>'.")
-_SEED = flags.DEFINE_integer("seed", 0, "Learner seed of a new memory.")
+_SEED = flags.DEFINE_integer("seed", 0, "Learner seed of the memory.")
 
 
 def main(argv):
@@ -57,18 +61,19 @@ def main(argv):
   if _TRANSPORT.value == "http" and not mcp_server.is_loopback(host) and not token:
     sys.exit(f"--host={host} is not a loopback address: set the bearer token in "
              f"${_TOKEN_ENV.value} first (the memory would be open to the network)")
-  try:
-    memory = mcp_server.open_memory(_DIR.value, method=_METHOD.value,
-                                    candidates=_CANDIDATES.value, encoder=_ENCODER.value,
-                                    cache_dir=_CACHE.value, seed=_SEED.value)
+  memory_dir = pathlib.Path(_DIR.value).expanduser()
+  try:  # (a second server on this directory is refused, naming the first one's pid)
+    memory = Memory.open(memory_dir, MemoryConfig(
+        method=_METHOD.value, candidates=_CANDIDATES.value, encoder=_ENCODER.value,
+        cache_dir=_CACHE.value, seed=_SEED.value))
   except ValueError as e:
     sys.exit(f"mcp_server: {e}")
-  service = mcp_server.MemoryService(memory, _DIR.value, _SAVE_EVERY.value, _SAVE_IDLE.value)
+  service = mcp_server.MemoryService(memory, memory_dir, _SAVE_LEARNER.value)
   server = mcp_server.build_server(service, host=host, port=_PORT.value)
 
   def on_term(signum, frame):
     del signum, frame
-    if service.closing:  # the final save is running (in this thread): let it finish, then exit
+    if service.closed:  # the final save is running (in this thread): let it finish, then exit
       return
     service.close()
     os._exit(0)  # pylint: disable=protected-access

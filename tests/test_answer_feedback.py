@@ -1,8 +1,6 @@
-"""Issue 28, the live API: feedback from the agent's answer (`Memory.feedback(answer=...)`,
+"""Issue 28, the live API: feedback from the agent's answer (`Session.feedback(answer=...)`,
 `AnswerFeedback` as `recall`'s critic, the MCP server's `cite(answer=...)`), labelled by the same
 answer rule as the benchmarks (`ear_jax.core.critic.answer_critic`, `ANSWER_DEFAULTS`)."""
-import asyncio
-
 import jax
 import numpy as np
 import pytest
@@ -21,8 +19,9 @@ QUESTION = "where does the red cat live"
 ANSWER = "the red cat lives in room 0"  # new content words: room, 0 (only FACTS[0] holds both)
 
 
-def _memory(encoder=None, **kw):
-  cfg = EARConfig.for_method("ear_tuned", dim=D, num_candidates=8, buffer_capacity=64)
+def _memory(encoder=None, batch_size=None, **kw):
+  cfg = EARConfig.for_method("ear_tuned", dim=D, num_candidates=8, buffer_capacity=64,
+                             **({} if batch_size is None else {"batch_size": batch_size}))
   return Memory(HashEncoder() if encoder is None else encoder, config=cfg, **kw)
 
 
@@ -44,53 +43,64 @@ def _rule(question, answer, texts, memories):
 _critic = jax.jit(lambda c, view: c(None, view))
 
 
-def _shown(memory, r):
-  """The frozen embeddings of a retrieval's memories, in slate order."""
-  emb = memory.embeddings()
-  return emb[[memory.ids.index(i) for i in r.ids]]
+def _shown(texts):
+  """The embeddings of shown memories (the stand-in encoder's unit vectors), in slate order."""
+  return HashEncoder()._encode(list(texts))[0]  # pylint: disable=protected-access
 
 
-def _recorded(memory, r):
-  """The labels the memory recorded for round `r` (its session's row of that round)."""
-  s = memory._sessions.by_id[r.session_id]  # pylint: disable=protected-access
-  return s.labels[r.round - 1, :len(r.ids)]
+def _twins():
+  """Two equal memories of FACTS that take a learner step per closed session."""
+  twins = _memory(batch_size=1), _memory(batch_size=1)
+  for m in twins:
+    m.add(FACTS)
+  return twins
+
+
+def _same_learner(a, b):
+  for x, y in zip(jax.tree_util.tree_leaves(a.learner), jax.tree_util.tree_leaves(b.learner)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_feedback_with_an_answer_labels_the_slate_by_the_answer_rule():
-  m = _memory()
-  m.add(FACTS)
-  r = m.retrieve(QUESTION, k=6, explore=True)
-  assert FACTS[0] in r.texts
-  m.feedback(r, answer=ANSWER)
-  want = _rule(QUESTION, ANSWER, r.texts, _shown(m, r))
-  got = _recorded(m, r)
-  np.testing.assert_array_equal(got, want)
-  assert got[r.texts.index(FACTS[0])] == 1.0  # the memory holding the answer's new words
-  assert (got < 0).any()  # and not every shown memory
-  assert m.stats["cited"] == int((want > 0).sum())
+  a, b = _twins()
+  sa, sb = a.session(QUESTION), b.session(QUESTION)
+  r = sa.round(6, explore=True)
+  assert sb.round(6, explore=True) == r and FACTS[0] in r.texts
+  want = _rule(QUESTION, ANSWER, r.texts, _shown(r.texts))
+  assert want[r.texts.index(FACTS[0])] == 1.0  # the memory holding the answer's new words
+  assert (want < 0).any()  # and not every shown memory
+  sa.feedback(answer=ANSWER)  # labels as citing exactly the rule's memories would
+  sb.feedback([i for i, y in zip(r.ids, want) if y > 0])
+  assert a.stats["cited"] == b.stats["cited"] == int((want > 0).sum())
+  assert a.stats["answer_feedback"] == 1
+  assert sa.close() and sb.close()  # (one learner step each, on the same labels)
+  _same_learner(a, b)
 
 
 def test_feedback_with_cited_ids_and_an_answer_cites_their_union():
-  m = _memory()
-  m.add(FACTS)
-  r = m.retrieve(QUESTION, k=6, explore=True)
-  want = _rule(QUESTION, ANSWER, r.texts, _shown(m, r))
+  a, b = _twins()
+  sa, sb = a.session(QUESTION), b.session(QUESTION)
+  r = sa.round(6, explore=True)
+  sb.round(6, explore=True)
+  want = _rule(QUESTION, ANSWER, r.texts, _shown(r.texts))
   extra = next(i for i, y in zip(r.ids, want) if y < 0)
-  m.feedback(r, [extra], answer=ANSWER)
-  np.testing.assert_array_equal(
-      _recorded(m, r), np.where(np.asarray(r.ids) == extra, 1.0, want))
+  sa.feedback([extra], answer=ANSWER)
+  sb.feedback([i for i, y in zip(r.ids, want) if y > 0 or i == extra])
+  assert a.stats["cited"] == b.stats["cited"] == int((want > 0).sum()) + 1
+  sa.close()
+  sb.close()
+  _same_learner(a, b)
 
 
 def test_feedback_with_an_answer_without_an_encoder_is_a_value_error_and_changes_nothing():
-  enc = HashEncoder()
-  m = Memory(None, config=_memory().config)
-  m.add(FACTS, embeddings=enc._encode(FACTS)[0])  # pylint: disable=protected-access
-  r = m.retrieve(QUESTION, k=4, explore=True,
-                 query_embedding=enc._encode([QUESTION])[0][0])  # pylint: disable=protected-access
+  m = Memory(None, config=_memory().config.ear)
+  m.add(FACTS, embeddings=_shown(FACTS))
+  s = m.session(QUESTION, query_embedding=_shown([QUESTION])[0])
+  r = s.round(4, explore=True)
   with pytest.raises(ValueError, match="no encoder"):
-    m.feedback(r, answer=ANSWER)
-  assert m.stats["feedback"] == 0
-  m.feedback(r, [r.ids[0]])  # the retrieval is still open
+    s.feedback(answer=ANSWER)
+  assert m.stats["feedback"] == 0 and s.rounds == 0
+  s.feedback([r.ids[0]])  # the round is still open
 
 
 @pytest.mark.parametrize("answer,error,message", [
@@ -100,19 +110,20 @@ def test_feedback_with_an_answer_without_an_encoder_is_a_value_error_and_changes
 def test_feedback_refuses_a_bad_answer_naming_it(answer, error, message):
   m = _memory()
   m.add(FACTS)
-  r = m.retrieve(QUESTION, k=4, explore=True)
+  s = m.session(QUESTION)
+  s.round(4, explore=True)
   with pytest.raises(error, match=message):
-    m.feedback(r, answer=answer)
-  m.feedback(r, [])  # still open: nothing changed
+    s.feedback(answer=answer)
+  s.feedback([])  # still open: nothing changed
 
 
 def test_feedback_with_an_answer_needs_the_question_text():
   m = _memory()
   m.add(FACTS)
-  q = HashEncoder()._encode([QUESTION])[0][0]  # pylint: disable=protected-access
-  r = m.retrieve(k=4, explore=True, query_embedding=q)
+  s = m.session(query_embedding=_shown([QUESTION])[0])
+  s.round(4, explore=True)
   with pytest.raises(ValueError, match="no question text"):
-    m.feedback(r, answer=ANSWER)
+    s.feedback(answer=ANSWER)
 
 
 def test_recall_with_answer_feedback_labels_every_round_by_the_answer_rule():
@@ -124,12 +135,10 @@ def test_recall_with_answer_feedback_labels_every_round_by_the_answer_rule():
     seen.append((question, tuple(texts)))
     return ANSWER
   rec = m.recall(QUESTION, AnswerFeedback(answer_fn), k=4)
-  assert len(rec.rounds) == m.config.num_rounds == len(seen)
-  emb = m.embeddings()
+  assert len(rec.rounds) == m.config.ear.num_rounds == len(seen)
   for r, y, (q, texts) in zip(rec.rounds, rec.labels, seen):
     assert q == QUESTION and texts == r.texts
-    np.testing.assert_array_equal(
-        y, _rule(QUESTION, ANSWER, r.texts, emb[[m.ids.index(i) for i in r.ids]]))
+    np.testing.assert_array_equal(y, _rule(QUESTION, ANSWER, r.texts, _shown(r.texts)))
   assert m.stats["queries_queued"] == 1  # the rounds are one training query
 
 
@@ -146,7 +155,7 @@ def test_recall_with_answer_feedback_and_learn_false_uses_the_rule_too():
   m.add(FACTS)
   rec = m.recall(QUESTION, AnswerFeedback(lambda question, texts: ANSWER), k=4, learn=False)
   r = rec.rounds[0]
-  np.testing.assert_array_equal(rec.labels[0], _rule(QUESTION, ANSWER, r.texts, _shown(m, r)))
+  np.testing.assert_array_equal(rec.labels[0], _rule(QUESTION, ANSWER, r.texts, _shown(r.texts)))
   assert m.stats["queries_queued"] == 0
 
 
@@ -170,11 +179,11 @@ def test_mcp_cite_with_an_answer_trains_like_memory_feedback():
     return r, out, tools
   r, out, tools = _run(svc, script)
   assert out["recorded"] and out["round"] == 1
+  texts = [x["text"] for x in r["memories"]]
+  want = _rule(QUESTION, ANSWER, texts, _shown(texts))
   m = svc.memory
-  rid = svc._retrievals[r["retrieval_id"]]  # pylint: disable=protected-access
-  np.testing.assert_array_equal(_recorded(m, rid),
-                                _rule(QUESTION, ANSWER, rid.texts, _shown(m, rid)))
-  assert m.stats["feedback"] == 1 and m.stats["cited"] >= 1
+  assert m.stats["feedback"] == 1 and m.stats["answer_feedback"] == 1
+  assert m.stats["cited"] == int((want > 0).sum()) >= 1
   assert "answer" in tools["cite"].inputSchema["properties"]
   assert "used_ids" not in tools["cite"].inputSchema.get("required", [])
   assert "answer=" in tools["recall"].description and "answer" in tools["cite"].description
@@ -185,7 +194,7 @@ def test_mcp_cite_with_an_answer_trains_like_memory_feedback():
     ({}, "used_ids or answer"),
     ({"answer": 5}, "answer\n  input should be a valid string"),
     ({"answer": ""}, "answer is empty"),
-    ({"answer": "x" * 20_001}, "limit"),
+    ({"answer": "x" * 20_001}, "answer\n  string should have at most 20000 characters"),
     ({"used_ids": [], "answer": ["a"]}, "answer\n  input should be a valid string"),
 ])
 def test_mcp_cite_with_a_bad_answer_is_a_tool_error_naming_it(args, message):

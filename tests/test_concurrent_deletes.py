@@ -1,15 +1,14 @@
-"""Deletes and updates while memories are shown (issue 31 item 3): a critic that deletes or updates a
-shown memory inside `recall`, and a thread deleting while another loops `search` / `recall`, never
-crash; the answer leaves deleted memories out (`Recall.dropped` names them) and shows updated ones
-as they are now; feedback on a retrieval whose session a delete dropped says so."""
+"""Deletes and updates while memories are shown (issue 31 item 3): a critic that deletes or updates
+a shown memory inside `recall`, and a thread deleting while another loops `search` / `recall`,
+never crash; the answer leaves deleted memories out (`Recall.dropped` names them) and shows updated
+ones as they are now; a session a delete dropped says so, and `search` opens no session."""
 import threading
 
 import numpy as np
 import pytest
 
 from ear_jax import EARConfig
-from ear_jax.agent.memory import Memory
-from ear_jax.agent.memory.sessions import SessionDroppedError
+from ear_jax.agent.memory import Memory, SessionDroppedError
 
 D = 8
 K = 6
@@ -60,40 +59,54 @@ def test_a_critic_that_edits_a_shown_memory_inside_recall_gets_an_answer(learn, 
     assert all(i and not i.startswith("\x00") for i in ids) and all(texts)
   if learn:  # the delete dropped the session: the rounds end, nothing is trained
     assert len(seen) == 1 and out.labels == (None,)
-    assert m.stats["recall_sessions_dropped"] == 1 and m.num_pending == 0
+    assert m.stats["recall_sessions_dropped"] == 1 and m.stats["pending"] == 0
   else:  # the frozen rounds go on without the deleted memory
-    assert len(seen) == m.config.num_rounds and len(set(edited)) == len(edited)
+    assert len(seen) == m.config.ear.num_rounds and len(set(edited)) == len(edited)
 
 
-def test_feedback_on_a_retrieval_whose_session_a_delete_dropped_names_the_delete():
+def test_a_session_a_delete_or_update_dropped_says_which_memory_and_why():
   m, rng = _memory()
   q = rng.normal(size=D)
-  r = m.retrieve(query_embedding=q, k=3, explore=True)
+  s = m.session(query_embedding=q)
+  r = s.round(3, explore=True)
   m.delete(r.ids[1])
-  for call in (lambda: m.feedback(r, [r.ids[0]]), lambda: m.feedback(r.retrieval_id, []),
-               lambda: m.discard(r), lambda: m.close(r)):
-    with pytest.raises(SessionDroppedError, match=rf"retrieval {r.retrieval_id} is no longer "
-                                                  r"open: its session was dropped because "
-                                                  rf"memory '{r.ids[1]}' among its candidates "
-                                                  r"was deleted \(Memory.delete\)"):
+  for call in (lambda: s.feedback([r.ids[0]]), lambda: s.round(3), s.close,
+               lambda: m.session(resume=s.id)):
+    with pytest.raises(SessionDroppedError, match=rf"session {s.id} was dropped because memory "
+                                                  rf"'{r.ids[1]}' among its candidates was "
+                                                  r"deleted \(Memory.delete\)"):
       call()
-  r2 = m.retrieve(query_embedding=q, k=3, explore=True)
-  m.feedback(r2, [])
+  s2 = m.session(query_embedding=q)
+  r2 = s2.round(3, explore=True)
+  s2.feedback([])
   m.update(r2.ids[0], text="new text", embedding=rng.normal(size=D))
   with pytest.raises(SessionDroppedError, match=rf"dropped because memory '{r2.ids[0]}' among its "
                                                 r"candidates was updated \(Memory.update\)"):
-    m.retrieve(continue_from=r2, k=3, explore=True)
+    s2.round(3, explore=True)
+  assert m.stats["pending"] == 0  # (dropped untrained)
   assert issubclass(SessionDroppedError, ValueError)
 
 
 def test_an_evicted_session_says_it_was_evicted():
   m, rng = _memory(max_sessions=1)
-  r = m.retrieve(query_embedding=rng.normal(size=D), k=2)
-  m.retrieve(query_embedding=rng.normal(size=D), k=2)
-  for call in (lambda: m.feedback(r, []), lambda: m.feedback(r.retrieval_id, [])):
-    with pytest.raises(SessionDroppedError, match=r"session was dropped because it was evicted "
+  s = m.session(query_embedding=rng.normal(size=D))
+  s.round(2)
+  m.session(query_embedding=rng.normal(size=D)).round(2)
+  for call in (lambda: s.feedback([]), lambda: m.session(resume=s.id)):
+    with pytest.raises(SessionDroppedError, match=r"dropped because it was evicted "
                                                   r".*max_sessions=1"):
       call()
+
+
+def test_search_opens_no_session_and_a_delete_never_fails_it():
+  m, rng = _memory(max_sessions=1)
+  s = m.session(query_embedding=rng.normal(size=D))
+  r = s.round(3, explore=True)
+  for q in rng.normal(size=(3, D)):  # a read: no session, so nothing evicted
+    m.search(query_embedding=q, k=3)
+  s.feedback(r.ids[:1])
+  m.delete(m.search(query_embedding=rng.normal(size=D), k=3).ids[0])
+  assert len(m.search(query_embedding=rng.normal(size=D), k=3)) == 3
 
 
 @pytest.mark.slow
@@ -104,7 +117,7 @@ def test_search_and_recall_succeed_while_another_thread_deletes():
 
   def deleter():
     try:
-      for j, i in enumerate(list(m.ids)[:50]):
+      for j, i in enumerate([r["id"] for r in m.list()][:50]):
         if j % 5 == 4:
           m.update(i, text=f"updated {i}", embedding=rng.normal(size=D))
         else:

@@ -18,6 +18,7 @@ from ear_jax.core import inference
 from ear_jax.core import learner
 from ear_jax.core import stream as stream_lib
 from ear_jax.core.config import EARConfig, default_hparams, hparams_for_method
+from ear_jax.data import candidates
 from ear_jax.data import first_stage
 from ear_jax.data import lexical
 
@@ -33,11 +34,32 @@ def _unit(x):
   return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
 
 
-def _inputs(seed=0, d=8, valid=None):
+def _bank(seed=0, d=8):
   rng = np.random.default_rng(seed)
-  q, bank = _unit(rng.normal(size=(len(QUERIES), d))), _unit(rng.normal(size=(len(BANK), d)))
+  return _unit(rng.normal(size=(len(QUERIES), d))), _unit(rng.normal(size=(len(BANK), d)))
+
+
+def _bm25(texts=BANK, queries=QUERIES):
+  """Each query's BM25 `(rows, scores)` over `texts` (one `lexical.BM25Index`, one scope)."""
+  vocab = {}
+  index = lexical.BM25Index()
+  ids = [lexical.term_ids(vocab, t, grow=True) for t in lexical.tokenize(texts)]
+  index.add(np.arange(len(texts)), np.zeros(len(texts), np.int32), *lexical.pack(ids))
+  return index.scores([lexical.term_ids(vocab, t) for t in lexical.tokenize(queries)])
+
+
+def _dense_bm25():
+  out = np.zeros((len(QUERIES), len(BANK)), np.float32)
+  for i, (r, s) in enumerate(_bm25()):
+    out[i, r] = s
+  return out
+
+
+def _rank(name, k, seed=0, valid=None, options=first_stage.FirstStageOptions()):
+  q, bank = _bank(seed)
   valid = np.ones(len(BANK), bool) if valid is None else valid
-  return first_stage.bank_inputs(q, bank, QUERIES, BANK, valid)
+  return first_stage.bank_first_stage(q, bank, np.zeros(len(BANK), np.int8), valid, _bm25(), k,
+                                      name, options, multistore=False)
 
 
 # -- BM25 ----------------------------------------------------------------------------------------
@@ -47,7 +69,7 @@ def test_tokenize_lowercases_and_drops_stop_and_question_words():
 
 def test_bm25_scores_equal_bm25s_directly_and_zero_without_a_shared_term():
   import bm25s  # pylint: disable=g-import-not-at-top
-  scores = lexical.bm25_scores(BANK, QUERIES)
+  scores = _dense_bm25()
   engine = bm25s.BM25(k1=lexical.K1, b=lexical.B, method="lucene")
   engine.index(lexical.tokenize(BANK), show_progress=False)
   for i, tokens in enumerate(lexical.tokenize(QUERIES)):
@@ -58,16 +80,6 @@ def test_bm25_scores_equal_bm25s_directly_and_zero_without_a_shared_term():
   assert not scores[2].any()  # only stop words: no lexical evidence
 
 
-def test_identical_texts_get_identical_scores_whatever_else_is_in_the_query_batch():
-  a = lexical.LexicalIndex(BANK).scores(QUERIES)
-  b = lexical.LexicalIndex(list(BANK)).scores(QUERIES[1:2])
-  np.testing.assert_array_equal(a[1], b[0])
-
-
-def test_an_empty_bank_scores_zero():
-  assert lexical.bm25_scores([], QUERIES).shape == (3, 0)
-
-
 # -- generators ----------------------------------------------------------------------------------
 def test_registry_names_the_three_generators_and_refuses_others():
   assert set(first_stage.GENERATORS) == {"dense", "bm25", "hybrid"}
@@ -76,48 +88,60 @@ def test_registry_names_the_three_generators_and_refuses_others():
 
 
 def test_bm25_generator_ranks_by_bm25_with_ties_by_lower_row():
-  inputs = _inputs()
-  idx, sc = first_stage.bm25_generator(inputs, 5, first_stage.FirstStageOptions())
-  ref = np.argsort(-lexical.bm25_scores(BANK, QUERIES), axis=1, kind="stable")[:, :5]
+  idx, sc, _ = _rank("bm25", 8)
+  ref = np.argsort(-_dense_bm25(), axis=1, kind="stable")
   np.testing.assert_array_equal(idx, ref)
   assert (np.diff(sc, axis=1) <= 0).all()
-  np.testing.assert_array_equal(idx[2], np.arange(5))  # all scores 0: bank order
+  np.testing.assert_array_equal(idx[2], np.arange(8))  # all scores 0: bank order
 
 
 def test_generators_pad_when_fewer_rows_are_valid_than_k():
   valid = np.zeros(len(BANK), bool)
   valid[[1, 4]] = True
-  for name, gen in first_stage.GENERATORS.items():
-    idx, sc = gen(_inputs(valid=valid), 4, first_stage.FirstStageOptions())
+  for name in first_stage.GENERATORS:
+    idx, sc, _ = _rank(name, 8, valid=valid)
     assert (idx[:, 2:] == -1).all() and np.isinf(sc[:, 2:]).all(), name
     assert set(idx[:, :2].ravel()) == {1, 4}, name
 
 
 @pytest.mark.parametrize("weight, reference", [(1.0, "bm25"), (0.0, "dense")])
 def test_weighted_hybrid_at_the_ends_is_the_single_first_stage(weight, reference):
-  inputs = _inputs(seed=3)
   opts = first_stage.FirstStageOptions(fusion="weighted", lexical_weight=weight)
-  idx, _ = first_stage.hybrid_generator(inputs, 8, opts)
-  ref, _ = first_stage.GENERATORS[reference](inputs, 8, opts)
+  idx, _, _ = _rank("hybrid", 8, seed=3, options=opts)
+  ref, _, _ = _rank(reference, 8, seed=3)
   if reference == "bm25":  # rows without lexical evidence tie at 0: compare the scored rows
-    n = (lexical.bm25_scores(BANK, QUERIES) > 0).sum(1)
+    n = (_dense_bm25() > 0).sum(1)
     for i in range(len(QUERIES)):
       np.testing.assert_array_equal(idx[i, :n[i]], ref[i, :n[i]])
   else:
     np.testing.assert_array_equal(idx, ref)
 
 
-def test_rrf_hybrid_sums_reciprocal_ranks_of_both_rankings():
-  inputs = _inputs(seed=4)
-  opts = first_stage.FirstStageOptions(fusion="rrf", rrf_k=60.0)
-  idx, sc = first_stage.hybrid_generator(inputs, 8, opts)
-  lex, cos = inputs.lexical(), inputs.queries @ inputs.bank.T
+@pytest.mark.parametrize("rrf_k", [60.0, 1.0])
+def test_rrf_hybrid_sums_reciprocal_ranks_of_both_rankings(rrf_k):
+  opts = first_stage.FirstStageOptions(fusion="rrf", rrf_k=rrf_k)
+  idx, sc, _ = _rank("hybrid", 8, seed=4, options=opts)
+  q, bank = _bank(4)
+  lex, cos = _dense_bm25(), np.asarray(jnp.asarray(q) @ jnp.asarray(bank).T)
   for i in range(len(QUERIES)):
     r_lex = np.argsort(np.argsort(-lex[i], kind="stable"), kind="stable") + 1
     r_cos = np.argsort(np.argsort(-cos[i], kind="stable"), kind="stable") + 1
-    fused = 1 / (60 + r_lex) + 1 / (60 + r_cos)
-    np.testing.assert_array_equal(idx[i], np.argsort(-fused.astype(np.float32), kind="stable"))
-    np.testing.assert_allclose(sc[i], np.sort(fused)[::-1], rtol=1e-6)
+    f32 = lambda r: np.float32(1) / (np.float32(rrf_k) + r.astype(np.float32))
+    fused = f32(r_lex) + f32(r_cos)  # float32, as the kernel
+    np.testing.assert_array_equal(idx[i], np.argsort(-fused, kind="stable")[:8])
+    np.testing.assert_allclose(sc[i], np.sort(fused)[::-1][:8], rtol=1e-6)
+
+
+def test_ranks_equal_a_comparison_count_with_ties_and_masked_rows():
+  rng = np.random.default_rng(0)
+  ranks = jax.jit(first_stage._ranks_one)  # pylint: disable=protected-access
+  for _ in range(10):
+    x = rng.integers(0, 12, 300).astype(np.float32)  # many equal values
+    where = rng.random(300) < 0.7
+    rows = rng.choice(300, 25, replace=False).astype(np.int32)
+    got = np.asarray(ranks(x, where, rows, x[rows]))
+    want = [1 + np.sum(where & ((x > x[r]) | ((x == x[r]) & (np.arange(300) < r)))) for r in rows]
+    np.testing.assert_array_equal(got[where[rows]], np.asarray(want)[where[rows]])
 
 
 def test_bad_fusion_options_are_refused_naming_the_field():
@@ -128,22 +152,24 @@ def test_bad_fusion_options_are_refused_naming_the_field():
 
 
 def test_lexical_first_stage_without_texts_names_the_problem():
-  inputs = first_stage.bank_inputs(np.eye(2, dtype=np.float32), np.eye(2, dtype=np.float32),
-                                   ["", ""], ["", ""], np.ones(2, bool))
+  from ear_jax.data import corpus as corpus_lib  # pylint: disable=g-import-not-at-top
+  bank = corpus_lib.Bank(ids=["a", "b"], texts=["", ""], stores=np.zeros(2, np.int8),
+                         refs=[()] * 2)
+  query = corpus_lib.Query(id="q", text="", gold=("a",), category="c", group=0)
+  ec = corpus_lib.EmbeddedCorpus(corpus_lib.Corpus("t", [bank], [query], {}),
+                                 [np.eye(2, dtype=np.float32)], np.eye(2, dtype=np.float32)[:1])
   with pytest.raises(ValueError, match="needs the memories' texts"):
-    first_stage.bm25_generator(inputs, 2, first_stage.FirstStageOptions())
+    candidates.build_benchmark(ec, k=2, candidates="bm25")
 
 
 def test_features_are_the_normalised_first_stage_score_the_cosine_and_bm25():
-  inputs = _inputs(seed=5)
-  idx, sc = first_stage.bm25_generator(inputs, 6, first_stage.FirstStageOptions())
-  f = first_stage.features(inputs, idx, sc)
-  assert f.shape == (3, 6, len(first_stage.FEATURES))
+  idx, _, f = _rank("bm25", 8, seed=5)
+  q, bank = _bank(5)
+  assert f.shape == (3, 8, len(first_stage.FEATURES))
   first = f[..., 0]
   assert (np.diff(first, axis=1) <= 0).all() and first.min() >= 0 and first.max() <= 1
   np.testing.assert_allclose(first[0, [0, -1]], [1.0, 0.0])
-  np.testing.assert_allclose(f[..., 1], np.einsum("nkd,nd->nk", inputs.bank[idx], inputs.queries),
-                             atol=1e-6)
+  np.testing.assert_allclose(f[..., 1], np.einsum("nkd,nd->nk", bank[idx], q), atol=1e-6)
   np.testing.assert_allclose(f[0, 0, 2], 1.0)  # the best candidate's BM25 / the best BM25
   assert not f[2, :, 0].any() and not f[2, :, 2].any()  # no lexical evidence at all: zeros
 
@@ -183,7 +209,8 @@ def test_make_stream_appends_features_and_validates_their_shape():
     stream_lib.make_stream(s.queries, s.candidates[..., :6], features=np.zeros((24, 7, 3)))
 
 
-@pytest.mark.parametrize("side_init", [pytest.param(0.025, marks=pytest.mark.slow), 1.0])
+@pytest.mark.slow  # (fast tier's budget; CI's full suite runs it)
+@pytest.mark.parametrize("side_init", [0.025, 1.0])
 def test_before_feedback_the_adapter_only_slate_is_the_first_stage_top_s(side_init):
   s = _side_stream(seed=1)
   config = EARConfig(dim=6, num_candidates=8, slate_size=3, side_features=3, side_init=side_init)
@@ -244,7 +271,6 @@ def test_ear_tuned_hparams_apply_with_side_features():
 @pytest.mark.slow
 def test_dense_candidates_are_unchanged_and_bm25_reaches_the_issue_s_recall(locomo_path, minilm):
   del minilm
-  from ear_jax.data import candidates  # pylint: disable=g-import-not-at-top
   data = str(locomo_path.parent)
   dense = candidates.load_benchmark("locomo", data_dir=data, progress=False)
   explicit = candidates.load_benchmark("locomo", data_dir=data, progress=False,

@@ -1,15 +1,18 @@
 """Hostile conditions for ear_jax/io/checkpoints.py, with real processes: saves killed with SIGKILL
 at random moments, two processes saving to one directory, a reader during saves, and a restore
 in a fresh interpreter (of a good and a corrupted checkpoint) that must print no asyncio "Event loop
-is closed" noise nor tracebacks. Then `Memory` checkpoints (issue 20): a loaded ANN memory retrieves
-exactly what it did, one flipped bit in the JSON metadata is refused, unknown formats and layouts
-name the file and the field, and shards are compacted (also under SIGKILL)."""
+is closed" noise nor tracebacks; bit flips in a step's metadata. Then a memory directory (issue 29):
+a row changed outside ear_jax (its SHA-256), a truncated or foreign `rows.sqlite`, a tampered or
+truncated learner item, a learner item naming more rows than the table and an unknown format are
+refused naming the file (and the memory); a reopened ANN memory retrieves exactly what it did."""
 import inspect
+import json
 import multiprocessing
 import os
 import pathlib
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -19,7 +22,6 @@ import numpy as np
 import pytest
 
 from ear_jax.io.checkpoints import CheckpointError, CheckpointStore
-from tests.kill_helpers import STALLED_SAVE_CHILD
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
@@ -167,7 +169,6 @@ import sys
 import jax
 import numpy as np
 from ear_jax.io.checkpoints import CheckpointError, CheckpointStore
-from tests.kill_helpers import STALLED_SAVE_CHILD
 from ear_jax.experiment import checkpointing
 with CheckpointStore(sys.argv[1]) as store:
   arrays, meta = store.restore()
@@ -210,104 +211,6 @@ def test_restore_in_a_fresh_process_prints_no_event_loop_closed_nor_tracebacks(t
   assert store.steps() == [3, 4]
 
 
-# ------------------------------------------------------------------------------------------------
-# Memory checkpoints (issue 20): identical ANN indexes, every byte verified, unknown formats,
-# compacted shards.
-
-def _mem_config():
-  from ear_jax.core.config import EARConfig  # pylint: disable=g-import-not-at-top
-  return EARConfig(dim=16, num_candidates=8, slate_size=3, num_rounds=1, batch_size=1,
-                   buffer_capacity=8, replay_size=2)
-
-
-def _unit_rows(n, seed, d=16):
-  x = np.random.default_rng(seed).normal(size=(n, d)).astype(np.float32)
-  return x / np.linalg.norm(x, axis=1, keepdims=True)
-
-
-# Small settings so that rebuilding an index differs visibly: IVF trains at 39 * 8 = 312 vectors of
-# a store, PQ at 200, HNSW with few links and a narrow search (and one thread, so that two
-# memories adding the same rows build the same graph).
-_ANN = {"faiss_ivf": {"nlist": 8, "nprobe": 2},
-        "faiss_pq": {"pq_m": 4, "train_size": 200, "rerank": 2},
-        "faiss_hnsw": {"hnsw_m": 4, "ef_construction": 8, "ef_search": 8, "build_threads": 1}}
-
-
-def _candidates(m, q):
-  rows = m._bank.search(q, 8, True)[0]  # pylint: disable=protected-access
-  return rows, [m.retrieve(query_embedding=x, k=3).ids for x in q[:5]]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("index", sorted(_ANN))
-def test_a_loaded_ann_memory_retrieves_exactly_what_it_did_whatever_the_save_boundaries(tmp_path,
-                                                                                        index):
-  """Adds in 6 batches, saves after the 2nd and the 6th: the dialogue store trains inside the
-  second shard (on 400 vectors; rebuilt shard by shard it would train on 450) and the observation
-  store is still untrained (flat) when saved, and trains after the load."""
-  from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
-  m = Memory(None, config=_mem_config(), index=index, index_options=_ANN[index], multistore=True)
-  emb, q, at = _unit_rows(900, 0), _unit_rows(40, 1), 0
-  for size, store, save in [(150, "dialogue", False), (130, "observation", True),
-                            (90, "dialogue", False), (160, "dialogue", False),
-                            (120, "observation", False), (50, "dialogue", True)]:
-    m.add([f"t{at + i}" for i in range(size)], embeddings=emb[at:at + size], store=store)
-    at += size
-    if save:
-      m.save(tmp_path / "m")
-  rows, ids = _candidates(m, q)
-  back = Memory.load(tmp_path / "m")
-  rows_back, ids_back = _candidates(back, q)
-  np.testing.assert_array_equal(rows_back, rows)
-  assert ids_back == ids
-  # Both go on identically: the observation store trains now, on the restored vectors plus these.
-  for mem in (m, back):
-    mem.add([f"o{i}" for i in range(200)], embeddings=emb[700:900], store="observation")
-  np.testing.assert_array_equal(_candidates(back, q)[0], _candidates(m, q)[0])
-  back.save(tmp_path / "m")
-  back.save(tmp_path / "m")  # nothing added: the listed index is reused, not written again
-  indexes = CheckpointStore(tmp_path / "m" / "ann_index", max_to_keep=None)
-  assert len(indexes.steps()) == 2
-  np.testing.assert_array_equal(_candidates(Memory.load(tmp_path / "m"), q)[0],
-                                _candidates(m, q)[0])
-
-
-def _trained_memory(seed=0, feedbacks=6):
-  """An exact memory with `num_batches` = feedbacks (batch size 1)."""
-  from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
-  m = Memory(None, config=_mem_config(), seed=seed)
-  m.add([f"t{i}" for i in range(30)], embeddings=_unit_rows(30, 3))
-  for x in _unit_rows(feedbacks, 4):
-    r = m.retrieve(query_embedding=x, k=3)
-    m.feedback(r, [r.ids[0]])
-  return m
-
-
-def _flip(path: pathlib.Path, old: str, new: str) -> None:
-  text = path.read_text()
-  assert text.count(old) == 1, (old, text)
-  assert bin(int.from_bytes(old.encode(), "big") ^ int.from_bytes(new.encode(), "big")).count(
-      "1") == 1  # one bit
-  path.write_text(text.replace(old, new))
-
-
-@pytest.mark.parametrize("old,new", [('"seed": 0', '"seed": 1'),
-                                     ('"num_batches": 3', '"num_batches": 2')])
-def test_one_flipped_bit_in_the_checkpoints_json_metadata_is_a_checkpoint_error_naming_the_file(
-    tmp_path, old, new):
-  from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
-  m = _trained_memory(feedbacks=3)
-  step = m.save(tmp_path / "m")
-  meta = step / "meta" / "metadata"
-  _flip(meta, old, new)
-  with pytest.raises(CheckpointError, match=f"meta file {meta} .*does not match the SHA-256"):
-    Memory.load(tmp_path / "m")
-  with pytest.raises(CheckpointError, match=str(meta)):
-    m.restore(tmp_path / "m")
-  _flip(meta, new, old)
-  assert Memory.load(tmp_path / "m").ids == m.ids
-
-
 @pytest.mark.slow
 def test_every_single_bit_flip_in_a_steps_metadata_files_is_refused_or_harmless(tmp_path):
   """400 random one-bit flips in the meta file and in Orbax's array metadata (which holds the leaf
@@ -341,150 +244,214 @@ def test_every_single_bit_flip_in_a_steps_metadata_files_is_refused_or_harmless(
 
 
 def test_checkpoints_written_before_metadata_digests_still_load(tmp_path):
-  """A checkpoint without the digest (neither in the meta files nor in the array metadata, as the
-  earlier writer left them) loads, identically."""
-  import json  # pylint: disable=g-import-not-at-top
-  from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
-  m = _trained_memory()
-  m.save(tmp_path / "m")
-  m.add(["u"], embeddings=_unit_rows(1, 9))
-  m.save(tmp_path / "m")
-  stripped = 0
-  for meta_file in (tmp_path / "m").rglob("meta/metadata"):
-    meta = json.loads(meta_file.read_text())
-    del meta["ear_jax.io/sha256"]
-    meta_file.write_text(json.dumps(meta))
-    md_file = meta_file.parent.parent / "state" / "_METADATA"
-    md = json.loads(md_file.read_text())
-    del md["custom_metadata"]["ear_jax.io/sha256"]
-    md_file.write_text(json.dumps(md))
-    stripped += 1
-  assert stripped >= 4  # main steps and shards
-  back = Memory.load(tmp_path / "m")
-  assert back.ids == m.ids and back._driver.num_batches == m._driver.num_batches
-  np.testing.assert_array_equal(back.embeddings(), m.embeddings())
+  """A step without the digest (neither in the meta file nor in the array metadata, as the earlier
+  writer left them) restores, identically, its arrays still verified."""
+  store = CheckpointStore(tmp_path / "c")
+  step = store.save(3, expected_arrays(3), {"step": 3})
+  meta_file, md_file = step / "meta" / "metadata", step / "state" / "_METADATA"
+  meta = json.loads(meta_file.read_text())
+  del meta["ear_jax.io/sha256"]
+  meta_file.write_text(json.dumps(meta))
+  md = json.loads(md_file.read_text())
+  del md["custom_metadata"]["ear_jax.io/sha256"]
+  md_file.write_text(json.dumps(md))
+  assert _check_step(store, 3) == 3
+  for p in (step / "state").rglob("*"):  # the arrays are still checked against their SHA-256
+    if p.is_file() and p.stat().st_size > 1000:
+      p.write_bytes(p.read_bytes()[:100])
+  with pytest.raises(CheckpointError, match=str(step)):
+    store.restore(3)
 
 
-def test_unknown_format_layout_dtype_index_or_record_version_is_a_checkpoint_error_naming_both(
-    tmp_path):
-  """Each written with a valid digest (as a newer writer would), so only the value is unknown."""
-  import json  # pylint: disable=g-import-not-at-top
-  from ear_jax.agent.memory import persistence  # pylint: disable=g-import-not-at-top
+# ------------------------------------------------------------------------------------------------
+# A memory directory (issue 29): `rows.sqlite` (every row with its SHA-256) and the learner item
+# (`learner/`, one CheckpointStore step).
+
+def _mem_config(**kw):
+  from ear_jax.agent.memory import MemoryConfig  # pylint: disable=g-import-not-at-top
+  from ear_jax.core.config import EARConfig  # pylint: disable=g-import-not-at-top
+  return MemoryConfig(encoder=None, config=EARConfig(dim=16, num_candidates=8, slate_size=3,
+                                                     num_rounds=1, batch_size=1,
+                                                     buffer_capacity=8, replay_size=2), **kw)
+
+
+def _unit_rows(n, seed, d=16):
+  x = np.random.default_rng(seed).normal(size=(n, d)).astype(np.float32)
+  return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def _cite_first(key, view):
+  del key
+  return np.where(np.arange(len(view.ids)) == 0, 1.0, -1.0).astype(np.float32)
+
+
+def _saved_memory(path, n=300, feedbacks=3):
+  """A closed memory directory: `n` memories (`t<i>`, rows over several SQLite pages) and a
+  trained learner item."""
   from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
+  with Memory.open(path, _mem_config()) as m:
+    m.add([f"memory text {i}" for i in range(n)], ids=[f"t{i}" for i in range(n)],
+          embeddings=_unit_rows(n, 3))
+    for x in _unit_rows(feedbacks, 4):
+      m.recall("q", _cite_first, k=3, query_embedding=x)
+    m.save()
+  return path
+
+
+def _open(path):
+  from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
+  Memory.open(path).close()
+
+
+@pytest.mark.parametrize("column,value", [("text", "'an edited text'"), ("store", "1"),
+                                          ("scope", "'another-tenant'"), ("date", "'2020-01-01'"),
+                                          ("embedding", "zeroblob(64)"),
+                                          ("sha256", "'00' || substr(sha256, 3)")])
+def test_a_row_changed_outside_ear_jax_is_refused_naming_the_file_and_the_memory(tmp_path,
+                                                                                column, value):
+  path = _saved_memory(tmp_path / "m")
+  with sqlite3.connect(path / "rows.sqlite") as db:
+    assert db.execute(f"UPDATE memories SET {column} = {value} WHERE id = 't17'").rowcount == 1
+  with pytest.raises(CheckpointError, match=f"{path / 'rows.sqlite'}.*'t17'"):
+    _open(path)
+  assert not (path / ".owner").exists()  # the refused open holds nothing
+
+
+def test_a_truncated_or_foreign_table_is_refused_naming_the_file(tmp_path):
+  path = _saved_memory(tmp_path / "m")
+  table = path / "rows.sqlite"
+  good = table.read_bytes()
+  assert len(good) > 8 * 4096  # (many pages: the truncation cuts rows)
+  for bad in (good[:len(good) // 2], good[:4096 * 3], good[:100], b"",
+              np.random.default_rng(0).bytes(len(good)), b"SQLite format 3\0" + bytes(200)):
+    table.write_bytes(bad)
+    with pytest.raises(CheckpointError, match=str(table)):
+      _open(path)
+  table.write_bytes(good)
+  _open(path)
+
+
+def _learner_step(path) -> pathlib.Path:
+  store = CheckpointStore(path / "learner")
+  return store.directory / str(store.latest_step())
+
+
+def test_a_tampered_or_truncated_learner_item_is_refused_naming_the_file(tmp_path):
+  path = _saved_memory(tmp_path / "m")
+  step = _learner_step(path)
+  meta_file = step / "meta" / "metadata"
+  good = meta_file.read_text()
+  rows = json.loads(good)["rows"]
+  assert f'"rows": {rows}' in good
+  meta_file.write_text(good.replace(f'"rows": {rows}', f'"rows": {rows ^ 1}'))  # one bit
+  with pytest.raises(CheckpointError, match=f"meta file {meta_file} .*does not match the SHA-256"):
+    _open(path)
+  meta_file.write_text(good)
+  arrays = [p for p in (step / "state").rglob("*") if p.is_file() and p.stat().st_size > 1000]
+  assert arrays
+  saved = {p: p.read_bytes() for p in arrays}
+  for p in arrays:
+    p.write_bytes(saved[p][:100])
+  with pytest.raises(CheckpointError, match=str(step)):
+    _open(path)
+  for p in arrays:
+    p.write_bytes(saved[p])
+  _open(path)
+
+
+def _rewritten(path, **changes) -> pathlib.Path:
+  """The learner item rewritten as a new step with `changes` to its meta (a valid digest: only the
+  values are wrong); returns its meta file."""
+  store = CheckpointStore(path / "learner")
+  arrays, meta = store.restore()
+  step = store.save(store.latest_step() + 1, arrays, {**meta, **changes})
+  return step / "meta" / "metadata"
+
+
+def test_a_learner_item_naming_more_rows_than_the_table_is_refused(tmp_path):
+  path = _saved_memory(tmp_path / "m", n=30)
+  _rewritten(path, rows=35)  # the table ends at row 30: it is not this table's learner
+  with pytest.raises((CheckpointError, ValueError)) as e:
+    _open(path)
+  assert str(path / "learner") in str(e.value) and "35" in str(e.value), e.value
+
+
+def test_replay_buffer_rows_beyond_the_learner_items_rows_are_refused(tmp_path):
+  path = _saved_memory(tmp_path / "m", n=30)
+  store = CheckpointStore(path / "learner")
+  arrays, meta = store.restore()
+  rows = np.asarray(arrays["driver"]["buffer_rows"]).copy()
+  assert (rows >= 0).any()  # (the recalls pushed experiences)
+  rows[rows >= 0] = 10_000  # no row of the table, nor of the learner item's `rows`
+  arrays["driver"]["buffer_rows"] = rows
+  store.save(store.latest_step() + 1, arrays, meta)
+  with pytest.raises((CheckpointError, ValueError)) as e:
+    _open(path)
+  assert str(path / "learner") in str(e.value) and "10000" in str(e.value), e.value
+
+
+def test_an_unknown_learner_format_is_a_format_error_naming_the_file_and_the_field(tmp_path):
   from ear_jax.io.checkpoints import CheckpointFormatError  # pylint: disable=g-import-not-at-top
-  m = _trained_memory()
-  m.save(tmp_path / "m")
-  for field, value in [("layout", "shards-2"), ("bank_dtype", "float8"), ("index", "annoy")]:
-    path = tmp_path / field
-    m.save(path)
-    arrays, meta = persistence.main_step(m._parts())
-    meta["bank"] = {**CheckpointStore(path).read_meta()["bank"], field: value}
-    step = persistence.write(path, arrays, meta)
-    with pytest.raises(CheckpointFormatError,
-                       match=f"{step / 'meta' / 'metadata'}: field 'bank.{field}' is '{value}'"):
-      Memory.load(path)
-    with pytest.raises(CheckpointFormatError, match=f"field 'bank.{field}'"):
-      m.restore(path)
-  with CheckpointStore(tmp_path / "f") as store:
-    step = store.save(1, {"x": np.zeros(3)}, {"format": "ear_jax.agent.memory/3"})
-  with pytest.raises(CheckpointFormatError, match=f"field 'format' of {step / 'meta' / 'metadata'}"):
-    Memory.load(tmp_path / "f")
-  md_file = step / "state" / "_METADATA"  # a newer leaf record version
-  md_file.write_text(md_file.read_text().replace("ear_jax.io/leaves-1", "ear_jax.io/leaves-2"))
-  with pytest.raises(CheckpointFormatError, match=f"{md_file} holds unknown field.*leaves-2"):
-    CheckpointStore(tmp_path / "f").restore()
-  assert json.loads(md_file.read_text())  # still JSON: only the field is unknown
+  path = _saved_memory(tmp_path / "m", n=30)
+  _rewritten(path, format=3)
+  with pytest.raises(CheckpointFormatError) as e:
+    _open(path)
+  assert str(path / "learner") in str(e.value) and "'format'" in str(e.value), e.value
 
 
-def test_compaction_keeps_log2_shards_and_rewrites_each_row_at_most_log2_times():
-  """The save's merge rule alone, over 3,000 saves of random sizes (1 to 2,000 rows, many small)."""
-  from ear_jax.agent.memory.persistence import _compaction_start  # pylint: disable=g-import-not-at-top
-  rng = random.Random(0)
-  shards, writes, n = [], 0, 0  # shards: [rows]; writes: rows written in total
-  for _ in range(3000):
-    m = rng.choice([1, 1, 2, 3, 10, 50, 2000])
-    n += m
-    first = _compaction_start(shards + [m])
-    merged = sum(shards[first:]) + m
-    shards = shards[:first] + [merged]
-    writes += merged
-    assert len(shards) <= np.log2(n) + 1
-    assert all(c > sum(shards[i + 1:]) for i, c in enumerate(shards))
-  assert writes <= n * (np.log2(n) + 1)
-  assert _compaction_start([1000, 10]) == 2  # a few rows after a big save: only they are written
-  assert _compaction_start([1000, 10, 10]) == 1
+def test_another_config_for_a_stored_memory_is_refused_naming_the_fields(tmp_path):
+  from ear_jax.agent.memory import Memory, MemoryConfig  # pylint: disable=g-import-not-at-top
+  from ear_jax.core.config import EARConfig  # pylint: disable=g-import-not-at-top
+  path = _saved_memory(tmp_path / "m", n=30)
+  other = MemoryConfig(encoder=None, config=EARConfig(dim=16, num_candidates=6, slate_size=3),
+                       seed=3)
+  with pytest.raises(ValueError, match=r"num_candidates[\s\S]*seed|seed[\s\S]*num_candidates"):
+    Memory.open(path, other)
+  _open(path)  # the refused open changed nothing and holds nothing
+
+
+# Small settings so that rebuilding an index differs visibly: IVF trains at 39 * 8 = 312 vectors of
+# a store, PQ at 200, HNSW with few links and a narrow search (and one thread, so that two
+# memories adding the same rows build the same graph).
+_ANN = {"faiss_ivf": {"nlist": 8, "nprobe": 2},
+        "faiss_pq": {"pq_m": 4, "train_size": 200, "rerank": 2},
+        "faiss_hnsw": {"hnsw_m": 4, "ef_construction": 8, "ef_search": 8, "build_threads": 1}}
+
+
+def _candidates(m, q):
+  """Every query's K candidates (search with k = K: the whole candidate set, adapter-ranked)."""
+  return [m.search(query_embedding=x, k=8).ids for x in q]
 
 
 @pytest.mark.slow
-def test_after_150_small_saves_a_checkpoint_has_few_shards_and_loads_as_fast_as_one(tmp_path):
-  from ear_jax.agent.memory import persistence  # pylint: disable=g-import-not-at-top
+@pytest.mark.parametrize("index", sorted(_ANN))
+def test_a_reopened_ann_memory_retrieves_exactly_what_it_did_whatever_the_save_boundaries(tmp_path,
+                                                                                          index):
+  """Adds in 6 batches, saves after the 2nd and the 6th: the dialogue store trains inside the
+  second batch (on 400 vectors; rebuilt batch by batch it would train on 450) and the observation
+  store is still untrained (flat) when saved, and trains after the reopen; a delete after the last
+  save (the saved index may hold its row) is honoured too."""
   from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
-  m = Memory(None, config=_mem_config())
-  m.add([f"t{i}" for i in range(1000)], embeddings=_unit_rows(1000, 0))
-  m.save(tmp_path / "m")
-  first = CheckpointStore(tmp_path / "m").read_meta()["bank"]["shards"][0]
-  emb = _unit_rows(300, 1)
-  for i in range(150):
-    m.add([f"u{2 * i}", f"u{2 * i + 1}"], embeddings=emb[2 * i:2 * i + 2])
-    m.save(tmp_path / "m")
-  listed = CheckpointStore(tmp_path / "m").read_meta()["bank"]["shards"]
-  assert listed[0] == first  # the big first shard was never rewritten
-  assert len(listed) <= np.log2(300) + 1  # 150 saves, 300 small rows: <= 9 shards
-  shard_dirs = CheckpointStore(tmp_path / "m" / persistence.SHARDS).steps()
-  assert len(shard_dirs) <= 3 * len(listed)  # those the 3 kept main steps list
-  restores = []
-  real = CheckpointStore.restore
-
-  def counting(self, *args, **kw):
-    restores.append(self.directory.name)
-    return real(self, *args, **kw)
-
-  CheckpointStore.restore = counting
-  try:
-    t = time.perf_counter()
-    back = Memory.load(tmp_path / "m")
-    seconds = time.perf_counter() - t
-  finally:
-    CheckpointStore.restore = real
-  assert restores.count(persistence.SHARDS) == len(listed)
-  assert back.ids == m.ids
-  np.testing.assert_array_equal(back.embeddings(), m.embeddings())
-  print(f"{len(listed)} shards listed, {len(shard_dirs)} on disk, load {seconds:.2f} s")
-
-
-_COMPACTING_CHILD = STALLED_SAVE_CHILD + textwrap.dedent("""
-    m = Memory(None, config=cfg)
-    for i in range(5):  # shards after each save: 1 | 2 | 2,1 | 4 | 4,1
-      m.add([f"t{i}"], embeddings=rng.normal(size=(1, 8)))
-      m.save(path)
-    m.add(["t5"], embeddings=rng.normal(size=(1, 8)))  # the 6th save merges 1 + 1 and prunes
-    stall_save(stage, leave_tmp=True)
-    m.save(path)
-    print("SAVE_FINISHED", flush=True)
-""")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", ["shard", "main", "prune"])
-def test_sigkill_during_a_compacting_save_leaves_the_previous_or_the_new_checkpoint(tmp_path,
-                                                                                  stage):
-  from ear_jax.agent.memory import persistence  # pylint: disable=g-import-not-at-top
-  from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
-  from tests.kill_helpers import sigkill_at  # pylint: disable=g-import-not-at-top
-  path = tmp_path / "ckpt"
-  sigkill_at(_COMPACTING_CHILD, [path, stage])
-  m = Memory.load(path)
-  counts = [r["count"] for r in CheckpointStore(path).read_meta()["bank"]["shards"]]
-  if stage == "prune":  # the new checkpoint was complete: 6 memories, the merged shard listed
-    assert len(m) == 6 and counts == [4, 2]
-  else:  # the previous one
-    assert len(m) == 5 and counts == [4, 1]
-  m.add(["v"], embeddings=_unit_rows(1, 5, d=8))
-  m.save(path)  # works after the kill and cleans up
-  assert not list(path.rglob("*orbax-checkpoint-tmp*"))
-  back = Memory.load(path)
-  assert back.ids == m.ids
-  np.testing.assert_array_equal(back.embeddings(), m.embeddings())
-  listed = {r["step"] for s in CheckpointStore(path).steps()
-            for r in CheckpointStore(path).read_meta(s)["bank"]["shards"]}
-  assert set(CheckpointStore(path / persistence.SHARDS).steps()) == listed
+  settings = _mem_config(index=index, index_options=_ANN[index], multistore=True)
+  twin = Memory(settings)  # the same adds, never saved nor reopened
+  emb, q, at = _unit_rows(900, 0), _unit_rows(40, 1), 0
+  with Memory.open(tmp_path / "m", settings) as m:
+    for size, store, save in [(150, "dialogue", False), (130, "observation", True),
+                              (90, "dialogue", False), (160, "dialogue", False),
+                              (120, "observation", False), (50, "dialogue", True)]:
+      for mem in (m, twin):
+        mem.add([f"text {at + i}" for i in range(size)], ids=[f"t{at + i}" for i in range(size)],
+                embeddings=emb[at:at + size], store=store)
+      at += size
+      if save:
+        m.save()
+    assert _candidates(m, q) == _candidates(twin, q)
+  with Memory.open(tmp_path / "m") as back:
+    assert _candidates(back, q) == _candidates(twin, q)
+    # Both go on identically: the observation store trains now, on the restored vectors plus these.
+    for mem in (back, twin):
+      mem.add([f"o{i}" for i in range(200)], embeddings=emb[700:900], store="observation")
+      mem.delete(["t3"])
+    assert _candidates(back, q) == _candidates(twin, q)
+  with Memory.open(tmp_path / "m") as again:  # unsaved adds and the delete after the last save
+    assert _candidates(again, q) == _candidates(twin, q)

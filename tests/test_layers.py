@@ -116,8 +116,8 @@ def test_the_agent_layer_has_no_import_circle_and_llm_is_independent_of_memory()
   # inside memory/, only the package's __init__ imports the front
   assert {m for m, deps in graph.items() if "memory/front" in deps} == {"memory/__init__"}
   # and each module imports only those before it (the order of `ear_jax/agent/memory/__init__.py`)
-  order = ["bank", "lexical_bank", "encoder_slot", "episode", "sessions", "driver", "forget",
-           "recall", "persistence", "front", "__init__"]
+  order = ["table", "bank", "lexical_bank", "encoder_slot", "episode", "sessions", "driver",
+           "forget", "recall", "persistence", "front", "__init__"]
   assert {m for m in graph if m.startswith("memory/")} == {f"memory/{m}" for m in order}
   upward = [f"{m} imports {d}" for i, m in enumerate(order) for d in graph[f"memory/{m}"]
             if d.startswith("memory/") and order.index(d.split("/")[1]) >= i]
@@ -141,3 +141,43 @@ def test_the_public_face_is_small_and_callers_jit():
            for t in node.targets if isinstance(t, ast.Name) and t.id.endswith("_jit")
            and not t.id.startswith("_")]
   assert not twins, twins
+
+
+_MEMORY_NAMES = ("memory", "mem", "m")  # what a `Memory` is called outside its module
+
+
+def _private_memory_reads(path: pathlib.Path, root: pathlib.Path = REPO) -> list[str]:
+  """`<x>._name` reads where `<x>` is `memory`, `mem`, `m`, or an attribute `.memory` (e.g.
+  `self.memory._bank`, `service.memory._lock`): a conservative stand-in for "a `_`-prefixed
+  attribute of a `Memory`"."""
+  out = []
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+            and not node.attr.startswith("__")):
+      continue
+    obj = node.value
+    if ((isinstance(obj, ast.Name) and obj.id in _MEMORY_NAMES)
+        or (isinstance(obj, ast.Attribute) and obj.attr == "memory")):
+      out.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+  return out
+
+
+def test_no_module_but_the_front_reads_a_private_attribute_of_memory():
+  front = REPO / "ear_jax" / "agent" / "memory" / "front.py"
+  bad = [hit for folder in ("ear_jax", "experiments") for p in sorted((REPO / folder).rglob("*.py"))
+         if p != front for hit in _private_memory_reads(p)]
+  assert not bad, "\n".join(bad)
+
+
+def test_the_private_read_checker_catches_one(tmp_path):
+  f = tmp_path / "x.py"
+  f.write_text("def f(memory, service, mem):\n  memory._bank\n  service.memory._lock\n"
+               "  m.__len__\n  mem.stats\n  other._x\n")
+  hits = [h.split(": ", 1)[1] for h in _private_memory_reads(f, tmp_path)]
+  assert hits == ["memory._bank", "service.memory._lock"]
+
+
+def test_memory_has_at_most_14_public_members():
+  from ear_jax.agent.memory import Memory  # pylint: disable=import-outside-toplevel
+  public = [n for n in dir(Memory) if not n.startswith("_")]
+  assert len(public) <= 14, public

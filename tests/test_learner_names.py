@@ -1,96 +1,78 @@
-"""Memory checkpoints save the learner state as its named pytree and restore it by name against the
-abstract state of the config (issue 19 item 6); checkpoints keyed by flatten position still load."""
+"""The learner item saves the learner state as its named pytree and restores it by name against
+the abstract state of the config (issue 19 item 6): a leaf that does not fit is refused, named."""
 import jax
 import numpy as np
 import pytest
 
 from ear_jax.agent.memory import Memory
-from ear_jax.agent.memory import persistence
 from ear_jax.io import checkpoints
-from tests.test_incremental_save import _state_equal, _trained
+from tests.test_incremental_save import _leaves_equal, _trained
 
 
-def _rewrite(path, m, edit):
-  """Writes `m`'s main step again at `path` (on top of its shards) after `edit(arrays, meta)`."""
-  m.save(path)
-  arrays, meta = persistence.main_step(m._parts())
-  with checkpoints.CheckpointStore(path) as store:
-    meta["bank"] = store.read_meta()["bank"]
-  edit(arrays, meta)
-  persistence.write(path, arrays, meta)
+def _saved(tmp_path):
+  """A trained memory saved to `tmp_path / 'm'` (and closed) and its unsaved twin."""
+  m, _ = _trained()
+  twin, _ = _trained()
+  m.save(tmp_path / "m")
+  m.close()
+  return tmp_path / "m", twin
+
+
+def _rewrite(path, edit):
+  """The learner item written again as a new step after `edit(learner arrays)` (a valid digest)."""
+  store = checkpoints.CheckpointStore(path / "learner")
+  arrays, meta = store.restore()
+  arrays["driver"]["learner"] = edit(jax.tree_util.tree_map(np.asarray,
+                                                            arrays["driver"]["learner"]))
+  store.save(store.latest_step() + 1, arrays, meta)
 
 
 def test_the_learner_state_is_saved_by_name(tmp_path):
-  m = _trained()
-  m.save(tmp_path / "m")
-  with checkpoints.CheckpointStore(tmp_path / "m") as store:
-    arrays, meta = store.restore()
+  path, twin = _saved(tmp_path)
+  arrays, _ = checkpoints.CheckpointStore(path / "learner").restore()
   learner = arrays["driver"]["learner"]
-  assert meta["driver"]["learner_layout"] == "named-1"
-  np.testing.assert_array_equal(learner["params"]["w_q"], np.asarray(m.params.w_q))
-  np.testing.assert_array_equal(learner["buffer"]["ybar"], np.asarray(m.state.buffer.ybar))
-  assert learner["buffer"]["candidates"].shape == (0,)  # saved as bank rows instead
+  state = twin.learner
+  np.testing.assert_array_equal(learner["params"]["w_q"], np.asarray(state.params.w_q))
+  np.testing.assert_array_equal(learner["buffer"]["ybar"], np.asarray(state.buffer.ybar))
+  # the replay buffer's candidates are saved as bank rows, not embeddings
+  assert np.size(learner["buffer"].get("candidates", np.zeros(0))) == 0
+  assert arrays["driver"]["buffer_rows"].shape == state.buffer.mask.shape
 
 
 def test_two_same_shaped_leaves_are_restored_by_name_not_position(tmp_path):
   """Stored in the opposite order, w_q and w_m still come back as themselves."""
-  m = _trained()
-  assert m.params.w_q.shape == m.params.w_m.shape
+  path, twin = _saved(tmp_path)
+  assert twin.learner.params.w_q.shape == twin.learner.params.w_m.shape
 
-  def reorder(arrays, meta):
-    # a plain dict with the keys in the other order, as another writer could produce
-    learner = jax.tree_util.tree_map(np.asarray, arrays["driver"]["learner"])
-    as_dict = {"params": {"w_m": learner.params.w_m, "w_q": learner.params.w_q}}
-    as_dict.update({f: getattr(learner, f) for f in ("opt_state", "buffer", "step",
-                                                     "queries_seen", "critic_calls")})
-    arrays["driver"]["learner"] = as_dict
+  def reorder(learner):  # a dict with the keys in the other order, as another writer could write
+    return {**learner, "params": {"w_m": learner["params"]["w_m"],
+                                  "w_q": learner["params"]["w_q"]}}
 
-  _rewrite(tmp_path / "m", m, reorder)
-  back = Memory.load(tmp_path / "m")
-  np.testing.assert_array_equal(np.asarray(back.params.w_q), np.asarray(m.params.w_q))
-  np.testing.assert_array_equal(np.asarray(back.params.w_m), np.asarray(m.params.w_m))
-  _state_equal(m, back)
+  _rewrite(path, reorder)
+  with Memory.open(path) as back:
+    _leaves_equal(back, twin)
 
 
 @pytest.mark.parametrize("change", ["rename", "drop", "reshape"])
 def test_a_learner_leaf_that_does_not_fit_is_named(tmp_path, change):
-  m = _trained()
+  path, _ = _saved(tmp_path)
 
-  def edit(arrays, meta):
-    learner = arrays["driver"]["learner"]
-    w_m = np.asarray(learner.params.w_m)
-    params = {"w_q": np.asarray(learner.params.w_q)}
+  def edit(learner):
+    params = {"w_q": learner["params"]["w_q"]}
+    w_m = learner["params"]["w_m"]
     if change == "rename":
       params["w_x"] = w_m
     elif change == "reshape":
       params["w_m"] = w_m[:-1]
-    rest = {f: getattr(learner, f) for f in ("opt_state", "buffer", "step", "queries_seen",
-                                             "critic_calls")}
-    arrays["driver"]["learner"] = {"params": params, **rest}
+    return {**learner, "params": params}
 
-  _rewrite(tmp_path / "m", m, edit)
+  _rewrite(path, edit)
   expected = {"rename": r"params/w_m: not in the checkpoint.*params/w_x: stored but not in",
               "drop": r"params/w_m: not in the checkpoint",
               "reshape": r"params/w_m: stored float32\[\d+, \d+\] vs expected"}[change]
-  with pytest.raises(ValueError, match=r"the learner state does not match .*" + expected):
-    Memory.load(tmp_path / "m")
-
-
-def test_a_checkpoint_keyed_by_flatten_position_still_loads(tmp_path):
-  """The layout before names: leaves '0000'.. in flatten order, the buffer's candidates as rows."""
-  m = _trained()
-
-  def positional(arrays, meta):
-    paths = jax.tree_util.tree_flatten_with_path(m._driver.state)[0]
-    arrays["driver"]["learner"] = {
-        f"{i:04d}": np.asarray(x) for i, (p, x) in enumerate(paths)
-        if jax.tree_util.keystr(p) != ".buffer.candidates"}
-    del meta["driver"]["learner_layout"]
-
-  _rewrite(tmp_path / "m", m, positional)
-  back = Memory.load(tmp_path / "m")
-  _state_equal(m, back)
-  np.testing.assert_array_equal(back._driver.buffer_rows, m._driver.buffer_rows)
+  with pytest.raises(ValueError, match=f"{path / 'learner'}.*the learner state does not match .*"
+                                       + expected):
+    Memory.open(path)
 
 
 def test_fit_target_matches_by_name():

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ear_jax.agent.memory import Memory
+from ear_jax.agent.memory import Memory, MemoryConfig
 from ear_jax.agent.memory import driver as driver_lib
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import episode
@@ -42,18 +42,23 @@ def _compare(data, name, seed=0):
   return live.compare(data, result, [r], 1.0), r
 
 
+def _candidates(mem, data, i, query):
+  """The candidates of benchmark question `i` in its scope: `search` with k = K (or all the scope
+  holds, when fewer) shows them all, ranked by the untrained adapter (the first stage's order)."""
+  scope = data.scope(data.bench.group[i])
+  k = min(mem.config.ear.num_candidates, len(mem.list(scope)))
+  return mem.search("q", k, query_embedding=query, scope=scope).ids
+
+
 def test_live_candidates_are_the_runners_candidates(data):
   mem = live.build_memory(data, _method(data, "ear"), seed=0)
   queries = np.asarray(data.bench.stream.queries)
   assert len(set(data.bench.group.tolist())) == 4  # several banks: the scopes matter
   for i in range(data.bench.num_queries):
-    r = mem.retrieve("q", 5, query_embedding=queries[i], scope=data.scope(data.bench.group[i]))
-    s = mem._sessions.by_id[r.session_id]  # pylint: disable=protected-access
-    ids, _, _ = mem._bank.describe(s.cand_idx[s.cand_mask])  # pylint: disable=protected-access
+    ids = _candidates(mem, data, i, queries[i])
     # The same memories of the question's own bank (bank ids repeat across banks), same order.
     g = int(data.bench.group[i])
     assert [data.source(x) for x in ids] == [(g, c) for c in data.candidate_bank_ids(i)], i
-    mem.discard(r)
 
 
 @pytest.mark.slow
@@ -68,7 +73,7 @@ def test_live_equals_the_runner_given_the_runners_replay_keys(data, monkeypatch)
   replay_keys = np.asarray(jax.vmap(jax.random.split)(query_keys)[:, 1])
   train_batch = driver_lib.Driver._train  # pylint: disable=protected-access
 
-  def with_runner_keys(self, n):
+  def with_runner_keys(self, *args):
     b = self.config.batch_size
     idx = np.minimum(np.arange(self.num_batches * b, (self.num_batches + 1) * b),
                      len(replay_keys) - 1)
@@ -82,7 +87,7 @@ def test_live_equals_the_runner_given_the_runners_replay_keys(data, monkeypatch)
 
     monkeypatch.setattr(driver_lib, "jax", _Jax)
     try:
-      return train_batch(self, n)
+      return train_batch(self, *args)
     finally:
       monkeypatch.setattr(driver_lib, "jax", jax)
 
@@ -122,7 +127,7 @@ def test_stream_critic_gives_the_jitted_critics_labels():
 def _memory(method):
   rng = np.random.default_rng(0)
   emb = rng.normal(size=(48, 16)).astype(np.float32)
-  mem = Memory(None, method=method, dim=16)
+  mem = Memory(MemoryConfig(encoder=None, method=method, dim=16))
   mem.add([f"memory {i}" for i in range(48)], embeddings=emb)
   return mem, emb
 
@@ -132,28 +137,31 @@ def _gold_critic(key, view):
   return np.where([i in {"m1", "m3", "m7"} for i in view.ids], 1.0, -1.0).astype(np.float32)
 
 
-@pytest.mark.parametrize("method", [pytest.param("ear", marks=pytest.mark.slow), "ear_tuned"])
+@pytest.mark.slow  # (fast tier's budget; CI's full suite runs it; test_memory_recall's fast
+# test_recall_equals_evaluates_explorer_assisted_slate checks the same slates)
+@pytest.mark.parametrize("method", ["ear", "ear_tuned"])
 def test_recall_without_learning_equals_evaluate_and_trains_nothing(method):
   mem, emb = _memory(method)
-  before = mem.params
+  config = mem.config.ear
+  before = mem.learner.params
   query = emb[1] + emb[3] + 0.3 * emb[20]
   outs = [mem.recall(f"question {i}", _gold_critic, k=5, query_embedding=query, learn=False)
           for i in range(6)]  # more than a batch: a learning recall would have trained
   assert mem.stats["learner_steps"] == 0 and mem.stats["queries_queued"] == 0
-  assert mem.num_pending == 0 and mem.stats["critic_calls"] == 6 * mem.config.num_rounds
-  np.testing.assert_array_equal(np.asarray(mem.params.w_q), np.asarray(before.w_q))
+  assert mem.stats["pending"] == 0 and mem.stats["critic_calls"] == 6 * config.num_rounds
+  np.testing.assert_array_equal(np.asarray(mem.learner.params.w_q), np.asarray(before.w_q))
   # The same slate as `evaluate`'s explorer-assisted inference (the perfect simulated critic
-  # cites exactly the gold) and as a learning recall.
-  r = mem.retrieve("q", 5, query_embedding=query)
-  s = mem._sessions.by_id[r.session_id]  # pylint: disable=protected-access
-  ids, _, _ = mem._bank.describe(s.cand_idx)  # pylint: disable=protected-access
-  mem.discard(r)
-  gold = np.asarray([i in {"m1", "m3", "m7"} for i in ids]) & s.cand_mask
-  stream = stream_lib.make_stream(s.query_emb[None], s.cand_emb[None], s.cand_mask[None],
-                                  gold[None])
+  # cites exactly the gold) and as a learning recall. The candidates: all K, by `search`.
+  ids = list(mem.search("q", config.num_candidates, query_embedding=query).ids)
+  rows = [int(i[1:]) for i in ids]  # ("m<row>": the embedding added as `emb[row]`)
+  unit = lambda x: (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+  gold = np.asarray([i in {"m1", "m3", "m7"} for i in ids])
+  stream = stream_lib.make_stream(unit(query)[None], unit(emb[rows])[None],
+                                  np.ones((1, len(ids)), bool), gold[None])
   perfect = critic_lib.make_simulated_critic(precision=1.0, recall=1.0)
-  res = inference.evaluate(jax.random.PRNGKey(0), mem.params, stream_lib.to_device(stream),
-                           mem.config, mem.hparams, perfect)
+  res = inference.evaluate(jax.random.PRNGKey(0), mem.learner.params,
+                           stream_lib.to_device(stream), config, mem.config.learner_hparams,
+                           perfect)
   expected = [ids[j] for j in np.asarray(res.explorer_slates[0]) if j >= 0]
   assert all(list(o.ids) == expected for o in outs)
   assert list(mem.recall("q", _gold_critic, k=5, query_embedding=query).ids) == expected
@@ -203,10 +211,7 @@ def test_live_candidates_are_the_runners_on_locomo(data_dir, locomo_path, minilm
   reordered = 0
   for i in range(data.bench.num_queries):
     g = int(data.bench.group[i])
-    r = mem.retrieve("q", 5, query_embedding=queries[i], scope=data.scope(g))
-    s = mem._sessions.by_id[r.session_id]  # pylint: disable=protected-access
-    ids, _, _ = mem._bank.describe(s.cand_idx[s.cand_mask])  # pylint: disable=protected-access
-    got = [data.source(x) for x in ids]
+    got = [data.source(x) for x in _candidates(mem, data, i, queries[i])]
     want = [(g, c) for c in data.candidate_bank_ids(i)]
     assert sorted(got) == sorted(want), i  # the same K memories of the question's conversation
     if got != want:  # in another order only where the frozen cosines tie (to float rounding)
@@ -214,5 +219,4 @@ def test_live_candidates_are_the_runners_on_locomo(data_dir, locomo_path, minilm
       sc = np.asarray(data.bench.candidate_scores[i])
       j = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
       assert abs(sc[j] - sc[j + 1]) < 1e-6, i
-    mem.discard(r)
   assert reordered <= 2

@@ -1,6 +1,7 @@
-"""A memory directory is used by one process at a time (issue 31 item 6, `Memory.claim`): a second
+"""A memory directory is used by one process at a time (issue 31 item 6, issue 29): `Memory.open`
+(and the `save` that binds an in-memory memory to a directory) takes its owner lock; a second
 process (a second MCP server on one `--memory_dir`) is refused, naming the first one's pid, until
-the first releases it or dies (even by SIGKILL); `Memory` instances of one process share it."""
+the first closes the memory or dies (even by SIGKILL)."""
 import os
 import signal
 import subprocess
@@ -11,28 +12,27 @@ import numpy as np
 import pytest
 
 from ear_jax import EARConfig
-from ear_jax.agent.memory import Memory
-from tests.kill_helpers import REPO
+from ear_jax.agent.memory import Memory, MemoryConfig
+from ear_jax.io.checkpoints import DirectoryInUseError
+from tests.kill_helpers import ENV, REPO
 
 OWNER_LOCK = ".owner"  # (`checkpoints.OWNER_LOCK`)
 
 D = 8
-CFG = EARConfig(dim=D, num_candidates=4, slate_size=2, num_rounds=1, batch_size=1,
-                buffer_capacity=8, replay_size=2)
-ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-       "JAX_PLATFORMS": "cpu"}
+SETTINGS = MemoryConfig(encoder=None, config=EARConfig(
+    dim=D, num_candidates=4, slate_size=2, num_rounds=1, batch_size=1, buffer_capacity=8,
+    replay_size=2))
 
-# A child that saves a memory to argv[1] (so it holds the directory), prints HOLDING and waits.
+# A child that opens argv[1], adds one memory (durable: no save), prints HOLDING and waits.
 _HOLDER = textwrap.dedent("""
     import sys, time
     import numpy as np
     from ear_jax import EARConfig
-    from ear_jax.agent.memory import Memory
+    from ear_jax.agent.memory import Memory, MemoryConfig
     cfg = EARConfig(dim=8, num_candidates=4, slate_size=2, num_rounds=1, batch_size=1,
                     buffer_capacity=8, replay_size=2)
-    m = Memory(None, config=cfg)
+    m = Memory.open(sys.argv[1], MemoryConfig(encoder=None, config=cfg))
     m.add(["the first process's memory"], embeddings=np.ones((1, 8)))
-    m.save(sys.argv[1])
     print("HOLDING", flush=True)
     time.sleep(300)
 """)
@@ -42,53 +42,62 @@ _OPENER = textwrap.dedent("""
     import sys
     from ear_jax.agent.memory import Memory
     try:
-      m = Memory.load(sys.argv[1])
+      m = Memory.open(sys.argv[1])
     except ValueError as e:  # (a checkpoints.DirectoryInUseError)
       print("REFUSED", type(e).__name__, e, flush=True)
     else:
-      print("OPENED", m.ids, flush=True)
+      print("OPENED", [r["id"] for r in m.list()], flush=True)
 """)
 
 
 def _memory(n=2):
-  m = Memory(None, config=CFG)
+  m = Memory(SETTINGS)
   m.add([f"memory {i}" for i in range(n)], embeddings=np.eye(n, D))
   return m
 
 
-def test_a_claimed_directory_names_this_process_until_released(tmp_path):
-  m = _memory()
-  root = m.claim(tmp_path / "mem")
-  lock = root / OWNER_LOCK
+def test_an_open_memory_holds_its_directory_naming_this_process_until_closed(tmp_path):
+  path = tmp_path / "mem"
+  m = Memory.open(path, SETTINGS)
+  lock = path / OWNER_LOCK
   assert lock.read_text().strip() == str(os.getpid())
-  other = _memory()
-  assert other.claim(root) == root  # another instance of this process shares the lock
-  m.release()
-  assert lock.exists()  # `other` still holds it
-  other.release()
-  other.release()  # idempotent
+  m.close()
   assert not lock.exists()
-  assert m.claim(root) == root and lock.exists()  # claimed again after release
-  del m  # (garbage-collected: released)
+  m.close()  # idempotent
+  with Memory.open(path) as again:  # opened again after the close
+    assert lock.read_text().strip() == str(os.getpid())
+    assert again.save() == path  # (a save keeps the lock)
+    assert lock.exists()
   assert not lock.exists()
+
+
+def test_saving_an_in_memory_memory_binds_it_to_the_directory_and_its_lock(tmp_path):
+  path = tmp_path / "mem"
+  m = _memory()
+  assert not path.exists()
+  assert m.save(path) == path
+  assert (path / OWNER_LOCK).read_text().strip() == str(os.getpid())
+  m.add(["after the save"], embeddings=np.ones((1, D)))  # durable in the bound directory
+  m.close()
+  assert not (path / OWNER_LOCK).exists()
+  with Memory.open(path) as back:
+    assert [r["text"] for r in back.list()] == ["memory 0", "memory 1", "after the save"]
 
 
 @pytest.mark.slow  # (subprocesses)
 def test_second_process_on_one_memory_dir_is_refused_naming_the_first_until_it_is_killed(tmp_path):
-  from ear_jax.agent import mcp_server  # pylint: disable=g-import-not-at-top
   path = tmp_path / "mem"
   holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path)], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, env=ENV)
   try:
     assert holder.stdout.readline().strip() == "HOLDING"
     where = f"pid {holder.pid}"
-    for attempt in (lambda: Memory.load(path), lambda: _memory().save(path),
-                    lambda: _memory().restore(path), lambda: _memory().claim(path),
-                    lambda: mcp_server.open_memory(path)):
-      with pytest.raises(ValueError, match=f"memory directory {path} .*{where}") as e:
+    table = (path / "rows.sqlite").read_bytes()
+    for attempt in (lambda: Memory.open(path), lambda: Memory.open(path, SETTINGS),
+                    lambda: _memory().save(path)):
+      with pytest.raises(DirectoryInUseError, match=f"memory directory {path} .*{where}"):
         attempt()
-      assert type(e.value).__name__ == "DirectoryInUseError"
-    assert not list(path.glob("2"))  # nothing was written
+    assert (path / "rows.sqlite").read_bytes() == table  # nothing was written
     # the MCP server's start: one clear line, no traceback
     server = subprocess.run([sys.executable, "-m", "experiments.mcp_server",
                              f"--memory_dir={path}"], capture_output=True, text=True, env=ENV,
@@ -101,19 +110,18 @@ def test_second_process_on_one_memory_dir_is_refused_naming_the_first_until_it_i
   finally:
     if holder.poll() is None:
       holder.kill()
-  back = Memory.load(path)  # the kernel dropped the killed holder's lock
-  assert back.ids == ["m0"]
-  back.add(["the second process's memory"], embeddings=np.ones((1, D)) * 2)
-  back.save(path)
-  assert Memory.load(path).ids == ["m0", "m1"]
+  with Memory.open(path) as back:  # the kernel dropped the killed holder's lock
+    assert [r["text"] for r in back.list()] == ["the first process's memory"]  # (never saved)
+    back.add(["the second process's memory"], embeddings=np.ones((1, D)) * 2)
+  with Memory.open(path) as again:
+    assert len(again) == 2
 
 
 @pytest.mark.slow  # (subprocesses)
-def test_memories_of_one_process_share_the_directory_and_the_last_release_frees_it(tmp_path):
+def test_a_directory_is_free_for_another_process_once_its_memory_is_closed(tmp_path):
   path = tmp_path / "mem"
   m = _memory()
   m.save(path)
-  back = Memory.load(path)  # the same process: allowed
 
   def open_in_child():
     out = subprocess.run([sys.executable, "-c", _OPENER, str(path)], capture_output=True,
@@ -125,7 +133,5 @@ def test_memories_of_one_process_share_the_directory_and_the_last_release_frees_
                              f"{path / OWNER_LOCK}): "
                              "only one process may use it at a time (stop that one first, or use "
                              "another directory)")
-  m.release()
-  assert open_in_child().startswith("REFUSED")  # `back` still holds it
-  back.release()
+  m.close()
   assert open_in_child() == "OPENED ['m0', 'm1']"

@@ -6,6 +6,7 @@ import pytest
 from ear_jax.agent.memory import Memory
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import inference
+from ear_jax.core import retrieval
 from ear_jax.core import stream as stream_lib
 from ear_jax.core.config import EARConfig, Method, default_hparams
 
@@ -26,26 +27,35 @@ def _gold_critic(key, view):
   return np.where([i in GOLD for i in view.ids], 1.0, -1.0).astype(np.float32)
 
 
+def _unit(x):
+  x = np.asarray(x, np.float32)
+  return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
 @pytest.mark.parametrize("method", ["ear", "ear_tuned"])
 def test_recall_equals_evaluates_explorer_assisted_slate(method):
   mem, emb = _memory(method=method, dim=D)
+  cfg = mem.config.ear
   query = emb[1] + emb[3] + 0.3 * emb[20]
   out = mem.recall("which memories?", _gold_critic, k=5, query_embedding=query)
-  assert out.final_slate == mem.config.final_slate and len(out.rounds) == mem.config.num_rounds
-  s = mem._sessions.by_id[out.rounds[0].session_id]  # pylint: disable=protected-access
-  ids, _, _ = mem._bank.describe(s.cand_idx)  # pylint: disable=protected-access
-  gold = np.asarray([i in GOLD for i in ids]) & s.cand_mask
-  stream = stream_lib.make_stream(s.query_emb[None], s.cand_emb[None], s.cand_mask[None],
+  assert out.final_slate == cfg.final_slate and len(out.rounds) == cfg.num_rounds
+  # The candidates: the first stage's top-K by cosine (Eq. (1)), as `evaluate` gets them.
+  rows, _, mask = retrieval.top_k_search(_unit(query)[None], _unit(emb), np.ones(M, bool),
+                                         cfg.num_candidates)
+  rows, mask = np.asarray(rows)[0], np.asarray(mask)[0]
+  ids = [f"m{r}" for r in rows]
+  gold = np.asarray([i in GOLD for i in ids]) & mask
+  stream = stream_lib.make_stream(_unit(query)[None], _unit(emb)[rows][None], mask[None],
                                   gold[None])
   # The simulated critic with precision = recall = 1 cites exactly the gold: the same labels.
   perfect = critic_lib.make_simulated_critic(precision=1.0, recall=1.0)
-  res = inference.evaluate(jax.random.PRNGKey(0), mem.params, stream_lib.to_device(stream),
-                           mem.config, mem.hparams, perfect)
+  res = inference.evaluate(jax.random.PRNGKey(0), mem.learner.params,
+                           stream_lib.to_device(stream), cfg, mem.config.learner_hparams, perfect)
   slate = np.asarray(res.explorer_slates[0])
   expected = [ids[j] for j in slate if j >= 0]
   assert list(out.ids) == expected
   for t, r in enumerate(out.rounds):  # every round's slate too
-    assert r.round == t + 1 and r.explore
+    assert r.round == t + 1 and r.explore and set(r.ids) <= set(ids)
 
 
 @pytest.mark.slow  # (fast tier's budget; CI's full suite runs it)
@@ -77,9 +87,10 @@ def test_recall_needs_the_question_text():
 def test_a_method_brings_its_own_hyperparameters():
   mem = Memory(None, method="ear_tuned", dim=D)
   tuned = Method.named("ear_tuned", dim=D)
-  assert mem.config == tuned.config
-  assert float(mem.hparams.learning_rate) == pytest.approx(float(tuned.hparams.learning_rate))
-  assert float(mem.hparams.learning_rate) != pytest.approx(
+  assert mem.config.ear == tuned.config and mem.config.method == "ear_tuned"
+  hp = mem.config.learner_hparams
+  assert float(hp.learning_rate) == pytest.approx(float(tuned.hparams.learning_rate))
+  assert float(hp.learning_rate) != pytest.approx(
       float(default_hparams().learning_rate))
 
 

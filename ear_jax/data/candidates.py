@@ -9,6 +9,9 @@ bank of a `corpus.Corpus` and assembles a `Benchmark` (the stream plus ids, text
 categories and statistics). The multi-store variant (Section 5) takes the top-K/2 dialogue turns and
 the top-K/2 observations separately, then orders the K by cosine; an observation is gold when a
 dialogue id it references is gold. Gold memories outside the top-K stay gold (`num_gold`).
+The lexical first stages (bm25, hybrid, or dense with side features) index every queried bank's
+texts in one `lexical.BM25Index`, one scope per bank, and rank each bank with
+`first_stage.bank_first_stage` (the kernel `Memory` runs too).
 
 `load_benchmark(name, ...)` is the one entry point: load -> encode (with cache) -> candidates.
 """
@@ -26,6 +29,7 @@ from ear_jax.data import corpora
 from ear_jax.data import corpus as corpus_lib
 from ear_jax.data import encoders
 from ear_jax.data import first_stage
+from ear_jax.data import lexical
 from ear_jax.data import synthetic
 
 DEFAULT_K = 20
@@ -136,7 +140,7 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
       row of the stream (for `EARConfig.side_features`).
     first_stage_options: the hybrid fusion's settings (default `FirstStageOptions()`).
   """
-  generator = first_stage.check_generator(candidates)
+  first_stage.check_generator(candidates)
   fs_options = first_stage_options or first_stage.FirstStageOptions()
   corpus = ec.corpus
   if multistore and k % 2:
@@ -152,27 +156,26 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
   gold = np.zeros((nq, k), bool)
   num_gold_store = np.zeros((nq, 2), np.int32)
   feats = np.zeros((nq, k, len(first_stage.FEATURES)), np.float32) if side_features else None
+  lexical_needed = candidates != "dense" or side_features
+  index_bm25, offsets, vocab = (_bm25_index(corpus, by_group, multistore) if lexical_needed
+                                else (None, None, None))
   for g, rows in by_group.items():
     bank = corpus.banks[g]
     used = np.ones(len(bank), bool) if multistore else bank.stores == corpus_lib.STORE_DIALOGUE
-    inputs = first_stage.bank_inputs(
-        ec.query_embeddings[rows], ec.bank_embeddings[g],
-        [corpus.queries[n].text for n in rows],
-        list(bank.texts) if bank.texts else [""] * len(bank), used, lexical_rows=used)
-    if multistore:
-      parts = [generator(inputs._replace(valid=bank.stores == s), k // 2, fs_options)
-               for s in (0, 1)]
-      idx = np.concatenate([p[0] for p in parts], 1)
-      sc = np.concatenate([p[1] for p in parts], 1)
-      order = np.argsort(-sc, axis=1, kind="stable")
-      idx = np.take_along_axis(idx, order, 1)
-      sc = np.take_along_axis(sc, order, 1)
+    if not lexical_needed:
+      idx, sc = _dense(ec.query_embeddings[rows], ec.bank_embeddings[g], bank.stores, used, k,
+                       multistore)
     else:
-      idx, sc = generator(inputs, k, fs_options)
+      queries = [lexical.term_ids(vocab, t) for t in lexical.tokenize([corpus.queries[n].text
+                                                               for n in rows])]
+      found = index_bm25.scores(queries, np.arange(len(corpus.banks)) == g)
+      idx, sc, f = first_stage.bank_first_stage(
+          ec.query_embeddings[rows], ec.bank_embeddings[g], bank.stores, used, found, k,
+          candidates, fs_options, multistore, offset=offsets[g])
+      if side_features:
+        feats[rows] = f
     index[rows] = idx
     scores[rows] = sc
-    if side_features:
-      feats[rows] = first_stage.features(inputs, idx, sc)
     for r, n in enumerate(rows):
       gm = corpus_lib.gold_mask(bank, corpus.queries[n].gold)
       if not multistore:
@@ -222,6 +225,38 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
                for n in keep])
   bench.stats["retriever"] = retriever_report(bench)
   return bench
+
+
+def _dense(queries, emb, stores, used, k: int, multistore: bool):
+  """The dense first stage of one bank (`top_k_candidates`); with `multistore` the top-K/2 of
+  each store, merged by score (store 0 first on ties)."""
+  if not multistore:
+    return top_k_candidates(queries, emb, k, valid=used)[:2]
+  parts = [top_k_candidates(queries, emb, k // 2, valid=stores == s) for s in (0, 1)]
+  idx = np.concatenate([p[0] for p in parts], 1)
+  sc = np.concatenate([p[1] for p in parts], 1)
+  order = np.argsort(-sc, axis=1, kind="stable")
+  return np.take_along_axis(idx, order, 1), np.take_along_axis(sc, order, 1)
+
+
+def _bm25_index(corpus: corpus_lib.Corpus, by_group, multistore: bool):
+  """`(lexical.BM25Index, offsets, vocab)`: one BM25 document per indexed row (dialogue rows, or
+  every row with `multistore`) of every queried bank, scope = the bank's number, so a query scored
+  with its bank's scope gets that bank's own BM25 statistics; bank `g`'s row `i` is document
+  `offsets[g] + i`."""
+  index, vocab = lexical.BM25Index(), {}
+  offsets = np.concatenate([[0], np.cumsum([len(b) for b in corpus.banks])]).astype(np.int64)
+  for g in sorted(by_group):
+    bank = corpus.banks[g]
+    if len(bank) and not any(bank.texts or ()):
+      raise ValueError("the lexical first stage (bm25 / hybrid / side features) needs the "
+                       "memories' texts; this bank has none (e.g. the synthetic benchmark)")
+    keep = np.flatnonzero(np.ones(len(bank), bool) if multistore
+                          else bank.stores == corpus_lib.STORE_DIALOGUE)
+    tokens = lexical.tokenize([bank.texts[i] for i in keep])
+    index.add(offsets[g] + keep, np.full(len(keep), g, np.int32),
+              *lexical.pack([lexical.term_ids(vocab, t, grow=True) for t in tokens]))
+  return index, offsets, vocab
 
 
 def _rates(gold_top, num_gold, gold_k, s):

@@ -1,30 +1,51 @@
-"""Candidate generators (Eq. (1) for any first stage): dense, BM25 and hybrid, and their features.
+"""The first stage (Eq. (1) for any first stage): dense, BM25 and hybrid candidates, and their
+features, for the benchmark pipeline and for `ear_jax.agent.Memory` alike.
 
-Symbols: `n` queries of one bank, `M` memories in the bank, `K` candidates, `d` dimension,
-`F = len(FEATURES)` first-stage features.
+Symbols: `q` queries, `C` rows of a bank (a benchmark bank padded to a power of two, or a
+`Memory`'s capacity), `K` candidates, `d` dimension, `F = len(FEATURES)` first-stage features,
+`B` BM25 pairs per query (a power-of-two bucket), `t` the RRF depth.
 
-A generator ranks one bank for its queries: `fn(inputs, k, options) -> (index [n, K] int32,
-scores [n, K] float32)`, candidates in decreasing score order (ties: lower bank row first; -1 /
--inf on padding when fewer than K rows are valid). `GENERATORS` names them for the command line;
-adding one is one function and one registry line.
+ONE implementation: `rank_bank` is a pure, jittable function of the bank's embeddings, its
+candidate mask and each query's nonzero BM25 `(row, score)` pairs (`lexical.BM25Index.scores`,
+padded by `pairs`); `candidates.build_benchmark` calls it per bank (`bank_first_stage`), and
+`Memory` calls it inside its one jitted search (`ear_jax.agent.memory.lexical_bank`). So the
+same texts and embeddings give the same candidates, in the same order, with the same features,
+in a benchmark and in a live memory.
 
-- `dense`: the frozen encoder's cosine (`candidates.top_k_candidates`, the paper's Eq. (1)).
+A generator ranks the rows a query may see: `fn(BankScores(cos [q, C], lex [q, C], where [C]), k,
+options) -> (rows [q, k] int32, scores [q, k] float32)`, best first (ties: lower row first; -inf
+past the valid rows). `GENERATORS` names them for the command line (`core.types.
+CandidateGenerator`); adding one is one function and one registry line.
+
+- `dense`: the frozen encoder's cosine (the paper's Eq. (1); without features the pipeline and
+  `Memory` use the streamed `retrieval.top_k_search` instead, `top_k_candidates`).
 - `bm25`: BM25 over the bank's texts (`ear_jax.data.lexical`).
 - `hybrid`: a fusion of the two rankings over the whole bank, `FirstStageOptions.fusion`:
-  'rrf' (reciprocal-rank fusion, `1 / (rrf_k + rank)` summed over the two rankings) or 'weighted'
-  (`lexical_weight * bm25~ + (1 - lexical_weight) * cos~`, each min-max normalised over the
-  query's bank). The weight is chosen on validation data only (BUILD_NOTES "First stage").
+  'weighted' (`lexical_weight * bm25~ + (1 - lexical_weight) * cos~`, each min-max normalised over
+  the valid rows) or 'rrf' (reciprocal-rank fusion, `1 / (rrf_k + rank)` summed over the two
+  rankings, float32). The weight is chosen on validation data only (BUILD_NOTES "First stage").
+  RRF without sorting the bank: only rows in the top-`t` of either ranking, `t = ceil(rrf_k + 2 K)
+  + 1` (capped at `C`), can reach the fused top-K (a row below `t` in both scores below
+  `2 / (rrf_k + t) < 1 / (rrf_k + K)`, which each of the cosine top-K beats); a row's rank in the
+  other ranking is `1 +` the valid rows before it, counted by a binary search among the `t`
+  (`_ranks_one`, `O(C log t)` per query).
 
 Side information (`features`, Appendix B.6): each candidate carries `FEATURES`: its first stage's
 own score min-max normalised over the K candidates (1 = the first stage's best, 0 = its K-th),
 the frozen dense cosine, and its BM25 score divided by the query's best candidate BM25 score.
 `ear_jax.core.adapter.relevance` adds `w . f` to the adapted cosine; `w` starts at
 `[side_init, -1, 0]`, so before any feedback the adapter-only slate is the first stage's top-s.
+
+Stores: single store, only dialogue rows (store 0) are candidates (and BM25 documents: the
+pipeline's and `Memory`'s indexes hold only them); `multistore`, each store's top-K/2, merged by
+score (store 0 first on equal scores).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple, Sequence
+import functools
+import math
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,11 +53,11 @@ import numpy as np
 
 from ear_jax.core import retrieval
 from ear_jax.core.types import CandidateGenerator
-from ear_jax.data import lexical
 
-QUERY_BATCH = 64  # queries per jitted dense search call (the last batch is padded)
+QUERY_BATCH = 64  # queries per jitted search call (the last batch is padded)
 FEATURES = ("first_stage", "dense_cosine", "bm25")
 FUSIONS = ("rrf", "weighted")
+MIN_BUCKET = 16  # smallest bucket of BM25 pairs per query
 _top_k_search = jax.jit(retrieval.top_k_search, static_argnames=("k", "chunk"))
 
 
@@ -66,30 +87,6 @@ class FirstStageOptions:
     over = {k: v for k, v in (("fusion", fusion), ("lexical_weight", lexical_weight))
             if v is not None}
     return cls(**over)
-
-
-class BankInputs(NamedTuple):
-  """One bank and the queries that search it."""
-  queries: np.ndarray  # [n, d] float32 unit query embeddings
-  bank: np.ndarray  # [M, d] float32 unit memory embeddings
-  query_texts: Sequence[str]  # [n]
-  bank_texts: Sequence[str]  # [M] ('' when unknown)
-  valid: np.ndarray  # [M] bool, rows that may be chosen (e.g. one store)
-  lexical: Callable[[], np.ndarray]  # () -> [n, M] BM25 scores (computed once, on first use)
-
-
-def _top(scores: np.ndarray, valid: np.ndarray, k: int):
-  """`(index [n, K], scores [n, K])` of the top-k valid rows per query, ties by lower row."""
-  n, m = scores.shape
-  masked = np.where(valid[None], scores, -np.inf).astype(np.float32)
-  order = np.argsort(-masked, axis=1, kind="stable")[:, :k]
-  top = np.take_along_axis(masked, order, 1)
-  pad = k - order.shape[1]
-  if pad > 0:
-    order = np.concatenate([order, np.full((n, pad), -1, order.dtype)], 1)
-    top = np.concatenate([top, np.full((n, pad), -np.inf, np.float32)], 1)
-  order = np.where(np.isfinite(top), order, -1)
-  return order.astype(np.int32), top.astype(np.float32)
 
 
 def top_k_candidates(queries: np.ndarray, bank: np.ndarray, k: int, valid: np.ndarray | None = None,
@@ -130,56 +127,120 @@ def top_k_candidates(queries: np.ndarray, bank: np.ndarray, k: int, valid: np.nd
   return idx, sc, mask
 
 
-
-def dense_generator(inputs: BankInputs, k: int, options: FirstStageOptions):
-  """The frozen encoder's top-K by cosine (the paper's Eq. (1), `top_k_candidates`)."""
-  del options
-  idx, sc, _ = top_k_candidates(inputs.queries, inputs.bank, k, valid=inputs.valid)
-  return idx, sc
+def pow2_at_least(n: int, minimum: int = 1) -> int:
+  """The smallest power of two `>= max(n, minimum, 1)`."""
+  n = max(n, minimum, 1)
+  return 1 << (n - 1).bit_length()
 
 
-def bm25_generator(inputs: BankInputs, k: int, options: FirstStageOptions):
-  """The top-K by BM25 (`ear_jax.data.lexical`)."""
-  del options
-  return _top(inputs.lexical(), inputs.valid, k)
+class BankScores(NamedTuple):
+  """What a generator ranks: one bank's scores for a block of queries."""
+  cos: jax.Array  # [q, C] float32 frozen cosine
+  lex: jax.Array  # [q, C] float32 BM25 (0 for no shared term)
+  where: jax.Array  # [C] bool rows that may be candidates
 
 
-def _minmax(x: np.ndarray, valid: np.ndarray) -> np.ndarray:
-  """Min-max normalisation of `x [n, M]` over the valid rows of each query (0 where constant);
-  `valid` is `[M]` (one mask for every query) or `[n, M]`."""
-  valid = np.broadcast_to(valid, x.shape)
-  if not x.shape[1]:
-    return np.zeros(x.shape, np.float32)
-  lo = np.where(valid, x, np.inf).min(1, keepdims=True)
-  hi = np.where(valid, x, -np.inf).max(1, keepdims=True)
+def _masked_top(x, where, k):
+  """`(rows [q, k], values [q, k])` of `x [q, C]` over `where [C]` (-inf beyond; lower row first
+  on ties)."""
+  v, r = jax.lax.top_k(jnp.where(where[None], x, -jnp.inf), k)
+  return r.astype(jnp.int32), v
+
+
+def _minmax(x, where):
+  """Min-max normalisation of `x [q, C]` over `where` (`[C]` or `[q, C]`; 0 where constant)."""
+  where = jnp.broadcast_to(where, x.shape)
+  lo = jnp.min(jnp.where(where, x, jnp.inf), axis=1, keepdims=True)
+  hi = jnp.max(jnp.where(where, x, -jnp.inf), axis=1, keepdims=True)
   span = hi - lo
-  return np.where(span > 0, (x - lo) / np.where(span > 0, span, 1.0), 0.0)
+  return jnp.where(span > 0, (x - lo) / jnp.where(span > 0, span, 1.0), 0.0)
 
 
-def _ranks(scores: np.ndarray, valid: np.ndarray) -> np.ndarray:
-  """`[n, M]` 1-based rank of every row per query (ties by lower row; invalid rows last)."""
-  masked = np.where(valid[None], scores, -np.inf)
-  order = np.argsort(-masked, axis=1, kind="stable")
-  ranks = np.empty_like(order)
-  np.put_along_axis(ranks, order, np.arange(1, scores.shape[1] + 1)[None], 1)
-  return ranks
+def rrf_depth(rrf_k: float, k: int, capacity: int) -> int:
+  """`t`: the rows of each ranking that can reach the RRF top-`k` (module docstring)."""
+  return min(capacity, int(math.ceil(rrf_k + 2 * k)) + 1)
 
 
-def hybrid_generator(inputs: BankInputs, k: int, options: FirstStageOptions):
+def _ranks_one(x, where, rows, vals):
+  """`[t]` 1-based ranks of bank rows `rows [t]` (values `vals [t]`) in the ranking of `x [C]`
+  over `where [C]` (higher first, lower row first on ties), without sorting the bank.
+
+  The `t` rows are sorted by (value desc, row asc); a binary search in that order gives each bank
+  row the number of the `t` that precede it (`ceil(log2(t + 1))` steps over the bank, ties by row
+  included), and a histogram of those numbers, accumulated, counts the bank rows that precede each
+  of the `t`. `O(C log t)` instead of the `O(t C)` of a comparison count (BM25 has many equal
+  scores: every row sharing no term scores 0).
+  """
+  t, c = rows.shape[0], x.shape[0]
+  neg, s_rows, perm = jax.lax.sort((-vals, rows, jnp.arange(t, dtype=jnp.int32)), num_keys=2)
+  s_vals = -neg
+  col = jnp.arange(c, dtype=jnp.int32)
+
+  def step(_, bounds):  # invariant: the first `lo` of the t precede row j, those from `hi` do not
+    lo, hi = bounds
+    mid = (lo + hi) // 2
+    at = jnp.minimum(mid, t - 1)
+    v, r = s_vals[at], s_rows[at]
+    before = ((v > x) | ((v == x) & (r < col))) & (mid < hi)
+    return jnp.where(before, mid + 1, lo), jnp.where(before, hi, mid)
+
+  pos, _ = jax.lax.fori_loop(0, max(1, t.bit_length()), step,
+                             (jnp.zeros((c,), jnp.int32), jnp.full((c,), t, jnp.int32)))
+  pos = jnp.where(where, pos, t + 1)  # invalid rows precede nothing
+  # cum[i] = bank rows with at most i of the t before them = rows before the i-th, plus itself
+  cum = jnp.cumsum(jnp.zeros((t + 2,), jnp.int32).at[pos].add(1))
+  return jnp.zeros((t,), jnp.int32).at[perm].set(cum[:t])
+
+
+def _ranks_of(x, where, rows, vals):
+  """`_ranks_one` for each query of `x [q, C]`, `rows` and `vals` `[q, t]` -> `[q, t]` (one
+  query after the other: batched binary searches are several times slower on CPU)."""
+  return jax.lax.map(lambda a: _ranks_one(a[0], where, a[1], a[2]), (x, rows, vals))
+
+
+def _rrf(s: BankScores, k: int, rrf_k: float):
+  """The RRF top-`k` (module docstring): `(rows [q, k], scores [q, k])`."""
+  t = rrf_depth(rrf_k, k, s.cos.shape[1])
+  r_d, v_d = _masked_top(s.cos, s.where, t)
+  r_l, v_l = _masked_top(s.lex, s.where, t)
+  pos = jnp.arange(1, t + 1, dtype=jnp.int32)[None]
+  ok_d, ok_l = v_d > -jnp.inf, v_l > -jnp.inf
+  # Each list's rows in the other ranking (exact counts; the lists' own ranks are their positions).
+  rank_ld = _ranks_of(s.lex, s.where, r_d, jnp.take_along_axis(s.lex, r_d, 1))
+  rank_dl = _ranks_of(s.cos, s.where, r_l, jnp.take_along_axis(s.cos, r_l, 1))
+  in_d = jnp.any((r_l[:, :, None] == r_d[:, None, :]) & ok_d[:, None, :], axis=-1)
+  fuse = lambda a, b: 1.0 / (rrf_k + a.astype(jnp.float32)) + 1.0 / (rrf_k + b.astype(jnp.float32))
+  rows = jnp.concatenate([r_d, r_l], 1)
+  fused = jnp.concatenate([fuse(pos, rank_ld), fuse(rank_dl, pos)], 1)
+  ok = jnp.concatenate([ok_d, ok_l & ~in_d], 1)
+  key = jnp.where(ok, -fused, jnp.inf)
+  _, rows, fused, ok = jax.lax.sort((key, rows, fused, ok), dimension=1, num_keys=2)
+  return rows[:, :k], jnp.where(ok[:, :k], fused[:, :k], -jnp.inf)
+
+
+def dense_generator(s: BankScores, k: int, options: FirstStageOptions):
+  """The frozen encoder's top-K by cosine (the paper's Eq. (1))."""
+  del options
+  return _masked_top(s.cos, s.where, k)
+
+
+def bm25_generator(s: BankScores, k: int, options: FirstStageOptions):
+  """The top-K by BM25 (rows sharing no term score 0 and follow in row order)."""
+  del options
+  return _masked_top(s.lex, s.where, k)
+
+
+def hybrid_generator(s: BankScores, k: int, options: FirstStageOptions):
   """The top-K of a fusion of the BM25 and the dense ranking over the whole bank."""
-  cos = inputs.queries @ inputs.bank.T
-  lex = inputs.lexical()
   if options.fusion == "rrf":
-    fused = (1.0 / (options.rrf_k + _ranks(lex, inputs.valid))
-             + 1.0 / (options.rrf_k + _ranks(cos, inputs.valid)))
-  else:
-    w = options.lexical_weight
-    fused = w * _minmax(lex, inputs.valid) + (1.0 - w) * _minmax(cos, inputs.valid)
-  return _top(fused.astype(np.float32), inputs.valid, k)
+    return _rrf(s, k, float(options.rrf_k))
+  w = float(options.lexical_weight)
+  return _masked_top(w * _minmax(s.lex, s.where) + (1.0 - w) * _minmax(s.cos, s.where), s.where,
+                     k)
 
 
-# Candidate generator name -> `fn(BankInputs, k, FirstStageOptions) -> (index, scores)`
-# (`ear_jax.core.types.CandidateGenerator`).
+# Candidate generator name -> `fn(BankScores, k, FirstStageOptions) -> (rows, scores)`
+# (`ear_jax.core.types.CandidateGenerator`; jittable, `k` and the options static).
 GENERATORS: dict[str, CandidateGenerator] = {
     "dense": dense_generator,
     "bm25": bm25_generator,
@@ -187,52 +248,134 @@ GENERATORS: dict[str, CandidateGenerator] = {
 }
 
 
-def features(inputs: BankInputs, index: np.ndarray, scores: np.ndarray) -> np.ndarray:
-  """`[n, K, F]` float32 side features of ranked candidates (`FEATURES`; 0 on padding)."""
-  mask = index >= 0
-  safe = np.maximum(index, 0)
-  # The first stage's score of each candidate, 1 for the best and 0 for the K-th.
-  first = np.where(mask, _minmax(np.where(mask, scores, 0.0), mask), 0.0)
-  cos = np.einsum("nkd,nd->nk", inputs.bank[safe], inputs.queries)
-  lex = np.take_along_axis(inputs.lexical(), safe, 1) if inputs.bank.shape[0] else np.zeros(
-      index.shape)
-  best = np.where(mask, lex, 0.0).max(1, keepdims=True) if index.size else np.ones((0, 1))
-  lex = np.where(best > 0, lex / np.where(best > 0, best, 1.0), 0.0)
-  f = np.stack([first, cos, lex], -1)
-  return np.where(mask[..., None], f, 0.0).astype(np.float32)
-
-
-def bank_inputs(queries, bank, query_texts, bank_texts, valid, lexical_rows=None) -> BankInputs:
-  """`BankInputs` whose BM25 scores are computed once, on first use.
-
-  Args:
-    queries: `[n, d]` query embeddings.
-    bank: `[M, d]` memory embeddings.
-    query_texts: `[n]` query texts.
-    bank_texts: `[M]` memory texts.
-    valid: `[M]` bool, rows the generator may choose.
-    lexical_rows: optional `[M]` bool, the rows BM25 indexes (its document frequencies and length
-      statistics come from them; the other rows score 0). Default: every row.
-  """
-  cache = {}
-  rows = np.ones(len(bank_texts), bool) if lexical_rows is None else np.asarray(lexical_rows, bool)
-
-  def lex():
-    if "scores" not in cache:
-      if len(bank_texts) and not any(bank_texts):
-        raise ValueError("the lexical first stage (bm25 / hybrid / side features) needs the "
-                         "memories' texts; this bank has none (e.g. the synthetic benchmark)")
-      out = np.zeros((len(query_texts), len(bank_texts)), np.float32)
-      out[:, rows] = lexical.bm25_scores([t for t, r in zip(bank_texts, rows) if r], query_texts)
-      cache["scores"] = out
-    return cache["scores"]
-
-  return BankInputs(np.asarray(queries, np.float32), np.asarray(bank, np.float32),
-                    list(query_texts), list(bank_texts), np.asarray(valid, bool), lex)
-
-
 def check_generator(name: str) -> Callable:
   """The registered generator `name` (ValueError naming the choices otherwise)."""
   if name not in GENERATORS:
     raise ValueError(f"unknown candidates={name!r}; expected one of {tuple(GENERATORS)}")
   return GENERATORS[name]
+
+
+def features(s: BankScores, rows, scores, mask):
+  """`[q, K, F]` float32 side features of ranked candidates `rows [q, K]` with their first-stage
+  `scores` and `mask` (`FEATURES`; 0 on padding)."""
+  first = jnp.where(mask, _minmax(jnp.where(mask, scores, 0.0), mask), 0.0)
+  safe = jnp.maximum(rows, 0)
+  cos = jnp.take_along_axis(s.cos, safe, 1)
+  lex = jnp.take_along_axis(s.lex, safe, 1)
+  best = jnp.max(jnp.where(mask, lex, 0.0), axis=1, keepdims=True)
+  lex = jnp.where(best > 0, lex / jnp.where(best > 0, best, 1.0), 0.0)
+  return jnp.where(mask[..., None], jnp.stack([first, cos, lex], -1), 0.0)
+
+
+def _block(queries, emb, where, stores, lex_rows, lex_scores, k, generator, options, multistore):
+  """`rank_bank` for one block of queries."""
+  cap = emb.shape[0]
+  b = queries.shape[0]
+  cos = retrieval._chunk_scores(queries, emb)  # [b, C] float32  pylint: disable=protected-access
+  lex = jnp.zeros((b, cap), jnp.float32).at[jnp.arange(b)[:, None], lex_rows].set(
+      lex_scores, mode="drop")
+  gen = GENERATORS[generator]
+  s = BankScores(cos, lex, where)
+  if multistore:
+    parts = [gen(s._replace(where=where & (stores == st)), k // 2, options) for st in (0, 1)]
+    rows = jnp.concatenate([p[0] for p in parts], 1)
+    sc = jnp.concatenate([p[1] for p in parts], 1)
+    pos = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32)[None], sc.shape)
+    _, _, sc, rows = jax.lax.sort((-sc, pos, sc, rows), dimension=1, num_keys=2)
+  else:
+    rows, sc = gen(s._replace(where=where & (stores == 0)), k, options)
+  mask = sc > -jnp.inf
+  rows = jnp.where(mask, rows, -1).astype(jnp.int32)
+  return rows, mask, sc, features(s, rows, sc, mask)
+
+
+def rank_bank(queries, emb, where, stores, lex_rows, lex_scores, *, k: int, generator: str,
+              options: FirstStageOptions, multistore: bool):
+  """The first stage of `q` queries over one bank (pure; jit with the keywords static).
+
+  Queries go in blocks of `retrieval.SCORE_BUDGET // C` (a `lax.map`), so at most about that many
+  cosine and BM25 scores exist at once.
+
+  Args:
+    queries: `[q, d]` unit queries (`q` a power of two).
+    emb: `[C, d]` the bank's unit rows (float32 or bfloat16).
+    where: `[C]` bool rows that may be candidates (valid and in the allowed scopes).
+    stores: `[C]` int store codes (single store: only store 0 is a candidate).
+    lex_rows: `[q, B]` int32 rows of each query's nonzero BM25 scores (`C` = padding, dropped).
+    lex_scores: `[q, B]` float32 their scores.
+    k: `K`.
+    generator: a name in `GENERATORS`.
+    options: the hybrid fusion's settings.
+    multistore: each store's top-K/2, merged by score.
+
+  Returns:
+    `(rows [q, K] int32 (-1 = padding), mask [q, K] bool, scores [q, K] float32 (the first
+    stage's, -inf = padding), features [q, K, F] float32)`, best first.
+  """
+  cap, q = emb.shape[0], queries.shape[0]
+  per_block = min(q, pow2_at_least(max(1, retrieval.SCORE_BUDGET // cap) + 1) // 2)
+  fn = lambda x: _block(x[0], emb, where, stores, x[1], x[2], k, generator, options, multistore)
+  xs = (queries, lex_rows, lex_scores)
+  if per_block == q:
+    return fn(xs)
+  blocks = tuple(a.reshape((q // per_block, per_block) + a.shape[1:]) for a in xs)
+  return tuple(a.reshape((q,) + a.shape[2:]) for a in jax.lax.map(fn, blocks))
+
+
+def pairs(found: Sequence[tuple[np.ndarray, np.ndarray]], capacity: int, num_padded: int,
+          offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """`(rows [num_padded, B] int32, scores [num_padded, B] float32)`: each query's BM25 pairs
+  (`lexical.BM25Index.scores`, rows shifted by `-offset`; those outside `0..capacity-1` left out)
+  padded to a power-of-two bucket `B` (at least `MIN_BUCKET`, at most `capacity`; padding rows are
+  `capacity`)."""
+  found = [(r - offset, s) for r, s in found]
+  found = [(r[(r >= 0) & (r < capacity)], s[(r >= 0) & (r < capacity)]) for r, s in found]
+  most = max([len(r) for r, _ in found] + [1])
+  bucket = min(pow2_at_least(most, MIN_BUCKET), max(capacity, 1))
+  rows = np.full((num_padded, bucket), capacity, np.int32)
+  scores = np.zeros((num_padded, bucket), np.float32)
+  for i, (r, s) in enumerate(found):
+    rows[i, :len(r)], scores[i, :len(s)] = r, s
+  return rows, scores
+
+
+_rank_bank = jax.jit(rank_bank, static_argnames=("k", "generator", "options", "multistore"))
+
+
+def bank_first_stage(queries: np.ndarray, emb: np.ndarray, stores: np.ndarray, valid: np.ndarray,
+                     found: Sequence[tuple[np.ndarray, np.ndarray]], k: int, generator: str,
+                     options: FirstStageOptions, multistore: bool, offset: int = 0):
+  """`rank_bank` of one benchmark bank on the host's arrays (the bank padded to a power of two
+  rows, at least `k`; the queries in blocks of `min(QUERY_BATCH, n)` rounded up to a power of two,
+  so a benchmark compiles once per padded bank size).
+
+  Args:
+    queries: `[n, d]` unit queries.
+    emb: `[M, d]` the bank's unit rows.
+    stores: `[M]` store codes.
+    valid: `[M]` bool rows that may be candidates.
+    found: per query, its BM25 `(rows, scores)` (`lexical.BM25Index.scores`; rows minus `offset`
+      are bank rows).
+    k, generator, options, multistore: as `rank_bank`.
+    offset: the bank's first row in the BM25 index.
+
+  Returns:
+    `(index [n, K] int32, scores [n, K] float32, features [n, K, F] float32)`.
+  """
+  n, m = queries.shape[0], emb.shape[0]
+  cap, q = max(k, pow2_at_least(m)), min(QUERY_BATCH, pow2_at_least(n))
+  emb_p = np.zeros((cap, emb.shape[1]), np.float32)
+  emb_p[:m] = emb
+  where = np.zeros(cap, bool)
+  where[:m] = valid
+  stores_p = np.full(cap, -1, np.int32)
+  stores_p[:m] = stores
+  out = []
+  for s in range(0, n, q):  # blocks of `q` queries (one compiled shape per bank size)
+    q_p = np.zeros((q, queries.shape[1]), np.float32)
+    q_p[:min(q, n - s)] = queries[s:s + q]
+    lex_rows, lex_scores = pairs(found[s:s + q], cap, q, offset)
+    rows, _, sc, feats = _rank_bank(q_p, emb_p, where, stores_p, lex_rows, lex_scores, k=k,
+                                    generator=generator, options=options, multistore=multistore)
+    out.append([np.asarray(a)[:min(q, n - s)] for a in (rows, sc, feats)])
+  return tuple(np.concatenate([o[i] for o in out]) for i in range(3))

@@ -1,26 +1,41 @@
-"""The lexical first stage: BM25 over a bank's texts, on the `bm25s` engine.
+"""The lexical first stage: the tokeniser and an incremental, scoped BM25 index (`BM25Index`).
 
-Symbols: `M` memories in a bank, `n` queries.
+Symbols: `N` documents (rows) of the allowed scopes, `V` term ids, `P` postings (one per
+(document, distinct term)), `S` scope codes, `n` queries.
 
 One tokenisation and one scoring for every caller (the benchmark pipeline, `ear_jax.agent.Memory`),
 so identical texts get identical scores everywhere:
 - tokens: lower-cased runs of word characters (`TOKEN_PATTERN`, `\\w+`: letters, digits, `_`),
   with bm25s's English stop-word list `en_plus` (179 words: function words, pronouns and question
   words such as 'what' / 'did') removed; no stemming (on LoCoMo, bm25s's 33-word list 'en' gives
-  40.0 Recall@5, 'en_plus' 45.9: question words match half of every conversation);
-- scoring: BM25 (Lucene's variant, `k1 = 1.2`, `b = 0.75`) with the bank's own document
-  frequencies and length statistics (a bank is one conversation / one question's haystack / one
-  `Memory`).
+  40.0 Recall@5, 'en_plus' 45.9: question words match half of every conversation). `tokenize` is
+  bm25s's tokeniser with these settings;
+- scoring: BM25, Lucene's variant (`K1 = 1.2`, `B = 0.75`), with the statistics (document count,
+  mean length, document frequencies) of the ALLOWED SCOPES only: a scope is one bank (one
+  conversation, one question's haystack, one tenant of a `Memory`), so a scoped query scores
+  exactly as a BM25 index over that bank alone would (bm25s's `get_scores`, bit for bit:
+  `tests/test_bm25_index.py`), whatever the other scopes hold.
 
-Why bm25s (BUILD_NOTES "First stage"): it keeps the index as sparse matrices that score a query in
-one sparse product, builds a bank of 600 turns in about a millisecond, and returns the whole score
-vector (`get_scores`), which the hybrid fusion needs. It has no incremental add; a `Memory` rebuilds
-its index lazily on the first search after a change (`LexicalIndex`).
+Why not bm25s's index: it stores each (term, document) BM25 score, which depends on every document
+through the document frequencies and the mean length, so it has no incremental add, and its
+statistics are global. `BM25Index` stores what does not change (raw term frequencies, document
+lengths) and computes BM25 at query time from the allowed scopes' statistics, in the same float
+operations as bm25s (idf rounded to float32, the term-frequency part in float64, each (document,
+term) score rounded to float32, summed in float32 in the query's token order).
+
+Layout: postings `(key = term << 31 | scope, row, tf)` in a BASE segment sorted by key (a term's
+postings contiguous, by scope inside it) and an append-only DELTA segment (unsorted, scanned),
+merged into the base when it outgrows `max(MIN_DELTA, base / DELTA_SHARE)` (one timsort merge of
+two sorted runs, `O(P)`, so an add costs `O(its tokens)` amortised). A scoped query reads only its
+scopes' base ranges (one binary search per (term, allowed scope)) plus the delta. `delete` is
+`O(its tokens)`: the statistics are decremented and the row's postings masked (`live`) until the
+next merge drops them.
 """
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+import math
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -28,6 +43,10 @@ TOKEN_PATTERN = r"(?u)\b\w+\b"
 STOPWORDS = "en_plus"
 K1 = 1.2
 B = 0.75
+MIN_DELTA = 1 << 16  # delta postings always allowed before a merge
+DELTA_SHARE = 16  # ... or this fraction of the base
+DENSE_SHARE = 8  # a query matching more than 1 / this of the rows sums into a [rows] array
+_SCOPE_BITS = 31
 
 
 @functools.cache
@@ -41,40 +60,253 @@ def _bm25s():
 def tokenize(texts: Sequence[str]) -> list[list[str]]:
   """The token lists of `texts` (see the module docstring); an empty text gives `[]`."""
   return _bm25s().tokenize(list(texts), lower=True, token_pattern=TOKEN_PATTERN,
-                        stopwords=STOPWORDS, stemmer=None, return_ids=False, show_progress=False)
+                           stopwords=STOPWORDS, stemmer=None, return_ids=False,
+                           show_progress=False)
 
 
-def new_engine():
-  """An empty `bm25s.BM25` with this module's scoring (`K1`, `B`, Lucene's variant): index it with
-  `engine.index(token lists)` or `engine.index((token id lists, vocab))` (the same scores)."""
-  return _bm25s().BM25(k1=K1, b=B, method="lucene")
+def pack(token_ids: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+  """`(tokens [T] int32, offsets [n + 1] int64)` of `n` token id arrays, concatenated."""
+  lens = np.fromiter((len(t) for t in token_ids), np.int64, len(token_ids))
+  offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+  flat = np.concatenate([np.asarray(t, np.int32) for t in token_ids]) if len(token_ids) else (
+      np.zeros(0, np.int32))
+  return flat.astype(np.int32), offsets
 
 
-class LexicalIndex:
-  """BM25 over one bank of texts.
+def term_ids(vocab: dict, tokens: Sequence[str], grow: bool = False) -> np.ndarray:
+  """`[t]` int32 ids of `tokens` in `vocab` (term -> id); `grow`: new terms get the next ids,
+  else unknown terms are left out (a query's)."""
+  if grow:
+    return np.fromiter((vocab.setdefault(w, len(vocab)) for w in tokens), np.int32)
+  return np.fromiter((vocab[w] for w in tokens if w in vocab), np.int32)
 
-  Args:
-    texts: `[M]` memory texts (row order = the bank's order).
+
+def _grown(a: np.ndarray, n: int) -> np.ndarray:
+  """`a` (1-D) with room for at least `n` entries (doubling; new entries 0)."""
+  if n <= len(a):
+    return a
+  out = np.zeros(max(n, 2 * len(a), 16), a.dtype)
+  out[:len(a)] = a
+  return out
+
+
+class BM25Index:
+  """An incremental, scoped BM25 index over integer term ids (module docstring).
+
+  Rows are the caller's document numbers (e.g. a bank's device rows): any non-negative int, each
+  added at most once while live. Term ids are the caller's (any non-negative int32).
   """
 
-  def __init__(self, texts: Sequence[str]):
-    self.num_rows = len(texts)
-    self._engine = None
-    if self.num_rows:
-      self._engine = new_engine()
-      self._engine.index(tokenize(texts), show_progress=False)
+  def __init__(self):
+    self._length = np.zeros(0, np.int64)  # [rows] tokens per document
+    self._scope = np.zeros(0, np.int32)  # [rows] scope code
+    self._live = np.zeros(0, bool)  # [rows] indexed and not deleted
+    self._used = np.zeros(0, bool)  # [rows] ever indexed (a row is never indexed twice)
+    self._docs = np.zeros(0, np.int64)  # [S] live documents per scope
+    self._tokens = np.zeros(0, np.int64)  # [S] their tokens
+    self._df = np.zeros(0, np.int64)  # [V] live documents per term (every scope)
+    self._row_terms = np.zeros(0, np.int32)  # every added row's distinct terms, in add order
+    self._row_start = np.zeros(0, np.int64)  # [rows] where a row's terms start there
+    self._row_count = np.zeros(0, np.int32)  # [rows] and how many
+    self._num_row_terms = 0
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32))
+    self._base = empty  # (key [P] int64 sorted, row [P] int64, tf [P] int32)
+    self._delta = tuple(a.copy() for a in empty)  # the same, unsorted, with room to append
+    self._num_delta = 0
+    self._dead_postings = 0  # postings of deleted rows still in the segments
 
-  def scores(self, query_texts: Sequence[str]) -> np.ndarray:
-    """`[n, M]` float32 BM25 scores of each query against every row (0 for no shared term)."""
-    out = np.zeros((len(query_texts), self.num_rows), np.float32)
-    if self._engine is None:
-      return out
-    for i, tokens in enumerate(tokenize(query_texts)):
-      if tokens:
-        out[i] = self._engine.get_scores(tokens)
+  def __len__(self) -> int:
+    """Live documents."""
+    return int(self._docs.sum())
+
+  @property
+  def df(self) -> np.ndarray:
+    """`[V]` int64 live documents per term id, every scope (a view: do not modify)."""
+    return self._df
+
+  def add(self, rows, scopes, tokens: np.ndarray, offsets: np.ndarray) -> None:
+    """Indexes `n` documents: `rows [n]`, `scopes [n]` scope codes, row i's term ids
+    `tokens[offsets[i]:offsets[i + 1]]` (`pack`; repeats count as term frequency). `O(tokens)`
+    amortised (a merge of the delta now and then). ValueError for a row indexed before."""
+    rows = np.asarray(rows, np.int64)
+    scopes = np.asarray(scopes, np.int32)
+    tokens = np.asarray(tokens, np.int64)
+    offsets = np.asarray(offsets, np.int64)
+    n = len(rows)
+    if not n:
+      return
+    if rows.min() < 0 or scopes.min() < 0 or (len(tokens) and tokens.min() < 0):
+      raise ValueError("BM25Index.add: rows, scopes and term ids must be non-negative")
+    top = int(rows.max()) + 1
+    for name in ("_length", "_scope", "_live", "_used", "_row_start", "_row_count"):
+      setattr(self, name, _grown(getattr(self, name), top))
+    if self._used[rows].any() or len(np.unique(rows)) != n:
+      raise ValueError(f"BM25Index.add: rows {rows[self._used[rows]][:5].tolist()} (or repeated "
+                       "rows) were indexed before (a row number is never reused)")
+    lengths = np.diff(offsets)
+    doc = np.repeat(np.arange(n, dtype=np.int64), lengths)
+    vmax = int(tokens.max()) + 1 if len(tokens) else 1
+    pairs, tf = np.unique(doc * vmax + tokens, return_counts=True)  # by (document, term)
+    d, term = pairs // vmax, pairs % vmax
+    self._length[rows], self._scope[rows] = lengths, scopes
+    self._live[rows] = self._used[rows] = True
+    self._docs = _grown(self._docs, int(scopes.max()) + 1)
+    self._tokens = _grown(self._tokens, len(self._docs))
+    np.add.at(self._docs, scopes, 1)
+    np.add.at(self._tokens, scopes, lengths)
+    self._df = _grown(self._df, vmax)
+    np.add.at(self._df, term, 1)
+    self._row_terms = _grown(self._row_terms, self._num_row_terms + len(term))
+    self._row_terms[self._num_row_terms:self._num_row_terms + len(term)] = term
+    per_doc = np.bincount(d, minlength=n)
+    self._row_start[rows] = self._num_row_terms + np.concatenate([[0], np.cumsum(per_doc)[:-1]])
+    self._row_count[rows] = per_doc
+    self._num_row_terms += len(term)
+    self._append((term << _SCOPE_BITS) | scopes[d], rows[d], tf.astype(np.int32))
+
+  def delete(self, rows) -> np.ndarray:
+    """Removes live documents `rows` (others are ignored); `O(their tokens)`. Returns the term ids
+    no live document holds any more (`df` reached 0)."""
+    rows = np.unique(np.asarray(rows, np.int64))
+    rows = rows[(rows < len(self._live))]
+    rows = rows[self._live[rows]]
+    if not len(rows):
+      return np.zeros(0, np.int64)
+    terms = np.concatenate([self._row_terms[s:s + c] for s, c in
+                            zip(self._row_start[rows], self._row_count[rows])]).astype(np.int64)
+    self._live[rows] = False
+    self._dead_postings += len(terms)
+    np.subtract.at(self._docs, self._scope[rows], 1)
+    np.subtract.at(self._tokens, self._scope[rows], self._length[rows])
+    np.subtract.at(self._df, terms, 1)
+    terms = np.unique(terms)
+    return terms[self._df[terms] == 0]
+
+  def terms_of(self, rows) -> np.ndarray:
+    """The distinct term ids of live documents `rows`, concatenated (with repeats across rows)."""
+    rows = np.asarray(rows, np.int64)
+    rows = rows[(rows < len(self._live))]
+    rows = rows[self._live[rows]]
+    parts = [self._row_terms[s:s + c] for s, c in zip(self._row_start[rows], self._row_count[rows])]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+  def _append(self, key, row, tf) -> None:
+    """Appends postings to the delta; merges it into the base when it outgrew its share."""
+    m = self._num_delta + len(key)
+    self._delta = tuple(_grown(a, m) for a in self._delta)
+    for a, v in zip(self._delta, (key, row, tf)):
+      a[self._num_delta:m] = v
+    self._num_delta = m
+    if m > max(MIN_DELTA, len(self._base[0]) // DELTA_SHARE):
+      self._merge()
+
+  def _merge(self) -> None:
+    """Base + delta -> a new base of the live postings, sorted by key (ties: add order)."""
+    parts = []
+    for seg, n in ((self._base, len(self._base[0])), (self._delta, self._num_delta)):
+      key, row, tf = (a[:n] for a in seg)
+      keep = self._live[row]
+      parts.append((key[keep], row[keep], tf[keep]))
+    d_key, d_row, d_tf = parts[1]
+    order = np.argsort(d_key, kind="stable")
+    key = np.concatenate([parts[0][0], d_key[order]])
+    row = np.concatenate([parts[0][1], d_row[order]])
+    tf = np.concatenate([parts[0][2], d_tf[order]])
+    order = np.argsort(key, kind="stable")  # two sorted runs: one timsort merge
+    self._base = (key[order], row[order], tf[order])
+    self._delta = tuple(np.zeros(0, a.dtype) for a in self._delta)
+    self._num_delta = 0
+    self._dead_postings = 0
+
+  def _postings(self, terms: np.ndarray, scopes: Optional[np.ndarray]):
+    """Per term of `terms [u]`, its live postings in `scopes` (None: every scope): a list of
+    `(rows [m] int64, tf [m] int32)` (views into the base where nothing was deleted since the
+    last merge)."""
+    key, row, tf = self._base
+    if scopes is None:
+      lo = np.searchsorted(key, terms << _SCOPE_BITS)[:, None]
+      hi = np.searchsorted(key, (terms + 1) << _SCOPE_BITS)[:, None]
+    else:
+      want = (terms[:, None] << _SCOPE_BITS) | scopes[None]
+      lo, hi = np.searchsorted(key, want), np.searchsorted(key, want + 1)
+    delta = None
+    if self._num_delta:
+      dk, dr, dt = (a[:self._num_delta] for a in self._delta)
+      sel = np.isin(dk >> _SCOPE_BITS, terms)
+      if scopes is not None:
+        sel &= np.isin(dk & ((1 << _SCOPE_BITS) - 1), scopes)
+      sel = np.flatnonzero(sel)
+      delta = (dk[sel] >> _SCOPE_BITS, dr[sel], dt[sel])
+    out = []
+    for j, term in enumerate(terms.tolist()):
+      parts = [(row[a:b], tf[a:b]) for a, b in zip(lo[j].tolist(), hi[j].tolist()) if b > a]
+      if delta is not None:
+        mine = delta[0] == term
+        parts.append((delta[1][mine], delta[2][mine]))
+      rows = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts] or [row[:0]])
+      tfs = parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts] or [tf[:0]])
+      if self._dead_postings:  # (deleted rows' postings stay until the next merge)
+        live = self._live[rows]
+        rows, tfs = rows[live], tfs[live]
+      out.append((rows, tfs))
     return out
 
+  def scores(self, queries: Sequence[np.ndarray], allowed: Optional[np.ndarray] = None
+             ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per query (its term ids in order, repeats count), the documents sharing a term with it and
+    their BM25 scores `(rows [m] int64 ascending, scores [m] float32 > 0)`, with the statistics of
+    the scopes `allowed` (`[S']` bool over scope codes, codes beyond it not allowed; None: every
+    document). Equal to bm25s `get_scores` over those documents alone."""
+    if allowed is None:
+      scopes, num_docs, num_tokens = None, self._docs.sum(), self._tokens.sum()
+    else:
+      scopes = np.flatnonzero(np.asarray(allowed, bool)[:len(self._docs)]).astype(np.int64)
+      num_docs, num_tokens = self._docs[scopes].sum(), self._tokens[scopes].sum()
+    out = []
+    for q in queries:
+      q = np.asarray(q, np.int64)
+      q = q[(q >= 0) & (q < len(self._df))]
+      if not len(q) or not num_docs:
+        out.append((np.zeros(0, np.int64), np.zeros(0, np.float32)))
+        continue
+      out.append(self._score(q, scopes, int(num_docs), np.float64(int(num_tokens)) / num_docs))
+    return out
 
-def bm25_scores(bank_texts: Sequence[str], query_texts: Sequence[str]) -> np.ndarray:
-  """`[n, M]` BM25 scores of `query_texts` against one bank (`LexicalIndex(bank).scores`)."""
-  return LexicalIndex(bank_texts).scores(query_texts)
+  def _score(self, q, scopes, num_docs: int, l_avg):
+    """One query's `(rows, scores)` (`scores`): bm25s's float operations, in its order."""
+    terms, inverse = np.unique(q, return_inverse=True)
+    postings = self._postings(terms, scopes)
+    total = sum(len(r) for r, _ in postings)
+    if not total:
+      return np.zeros(0, np.int64), np.zeros(0, np.float32)
+    contrib = []
+    for rows, tf in postings:
+      df = len(rows)  # idf: Python floats, rounded to float32 (bm25s `_build_idf_array`)
+      idf = np.float32(math.log(1 + (num_docs - df + 0.5) / (df + 0.5)))
+      tf = tf.astype(np.float32)
+      tfc = tf / (K1 * ((1 - B) + B * self._length[rows] / l_avg) + tf)  # float64 (bm25s)
+      contrib.append((idf * tfc).astype(np.float32))  # > 0
+    dense = total * DENSE_SHARE > len(self._live)  # many matches: a row-indexed accumulator
+    if dense:
+      slots = [rows for rows, _ in postings]
+      acc = np.zeros(len(self._live), np.float32)
+    else:
+      docs = np.unique(np.concatenate([rows for rows, _ in postings]))
+      slots = [np.searchsorted(docs, rows) for rows, _ in postings]
+      acc = np.zeros(len(docs), np.float32)
+    for t in inverse:  # float32 sums in the query's token order (repeats count), as bm25s
+      acc[slots[t]] += contrib[t]
+    if dense:
+      docs = np.flatnonzero(acc)
+      return docs, acc[docs]
+    return docs, acc
+
+  def dense_scores(self, queries: Sequence[np.ndarray], num_rows: int,
+                   allowed: Optional[np.ndarray] = None, offset: int = 0) -> np.ndarray:
+    """`[n, num_rows]` float32 BM25 scores of rows `offset .. offset + num_rows` (0 for no
+    shared term), with the statistics of `allowed` (`scores`)."""
+    out = np.zeros((len(queries), num_rows), np.float32)
+    for i, (rows, s) in enumerate(self.scores(queries, allowed)):
+      keep = (rows >= offset) & (rows < offset + num_rows)
+      out[i, rows[keep] - offset] = s[keep]
+    return out

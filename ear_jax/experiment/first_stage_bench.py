@@ -1,37 +1,42 @@
-"""The first stage at scale: BM25 and hybrid candidates of `Memory` against bank size.
+"""The first stage at scale: the incremental BM25 index and the bm25 / hybrid candidate search
+against bank size, alone and through `Memory`.
 
 Symbols: `M` memories, `d` dimension, `K` candidates.
 
-For each bank size a `Memory(None, config=EARConfig(dim=d), candidates='hybrid')` is filled with
-synthetic texts (`texts`: words drawn from a fixed vocabulary of `VOCAB` words with Zipf
-frequencies, 8-20 words a memory, a fixed seed) and random unit embeddings
-(`scale_bench.embeddings`), then timed one query at a time (p50 of `calls`):
+For each bank size, synthetic texts (`texts`: words drawn from a fixed vocabulary of `VOCAB`
+words with Zipf frequencies, 8-20 words a memory, a fixed seed) and random unit embeddings
+(`scale_bench.embeddings`), timed one query at a time (p50 of `calls`, after one untimed pass over
+the same queries: a search compiles once per power-of-two bucket of BM25 pairs):
 
-* `index build`: tokenising every text and building the bm25s index (what the first search after
-  `load` pays, and what the first search after an `add` pays for the build part);
-* `bm25 host`: the host's BM25 of one query (`LexicalBank.pairs`: bm25s scores, nonzero pairs);
-* `dense`: the dense candidate search (`Bank.search`, today's path) beside its bound, the bank's
-  bytes over the memory bandwidth measured in the same run (`scale_bench.measure_bandwidth`);
-* `bm25`, `hybrid rrf`, `hybrid weighted`: the whole candidate call of that first stage
-  (`LexicalBank.search`: host BM25, then one jitted call: cosines, fusion, top-K, gather, features,
-  first slate), beside the same bandwidth bound (it must read the bank once too); timed after one
-  untimed pass over the same queries (a call compiles once per power-of-two bucket of BM25 pairs);
-* `retrieve`: `Memory.retrieve(text, query_embedding=..., k=5)` with the default first stage
-  options (`first_stage.FirstStageOptions()`), and the first retrieve after adding one memory
-  (the index rebuild).
-The mean number of memories sharing a term with a query (`matching`) says how sparse BM25 was.
+* the index alone (`lexical_bank.LexicalBank` over a `bank.DeviceBank`, the parts `Memory`
+  calls): `tokenise` (every text), `index build` (encode + `BM25Index.add` of every memory, in
+  blocks), `bm25 host` (one query's BM25 on the host, `BM25Index.scores`), `dense` (`bank.search`),
+  `bm25` / `hybrid rrf` / `hybrid weighted` (`LexicalBank.search`: host BM25, then one jitted call:
+  cosines, fusion, top-K, gather, features), and `calls` cycles of: add one memory (`encode` +
+  `add`), the first hybrid search after it, delete it (`dead_terms` + `delete`), after one untimed
+  cycle (it compiles the one-row device write);
+* through `Memory(MemoryConfig(candidates=...))` for bm25 and the default hybrid: `add` of every
+  memory, `search` without changes, and `calls` cycles of: `add` of one memory, the first `search`
+  after it (no rebuild: the index is incremental; issue 29's "first retrieve after adding one
+  memory within 2x of a retrieve without changes", `AFTER_ADD_TARGET`), `delete` of it, the search
+  after that (after one untimed cycle: it compiles the one-row write and tombstone).
+Each search stands beside its bound, the bank's float32 bytes over the memory bandwidth measured in
+the same run (`scale_bench.measure_bandwidth`): every one reads the bank once. The mean number of
+memories sharing a term with a query (`matching`) says how sparse BM25 was.
 """
 from __future__ import annotations
 
 import gc
 import os
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 from absl import logging
 
-from ear_jax.agent.memory import Memory
+from ear_jax.agent.memory import Memory, MemoryConfig
+from ear_jax.agent.memory import bank as bank_lib
+from ear_jax.agent.memory import lexical_bank
 from ear_jax.core.config import EARConfig
 from ear_jax.data import first_stage
 from ear_jax.experiment import benchmarking
@@ -40,6 +45,10 @@ from ear_jax.experiment import scale_bench
 VOCAB = 50_000
 ZIPF_S = 1.1
 ADD_BATCH = 1 << 16
+AFTER_ADD_TARGET = 2.0  # issue 29: the search after adding one memory / a search without changes
+STAGES = {"bm25": ("bm25", first_stage.FirstStageOptions()),
+          "hybrid_rrf": ("hybrid", first_stage.FirstStageOptions(fusion="rrf")),
+          "hybrid_weighted": ("hybrid", first_stage.FirstStageOptions(fusion="weighted"))}
 
 
 def texts(start: int, stop: int, seed: int = 0) -> list[str]:
@@ -62,111 +71,172 @@ def query_texts(n: int, seed: int = 1) -> list[str]:
 
 
 def _pct(ts) -> dict:
-  return scale_bench._pct(ts)  # pylint: disable=protected-access
+  a = np.asarray(ts) * 1e3
+  return {"p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
+          "min_ms": float(a.min()), "n": len(a)}
 
 
-def bench_size(m: int, dim: int, calls: int, bandwidth: dict) -> dict:
-  """One bank size: the rows of the module docstring."""
-  config = EARConfig(dim=dim)
-  k = config.num_candidates
-  mem = Memory(None, config=config, candidates="hybrid", initial_capacity=m)
-  t_add = 0.0
-  for start in range(0, m, ADD_BATCH):
-    stop = min(m, start + ADD_BATCH)
-    emb = scale_bench.embeddings("random", start, stop, dim, m)
-    batch = texts(start, stop)
-    t = time.perf_counter()
-    mem.add(batch, embeddings=emb)
-    t_add += time.perf_counter() - t
-  bank, lex = mem._bank, mem._lexical  # pylint: disable=protected-access
-  benchmarking.block(bank.emb)
-  row = {"M": m, "add_s": t_add}
-  qs = scale_bench.queries("random", calls + 1, dim, m)
-  qt = query_texts(calls + 1)
-  fresh = lex.fresh()
+def _timed(fn: Callable[[], object]) -> float:
   t = time.perf_counter()
-  fresh.sync(bank)
-  row["tokenize_s"] = time.perf_counter() - t
-  t = time.perf_counter()
-  fresh._scores_engine()  # pylint: disable=protected-access
-  row["index_build_s"] = time.perf_counter() - t
-  del fresh
-  gc.collect()
-  lex._scores_engine()  # pylint: disable=protected-access
-  nnz = []
-  ts = []
-  for text in qt[:calls]:
+  benchmarking.block(fn())
+  return time.perf_counter() - t
+
+
+def _blocks(m: int):
+  return [(a, min(m, a + ADD_BATCH)) for a in range(0, m, ADD_BATCH)]
+
+
+def _index_rows(m: int, dim: int, calls: int, qs, qt, bandwidth: dict) -> dict:
+  """The index alone (module docstring)."""
+  k = EARConfig(dim=dim).num_candidates
+  row = {"tokenize_s": 0.0, "index_build_s": 0.0}
+  device = bank_lib.empty(dim, m + 1024)
+  lexes = {name: lexical_bank.LexicalBank(c, o, False) for name, (c, o) in STAGES.items()}
+  lex = lexes["bm25"]
+  for a, b in _blocks(m):
+    batch = texts(a, b)
+    device = bank_lib.write(device, np.arange(a, b), scale_bench.embeddings("random", a, b, dim, m),
+                            np.zeros(b - a, np.int8), np.zeros(b - a, np.int32))
     t = time.perf_counter()
-    rows, _ = lex.pairs([text], bank.capacity, 1)
-    ts.append(time.perf_counter() - t)
-    nnz.append(int((rows < bank.capacity).sum()))
-  row["bm25_host"], row["matching_mean"] = _pct(ts), float(np.mean(nnz))
-  slate = (mem._driver.state.params, mem.hparams, 5, False)  # pylint: disable=protected-access
-  bank.search(qs[:1], k, False)  # compile
-  row["dense"] = _pct([scale_bench._timed(lambda q=q: bank.search(q[None], k, False))[0]  # pylint: disable=protected-access
-                       for q in qs[:calls]])
-  stages = {"bm25": ("bm25", first_stage.FirstStageOptions()),
-            "hybrid_rrf": ("hybrid", first_stage.FirstStageOptions(fusion="rrf")),
-            "hybrid_weighted": ("hybrid", first_stage.FirstStageOptions(fusion="weighted"))}
-  for name, (cand, opts) in stages.items():
-    searcher = lex.sharing(cand, opts)
-    call = lambda i, s=searcher: s.search(bank, qs[i:i + 1], qt[i:i + 1], k, slate)
+    tokens = lexical_bank.tokenize(batch)
+    row["tokenize_s"] += time.perf_counter() - t
+    t = time.perf_counter()
+    lex.add(np.arange(a, b), lex.encode(tokens, np.zeros(b - a, np.int8)), np.zeros(b - a))
+    row["index_build_s"] += time.perf_counter() - t
+  for other in lexes.values():  # (one index and vocabulary, three first stages over them)
+    other.vocab, other.index = lex.vocab, lex.index
+  benchmarking.block(device.emb)
+  ids = [lex.query_ids(t) for t in lexical_bank.tokenize(qt)]
+  found = [lex.index.scores([i]) for i in ids]
+  row["matching_mean"] = float(np.mean([len(f[0][0]) for f in found]))
+  row["bm25_host"] = _pct([_timed(lambda i=i: lex.index.scores([i])) for i in ids])
+  bank_lib.search(device, qs[:1], k=k, multistore=False)  # compile
+  row["dense"] = _pct([_timed(lambda i=i: bank_lib.search(device, qs[i:i + 1], k=k,
+                                                           multistore=False))
+                       for i in range(calls)])
+  for name, searcher in lexes.items():
+    call = lambda i, s=searcher: s.search(device, qs[i:i + 1], qt[i:i + 1], k)
     for i in range(calls):  # compile (once per power-of-two bucket of BM25 pairs)
       call(i)
-    row[name] = _pct([scale_bench._timed(lambda i=i: call(i))[0] for i in range(calls)])  # pylint: disable=protected-access
-  for i in range(calls):  # compile
-    mem.discard(mem.retrieve(qt[i], k=5, query_embedding=qs[i]))
-  ts = []
-  for i in range(calls):
+    row[name] = _pct([_timed(lambda i=i: call(i)) for i in range(calls)])
+  weighted = lexes["hybrid_weighted"]
+  cycle = {"index_add_one": [], "hybrid_weighted_after_add": [], "index_delete_one": []}
+  for j in range(calls + 1):  # add one, search, delete it; the first cycle compiles (untimed)
+    r = m + j
+    new = texts(r, r + 1, seed=3)
     t = time.perf_counter()
-    r = mem.retrieve(qt[i], k=5, query_embedding=qs[i])
-    ts.append(time.perf_counter() - t)
-    mem.discard(r)
-  row["retrieve"] = _pct(ts)
-  mem.add(["w1 w2 w3 a new memory"], embeddings=scale_bench.embeddings("random", m, m + 1, dim,
-                                                                       m))
-  t = time.perf_counter()
-  mem.retrieve(qt[0], k=5, query_embedding=qs[0])
-  row["retrieve_after_add_s"] = time.perf_counter() - t
+    lex.add([r], lex.encode(lexical_bank.tokenize(new), [0]), [0])
+    t_add = time.perf_counter() - t
+    device = bank_lib.write(device, [r], scale_bench.embeddings("random", r, r + 1, dim, m), [0],
+                            [0])
+    t_search = _timed(lambda j=j: weighted.search(device, qs[j % calls:j % calls + 1],
+                                                  qt[j % calls:j % calls + 1], k))
+    t = time.perf_counter()
+    lex.dead_terms([r])  # (for the table's transaction, as `Memory.delete`)
+    lex.delete([r])
+    device = bank_lib.tombstone(device, [r])
+    if j:
+      for key, v in zip(cycle, (t_add, t_search, time.perf_counter() - t)):
+        cycle[key].append(v)
+  row.update({key: _pct(v) for key, v in cycle.items()})
   row["bound_ms"] = m * dim * 4 / (bandwidth["gb_per_s"] * 1e9) * 1e3
-  logging.info("first stage M=%d: %s", m, row)
-  del mem, bank, lex
-  gc.collect()
   return row
 
 
-def run(sizes: Sequence[int], dim: int = 384, calls: int = 20,
-        bandwidth_bytes: float = 1.5e9) -> dict:
+def _memory_rows(m: int, dim: int, calls: int, qs, qt, candidates: str) -> dict:
+  """`Memory(candidates=...)`, filled, searched, one add / search / delete (module docstring)."""
+  mem = Memory(MemoryConfig(encoder=None, config=EARConfig(dim=dim), candidates=candidates,
+                            initial_capacity=m + 1024))  # (no growth at the +1: not the index's)
+  t_add = 0.0
+  for a, b in _blocks(m):
+    emb, batch = scale_bench.embeddings("random", a, b, dim, m), texts(a, b)
+    t = time.perf_counter()
+    mem.add(batch, embeddings=emb)
+    t_add += time.perf_counter() - t
+  row = {"add_s": t_add}
+  search = lambda i: mem.search(qt[i], k=5, query_embedding=qs[i])
+  for i in range(calls):  # compile
+    search(i)
+  row["search"] = _pct([_timed(lambda i=i: search(i)) for i in range(calls)])
+  cycle = {"add_one": [], "search_after_add": [], "delete_one": [], "search_after_delete": []}
+  for j in range(calls + 1):  # add one, search, delete it, search; the first cycle compiles
+    r = m + j
+    t = time.perf_counter()
+    (new_id,) = mem.add(texts(r, r + 1, seed=3),
+                        embeddings=scale_bench.embeddings("random", r, r + 1, dim, m))
+    t_add = time.perf_counter() - t
+    t_after_add = _timed(lambda j=j: search(j % calls))
+    t = time.perf_counter()
+    mem.delete([new_id])
+    t_delete = time.perf_counter() - t
+    t_after_delete = _timed(lambda j=j: search((j + 1) % calls))
+    if j:
+      for key, v in zip(cycle, (t_add, t_after_add, t_delete, t_after_delete)):
+        cycle[key].append(v)
+  row.update({key: _pct(v) for key, v in cycle.items()})
+  mem.close()
+  return row
+
+
+def bench_size(m: int, dim: int, calls: int, bandwidth: dict,
+               memory: Sequence[str] = ("bm25", "hybrid")) -> dict:
+  """One bank size: the rows of the module docstring (`memory`: the `Memory` first stages)."""
+  qs = scale_bench.queries("random", calls + 1, dim, m)
+  qt = query_texts(calls + 1)
+  row = {"M": m, **_index_rows(m, dim, calls, qs, qt, bandwidth)}
+  gc.collect()
+  for cand in memory:
+    row[f"memory_{cand}"] = _memory_rows(m, dim, calls, qs, qt, cand)
+    gc.collect()
+  logging.info("first stage M=%d: %s", m, row)
+  return row
+
+
+def run(sizes: Sequence[int], dim: int = 384, calls: int = 20, bandwidth_bytes: float = 1.5e9,
+        memory: Sequence[str] = ("bm25", "hybrid")) -> dict:
   """Every size's row, the bandwidth measured before and after, and the machine's load."""
   out = {"dim": dim, "calls": calls, "sizes": list(sizes), "vocab": VOCAB, "zipf_s": ZIPF_S,
          "options": first_stage.FirstStageOptions().__dict__, "loadavg_before": os.getloadavg()}
   out["bandwidth"] = scale_bench.measure_bandwidth(bandwidth_bytes)
-  out["rows"] = [bench_size(m, dim, calls, out["bandwidth"]) for m in sizes]
+  out["rows"] = [bench_size(m, dim, calls, out["bandwidth"], memory) for m in sizes]
   out["bandwidth_after"] = scale_bench.measure_bandwidth(bandwidth_bytes)
   out["loadavg_after"] = os.getloadavg()
   return out
 
 
 def table(res: dict) -> str:
-  """Markdown of a `run` result."""
-  lines = ["| M | matching / query | index build (tokenise + bm25s) | bm25 host p50 | dense p50 / "
-           "bound | bm25 p50 | hybrid rrf p50 | hybrid weighted p50 | retrieve hybrid p50 / p90 | "
-           "first retrieve after +1 |", "|---|---|---|---|---|---|---|---|---|---|"]
+  """Markdown of a `run` result: the index alone, then through `Memory`."""
+  p = lambda r, key: f"{r[key]['p50_ms']:.2f}"
+  lines = ["| M | matching / query | tokenise + index build | bm25 host p50 | dense p50 / bound | "
+           "bm25 p50 | hybrid rrf p50 | hybrid weighted p50 | weighted after +1 p50 | add +1 p50 | "
+           "delete 1 p50 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in res["rows"]:
-    p = lambda key, r=r: f"{r[key]['p50_ms']:.2f} ms"
     lines.append(
         f"| {r['M']:,} | {r['matching_mean']:,.0f} | {r['tokenize_s']:.2f} + "
-        f"{r['index_build_s']:.2f} s | {p('bm25_host')} | {p('dense')} / {r['bound_ms']:.2f} ms | "
-        f"{p('bm25')} | {p('hybrid_rrf')} | {p('hybrid_weighted')} | "
-        f"{r['retrieve']['p50_ms']:.2f} / {r['retrieve']['p90_ms']:.2f} ms | "
-        f"{r['retrieve_after_add_s']:.2f} s |")
+        f"{r['index_build_s']:.2f} s | {p(r, 'bm25_host')} ms | {p(r, 'dense')} / "
+        f"{r['bound_ms']:.2f} ms | {p(r, 'bm25')} ms | {p(r, 'hybrid_rrf')} ms | "
+        f"{p(r, 'hybrid_weighted')} ms | {p(r, 'hybrid_weighted_after_add')} ms | "
+        f"{p(r, 'index_add_one')} ms | {p(r, 'index_delete_one')} ms |")
+  lines += ["", "| M | Memory | add all | search p50 / p90 | add +1 p50 | first search after +1 "
+            f"p50 / p90 (target <= {AFTER_ADD_TARGET:g}x) | delete 1 p50 | search after delete "
+            "p50 | bound |", "|---|---|---|---|---|---|---|---|---|"]
+  for r in res["rows"]:
+    for cand in ("bm25", "hybrid"):
+      x = r.get(f"memory_{cand}")
+      if x:
+        ratio = x["search_after_add"]["p50_ms"] / x["search"]["p50_ms"]
+        lines.append(
+            f"| {r['M']:,} | {cand} | {x['add_s']:.1f} s | {p(x, 'search')} / "
+            f"{x['search']['p90_ms']:.2f} ms | {p(x, 'add_one')} ms | {p(x, 'search_after_add')} / "
+            f"{x['search_after_add']['p90_ms']:.2f} ms ({ratio:.2f}x, "
+            f"{'met' if ratio <= AFTER_ADD_TARGET else 'NOT met'}) | {p(x, 'delete_one')} ms | "
+            f"{p(x, 'search_after_delete')} ms | {r['bound_ms']:.2f} ms |")
   bw, o = res["bandwidth"], res["options"]
-  lines += ["", f"d = {res['dim']}, K = 20, one query per call, p50 of {res['calls']}; `retrieve` "
-            f"uses the default first stage options (fusion {o['fusion']}, lexical_weight "
-            f"{o['lexical_weight']}, rrf_k {o['rrf_k']:g}), each hybrid column its fusion with "
-            "those defaults; synthetic "
-            f"texts (Zipf s = {res['zipf_s']} over {res['vocab']:,} words). Bound: the bank's "
-            f"float32 bytes / memory bandwidth {bw['gb_per_s']:.1f} GB/s measured in this run "
+  lines += ["", f"d = {res['dim']}, K = 20, one query per call, p50 of {res['calls']}; `Memory` "
+            f"hybrid uses the default options (fusion {o['fusion']}, lexical_weight "
+            f"{o['lexical_weight']}, rrf_k {o['rrf_k']:g}); synthetic texts (Zipf s = "
+            f"{res['zipf_s']} over {res['vocab']:,} words). Bound: the bank's float32 bytes / "
+            f"memory bandwidth {bw['gb_per_s']:.1f} GB/s measured in this run "
             f"({res['bandwidth_after']['gb_per_s']:.1f} GB/s at the end). Load average "
             f"{res['loadavg_before'][0]:.1f} before, {res['loadavg_after'][0]:.1f} after."]
   return "\n".join(lines)

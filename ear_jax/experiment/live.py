@@ -10,17 +10,19 @@ For one seed, `run_seed` replays what `ear_jax.experiment.runner.train_and_evalu
   `scope` per bank (a LoCoMo conversation, a LongMemEval question's haystack), so that a question's
   candidates are the top-K of its own bank, as the runner's (`candidates.build_benchmark`);
 * the split: the runner's (`runner.seed_splits`), the training questions in stream order, each
-  `Memory.recall` (T Explorer rounds, one training query; a learner step every `b` questions, the
-  last batch padded by `Memory.flush`), then on the test questions adapter-only inference
-  (`Memory.search`) and explorer-assisted inference with the adapter frozen
-  (`Memory.recall(learn=False)`), as `inference.evaluate` does (it never trains on the test set);
+  `Memory.recall` (T Explorer rounds, one training query; a learner step every `b` questions),
+  then on the test questions adapter-only inference (`Memory.search`) and explorer-assisted
+  inference with the adapter frozen (`Memory.recall(learn=False)`), as `inference.evaluate` does
+  (it never trains on the test set);
 * the critic: `StreamCritic`, the simulated critic of Appendix A.2 on the host with the runner's
   per-round keys (`critic_round_keys`), so that a slate the runner also shows gets the same labels.
 
 What differs from the runner: (1) by construction, the learner's own keys (`Memory`'s
 `ear_jax.agent.memory.driver.seed_keys`: the replay's random selection and Gumbel slates, Eq. (15)
 and (19)) are not the runner's per-query replay keys; given the runner's replay keys the live run
-is the runner's, slate for slate (`tests/test_live.py`, a multi-bank synthetic benchmark). (2)
+is the runner's, slate for slate (`tests/test_live.py`, a multi-bank synthetic benchmark). (1b)
+`Memory` trains full batches of `b` questions only: when `N` is not a multiple of `b` the runner
+trains its last, padded batch and the live memory leaves those questions queued (`pending`). (2)
 Float rounding: `Memory` re-normalises every embedding (1 ulp off the stream's), two LoCoMo
 questions have tied candidates in another order, and XLA rounds the runner's vmapped scan
 differently from the live step. The online dynamics amplify such ulp-level differences: on the
@@ -29,8 +31,8 @@ beside seed 1 (2/3 of the adapter-only test slates the same). So on real data th
 distribution, not slate for slate: the paired difference live - runner over seeds is the check.
 
 Timing: each `recall` / `search` is timed with `time.perf_counter`, minus the time spent inside the
-critic (`StreamCritic.seconds`); the learner steps (inside the training recalls and `flush`) are
-included. Library code: no flags are read here.
+critic (`StreamCritic.seconds`); the learner steps (inside the training recalls) are included.
+Library code: no flags are read here.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from absl import logging
 import jax
 import numpy as np
 
-from ear_jax.agent.memory import Memory
+from ear_jax.agent.memory import Memory, MemoryConfig
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import episode
 from ear_jax.core.config import Method
@@ -144,8 +146,8 @@ def build_memory(data: LiveData, method: Method, seed: int) -> Memory:
   """
   groups = sorted(set(int(g) for g in data.bench.group))
   total = sum(len(data.dialogue_rows[g]) for g in groups)
-  mem = Memory(None, method=method, seed=seed, initial_capacity=max(total, 1),
-               max_sessions=64)
+  mem = Memory(MemoryConfig(encoder=None, config=method.config, hparams=method.hparams, seed=seed,
+                            initial_capacity=max(total, 1), max_sessions=64))
   for g in groups:
     bank, rows = data.ec.corpus.banks[g], data.dialogue_rows[g]
     ids = data.memory_ids[g]
@@ -228,13 +230,14 @@ class SeedResult:
     any_gold: mode -> `[M]` bool, some gold memory in it (Hitrate@s).
     recall, hitrate: mode -> the means over test questions (fractions).
     slates: mode -> `[M]` tuples of the returned memory ids.
-    seconds: 'train' (the N training recalls and the final flush), 'search' and 'recall_test'
-      (the M test questions), each excluding the critic; 'critic' the time inside the critic;
-      'add' the time to fill the memory.
+    seconds: 'train' (the N training recalls), 'search' and 'recall_test' (the M test
+      questions), each excluding the critic; 'critic' the time inside the critic; 'add' the time
+      to fill the memory.
     per_question_ms: 'train' `[N]`, 'search' `[M]`, 'recall_test' `[M]` (critic excluded).
     outside_candidates: shown or returned ids that are not among the runner's candidates of the
       question (0 when the live candidates are the runner's).
     learner_steps: `Memory.stats['learner_steps']` after training.
+    pending: training questions left queued (fewer than `b`: `Memory` trains full batches).
     bank_bytes: the bytes one exact search reads (the bank's `[C, d]` embeddings, C its capacity).
   """
   seed: int
@@ -247,6 +250,7 @@ class SeedResult:
   per_question_ms: dict
   outside_candidates: int
   learner_steps: int
+  pending: int = 0
   bank_bytes: int = 0
 
 
@@ -298,10 +302,7 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
     check(i, [x for r in out.rounds for x in r.ids])
     if progress is not None and (n + 1) % 500 == 0:
       progress(f"seed {seed}: {n + 1}/{len(train_index)} training questions")
-  t = time.perf_counter()
-  mem.flush()
-  ms["train"][-1] += 1e3 * (time.perf_counter() - t)  # the padded last batch's step
-  steps = int(mem.stats["learner_steps"])
+  steps, pending = int(mem.stats["learner_steps"]), int(mem.stats["pending"])
   slates = {"adapter": [], "explorer": []}
   for i in test_index:
     t = time.perf_counter()
@@ -336,8 +337,8 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
   return SeedResult(seed=int(seed), all_gold=all_gold, any_gold=any_gold, recall=recall,
                     hitrate=hitrate, slates=slates, seconds=seconds,
                     per_question_ms={k: np.asarray(v) for k, v in ms.items()},
-                    outside_candidates=int(outside), learner_steps=steps,
-                    bank_bytes=int(mem.capacity * method.config.dim * 4))
+                    outside_candidates=int(outside), learner_steps=steps, pending=pending,
+                    bank_bytes=int(mem.stats["capacity"] * method.config.dim * 4))
 
 
 def run_runner(data: LiveData, method: Method, seeds: Sequence[int], train_index: np.ndarray,
@@ -392,7 +393,7 @@ def compare(data: LiveData, result, live: Sequence[SeedResult], scan_seconds: fl
       "live_by_step_mean": live_cost, "live_by_step_p50": live_cost_p50,
       "scan": 1e3 * scan_seconds / (per_q * len(live)),
       "definition": ("per question of one seed (N training questions trained, M test questions "
-                     "evaluated in both modes): live = time in Memory.recall / search / flush "
+                     "evaluated in both modes): live = time in Memory.recall / search "
                      "without the critic, mean over the seeds after the first (warm); scan = the "
                      "runner's compiled train_and_evaluate wall time over all seeds / (S (N + M))"),
       "num_train": int(n_train), "num_test": int(n_test),
@@ -400,6 +401,7 @@ def compare(data: LiveData, result, live: Sequence[SeedResult], scan_seconds: fl
       "add_seconds": [r.seconds["add"] for r in live],
   }
   out["outside_candidates"] = [r.outside_candidates for r in live]
+  out["untrained_pending"] = [r.pending for r in live]
   return out
 
 
@@ -503,7 +505,8 @@ def table_md(cmp: dict, *, title: str) -> str:
                    for m in MODES)
   lines += ["", f"Test questions whose live slate holds the runner's memories (mean over seeds): "
             f"{same}. Shown ids outside the runner's candidates: "
-            f"{sum(cmp['outside_candidates'])}."]
+            f"{sum(cmp['outside_candidates'])}. Training questions left queued (the runner trains "
+            f"its last, padded batch; `Memory` full batches only): {cmp['untrained_pending']}."]
   c = cmp["cost_ms_per_question"]
   lines += ["", "| cost per question (critic excluded) | ms |", "|---|---|",
             f"| live (`Memory`), all steps | {c['live']:.2f} |",

@@ -2,12 +2,12 @@
 
 Symbols: `n` queries, `M` memories, `d` dimension, `K` candidates.
 
-A searcher holds one faiss index per store (0 dialogue / episodic, 1 observation / semantic) and the
-bank row of every vector it holds; it answers the same question as the exact device search
-(`ear_jax.core.retrieval.top_k_search` in `ear_jax.agent.memory.bank`): the top-K rows by inner product
-(cosine: the rows are unit vectors) among the dialogue memories, or with `multistore` the top-K/2
-of each store merged by score (equal scores: store 0 first). Rows it cannot fill are -1, masked.
-EAR is unchanged: it works on the K candidates whatever produced them.
+A searcher holds one faiss index per store (0 dialogue / episodic, 1 observation / semantic) and
+the bank row of every vector it holds; it answers the same question as the exact device search
+(`ear_jax.core.retrieval.top_k_search` in `ear_jax.agent.memory.bank`): the top-K rows by inner
+product (cosine: the rows are unit vectors) among the dialogue memories, or with `multistore` the
+top-K/2 of each store merged by score (equal scores: store 0 first). Rows it cannot fill are -1,
+masked. EAR is unchanged: it works on the K candidates whatever produced them.
 
 Searchers (`SEARCHERS`, one line each to add another):
 
@@ -19,29 +19,38 @@ Searchers (`SEARCHERS`, one line each to add another):
 * `faiss_pq`: `IndexPQFastScan` (4-bit product quantization scanned exhaustively; `pq_m`), whose
   `rerank * K` best rows the bank re-scores exactly (`rerank`); trained like IVF (`train_size`).
 
-A searcher with `rerank > 1` proposes `rerank * K` rows; `ear_jax.agent.memory.bank` re-scores them with
-the exact inner product against its device rows (per store with `multistore`) and keeps the K
-best, in the same jitted call as the candidate gather.
+A searcher with `rerank > 1` proposes `rerank * K` rows; `ear_jax.agent.memory.bank` re-scores
+them with the exact inner product against its device rows (per store with `multistore`) and keeps
+the K best, in the same jitted call as the candidate gather.
 
-A searcher is saved as itself, not rebuilt (`FaissSearcher.state` / `restore_state`): each store's
-faiss index in faiss's own serialisation (`faiss.serialize_index`, a uint8 array) and its bank rows.
-Rebuilding could not give the same index back: IVF / PQ train on the vectors held when a store
-reaches its training size, which depends on how the rows were batched into `add`s, and HNSW
-inserts each batch highest level first (and, multi-threaded, in an order that depends on thread
-timing). faiss does not save HNSW's level generator: a restored one is advanced past the one draw
-per vector held, so adds after a load get the levels they would have got (the hostile checkpoint
-tests check that adds after a load continue identically). `state_id` names one state of a
-searcher (a new random id after every add that changes it; a restored searcher keeps the saved
-one), so a checkpoint can reuse an index it wrote before when nothing was added since.
+The hookup of the device bank (`ear_jax.agent.memory.bank`): `make_searcher(name, dim, options)`,
+then `add(rows, emb, stores, scopes)` as the table gives rows (device rows, ascending, never
+reused), `remove(rows, bank)` after a delete (rebuilt from the bank's live rows: HNSW cannot
+remove), `search(queries, k, multistore, allowed)`, `save(directory)` and
+`FaissSearcher.load(directory, name, options, dim, rows, emb, stores, scopes)` for
+`<memory dir>/ann/`.
 
-Scopes (`Memory(...).search(..., scope=...)`): a scoped search passes the allowed scope codes and
-the bank's host scope code of every row; each store searches with a faiss ID selector
-(`IDSelectorBitmap` over its vector positions, in `SearchParameters` / `SearchParametersIVF` /
-`SearchParametersHNSW` carrying the index's own `nprobe` / `efSearch`), so only rows of those
-scopes are proposed. The bitmaps are cached per store and scope set (`MAX_SELECTORS`, least
-recently used first out) and extended in place with the vectors added since, never rebuilt per
-query; a delete rebuilds the searcher, and with it the caches. An index that cannot filter (PQ
-fast-scan, once trained) answers None, and the bank searches that query exactly on the device.
+A searcher is saved as itself, not rebuilt (`save`: `<directory>/index.npz`, written atomically):
+each store's faiss index in faiss's own serialisation (`faiss.serialize_index`, a uint8 array) and
+its bank rows, and a meta record (`rows`: the bank rows it covers). Rebuilding could not give the
+same index back: IVF / PQ train on the vectors held when a store reaches its training size, which
+depends on how the rows were batched into `add`s, and HNSW inserts each batch highest level first
+(and, multi-threaded, in an order that depends on thread timing). faiss does not save HNSW's level
+generator: a restored one is advanced past the one draw per vector held, so adds after a load get
+the levels they would have got. `load` extends the saved state with the table's rows at or above
+its `rows`; a file that does not hold exactly the table's live rows below them (stale: `Memory`
+removes the directory before a delete) is ignored and the searcher rebuilt from the table.
+`state_id` names one state (a new random id after every add), so `save` skips an unchanged one.
+
+Scopes (`Memory(...).search(..., scope=...)`): a scoped search passes the `allowed` mask over
+scope codes; the searcher keeps every row's scope code (`row_scopes`, given to `add`) and each
+store searches with a faiss ID selector (`IDSelectorBitmap` over its vector positions, in
+`SearchParameters` / `SearchParametersIVF` / `SearchParametersHNSW` carrying the index's own
+`nprobe` / `efSearch`), so only rows of those scopes are proposed. The bitmaps are cached per
+store and scope set (`MAX_SELECTORS`, least recently used first out) and extended in place with
+the vectors added since, never rebuilt per query; `remove` rebuilds the stores, and with them the
+caches. An index that cannot filter (PQ fast-scan, once trained) answers None, and the bank
+searches that query exactly on the device.
 
 Every query gets `min(k, rows it may return)` rows (per store with `multistore`), however small
 its scopes: a filtered HNSW search walks the whole graph but keeps only selected nodes, and a
@@ -58,7 +67,11 @@ This module is host-side (faiss runs on the CPU, numpy in and out); it is its ow
 """
 from __future__ import annotations
 
+import json
+import os
+import pathlib
 import uuid
+import zipfile
 from typing import Callable, Optional
 
 import numpy as np
@@ -67,6 +80,7 @@ import numpy as np
 SMALL_BATCH = 16  # fewer queries than this are searched on one thread
 MAX_SELECTORS = 64  # scope selectors cached per store
 FEW_ROWS = 8  # a store with at most FEW_ROWS * k rows of a query's scopes is searched exactly
+STATE_FILE = "index.npz"  # a searcher's state in its directory (`FaissSearcher.save`)
 
 
 def _faiss():
@@ -109,21 +123,21 @@ class _StoreIndex:
       index.add(held)
       self.index, self._pending, self._flat = index, [], None
 
-  def state(self) -> tuple[dict, dict]:
-    """`(arrays, meta)`: the serialised faiss index (the trained one, or the flat one holding the
-    vectors while untrained) `[bytes]` uint8 and the rows `[n_s]` int64."""
+  def state(self):
+    """`((index [bytes] uint8, rows [n_s] int64), meta)`: the serialised faiss index (the trained
+    one, or the flat one holding the vectors while untrained) and the bank rows."""
     faiss = _faiss()
     trained = self.index is not None
     index = self.index if trained else self._flat
-    return ({"index": faiss.serialize_index(index), "rows": self.rows.copy()},
+    return ((faiss.serialize_index(index), self.rows.copy()),
             {"trained": trained, "ntotal": int(index.ntotal)})
 
-  def restore_state(self, arrays, meta, where: str) -> None:
+  def restore_state(self, data: np.ndarray, rows: np.ndarray, meta, where: str) -> None:
     """Installs a `state()`; ValueError naming `where` when it is not an index of this kind."""
     faiss = _faiss()
-    rows = np.asarray(arrays["rows"]).astype(np.int64)
+    rows = np.asarray(rows).astype(np.int64)
     try:
-      index = faiss.deserialize_index(np.ascontiguousarray(arrays["index"], np.uint8))
+      index = faiss.deserialize_index(np.ascontiguousarray(data, np.uint8))
     except Exception as e:  # pylint: disable=broad-except  (faiss: a RuntimeError of C++ text)
       raise ValueError(f"{where}: faiss cannot read the saved index: {e}") from None
     trained = meta.get("trained")
@@ -203,16 +217,18 @@ class _StoreIndex:
 
 
 class FaissSearcher:
-  """Candidate search over one faiss index per store (see the module docstring).
+  """Candidate search over one faiss index per store, and the host scope code of every bank row
+  given to `add` (see the module docstring); built by `make_searcher`.
 
   Args:
     dim: `d`.
-    build_threads: OpenMP threads for adding / training (None: faiss's default, all cores; 1 is
-      faster on a machine whose cores are busy with other work).
     make: builds an empty faiss index of dimension `d` (inner-product metric).
     ready: `ready(vectors held)`, for indexes that need training: when to train (None: never).
     train: `train(index, vectors)` (None: the index needs no training).
     configure: `configure(index)` sets search-time parameters (e.g. efSearch / nprobe).
+    build_threads: OpenMP threads for adding / training (None: faiss's default, all cores; 1 is
+      faster on a machine whose cores are busy with other work).
+    rerank: the bank re-scores `rerank * K` proposed rows exactly and keeps the top K.
   """
 
   name = "faiss"
@@ -221,65 +237,58 @@ class FaissSearcher:
                build_threads: Optional[int] = None, rerank: int = 1):
     if int(rerank) < 1:
       raise ValueError(f"rerank must be >= 1, got {rerank}")
-    self.dim = int(dim)
-    self.rerank = int(rerank)  # the bank re-scores `rerank * K` rows exactly and keeps the top K
-    self.build_threads = build_threads
+    self.dim, self.rerank, self.build_threads = int(dim), int(rerank), build_threads
+    self.options: dict = {}  # the keyword options it was made with (`make_searcher`)
     self._configure = configure or (lambda index: None)
-    self._stores = [_StoreIndex(make, ready, train, self.dim) for _ in (0, 1)]
+    self._new_store = lambda: _StoreIndex(make, ready, train, self.dim)
+    self._stores = [self._new_store() for _ in (0, 1)]
+    self.row_scopes = np.zeros((0,), np.int32)  # [rows] scope code by bank row (the selectors)
     self.state_id = uuid.uuid4().hex  # names this state; a new one after every add
+    self._saved = None  # (file, state_id) last written or read
 
   def __len__(self):
     return sum(len(s) for s in self._stores)
 
-  def state(self) -> tuple[dict, dict]:
-    """`(arrays, meta)` from which `restore_state` rebuilds exactly this searcher: per store
-    (`store0`, `store1`) its faiss index serialised by faiss (uint8) and its bank rows (int64);
-    meta: the searcher's name, `state_id` and each store's kind and size. O(index bytes)."""
-    arrays, stores = {}, []
-    for s, store in enumerate(self._stores):
-      arrays[f"store{s}"], info = store.state()
-      stores.append(info)
-    return arrays, {"name": self.name, "state_id": self.state_id, "stores": stores}
+  def rows(self) -> np.ndarray:
+    """`[n]` int64 the bank rows held (store 0's, then store 1's)."""
+    return np.concatenate([s.rows for s in self._stores])
 
-  def restore_state(self, arrays, meta, codes: np.ndarray, where: str) -> None:
-    """Installs a saved `state()` for a bank whose rows have store codes `codes [n]`.
-
-    Raises:
-      ValueError: naming `where` (and the field) when the state is of another searcher, is not
-        readable by faiss, or its rows are not exactly each store's bank rows in order.
-    """
-    if meta.get("name") != self.name:
-      raise ValueError(f"{where}: field 'name' is {meta.get('name')!r}, expected {self.name!r}")
-    stores = meta.get("stores")
-    if not isinstance(stores, list) or len(stores) != len(self._stores) or not all(
-        isinstance(x, dict) for x in stores):
-      raise ValueError(f"{where}: field 'stores' is not a list of {len(self._stores)} records")
-    for s, (store, info) in enumerate(zip(self._stores, stores)):
-      rows = np.asarray(arrays[f"store{s}"]["rows"])
-      if not np.array_equal(rows, np.flatnonzero(np.asarray(codes) == s)):
-        raise ValueError(f"{where}: the saved index of store {s} does not hold exactly that "
-                         "store's bank rows in order")
-      store.restore_state(arrays[f"store{s}"], info, f"{where} (store {s})")
-    self.state_id = str(meta.get("state_id"))
-
-  def add(self, emb: np.ndarray, codes: np.ndarray, start: int) -> None:
-    """Indexes `[m, d]` unit rows with store `codes [m]` that are bank rows `start, start+1, ...`."""
+  def add(self, rows, emb: np.ndarray, stores: np.ndarray, scopes=None) -> None:
+    """Indexes `[m, d]` unit rows with store codes `[m]` and scope codes `[m]` (None: 0) that
+    are bank rows `rows [m]` (ascending, each above every row held before)."""
     faiss = _faiss()
-    emb = np.ascontiguousarray(emb, np.float32)
-    rows = start + np.arange(emb.shape[0])
-    if emb.shape[0]:
-      self.state_id = uuid.uuid4().hex
+    rows = np.asarray(rows, np.int64).reshape(-1)
+    if not len(rows):
+      return
+    emb, stores = np.ascontiguousarray(emb, np.float32), np.asarray(stores)
+    if rows[-1] >= len(self.row_scopes):
+      self.row_scopes = np.concatenate(
+          [self.row_scopes, np.zeros(rows[-1] + 1 - len(self.row_scopes), np.int32)])
+    self.row_scopes[rows] = 0 if scopes is None else scopes
+    self.state_id = uuid.uuid4().hex
     threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(self.build_threads or threads)
     try:
       for s, store in enumerate(self._stores):
-        sel = codes == s
+        sel = stores == s
         if sel.any():
           store.add(emb[sel], rows[sel])
     finally:
       faiss.omp_set_num_threads(threads)
 
-  def search(self, queries: np.ndarray, k: int, multistore: bool, scopes=None):
+  def remove(self, rows, bank) -> None:
+    """Drops bank `rows`, already tombstoned in `bank` (`ear_jax.agent.memory.bank.DeviceBank`):
+    rebuilt from `bank`'s live rows, as faiss indexes cannot all remove (nothing when it holds
+    none of `rows`)."""
+    if not np.isin(rows, self.rows()).any():
+      return
+    self._stores = [self._new_store() for _ in (0, 1)]
+    live = np.flatnonzero(np.asarray(bank.valid))
+    self.add(live, np.asarray(bank.emb[live]).astype(np.float32), np.asarray(bank.stores)[live],
+             np.asarray(bank.scopes)[live])
+
+  def search(self, queries: np.ndarray, k: int, multistore: bool,
+             allowed: Optional[np.ndarray] = None):
     """Top-`k` bank rows of `[n, d]` unit queries.
 
     A few queries are searched on one OpenMP thread: on a shared 2-core machine, faiss's threads
@@ -289,19 +298,19 @@ class FaissSearcher:
       queries: `[n, d]` unit queries.
       k: rows per query.
       multistore: the top-`k/2` of each store instead of the dialogue memories' top-`k`.
-      scopes: optional `(codes, row_scopes)`: only rows whose scope code (`row_scopes [n_bank]`,
-        the bank's host codes) is in the tuple `codes` (see the module docstring).
+      allowed: optional `[S]` bool over scope codes: only rows of those scopes.
 
     Returns:
       `(rows [n, k] int32 (-1 = none), mask [n, k] bool)`, best first; None (the caller searches
       exactly) when a query got fewer than `min(k, rows it may return)` rows of a store (per store
-      `k/2` with `multistore`), or, with `scopes`, when an index searched cannot filter by scope
+      `k/2` with `multistore`), or, with `allowed`, when an index searched cannot filter by scope
       or a store holds at most `FEW_ROWS * k` rows of those scopes.
     """
     faiss = _faiss()
     searched = self._stores if multistore else self._stores[:1]
-    if scopes is not None:
-      scopes = (tuple(int(c) for c in scopes[0]), np.asarray(scopes[1]))
+    scopes = None
+    if allowed is not None:
+      scopes = (tuple(int(c) for c in np.flatnonzero(allowed)), self.row_scopes)
       if not all(store.can_filter() for store in searched if len(store)):
         return None
       per = k // 2 if multistore else k
@@ -341,10 +350,86 @@ class FaissSearcher:
     faiss = _faiss()
     total = 0
     for store in self._stores:
-      index = store.index if store.index is not None else store._flat  # pylint: disable=protected-access
+      index = store.index if store.index is not None else store._flat
       if index is not None and index.ntotal:
         total += int(faiss.serialize_index(index).nbytes)
     return total
+
+  def save(self, directory) -> None:
+    """Writes the state to `directory/index.npz` (atomically; nothing when it is unchanged): per
+    store its faiss index serialised by faiss (uint8) and its bank rows (int64), and a meta record
+    (name, options, `rows`: the bank rows it covers, each store's kind and size, `state_id`)."""
+    path = pathlib.Path(directory) / STATE_FILE
+    if path.exists() and self._saved == (path, self.state_id):
+      return
+    arrays, stores = {}, []
+    for s, store in enumerate(self._stores):
+      (arrays[f"store{s}_index"], arrays[f"store{s}_rows"]), info = store.state()
+      stores.append(info)
+    meta = {"name": self.name, "options": self.options, "rows": len(self.row_scopes),
+            "state_id": self.state_id, "stores": stores}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+      np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    self._saved = (path, self.state_id)
+
+  def _restore(self, arrays: dict, meta: dict, where: str) -> None:
+    """Installs a saved state whose store rows the caller checked; ValueError naming `where`."""
+    stores = meta.get("stores")
+    if not isinstance(stores, list) or len(stores) != len(self._stores) or not all(
+        isinstance(x, dict) for x in stores):
+      raise ValueError(f"{where}: field 'stores' is not a list of {len(self._stores)} records")
+    for s, (store, info) in enumerate(zip(self._stores, stores)):
+      store.restore_state(arrays[f"store{s}_index"], arrays[f"store{s}_rows"], info,
+                          f"{where} (store {s})")
+    self.state_id = str(meta.get("state_id"))
+
+  @staticmethod
+  def load(directory, name: str, options, dim: int, rows, emb, stores, scopes) -> FaissSearcher:
+    """The searcher of a table's live bank `rows [n]` (ascending; `emb [n, d]`, store and scope
+    codes `[n]`): the state saved in `directory` extended with the rows added since, or a new one
+    over all the rows when there is none or it does not hold exactly the live rows below its
+    `rows` (a delete removes it first, so that is only a stale file).
+
+    Raises:
+      ValueError: naming the file, when it is unreadable or the state of another index.
+    """
+    searcher = make_searcher(name, dim, options)
+    rows, stores, scopes = (np.asarray(a) for a in (rows, stores, scopes))
+    path, todo = pathlib.Path(directory) / STATE_FILE, np.ones(len(rows), bool)
+    if path.exists():
+      hint = "; remove it to rebuild the index from the table"
+      try:
+        with np.load(path, allow_pickle=False) as z:
+          arrays = {key: z[key] for key in z.files}
+        meta = json.loads(arrays.pop("meta").tobytes().decode())
+        below = rows < int(meta["rows"])
+      except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path}: not a readable index state ({type(e).__name__}: {e}){hint}") \
+            from None
+      if meta.get("name") != name or meta.get("options") != searcher.options:
+        raise ValueError(f"{path}: the state of index {meta.get('name')!r} with options "
+                         f"{meta.get('options')!r}, not {name!r} with {searcher.options!r}{hint}")
+      if all(np.array_equal(arrays.get(f"store{s}_rows"), rows[below & (stores == s)])
+             for s in (0, 1)):
+        try:
+          searcher._restore(arrays, meta, str(path))
+        except (ValueError, KeyError) as e:
+          raise ValueError(f"{e}{hint}") from None
+        searcher.row_scopes = np.zeros(int(meta["rows"]), np.int32)
+        searcher.row_scopes[rows[below]] = scopes[below]
+        searcher._saved, todo = (path, searcher.state_id), ~below
+    searcher.add(rows[todo], np.asarray(emb)[todo], stores[todo], scopes[todo])
+    return searcher
 
 
 def _with_selector(index, sel):
@@ -380,10 +465,10 @@ def faiss_pq(dim: int, *, pq_m: Optional[int] = None, rerank: int = 50, train_si
              build_threads: Optional[int] = None) -> FaissSearcher:
   """PQ fast-scan with exact re-ranking: `faiss.IndexPQFastScan` (`pq_m` sub-quantizers of 4 bits,
   default `d / 2`; `pq_m / 2` bytes per memory, scanned with SIMD lookups) proposes `rerank * K`
-  rows, which the bank re-scores exactly on the device (`ear_jax.agent.memory.bank`) to keep the top K. A
-  compressed exhaustive scan: unlike IVF or HNSW it does not rely on neighbourhoods, so its recall
-  holds on data without cluster structure. Searched exactly (`IndexFlatIP`) until a store holds
-  `train_size` vectors; the quantizer is trained on those."""
+  rows, which the bank re-scores exactly on the device (`ear_jax.agent.memory.bank`) to keep the
+  top K. A compressed exhaustive scan: unlike IVF or HNSW it does not rely on neighbourhoods, so
+  its recall holds on data without cluster structure. Searched exactly (`IndexFlatIP`) until a
+  store holds `train_size` vectors; the quantizer is trained on those."""
   faiss = _faiss()
   pq_m = dim // 2 if pq_m is None else int(pq_m)
   if pq_m < 1 or dim % pq_m:
@@ -441,6 +526,8 @@ def make_searcher(name: str, dim: int, options: Optional[dict] = None) -> Option
   if name not in SEARCHERS:
     raise ValueError(f"unknown index {name!r}; expected one of {list(INDEXES)}")
   try:
-    return SEARCHERS[name](dim, **(options or {}))
+    searcher = SEARCHERS[name](int(dim), **dict(options or {}))
   except TypeError as e:
     raise ValueError(f"bad index_options for index={name!r}: {e}") from None
+  searcher.options = dict(options or {})
+  return searcher

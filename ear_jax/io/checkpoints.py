@@ -37,7 +37,7 @@ Guarantees:
     process, dropped by the kernel when the process dies, even by SIGKILL); another process gets a
     `DirectoryInUseError` naming the directory and the owner's pid.
   * No leftovers: a step being deleted is renamed to `.trash-*` first; what a killed delete leaves
-    there is never read, and `remove_trash` (called by every `Memory` save and load) deletes it.
+    there is never read, and the next save deletes it (`_remove_debris`).
   * Clear errors: unreadable, truncated or corrupted checkpoints are `CheckpointError`s naming the
     path; incompatible requests are `ValueError`s listing the differences. Nothing is ever deleted
     or rewritten by a read.
@@ -68,7 +68,6 @@ _RECORD = "ear_jax.io/leaves-1"  # key of the leaf record in the `state` item's 
 _DIGEST = "ear_jax.io/sha256"  # key of the meta + record digest (custom metadata and meta file)
 _CUSTOM_KEYS = (_RECORD, _DIGEST)  # the custom metadata fields this version reads
 _ORBAX_METADATA = "_METADATA"  # Orbax's array metadata file (it holds the custom metadata)
-WRITER_LOCK = ".writer-lock"  # the lock of `CheckpointStore.writer`
 OWNER_LOCK = ".owner"  # the lock of `CheckpointStore.own`
 
 
@@ -419,22 +418,6 @@ class CheckpointStore:
     with self._locked():
       self._remove(self.directory / str(int(step)))
 
-  @contextlib.contextmanager
-  def writer(self, name: str = WRITER_LOCK):
-    """An exclusive inter-process lock for a caller's multi-step write to this store (a lock file
-    separate from the one each `save` takes, so saves can run while it is held). Creates the
-    directory.
-
-    Raises:
-      CheckpointError: another process held it longer than `lock_timeout_s`.
-    """
-    try:
-      self.directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-      raise CheckpointError(f"cannot create checkpoint directory {self.directory}: {e}") from e
-    with self._locked(name):
-      yield self
-
   def own(self, what: str = "directory") -> Hold:
     """This process's exclusive owner lock of the store's directory (creating it), held until the
     returned `Hold` is released or garbage-collected; the process shares it among its callers
@@ -458,18 +441,6 @@ class CheckpointStore:
     except LockTimeout as e:
       raise DirectoryInUseError(f"{what} {e}: only one process may use it at a time (stop that "
                                 "one first, or use another directory)") from None
-
-  def remove_trash(self) -> None:
-    """Deletes the steps a `_remove` renamed away but did not finish deleting (it was killed):
-    they are outside the step namespace, so nothing reads them and removing them is always safe
-    (also while another process saves)."""
-    try:
-      entries = list(os.scandir(self.directory))
-    except (FileNotFoundError, NotADirectoryError):
-      return
-    for e in entries:
-      if e.name.startswith(_TRASH) and e.is_dir(follow_symlinks=False):
-        shutil.rmtree(e.path, ignore_errors=True)
 
   @contextlib.contextmanager
   def _locked(self, name: str = LOCK_NAME):

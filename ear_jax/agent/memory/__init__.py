@@ -1,11 +1,15 @@
 """The live agent's memory: `Memory` (the front, `front.py`) over its parts.
 
-Layers inside (each imports only those before it): `bank` (ids, texts, device embeddings, exact
-search) and `lexical_bank` (BM25 / hybrid first stage), `encoder_slot`, `episode` (one round's
-slates, host critic loops), `sessions` (one session per question), `driver` (the learner state),
-`forget`, `recall`, `persistence` (checkpoints of a `persistence.Snapshot`), then `front`.
+Layers inside (each imports only those before it): `table` (the rows in SQLite), `bank` (the
+device bank, exact and ANN search, input validators), `lexical_bank` (the BM25 / hybrid first
+stage), `encoder_slot`, `episode` (one round's slates, host critic loops), `sessions` (the
+`Session` handle and the registry), `driver` (the learner state), `forget`, `recall`,
+`persistence` (the learner item and the directory's files), then `front` (`Memory`,
+`MemoryConfig`).
 """
-from ear_jax.agent.memory.front import (AnswerFeedback, Memory, Retrieval, llm_feedback,
+from ear_jax.agent.memory.front import (AnswerFeedback, Memory, MemoryConfig, Recall, Session,
+                                        SessionDroppedError, Slate, llm_feedback,
                                         run_critic_episode)
 
-__all__ = ["AnswerFeedback", "Memory", "Retrieval", "llm_feedback", "run_critic_episode"]
+__all__ = ["AnswerFeedback", "Memory", "MemoryConfig", "Recall", "Session", "SessionDroppedError",
+           "Slate", "llm_feedback", "run_critic_episode"]

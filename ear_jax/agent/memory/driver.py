@@ -1,16 +1,21 @@
 """The learner driver of `Memory`: closed sessions queue up; every `b` of them -> ONE learner step.
 
-Symbols: `b` batch size (`config.batch_size`), `T` Explorer rounds, `K` candidates, `d` dimension.
+Symbols: `b` batch size (`config.batch_size`), `T` Explorer rounds, `K` candidates, `d` dimension,
+`F` first-stage side features, `C` replay buffer capacity.
 
 The driver owns the `LearnerState`. `push` queues the `TrainItem`s of closed sessions (see
 `ear_jax.agent.memory.sessions`); as soon as `b` are queued, ONE call of
 `ear_jax.core.learner.train_batch_on_feedback` (jitted with the state donated: updated in place)
-trains on them: slates, masks and labels
-`[b, T, K]` (every shown slate stored K wide, masked, so the shown size `k <= K` may vary), the
-current loss over each query's rounds (Eq. (10)), the replay loss (Eq. (15)-(16)), one optax step
-(Eq. (17)-(18)), then ONE experience per query pushed (Eq. (11)-(14)). This is the same step, with
-the same shapes, as the benchmark episodes' `train_batch` (which collects its slates with a jitted
-critic). `flush` trains what is queued in one padded, masked batch per `b` items.
+trains on them: slates, masks and labels `[b, T, K]` (every shown slate stored K wide, masked, so
+the shown size `k <= K` may vary), the current loss over each query's rounds (Eq. (10)), the
+replay loss (Eq. (15)-(16)), one optax step (Eq. (17)-(18)), then ONE experience per query pushed
+(Eq. (11)-(14)): the same step, with the same shapes, as the benchmark episodes' `train_batch`.
+
+The learner item (`snapshot` / `restore`, written by `persistence`) never holds a memory's
+embedding or text: the replay buffer's and the queued items' candidates are saved as their bank
+rows (`buffer_rows [C, K]`, `TrainItem.rows`) with their first-stage features, and gathered back
+from the bank on open; a row deleted since is masked out there as a delete masks it here
+(`ear_jax.agent.memory.forget`).
 
 Keys: `k_init, k_train, k_critic = jax.random.split(jax.random.PRNGKey(seed), 3)`; `k_init`
 initialises the learner, batch number `j` (0, 1, ...) uses the replay keys
@@ -22,7 +27,7 @@ Not thread-safe on its own: `Memory` holds its lock around every call.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -33,14 +38,13 @@ from ear_jax.core import learner as learner_lib
 from ear_jax.core.config import EARConfig, HParams
 from ear_jax.core.stream import Stream
 
-
-_BUFFER_CANDIDATES = ".buffer.candidates"  # the learner leaf saved as bank rows
-LEARNER_LAYOUT = "named-1"  # meta["learner_layout"]: the state saved as its named pytree
-
 # The learner step with the state donated: the step updates the `[C, K, d]` replay buffer and the
 # optimizer state in place instead of copying them (and allocates no fresh buffer per step).
 _train_step = jax.jit(learner_lib.train_batch_on_feedback, static_argnames=("config",),
                       donate_argnums=0)
+
+
+UNKNOWN = -2  # `Driver.buffer_rows` of a slot whose candidate's bank row is not known yet
 
 
 def _owned(state):
@@ -49,10 +53,23 @@ def _owned(state):
 
 
 def seed_keys(seed: int):
-  """`(k_init, k_train, k_critic)` of ONE memory's seed (see the module docstring); a run's keys,
-  one per seed, are `ear_jax.experiment.runner.per_seed_keys`."""
+  """`(k_init, k_train, k_critic)` of ONE memory's seed (see the module docstring)."""
   k_init, k_train, k_critic = jax.random.split(jax.random.PRNGKey(int(seed)), 3)
   return k_init, k_train, k_critic
+
+
+def mask_item(item: TrainItem, rows: np.ndarray) -> TrainItem:
+  """A queued item with the candidates at bank `rows` masked out (mask, slates, labels, row)."""
+  hit = np.isin(item.rows, rows) & item.mask
+  if not hit.any():
+    return item
+  in_slate = np.isin(item.slates, np.flatnonzero(hit)) & item.slate_mask
+  cands = item.candidates.copy()
+  cands[hit] = 0.0
+  return item._replace(candidates=cands, mask=item.mask & ~hit,
+                       slate_mask=item.slate_mask & ~in_slate,
+                       labels=np.where(in_slate, 0.0, item.labels).astype(item.labels.dtype),
+                       rows=np.where(hit, -1, item.rows).astype(item.rows.dtype))
 
 
 class Driver:
@@ -62,136 +79,129 @@ class Driver:
     config: static config.
     hparams: hyperparameters.
     seed: the memory's seed (see `seed_keys`).
+    state: a learner state to start from (default: a fresh one from the seed).
   """
 
-  def __init__(self, config: EARConfig, hparams: HParams, seed: int):
-    self.config = config
-    self.hparams = hparams
+  def __init__(self, config: EARConfig, hparams: HParams, seed: int,
+               state: Optional[learner_lib.LearnerState] = None):
+    self.config, self.hparams = config, hparams
     k_init, self.train_key, _ = seed_keys(seed)
-    self.state: learner_lib.LearnerState = _owned(learner_lib.init_learner(k_init, config))
+    self.state = _owned(learner_lib.init_learner(k_init, config) if state is None else state)
     self.ready: list[TrainItem] = []
     self.num_batches = 0
-    # The bank rows of the replay buffer's candidates, slot by slot (-1 = padding or empty): what
-    # checkpoints save instead of the `[C, K, d]` embeddings. None after restoring a checkpoint
-    # written before rows were kept (then the embeddings are saved inline).
-    cap, k = config.buffer_capacity, config.num_candidates
-    self.buffer_rows: Optional[np.ndarray] = np.full((cap, k), -1, np.int32)
-    self.insert_index = 0  # host copy of `state.buffer.insert_index`
+    # the bank rows of the replay buffer's candidates, slot by slot (-1 = padding or empty)
+    self.buffer_rows = np.full((config.buffer_capacity, config.num_candidates), -1, np.int32)
+    if state is not None:  # (rows unknown until `resolve_rows`)
+      self.buffer_rows[np.asarray(self.state.buffer.mask)] = UNKNOWN
+    self.insert_index = int(self.state.buffer.insert_index)  # host copy
 
   def push(self, items) -> int:
     """Queues closed sessions and trains every full batch; returns the learner steps taken."""
     self.ready.extend(items)
     steps = 0
     while len(self.ready) >= self.config.batch_size:
-      self._train(self.config.batch_size)
+      self._train()
       steps += 1
     return steps
 
-  def flush(self) -> int:
-    """Trains everything queued (the last batch padded and masked); returns the steps taken."""
-    steps = self.push(())
-    if self.ready:
-      self._train(len(self.ready))
-      steps += 1
-    return steps
-
-  def _train(self, n: int) -> None:
-    items, self.ready = self.ready[:n], self.ready[n:]
+  def _train(self) -> None:
     b = self.config.batch_size
-    pad = [items[0]] * (b - n)  # padding rows (where = False): no loss, not pushed
-    stacked = TrainItem(*(np.stack(x) for x in zip(*(items + pad))))
+    items, self.ready = self.ready[:b], self.ready[b:]
+    stacked = TrainItem(*(np.stack(x) for x in zip(*items)))
     batch = Stream(queries=stacked.query, candidates=stacked.candidates, mask=stacked.mask,
-                   gold=np.zeros(stacked.mask.shape, bool),
-                   num_gold=np.zeros((b,), np.int32))
+                   gold=np.zeros(stacked.mask.shape, bool), num_gold=np.zeros((b,), np.int32))
     keys = jax.random.split(jax.random.fold_in(self.train_key, self.num_batches), b)
     self.state, _ = _train_step(
         self.state, keys, batch, stacked.slates, stacked.slate_mask, stacked.labels,
-        jnp.arange(b) < n, self.config, self.hparams)
+        jnp.ones((b,), bool), self.config, self.hparams)
     self.num_batches += 1
-    cap = self.config.buffer_capacity  # the step pushed the n queries in order (`push_experiences`)
-    if self.buffer_rows is not None:
-      self.buffer_rows[(self.insert_index + np.arange(n)) % cap] = np.where(
-          stacked.mask[:n], stacked.rows[:n], -1)
-    self.insert_index = (self.insert_index + n) % cap
+    cap = self.config.buffer_capacity  # the step pushed the b queries in order (`push_experiences`)
+    self.buffer_rows[(self.insert_index + np.arange(b)) % cap] = np.where(
+        stacked.mask, stacked.rows, -1)
+    self.insert_index = (self.insert_index + b) % cap
+
+  def forget(self, rows: np.ndarray) -> None:
+    """Masks the candidates at bank `rows` out of the queued items and the replay buffer (mask,
+    observed and the Eq. (12) mean label cleared, the embedding zeroed, the saved row -1)."""
+    self.ready = [mask_item(it, rows) for it in self.ready]
+    hit = np.isin(self.buffer_rows, rows)
+    self.buffer_rows[hit] = -1
+    self._mask_buffer(hit)
+
+  def _mask_buffer(self, hit: np.ndarray) -> None:
+    """Clears the buffer's candidates where `hit [C, K]`."""
+    buf = self.state.buffer
+    hit = hit & np.asarray(buf.mask)
+    if hit.any():
+      h = jnp.asarray(hit)
+      self.state = self.state.replace(buffer=buf.replace(
+          candidates=jnp.where(h[..., None], 0.0, buf.candidates), mask=buf.mask & ~h,
+          observed=buf.observed & ~h, ybar=jnp.where(h, 0.0, buf.ybar)))
 
   # ----------------------------------------------------------------------------------------------
-  # snapshot / restore
+  # the learner item
 
   def snapshot(self):
-    """`(arrays, meta)`: learner state, hyperparameters and queued items (host copies).
-
-    The learner state is saved as the named pytree it is (`LearnerState`, leaves named by their
-    field path, e.g. 'params/w_q') and restored by name against the abstract state of the config
-    (`restore`). The replay buffer's candidates (`[C, K, d]`, the largest part) are saved as their
-    bank rows (`buffer_rows [C, K]`) and an empty placeholder, and gathered back from the bank."""
-    by_rows = self.buffer_rows is not None
-    state = _without_candidates(self.state) if by_rows else self.state
-    arrays = {"learner": jax.tree_util.tree_map(np.array, state),  # own host copies
+    """`(arrays, meta)`: the named learner state without the buffer's candidates (saved as
+    `buffer_rows` and `buffer_features`), the hyperparameters and the queued items (rows and
+    features instead of candidates). Host copies."""
+    d = self.config.dim
+    arrays = {"learner": jax.tree_util.tree_map(np.array, _without_candidates(self.state)),
               "hparams": {f.name: np.asarray(getattr(self.hparams, f.name))
-                          for f in dataclasses.fields(self.hparams)}}
-    if by_rows:
-      arrays["buffer_rows"] = self.buffer_rows.copy()
-      if self.config.side_features:  # the candidates' first-stage features are not bank rows
-        arrays["buffer_features"] = np.asarray(
-            self.state.buffer.candidates[..., self.config.dim:])
+                          for f in dataclasses.fields(self.hparams)},
+              "buffer_rows": self.buffer_rows.copy(),
+              "buffer_features": np.asarray(self.state.buffer.candidates[..., d:])}
     if self.ready:
       arrays["ready"] = {f: np.stack([getattr(it, f) for it in self.ready])
-                         for f in TrainItem._fields}
-    return arrays, {"num_batches": self.num_batches, "num_ready": len(self.ready),
-                    "learner_layout": LEARNER_LAYOUT,
-                    "num_learner_leaves": len(jax.tree_util.tree_leaves(self.state))}
+                         for f in TrainItem._fields if f != "candidates"}
+      arrays["ready"]["features"] = np.stack([it.candidates[:, d:] for it in self.ready])
+    return arrays, {"num_batches": self.num_batches, "num_ready": len(self.ready)}
 
   @classmethod
-  def restore(cls, config: EARConfig, seed: int, arrays, meta, where: str, gather) -> "Driver":
+  def restore(cls, config: EARConfig, seed: int, arrays, meta, where: str, gather: Callable,
+              live: Callable) -> "Driver":
     """The driver of `snapshot`; ValueError naming `where` when it does not fit `config`.
-    `gather(rows [n, K], mask [n, K], where)` gives bank rows' embeddings (the buffer's
-    candidates). Checkpoints written before the learner state was named (its leaves keyed by
-    flatten position, '0000', '0001', ...) still load."""
+    `gather(rows [n, K], mask [n, K]) -> [n, K, d]` gives the bank rows' embeddings and
+    `live(rows) -> bool` which rows still hold a memory: the others are masked out (`forget`)."""
+    from ear_jax.io import checkpoints  # pylint: disable=g-import-not-at-top
     hparams = HParams(**{k: jnp.asarray(v, jnp.float32) for k, v in arrays["hparams"].items()})
     out = cls(config, hparams, seed)
-    by_rows = "buffer_rows" in arrays
-    target = jax.eval_shape(lambda: out.state)
-    if meta.get("learner_layout") == LEARNER_LAYOUT:
-      abstract = _without_candidates(target) if by_rows else target
-      from ear_jax.io import checkpoints  # pylint: disable=g-import-not-at-top
-      state = checkpoints.fit_target(abstract, arrays["learner"], f"{where}: the learner state")
-      state = jax.tree_util.tree_map(lambda x, t: jnp.asarray(x, t.dtype), state, abstract)
-    else:
-      state = _positional_state(target, arrays, meta, by_rows, where)
-    if by_rows:
-      t = target.buffer.candidates
-      rows = np.asarray(arrays["buffer_rows"])
-      if rows.shape != t.shape[:2]:
-        raise ValueError(f"{where}: buffer_rows has shape {rows.shape}, expected {t.shape[:2]}")
-      out.buffer_rows = rows.astype(np.int32)
-      cands = gather(rows, rows >= 0, f"the replay buffer of {where}")
-      if config.side_features:
-        feats = np.asarray(arrays.get("buffer_features", np.zeros((0,))), np.float32)
-        if feats.shape != t.shape[:2] + (config.side_features,):
-          raise ValueError(f"{where}: buffer_features has shape {feats.shape}, expected "
-                           f"{t.shape[:2] + (config.side_features,)}")
-        cands = jnp.concatenate([cands, jnp.asarray(feats)], -1)
-      state = state.replace(buffer=state.buffer.replace(candidates=cands))
-    out.state = _owned(state)
-    out.insert_index = int(out.state.buffer.insert_index)
-    if not by_rows:  # written before rows were kept: keep saving the embeddings inline
-      out.buffer_rows = None
+    abstract = _without_candidates(jax.eval_shape(lambda: out.state))
+    state = checkpoints.fit_target(abstract, arrays["learner"], f"{where}: the learner state")
+    state = jax.tree_util.tree_map(lambda x, t: jnp.asarray(x, t.dtype), state, abstract)
+    rows = np.asarray(arrays["buffer_rows"]).astype(np.int32)
+    feats = np.asarray(arrays["buffer_features"], np.float32)
+    want = out.state.buffer.candidates.shape
+    if rows.shape != want[:2] or feats.shape != want[:2] + (config.side_features,):
+      raise ValueError(f"{where}: buffer_rows {rows.shape} / buffer_features {feats.shape} do "
+                       f"not fit the replay buffer {want}")
+    cands = jnp.concatenate([jnp.asarray(gather(rows, rows >= 0)), jnp.asarray(feats)], -1)
+    out.state = _owned(state.replace(buffer=state.buffer.replace(candidates=cands)))
+    out.buffer_rows, out.insert_index = rows, int(out.state.buffer.insert_index)
     if meta["num_ready"]:
-      r = dict(arrays["ready"])
-      T, K, d = config.num_rounds, config.num_candidates, config.dim
-      if "rows" not in r:  # written before rows were kept
-        r["rows"] = np.full((meta["num_ready"], K), -1, np.int32)
-        out.buffer_rows = None
-      shapes = dict(query=(d,), candidates=(K, d + config.side_features), mask=(K,),
-                    slates=(T, K), slate_mask=(T, K), labels=(T, K), rows=(K,))
-      for f, shape in shapes.items():
-        if np.shape(r[f]) != (meta["num_ready"],) + shape:
-          raise ValueError(f"{where}: queued training array {f!r} has shape {np.shape(r[f])}, "
-                           f"expected {(meta['num_ready'],) + shape}")
-      out.ready = [TrainItem(*(np.asarray(r[f][j]) for f in TrainItem._fields))
+      r = {k: np.asarray(v) for k, v in arrays["ready"].items()}
+      r["candidates"] = np.concatenate(
+          [np.asarray(gather(r["rows"], r["rows"] >= 0)), r.pop("features")], -1)
+      out.ready = [TrainItem(*(r[f][j] for f in TrainItem._fields))
                    for j in range(meta["num_ready"])]
     out.num_batches = int(meta["num_batches"])
+    dead = np.unique(np.concatenate([out.buffer_rows.ravel()] + [it.rows for it in out.ready]))
+    dead = dead[(dead >= 0) & ~live(dead)]
+    if dead.size:
+      out.forget(dead)
     return out
+
+  def resolve_rows(self, rows_of_embedding: Callable) -> None:
+    """Gives the buffer slots of a state given from outside (`UNKNOWN` rows: `Memory.open(
+    learner=...)`, the converter, which adds the rows afterwards) their bank rows:
+    `rows_of_embedding(emb [n, d]) -> [n]` maps each candidate to the bank row holding exactly that
+    embedding (-1: none, masked out). `Memory` calls it before every snapshot."""
+    todo = self.buffer_rows == UNKNOWN
+    if not todo.any():
+      return
+    cands = np.asarray(self.state.buffer.candidates[..., :self.config.dim])[todo]
+    self.buffer_rows[todo] = rows_of_embedding(cands)
+    self._mask_buffer(self.buffer_rows < 0)
 
 
 def _without_candidates(state):
@@ -201,27 +211,3 @@ def _without_candidates(state):
       lambda shape, dtype: np.zeros(shape, dtype))
   return state.replace(buffer=state.buffer.replace(
       candidates=empty((0,), state.buffer.candidates.dtype)))
-
-
-def _positional_state(target, arrays, meta, by_rows: bool, where: str):
-  """The learner state of a checkpoint written before it was named: leaves keyed by flatten
-  position ('0000', ...), checked by count and shape (the buffer's candidates are filled in by
-  the caller when saved as bank rows)."""
-  paths, treedef = jax.tree_util.tree_flatten_with_path(target)
-  stored = dict(arrays["learner"])
-  if len(stored) + by_rows != len(paths) or meta["num_learner_leaves"] != len(paths):
-    raise ValueError(f"{where}: the learner state has {len(stored) + by_rows} arrays, expected "
-                     f"{len(paths)} for this config")
-  leaves = []
-  for i, (p, t) in enumerate(paths):
-    if by_rows and jax.tree_util.keystr(p) == _BUFFER_CANDIDATES:
-      leaves.append(np.zeros((0,), t.dtype))
-      continue
-    key = f"{i:04d}"
-    if key not in stored:
-      raise ValueError(f"{where}: learner array {i} is missing")
-    x = np.asarray(stored[key])
-    if x.shape != t.shape:
-      raise ValueError(f"{where}: learner array {i} has shape {x.shape}, expected {t.shape}")
-    leaves.append(jnp.asarray(x, t.dtype))
-  return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -1,11 +1,11 @@
 """Host-side critic loops over arrays: one round's slates for a batch of queries, a training episode
-(`run_critic_episode`); `Memory`'s agent step with a host critic is `Memory.feedback_from_critic` /
-`front.llm_feedback`.
+(`run_critic_episode`); `Memory`'s agent step with a host critic is `front.llm_feedback` (and
+`Memory.recall`'s rounds).
 
 Symbols: `N` queries, `K` candidates, `s` slate size, `T` Explorer rounds, `b` batch size.
 
-`round_slates` / `update_bandits` play one round for a batch of queries (also `Memory`'s, through
-`ear_jax.agent.memory.sessions`). Both loops use the library's critic protocol (`ear_jax.core.critic`):
+`round_slates` / `update_bandits` play one round for a batch of queries (also `Memory`'s session
+rounds). Both loops use the library's critic protocol (`ear_jax.core.critic`):
 `critic(key, view) -> labels [s]` or None (an unusable reply: no update), with a `SlateView` that
 carries `query_text` and the memories' `texts` for host critics such as
 `ear_jax.agent.llm.critic.LLMCritic`; and the one learner step,
@@ -14,7 +14,7 @@ carries `query_text` and the memories' `texts` for host critics such as
 Feedback from the agent's answer (issue 28): `answer_labels` labels a shown slate by the answer
 rule of the benchmarks (the features of `ear_jax.data.answer_support.slate_support`, then the
 jitted `ear_jax.core.critic.answer_critic` with `ANSWER_DEFAULTS` or a given `AnswerCritic`'s
-thresholds), used by `Memory.feedback(answer=...)` and by the host critic `AnswerFeedback` (an
+thresholds), used by `Session.feedback(answer=...)` and by the host critic `AnswerFeedback` (an
 agent's answer function as `recall`'s critic).
 """
 from __future__ import annotations
@@ -98,7 +98,7 @@ def check_answer(answer, what: str = "answer") -> str:
   """The agent's answer, checked: a non-empty string (`InputTypeError` / ValueError naming
   `what`)."""
   if not isinstance(answer, str):
-    raise InputTypeError(f"{what} must be a string (the agent's answer to the retrieval's "
+    raise InputTypeError(f"{what} must be a string (the agent's answer to the session's "
                          f"question), got {type(answer).__name__}")
   if not answer.strip():
     raise ValueError(f"{what} is empty: give the agent's answer (or cited ids)")
@@ -141,7 +141,7 @@ def answer_labels(question: str, answer: str, texts: Sequence[str], memories: np
 @dataclasses.dataclass(frozen=True)
 class AnswerFeedback:
   """A host critic made of the agent's answers (issue 28): the critic of `Memory.recall` (or
-  `Memory.feedback_from_critic`, `run_critic_episode`) for an agent that only answers.
+  `front.llm_feedback`, `run_critic_episode`) for an agent that only answers.
 
   Each round, `answer_fn(question, texts)` is the agent answering the question from the shown
   memories' texts (in slate order); its answer labels the slate by the answer rule
@@ -151,7 +151,7 @@ class AnswerFeedback:
   Args:
     answer_fn: `answer_fn(question: str, texts: list[str]) -> str or None`.
     embed: `embed(texts) -> [n, d]` the memories' encoder; None: `Memory.recall` /
-      `feedback_from_critic` use the memory's own encoder (`bound`), and a call without one is a
+      `llm_feedback` use the memory's own encoder (`bound`), and a call without one is a
       ValueError.
     critic: an `AnswerCritic` with other thresholds (default `ANSWER_DEFAULTS`).
   """
@@ -175,7 +175,7 @@ class AnswerFeedback:
     del key
     if self.embed is None:
       raise ValueError("AnswerFeedback has no encoder to embed the answer: use it through "
-                       "Memory.recall / feedback_from_critic (the memory's encoder), or pass "
+                       "Memory.recall / llm_feedback (the memory's encoder), or pass "
                        "embed=")
     if view.query_text is None or view.texts is None:
       raise ValueError("AnswerFeedback needs the view's query_text and texts (a host view)")

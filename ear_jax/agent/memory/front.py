@@ -1,11 +1,24 @@
-"""`Memory`: the stateful front of EAR for a live agent (add, retrieve, learn from feedback, save).
+"""`Memory`: the stateful front of EAR for a live agent, and its one configuration, `MemoryConfig`.
 
 Symbols: `n` memories, `d` dimension, `K` candidates, `k` memories shown (`k <= K`), `T` Explorer
-rounds, `b` batch size. `Memory` serialises three parts over the pure core with one lock:
-`bank.Bank` (ids, texts, device-resident `[C, d]` embeddings; `retrieval.top_k_search`),
-`sessions.Sessions` (one session per query; `retrieval.slate_from_candidates`) and `driver.Driver`
-(the learner state; `learner.train_batch_on_feedback`). Checkpoints: `persistence`; critic
-loops: `llm_feedback` (here), `episode.run_critic_episode` (re-exported here).
+rounds, `b` batch size.
+
+Where a row lives: in the table (`table.Table`, SQLite: `<dir>/rows.sqlite`, or `:memory:` for a
+memory that was never saved), and, derived from it at open, on the device (`bank.DeviceBank`:
+`[C, d]` embeddings, masks, store and scope codes), in the lexical index (`lexical_bank`) and an
+optional ANN searcher (`bank.Searcher`, `<dir>/ann`). Where the learner lives: the `driver.Driver`
+(adapter, optimiser, replay buffer, guard, queued items) and the `sessions.Sessions` registry,
+saved together as ONE Orbax item (`persistence`, `<dir>/learner`) by `save()`.
+
+One write's path (`add`): validate -> encode and tokenise (outside the lock) -> under the lock
+ONE table transaction (durable on return for an opened memory) -> the device bank, the lexical
+index and the searcher. One query's path (`session().round()`, `search`): validate -> encode ->
+under the lock the first stage (one jitted device call: `bank.search` or `LexicalBank.search`)
+-> the slate (`episode.round_slates`) -> ids and texts from the table.
+
+One re-entrant lock guards every state change and read of the parts; encoding and critic calls
+run outside it. Every public method validates its input first and raises ValueError (TypeError
+for wrong types; `InputTypeError` is both) naming the problem, with the state unchanged.
 """
 from __future__ import annotations
 
@@ -13,33 +26,38 @@ import collections
 import dataclasses
 import pathlib
 import threading
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ear_jax.agent.memory import bank as bank_lib
+from ear_jax.agent.memory import episode
 from ear_jax.agent.memory import forget
 from ear_jax.agent.memory import lexical_bank
 from ear_jax.agent.memory import persistence
 from ear_jax.agent.memory import recall as recall_lib
+from ear_jax.agent.memory import table as table_lib
 from ear_jax.agent.memory.bank import DEFAULT_SCOPE, InputTypeError
-from ear_jax.agent.memory.encoder_slot import EncoderSlot
 from ear_jax.agent.memory.driver import Driver, seed_keys
-from ear_jax.agent.memory import episode
-from ear_jax.agent.memory.episode import AnswerFeedback, round_slates, run_critic_episode
-from ear_jax.agent.memory.sessions import Retrieval, Sessions, citation_labels
-from ear_jax.core import adapter as adapter_lib
+from ear_jax.agent.memory.encoder_slot import EncoderSlot
+from ear_jax.agent.memory.episode import AnswerFeedback, run_critic_episode
+from ear_jax.agent.memory.recall import Recall
+from ear_jax.agent.memory.sessions import (Ops, Session, SessionDroppedError, Sessions, Slate,
+                                           citation_labels)
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import guard as guard_lib
 from ear_jax.core import learner as learner_lib
 from ear_jax.core import policies
 from ear_jax.core.config import EARConfig, HParams, Method, default_hparams
-from ear_jax.data import first_stage
+from ear_jax.data.first_stage import FirstStageOptions, check_generator
+from ear_jax.io import checkpoints
 
-__all__ = ["DEFAULT_SCOPE", "AnswerFeedback", "Memory", "Retrieval", "llm_feedback",
-           "run_critic_episode"]
+__all__ = ["DEFAULT_SCOPE", "AnswerFeedback", "Memory", "MemoryConfig", "Recall", "Session",
+           "SessionDroppedError", "Slate", "llm_feedback", "run_critic_episode"]
+
+_UNSET = object()
 
 
 def _check_int(value, name: str, minimum: int) -> int:
@@ -50,15 +68,181 @@ def _check_int(value, name: str, minimum: int) -> int:
   return int(value)
 
 
-def _check_honoured(config: Optional[EARConfig]) -> None:
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig:
+  """Everything that defines a memory besides its rows and its learner (saved with both).
+
+  Attributes:
+    encoder: 'minilm', a local Hugging Face checkpoint directory, a `.npy`/`.npz` of precomputed
+      embeddings, or None (every `add` / query passes embeddings). Loaded at the first text that
+      needs encoding (`Memory(encoder=...)` takes an `Encoder` object instead, not saved).
+    method: a preset name (`Method.named`), exclusive with `config` / `hparams`.
+    config: `EARConfig`; default `EARConfig(dim=encoder dim or dim)`.
+    hparams: `HParams`; default `default_hparams()`.
+    dim: the embedding dimension when neither `config` nor the encoder gives it.
+    seed: seed of the learner (adapter init, replay randomness, critic keys).
+    multistore: candidates = top-K/2 dialogue memories + top-K/2 observations (Section 5).
+    cache_dir: embedding cache root for `encoders.encode` (None: no disk cache).
+    max_sessions: open query sessions kept (>= 1); beyond it the least recently used is evicted.
+    initial_capacity: initial device bank capacity (rounded up by `bank.capacity_for`).
+    bank_dtype: 'float32' or 'bfloat16', the dtype of the device bank.
+    index: 'exact' (the device search) or 'faiss_hnsw' / 'faiss_ivf' / 'faiss_pq'.
+    index_options: that searcher's options, sorted `(key, value)` pairs (a dict is accepted).
+    candidates: the first stage, 'dense' | 'bm25' | 'hybrid' (`data.first_stage.GENERATORS`):
+      with 'bm25' / 'hybrid' each candidate carries the first stage's scores as side features
+      and queries need their texts. Not with an ANN `index`.
+    first_stage: the hybrid fusion's options.
+  """
+  encoder: Optional[str] = "minilm"
+  method: Optional[str] = None
+  config: Optional[EARConfig] = None
+  hparams: Optional[HParams] = None
+  dim: Optional[int] = None
+  seed: int = 0
+  multistore: bool = False
+  cache_dir: Optional[str] = None
+  max_sessions: int = 4096
+  initial_capacity: int = 1024
+  bank_dtype: str = "float32"
+  index: str = "exact"
+  index_options: tuple = ()
+  candidates: str = "dense"
+  first_stage: FirstStageOptions = FirstStageOptions()
+
+  def __post_init__(self):
+    fix = lambda name, value: object.__setattr__(self, name, value)
+    if self.encoder is not None and not isinstance(self.encoder, str):
+      fix("encoder", str(self.encoder) if hasattr(self.encoder, "__fspath__") else self.encoder)
+      if not isinstance(self.encoder, str):
+        raise InputTypeError(f"MemoryConfig.encoder must be a spec string or None, got "
+                             f"{type(self.encoder).__name__} (pass an Encoder object as "
+                             "Memory(encoder=...))")
+    for name, minimum in (("seed", 0), ("max_sessions", 1), ("initial_capacity", 1)):
+      fix(name, _check_int(getattr(self, name), name, minimum))
+    if self.dim is not None:
+      fix("dim", _check_int(self.dim, "dim", 1))
+    fix("multistore", bool(self.multistore))
+    if self.cache_dir is not None:
+      fix("cache_dir", str(self.cache_dir))
+    opts = self.index_options
+    if isinstance(opts, dict):
+      opts = tuple(sorted(opts.items()))
+    if not isinstance(opts, (tuple, list)) or not all(
+        isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in opts):
+      raise InputTypeError(f"index_options must be a dict or (key, value) pairs, got "
+                           f"{type(self.index_options).__name__}")
+    fix("index_options", tuple(sorted((k, v) for k, v in opts)))
+    for name in ("bank_dtype", "index", "candidates"):
+      if not isinstance(getattr(self, name), str):
+        raise InputTypeError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
+    if self.bank_dtype not in bank_lib.BANK_DTYPES:
+      raise ValueError(f"unknown bank_dtype {self.bank_dtype!r}; expected one of "
+                       f"{sorted(bank_lib.BANK_DTYPES)}")
+    check_generator(self.candidates)
+    if not isinstance(self.first_stage, FirstStageOptions):
+      raise InputTypeError("first_stage must be a first_stage.FirstStageOptions, got "
+                           f"{type(self.first_stage).__name__}")
+    if self.config is not None and not isinstance(self.config, EARConfig):
+      raise InputTypeError(f"config must be an EARConfig, got {type(self.config).__name__}")
+    if self.hparams is not None and not isinstance(self.hparams, HParams):
+      raise InputTypeError(f"hparams must be an HParams, got {type(self.hparams).__name__}")
+    if self.method is not None:
+      if self.config is not None or self.hparams is not None:
+        raise ValueError("pass method= (a preset with its own config and hyperparameters) or "
+                         "config= / hparams=, not both")
+      if not isinstance(self.method, str):
+        raise InputTypeError(f"method must be a method name, got {type(self.method).__name__}")
+
+  def to_dict(self) -> dict:
+    """JSON-safe fields (`from_dict` inverts it)."""
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    d["config"] = None if self.config is None else self.config.to_dict()
+    d["hparams"] = None if self.hparams is None else {
+        f.name: float(getattr(self.hparams, f.name)) for f in dataclasses.fields(self.hparams)}
+    d["index_options"] = dict(self.index_options)
+    d["first_stage"] = dataclasses.asdict(self.first_stage)
+    return d
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "MemoryConfig":
+    """The config of `to_dict`; ValueError naming an unknown field."""
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+      raise ValueError(f"unknown MemoryConfig field(s) {sorted(unknown)}")
+    d = dict(d)
+    if d.get("config") is not None:
+      d["config"] = EARConfig.from_dict(d["config"])
+    if d.get("hparams") is not None:
+      d["hparams"] = default_hparams(**d["hparams"])
+    if d.get("first_stage") is not None:
+      d["first_stage"] = FirstStageOptions(**d["first_stage"])
+    return cls(**d)
+
+  def _encoder_dim(self) -> Optional[int]:
+    return 384 if self.encoder == "minilm" else None
+
+  @property
+  def ear(self) -> EARConfig:
+    """The resolved `EARConfig` (its `dim`, and `side_features` set by the first stage)."""
+    return self._resolved()[0]
+
+  @property
+  def learner_hparams(self) -> HParams:
+    """The resolved `HParams`."""
+    return self._resolved()[1]
+
+  def _resolved(self) -> tuple[EARConfig, HParams]:
+    config, hparams, d = self.config, self.hparams, self.dim or self._encoder_dim()
+    if self.method is not None:
+      if d is None:
+        raise ValueError("the embedding dimension is unknown: pass dim= with method=")
+      config, hparams = Method.named(self.method, dim=d)[1:3]
+    if config is None:
+      if d is None:
+        raise ValueError("the embedding dimension is unknown: pass config=EARConfig(dim=...) or "
+                         "dim=")
+      config = EARConfig(dim=d)
+    if self.dim is not None and self.dim != config.dim:
+      raise ValueError(f"dim={self.dim} does not match config.dim={config.dim}")
+    enc = self._encoder_dim()
+    if enc is not None and enc != config.dim:
+      raise ValueError(f"config.dim={config.dim} does not match the encoder's dimension {enc}")
+    _check_honoured(config)
+    if self.multistore and config.num_candidates % 2:
+      raise ValueError(f"multistore needs an even num_candidates K, got {config.num_candidates}")
+    f = lexical_bank.NUM_FEATURES
+    if self.candidates != "dense" and not config.side_features:
+      config = dataclasses.replace(config, side_features=f)
+    if config.side_features not in (0, f):
+      raise ValueError(f"config.side_features={config.side_features}, but a memory's first stage "
+                       f"gives {f} features (or 0 with candidates='dense')")
+    if lexical_bank.needs_lexical(self.candidates, config.side_features) and self.index != "exact":
+      raise ValueError(f"index={self.index!r} cannot serve candidates={self.candidates!r} (or "
+                       "side features): the lexical first stage fuses every memory's cosine with "
+                       "its BM25 score; use index='exact' (BENCHMARKS.md 'First stage at scale')")
+    return config, default_hparams() if hparams is None else hparams
+
+  def _comparable(self) -> dict:
+    """What two configs of one memory must agree on: the resolved EARConfig's fields, the
+    hyperparameters and every setting (how they were spelled aside) but the embedding cache
+    directory, which says where, not what."""
+    d = self.to_dict()
+    for name in ("method", "config", "hparams", "dim", "cache_dir"):
+      del d[name]
+    ear, hp = self._resolved()
+    return {**d, **ear.to_dict(),
+            "hparams": {f.name: float(getattr(hp, f.name)) for f in dataclasses.fields(hp)}}
+
+
+def _check_honoured(config: EARConfig) -> None:
   """Refuses config fields a live `Memory` cannot honour, naming the field."""
-  if config is None or not isinstance(config, EARConfig):
-    return
   policy = policies.train_slate_policy(config.train_slate)
+  if not config.trains:
+    raise ValueError("config.train_slate='none' never learns; use train_slate='explorer'")
   if policy is not None and policy is not policies.TRAIN_SLATES["explorer"]:
     raise ValueError(
         f"config.train_slate={config.train_slate!r} is not honoured by Memory: its training "
-        "slates are the Explorer rounds the agent plays (recall / retrieve(explore=True)); "
+        "slates are the Explorer rounds the agent plays (recall / Session.round(explore=True)); "
         "use train_slate='explorer'")
   if config.test_rounds is not None and config.test_rounds != config.num_rounds:
     raise ValueError(
@@ -67,269 +251,395 @@ def _check_honoured(config: Optional[EARConfig]) -> None:
         "or equal to num_rounds")
 
 
-def _first_stage(config: EARConfig, candidates, options, multistore: bool, index: str):
-  """`(config, LexicalBank or None)` of a memory's first stage (see `Memory`'s `candidates`)."""
-  if not isinstance(candidates, str):
-    raise InputTypeError(f"candidates must be a string, got {type(candidates).__name__}")
-  first_stage.check_generator(candidates)
-  if options is None:
-    options = first_stage.FirstStageOptions()
-  elif not isinstance(options, first_stage.FirstStageOptions):
-    raise InputTypeError("first_stage_options must be a first_stage.FirstStageOptions, got "
-                         f"{type(options).__name__}")
-  f = lexical_bank.NUM_FEATURES
-  if candidates != "dense" and not config.side_features:
-    config = dataclasses.replace(config, side_features=f)
-  if config.side_features not in (0, f):
-    raise ValueError(f"config.side_features={config.side_features}, but a memory's first stage "
-                     f"gives {f} features {first_stage.FEATURES} (or 0 with candidates='dense')")
-  if not lexical_bank.needs_lexical(candidates, config.side_features):
-    return config, None
-  if index != "exact":
-    raise ValueError(f"index={index!r} cannot serve candidates={candidates!r} (or side features): "
-                     "the lexical first stage fuses every memory's cosine with its BM25 score; "
-                     "use index='exact' (BENCHMARKS.md 'First stage at scale')")
-  return config, lexical_bank.LexicalBank(candidates, options, multistore)
+def _settings(first, encoder, settings: dict) -> tuple[Optional[MemoryConfig], Any, dict]:
+  """`(MemoryConfig or None, encoder object or spec or _UNSET, settings)` of the arguments of
+  `Memory(...)` / `Memory.open(...)`: a first argument that is not a MemoryConfig is the
+  encoder."""
+  fields = {f.name for f in dataclasses.fields(MemoryConfig)}
+  unknown = sorted(set(settings) - fields)
+  if unknown:
+    raise InputTypeError(f"unknown Memory setting(s) {unknown}; the settings are MemoryConfig's "
+                         f"fields {sorted(fields)}")
+  if "encoder" in settings:
+    raise InputTypeError("pass the encoder as Memory(encoder=...) (or MemoryConfig.encoder)")
+  if isinstance(first, MemoryConfig) or first is _UNSET:
+    return (None if first is _UNSET else first), encoder, settings
+  if encoder is not _UNSET:
+    raise ValueError("pass the encoder once: as the first argument or as encoder=")
+  return None, first, settings
 
-# The served parameters of a guarded memory in one compiled call (`core.guard.served_params`:
-# the decision and a leafwise select), not a dozen eager dispatches on every retrieve.
+
+def _new_config(cfg: Optional[MemoryConfig], enc, settings: dict):
+  """`(MemoryConfig, EncoderSlot)` of a new memory (`_settings`' output): the encoder's spec and,
+  for an `Encoder` object, its dimension filled in."""
+  cfg = cfg or MemoryConfig()
+  slot = EncoderSlot(cfg.encoder if enc is _UNSET else enc)
+  if slot.encoder is not None and cfg.dim is None and cfg.config is None and not (
+      {"dim", "config"} & set(settings)):
+    settings = {**settings, "dim": slot.encoder.dim}
+  return dataclasses.replace(cfg, encoder=slot.spec, **settings), slot
+
+
+class _Closed:
+  """The table of a closed memory: every use is a ValueError saying so."""
+
+  def __init__(self, root):
+    self._where = "this memory" if root is None else f"memory {str(root)!r}"
+
+  def __getattr__(self, name):
+    raise ValueError(f"{self._where} is closed (Memory.close): open it again")
+
+  def __len__(self):
+    return self.__getattr__("__len__")
+
+
+# The served parameters of a guarded memory in one compiled call (`core.guard.served_params`).
 _served = jax.jit(guard_lib.served_params, static_argnums=2)
 
 
 class Memory:
   """An EAR memory for a live agent.
 
-  Retrieval rule: the candidates of a query are its top-K memories by frozen cosine (Eq. (1)) among
-  the DIALOGUE memories only (store 0), exactly as the benchmark pipeline and
-  `docs/jsonl_format.md`; observations are never candidates unless `multistore=True`, which takes
-  the top-K/2 of each store (Section 5). Then either the adapter's top-k (Section 3.6) or one
-  Explorer round (Eq. (5)-(8)) with the session's bandit statistics.
+  Retrieval rule: the candidates of a query are its top-K memories by frozen cosine (Eq. (1))
+  among the DIALOGUE memories (store 0), exactly as the benchmark pipeline; observations are
+  candidates only with `multistore=True` (the top-K/2 of each store, Section 5). Then the
+  adapter's top-k (Section 3.6) or one Explorer round (Eq. (5)-(8)) from the session's bandit
+  statistics. With `candidates='bm25' | 'hybrid'` the first stage is the benchmark's lexical one.
 
   Scopes: every memory has a scope (`add(..., scope='user-42')`; `DEFAULT_SCOPE` when none is
-  given) and a date. A query with `scope=` (a name, or a list of names; `retrieve`,
-  `retrieve_batch`, `search`, `recall`) gets candidates of those scopes only, by the same rule
-  within them; `scope=None` (the default) searches every scope. The filter runs inside the device
-  search (and the faiss searchers' ID selectors, and the lexical first stage), so a memory of
-  another scope is never a candidate, even when the scope holds fewer than K memories. One adapter
-  and one replay buffer learn from every scope's feedback. `list(scope)` / `get(ids)` give the
-  memories' records; `update(id, text=..., embedding=...)` corrects one memory (see
-  `ear_jax.agent.memory.forget`).
+  given) and a date. A query with `scope=` (a name, or a list of names) gets candidates of those
+  scopes only (filtered inside the device search, the faiss selectors and the lexical first
+  stage, whose BM25 statistics are those of the allowed scopes); `scope=None` searches every
+  scope. One adapter and one replay buffer learn from every scope's feedback.
 
-  Training: a query's rounds are ONE training query and ONE experience (Eq. (10)-(14)). A session
-  is closed and queued for the learner when it has `T` rounds of feedback, after the feedback of an
-  adapter-only round (`explore=False`), or when it is closed (`close`), flushed (`flush`) or evicted
-  (least recently used beyond `max_sessions`) with at least one round of feedback. Every `b` queued
-  sessions -> one learner step (keys: see `ear_jax.agent.memory.driver`).
+  Training: a query's rounds are ONE training query and ONE experience (Eq. (10)-(14); see
+  `ear_jax.agent.memory.sessions`). Every `b` closed sessions -> one learner step
+  (`ear_jax.agent.memory.driver`). `search` is a pure read: no session, nothing learnt.
 
-  Threads: one re-entrant lock guards every state change and read-modify-write (add, retrieve,
-  feedback, discard, close, flush, the learner step, the save snapshot, restore); encoding and
-  critic calls run outside it. `save` copies a consistent snapshot (arrays and metadata of one
-  moment) under the lock and writes it outside, so agents are not blocked by disk I/O (saves of one
-  memory are serialised by a second lock; the store's file lock serialises processes). A
-  `Retrieval` carries its memory's random token and generation: feedback with another memory's
-  retrieval, or with one from before `restore`, raises ValueError and changes nothing.
-
-  Every public method validates its input first and raises ValueError (TypeError for wrong types;
-  `InputTypeError` is both) naming the problem, with the state unchanged.
+  `Memory(...)` is an in-memory memory (its table in SQLite's ':memory:'); `Memory.open(dir)`
+  opens (or creates) a memory directory, where every add / update / delete is durable when it
+  returns; `save()` writes the learner item.
 
   Args:
-    encoder: 'minilm' (default), a local Hugging Face checkpoint directory, a `.npy`/`.npz` of
-      precomputed embeddings, an `ear_jax.data.encoders.Encoder`, or None (then every `add` /
-      `retrieve` passes embeddings). A spec is checked now (the data layer names a missing path) and
-      loaded at the first text that needs encoding.
-    config: `EARConfig`; default `EARConfig(dim=encoder dim)` (or `dim=`). Its `dim` must match.
-    hparams: `HParams`; default `default_hparams()`.
-    seed: seed of the learner (adapter init for the low-rank option, replay randomness).
-    dim: the embedding dimension when neither `config` nor the encoder gives it.
-    multistore: candidates = top-K/2 dialogue memories + top-K/2 observations (Section 5).
-    cache_dir: embedding cache root for `encoders.encode` (None: no disk cache).
-    max_sessions: query sessions kept (>= 1); beyond it the least recently used is evicted.
-    initial_capacity: initial bank capacity (rounded up by `bank.capacity_for`).
-    bank_dtype: 'float32' or 'bfloat16', the dtype of the device-resident bank.
-    index: how the K candidates are found: 'exact' (the streamed device search,
-      `retrieval.top_k_search`) or an approximate faiss searcher, 'faiss_hnsw' / 'faiss_ivf' /
-      'faiss_pq' (`ear_jax.index.ann.SEARCHERS`; measured recall in BENCHMARKS.md "Scale"). EAR
-      works on the candidates the same way whichever produced them.
-    index_options: keyword options of that searcher (e.g. `{'nlist': 1024, 'nprobe': 64}`).
-    candidates: the first stage (`ear_jax.data.first_stage.GENERATORS`): 'dense' (the frozen
-      cosine, above; the default), 'bm25' or 'hybrid' (BM25 over the memories' texts, alone or
-      fused with the cosine; `ear_jax.agent.memory.lexical_bank`): the same candidates, in the same order,
-      as the benchmark pipeline's generator over the same bank. With 'bm25' / 'hybrid' each
-      candidate carries the first stage's scores as side features (`first_stage.FEATURES`), so
-      `config.side_features` is set to 3 (a config with another nonzero value is refused), and
-      queries need their texts. 'dense' with `config.side_features=3` keeps the dense candidates
-      and adds the features. Not with an ANN `index`.
-    first_stage_options: the hybrid fusion (`first_stage.FirstStageOptions`; default its defaults).
+    memory_config: a `MemoryConfig`; or, as a first positional argument that is not one, the
+      encoder (an `Encoder`, a spec string, or None): `Memory(None, config=EARConfig(dim=8))`.
+    encoder: an `Encoder` object, a spec, or None (no encoder), overriding `MemoryConfig.encoder`.
+    **settings: `MemoryConfig` fields.
   """
 
-  def __init__(self, encoder: Any = "minilm", *, method: Any = None,
-               config: Optional[EARConfig] = None,
-               hparams: Optional[HParams] = None, seed: int = 0, dim: Optional[int] = None,
-               multistore: bool = False, cache_dir=None, max_sessions: int = 4096,
-               initial_capacity: int = bank_lib.MIN_CAPACITY, bank_dtype: str = "float32",
-               index: str = "exact", index_options: Optional[dict] = None,
-               candidates: str = "dense",
-               first_stage_options: Optional[first_stage.FirstStageOptions] = None):
-    self.seed = _check_int(seed, "seed", 0)
-    self.max_sessions = _check_int(max_sessions, "max_sessions", 1)
-    _check_int(initial_capacity, "initial_capacity", 1)
-    self._encoder = encoder if isinstance(encoder, EncoderSlot) else EncoderSlot(encoder)
-    enc_dim = self._encoder.dim
-    if method is not None:
-      if config is not None or hparams is not None:
-        raise ValueError("pass method= (a preset with its own config and hyperparameters) or "
-                         "config= / hparams=, not both")
-      d = dim if dim is not None else enc_dim
-      if isinstance(method, str):
-        if d is None:
-          raise ValueError("the embedding dimension is unknown: pass dim= with method=")
-        method = Method.named(method, dim=_check_int(d, "dim", 1))
-      if not isinstance(method, Method):
-        raise InputTypeError(f"method must be a method name or a Method, got "
-                             f"{type(method).__name__}")
-      config, hparams = method.config, method.hparams
-    _check_honoured(config)
-    if config is None:
-      d = dim if dim is not None else enc_dim
-      if d is None:
-        raise ValueError("the embedding dimension is unknown: pass config=EARConfig(dim=...) or "
-                         "dim=")
-      config = EARConfig(dim=_check_int(d, "dim", 1))
-    if not isinstance(config, EARConfig):
-      raise InputTypeError(f"config must be an EARConfig, got {type(config).__name__}")
-    if dim is not None and dim != config.dim:
-      raise ValueError(f"dim={dim} does not match config.dim={config.dim}")
-    if enc_dim is not None and enc_dim != config.dim:
-      raise ValueError(f"config.dim={config.dim} does not match the encoder's dimension {enc_dim}")
-    if multistore and config.num_candidates % 2:
-      raise ValueError(f"multistore needs an even num_candidates K, got {config.num_candidates}")
-    if not config.trains:
-      raise ValueError("config.train_slate='none' never learns; use train_slate='explorer'")
-    if hparams is not None and not isinstance(hparams, HParams):
-      raise InputTypeError(f"hparams must be an HParams, got {type(hparams).__name__}")
-    config, self._lexical = _first_stage(config, candidates, first_stage_options, multistore,
-                                         index)
-    self.config = config
-    self.multistore = bool(multistore)
-    self.cache_dir = None if cache_dir is None else str(cache_dir)
+  def __init__(self, memory_config: Any = _UNSET, /, *, encoder: Any = _UNSET, **settings):
+    cfg, slot = _new_config(*_settings(memory_config, encoder, settings))
+    self._setup(cfg, slot, table_lib.Table(None, cfg.ear.dim), None, None, None)
+
+  def _setup(self, cfg: MemoryConfig, slot: EncoderSlot, table, root, hold, learner) -> None:
+    """Builds every part from `table` (and the learner item of `root`, or a `learner` state)."""
+    self._cfg, self._encoder, self._table, self._root, self._hold = cfg, slot, table, root, hold
+    self._ear, self._hparams = cfg._resolved()  # pylint: disable=protected-access
+    config = self._ear
+    if slot.dim is not None and slot.dim != config.dim:
+      if root is None:
+        raise ValueError(f"config.dim={config.dim} does not match the encoder's dimension "
+                         f"{slot.dim}")
+      raise ValueError(f"{root} was written with encoder dimension d={config.dim}, but encoder "
+                       f"{(slot.encoder.name if slot.encoder else slot.spec)!r} has dimension "
+                       f"{slot.dim}")
     self._lock = threading.RLock()
     self._save_lock = threading.Lock()
-    self._critic_key = seed_keys(self.seed)[2]
-    if index_options is not None and not isinstance(index_options, dict):
-      raise InputTypeError(f"index_options must be a dict, got {type(index_options).__name__}")
-    self._bank = bank_lib.Bank(config.dim, max(initial_capacity, config.num_candidates),
-                               bank_dtype, index, index_options)
-    self._sessions = Sessions(config, self.max_sessions)
-    self._driver = Driver(config, default_hparams() if hparams is None else hparams, self.seed)
-    self.stats = collections.Counter()
-    self._holds = {}  # memory directory -> this memory's share of the process's owner lock
+    self._critic_key = seed_keys(cfg.seed)[2]
+    rows = table.read_all()
+    self._next_row = int(rows.next_row)
+    self._scopes, codes = bank_lib.ScopeNames.from_rows(
+        [rows.scope_names[c] for c in rows.scope_codes], rows.stores,
+        held_before=rows.next_row > len(rows.rows))
+    self._bank = bank_lib.write(
+        bank_lib.empty(config.dim, max(cfg.initial_capacity, config.num_candidates,
+                                       rows.next_row), cfg.bank_dtype),
+        rows.rows, rows.embeddings, rows.stores, codes)
+    self._searcher = None
+    if cfg.index != "exact" and root is not None:
+      self._searcher = bank_lib.Searcher.load(root / persistence.ANN, cfg.index,
+                                              dict(cfg.index_options), config.dim, rows.rows,
+                                              rows.embeddings, rows.stores, codes)
+    elif cfg.index != "exact":
+      self._searcher = bank_lib.ann_searcher(cfg.index, dict(cfg.index_options), config.dim)
+      self._searcher.add(rows.rows, rows.embeddings, rows.stores, codes)
+    self._ann_rows = self._next_row if root is not None and (root / persistence.ANN).exists() else 0
+    self._lexical = None
+    if lexical_bank.needs_lexical(cfg.candidates, config.side_features):
+      self._lexical = lexical_bank.LexicalBank(cfg.candidates, cfg.first_stage, cfg.multistore)
+      self._lexical.restore(rows, codes)
+    self._sessions = Sessions(config, cfg.max_sessions)
+    self._driver = Driver(config, self._hparams, cfg.seed, learner)
+    self._stats = collections.Counter()
+    self._generation = 0
+    self._ops = Ops(round=self._round, feedback=self._feedback, close=self._close,
+                    info=self._info, critique=self._critique, final=self._final,
+                    open=self._open, abandon=self._abandon, records=self._live_records,
+                    count=self._count)
+
+  def _restore_learner(self, root: pathlib.Path) -> None:
+    """The learner, sessions and counters of the learner item of `root` (rows deleted since its
+    save masked out, sessions showing one dropped)."""
+    arrays, meta, where = persistence.read_learner(root)
+    if int(meta["rows"]) > self._next_row:
+      raise checkpoints.CheckpointError(
+          f"{where} was saved when the table held rows up to {meta['rows']}, but the table "
+          f"{root / persistence.TABLE} ends at row {self._next_row}: they are not one memory's "
+          "(a table replaced by an older copy?)")
+    driver, sessions = arrays.get("driver", {}), arrays.get("sessions", {})
+    for name, rows in (("driver/buffer_rows", driver.get("buffer_rows")),
+                       ("driver/ready/rows", driver.get("ready", {}).get("rows")),
+                       ("sessions/cand_idx", sessions.get("cand_idx"))):
+      rows = np.asarray([] if rows is None else rows)
+      bad = rows[(rows < -1) | (rows >= int(meta["rows"]))]
+      if bad.size:
+        raise checkpoints.CheckpointError(
+            f"{where}: {name} names row {int(bad[0])}, outside the {meta['rows']} rows it was "
+            "saved with (corrupted, or another memory's)")
+    live = self._live_rows
+    gather = lambda r, m: bank_lib.gather(self._bank, np.where(live(r) & m, r, 0), live(r) & m)
+    self._driver = Driver.restore(self._ear, self._cfg.seed, driver, meta["driver"], where,
+                                  gather, live)
+    self._sessions, dropped = Sessions.restore(self._ear, self._cfg.max_sessions, sessions,
+                                               meta["sessions"], gather, live)
+    self._stats = collections.Counter(meta["stats"])
+    if dropped:
+      self._stats["sessions_dropped_by_delete"] += dropped
+    self._generation = int(meta.get("generation", 0))
+    saved = meta.get("encoder_identity")
+    if saved and self._encoder.identity and saved != self._encoder.identity:
+      raise ValueError(f"{where} was written with another encoder model (identity "
+                       f"{saved[:16]}), not this one (identity {self._encoder.identity[:16]})")
+    self._encoder.identity = self._encoder.identity or saved
+
+  def _live_rows(self, rows) -> np.ndarray:
+    """`[..]` bool: which device rows hold a memory now."""
+    rows = np.asarray(rows)
+    ok = (rows >= 0) & (rows < self._bank.valid.shape[0])
+    valid = np.asarray(self._bank.valid)
+    return ok & valid[np.where(ok, rows, 0)]
+
+  # ----------------------------------------------------------------------------------------------
+  # opening and saving (`ear_jax.agent.memory.persistence`)
+
+  @classmethod
+  def open(cls, path, memory_config: Optional[MemoryConfig] = None, /, *, encoder: Any = _UNSET,
+           learner: Optional[learner_lib.LearnerState] = None, **settings) -> "Memory":
+    """Opens the memory directory `path`, creating it with `memory_config` / `settings` when it
+    holds no memory; an existing one keeps its stored `MemoryConfig` (passing a different one
+    is a ValueError naming the differing fields). Holds the owner lock until `close`.
+
+    Args:
+      path: the memory directory.
+      memory_config: the `MemoryConfig` (of a new directory, or the one expected).
+      encoder: an `Encoder` object (or spec) instead of the stored spec (dimension and model
+        identity must match).
+      learner: a `LearnerState` to start a NEW directory from (`experiments.convert_memory`).
+      **settings: `MemoryConfig` fields.
+
+    Raises:
+      DirectoryInUseError: another process holds `path` (naming it and that process's pid).
+      CheckpointError: a corrupted table or learner item (naming the file);
+        `CheckpointFormatError` for an old layout (convert it: `experiments.convert_memory`).
+    """
+    if memory_config is not None and not isinstance(memory_config, MemoryConfig):
+      raise InputTypeError(f"memory_config must be a MemoryConfig, got "
+                           f"{type(memory_config).__name__}")
+    cfg, enc, settings = _settings(memory_config or _UNSET, encoder, settings)
+    root = persistence.checkpoint_dir(path)
+    persistence.check_directory(root)
+    hold = persistence.own(root)
+    try:
+      persistence.remove_ann(root, only_trash=True)
+      meta = persistence.read_meta(root)
+      if meta is None:  # a new directory (or a converter's table without its learner item)
+        cfg, slot = _new_config(cfg, enc, settings)
+        memory = cls.__new__(cls)
+        memory._setup(cfg, slot, table_lib.Table(root / persistence.TABLE, cfg.ear.dim), root,
+                      hold, learner)
+        if learner is None:  # (with one, the caller adds its rows, then saves)
+          memory._write_learner()
+        return memory
+      if learner is not None:
+        raise ValueError(f"learner= starts a new memory directory, but {root} holds one")
+      stored = MemoryConfig.from_dict(meta["memory_config"])
+      if cfg is not None or settings:
+        wanted = dataclasses.replace(cfg or stored, **settings)
+        checkpoints.check_compatible(stored._comparable(),  # pylint: disable=protected-access
+                                     wanted._comparable(),  # pylint: disable=protected-access
+                                     f"the MemoryConfig of {root}")
+        stored = dataclasses.replace(stored, cache_dir=wanted.cache_dir)  # (where, not what)
+      slot = EncoderSlot(stored.encoder if enc is _UNSET else enc, meta.get("encoder_identity"))
+      table = table_lib.Table(root / persistence.TABLE, stored.ear.dim)
+      memory = cls.__new__(cls)
+      memory._setup(stored, slot, table, root, hold, None)
+      memory._restore_learner(root)
+      return memory
+    except BaseException:
+      if hold is not None:
+        hold.release()
+      raise
+
+  def _bind(self, root: pathlib.Path, hold) -> None:
+    """Writes this in-memory memory's table and learner item into the new directory `root` and
+    makes it an opened memory of `root`."""
+    self._table.backup_to(root / persistence.TABLE)  # (a table without its learner item opens
+    self._table.close()  # as a new memory of those rows)
+    self._table = table_lib.Table(root / persistence.TABLE, self._ear.dim)
+    self._root, self._hold = root, hold
+    self._write_learner()
+
+  def save(self, path=None) -> pathlib.Path:
+    """Writes the learner item (adapter, optimiser, buffer, guard, queued items, open sessions);
+    the rows are durable already. An in-memory memory needs `path`, a directory that holds no
+    memory: it writes the table there too and is then an opened memory of it (holding its owner
+    lock). Returns the directory."""
+    with self._save_lock:
+      if self._root is not None:
+        if path is not None and persistence.checkpoint_dir(path) != self._root:
+          raise ValueError(f"this memory is the directory {str(self._root)!r}; save() writes "
+                           f"there (not to {str(path)!r}); open another memory for another path")
+        self._write_learner()
+        return self._root
+      if path is None:
+        raise ValueError("this memory was never saved: pass the directory to save it to")
+      root = persistence.checkpoint_dir(path)
+      persistence.check_directory(root)
+      hold = persistence.own(root)
+      try:
+        if persistence.read_meta(root) is not None or (root / persistence.TABLE).exists():
+          raise ValueError(f"{str(root)!r} holds a memory already: Memory.open it, or save to "
+                           "another directory")
+        with self._lock:
+          self._bind(root, hold)
+      except BaseException:
+        if hold is not None and self._root is None:
+          hold.release()
+        raise
+      return root
+
+  def _write_learner(self) -> None:
+    with self._lock:
+      self._driver.resolve_rows(self._rows_of_embeddings)
+      sessions = self._sessions.snapshot()
+      driver = self._driver.snapshot()
+      self._generation += 1
+      meta = {"memory_config": self._cfg.to_dict(), "rows": self._next_row,
+              "encoder_identity": self._encoder.identity, "stats": dict(self._stats),
+              "generation": self._generation, "sessions": sessions[1], "driver": driver[1]}
+      if self._searcher is not None:
+        self._searcher.save(self._root / persistence.ANN)
+        self._ann_rows = self._next_row
+    arrays = {"driver": driver[0], **({"sessions": sessions[0]} if sessions[0] else {})}
+    persistence.write_learner(self._root, arrays, meta)
+
+  def _rows_of_embeddings(self, emb: np.ndarray) -> np.ndarray:
+    """`[n]` the rows holding exactly the embeddings `emb [n, d]`, as given or as `add` stores
+    them (normalised again); -1: none."""
+    rows = self._table.read_all()
+    index = {e.tobytes(): int(r) for r, e in zip(rows.rows, rows.embeddings)}
+    emb = np.asarray(emb, np.float32)
+    again = bank_lib.check_embeddings(emb, len(emb), self._ear.dim, "the learner's candidates")
+    return np.asarray([index.get(e.tobytes(), index.get(a.tobytes(), -1))
+                       for e, a in zip(emb, again)], np.int64)
+
+  def close(self) -> None:
+    """Releases the owner lock and closes the database (idempotent); every later call but
+    `close` is a ValueError."""
+    with self._lock:
+      if isinstance(self._table, _Closed):
+        return
+      self._table.close()
+      self._table = _Closed(self._root)
+      self._sessions.closed_memory = True
+      if self._hold is not None:
+        self._hold.release()
+        self._hold = None
+
+  def __enter__(self) -> "Memory":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
   # ----------------------------------------------------------------------------------------------
   # properties
 
   def __len__(self):
-    return len(self._bank) - forget.num_deleted(self._bank)
+    return len(self._table)
 
   @property
-  def capacity(self) -> int:
-    """`C`, the current bank capacity (`bank.capacity_for` of the rows held)."""
-    return self._bank.capacity
+  def config(self) -> MemoryConfig:
+    return self._cfg
 
   @property
-  def state(self) -> learner_lib.LearnerState:
-    """A copy of the learner state (the live one is updated in place by every learner step: its
-    arrays are donated to the step, so a reference to them would not survive it)."""
+  def learner(self) -> learner_lib.LearnerState:
+    """A copy of the learner state (the live one is donated to every learner step)."""
     with self._lock:
       return jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, self._driver.state))
 
   @property
-  def params(self) -> adapter_lib.AdapterParams:
-    """A copy of the adapter parameters (see `state`)."""
+  def stats(self) -> collections.Counter:
+    """A `Counter` (0 for what was never counted) of the counters (memories added / deleted /
+    updated, searches, sessions opened, rounds, feedback, learner steps, critic calls, ...) and
+    `memories`, `capacity` (device rows), `ready` (closed sessions queued for the next learner
+    step), `pending` (those plus open sessions with feedback), `sessions` (open ones),
+    `generation` (learner items saved)."""
     with self._lock:
-      return jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, self._driver.state.params))
+      open_ = [s for s in self._sessions.by_id.values() if not s.closed and not s.frozen]
+      ready = len(self._driver.ready)
+      return collections.Counter(
+          {**self._stats, "memories": len(self._table), "capacity": self._bank.emb.shape[0],
+           "ready": ready, "pending": ready + sum(1 for s in open_ if s.rounds),
+           "sessions": len(open_), "generation": self._generation})
 
-  @property
-  def hparams(self) -> HParams:
-    return self._driver.hparams
+  def _count(self, name: str) -> None:
+    with self._lock:
+      self._stats[name] += 1
 
-  def _served_params(self) -> adapter_lib.AdapterParams:
-    """The parameters test-time slates rank by (`core.guard.served_params`): the adapter's,
-    or the first stage's when the guard (`EARConfig.guard`, e.g. `method="ear_safe"`) does not
-    trust it yet. Exploring rounds, whose feedback trains, always use the adapter's. Call under
-    the lock."""
+  def _served_params(self):
+    """The parameters test-time slates rank by (`core.guard.served_params`): the adapter's, or
+    the first stage's while the guard does not trust it. Call under the lock."""
     state = self._driver.state
-    if state.guard is None:  # the guard off: the adapter's own parameters, no dispatch
+    if state.guard is None:
       return state.params
-    return _served(state.params, state.guard, self.config)  # one jitted call per retrieve
-
-  @property
-  def candidates(self) -> str:
-    """The first stage: 'dense', 'bm25' or 'hybrid'."""
-    return "dense" if self._lexical is None else self._lexical.candidates
-
-  @property
-  def first_stage_options(self) -> first_stage.FirstStageOptions:
-    """The hybrid fusion's settings."""
-    return first_stage.FirstStageOptions() if self._lexical is None else self._lexical.options
-
-  @property
-  def generation(self) -> int:
-    """Bumped by `restore`: retrievals from an earlier generation are stale."""
-    return self._sessions.generation
-
-  @property
-  def num_ready(self) -> int:
-    """Closed sessions queued for the next learner step (fewer than `b`)."""
-    return len(self._driver.ready)
-
-  @property
-  def num_pending(self) -> int:
-    """Sessions with feedback not yet trained: queued ones plus open ones with >= 1 round."""
-    with self._lock:
-      return self.num_ready + sum(1 for s in self._sessions.by_id.values()
-                                  if not s.closed and s.rounds)
-
-  @property
-  def ids(self) -> list[str]:
-    with self._lock:
-      return forget.live_ids(self._bank)
-
-  @property
-  def encoder(self):
-    """The encoder (loaded now if it was given as a spec)."""
-    return self._encoder.get(self.config.dim)
-
-  def embeddings(self) -> np.ndarray:
-    """`[n, d]` the bank's frozen (pre-adapter) unit embeddings."""
-    with self._lock:
-      return self._bank.embeddings()
-
-  def _embed(self, texts: Optional[list[str]], embeddings, n: Optional[int], what: str):
-    """Checked `[n, d]` embeddings, given or encoded (outside the state lock)."""
-    if embeddings is not None:
-      return bank_lib.check_embeddings(embeddings, n, self.config.dim, f"{what} embeddings")
-    return self._encoder.embed(texts, self.config.dim, self.cache_dir, what)
+    return _served(state.params, state.guard, self._ear)
 
   # ----------------------------------------------------------------------------------------------
-  # add and retrieve
+  # rows: add, get, list, delete, update
+
+  def _embed(self, texts, embeddings, n, what: str):
+    """Checked `[n, d]` embeddings, given or encoded (outside the lock)."""
+    if embeddings is not None:
+      return bank_lib.check_embeddings(embeddings, n, self._ear.dim, f"{what} embeddings")
+    return self._encoder.embed(texts, self._ear.dim, self._cfg.cache_dir, what)
+
+  def _check_new(self, ids: list[str]) -> None:
+    taken = [i for i, r in zip(ids, self._table.rows_of(ids)) if r >= 0]
+    if taken:
+      raise ValueError(f"memory ids {taken[:5]} are already in the bank")
+
+  def _default_ids(self, n: int) -> list[str]:
+    """`n` free ids `"m<j>"`, `j` counting up from the next row, skipping taken ones."""
+    ids, j = [], self._next_row
+    while len(ids) < n:
+      want = [f"m{i}" for i in range(j, j + n - len(ids))]
+      ids += [i for i, r in zip(want, self._table.rows_of(want)) if r < 0]
+      j += len(want)
+    return ids
 
   def add(self, texts, *, store="dialogue", ids=None, embeddings=None, scope=None,
           dates=None) -> list[str]:
-    """Appends memories to the bank (batched encoding; capacity grows when full).
+    """Adds memories: ONE table transaction (durable on return for an opened memory), then the
+    device bank, the lexical index and the searcher.
 
     Args:
-      texts: one string, or a sequence (list, tuple) of non-empty strings (a dict, a set or bytes
-        is a TypeError).
+      texts: one string, or a sequence of non-empty strings.
       store: 'dialogue' (episodic, 0) or 'observation' (semantic, 1), or one per text.
-      ids: `n` unique string ids not yet in the bank; default `"m<row>"`, or the next free
-        `"m<j>"` (j > row) where an explicit id already took it.
-      embeddings: optional `[n, d]` precomputed real embeddings, one row per text (finite,
-        non-zero, any magnitude; normalised here without overflow; complex, boolean, string or
-        object arrays are refused).
-      scope: the scope of these memories: a non-empty string (e.g. 'user-42'), or None for
-        `DEFAULT_SCOPE`.
-      dates: one date per text (free text, e.g. "1:56 pm on 8 May, 2023", or ISO 8601); None: the
-        UTC time of this call, ISO 8601.
+      ids: `n` unique string ids not yet held; default `"m<row>"`, or the next free `"m<j>"`.
+      embeddings: optional `[n, d]` real embeddings (any magnitude; normalised here).
+      scope: the scope of these memories (None: `DEFAULT_SCOPE`).
+      dates: one date per text (free text or ISO 8601); None: now (UTC, ISO 8601).
 
     Returns:
       The ids of the added memories.
@@ -342,553 +652,417 @@ class Memory:
     if ids is not None:
       ids = bank_lib.check_id_list(ids, n)
       with self._lock:
-        self._bank.check_new_ids(ids)
+        self._check_new(ids)
     emb = self._embed(texts, embeddings, n, "memory")
     tokens = None if self._lexical is None else lexical_bank.tokenize(texts)
-    with self._lock:  # re-checked: another thread may have added since
+    with self._lock:  # (re-checked: another thread may have added since)
       if ids is None:
-        ids = self._bank.default_ids(n)
-      self._bank.check_new_ids(ids)
-      start = len(self._bank)
-      if self._lexical is not None:
-        self._lexical.sync(self._bank)  # (a no-op unless a restore left it behind)
-      self._bank.append(ids, texts, codes, emb, [scope] * n, dates)
-      if self._lexical is not None:
-        self._lexical.append(tokens, codes, start)
-      self.stats["memories_added"] += n
+        ids = self._default_ids(n)
+      self._check_new(ids)
+      enc = None if tokens is None else self._lexical.encode(tokens, codes)
+      terms = None if enc is None else [np.zeros(0, np.int32) if t is None else t
+                                        for t in enc.terms]  # (not indexed: no terms)
+      rows = self._table.insert(ids, texts, codes, [scope] * n, dates, emb, terms,
+                                () if enc is None else enc.new_vocab)
+      self._put(rows, emb, codes, scope, enc)
+      self._stats["memories_added"] += n
       return list(ids)
 
-  def _check_k(self, k) -> int:
-    k = _check_int(k, "k", 1)
-    if k > self.config.num_candidates:
-      raise ValueError(f"k={k} is larger than num_candidates K={self.config.num_candidates}")
-    return k
+  def _put(self, rows, emb, codes, scope: str, enc) -> None:
+    """Rows the table just took into the device bank, the counts, the searcher, the lexicon."""
+    scodes = self._scopes.codes([scope] * len(rows))
+    self._scopes.count(scodes, codes)
+    self._bank = bank_lib.write(self._bank, rows, emb, codes, scodes)
+    if self._searcher is not None:
+      self._searcher.add(rows, emb, codes, scodes)
+    if self._lexical is not None:
+      self._lexical.add(rows, enc, scodes)
+    self._next_row = int(rows[-1]) + 1
 
-  def retrieve(self, query: Optional[str] = None, k: int = 5, explore: bool = False, *,
-               continue_from: Optional[Retrieval] = None, query_embedding=None,
-               scope=None) -> Retrieval:
-    """Retrieves `k` memories for one query (see `retrieve_batch`)."""
-    queries, emb = self._one_query(query, query_embedding)
-    if continue_from is not None:
-      if query is not None or emb is not None:
-        raise ValueError("pass either a query / query_embedding or continue_from, not both")
-      return self.retrieve_batch(None, k, explore, continue_from=[continue_from])[0]
-    return self.retrieve_batch(queries, k, explore, query_embeddings=emb, scope=scope)[0]
+  def _records(self, rows) -> list[dict]:
+    """`{id, text, store (name), scope, date, row}` of held rows, in order."""
+    recs = self._table.records(rows)
+    for r in recs:
+      r["store"] = bank_lib.STORE_NAMES[int(r["store"])]
+    return recs
 
-  def _one_query(self, query, query_embedding):
-    """`(queries [1] or None, query_embeddings [1, d] or None)` of `retrieve`'s one query."""
-    if query is not None and not isinstance(query, str):
-      raise InputTypeError(f"query must be a string, got {type(query).__name__}")
-    emb = None
-    if query_embedding is not None:
-      emb = bank_lib.real_query_vector(query_embedding, self.config.dim)[None]
-    return (None if query is None else [query]), emb
+  def _rows(self, ids: list[str], what: str) -> np.ndarray:
+    rows = self._table.rows_of(ids)
+    if (rows < 0).any():
+      raise forget.unknown_ids(ids, rows, what)
+    return rows
 
-  def retrieve_batch(self, queries: Optional[Sequence[str]] = None, k: int = 5,
-                     explore: bool = False, *, continue_from: Optional[Sequence[Retrieval]] = None,
-                     query_embeddings=None, scope=None) -> list[Retrieval]:
-    """Retrieves `k` memories for each of `n` queries in one batched call.
-
-    Each query gets its candidates (see the class docstring), then the adapter-only top-k of `z`
-    (`explore=False`) or one Explorer round (`explore=True`). Each retrieval opens a session (or
-    plays the next round of one) and takes one `feedback`.
-
-    Args:
-      queries: `n` non-empty query texts (encoded in one batch); may be None when
-        `query_embeddings` or `continue_from` is given.
-      k: memories per query, `1 <= k <= K` and at most the candidates available.
-      explore: one Explorer round instead of adapter-only top-k.
-      continue_from: `n` earlier retrievals of open sessions whose feedback was given (or that
-        were discarded): play their next round (same query and candidates, bandit statistics kept;
-        at most T rounds).
-      query_embeddings: optional `[n, d]` precomputed query embeddings.
-      scope: the scopes every query's candidates come from: None (every scope), a scope name, or
-        a list / tuple of names (an unknown name holds no memories). Ignored with
-        `continue_from` (a session keeps its candidates).
-
-    Returns:
-      `n` `Retrieval`s.
-    """
-    k = self._check_k(k)
-    explore = bool(explore)
-    scope = bank_lib.check_scope_spec(scope)
-    if continue_from is not None:
-      if queries is not None or query_embeddings is not None:
-        raise ValueError("pass either queries / query_embeddings or continue_from, not both")
-      prev = list(continue_from)
-      if not prev:
-        raise ValueError("continue_from is empty")
-      with self._lock:
-        sids = [self._sessions.continuable_session(r, k) for r in prev]
-        if len(set(sids)) != len(sids):
-          raise ValueError("a session appears twice in continue_from")
-        ss = [self._sessions.by_id[sid] for sid in sids]
-        stack = lambda f: np.stack([getattr(s, f) for s in ss])
-        params = self._driver.state.params if explore else self._served_params()
-        slates = round_slates(params, self.hparams, stack("query_emb"),
-                              stack("cand_emb"), stack("cand_mask"), stack("mean"),
-                              stack("counts"), k, explore)
-        return self._open_rounds(sids, slates, explore)
-    texts, q_emb = self._queries(queries, query_embeddings)
-    return self._retrieve(texts, q_emb, k, explore, scope)
-
-  def _queries(self, queries, query_embeddings) -> tuple[list[str], np.ndarray]:
-    """`(texts [n] ('' where none), [n, d] unit embeddings)` of `retrieve_batch`'s queries,
-    checked and encoded (outside the lock)."""
-    if queries is None and query_embeddings is None:
-      raise ValueError("pass queries (texts) or query_embeddings")
-    texts = None if queries is None else bank_lib.check_text_list(queries, "queries")
-    q_emb = self._embed(texts, query_embeddings, None if texts is None else len(texts), "query")
-    texts = texts if texts is not None else [""] * q_emb.shape[0]
-    if not texts:
-      raise ValueError("query_embeddings is empty: pass at least one query")
-    if len(texts) > self.max_sessions:
-      raise ValueError(f"{len(texts)} queries in one call exceed max_sessions={self.max_sessions}")
-    if self._lexical is not None and not any(texts):
-      raise ValueError(f"candidates={self.candidates!r} ranks by the query's text (BM25): pass "
-                       "queries (texts), with query_embeddings or without")
-    return texts, q_emb
-
-  def _retrieve(self, texts: list[str], q_emb: np.ndarray, k: int, explore: bool,
-                scope, test_time: bool = False) -> list[Retrieval]:
-    """The retrievals of `_queries` (checked `k` and scope spec), opened in one hold of the lock
-    (re-entrant: `recall.search` holds it around this and the close that follows, so a delete in
-    another thread cannot drop the session in between). Adapter-only slates, and exploring ones
-    at `test_time` (`recall(learn=False)`), rank by `_served_params`; training rounds by the
-    adapter's."""
+  def get(self, ids) -> list[dict]:
+    """`[{'id', 'text', 'store', 'scope', 'date', 'row'}]` of memory ids, in order (ValueError
+    for an unknown id)."""
+    ids = forget.check_ids(ids)
     with self._lock:
-      self._bank.check_k(k, self.config.num_candidates, self.multistore, scope)
-      train = explore and not test_time
-      params = self._driver.state.params if train else self._served_params()
-      slate = (params, self.hparams, k, explore)
-      if self._lexical is None:
-        rows, mask, cands, slates = self._bank.search(q_emb, self.config.num_candidates,
-                                                      self.multistore, slate=slate, scope=scope)
-      else:
-        rows, mask, cands, slates = self._lexical.search(self._bank, q_emb, texts,
-                                                         self.config.num_candidates, slate, scope)
-      short = np.flatnonzero(slates[1].sum(1) < k)
-      if len(short):  # (check_k passed: every first stage finds min(K, rows of the scopes))
-        where = "the bank" if scope is None else bank_lib.scope_label(scope)
-        raise RuntimeError(
-            f"the {self._bank.index_name} / {self.candidates} search found only "
-            f"{int(slates[1][short[0]].sum())} of k={k} memories of {where} for query "
-            f"{int(short[0])}, which holds enough: a bug, please report it")
-      sids = [self._sessions.new(t, q, r, c, m, scope or ())
-              for t, q, r, c, m in zip(texts, q_emb, rows, cands, mask)]
-      return self._open_rounds(sids, slates, explore)
+      return self._records(self._rows(ids, "ids"))
 
-  def _open_rounds(self, sids: list[int], slates, explore: bool) -> list[Retrieval]:
-    """Opens the retrievals of computed slates `(slate [n, k], mask [n, k], z [n, K])`, then evicts
-    beyond `max_sessions` (which may train)."""
-    slate, slate_mask, z = slates
-    out = []
-    for i, sid in enumerate(sids):
-      rid = self._sessions.open_round(sid, slate[i][slate_mask[i]], explore)
-      out.append(self._sessions.retrieval(sid, rid, z[i], self._bank.describe))
-    self.stats["retrievals"] += len(sids)
-    self._learn(self._sessions.evict())
-    return out
-
-  # ----------------------------------------------------------------------------------------------
-  # feedback
-
-  def _labels_for(self, retrieval, cited_ids) -> tuple[int, np.ndarray]:
-    sid = self._sessions.resolve_open(retrieval)
-    s = self._sessions.by_id[sid]
-    shown = list(self._bank.describe(s.cand_idx[s.open_slate])[0])
-    return sid, citation_labels(shown, cited_ids, s.open_id)
-
-  def _learn(self, items) -> int:
-    steps = self._driver.push(items)
-    self.stats["learner_steps"] += steps
-    self.stats["queries_queued"] += len(items)
-    return steps
-
-  def _apply(self, sid: int, labels: np.ndarray) -> int:
-    item = self._sessions.record(sid, labels)
-    self.stats["feedback"] += 1
-    self.stats["cited"] += int((labels > 0).sum())
-    return self._learn([] if item is None else [item])
-
-  def feedback(self, retrieval, cited_ids: Iterable[str] = (), *,
-               answer: Optional[str] = None) -> bool:
-    """Applies an agent's feedback to a retrieval's slate: labels +1 for the memories it used,
-    -1 for the others shown.
-
-    The used memories are the cited ids, and, with `answer` (the agent's answer to the
-    retrieval's question), those the answer draws on by the answer rule (issue 28; the rule and
-    thresholds of `ear_jax.core.critic.AnswerCritic`, `ANSWER_DEFAULTS`, chosen on LoCoMo
-    validation: `episode.answer_labels`); with both, their union. The answer and "question
-    answer" are embedded by this memory's encoder outside the lock (a memory without an encoder
-    cannot: ValueError, nothing changed), so the retrieval needs its question's text. Updates
-    the session's bandit statistics (Eq. (9)); a session that this closes (see the class
-    docstring) is queued, and every `b` queued sessions make one learner step.
-
-    Args:
-      retrieval: an open `Retrieval` of this memory (or its `retrieval_id`).
-      cited_ids: ids of the memories of that slate the agent cited (possibly none).
-      answer: optional non-empty string, the agent's answer.
-
-    Returns:
-      True when this call triggered a learner step.
-    """
-    if answer is None:
-      with self._lock:
-        sid, labels = self._labels_for(retrieval, cited_ids)
-        return self._apply(sid, labels) > 0
-    answer = episode.check_answer(answer)
-    with self._lock:  # checked (ids, open retrieval, question) before encoding
-      sid, _ = self._labels_for(retrieval, cited_ids)
-      s = self._sessions.by_id[sid]
-      if not s.query:
-        raise ValueError(f"retrieval {s.open_id} has no question text: feedback from an answer "
-                         "compares it with the question (retrieve with the question's text)")
-      question, texts = s.query, list(self._bank.describe(s.cand_idx[s.open_slate])[1])
-      memories = s.cand_emb[s.open_slate, :self.config.dim].copy()
-    used = episode.answer_labels(question, answer, texts, memories, self._embed_answer)
-    with self._lock:  # (still open: another call may have consumed it, a delete dropped it)
-      sid, cited = self._labels_for(retrieval, cited_ids)
-      self.stats["answer_feedback"] += 1
-      return self._apply(sid, np.maximum(cited, used)) > 0
-
-  def _embed_answer(self, texts: list[str]) -> np.ndarray:
-    """`[n, d]` embeddings of an answer's texts by this memory's encoder (outside the lock)."""
-    if self._encoder.get(self.config.dim) is None:
-      raise ValueError("this memory has no encoder, so it cannot embed an answer: feedback from "
-                       "an answer needs the memories' encoder (build the Memory with one); give "
-                       "cited ids instead")
-    return self._embed(texts, None, len(texts), "the answer's")
-
-  def feedback_batch(self, retrievals: Sequence[Any], cited_ids: Sequence[Iterable[str]]) -> int:
-    """`feedback` for many retrievals; all are validated before any is applied.
-
-    Returns:
-      The number of learner steps taken.
-    """
-    retrievals, cited_ids = list(retrievals), list(cited_ids)
-    if len(retrievals) != len(cited_ids):
-      raise ValueError(f"{len(retrievals)} retrievals but {len(cited_ids)} citation lists")
+  def list(self, scope=None) -> list[dict]:
+    """The memories (`get`'s records) of the scopes `scope` names (None: every scope), in row
+    order (an updated memory where its update put it)."""
+    names = bank_lib.check_scope_spec(scope)
     with self._lock:
-      checked = []
-      for i, (r, c) in enumerate(zip(retrievals, cited_ids)):
-        try:
-          checked.append(self._labels_for(r, c))
-        except ValueError as e:
-          raise type(e)(f"feedback_batch item {i}: {e}") from None
-      sids = [sid for sid, _ in checked]
-      if len(set(sids)) != len(sids):
-        raise ValueError("a retrieval appears twice in feedback_batch")
-      return sum(self._apply(sid, labels) for sid, labels in checked)
+      return self._records(self._table.list_rows(names))
 
-  def discard(self, retrieval) -> None:
-    """Closes a retrieval without feedback (no update); its session can still be continued."""
+  def _live_records(self, ids) -> dict:
+    """`{id: record}` of those of `ids` still held (`Ops.records`)."""
+    ids = list(dict.fromkeys(ids))
     with self._lock:
-      self._sessions.discard(self._sessions.resolve_open(retrieval))
-      self.stats["discarded"] += 1
-
-  def close(self, retrieval) -> bool:
-    """Ends a retrieval's session: an open retrieval is discarded, and a session with feedback is
-    queued for the learner (its rounds so far are one training query).
-
-    Returns:
-      True when this triggered a learner step.
-    """
-    with self._lock:
-      if isinstance(retrieval, Retrieval):
-        self._sessions.check_identity(retrieval)
-        sid = retrieval.session_id
-        if sid not in self._sessions.by_id:  # (evicted, or dropped by a delete: it says which)
-          raise self._sessions.dropped_error(retrieval.retrieval_id, sid)
-      else:
-        sid = self._sessions.resolve_open(retrieval)
-      item = self._sessions.close(sid)
-      return self._learn([] if item is None else [item]) > 0
-
-  def flush(self) -> bool:
-    """Closes every session with feedback and no open retrieval, then trains everything queued
-    (the last batch padded and masked).
-
-    Returns:
-      True when a learner step was taken.
-    """
-    with self._lock:
-      steps = self._learn(self._sessions.flush())
-      padded = self._driver.flush()
-      self.stats["learner_steps"] += padded
-      return steps + padded > 0
-
-  def recall(self, question: str, critic, k: int = 5, *,
-             query_embedding=None, learn: bool = True, scope=None) -> recall_lib.Recall:
-    """One call per question: T Explorer rounds with `critic`, recorded as ONE training query
-    (Eq. (11)-(14)), and the final slate `config.final_slate` names (round T's, or the top-k by
-    bandit mean for `ear_tuned`). See `ear_jax.agent.memory.recall.recall`.
-
-    Args:
-      question: the question's text.
-      critic: `critic(key, view) -> labels [k]` or None (e.g. `LLMCritic`), or
-        `AnswerFeedback(answer_fn)`: the agent answers each round's slate and its answer labels
-        it by the answer rule (this memory's encoder embeds the answer).
-      k: memories per slate and in the answer.
-      query_embedding: optional `[d]` precomputed embedding of the question.
-      learn: False: the same rounds with the adapter frozen and no training query (explorer-
-        assisted inference on a test question, as `ear_jax.core.inference.evaluate`).
-      scope: the scopes the candidates come from (None: every scope; see `retrieve_batch`).
-    """
-    return recall_lib.recall(self, question, critic, k, query_embedding=query_embedding,
-                             learn=learn, scope=scope)
-
-  def search(self, question: Optional[str] = None, k: int = 5, *, query_embedding=None,
-             scope=None) -> Retrieval:
-    """The adapter-only slate of a question: no critic, no learning (`scope`: see
-    `retrieve_batch`)."""
-    return recall_lib.search(self, question, k, query_embedding=query_embedding, scope=scope)
-
-  def feedback_from_critic(self, retrieval, critic) -> Optional[np.ndarray]:
-    """Shows a retrieval's slate to a host critic and applies its labels.
-
-    The critic follows the library's protocol `critic(key, view) -> labels [k]` or None (e.g.
-    `LLMCritic`, or `AnswerFeedback`, the agent's answers, whose answer this memory's encoder
-    embeds); the view carries `query_text`, `texts` and `ids`. It is called outside the lock
-    with the key `jax.random.fold_in(k_critic, retrieval_id)` (see `ear_jax.agent.memory.driver`).
-    None (an unusable reply) discards the retrieval with NO update, counted in
-    `stats['critic_no_update']`.
-
-    Returns:
-      The labels, or None.
-    """
-    with self._lock:
-      sid = self._sessions.resolve_open(retrieval)
-      s = self._sessions.by_id[sid]
-      if not s.query:
-        raise ValueError(f"retrieval {s.open_id} has no query text to show the critic")
-      k = len(s.open_slate)
-      ids, texts, _ = self._bank.describe(s.cand_idx[s.open_slate])
-      view = critic_lib.SlateView(
-          query=s.query_emb, slate=s.open_slate.copy(), slate_mask=np.ones(k, bool),
-          memories=s.cand_emb[s.open_slate, :self.config.dim], gold=np.zeros(k, bool),
-          query_text=s.query, texts=list(texts), ids=list(ids))
-      key = jax.random.fold_in(self._critic_key, s.open_id)
-    labels = self._bound(critic)(key, view)
-    if labels is not None:
-      labels = episode.check_labels(labels, k, "the critic")  # ValueError: the retrieval stays open
-    with self._lock:
-      if labels is None:
-        self.discard(retrieval)
-        self.stats["critic_no_update"] += 1
-      else:
-        self.feedback(retrieval, [i for i, y in zip(ids, labels) if y > 0])
-      self.stats["critic_calls"] += 1
-    return labels
-
-  def _bound(self, critic):
-    """`critic`, or an `AnswerFeedback` without an encoder bound to this memory's."""
-    return critic.bound(self._embed_answer) if isinstance(critic, AnswerFeedback) else critic
-
-  # ----------------------------------------------------------------------------------------------
-  # forgetting (`ear_jax.agent.memory.forget`)
+      rows = self._table.rows_of(ids)
+      return {r["id"]: r for r in self._records(rows[rows >= 0])}
 
   def delete(self, ids) -> list[str]:
-    """Deletes memories everywhere: never a candidate again (exact, ANN and lexical search), open
-    sessions that had one as a candidate are dropped untrained, queued items and the replay buffer
-    mask it out, and the next `save` leaves no file holding its text or embedding (see
-    `ear_jax.agent.memory.forget`). All ids are checked first (an unknown one: ValueError, nothing
-    changed), then all are deleted under the lock.
-
-    Args:
-      ids: one memory id or a list of distinct ids.
+    """Deletes memories everywhere (see `ear_jax.agent.memory.forget`): the table row (one
+    transaction, its bytes overwritten), the device, lexical and ANN rows (`<dir>/ann` removed
+    when it covers one), the open sessions that had one as a candidate (dropped untrained),
+    queued items and the replay buffer (masked). Unknown ids: ValueError, nothing changed.
 
     Returns:
       The deleted ids.
     """
     ids = forget.check_ids(ids)
     with self._lock:
-      self._forget(forget.rows_of(self._bank, ids))
+      rows = self._rows(ids, "ids")
+      recs = self._records(rows)
+      self._table.delete(rows, () if self._lexical is None else self._lexical.dead_terms(rows))
+      if self._lexical is not None:
+        self._lexical.delete(rows)
+      self._unput(rows, recs, "deleted")
+      self._stats["memories_deleted"] += len(rows)
     return ids
 
-  def _forget(self, rows: np.ndarray) -> None:
-    """`forget.forget_rows` of this memory's parts (call under the lock)."""
-    forget.forget_rows(self._bank, self._sessions, self._driver, rows, self.stats)
-    if self._lexical is not None:  # rebuilt from the bank's texts at the next search
-      self._lexical = self._lexical.fresh()
-
-  def get(self, ids) -> list[dict]:
-    """`[{'id', 'text', 'store', 'scope', 'date'}]` of memory ids, in order (ValueError for an
-    unknown id)."""
-    ids = forget.check_ids(ids)
-    with self._lock:
-      return forget.records(self._bank, ids)
+  def _unput(self, rows: np.ndarray, recs: list[dict], verb: str) -> None:
+    """Rows the table just dropped out of the device bank, the counts, the searcher, the ANN
+    file, the sessions, the queue and the buffer (call under the lock)."""
+    self._scopes.count(self._scopes.codes([r["scope"] for r in recs]),
+                       bank_lib.store_codes([r["store"] for r in recs], len(recs)), -1)
+    self._bank = bank_lib.tombstone(self._bank, rows)
+    if self._searcher is not None:
+      self._searcher.remove(rows, self._bank)
+      if self._root is not None and int(rows.min()) < self._ann_rows:
+        persistence.remove_ann(self._root)
+        self._ann_rows = 0
+    forget.forget_rows(self._sessions, self._driver, rows,
+                       {int(r["row"]): r["id"] for r in recs}, self._stats, verb)
 
   def update(self, memory_id: str, *, text: Optional[str] = None, embedding=None) -> str:
-    """Corrects one memory: the old row is deleted everywhere (as `delete`) and a new one with the
-    same id, store, scope and date appended, atomically under the lock. `text` None keeps the
-    text; `embedding` None encodes the new text (outside the lock); both None is a ValueError, as
-    is an unknown id (naming it).
+    """Corrects one memory: its row is deleted everywhere (as `delete`) and a new one with the
+    same id, store, scope and date inserted, in ONE table transaction. `text` None keeps the
+    text; `embedding` None encodes the new text (outside the lock).
 
     Returns:
       The id.
     """
-    memory_id, text, emb = forget.check_update(memory_id, text, embedding, self.config.dim)
+    memory_id, text, emb = forget.check_update(memory_id, text, embedding, self._ear.dim)
     with self._lock:
-      forget.rows_of(self._bank, [memory_id], "memory_id")  # an unknown id: before encoding
+      self._rows([memory_id], "memory_id")  # an unknown id: before encoding
     if emb is None:
       emb = self._embed([text], None, 1, "the updated memory's")
-    with self._lock:  # (the id is checked again: another call may have deleted it meanwhile)
-      forget.replace_row(self._bank, self._sessions, self._driver, memory_id, text, emb,
-                         self.stats)
-      if self._lexical is not None:  # rebuilt from the bank's texts at the next search
-        self._lexical = self._lexical.fresh()
+    with self._lock:  # (checked again: another call may have deleted it meanwhile)
+      rows = self._rows([memory_id], "memory_id")
+      rec = self._records(rows)[0]
+      new_text = rec["text"] if text is None else text
+      code = np.asarray([bank_lib.STORES[rec["store"]]], np.int8)
+      enc, lex = None, (None, (), ())
+      if self._lexical is not None:
+        enc = self._lexical.encode(lexical_bank.tokenize([new_text]), code)
+        lex = (enc.terms[0], enc.new_vocab, self._lexical.dead_terms(rows, keep=enc))
+      new = self._table.replace(int(rows[0]), memory_id, new_text, int(code[0]), rec["scope"],
+                                rec["date"], emb[0], *lex)
+      self._unput(rows, [rec], "updated")
+      self._put(np.asarray([new]), emb, code, rec["scope"], enc)
+      if self._lexical is not None:
+        self._lexical.delete(rows)
+      self._stats["memories_updated"] += 1
     return memory_id
 
-  def list(self, scope=None) -> list[dict]:
-    """The live memories (`get`'s records) of the scopes `scope` names (None: every scope; a
-    name; a list of names), in bank order (an updated memory where its update put it)."""
-    names = bank_lib.check_scope_spec(scope)
-    with self._lock:
-      return forget.list_records(self._bank, names)
-
   # ----------------------------------------------------------------------------------------------
-  # persistence (`ear_jax.agent.memory.persistence`)
+  # queries: search, session, recall
 
-  def save(self, path) -> pathlib.Path:
-    """Writes a consistent snapshot of this moment as the next checkpoint step at `path` (the
-    snapshot is copied under the lock, written outside it, so agents are not blocked by disk
-    I/O; saves of one memory are serialised, and processes by the store's writer lock); returns
-    the step's directory. Holds the directory from then on (`claim`).
+  def _check_k(self, k) -> int:
+    k = _check_int(k, "k", 1)
+    if k > self._ear.num_candidates:
+      raise ValueError(f"k={k} is larger than num_candidates K={self._ear.num_candidates}")
+    return k
 
-    Raises:
-      DirectoryInUseError: another process holds `path` (naming it and that process's pid).
-    """
-    with self._save_lock:
-      self._hold(path, create=True)
-      with persistence.Writer(path) as writer:
-        with self._lock:
-          snap = writer.snapshot(self._parts())
-        return writer.write(snap)
+  def _queries(self, question, query_embedding, batch: bool):
+    """`(texts [n] ('' where none), [n, d] unit embeddings)`, checked and encoded (outside the
+    lock)."""
+    if question is None and query_embedding is None:
+      raise ValueError("pass a question (text) or query_embedding")
+    if question is not None and not batch and not isinstance(question, str):
+      raise InputTypeError(f"question must be a string, got {type(question).__name__}")
+    texts = None if question is None else bank_lib.check_text_list(question, "question")
+    emb = query_embedding
+    if query_embedding is not None and not batch:
+      emb = bank_lib.real_query_vector(query_embedding, self._ear.dim)[None]
+    emb = self._embed(texts, emb, None if texts is None else len(texts), "query")
+    texts = texts if texts is not None else [""] * emb.shape[0]
+    if not texts:
+      raise ValueError("no question: pass at least one")
+    if self._lexical is not None and not all(texts):
+      raise ValueError(f"candidates={self._cfg.candidates!r} ranks by the question's text "
+                       "(BM25): pass the question, with query_embedding or without")
+    return texts, emb
 
-  def claim(self, path) -> pathlib.Path:
-    """Takes the memory directory `path` (creating it) for this process now, as `load`,
-    `restore` and the first `save` to it do: until `release` (or this memory is garbage-collected,
-    or the process ends, even by SIGKILL) another process that loads, restores or saves it is
-    refused with a `checkpoints.DirectoryInUseError` naming the directory and this process's pid,
-    so two processes (two MCP servers on one `--memory_dir`) never hand out one id for two
-    memories nor overwrite each other's checkpoints. Within one process the lock is shared: other
-    `Memory` instances of this process may load and save the directory (their saves are
-    serialised by the store's writer lock; which of them a later load sees is the caller's
-    business), and a directory released by all of them is claimed again by the next call.
+  def _first_stage(self, texts, q_emb, names, slate):
+    """`bank.search` / `LexicalBank.search` of `[q, d]` queries in the scopes `names` (call under
+    the lock)."""
+    allowed = self._scopes.allowed(names)
+    K = self._ear.num_candidates
+    if self._lexical is None:
+      return bank_lib.search(self._bank, q_emb, k=K, multistore=self._cfg.multistore,
+                             allowed=allowed, slate=slate, searcher=self._searcher)
+    return self._lexical.search(self._bank, q_emb, texts, K, allowed=allowed, slate=slate)
+
+  def _slate(self, rows, scores, round_: int, explore: bool, sid: int, query: str) -> Slate:
+    recs = self._records(rows)
+    return Slate(ids=tuple(r["id"] for r in recs), texts=tuple(r["text"] for r in recs),
+                 stores=tuple(r["store"] for r in recs),
+                 scores=tuple(float(x) for x in scores), round=round_, explore=explore,
+                 session_id=sid, query=query)
+
+  def search(self, question=None, k: int = 5, *, query_embedding=None, scope=None):
+    """The adapter's top-k of a question (ranked by the guard's served parameters): a pure read,
+    no session, nothing learnt. A list of questions (or `[n, d]` embeddings) -> a list of
+    slates, in one batched device call.
 
     Returns:
-      The directory.
+      A `Slate` (round 0, session_id -1), or a list of them.
     """
-    self._hold(path, create=True)
-    return persistence.checkpoint_dir(path)
-
-  def release(self) -> None:
-    """Gives back this memory's hold on every directory it loaded, restored, saved or claimed
-    (another process can open them once no other `Memory` of this process holds them); a later
-    `save` takes its directory again. Idempotent."""
+    batch = isinstance(question, (list, tuple)) or (question is None
+                                                    and np.ndim(query_embedding) == 2)
+    k = self._check_k(k)
+    names = bank_lib.check_scope_spec(scope)
+    texts, q_emb = self._queries(question, query_embedding, batch)
     with self._lock:
-      holds, self._holds = list(self._holds.values()), {}
-    for h in holds:
-      h.release()
+      self._scopes.check_k(k, self._ear.num_candidates, self._cfg.multistore, names)
+      rows, _, _, (slate, slate_mask, z) = self._first_stage(
+          texts, q_emb, names, (self._served_params(), self._hparams, k, False))
+      out = []
+      for i, t in enumerate(texts):
+        pos = slate[i][slate_mask[i]]
+        out.append(self._slate(rows[i][pos], z[i][pos], 0, False, -1, t))
+      self._stats["searches"] += len(texts)
+    return out if batch else out[0]
 
-  def _hold(self, path, *, create: bool):
-    """This memory's hold on the directory `path` (`persistence.own`), taken when it has none;
-    returns the hold it took (None when it already held it, or there is nothing to hold)."""
-    root = persistence.checkpoint_dir(path)
-    with self._lock:
-      if str(root) in self._holds:
-        return None
-      hold = persistence.own(root, create=create)
-      if hold is not None:
-        self._holds[str(root)] = hold
-      return hold
-
-  @classmethod
-  def load(cls, path, *, encoder: Any = "saved", config: Optional[EARConfig] = None) -> "Memory":
-    """A new memory (a new identity) from the latest checkpoint at `path`.
-
-    Args:
-      path: the checkpoint directory given to `save`.
-      encoder: 'saved' (the saved spec, loaded lazily and checked against the saved model
-        identity), an `Encoder` / spec to use instead (dimension and identity must match), or None.
-      config: optional expected `EARConfig`; a different one is an error listing the fields.
+  def session(self, question=None, *, query_embedding=None, scope=None,
+              resume: Optional[int] = None) -> Session:
+    """Opens a query session: its candidates are found now, by the first stage, in the scopes
+    `scope` names (None: every scope); `resume=<id>` re-attaches to an open session instead.
 
     Raises:
-      ValueError: no checkpoint at `path`, another format, config, encoder dimension or model.
-      CheckpointError: a truncated or corrupted checkpoint (naming its path); a
-        `CheckpointFormatError` for an unknown format, layout, dtype or index (naming the file and
-        the field); a `DirectoryInUseError` (also a ValueError) when another process holds `path`
-        (naming it and that process's pid). The loaded memory holds `path` (`claim`).
+      ValueError: no memory in the scopes, a bad question; for `resume`, an unknown or closed
+        session (`SessionDroppedError` for one a delete or an eviction dropped).
     """
-    hold = persistence.own(path, create=False)  # (DirectoryInUseError: another process has it)
-    try:
-      ckpt = persistence.read(path)
-      memory = cls(**persistence.memory_args(ckpt, encoder=encoder, config=config))
-      memory._install(persistence.restore_parts(ckpt, memory._bank.settings(), memory.config,
-                                                memory._sessions.token, generation=0))
-    except BaseException:
-      if hold is not None:
-        hold.release()
-      raise
-    if hold is not None:
-      memory._holds[str(ckpt.root)] = hold
-    persistence.tidy(ckpt.root)  # what a killed save left (after the checkpoint was verified)
-    return memory
-
-  def restore(self, path) -> None:
-    """Replaces this memory's state by the latest checkpoint at `path`, in place (its config and
-    first stage must equal this memory's, its encoder identity too when both are known), and
-    bumps the generation: retrievals returned before are stale. Holds the directory from then
-    on (`claim`; `DirectoryInUseError` when another process holds it)."""
-    taken = self._hold(path, create=False)
-    try:
-      ckpt = persistence.read(path)
-      persistence.check_restorable(ckpt, self.config, self.candidates, self.first_stage_options,
-                                   self._encoder.identity)
+    if resume is not None:
+      if question is not None or query_embedding is not None or scope is not None:
+        raise ValueError("pass either resume= or a question (with its scope), not both")
+      sid = _check_int(resume, "resume", 0)
       with self._lock:
-        self._install(persistence.restore_parts(ckpt, self._bank.settings(), self.config,
-                                                self._sessions.token, self.generation + 1))
-    except BaseException:
-      if taken is not None:
-        with self._lock:
-          self._holds.pop(str(persistence.checkpoint_dir(path)), None)
-        taken.release()
-      raise
-    persistence.tidy(ckpt.root)  # what a killed save left (after the checkpoint was verified)
+        s = self._sessions.get(sid)
+        if s.frozen or s.closed:
+          raise ValueError(f"session {sid} is closed: open a new session")
+        return Session(self._ops, sid, s.query, s.scope)
+    return self._open(question, query_embedding, scope, False)
 
-  def _parts(self) -> persistence.Parts:
-    """This memory's parts and settings, what a checkpoint holds (call under the lock)."""
-    settings = dict(config=self.config.to_dict(), seed=self.seed, multistore=self.multistore,
-                    max_sessions=self.max_sessions, cache_dir=self.cache_dir,
-                    stats=dict(self.stats), encoder=self._encoder.meta(self.config.dim),
-                    # its lexical index is rebuilt from the bank's verified texts on load
-                    first_stage=lexical_bank.options_meta(self.candidates,
-                                                          self.first_stage_options))
-    return persistence.Parts(bank=self._bank, sessions=self._sessions, driver=self._driver,
-                             settings=settings)
+  def _open(self, question, query_embedding, scope, frozen: bool, k: int = 1) -> Session:
+    """`Ops.open`: a new session (frozen: `recall(learn=False)`'s) whose rounds can show `k`."""
+    names = bank_lib.check_scope_spec(scope)
+    texts, q_emb = self._queries(question, query_embedding, False)
+    with self._lock:
+      self._scopes.check_k(k, self._ear.num_candidates, self._cfg.multistore, names)
+      rows, mask, cands, _ = self._first_stage(texts, q_emb, names, None)
+      sid = self._sessions.new(texts[0], q_emb[0], rows[0], cands[0], mask[0], names or (),
+                               frozen)
+      if frozen:
+        self._sessions.by_id[sid].params = jax.tree_util.tree_map(jnp.copy,
+                                                                  self._served_params())
+      self._stats["sessions_opened"] += 1
+      self._learn(self._sessions.evict())
+      return Session(self._ops, sid, texts[0], names or ())
 
-  def _install(self, parts: persistence.Parts) -> None:
-    """Replaces this memory's parts, settings and stats by a checkpoint's (call under the lock)."""
-    self._bank, self._sessions, self._driver = parts.bank, parts.sessions, parts.driver
-    if self._lexical is not None:  # rebuilt from the restored bank's texts at the next search
-      self._lexical = self._lexical.fresh()
-    settings = parts.settings
-    self.seed, self.multistore = int(settings["seed"]), bool(settings["multistore"])
-    self.max_sessions, self.cache_dir = int(settings["max_sessions"]), settings["cache_dir"]
-    self._critic_key = seed_keys(self.seed)[2]
-    self.stats = collections.Counter(settings["stats"])
+  def recall(self, question: str, critic, k: int = 5, *, query_embedding=None,
+             learn: bool = True, scope=None) -> Recall:
+    """T Explorer rounds of `question` with `critic`, recorded as ONE training query, and the
+    final slate `config.final_slate` names (see `ear_jax.agent.memory.recall`).
+
+    Args:
+      question: the question's text (shown to the critic).
+      critic: `critic(key, view) -> labels [k]` or None (e.g. `LLMCritic`), or
+        `AnswerFeedback(answer_fn)` (this memory's encoder embeds the answers).
+      k: memories per slate and in the answer.
+      query_embedding: optional `[d]` precomputed embedding of the question.
+      learn: False: the same rounds with the adapter frozen and nothing to train (explorer-
+        assisted inference, as `ear_jax.core.inference.evaluate`).
+      scope: the scopes the candidates come from (None: every scope).
+    """
+    if not isinstance(question, str) or not question:
+      raise ValueError("recall needs the question's text (a non-empty string): the critic reads it")
+    k = self._check_k(k)
+    critic = critic.bound(self._embed_answer) if isinstance(critic, AnswerFeedback) else critic
+    return recall_lib.recall(self._ops, question, critic, k, query_embedding=query_embedding,
+                             learn=bool(learn), scope=scope, rounds=self._ear.num_rounds,
+                             final_slate=self._ear.final_slate)
+
+  # ----------------------------------------------------------------------------------------------
+  # the session operations (`sessions.Ops`)
+
+  def _shown(self, s) -> list[str]:
+    return [r["id"] for r in self._records(s.cand_idx[s.open_slate])]
+
+  def _round(self, sid: int, k, explore: bool) -> Slate:
+    k = self._check_k(k)
+    explore = bool(explore)
+    with self._lock:
+      s = self._sessions.get(sid, open_round=False)
+      held = int(s.cand_mask.sum())
+      if s.frozen:
+        k = min(k, held)
+        if not k:
+          return Slate((), (), (), (), s.rounds + 1, True, sid, s.query)
+      elif k > held:
+        raise ValueError(f"k={k} is larger than the {held} candidates of session {sid}")
+      params = s.params if s.frozen else (
+          self._driver.state.params if explore else self._served_params())
+      slate, slate_mask, z = episode.round_slates(
+          params, self._hparams, s.query_emb[None], s.cand_emb[None], s.cand_mask[None],
+          s.mean[None], s.counts[None], k, explore or s.frozen)
+      pos = slate[0][slate_mask[0]]
+      self._sessions.open_round(sid, pos, explore or s.frozen)
+      if not s.frozen and self._ear.final_slate != "round_T":
+        s.params = jax.tree_util.tree_map(jnp.copy, params)
+      self._stats["rounds"] += 1
+      return self._slate(s.cand_idx[pos], z[0][pos], s.rounds + 1, explore or s.frozen, sid,
+                         s.query)
+
+  def _learn(self, items) -> int:
+    steps = self._driver.push(items)
+    self._stats["learner_steps"] += steps
+    self._stats["queries_queued"] += len(items)
+    return steps
+
+  def _apply(self, sid: int, labels: np.ndarray) -> int:
+    item = self._sessions.record(sid, labels)
+    self._stats["feedback"] += 1
+    self._stats["cited"] += int((labels > 0).sum())
+    return self._learn([] if item is None else [item])
+
+  def _feedback(self, sid: int, cited_ids, answer) -> bool:
+    what = lambda s: f"session {sid} round {s.rounds + 1}"
+    with self._lock:
+      s = self._sessions.get(sid, open_round=True)
+      labels = citation_labels(self._shown(s), cited_ids, what(s))
+      if answer is None:
+        return self._apply(sid, labels) > 0
+      answer = episode.check_answer(answer)
+      if not s.query:
+        raise ValueError(f"session {sid} has no question text: feedback from an answer compares "
+                         "it with the question (open the session with the question's text)")
+      slate = s.open_slate.copy()
+      texts = [r["text"] for r in self._records(s.cand_idx[slate])]
+      question, memories = s.query, s.cand_emb[slate, :self._ear.dim].copy()
+    used = episode.answer_labels(question, answer, texts, memories, self._embed_answer)
+    with self._lock:  # (still open: another call may have labelled it, a delete dropped it)
+      s = self._sessions.get(sid, open_round=True)
+      if not np.array_equal(s.open_slate, slate):
+        raise ValueError(f"session {sid} showed another round meanwhile; nothing was changed")
+      cited = citation_labels(self._shown(s), cited_ids, what(s))
+      self._stats["answer_feedback"] += 1
+      return self._apply(sid, np.maximum(cited, used)) > 0
+
+  def _embed_answer(self, texts: list[str]) -> np.ndarray:
+    """`[n, d]` embeddings of an answer's texts by this memory's encoder (outside the lock)."""
+    if self._encoder.get(self._ear.dim) is None:
+      raise ValueError("this memory has no encoder, so it cannot embed an answer: feedback from "
+                       "an answer needs the memories' encoder (build the Memory with one); give "
+                       "cited ids instead")
+    return self._embed(texts, None, len(texts), "the answer's")
+
+  def _close(self, sid: int) -> bool:
+    with self._lock:
+      s = self._sessions.get(sid)
+      item = self._sessions.close(sid)
+      if s.frozen:
+        self._sessions.by_id.pop(sid)
+      return self._learn([] if item is None else [item]) > 0
+
+  def _abandon(self, sid: int) -> None:
+    with self._lock:
+      self._sessions.by_id.pop(sid, None)
+
+  def _info(self, sid: int) -> tuple[int, bool]:
+    with self._lock:
+      s = self._sessions.get(sid)
+      return s.rounds, s.closed
+
+  def _critique(self, sid: int, critic, t: int) -> Optional[np.ndarray]:
+    """`Ops.critique`: the open round of `sid` shown to a host critic (outside the lock, key
+    `fold_in(fold_in(k_critic, sid), t)`); its labels applied, or (None, an unusable reply)
+    the round discarded with no update (`stats['critic_no_update']`)."""
+    with self._lock:
+      s = self._sessions.get(sid, open_round=True)
+      slate = s.open_slate[s.cand_mask[s.open_slate]]  # (frozen: less what was deleted since)
+      if not len(slate):
+        s.open_slate = None
+        return None
+      recs = self._records(s.cand_idx[slate])
+      view = critic_lib.SlateView(
+          query=s.query_emb, slate=slate, slate_mask=np.ones(len(slate), bool),
+          memories=s.cand_emb[slate, :self._ear.dim], gold=np.zeros(len(slate), bool),
+          query_text=s.query, texts=[r["text"] for r in recs], ids=[r["id"] for r in recs])
+      key = jax.random.fold_in(jax.random.fold_in(self._critic_key, sid), t)
+    labels = critic(key, view)
+    if labels is not None:
+      labels = episode.check_labels(labels, len(slate), "the critic")  # the round stays open
+    with self._lock:
+      self._stats["critic_calls"] += 1
+      s = self._sessions.get(sid, open_round=True)
+      if s.frozen:  # (a delete meanwhile masked some of its memories out: label the others)
+        keep = s.cand_mask[slate]
+        slate, labels = slate[keep], None if labels is None or not keep.any() else labels[keep]
+        s.open_slate = slate
+      elif not np.array_equal(s.open_slate, slate):
+        raise ValueError(f"session {sid} showed another round while the critic ran")
+      if labels is None:
+        s.open_slate = None
+        self._stats["critic_no_update"] += 1
+      else:
+        self._apply(sid, labels)
+    return labels
+
+  def _final(self, sid: int, k: int) -> tuple[tuple, tuple]:
+    """`Ops.final`: the top-k by bandit mean, ties by adapted relevance ('exploit')."""
+    with self._lock:
+      s = self._sessions.get(sid)
+      k = min(k, int(s.cand_mask.sum()))  # (frozen: deletes may have masked candidates out)
+      if not k:
+        return (), ()
+      params = s.params if s.params is not None else self._driver.state.params
+      slate, slate_mask, z = (np.asarray(x) for x in recall_lib.exploit(
+          params, s.query_emb, s.cand_emb, s.cand_mask, s.mean, s.counts, k=k))
+      pos = slate[slate_mask]
+      return tuple(r["id"] for r in self._records(s.cand_idx[pos])), tuple(z[pos].tolist())
 
 
 def llm_feedback(memory: Memory, critic, query: str, k: int = 5, explore: bool = True, *,
-                 query_embedding=None) -> tuple[Retrieval, Any]:
-  """One agent step with a host critic: `retrieve` -> `critic(key, view)` -> `feedback`.
+                 query_embedding=None) -> tuple[Slate, Any]:
+  """One agent step with a host critic: a session of one round, `critic(key, view)`, its labels
+  as the round's feedback, and the session closed (queued when labelled).
 
-  An unusable reply (labels None) closes the retrieval with no update (counted in
-  `memory.stats['critic_no_update']` and in the critic's own `stats`); the loop never crashes on it.
+  An unusable reply (labels None) gives no update (counted in `memory.stats['critic_no_update']`
+  and in the critic's own `stats`); the loop never crashes on it.
 
   Returns:
-    `(retrieval, labels)`: labels `[k]` float32 in {-1, +1}, or None.
+    `(slate, labels)`: labels `[k]` float32 in {-1, +1}, or None.
   """
-  r = memory.retrieve(query, k=k, explore=explore, query_embedding=query_embedding)
-  return r, memory.feedback_from_critic(r, critic)
+  s = memory.session(query, query_embedding=query_embedding)
+  slate = s.round(k, explore)
+  if isinstance(critic, AnswerFeedback):
+    critic = critic.bound(memory._embed_answer)  # pylint: disable=protected-access
+  labels = memory._ops.critique(s.id, critic, 0)  # pylint: disable=protected-access
+  if not s.closed:
+    s.close()
+  return slate, labels

@@ -1,36 +1,37 @@
-"""Query sessions of `Memory`: one query's candidates, bandit statistics, rounds, slates and labels.
+"""Query sessions of `Memory`: the `Session` handle, the `Slate` it shows, and the registry behind.
 
 Symbols: `K` candidates per query, `k` memories shown (`k <= K`), `T` Explorer rounds
-(`config.num_rounds`), `d` dimension, `n` queries of one call.
+(`config.num_rounds`), `d` dimension, `F` first-stage side features.
 
-A retrieval opens a *session* (or plays the next round of one, `continue_from`). Each round shows a
-slate made by `ear_jax.core.retrieval.slate_from_candidates`: without bandit statistics the
-adapter's top-k (Section 3.6, `explore=False`), with the session's statistics one Explorer round
-(Eq. (5)-(8), `explore=True`). The feedback on a round updates the statistics (Eq. (9)) and is kept
-K wide (masked), so `k` may differ from round to round.
+`Memory.session(question)` finds the question's `K` candidates (the first stage, in the scopes
+asked for) and opens a *session*; `Session.round(k, explore)` shows a slate made by
+`ear_jax.core.retrieval.slate_from_candidates`: with `explore=False` the adapter's top-k
+(Section 3.6, ranked by the guard's served parameters), with `explore=True` one Explorer round
+(Eq. (5)-(8)) from the session's bandit statistics. `Session.feedback` labels the round it
+showed, updating the statistics (Eq. (9)); the round is kept K wide (masked), so `k` may change
+from round to round. A new `round()` before feedback discards the open round (no update).
 
 A query's rounds are ONE training query and ONE experience (Eq. (10)-(14), Alg. 1): a session is
-*closed* and handed to the learner as one `TrainItem` when
+*closed* and handed to the learner as one `TrainItem` when it has `T` rounds of feedback, when an
+adapter-only round got its feedback, or when it is closed (`Session.close`) or evicted (the least
+recently used beyond `max_sessions`) with at least one round of feedback; without feedback it is
+dropped. A session that leaves by eviction, or by a delete or an update of one of its candidates
+(`ear_jax.agent.memory.forget`), is remembered with the reason (the last `MAX_GONE`), so its
+handle's calls raise a `SessionDroppedError` saying why.
 
-* it has `T` rounds of feedback, or
-* a round played with `explore=False` got its feedback (adapter-only retrieval: one round), or
-* it is closed (`Memory.close`), flushed (`Memory.flush`, sessions without an open retrieval) or
-  evicted (least recently used beyond `max_sessions`) with at least one round of feedback.
+*Frozen* sessions play `Memory.recall(learn=False)`: every round with the served parameters of
+round 1, bandit updates but nothing for the learner; a delete masks its memories out of the later
+rounds instead of dropping the session. They are neither evicted nor saved.
 
-A session without feedback is dropped when closed or evicted. No session is trained one round at a
-time, and a closed session cannot be continued. A session that leaves (`evict`, or `drop`: a delete
-or update of one of its candidates, `ear_jax.agent.memory.forget`) is remembered with the reason
-(the last `MAX_GONE`), so feedback, `continue_from` or `close` with one of its retrievals raises a
-`SessionDroppedError` saying why ("retrieval 7 is no longer open: its session was dropped because
-memory 'm3' was deleted"). Not thread-safe on its own: `Memory` holds its lock.
+The registry is not thread-safe on its own (`Memory` holds its lock); a handle reaches its memory
+only through `Ops`, the memory's locked session operations.
 """
 from __future__ import annotations
 
 import collections
 import collections.abc
 import dataclasses
-import secrets
-from typing import NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -39,51 +40,40 @@ from ear_jax.agent.memory.episode import update_bandits
 from ear_jax.core.config import EARConfig
 
 MAX_GONE = 4096  # sessions that left remembered with the reason (oldest forgotten first)
-DELETED_REASON = "a memory among its candidates was deleted or updated (Memory.delete / update)"
 
 
 class SessionDroppedError(ValueError):
-  """A retrieval whose session is gone: evicted, or dropped because a delete or an update removed
-  one of its candidates. Its message says which (a `ValueError`, as every input error)."""
-
-
-_ARRAY_FIELDS = ("query_emb", "cand_idx", "cand_emb", "cand_mask", "mean", "counts", "slates",
-                 "slate_mask", "labels")
+  """A session that is gone: evicted, or dropped because a delete or an update removed one of its
+  candidates. Its message says which (a `ValueError`, as every input error)."""
 
 
 @dataclasses.dataclass(frozen=True)
-class Retrieval:
-  """What `Memory.retrieve` returns: `k` memories, best first (adapter-only) or in slate order.
+class Slate:
+  """`k` memories shown for a question, best first (adapter-only) or in slate order (Explorer).
 
   Attributes:
-    retrieval_id: id of this retrieval within its memory (`feedback` also takes the bare int).
-    session_id: the query session (all rounds of one query share it).
-    round: 1-based Explorer round of the session this slate belongs to.
-    query: the query text ('' when only an embedding was given).
     ids, texts, stores: `[k]` memory ids, texts and store names ('dialogue' | 'observation').
     scores: `[k]` adapted relevance logits `z` (Eq. (4)); the frozen cosine while the adapter is
       the identity.
-    explore: True for an Explorer round (Eq. (8)), False for adapter-only top-k.
-    memory_token: the identity of the `Memory` that returned it (random per instance).
-    generation: that memory's generation when it returned it (`Memory.restore` bumps it).
+    round: the 1-based round of its session (0 for `Memory.search`).
+    explore: True for an Explorer round (Eq. (8)), False for the adapter's top-k.
+    session_id: its session (-1 for `Memory.search`).
+    query: the question's text ('' when only an embedding was given).
   """
-  retrieval_id: int
-  session_id: int
-  round: int
-  query: str
   ids: tuple[str, ...]
   texts: tuple[str, ...]
   stores: tuple[str, ...]
   scores: tuple[float, ...]
+  round: int
   explore: bool
-  memory_token: str = ""
-  generation: int = 0
+  session_id: int
+  query: str
 
   def __len__(self):
     return len(self.ids)
 
 
-def citation_labels(shown: list[str], cited_ids, rid: int) -> np.ndarray:
+def citation_labels(shown: list[str], cited_ids, what: str) -> np.ndarray:
   """`[k]` labels of a shown slate: +1 for cited ids, -1 otherwise (Appendix A.2's citations).
 
   Raises:
@@ -100,7 +90,7 @@ def citation_labels(shown: list[str], cited_ids, rid: int) -> np.ndarray:
   cited_ids = list(cited_ids)
   unknown = [c for c in cited_ids if not isinstance(c, str) or c not in shown]
   if unknown:
-    raise ValueError(f"cited ids {unknown[:5]} were not in the slate of retrieval {rid} (its ids: "
+    raise ValueError(f"cited ids {unknown[:5]} were not in the slate of {what} (its ids: "
                      f"{shown})")
   cited = set(cited_ids)
   return np.asarray([1.0 if i in cited else -1.0 for i in shown], np.float32)
@@ -109,36 +99,36 @@ def citation_labels(shown: list[str], cited_ids, rid: int) -> np.ndarray:
 class TrainItem(NamedTuple):
   """One closed session: one training query of `learner.train_batch_on_feedback` (unbatched)."""
   query: np.ndarray  # [d] float32 pre-adapter query
-  candidates: np.ndarray  # [K, d] float32 pre-adapter candidates (0 where masked)
+  candidates: np.ndarray  # [K, d + F] float32 pre-adapter candidates (0 where masked)
   mask: np.ndarray  # [K] bool valid candidates
   slates: np.ndarray  # [T, K] int32 candidate positions of each round (-1 = empty)
   slate_mask: np.ndarray  # [T, K] bool (rows of rounds without feedback are all False)
   labels: np.ndarray  # [T, K] float32 labels in {-1, +1}
-  rows: np.ndarray  # [K] int32 bank rows of the candidates (-1 = padding): checkpoints save these
-  #   instead of the candidates' embeddings, which the bank already holds
+  rows: np.ndarray  # [K] int32 bank rows of the candidates (-1 = padding): what the learner
+  #   item saves instead of the candidates' embeddings (`driver`)
 
 
 @dataclasses.dataclass
-class Session:
-  """One query's state (host numpy arrays)."""
+class Query:
+  """One session's state (host numpy arrays)."""
   query: str
   query_emb: np.ndarray  # [d] float32
   cand_idx: np.ndarray  # [K] int32 bank rows, -1 = padding
-  cand_emb: np.ndarray  # [K, d + F] float32 (embedding | first-stage features, F = 0 without)
+  cand_emb: np.ndarray  # [K, d + F] float32 (embedding | first-stage features)
   cand_mask: np.ndarray  # [K] bool
   mean: np.ndarray  # [K] float32 bandit mean mu_i, Eq. (9)
   counts: np.ndarray  # [K] float32 bandit counts N_i
   slates: np.ndarray  # [T, K] int32 candidate positions of each round's slate, -1 = empty
   slate_mask: np.ndarray  # [T, K] bool
   labels: np.ndarray  # [T, K] float32
+  scope: tuple = ()  # the scope names its candidates came from (empty: every scope)
   rounds: int = 0  # rounds with feedback
   closed: bool = False  # handed to the learner (or dropped): no more rounds
-  open_id: int = -1  # retrieval awaiting feedback, -1 = none
-  open_slate: Optional[np.ndarray] = None  # [k] int32 candidate positions of the open retrieval
+  open_slate: Optional[np.ndarray] = None  # [k] int32 candidate positions of the open round
   open_explore: bool = False
-  consumed: list = dataclasses.field(default_factory=list)  # retrieval ids answered or discarded
   last_used: int = 0
-  scope: tuple = ()  # the scope names its candidates came from (empty: every scope)
+  frozen: bool = False  # `recall(learn=False)`: never trained, evicted or saved
+  params: Any = None  # the adapter parameters of its last round (frozen / 'exploit' answers)
 
   def train_item(self) -> TrainItem:
     return TrainItem(self.query_emb.copy(), self.cand_emb.copy(), self.cand_mask.copy(),
@@ -146,319 +136,243 @@ class Session:
                      self.cand_idx.copy())
 
 
-class Sessions:
-  """The query sessions of one memory, least recently used first, and the open retrievals.
+_ARRAYS = ("query_emb", "cand_idx", "cand_mask", "mean", "counts", "slates", "slate_mask",
+           "labels")
+_FIELDS = ("query", "scope", "rounds", "closed", "open_slate", "open_explore", "last_used")
 
-  Every `Retrieval` carries the memory's identity (`token`, random per `Memory` instance) and
-  `generation` (bumped by `Memory.restore`); `resolve_open` / `continuable_session` refuse another
-  memory's or a stale retrieval with ValueError, changing nothing.
+
+class Sessions:
+  """The sessions of one memory, least recently used first.
 
   Args:
     config: static config (`K`, `T`).
-    max_sessions: sessions kept; beyond it the least recently used are evicted (closed ones first).
-    token: the memory's identity (default: a fresh random token).
-    generation: the memory's generation.
+    max_sessions: sessions kept; beyond it the least recently used are evicted (closed first).
   """
 
-  def __init__(self, config: EARConfig, max_sessions: int, token: Optional[str] = None,
-               generation: int = 0):
+  def __init__(self, config: EARConfig, max_sessions: int):
     self.config = config
     self.max_sessions = int(max_sessions)
-    self.token = token or secrets.token_hex(8)
-    self.generation = int(generation)
-    self.by_id: "collections.OrderedDict[int, Session]" = collections.OrderedDict()
-    self.open: dict[int, int] = {}  # open retrieval id -> session id
-    self.next_retrieval = 0
+    self.by_id: "collections.OrderedDict[int, Query]" = collections.OrderedDict()
     self.next_session = 0
     self.clock = 0
-    # session id -> (why it left, its open retrieval id or -1), the last MAX_GONE
-    self.gone: "collections.OrderedDict[int, tuple[str, int]]" = collections.OrderedDict()
-    self.gone_floor = -1  # sessions up to this id that left may have been forgotten from `gone`
+    self.gone: "collections.OrderedDict[int, str]" = collections.OrderedDict()  # sid -> why
+    self.closed_memory = False  # set by `Memory.close`: every session call is refused
 
-  # ----------------------------------------------------------------------------------------------
-  # lookups (raise ValueError, change nothing)
-
-  def check_identity(self, r: Retrieval) -> None:
-    """ValueError for another memory's retrieval or one from an earlier generation."""
-    if r.memory_token != self.token:
-      raise ValueError(f"retrieval {r.retrieval_id} belongs to another Memory (token "
-                       f"{r.memory_token[:8] or 'none'}, this memory is {self.token[:8]})")
-    if r.generation != self.generation:
-      raise ValueError(f"retrieval {r.retrieval_id} is stale: it was returned at generation "
-                       f"{r.generation}, and this memory was restored since (generation "
-                       f"{self.generation})")
-
-  def resolve_open(self, retrieval) -> int:
-    """The session of an open retrieval (a `Retrieval` of this memory, or a bare retrieval id)."""
-    if isinstance(retrieval, Retrieval):
-      self.check_identity(retrieval)
-      sid = self.open_session(retrieval.retrieval_id, retrieval.session_id)
-      if sid != retrieval.session_id:
-        raise ValueError(f"retrieval {retrieval.retrieval_id} does not match its session")
-      return sid
-    if isinstance(retrieval, (int, np.integer)) and not isinstance(retrieval, bool):
-      return self.open_session(int(retrieval))
-    raise InputTypeError(f"expected a Retrieval (or its retrieval_id), got "
-                         f"{type(retrieval).__name__}")
-
-  def gone_reason(self, sid: int) -> Optional[str]:
-    """Why session `sid` left (None: it is here, or it is unknown): recorded by `evict` / `drop`;
-    one that left unrecorded was dropped by `forget.forget_rows` (a delete or an update)."""
-    if sid in self.gone:
-      return self.gone[sid][0]
-    if self.gone_floor < sid < self.next_session and sid not in self.by_id:
-      return DELETED_REASON
-    return None
-
-  def dropped_error(self, rid: int, sid: int, what: str = "") -> SessionDroppedError:
-    """The `SessionDroppedError` of retrieval `rid` of session `sid`, which left (`gone_reason`)."""
-    why = self.gone_reason(sid) or "it was evicted or dropped by a delete"
-    return SessionDroppedError(f"{what}retrieval {rid} is no longer open: its session was "
-                               f"dropped because {why}; retrieve again")
-
-  def open_session(self, rid: int, session_hint: Optional[int] = None) -> int:
-    """The session of open retrieval `rid`."""
-    sid = self.open.get(rid)
-    if sid is not None:
-      return sid
-    s = self.by_id.get(session_hint) if session_hint is not None else None
-    if s is not None and rid in s.consumed:
-      raise ValueError(f"retrieval {rid} was already consumed: its feedback was given or it was "
-                       "discarded (each retrieval takes feedback once; retrieve again to continue)")
-    if session_hint is not None and s is None and self.gone_reason(session_hint) is not None:
-      raise self.dropped_error(rid, session_hint)
-    if session_hint is None:  # a bare retrieval id: the session it was open in, if one left
-      for gone_sid, (_, open_rid) in self.gone.items():
-        if open_rid == rid:
-          raise self.dropped_error(rid, gone_sid)
-    if 0 <= rid < self.next_retrieval:
-      raise ValueError(f"retrieval {rid} is no longer open: it was consumed, or its session was "
-                       f"closed, flushed or evicted (max_sessions={self.max_sessions})")
-    raise ValueError(f"unknown retrieval {rid}: this memory never returned it")
-
-  def continuable_session(self, r: Retrieval, k: int) -> int:
-    """The session of finished retrieval `r` if it may play another round of `k` memories."""
-    if not isinstance(r, Retrieval):
-        raise InputTypeError(f"continue_from takes Retrieval objects, got {type(r).__name__}")
-    self.check_identity(r)
-    rid, sid = r.retrieval_id, r.session_id
-    if rid in self.open:
-      raise ValueError(f"retrieval {rid} has no feedback yet: give its feedback (or discard it) "
-                       "before continuing its session")
+  def get(self, sid: int, open_round: Optional[bool] = None) -> Query:
+    """The live session `sid`; `open_round` True / False: it must have an open round / may play
+    a new one. Raises SessionDroppedError (gone) or ValueError, changing nothing."""
+    if self.closed_memory:
+      raise ValueError(f"session {sid}: its memory is closed (Memory.close); open the memory "
+                       "again and resume the session")
     s = self.by_id.get(sid)
-    if s is None and self.gone_reason(sid) is not None:
-      raise self.dropped_error(rid, sid, "cannot continue: ")
-    if s is None or rid not in s.consumed:
-      raise ValueError(f"cannot continue retrieval {rid}: unknown or evicted session")
-    if s.rounds >= self.config.num_rounds:
-      raise ValueError(f"the session of retrieval {rid} has played all T={self.config.num_rounds} "
-                       "Explorer rounds (Alg. 2); start a new retrieval")
-    if s.closed:
-      raise ValueError(f"the session of retrieval {rid} is closed (an adapter-only round, close, "
-                       "flush or eviction) and went to the learner; start a new retrieval")
-    if s.open_id >= 0:
-      raise ValueError(f"the session of retrieval {rid} already has an open retrieval {s.open_id}")
-    if k > int(s.cand_mask.sum()):
-      raise ValueError(f"k={k} is larger than the {int(s.cand_mask.sum())} candidates of the "
-                       "session being continued")
-    return sid
+    if s is None:
+      if sid in self.gone:
+        raise SessionDroppedError(f"session {sid} was dropped because {self.gone[sid]}; open a "
+                                  "new session")
+      raise ValueError(f"unknown session {sid}: this memory has no such session open")
+    if open_round is not None and s.closed:
+      raise ValueError(f"session {sid} is closed (an adapter-only round, close or its T "
+                       "rounds) and went to the learner; open a new session")
+    if open_round and s.open_slate is None:
+      raise ValueError(f"session {sid} has no open round to label: call round() first (each "
+                       "round takes feedback once)")
+    if open_round is False:
+      if s.rounds >= self.config.num_rounds:
+        raise ValueError(f"session {sid} has played all T={self.config.num_rounds} Explorer "
+                         "rounds (Alg. 2); open a new session")
+    return s
 
-  # ----------------------------------------------------------------------------------------------
-  # state changes
-
-  def new(self, query: str, query_emb, cand_idx, cand_emb, cand_mask, scope=()) -> int:
-    """Opens a session with zero statistics (Alg. 2 line 3); returns its id. `scope`: the scope
-    names its candidates came from (empty: every scope), kept for callers that key questions by
-    scope (`ear_jax.agent.mcp_server`)."""
+  def new(self, query: str, query_emb, cand_idx, cand_emb, cand_mask, scope=(),
+          frozen: bool = False) -> int:
+    """Opens a session with zero statistics (Alg. 2 line 3); returns its id."""
     T, K = self.config.num_rounds, self.config.num_candidates
     sid = self.next_session
     self.next_session += 1
-    self.by_id[sid] = Session(
+    self.by_id[sid] = Query(
         query=query, query_emb=np.array(query_emb, np.float32),
         cand_idx=np.array(cand_idx, np.int32), cand_emb=np.array(cand_emb, np.float32),
         cand_mask=np.array(cand_mask, bool), mean=np.zeros((K,), np.float32),
         counts=np.zeros((K,), np.float32), slates=np.full((T, K), -1, np.int32),
         slate_mask=np.zeros((T, K), bool), labels=np.full((T, K), -1.0, np.float32),
-        scope=tuple(scope or ()))
+        scope=tuple(scope or ()), frozen=frozen)
+    self._touch(sid)
     return sid
 
-  def open_round(self, sid: int, positions: np.ndarray, explore: bool) -> int:
-    """Records the slate shown by a new retrieval of session `sid`; returns the retrieval id."""
+  def open_round(self, sid: int, positions: np.ndarray, explore: bool) -> None:
     s = self.by_id[sid]
-    rid = self.next_retrieval
-    self.next_retrieval += 1
-    s.open_id, s.open_slate, s.open_explore = rid, np.asarray(positions, np.int32), bool(explore)
-    self.open[rid] = sid
+    s.open_slate, s.open_explore = np.asarray(positions, np.int32), bool(explore)
     self._touch(sid)
-    return rid
-
-  def retrieval(self, sid: int, rid: int, z: np.ndarray, describe) -> Retrieval:
-    """The `Retrieval` of the open round `rid` of `sid` (`describe(rows) -> (ids, texts, stores)`,
-    `z`: `[K]` the round's adapted logits)."""
-    s = self.by_id[sid]
-    ids, texts, stores = describe(s.cand_idx[s.open_slate])
-    return Retrieval(retrieval_id=rid, session_id=sid, round=s.rounds + 1, query=s.query, ids=ids,
-                     texts=texts, stores=stores,
-                     scores=tuple(float(x) for x in z[s.open_slate]), explore=s.open_explore,
-                     memory_token=self.token, generation=self.generation)
 
   def _touch(self, sid: int) -> None:
     self.clock += 1
     self.by_id[sid].last_used = self.clock
     self.by_id.move_to_end(sid)
 
-  def _finish_open(self, s: Session) -> None:
-    self.open.pop(s.open_id, None)
-    s.consumed.append(s.open_id)
-    s.open_id, s.open_slate = -1, None
-
   def record(self, sid: int, labels: np.ndarray) -> Optional[TrainItem]:
     """Feedback `[k]` on the open round of `sid` (Eq. (9)); the `TrainItem` if this closes it."""
     s = self.by_id[sid]
-    K = self.config.num_candidates
-    k = len(s.open_slate)
-    slate = np.full((K,), -1, np.int32)
-    mask = np.zeros((K,), bool)
+    K, k = self.config.num_candidates, len(s.open_slate)
+    slate, mask = np.full((K,), -1, np.int32), np.zeros((K,), bool)
     lab = np.full((K,), -1.0, np.float32)
     slate[:k], mask[:k], lab[:k] = s.open_slate, True, labels
     mean, counts = update_bandits(s.mean[None], s.counts[None], slate[None], mask[None], lab[None])
     s.mean, s.counts = mean[0], counts[0]
     s.slates[s.rounds], s.slate_mask[s.rounds], s.labels[s.rounds] = slate, mask, lab
     s.rounds += 1
-    explore = s.open_explore
-    self._finish_open(s)
+    s.open_slate = None
     self._touch(sid)
-    if not explore or s.rounds >= self.config.num_rounds:
-      return self._close(s)
+    if not s.open_explore or s.rounds >= self.config.num_rounds:
+      return self.close(sid)
     return None
 
-  def discard(self, sid: int) -> None:
-    """Closes the open retrieval of `sid` without feedback; the session may be continued."""
-    self._finish_open(self.by_id[sid])
-    self._touch(sid)
-
-  def _close(self, s: Session) -> Optional[TrainItem]:
-    if s.open_id >= 0:
-      self._finish_open(s)
-    s.closed = True
-    return s.train_item() if s.rounds else None
-
   def close(self, sid: int) -> Optional[TrainItem]:
-    """Closes session `sid` (an open retrieval is discarded); its item if it has feedback."""
+    """Closes session `sid` (an open round is discarded); its item if it has feedback."""
     s = self.by_id[sid]
-    return None if s.closed else self._close(s)
-
-  def flush(self) -> list[TrainItem]:
-    """Closes every session with feedback and no open retrieval; their items, oldest first."""
-    return [self._close(s) for s in self.by_id.values()
-            if not s.closed and s.rounds and s.open_id < 0]
+    if s.closed:
+      return None
+    s.closed, s.open_slate = True, None
+    return s.train_item() if s.rounds and not s.frozen else None
 
   def evict(self) -> list[TrainItem]:
-    """Drops sessions beyond `max_sessions` (least recently used, closed ones first)."""
-    items = []
-    excess = len(self.by_id) - self.max_sessions
+    """Drops sessions beyond `max_sessions` (least recently used, closed ones first); returns
+    the items of those with feedback."""
+    live = [sid for sid, s in self.by_id.items() if not s.frozen]
+    excess = len(live) - self.max_sessions
     if excess <= 0:
-      return items
-    victims = []  # closed ones first, then open ones, each least recently used first; the scan
-    for want_closed in (True, False):  # stops at the first `excess` (O(1) when the LRU is closed)
-      for sid, s in self.by_id.items():
-        if len(victims) == excess:
-          break
-        if s.closed == want_closed:
-          victims.append(sid)
+      return []
+    victims = ([sid for sid in live if self.by_id[sid].closed]
+               + [sid for sid in live if not self.by_id[sid].closed])[:excess]
+    items = [self.close(sid) for sid in victims]
     for sid in victims:
-      s = self.by_id.pop(sid)
-      self._remember(sid, s, f"it was evicted (the least recently used beyond "
-                             f"max_sessions={self.max_sessions})")
-      if not s.closed:
-        item = self._close(s)
-        if item is not None:
-          items.append(item)
-      self.open.pop(s.open_id, None)
-    return items
+      self.drop(sid, f"it was evicted (the least recently used beyond "
+                     f"max_sessions={self.max_sessions})")
+    return [it for it in items if it is not None]
 
   def drop(self, sid: int, reason: str) -> None:
-    """Removes session `sid` untrained (and its open retrieval), remembering `reason` (e.g.
-    "memory 'm3' was deleted") for the errors of its retrievals."""
-    s = self.by_id.pop(sid)
-    self._remember(sid, s, reason)
-    self.open.pop(s.open_id, None)
-
-  def _remember(self, sid: int, s: Session, reason: str) -> None:
-    self.gone[sid] = (reason, s.open_id)
+    """Removes session `sid` untrained, remembering `reason` for its handle's errors."""
+    self.by_id.pop(sid)
+    self.gone[sid] = reason
     while len(self.gone) > MAX_GONE:
-      self.gone_floor = max(self.gone_floor, self.gone.popitem(last=False)[0])
+      self.gone.popitem(last=False)
 
   # ----------------------------------------------------------------------------------------------
-  # snapshot / restore
+  # the learner item (`persistence`): rows instead of the candidates' embeddings
 
   def snapshot(self):
-    """`(arrays, meta)`: host copies of every session (arrays omitted when there is none)."""
-    ss = list(self.by_id.items())
+    """`(arrays, meta)`: host copies of the sessions that are not frozen (no arrays when none).
+    The candidates are saved as their bank rows (`cand_idx`) and first-stage features only."""
+    ss = [(sid, s) for sid, s in self.by_id.items() if not s.frozen]
     arrays = {}
-    if ss:  # not the candidates' embeddings: `restore` gathers them from the bank by `cand_idx`
-      arrays = {f: np.stack([getattr(s, f) for _, s in ss]) for f in _ARRAY_FIELDS
-                if f != "cand_emb"}
-      if self.config.side_features:  # but their first-stage features (per query, [n, K, F])
-        arrays["cand_features"] = np.stack([s.cand_emb[:, self.config.dim:] for _, s in ss])
-    meta = {
-        "counters": {"next_retrieval": self.next_retrieval, "next_session": self.next_session,
-                     "clock": self.clock},
-        "sessions": [{"id": sid, "query": s.query, "rounds": s.rounds, "closed": s.closed,
-                      "open_id": s.open_id,
-                      "open_slate": None if s.open_slate is None else s.open_slate.tolist(),
-                      "open_explore": s.open_explore, "consumed": list(s.consumed),
-                      "last_used": s.last_used, "scope": list(s.scope)} for sid, s in ss],
-    }
+    if ss:
+      arrays = {f: np.stack([getattr(s, f) for _, s in ss]) for f in _ARRAYS}
+      arrays["features"] = np.stack([s.cand_emb[:, self.config.dim:] for _, s in ss])
+    meta = {"next_session": self.next_session, "clock": self.clock,
+            "sessions": [{"id": sid, **{f: _jsonable(getattr(s, f)) for f in _FIELDS}}
+                         for sid, s in ss]}
     return arrays, meta
 
   @classmethod
-  def restore(cls, config: EARConfig, max_sessions: int, arrays, meta, where: str, token: str,
-              generation: int, gather) -> "Sessions":
-    """The sessions of `snapshot` under a memory's identity; ValueError naming `where` on a shape
-    mismatch. `gather(rows [n, K], mask [n, K], where)` gives the candidates' embeddings from the
-    restored bank (checkpoints written before this hold them inline)."""
-    out = cls(config, max_sessions, token, generation)
-    arrays = dict(arrays)
-    if meta["sessions"] and "cand_emb" not in arrays:
-      for f in ("cand_idx", "cand_mask"):
-        if f not in arrays:
-          raise ValueError(f"{where}: the session array {f!r} is missing")
-      arrays["cand_emb"] = np.asarray(gather(arrays["cand_idx"], arrays["cand_mask"],
-                                             f"the sessions of {where}"))
-      if config.side_features:
-        feats = np.asarray(arrays.get("cand_features", np.zeros((0,))), np.float32)
-        want = arrays["cand_emb"].shape[:2] + (config.side_features,)
-        if feats.shape != want:
-          raise ValueError(f"{where}: the session array 'cand_features' has shape {feats.shape}, "
-                           f"expected {want}")
-        arrays["cand_emb"] = np.concatenate([arrays["cand_emb"], feats], -1)
-    arrays.pop("cand_features", None)
-    T, K, d = config.num_rounds, config.num_candidates, config.dim
-    shapes = {"query_emb": (d,), "cand_idx": (K,), "cand_emb": (K, d + config.side_features),
-              "cand_mask": (K,),
-              "mean": (K,), "counts": (K,), "slates": (T, K), "slate_mask": (T, K),
-              "labels": (T, K)}
-    sessions = meta["sessions"]
-    for f in (_ARRAY_FIELDS if sessions else ()):
-      got = tuple(np.shape(arrays[f]))
-      if got != (len(sessions),) + shapes[f]:
-        raise ValueError(f"{where}: session array {f!r} has shape {got}, expected "
-                         f"{(len(sessions),) + shapes[f]}")
-    dtypes = {"cand_idx": np.int32, "cand_mask": bool, "slates": np.int32, "slate_mask": bool}
-    for j, sm in enumerate(sessions):
-      s = Session(query=sm["query"],
-                  **{f: np.array(arrays[f][j], dtypes.get(f, np.float32)) for f in _ARRAY_FIELDS},
-                  rounds=int(sm["rounds"]), closed=bool(sm["closed"]), open_id=int(sm["open_id"]),
-                  open_slate=None if sm["open_slate"] is None
-                  else np.asarray(sm["open_slate"], np.int32),
-                  open_explore=bool(sm["open_explore"]), consumed=list(sm["consumed"]),
-                  last_used=int(sm["last_used"]),
-                  scope=tuple(str(x) for x in sm.get("scope", ())))  # (older: every scope)
+  def restore(cls, config: EARConfig, max_sessions: int, arrays, meta, gather: Callable,
+              live: Callable) -> tuple["Sessions", int]:
+    """`(sessions, dropped)` of `snapshot`: `gather(rows [n, K], mask [n, K])` gives the
+    candidates' `[n, K, d]` embeddings from the bank, `live(rows) -> [..] bool`; a session with
+    a candidate deleted since the save is dropped (counted)."""
+    out = cls(config, max_sessions)
+    out.next_session, out.clock = int(meta["next_session"]), int(meta["clock"])
+    saved = meta["sessions"]
+    if not saved:
+      return out, 0
+    cand_idx, cand_mask = np.asarray(arrays["cand_idx"]), np.asarray(arrays["cand_mask"])
+    emb = np.concatenate([np.asarray(gather(cand_idx, cand_mask)),
+                          np.asarray(arrays["features"], np.float32)], -1)
+    keep = (live(np.where(cand_mask, cand_idx, -1)) | ~cand_mask).all(-1)
+    for j, sm in enumerate(saved):
+      if not keep[j]:
+        out.gone[int(sm["id"])] = "a memory among its candidates was deleted or updated"
+        continue
+      s = Query(cand_emb=emb[j], **{f: np.array(arrays[f][j]) for f in _ARRAYS},
+                **{f: sm[f] for f in _FIELDS})
+      s.scope = tuple(s.scope)
+      s.open_slate = None if s.open_slate is None else np.asarray(s.open_slate, np.int32)
       out.by_id[int(sm["id"])] = s
-      if s.open_id >= 0:
-        out.open[s.open_id] = int(sm["id"])
-    c = meta["counters"]
-    out.next_retrieval, out.next_session, out.clock = (int(c["next_retrieval"]),
-                                                       int(c["next_session"]), int(c["clock"]))
-    return out
+    return out, int((~keep).sum())
+
+
+def _jsonable(x):
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  return list(x) if isinstance(x, tuple) else x
+
+
+class Ops(NamedTuple):
+  """A memory's locked session operations, bound methods built by `front.Memory`: what a
+  `Session` handle and `recall` call (so neither reads the memory's private parts)."""
+  round: Callable  # (sid, k, explore) -> Slate
+  feedback: Callable  # (sid, cited_ids, answer) -> bool (a learner step ran)
+  close: Callable  # (sid) -> bool
+  info: Callable  # (sid) -> (rounds, closed)
+  critique: Callable  # (sid, critic, t) -> labels [k] or None: the open round shown to a critic
+  final: Callable  # (sid, k) -> (ids, scores): the top-k by bandit mean ('exploit')
+  open: Callable  # (question, query_embedding, scope, frozen, k) -> Session
+  abandon: Callable  # (sid) -> None: drops the session untrained (its recall failed)
+  records: Callable  # (ids) -> {id: record} of those still held
+  count: Callable  # (name) -> None: one more in `Memory.stats[name]`
+
+
+class Session:
+  """A handle on one open query session of a `Memory` (`Memory.session`).
+
+  Attributes:
+    id: the session id (`Memory.session(resume=id)` re-attaches to it).
+    question: the question's text ('' when only an embedding was given).
+    scope: the scope names its candidates came from (empty: every scope).
+  """
+
+  def __init__(self, ops: Ops, sid: int, question: str, scope: tuple):
+    self._ops, self.id, self.question, self.scope = ops, int(sid), question, tuple(scope)
+
+  def __repr__(self):
+    return f"Session(id={self.id}, question={self.question!r}, rounds={self.rounds})"
+
+  @property
+  def rounds(self) -> int:
+    """The rounds with feedback so far."""
+    return self._ops.info(self.id)[0]
+
+  @property
+  def closed(self) -> bool:
+    """True once it went to the learner, was closed, or was dropped."""
+    try:
+      return self._ops.info(self.id)[1]
+    except SessionDroppedError:
+      return True
+
+  def round(self, k: int = 5, explore: bool = True) -> Slate:
+    """The next round's slate of `k` memories (an open round without feedback is discarded):
+    one Explorer round (Eq. (5)-(8)), or with `explore=False` the adapter's top-k ranked by the
+    guard's served parameters (its feedback closes the session). At most `T` rounds.
+
+    Raises:
+      SessionDroppedError: a delete / update of one of its candidates or an eviction ended it.
+      ValueError: closed, all `T` rounds played, or `k` larger than its candidates.
+    """
+    return self._ops.round(self.id, k, explore)
+
+  def feedback(self, cited_ids=(), *, answer: Optional[str] = None) -> bool:
+    """Labels the open round: +1 for the memories the agent used, -1 for the others shown.
+
+    The used memories are the cited ids and, with `answer` (the agent's answer to the question),
+    those the answer draws on by the answer rule (issue 28: `episode.answer_labels`, the memory's
+    encoder embedding the answer outside the lock); with both, their union. Updates the bandit
+    statistics (Eq. (9)); a session this closes is queued, and every `b` queued sessions make one
+    learner step.
+
+    Returns:
+      True when this call triggered a learner step.
+    """
+    return self._ops.feedback(self.id, cited_ids, answer)
+
+  def close(self) -> bool:
+    """Ends the session: queued for the learner when it has feedback (its rounds so far are one
+    training query). Idempotent. Returns True when this triggered a learner step."""
+    return self._ops.close(self.id)

@@ -1,0 +1,314 @@
+"""The rows of a memory in SQLite (`<dir>/rows.sqlite`): dumb, durable, verified storage.
+
+Symbols: `n` live rows, `d` embedding dimension.
+
+One table holds every live memory: its id, text, store code, scope name, date, float32 embedding
+`[d]`, the int32 term ids of its text (for the lexical index; NULL without one) and a SHA-256 of
+all of them with the row number (`_digest`). Beside it: the lexical vocabulary (`term <-> id`) and
+a small key/value `meta` table (the dimension; JSON strings of the caller).
+
+Guarantees:
+
+  * Durable: each `insert` / `delete` / `replace` is ONE transaction (`synchronous=FULL`, a rollback
+    journal), complete on disk when it returns; a process killed at any moment (even SIGKILL)
+    leaves every acknowledged row and nothing half-written.
+  * Forgetting leaves no bytes: `secure_delete=ON` overwrites deleted rows (and freed pages) with
+    zeros, and `journal_mode=DELETE` unlinks the journal, which held the old pages, at each commit.
+  * Row numbers are never reused (`AUTOINCREMENT`): a deleted row's number stays dead, so the
+    learner's references to rows (replay buffer, sessions) can never point at another memory.
+    The API speaks device rows, `row - 1` (0-based, the device bank's index).
+  * Verified: every read of rows (`read_all`, `records`, `texts`) checks each row's SHA-256; a row
+    changed outside ear_jax, a file that is not this table (foreign, truncated, another schema or
+    dimension) is a `CheckpointError` naming the file (and the row's id).
+
+Not thread-safe on its own: `Memory` calls it under its lock (the connection may be used from any
+thread).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pathlib
+import sqlite3
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from ear_jax.io.checkpoints import CheckpointError
+
+_SCHEMA = (
+    "CREATE TABLE memories(row INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL, "
+    "text TEXT NOT NULL, store INTEGER NOT NULL, scope TEXT NOT NULL, date TEXT NOT NULL, "
+    "embedding BLOB NOT NULL, terms BLOB, sha256 TEXT NOT NULL)",
+    "CREATE INDEX memories_scope ON memories(scope)",
+    "CREATE TABLE vocab(term TEXT PRIMARY KEY, id INTEGER UNIQUE NOT NULL)",
+    "CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT)",
+)
+_FORMAT = "ear_jax.agent.memory.table/1"
+_COLUMNS = "row, id, text, store, scope, date, embedding, terms, sha256"
+_PART = 65536  # rows of embeddings joined at a time by read_all
+
+
+class TableRows(NamedTuple):
+  """Every live row of a table, verified (`Table.read_all`), in row order.
+
+  Attributes:
+    rows: `[n]` int64 device rows (ascending).
+    stores: `[n]` int8 store codes.
+    scope_codes: `[n]` int32 codes into `scope_names` (names in order of first row).
+    scope_names: the scope names.
+    embeddings: `[n, d]` float32.
+    terms: `[sum]` int32, every row's term ids concatenated; row i's are
+      `terms[term_offsets[i]:term_offsets[i + 1]]` (empty where NULL).
+    term_offsets: `[n + 1]` int64.
+    vocab: `(term, id)` pairs of the lexical vocabulary.
+    next_row: the device rows `< next_row` were ever used (the next insert gets `next_row`).
+  """
+  rows: np.ndarray
+  stores: np.ndarray
+  scope_codes: np.ndarray
+  scope_names: list
+  embeddings: np.ndarray
+  terms: np.ndarray
+  term_offsets: np.ndarray
+  vocab: list
+  next_row: int
+
+
+def _digest(row: int, memory_id: str, text: str, store: int, scope: str, date: str,
+            embedding: bytes, terms: Optional[bytes]) -> str:
+  """SHA-256 (hex) of a row's canonical encoding: the embedding's bytes; the sqlite row, the store
+  and the byte lengths of id, text, scope, date and terms (-1 for NULL terms) as decimal text;
+  then the bytes of id, text, scope, date and terms."""
+  fields = (memory_id.encode(), text.encode(), scope.encode(), date.encode())
+  h = hashlib.sha256(embedding)
+  h.update(b"%d,%d,%d,%d,%d,%d,%d;" % (row, store, *map(len, fields),
+                                       -1 if terms is None else len(terms)))
+  h.update(b"".join(fields))
+  if terms:
+    h.update(terms)
+  return h.hexdigest()
+
+
+class Table:
+  """The table at `path` (created with the schema when new; None: an in-memory table) for
+  embeddings of dimension `dim`.
+
+  Raises:
+    CheckpointError: `path` is not this table (not SQLite, truncated, another schema or
+      dimension), naming the file.
+  """
+
+  def __init__(self, path: Optional[pathlib.Path], dim: int):
+    self.dim = int(dim)
+    self.where = "an in-memory table" if path is None else str(path)
+    with self._errors():
+      self._db = sqlite3.connect(":memory:" if path is None else str(path), isolation_level=None,
+                                 check_same_thread=False)
+    try:
+      with self._errors():
+        for pragma in ("secure_delete=ON", "synchronous=FULL", "foreign_keys=ON",
+                       "cache_size=-65536", "mmap_size=2147418112"):  # (64 MB cache; reads mapped)
+          self._db.execute(f"PRAGMA {pragma}")
+        mode = self._db.execute("PRAGMA journal_mode=DELETE").fetchone()[0]
+        if mode != ("memory" if path is None else "delete"):
+          raise CheckpointError(f"{self.where}: cannot use a rollback journal (mode {mode})")
+        self._open(path)
+    except BaseException:
+      self._db.close()
+      raise
+
+  def _open(self, path) -> None:
+    found = [s for (s,) in self._db.execute(  # (rolls back what a killed writer left)
+        "SELECT sql FROM sqlite_master WHERE name NOT LIKE 'sqlite_%' ORDER BY rowid")]
+    journal = None if path is None else pathlib.Path(f"{path}-journal")
+    if journal is not None and journal.exists():  # not hot (that read rolled a hot one back): a
+      journal.unlink()  # writer killed before its first sync left it, with old pages (owner-locked)
+    page = self._db.execute("PRAGMA page_size").fetchone()[0]
+    if path is not None and os.path.getsize(path) % page:
+      raise CheckpointError(f"{self.where}: not a memory table (not a whole number of pages: "
+                            "truncated?)")
+    if not found:
+      with self._transaction():
+        for statement in _SCHEMA:
+          self._db.execute(statement)
+        self._db.executemany("INSERT INTO meta VALUES (?, ?)",
+                             [("format", _FORMAT), ("dim", str(self.dim))])
+    elif found != list(_SCHEMA) or self.get_meta("format") != _FORMAT:
+      raise CheckpointError(f"{self.where}: not a memory table of this version (another schema)")
+    if self.get_meta("dim") != str(self.dim):
+      raise CheckpointError(f"{self.where}: holds embeddings of dimension {self.get_meta('dim')}, "
+                            f"expected {self.dim}")
+    self._n = self._db.execute("SELECT count(*) FROM memories").fetchone()[0]
+
+  @contextlib.contextmanager
+  def _errors(self):
+    """sqlite3 errors as CheckpointError (ValueError for a duplicate id) naming the file."""
+    try:
+      yield
+    except sqlite3.IntegrityError as e:
+      raise ValueError(f"{self.where}: {e} (a memory id that is already stored?)") from None
+    except sqlite3.Error as e:
+      raise CheckpointError(f"{self.where}: not a readable memory table ({e})") from None
+
+  @contextlib.contextmanager
+  def _transaction(self):
+    """One transaction, committed (durably) when the block ends, rolled back when it raises."""
+    with self._errors():
+      self._db.execute("BEGIN IMMEDIATE")
+      try:
+        yield
+      except BaseException:
+        if self._db.in_transaction:
+          self._db.execute("ROLLBACK")
+        self._n = self._db.execute("SELECT count(*) FROM memories").fetchone()[0]
+        raise
+      self._db.execute("COMMIT")
+
+  def __len__(self) -> int:
+    return self._n
+
+  def close(self) -> None:
+    self._db.close()
+
+  def _next(self) -> int:
+    got = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'memories'").fetchone()
+    return got[0] if got else 0
+
+  def _insert(self, ids, texts, stores, scopes, dates, embeddings, terms, new_vocab):
+    emb = np.ascontiguousarray(embeddings, np.float32)
+    columns = (ids, texts, stores, scopes, dates, emb) + (() if terms is None else (terms,))
+    if emb.ndim != 2 or emb.shape[1] != self.dim or len({len(c) for c in columns}) != 1:
+      raise ValueError(f"{self.where}: columns of lengths {[len(c) for c in columns]} and "
+                       f"embeddings {emb.shape} do not match rows of dimension {self.dim}")
+    first, rows = self._next() + 1, []
+    for j, (i, t, st, sc, da, e) in enumerate(zip(ids, texts, stores, scopes, dates, emb)):
+      te = None if terms is None else np.ascontiguousarray(terms[j], np.int32).tobytes()
+      e, row = e.tobytes(), first + j
+      rows.append((row, i, t, int(st), sc, da, e, te, _digest(row, i, t, int(st), sc, da, e, te)))
+    self._db.executemany(f"INSERT INTO memories({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)", rows)
+    self._db.executemany("INSERT INTO vocab VALUES (?, ?)", new_vocab)
+    self._n += len(rows)
+    return np.arange(first - 1, first - 1 + len(rows), dtype=np.int64)
+
+  def _delete(self, rows, dead_terms) -> None:
+    self._n -= self._db.executemany("DELETE FROM memories WHERE row = ?",
+                                    [(int(r) + 1,) for r in rows]).rowcount
+    self._db.executemany("DELETE FROM vocab WHERE term = ?", [(t,) for t in dead_terms])
+
+  def insert(self, ids, texts, stores: np.ndarray, scopes: Sequence[str], dates, embeddings,
+             terms: Optional[Sequence[np.ndarray]] = None,
+             new_vocab: Sequence[tuple[str, int]] = ()) -> np.ndarray:
+    """Appends rows (and vocabulary entries) in one transaction; returns their device rows `[n]`.
+
+    Raises:
+      ValueError: lengths or dimension do not match, or an id is already stored (nothing written).
+    """
+    with self._transaction():
+      return self._insert(ids, texts, stores, scopes, dates, embeddings, terms, new_vocab)
+
+  def delete(self, rows, dead_terms: Sequence[str] = ()) -> None:
+    """Deletes the device rows `rows` and the vocabulary entries `dead_terms`, in one transaction
+    (their bytes are overwritten: `secure_delete`)."""
+    with self._transaction():
+      self._delete(rows, dead_terms)
+
+  def replace(self, row: int, memory_id: str, text: str, store: int, scope: str, date: str,
+              embedding, terms=None, new_vocab=(), dead_terms=()) -> int:
+    """An update: deletes device row `row`, then inserts the memory again under a new row, in one
+    transaction; returns the new device row."""
+    with self._transaction():
+      self._delete([row], dead_terms)
+      new = self._insert([memory_id], [text], [store], [scope], [date],
+                         np.reshape(embedding, (1, -1)), None if terms is None else [terms],
+                         new_vocab)
+      return int(new[0])
+
+  def set_meta(self, key: str, value: str) -> None:
+    with self._transaction():
+      self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
+  def get_meta(self, key: str) -> Optional[str]:
+    with self._errors():
+      got = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+    return None if got is None else got[0]
+
+  def _verified(self, where: str = "", args=()):
+    """The rows (`_COLUMNS`) `where` selects, in row order, each checked against its SHA-256."""
+    with self._errors():
+      for r in self._db.execute(f"SELECT {_COLUMNS} FROM memories {where} ORDER BY row", args):
+        if _digest(*r[:8]) != r[8] or len(r[6]) != 4 * self.dim:
+          raise CheckpointError(f"{self.where}: the row of memory id {r[1]!r} fails its SHA-256 "
+                                "check: it was changed outside ear_jax")
+        yield r
+
+  def read_all(self) -> TableRows:
+    """Every live row, verified (`TableRows`)."""
+    n, d = self._n, self.dim
+    rows, stores, codes, names, terms = [], [], [], {}, []
+    emb, part = np.empty((n, d), np.float32), []  # copied in parts: no second [n, d] of bytes
+    for row, _, _, store, scope, _, e, t, _ in self._verified():
+      rows.append(row - 1)
+      stores.append(store)
+      codes.append(names.setdefault(scope, len(names)))
+      terms.append(t or b"")
+      part.append(e)
+      if len(part) == _PART or len(rows) == n:
+        emb[len(rows) - len(part):len(rows)] = np.frombuffer(b"".join(part), np.float32).reshape(
+            -1, d)
+        part = []
+    if len(rows) != n or part:
+      raise CheckpointError(f"{self.where}: changed by another process while it was read")
+    with self._errors():
+      vocab = self._db.execute("SELECT term, id FROM vocab ORDER BY id").fetchall()
+    return TableRows(
+        rows=np.asarray(rows, np.int64).reshape(n), stores=np.asarray(stores, np.int8),
+        scope_codes=np.asarray(codes, np.int32), scope_names=list(names), embeddings=emb,
+        terms=np.frombuffer(b"".join(terms), np.int32),
+        term_offsets=np.cumsum([0] + [len(t) // 4 for t in terms], dtype=np.int64),
+        vocab=vocab, next_row=self._next())
+
+  def records(self, rows) -> list[dict]:
+    """`{id, text, store, scope, date, row}` of the device rows `rows`, in that order (verified;
+    KeyError naming a row that holds no memory)."""
+    got = {r[0] - 1: dict(id=r[1], text=r[2], store=r[3], scope=r[4], date=r[5], row=r[0] - 1)
+           for r in self._verified("WHERE row IN (SELECT value + 1 FROM json_each(?))",
+                                   (json.dumps([int(r) for r in rows]),))}
+    missing = [int(r) for r in rows if int(r) not in got]
+    if missing:
+      raise KeyError(f"{self.where}: no memory at rows {missing[:5]}")
+    return [dict(got[int(r)]) for r in rows]
+
+  def texts(self, rows) -> list[str]:
+    """The texts of the device rows `rows`, in that order (verified)."""
+    return [r["text"] for r in self.records(rows)]
+
+  def rows_of(self, ids) -> np.ndarray:
+    """`[n]` int64 device rows of the memory ids `ids` (-1 for an id not stored)."""
+    with self._errors():
+      got = dict(self._db.execute(
+          "SELECT j.value, m.row - 1 FROM json_each(?) j JOIN memories m ON m.id = j.value",
+          (json.dumps(list(ids)),)))
+    return np.asarray([got.get(i, -1) for i in ids], np.int64)
+
+  def list_rows(self, scopes: Optional[Sequence[str]] = None) -> np.ndarray:
+    """`[m]` int64 live device rows of the scopes `scopes` (None: all), in row order."""
+    with self._errors():
+      if scopes is None:
+        got = self._db.execute("SELECT row - 1 FROM memories ORDER BY row")
+      else:
+        got = self._db.execute("SELECT row - 1 FROM memories WHERE scope IN (SELECT value FROM "
+                               "json_each(?)) ORDER BY row", (json.dumps(list(scopes)),))
+      return np.asarray([r for (r,) in got], np.int64)
+
+  def backup_to(self, path) -> None:
+    """Copies the whole table into a new database file `path` (sqlite3's backup API), durably."""
+    with self._errors():
+      dst = sqlite3.connect(str(path))
+      try:
+        dst.execute("PRAGMA synchronous=FULL")
+        self._db.backup(dst)
+      finally:
+        dst.close()

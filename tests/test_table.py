@@ -1,0 +1,223 @@
+"""The SQLite table of a memory's rows (`ear_jax.agent.memory.table`): durable, verified, and a
+forgotten row leaves no byte in any file of the directory."""
+import os
+import pathlib
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ear_jax.agent.memory.table import Table
+from ear_jax.io.checkpoints import CheckpointError
+
+_REPO = pathlib.Path(__file__).resolve().parent.parent
+D = 8
+
+
+def _add(table, ids, *, texts=None, scope="s", emb=None, terms=None, new_vocab=()):
+  n = len(ids)
+  emb = np.arange(n * D, dtype=np.float32).reshape(n, D) if emb is None else emb
+  return table.insert(ids, texts or [f"text of {i}" for i in ids], np.zeros(n, np.int8),
+                      [scope] * n, ["2024-05-01"] * n, emb, terms, new_vocab)
+
+
+def _files_holding(directory: pathlib.Path, needle: bytes) -> list[str]:
+  return [p.name for p in directory.iterdir() if p.is_file() and needle in p.read_bytes()]
+
+
+@pytest.fixture
+def path(tmp_path):
+  return tmp_path / "rows.sqlite"
+
+
+def test_rows_round_trip_in_row_order_with_their_columns(path):
+  t = Table(path, D)
+  terms = [np.array([3, 1], np.int32), np.array([], np.int32), np.array([2], np.int32)]
+  rows = t.insert(["a", "b\u00e9", "c"], ["x\x00y", "y", "z"], np.array([0, 1, 0], np.int8),
+                  ["one", "two", "one"], ["d0", "", "d2"], np.eye(3, D, dtype=np.float32), terms,
+                  [("x", 1), ("y", 2), ("z", 3)])
+  np.testing.assert_array_equal(rows, [0, 1, 2])
+  t.close()
+  t = Table(path, D)
+  got = t.read_all()
+  np.testing.assert_array_equal(got.rows, [0, 1, 2])
+  np.testing.assert_array_equal(got.stores, [0, 1, 0])
+  assert [got.scope_names[c] for c in got.scope_codes] == ["one", "two", "one"]
+  np.testing.assert_array_equal(got.embeddings, np.eye(3, D))
+  assert [got.terms[a:b].tolist() for a, b in zip(got.term_offsets, got.term_offsets[1:])] == [
+      [3, 1], [], [2]]
+  assert got.vocab == [("x", 1), ("y", 2), ("z", 3)] and got.next_row == 3 and len(t) == 3
+  assert t.records([2, 0]) == [
+      dict(id="c", text="z", store=0, scope="one", date="d2", row=2),
+      dict(id="a", text="x\x00y", store=0, scope="one", date="d0", row=0)]
+  assert t.texts([1]) == ["y"]
+  np.testing.assert_array_equal(t.rows_of(["c", "nope", "b\u00e9"]), [2, -1, 1])
+  np.testing.assert_array_equal(t.list_rows(["one"]), [0, 2])
+  np.testing.assert_array_equal(t.list_rows(), [0, 1, 2])
+  with pytest.raises(KeyError, match="no memory at rows"):
+    t.records([7])
+
+
+def test_row_numbers_are_never_reused_after_deletes_and_reopen(path):
+  t = Table(path, D)
+  _add(t, ["a", "b", "c", "d"])
+  t.delete([2, 3])
+  t.close()
+  t = Table(path, D)
+  assert t.read_all().next_row == 4
+  np.testing.assert_array_equal(_add(t, ["e"]), [4])
+  assert t.replace(4, "e", "e again", 0, "s", "", np.ones(D)) == 5
+  t.delete([0, 1, 5])
+  t.close()
+  t = Table(path, D)
+  assert len(t) == 0 and t.read_all().next_row == 6
+  np.testing.assert_array_equal(_add(t, ["a"]), [6])
+
+
+def test_a_failed_insert_writes_nothing(path):
+  t = Table(path, D)
+  _add(t, ["a"])
+  with pytest.raises(ValueError, match="already stored"):
+    _add(t, ["b", "a"])
+  with pytest.raises(ValueError, match="do not match"):
+    t.insert(["c"], ["t"], [0], ["s"], [""], np.ones((1, D + 1)))
+  assert len(t) == 1 and t.rows_of(["b"])[0] == -1
+  np.testing.assert_array_equal(_add(t, ["b"]), [1])
+
+
+def _marker_row(t, marker: bytes, vec: np.ndarray):
+  return _add(t, ["marker-id-1"], texts=[marker.decode() * 40], emb=vec[None])[0]
+
+
+@pytest.mark.parametrize("how", ["delete", "replace"])
+def test_forgetting_leaves_no_bytes_in_any_file_of_the_directory(path, how):
+  marker = b"FORGET-ME-7c1e"
+  vec = np.linspace(-3.3, 7.7, D).astype(np.float32) * np.float32(1.2345)
+  t = Table(path, D)
+  _add(t, [f"before{i}" for i in range(50)])
+  row = _marker_row(t, marker, vec)
+  _add(t, [f"after{i}" for i in range(200)])  # page splits move the marker's cell around
+  assert _files_holding(path.parent, marker) and _files_holding(path.parent, vec.tobytes())
+  if how == "delete":
+    t.delete([row])
+  else:
+    t.replace(row, "marker-id-1", "corrected text", 0, "s", "", np.ones(D, np.float32))
+  assert _files_holding(path.parent, marker) == []
+  assert _files_holding(path.parent, vec.tobytes()) == []
+  assert _files_holding(path.parent, b"marker-id-1") == ([] if how == "delete" else ["rows.sqlite"])
+  assert sorted(p.name for p in path.parent.iterdir()) == ["rows.sqlite"]  # no journal left
+  t.close()
+  assert _files_holding(path.parent, marker) == []
+
+
+def test_dead_terms_leave_the_vocabulary_and_every_file(path):
+  t = Table(path, D)
+  _add(t, ["a", "b"], terms=[np.array([0, 1], np.int32), np.array([0], np.int32)],
+       new_vocab=[("common", 0), ("zyxmarkerterm", 1)])
+  assert _files_holding(path.parent, b"zyxmarkerterm")
+  t.delete([0], dead_terms=["zyxmarkerterm"])
+  assert t.read_all().vocab == [("common", 0)]
+  assert _files_holding(path.parent, b"zyxmarkerterm") == []
+
+
+@pytest.mark.parametrize("column, value", [("text", "edited"), ("embedding", b"\0" * 4 * D),
+                                           ("scope", "other"), ("store", 1), ("row", 99)])
+def test_a_row_changed_outside_ear_jax_is_refused_naming_its_id(path, column, value):
+  t = Table(path, D)
+  _add(t, ["a", "victim", "c"])
+  t.close()
+  with sqlite3.connect(path) as db:
+    db.execute(f"UPDATE memories SET {column} = ? WHERE id = 'victim'", (value,))
+  t = Table(path, D)
+  with pytest.raises(CheckpointError, match=f"{path}.*'victim'.*SHA-256"):
+    t.read_all()
+  with pytest.raises(CheckpointError, match="'victim'"):
+    t.records(t.rows_of(["victim"]))
+  assert t.texts([0]) == ["text of a"]  # the other rows still read
+
+
+def test_a_file_that_is_not_this_table_is_refused_naming_it(tmp_path, path):
+  t = Table(path, D)
+  _add(t, [f"m{i}" for i in range(300)])
+  t.close()
+  with pytest.raises(CheckpointError, match=f"{path}: holds embeddings of dimension {D}, "
+                     f"expected {D + 1}"):
+    Table(path, D + 1)
+  data = path.read_bytes()
+  for name, content in [("garbage", b"not a database at all" * 100),
+                        ("truncated", data[:len(data) // 2]), ("torn", data[:len(data) - 100])]:
+    bad = tmp_path / name
+    bad.write_bytes(content)
+    with pytest.raises(CheckpointError, match=str(bad)):
+      Table(bad, D).read_all()
+  other = tmp_path / "other.sqlite"
+  with sqlite3.connect(other) as db:
+    db.execute("CREATE TABLE memories(x)")
+  with pytest.raises(CheckpointError, match=f"{other}: not a memory table"):
+    Table(other, D)
+
+
+def test_an_in_memory_table_backs_up_to_a_file_with_its_rows_and_sequence(tmp_path):
+  t = Table(None, D)
+  _add(t, ["a", "b", "c"], terms=[np.array([1], np.int32)] * 3, new_vocab=[("w", 1)])
+  marker = b"FORGOTTEN-IN-MEMORY"
+  t.delete([_marker_row(t, marker, np.full(D, 0.123, np.float32))])
+  t.delete([1])
+  t.set_meta("note", '{"x": 1}')
+  t.backup_to(tmp_path / "rows.sqlite")
+  copy = Table(tmp_path / "rows.sqlite", D)
+  want, got = t.read_all(), copy.read_all()
+  for a, b in zip(want, got):
+    np.testing.assert_array_equal(np.asarray(a, object), np.asarray(b, object))
+  assert copy.get_meta("note") == '{"x": 1}' and copy.records([2])[0]["id"] == "c"
+  assert _files_holding(tmp_path, marker) == []
+  np.testing.assert_array_equal(_add(copy, ["d"]), [4])
+
+
+_WRITER = """
+import sys
+import numpy as np
+from ear_jax.agent.memory.table import Table
+t = Table(sys.argv[1], 8)
+for i in range(100000):
+  memory_id = f"{sys.argv[2]}-{i}"
+  if i % 7 == 3:
+    memory_id = f"{sys.argv[2]}-{i - 1}"
+    print("TRY DEL", memory_id, flush=True)
+    t.delete(t.rows_of([memory_id]))
+    print("ACK DEL", memory_id, flush=True)
+  else:
+    print("TRY ADD", memory_id, flush=True)
+    t.insert([memory_id], [f"text {i} " * (1 + i % 50)], [0], ["s"], [""],
+             np.full((1, 8), i, np.float32), [np.arange(i % 5, dtype=np.int32)])
+    print("ACK ADD", memory_id, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_every_acknowledged_write_survives_kill_9_at_random_points(tmp_path):
+  path = tmp_path / "rows.sqlite"
+  Table(path, D).close()
+  rng = random.Random(29)
+  acked = {"ADD": set(), "DEL": set()}
+  for trial in range(4):
+    child = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), f"t{trial}"],
+                             stdout=subprocess.PIPE, text=True, cwd=_REPO)
+    lines = [child.stdout.readline() for _ in range(rng.randint(1, 80))]
+    os.kill(child.pid, signal.SIGKILL)  # most likely inside a transaction
+    child.wait()
+    tried = {"ADD": set(), "DEL": set()}
+    for line in lines + child.stdout.read().splitlines():
+      state, kind, memory_id = line.split()
+      (acked if state == "ACK" else tried)[kind].add(memory_id)
+    child.stdout.close()
+    t = Table(path, D)
+    live = {r["id"] for r in t.records(t.read_all().rows)}  # every row verifies
+    pending_add, pending_del = tried["ADD"] - acked["ADD"], tried["DEL"] - acked["DEL"]
+    assert acked["ADD"] - acked["DEL"] - pending_del <= live
+    assert live <= acked["ADD"] | pending_add and not live & acked["DEL"]
+    t.close()
