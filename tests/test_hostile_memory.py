@@ -18,19 +18,9 @@ from ear_jax.core.stream import Stream
 from ear_jax.data import encoders
 from ear_jax.io import checkpoints
 from tests.test_forget import stored_embeddings
+from tests.memory_helpers import config as _config, equal as _equal, unit as _unit
 
 _D = 16
-
-
-def _config(**overrides):
-  kw = dict(dim=_D, num_candidates=8, slate_size=3, num_rounds=2, batch_size=2,
-            buffer_capacity=16, replay_size=2)
-  return EARConfig(**{**kw, **overrides})
-
-
-def _unit(x):
-  x = np.asarray(x, np.float32)
-  return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
 def _memory(seed=0, n=24, max_sessions=4096, path=None, **cfg):
@@ -59,16 +49,6 @@ def fingerprint(m: Memory) -> dict:
   return {"records": m.list(), "len": len(m),
           "search": None if hit is None else (hit.ids, hit.scores),
           "stats": {k: v for k, v in m.stats.items() if k != "searches"}, "learner": _leaves(m)}
-
-
-def _equal(x, y):
-  if isinstance(x, dict):
-    return x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
-  if isinstance(x, (list, tuple)):
-    return len(x) == len(y) and all(_equal(u, v) for u, v in zip(x, y))
-  if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
-    return x is not None and y is not None and np.array_equal(x, y)
-  return x == y
 
 
 def rejects(m, fn, match, error=ValueError, counted=()):

@@ -17,21 +17,10 @@ from ear_jax.data import encoders
 from ear_jax.data.first_stage import FirstStageOptions
 from ear_jax.io import checkpoints
 from tests.kill_helpers import sigkill_at
+from tests.memory_helpers import config as _config, equal as _equal, unit as _unit
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 _D = 16
-
-
-def _config(**overrides):
-  kw = dict(dim=_D, num_candidates=8, slate_size=3, num_rounds=2, batch_size=2,
-            buffer_capacity=16, replay_size=2)
-  kw.update(overrides)
-  return EARConfig(**kw)
-
-
-def _unit(x):
-  x = np.asarray(x, np.float32)
-  return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
 def _rows(n=24):
@@ -58,16 +47,6 @@ def fingerprint(m: Memory):
   return {"rows": m.list(), "stats": {k: v for k, v in m.stats.items() if k != "searches"},
           "learner": [np.asarray(x).copy() for x in jax.tree_util.tree_leaves(m.learner)],
           "probe": probe and (probe.ids, probe.scores)}
-
-
-def _equal(x, y):
-  if isinstance(x, dict):
-    return x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
-  if isinstance(x, (list, tuple)):
-    return len(x) == len(y) and all(_equal(u, v) for u, v in zip(x, y))
-  if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
-    return np.array_equal(x, y)
-  return x == y
 
 
 def rejects(m, fn, match, error=ValueError):

@@ -17,19 +17,9 @@ from ear_jax.core.config import EARConfig, default_hparams
 from ear_jax.core.critic import OracleCritic
 from ear_jax.core.stream import make_stream
 from tests.test_forget import stored_embeddings
+from tests.memory_helpers import config as _config, unit as _unit
 
 _D = 16
-
-
-def _config(**overrides):
-  kw = dict(dim=_D, num_candidates=8, slate_size=3, num_rounds=2, batch_size=2,
-            buffer_capacity=16, replay_size=2)
-  return EARConfig(**{**kw, **overrides})
-
-
-def _unit(x):
-  x = np.asarray(x, np.float32)
-  return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
 def _memory(n=24, path=None, **settings):
