@@ -115,6 +115,7 @@ def test_untrained_method_leaves_the_state_unchanged():
   assert rec is None and float(jnp.abs(state.params.w_q).sum()) == 0.0
 
 
+@pytest.mark.slow  # (fast tier's budget; CI's full suite runs it)
 def test_ear_learns_a_learnable_stream():
   train, test = learnable_stream(1, 400), learnable_stream(2, 200)
   cfg = dataclasses.replace(CFG, buffer_capacity=512)

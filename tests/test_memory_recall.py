@@ -32,7 +32,8 @@ def _unit(x):
   return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
-@pytest.mark.parametrize("method", ["ear", "ear_tuned"])
+@pytest.mark.parametrize("method", [pytest.param("ear", marks=pytest.mark.slow),  # (fast tier's
+                                    "ear_tuned"])  # budget; CI's full suite runs it)
 def test_recall_equals_evaluates_explorer_assisted_slate(method):
   mem, emb = _memory(method=method, dim=D)
   cfg = mem.config.ear

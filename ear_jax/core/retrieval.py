@@ -24,7 +24,7 @@ from ear_jax.core.types import SlateFeedback
 
 # The streamed search holds at most about this many scores at a time (16 MB of float32): a block
 # is `max(MIN_CHUNK, SCORE_BUDGET // n)` rows (rounded down to a power of two, so it divides the
-# power-of-two capacities of `ear_jax.agent.memory.bank.Bank`). On CPU one large block is faster than a
+# power-of-two capacities of `ear_jax.agent.memory.bank.DeviceBank`). On CPU one large block is faster than a
 # scan of small ones for a few queries (XLA parallelises the matrix-vector product only outside a
 # loop), so a single query scans only banks of more than 4M rows.
 SCORE_BUDGET = 1 << 22

@@ -65,6 +65,6 @@ ReplayStrategy = Callable[[jax.Array, Any, jax.Array], jax.Array]
 # An optax alias: learning_rate -> optax.GradientTransformation.
 Optimizer = Callable[[Any], Any]
 
-# generator(inputs: first_stage.BankInputs, k, options: first_stage.FirstStageOptions)
-#   -> (index [n, k] int32, scores [n, k] float32), on the host (NumPy).
+# generator(scores: first_stage.BankScores, k, options: first_stage.FirstStageOptions)
+#   -> (rows [q, k] int32, scores [q, k] float32), jittable with `k` and `options` static.
 CandidateGenerator = Callable[[Any, int, Any], Tuple[Any, Any]]
