@@ -300,3 +300,75 @@ def test_runner_serves_the_first_stage_when_the_adapter_is_worse_and_checkpoints
   for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(res.final_state)):
     np.testing.assert_array_equal(a, b)
   assert int(restored.guard.count[0]) == int(res.final_state.guard.count[0]) > 0
+
+
+# -- the probe (`guard_probe`) --------------------------------------------------------------------
+jit_probe = jax.jit(guard.probe_slate, static_argnums=(4,))
+
+
+def test_probe_interleaves_both_rankings_differences_and_fills_with_the_common_items():
+  k, s = 8, 5
+  z = jnp.arange(k, 0, -1, dtype=jnp.float32)  # adapted top-5: 0 1 2 3 4
+  z0 = jnp.asarray([9, 8, 7, 0, 0, 6, 5, 4], jnp.float32)  # first stage's top-5: 0 1 2 5 6
+  for seed in range(5):
+    slate, mask = (np.asarray(x) for x in jit_probe(jax.random.PRNGKey(seed), z, z0,
+                                                     jnp.ones(k, bool), s))
+    assert mask.all() and len(set(slate)) == s
+    assert set(slate[[0, 2]]) == {3, 4} and set(slate[[1, 3]]) == {5, 6}  # A, F alternating
+    assert slate[4] == 0  # then the common items by adapted relevance
+  same, _ = jit_probe(jax.random.PRNGKey(0), z, z, jnp.ones(k, bool), s)
+  np.testing.assert_array_equal(same, [0, 1, 2, 3, 4])  # the two top-s agree: the top-s itself
+
+
+def test_probe_evidence_is_the_scaled_difference_of_the_probes_citations():
+  # One query, K = 6, s = 2: adapted top-2 {0, 1}, first stage's {2, 3}: m = 2, j = 1 each side.
+  q = jnp.zeros((D,), jnp.float32).at[0].set(1.0)
+  c = jnp.zeros((K, D + 3), jnp.float32)
+  first = jnp.asarray([0.0, 0.0, 1.0, 0.9, 0.1, 0.1])  # feature 0: ranks 2, 3 first
+  c = c.at[:, D].set(first)
+  params = guard.first_stage_params(CFG)
+  adapted = params.replace(w_side=jnp.asarray([-0.5, -1.0, 0.0]))  # reverses the order: 0, 1
+  slates = jnp.asarray([[4, 5], [5, 4], [0, 2]], jnp.int32)  # the last slate is the probe
+  mask = jnp.ones((3, 2), bool)
+  for labels, want in (([[-1, -1], [-1, -1], [1, -1]], 2.0), ([[-1, -1], [-1, -1], [-1, 1]], -2.0),
+                       ([[1, -1], [-1, -1], [-1, -1]], 0.0)):
+    d, counts = guard.probe_evidence(adapted, params, q, c, jnp.ones(K, bool), slates, mask,
+                                     jnp.asarray(labels, jnp.float32), 2)
+    assert float(d) == want and bool(counts)
+  d, counts = guard.probe_evidence(adapted, params, q, c, jnp.ones(K, bool), slates, mask,
+                                   -jnp.ones((3, 2), jnp.float32), 2)
+  assert float(d) == 0.0 and not bool(counts)  # nothing cited: no evidence
+
+
+def test_guard_probe_needs_the_guard():
+  with pytest.raises(ValueError, match="guard_probe=True needs guard=True"):
+    EARConfig(guard_probe=True)
+
+
+def test_with_the_probe_the_last_training_slate_is_the_probe_and_the_rest_the_policys():
+  stream = to_device(_side_stream(1, seed=3))
+  cfg = dataclasses.replace(CFG, guard_probe=True)
+  hp = default_hparams()
+  key = jax.random.PRNGKey(7)
+  params = guard.first_stage_params(cfg)
+  args = (params, stream.queries[0], stream.candidates[0], stream.mask[0], stream.gold[0])
+  from ear_jax.core import critic as critic_lib  # pylint: disable=g-import-not-at-top
+  perfect = critic_lib.make_simulated_critic(precision=1.0, recall=1.0)
+  fb = learner.collect_feedback(key, *args, cfg, hp, perfect)
+  plain = learner.collect_feedback(jax.random.split(key)[0], *args, CFG, hp, perfect)
+  np.testing.assert_array_equal(fb.slates[:-1], plain.slates[:-1])
+  # The untrained adapter = the first stage: the probe is their common top-s.
+  top, _ = top_s_slate(adapter_lib.adapter_scores(params, stream.queries[0],
+                                                  stream.candidates[0]), stream.mask[0], S)
+  np.testing.assert_array_equal(np.sort(fb.slates[-1]), np.sort(top))
+
+
+def test_paging_training_slates_show_every_candidate_once():
+  from ear_jax.core import policies  # pylint: disable=g-import-not-at-top
+  z = jnp.asarray([0.1, 0.9, 0.5, 0.7, 0.3, 0.2])
+  fb = lambda k, slate, mask: jnp.where(slate == 1, 1.0, -1.0)
+  cfg = dataclasses.replace(CFG, guard=False, train_slate="paging")
+  slates, mask, labels = policies.TRAIN_SLATES["paging"](jax.random.PRNGKey(0), z, None,
+                                                         jnp.ones(K, bool), fb, cfg, None)
+  np.testing.assert_array_equal(slates, [[1, 3], [2, 4], [5, 0]])
+  assert mask.all() and float(labels[0, 0]) == 1.0 and float(labels.sum()) == -4.0

@@ -145,8 +145,8 @@ def test_recall_without_learning_equals_evaluate_and_trains_nothing(method):
   config = mem.config.ear
   before = mem.learner.params
   query = emb[1] + emb[3] + 0.3 * emb[20]
-  outs = [mem.recall(f"question {i}", _gold_critic, k=5, query_embedding=query, learn=False)
-          for i in range(6)]  # more than a batch: a learning recall would have trained
+  outs = [mem.recall(f"question {i}", _gold_critic, k=5, query_embedding=query, learn=False,
+                     rule="explorer") for i in range(6)]  # more than a batch: a learning recall would have trained
   assert mem.stats["learner_steps"] == 0 and mem.stats["queries_queued"] == 0
   assert mem.stats["pending"] == 0 and mem.stats["critic_calls"] == 6 * config.num_rounds
   np.testing.assert_array_equal(np.asarray(mem.learner.params.w_q), np.asarray(before.w_q))

@@ -69,7 +69,7 @@ def _first_round(m, q):
     seen.append(list(view.ids))
     return -np.ones(len(view.ids), np.float32)
 
-  m.recall("a question", critic, k=5, query_embedding=q, learn=False)
+  m.recall("a question", critic, k=5, query_embedding=q, learn=False, rule="explorer")
   return seen[0]
 
 

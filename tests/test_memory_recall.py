@@ -108,3 +108,34 @@ def test_method_and_config_together_are_refused():
 def test_config_fields_memory_cannot_honour_are_refused_naming_them(kwargs, field):
   with pytest.raises(ValueError, match=f"config.{field}="):
     Memory(None, **kwargs)
+
+
+def test_recall_without_learning_pages_by_default_and_equals_evaluates_paging_slate():
+  mem, emb = _memory(method="ear_tuned", dim=D)
+  cfg = mem.config.ear
+  query = emb[1] + emb[3] + 0.3 * emb[20]
+  out = mem.recall("which memories?", _gold_critic, k=5, query_embedding=query, learn=False)
+  assert out.final_slate == "paging" and len(out.rounds) == cfg.num_rounds
+  rows, _, mask = retrieval.top_k_search(_unit(query)[None], _unit(emb), np.ones(M, bool),
+                                         cfg.num_candidates)
+  rows, mask = np.asarray(rows)[0], np.asarray(mask)[0]
+  ids = [f"m{r}" for r in rows]
+  # Page t = ranks 5t .. 5t + 4 of the untrained adapter (the first stage's order).
+  assert [list(r.ids) for r in out.rounds] == [ids[5 * t:5 * t + 5] for t in range(4)]
+  gold = np.asarray([i in GOLD for i in ids]) & mask
+  stream = stream_lib.make_stream(_unit(query)[None], _unit(emb)[rows][None], mask[None],
+                                  gold[None])
+  perfect = critic_lib.make_simulated_critic(precision=1.0, recall=1.0)
+  res = inference.evaluate(jax.random.PRNGKey(0), mem.learner.params,
+                           stream_lib.to_device(stream), cfg, mem.config.learner_hparams, perfect)
+  expected = [ids[j] for j in np.asarray(res.paging_adapted_slates[0]) if j >= 0]
+  assert list(out.ids) == expected and set(out.ids[:len(GOLD & set(ids))]) <= GOLD
+  assert mem.stats["queries_queued"] == 0
+
+
+def test_recall_refuses_paging_while_learning_and_an_unknown_rule():
+  mem, emb = _memory(method="ear", dim=D)
+  with pytest.raises(ValueError, match="test-time rule"):
+    mem.recall("q", _gold_critic, k=5, query_embedding=emb[0], rule="paging")
+  with pytest.raises(ValueError, match="unknown rule"):
+    mem.recall("q", _gold_critic, k=5, query_embedding=emb[0], learn=False, rule="pages")

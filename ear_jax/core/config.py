@@ -169,6 +169,10 @@ class EARConfig:
       cited item have been seen.
     guard_half_life: the evidence of a query halves in weight after this many later evidence
       queries (tracks the current adapter); 0 = every query weighs the same.
+    guard_probe: the last training slate of every query is the guard's probe (`guard.probe_slate`:
+      the adapted and the first stage's top-s interleaved in one slate) and the evidence is read
+      from it alone (a critic's slate-dependent noise then falls on both rankings alike); False =
+      the evidence of every slate, with each differing item required to have been shown.
   """
   dim: int = 384
   num_candidates: int = 20
@@ -201,6 +205,7 @@ class EARConfig:
   guard_z: float = 0.5  # z and the half-life: chosen by `--suite=guard_tune` (LoCoMo validation)
   guard_min_queries: int = 50
   guard_half_life: float = 250.0
+  guard_probe: bool = False
 
   def __post_init__(self):
     # Strategies stay names (resolved where used); `None` is the name 'none', and a registered
@@ -258,8 +263,11 @@ class EARConfig:
     if isinstance(self.side_init, bool) or not isinstance(self.side_init, (int, float)) or not (
         self.side_init >= 0):
       raise ValueError(f"side_init must be a float >= 0, got {self.side_init!r}")
-    if not isinstance(self.guard, bool):
-      raise ValueError(f"guard must be a bool, got {self.guard!r}")
+    for name in ("guard", "guard_probe"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+    if self.guard_probe and not self.guard:
+      raise ValueError("guard_probe=True needs guard=True (the probe feeds the guard's evidence)")
     for name in ("guard_z", "guard_half_life"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
@@ -324,7 +332,7 @@ _OPTIONAL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EARConfig)
                       if f.name in ("label_weights", "final_slate", "test_rounds", "lr_schedule",
                                     "lr_schedule_steps", "weight_decay", "side_features",
                                     "side_init", "guard", "guard_z", "guard_min_queries",
-                                    "guard_half_life")}
+                                    "guard_half_life", "guard_probe")}
 
 
 @flax.struct.dataclass

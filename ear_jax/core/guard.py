@@ -23,6 +23,21 @@ weights), and at test time serves the adapted ranking only when the lower confid
 
 `n_eff = (sum w)^2 / sum w^2` (Kish's effective sample size), otherwise the first stage's
 (`served_params`, a `jnp.where` on a scalar: no Python branch on traced values).
+
+The probe (`config.guard_probe`, issue 27). A critic's noise may depend on the whole slate: the
+paper's simulated critic cites a non-gold item with a rate that grows with the slate's gold items
+(`critic.false_positive_rate`), so items shown beside the adapted top-s (the Explorer's first
+slate) collect more false citations than first-stage items shown in later slates, and `d` above
+favours the adapter (LongMemEval_S, hybrid: the evidence read +0.02 cited items per query while
+the test split lost 0.037 gold items per query). With the probe, the last training slate of
+every query interleaves `j = min(m, s // 2)` items drawn at random from each of
+`A = TopS(z^phi) - TopS(z^0)` and `F = TopS(z^0) - TopS(z^phi)` (`m = |A| = |F|`), filled up
+with items of both top-s by `z^phi`, and the evidence is read from that slate alone:
+
+  `d = (m / j) (|Y_probe ∩ A| - |Y_probe ∩ F|)`   (`d = 0` when `m = 0`),
+
+an unbiased estimate of `|Y ∩ TopS(z^phi)| - |Y ∩ TopS(z^0)|` for any critic whose labels within
+one slate do not depend on which ranking an item came from (team-draft interleaving).
 """
 from __future__ import annotations
 
@@ -96,6 +111,72 @@ def query_evidence(params: adapter_lib.AdapterParams, first: adapter_lib.Adapter
   in_a, in_f = top(params), top(first)
   d = jnp.sum(cited & in_a).astype(jnp.float32) - jnp.sum(cited & in_f).astype(jnp.float32)
   return d, jnp.any(cited) & jnp.all(shown | ~(in_a ^ in_f))
+
+
+def probe_slate(key: jax.Array, relevance: jax.Array, first_relevance: jax.Array,
+                where: jax.Array, slate_size: int):
+  """The guard's probe slate of one query (see the module docstring; unbatched).
+
+  Args:
+    key: PRNG key of the random draw of `j` items from each side; the key is consumed.
+    relevance: `[K]` adapted relevance `z^phi`.
+    first_relevance: `[K]` the first stage's relevance `z^0`.
+    where: `[K]` bool, valid candidates.
+    slate_size: `s` (static).
+
+  Returns:
+    `(slate [s] int32, slate_mask [s] bool)`: A's and F's draws alternating (A first), then items
+    of both top-s by `z^phi`; the adapted top-s itself when the two top-s agree.
+  """
+  k = relevance.shape[0]
+  in_a, in_f = _top_mask(relevance, where, slate_size), _top_mask(first_relevance, where,
+                                                                 slate_size)
+  half = slate_size // 2
+  k_a, k_f = jax.random.split(key)
+
+  def draw(k_side, side):  # [K] float32: 2 * half - 2 i for the side's i-th draw (i < j), else 0
+    u = jnp.where(side, jax.random.uniform(k_side, (k,)), -1.0)
+    _, pick = jax.lax.top_k(u, half)
+    ok = side[pick]
+    return jnp.zeros((k,), jnp.float32).at[pick].max(
+        jnp.where(ok, 2.0 * (half - jnp.arange(half)), 0.0))
+
+  a_only, f_only = in_a & ~in_f, in_f & ~in_a
+  both = in_a & in_f
+  rank = jax.nn.sigmoid(jax.lax.stop_gradient(relevance))  # (0, 1): common items after the draws
+  priority = draw(k_a, a_only) + jnp.maximum(draw(k_f, f_only) - 1.0, 0.0) + jnp.where(
+      both, rank, 0.0)
+  chosen = (priority > 0.0) & where
+  return top_s_slate(jnp.where(chosen, priority, -jnp.inf), chosen, slate_size)
+
+
+def _top_mask(relevance, where, slate_size):
+  """`[K]` bool, the top-s of `relevance` over the valid candidates (`top_s_slate`'s ties)."""
+  slate, mask = top_s_slate(jax.lax.stop_gradient(relevance), where, slate_size)
+  return jnp.any((slate[:, None] == jnp.arange(relevance.shape[0])) & mask[:, None], axis=0)
+
+
+def probe_evidence(params: adapter_lib.AdapterParams, first: adapter_lib.AdapterParams,
+                   query: jax.Array, candidates: jax.Array, where: jax.Array, slates: jax.Array,
+                   slate_mask: jax.Array, labels: jax.Array, slate_size: int):
+  """`d` of one training query from its probe (the last of its `R` slates) and whether it counts.
+
+  Arguments as `query_evidence`. A query counts when some slate has a cited item and the probe
+  was answered (its mask not all False).
+  """
+  k = candidates.shape[0]
+  score = lambda p: adapter_lib.adapter_scores(jax.lax.stop_gradient(p), query, candidates)
+  in_a, in_f = _top_mask(score(params), where, slate_size), _top_mask(score(first), where,
+                                                                     slate_size)
+  a_only, f_only = in_a & ~in_f, in_f & ~in_a
+  probe = (slates[-1][:, None] == jnp.arange(k)) & slate_mask[-1][:, None]  # [s, K]
+  cited = jnp.any(probe & (labels[-1] > 0)[:, None], axis=0)  # [K]
+  shown_a = jnp.sum(jnp.any(probe, axis=0) & a_only).astype(jnp.float32)
+  m = jnp.sum(a_only).astype(jnp.float32)
+  diff = jnp.sum(cited & a_only).astype(jnp.float32) - jnp.sum(cited & f_only).astype(jnp.float32)
+  d = jnp.where(shown_a > 0, m / jnp.maximum(shown_a, 1.0) * diff, 0.0)
+  counts = jnp.any((labels > 0) & slate_mask) & jnp.any(slate_mask[-1])
+  return d, counts
 
 
 def update_guard(guard: GuardState, d: jax.Array, counts: jax.Array,

@@ -163,7 +163,17 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
   policy = policies.train_slate_policy(config.train_slate)
   if policy is None:
     raise ValueError("a config without a training-slate policy (train_slate='none') does not train")
-  return Feedback(*policy(key, z, lambda: adapter_lib.gram(m_t), where, feedback, config, hparams))
+  if config.guard_probe:  # the last slate becomes the guard's probe (`guard.probe_slate`)
+    key, k_probe = jax.random.split(key)
+  out = Feedback(*policy(key, z, lambda: adapter_lib.gram(m_t), where, feedback, config, hparams))
+  if not config.guard_probe:
+    return out
+  k_slate, k_critic = jax.random.split(k_probe)
+  z_first, _ = adapter_lib.relevance(guard_lib.first_stage_params(config), query, candidates)
+  slate, slate_mask = guard_lib.probe_slate(k_slate, z, z_first, where, config.slate_size)
+  labels = jnp.where(slate_mask, feedback(k_critic, slate, slate_mask), -1.0).astype(jnp.float32)
+  return Feedback(slates=out.slates.at[-1].set(slate), slate_mask=out.slate_mask.at[-1].set(
+      slate_mask), labels=out.labels.at[-1].set(labels))
 
 
 class Feedback(NamedTuple):
@@ -366,7 +376,8 @@ def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
 
   new_state, records = _step(state, batch_loss, batch, where, config, hparams, buffer)
   if config.guard:
-    d, counts = jax.vmap(guard_lib.query_evidence, in_axes=(None, None, 0, 0, 0, 0, 0, 0, None))(
+    evidence = guard_lib.probe_evidence if config.guard_probe else guard_lib.query_evidence
+    d, counts = jax.vmap(evidence, in_axes=(None, None, 0, 0, 0, 0, 0, 0, None))(
         state.params, guard_lib.first_stage_params(config), batch.queries, batch.candidates,
         batch.mask, slates, slate_mask, labels, config.slate_size)
     counts = counts & where

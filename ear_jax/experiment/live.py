@@ -57,7 +57,9 @@ from ear_jax.experiment import runner
 from ear_jax.experiment import scale_bench
 from ear_jax.experiment import stats
 
-MODES = ("adapter", "explorer")  # adapter-only (Memory.search), explorer-assisted (recall)
+# adapter-only (Memory.search), explorer-assisted (recall(learn=False, rule='explorer')) and paging
+# over the served ranking (recall(learn=False, rule='paging'); the runner's `paging_adapted`).
+MODES = ("adapter", "explorer", "paging_adapted")
 
 
 @dataclasses.dataclass
@@ -303,7 +305,7 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
     if progress is not None and (n + 1) % 500 == 0:
       progress(f"seed {seed}: {n + 1}/{len(train_index)} training questions")
   steps, pending = int(mem.stats["learner_steps"]), int(mem.stats["pending"])
-  slates = {"adapter": [], "explorer": []}
+  slates = {mode: [] for mode in MODES}
   for i in test_index:
     t = time.perf_counter()
     r = mem.search(data.query_text(i), s, query_embedding=queries[i],
@@ -314,9 +316,14 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
     host.start(data.gold_ids[i], test_keys[j])
     c0, t = host.seconds, time.perf_counter()
     out = mem.recall(data.query_text(i), host, s, query_embedding=queries[i], learn=False,
-                     scope=data.scope(data.bench.group[i]))
+                     scope=data.scope(data.bench.group[i]), rule="explorer")
     ms["recall_test"].append(1e3 * (time.perf_counter() - t - (host.seconds - c0)))
     slates["explorer"].append(tuple(out.ids))
+  for j, i in enumerate(test_index):  # the same critic keys: page t gets round t's (as `evaluate`)
+    host.start(data.gold_ids[i], test_keys[j])
+    out = mem.recall(data.query_text(i), host, s, query_embedding=queries[i], learn=False,
+                     scope=data.scope(data.bench.group[i]), rule="paging")
+    slates["paging_adapted"].append(tuple(out.ids))
   if int(mem.stats["learner_steps"]) != steps:
     raise RuntimeError("the test questions trained the adapter")
   num_gold = np.asarray(data.bench.stream.num_gold)
@@ -494,7 +501,8 @@ def table_md(cmp: dict, *, title: str) -> str:
   lines = [f"### {title}", "",
            "| mode | metric | runner | live | live − runner [95% CI] | within noise |",
            "|---|---|---|---|---|---|"]
-  names = {"adapter": "adapter-only", "explorer": "explorer-assisted"}
+  names = {"adapter": "adapter-only", "explorer": "explorer-assisted",
+           "paging_adapted": "paging over the adapted ranking"}
   for mode in MODES:
     for metric, label in (("recall", "R@5"), ("hitrate", "Hit@5")):
       r = cmp["modes"][mode][metric]

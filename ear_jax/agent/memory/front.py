@@ -244,6 +244,9 @@ def _check_honoured(config: EARConfig) -> None:
         f"config.train_slate={config.train_slate!r} is not honoured by Memory: its training "
         "slates are the Explorer rounds the agent plays (recall / Session.round(explore=True)); "
         "use train_slate='explorer'")
+  if config.guard_probe:
+    raise ValueError("config.guard_probe=True is not honoured by Memory: its training rounds are "
+                     "the Explorer rounds the agent plays, without the guard's probe slate")
   if config.test_rounds is not None and config.test_rounds != config.num_rounds:
     raise ValueError(
         f"config.test_rounds={config.test_rounds} is not honoured by Memory: recall plays "
@@ -372,7 +375,7 @@ class Memory:
     self._driver = Driver(config, self._hparams, cfg.seed, learner)
     self._stats = collections.Counter()
     self._generation = 0
-    self._ops = Ops(round=self._round, feedback=self._feedback, close=self._close,
+    self._ops = Ops(page=self._page, round=self._round, feedback=self._feedback, close=self._close,
                     info=self._info, critique=self._critique, final=self._final,
                     open=self._open, abandon=self._abandon, records=self._live_records,
                     count=self._count)
@@ -885,7 +888,7 @@ class Memory:
       return Session(self._ops, sid, texts[0], names or ())
 
   def recall(self, question: str, critic, k: int = 5, *, query_embedding=None,
-             learn: bool = True, scope=None) -> Recall:
+             learn: bool = True, scope=None, rule: Optional[str] = None) -> Recall:
     """T Explorer rounds of `question` with `critic`, recorded as ONE training query, and the
     final slate `config.final_slate` names (see `ear_jax.agent.memory.recall`).
 
@@ -898,14 +901,25 @@ class Memory:
       learn: False: the same rounds with the adapter frozen and nothing to train (explorer-
         assisted inference, as `ear_jax.core.inference.evaluate`).
       scope: the scopes the candidates come from (None: every scope).
+      rule: the rounds: 'explorer' (T Explorer rounds) or 'paging' (`learn=False` only: the
+        critic reads the served ranking's top T k in T pages of k, and the answer is the cited
+        memories first, in ranking order, then the ranking: `core.retrieval.paging_slate`).
+        Default: 'explorer' to learn, 'paging' with `learn=False` (RESULTS.md "Safety and
+        paging": at test time the Explorer's rounds do not beat paging with the same calls).
     """
     if not isinstance(question, str) or not question:
       raise ValueError("recall needs the question's text (a non-empty string): the critic reads it")
+    rule = ("explorer" if learn else "paging") if rule is None else rule
+    if rule not in recall_lib.RULES:
+      raise ValueError(f"unknown rule={rule!r}; expected one of {recall_lib.RULES}")
+    if rule == "paging" and learn:
+      raise ValueError("rule='paging' is a test-time rule: use it with learn=False (a memory "
+                       "learns from the Explorer's rounds)")
     k = self._check_k(k)
     critic = critic.bound(self._embed_answer) if isinstance(critic, AnswerFeedback) else critic
     return recall_lib.recall(self._ops, question, critic, k, query_embedding=query_embedding,
                              learn=bool(learn), scope=scope, rounds=self._ear.num_rounds,
-                             final_slate=self._ear.final_slate)
+                             final_slate="paging" if rule == "paging" else self._ear.final_slate)
 
   # ----------------------------------------------------------------------------------------------
   # the session operations (`sessions.Ops`)
@@ -937,6 +951,23 @@ class Memory:
       self._stats["rounds"] += 1
       return self._slate(s.cand_idx[pos], z[0][pos], s.rounds + 1, explore or s.frozen, sid,
                          s.query)
+
+  def _page(self, sid: int, k, t: int) -> Slate:
+    """`Ops.page`: page t (ranks `t k .. t k + k - 1`, ties to the lower candidate) of a frozen
+    session's served ranking over its candidates still held, opened as its next round."""
+    k = self._check_k(k)
+    with self._lock:
+      s = self._sessions.get(sid, open_round=False)
+      if not s.frozen:
+        raise ValueError(f"session {sid} learns; paging is a test-time rule (learn=False)")
+      z = np.asarray(recall_lib.relevance(s.params, s.query_emb, s.cand_emb))
+      order = np.lexsort((np.arange(len(z)), -z))
+      pos = order[s.cand_mask[order]][t * k:(t + 1) * k].astype(np.int32)
+      if not len(pos):
+        return Slate((), (), (), (), s.rounds + 1, True, sid, s.query)
+      self._sessions.open_round(sid, pos, True)
+      self._stats["rounds"] += 1
+      return self._slate(s.cand_idx[pos], z[pos], s.rounds + 1, True, sid, s.query)
 
   def _learn(self, items) -> int:
     steps = self._driver.push(items)

@@ -11,7 +11,11 @@ training query (Eq. (11)-(14)); the answer is the slate `EARConfig.final_slate` 
 explorer-assisted slate (`tests/test_memory_recall.py`). A critic follows the library's protocol,
 `critic(key, view) -> labels [k]` or None (an unusable reply: that round gets no update and the
 rounds end there). With `learn=False` the session is *frozen* (`sessions`): the rounds rank by
-the guard's served parameters of round 1 and nothing is queued.
+the guard's served parameters of round 1 and nothing is queued; its default rule is *paging*
+(`rule='paging'`, issue 27): round t shows page t (ranks `t k .. t k + k - 1`) of the served
+ranking, and the answer is the cited memories first, in ranking order, then the ranking, as
+`core.retrieval.paging_slate` (`inference.evaluate`'s `paging_adapted` slate for the same labels:
+`tests/test_memory_recall.py`); `rule='explorer'` plays the Explorer's rounds instead.
 
 Deletes and updates meanwhile (by the critic itself, or another thread) never make it fail: with
 `learn=True` a delete or update of one of the session's candidates drops the session, so the
@@ -46,7 +50,8 @@ class Recall:
     rounds: the `Slate`s shown to the critic, in order.
     labels: the critic's labels of each round (None for an unusable reply, or for the round
       whose session a delete dropped).
-    final_slate: the rule that chose the answer ('round_T' or 'exploit').
+    final_slate: the rule that chose the answer ('round_T' or 'exploit' after Explorer rounds,
+      'paging' after pages of the served ranking).
     dropped: the ids of memories shown to the critic that were deleted while recall ran (none of
       them is in the answer).
   """
@@ -63,6 +68,15 @@ class Recall:
     return len(self.ids)
 
 
+RULES = ("explorer", "paging")
+
+
+@jax.jit
+def relevance(params, query, candidates):
+  """`[K]` adapted relevance `z` of one session's candidates (the ranking paging reads)."""
+  return adapter_lib.relevance(params, query, candidates)[0]
+
+
 @functools.partial(jax.jit, static_argnames=("k",))
 def exploit(params, query, candidates, mask, mean, counts, *, k):
   """The top-k by bandit mean, ties by adapted relevance: `(slate [k], slate_mask [k], z [K])`."""
@@ -74,10 +88,12 @@ def exploit(params, query, candidates, mask, mean, counts, *, k):
 
 def recall(ops: Ops, question: str, critic, k: int, *, query_embedding, learn: bool, scope,
            rounds: int, final_slate: str) -> Recall:
-  """`rounds` Explorer rounds of `question` with `critic` (a checked question and `k`; see the
-  module docstring), then the final slate, as a `Recall`."""
+  """`rounds` Explorer rounds (or, `final_slate='paging'`, pages) of `question` with `critic` (a
+  checked question and `k`; see the module docstring), then the final slate, as a `Recall`."""
   session = ops.open(question, query_embedding, scope, not learn, k)
   try:
+    if final_slate == "paging":
+      return _pages(ops, session, critic, k, rounds)
     return _rounds(ops, session, critic, k, learn, rounds, final_slate)
   except BaseException:
     ops.abandon(session.id)  # (a bad critic: nothing of its rounds is kept)
@@ -114,3 +130,30 @@ def _rounds(ops: Ops, session, critic, k: int, learn: bool, rounds: int,
                 scores=tuple(float(scores[j]) for j in keep), rounds=tuple(shown),
                 labels=tuple(labels), final_slate=final_slate,
                 dropped=tuple(dict.fromkeys(i for s in shown for i in s.ids if i not in held)))
+
+
+def _pages(ops: Ops, session, critic, k: int, rounds: int) -> Recall:
+  """Paging (`learn=False`): page t of the served ranking to the critic in round t; the answer is
+  the cited memories first (ranking order), then the ranking, cut to k (`retrieval.paging_slate`
+  on the same labels; nothing cited: the adapter-only top-k)."""
+  shown, labels = [], []
+  for t in range(rounds):
+    page = ops.page(session.id, k, t)
+    if not len(page):  # past the candidates (or every one was deleted)
+      break
+    shown.append(page)
+    labels.append(ops.critique(session.id, critic, t))
+    if labels[-1] is None:
+      break
+  session.close()
+  ops.count("frozen_recalls")
+  ranked = [(i, sc, lab is not None and len(lab) == len(p.ids) and lab[j] > 0)
+            for p, lab in zip(shown, labels) for j, (i, sc) in enumerate(zip(p.ids, p.scores))]
+  answer = ([(i, sc) for i, sc, c in ranked if c] + [(i, sc) for i, sc, c in ranked if not c])[:k]
+  held = ops.records([i for i, _, _ in ranked])
+  answer = [(i, sc) for i, sc in answer if i in held]
+  return Recall(ids=tuple(i for i, _ in answer), texts=tuple(held[i]["text"] for i, _ in answer),
+                stores=tuple(held[i]["store"] for i, _ in answer),
+                scores=tuple(float(sc) for _, sc in answer), rounds=tuple(shown),
+                labels=tuple(labels), final_slate="paging",
+                dropped=tuple(dict.fromkeys(i for i, _, _ in ranked if i not in held)))

@@ -313,6 +313,7 @@ class Ops(NamedTuple):
   info: Callable  # (sid) -> (rounds, closed)
   critique: Callable  # (sid, critic, t) -> labels [k] or None: the open round shown to a critic
   final: Callable  # (sid, k) -> (ids, scores): the top-k by bandit mean ('exploit')
+  page: Callable  # (sid, k, t) -> Slate: page t of a frozen session's served ranking (paging)
   open: Callable  # (question, query_embedding, scope, frozen, k) -> Session
   abandon: Callable  # (sid) -> None: drops the session untrained (its recall failed)
   records: Callable  # (ids) -> {id: record} of those still held
