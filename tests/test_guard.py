@@ -345,7 +345,7 @@ def test_guard_probe_needs_the_guard():
     EARConfig(guard_probe=True)
 
 
-def test_with_the_probe_the_last_training_slate_is_the_probe_and_the_rest_the_policys():
+def test_the_probe_is_one_more_slate_and_leaves_the_policys_slates_and_training_unchanged():
   stream = to_device(_side_stream(1, seed=3))
   cfg = dataclasses.replace(CFG, guard_probe=True)
   hp = default_hparams()
@@ -355,8 +355,13 @@ def test_with_the_probe_the_last_training_slate_is_the_probe_and_the_rest_the_po
   from ear_jax.core import critic as critic_lib  # pylint: disable=g-import-not-at-top
   perfect = critic_lib.make_simulated_critic(precision=1.0, recall=1.0)
   fb = learner.collect_feedback(key, *args, cfg, hp, perfect)
-  plain = learner.collect_feedback(jax.random.split(key)[0], *args, CFG, hp, perfect)
-  np.testing.assert_array_equal(fb.slates[:-1], plain.slates[:-1])
+  plain = learner.collect_feedback(key, *args, CFG, hp, perfect)
+  assert fb.slates.shape[0] == plain.slates.shape[0] + 1
+  np.testing.assert_array_equal(fb.slates[:-1], plain.slates)
+  np.testing.assert_array_equal(fb.labels[:-1], plain.labels)
+  loss = lambda f, c: learner.query_loss(params, args[1], args[2], args[3], f, None,
+                                         dataclasses.replace(c, use_replay=False), hp)[0]
+  assert float(loss(fb, cfg)) == float(loss(plain, CFG))  # the probe does not train
   # The untrained adapter = the first stage: the probe is their common top-s.
   top, _ = top_s_slate(adapter_lib.adapter_scores(params, stream.queries[0],
                                                   stream.candidates[0]), stream.mask[0], S)

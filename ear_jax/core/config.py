@@ -169,10 +169,11 @@ class EARConfig:
       cited item have been seen.
     guard_half_life: the evidence of a query halves in weight after this many later evidence
       queries (tracks the current adapter); 0 = every query weighs the same.
-    guard_probe: the last training slate of every query is the guard's probe (`guard.probe_slate`:
-      the adapted and the first stage's top-s interleaved in one slate) and the evidence is read
-      from it alone (a critic's slate-dependent noise then falls on both rankings alike); False =
-      the evidence of every slate, with each differing item required to have been shown.
+    guard_probe: one more critic call per training query shows the guard's probe
+      (`guard.probe_slate`: the adapted and the first stage's top-s interleaved in one slate),
+      and the evidence is read from it alone (a critic's slate-dependent noise then falls on both
+      rankings alike); training leaves the probe out. False = the evidence of the training
+      slates, with each differing item required to have been shown.
   """
   dim: int = 384
   num_candidates: int = 20

@@ -29,9 +29,9 @@ paper's simulated critic cites a non-gold item with a rate that grows with the s
 (`critic.false_positive_rate`), so items shown beside the adapted top-s (the Explorer's first
 slate) collect more false citations than first-stage items shown in later slates, and `d` above
 favours the adapter (LongMemEval_S, hybrid: the evidence read +0.02 cited items per query while
-the test split lost 0.037 gold items per query). With the probe, the last training slate of
-every query interleaves `j = min(m, s // 2)` items drawn at random from each of
-`A = TopS(z^phi) - TopS(z^0)` and `F = TopS(z^0) - TopS(z^phi)` (`m = |A| = |F|`), filled up
+the test split lost 0.037 gold items per query). With the probe, one more critic call per
+training query (left out of training: `learner.collect_feedback`) shows a slate interleaving
+`j = min(m, s // 2)` items drawn at random from each of `A = TopS(z^phi) - TopS(z^0)` and `F = TopS(z^0) - TopS(z^phi)` (`m = |A| = |F|`), filled up
 with items of both top-s by `z^phi`, and the evidence is read from that slate alone:
 
   `d = (m / j) (|Y_probe ∩ A| - |Y_probe ∩ F|)`   (`d = 0` when `m = 0`),
@@ -159,7 +159,8 @@ def _top_mask(relevance, where, slate_size):
 def probe_evidence(params: adapter_lib.AdapterParams, first: adapter_lib.AdapterParams,
                    query: jax.Array, candidates: jax.Array, where: jax.Array, slates: jax.Array,
                    slate_mask: jax.Array, labels: jax.Array, slate_size: int):
-  """`d` of one training query from its probe (the last of its `R` slates) and whether it counts.
+  """`d` of one training query from its probe (the last of its `R + 1` slates) and whether it
+  counts.
 
   Arguments as `query_evidence`. A query counts when some slate has a cited item and the probe
   was answered (its mask not all False).

@@ -163,17 +163,21 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
   policy = policies.train_slate_policy(config.train_slate)
   if policy is None:
     raise ValueError("a config without a training-slate policy (train_slate='none') does not train")
-  if config.guard_probe:  # the last slate becomes the guard's probe (`guard.probe_slate`)
-    key, k_probe = jax.random.split(key)
   out = Feedback(*policy(key, z, lambda: adapter_lib.gram(m_t), where, feedback, config, hparams))
   if not config.guard_probe:
     return out
-  k_slate, k_critic = jax.random.split(k_probe)
+  # One more critic call, the guard's probe (`guard.probe_slate`), appended as the last row; the
+  # loss and the buffer leave it out (`query_loss`), so training is the policy's alone. Its key
+  # is folded from the query's: the policy's draws are those of a run without the probe.
+  k_slate, k_critic = jax.random.split(jax.random.fold_in(key, PROBE_KEY))
   z_first, _ = adapter_lib.relevance(guard_lib.first_stage_params(config), query, candidates)
   slate, slate_mask = guard_lib.probe_slate(k_slate, z, z_first, where, config.slate_size)
   labels = jnp.where(slate_mask, feedback(k_critic, slate, slate_mask), -1.0).astype(jnp.float32)
-  return Feedback(slates=out.slates.at[-1].set(slate), slate_mask=out.slate_mask.at[-1].set(
-      slate_mask), labels=out.labels.at[-1].set(labels))
+  return Feedback(*(jnp.concatenate([a, b[None]]) for a, b in zip(out, (slate, slate_mask,
+                                                                        labels))))
+
+
+PROBE_KEY = 0x27  # `fold_in` data of the guard probe's key (issue 27)
 
 
 class Feedback(NamedTuple):
@@ -266,6 +270,8 @@ def query_loss(params: adapter_lib.AdapterParams, query: jax.Array, candidates: 
     `(loss [], (record: QueryRecord, observed [K] bool, ybar [K] float32))`.
   """
   slates, slate_mask, labels = feedback
+  if config.guard_probe:  # the guard's probe row (`collect_feedback`) is evidence, not training
+    slates, slate_mask, labels = slates[:-1], slate_mask[:-1], labels[:-1]
   z, _ = adapter_lib.relevance(params, query, candidates)
   loss_logits = z / hparams.tau if config.loss_on_tempered_logits else z
   loss_cur = losses.ranking_loss(loss_logits, where, slates, slate_mask, labels, hparams.baseline,

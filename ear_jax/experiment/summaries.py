@@ -3,7 +3,10 @@ per-category metrics, learning-curve crossings, the multi-store diagnostics (Tab
 Appendix C) and the library versions a result depends on.
 
 `summarize` turns a `runner.RunResult` into the per-run dict written to `result.json` and
-`results.json` (percent, per seed and mean ± std). Library code: no flags are read here.
+`results.json` (percent, per seed and mean ± std): the four test metrics of the paper's two
+test-time modes, then (`PAGING_METRIC_NAMES`, issue 27) those of paging over the first stage's and
+over the adapted ranking, explorer-assisted inference's baseline with the same critic and calls.
+Library code: no flags are read here.
 """
 from __future__ import annotations
 
@@ -18,6 +21,19 @@ from ear_jax.core import adapter as adapter_lib
 from ear_jax.core.config import EARConfig, HParams
 from ear_jax.core.stream import Stream
 from ear_jax.experiment.runner import METRIC_NAMES, RunResult
+
+# Paging (`core.inference.evaluate`): the critic reads a ranking's top T x s in T pages of s.
+# Appended after `METRIC_NAMES` in a summary's "metrics" (the earlier keys keep their positions).
+PAGING_METRIC_NAMES = ("recall_paging_first_stage", "hitrate_paging_first_stage",
+                       "recall_paging_adapted", "hitrate_paging_adapted")
+# (per-query field of `RunResult.eval`, per-category metric name), in the order they are written.
+_CATEGORY_FIELDS = (("adapter_all_gold", "recall_adapter"), ("adapter_any_gold", "hitrate_adapter"),
+                    ("explorer_all_gold", "recall_explorer"),
+                    ("explorer_any_gold", "hitrate_explorer"),
+                    ("paging_first_stage_all_gold", "recall_paging_first_stage"),
+                    ("paging_first_stage_any_gold", "hitrate_paging_first_stage"),
+                    ("paging_adapted_all_gold", "recall_paging_adapted"),
+                    ("paging_adapted_any_gold", "hitrate_paging_adapted"))
 
 
 def hparams_dict(hparams: HParams) -> dict:
@@ -60,14 +76,16 @@ def ceiling(stream: Stream, test_index: np.ndarray, slate_size: int = 5) -> dict
 
 def summarize(result: RunResult, stream: Stream, categories: Optional[np.ndarray] = None,
               slate_size: int = 5) -> dict:
-  """JSON-able summary of a run: per-seed and mean ± std of the four test metrics (percent),
-  per category, the Recall@K ceiling, critic calls, the learning curve and wall time."""
+  """JSON-able summary of a run: per-seed and mean ± std of the test metrics (percent; the paper's
+  four, then `PAGING_METRIC_NAMES`), per category, the Recall@K ceiling, critic calls, the
+  learning curve and wall time."""
   ev = result.eval
   has = np.asarray(stream.num_gold)[result.test_index] > 0
   out = {"name": result.name, "config": config_dict(result.config),
          "hparams": hparams_dict(result.hparams), "seeds": result.seeds,
          "num_train": int(result.train_index.shape[1]), "num_test": int(result.test_index.shape[1]),
-         "metrics": {m: mean_std(100.0 * np.asarray(ev[m], np.float64)) for m in METRIC_NAMES},
+         "metrics": {m: mean_std(100.0 * np.asarray(ev[m], np.float64))
+                     for m in METRIC_NAMES + PAGING_METRIC_NAMES},
          "ceiling": ceiling(stream, result.test_index, slate_size),
          "critic_calls": mean_std(result.critic_calls),
          "wall_seconds": round(result.wall_seconds, 2), "resumed_from": result.resumed_from}
@@ -77,10 +95,7 @@ def summarize(result: RunResult, stream: Stream, categories: Optional[np.ndarray
     for c in sorted(set(np.asarray(categories).tolist())):
       sel = (cats == c) & has
       entry = {"n": mean_std(sel.sum(-1))}
-      for src, m in (("adapter_all_gold", "recall_adapter"),
-                     ("adapter_any_gold", "hitrate_adapter"),
-                     ("explorer_all_gold", "recall_explorer"),
-                     ("explorer_any_gold", "hitrate_explorer")):
+      for src, m in _CATEGORY_FIELDS:
         vals = _masked_pct(ev[src], sel)
         entry[m] = mean_std(np.where(sel.sum(-1) > 0, vals, np.nan))
       per[c] = entry
@@ -201,5 +216,5 @@ def _cpu_model() -> str:
   return platform.processor() or platform.machine() or "unknown"
 
 
-__all__ = ["ceiling", "config_dict", "first_crossing", "hparams_dict", "mean_std",
-           "store_metrics", "store_proximity_delta", "summarize", "versions"]
+__all__ = ["PAGING_METRIC_NAMES", "ceiling", "config_dict", "first_crossing", "hparams_dict",
+           "mean_std", "store_metrics", "store_proximity_delta", "summarize", "versions"]

@@ -5,13 +5,16 @@ LoCoMo validation data; here it is trained on the full training stream of every 
 the untouched test split, in both test modes: adapter only, and explorer-assisted at the paper's
 test budget (T = 4 critic calls per test query). Every comparison is a per-seed paired difference
 with its 95 % t-interval (`pairing.pair_runs` -> results.json "paired"), overall and per category,
-checked against `TARGETS`. On LongMemEval_S (never tuned on) this is the transfer test.
+checked against `TARGETS`. On LongMemEval_S (never tuned on) this is the transfer test. Below
+each explorer-assisted row (issue 27): its two paging neighbours (`pairing.paging_rows`), paired
+with it in the last column.
 """
 from __future__ import annotations
 
 from ear_jax.experiment import plots
 from ear_jax.experiment import stats
-from ear_jax.experiment.suites.pairing import DELTA_NOTE, fd, get_metric, pair_runs
+from ear_jax.experiment.suites.pairing import (DELTA_NOTE, PAGING_DELTA_HEADER, fd, get_metric,
+                                               insert_rows, pair_runs, paging_note, paging_rows)
 from ear_jax.experiment.suites.paper import fmt, md_table
 from ear_jax.experiment.suites.run_cache import Runner
 
@@ -41,7 +44,7 @@ def suite_beyond(r: Runner) -> str:
                        "budget T = 4 (do not override --num_rounds for ear here)")
   targets = TARGETS.get(r.opts.benchmark, {})
   base = (names["retriever"], runs["retriever"], "adapter")
-  rows, diffs = [], {}
+  rows, diffs, explorer_rows = [], {}, []
   for m in ("ear", "ear_tuned"):
     for mode in ("adapter", "explorer"):
       label = names[m]  # the readings append the test mode
@@ -57,21 +60,38 @@ def suite_beyond(r: Runner) -> str:
                    fd(d["recall"]), vs_ear, fmt(get_metric(runs[m], f"hitrate_{mode}")),
                    fd(d["hitrate"]),
                    _target_cell(d["recall"], targets.get(mode)) if m == "ear_tuned" else "–",
-                   fmt(runs[m]["critic_calls"], 0)])
+                   fmt(runs[m]["critic_calls"], 0), "(reference)" if mode == "explorer" else "–"])
+      if mode == "explorer":
+        explorer_rows.append((len(rows) - 1, m))
+  paging = []  # after the issue-12 comparisons, so their records keep their positions
+  for i, m in explorer_rows:
+    new = []
+    for mode, text, d in paging_rows(r, "beyond", names[m], runs[m]):
+      dr = pair_runs(r, "beyond", (names[m], runs[m], mode), base, primary=False)
+      vs_ear = "(reference)"
+      if m == "ear_tuned":
+        vs_ear = fd(pair_runs(r, "beyond", (names[m], runs[m], mode),
+                              (names["ear"], runs["ear"], mode), metrics=("recall",),
+                              primary=False)["recall"])
+      new.append([names[m], text, fmt(get_metric(runs[m], f"recall_{mode}")), fd(dr["recall"]),
+                  vs_ear, fmt(get_metric(runs[m], f"hitrate_{mode}")), fd(dr["hitrate"]), "–",
+                  fmt(runs[m]["critic_calls"], 0), fd(d)])
+    paging.append((i, new))
+  rows = insert_rows(rows, paging)
   ret = runs["retriever"]
   rows.insert(0, [names["retriever"], "frozen top-5", fmt(get_metric(ret, "recall_adapter")),
                   "(baseline)", "–", fmt(get_metric(ret, "hitrate_adapter")), "(baseline)", "–",
-                  "0"])
+                  "0", "–"])
   md = [f"### Beyond the paper: `ear_tuned` vs the paper's EAR — {r.opts.benchmark} (test split)",
         "",
         md_table(["method", "test mode", "R@5", "Δ R@5 vs retriever [95% CI]",
                   "Δ R@5 vs paper EAR, same mode [95% CI]", "Hit@5",
-                  "Δ Hit@5 vs retriever [95% CI]", "issue 12 target", "critic calls (train)"],
-                 rows), "",
+                  "Δ Hit@5 vs retriever [95% CI]", "issue 12 target", "critic calls (train)",
+                  PAGING_DELTA_HEADER], rows), "",
         DELTA_NOTE + " Test mode 'explorer-assisted' spends T = 4 critic calls per test query "
         "(the paper's budget) for both EAR variants; the paper's EAR answers with round T's slate, "
         "`ear_tuned` with its own final-slate rule. Targets: issue 12 (mean paired difference vs "
-        "the retriever)."]
+        "the retriever).", "", paging_note(runs["ear"], r.opts.k)]
   cats = sorted(runs["ear_tuned"].get("per_category", {}))
   if cats:
     crow = []

@@ -18,7 +18,9 @@ The table says whether the library's defaults (`FirstStageOptions`, `EARConfig.s
 `first_stage` (any benchmark; LongMemEval_S is the held-out transfer test): for each first stage in
 `GENERATORS_SHOWN`, the frozen first stage and `ear` / `ear_tuned` (adapter only, and explorer-
 assisted at T = 4), trained on every seed's full training stream and scored on its test split, with
-per-seed paired differences against the same first stage and against the best frozen one.
+per-seed paired differences against the same first stage and against the best frozen one. Below
+each explorer-assisted row (issue 27): its two paging neighbours (`pairing.paging_rows`), paired
+with it in the last column.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ from ear_jax.data import first_stage
 from ear_jax.experiment import plots
 from ear_jax.experiment import runner
 from ear_jax.experiment import sweep
-from ear_jax.experiment.suites.pairing import DELTA_NOTE, fd, get_metric, pair_runs
+from ear_jax.experiment.suites.pairing import (DELTA_NOTE, PAGING_DELTA_HEADER, fd, get_metric,
+                                               insert_rows, pair_runs, paging_note, paging_rows)
 from ear_jax.experiment.suites.paper import fmt, md_table
 from ear_jax.experiment.suites.run_cache import Runner
 
@@ -189,7 +192,7 @@ def suite_first_stage(r: Runner) -> str:
         raise ValueError(f"{m} tests with T != {TEST_ROUNDS}; this suite compares at T = 4")
   best = _best_first_stage(runs)
   targets = TARGETS.get(r.opts.benchmark, {})
-  rows, diffs = [], {}
+  rows, diffs, explorer_rows = [], {}, []
   for g in GENERATORS_SHOWN:
     ret = runs[g]["retriever"]
     rows.append([g, "frozen first stage", "top-5", fmt(get_metric(ret, "recall_adapter")),
@@ -197,7 +200,7 @@ def suite_first_stage(r: Runner) -> str:
                      r, "first_stage", (f"{g} first stage", ret, "adapter"),
                      (f"{best} first stage", runs[best]["retriever"], "adapter"),
                      metrics=("recall",), primary=False)["recall"]),
-                 fmt(get_metric(ret, "hitrate_adapter")), "–"])
+                 fmt(get_metric(ret, "hitrate_adapter")), "–", "–"])
     for m in TUNED_METHODS:
       for mode in MODES:
         s = runs[g][m]
@@ -216,7 +219,23 @@ def suite_first_stage(r: Runner) -> str:
           target = _target_cell(mean, targets["explorer"])
         rows.append([g, m, MODES[mode], fmt(get_metric(s, f"recall_{mode}")),
                      fd(d_own["recall"]), fd(d_best["recall"]),
-                     fmt(get_metric(s, f"hitrate_{mode}")), target])
+                     fmt(get_metric(s, f"hitrate_{mode}")), target,
+                     "(reference)" if mode == "explorer" else "–"])
+        if mode == "explorer":
+          explorer_rows.append((len(rows) - 1, g, m))
+  paging = []  # after the issue-18 comparisons, so their records keep their positions
+  for i, g, m in explorer_rows:
+    s, ret, new = runs[g][m], runs[g]["retriever"], []
+    for mode, text, d in paging_rows(r, "first_stage", f"{m} over {g}", s):
+      d_own = pair_runs(r, "first_stage", (f"{m} over {g}", s, mode),
+                        (f"{g} first stage", ret, "adapter"), metrics=("recall",), primary=False)
+      d_best = pair_runs(r, "first_stage", (f"{m} over {g}", s, mode),
+                         (f"{best} first stage", runs[best]["retriever"], "adapter"),
+                         metrics=("recall",), primary=False)
+      new.append([g, m, text, fmt(get_metric(s, f"recall_{mode}")), fd(d_own["recall"]),
+                  fd(d_best["recall"]), fmt(get_metric(s, f"hitrate_{mode}")), "–", fd(d)])
+    paging.append((i, new))
+  rows = insert_rows(rows, paging)
   best_mean = get_metric(runs[best]["retriever"], "recall_adapter")["mean"]
   note = ""
   if "first_stage" in targets:
@@ -233,11 +252,12 @@ def suite_first_stage(r: Runner) -> str:
       "(test split)", "",
       md_table(["first stage", "method", "test mode", "R@5", "Δ R@5 vs same first stage "
                 "[95% CI]", f"Δ R@5 vs best first stage ({best}) [95% CI]", "Hit@5",
-                "issue 18 target"], rows), "",
+                "issue 18 target", PAGING_DELTA_HEADER], rows), "",
       DELTA_NOTE + f" The frozen first stage is the generator's own top-5. Side information: on "
       f"for bm25 and hybrid (z = adapted cosine + w . [first-stage score, dense cosine, BM25]), off "
       f"for dense (the paper's EAR). Hybrid fusion: {fs_opts}. Recall@K ceiling (all gold in the "
-      f"K = {r.opts.k} candidates): {ceil}." + note])
+      f"K = {r.opts.k} candidates): {ceil}." + note, "",
+      paging_note(runs[best]["ear"], r.opts.k)])
 
 
 __all__ = ["GENERATORS_SHOWN", "LEXICAL_WEIGHT_GRID", "SIDE_INIT_GRID", "TARGETS",

@@ -206,16 +206,14 @@ def guard_test_rows(r: Runner, candidates: str, critic_name: str, critic_over: d
                  for metric in ("recall", "hitrate")}
           for name, (src, mode) in TEST_ROWS.items()}
   serve = np.asarray(jax.vmap(lambda g: guard_lib.serve_adapted(g, config))(res.final_state.guard))
+  diagnosis = evidence_diagnosis(res.train_log, stream, test, evs["adapted"], evs["first"])
   summary = summaries.summarize(res, stream, b.categories)
   summary.update(method=METHOD, run=run_name, critic={k: float(getattr(critic, k))
                                                        for k in ("precision", "recall")},
                  candidates=candidates, epochs=1)
-  for mode in ("paging_first_stage", "paging_adapted"):
-    for metric in ("recall", "hitrate"):
-      summary["metrics"][f"{metric}_{mode}"] = summaries.mean_std(
-          100.0 * np.asarray(res.eval[f"{metric}_{mode}"], np.float64))
   out = {"ident": ident, "candidates": candidates, "critic": critic_name, "rows": rows,
-         "serve_adapted": serve.tolist(), "test_rounds": config.eval_rounds, "summary": summary}
+         "serve_adapted": serve.tolist(), "test_rounds": config.eval_rounds, "summary": summary,
+         "diagnosis": diagnosis}
   r.summaries[run_name] = summary
   if r.writes:
     cache.parent.mkdir(parents=True, exist_ok=True)
@@ -224,6 +222,30 @@ def guard_test_rows(r: Runner, candidates: str, critic_name: str, critic_over: d
                "first stage %.2f, paging served %.2f (R@5)", run_name,
                *[np.mean(rows[k]["recall"]) for k in TEST_ROWS])
   return out
+
+
+def evidence_diagnosis(train_log: dict, stream, test, adapted, first) -> dict:
+  """What the guard saw against what the test split shows, per seed: the mean evidence `d` of
+  the counted training queries (cited items in the adapted top-s minus the first stage's) and,
+  on the test split, the mean gold items in the adapter's top-s minus the first stage's (the
+  quantity `d` estimates, with a perfect critic) and the Recall@s difference (all gold in the
+  top-s: the metric the targets read)."""
+  gold = np.asarray(stream.gold)
+
+  def gold_in(ev):  # [S, M] gold memories in each test query's top-s
+    sl = np.asarray(ev["adapter_slates"])
+    out = []
+    for i, idx in enumerate(np.asarray(test)):
+      g = np.pad(gold[idx], ((0, 0), (0, 1)))  # (index K: an empty position, never gold)
+      out.append(np.take_along_axis(g, np.where(sl[i] < 0, g.shape[1] - 1, sl[i]), 1).sum(1))
+    return np.stack(out)
+
+  d, counts = np.asarray(train_log["guard_d"]), np.asarray(train_log["guard_counts"])
+  return {"evidence_mean_d": [float(d[i][counts[i]].mean()) if counts[i].any() else 0.0
+                              for i in range(d.shape[0])],
+          "test_gold_in_top_s_diff": (gold_in(adapted) - gold_in(first)).mean(1).tolist(),
+          "test_recall_diff": (100.0 * (np.asarray(adapted["adapter_all_gold"], np.float64)
+                                        - np.asarray(first["adapter_all_gold"]))).mean(1).tolist()}
 
 
 def _side(label, run_name, mode):
@@ -288,6 +310,10 @@ def suite_guard(r: Runner) -> str:
         target = f"paging: {'met' if ok else 'not met'} (Δ vs paging ≥ 0)"
         targets.append(("paging", ok))
       table.append(cells + [serving, target])
+  diag = [[res["candidates"], res["critic"], " ".join(f"{x:+.3f}" for x in dg["evidence_mean_d"]),
+           f"{np.mean(dg['evidence_mean_d']):+.3f}", f"{np.mean(dg['test_gold_in_top_s_diff']):+.3f}",
+           f"{np.mean(dg['test_recall_diff']):+.2f}"]
+          for res in results for dg in [res.get("diagnosis")] if dg]
   met = {kind: sum(ok for k, ok in targets if k == kind) for kind in ("safety", "paging")}
   total = {kind: sum(k == kind for k, _ in targets) for kind in ("safety", "paging")}
   return "\n".join([
@@ -301,7 +327,10 @@ def suite_guard(r: Runner) -> str:
       "scored with that run's critic and evaluation keys. Paging: the critic reads the ranking's "
       f"top {results[0]['test_rounds']} x 5 in pages of 5 (the same calls as the Explorer) and "
       "the answer puts the cited memories first. Targets met: safety "
-      f"{met['safety']}/{total['safety']}, paging {met['paging']}/{total['paging']}."])
+      f"{met['safety']}/{total['safety']}, paging {met['paging']}/{total['paging']}.",
+      "", "What the guard saw (training evidence) against the test split, the guard off:", "",
+      md_table(["first stage", "critic", "mean evidence d per seed", "mean d",
+                "test: gold in adapted top-5 − in first stage's", "test: Δ R@5"], diag)])
 
 
 __all__ = ["HALF_LIFE_GRID", "SETTINGS", "TEST_CRITICS", "TEST_ROWS", "Z_GRID", "guard_rows",

@@ -1,8 +1,13 @@
-"""Suites `main` (Table 2: Only Retriever, RL-update reranker, EAR) and `ablation` (Table 3)."""
+"""Suites `main` (Table 2: Only Retriever, RL-update reranker, EAR) and `ablation` (Table 3).
+
+Below each explorer-assisted row, beyond the paper (issue 27): its two paging neighbours
+(`pairing.paging_rows`), in a last column paired with it; the paper's rows keep every cell.
+"""
 from __future__ import annotations
 
 from ear_jax.experiment import plots
-from ear_jax.experiment.suites.pairing import DELTA_NOTE, fd, get_metric, pair_runs
+from ear_jax.experiment.suites.pairing import (DELTA_NOTE, PAGING_DELTA_HEADER, fd, get_metric,
+                                               insert_rows, pair_runs, paging_note, paging_rows)
 from ear_jax.experiment.suites.paper import PAPER, fmt, fmt_num, md_table
 from ear_jax.experiment.suites.run_cache import Runner
 
@@ -30,7 +35,8 @@ def suite_main(r: Runner) -> str:
     rows.append([names[m], f"{mode}", fmt_num(paper[0]) if paper else "–",
                  fmt(get_metric(s, f"recall_{mode}")), fmt_num(paper[1]) if paper else "–",
                  fmt(get_metric(s, f"hitrate_{mode}")), fmt(get_metric(s, f"recall_{other}")),
-                 fmt(get_metric(s, f"hitrate_{other}")), dcells[0], dcells[1]])
+                 fmt(get_metric(s, f"hitrate_{other}")), dcells[0], dcells[1],
+                 "(reference)" if mode == "explorer" else "–"])
   # The paper's headline ordering also puts EAR above the RL-update reranker.
   prl = PAPER["main"].get(pk, {}).get("rl_update") if pk else None
   pear = PAPER["main"].get(pk, {}).get("ear") if pk else None
@@ -38,14 +44,27 @@ def suite_main(r: Runner) -> str:
              (names["rl_update"], runs["rl_update"], "adapter"),
             paper={"recall": pear[0] - prl[0], "hitrate": pear[1] - prl[1]} if pear else None,
             primary={"recall"})
+  paging = []  # after the paper's comparisons, so their records keep their positions
+  for i, m in enumerate(runs):
+    if modes[m] == "explorer":
+      new = []
+      for mode, text, d in paging_rows(r, "main", names[m], runs[m]):
+        dr = pair_runs(r, "main", (names[m], runs[m], mode), base, primary=False)
+        new.append([text, "paging", "–", fmt(get_metric(runs[m], f"recall_{mode}")), "–",
+                    fmt(get_metric(runs[m], f"hitrate_{mode}")), "–", "–", fd(dr["recall"]),
+                    fd(dr["hitrate"]), fd(d)])
+      paging.append((i, new))
+  rows = insert_rows(rows, paging)
   ceil = runs["retriever"]["ceiling"]
   md = [f"### Table 2 (retrieval columns) — {r.opts.benchmark}",
         "",
         md_table(["Method", "test mode", "paper R@5", "R@5", "paper Hit@5", "Hit@5",
                   "R@5 (other mode)", "Hit@5 (other mode)", "Δ R@5 vs retriever [95% CI]",
-                  "Δ Hit@5 vs retriever [95% CI]"], rows),
+                  "Δ Hit@5 vs retriever [95% CI]", PAGING_DELTA_HEADER], rows),
         "",
         DELTA_NOTE + " Baseline: Only Retriever (the frozen retriever's top-5).",
+        "",
+        paging_note(runs["ear"], r.opts.k),
         "",
         f"Test queries per seed: {runs['ear']['num_test']}, training queries: "
         f"{runs['ear']['num_train']}, seeds: {len(r.seeds)}. Recall@K ceiling (all gold in the "
@@ -116,17 +135,31 @@ def suite_ablation(r: Runner) -> str:
       deltas[label]["vs EAR (same test mode)"] = d_ear
     rows.append([label, mode, fmt_num(pl), fmt_num(pc), fmt(get_metric(s, f"recall_{mode}")),
                  fd(d_ret["recall"]), fd(d_ear) if d_ear is not None else "(reference)",
-                 fmt(get_metric(s, f"hitrate_{mode}")), fd(d_ret["hitrate"])])
+                 fmt(get_metric(s, f"hitrate_{mode}")), fd(d_ret["hitrate"]),
+                 "(reference)" if mode == "explorer" else "–"])
     series[label] = {"Recall@5": get_metric(s, f"recall_{mode}")["per_seed"]}
+  paging = []  # after the paper's comparisons, so their records keep their positions
+  for i, (label, method, mode) in enumerate(rows_spec):
+    if mode == "explorer":
+      s = r.run(method)
+      new = []
+      for pmode, text, d in paging_rows(r, "ablation", label, s):
+        dr = pair_runs(r, "ablation", (label, s, pmode), base, primary=False)
+        new.append([text, "paging", "–", "–", fmt(get_metric(s, f"recall_{pmode}")),
+                    fd(dr["recall"]), "–", fmt(get_metric(s, f"hitrate_{pmode}")),
+                    fd(dr["hitrate"]), fd(d)])
+      paging.append((i, new))
+  rows = insert_rows(rows, paging)
   md = [f"### Table 3 (ablation) — {r.opts.benchmark}", "",
         "Top four rows: explorer disabled at test (adapter top-5); bottom two: explorer at test.",
         "",
         md_table(["Variant", "test mode", "paper LongMemEval R@5", "paper LoCoMo R@5",
                   "R@5 (here)", "Δ R@5 vs retriever [95% CI]",
                   "Δ R@5 vs EAR, same test mode [95% CI]", "Hit@5 (here)",
-                  "Δ Hit@5 vs retriever [95% CI]"], rows), "",
+                  "Δ Hit@5 vs retriever [95% CI]", PAGING_DELTA_HEADER], rows), "",
         DELTA_NOTE + " Baselines: Only Retriever (top-5 of the frozen retriever) and EAR's own "
-        "adapter evaluated in the row's test mode ('(reference)': EAR itself)."]
+        "adapter evaluated in the row's test mode ('(reference)': EAR itself).", "",
+        paging_note(ear, r.opts.k)]
   paper = None
   if pk:
     paper = {lab: {"Recall@5": PAPER["ablation"][pk][(m, mo)]} for lab, m, mo in rows_spec}

@@ -16,6 +16,11 @@ multi-store benchmark are only paired with other multi-store runs.)
 is compared, the metric, the paper's difference where the paper gives both numbers, and whether
 the verdict agrees with the paper's direction. Records with `primary` feed the "Readings" list
 (`ear_jax.experiment.results_md.readings_md`).
+
+Paging (issue 27, `core.inference.evaluate`) is explorer-assisted inference's baseline: the same
+critic reads the first stage's (or the adapted) ranking's top T x s in T pages of s and the answer
+puts the cited memories first; the same T calls, and call t shares round t's key. `paging_rows`
+gives a table's explorer-assisted row its two paging neighbours, each paired with that row.
 """
 from __future__ import annotations
 
@@ -81,6 +86,68 @@ def pair(r: Runner, suite: str, treatment: dict, baseline: dict, metric: str, t_
       "expected_sign": sign, "vs_paper": stats.agreement(d, sign), "primary": primary,
       "score": score})
   return d
+
+
+# Paging test modes (`summaries.PAGING_METRIC_NAMES`) -> their row label.
+PAGING_MODES = {"paging_first_stage": "paging over the first stage ({t} pages of {s})",
+                "paging_adapted": "paging over the adapted ranking ({t} pages of {s})"}
+
+# Printed under a table with paging rows (after its own note, which stays as it was).
+PAGING_NOTE = ("Paging rows (issue 27): the same run's critic reads the first stage's (or the "
+               "adapted) ranking's top T x 5 in T pages of 5 and the answer puts the cited "
+               "memories first: the same T critic calls per test query and as many memories shown "
+               "as the explorer-assisted row above them, with common random numbers (page t and "
+               "explorer round t share the critic's key). Their last column is paired per seed "
+               "with that explorer-assisted row (positive: paging wins).")
+
+PAGING_DELTA_HEADER = "Δ R@5 vs the explorer-assisted row [95% CI]"
+
+
+def paging_note(summary: dict, k: int) -> str:
+  """`PAGING_NOTE`, and when the T pages cover all `k` candidates of a query, what that means."""
+  s = summary["config"]["slate_size"]
+  shown = explorer_rounds(summary) * s
+  if shown < k:
+    return PAGING_NOTE
+  return PAGING_NOTE + (f" Here T x {s} = {shown} ≥ K = {k}: the pages show every candidate, so "
+                        "paging is the critic labelling the whole candidate set once; the two "
+                        "paging rows differ only in where the critic's noise falls and in the "
+                        "ranking's order among the answer's memories.")
+
+
+def explorer_rounds(summary: dict) -> int:
+  """`T` of a run's explorer-assisted inference: its config's `test_rounds`, else `num_rounds`."""
+  cfg = summary["config"]
+  return cfg.get("test_rounds") or cfg["num_rounds"]
+
+
+def paging_rows(r: Runner, suite: str, label: str, summary: dict) -> list:
+  """The two paging neighbours of a run's explorer-assisted row, each paired with it.
+
+  Records `paging - explorer` R@5 of the same run (`pair_runs`, primary: in the readings).
+
+  Args:
+    r: the runner.
+    suite: suite name.
+    label: the explorer-assisted row's label (the run's, in the readings).
+    summary: the run's summary (with `summaries.PAGING_METRIC_NAMES`).
+
+  Returns:
+    `[(mode, row label, Δ R@5 dict)]` for `PAGING_MODES`, in that order.
+  """
+  t, s = explorer_rounds(summary), summary["config"]["slate_size"]
+  return [(mode, text.format(t=t, s=s),
+           pair_runs(r, suite, (label, summary, mode), (label, summary, "explorer"),
+                     metrics=("recall",))["recall"])
+          for mode, text in PAGING_MODES.items()]
+
+
+def insert_rows(rows: list, additions: list) -> list:
+  """`rows` with each `(i, new_rows)` of `additions` inserted right below `rows[i]`."""
+  out = list(rows)
+  for i, new in sorted(additions, key=lambda a: a[0], reverse=True):
+    out[i + 1:i + 1] = new
+  return out
 
 
 def side(label: str, summary: dict, mode: Optional[str]) -> dict:
