@@ -39,7 +39,8 @@ SUITES = ("main", "ablation", "hparams", "curves", "noise", "multistore", "qa", 
           "first_stage_tune", "first_stage",  # EAR over dense / BM25 / hybrid
           "answer_critic",  # EAR trained by the answer-grounded critic (issue 28)
           "guard_tune",  # the guard on LoCoMo validation (issue 27)
-          "guard")  # ear_safe vs the frozen first stage and paging, test split (issue 27)
+          "guard",  # ear_safe vs the frozen first stage and paging, test split (issue 27)
+          "guard_diagnosis")  # what the guard's evidence reads vs held-out measurements
 
 _DATA = data_flags.define(["locomo", "longmemeval", "jsonl", "synthetic"])
 _FIRST_STAGE = first_stage_flags.define()  # --candidates=dense|bm25|hybrid

@@ -50,3 +50,26 @@ def test_guard_suite_rows_are_paired_per_seed_and_match_the_plain_runs(locomo_pa
   # --resume reuses every cached run and prints the same table.
   again = suites.run(dataclasses.replace(opts, resume=True))
   assert again["tables"]["guard"] == md
+
+
+def test_guard_diagnosis_is_registered_by_name_only():
+  from experiments import run  # pylint: disable=import-outside-toplevel
+  from ear_jax.experiment.suites import guard_diagnosis  # pylint: disable=import-outside-toplevel
+  assert suites.SUITES["guard_diagnosis"] is guard_diagnosis.suite_guard_diagnosis
+  assert "guard_diagnosis" in run.SUITES and "guard_diagnosis" not in suites.ALL_ORDER
+
+
+@pytest.mark.slow
+def test_guard_diagnosis_reports_every_variant_and_seed(tmp_path):
+  from ear_jax.experiment.suites import guard_diagnosis  # pylint: disable=import-outside-toplevel
+  from ear_jax.experiment.suites.options import Options  # pylint: disable=import-outside-toplevel
+  r = Runner(Options(benchmark="synthetic", synthetic_queries=120, seeds=2,
+                     workdir=str(tmp_path), progress=False))
+  md = guard_diagnosis.suite_guard_diagnosis(r)
+  saved = json.loads((tmp_path / "guard_diagnosis.json").read_text())
+  assert set(saved) == set(guard_diagnosis.VARIANTS) and all(
+      len(v["evidence_mean_d"]) == 2 and len(v["validation_recall_diff"]) == 2
+      for v in saved.values())
+  # The probe leaves training unchanged: the same adapters, so the same held-out columns.
+  assert saved["probe"]["test_recall_diff"] == saved["training slates"]["test_recall_diff"]
+  assert md.count("\n| ") == 1 + len(guard_diagnosis.VARIANTS)  # the header and a row each

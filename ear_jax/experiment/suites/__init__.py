@@ -34,6 +34,7 @@ from ear_jax.experiment import summaries
 from ear_jax.experiment.suites import answer_critic
 from ear_jax.experiment.suites import first_stage
 from ear_jax.experiment.suites import guard
+from ear_jax.experiment.suites import guard_diagnosis
 from ear_jax.experiment.suites import hparams_curves
 from ear_jax.experiment.suites import main_ablation
 from ear_jax.experiment.suites import noise_multistore
@@ -72,6 +73,8 @@ SUITES["answer_critic"] = answer_critic.suite_answer_critic
 SUITES["guard_tune"] = guard.suite_guard_tune
 # The guard and paging (issue 27), by name only: ear_safe vs the frozen first stage and paging, test.
 SUITES["guard"] = guard.suite_guard
+# The guard's evidence against held-out measurements (issue 27), by name only: a diagnosis.
+SUITES["guard_diagnosis"] = guard_diagnosis.suite_guard_diagnosis
 SUITE_NAMES = tuple(SUITES) + ("all",)  # the values of `--suite`
 
 
