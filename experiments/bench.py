@@ -4,6 +4,8 @@ r"""Speed of ear_jax, measured against baselines measured in the same run.
   python -m experiments.bench --quick      # every field on tiny shapes (~30 s; used by a test)
   python -m experiments.bench --suite=scale   # memory at scale, 1k -> 1M (see below)
   python -m experiments.bench --suite=first_stage   # BM25 / hybrid candidates, 10k -> 1M
+  python -m experiments.bench --suite=server   # the MCP server under 16 concurrent HTTP clients
+  python -m experiments.bench --suite=scopes   # a scoped search among 1M memories in 10k scopes
 
 Everything runs on one fixed synthetic stream shaped like LoCoMo training (1,232 queries, K = 20,
 s = 5, T = 4, B = 4, batch 4; d = 384 and d = 768; EAR with the default config):
@@ -30,6 +32,10 @@ directory (at 1M against the load before issue 29, target <= 2x) and `add` of on
 opened memory (target < 50 ms); writes `--scale_out` (JSON), a markdown table and a log-log plot.
 `--suite=first_stage` (`ear_jax.experiment.first_stage_bench`): the BM25 / hybrid first stage
 against bank size, and the search right after adding one memory (target <= 2x a search).
+`--suite=server` (`ear_jax.experiment.server_bench`): the MCP server over loopback HTTP with
+`--server_memories` in `--server_scopes` scopes, 1 and `--server_clients` concurrent clients
+(remember / recall / cite / search, `--server_seconds` each), a kill -9 mid-run, the same workload
+in-process; calls/s, p50 / p99 per tool, errors, leaks, acknowledged writes -> `--server_out`.
 
 The measurements are `ear_jax.experiment.benchmarking`; this program reads the flags, calls them
 and prints the table. Timings take the minimum over repetitions (the machine is shared; the minimum
@@ -59,7 +65,7 @@ _REPO = pathlib.Path(__file__).resolve().parent.parent
 ROWS = ("scan", "loop", "numpy", "seeds", "inference", "encode", "suite")
 
 _SUITE = flags.DEFINE_enum("suite", "default", ["default", "scale", "scale_probes", "distributed",
-                                                "first_stage"],
+                                                "first_stage", "server", "scopes"],
                            "Which benchmark: the default rows, memory at scale, the "
                            "probes behind its design choices (PQ settings, retrieve latency warm "
                            "and cold), or the cross-process merge of the sharded search ("
@@ -78,6 +84,31 @@ _SCALE_CALLS = flags.DEFINE_integer("scale_calls", 20, "--suite=scale: searches 
 _FIRST_STAGE_OUT = flags.DEFINE_string(
     "first_stage_out", "results/first_stage/first_stage.json", "--suite=first_stage: JSON "
     "output; the table (.md) is written beside it.")
+_SERVER_MEMORIES = flags.DEFINE_integer("server_memories", 100_000, "--suite=server: memories "
+                                        "(N).", lower_bound=1)
+_SERVER_SCOPES = flags.DEFINE_integer("server_scopes", 100, "--suite=server: scopes (S).",
+                                      lower_bound=1)
+_SERVER_CLIENTS = flags.DEFINE_integer("server_clients", 16, "--suite=server: concurrent clients "
+                                       "(C; also 1 in the same run).", lower_bound=1)
+_SERVER_SECONDS = flags.DEFINE_float("server_seconds", 30.0, "--suite=server: seconds per phase.",
+                                     lower_bound=0.1)
+_SERVER_WINDOW = flags.DEFINE_float("server_batch_window_ms", 5.0, "--suite=server: the "
+                                     "micro-batching window (server and in-process).",
+                                     lower_bound=0.0)
+_SERVER_BATCH_TOKENS = flags.DEFINE_integer("server_encoder_batch_tokens", 512, "--suite=server: "
+                                            "the server's --encoder_batch_tokens.", lower_bound=1)
+_SERVER_ARGS = flags.DEFINE_list("server_args", [], "--suite=server: more experiments.mcp_server "
+                                 "flags, e.g. --server_args=--worker_threads=16.")
+_SERVER_OUT = flags.DEFINE_string("server_out", "results/server/server.json", "--suite=server: "
+                                  "JSON output; the table (.md) is written beside it.")
+_SCOPE_MEMORIES = flags.DEFINE_integer("scope_memories", 1_000_000, "--suite=scopes: memories "
+                                       "(M).", lower_bound=1)
+_SCOPE_SCOPES = flags.DEFINE_integer("scope_scopes", 10_000, "--suite=scopes: scopes (S).",
+                                     lower_bound=1)
+_SCOPE_STAGES = flags.DEFINE_list("scope_stages", ["exact", "bm25", "hybrid"], "--suite=scopes: "
+                                  "first stages (exact, bm25, hybrid).")
+_SCOPE_OUT = flags.DEFINE_string("scope_out", "results/scopes/scopes.json", "--suite=scopes: JSON "
+                                 "output; the table (.md) is written beside it.")
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny shapes, one repetition: every field in ~30 s.")
 _OUT = flags.DEFINE_string("out", "bench.json", "Where to write the results (JSON).")
 _NUM_QUERIES = flags.DEFINE_integer("num_queries", 1232, "Training queries of the stream.",
@@ -113,12 +144,16 @@ def main(argv):
   dist_flags.initialize(_DIST)
   if _SUITE.value == "distributed":
     return _distributed()
+  if _SUITE.value == "scopes":
+    return _scopes()
   if _SUITE.value == "scale":
     return _scale()
   if _SUITE.value == "scale_probes":
     return _scale_probes()
   if _SUITE.value == "first_stage":
     return _first_stage()
+  if _SUITE.value == "server":
+    return _server()
   quick = _QUICK.value
   skip = set(_SKIP.value)
   n = 32 if quick else _NUM_QUERIES.value
@@ -218,6 +253,25 @@ def _distributed():
   return 0
 
 
+def _scopes():
+  """`--suite=scopes`: `scope_bench.run` (a scoped search vs a memory of that scope alone) -> JSON
+  and markdown at `--scope_out`."""
+  from ear_jax.experiment import scope_bench  # pylint: disable=g-import-not-at-top
+  quick = _QUICK.value
+  res = scope_bench.run(2_000 if quick else _SCOPE_MEMORIES.value,
+                        20 if quick else _SCOPE_SCOPES.value, _SCOPE_STAGES.value,
+                        dim=64 if quick else 384, calls=20 if quick else 200,
+                        sample=4 if quick else 20)
+  res["command"] = "python -m experiments.bench " + " ".join(sys.argv[1:])
+  out = pathlib.Path(_SCOPE_OUT.value)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(res, indent=1))
+  md = scope_bench.table(res)
+  out.with_suffix(".md").write_text(md + "\n")
+  print(md)
+  return 0
+
+
 def _scale():
   """`--suite=scale`: `scale_bench.run`, then the JSON, the markdown table and the plot."""
   from ear_jax.experiment import scale_bench  # pylint: disable=g-import-not-at-top
@@ -259,6 +313,33 @@ def _first_stage():
   out.with_suffix(".md").write_text(f"Command: `{res['command']}`\n\n{text}\n")
   print(text)
   print(f"wrote {out}, {out.with_suffix('.md')}")
+
+
+def _server():
+  """`--suite=server`: `server_bench.run` -> `--server_out` (JSON) and the markdown table beside it
+  (`--quick`: 2,000 memories in 4 scopes, 4 clients, 3 s per phase)."""
+  import logging as py_logging  # pylint: disable=g-import-not-at-top
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  from ear_jax.experiment import server_bench  # pylint: disable=g-import-not-at-top
+  logging.set_verbosity(logging.WARNING)  # (orbax logs each learner save; httpx each request)
+  py_logging.getLogger("httpx").setLevel(py_logging.WARNING)
+  py_logging.getLogger("mcp").setLevel(py_logging.ERROR)  # (the kill -9 phase's lost sessions)
+  out = pathlib.Path(_SERVER_OUT.value)
+  quick = _QUICK.value
+  out.parent.mkdir(parents=True, exist_ok=True)
+  res = server_bench.run(
+      _REPO, memories=2_000 if quick else _SERVER_MEMORIES.value,
+      scopes=4 if quick else _SERVER_SCOPES.value, clients=4 if quick else _SERVER_CLIENTS.value,
+      seconds=3.0 if quick else _SERVER_SECONDS.value, warmup_s=3.0 if quick else 10.0,
+      batch_window_ms=_SERVER_WINDOW.value, encoder_batch_tokens=_SERVER_BATCH_TOKENS.value,
+      server_args=tuple(_SERVER_ARGS.value))
+  res["command"] = "python -m experiments.bench " + " ".join(sys.argv[1:])
+  text = server_bench.table(res)
+  out.write_text(json.dumps(res, indent=1))
+  out.with_suffix(".md").write_text(f"Command: `{res['command']}`\n\n{text}\n")
+  print(text)
+  print(f"wrote {out}, {out.with_suffix('.md')}")
+  return 0 if not (res["errors"] or res["leaks"] or res["missing"]) else 1
 
 
 def _scale_probes():

@@ -10,7 +10,9 @@ opened (a restart continues where it stopped; a memory of other settings is refu
 naming the differing fields). Every `remember` / `forget` is durable when it is acknowledged; the
 learner is saved every `--save_learner_s` seconds after a change and at shutdown (stdin EOF,
 SIGTERM, Ctrl-C). HTTP is served on loopback unless `--host` names another address (then a bearer
-token is required).
+token is required). Concurrent HTTP clients are served at once (`--worker_threads` tool calls);
+the memory micro-batches their questions and texts (`--batch_window_ms`: one encoder call and one
+search per window) and the encoder answers a small batch quickly (`--encoder_batch_tokens`).
 
 Needs `pip install mcp` (requirements.txt).
 """
@@ -27,6 +29,13 @@ from ear_jax.agent import mcp_server
 from ear_jax.agent import mcp_stdio
 from ear_jax.agent.memory import Memory, MemoryConfig
 from ear_jax.core.config import METHODS
+from ear_jax.data import encoders
+
+# Tokens per encoder call: one question pays for a whole call (the encoder's bulk default, 4,096,
+# is a 128 x 32 batch). `python -m experiments.bench --suite=server` reports the cost of one
+# question and of 16 (`encode_1_ms`, `encode_16_ms`; `--server_encoder_batch_tokens=4096` for the
+# default): on 2 loaded CPU cores 0.26-0.32 s / 0.34-0.45 s at 512, 2.2 s for one at 4,096.
+BATCH_TOKENS = 512
 
 _DIR = flags.DEFINE_string("memory_dir", None, "The memory directory (created with the settings "
                            "below if it holds no memory; else opened, and its stored settings "
@@ -51,6 +60,21 @@ _TOKEN_ENV = flags.DEFINE_string("token_env", "EAR_MCP_TOKEN", "Environment vari
                                  "HTTP bearer token; when it is set, every HTTP request must send "
                                  "'Authorization: Bearer <token>'.")
 _SEED = flags.DEFINE_integer("seed", 0, "Learner seed of the memory.")
+_WORKERS = flags.DEFINE_integer("worker_threads", mcp_server.WORKER_THREADS, "Tool calls served "
+                                "at once (worker threads); more wait for a free one.",
+                                lower_bound=1)
+_WINDOW = flags.DEFINE_float("batch_window_ms", 5.0, "Micro-batching: the questions and texts "
+                             "that arrive within this many milliseconds share one encoder call "
+                             "and one search (MemoryConfig.batch_window_ms; 0: each call alone).",
+                             lower_bound=0.0)
+_BATCH_MAX = flags.DEFINE_integer("batch_max_queries", 64, "Micro-batching: a window closes early "
+                                  "once it holds this many queries.", lower_bound=1)
+_BATCH_TOKENS = flags.DEFINE_integer("encoder_batch_tokens", BATCH_TOKENS, "Tokens per encoder "
+                                     "call (rows x padded length) of a checkpoint encoder: one "
+                                     "question costs a whole call, so a server answering single "
+                                     "questions wants a small one (512: 16 questions of up to 32 "
+                                     "tokens; the encoder's bulk default is 4,096).",
+                                     lower_bound=1)
 
 
 def main(argv):
@@ -63,13 +87,16 @@ def main(argv):
              f"${_TOKEN_ENV.value} first (the memory would be open to the network)")
   memory_dir = pathlib.Path(_DIR.value).expanduser()
   try:  # (a second server on this directory is refused, naming the first one's pid)
+    encoder = encoders.load_encoder(_ENCODER.value, tokens_per_batch=_BATCH_TOKENS.value)
     memory = Memory.open(memory_dir, MemoryConfig(
         method=_METHOD.value, candidates=_CANDIDATES.value, encoder=_ENCODER.value,
-        cache_dir=_CACHE.value, seed=_SEED.value))
+        cache_dir=_CACHE.value, seed=_SEED.value, batch_window_ms=_WINDOW.value,
+        batch_max_queries=_BATCH_MAX.value), encoder=encoder)
   except ValueError as e:
     sys.exit(f"mcp_server: {e}")
   service = mcp_server.MemoryService(memory, memory_dir, _SAVE_LEARNER.value)
-  server = mcp_server.build_server(service, host=host, port=_PORT.value)
+  server = mcp_server.build_server(service, host=host, port=_PORT.value,
+                                   worker_threads=_WORKERS.value)
 
   def on_term(signum, frame):
     del signum, frame

@@ -25,8 +25,11 @@ memory is durable when it returns, so an acknowledged `remember` / `forget` surv
 learner item (adapter, buffer, open sessions) is saved every `save_learner_s` seconds when a tool
 changed it, and at shutdown (`close`, which first closes the sessions of the question map so their
 feedback is queued for training); a crash loses learner steps since then, never a memory. Tools run
-in worker threads over `Memory`'s own lock (encoding runs outside it); `Memory`'s `ValueError` /
-`TypeError` is the tool error. `build_server` wraps the service in the `mcp` SDK's `FastMCP`
+concurrently in worker threads (`worker_threads` of them, an anyio capacity limiter of the server's
+own): the service's lock guards only the question map, never a `Memory` call, and one question's
+rounds are kept in order by a lock of its own (`KEY_LOCKS` striped locks), so encoding and
+searching are `Memory`'s to batch and to lock; `Memory`'s `ValueError` / `TypeError` is the tool
+error. `build_server` wraps the service in the `mcp` SDK's `FastMCP`
 (strict JSON argument types and size limits in the tools' schemas); `mcp_stdio.serve_stdio` runs it
 on stdio and `serve_http` on streamable HTTP (loopback by default with Host / Origin checks,
 optional bearer token).
@@ -48,6 +51,8 @@ MAX_IDS = 1_000  # ids per `cite` / `forget`
 MAX_SCOPE_CHARS = 200  # one scope name or date
 MAX_OPEN = 4096  # questions whose session a repeated `recall` resumes (least recent dropped)
 SAVE_LEARNER_S = 30.0  # default seconds between learner saves
+WORKER_THREADS = 64  # tools running at once (each waits in `Memory`, e.g. for its batch)
+KEY_LOCKS = 1024  # striped locks keeping one (question, scope)'s rounds in order
 
 INSTRUCTIONS = (
     "A long-term memory that learns which memories help you. Store facts with `remember`. Before "
@@ -86,7 +91,8 @@ class MemoryService:
     self.memory, self.memory_dir = memory, memory_dir
     self._ear = memory.config.ear  # (K, T)
     self.run_token = secrets.token_hex(4)  # names this server run in its retrieval ids
-    self._lock = threading.Lock()  # the question map and the flags below
+    self._lock = threading.Lock()  # the question map and the flags below (no Memory call inside)
+    self._key_locks = [threading.Lock() for _ in range(KEY_LOCKS)]  # a question's rounds in order
     self._questions = collections.OrderedDict()  # (question, scope name or None) -> Session.id
     self._changed = False  # a tool changed the learner since the last save
     self.saves = 0
@@ -141,14 +147,15 @@ class MemoryService:
   def recall(self, question, k: int = 5, scope=None) -> dict:
     """The next round of the question's open session in `scope`, else round 1 of a new session.
     An earlier round never cited is replaced (`Session.round`): the new one has its number, so
-    its retrieval id now names the new slate."""
+    its retrieval id now names the new slate. Other questions' recalls run meanwhile."""
     key = (question, scope)
-    with self._lock:  # one question's rounds in order
-      sid, slate = self._questions.get(key), None
+    with self._key_locks[hash(key) % KEY_LOCKS]:  # one question's rounds in order
+      with self._lock:
+        sid = self._questions.get(key)
+      slate = None
       if sid is not None:
         try:
-          session = self.memory.session(resume=sid)
-          slate = session.round(k)
+          slate = self.memory.session(resume=sid).round(k)
         except ValueError:  # its T rounds are played, or it was closed, dropped or evicted
           pass
       if slate is None:
@@ -158,11 +165,14 @@ class MemoryService:
         except ValueError:  # (k larger than the scope's memories)
           session.close()
           raise
-      self._questions[key] = session.id
-      self._questions.move_to_end(key)
-      while len(self._questions) > MAX_OPEN:
-        self._close_session(self._questions.popitem(last=False)[1])
-      self._changed = True
+      with self._lock:
+        self._questions[key] = slate.session_id
+        self._questions.move_to_end(key)
+        evicted = [self._questions.popitem(last=False)[1]
+                   for _ in range(len(self._questions) - MAX_OPEN)]
+        self._changed = True
+    for sid in evicted:
+      self._close_session(sid)
     return {"retrieval_id": f"{self.run_token}-{slate.session_id}-{slate.round}",
             "round": slate.round, "rounds_per_question": self._ear.num_rounds,
             "memories": self._slate(slate),
@@ -200,7 +210,8 @@ class MemoryService:
             "rounds_per_question": self._ear.num_rounds,
             **{name: int(st.get(name, 0)) for name in (
                 "rounds", "searches", "feedback", "answer_feedback", "learner_steps", "pending",
-                "memories_added", "memories_deleted")},
+                "memories_added", "memories_deleted", "batch_windows", "batch_requests",
+                "batch_encoder_calls", "batch_searches")},
             "open_questions": len(self._questions), "learner_saves": self.saves}
 
   # ----------------------------------------------------------------------------------------------
@@ -247,14 +258,15 @@ class MemoryService:
       self.memory.close()
 
 
-def _run(fn, *args):
-  """Runs a tool in a worker thread; bad input -> ToolError (the server keeps serving)."""
+def _run(limiter, fn, *args):
+  """Runs a tool in a worker thread of `limiter`; bad input -> ToolError (the server keeps
+  serving)."""
   import anyio  # pylint: disable=g-import-not-at-top
   from mcp.server.fastmcp.exceptions import ToolError  # pylint: disable=g-import-not-at-top
 
   async def go():
     try:
-      return await anyio.to_thread.run_sync(fn, *args)
+      return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
     except (ValueError, TypeError, KeyError) as e:  # Memory's input errors (and the service's)
       raise ToolError(f"{type(e).__name__}: {e}") from None
   return go()
@@ -278,8 +290,10 @@ def _transport_security(host: str, port: int):
       allowed_origins=[f"http://{n}:{port}" for n in names])
 
 
-def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 8000):
-  """A `FastMCP` server with the six tools over `service` (tools run in worker threads).
+def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 8000,
+                 worker_threads: int = WORKER_THREADS):
+  """A `FastMCP` server with the six tools over `service`: up to `worker_threads` tool calls run at
+  once, each in a worker thread (more wait for a free one).
 
   Arguments are strict JSON types (`StrictInt`, `StrictStr`): `k=true` or `k="5"` is a tool error,
   never coerced to 1 or 5; sizes are bounded in the schema (`MAX_*`). HTTP on a loopback address
@@ -287,8 +301,16 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
   as on 127.0.0.1.
   """
   from typing import Annotated  # pylint: disable=g-import-not-at-top
+  import anyio  # pylint: disable=g-import-not-at-top
   from mcp.server.fastmcp import FastMCP  # pylint: disable=g-import-not-at-top
   from pydantic import Field, StrictInt, StrictStr  # pylint: disable=g-import-not-at-top
+
+  if isinstance(worker_threads, bool) or not isinstance(worker_threads, int) or worker_threads < 1:
+    raise ValueError(f"worker_threads must be an int >= 1, got {worker_threads!r}")
+  limiter = anyio.CapacityLimiter(worker_threads)
+
+  def run(fn, *args):
+    return _run(limiter, fn, *args)
 
   mcp = FastMCP("ear-memory", instructions=INSTRUCTIONS, host=host, port=port,
                 log_level="WARNING", transport_security=_transport_security(host, port))
@@ -314,7 +336,7 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
                          "Optional date of each memory (when it was said or happened, e.g. "
                          "'2023-05-08' or '1:56 pm on 8 May, 2023'); default: now."),
                          max_length=MAX_TEXTS)] = None) -> dict:
-    return await _run(service.remember, texts, scope, dates)
+    return await run(service.remember, texts, scope, dates)
 
   @mcp.tool(description=(
       "Retrieve memories relevant to a question BEFORE answering it. Returns a retrieval_id and "
@@ -329,7 +351,7 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
                    k: k_arg = 5,
                    scope: scope_arg("Optional scope to recall from (as given to remember); "
                                     "default: every scope.") = None) -> dict:
-    return await _run(service.recall, question, k, scope)
+    return await run(service.recall, question, k, scope)
 
   @mcp.tool(description=(
       "Call this after answering from a `recall` result, once per retrieval_id: send your answer "
@@ -344,7 +366,7 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
                  answer: Annotated[Optional[text], Field(
                      description=f"Your answer to the recalled question, as you gave it (at most "
                                  f"{MAX_TEXT_CHARS} characters).")] = None) -> dict:
-    return await _run(service.cite, retrieval_id, used_ids, answer)
+    return await run(service.cite, retrieval_id, used_ids, answer)
 
   @mcp.tool(description=(
       "Look up memories for a query without learning (no citation needed): the memory's current "
@@ -353,19 +375,19 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
                    k: k_arg = 5,
                    scope: scope_arg("Optional scope to search (as given to remember); default: "
                                     "every scope.") = None) -> dict:
-    return await _run(service.search, question, k, scope)
+    return await run(service.search, question, k, scope)
 
   @mcp.tool(description=(
       "Permanently delete memories by id (e.g. wrong or outdated facts, or at the user's request). "
       "They are never recalled again and are erased from the saved memory."))
   async def forget(ids: Annotated[list[text], Field(
       description="Ids of the memories to delete.", max_length=MAX_IDS)]) -> dict:
-    return await _run(service.forget, ids)
+    return await run(service.forget, ids)
 
   @mcp.tool(description="Sizes and counters of the memory: memories stored, retrievals, "
-            "citations, learner steps, learner saves.")
+            "citations, learner steps, learner saves, micro-batching.")
   async def stats() -> dict:
-    return await _run(service.stats)
+    return await run(service.stats)
 
   return mcp
 

@@ -24,12 +24,15 @@ operations as bm25s (idf rounded to float32, the term-frequency part in float64,
 term) score rounded to float32, summed in float32 in the query's token order).
 
 Layout: postings `(key = term << 31 | scope, row, tf)` in a BASE segment sorted by key (a term's
-postings contiguous, by scope inside it) and an append-only DELTA segment (unsorted, scanned),
-merged into the base when it outgrows `max(MIN_DELTA, base / DELTA_SHARE)` (one timsort merge of
-two sorted runs, `O(P)`, so an add costs `O(its tokens)` amortised). A scoped query reads only its
-scopes' base ranges (one binary search per (term, allowed scope)) plus the delta. `delete` is
-`O(its tokens)`: the statistics are decremented and the row's postings masked (`live`) until the
-next merge drops them.
+postings contiguous, by scope inside it), a DELTA segment sorted the same way, and an append-only
+TAIL (unsorted, scanned, at most `MAX_TAIL` postings). The tail is merged into the delta when it
+outgrows `MAX_TAIL`, the delta into the base when it outgrows `max(MIN_DELTA, base /
+DELTA_SHARE)` (each one timsort merge of two sorted runs, so an add costs `O(its tokens)`
+amortised). A scoped query reads only its scopes' ranges of the base and the delta (one binary
+search per (term, allowed scope) in each) plus the tail: `O(its scopes' postings of its terms)`
+plus a bounded scan, whatever the other scopes hold. `delete` is `O(its tokens)`: the statistics
+are decremented and the row's postings masked (`live`) until the next merge into the base drops
+them.
 """
 from __future__ import annotations
 
@@ -43,8 +46,9 @@ TOKEN_PATTERN = r"(?u)\b\w+\b"
 STOPWORDS = "en_plus"
 K1 = 1.2
 B = 0.75
-MIN_DELTA = 1 << 16  # delta postings always allowed before a merge
+MIN_DELTA = 1 << 16  # delta postings always allowed before a merge into the base
 DELTA_SHARE = 16  # ... or this fraction of the base
+MAX_TAIL = 1 << 12  # tail postings (scanned by every query) before a merge into the delta
 DENSE_SHARE = 8  # a query matching more than 1 / this of the rows sums into a [rows] array
 _SCOPE_BITS = 31
 
@@ -90,6 +94,15 @@ def _grown(a: np.ndarray, n: int) -> np.ndarray:
   return out
 
 
+def _merged(sorted_seg: tuple, new: tuple) -> tuple:
+  """`(key, row, tf)` of a segment sorted by key and postings `new` (any order), sorted by key
+  (ties: the segment's first, then `new`'s in their order): one timsort merge of two runs."""
+  order = np.argsort(new[0], kind="stable")
+  cat = [np.concatenate([a, b[order]]) for a, b in zip(sorted_seg, new)]
+  order = np.argsort(cat[0], kind="stable")
+  return tuple(a[order] for a in cat)
+
+
 class BM25Index:
   """An incremental, scoped BM25 index over integer term ids (module docstring).
 
@@ -111,8 +124,9 @@ class BM25Index:
     self._num_row_terms = 0
     empty = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32))
     self._base = empty  # (key [P] int64 sorted, row [P] int64, tf [P] int32)
-    self._delta = tuple(a.copy() for a in empty)  # the same, unsorted, with room to append
-    self._num_delta = 0
+    self._delta = empty  # the same, sorted (the postings since the base's last merge)
+    self._tail = tuple(a.copy() for a in empty)  # the same, unsorted, with room to append
+    self._num_tail = 0
     self._dead_postings = 0  # postings of deleted rows still in the segments
 
   def __len__(self) -> int:
@@ -191,60 +205,59 @@ class BM25Index:
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
   def _append(self, key, row, tf) -> None:
-    """Appends postings to the delta; merges it into the base when it outgrew its share."""
-    m = self._num_delta + len(key)
-    self._delta = tuple(_grown(a, m) for a in self._delta)
-    for a, v in zip(self._delta, (key, row, tf)):
-      a[self._num_delta:m] = v
-    self._num_delta = m
-    if m > max(MIN_DELTA, len(self._base[0]) // DELTA_SHARE):
-      self._merge()
+    """Appends postings to the tail; merges it into the delta, the delta into the base, when
+    they outgrew their shares."""
+    m = self._num_tail + len(key)
+    self._tail = tuple(_grown(a, m) for a in self._tail)
+    for a, v in zip(self._tail, (key, row, tf)):
+      a[self._num_tail:m] = v
+    self._num_tail = m
+    if m > MAX_TAIL:
+      self._delta = _merged(self._delta, tuple(a[:m] for a in self._tail))
+      self._tail = tuple(np.zeros(0, a.dtype) for a in self._tail)
+      self._num_tail = 0
+      if len(self._delta[0]) > max(MIN_DELTA, len(self._base[0]) // DELTA_SHARE):
+        self._merge()
 
   def _merge(self) -> None:
-    """Base + delta -> a new base of the live postings, sorted by key (ties: add order)."""
-    parts = []
-    for seg, n in ((self._base, len(self._base[0])), (self._delta, self._num_delta)):
-      key, row, tf = (a[:n] for a in seg)
-      keep = self._live[row]
-      parts.append((key[keep], row[keep], tf[keep]))
-    d_key, d_row, d_tf = parts[1]
-    order = np.argsort(d_key, kind="stable")
-    key = np.concatenate([parts[0][0], d_key[order]])
-    row = np.concatenate([parts[0][1], d_row[order]])
-    tf = np.concatenate([parts[0][2], d_tf[order]])
-    order = np.argsort(key, kind="stable")  # two sorted runs: one timsort merge
-    self._base = (key[order], row[order], tf[order])
-    self._delta = tuple(np.zeros(0, a.dtype) for a in self._delta)
-    self._num_delta = 0
+    """Base + delta + tail -> a new base of the live postings, sorted by key (ties: add order)."""
+    tail = tuple(a[:self._num_tail] for a in self._tail)
+    key, row, tf = _merged(_merged(self._base, self._delta), tail)
+    keep = self._live[row]
+    self._base = (key[keep], row[keep], tf[keep])
+    empty = tuple(np.zeros(0, a.dtype) for a in self._tail)
+    self._delta, self._tail, self._num_tail = empty, tuple(a.copy() for a in empty), 0
     self._dead_postings = 0
 
   def _postings(self, terms: np.ndarray, scopes: Optional[np.ndarray]):
     """Per term of `terms [u]`, its live postings in `scopes` (None: every scope): a list of
     `(rows [m] int64, tf [m] int32)` (views into the base where nothing was deleted since the
     last merge)."""
-    key, row, tf = self._base
     if scopes is None:
-      lo = np.searchsorted(key, terms << _SCOPE_BITS)[:, None]
-      hi = np.searchsorted(key, (terms + 1) << _SCOPE_BITS)[:, None]
+      lo_key, hi_key = (terms << _SCOPE_BITS)[:, None], ((terms + 1) << _SCOPE_BITS)[:, None]
     else:
-      want = (terms[:, None] << _SCOPE_BITS) | scopes[None]
-      lo, hi = np.searchsorted(key, want), np.searchsorted(key, want + 1)
-    delta = None
-    if self._num_delta:
-      dk, dr, dt = (a[:self._num_delta] for a in self._delta)
+      lo_key = (terms[:, None] << _SCOPE_BITS) | scopes[None]
+      hi_key = lo_key + 1
+    ranges = [(seg, np.searchsorted(seg[0], lo_key).tolist(), np.searchsorted(seg[0], hi_key)
+               .tolist()) for seg in (self._base, self._delta) if len(seg[0])]
+    tail = None
+    if self._num_tail:
+      dk, dr, dt = (a[:self._num_tail] for a in self._tail)
       sel = np.isin(dk >> _SCOPE_BITS, terms)
       if scopes is not None:
         sel &= np.isin(dk & ((1 << _SCOPE_BITS) - 1), scopes)
       sel = np.flatnonzero(sel)
-      delta = (dk[sel] >> _SCOPE_BITS, dr[sel], dt[sel])
+      tail = (dk[sel] >> _SCOPE_BITS, dr[sel], dt[sel])
     out = []
+    empty = (self._base[1][:0], self._base[2][:0])
     for j, term in enumerate(terms.tolist()):
-      parts = [(row[a:b], tf[a:b]) for a, b in zip(lo[j].tolist(), hi[j].tolist()) if b > a]
-      if delta is not None:
-        mine = delta[0] == term
-        parts.append((delta[1][mine], delta[2][mine]))
-      rows = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts] or [row[:0]])
-      tfs = parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts] or [tf[:0]])
+      parts = [(seg[1][a:b], seg[2][a:b]) for seg, lo, hi in ranges
+               for a, b in zip(lo[j], hi[j]) if b > a]
+      if tail is not None:
+        mine = tail[0] == term
+        parts.append((tail[1][mine], tail[2][mine]))
+      rows, tfs = parts[0] if len(parts) == 1 else (
+          tuple(np.concatenate([p[i] for p in parts]) for i in (0, 1)) if parts else empty)
       if self._dead_postings:  # (deleted rows' postings stay until the next merge)
         live = self._live[rows]
         rows, tfs = rows[live], tfs[live]

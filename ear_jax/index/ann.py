@@ -59,7 +59,9 @@ scope both find few of its rows or none, and HNSW slower than the exact device s
 whole bank (masked per scope; measured in BUILD_NOTES, issue 31). So a scoped search of a store
 holding at most `FEW_ROWS * k` rows of the scopes goes straight to the exact device search (the
 searcher answers None), and any search (scoped or not) in which a query got fewer rows than it
-may return answers None too, for the whole batch. Widening efSearch / nprobe was not taken: it
+may return answers None too, for the whole batch. (The bank does not even ask the searcher when the
+scopes hold at most `capacity / bank.GATHER_SHARE` rows: it gathers and scores exactly those rows,
+a cost proportional to the scope, issue 30.) Widening efSearch / nprobe was not taken: it
 costs as much as the exact search for a small scope and guarantees nothing for HNSW.
 
 This module is host-side (faiss runs on the CPU, numpy in and out); it is its own layer between

@@ -2,10 +2,10 @@
 
 Layers inside (each imports only those before it): `table` (the rows in SQLite), `bank` (the
 device bank, exact and ANN search, input validators), `lexical_bank` (the BM25 / hybrid first
-stage), `encoder_slot`, `episode` (one round's slates, host critic loops), `sessions` (the
-`Session` handle and the registry), `driver` (the learner state), `forget`, `recall`,
-`persistence` (the learner item and the directory's files), then `front` (`Memory`,
-`MemoryConfig`).
+stage), `config` (`MemoryConfig`), `encoder_slot`, `episode` (one round's slates, host critic
+loops), `sessions` (the `Session` handle and the registry), `driver` (the learner state),
+`forget`, `recall`, `persistence` (the learner item and the directory's files), `batcher` (the
+micro-batching of concurrent requests), then `front` (`Memory`).
 """
 from ear_jax.agent.memory.front import (AnswerFeedback, Memory, MemoryConfig, Recall, Session,
                                         SessionDroppedError, Slate, llm_feedback,

@@ -7,9 +7,13 @@ queries of one call (padded to a power of two), `S` scope codes (padded to a pow
     DeviceBank(emb [C, d], valid [C] bool, stores [C] int8, scopes [C] int32)
     empty(dim, capacity=MIN_CAPACITY, dtype='float32'); grow(bank, rows) (holds rows < `rows`)
     write(bank, rows [n], emb [n, d], stores [n], scopes [n]); tombstone(bank, rows [n])
-    search(bank, queries [q, d], *, k, multistore, allowed=None, slate=None, searcher=None)
+    search(bank, queries [q, d], *, k, multistore, allowed=None, slate=None, searcher=None,
+           scope_rows=None)
         -> (rows [q, K] int32 (-1 pad), mask [q, K], cands [q, K, d] float32,
             (slate [q, s], slate_mask [q, s], z [q, K]) or None), numpy
+    ScopeRows(rows, codes): add(rows, codes), remove(rows), size(allowed), of(allowed) -> [n]
+    scope_candidates(scope_rows, allowed, C) -> [P] int32 | None; gathered(bank, allowed, cand),
+        rows_at(cand, pos, mask) (traced): for lexical_bank's gathered first stage
     gather(bank, rows [n, K], mask [n, K]) -> [n, K, d] float32 device array
     pad_queries(queries); finish(queries, emb, rows, mask, features=None, slate=None) (traced);
         unpack(packed, q, k, width, slate_size=None): for lexical_bank's jitted first stage
@@ -31,10 +35,19 @@ pipeline's (ties: lower row first): only dialogue memories (store 0) are candida
 `multistore` the top-K/2 of each store (Section 5). A query's `allowed` mask over scope codes
 (`ScopeNames`) is gathered by the row codes inside the call and ANDed with `valid`, so rows of
 other scopes are never candidates, however few the scope holds (padded and masked as for a small
-bank). An ANN `searcher` (`ear_jax.index.ann`) proposes `rerank * K` rows (faiss ID selectors for
-a scoped query) that the same call re-scores exactly, `allowed` applied again; when it answers
-None (issue 31: it cannot filter, few rows of the scopes, a query found fewer rows than it may
-return) the batch is searched exactly, so each query gets `min(K, rows of its scopes)`.
+bank). A scoped search costs its scopes' rows, not the bank's (issue 30): `ScopeRows` keeps each
+scope's rows (host, ascending; `Memory` updates it with every write and tombstone), and when the
+scopes hold few rows (`scope_candidates`: their count padded to a power of two `P >= 32`, `P <=
+C / GATHER_SHARE`) the call gathers those `[P, d]` rows and runs the same top-K over them; the
+positions keep the rows' order, so the answer is the masked scan's (same rows, same order, ties
+to the lower row; `tests/test_scoped_search.py`), a compile per power of two. Larger scopes and
+unscoped searches scan the bank as before. An ANN `searcher` (`ear_jax.index.ann`) proposes
+`rerank * K` rows (faiss ID selectors for a scoped query) that the same call re-scores exactly,
+`allowed` applied again; when it answers None (issue 31: it cannot filter, few rows of the
+scopes, a query found fewer rows than it may return) the batch is searched exactly, so each query
+gets `min(K, rows of its scopes)`; scopes small enough for the gathered search are not asked to
+the searcher at all (the exact gather reads fewer rows than an IVF probe or an HNSW walk, and
+finds them all).
 """
 from __future__ import annotations
 
@@ -59,6 +72,10 @@ BANK_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 MIN_CAPACITY = 32
 FINE_CAPACITY = 4096  # beyond this the capacity grows in quarter steps (`capacity_for`)
 DEFAULT_SCOPE = "default"  # the scope of memories added without one (scope code 0)
+# A scoped search gathers its scopes' rows (`scope_candidates`) when their count, padded to a
+# power of two, is at most this fraction of the capacity: the gathered call then reads and writes
+# at most 1/4 of the bytes the masked scan reads (a rule, not a measured crossover).
+GATHER_SHARE = 8
 Searcher = ann.FaissSearcher  # the ANN hookup (`ear_jax.index.ann`'s module docstring)
 
 
@@ -220,17 +237,45 @@ def finish(queries, emb, rows, mask, features=None, slate=None):
       params, queries, cands, mask, size, hparams if explore else None, stats))
 
 
+def gathered(bank: DeviceBank, allowed, cand):
+  """Traced: the bank restricted to rows `cand [P]` (ascending, `C` = padding; `scope_candidates`):
+  `(emb [P, d], valid [P] (live, of the scopes `allowed [S]` if given), stores [P])`. Positions
+  keep the rows' order, so a search over them breaks ties to the lower row as over the bank. (A
+  row's cosine is the same float32 dot product; XLA may sum it in another order for another
+  matrix shape, so it can differ in its last bit: seen here at d = 8 inside `rank_bank`.)"""
+  cap = bank.emb.shape[0]
+  at = jnp.minimum(cand, cap - 1)
+  valid = (cand < cap) & bank.valid[at]
+  if allowed is not None:
+    valid = valid & allowed[bank.scopes[at]]
+  return bank.emb[at], valid, bank.stores[at]
+
+
+def rows_at(cand, pos, mask):
+  """Traced: the bank rows `[q, K]` at positions `pos [q, K]` of `cand [P]` (-1 where not
+  `mask`)."""
+  return jnp.where(mask, cand[jnp.maximum(pos, 0)], -1).astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("k", "multistore", "slate_size", "explore"))
-def _search(queries, bank, allowed, rows, mask, params, hparams, *, k, multistore, slate_size,
-            explore):
-  """The exact search (`rows is None`) or the re-score of a searcher's rows, then `finish`."""
-  valid = bank.valid if allowed is None else bank.valid & allowed[bank.scopes]
+def _search(queries, bank, allowed, rows, mask, cand, params, hparams, *, k, multistore,
+            slate_size, explore):
+  """The exact search over the bank (`rows is None`; over its rows `cand [P]` when given, the
+  scopes' gathered rows), or the re-score of a searcher's rows, then `finish`."""
   if rows is None:
+    if cand is None:
+      emb, stores = bank.emb, bank.stores
+      valid = bank.valid if allowed is None else bank.valid & allowed[bank.scopes]
+    else:
+      emb, valid, stores = gathered(bank, allowed, cand)
     if multistore:
-      rows, _, mask = retrieval_lib.top_k_search(queries, bank.emb, valid, k, bank.stores)
+      rows, _, mask = retrieval_lib.top_k_search(queries, emb, valid, k, stores)
     else:  # dialogue memories only (store 0), as the benchmark pipeline
-      rows, _, mask = retrieval_lib.top_k_search(queries, bank.emb, valid & (bank.stores == 0), k)
+      rows, _, mask = retrieval_lib.top_k_search(queries, emb, valid & (stores == 0), k)
+    if cand is not None:
+      rows = rows_at(cand, rows, mask)
   else:  # (the searcher proposed live rows of these scopes: checked again here)
+    valid = bank.valid if allowed is None else bank.valid & allowed[bank.scopes]
     mask = mask & valid[jnp.maximum(rows, 0)]
     rows = jnp.where(mask, rows, -1)
     if rows.shape[1] > k:  # `rerank * K` proposals: keep the exact top K
@@ -260,11 +305,13 @@ def unpack(packed, q: int, k: int, width: int, slate_size: Optional[int] = None)
 
 def search(bank: DeviceBank, queries, *, k: int, multistore: bool,
            allowed: Optional[np.ndarray] = None, slate=None,
-           searcher: Optional[Searcher] = None):
+           searcher: Optional[Searcher] = None, scope_rows: Optional["ScopeRows"] = None):
   """Top-K candidates of `[q, d]` unit queries in one jitted call (module docstring): the
   dialogue memories' top-K, or each store's top-K/2 with `multistore`, of the scopes `allowed`
   (`[S]` bool, `ScopeNames.allowed`; None: every scope), by the exact search or a `searcher`;
-  with `slate = (params, hparams, s, explore)` also each query's first-round slate.
+  with `scope_rows` (the bank's `ScopeRows`) a scoped search of few rows reads only those rows
+  (`scope_candidates`); with `slate = (params, hparams, s, explore)` also each query's
+  first-round slate.
 
   Returns:
     `(rows [q, K] int32 (-1 = padding), mask [q, K] bool, cands [q, K, d] float32, slates)`,
@@ -272,17 +319,35 @@ def search(bank: DeviceBank, queries, *, k: int, multistore: bool,
     float32)`, or None without `slate`.
   """
   q, padded = len(queries), pad_queries(queries)
+  cand = scope_candidates(scope_rows, allowed, bank.emb.shape[0])
   rows = mask = None
-  if searcher is not None:  # (the q queries only: a zero padding query finds nothing)
+  if searcher is not None and cand is None:  # (the q queries only: a zero query finds nothing)
     found = searcher.search(padded[:q], k * searcher.rerank, multistore, allowed)
     if found is not None:
       rows, mask = (np.concatenate([a, np.full((len(padded) - q,) + a.shape[1:], fill, a.dtype)])
                     for a, fill in zip(found, (-1, False)))
   params, hparams, size, explore = slate if slate is not None else (None, None, None, False)
-  out = _search(padded, bank, allowed, rows, mask, params, hparams if explore else None, k=k,
-                multistore=multistore, slate_size=None if size is None else int(size),
+  out = _search(padded, bank, allowed, rows, mask, cand, params, hparams if explore else None,
+                k=k, multistore=multistore, slate_size=None if size is None else int(size),
                 explore=bool(explore))
   return unpack(out, q, k, bank.emb.shape[1], size)
+
+
+def scope_candidates(scope_rows: Optional["ScopeRows"], allowed: Optional[np.ndarray],
+                     capacity: int) -> Optional[np.ndarray]:
+  """`[P]` int32 the rows of the scopes `allowed` (`scope_rows.of`), ascending, padded with
+  `capacity` to `P = pow2_at_least(n, MIN_CAPACITY)`: what a scoped search reads instead of the
+  bank. None (search the whole bank, masked) for an unscoped search, without `scope_rows`, or
+  when `P > capacity / GATHER_SHARE` (gathering that many rows costs about what the scan costs)."""
+  if scope_rows is None or allowed is None:
+    return None
+  n = scope_rows.size(allowed)
+  p = pow2_at_least(n, MIN_CAPACITY)
+  if p * GATHER_SHARE > capacity:
+    return None
+  cand = np.full(p, capacity, np.int32)
+  cand[:n] = scope_rows.of(allowed)
+  return cand
 
 
 # ------------------------------------------------------------------------------------------------
@@ -375,6 +440,78 @@ class ScopeNames:
       empty_ = (f"{'the bank is empty of' if names is None else where + ' holds no'} dialogue "
                 "memories (observations are candidates only with multistore)")
     raise ValueError(f"k={k} is larger than the memory bank{of}: {empty_}")
+
+
+class ScopeRows:
+  """The device rows of each scope code, ascending (host int32 buffers), so a scoped search reads
+  only its scopes' rows (`scope_candidates`). `add` / `remove` cost the rows of the scopes they
+  touch, `of` the rows it returns (`size`: O(scopes)); never a pass over the bank.
+
+  Args:
+    rows: `[n]` device rows held (e.g. `Table.read_all().rows`).
+    codes: `[n]` their scope codes (`ScopeNames`).
+  """
+
+  def __init__(self, rows=(), codes=()):
+    self._code = np.zeros(0, np.int32)  # [rows] scope code + 1 of each held row (0: none)
+    self._bufs: list[np.ndarray] = []  # per code, its rows ascending in the first `_sizes[c]`
+    self._sizes = np.zeros(0, np.int64)  # [S] rows held per code
+    self.add(rows, codes)
+
+  def add(self, rows, codes) -> None:
+    """Holds device `rows [n]` (not held now) of scope `codes [n]`."""
+    rows = np.asarray(rows, np.int64).reshape(-1)
+    codes = np.broadcast_to(np.asarray(codes, np.int64), rows.shape)
+    if not len(rows):
+      return
+    if rows.max() >= len(self._code):
+      self._code = np.concatenate([self._code, np.zeros(
+          max(int(rows.max()) + 1, 2 * len(self._code)) - len(self._code), np.int32)])
+    self._code[rows] = codes + 1
+    order = np.lexsort((rows, codes))
+    rows, codes = rows[order], codes[order]
+    cut = np.flatnonzero(np.diff(codes)) + 1
+    top = int(codes[-1]) + 1
+    if top > len(self._sizes):
+      self._bufs += [np.zeros(0, np.int32)] * (top - len(self._sizes))
+      self._sizes = np.concatenate([self._sizes, np.zeros(top - len(self._sizes), np.int64)])
+    for c, new in zip(codes[np.concatenate([[0], cut])].tolist(), np.split(rows, cut)):
+      buf, n = self._bufs[c], int(self._sizes[c])
+      if n and new[0] <= buf[n - 1]:  # (not above the rows held: merge)
+        new = np.union1d(buf[:n], new)
+        n = 0
+      if n + len(new) > len(buf):
+        buf = np.concatenate([buf[:n], np.zeros(max(n + len(new), 2 * len(buf)) - n, np.int32)])
+      buf[n:n + len(new)] = new
+      self._bufs[c], self._sizes[c] = buf, n + len(new)
+
+  def remove(self, rows) -> None:
+    """Drops device `rows [n]` (those not held are ignored)."""
+    rows = np.asarray(rows, np.int64).reshape(-1)
+    rows = rows[rows < len(self._code)]
+    codes = self._code[rows].astype(np.int64) - 1
+    rows, codes = rows[codes >= 0], codes[codes >= 0]
+    self._code[rows] = 0
+    for c in np.unique(codes).tolist():
+      n = int(self._sizes[c])
+      keep = self._bufs[c][:n][~np.isin(self._bufs[c][:n], rows[codes == c])]
+      self._bufs[c][:len(keep)] = keep
+      self._sizes[c] = len(keep)
+
+  def _codes(self, allowed: np.ndarray) -> np.ndarray:
+    return np.flatnonzero(np.asarray(allowed, bool)[:len(self._sizes)])
+
+  def size(self, allowed: np.ndarray) -> int:
+    """Rows held in the scopes `allowed` (`[S]` bool over scope codes)."""
+    return int(self._sizes[self._codes(allowed)].sum())
+
+  def of(self, allowed: np.ndarray) -> np.ndarray:
+    """`[n]` int32 the rows held in the scopes `allowed`, ascending (for one scope a view of its
+    buffer: copy before the next `add` / `remove`)."""
+    parts = [self._bufs[c][:self._sizes[c]] for c in self._codes(allowed).tolist()]
+    if len(parts) == 1:
+      return parts[0]
+    return np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int32)
 
 
 def ann_searcher(name: str, options, dim: int) -> Optional[Searcher]:

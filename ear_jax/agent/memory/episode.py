@@ -4,12 +4,12 @@
 
 Symbols: `N` queries, `K` candidates, `s` slate size, `T` Explorer rounds, `b` batch size.
 
-`round_slates` / `update_bandits` play one round for a batch of queries (also `Memory`'s session
-rounds). Both loops use the library's critic protocol (`ear_jax.core.critic`):
-`critic(key, view) -> labels [s]` or None (an unusable reply: no update), with a `SlateView` that
-carries `query_text` and the memories' `texts` for host critics such as
-`ear_jax.agent.llm.critic.LLMCritic`; and the one learner step,
-`ear_jax.core.learner.train_batch_on_feedback` (jitted here).
+`round_slates` / `update_bandits` play one round for a batch of queries; `session_round` is one
+round of one `Memory` session with its previous round's feedback applied first, in ONE call. Both
+loops use the library's critic protocol (`ear_jax.core.critic`): `critic(key, view) -> labels [s]`
+or None (an unusable reply: no update), with a `SlateView` that carries `query_text` and the
+memories' `texts` for host critics such as `ear_jax.agent.llm.critic.LLMCritic`; and the one learner
+step, `ear_jax.core.learner.train_batch_on_feedback` (jitted here).
 
 Feedback from the agent's answer (issue 28): `answer_labels` labels a shown slate by the answer
 rule of the benchmarks (the features of `ear_jax.data.answer_support.slate_support`, then the
@@ -28,12 +28,14 @@ import jax
 import numpy as np
 
 from ear_jax.agent.memory.bank import InputTypeError
+from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import episode as episode_lib
 from ear_jax.core import explorer as explorer_lib
 from ear_jax.core import learner as learner_lib
 from ear_jax.core import policies
 from ear_jax.core import retrieval as retrieval_lib
+from ear_jax.core import slates as slates_lib
 from ear_jax.core.config import EARConfig, HParams
 from ear_jax.core.stream import Stream
 from ear_jax.data import answer_support
@@ -69,6 +71,63 @@ def round_slates(params, hparams, queries, candidates, mask, mean, counts, k: in
   out = _round_slates(params, pad(queries), pad(candidates), pad(mask), pad(mean), pad(counts),
                       hparams, k=k, explore=bool(explore))
   return tuple(np.asarray(x)[:n] for x in out)
+
+
+def adapted(params, query, candidates, given=None):
+  """`(z [K], gram [K, K])` of one query's candidates (traced): Eq. (3)-(4) and the Explorer's
+  similarities of Eq. (6), or `given` as it is (computed by an earlier round, same parameters)."""
+  if given is not None:
+    return given
+  z, m_t = adapter_lib.relevance(params, query, candidates)
+  return z, adapter_lib.gram(m_t)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "explore"))
+def _session_round(params, query, candidates, given, hparams, mask, mean, counts, last, *, k,
+                   explore):
+  z, gram = adapted(params, query, candidates, given)
+  stats = explorer_lib.update_bandit(explorer_lib.BanditStats(mean=mean, counts=counts), *last)
+  if explore:
+    ucb = explorer_lib.ucb_scores(stats, hparams.alpha)
+    slate, slate_mask = explorer_lib.greedy_slate(z, ucb, gram, mask, hparams, k)
+  else:
+    slate, slate_mask = slates_lib.top_s_slate(z, mask, k)
+  return (slate, slate_mask, z, stats.mean, stats.counts), (z, gram)
+
+
+def session_round(params, hparams, query, candidates, mask, mean, counts, last, k: int,
+                  explore: bool, given=None):
+  """One round of one session in ONE jitted call: the feedback of its previous round applied to
+  the bandit statistics (Eq. (9); `last` all masked: none), then the slate of
+  `retrieval.slate_from_candidates` (the adapter's top-k, or an Explorer round, Eq. (5)-(8)) of
+  the updated statistics.
+
+  Args:
+    params, hparams: adapter parameters and hyperparameters.
+    query: `[d]`; candidates: `[K, d]`; mask, mean, counts: `[K]`.
+    last: `(slate [K] int32, slate_mask [K] bool, labels [K] float32)` of the previous round's
+      feedback not yet in `mean` / `counts` (all masked when there is none).
+    k: slate size (static).
+    explore: Explorer round instead of the adapter's top-k.
+    given: the `adapted` of an earlier round of this query by the same `params` (device
+      arrays), so that later rounds skip the adapter; None: computed here.
+
+  Returns:
+    `((slate [k] int32, slate_mask [k] bool, z [K] float32, mean [K], counts [K]) numpy,
+    adapted)`: the slate of `round_slates` after `update_bandits` (`tests/test_session_round.py`)
+    and the `given` of the next round (device arrays).
+  """
+  if given is not None:
+    params = query = candidates = None
+  out, adapted_ = _session_round(params, query, candidates, given, hparams, mask, mean, counts,
+                                 tuple(last), k=k, explore=bool(explore))
+  return jax.device_get(out), adapted_
+
+
+def no_feedback(num_candidates: int):
+  """`last` of `session_round` when there is no feedback to apply: an all-masked round."""
+  return (np.full((num_candidates,), -1, np.int32), np.zeros((num_candidates,), bool),
+          np.full((num_candidates,), -1.0, np.float32))
 
 
 def update_bandits(mean, counts, slates, slate_mask, labels):

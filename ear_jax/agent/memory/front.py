@@ -1,4 +1,4 @@
-"""`Memory`: the stateful front of EAR for a live agent, and its one configuration, `MemoryConfig`.
+"""`Memory`: the stateful front of EAR for a live agent (its configuration: `config.MemoryConfig`).
 
 Symbols: `n` memories, `d` dimension, `K` candidates, `k` memories shown (`k <= K`), `T` Explorer
 rounds, `b` batch size.
@@ -12,13 +12,21 @@ saved together as ONE Orbax item (`persistence`, `<dir>/learner`) by `save()`.
 
 One write's path (`add`): validate -> encode and tokenise (outside the lock) -> under the lock
 ONE table transaction (durable on return for an opened memory) -> the device bank, the lexical
-index and the searcher. One query's path (`session().round()`, `search`): validate -> encode ->
-under the lock the first stage (one jitted device call: `bank.search` or `LexicalBank.search`)
--> the slate (`episode.round_slates`) -> ids and texts from the table.
+index and the searcher. One query's path (`session()`, `search`): validate -> encode -> under
+the lock the first stage (one jitted device call: `bank.search` or `LexicalBank.search`, with
+`search`'s slate) -> ids and texts from the table; each `Session.round()` is one jitted call
+(`episode.session_round`: the last round's bandit update, then the slate; the adapter's output
+for the candidates kept for the session's later rounds) and reads no table row its session has
+read already.
 
-One re-entrant lock guards every state change and read of the parts; encoding and critic calls
-run outside it. Every public method validates its input first and raises ValueError (TypeError
-for wrong types; `InputTypeError` is both) naming the problem, with the state unchanged.
+One re-entrant lock guards every state change and read of the parts; encoding and critic calls run
+outside it. With `MemoryConfig.batch_window_ms > 0` concurrent calls are micro-batched
+(`ear_jax.agent.memory.batcher`): the encodings (of queries, added memories, answers) and first
+stages (`search`, `session()`, `recall()`'s) arriving within one window share ONE encoder call and
+ONE search per scope spec; each still takes effect at one instant between its call and its return (a
+search sees every add that returned before it was called). Every public method validates its input
+first and raises ValueError (TypeError for wrong types; `InputTypeError` is both) naming the
+problem, with the state unchanged.
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ear_jax.agent.memory import bank as bank_lib
+from ear_jax.agent.memory import batcher as batcher_lib
 from ear_jax.agent.memory import episode
 from ear_jax.agent.memory import forget
 from ear_jax.agent.memory import lexical_bank
@@ -40,218 +49,24 @@ from ear_jax.agent.memory import persistence
 from ear_jax.agent.memory import recall as recall_lib
 from ear_jax.agent.memory import table as table_lib
 from ear_jax.agent.memory.bank import DEFAULT_SCOPE, InputTypeError
+from ear_jax.agent.memory import config as config_lib
+from ear_jax.agent.memory.config import MemoryConfig, check_int
 from ear_jax.agent.memory.driver import Driver, seed_keys
 from ear_jax.agent.memory.encoder_slot import EncoderSlot
 from ear_jax.agent.memory.episode import AnswerFeedback, run_critic_episode
 from ear_jax.agent.memory.recall import Recall
-from ear_jax.agent.memory.sessions import (Ops, Session, SessionDroppedError, Sessions, Slate,
+from ear_jax.agent.memory.sessions import (CriticKeys, Ops, Session, SessionDroppedError,
+                                           Sessions, Slate,
                                            citation_labels)
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import guard as guard_lib
 from ear_jax.core import learner as learner_lib
-from ear_jax.core import policies
-from ear_jax.core.config import EARConfig, HParams, Method, default_hparams
-from ear_jax.data.first_stage import FirstStageOptions, check_generator
 from ear_jax.io import checkpoints
 
 __all__ = ["DEFAULT_SCOPE", "AnswerFeedback", "Memory", "MemoryConfig", "Recall", "Session",
            "SessionDroppedError", "Slate", "llm_feedback", "run_critic_episode"]
 
 _UNSET = object()
-
-
-def _check_int(value, name: str, minimum: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise InputTypeError(f"{name} must be an int, got {type(value).__name__}")
-  if value < minimum:
-    raise ValueError(f"{name} must be >= {minimum}, got {name}={value}")
-  return int(value)
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryConfig:
-  """Everything that defines a memory besides its rows and its learner (saved with both).
-
-  Attributes:
-    encoder: 'minilm', a local Hugging Face checkpoint directory, a `.npy`/`.npz` of precomputed
-      embeddings, or None (every `add` / query passes embeddings). Loaded at the first text that
-      needs encoding (`Memory(encoder=...)` takes an `Encoder` object instead, not saved).
-    method: a preset name (`Method.named`), exclusive with `config` / `hparams`.
-    config: `EARConfig`; default `EARConfig(dim=encoder dim or dim)`.
-    hparams: `HParams`; default `default_hparams()`.
-    dim: the embedding dimension when neither `config` nor the encoder gives it.
-    seed: seed of the learner (adapter init, replay randomness, critic keys).
-    multistore: candidates = top-K/2 dialogue memories + top-K/2 observations (Section 5).
-    cache_dir: embedding cache root for `encoders.encode` (None: no disk cache).
-    max_sessions: open query sessions kept (>= 1); beyond it the least recently used is evicted.
-    initial_capacity: initial device bank capacity (rounded up by `bank.capacity_for`).
-    bank_dtype: 'float32' or 'bfloat16', the dtype of the device bank.
-    index: 'exact' (the device search) or 'faiss_hnsw' / 'faiss_ivf' / 'faiss_pq'.
-    index_options: that searcher's options, sorted `(key, value)` pairs (a dict is accepted).
-    candidates: the first stage, 'dense' | 'bm25' | 'hybrid' (`data.first_stage.GENERATORS`):
-      with 'bm25' / 'hybrid' each candidate carries the first stage's scores as side features
-      and queries need their texts. Not with an ANN `index`.
-    first_stage: the hybrid fusion's options.
-  """
-  encoder: Optional[str] = "minilm"
-  method: Optional[str] = None
-  config: Optional[EARConfig] = None
-  hparams: Optional[HParams] = None
-  dim: Optional[int] = None
-  seed: int = 0
-  multistore: bool = False
-  cache_dir: Optional[str] = None
-  max_sessions: int = 4096
-  initial_capacity: int = 1024
-  bank_dtype: str = "float32"
-  index: str = "exact"
-  index_options: tuple = ()
-  candidates: str = "dense"
-  first_stage: FirstStageOptions = FirstStageOptions()
-
-  def __post_init__(self):
-    fix = lambda name, value: object.__setattr__(self, name, value)
-    if self.encoder is not None and not isinstance(self.encoder, str):
-      fix("encoder", str(self.encoder) if hasattr(self.encoder, "__fspath__") else self.encoder)
-      if not isinstance(self.encoder, str):
-        raise InputTypeError(f"MemoryConfig.encoder must be a spec string or None, got "
-                             f"{type(self.encoder).__name__} (pass an Encoder object as "
-                             "Memory(encoder=...))")
-    for name, minimum in (("seed", 0), ("max_sessions", 1), ("initial_capacity", 1)):
-      fix(name, _check_int(getattr(self, name), name, minimum))
-    if self.dim is not None:
-      fix("dim", _check_int(self.dim, "dim", 1))
-    fix("multistore", bool(self.multistore))
-    if self.cache_dir is not None:
-      fix("cache_dir", str(self.cache_dir))
-    opts = self.index_options
-    if isinstance(opts, dict):
-      opts = tuple(sorted(opts.items()))
-    if not isinstance(opts, (tuple, list)) or not all(
-        isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in opts):
-      raise InputTypeError(f"index_options must be a dict or (key, value) pairs, got "
-                           f"{type(self.index_options).__name__}")
-    fix("index_options", tuple(sorted((k, v) for k, v in opts)))
-    for name in ("bank_dtype", "index", "candidates"):
-      if not isinstance(getattr(self, name), str):
-        raise InputTypeError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
-    if self.bank_dtype not in bank_lib.BANK_DTYPES:
-      raise ValueError(f"unknown bank_dtype {self.bank_dtype!r}; expected one of "
-                       f"{sorted(bank_lib.BANK_DTYPES)}")
-    check_generator(self.candidates)
-    if not isinstance(self.first_stage, FirstStageOptions):
-      raise InputTypeError("first_stage must be a first_stage.FirstStageOptions, got "
-                           f"{type(self.first_stage).__name__}")
-    if self.config is not None and not isinstance(self.config, EARConfig):
-      raise InputTypeError(f"config must be an EARConfig, got {type(self.config).__name__}")
-    if self.hparams is not None and not isinstance(self.hparams, HParams):
-      raise InputTypeError(f"hparams must be an HParams, got {type(self.hparams).__name__}")
-    if self.method is not None:
-      if self.config is not None or self.hparams is not None:
-        raise ValueError("pass method= (a preset with its own config and hyperparameters) or "
-                         "config= / hparams=, not both")
-      if not isinstance(self.method, str):
-        raise InputTypeError(f"method must be a method name, got {type(self.method).__name__}")
-
-  def to_dict(self) -> dict:
-    """JSON-safe fields (`from_dict` inverts it)."""
-    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-    d["config"] = None if self.config is None else self.config.to_dict()
-    d["hparams"] = None if self.hparams is None else {
-        f.name: float(getattr(self.hparams, f.name)) for f in dataclasses.fields(self.hparams)}
-    d["index_options"] = dict(self.index_options)
-    d["first_stage"] = dataclasses.asdict(self.first_stage)
-    return d
-
-  @classmethod
-  def from_dict(cls, d: dict) -> "MemoryConfig":
-    """The config of `to_dict`; ValueError naming an unknown field."""
-    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-    if unknown:
-      raise ValueError(f"unknown MemoryConfig field(s) {sorted(unknown)}")
-    d = dict(d)
-    if d.get("config") is not None:
-      d["config"] = EARConfig.from_dict(d["config"])
-    if d.get("hparams") is not None:
-      d["hparams"] = default_hparams(**d["hparams"])
-    if d.get("first_stage") is not None:
-      d["first_stage"] = FirstStageOptions(**d["first_stage"])
-    return cls(**d)
-
-  def _encoder_dim(self) -> Optional[int]:
-    return 384 if self.encoder == "minilm" else None
-
-  @property
-  def ear(self) -> EARConfig:
-    """The resolved `EARConfig` (its `dim`, and `side_features` set by the first stage)."""
-    return self._resolved()[0]
-
-  @property
-  def learner_hparams(self) -> HParams:
-    """The resolved `HParams`."""
-    return self._resolved()[1]
-
-  def _resolved(self) -> tuple[EARConfig, HParams]:
-    config, hparams, d = self.config, self.hparams, self.dim or self._encoder_dim()
-    if self.method is not None:
-      if d is None:
-        raise ValueError("the embedding dimension is unknown: pass dim= with method=")
-      config, hparams = Method.named(self.method, dim=d)[1:3]
-    if config is None:
-      if d is None:
-        raise ValueError("the embedding dimension is unknown: pass config=EARConfig(dim=...) or "
-                         "dim=")
-      config = EARConfig(dim=d)
-    if self.dim is not None and self.dim != config.dim:
-      raise ValueError(f"dim={self.dim} does not match config.dim={config.dim}")
-    enc = self._encoder_dim()
-    if enc is not None and enc != config.dim:
-      raise ValueError(f"config.dim={config.dim} does not match the encoder's dimension {enc}")
-    _check_honoured(config)
-    if self.multistore and config.num_candidates % 2:
-      raise ValueError(f"multistore needs an even num_candidates K, got {config.num_candidates}")
-    f = lexical_bank.NUM_FEATURES
-    if self.candidates != "dense" and not config.side_features:
-      config = dataclasses.replace(config, side_features=f)
-    if config.side_features not in (0, f):
-      raise ValueError(f"config.side_features={config.side_features}, but a memory's first stage "
-                       f"gives {f} features (or 0 with candidates='dense')")
-    if lexical_bank.needs_lexical(self.candidates, config.side_features) and self.index != "exact":
-      raise ValueError(f"index={self.index!r} cannot serve candidates={self.candidates!r} (or "
-                       "side features): the lexical first stage fuses every memory's cosine with "
-                       "its BM25 score; use index='exact' (BENCHMARKS.md 'First stage at scale')")
-    return config, default_hparams() if hparams is None else hparams
-
-  def _comparable(self) -> dict:
-    """What two configs of one memory must agree on: the resolved EARConfig's fields, the
-    hyperparameters and every setting (how they were spelled aside) but the embedding cache
-    directory, which says where, not what."""
-    d = self.to_dict()
-    for name in ("method", "config", "hparams", "dim", "cache_dir"):
-      del d[name]
-    ear, hp = self._resolved()
-    return {**d, **ear.to_dict(),
-            "hparams": {f.name: float(getattr(hp, f.name)) for f in dataclasses.fields(hp)}}
-
-
-def _check_honoured(config: EARConfig) -> None:
-  """Refuses config fields a live `Memory` cannot honour, naming the field."""
-  policy = policies.train_slate_policy(config.train_slate)
-  if not config.trains:
-    raise ValueError("config.train_slate='none' never learns; use train_slate='explorer'")
-  if policy is not None and policy is not policies.TRAIN_SLATES["explorer"]:
-    raise ValueError(
-        f"config.train_slate={config.train_slate!r} is not honoured by Memory: its training "
-        "slates are the Explorer rounds the agent plays (recall / Session.round(explore=True)); "
-        "use train_slate='explorer'")
-  if config.guard_probe:
-    raise ValueError("config.guard_probe=True is not honoured by Memory: its training rounds are "
-                     "the Explorer rounds the agent plays, without the guard's probe slate")
-  if config.test_rounds is not None and config.test_rounds != config.num_rounds:
-    raise ValueError(
-        f"config.test_rounds={config.test_rounds} is not honoured by Memory: recall plays "
-        f"num_rounds={config.num_rounds} rounds, which train as one query; set test_rounds=None "
-        "or equal to num_rounds")
 
 
 def _settings(first, encoder, settings: dict) -> tuple[Optional[MemoryConfig], Any, dict]:
@@ -298,6 +113,7 @@ class _Closed:
 
 # The served parameters of a guarded memory in one compiled call (`core.guard.served_params`).
 _served = jax.jit(guard_lib.served_params, static_argnums=2)
+_copy = jax.jit(lambda tree: jax.tree_util.tree_map(jnp.copy, tree))  # (one call, own buffers)
 
 
 class Memory:
@@ -348,12 +164,13 @@ class Memory:
                        f"{slot.dim}")
     self._lock = threading.RLock()
     self._save_lock = threading.Lock()
-    self._critic_key = seed_keys(cfg.seed)[2]
+    self._critic_keys = CriticKeys(seed_keys(cfg.seed)[2], config.num_rounds)
     rows = table.read_all()
     self._next_row = int(rows.next_row)
     self._scopes, codes = bank_lib.ScopeNames.from_rows(
         [rows.scope_names[c] for c in rows.scope_codes], rows.stores,
         held_before=rows.next_row > len(rows.rows))
+    self._scope_rows = bank_lib.ScopeRows(rows.rows, codes)
     self._bank = bank_lib.write(
         bank_lib.empty(config.dim, max(cfg.initial_capacity, config.num_candidates,
                                        rows.next_row), cfg.bank_dtype),
@@ -375,6 +192,12 @@ class Memory:
     self._driver = Driver(config, self._hparams, cfg.seed, learner)
     self._stats = collections.Counter()
     self._generation = 0
+    self._batcher = None
+    if cfg.batch_window_ms > 0:
+      self._batcher = batcher_lib.Batcher(
+          cfg.batch_window_ms / 1e3, cfg.batch_max_queries,
+          lambda texts, what: self._encoder.embed(texts, config.dim, cfg.cache_dir, what),
+          lambda key, texts, q_emb: self._first_stage(texts, q_emb, *key), self._lock)
     self._ops = Ops(page=self._page, round=self._round, feedback=self._feedback, close=self._close,
                     info=self._info, critique=self._critique, final=self._final,
                     open=self._open, abandon=self._abandon, records=self._live_records,
@@ -471,7 +294,8 @@ class Memory:
         checkpoints.check_compatible(stored._comparable(),  # pylint: disable=protected-access
                                      wanted._comparable(),  # pylint: disable=protected-access
                                      f"the MemoryConfig of {root}")
-        stored = dataclasses.replace(stored, cache_dir=wanted.cache_dir)  # (where, not what)
+        stored = dataclasses.replace(  # (where and when, not what)
+            stored, **{name: getattr(wanted, name) for name in config_lib.SERVING})
       slot = EncoderSlot(stored.encoder if enc is _UNSET else enc, meta.get("encoder_identity"))
       table = table_lib.Table(root / persistence.TABLE, stored.ear.dim)
       memory = cls.__new__(cls)
@@ -591,8 +415,10 @@ class Memory:
     with self._lock:
       open_ = [s for s in self._sessions.by_id.values() if not s.closed and not s.frozen]
       ready = len(self._driver.ready)
+      batched = {} if self._batcher is None else self._batcher.counts()
       return collections.Counter(
-          {**self._stats, "memories": len(self._table), "capacity": self._bank.emb.shape[0],
+          {**self._stats, **batched, "memories": len(self._table),
+           "capacity": self._bank.emb.shape[0],
            "ready": ready, "pending": ready + sum(1 for s in open_ if s.rounds),
            "sessions": len(open_), "generation": self._generation})
 
@@ -612,9 +438,12 @@ class Memory:
   # rows: add, get, list, delete, update
 
   def _embed(self, texts, embeddings, n, what: str):
-    """Checked `[n, d]` embeddings, given or encoded (outside the lock)."""
+    """Checked `[n, d]` embeddings, given or encoded (outside the lock; in the window's one
+    encoder call when batching)."""
     if embeddings is not None:
       return bank_lib.check_embeddings(embeddings, n, self._ear.dim, f"{what} embeddings")
+    if self._batcher is not None:
+      return self._batcher.submit(batcher_lib.Request(texts, None, None, what=what))
     return self._encoder.embed(texts, self._ear.dim, self._cfg.cache_dir, what)
 
   def _check_new(self, ids: list[str]) -> None:
@@ -675,6 +504,7 @@ class Memory:
     """Rows the table just took into the device bank, the counts, the searcher, the lexicon."""
     scodes = self._scopes.codes([scope] * len(rows))
     self._scopes.count(scodes, codes)
+    self._scope_rows.add(rows, scodes)
     self._bank = bank_lib.write(self._bank, rows, emb, codes, scodes)
     if self._searcher is not None:
       self._searcher.add(rows, emb, codes, scodes)
@@ -709,12 +539,22 @@ class Memory:
     with self._lock:
       return self._records(self._table.list_rows(names))
 
-  def _live_records(self, ids) -> dict:
-    """`{id: record}` of those of `ids` still held (`Ops.records`)."""
+  def _live_records(self, ids, sid: Optional[int] = None) -> dict:
+    """`{id: record}` of those of `ids` still held (`Ops.records`): the records session `sid`
+    read of its live candidates (a delete drops a learning session and masks a frozen one's
+    candidate), the others' from the table."""
     ids = list(dict.fromkeys(ids))
     with self._lock:
-      rows = self._table.rows_of(ids)
-      return {r["id"]: r for r in self._records(rows[rows >= 0])}
+      s = None if sid is None else self._sessions.by_id.get(sid)
+      got = {}
+      if s is not None:
+        got = {rec["id"]: rec for row, ok in zip(s.cand_idx.tolist(), s.cand_mask.tolist())
+               if ok and (rec := s.records.get(row)) is not None}
+      rest = [i for i in ids if i not in got]
+      if rest:
+        rows = self._table.rows_of(rest)
+        got.update({r["id"]: r for r in self._records(rows[rows >= 0])})
+      return {i: got[i] for i in ids if i in got}
 
   def delete(self, ids) -> list[str]:
     """Deletes memories everywhere (see `ear_jax.agent.memory.forget`): the table row (one
@@ -742,6 +582,7 @@ class Memory:
     self._scopes.count(self._scopes.codes([r["scope"] for r in recs]),
                        bank_lib.store_codes([r["store"] for r in recs], len(recs)), -1)
     self._bank = bank_lib.tombstone(self._bank, rows)
+    self._scope_rows.remove(rows)
     if self._searcher is not None:
       self._searcher.remove(rows, self._bank)
       if self._root is not None and int(rows.min()) < self._ann_rows:
@@ -785,43 +626,65 @@ class Memory:
   # queries: search, session, recall
 
   def _check_k(self, k) -> int:
-    k = _check_int(k, "k", 1)
+    k = check_int(k, "k", 1)
     if k > self._ear.num_candidates:
       raise ValueError(f"k={k} is larger than num_candidates K={self._ear.num_candidates}")
     return k
 
   def _queries(self, question, query_embedding, batch: bool):
-    """`(texts [n] ('' where none), [n, d] unit embeddings)`, checked and encoded (outside the
-    lock)."""
+    """`(texts [n] or None, [n, d] given unit embeddings or None)`, checked (the texts are
+    encoded when no embeddings are given)."""
     if question is None and query_embedding is None:
       raise ValueError("pass a question (text) or query_embedding")
     if question is not None and not batch and not isinstance(question, str):
       raise InputTypeError(f"question must be a string, got {type(question).__name__}")
     texts = None if question is None else bank_lib.check_text_list(question, "question")
+    if query_embedding is None:
+      return texts, None
     emb = query_embedding
-    if query_embedding is not None and not batch:
+    if not batch:
       emb = bank_lib.real_query_vector(query_embedding, self._ear.dim)[None]
     emb = self._embed(texts, emb, None if texts is None else len(texts), "query")
-    texts = texts if texts is not None else [""] * emb.shape[0]
-    if not texts:
+    if not len(emb):
       raise ValueError("no question: pass at least one")
-    if self._lexical is not None and not all(texts):
+    if self._lexical is not None and texts is None:
       raise ValueError(f"candidates={self._cfg.candidates!r} ranks by the question's text "
                        "(BM25): pass the question, with query_embedding or without")
     return texts, emb
 
-  def _first_stage(self, texts, q_emb, names, slate):
-    """`bank.search` / `LexicalBank.search` of `[q, d]` queries in the scopes `names` (call under
-    the lock)."""
+  def _staged(self, texts, emb, names, size, k: int, finish):
+    """`finish(texts, q_emb, first stage)` under the lock after the first stage of the checked
+    query (`_queries`) in the scopes `names` (with `size`, the slate of that size): in the
+    window's one encoder call and one search per scope spec when batching, else now."""
+    search_texts = texts if texts is not None else [""] * len(emb)
+    prepare = lambda: self._scopes.check_k(k, self._ear.num_candidates, self._cfg.multistore,
+                                           names)
+    if self._batcher is not None:
+      return self._batcher.submit(batcher_lib.Request(
+          texts if emb is None else None, emb, (names, size), search_texts, prepare, finish,
+          what="query"))
+    if emb is None:
+      emb = self._embed(texts, None, len(texts), "query")
+    with self._lock:
+      prepare()
+      return finish(search_texts, emb, self._first_stage(search_texts, emb, names, size))
+
+  def _first_stage(self, texts, q_emb, names, size):
+    """`bank.search` / `LexicalBank.search` of `[q, d]` queries in the scopes `names`, with the
+    adapter's slate of `size` by the served parameters (None: none) (call under the lock)."""
     allowed = self._scopes.allowed(names)
     K = self._ear.num_candidates
+    slate = None if size is None else (self._served_params(), self._hparams, size, False)
     if self._lexical is None:
       return bank_lib.search(self._bank, q_emb, k=K, multistore=self._cfg.multistore,
-                             allowed=allowed, slate=slate, searcher=self._searcher)
-    return self._lexical.search(self._bank, q_emb, texts, K, allowed=allowed, slate=slate)
+                             allowed=allowed, slate=slate, searcher=self._searcher,
+                             scope_rows=self._scope_rows)
+    return self._lexical.search(self._bank, q_emb, texts, K, allowed=allowed, slate=slate,
+                                scope_rows=self._scope_rows)
 
-  def _slate(self, rows, scores, round_: int, explore: bool, sid: int, query: str) -> Slate:
-    recs = self._records(rows)
+  def _slate(self, rows, scores, round_: int, explore: bool, sid: int, query: str,
+             recs=None) -> Slate:
+    recs = self._records(rows) if recs is None else recs
     return Slate(ids=tuple(r["id"] for r in recs), texts=tuple(r["text"] for r in recs),
                  stores=tuple(r["store"] for r in recs),
                  scores=tuple(float(x) for x in scores), round=round_, explore=explore,
@@ -840,15 +703,18 @@ class Memory:
     k = self._check_k(k)
     names = bank_lib.check_scope_spec(scope)
     texts, q_emb = self._queries(question, query_embedding, batch)
-    with self._lock:
-      self._scopes.check_k(k, self._ear.num_candidates, self._cfg.multistore, names)
-      rows, _, _, (slate, slate_mask, z) = self._first_stage(
-          texts, q_emb, names, (self._served_params(), self._hparams, k, False))
+
+    def finish(texts, q_emb, found):
+      del q_emb
+      rows, _, _, (slate, slate_mask, z) = found
       out = []
       for i, t in enumerate(texts):
         pos = slate[i][slate_mask[i]]
         out.append(self._slate(rows[i][pos], z[i][pos], 0, False, -1, t))
       self._stats["searches"] += len(texts)
+      return out
+
+    out = self._staged(texts, q_emb, names, k, k, finish)
     return out if batch else out[0]
 
   def session(self, question=None, *, query_embedding=None, scope=None,
@@ -863,7 +729,7 @@ class Memory:
     if resume is not None:
       if question is not None or query_embedding is not None or scope is not None:
         raise ValueError("pass either resume= or a question (with its scope), not both")
-      sid = _check_int(resume, "resume", 0)
+      sid = check_int(resume, "resume", 0)
       with self._lock:
         s = self._sessions.get(sid)
         if s.frozen or s.closed:
@@ -875,17 +741,18 @@ class Memory:
     """`Ops.open`: a new session (frozen: `recall(learn=False)`'s) whose rounds can show `k`."""
     names = bank_lib.check_scope_spec(scope)
     texts, q_emb = self._queries(question, query_embedding, False)
-    with self._lock:
-      self._scopes.check_k(k, self._ear.num_candidates, self._cfg.multistore, names)
-      rows, mask, cands, _ = self._first_stage(texts, q_emb, names, None)
+
+    def finish(texts, q_emb, found):
+      rows, mask, cands, _ = found
       sid = self._sessions.new(texts[0], q_emb[0], rows[0], cands[0], mask[0], names or (),
                                frozen)
-      if frozen:
-        self._sessions.by_id[sid].params = jax.tree_util.tree_map(jnp.copy,
-                                                                  self._served_params())
+      if frozen:  # (a reference: `_learn` copies it before a learner step donates it)
+        self._sessions.by_id[sid].params = self._served_params()
       self._stats["sessions_opened"] += 1
       self._learn(self._sessions.evict())
       return Session(self._ops, sid, texts[0], names or ())
+
+    return self._staged(texts, q_emb, names, None, k, finish)
 
   def recall(self, question: str, critic, k: int = 5, *, query_embedding=None,
              learn: bool = True, scope=None, rule: Optional[str] = None) -> Recall:
@@ -925,7 +792,17 @@ class Memory:
   # the session operations (`sessions.Ops`)
 
   def _shown(self, s) -> list[str]:
-    return [r["id"] for r in self._records(s.cand_idx[s.open_slate])]
+    return [r["id"] for r in self._candidate_records(s, s.open_slate)]
+
+  def _candidate_records(self, s, positions) -> list[dict]:
+    """The records of session `s`'s candidates at `positions` (all its candidates' read at the
+    first call, in one query)."""
+    rows = [int(r) for r in s.cand_idx[positions]]
+    if any(r not in s.records for r in rows):
+      held = s.cand_idx[s.cand_mask & self._live_rows(s.cand_idx)]
+      missing = list(dict.fromkeys([int(r) for r in held if int(r) not in s.records] + rows))
+      s.records.update(zip(missing, self._records(missing)))
+    return [s.records[r] for r in rows]
 
   def _round(self, sid: int, k, explore: bool) -> Slate:
     k = self._check_k(k)
@@ -941,16 +818,17 @@ class Memory:
         raise ValueError(f"k={k} is larger than the {held} candidates of session {sid}")
       params = s.params if s.frozen else (
           self._driver.state.params if explore else self._served_params())
-      slate, slate_mask, z = episode.round_slates(
-          params, self._hparams, s.query_emb[None], s.cand_emb[None], s.cand_mask[None],
-          s.mean[None], s.counts[None], k, explore or s.frozen)
-      pos = slate[0][slate_mask[0]]
+      (slate, slate_mask, z, s.mean, s.counts), s.adapted = episode.session_round(
+          params, self._hparams, s.query_emb, s.cand_emb, s.cand_mask, s.mean, s.counts,
+          s.last(), k, explore or s.frozen, self._adapted(s, params))
+      s.stale, s.adapted_by = False, params
+      pos = slate[slate_mask]
       self._sessions.open_round(sid, pos, explore or s.frozen)
       if not s.frozen and self._ear.final_slate != "round_T":
-        s.params = jax.tree_util.tree_map(jnp.copy, params)
+        s.params = params  # (a reference: `_learn` copies it before a learner step donates it)
       self._stats["rounds"] += 1
-      return self._slate(s.cand_idx[pos], z[0][pos], s.rounds + 1, explore or s.frozen, sid,
-                         s.query)
+      return self._slate(s.cand_idx[pos], z[pos], s.rounds + 1, explore or s.frozen, sid,
+                         s.query, self._candidate_records(s, pos))
 
   def _page(self, sid: int, k, t: int) -> Slate:
     """`Ops.page`: page t (ranks `t k .. t k + k - 1`, ties to the lower candidate) of a frozen
@@ -970,10 +848,27 @@ class Memory:
       return self._slate(s.cand_idx[pos], z[pos], s.rounds + 1, True, sid, s.query)
 
   def _learn(self, items) -> int:
+    if len(self._driver.ready) + len(items) >= self._ear.batch_size:
+      self._detach_params()
     steps = self._driver.push(items)
     self._stats["learner_steps"] += steps
     self._stats["queries_queued"] += len(items)
     return steps
+
+  @staticmethod
+  def _adapted(s, params):
+    """The session's `episode.adapted` of its last round when it ranked by `params` (the
+    adapter's output for its candidates: later rounds skip the adapter), else None."""
+    return s.adapted if s.adapted_by is params else None
+
+  def _detach_params(self) -> None:
+    """Sessions that hold the live adapter parameters (their last round's, for 'exploit' and
+    frozen answers) get one copy of them: the learner step donates the live ones."""
+    live, copy = self._driver.state.params, None
+    for s in self._sessions.by_id.values():
+      if s.params is live:
+        copy = _copy(live) if copy is None else copy
+        s.params = copy
 
   def _apply(self, sid: int, labels: np.ndarray) -> int:
     item = self._sessions.record(sid, labels)
@@ -993,7 +888,7 @@ class Memory:
         raise ValueError(f"session {sid} has no question text: feedback from an answer compares "
                          "it with the question (open the session with the question's text)")
       slate = s.open_slate.copy()
-      texts = [r["text"] for r in self._records(s.cand_idx[slate])]
+      texts = [r["text"] for r in self._candidate_records(s, slate)]
       question, memories = s.query, s.cand_emb[slate, :self._ear.dim].copy()
     used = episode.answer_labels(question, answer, texts, memories, self._embed_answer)
     with self._lock:  # (still open: another call may have labelled it, a delete dropped it)
@@ -1031,20 +926,21 @@ class Memory:
 
   def _critique(self, sid: int, critic, t: int) -> Optional[np.ndarray]:
     """`Ops.critique`: the open round of `sid` shown to a host critic (outside the lock, key
-    `fold_in(fold_in(k_critic, sid), t)`); its labels applied, or (None, an unusable reply)
-    the round discarded with no update (`stats['critic_no_update']`)."""
+    `fold_in(fold_in(k_critic, sid), t)` as a host `[2]` uint32 array, `sessions.CriticKeys`);
+    its labels applied, or (None, an unusable reply) the round discarded with no update
+    (`stats['critic_no_update']`)."""
     with self._lock:
       s = self._sessions.get(sid, open_round=True)
       slate = s.open_slate[s.cand_mask[s.open_slate]]  # (frozen: less what was deleted since)
       if not len(slate):
         s.open_slate = None
         return None
-      recs = self._records(s.cand_idx[slate])
+      recs = self._candidate_records(s, slate)
       view = critic_lib.SlateView(
           query=s.query_emb, slate=slate, slate_mask=np.ones(len(slate), bool),
           memories=s.cand_emb[slate, :self._ear.dim], gold=np.zeros(len(slate), bool),
           query_text=s.query, texts=[r["text"] for r in recs], ids=[r["id"] for r in recs])
-      key = jax.random.fold_in(jax.random.fold_in(self._critic_key, sid), t)
+      key = self._critic_keys(sid, t)
     labels = critic(key, view)
     if labels is not None:
       labels = episode.check_labels(labels, len(slate), "the critic")  # the round stays open
@@ -1072,10 +968,11 @@ class Memory:
       if not k:
         return (), ()
       params = s.params if s.params is not None else self._driver.state.params
-      slate, slate_mask, z = (np.asarray(x) for x in recall_lib.exploit(
-          params, s.query_emb, s.cand_emb, s.cand_mask, s.mean, s.counts, k=k))
+      slate, slate_mask, z = recall_lib.exploit(params, s.query_emb, s.cand_emb, s.cand_mask,
+                                                s.mean, s.counts, s.last(), k,
+                                                self._adapted(s, params))
       pos = slate[slate_mask]
-      return tuple(r["id"] for r in self._records(s.cand_idx[pos])), tuple(z[pos].tolist())
+      return (tuple(r["id"] for r in self._candidate_records(s, pos)), tuple(z[pos].tolist()))
 
 
 def llm_feedback(memory: Memory, critic, query: str, k: int = 5, explore: bool = True, *,

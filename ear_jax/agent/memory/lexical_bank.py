@@ -28,9 +28,18 @@ Interfaces (what `front` calls; rows are the table's device rows, never reused):
       .delete(rows) -> list[str]                        # after the table write: unindexes them,
           # drops and returns their dead terms (= dead_terms(rows) just before)
       .restore(table_rows, scope_codes=None) -> None    # from Table.read_all() (terms, vocab)
-      .search(device_bank, queries [q, d], query_texts [q], k, *, allowed=None, slate=None)
+      .search(device_bank, queries [q, d], query_texts [q], k, *, allowed=None, slate=None,
+              scope_rows=None)
           -> (rows [q, K] int32, mask [q, K], cands [q, K, d + F] float32, slates or None)
-          # as bank.search; allowed [S] bool over scope codes (ScopeNames.allowed)
+          # as bank.search; allowed [S] bool over scope codes (ScopeNames.allowed); with
+          # scope_rows (bank.ScopeRows) a scope of few rows is ranked over its gathered rows
+
+A scoped search costs its scopes (issue 30): BM25 reads only their postings
+(`lexical.BM25Index`), and when `bank.scope_candidates` gives their rows (few of the bank's) the
+call gathers those `[P, d]` rows and runs `rank_bank` over them (the dense half of hybrid
+included), the BM25 pairs given as positions among them; the positions keep the rows' order, so
+the ranking is the masked one over the whole bank (the dense cosine feature may differ in its last
+bit: XLA may sum a matrix product of another shape in another order).
 
 An update is `enc = encode(...)`, `dead = dead_terms([old], keep=enc)`, `Table.replace(...,
 new_vocab=enc.new_vocab, dead_terms=dead)`, `add([new], enc, ...)`, then `delete([old])`.
@@ -172,7 +181,8 @@ class LexicalBank:
     return lexical.term_ids(self.vocab, tokens)
 
   def search(self, bank: bank_lib.DeviceBank, queries: np.ndarray, query_texts: Sequence[str],
-             k: int, *, allowed: Optional[np.ndarray] = None, slate=None):
+             k: int, *, allowed: Optional[np.ndarray] = None, slate=None,
+             scope_rows: Optional[bank_lib.ScopeRows] = None):
     """`bank.search` with this first stage: `(rows [q, K], mask [q, K], cands [q, K, d + F]
     (embedding | features), slates or None)`, numpy.
 
@@ -184,27 +194,48 @@ class LexicalBank:
       allowed: `[S]` bool over scope codes (`bank.ScopeNames.allowed`; None: every scope): the
         candidates' rows AND the BM25 statistics are those of the allowed scopes.
       slate: optional `(params, hparams, s, explore)` of the first round (see `bank.search`).
+      scope_rows: the bank's `bank.ScopeRows`: a scoped search of few rows ranks only those rows
+        (`bank.scope_candidates`), the same ranking as over the whole bank masked.
     """
     q, padded = len(queries), bank_lib.pad_queries(queries)
     found = self.index.scores([self.query_ids(t) for t in tokenize(query_texts)], allowed)
-    lex_rows, lex_scores = first_stage.pairs(found, bank.emb.shape[0], len(padded))
+    cand = bank_lib.scope_candidates(scope_rows, allowed, bank.emb.shape[0])
+    if cand is None:
+      lex_rows, lex_scores = first_stage.pairs(found, bank.emb.shape[0], len(padded))
+    else:  # the pairs' rows as positions in `cand` (a scoped query's BM25 rows are of its scopes)
+      lex_rows, lex_scores = first_stage.pairs(
+          [_positions(cand, r, s) for r, s in found], len(cand), len(padded))
     params, hparams, size, explore = slate if slate is not None else (None, None, None, False)
-    out = _search(padded, bank, allowed, lex_rows, lex_scores, params,
+    out = _search(padded, bank, allowed, cand, lex_rows, lex_scores, params,
                   hparams if explore else None, k=k, multistore=self.multistore,
                   generator=self.candidates, options=self.options,
                   slate_size=None if size is None else int(size), explore=bool(explore))
     return bank_lib.unpack(out, q, k, bank.emb.shape[1] + NUM_FEATURES, size)
 
 
+def _positions(cand: np.ndarray, rows: np.ndarray, scores: np.ndarray):
+  """`(positions, scores)` of the BM25 pairs whose rows are in `cand` (ascending, padded)."""
+  pos = np.minimum(np.searchsorted(cand, rows), len(cand) - 1)
+  ok = cand[pos] == rows
+  return pos[ok], scores[ok]
+
+
 @functools.partial(jax.jit, static_argnames=("k", "multistore", "generator", "options",
                                              "slate_size", "explore"))
-def _search(queries, bank, allowed, lex_rows, lex_scores, params, hparams, *, k, multistore,
+def _search(queries, bank, allowed, cand, lex_rows, lex_scores, params, hparams, *, k, multistore,
             generator, options, slate_size, explore):
-  """`first_stage.rank_bank` over the allowed live rows, then `bank.finish` (gather, features,
-  first slate), in one call."""
-  where = bank.valid if allowed is None else bank.valid & allowed[bank.scopes]
-  rows, mask, _, feats = first_stage.rank_bank(queries, bank.emb, where, bank.stores, lex_rows,
-                                               lex_scores, k=k, generator=generator,
-                                               options=options, multistore=multistore)
+  """`first_stage.rank_bank` over the allowed live rows (of the bank, or its rows `cand [P]`
+  given: then `lex_rows` are positions in `cand`), then `bank.finish` (gather, features, first
+  slate), in one call."""
+  if cand is None:
+    emb, stores = bank.emb, bank.stores
+    where = bank.valid if allowed is None else bank.valid & allowed[bank.scopes]
+  else:
+    emb, where, stores = bank_lib.gathered(bank, allowed, cand)
+  rows, mask, _, feats = first_stage.rank_bank(queries, emb, where, stores, lex_rows, lex_scores,
+                                               k=k, generator=generator, options=options,
+                                               multistore=multistore)
+  if cand is not None:
+    rows = bank_lib.rows_at(cand, rows, mask)
   slate = None if slate_size is None else (params, hparams, slate_size, explore)
   return bank_lib.finish(queries, bank.emb, rows, mask, features=feats, slate=slate)

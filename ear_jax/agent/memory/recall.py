@@ -33,6 +33,7 @@ import functools
 
 import jax
 
+from ear_jax.agent.memory import episode
 from ear_jax.agent.memory.sessions import Ops, SessionDroppedError
 from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import explorer as explorer_lib
@@ -78,12 +79,22 @@ def relevance(params, query, candidates):
 
 
 @functools.partial(jax.jit, static_argnames=("k",))
-def exploit(params, query, candidates, mask, mean, counts, *, k):
-  """The top-k by bandit mean, ties by adapted relevance: `(slate [k], slate_mask [k], z [K])`."""
-  z, _ = adapter_lib.relevance(params, query, candidates)
-  slate, slate_mask = explorer_lib.exploit_slate(
-      explorer_lib.BanditStats(mean=mean, counts=counts), z, mask, k)
+def _exploit(params, query, candidates, given, mask, mean, counts, last, *, k):
+  z, _ = episode.adapted(params, query, candidates, given)
+  stats = explorer_lib.update_bandit(explorer_lib.BanditStats(mean=mean, counts=counts), *last)
+  slate, slate_mask = explorer_lib.exploit_slate(stats, z, mask, k)
   return slate, slate_mask, z
+
+
+def exploit(params, query, candidates, mask, mean, counts, last, k: int, given=None):
+  """The top-k by bandit mean, ties by adapted relevance: `(slate [k], slate_mask [k], z [K])`
+  numpy, after the pending feedback `last = (slate [K], slate_mask [K], labels [K])` (Eq. (9);
+  all masked: none); `given`: the rounds' `episode.adapted` by the same `params` (see
+  `episode.session_round`)."""
+  if given is not None:
+    params = query = candidates = None
+  return jax.device_get(_exploit(params, query, candidates, given, mask, mean, counts,
+                                 tuple(last), k=k))
 
 
 def recall(ops: Ops, question: str, critic, k: int, *, query_embedding, learn: bool, scope,
@@ -102,7 +113,7 @@ def recall(ops: Ops, question: str, critic, k: int, *, query_embedding, learn: b
 
 def _rounds(ops: Ops, session, critic, k: int, learn: bool, rounds: int,
             final_slate: str) -> Recall:
-  shown, labels, lost = [], [], False
+  shown, labels = [], []
   try:
     for t in range(rounds):
       slate = session.round(k, explore=True)
@@ -116,14 +127,14 @@ def _rounds(ops: Ops, session, critic, k: int, learn: bool, rounds: int,
     ids, scores = (shown[-1].ids, shown[-1].scores) if shown else ((), ())
     if final_slate != "round_T":
       ids, scores = ops.final(session.id, k)
+    held = ops.records(list(ids) + [i for s in shown for i in s.ids], session.id)
     session.close()  # ended early: the rounds so far are the training query
   except SessionDroppedError:  # a delete (or an eviction) ended the session
-    lost = True
     ids, scores = (shown[-1].ids, shown[-1].scores) if shown else ((), ())
     ops.count("recall_sessions_dropped")
+    held = ops.records(list(ids) + [i for s in shown for i in s.ids], None)
   if not learn:
     ops.count("frozen_recalls")
-  held = ops.records(list(ids) + [i for s in shown for i in s.ids])
   keep = [j for j, i in enumerate(ids) if i in held]
   return Recall(ids=tuple(ids[j] for j in keep), texts=tuple(held[ids[j]]["text"] for j in keep),
                 stores=tuple(held[ids[j]]["store"] for j in keep),
@@ -145,12 +156,12 @@ def _pages(ops: Ops, session, critic, k: int, rounds: int) -> Recall:
     labels.append(ops.critique(session.id, critic, t))
     if labels[-1] is None:
       break
-  session.close()
-  ops.count("frozen_recalls")
   ranked = [(i, sc, lab is not None and len(lab) == len(p.ids) and lab[j] > 0)
             for p, lab in zip(shown, labels) for j, (i, sc) in enumerate(zip(p.ids, p.scores))]
   answer = ([(i, sc) for i, sc, c in ranked if c] + [(i, sc) for i, sc, c in ranked if not c])[:k]
-  held = ops.records([i for i, _, _ in ranked])
+  held = ops.records([i for i, _, _ in ranked], session.id)
+  session.close()
+  ops.count("frozen_recalls")
   answer = [(i, sc) for i, sc in answer if i in held]
   return Recall(ids=tuple(i for i, _ in answer), texts=tuple(held[i]["text"] for i, _ in answer),
                 stores=tuple(held[i]["store"] for i, _ in answer),

@@ -31,12 +31,15 @@ from __future__ import annotations
 import collections
 import collections.abc
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ear_jax.agent.memory.bank import InputTypeError
-from ear_jax.agent.memory.episode import update_bandits
+from ear_jax.agent.memory.episode import no_feedback, update_bandits
 from ear_jax.core.config import EARConfig
 
 MAX_GONE = 4096  # sessions that left remembered with the reason (oldest forgotten first)
@@ -116,8 +119,8 @@ class Query:
   cand_idx: np.ndarray  # [K] int32 bank rows, -1 = padding
   cand_emb: np.ndarray  # [K, d + F] float32 (embedding | first-stage features)
   cand_mask: np.ndarray  # [K] bool
-  mean: np.ndarray  # [K] float32 bandit mean mu_i, Eq. (9)
-  counts: np.ndarray  # [K] float32 bandit counts N_i
+  mean: np.ndarray  # [K] float32 bandit mean mu_i, Eq. (9) (less the last round's, when `stale`)
+  counts: np.ndarray  # [K] float32 bandit counts N_i (likewise)
   slates: np.ndarray  # [T, K] int32 candidate positions of each round's slate, -1 = empty
   slate_mask: np.ndarray  # [T, K] bool
   labels: np.ndarray  # [T, K] float32
@@ -129,6 +132,26 @@ class Query:
   last_used: int = 0
   frozen: bool = False  # `recall(learn=False)`: never trained, evicted or saved
   params: Any = None  # the adapter parameters of its last round (frozen / 'exploit' answers)
+  stale: bool = False  # the feedback of round `rounds` is not in mean / counts yet (`last`)
+  adapted: Any = None  # `(z [K], gram [K, K])` device arrays of its last round (`episode.adapted`)
+  adapted_by: Any = None  # the parameters they were computed with
+  records: dict = dataclasses.field(default_factory=dict)  # bank row -> its table record (a
+  #   candidate's record never changes while its session lives: a delete or update drops it)
+
+  def last(self):
+    """`(slate [K], slate_mask [K], labels [K])` of the feedback not yet in `mean` / `counts`
+    (all masked: none): `episode.session_round` applies it in the next round's call."""
+    if not self.stale:
+      return no_feedback(len(self.mean))
+    r = self.rounds - 1
+    return self.slates[r], self.slate_mask[r], self.labels[r]
+
+  def settle(self) -> None:
+    """Applies the pending feedback to `mean` / `counts` now (Eq. (9))."""
+    if self.stale:
+      mean, counts = update_bandits(self.mean[None], self.counts[None],
+                                    *(x[None] for x in self.last()))
+      self.mean, self.counts, self.stale = mean[0], counts[0], False
 
   def train_item(self) -> TrainItem:
     return TrainItem(self.query_emb.copy(), self.cand_emb.copy(), self.cand_mask.copy(),
@@ -209,16 +232,17 @@ class Sessions:
     self.by_id.move_to_end(sid)
 
   def record(self, sid: int, labels: np.ndarray) -> Optional[TrainItem]:
-    """Feedback `[k]` on the open round of `sid` (Eq. (9)); the `TrainItem` if this closes it."""
+    """Feedback `[k]` on the open round of `sid`; the `TrainItem` if this closes it. Its bandit
+    update (Eq. (9)) is pending (`Query.stale`) until the next round's call applies it."""
     s = self.by_id[sid]
     K, k = self.config.num_candidates, len(s.open_slate)
     slate, mask = np.full((K,), -1, np.int32), np.zeros((K,), bool)
     lab = np.full((K,), -1.0, np.float32)
     slate[:k], mask[:k], lab[:k] = s.open_slate, True, labels
-    mean, counts = update_bandits(s.mean[None], s.counts[None], slate[None], mask[None], lab[None])
-    s.mean, s.counts = mean[0], counts[0]
+    s.settle()  # (no-op unless a round's feedback is pending already)
     s.slates[s.rounds], s.slate_mask[s.rounds], s.labels[s.rounds] = slate, mask, lab
     s.rounds += 1
+    s.stale = True
     s.open_slate = None
     self._touch(sid)
     if not s.open_explore or s.rounds >= self.config.num_rounds:
@@ -262,6 +286,8 @@ class Sessions:
     """`(arrays, meta)`: host copies of the sessions that are not frozen (no arrays when none).
     The candidates are saved as their bank rows (`cand_idx`) and first-stage features only."""
     ss = [(sid, s) for sid, s in self.by_id.items() if not s.frozen]
+    for _, s in ss:
+      s.settle()
     arrays = {}
     if ss:
       arrays = {f: np.stack([getattr(s, f) for _, s in ss]) for f in _ARRAYS}
@@ -298,6 +324,47 @@ class Sessions:
     return out, int((~keep).sum())
 
 
+def _fold_twice(key, sid, t):
+  return jax.random.fold_in(jax.random.fold_in(key, sid), t)
+
+
+_critic_key = jax.jit(_fold_twice)
+
+
+@functools.partial(jax.jit, static_argnames=("size", "num_rounds"))
+def _critic_key_block(key, start, *, size, num_rounds):
+  rounds = jnp.arange(num_rounds)
+  return jax.vmap(lambda sid: jax.vmap(lambda t: _fold_twice(key, sid, t))(rounds))(
+      start + jnp.arange(size))
+
+
+class CriticKeys:
+  """The critic key of round `t` of session `sid`, `fold_in(fold_in(k_critic, sid), t)`, as a host
+  `[2]` uint32 array: the keys of `BLOCK` sessions x `T` rounds come from ONE jitted call and are
+  kept (the last two blocks), so a round pays no key dispatch.
+
+  Args:
+    key: the memory's critic key (`driver.seed_keys`).
+    num_rounds: `T`.
+  """
+  BLOCK = 256
+
+  def __init__(self, key, num_rounds: int):
+    self._key, self._rounds = key, int(num_rounds)
+    self._blocks: "collections.OrderedDict[int, np.ndarray]" = collections.OrderedDict()
+
+  def __call__(self, sid: int, t: int) -> np.ndarray:
+    if not 0 <= t < self._rounds:
+      return np.asarray(_critic_key(self._key, sid, t))
+    b = sid // self.BLOCK
+    if b not in self._blocks:
+      self._blocks[b] = np.asarray(_critic_key_block(self._key, b * self.BLOCK, size=self.BLOCK,
+                                                     num_rounds=self._rounds))
+      while len(self._blocks) > 2:
+        self._blocks.popitem(last=False)
+    return self._blocks[b][sid % self.BLOCK, t].copy()
+
+
 def _jsonable(x):
   if isinstance(x, np.ndarray):
     return x.tolist()
@@ -316,7 +383,7 @@ class Ops(NamedTuple):
   page: Callable  # (sid, k, t) -> Slate: page t of a frozen session's served ranking (paging)
   open: Callable  # (question, query_embedding, scope, frozen, k) -> Session
   abandon: Callable  # (sid) -> None: drops the session untrained (its recall failed)
-  records: Callable  # (ids) -> {id: record} of those still held
+  records: Callable  # (ids, sid or None) -> {id: record} of those still held
   count: Callable  # (name) -> None: one more in `Memory.stats[name]`
 
 

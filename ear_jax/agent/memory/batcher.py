@@ -1,0 +1,218 @@
+"""`Batcher`: micro-batching of a `Memory`'s concurrent first stages and encodings.
+
+Symbols: `n` texts or queries of one request, `q` queries of one search, `d` dimension.
+
+With `MemoryConfig.batch_window_ms > 0`, the requests that arrive within one window share ONE
+encoder call and, per distinct search key (the scope spec and the slate size), ONE jitted first
+stage over their padded `[q, d]` queries. A request is `(texts to encode or None, given [n, d]
+embeddings or None, key, finish)`:
+
+* the first request of a window makes its thread the window's *leader*; it waits `window`
+  seconds (or until `max_queries` queries are queued), closes the window (a later request opens
+  the next one), encodes every queued text in ONE call (`encode`), then takes the memory's lock
+  ONCE and, per key, runs `prepare` on each request (its checks under the lock), ONE `search`
+  over the requests that passed, and `finish` on each request's rows of the result;
+* the other threads wait for their own request's value or error. No lock is held while the leader
+  waits or encodes (`EncoderSlot` serialises encoder calls on its own), so windows pipeline: one
+  encodes while the next collects.
+
+A bad request fails alone: its error is raised in its own thread and the others of its window are
+served. When the window's encoder call fails, each request is encoded alone (so only the request
+whose texts fail gets the error); when a search fails, each of its requests is searched alone.
+
+Consistency: each request takes effect at ONE instant between its call and its return (the
+leader's locked section), as an unbatched call does under the lock: a search sees every add that
+returned before it was called and none of a delete that returned before; an add or delete
+concurrent with it is seen whole or not at all. Session opens register their session in the same
+locked section as their first stage, so a delete cannot fall between the two.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Hashable, Optional
+
+import jax
+import numpy as np
+
+
+class Request:
+  """One caller's request, with its outcome once served.
+
+  Args:
+    texts: `[n]` checked texts to encode, or None.
+    embeddings: `[n, d]` checked unit embeddings (when `texts` is None).
+    key: requests with equal keys share one search; None: encode only (the value is the `[n, d]`
+      embeddings).
+    search_texts: `[n]` the texts the search ranks by (lexical first stages).
+    prepare: `prepare() -> None` under the lock before the search (raises to fail the request).
+    finish: `finish(texts, embeddings [n, d], result) -> value` under the lock, `result` the
+      request's rows of the search's output (a pytree of numpy arrays with a leading `[n]`).
+    what: what the texts are, for the encoder's errors ('query', 'memory', ...).
+  """
+
+  def __init__(self, texts: Optional[list], embeddings: Optional[np.ndarray], key: Hashable,
+               search_texts: Optional[list] = None, prepare: Optional[Callable] = None,
+               finish: Optional[Callable] = None, *, what: str = "query"):
+    self.texts, self.embeddings, self.key, self.what = texts, embeddings, key, what
+    self.search_texts, self.prepare, self.finish = search_texts, prepare, finish
+    self.value: Any = None
+    self.error: Optional[BaseException] = None
+    self.done = threading.Event()
+
+  def fail(self, error: BaseException) -> None:
+    self.error = error
+    self.done.set()
+
+  def serve(self, value) -> None:
+    self.value = value
+    self.done.set()
+
+  def outcome(self):
+    """The value, or the request's error raised in the caller's thread."""
+    self.done.wait()
+    if self.error is not None:
+      raise self.error
+    return self.value
+
+
+class Batcher:
+  """The window, its leader and the one encoder call / one search per key (module docstring).
+
+  Args:
+    window: seconds a window stays open (> 0).
+    max_queries: a window closes early once it holds this many queries.
+    encode: `encode(texts, what) -> [n, d]` unit embeddings (the memory's encoder; raises on
+      failure, naming `what`).
+    search: `search(key, texts [q], queries [q, d]) -> pytree of [q, ...] numpy arrays`, called
+      under `lock`.
+    lock: the memory's state lock.
+  """
+
+  def __init__(self, window: float, max_queries: int, encode: Callable, search: Callable, lock):
+    self.window, self.max_queries = float(window), int(max_queries)
+    self._encode, self._search, self._lock = encode, search, lock
+    self._cv = threading.Condition()
+    self._queue: list[Request] = []
+    self._queued = 0  # queries (rows) in `_queue`
+    self._leading = False
+    self._serving = threading.Lock()  # one window served at a time: the next collects meanwhile
+    self._counts = {"batch_windows": 0, "batch_requests": 0, "batch_encoder_calls": 0,
+                    "batch_searches": 0}
+
+  def counts(self) -> dict:
+    """Windows served, requests in them, encoder calls and searches they made."""
+    with self._cv:
+      return dict(self._counts)
+
+  def _count(self, name: str, n: int = 1) -> None:
+    with self._cv:
+      self._counts[name] += n
+
+  def submit(self, request: Request):
+    """Queues `request` (its thread leads the window when it opens one) and returns its value."""
+    with self._cv:
+      self._queue.append(request)
+      self._queued += _rows(request)
+      lead, self._leading = not self._leading, True
+      if self._queued >= self.max_queries:
+        self._cv.notify_all()
+    if lead:
+      self._lead()
+    return request.outcome()
+
+  def _lead(self) -> None:
+    deadline = time.perf_counter() + self.window
+    with self._serving:  # (while a window is served the next one keeps collecting requests)
+      self._lead_window(deadline)
+
+  def _lead_window(self, deadline: float) -> None:
+    with self._cv:
+      while self._queued < self.max_queries:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+          break
+        self._cv.wait(left)
+      batch, self._queue, self._queued, self._leading = self._queue, [], 0, False
+    try:
+      self._serve(batch)
+    finally:  # (nobody waits forever, whatever went wrong)
+      for r in batch:
+        if not r.done.is_set():
+          r.fail(RuntimeError("the memory's batched request was not served (the leader thread "
+                              "was interrupted)"))
+
+  def _serve(self, batch: list[Request]) -> None:
+    self._count("batch_windows")
+    self._count("batch_requests", len(batch))
+    self._encode_all([r for r in batch if r.texts is not None])
+    for r in batch:
+      if r.key is None and r.error is None:
+        r.serve(r.embeddings)
+    groups: dict = {}
+    for r in batch:
+      if r.key is not None and r.error is None:
+        groups.setdefault(r.key, []).append(r)
+    if not groups:
+      return
+    with self._lock:
+      for key, group in groups.items():
+        self._search_group(key, group)
+
+  def _encode_all(self, todo: list[Request]) -> None:
+    """Each request's `[n, d]` embeddings by ONE encoder call (or one per request when it
+    fails, so that only the failing request gets the error)."""
+    if not todo:
+      return
+    whats = {r.what for r in todo}
+    try:
+      self._count("batch_encoder_calls")
+      emb = self._encode([t for r in todo for t in r.texts],
+                         whats.pop() if len(whats) == 1 else "the batched")
+    except Exception as e:  # pylint: disable=broad-except
+      if len(todo) == 1:
+        todo[0].fail(e)
+        return
+      for r in todo:
+        self._encode_all([r])
+      return
+    at = 0
+    for r in todo:
+      r.embeddings, at = emb[at:at + len(r.texts)], at + len(r.texts)
+
+  def _search_group(self, key, group: list[Request]) -> None:
+    """`prepare`, ONE search, `finish` for the requests of one key (call under the lock)."""
+    ready = []
+    for r in group:
+      try:
+        if r.prepare is not None:
+          r.prepare()
+        ready.append(r)
+      except Exception as e:  # pylint: disable=broad-except
+        r.fail(e)
+    if not ready:
+      return
+    texts = [t for r in ready for t in r.search_texts]
+    try:
+      self._count("batch_searches")
+      out = self._search(key, texts, np.concatenate([r.embeddings for r in ready]))
+    except Exception as e:  # pylint: disable=broad-except
+      if len(ready) == 1:
+        ready[0].fail(e)
+        return
+      for r in ready:  # (alone, each with its own checks again: the state may have moved)
+        self._search_group(key, [r])
+      return
+    at = 0
+    for r in ready:
+      n = _rows(r)
+      part = jax.tree_util.tree_map(lambda a, at=at, n=n: a[at:at + n], out)
+      at += n
+      try:
+        r.serve(r.finish(r.search_texts, r.embeddings, part))
+      except Exception as e:  # pylint: disable=broad-except
+        r.fail(e)
+
+
+def _rows(r: Request) -> int:
+  return len(r.texts) if r.texts is not None else len(r.embeddings)

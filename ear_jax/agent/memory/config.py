@@ -1,0 +1,230 @@
+"""`MemoryConfig`: everything that defines a `Memory` besides its rows and its learner, checked at
+construction and resolved to the `EARConfig` / `HParams` it runs (`MemoryConfig.ear`)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from ear_jax.agent.memory import bank as bank_lib
+from ear_jax.agent.memory import lexical_bank
+from ear_jax.agent.memory.bank import InputTypeError
+from ear_jax.core import policies
+from ear_jax.core.config import EARConfig, HParams, Method, default_hparams
+from ear_jax.data.first_stage import FirstStageOptions, check_generator
+
+MAX_WINDOW_MS = 1000.0
+# The settings that say where and when, not what: an opened memory takes the caller's.
+SERVING = ("cache_dir", "batch_window_ms", "batch_max_queries")
+
+
+def check_int(value, name: str, minimum: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise InputTypeError(f"{name} must be an int, got {type(value).__name__}")
+  if value < minimum:
+    raise ValueError(f"{name} must be >= {minimum}, got {name}={value}")
+  return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig:
+  """Everything that defines a memory besides its rows and its learner (saved with both).
+
+  Attributes:
+    encoder: 'minilm', a local Hugging Face checkpoint directory, a `.npy`/`.npz` of precomputed
+      embeddings, or None (every `add` / query passes embeddings). Loaded at the first text that
+      needs encoding (`Memory(encoder=...)` takes an `Encoder` object instead, not saved).
+    method: a preset name (`Method.named`), exclusive with `config` / `hparams`.
+    config: `EARConfig`; default `EARConfig(dim=encoder dim or dim)`.
+    hparams: `HParams`; default `default_hparams()`.
+    dim: the embedding dimension when neither `config` nor the encoder gives it.
+    seed: seed of the learner (adapter init, replay randomness, critic keys).
+    multistore: candidates = top-K/2 dialogue memories + top-K/2 observations (Section 5).
+    cache_dir: embedding cache root for `encoders.encode` (None: no disk cache).
+    max_sessions: open query sessions kept (>= 1); beyond it the least recently used is evicted.
+    initial_capacity: initial device bank capacity (rounded up by `bank.capacity_for`).
+    bank_dtype: 'float32' or 'bfloat16', the dtype of the device bank.
+    index: 'exact' (the device search) or 'faiss_hnsw' / 'faiss_ivf' / 'faiss_pq'.
+    index_options: that searcher's options, sorted `(key, value)` pairs (a dict is accepted).
+    candidates: the first stage, 'dense' | 'bm25' | 'hybrid' (`data.first_stage.GENERATORS`):
+      with 'bm25' / 'hybrid' each candidate carries the first stage's scores as side features
+      and queries need their texts. Not with an ANN `index`.
+    first_stage: the hybrid fusion's options.
+    batch_window_ms: micro-batching of concurrent calls (`ear_jax.agent.memory.batcher`): the
+      queries and encodings arriving within this many milliseconds share one encoder call and one
+      first-stage search per scope spec; 0 (the default): every call alone. A serving setting,
+      not part of what the memory is (like `cache_dir`).
+    batch_max_queries: a window closes early once it holds this many queries.
+  """
+  encoder: Optional[str] = "minilm"
+  method: Optional[str] = None
+  config: Optional[EARConfig] = None
+  hparams: Optional[HParams] = None
+  dim: Optional[int] = None
+  seed: int = 0
+  multistore: bool = False
+  cache_dir: Optional[str] = None
+  max_sessions: int = 4096
+  initial_capacity: int = 1024
+  bank_dtype: str = "float32"
+  index: str = "exact"
+  index_options: tuple = ()
+  candidates: str = "dense"
+  first_stage: FirstStageOptions = FirstStageOptions()
+  batch_window_ms: float = 0.0
+  batch_max_queries: int = 64
+
+  def __post_init__(self):
+    fix = lambda name, value: object.__setattr__(self, name, value)
+    if self.encoder is not None and not isinstance(self.encoder, str):
+      fix("encoder", str(self.encoder) if hasattr(self.encoder, "__fspath__") else self.encoder)
+      if not isinstance(self.encoder, str):
+        raise InputTypeError(f"MemoryConfig.encoder must be a spec string or None, got "
+                             f"{type(self.encoder).__name__} (pass an Encoder object as "
+                             "Memory(encoder=...))")
+    for name, minimum in (("seed", 0), ("max_sessions", 1), ("initial_capacity", 1),
+                          ("batch_max_queries", 1)):
+      fix(name, check_int(getattr(self, name), name, minimum))
+    window = self.batch_window_ms
+    if isinstance(window, bool) or not isinstance(window, (int, float, np.integer, np.floating)):
+      raise InputTypeError(f"batch_window_ms must be a number of milliseconds, got "
+                           f"{type(window).__name__}")
+    if not 0 <= float(window) <= MAX_WINDOW_MS:
+      raise ValueError(f"batch_window_ms must be in [0, {MAX_WINDOW_MS}] (milliseconds), got "
+                       f"{window}")
+    fix("batch_window_ms", float(window))
+    if self.dim is not None:
+      fix("dim", check_int(self.dim, "dim", 1))
+    fix("multistore", bool(self.multistore))
+    if self.cache_dir is not None:
+      fix("cache_dir", str(self.cache_dir))
+    opts = self.index_options
+    if isinstance(opts, dict):
+      opts = tuple(sorted(opts.items()))
+    if not isinstance(opts, (tuple, list)) or not all(
+        isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in opts):
+      raise InputTypeError(f"index_options must be a dict or (key, value) pairs, got "
+                           f"{type(self.index_options).__name__}")
+    fix("index_options", tuple(sorted((k, v) for k, v in opts)))
+    for name in ("bank_dtype", "index", "candidates"):
+      if not isinstance(getattr(self, name), str):
+        raise InputTypeError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
+    if self.bank_dtype not in bank_lib.BANK_DTYPES:
+      raise ValueError(f"unknown bank_dtype {self.bank_dtype!r}; expected one of "
+                       f"{sorted(bank_lib.BANK_DTYPES)}")
+    check_generator(self.candidates)
+    if not isinstance(self.first_stage, FirstStageOptions):
+      raise InputTypeError("first_stage must be a first_stage.FirstStageOptions, got "
+                           f"{type(self.first_stage).__name__}")
+    if self.config is not None and not isinstance(self.config, EARConfig):
+      raise InputTypeError(f"config must be an EARConfig, got {type(self.config).__name__}")
+    if self.hparams is not None and not isinstance(self.hparams, HParams):
+      raise InputTypeError(f"hparams must be an HParams, got {type(self.hparams).__name__}")
+    if self.method is not None:
+      if self.config is not None or self.hparams is not None:
+        raise ValueError("pass method= (a preset with its own config and hyperparameters) or "
+                         "config= / hparams=, not both")
+      if not isinstance(self.method, str):
+        raise InputTypeError(f"method must be a method name, got {type(self.method).__name__}")
+
+  def to_dict(self) -> dict:
+    """JSON-safe fields (`from_dict` inverts it)."""
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    d["config"] = None if self.config is None else self.config.to_dict()
+    d["hparams"] = None if self.hparams is None else {
+        f.name: float(getattr(self.hparams, f.name)) for f in dataclasses.fields(self.hparams)}
+    d["index_options"] = dict(self.index_options)
+    d["first_stage"] = dataclasses.asdict(self.first_stage)
+    return d
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "MemoryConfig":
+    """The config of `to_dict`; ValueError naming an unknown field."""
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+      raise ValueError(f"unknown MemoryConfig field(s) {sorted(unknown)}")
+    d = dict(d)
+    if d.get("config") is not None:
+      d["config"] = EARConfig.from_dict(d["config"])
+    if d.get("hparams") is not None:
+      d["hparams"] = default_hparams(**d["hparams"])
+    if d.get("first_stage") is not None:
+      d["first_stage"] = FirstStageOptions(**d["first_stage"])
+    return cls(**d)
+
+  def _encoder_dim(self) -> Optional[int]:
+    return 384 if self.encoder == "minilm" else None
+
+  @property
+  def ear(self) -> EARConfig:
+    """The resolved `EARConfig` (its `dim`, and `side_features` set by the first stage)."""
+    return self._resolved()[0]
+
+  @property
+  def learner_hparams(self) -> HParams:
+    """The resolved `HParams`."""
+    return self._resolved()[1]
+
+  def _resolved(self) -> tuple[EARConfig, HParams]:
+    config, hparams, d = self.config, self.hparams, self.dim or self._encoder_dim()
+    if self.method is not None:
+      if d is None:
+        raise ValueError("the embedding dimension is unknown: pass dim= with method=")
+      config, hparams = Method.named(self.method, dim=d)[1:3]
+    if config is None:
+      if d is None:
+        raise ValueError("the embedding dimension is unknown: pass config=EARConfig(dim=...) or "
+                         "dim=")
+      config = EARConfig(dim=d)
+    if self.dim is not None and self.dim != config.dim:
+      raise ValueError(f"dim={self.dim} does not match config.dim={config.dim}")
+    enc = self._encoder_dim()
+    if enc is not None and enc != config.dim:
+      raise ValueError(f"config.dim={config.dim} does not match the encoder's dimension {enc}")
+    _check_honoured(config)
+    if self.multistore and config.num_candidates % 2:
+      raise ValueError(f"multistore needs an even num_candidates K, got {config.num_candidates}")
+    f = lexical_bank.NUM_FEATURES
+    if self.candidates != "dense" and not config.side_features:
+      config = dataclasses.replace(config, side_features=f)
+    if config.side_features not in (0, f):
+      raise ValueError(f"config.side_features={config.side_features}, but a memory's first stage "
+                       f"gives {f} features (or 0 with candidates='dense')")
+    if lexical_bank.needs_lexical(self.candidates, config.side_features) and self.index != "exact":
+      raise ValueError(f"index={self.index!r} cannot serve candidates={self.candidates!r} (or "
+                       "side features): the lexical first stage fuses every memory's cosine with "
+                       "its BM25 score; use index='exact' (BENCHMARKS.md 'First stage at scale')")
+    return config, default_hparams() if hparams is None else hparams
+
+  def _comparable(self) -> dict:
+    """What two configs of one memory must agree on: the resolved EARConfig's fields, the
+    hyperparameters and every setting (how they were spelled aside) but the serving settings
+    (`SERVING`: the embedding cache directory, which says where, and the batching, which says
+    when, not what)."""
+    d = self.to_dict()
+    for name in ("method", "config", "hparams", "dim") + SERVING:
+      del d[name]
+    ear, hp = self._resolved()
+    return {**d, **ear.to_dict(),
+            "hparams": {f.name: float(getattr(hp, f.name)) for f in dataclasses.fields(hp)}}
+
+
+def _check_honoured(config: EARConfig) -> None:
+  """Refuses config fields a live `Memory` cannot honour, naming the field."""
+  policy = policies.train_slate_policy(config.train_slate)
+  if not config.trains:
+    raise ValueError("config.train_slate='none' never learns; use train_slate='explorer'")
+  if policy is not None and policy is not policies.TRAIN_SLATES["explorer"]:
+    raise ValueError(
+        f"config.train_slate={config.train_slate!r} is not honoured by Memory: its training "
+        "slates are the Explorer rounds the agent plays (recall / Session.round(explore=True)); "
+        "use train_slate='explorer'")
+  if config.guard_probe:
+    raise ValueError("config.guard_probe=True is not honoured by Memory: its training rounds are "
+                     "the Explorer rounds the agent plays, without the guard's probe slate")
+  if config.test_rounds is not None and config.test_rounds != config.num_rounds:
+    raise ValueError(
+        f"config.test_rounds={config.test_rounds} is not honoured by Memory: recall plays "
+        f"num_rounds={config.num_rounds} rounds, which train as one query; set test_rounds=None "
+        "or equal to num_rounds")
