@@ -42,8 +42,10 @@ _DIR = flags.DEFINE_string("memory_dir", None, "The memory directory (created wi
                            "must equal them).", required=True)
 _METHOD = flags.DEFINE_enum("method", "ear_tuned", list(METHODS), "EAR method of the memory "
                             "(config and hyperparameters).")
-_CANDIDATES = flags.DEFINE_enum("candidates", "dense", ["dense", "bm25", "hybrid"],
-                                "First stage: frozen cosine, BM25, or both fused.")
+_CANDIDATES = flags.DEFINE_enum("candidates", None, ["dense", "bm25", "hybrid"],
+                                "First stage: frozen cosine, BM25, or both fused. Default: the "
+                                "directory's; for a new one 'hybrid' (MemoryConfig's default with "
+                                "an encoder; RESULTS.md \"First stage\").")
 _ENCODER = flags.DEFINE_string("encoder", "minilm", "Encoder spec of the memory: 'minilm' or a "
                                "local Hugging Face checkpoint directory.")
 _CACHE = flags.DEFINE_string("cache_dir", None, "Embedding cache directory (default: none).")

@@ -120,3 +120,24 @@ def test_a_method_carries_its_own_hyperparameters_with_its_config():
     Method.named("ear", hparams={"lr": 1.0})
   with pytest.raises(ValueError, match="unknown method='reinforce'"):
     Method.named("reinforce")
+
+
+def test_the_default_first_stage_is_hybrid_with_an_encoder_and_dense_without():
+  from ear_jax.agent.memory import Memory, MemoryConfig  # pylint: disable=import-outside-toplevel
+  assert MemoryConfig().first_stage_name == "hybrid"  # (MiniLM by default)
+  assert MemoryConfig(encoder=None, dim=8).first_stage_name == "dense"
+  assert MemoryConfig(index="faiss_hnsw").first_stage_name == "dense"
+  assert MemoryConfig(encoder=None, dim=8, candidates="bm25").first_stage_name == "bm25"
+
+
+@pytest.mark.slow  # (two memory directories: seconds)
+def test_a_directory_keeps_its_first_stage_when_opened_without_one(tmp_path):
+  from ear_jax.agent.memory import Memory, MemoryConfig  # pylint: disable=import-outside-toplevel
+  m = Memory.open(tmp_path / "m", MemoryConfig(candidates="dense"))  # (MiniLM, loaded lazily)
+  m.close()
+  again = Memory.open(tmp_path / "m", MemoryConfig())
+  assert again.config.first_stage_name == "dense"
+  again.close()
+  new = Memory.open(tmp_path / "n", MemoryConfig())
+  assert new.config.first_stage_name == "hybrid"
+  new.close()

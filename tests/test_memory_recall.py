@@ -32,6 +32,24 @@ def _unit(x):
   return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
+def _evaluate(mem, emb, query):
+  """`(candidate ids [K], EvalResult)`: `evaluate` on the first stage's top-K by cosine (Eq. (1))
+  with the memory's learner, the perfect simulated critic (it cites exactly the gold: the labels
+  `_gold_critic` gives)."""
+  cfg = mem.config.ear
+  rows, _, mask = retrieval.top_k_search(_unit(query)[None], _unit(emb), np.ones(M, bool),
+                                         cfg.num_candidates)
+  rows, mask = np.asarray(rows)[0], np.asarray(mask)[0]
+  ids = [f"m{r}" for r in rows]
+  gold = np.asarray([i in GOLD for i in ids]) & mask
+  stream = stream_lib.make_stream(_unit(query)[None], _unit(emb)[rows][None], mask[None],
+                                  gold[None])
+  perfect = critic_lib.make_simulated_critic(precision=1.0, recall=1.0)
+  return ids, inference.evaluate(jax.random.PRNGKey(0), mem.learner.params,
+                                 stream_lib.to_device(stream), cfg, mem.config.learner_hparams,
+                                 perfect)
+
+
 @pytest.mark.parametrize("method", [pytest.param("ear", marks=pytest.mark.slow),  # (fast tier's
                                     "ear_tuned"])  # budget; CI's full suite runs it)
 def test_recall_equals_evaluates_explorer_assisted_slate(method):
@@ -40,18 +58,7 @@ def test_recall_equals_evaluates_explorer_assisted_slate(method):
   query = emb[1] + emb[3] + 0.3 * emb[20]
   out = mem.recall("which memories?", _gold_critic, k=5, query_embedding=query)
   assert out.final_slate == cfg.final_slate and len(out.rounds) == cfg.num_rounds
-  # The candidates: the first stage's top-K by cosine (Eq. (1)), as `evaluate` gets them.
-  rows, _, mask = retrieval.top_k_search(_unit(query)[None], _unit(emb), np.ones(M, bool),
-                                         cfg.num_candidates)
-  rows, mask = np.asarray(rows)[0], np.asarray(mask)[0]
-  ids = [f"m{r}" for r in rows]
-  gold = np.asarray([i in GOLD for i in ids]) & mask
-  stream = stream_lib.make_stream(_unit(query)[None], _unit(emb)[rows][None], mask[None],
-                                  gold[None])
-  # The simulated critic with precision = recall = 1 cites exactly the gold: the same labels.
-  perfect = critic_lib.make_simulated_critic(precision=1.0, recall=1.0)
-  res = inference.evaluate(jax.random.PRNGKey(0), mem.learner.params,
-                           stream_lib.to_device(stream), cfg, mem.config.learner_hparams, perfect)
+  ids, res = _evaluate(mem, emb, query)
   slate = np.asarray(res.explorer_slates[0])
   expected = [ids[j] for j in slate if j >= 0]
   assert list(out.ids) == expected
@@ -116,18 +123,9 @@ def test_recall_without_learning_pages_by_default_and_equals_evaluates_paging_sl
   query = emb[1] + emb[3] + 0.3 * emb[20]
   out = mem.recall("which memories?", _gold_critic, k=5, query_embedding=query, learn=False)
   assert out.final_slate == "paging" and len(out.rounds) == cfg.num_rounds
-  rows, _, mask = retrieval.top_k_search(_unit(query)[None], _unit(emb), np.ones(M, bool),
-                                         cfg.num_candidates)
-  rows, mask = np.asarray(rows)[0], np.asarray(mask)[0]
-  ids = [f"m{r}" for r in rows]
+  ids, res = _evaluate(mem, emb, query)
   # Page t = ranks 5t .. 5t + 4 of the untrained adapter (the first stage's order).
   assert [list(r.ids) for r in out.rounds] == [ids[5 * t:5 * t + 5] for t in range(4)]
-  gold = np.asarray([i in GOLD for i in ids]) & mask
-  stream = stream_lib.make_stream(_unit(query)[None], _unit(emb)[rows][None], mask[None],
-                                  gold[None])
-  perfect = critic_lib.make_simulated_critic(precision=1.0, recall=1.0)
-  res = inference.evaluate(jax.random.PRNGKey(0), mem.learner.params,
-                           stream_lib.to_device(stream), cfg, mem.config.learner_hparams, perfect)
   expected = [ids[j] for j in np.asarray(res.paging_adapted_slates[0]) if j >= 0]
   assert list(out.ids) == expected and set(out.ids[:len(GOLD & set(ids))]) <= GOLD
   assert mem.stats["queries_queued"] == 0

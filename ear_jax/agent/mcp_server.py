@@ -205,7 +205,7 @@ class MemoryService:
 
   def stats(self) -> dict:
     m, st = self.memory, self.memory.stats
-    return {"memories": len(m), "candidates": m.config.candidates,
+    return {"memories": len(m), "candidates": m.config.first_stage_name,
             "num_candidates": self._ear.num_candidates,
             "rounds_per_question": self._ear.num_rounds,
             **{name: int(st.get(name, 0)) for name in (

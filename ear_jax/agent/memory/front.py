@@ -185,8 +185,8 @@ class Memory:
       self._searcher.add(rows.rows, rows.embeddings, rows.stores, codes)
     self._ann_rows = self._next_row if root is not None and (root / persistence.ANN).exists() else 0
     self._lexical = None
-    if lexical_bank.needs_lexical(cfg.candidates, config.side_features):
-      self._lexical = lexical_bank.LexicalBank(cfg.candidates, cfg.first_stage, cfg.multistore)
+    if lexical_bank.needs_lexical(cfg.first_stage_name, config.side_features):
+      self._lexical = lexical_bank.LexicalBank(cfg.first_stage_name, cfg.first_stage, cfg.multistore)
       self._lexical.restore(rows, codes)
     self._sessions = Sessions(config, cfg.max_sessions)
     self._driver = Driver(config, self._hparams, cfg.seed, learner)
@@ -291,6 +291,8 @@ class Memory:
       stored = MemoryConfig.from_dict(meta["memory_config"])
       if cfg is not None or settings:
         wanted = dataclasses.replace(cfg or stored, **settings)
+        if wanted.candidates is None:  # (not given: the directory's first stage)
+          wanted = dataclasses.replace(wanted, candidates=stored.candidates)
         checkpoints.check_compatible(stored._comparable(),  # pylint: disable=protected-access
                                      wanted._comparable(),  # pylint: disable=protected-access
                                      f"the MemoryConfig of {root}")
@@ -648,7 +650,7 @@ class Memory:
     if not len(emb):
       raise ValueError("no question: pass at least one")
     if self._lexical is not None and texts is None:
-      raise ValueError(f"candidates={self._cfg.candidates!r} ranks by the question's text "
+      raise ValueError(f"candidates={self._cfg.first_stage_name!r} ranks by the question's text "
                        "(BM25): pass the question, with query_embedding or without")
     return texts, emb
 
