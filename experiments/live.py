@@ -101,7 +101,7 @@ def main(argv):
   with open(os.path.join(out, "table.md"), "w") as f:
     f.write(md)
   from ear_jax.experiment import plots  # pylint: disable=g-import-not-at-top
-  names = {"adapter": "adapter-only", "explorer": "explorer-assisted"}
+  names = live.MODE_NAMES
   plot = os.path.join(out, f"live_vs_runner_{bench}_{_METHOD.value}.png")
   plots.per_seed_scatter(
       plot, {names[m]: (cmp["modes"][m]["recall"]["runner"], cmp["modes"][m]["recall"]["live"])

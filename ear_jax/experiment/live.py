@@ -63,6 +63,8 @@ from ear_jax.experiment import stats
 # adapter-only (Memory.search), explorer-assisted (recall(learn=False, rule='explorer')) and paging
 # over the served ranking (recall(learn=False, rule='paging'); the runner's `paging_adapted`).
 MODES = ("adapter", "explorer", "paging_adapted")
+MODE_NAMES = {"adapter": "adapter-only", "explorer": "explorer-assisted",
+              "paging_adapted": "paging over the adapted ranking"}
 
 
 @dataclasses.dataclass
@@ -540,8 +542,7 @@ def table_md(cmp: dict, *, title: str) -> str:
   lines = [f"### {title}", "",
            "| mode | metric | runner | live | live − runner [95% CI] | within noise |",
            "|---|---|---|---|---|---|"]
-  names = {"adapter": "adapter-only", "explorer": "explorer-assisted",
-           "paging_adapted": "paging over the adapted ranking"}
+  names = MODE_NAMES
   for mode in MODES:
     for metric, label in (("recall", "R@5"), ("hitrate", "Hit@5")):
       r = cmp["modes"][mode][metric]
@@ -590,6 +591,6 @@ def table_md(cmp: dict, *, title: str) -> str:
   return "\n".join(lines + ["", "Recall@5 per seed:"] + per)
 
 
-__all__ = ["LiveData", "MODES", "SeedResult", "StreamCritic", "build_memory", "compare",
+__all__ = ["LiveData", "MODES", "MODE_NAMES", "SeedResult", "StreamCritic", "build_memory", "compare",
            "critic_round_keys", "live_data", "load_live_data", "measure_dispatch", "run",
            "run_runner", "run_seed", "table_md"]
