@@ -31,8 +31,8 @@ slate) collect more false citations than first-stage items shown in later slates
 favours the adapter (LongMemEval_S, hybrid: the evidence read +0.02 cited items per query while
 the test split lost 0.037 gold items per query). With the probe, one more critic call per
 training query (left out of training: `learner.collect_feedback`) shows a slate interleaving
-`j = min(m, s // 2)` items drawn at random from each of `A = TopS(z^phi) - TopS(z^0)` and `F = TopS(z^0) - TopS(z^phi)` (`m = |A| = |F|`), filled up
-with items of both top-s by `z^phi`, and the evidence is read from that slate alone:
+`j = min(m, s // 2)` items drawn at random from each of `A = TopS(z^phi) - TopS(z^0)` and
+`F = TopS(z^0) - TopS(z^phi)` (`m = |A| = |F|`), filled up with items of both top-s by `z^phi`, and the evidence is read from that slate alone:
 
   `d = (m / j) (|Y_probe ∩ A| - |Y_probe ∩ F|)`   (`d = 0` when `m = 0`),
 

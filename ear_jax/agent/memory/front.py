@@ -186,7 +186,8 @@ class Memory:
     self._ann_rows = self._next_row if root is not None and (root / persistence.ANN).exists() else 0
     self._lexical = None
     if lexical_bank.needs_lexical(cfg.first_stage_name, config.side_features):
-      self._lexical = lexical_bank.LexicalBank(cfg.first_stage_name, cfg.first_stage, cfg.multistore)
+      self._lexical = lexical_bank.LexicalBank(cfg.first_stage_name, cfg.first_stage,
+                                               cfg.multistore)
       self._lexical.restore(rows, codes)
     self._sessions = Sessions(config, cfg.max_sessions)
     self._driver = Driver(config, self._hparams, cfg.seed, learner)

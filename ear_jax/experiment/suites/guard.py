@@ -311,7 +311,8 @@ def suite_guard(r: Runner) -> str:
         targets.append(("paging", ok))
       table.append(cells + [serving, target])
   diag = [[res["candidates"], res["critic"], " ".join(f"{x:+.3f}" for x in dg["evidence_mean_d"]),
-           f"{np.mean(dg['evidence_mean_d']):+.3f}", f"{np.mean(dg['test_gold_in_top_s_diff']):+.3f}",
+           f"{np.mean(dg['evidence_mean_d']):+.3f}",
+           f"{np.mean(dg['test_gold_in_top_s_diff']):+.3f}",
            f"{np.mean(dg['test_recall_diff']):+.2f}"]
           for res in results for dg in [res.get("diagnosis")] if dg]
   met = {kind: sum(ok for k, ok in targets if k == kind) for kind in ("safety", "paging")}

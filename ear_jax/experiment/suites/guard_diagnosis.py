@@ -1,13 +1,13 @@
-"""Suite `guard_diagnosis` (issue 27): what the guard's evidence reads against held-out measurements.
+"""Suite `guard_diagnosis` (issue 27): the guard's evidence against held-out measurements.
 
-For the runner's first stage (`--candidates`) and `ear_safe`'s training (`ear_tuned`'s: the guard only
-records), one training run per variant of the evidence: the training slates' (`guard`), the probe's
+For the runner's first stage (`--candidates`) and `ear_safe`'s training (`ear_tuned`'s: the guard
+only records), one training run per variant of the evidence: the training slates' (`guard`), the probe's
 (`guard_probe`: one more interleaved critic call per training question, training unchanged) and the
 probe's with a perfect critic (P = R = 1, the probe then reads the gold difference itself). Per
 variant and seed:
 
-  - the training stream's evidence: mean `d` over the counted training questions, each scored with the
-    parameters trained on the questions before it (prequential; what `serve_adapted` reads);
+  - the training stream's evidence: mean `d` over the counted training questions, each scored with
+    the parameters trained on the questions before it (prequential; what `serve_adapted` reads);
   - the same probe with the final parameters on the test questions and on the training questions (in
     sample), a perfect critic labelling (`probe_on_test`, `probe_in_sample`);
   - the test split: gold memories in the adapter's top-s minus in the first stage's, and Δ R@5;
