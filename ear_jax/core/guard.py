@@ -32,7 +32,8 @@ favours the adapter (LongMemEval_S, hybrid: the evidence read +0.02 cited items 
 the test split lost 0.037 gold items per query). With the probe, one more critic call per
 training query (left out of training: `learner.collect_feedback`) shows a slate interleaving
 `j = min(m, s // 2)` items drawn at random from each of `A = TopS(z^phi) - TopS(z^0)` and
-`F = TopS(z^0) - TopS(z^phi)` (`m = |A| = |F|`), filled up with items of both top-s by `z^phi`, and the evidence is read from that slate alone:
+`F = TopS(z^0) - TopS(z^phi)` (`m = |A| = |F|`), filled up with items of both top-s by `z^phi`,
+and the evidence is read from that slate alone:
 
   `d = (m / j) (|Y_probe ∩ A| - |Y_probe ∩ F|)`   (`d = 0` when `m = 0`),
 
@@ -103,11 +104,8 @@ def query_evidence(params: adapter_lib.AdapterParams, first: adapter_lib.Adapter
   shown = jnp.any(onehot, axis=(0, 1)) & where  # [K]
   cited = jnp.any(onehot & (labels > 0)[..., None], axis=(0, 1)) & where  # [K]
 
-  def top(p):  # [K] bool, the top-s of p's relevance
-    z = adapter_lib.adapter_scores(jax.lax.stop_gradient(p), query, candidates)
-    slate, mask = top_s_slate(z, where, slate_size)
-    return jnp.any((slate[:, None] == jnp.arange(k)) & mask[:, None], axis=0)
-
+  top = lambda p: _top_mask(adapter_lib.adapter_scores(jax.lax.stop_gradient(p), query,
+                                                       candidates), where, slate_size)
   in_a, in_f = top(params), top(first)
   d = jnp.sum(cited & in_a).astype(jnp.float32) - jnp.sum(cited & in_f).astype(jnp.float32)
   return d, jnp.any(cited) & jnp.all(shown | ~(in_a ^ in_f))
@@ -166,9 +164,9 @@ def probe_evidence(params: adapter_lib.AdapterParams, first: adapter_lib.Adapter
   was answered (its mask not all False).
   """
   k = candidates.shape[0]
-  score = lambda p: adapter_lib.adapter_scores(jax.lax.stop_gradient(p), query, candidates)
-  in_a, in_f = _top_mask(score(params), where, slate_size), _top_mask(score(first), where,
-                                                                     slate_size)
+  top = lambda p: _top_mask(adapter_lib.adapter_scores(jax.lax.stop_gradient(p), query,
+                                                       candidates), where, slate_size)
+  in_a, in_f = top(params), top(first)
   a_only, f_only = in_a & ~in_f, in_f & ~in_a
   probe = (slates[-1][:, None] == jnp.arange(k)) & slate_mask[-1][:, None]  # [s, K]
   cited = jnp.any(probe & (labels[-1] > 0)[:, None], axis=0)  # [K]
