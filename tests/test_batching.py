@@ -78,9 +78,9 @@ def _echo_batcher(window=0.05, max_queries=64, searches=None):
       raise ValueError(f"cannot encode {what} 'bad'")
     return np.asarray([[float(len(t))] for t in texts])
 
-  def search(key, texts, queries):
+  def search(key, texts, queries, scopes):
     if searches is not None:
-      searches.append((key, list(texts)))
+      searches.append((key, list(texts), list(scopes)))
     if key == "broken" and len(texts) > 1:
       raise RuntimeError("this search fails on more than one query")
     return queries * 10, None
@@ -88,9 +88,10 @@ def _echo_batcher(window=0.05, max_queries=64, searches=None):
   return batcher_lib.Batcher(window, max_queries, encode, search, threading.RLock())
 
 
-def _request(text, key="k", prepare=None):
+def _request(text, key="k", prepare=None, scope=None):
   return batcher_lib.Request([text], None, key, [text], prepare,
-                             lambda texts, emb, out: (texts[0], float(out[0][0, 0])))
+                             lambda texts, emb, out: (texts[0], float(out[0][0, 0])),
+                             scope=scope)
 
 
 def test_a_window_shares_one_encoder_call_and_one_search_per_key():
@@ -101,7 +102,18 @@ def test_a_window_shares_one_encoder_call_and_one_search_per_key():
   assert got == [("x", 10.0), ("yy", 20.0), ("zzz", 30.0), ("wwww", 40.0)]
   counts = b.counts()
   assert counts["batch_windows"] == 1 and counts["batch_encoder_calls"] == 1
-  assert sorted(k for k, _ in searches) == ["k1", "k2"] and counts["batch_searches"] == 2
+  assert sorted(k for k, _, _ in searches) == ["k1", "k2"] and counts["batch_searches"] == 2
+
+
+def test_requests_of_different_scopes_share_one_search_each_with_its_scope():
+  searches = []
+  b = _echo_batcher(searches=searches)
+  got = _together([lambda t=t, s=s: b.submit(_request(t, scope=s))
+                   for t, s in (("x", ("a",)), ("yy", ("b",)), ("zzz", None))])
+  assert got == [("x", 10.0), ("yy", 20.0), ("zzz", 30.0)]
+  assert len(searches) == 1 and b.counts()["batch_searches"] == 1
+  _, texts, scopes = searches[0]
+  assert dict(zip(texts, scopes)) == {"x": ("a",), "yy": ("b",), "zzz": None}
 
 
 def test_a_bad_request_fails_alone_in_its_window():
@@ -171,6 +183,22 @@ def test_concurrent_searches_get_each_their_own_unbatched_answer():
     _same_slate(slate, plain.search(q, k, scope=s))
   stats = batched.stats
   assert stats["batch_encoder_calls"] < len(asks) and stats["batch_windows"] < len(asks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("candidates", ["dense", "hybrid"])
+def test_a_window_of_several_scopes_is_one_search(candidates):
+  plain = _memory(0.0, candidates=candidates)
+  batched = _memory(200.0, batch_max_queries=5, candidates=candidates)
+  asks = [("a memory 3", "a"), ("b memory 5", "b"), ("a memory 7", None), ("b memory 1", "b"),
+          ("a memory 1", ["a", "b"])]
+  before = batched.stats
+  got = _together([lambda q=q, s=s: batched.search(q, 3, scope=s) for q, s in asks])
+  for (q, s), slate in zip(asks, got):
+    _same_slate(slate, plain.search(q, 3, scope=s))
+  stats = batched.stats
+  assert stats["batch_windows"] - before["batch_windows"] == 1
+  assert stats["batch_searches"] - before["batch_searches"] == 1
 
 
 @pytest.mark.slow

@@ -73,6 +73,48 @@ def test_scoped_search_equals_the_masked_scan_of_the_whole_bank(multistore, spec
       np.testing.assert_array_equal(a, b, err_msg=str(spec))
 
 
+def _each_alone(search, specs, names, n):
+  """The answers of `search(allowed)` (a list of `[q, ...]` arrays) for each spec alone, row i of
+  spec i stacked: what one call with the per-query specs must give."""
+  alone = [search(None if spec is None else names.allowed(spec)) for spec in specs]
+  return [np.stack([alone[i][j][i] for i in range(n)]) for j in range(len(alone[0]))]
+
+
+@pytest.mark.parametrize("specs", [
+    [["s6"], ["s20"], ["s1"], ["s6"], ["nope"]],  # small scopes: each query's rows gathered
+    pytest.param([["s6"], None, ["s5", "s17", "s30"], ["s0"], ["s39"]],  # one unscoped: masked
+                 marks=pytest.mark.slow)])
+def test_per_query_scopes_in_one_call_answer_as_each_spec_alone(specs):
+  bank, names, scope_rows, _, _ = _random_bank()
+  rng = np.random.default_rng(7)
+  q = np.concatenate([np.asarray(bank.emb[:1]), _unit(rng.normal(size=(len(specs) - 1, D)))])
+  cand = bank_lib.scope_candidates(scope_rows, [names.allowed(x) if x else None for x in specs],
+                                   bank.emb.shape[0], 8)
+  assert (cand is None) == any(x is None for x in specs)
+  per = [None if x is None else names.allowed(x) for x in specs]
+  got = bank_lib.search(bank, q, k=K, multistore=False, allowed=per, scope_rows=scope_rows)
+  want = _each_alone(lambda a: bank_lib.search(bank, q, k=K, multistore=False, allowed=a,
+                                               scope_rows=scope_rows)[:3], specs, names, len(q))
+  for a, b in zip(got[:3], want):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("generator", ["bm25", "hybrid"])
+def test_per_query_scopes_of_a_lexical_search_answer_as_each_spec_alone(generator):
+  bank, names, scope_rows, lex = _lexical(False, generator)
+  q = _unit(np.random.default_rng(8).normal(size=(4, D)))
+  texts = ["apple stone music", "cloud river", "green paper", "light apple"]
+  for specs in ([["s6"], ["s1"], ["s5", "s17"], ["s1"]], [["s6"], None, ["s0"], ["nope"]]):
+    per = [None if x is None else names.allowed(x) for x in specs]
+    got = lex.search(bank, q, texts, K, allowed=per, scope_rows=scope_rows)
+    want = _each_alone(lambda a: lex.search(bank, q, texts, K, allowed=a,
+                                            scope_rows=scope_rows)[:3], specs, names, len(q))
+    for a, b in zip(got[:2], want[:2]):
+      np.testing.assert_array_equal(a, b, err_msg=str(specs))
+    np.testing.assert_allclose(got[2], want[2], rtol=0, atol=1e-6, err_msg=str(specs))
+
+
 def test_scope_rows_hold_each_scopes_live_rows_ascending():
   _, codes, _, names, scope_rows, steps = _random_rows()
   live = np.zeros(N, bool)
@@ -239,6 +281,25 @@ def test_a_small_scope_skips_the_ann_searcher_and_gets_the_exact_answer():
   assert not asked
   bank_lib.search(bank, q, k=K, multistore=False, searcher=searcher, scope_rows=scope_rows)
   assert len(asked) == 1  # (unscoped: the searcher)
+
+
+@pytest.mark.slow
+def test_per_query_scopes_ask_the_ann_searcher_per_query(monkeypatch):
+  monkeypatch.setattr(bank_lib, "GATHER_SHARE", 1 << 30)  # (no gathered path: the searcher)
+  bank, names, scope_rows, codes, stores = _random_bank()
+  searcher = bank_lib.ann_searcher("faiss_hnsw", {}, D)
+  live = np.flatnonzero(np.asarray(bank.valid))
+  searcher.add(live, np.asarray(bank.emb)[live], stores[live], codes[live])
+  q = _unit(np.random.default_rng(9).normal(size=(3, D)))
+  specs = [None, ["s0"], ["s0", "s1"]]
+  per = [None if x is None else names.allowed(x) for x in specs]
+  got = bank_lib.search(bank, q, k=K, multistore=False, allowed=per, searcher=searcher,
+                        scope_rows=scope_rows)
+  want = _each_alone(lambda a: bank_lib.search(bank, q, k=K, multistore=False, allowed=a,
+                                               searcher=searcher, scope_rows=scope_rows)[:3],
+                     specs, names, len(q))
+  for a, b in zip(got[:3], want):
+    np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.slow

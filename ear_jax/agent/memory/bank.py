@@ -13,7 +13,8 @@ queries of one call (padded to a power of two), `S` scope codes (padded to a pow
             (slate [q, s], slate_mask [q, s], z [q, K]) or None), numpy
     ScopeRows(rows, codes): add(rows, codes), remove(rows), size(allowed), of(allowed) -> [n]
     scope_candidates(scope_rows, allowed, C) -> [P] int32 | None; gathered(bank, allowed, cand),
-        rows_at(cand, pos, mask) (traced): for lexical_bank's gathered first stage
+        rows_at(cand, pos, mask), per_query(fn, queries, allowed, cand, ...) (traced),
+        query_allowed(allowed, q): for lexical_bank's gathered and per-query first stage
     gather(bank, rows [n, K], mask [n, K]) -> [n, K, d] float32 device array
     pad_queries(queries); finish(queries, emb, rows, mask, features=None, slate=None) (traced);
         unpack(packed, q, k, width, slate_size=None): for lexical_bank's jitted first stage
@@ -48,6 +49,11 @@ scopes, a query found fewer rows than it may return) the batch is searched exact
 gets `min(K, rows of its scopes)`; scopes small enough for the gathered search are not asked to
 the searcher at all (the exact gather reads fewer rows than an IVF probe or an HNSW walk, and
 finds them all).
+
+Several users' questions in one call (the micro-batched window, issue 30): `allowed` may be a list
+of per-query specs; the call then runs each query's search on its own scopes (`per_query`: vmapped
+over the queries, the gathered rows `[q, P]` of each query when all are small, else the masked scan
+with `[q, S]` masks; an ANN searcher is asked per query), the same answer as each spec's own call.
 """
 from __future__ import annotations
 
@@ -257,11 +263,10 @@ def rows_at(cand, pos, mask):
   return jnp.where(mask, cand[jnp.maximum(pos, 0)], -1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "multistore", "slate_size", "explore"))
-def _search(queries, bank, allowed, rows, mask, cand, params, hparams, *, k, multistore,
-            slate_size, explore):
-  """The exact search over the bank (`rows is None`; over its rows `cand [P]` when given, the
-  scopes' gathered rows), or the re-score of a searcher's rows, then `finish`."""
+def _candidates(queries, bank, allowed, rows, mask, cand, k, multistore):
+  """Traced: `(rows [q, K], mask [q, K])` of the exact search over the bank (`rows is None`; over
+  its rows `cand [P]` when given, the scopes' gathered rows), or the re-score of a searcher's rows,
+  for the scopes `allowed [S]` (None: every scope)."""
   if rows is None:
     if cand is None:
       emb, stores = bank.emb, bank.stores
@@ -274,12 +279,34 @@ def _search(queries, bank, allowed, rows, mask, cand, params, hparams, *, k, mul
       rows, _, mask = retrieval_lib.top_k_search(queries, emb, valid & (stores == 0), k)
     if cand is not None:
       rows = rows_at(cand, rows, mask)
-  else:  # (the searcher proposed live rows of these scopes: checked again here)
-    valid = bank.valid if allowed is None else bank.valid & allowed[bank.scopes]
-    mask = mask & valid[jnp.maximum(rows, 0)]
-    rows = jnp.where(mask, rows, -1)
-    if rows.shape[1] > k:  # `rerank * K` proposals: keep the exact top K
-      rows, mask = _rerank(queries, bank.emb, bank.stores, rows, mask, k, multistore)
+    return rows, mask
+  # (the searcher proposed live rows of these scopes: checked again here)
+  valid = bank.valid if allowed is None else bank.valid & allowed[bank.scopes]
+  mask = mask & valid[jnp.maximum(rows, 0)]
+  rows = jnp.where(mask, rows, -1)
+  if rows.shape[1] > k:  # `rerank * K` proposals: keep the exact top K
+    rows, mask = _rerank(queries, bank.emb, bank.stores, rows, mask, k, multistore)
+  return rows, mask
+
+
+def per_query(fn, queries, allowed, cand, *batched):
+  """Traced: `fn(queries [q, d], allowed [S] | None, cand [P] | None, *batched [q, ...])`, a
+  tuple of `[q, ...]` arrays; with one scope spec per query (`allowed [q, S]`, `cand [q, P]` or
+  None: a micro-batched window of several users' questions in one call) `fn` vmapped over the
+  queries, each on its own scopes, rows and `[1, ...]` slices (None passes as None)."""
+  if allowed is None or allowed.ndim == 1:
+    return fn(queries, allowed, cand, *batched)
+  lead = lambda x: None if x is None else x[None]
+  one = lambda q, a, c, *xs: tuple(y[0] for y in fn(q[None], a, c, *map(lead, xs)))
+  return jax.vmap(one)(queries, allowed, cand, *batched)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "multistore", "slate_size", "explore"))
+def _search(queries, bank, allowed, rows, mask, cand, params, hparams, *, k, multistore,
+            slate_size, explore):
+  """`_candidates` (per query with `allowed [q, S]`: `per_query`), then `finish`."""
+  rows, mask = per_query(lambda q, a, c, r, m: _candidates(q, bank, a, r, m, c, k, multistore),
+                         queries, allowed, cand, rows, mask)
   slate = None if slate_size is None else (params, hparams, slate_size, explore)
   return finish(queries, bank.emb, rows, mask, slate=slate)
 
@@ -303,15 +330,17 @@ def unpack(packed, q: int, k: int, width: int, slate_size: Optional[int] = None)
                  floats[:, k * width:]),)
 
 
-def search(bank: DeviceBank, queries, *, k: int, multistore: bool,
-           allowed: Optional[np.ndarray] = None, slate=None,
+def search(bank: DeviceBank, queries, *, k: int, multistore: bool, allowed=None, slate=None,
            searcher: Optional[Searcher] = None, scope_rows: Optional["ScopeRows"] = None):
   """Top-K candidates of `[q, d]` unit queries in one jitted call (module docstring): the
-  dialogue memories' top-K, or each store's top-K/2 with `multistore`, of the scopes `allowed`
-  (`[S]` bool, `ScopeNames.allowed`; None: every scope), by the exact search or a `searcher`;
-  with `scope_rows` (the bank's `ScopeRows`) a scoped search of few rows reads only those rows
-  (`scope_candidates`); with `slate = (params, hparams, s, explore)` also each query's
-  first-round slate.
+  dialogue memories' top-K, or each store's top-K/2 with `multistore`, of the scopes `allowed`,
+  by the exact search or a `searcher`; with `scope_rows` (the bank's `ScopeRows`) a scoped search
+  of few rows reads only those rows (`scope_candidates`); with `slate = (params, hparams, s,
+  explore)` also each query's first-round slate.
+
+  `allowed`: `[S]` bool (`ScopeNames.allowed`) or None (every scope) for all the queries, or a
+  list of `q` such specs, one per query (several users' questions in one call: the same
+  candidates as each spec's own search, `tests/test_scoped_search.py`).
 
   Returns:
     `(rows [q, K] int32 (-1 = padding), mask [q, K] bool, cands [q, K, d] float32, slates)`,
@@ -319,35 +348,71 @@ def search(bank: DeviceBank, queries, *, k: int, multistore: bool,
     float32)`, or None without `slate`.
   """
   q, padded = len(queries), pad_queries(queries)
-  cand = scope_candidates(scope_rows, allowed, bank.emb.shape[0])
+  cand = scope_candidates(scope_rows, allowed, bank.emb.shape[0], len(padded))
   rows = mask = None
   if searcher is not None and cand is None:  # (the q queries only: a zero query finds nothing)
-    found = searcher.search(padded[:q], k * searcher.rerank, multistore, allowed)
+    found = _proposals(searcher, padded[:q], k * searcher.rerank, multistore, allowed)
     if found is not None:
       rows, mask = (np.concatenate([a, np.full((len(padded) - q,) + a.shape[1:], fill, a.dtype)])
                     for a, fill in zip(found, (-1, False)))
   params, hparams, size, explore = slate if slate is not None else (None, None, None, False)
-  out = _search(padded, bank, allowed, rows, mask, cand, params, hparams if explore else None,
-                k=k, multistore=multistore, slate_size=None if size is None else int(size),
-                explore=bool(explore))
+  out = _search(padded, bank, query_allowed(allowed, len(padded)), rows, mask, cand, params,
+                hparams if explore else None, k=k, multistore=multistore,
+                slate_size=None if size is None else int(size), explore=bool(explore))
   return unpack(out, q, k, bank.emb.shape[1], size)
 
 
-def scope_candidates(scope_rows: Optional["ScopeRows"], allowed: Optional[np.ndarray],
-                     capacity: int) -> Optional[np.ndarray]:
+def _proposals(searcher: Searcher, queries, r: int, multistore: bool, allowed):
+  """The searcher's `(rows [q, r], mask [q, r])` (per query for per-query specs), or None when
+  it answers None for any query (the caller searches exactly)."""
+  if not isinstance(allowed, list):
+    return searcher.search(queries, r, multistore, allowed)
+  parts = [searcher.search(queries[i:i + 1], r, multistore, a) for i, a in enumerate(allowed)]
+  if any(p is None for p in parts):
+    return None
+  return tuple(np.concatenate(x) for x in zip(*parts))
+
+
+def query_allowed(allowed, num_padded: int):
+  """`allowed` as the jitted search takes it: one spec (`[S]` or None) as it is; a list of
+  per-query specs as `[num_padded, S]` bool (None: every code; padding queries: none), or None
+  when every entry is None."""
+  if not isinstance(allowed, list):
+    return allowed
+  width = {len(a) for a in allowed if a is not None}
+  if not width:
+    return None
+  if len(width) > 1:
+    raise ValueError(f"per-query scope specs of different widths {sorted(width)} (one "
+                     "ScopeNames makes them all)")
+  out = np.zeros((num_padded, width.pop()), bool)
+  for i, a in enumerate(allowed):
+    out[i] = True if a is None else a
+  return out
+
+
+def scope_candidates(scope_rows: Optional["ScopeRows"], allowed, capacity: int,
+                     num_padded: Optional[int] = None) -> Optional[np.ndarray]:
   """`[P]` int32 the rows of the scopes `allowed` (`scope_rows.of`), ascending, padded with
   `capacity` to `P = pow2_at_least(n, MIN_CAPACITY)`: what a scoped search reads instead of the
   bank. None (search the whole bank, masked) for an unscoped search, without `scope_rows`, or
-  when `P > capacity / GATHER_SHARE` (gathering that many rows costs about what the scan costs)."""
+  when `P > capacity / GATHER_SHARE` (gathering that many rows costs about what the scan costs).
+  For a list of per-query specs (`search`): `[num_padded, P]`, each query's rows, `P` of the
+  largest; None when one is unscoped or too large."""
   if scope_rows is None or allowed is None:
     return None
-  n = scope_rows.size(allowed)
-  p = pow2_at_least(n, MIN_CAPACITY)
+  specs = allowed if isinstance(allowed, list) else [allowed]
+  if any(a is None for a in specs):
+    return None
+  sizes = [scope_rows.size(a) for a in specs]
+  p = pow2_at_least(max(sizes), MIN_CAPACITY)
   if p * GATHER_SHARE > capacity:
     return None
-  cand = np.full(p, capacity, np.int32)
-  cand[:n] = scope_rows.of(allowed)
-  return cand
+  per = isinstance(allowed, list)
+  cand = np.full((num_padded or len(specs) if per else 1, p), capacity, np.int32)
+  for i, (a, n) in enumerate(zip(specs, sizes)):
+    cand[i, :n] = scope_rows.of(a)
+  return cand if per else cand[0]
 
 
 # ------------------------------------------------------------------------------------------------

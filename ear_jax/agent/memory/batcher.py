@@ -3,8 +3,9 @@
 Symbols: `n` texts or queries of one request, `q` queries of one search, `d` dimension.
 
 With `MemoryConfig.batch_window_ms > 0`, the requests that arrive within one window share ONE
-encoder call and, per distinct search key (the scope spec and the slate size), ONE jitted first
-stage over their padded `[q, d]` queries. A request is `(texts to encode or None, given [n, d]
+encoder call and, per distinct search key (the slate size), ONE jitted first stage over their
+padded `[q, d]` queries, each query in its own request's scopes (`bank.search`'s per-query specs:
+several users' questions share the call). A request is `(texts to encode or None, given [n, d]
 embeddings or None, key, finish)`:
 
 * the first request of a window makes its thread the window's *leader*; it waits `window`
@@ -44,6 +45,7 @@ class Request:
     embeddings: `[n, d]` checked unit embeddings (when `texts` is None).
     key: requests with equal keys share one search; None: encode only (the value is the `[n, d]`
       embeddings).
+    scope: the request's scope spec (its queries' scopes in the shared search).
     search_texts: `[n]` the texts the search ranks by (lexical first stages).
     prepare: `prepare() -> None` under the lock before the search (raises to fail the request).
     finish: `finish(texts, embeddings [n, d], result) -> value` under the lock, `result` the
@@ -53,8 +55,9 @@ class Request:
 
   def __init__(self, texts: Optional[list], embeddings: Optional[np.ndarray], key: Hashable,
                search_texts: Optional[list] = None, prepare: Optional[Callable] = None,
-               finish: Optional[Callable] = None, *, what: str = "query"):
+               finish: Optional[Callable] = None, *, scope=None, what: str = "query"):
     self.texts, self.embeddings, self.key, self.what = texts, embeddings, key, what
+    self.scope = scope
     self.search_texts, self.prepare, self.finish = search_texts, prepare, finish
     self.value: Any = None
     self.error: Optional[BaseException] = None
@@ -84,8 +87,8 @@ class Batcher:
     max_queries: a window closes early once it holds this many queries.
     encode: `encode(texts, what) -> [n, d]` unit embeddings (the memory's encoder; raises on
       failure, naming `what`).
-    search: `search(key, texts [q], queries [q, d]) -> pytree of [q, ...] numpy arrays`, called
-      under `lock`.
+    search: `search(key, texts [q], queries [q, d], scopes [q]) -> pytree of [q, ...] numpy
+      arrays` (`scopes`: each query's request's `scope`), called under `lock`.
     lock: the memory's state lock.
   """
 
@@ -193,9 +196,10 @@ class Batcher:
     if not ready:
       return
     texts = [t for r in ready for t in r.search_texts]
+    scopes = [r.scope for r in ready for _ in range(_rows(r))]
     try:
       self._count("batch_searches")
-      out = self._search(key, texts, np.concatenate([r.embeddings for r in ready]))
+      out = self._search(key, texts, np.concatenate([r.embeddings for r in ready]), scopes)
     except Exception as e:  # pylint: disable=broad-except
       if len(ready) == 1:
         ready[0].fail(e)

@@ -198,7 +198,8 @@ class Memory:
       self._batcher = batcher_lib.Batcher(
           cfg.batch_window_ms / 1e3, cfg.batch_max_queries,
           lambda texts, what: self._encoder.embed(texts, config.dim, cfg.cache_dir, what),
-          lambda key, texts, q_emb: self._first_stage(texts, q_emb, *key), self._lock)
+          lambda key, texts, q_emb, scopes: self._first_stage(texts, q_emb, scopes, *key),
+          self._lock)
     self._ops = Ops(page=self._page, round=self._round, feedback=self._feedback, close=self._close,
                     info=self._info, critique=self._critique, final=self._final,
                     open=self._open, abandon=self._abandon, records=self._live_records,
@@ -658,24 +659,30 @@ class Memory:
   def _staged(self, texts, emb, names, size, k: int, finish):
     """`finish(texts, q_emb, first stage)` under the lock after the first stage of the checked
     query (`_queries`) in the scopes `names` (with `size`, the slate of that size): in the
-    window's one encoder call and one search per scope spec when batching, else now."""
+    window's one encoder call and one search per slate size when batching (each query in its own
+    scopes), else now."""
     search_texts = texts if texts is not None else [""] * len(emb)
     prepare = lambda: self._scopes.check_k(k, self._ear.num_candidates, self._cfg.multistore,
                                            names)
     if self._batcher is not None:
       return self._batcher.submit(batcher_lib.Request(
-          texts if emb is None else None, emb, (names, size), search_texts, prepare, finish,
-          what="query"))
+          texts if emb is None else None, emb, (size,), search_texts, prepare, finish,
+          scope=names, what="query"))
     if emb is None:
       emb = self._embed(texts, None, len(texts), "query")
     with self._lock:
       prepare()
-      return finish(search_texts, emb, self._first_stage(search_texts, emb, names, size))
+      return finish(search_texts, emb, self._first_stage(search_texts, emb, [names] * len(emb),
+                                                         size))
 
-  def _first_stage(self, texts, q_emb, names, size):
-    """`bank.search` / `LexicalBank.search` of `[q, d]` queries in the scopes `names`, with the
-    adapter's slate of `size` by the served parameters (None: none) (call under the lock)."""
-    allowed = self._scopes.allowed(names)
+  def _first_stage(self, texts, q_emb, scopes, size):
+    """`bank.search` / `LexicalBank.search` of `[q, d]` queries, query i in the scopes
+    `scopes[i]` (one spec for all when they are equal, else per query), with the adapter's slate
+    of `size` by the served parameters (None: none) (call under the lock)."""
+    if all(x == scopes[0] for x in scopes):
+      allowed = self._scopes.allowed(scopes[0])
+    else:
+      allowed = [self._scopes.allowed(x) for x in scopes]
     K = self._ear.num_candidates
     slate = None if size is None else (self._served_params(), self._hparams, size, False)
     if self._lexical is None:

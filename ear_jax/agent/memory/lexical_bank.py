@@ -192,25 +192,42 @@ class LexicalBank:
       query_texts: `[q]` their texts (BM25's input).
       k: `K`.
       allowed: `[S]` bool over scope codes (`bank.ScopeNames.allowed`; None: every scope): the
-        candidates' rows AND the BM25 statistics are those of the allowed scopes.
+        candidates' rows AND the BM25 statistics are those of the allowed scopes; or a list of
+        per-query specs (`bank.search`).
       slate: optional `(params, hparams, s, explore)` of the first round (see `bank.search`).
       scope_rows: the bank's `bank.ScopeRows`: a scoped search of few rows ranks only those rows
         (`bank.scope_candidates`), the same ranking as over the whole bank masked.
     """
     q, padded = len(queries), bank_lib.pad_queries(queries)
-    found = self.index.scores([self.query_ids(t) for t in tokenize(query_texts)], allowed)
-    cand = bank_lib.scope_candidates(scope_rows, allowed, bank.emb.shape[0])
+    found = self._scores([self.query_ids(t) for t in tokenize(query_texts)], allowed)
+    cand = bank_lib.scope_candidates(scope_rows, allowed, bank.emb.shape[0], len(padded))
     if cand is None:
       lex_rows, lex_scores = first_stage.pairs(found, bank.emb.shape[0], len(padded))
     else:  # the pairs' rows as positions in `cand` (a scoped query's BM25 rows are of its scopes)
+      at = (lambda i: cand) if cand.ndim == 1 else (lambda i: cand[i])
       lex_rows, lex_scores = first_stage.pairs(
-          [_positions(cand, r, s) for r, s in found], len(cand), len(padded))
+          [_positions(at(i), r, s) for i, (r, s) in enumerate(found)], cand.shape[-1],
+          len(padded))
     params, hparams, size, explore = slate if slate is not None else (None, None, None, False)
-    out = _search(padded, bank, allowed, cand, lex_rows, lex_scores, params,
-                  hparams if explore else None, k=k, multistore=self.multistore,
-                  generator=self.candidates, options=self.options,
+    out = _search(padded, bank, bank_lib.query_allowed(allowed, len(padded)), cand, lex_rows,
+                  lex_scores, params, hparams if explore else None, k=k,
+                  multistore=self.multistore, generator=self.candidates, options=self.options,
                   slate_size=None if size is None else int(size), explore=bool(explore))
     return bank_lib.unpack(out, q, k, bank.emb.shape[1] + NUM_FEATURES, size)
+
+  def _scores(self, ids: list, allowed) -> list:
+    """BM25 pairs of each query (`BM25Index.scores`) with the statistics of its scopes: one call
+    per distinct spec of a per-query list (`bank.search`'s `allowed`)."""
+    if not isinstance(allowed, list):
+      return self.index.scores(ids, allowed)
+    groups: dict = {}
+    for i, a in enumerate(allowed):
+      groups.setdefault(None if a is None else a.tobytes(), []).append(i)
+    found = [None] * len(ids)
+    for at in groups.values():
+      for i, f in zip(at, self.index.scores([ids[i] for i in at], allowed[at[0]])):
+        found[i] = f
+    return found
 
 
 def _positions(cand: np.ndarray, rows: np.ndarray, scores: np.ndarray):
@@ -227,15 +244,19 @@ def _search(queries, bank, allowed, cand, lex_rows, lex_scores, params, hparams,
   """`first_stage.rank_bank` over the allowed live rows (of the bank, or its rows `cand [P]`
   given: then `lex_rows` are positions in `cand`), then `bank.finish` (gather, features, first
   slate), in one call."""
-  if cand is None:
-    emb, stores = bank.emb, bank.stores
-    where = bank.valid if allowed is None else bank.valid & allowed[bank.scopes]
-  else:
-    emb, where, stores = bank_lib.gathered(bank, allowed, cand)
-  rows, mask, _, feats = first_stage.rank_bank(queries, emb, where, stores, lex_rows, lex_scores,
-                                               k=k, generator=generator, options=options,
-                                               multistore=multistore)
-  if cand is not None:
-    rows = bank_lib.rows_at(cand, rows, mask)
+  def ranked(queries, allowed, cand, lex_rows, lex_scores):
+    if cand is None:
+      emb, stores = bank.emb, bank.stores
+      where = bank.valid if allowed is None else bank.valid & allowed[bank.scopes]
+    else:
+      emb, where, stores = bank_lib.gathered(bank, allowed, cand)
+    rows, mask, _, feats = first_stage.rank_bank(queries, emb, where, stores, lex_rows,
+                                                 lex_scores, k=k, generator=generator,
+                                                 options=options, multistore=multistore)
+    if cand is not None:
+      rows = bank_lib.rows_at(cand, rows, mask)
+    return rows, mask, feats
+
+  rows, mask, feats = bank_lib.per_query(ranked, queries, allowed, cand, lex_rows, lex_scores)
   slate = None if slate_size is None else (params, hparams, slate_size, explore)
   return bank_lib.finish(queries, bank.emb, rows, mask, features=feats, slate=slate)
