@@ -299,7 +299,7 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
       cand_sets[i] = frozenset((g, c) for c in data.candidate_bank_ids(i))
     outside += sum(1 for x in ids if data.source(x) not in cand_sets[i])
 
-  ms = {"train": [], "search": [], "recall_test": []}
+  ms = {"train": [], "search": [], "recall_test": [], "recall_paging": []}
   for n, i in enumerate(train_index):
     host.start(data.gold_ids[i], train_keys[n])
     c0, t = host.seconds, time.perf_counter()
@@ -326,8 +326,10 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
     slates["explorer"].append(tuple(out.ids))
   for j, i in enumerate(test_index):  # the same critic keys: page t gets round t's (as `evaluate`)
     host.start(data.gold_ids[i], test_keys[j])
+    c0, t = host.seconds, time.perf_counter()
     out = mem.recall(data.query_text(i), host, s, query_embedding=queries[i], learn=False,
                      scope=data.scope(data.bench.group[i]), rule="paging")
+    ms["recall_paging"].append(1e3 * (time.perf_counter() - t - (host.seconds - c0)))
     slates["paging_adapted"].append(tuple(out.ids))
   if int(mem.stats["learner_steps"]) != steps:
     raise RuntimeError("the test questions trained the adapter")
@@ -422,10 +424,11 @@ def compare(data: LiveData, result, live: Sequence[SeedResult], scan_seconds: fl
   n_test = result.test_index.shape[1]
   per_q = n_train + n_test
   warm = live[1:] if len(live) > 1 else live
+  steps = ("train", "search", "recall_test", "recall_paging")
   live_cost = {k: float(np.mean(np.concatenate([r.per_question_ms[k] for r in warm])))
-               for k in ("train", "search", "recall_test")}
+               for k in steps}
   live_cost_p50 = {k: float(np.median(np.concatenate([r.per_question_ms[k] for r in warm])))
-                   for k in ("train", "search", "recall_test")}
+                   for k in steps}
   total = float(np.mean([(r.seconds["train"] + r.seconds["search"] + r.seconds["recall_test"])
                          for r in warm]))
   out["cost_ms_per_question"] = {
@@ -523,7 +526,7 @@ def run(data: LiveData, method: Method, seeds: Sequence[int],
   c.update(dispatch_ms=dispatch["mean_ms"], dispatch_p50_ms=dispatch["p50_ms"])
   c["ratio_to_scan_plus_dispatch"] = {
       step: c["live_by_step_mean"][step] / (c["scan"] + dispatch["mean_ms"])
-      for step in ("train", "recall_test", "search")}
+      for step in ("train", "recall_test", "recall_paging", "search")}
   c["ratio_to_scan_plus_dispatch"]["all_steps"] = c["live"] / (c["scan"] + dispatch["mean_ms"])
   cmp["cost_ms_per_question"].update(
       matmul_peak_gflops=peak["gflops"], flops_per_training_question=flops,
@@ -562,17 +565,24 @@ def table_md(cmp: dict, *, title: str) -> str:
             f"{c['live_by_step_mean']['train']:.2f} / {c['live_by_step_p50']['train']:.2f} |",
             f"| live: test `search` (adapter-only), mean / p50 | "
             f"{c['live_by_step_mean']['search']:.2f} / {c['live_by_step_p50']['search']:.2f} |",
-            f"| live: test `recall(learn=False)`, mean / p50 | "
+            f"| live: test `recall(learn=False, rule='explorer')`, mean / p50 | "
             f"{c['live_by_step_mean']['recall_test']:.2f} / "
-            f"{c['live_by_step_p50']['recall_test']:.2f} |",
+            f"{c['live_by_step_p50']['recall_test']:.2f} |"]
+  if "recall_paging" in c["live_by_step_mean"]:  # (results before session 10 lack it)
+    lines.append(f"| live: test `recall(learn=False)` (paging, the default), mean / p50 | "
+                 f"{c['live_by_step_mean']['recall_paging']:.2f} / "
+                 f"{c['live_by_step_p50']['recall_paging']:.2f} |")
+  lines += [
             f"| scan (`runner.train_and_evaluate`, compiled, all seeds vmapped) | "
             f"{c['scan']:.3f} |"]
   if "dispatch_ms" in c:
     r = c["ratio_to_scan_plus_dispatch"]
+    paging = f" / {r['recall_paging']:.2f}" if "recall_paging" in r else ""
     lines += [f"| one dispatch (a trivial jitted call with a round's argument shapes, round trip, "
               f"mean / p50) | {c['dispatch_ms']:.3f} / {c['dispatch_p50_ms']:.3f} |",
-              f"| ratio live / (scan + one dispatch): training `recall` / test "
-              f"`recall(learn=False)` / all steps | {r['train']:.2f} / {r['recall_test']:.2f} / "
+              f"| ratio live / (scan + one dispatch): training `recall` / test explorer "
+              f"`recall`{' / test paging `recall`' if paging else ''} / `search` / all steps | "
+              f"{r['train']:.2f} / {r['recall_test']:.2f}{paging} / {r['search']:.2f} / "
               f"{r['all_steps']:.2f} |"]
   if "bound_ms_per_search" in c:
     lines.append(f"| bound: one search reads the bank ({c['bank_bytes'] / 1e6:.1f} MB) / memory "

@@ -25,6 +25,7 @@ import functools
 from typing import Callable, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ear_jax.agent.memory.bank import InputTypeError
@@ -92,7 +93,10 @@ def _session_round(params, query, candidates, given, hparams, mask, mean, counts
     slate, slate_mask = explorer_lib.greedy_slate(z, ucb, gram, mask, hparams, k)
   else:
     slate, slate_mask = slates_lib.top_s_slate(z, mask, k)
-  return (slate, slate_mask, z, stats.mean, stats.counts), (z, gram)
+  # (two host copies instead of five: `[2k]` int32 slate | mask, `[3K]` float32 z | mean | counts)
+  packed = (jnp.concatenate([slate, slate_mask.astype(jnp.int32)]),
+            jnp.concatenate([z, stats.mean, stats.counts]))
+  return packed, (z, gram)
 
 
 def session_round(params, hparams, query, candidates, mask, mean, counts, last, k: int,
@@ -119,9 +123,11 @@ def session_round(params, hparams, query, candidates, mask, mean, counts, last, 
   """
   if given is not None:
     params = query = candidates = None
-  out, adapted_ = _session_round(params, query, candidates, given, hparams, mask, mean, counts,
-                                 tuple(last), k=k, explore=bool(explore))
-  return jax.device_get(out), adapted_
+  (ints, floats), adapted_ = _session_round(params, query, candidates, given, hparams, mask, mean,
+                                            counts, tuple(last), k=k, explore=bool(explore))
+  ints, floats = np.asarray(ints), np.asarray(floats)
+  K = len(mask)
+  return (ints[:k], ints[k:].astype(bool), floats[:K], floats[K:2 * K], floats[2 * K:]), adapted_
 
 
 def no_feedback(num_candidates: int):

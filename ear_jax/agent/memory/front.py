@@ -753,16 +753,19 @@ class Memory:
     texts, q_emb = self._queries(question, query_embedding, False)
 
     def finish(texts, q_emb, found):
-      rows, mask, cands, _ = found
+      rows, mask, cands, slates = found
       sid = self._sessions.new(texts[0], q_emb[0], rows[0], cands[0], mask[0], names or (),
                                frozen)
       if frozen:  # (a reference: `_learn` copies it before a learner step donates it)
-        self._sessions.by_id[sid].params = self._served_params()
+        s = self._sessions.by_id[sid]
+        s.params, s.ranking = self._served_params(), slates[2][0]
       self._stats["sessions_opened"] += 1
       self._learn(self._sessions.evict())
       return Session(self._ops, sid, texts[0], names or ())
 
-    return self._staged(texts, q_emb, names, None, k, finish)
+    # (frozen: the search's slate by the served parameters gives their ranking `z`, what paging
+    # reads, in the same call)
+    return self._staged(texts, q_emb, names, k if frozen else None, k, finish)
 
   def recall(self, question: str, critic, k: int = 5, *, query_embedding=None,
              learn: bool = True, scope=None, rule: Optional[str] = None) -> Recall:
@@ -848,7 +851,7 @@ class Memory:
       s = self._sessions.get(sid, open_round=False)
       if not s.frozen:
         raise ValueError(f"session {sid} learns; paging is a test-time rule (learn=False)")
-      z = np.asarray(recall_lib.relevance(s.params, s.query_emb, s.cand_emb))
+      z = s.ranking
       order = np.lexsort((np.arange(len(z)), -z))
       pos = order[s.cand_mask[order]][t * k:(t + 1) * k].astype(np.int32)
       if not len(pos):

@@ -35,7 +35,6 @@ import jax
 
 from ear_jax.agent.memory import episode
 from ear_jax.agent.memory.sessions import Ops, SessionDroppedError
-from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import explorer as explorer_lib
 
 
@@ -70,12 +69,6 @@ class Recall:
 
 
 RULES = ("explorer", "paging")
-
-
-@jax.jit
-def relevance(params, query, candidates):
-  """`[K]` adapted relevance `z` of one session's candidates (the ranking paging reads)."""
-  return adapter_lib.relevance(params, query, candidates)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("k",))

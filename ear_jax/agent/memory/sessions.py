@@ -135,6 +135,8 @@ class Query:
   stale: bool = False  # the feedback of round `rounds` is not in mean / counts yet (`last`)
   adapted: Any = None  # `(z [K], gram [K, K])` device arrays of its last round (`episode.adapted`)
   adapted_by: Any = None  # the parameters they were computed with
+  ranking: Optional[np.ndarray] = None  # frozen: [K] float32 the served parameters' relevance z
+  #   of its candidates (the open's one search computed it; paging reads it)
   records: dict = dataclasses.field(default_factory=dict)  # bank row -> its table record (a
   #   candidate's record never changes while its session lives: a delete or update drops it)
 
