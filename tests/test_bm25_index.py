@@ -85,9 +85,17 @@ def test_each_scope_scores_with_its_own_statistics():
                                 _oracle(texts, QUERIES))  # None: every scope
 
 
-@pytest.mark.parametrize("min_delta", [8, 1 << 16])  # merges often / never
-def test_interleaved_adds_and_deletes_equal_a_fresh_index_of_the_live_rows(monkeypatch, min_delta):
+@pytest.mark.parametrize("max_tail,min_delta", [
+    (16, 8),  # the tail merged into the delta and the delta into the base, often
+    pytest.param(16, 1 << 16, marks=pytest.mark.slow),  # the tail into the delta only
+    (1 << 12, 1 << 16)])  # no merge
+def test_interleaved_adds_and_deletes_equal_a_fresh_index_of_the_live_rows(monkeypatch, max_tail,
+                                                                           min_delta):
+  monkeypatch.setattr(lexical, "MAX_TAIL", max_tail)
   monkeypatch.setattr(lexical, "MIN_DELTA", min_delta)
+  merged = []
+  merge = lexical.BM25Index._merge
+  monkeypatch.setattr(lexical.BM25Index, "_merge", lambda self: merged.append(1) or merge(self))
   texts = _texts(300, 2)
   scopes = (np.arange(300) % 3).astype(np.int32)
   rng = np.random.default_rng(2)
@@ -109,6 +117,7 @@ def test_interleaved_adds_and_deletes_equal_a_fresh_index_of_the_live_rows(monke
     got = _scores(index, vocab, QUERIES, rows, np.arange(3) == s)
     np.testing.assert_array_equal(got, _oracle([texts[r] for r in rows], QUERIES))
     assert len(index) == live.sum()
+  assert bool(merged) == (min_delta == 8)  # (the tail and the delta reached their merges)
   dead = index.delete(np.flatnonzero(live))
   assert len(index) == 0 and not index.df.any()
   assert set(dead.tolist()) <= set(vocab.values())

@@ -394,7 +394,7 @@ def _free_port():
 def test_http_transport_with_bearer_token(tmp_path):
   import httpx  # pylint: disable=g-import-not-at-top
   from mcp import ClientSession  # pylint: disable=g-import-not-at-top
-  from mcp.client.streamable_http import streamablehttp_client  # pylint: disable=g-import-not-at-top
+  from mcp.client.streamable_http import streamable_http_client  # pylint: disable=g-import-not-at-top
   port = _free_port()
   env = _env(EAR_MCP_TOKEN="s3cret-token")
   proc = subprocess.Popen(
@@ -414,7 +414,9 @@ def test_http_transport_with_bearer_token(tmp_path):
     assert r.status_code == 401 and "s3cret" not in r.text
 
     async def go(headers):
-      async with streamablehttp_client(url, headers=headers) as (read, write, _):
+      timeout = httpx.Timeout(30, read=300)  # (the deprecated streamablehttp_client's)
+      async with httpx.AsyncClient(headers=headers, timeout=timeout) as client, \
+          streamable_http_client(url, http_client=client) as (read, write, _):
         async with ClientSession(read, write) as s:
           await s.initialize()
 

@@ -250,17 +250,6 @@ def test_memory_scoped_search_after_adds_deletes_updates_and_a_reopen_equals_the
   mem.close()
 
 
-@pytest.mark.parametrize("max_tail,min_delta", [(4, 8), pytest.param(4, 1 << 16,
-                                                                      marks=pytest.mark.slow)])
-def test_bm25_tail_delta_and_base_segments_score_as_a_fresh_index(monkeypatch, max_tail,
-                                                                  min_delta):
-  from ear_jax.data import lexical  # pylint: disable=g-import-not-at-top
-  from tests import test_bm25_index  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(lexical, "MAX_TAIL", max_tail)
-  test_bm25_index.test_interleaved_adds_and_deletes_equal_a_fresh_index_of_the_live_rows(
-      monkeypatch, min_delta)
-
-
 @pytest.mark.slow
 def test_a_small_scope_skips_the_ann_searcher_and_gets_the_exact_answer():
   bank, names, scope_rows, codes, stores = _random_bank()

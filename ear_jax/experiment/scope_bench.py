@@ -153,6 +153,7 @@ def run(m: int, num_scopes: int, stages: Sequence[str] = STAGES, dim: int = 384,
   unknown = set(stages) - set(STAGES)
   if unknown:
     raise ValueError(f"unknown scope stages {sorted(unknown)}; expected some of {list(STAGES)}")
+  sample = min(sample, num_scopes)  # (a sample of distinct scopes)
   out = {"M": m, "S": num_scopes, "dim": dim, "calls": calls, "sample": sample,
          "gather_share": bank_lib.GATHER_SHARE,
          "bandwidth": scale_bench.measure_bandwidth(min(1.5e9, m * dim * 4.0))}

@@ -79,9 +79,10 @@ MIN_CAPACITY = 32
 FINE_CAPACITY = 4096  # beyond this the capacity grows in quarter steps (`capacity_for`)
 DEFAULT_SCOPE = "default"  # the scope of memories added without one (scope code 0)
 # A scoped search gathers its scopes' rows (`scope_candidates`) when their count, padded to a
-# power of two, is at most this fraction of the capacity: the gathered call then reads and writes
-# at most 1/4 of the bytes the masked scan reads (a rule, not a measured crossover).
-GATHER_SHARE = 8
+# power of two, is at most 1 / GATHER_SHARE of the capacity. Measured (BENCHMARKS.md "Scoped search
+# at scale", 6,000 memories in 10 scopes: 1,024 padded rows of 6,144): gathered 0.75 ms p50
+# against the masked scan's 0.99 (exact), 1.14 against 1.39 (hybrid); 8 (before) scanned there.
+GATHER_SHARE = 4
 Searcher = ann.FaissSearcher  # the ANN hookup (`ear_jax.index.ann`'s module docstring)
 
 

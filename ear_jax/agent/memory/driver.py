@@ -44,6 +44,12 @@ _train_step = jax.jit(learner_lib.train_batch_on_feedback, static_argnames=("con
                       donate_argnums=0)
 
 
+# The `[b]` replay keys of learner step n, `split(fold_in(k_train, n), b)`, in one call (eager, its
+# three primitives were three dispatches per step).
+_step_keys = jax.jit(lambda key, n, b: jax.random.split(jax.random.fold_in(key, n), b),
+                     static_argnums=2)
+
+
 UNKNOWN = -2  # `Driver.buffer_rows` of a slot whose candidate's bank row is not known yet
 
 
@@ -110,7 +116,7 @@ class Driver:
     stacked = TrainItem(*(np.stack(x) for x in zip(*items)))
     batch = Stream(queries=stacked.query, candidates=stacked.candidates, mask=stacked.mask,
                    gold=np.zeros(stacked.mask.shape, bool), num_gold=np.zeros((b,), np.int32))
-    keys = jax.random.split(jax.random.fold_in(self.train_key, self.num_batches), b)
+    keys = _step_keys(self.train_key, self.num_batches, b)
     self.state, _ = _train_step(
         self.state, keys, batch, stacked.slates, stacked.slate_mask, stacked.labels,
         jnp.ones((b,), bool), self.config, self.hparams)

@@ -856,9 +856,11 @@ class Memory:
       pos = order[s.cand_mask[order]][t * k:(t + 1) * k].astype(np.int32)
       if not len(pos):
         return Slate((), (), (), (), s.rounds + 1, True, sid, s.query)
+      s.paged = True
       self._sessions.open_round(sid, pos, True)
       self._stats["rounds"] += 1
-      return self._slate(s.cand_idx[pos], z[pos], s.rounds + 1, True, sid, s.query)
+      return self._slate(s.cand_idx[pos], z[pos], s.rounds + 1, True, sid, s.query,
+                         self._candidate_records(s, pos))
 
   def _learn(self, items) -> int:
     if len(self._driver.ready) + len(items) >= self._ear.batch_size:

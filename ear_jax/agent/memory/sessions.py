@@ -137,6 +137,7 @@ class Query:
   adapted_by: Any = None  # the parameters they were computed with
   ranking: Optional[np.ndarray] = None  # frozen: [K] float32 the served parameters' relevance z
   #   of its candidates (the open's one search computed it; paging reads it)
+  paged: bool = False  # its rounds are pages of `ranking`: no bandit statistics kept
   records: dict = dataclasses.field(default_factory=dict)  # bank row -> its table record (a
   #   candidate's record never changes while its session lives: a delete or update drops it)
 
@@ -241,7 +242,8 @@ class Sessions:
     slate, mask = np.full((K,), -1, np.int32), np.zeros((K,), bool)
     lab = np.full((K,), -1.0, np.float32)
     slate[:k], mask[:k], lab[:k] = s.open_slate, True, labels
-    s.settle()  # (no-op unless a round's feedback is pending already)
+    if not s.paged:  # (no-op unless a round's feedback is pending already)
+      s.settle()
     s.slates[s.rounds], s.slate_mask[s.rounds], s.labels[s.rounds] = slate, mask, lab
     s.rounds += 1
     s.stale = True
