@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 
 from ear_jax.agent.memory import bank as bank_lib
+from ear_jax.agent.memory import scopes as scopes_lib
+from ear_jax.agent.memory import checks as checks_lib
 from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import explorer as explorer_lib
 from ear_jax.core import retrieval as retrieval_lib
@@ -25,7 +27,7 @@ def _filled(n=40, seed=0, dtype="float32", ties=True):
   if ties:
     emb[[4, 7]] = emb[1]
   stores = (np.arange(n) % 3 == 2).astype(np.int8)
-  names = bank_lib.ScopeNames()
+  names = scopes_lib.ScopeNames()
   scopes = names.codes(["a"] * (n // 2) + ["b"] * (n - n // 2))
   names.count(scopes, stores)
   bank = bank_lib.write(bank_lib.empty(D, 4, dtype), np.arange(n), emb, stores, scopes)
@@ -164,7 +166,7 @@ def test_gather_returns_the_candidates_search_gave():
 
 
 def test_scope_names_codes_masks_and_counts():
-  names, codes = bank_lib.ScopeNames.from_rows(["x", "y", "x"], [0, 1, 0])
+  names, codes = scopes_lib.ScopeNames.from_rows(["x", "y", "x"], [0, 1, 0])
   assert codes.tolist() == [1, 2, 1] and names.names == ["default", "x", "y"]
   assert names.allowed(None) is None
   assert names.allowed(["y", "nope"]).tolist() == [False, False, True, False]  # padded to 4
@@ -183,7 +185,7 @@ def test_scope_names_codes_masks_and_counts():
                                        r"memories \(all were deleted\)$"):
     names.check_k(1, K, False)
   with pytest.raises(ValueError, match="the bank is empty$"):
-    bank_lib.ScopeNames().check_k(1, K, True)
+    scopes_lib.ScopeNames().check_k(1, K, True)
 
 
 def test_an_ann_searcher_gives_the_exact_candidates_on_a_small_bank_and_after_a_remove():
@@ -201,6 +203,6 @@ def test_an_ann_searcher_gives_the_exact_candidates_on_a_small_bank_and_after_a_
     exact = bank_lib.search(bank, q, k=K, multistore=False, allowed=allowed)
     got = bank_lib.search(bank, q, k=K, multistore=False, allowed=allowed, searcher=searcher)
     np.testing.assert_array_equal(got[0], exact[0])
-  with pytest.raises(bank_lib.InputTypeError, match="index must be a string"):
+  with pytest.raises(checks_lib.InputTypeError, match="index must be a string"):
     bank_lib.ann_searcher(3, {}, D)
   assert bank_lib.ann_searcher("exact", {}, D) is None

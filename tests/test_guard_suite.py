@@ -72,4 +72,8 @@ def test_guard_diagnosis_reports_every_variant_and_seed(tmp_path):
       for v in saved.values())
   # The probe leaves training unchanged: the same adapters, so the same held-out columns.
   assert saved["probe"]["test_recall_diff"] == saved["training slates"]["test_recall_diff"]
-  assert md.count("\n| ") == 1 + len(guard_diagnosis.VARIANTS)  # the header and a row each
+  assert md.count("\n| ") == 2 * (1 + len(guard_diagnosis.VARIANTS))  # 2 tables: header, rows
+  for v in saved.values():  # along the stream: 4 quarters; the 100 % prefix is the run itself
+    assert len(v["evidence_by_quarter"]) == 4
+    assert len(v["test_recall_diff_by_prefix"]) == len(guard_diagnosis.PREFIXES)
+    assert v["test_recall_diff_by_prefix"][-1] == pytest.approx(np.mean(v["test_recall_diff"]))

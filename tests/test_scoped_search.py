@@ -1,10 +1,12 @@
-"""A scoped search reads only its scopes' rows (`bank.ScopeRows`, `bank.scope_candidates`) and
+"""A scoped search reads only its scopes' rows (`scopes.ScopeRows`, `bank.scope_candidates`) and
 answers exactly as the masked scan of the whole bank: same rows, same order, ties to the lower row.
 """
 import numpy as np
 import pytest
 
 from ear_jax.agent.memory import bank as bank_lib
+from ear_jax.agent.memory import scopes as scopes_lib
+from ear_jax.agent.memory import checks as checks_lib
 from ear_jax.agent.memory import lexical_bank
 from ear_jax.data import first_stage
 
@@ -27,12 +29,12 @@ def _random_rows(seed=0):
   same = np.flatnonzero(codes == codes[0])[:4]
   emb[same] = emb[same[0]]
   stores = (rng.random(N) < 0.3).astype(np.int8)
-  names = bank_lib.ScopeNames()
+  names = scopes_lib.ScopeNames()
   names.codes([f"s{i}" for i in range(SCOPES)])
   first = N - 50
   steps = [("write", np.arange(first)), ("tombstone", rng.choice(first, first // 5, False))]
   steps += [("write", np.arange(at, min(N, at + 7))) for at in range(first, N, 7)]
-  scope_rows = bank_lib.ScopeRows()
+  scope_rows = scopes_lib.ScopeRows()
   for op, rows in steps:
     if op == "write":
       scope_rows.add(rows, codes[rows])
@@ -125,7 +127,7 @@ def test_scope_rows_hold_each_scopes_live_rows_ascending():
     want = np.flatnonzero(live & allowed[codes])
     np.testing.assert_array_equal(scope_rows.of(allowed), want)
     assert scope_rows.size(allowed) == len(want)
-  back = bank_lib.ScopeRows()
+  back = scopes_lib.ScopeRows()
   back.add([9, 3], [1, 1])
   back.add([5, 1], [1, 0])  # (below rows held: merged in order)
   back.remove([3, 100])
@@ -136,8 +138,8 @@ def test_scope_rows_hold_each_scopes_live_rows_ascending():
 def test_a_scope_of_many_rows_and_an_unscoped_search_scan_the_whole_bank():
   _, _, _, names, scope_rows, _ = _random_rows()
   cap = bank_lib.capacity_for(N)
-  big = bank_lib.ScopeRows(np.arange(N), np.zeros(N, np.int32))
-  assert bank_lib.scope_candidates(big, names.allowed([bank_lib.DEFAULT_SCOPE]), cap) is None
+  big = scopes_lib.ScopeRows(np.arange(N), np.zeros(N, np.int32))
+  assert bank_lib.scope_candidates(big, names.allowed([checks_lib.DEFAULT_SCOPE]), cap) is None
   assert bank_lib.scope_candidates(scope_rows, None, cap) is None
   small = bank_lib.scope_candidates(scope_rows, names.allowed(["s3"]), cap)
   assert len(small) == bank_lib.MIN_CAPACITY and (small[scope_rows.size(names.allowed(["s3"])):]

@@ -1,5 +1,6 @@
-"""The device bank of `Memory` (`[C, d]` embeddings with their masks, pure functions) and the
-checks of `Memory`'s arguments. Ids, texts and files live in the table (`table.Table`).
+"""The device bank of `Memory` (`[C, d]` embeddings with their masks, pure functions) and its
+search. Ids, texts and files live in the table (`table.Table`); scope names and each scope's rows
+in `scopes` (`ScopeNames`, `ScopeRows`); the checks of `Memory`'s arguments in `checks`.
 
 Symbols: `C` capacity (`capacity_for`), `d` dimension, `K` candidates, `s` slate size, `q`
 queries of one call (padded to a power of two), `S` scope codes (padded to a power of two).
@@ -11,15 +12,12 @@ queries of one call (padded to a power of two), `S` scope codes (padded to a pow
            scope_rows=None)
         -> (rows [q, K] int32 (-1 pad), mask [q, K], cands [q, K, d] float32,
             (slate [q, s], slate_mask [q, s], z [q, K]) or None), numpy
-    ScopeRows(rows, codes): add(rows, codes), remove(rows), size(allowed), of(allowed) -> [n]
     scope_candidates(scope_rows, allowed, C) -> [P] int32 | None; gathered(bank, allowed, cand),
         rows_at(cand, pos, mask), per_query(fn, queries, allowed, cand, ...) (traced),
         query_allowed(allowed, q): for lexical_bank's gathered and per-query first stage
     gather(bank, rows [n, K], mask [n, K]) -> [n, K, d] float32 device array
     pad_queries(queries); finish(queries, emb, rows, mask, features=None, slate=None) (traced);
         unpack(packed, q, k, width, slate_size=None): for lexical_bank's jitted first stage
-    ScopeNames: names, codes(names), allowed(names), count(codes, stores, sign), check_k(...),
-        ScopeNames.from_rows(scope names, stores, held_before) -> (ScopeNames, codes)
     ann_searcher(name, options, dim) -> Searcher | None (None: 'exact'); Searcher (=
         ann.FaissSearcher): add(rows, emb, stores, scopes), remove(rows, bank) (after
         `tombstone`), save(directory), len, nbytes(),
@@ -57,37 +55,27 @@ with `[q, S]` masks; an ANN searcher is asked per query), the same answer as eac
 """
 from __future__ import annotations
 
-import collections.abc
-import datetime
 import functools
-import re
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ear_jax.agent.memory.checks import InputTypeError
 from ear_jax.core import explorer as explorer_lib
 from ear_jax.core import retrieval as retrieval_lib
-from ear_jax.data import encoder_base
 from ear_jax.index import ann
 
-STORES = {"dialogue": 0, "episodic": 0, "observation": 1, "semantic": 1}
-STORE_NAMES = ("dialogue", "observation")
 BANK_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 MIN_CAPACITY = 32
 FINE_CAPACITY = 4096  # beyond this the capacity grows in quarter steps (`capacity_for`)
-DEFAULT_SCOPE = "default"  # the scope of memories added without one (scope code 0)
 # A scoped search gathers its scopes' rows (`scope_candidates`) when their count, padded to a
 # power of two, is at most 1 / GATHER_SHARE of the capacity. Measured (BENCHMARKS.md "Scoped search
 # at scale", 6,000 memories in 10 scopes: 1,024 padded rows of 6,144): gathered 0.75 ms p50
 # against the masked scan's 0.99 (exact), 1.14 against 1.39 (hybrid); 8 (before) scanned there.
 GATHER_SHARE = 4
 Searcher = ann.FaissSearcher  # the ANN hookup (`ear_jax.index.ann`'s module docstring)
-
-
-class InputTypeError(TypeError, ValueError):
-  """An argument of the wrong type (a `TypeError`, and a `ValueError` like every input error)."""
 
 
 def pow2_at_least(n: int, minimum: int = 1) -> int:
@@ -332,7 +320,7 @@ def unpack(packed, q: int, k: int, width: int, slate_size: Optional[int] = None)
 
 
 def search(bank: DeviceBank, queries, *, k: int, multistore: bool, allowed=None, slate=None,
-           searcher: Optional[Searcher] = None, scope_rows: Optional["ScopeRows"] = None):
+           searcher: Optional[Searcher] = None, scope_rows = None):
   """Top-K candidates of `[q, d]` unit queries in one jitted call (module docstring): the
   dialogue memories' top-K, or each store's top-K/2 with `multistore`, of the scopes `allowed`,
   by the exact search or a `searcher`; with `scope_rows` (the bank's `ScopeRows`) a scoped search
@@ -392,7 +380,7 @@ def query_allowed(allowed, num_padded: int):
   return out
 
 
-def scope_candidates(scope_rows: Optional["ScopeRows"], allowed, capacity: int,
+def scope_candidates(scope_rows, allowed, capacity: int,
                      num_padded: Optional[int] = None) -> Optional[np.ndarray]:
   """`[P]` int32 the rows of the scopes `allowed` (`scope_rows.of`), ascending, padded with
   `capacity` to `P = pow2_at_least(n, MIN_CAPACITY)`: what a scoped search reads instead of the
@@ -416,374 +404,9 @@ def scope_candidates(scope_rows: Optional["ScopeRows"], allowed, capacity: int,
   return cand if per else cand[0]
 
 
-# ------------------------------------------------------------------------------------------------
-# scopes (host)
-
-
-def scope_label(names: Sequence[str]) -> str:
-  """`scope 'a'` or `scopes ['a', 'b']`, for messages."""
-  return f"scope {names[0]!r}" if len(names) == 1 else f"scopes {list(names)!r}"
-
-
-class ScopeNames:
-  """Scope name <-> int32 code (in order of first use; `DEFAULT_SCOPE` is 0) and the live rows
-  per scope and store (`counts [S, 2]`), so `check_k` costs O(scopes) at any bank size."""
-
-  def __init__(self):
-    self.names: list[str] = [DEFAULT_SCOPE]
-    self._index = {DEFAULT_SCOPE: 0}
-    self.counts = np.zeros((1, 2), np.int64)
-    self.held_before = False  # whether rows were ever counted (then "all were deleted")
-
-  @classmethod
-  def from_rows(cls, scopes: Sequence[str], stores, held_before: bool = False):
-    """`(ScopeNames, codes [n] int32)` of the live rows' scope names and store codes `[n]`;
-    `held_before`: rows were deleted before (the table used rows it no longer holds)."""
-    names = cls()
-    codes = names.codes(scopes)
-    names.count(codes, stores)
-    names.held_before = names.held_before or held_before
-    return names, codes
-
-  def codes(self, names: Sequence[str]) -> np.ndarray:
-    """`[n]` int32 codes of scope names, registering the new ones."""
-    for name in names:
-      if name not in self._index:
-        self._index[name] = len(self.names)
-        self.names.append(name)
-    if len(self.names) > len(self.counts):
-      self.counts = np.concatenate([self.counts,
-                                    np.zeros((len(self.names) - len(self.counts), 2), np.int64)])
-    return np.asarray([self._index[x] for x in names], np.int32).reshape(-1)
-
-  def _known(self, names: Sequence[str]) -> list[int]:
-    return sorted({self._index[x] for x in names if x in self._index})
-
-  def allowed(self, names: Optional[Sequence[str]]) -> Optional[np.ndarray]:
-    """`[S]` bool, True at the codes of `names` (unknown names hold nothing), `S` the scopes
-    padded to a power of two (a search compiles once per power of two); None for None."""
-    if names is None:
-      return None
-    allowed = np.zeros(pow2_at_least(len(self.names)), bool)
-    allowed[self._known(names)] = True
-    return allowed
-
-  def count(self, codes, stores, sign: int = 1) -> None:
-    """Adds (`sign` 1) or removes (-1) live rows of scope `codes [n]` and `stores [n]`."""
-    np.add.at(self.counts, (np.asarray(codes, np.int64), np.asarray(stores, np.int64)), sign)
-    self.held_before = self.held_before or (sign > 0 and np.size(codes) > 0)
-
-  def _held(self, names) -> np.ndarray:
-    return self.counts.sum(0) if names is None else self.counts[self._known(names)].sum(0)
-
-  def available(self, num_candidates: int, multistore: bool,
-                names: Optional[Sequence[str]] = None) -> int:
-    """How many candidates a query can get: `min(n_dialogue, K)`, or per store `min(., K/2)`,
-    counting the live rows of the scopes `names` (None: every scope)."""
-    held = self._held(names)
-    if not multistore:
-      return min(int(held[0]), num_candidates)
-    return sum(min(int(c), num_candidates // 2) for c in held)
-
-  def check_k(self, k: int, num_candidates: int, multistore: bool,
-              names: Optional[Sequence[str]] = None) -> None:
-    """ValueError when a query of the scopes `names` (None: every scope) cannot get `k`
-    candidates."""
-    avail = self.available(num_candidates, multistore, names)
-    if k <= avail:
-      return
-    held = int(self._held(names).sum())
-    where = "the bank" if names is None else scope_label(tuple(names))
-    of = "" if names is None else " of " + where
-    if avail:
-      raise ValueError(f"k={k} is larger than the memory bank{of}: only {avail} memories can be "
-                       f"retrieved ({held} in {where})")
-    if names is None and not held and self.held_before:
-      empty_ = "the memory holds no memories (all were deleted)"
-    elif multistore or not held:
-      empty_ = "the bank is empty" if names is None else f"{where} holds no memories"
-    else:
-      empty_ = (f"{'the bank is empty of' if names is None else where + ' holds no'} dialogue "
-                "memories (observations are candidates only with multistore)")
-    raise ValueError(f"k={k} is larger than the memory bank{of}: {empty_}")
-
-
-class ScopeRows:
-  """The device rows of each scope code, ascending (host int32 buffers), so a scoped search reads
-  only its scopes' rows (`scope_candidates`). `add` / `remove` cost the rows of the scopes they
-  touch, `of` the rows it returns (`size`: O(scopes)); never a pass over the bank.
-
-  Args:
-    rows: `[n]` device rows held (e.g. `Table.read_all().rows`).
-    codes: `[n]` their scope codes (`ScopeNames`).
-  """
-
-  def __init__(self, rows=(), codes=()):
-    self._code = np.zeros(0, np.int32)  # [rows] scope code + 1 of each held row (0: none)
-    self._bufs: list[np.ndarray] = []  # per code, its rows ascending in the first `_sizes[c]`
-    self._sizes = np.zeros(0, np.int64)  # [S] rows held per code
-    self.add(rows, codes)
-
-  def add(self, rows, codes) -> None:
-    """Holds device `rows [n]` (not held now) of scope `codes [n]`."""
-    rows = np.asarray(rows, np.int64).reshape(-1)
-    codes = np.broadcast_to(np.asarray(codes, np.int64), rows.shape)
-    if not len(rows):
-      return
-    if rows.max() >= len(self._code):
-      self._code = np.concatenate([self._code, np.zeros(
-          max(int(rows.max()) + 1, 2 * len(self._code)) - len(self._code), np.int32)])
-    self._code[rows] = codes + 1
-    order = np.lexsort((rows, codes))
-    rows, codes = rows[order], codes[order]
-    cut = np.flatnonzero(np.diff(codes)) + 1
-    top = int(codes[-1]) + 1
-    if top > len(self._sizes):
-      self._bufs += [np.zeros(0, np.int32)] * (top - len(self._sizes))
-      self._sizes = np.concatenate([self._sizes, np.zeros(top - len(self._sizes), np.int64)])
-    for c, new in zip(codes[np.concatenate([[0], cut])].tolist(), np.split(rows, cut)):
-      buf, n = self._bufs[c], int(self._sizes[c])
-      if n and new[0] <= buf[n - 1]:  # (not above the rows held: merge)
-        new = np.union1d(buf[:n], new)
-        n = 0
-      if n + len(new) > len(buf):
-        buf = np.concatenate([buf[:n], np.zeros(max(n + len(new), 2 * len(buf)) - n, np.int32)])
-      buf[n:n + len(new)] = new
-      self._bufs[c], self._sizes[c] = buf, n + len(new)
-
-  def remove(self, rows) -> None:
-    """Drops device `rows [n]` (those not held are ignored)."""
-    rows = np.asarray(rows, np.int64).reshape(-1)
-    rows = rows[rows < len(self._code)]
-    codes = self._code[rows].astype(np.int64) - 1
-    rows, codes = rows[codes >= 0], codes[codes >= 0]
-    self._code[rows] = 0
-    for c in np.unique(codes).tolist():
-      n = int(self._sizes[c])
-      keep = self._bufs[c][:n][~np.isin(self._bufs[c][:n], rows[codes == c])]
-      self._bufs[c][:len(keep)] = keep
-      self._sizes[c] = len(keep)
-
-  def _codes(self, allowed: np.ndarray) -> np.ndarray:
-    return np.flatnonzero(np.asarray(allowed, bool)[:len(self._sizes)])
-
-  def size(self, allowed: np.ndarray) -> int:
-    """Rows held in the scopes `allowed` (`[S]` bool over scope codes)."""
-    return int(self._sizes[self._codes(allowed)].sum())
-
-  def of(self, allowed: np.ndarray) -> np.ndarray:
-    """`[n]` int32 the rows held in the scopes `allowed`, ascending (for one scope a view of its
-    buffer: copy before the next `add` / `remove`)."""
-    parts = [self._bufs[c][:self._sizes[c]] for c in self._codes(allowed).tolist()]
-    if len(parts) == 1:
-      return parts[0]
-    return np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int32)
-
-
 def ann_searcher(name: str, options, dim: int) -> Optional[Searcher]:
   """The ANN searcher of index `name` with keyword `options` (None for 'exact'); ValueError naming
   the known indexes or a bad option."""
   if not isinstance(name, str):
     raise InputTypeError(f"index must be a string, got {type(name).__name__}")
   return ann.make_searcher(name, dim, options)
-
-
-# ------------------------------------------------------------------------------------------------
-# input validation (pure: no state is read or written)
-
-
-def _check_encodable(values: list[str], what: str) -> None:
-  """`encoder_base.check_texts` (no lone surrogate: UTF-8 encodable), its ValueError prefixed by
-  `what` (the argument's name)."""
-  try:
-    encoder_base.check_texts(values)
-  except ValueError as e:
-    raise ValueError(f"{what}: {e}") from None
-
-
-def string_list(values, what: str, noun: str) -> list[str]:
-  """One string, or a non-empty sequence (list, tuple) of strings, as a list.
-
-  Raises:
-    InputTypeError: not a string or a sequence (a dict, a set, bytes, a number...), or an element
-      that is not a string (naming its index).
-    ValueError: an empty sequence.
-  """
-  if isinstance(values, str):
-    return [values]
-  if (not isinstance(values, collections.abc.Sequence)
-      or isinstance(values, (bytes, bytearray, memoryview))):
-    raise InputTypeError(f"{what} must be a {noun} (string) or a sequence (list, tuple) of "
-                         f"strings, got {type(values).__name__}")
-  values = list(values)
-  if not values:
-    raise ValueError(f"{what} is empty: pass at least one {noun}")
-  for i, v in enumerate(values):
-    if not isinstance(v, str):
-      raise InputTypeError(f"{what}[{i}] must be a string, got {type(v).__name__}")
-  return values
-
-
-def check_text_list(texts, what: str) -> list[str]:
-  """One string, or a sequence of non-empty strings that UTF-8 can encode, as a list.
-
-  Raises:
-    InputTypeError: `texts` is not a string or a sequence (a dict, a set, bytes, a number...), or
-      one element is not a string.
-    ValueError: an empty sequence, an empty text, or a text with a lone surrogate (naming its
-      index).
-  """
-  texts = string_list(texts, what, "text")
-  for i, t in enumerate(texts):
-    if not t.strip():
-      raise ValueError(f"{what}[{i}] is an empty text")
-  _check_encodable(texts, what)
-  return texts
-
-
-def check_embeddings(emb, n: Optional[int], dim: int, what: str) -> np.ndarray:
-  """`[n, d]` real, finite, non-zero rows, returned L2-normalised as float32.
-
-  Rows of any magnitude are normalised without overflow or underflow (`encoder_base.unit_rows`);
-  complex, boolean, string or object arrays are refused, never silently converted.
-
-  Raises:
-    ValueError: naming what is wrong: the dtype, the number of rows (one per text), the
-      dimension, or the offending rows (NaN / Inf, all zero).
-  """
-  arr = encoder_base.real_array(emb, what)
-  rows = n if n is not None else "n"
-  if arr.ndim != 2:
-    raise ValueError(f"{what} has shape {arr.shape}, expected a 2-D [{rows}, {dim}] array "
-                     "(one row per text)")
-  problems = []
-  if n is not None and arr.shape[0] != n:
-    problems.append(f"{arr.shape[0]} row(s) for {n} text(s): pass one embedding per text")
-  if arr.shape[1] != dim:
-    problems.append(f"wrong dimension: this memory's encoder dimension is d={dim}")
-  if problems:
-    raise ValueError(f"{what} has shape {arr.shape}, expected [{rows}, {dim}] "
-                     f"({'; '.join(problems)})")
-  return encoder_base.unit_rows(arr, what)
-
-
-def real_query_vector(emb, dim: int) -> np.ndarray:
-  """One `[d]` query embedding as a real array (checked and normalised by `check_embeddings`).
-
-  Raises:
-    ValueError: for a non-real dtype, or a shape other than `[d]`.
-  """
-  arr = encoder_base.real_array(emb, "query_embedding")
-  if arr.ndim != 1:
-    raise ValueError(f"query_embedding has shape {arr.shape}, expected one [{dim}] vector")
-  return arr
-
-
-def store_codes(store, n: int) -> np.ndarray:
-  """`[n]` int8 store codes from one store (name or 0/1) or one per memory."""
-
-  def code(s):
-    if isinstance(s, (int, np.integer)) and not isinstance(s, bool) and int(s) in (0, 1):
-      return int(s)
-    if isinstance(s, str) and s in STORES:
-      return STORES[s]
-    raise ValueError(f"unknown store {s!r}; expected one of {sorted(STORES)} or 0/1")
-
-  if isinstance(store, (str, int, np.integer)):
-    return np.full(n, code(store), np.int8)
-  if not isinstance(store, collections.abc.Sequence):
-    raise InputTypeError(f"store must be a store name, 0/1, or a sequence of them, got "
-                         f"{type(store).__name__}")
-  if len(store) != n:
-    raise ValueError(f"store has {len(store)} entries for {n} texts")
-  return np.asarray([code(s) for s in store], np.int8)
-
-
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # Unicode category Cc
-
-
-def check_id_chars(ids: list[str], what: str) -> None:
-  """ValueError naming `what` (and the index) for an id holding a control character."""
-  for j, i in enumerate(ids):
-    bad = _CONTROL.search(i)
-    if bad is not None:
-      where = what if len(ids) == 1 and what != "ids" else f"{what}[{j}]"
-      raise ValueError(f"{where}={i!r} holds the control character U+{ord(bad.group()):04X} at "
-                       f"position {bad.start()}: memory ids may not contain control characters")
-
-
-def check_id_list(ids, n: int) -> list[str]:
-  """`n` distinct, non-empty string ids (UTF-8 encodable, no control character)."""
-  if isinstance(ids, str):
-    ids = [ids]
-  elif not isinstance(ids, collections.abc.Sequence):
-    raise InputTypeError(f"ids must be a string or a sequence of strings, got {type(ids).__name__}")
-  ids = list(ids)
-  if len(ids) != n:
-    raise ValueError(f"ids has {len(ids)} entries for {n} texts")
-  for i in ids:
-    if not isinstance(i, str) or not i:
-      raise ValueError(f"memory ids must be non-empty strings, got {i!r}")
-  _check_encodable(ids, "ids")
-  check_id_chars(ids, "ids")
-  seen, dup = set(), set()
-  for i in ids:
-    (dup if i in seen else seen).add(i)
-  if dup:
-    raise ValueError(f"duplicate memory ids {sorted(dup)[:5]} in this call")
-  return ids
-
-
-def check_scope(scope) -> str:
-  """The scope of an `add`: None -> `DEFAULT_SCOPE`, else a non-empty string (UTF-8 encodable)."""
-  if scope is None:
-    return DEFAULT_SCOPE
-  if not isinstance(scope, str):
-    raise InputTypeError(f"scope must be a string (one scope for the memories of this call) or "
-                         f"None, got {type(scope).__name__}")
-  if not scope:
-    raise ValueError("scope is an empty string: pass a scope name or None (the default scope)")
-  _check_encodable([scope], "scope")
-  return scope
-
-
-def check_scope_spec(scope) -> Optional[tuple[str, ...]]:
-  """The scopes a query may see: None (every scope), or the names of one string or a non-empty
-  list / tuple of strings (unknown names are allowed: they hold no memories)."""
-  if scope is None:
-    return None
-  if isinstance(scope, str):
-    return (check_scope(scope),)
-  if not isinstance(scope, (list, tuple)):
-    raise InputTypeError(f"scope must be None, a scope name or a list / tuple of names, got "
-                         f"{type(scope).__name__}")
-  if not scope:
-    raise ValueError("scope is an empty list: pass None for every scope, or at least one name")
-  names = []
-  for i, s in enumerate(scope):
-    if not isinstance(s, str):
-      raise InputTypeError(f"scope[{i}] must be a string, got {type(s).__name__}")
-    names.append(check_scope(s))
-  return tuple(dict.fromkeys(names))
-
-
-def now_date() -> str:
-  """The date of a memory added without one: the UTC time as ISO 8601, to the second."""
-  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def check_dates(dates, n: int) -> list[str]:
-  """`n` dates (free text), one per memory; None -> `n` times `now_date()`."""
-  if dates is None:
-    return [now_date()] * n
-  if isinstance(dates, str) or not isinstance(dates, collections.abc.Sequence):
-    raise InputTypeError(f"dates must be a sequence (list, tuple) of strings, one per text, got "
-                         f"{type(dates).__name__}")
-  dates = list(dates)
-  if len(dates) != n:
-    raise ValueError(f"dates has {len(dates)} entries for {n} texts")
-  for i, d in enumerate(dates):
-    if not isinstance(d, str):
-      raise InputTypeError(f"dates[{i}] must be a string, got {type(d).__name__}")
-  _check_encodable(dates, "dates")
-  return dates

@@ -9,7 +9,7 @@ import numpy as np
 
 from ear_jax.agent.memory import bank as bank_lib
 from ear_jax.agent.memory import lexical_bank
-from ear_jax.agent.memory.bank import InputTypeError
+from ear_jax.agent.memory.checks import InputTypeError
 from ear_jax.core import policies
 from ear_jax.core.config import EARConfig, HParams, Method, default_hparams
 from ear_jax.data.first_stage import FirstStageOptions, check_generator
@@ -54,7 +54,8 @@ class MemoryConfig:
     first_stage: the hybrid fusion's options.
     batch_window_ms: micro-batching of concurrent calls (`ear_jax.agent.memory.batcher`): the
       queries and encodings arriving within this many milliseconds share one encoder call and one
-      first-stage search per scope spec; 0 (the default): every call alone. A serving setting,
+      first-stage search (per slate size; each query in its own scopes); 0 (the default): every
+      call alone. A serving setting,
       not part of what the memory is (like `cache_dir`).
     batch_max_queries: a window closes early once it holds this many queries.
   """

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ear_jax.agent.memory.bank import InputTypeError, check_embeddings
+from ear_jax.agent.memory.checks import InputTypeError, check_embeddings
 
 
 class EncoderSlot:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ear_jax.agent.memory.bank import InputTypeError
+from ear_jax.agent.memory.checks import InputTypeError
 from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import episode as episode_lib

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ear_jax.agent.memory import bank as bank_lib
+from ear_jax.agent.memory import checks as checks_lib
 from ear_jax.data import encoder_base
 
 
 def check_ids(ids, what: str = "ids") -> list[str]:
   """One id or a non-empty sequence of distinct string ids, as a list (no lookup)."""
-  ids = bank_lib.string_list(ids, what, "memory id")
+  ids = checks_lib.string_list(ids, what, "memory id")
   dup = sorted({i for i in ids if ids.count(i) > 1})
   if dup:
     raise ValueError(f"{what}: duplicate memory ids {dup[:5]}")
@@ -54,19 +54,19 @@ def check_update(memory_id, text, embedding, dim: int):
   changes: ValueError / InputTypeError for a non-string id or text, an invalid embedding, or an
   update that changes nothing."""
   if not isinstance(memory_id, str):
-    raise bank_lib.InputTypeError(f"memory_id must be a string, got {type(memory_id).__name__}")
-  bank_lib.check_id_chars([memory_id], "memory_id")
+    raise checks_lib.InputTypeError(f"memory_id must be a string, got {type(memory_id).__name__}")
+  checks_lib.check_id_chars([memory_id], "memory_id")
   if text is None and embedding is None:
     raise ValueError(f"update of memory {memory_id!r} changes nothing: pass text= and/or "
                      "embedding=")
   if text is not None:
     if not isinstance(text, str):
-      raise bank_lib.InputTypeError(f"text must be a string, got {type(text).__name__}")
-    text = bank_lib.check_text_list(text, "text")[0]
+      raise checks_lib.InputTypeError(f"text must be a string, got {type(text).__name__}")
+    text = checks_lib.check_text_list(text, "text")[0]
   emb = None
   if embedding is not None:
     arr = encoder_base.real_array(embedding, "embedding")
-    emb = bank_lib.check_embeddings(arr[None] if arr.ndim == 1 else arr, 1, dim, "embedding")
+    emb = checks_lib.check_embeddings(arr[None] if arr.ndim == 1 else arr, 1, dim, "embedding")
   return memory_id, text, emb
 
 

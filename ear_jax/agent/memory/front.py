@@ -23,8 +23,9 @@ One re-entrant lock guards every state change and read of the parts; encoding an
 outside it. With `MemoryConfig.batch_window_ms > 0` concurrent calls are micro-batched
 (`ear_jax.agent.memory.batcher`): the encodings (of queries, added memories, answers) and first
 stages (`search`, `session()`, `recall()`'s) arriving within one window share ONE encoder call and
-ONE search per scope spec; each still takes effect at one instant between its call and its return (a
-search sees every add that returned before it was called). Every public method validates its input
+ONE search (per slate size, each query in its own scopes); each still takes effect at one instant
+between its call and its return (a search sees every add that returned before it was called).
+Every public method validates its input
 first and raises ValueError (TypeError for wrong types; `InputTypeError` is both) naming the
 problem, with the state unchanged.
 """
@@ -41,6 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ear_jax.agent.memory import bank as bank_lib
+from ear_jax.agent.memory import scopes as scopes_lib
+from ear_jax.agent.memory import checks as checks_lib
 from ear_jax.agent.memory import batcher as batcher_lib
 from ear_jax.agent.memory import episode
 from ear_jax.agent.memory import forget
@@ -48,7 +51,7 @@ from ear_jax.agent.memory import lexical_bank
 from ear_jax.agent.memory import persistence
 from ear_jax.agent.memory import recall as recall_lib
 from ear_jax.agent.memory import table as table_lib
-from ear_jax.agent.memory.bank import DEFAULT_SCOPE, InputTypeError
+from ear_jax.agent.memory.checks import DEFAULT_SCOPE, InputTypeError
 from ear_jax.agent.memory import config as config_lib
 from ear_jax.agent.memory.config import MemoryConfig, check_int
 from ear_jax.agent.memory.driver import Driver, seed_keys
@@ -167,10 +170,10 @@ class Memory:
     self._critic_keys = CriticKeys(seed_keys(cfg.seed)[2], config.num_rounds)
     rows = table.read_all()
     self._next_row = int(rows.next_row)
-    self._scopes, codes = bank_lib.ScopeNames.from_rows(
+    self._scopes, codes = scopes_lib.ScopeNames.from_rows(
         [rows.scope_names[c] for c in rows.scope_codes], rows.stores,
         held_before=rows.next_row > len(rows.rows))
-    self._scope_rows = bank_lib.ScopeRows(rows.rows, codes)
+    self._scope_rows = scopes_lib.ScopeRows(rows.rows, codes)
     self._bank = bank_lib.write(
         bank_lib.empty(config.dim, max(cfg.initial_capacity, config.num_candidates,
                                        rows.next_row), cfg.bank_dtype),
@@ -370,7 +373,7 @@ class Memory:
     rows = self._table.read_all()
     index = {e.tobytes(): int(r) for r, e in zip(rows.rows, rows.embeddings)}
     emb = np.asarray(emb, np.float32)
-    again = bank_lib.check_embeddings(emb, len(emb), self._ear.dim, "the learner's candidates")
+    again = checks_lib.check_embeddings(emb, len(emb), self._ear.dim, "the learner's candidates")
     return np.asarray([index.get(e.tobytes(), index.get(a.tobytes(), -1))
                        for e, a in zip(emb, again)], np.int64)
 
@@ -445,7 +448,7 @@ class Memory:
     """Checked `[n, d]` embeddings, given or encoded (outside the lock; in the window's one
     encoder call when batching)."""
     if embeddings is not None:
-      return bank_lib.check_embeddings(embeddings, n, self._ear.dim, f"{what} embeddings")
+      return checks_lib.check_embeddings(embeddings, n, self._ear.dim, f"{what} embeddings")
     if self._batcher is not None:
       return self._batcher.submit(batcher_lib.Request(texts, None, None, what=what))
     return self._encoder.embed(texts, self._ear.dim, self._cfg.cache_dir, what)
@@ -480,13 +483,13 @@ class Memory:
     Returns:
       The ids of the added memories.
     """
-    texts = bank_lib.check_text_list(texts, "texts")
+    texts = checks_lib.check_text_list(texts, "texts")
     n = len(texts)
-    codes = bank_lib.store_codes(store, n)
-    scope = bank_lib.check_scope(scope)
-    dates = bank_lib.check_dates(dates, n)
+    codes = checks_lib.store_codes(store, n)
+    scope = checks_lib.check_scope(scope)
+    dates = checks_lib.check_dates(dates, n)
     if ids is not None:
-      ids = bank_lib.check_id_list(ids, n)
+      ids = checks_lib.check_id_list(ids, n)
       with self._lock:
         self._check_new(ids)
     emb = self._embed(texts, embeddings, n, "memory")
@@ -520,7 +523,7 @@ class Memory:
     """`{id, text, store (name), scope, date, row}` of held rows, in order."""
     recs = self._table.records(rows)
     for r in recs:
-      r["store"] = bank_lib.STORE_NAMES[int(r["store"])]
+      r["store"] = checks_lib.STORE_NAMES[int(r["store"])]
     return recs
 
   def _rows(self, ids: list[str], what: str) -> np.ndarray:
@@ -539,7 +542,7 @@ class Memory:
   def list(self, scope=None) -> list[dict]:
     """The memories (`get`'s records) of the scopes `scope` names (None: every scope), in row
     order (an updated memory where its update put it)."""
-    names = bank_lib.check_scope_spec(scope)
+    names = checks_lib.check_scope_spec(scope)
     with self._lock:
       return self._records(self._table.list_rows(names))
 
@@ -584,7 +587,7 @@ class Memory:
     """Rows the table just dropped out of the device bank, the counts, the searcher, the ANN
     file, the sessions, the queue and the buffer (call under the lock)."""
     self._scopes.count(self._scopes.codes([r["scope"] for r in recs]),
-                       bank_lib.store_codes([r["store"] for r in recs], len(recs)), -1)
+                       checks_lib.store_codes([r["store"] for r in recs], len(recs)), -1)
     self._bank = bank_lib.tombstone(self._bank, rows)
     self._scope_rows.remove(rows)
     if self._searcher is not None:
@@ -612,7 +615,7 @@ class Memory:
       rows = self._rows([memory_id], "memory_id")
       rec = self._records(rows)[0]
       new_text = rec["text"] if text is None else text
-      code = np.asarray([bank_lib.STORES[rec["store"]]], np.int8)
+      code = np.asarray([checks_lib.STORES[rec["store"]]], np.int8)
       enc, lex = None, (None, (), ())
       if self._lexical is not None:
         enc = self._lexical.encode(lexical_bank.tokenize([new_text]), code)
@@ -642,12 +645,12 @@ class Memory:
       raise ValueError("pass a question (text) or query_embedding")
     if question is not None and not batch and not isinstance(question, str):
       raise InputTypeError(f"question must be a string, got {type(question).__name__}")
-    texts = None if question is None else bank_lib.check_text_list(question, "question")
+    texts = None if question is None else checks_lib.check_text_list(question, "question")
     if query_embedding is None:
       return texts, None
     emb = query_embedding
     if not batch:
-      emb = bank_lib.real_query_vector(query_embedding, self._ear.dim)[None]
+      emb = checks_lib.real_query_vector(query_embedding, self._ear.dim)[None]
     emb = self._embed(texts, emb, None if texts is None else len(texts), "query")
     if not len(emb):
       raise ValueError("no question: pass at least one")
@@ -711,7 +714,7 @@ class Memory:
     batch = isinstance(question, (list, tuple)) or (question is None
                                                     and np.ndim(query_embedding) == 2)
     k = self._check_k(k)
-    names = bank_lib.check_scope_spec(scope)
+    names = checks_lib.check_scope_spec(scope)
     texts, q_emb = self._queries(question, query_embedding, batch)
 
     def finish(texts, q_emb, found):
@@ -749,7 +752,7 @@ class Memory:
 
   def _open(self, question, query_embedding, scope, frozen: bool, k: int = 1) -> Session:
     """`Ops.open`: a new session (frozen: `recall(learn=False)`'s) whose rounds can show `k`."""
-    names = bank_lib.check_scope_spec(scope)
+    names = checks_lib.check_scope_spec(scope)
     texts, q_emb = self._queries(question, query_embedding, False)
 
     def finish(texts, q_emb, found):

@@ -32,7 +32,7 @@ Interfaces (what `front` calls; rows are the table's device rows, never reused):
               scope_rows=None)
           -> (rows [q, K] int32, mask [q, K], cands [q, K, d + F] float32, slates or None)
           # as bank.search; allowed [S] bool over scope codes (ScopeNames.allowed); with
-          # scope_rows (bank.ScopeRows) a scope of few rows is ranked over its gathered rows
+          # scope_rows (scopes.ScopeRows) a scope of few rows is ranked over its gathered rows
 
 A scoped search costs its scopes (issue 30): BM25 reads only their postings
 (`lexical.BM25Index`), and when `bank.scope_candidates` gives their rows (few of the bank's) the
@@ -61,6 +61,7 @@ import jax
 import numpy as np
 
 from ear_jax.agent.memory import bank as bank_lib
+from ear_jax.agent.memory import scopes as scopes_lib
 from ear_jax.data import first_stage
 from ear_jax.data import lexical
 
@@ -182,7 +183,7 @@ class LexicalBank:
 
   def search(self, bank: bank_lib.DeviceBank, queries: np.ndarray, query_texts: Sequence[str],
              k: int, *, allowed: Optional[np.ndarray] = None, slate=None,
-             scope_rows: Optional[bank_lib.ScopeRows] = None):
+             scope_rows: Optional[scopes_lib.ScopeRows] = None):
     """`bank.search` with this first stage: `(rows [q, K], mask [q, K], cands [q, K, d + F]
     (embedding | features), slates or None)`, numpy.
 
@@ -191,11 +192,11 @@ class LexicalBank:
       queries: `[q, d]` unit queries.
       query_texts: `[q]` their texts (BM25's input).
       k: `K`.
-      allowed: `[S]` bool over scope codes (`bank.ScopeNames.allowed`; None: every scope): the
+      allowed: `[S]` bool over scope codes (`scopes.ScopeNames.allowed`; None: every scope): the
         candidates' rows AND the BM25 statistics are those of the allowed scopes; or a list of
         per-query specs (`bank.search`).
       slate: optional `(params, hparams, s, explore)` of the first round (see `bank.search`).
-      scope_rows: the bank's `bank.ScopeRows`: a scoped search of few rows ranks only those rows
+      scope_rows: the bank's `scopes.ScopeRows`: a scoped search of few rows ranks only those rows
         (`bank.scope_candidates`), the same ranking as over the whole bank masked.
     """
     q, padded = len(queries), bank_lib.pad_queries(queries)

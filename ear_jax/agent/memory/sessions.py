@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ear_jax.agent.memory.bank import InputTypeError
+from ear_jax.agent.memory.checks import InputTypeError
 from ear_jax.agent.memory.episode import no_feedback, update_bandits
 from ear_jax.core.config import EARConfig
 

@@ -14,7 +14,10 @@ variant and seed:
   - the training questions with the final parameters: Δ R@5 (in sample);
   - stream-end validation: the adapter trained on the first 80 % of each training stream, scored on
     the rest (Δ R@5; the protocol of `--suite=guard_tune`, here also on LongMemEval_S: a diagnosis,
-    nothing is chosen from it).
+    nothing is chosen from it);
+  - along the stream (session 10): the evidence `d` in each quarter of the training stream, and the
+    test split's Δ R@5 of adapters trained on the first 25 / 50 / 75 / 100 % of it (does the
+    adapter get worse the longer it trains, while the evidence averages over the whole stream?).
 
     python -m experiments.run --benchmark=longmemeval --suite=guard_diagnosis --candidates=hybrid
 """
@@ -35,6 +38,7 @@ from ear_jax.experiment.suites.paper import md_table
 from ear_jax.experiment.suites.run_cache import Runner
 
 METHOD = "ear_safe"
+PREFIXES = (0.25, 0.5, 0.75, 1.0)  # shares of the training stream trained on (along the stream)
 # name -> (config overrides, simulated critic overrides)
 VARIANTS = {"training slates": ({}, {}),
             "probe": ({"guard_probe": True}, {}),
@@ -89,13 +93,23 @@ def diagnose(r: Runner, config_over: dict, critic_over: dict) -> dict:
   ef, ea = score(firsts, test), score(params, test)
   tf, ta = score(firsts, train), score(params, train)
   fit, val = runner.validation_split(train)
+  pct = lambda a, f: (100.0 * (np.asarray(a["recall_adapter"], np.float64)
+                               - np.asarray(f["recall_adapter"]))).tolist()
   val_res = runner.train_and_evaluate("guard_diagnosis_validation", stream, fit, val, config,
                                       m.hparams, r.seeds, critic=critic, progress=r.opts.progress)
   vf, va = score(firsts, val), score(val_res.final_state.params, val)
   d, counts = np.asarray(res.train_log["guard_d"]), np.asarray(res.train_log["guard_counts"])
+  quarters = np.array_split(np.arange(d.shape[1]), 4)
+  by_quarter = [float(np.mean([d[i][q][counts[i][q]].mean() for i in range(num)
+                               if counts[i][q].any()] or [0.0])) for q in quarters]
+  by_prefix = []
+  for frac in PREFIXES:
+    n = max(config.batch_size, int(round(frac * train.shape[1])))
+    part = res if n >= train.shape[1] else runner.train_and_evaluate(
+        "guard_diagnosis_prefix", stream, train[:, :n], test, config, m.hparams, r.seeds,
+        critic=critic, progress=r.opts.progress)
+    by_prefix.append(float(np.mean(pct(score(part.final_state.params, test), ef))))
   seed_params = lambda i: jax.tree_util.tree_map(lambda x: x[i], params)
-  pct = lambda a, f: (100.0 * (np.asarray(a["recall_adapter"], np.float64)
-                               - np.asarray(f["recall_adapter"]))).tolist()
   return {
       "config": config_over, "critic": critic_over,
       "evidence_mean_d": [float(d[i][counts[i]].mean()) if counts[i].any() else 0.0
@@ -107,7 +121,8 @@ def diagnose(r: Runner, config_over: dict, critic_over: dict) -> dict:
       "test_gold_diff": (_gold_in_top(ea, stream, test) - _gold_in_top(ef, stream, test)
                          ).mean(1).tolist(),
       "test_recall_diff": pct(ea, ef), "in_sample_recall_diff": pct(ta, tf),
-      "validation_recall_diff": pct(va, vf)}
+      "validation_recall_diff": pct(va, vf), "evidence_by_quarter": by_quarter,
+      "test_recall_diff_by_prefix": by_prefix}
 
 
 def suite_guard_diagnosis(r: Runner) -> str:
@@ -132,7 +147,16 @@ def suite_guard_diagnosis(r: Runner) -> str:
       "", "d: cited memories in the adapted top-5 minus in the first stage's, per counted "
       "training question, each scored with the parameters trained on the questions before it "
       "(what the guard reads). Every other column is a held-out or in-sample measurement of the "
-      "same adapters (the validation column: a second run on each stream's first 80 %)."])
+      "same adapters (the validation column: a second run on each stream's first 80 %).", "",
+      "Along the training stream (mean over seeds):", "",
+      md_table(["evidence from"] + [f"mean d, quarter {j + 1}" for j in range(4)]
+               + [f"test Δ R@5 after {int(100 * f)} %" for f in PREFIXES],
+               [[name] + [f"{x:+.3f}" for x in res["evidence_by_quarter"]]
+                + [f"{x:+.2f}" for x in res["test_recall_diff_by_prefix"]]
+                for name, res in results.items()]),
+      "", "Quarter j: the counted training questions of the stream's j-th quarter (their "
+      "prequential d); after f %: an adapter trained on the first f % of each training stream "
+      "(100 %: the run above), scored on the test split against the first stage."])
 
 
 __all__ = ["METHOD", "VARIANTS", "diagnose", "suite_guard_diagnosis"]
