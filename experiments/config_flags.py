@@ -31,6 +31,7 @@ _CHOICES = {
     "label_weights": lambda: list(config_lib.LABEL_WEIGHTS),
     "final_slate": lambda: list(config_lib.FINAL_SLATES),
     "lr_schedule": lambda: list(config_lib.LR_SCHEDULES),
+    "guard_evidence": lambda: list(config_lib.GUARD_EVIDENCE),
 }
 # Bounds checked by absl validators: (lower bound, inclusive?).
 _BOUNDS = {

@@ -1,5 +1,6 @@
 """The guard (`EARConfig.guard`, `ear_jax.core.guard`): evidence, state, decision, serving."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,32 @@ def test_evidence_counts_cited_items_in_each_top_s_by_hand():
   d, counts = jit_evidence(first, first, q, c, where, slates, mask, labels, 2)
   np.testing.assert_array_equal(d, [0.0, 0.0, 0.0])
   np.testing.assert_array_equal(counts, [True, False, True])
+
+
+def test_question_evidence_counts_whole_questions_by_hand():
+  q = np.asarray([[1.0, 0.0]] * 3, np.float32)
+  c = np.tile(np.asarray([[1.0, 0.0], [0.8, 0.6], [0.0, 1.0], [-1.0, 0.0]], np.float32), (3, 1, 1))
+  where = np.ones((3, 4), bool)
+  first = guard.first_stage_params(EARConfig(dim=2, num_candidates=4, slate_size=2, guard=True))
+  adapted = first.replace(w_q=-2.0 * jnp.eye(2))  # top-2 {3, 2}; the first stage's {0, 1}
+  slates = np.tile(np.asarray([[0, 2], [3, 1]], np.int32), (3, 1, 1))  # every candidate shown
+  labels = np.asarray([[[1, -1], [-1, 1]],  # 0, 1 cited: all in the first stage's top-2
+                       [[-1, 1], [1, -1]],  # 2, 3 cited: all in the adapted top-2
+                       [[1, 1], [-1, -1]]], np.float32)  # 0, 2 cited: all in neither
+  questions = jax.jit(jax.vmap(functools.partial(guard.query_evidence, questions=True),
+                               in_axes=(None, None, 0, 0, 0, 0, 0, 0, None)), static_argnums=(8,))
+  d, counts = questions(adapted, first, q, c, where, slates, slates >= 0, labels, 2)
+  np.testing.assert_array_equal(d, [-1.0, 1.0, 0.0])
+  np.testing.assert_array_equal(counts, [True, True, True])
+  d_items, _ = jit_evidence(adapted, first, q, c, where, slates, slates >= 0, labels, 2)
+  np.testing.assert_array_equal(d_items, [-2.0, 2.0, 0.0])  # (the items' count of the same)
+
+
+def test_question_evidence_is_refused_with_the_probe():
+  with pytest.raises(ValueError, match="guard_evidence='questions'"):
+    EARConfig(guard=True, guard_probe=True, guard_evidence="questions")
+  with pytest.raises(ValueError, match="guard_evidence"):
+    EARConfig(guard=True, guard_evidence="rows")
 
 
 def test_update_guard_matches_hand_computed_sums_with_a_half_life():

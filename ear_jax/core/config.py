@@ -27,6 +27,8 @@ LABEL_WEIGHTS = ("none", "balanced")
 # Explorer-assisted final slate: round T's slate (the paper, Section 3.6) or the top-s by bandit
 # mean after the T rounds, ties by adapted relevance ('exploit', `explorer.exploit_slate`).
 FINAL_SLATES = ("round_T", "exploit")
+# What the guard's evidence counts per training query (`guard.query_evidence`).
+GUARD_EVIDENCE = ("items", "questions")
 # Learning-rate schedules (optax), a multiplier of `HParams.learning_rate` by optimizer step:
 # name -> `fn(steps) -> optax.Schedule`; `steps` is `EARConfig.lr_schedule_steps`.
 LR_SCHEDULES = {
@@ -174,6 +176,10 @@ class EARConfig:
       and the evidence is read from it alone (a critic's slate-dependent noise then falls on both
       rankings alike); training leaves the probe out. False = the evidence of the training
       slates, with each differing item required to have been shown.
+    guard_evidence: what the evidence `d` of a training query counts: 'items' (cited items in the
+      adapted top-s minus in the first stage's) or 'questions' (1 when every cited item is in the
+      adapted top-s, minus 1 when every one is in the first stage's: Recall@s's unit, a whole
+      question). 'questions' needs the training slates' evidence (not the probe).
   """
   dim: int = 384
   num_candidates: int = 20
@@ -207,6 +213,7 @@ class EARConfig:
   guard_min_queries: int = 50
   guard_half_life: float = 250.0
   guard_probe: bool = False
+  guard_evidence: str = "items"
 
   def __post_init__(self):
     # Strategies stay names (resolved where used); `None` is the name 'none', and a registered
@@ -269,6 +276,10 @@ class EARConfig:
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.guard_probe and not self.guard:
       raise ValueError("guard_probe=True needs guard=True (the probe feeds the guard's evidence)")
+    _check_choice("guard_evidence", self.guard_evidence, GUARD_EVIDENCE)
+    if self.guard_probe and self.guard_evidence != "items":
+      raise ValueError("guard_evidence='questions' reads the training slates: it cannot be "
+                       "combined with guard_probe=True (the probe shows part of each ranking)")
     for name in ("guard_z", "guard_half_life"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
@@ -333,7 +344,7 @@ _OPTIONAL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EARConfig)
                       if f.name in ("label_weights", "final_slate", "test_rounds", "lr_schedule",
                                     "lr_schedule_steps", "weight_decay", "side_features",
                                     "side_init", "guard", "guard_z", "guard_min_queries",
-                                    "guard_half_life", "guard_probe")}
+                                    "guard_half_life", "guard_probe", "guard_evidence")}
 
 
 @flax.struct.dataclass

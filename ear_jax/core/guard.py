@@ -81,8 +81,12 @@ def first_stage_params(config: EARConfig) -> adapter_lib.AdapterParams:
 
 def query_evidence(params: adapter_lib.AdapterParams, first: adapter_lib.AdapterParams,
                    query: jax.Array, candidates: jax.Array, where: jax.Array, slates: jax.Array,
-                   slate_mask: jax.Array, labels: jax.Array, slate_size: int):
-  """`d` of one training query and whether it counts (unbatched; vmap over a batch).
+                   slate_mask: jax.Array, labels: jax.Array, slate_size: int,
+                   questions: bool = False):
+  """`d` of one training query and whether it counts (unbatched; vmap over a batch): cited items
+  in the adapted top-s minus in the first stage's, or with `questions` (static;
+  `config.guard_evidence='questions'`) `1[Y in TopS(z^phi)] - 1[Y in TopS(z^0)]`, whether EVERY
+  cited item is in each top-s (the unit Recall@s counts).
 
   Args:
     params: the adapter's parameters at the batch's start.
@@ -107,7 +111,10 @@ def query_evidence(params: adapter_lib.AdapterParams, first: adapter_lib.Adapter
   top = lambda p: _top_mask(adapter_lib.adapter_scores(jax.lax.stop_gradient(p), query,
                                                        candidates), where, slate_size)
   in_a, in_f = top(params), top(first)
-  d = jnp.sum(cited & in_a).astype(jnp.float32) - jnp.sum(cited & in_f).astype(jnp.float32)
+  if questions:
+    d = (jnp.all(~cited | in_a).astype(jnp.float32) - jnp.all(~cited | in_f).astype(jnp.float32))
+  else:
+    d = jnp.sum(cited & in_a).astype(jnp.float32) - jnp.sum(cited & in_f).astype(jnp.float32)
   return d, jnp.any(cited) & jnp.all(shown | ~(in_a ^ in_f))
 
 

@@ -18,6 +18,7 @@ the LLM episode collect them on the host.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Optional
 
 import flax
@@ -382,7 +383,11 @@ def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
 
   new_state, records = _step(state, batch_loss, batch, where, config, hparams, buffer)
   if config.guard:
-    evidence = guard_lib.probe_evidence if config.guard_probe else guard_lib.query_evidence
+    if config.guard_probe:
+      evidence = guard_lib.probe_evidence
+    else:
+      evidence = functools.partial(guard_lib.query_evidence,
+                                   questions=config.guard_evidence == "questions")
     d, counts = jax.vmap(evidence, in_axes=(None, None, 0, 0, 0, 0, 0, 0, None))(
         state.params, guard_lib.first_stage_params(config), batch.queries, batch.candidates,
         batch.mask, slates, slate_mask, labels, config.slate_size)
