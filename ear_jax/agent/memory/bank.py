@@ -72,8 +72,9 @@ MIN_CAPACITY = 32
 FINE_CAPACITY = 4096  # beyond this the capacity grows in quarter steps (`capacity_for`)
 # A scoped search gathers its scopes' rows (`scope_candidates`) when their count, padded to a
 # power of two, is at most 1 / GATHER_SHARE of the capacity. Measured (BENCHMARKS.md "Scoped search
-# at scale", 6,000 memories in 10 scopes: 1,024 padded rows of 6,144): gathered 0.75 ms p50
-# against the masked scan's 0.99 (exact), 1.14 against 1.39 (hybrid); 8 (before) scanned there.
+# at scale", 6,000 memories in 10 scopes: 1,024 padded rows of 6,144, which 8 (before) scanned):
+# gathered p50 0.55 / 0.89 / 0.87 ms against the masked scan's 0.56 / 0.91 / 1.06 (exact / bm25 /
+# hybrid): a tie for the exact search, faster for hybrid.
 GATHER_SHARE = 4
 Searcher = ann.FaissSearcher  # the ANN hookup (`ear_jax.index.ann`'s module docstring)
 
