@@ -157,6 +157,22 @@ def test_weight_decay_and_lr_schedule_through_optax():
   np.testing.assert_allclose(state.params.w_q, want, rtol=1e-5)
 
 
+@pytest.mark.parametrize("target", ["zero", "first_stage"])
+def test_weight_decay_pulls_w_side_toward_its_target(target):
+  cfg = EARConfig(dim=4, num_candidates=4, slate_size=2, side_features=3, side_init=0.5,
+                  weight_decay=2.0, weight_decay_target=target)
+  state = learner.init_learner(jax.random.PRNGKey(0), cfg)
+  init_side = np.asarray(state.params.w_side)  # [0.5, -1, 0]
+  state = state.replace(params=jax.tree_util.tree_map(jnp.ones_like, state.params))
+  zero = jax.tree_util.tree_map(jnp.zeros_like, state.params)
+  new = learner.apply_gradients(state, zero, cfg, default_hparams(learning_rate=0.1))
+  anchor = 0.0 if target == "zero" else init_side  # (W decays toward 0 either way)
+  np.testing.assert_allclose(new.params.w_side, 1.0 - 0.1 * 2.0 * (1.0 - anchor), rtol=1e-6)
+  np.testing.assert_allclose(new.params.w_q, 1.0 - 0.1 * 2.0, rtol=1e-6)
+  with pytest.raises(ValueError, match="weight_decay_target"):
+    EARConfig(weight_decay_target="init")
+
+
 def test_preset_check_detects_a_mismatch():
   sw = {k: v for k, v in METHODS["ear_tuned"].items() if k not in ("train_slate", "use_replay")}
   sw.pop("test_rounds", None)

@@ -29,6 +29,8 @@ LABEL_WEIGHTS = ("none", "balanced")
 FINAL_SLATES = ("round_T", "exploit")
 # What the guard's evidence counts per training query (`guard.query_evidence`).
 GUARD_EVIDENCE = ("items", "questions")
+# Where `weight_decay` pulls the adapter (`learner.make_optimizer`).
+WEIGHT_DECAY_TARGETS = ("zero", "first_stage")
 # Learning-rate schedules (optax), a multiplier of `HParams.learning_rate` by optimizer step:
 # name -> `fn(steps) -> optax.Schedule`; `steps` is `EARConfig.lr_schedule_steps`.
 LR_SCHEDULES = {
@@ -156,6 +158,10 @@ class EARConfig:
     lr_schedule_steps: the schedule's scale in optimizer steps.
     weight_decay: decoupled decay of the adapter's parameters toward 0 (W -> 0, i.e. toward the
       identity map), `phi <- phi - eta * weight_decay * phi` per step (optax); 0 = off.
+    weight_decay_target: where `weight_decay` pulls: 'zero' (every parameter, `w_side` included:
+      the first stage's own weight and the dense cosine's -1 go to 0) or 'first_stage' (toward the
+      untrained adapter, `guard.first_stage_params`: W -> 0 as before, `w_side` -> its initial
+      `[side_init, -1, 0, ...]`, so the decay shrinks the ranking toward the first stage's).
     side_features: `F`, first-stage features per candidate used as side information (0 = off,
       the paper). With F > 0 each candidate row is `[embedding (d) | features (F)]`, feature 0 is
       the first stage's own score (normalised), feature 1 the frozen dense cosine, and the
@@ -204,6 +210,7 @@ class EARConfig:
   lr_schedule: str = "constant"
   lr_schedule_steps: int = 100
   weight_decay: float = 0.0
+  weight_decay_target: str = "zero"
   # First-stage scores as side information (Appendix B.6). 0 = off (the paper).
   side_features: int = 0
   side_init: float = 0.5  # chosen for `ear` by `--suite=first_stage_tune` (LoCoMo validation)
@@ -277,6 +284,7 @@ class EARConfig:
     if self.guard_probe and not self.guard:
       raise ValueError("guard_probe=True needs guard=True (the probe feeds the guard's evidence)")
     _check_choice("guard_evidence", self.guard_evidence, GUARD_EVIDENCE)
+    _check_choice("weight_decay_target", self.weight_decay_target, WEIGHT_DECAY_TARGETS)
     if self.guard_probe and self.guard_evidence != "items":
       raise ValueError("guard_evidence='questions' reads the training slates: it cannot be "
                        "combined with guard_probe=True (the probe shows part of each ranking)")
@@ -342,7 +350,8 @@ class EARConfig:
 
 _OPTIONAL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EARConfig)
                       if f.name in ("label_weights", "final_slate", "test_rounds", "lr_schedule",
-                                    "lr_schedule_steps", "weight_decay", "side_features",
+                                    "lr_schedule_steps", "weight_decay", "weight_decay_target",
+                                    "side_features",
                                     "side_init", "guard", "guard_z", "guard_min_queries",
                                     "guard_half_life", "guard_probe", "guard_evidence")}
 

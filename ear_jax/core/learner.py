@@ -65,13 +65,27 @@ class QueryRecord(NamedTuple):
   guard_counts: Optional[jax.Array] = None  # [] bool, the query counts as evidence
 
 
+def _decay_toward(anchor: adapter_lib.AdapterParams, weight) -> optax.GradientTransformation:
+  """`optax.add_decayed_weights` toward the untrained adapter instead of 0: `updates + weight
+  (phi - phi_0)` for `w_side` (`phi_0`: its initial `[side_init, -1, 0, ...]`), `updates + weight
+  phi` for W (whose initial value is 0; a low-rank `B` decays toward 0 too, as `A B^T` does)."""
+
+  def update(updates, state, params):
+    if params.w_side is not None:
+      params = params.replace(w_side=params.w_side - anchor.w_side)
+    return jax.tree_util.tree_map(lambda u, p: u + weight * p, updates, params), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(config: EARConfig) -> optax.GradientTransformation:
   """`config.optimizer` (an optax alias, Adam by default) with its learning rate injected as state.
 
   `optax.inject_hyperparams` keeps the learning rate in the optimizer state, where
   `apply_gradients` sets it from `HParams.learning_rate` before every step, so it can be swept with
   `vmap`. Optional global-norm clipping (`config.grad_clip_norm`) comes first; optional decoupled
-  weight decay toward 0 (`config.weight_decay`) and a learning-rate schedule (`config.lr_schedule`,
+  weight decay toward 0 or the untrained adapter (`config.weight_decay`,
+  `config.weight_decay_target`) and a learning-rate schedule (`config.lr_schedule`,
   `optax.scale_by_schedule`) come after the optimizer. With the defaults the transformation is the
   bare optimizer (the paper's).
   """
@@ -80,7 +94,10 @@ def make_optimizer(config: EARConfig) -> optax.GradientTransformation:
     parts = [] if config.grad_clip_norm is None else [
         optax.clip_by_global_norm(config.grad_clip_norm)]
     parts.append(optimizer_fn(config)(learning_rate))
-    if config.weight_decay:  # decoupled: phi <- phi - eta * weight_decay * phi
+    if config.weight_decay and config.weight_decay_target == "first_stage":
+      parts.append(_decay_toward(adapter_lib.init_adapter(jax.random.PRNGKey(0), config),
+                                 -learning_rate * config.weight_decay))
+    elif config.weight_decay:  # decoupled: phi <- phi - eta * weight_decay * phi
       parts.append(optax.add_decayed_weights(-learning_rate * config.weight_decay))
     schedule = LR_SCHEDULES[config.lr_schedule]
     if schedule is not None:  # a multiplier of the whole step by optimizer step
