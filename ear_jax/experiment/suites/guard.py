@@ -38,7 +38,7 @@ SETTINGS = {"default critic (P .88, R .86)": ({}, {}),
             "noisy critic (P = R = 0.7)": ({"precision": 0.7, "recall": 0.7}, {}),
             "default critic, learning rate 3e-3": ({}, {"learning_rate": 3e-3})}
 Z_GRID = (0.0, 0.25, 0.5, 1.0, 1.645)
-HALF_LIFE_GRID = (0.0, 250.0)
+HALF_LIFE_GRID = (0.0, 50.0, 100.0, 250.0)
 
 
 def _pct(ev, mode):
