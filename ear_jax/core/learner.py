@@ -95,7 +95,7 @@ def make_optimizer(config: EARConfig) -> optax.GradientTransformation:
         optax.clip_by_global_norm(config.grad_clip_norm)]
     parts.append(optimizer_fn(config)(learning_rate))
     if config.weight_decay and config.weight_decay_target == "first_stage":
-      parts.append(_decay_toward(adapter_lib.init_adapter(jax.random.PRNGKey(0), config),
+      parts.append(_decay_toward(guard_lib.first_stage_params(config),
                                  -learning_rate * config.weight_decay))
     elif config.weight_decay:  # decoupled: phi <- phi - eta * weight_decay * phi
       parts.append(optax.add_decayed_weights(-learning_rate * config.weight_decay))

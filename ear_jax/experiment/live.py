@@ -63,6 +63,9 @@ from ear_jax.experiment import stats
 # adapter-only (Memory.search), explorer-assisted (recall(learn=False, rule='explorer')) and paging
 # over the served ranking (recall(learn=False, rule='paging'); the runner's `paging_adapted`).
 MODES = ("adapter", "explorer", "paging_adapted")
+# The timed steps of a seed (`SeedResult.per_question_ms`): training `recall`, test `search`,
+# test `recall` with the Explorer's rounds and with paging (the default test rule).
+STEPS = ("train", "search", "recall_test", "recall_paging")
 MODE_NAMES = {"adapter": "adapter-only", "explorer": "explorer-assisted",
               "paging_adapted": "paging over the adapted ranking"}
 
@@ -299,7 +302,7 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
       cand_sets[i] = frozenset((g, c) for c in data.candidate_bank_ids(i))
     outside += sum(1 for x in ids if data.source(x) not in cand_sets[i])
 
-  ms = {"train": [], "search": [], "recall_test": [], "recall_paging": []}
+  ms = {step: [] for step in STEPS}
   for n, i in enumerate(train_index):
     host.start(data.gold_ids[i], train_keys[n])
     c0, t = host.seconds, time.perf_counter()
@@ -424,11 +427,10 @@ def compare(data: LiveData, result, live: Sequence[SeedResult], scan_seconds: fl
   n_test = result.test_index.shape[1]
   per_q = n_train + n_test
   warm = live[1:] if len(live) > 1 else live
-  steps = ("train", "search", "recall_test", "recall_paging")
   live_cost = {k: float(np.mean(np.concatenate([r.per_question_ms[k] for r in warm])))
-               for k in steps}
+               for k in STEPS}
   live_cost_p50 = {k: float(np.median(np.concatenate([r.per_question_ms[k] for r in warm])))
-                   for k in steps}
+                   for k in STEPS}
   total = float(np.mean([(r.seconds["train"] + r.seconds["search"] + r.seconds["recall_test"])
                          for r in warm]))
   out["cost_ms_per_question"] = {
@@ -526,7 +528,7 @@ def run(data: LiveData, method: Method, seeds: Sequence[int],
   c.update(dispatch_ms=dispatch["mean_ms"], dispatch_p50_ms=dispatch["p50_ms"])
   c["ratio_to_scan_plus_dispatch"] = {
       step: c["live_by_step_mean"][step] / (c["scan"] + dispatch["mean_ms"])
-      for step in ("train", "recall_test", "recall_paging", "search")}
+      for step in STEPS}
   c["ratio_to_scan_plus_dispatch"]["all_steps"] = c["live"] / (c["scan"] + dispatch["mean_ms"])
   cmp["cost_ms_per_question"].update(
       matmul_peak_gflops=peak["gflops"], flops_per_training_question=flops,

@@ -321,7 +321,7 @@ def unpack(packed, q: int, k: int, width: int, slate_size: Optional[int] = None)
 
 
 def search(bank: DeviceBank, queries, *, k: int, multistore: bool, allowed=None, slate=None,
-           searcher: Optional[Searcher] = None, scope_rows = None):
+           searcher: Optional[Searcher] = None, scope_rows=None):
   """Top-K candidates of `[q, d]` unit queries in one jitted call (module docstring): the
   dialogue memories' top-K, or each store's top-K/2 with `multistore`, of the scopes `allowed`,
   by the exact search or a `searcher`; with `scope_rows` (the bank's `ScopeRows`) a scoped search
@@ -399,7 +399,8 @@ def scope_candidates(scope_rows, allowed, capacity: int,
   if p * GATHER_SHARE > capacity:
     return None
   per = isinstance(allowed, list)
-  cand = np.full((num_padded or len(specs) if per else 1, p), capacity, np.int32)
+  rows = (num_padded or len(specs)) if per else 1
+  cand = np.full((rows, p), capacity, np.int32)
   for i, (a, n) in enumerate(zip(specs, sizes)):
     cand[i, :n] = scope_rows.of(a)
   return cand if per else cand[0]

@@ -42,14 +42,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ear_jax.agent.memory import bank as bank_lib
-from ear_jax.agent.memory import scopes as scopes_lib
-from ear_jax.agent.memory import checks as checks_lib
 from ear_jax.agent.memory import batcher as batcher_lib
+from ear_jax.agent.memory import checks as checks_lib
 from ear_jax.agent.memory import episode
 from ear_jax.agent.memory import forget
 from ear_jax.agent.memory import lexical_bank
 from ear_jax.agent.memory import persistence
 from ear_jax.agent.memory import recall as recall_lib
+from ear_jax.agent.memory import scopes as scopes_lib
 from ear_jax.agent.memory import table as table_lib
 from ear_jax.agent.memory.checks import DEFAULT_SCOPE, InputTypeError
 from ear_jax.agent.memory import config as config_lib

@@ -105,7 +105,10 @@ def diagnose(r: Runner, config_over: dict, critic_over: dict) -> dict:
   by_prefix = []
   for frac in PREFIXES:
     n = max(config.batch_size, int(round(frac * train.shape[1])))
-    part = res if n >= train.shape[1] else runner.train_and_evaluate(
+    if n >= train.shape[1]:  # (the run above)
+      by_prefix.append(float(np.mean(pct(ea, ef))))
+      continue
+    part = runner.train_and_evaluate(
         "guard_diagnosis_prefix", stream, train[:, :n], test, config, m.hparams, r.seeds,
         critic=critic, progress=r.opts.progress)
     by_prefix.append(float(np.mean(pct(score(part.final_state.params, test), ef))))
