@@ -1,5 +1,5 @@
 from ear_jax import Memory
-memory = Memory(method="ear_tuned")  # frozen all-MiniLM-L6-v2 + identity adapter; the tuned preset with its own settings
+memory = Memory(method="ear_safe")  # frozen all-MiniLM-L6-v2, hybrid first stage; the tuned preset + held-out guard
 memory.add(["Alice: I adopted a cat named Luna.", "Bob: I started learning the violin.", "Alice: Luna sleeps on my keyboard.",
             "Bob: My sister lives in Lisbon.", "Alice: I work as a nurse in Boston.", "Bob: I ran a marathon last spring."])
 for question, gold in [("What is Alice's cat called?", {"m0"}), ("Where does Bob's sister live?", {"m3"})] * 2:

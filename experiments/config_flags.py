@@ -42,6 +42,7 @@ _BOUNDS = {
     "side_init": (0.0, True), "grad_clip_norm": (0.0, False), "tau": (0.0, False),
     "learning_rate": (0.0, True), "lambda_rep": (0.0, True), "alpha": (0.0, True),
     "guard_z": (0.0, True), "guard_min_queries": (1, True), "guard_half_life": (0.0, True),
+    "guard_holdout": (0, True), "guard_holdout_capacity": (1, True),
 }
 
 

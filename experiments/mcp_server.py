@@ -28,6 +28,7 @@ from absl import logging
 from ear_jax.agent import mcp_server
 from ear_jax.agent import mcp_stdio
 from ear_jax.agent.memory import Memory, MemoryConfig
+from ear_jax.agent.memory import persistence
 from ear_jax.core.config import METHODS
 from ear_jax.data import encoders
 
@@ -40,8 +41,10 @@ BATCH_TOKENS = 512
 _DIR = flags.DEFINE_string("memory_dir", None, "The memory directory (created with the settings "
                            "below if it holds no memory; else opened, and its stored settings "
                            "must equal them).", required=True)
-_METHOD = flags.DEFINE_enum("method", "ear_tuned", list(METHODS), "EAR method of the memory "
-                            "(config and hyperparameters).")
+DEFAULT_METHOD = "ear_safe"  # a new directory's method when --method is not given
+_METHOD = flags.DEFINE_enum("method", None, list(METHODS), "EAR method of the memory (config "
+                            "and hyperparameters). Default: the directory's; for a new one "
+                            "'ear_safe' (the held-out guard: RESULTS.md \"The held-out guard\").")
 _CANDIDATES = flags.DEFINE_enum("candidates", None, ["dense", "bm25", "hybrid"],
                                 "First stage: frozen cosine, BM25, or both fused. Default: the "
                                 "directory's; for a new one 'hybrid' (MemoryConfig's default with "
@@ -90,8 +93,11 @@ def main(argv):
   memory_dir = pathlib.Path(_DIR.value).expanduser()
   try:  # (a second server on this directory is refused, naming the first one's pid)
     encoder = encoders.load_encoder(_ENCODER.value, tokens_per_batch=_BATCH_TOKENS.value)
+    stored = persistence.stored_memory_config(memory_dir) if _METHOD.value is None else None
+    learner = (dict(method=stored.method, config=stored.config, hparams=stored.hparams)
+               if stored is not None else dict(method=_METHOD.value or DEFAULT_METHOD))
     memory = Memory.open(memory_dir, MemoryConfig(
-        method=_METHOD.value, candidates=_CANDIDATES.value, encoder=_ENCODER.value,
+        **learner, candidates=_CANDIDATES.value, encoder=_ENCODER.value,
         cache_dir=_CACHE.value, seed=_SEED.value, batch_window_ms=_WINDOW.value,
         batch_max_queries=_BATCH_MAX.value), encoder=encoder)
   except ValueError as e:

@@ -83,3 +83,13 @@ def test_offline_error_says_which_file_to_put_where(tmp_path):
   assert str(tmp_path / "data" / "locomo10.json") in msg
   assert "https://github.com/snap-research/LoCoMo/raw/main/data/locomo10.json" in msg
   assert not (tmp_path / "data" / "locomo10.json").exists()
+
+
+def test_results_record_data_files_relative_to_ear_data_dir(tmp_path, monkeypatch):
+  from ear_jax.data import sources  # pylint: disable=g-import-not-at-top
+  (tmp_path / "sub").mkdir()
+  monkeypatch.setenv("EAR_DATA_DIR", str(tmp_path))
+  assert sources.shown_path(tmp_path / "sub" / "locomo10.json") == "$EAR_DATA_DIR/sub/locomo10.json"
+  assert sources.shown_path("/elsewhere/x.json") == "/elsewhere/x.json"
+  monkeypatch.delenv("EAR_DATA_DIR")
+  assert sources.shown_path(tmp_path / "x.json") == str(tmp_path / "x.json")

@@ -20,9 +20,11 @@ def test_guard_suite_is_registered_by_name_only():
 
 @pytest.mark.slow
 def test_guard_suite_rows_are_paired_per_seed_and_match_the_plain_runs(locomo_path, tmp_path):
+  # (the prequential guard, `ear_safe` before session 11: its training is ear_tuned's)
   opts = suites.Options(benchmark="locomo", data_dir=str(locomo_path.parent.resolve()), limit=1,
                         seeds=2, workdir=str(tmp_path / "w"), suite="guard",
-                        checkpoint_every=None, progress=False)
+                        checkpoint_every=None, progress=False,
+                        config_overrides={"guard_holdout": 0, "guard_z": 0.5})
   res = suites.run(opts)
   md = res["tables"]["guard"]
   for g in first_stage.GENERATORS_SHOWN:

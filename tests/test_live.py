@@ -29,9 +29,9 @@ def data():
   return live.live_data(ec)
 
 
-def _method(data, name):
+def _method(data, name, **overrides):
   s = data.bench.stream
-  return runner.build_method(name, dim=s.dim, num_candidates=s.num_candidates)
+  return runner.build_method(name, dim=s.dim, num_candidates=s.num_candidates, **overrides)
 
 
 def _compare(data, name, seed=0):
@@ -62,11 +62,15 @@ def test_live_candidates_are_the_runners_candidates(data):
 
 
 @pytest.mark.slow
-def test_live_equals_the_runner_given_the_runners_replay_keys(data, monkeypatch):
+@pytest.mark.parametrize("overrides", [{}, {"guard": True, "guard_holdout": 5,
+                                            "guard_min_queries": 4}],
+                         ids=["ear", "ear_with_held_out_guard"])
+def test_live_equals_the_runner_given_the_runners_replay_keys(data, monkeypatch, overrides):
   # The only difference by construction: Memory's learner draws its replay keys from its own seed
   # (`driver.seed_keys`). Handing it the runner's per-query replay keys makes EAR's run (similarity
-  # replay, Gumbel replay slates) identical to the runner's.
-  method = _method(data, "ear")
+  # replay, Gumbel replay slates) identical to the runner's. With the held-out guard every 5th
+  # training question pages the first stage in both, and the ring decides what both serve.
+  method = _method(data, "ear", **overrides)
   train, test = runner.seed_splits(data.bench.num_queries, [0])
   episode_key, _ = jax.random.split(runner.per_seed_keys([0])[0])
   _, query_keys = episode.episode_keys(episode_key, train.shape[1])

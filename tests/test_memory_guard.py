@@ -1,4 +1,5 @@
-"""The guard (issue 27, `EARConfig.guard`, `method="ear_safe"`) behind a live `Memory`: adapter-only
+"""The prequential guard (issue 27, `EARConfig.guard`, `ear_safe` before session 11: its held-out
+ring off, `tests/test_guard_holdout.py` has the ring) behind a live `Memory`: adapter-only
 retrieval and `recall(learn=False)` rank by `core.inference.served_params`, the first stage's
 ranking until the learner's own out-of-sample feedback trusts the adapter; exploring (training)
 rounds keep the adapter's; the guard's state is saved and loaded with the learner's. (A test
@@ -9,6 +10,7 @@ import numpy as np
 
 from ear_jax.agent.memory import Memory, MemoryConfig
 from ear_jax.core import guard as guard_lib
+from ear_jax.core.config import Method
 
 D = 16
 N = 40
@@ -17,7 +19,8 @@ N = 40
 def _memory(tmp_path=None, **learner_fields):
   """A guarded memory of N memories; with `learner_fields`, opened at a new directory under
   `tmp_path` with its learner state changed so (`Memory.open(learner=)`)."""
-  config = MemoryConfig(encoder=None, method="ear_safe", dim=D)
+  m = Method.named("ear_safe", dim=D, guard_holdout=0, guard_z=0.5)  # the prequential guard
+  config = MemoryConfig(encoder=None, config=m.config, hparams=m.hparams)
   if learner_fields:
     start = Memory(config).learner.replace(**learner_fields)
     m = Memory.open(tmp_path / f"m{len(list(tmp_path.iterdir()))}", config, learner=start)

@@ -73,8 +73,11 @@ METHODS = {
                       replay_size=8, final_slate="exploit", test_rounds=4, side_init=0.05),
 }
 # `ear_safe`: `ear_tuned` with the guard (`ear_jax.core.guard`): at test time the learned ranking
-# is served only when the training feedback shows it beats the first stage's.
-METHODS["ear_safe"] = dict(METHODS["ear_tuned"], guard=True)
+# is served only when the feedback of held-out training queries (every 5th, never trained on)
+# shows it beats the first stage's; z = 1 by `--suite=guard_tune --guard_holdout=5` (LoCoMo
+# validation: the smallest z whose every setting keeps the mean at or above the first stage).
+# Until session 11 its evidence was the prequential one (`guard_holdout=0, guard_z=0.5`).
+METHODS["ear_safe"] = dict(METHODS["ear_tuned"], guard=True, guard_holdout=5, guard_z=1.0)
 # Hyperparameters of a method where they differ from the paper's (`hparams_for_method`).
 METHOD_HPARAMS = {
     "ear_tuned": dict(learning_rate=1e-4, baseline=0.0, tau=0.25),
@@ -186,6 +189,12 @@ class EARConfig:
       adapted top-s minus in the first stage's) or 'questions' (1 when every cited item is in the
       adapted top-s, minus 1 when every one is in the first stage's: Recall@s's unit, a whole
       question). 'questions' needs the training slates' evidence (not the probe).
+    guard_holdout: n >= 2: every n-th training query is held out (`guard.held_out`): its slates
+      are pages of the first stage's ranking, it is never trained on (no loss, not in the replay
+      buffer), and its citations go to the guard's held-out ring (`guard.Holdout`), which then
+      scores the CURRENT adapter against the first stage on questions it never learnt from;
+      the guard serves by that evidence instead of the prequential one. 0 = off.
+    guard_holdout_capacity: `H`, the held-out queries the ring keeps (the newest).
   """
   dim: int = 384
   num_candidates: int = 20
@@ -221,6 +230,8 @@ class EARConfig:
   guard_half_life: float = 250.0
   guard_probe: bool = False
   guard_evidence: str = "items"
+  guard_holdout: int = 0
+  guard_holdout_capacity: int = 256
 
   def __post_init__(self):
     # Strategies stay names (resolved where used); `None` is the name 'none', and a registered
@@ -295,6 +306,19 @@ class EARConfig:
     if isinstance(self.guard_min_queries, bool) or not isinstance(
         self.guard_min_queries, int) or self.guard_min_queries < 1:
       raise ValueError(f"guard_min_queries must be an int >= 1, got {self.guard_min_queries!r}")
+    if isinstance(self.guard_holdout, bool) or not isinstance(self.guard_holdout, int) or not (
+        self.guard_holdout == 0 or self.guard_holdout >= 2):
+      raise ValueError("guard_holdout must be 0 (off) or an int >= 2 (every n-th training query "
+                       f"held out), got {self.guard_holdout!r}")
+    if isinstance(self.guard_holdout_capacity, bool) or not isinstance(
+        self.guard_holdout_capacity, int) or self.guard_holdout_capacity < 1:
+      raise ValueError("guard_holdout_capacity must be an int >= 1, got "
+                       f"{self.guard_holdout_capacity!r}")
+    if self.guard_holdout and not self.guard:
+      raise ValueError("guard_holdout needs guard=True (the held-out queries feed the guard)")
+    if self.guard_holdout and self.guard_probe:
+      raise ValueError("guard_holdout and guard_probe are two sources of the guard's evidence: "
+                       "choose one")
 
   @property
   def trains(self) -> bool:
@@ -353,7 +377,8 @@ _OPTIONAL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EARConfig)
                                     "lr_schedule_steps", "weight_decay", "weight_decay_target",
                                     "side_features",
                                     "side_init", "guard", "guard_z", "guard_min_queries",
-                                    "guard_half_life", "guard_probe", "guard_evidence")}
+                                    "guard_half_life", "guard_probe", "guard_evidence",
+                                    "guard_holdout", "guard_holdout_capacity")}
 
 
 @flax.struct.dataclass

@@ -39,8 +39,23 @@ and the evidence is read from that slate alone:
 
 an unbiased estimate of `|Y ∩ TopS(z^phi)| - |Y ∩ TopS(z^0)|` for any critic whose labels within
 one slate do not depend on which ranking an item came from (team-draft interleaving).
+
+Held-out evidence (`config.guard_holdout = n`, issue 27). The prequential `d` scores each query
+with the parameters of its time and averages over the whole stream; on LongMemEval_S over hybrid
+it read positive while the final adapter lost on the test split (the adapter drifts, and why the
+prequential score reads higher is open: RESULTS.md "Why the guard misjudges LongMemEval_S").
+With `guard_holdout`, every n-th training query (`held_out`) is a small validation set built
+online: its slates are pages of the first stage's ranking (with `T s >= K` every candidate is
+labelled), it is never trained on, and its candidates and citations go to a ring of the newest
+`H = guard_holdout_capacity` (`Holdout`). The guard then scores the CURRENT parameters on the ring,
+`d_j = |Y_j ∩ TopS(z^phi_j)| - |Y_j ∩ TopS(z^0_j)|` (or the question unit), and serves the adapted
+ranking when `mean(d) - guard_z * sd / sqrt(n) > 0` over the `n >= guard_min_queries` held-out
+queries with a citation (`holdout_lower_bound`). An unshown candidate counts as not cited; the
+pages show the first stage's ranking first, so with `T s < K` the bias is toward the first stage.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import flax
 import jax
@@ -60,13 +75,106 @@ class GuardState:
   weight_sq: jax.Array  # [] float32, sum of w^2
   total: jax.Array  # [] float32, sum of w d
   total_sq: jax.Array  # [] float32, sum of w d^2
+  # The held-out ring (`config.guard_holdout`), else None.
+  holdout: Optional["Holdout"] = None
 
 
-def init_guard() -> GuardState:
-  """No evidence yet: every sum 0 (the first stage is served)."""
+@flax.struct.dataclass
+class Holdout:
+  """The newest `H` held-out training queries (`config.guard_holdout`): what the guard scores
+  the current parameters on. Slot `i` holds the `i`-th held-out query modulo `H`."""
+  queries: jax.Array  # [H, d] pre-adapter queries
+  candidates: jax.Array  # [H, K, d (+ F)] pre-adapter candidate rows
+  mask: jax.Array  # [H, K] bool, valid candidates (all False: an empty slot)
+  cited: jax.Array  # [H, K] bool, labelled +1 in the query's pages
+  in_first: jax.Array  # [H, K] bool, the first stage's top-s (it does not change: kept)
+  count: jax.Array  # [] int32, held-out queries pushed so far
+
+
+def init_guard(config: Optional[EARConfig] = None) -> GuardState:
+  """No evidence yet: every sum 0 (the first stage is served); with `config.guard_holdout` an
+  empty held-out ring."""
   zero = jnp.zeros((), jnp.float32)
+  holdout = None
+  if config is not None and config.guard_holdout:
+    h, k = config.guard_holdout_capacity, config.num_candidates
+    holdout = Holdout(
+        queries=jnp.zeros((h, config.dim), jnp.float32),
+        candidates=jnp.zeros((h, k, config.dim + config.side_features), jnp.float32),
+        mask=jnp.zeros((h, k), bool), cited=jnp.zeros((h, k), bool),
+        in_first=jnp.zeros((h, k), bool), count=jnp.zeros((), jnp.int32))
   return GuardState(count=jnp.zeros((), jnp.int32), weight=zero, weight_sq=zero, total=zero,
-                    total_sq=zero)
+                    total_sq=zero, holdout=holdout)
+
+
+def held_out(first_index: jax.Array, num: int, config: EARConfig) -> jax.Array:
+  """`[num]` bool: which of the training queries `first_index, ..., first_index + num - 1` (stream
+  positions, 0-based) are held out: every `config.guard_holdout`-th (positions n - 1, 2n - 1, ...);
+  all False when it is 0."""
+  n = config.guard_holdout
+  if not n:
+    return jnp.zeros((num,), bool)
+  return (first_index + jnp.arange(num)) % n == n - 1
+
+
+def push_holdout(holdout: Holdout, first: adapter_lib.AdapterParams, queries: jax.Array,
+                 candidates: jax.Array, mask: jax.Array, slates: jax.Array,
+                 slate_mask: jax.Array, labels: jax.Array, held: jax.Array,
+                 slate_size: int) -> Holdout:
+  """The batch's held-out queries (`held [b]`) written to the ring, in batch order.
+
+  Args:
+    holdout: the ring.
+    first: `first_stage_params(config)`.
+    queries: `[b, d]`; candidates: `[b, K, D]`; mask: `[b, K]`.
+    slates, slate_mask, labels: `[b, R, s]` the queries' pages and the critic's labels.
+    held: `[b]` bool, the held-out real queries.
+    slate_size: `s` (static).
+  """
+  h, k = holdout.mask.shape
+  onehot = (slates[..., None] == jnp.arange(k)) & slate_mask[..., None]  # [b, R, s, K]
+  cited = jnp.any(onehot & (labels > 0)[..., None], axis=(1, 2)) & mask
+  in_first = jax.vmap(lambda q, c, m: _top_mask(adapter_lib.adapter_scores(first, q, c), m,
+                                                slate_size))(queries, candidates, mask)
+  order = jnp.cumsum(held.astype(jnp.int32)) - 1
+  slot = jnp.where(held, (holdout.count + order) % h, h)  # h: dropped
+  put = lambda ring, x: ring.at[slot].set(x.astype(ring.dtype), mode="drop")
+  return Holdout(queries=put(holdout.queries, queries),
+                 candidates=put(holdout.candidates, candidates), mask=put(holdout.mask, mask),
+                 cited=put(holdout.cited, cited), in_first=put(holdout.in_first, in_first),
+                 count=holdout.count + jnp.sum(held).astype(jnp.int32))
+
+
+def holdout_evidence(params: adapter_lib.AdapterParams, holdout: Holdout, slate_size: int,
+                     questions: bool = False):
+  """`(d [H] float32, counts [H] bool)` of `params` on the held-out ring: cited items in the
+  adapted top-s minus in the first stage's (with `questions`, 1[every cited item in the adapted
+  top-s] - 1[... in the first stage's]); a slot counts when it holds a query with a citation."""
+  params = jax.lax.stop_gradient(params)
+  in_a = jax.vmap(lambda q, c, m: _top_mask(adapter_lib.adapter_scores(params, q, c), m,
+                                            slate_size))(holdout.queries, holdout.candidates,
+                                                         holdout.mask)
+  cited, in_f = holdout.cited, holdout.in_first
+  if questions:
+    d = (jnp.all(~cited | in_a, -1).astype(jnp.float32)
+         - jnp.all(~cited | in_f, -1).astype(jnp.float32))
+  else:
+    d = (jnp.sum(cited & in_a, -1).astype(jnp.float32)
+         - jnp.sum(cited & in_f, -1).astype(jnp.float32))
+  return d, jnp.any(cited, -1)
+
+
+def holdout_lower_bound(params: adapter_lib.AdapterParams, holdout: Holdout,
+                        config: EARConfig, z):
+  """`(mean(d) - z * sd / sqrt(n), n)` of `params` on the held-out ring (`holdout_evidence`;
+  `sd` with Bessel's correction); `-inf` before two counted queries."""
+  d, counts = holdout_evidence(params, holdout, config.slate_size,
+                               config.guard_evidence == "questions")
+  n = jnp.sum(counts).astype(jnp.float32)
+  mean = jnp.sum(jnp.where(counts, d, 0.0)) / jnp.maximum(n, 1.0)
+  var = jnp.sum(jnp.where(counts, (d - mean) ** 2, 0.0)) / jnp.maximum(n - 1.0, 1.0)
+  lcb = mean - z * jnp.sqrt(var / jnp.maximum(n, 1.0))
+  return jnp.where(n > 1.0, lcb, -jnp.inf), n
 
 
 def first_stage_params(config: EARConfig) -> adapter_lib.AdapterParams:
@@ -198,11 +306,11 @@ def update_guard(guard: GuardState, d: jax.Array, counts: jax.Array,
   else:
     decay = jnp.ones((), jnp.float32)
   d = jnp.where(counts, d, 0.0)
-  return GuardState(count=guard.count + jnp.sum(counts).astype(jnp.int32),
-                    weight=decay * guard.weight + m,
-                    weight_sq=decay * decay * guard.weight_sq + m,
-                    total=decay * guard.total + jnp.sum(d),
-                    total_sq=decay * guard.total_sq + jnp.sum(d * d))
+  return guard.replace(count=guard.count + jnp.sum(counts).astype(jnp.int32),
+                       weight=decay * guard.weight + m,
+                       weight_sq=decay * decay * guard.weight_sq + m,
+                       total=decay * guard.total + jnp.sum(d),
+                       total_sq=decay * guard.total_sq + jnp.sum(d * d))
 
 
 def lower_bound(guard: GuardState, z) -> jax.Array:
@@ -216,11 +324,17 @@ def lower_bound(guard: GuardState, z) -> jax.Array:
   return jnp.where(n_eff > 1.0 + 1e-6, lcb, -jnp.inf)
 
 
-def serve_adapted(guard: GuardState, config: EARConfig, z=None) -> jax.Array:
+def serve_adapted(guard: GuardState, config: EARConfig, z=None, params=None) -> jax.Array:
   """`[] bool`: the adapted ranking is served (the lower bound is above 0 after at least
   `config.guard_min_queries` evidence queries). `z` overrides `config.guard_z` (a float or a
-  traced scalar: a test-time sweep of z needs no retraining)."""
+  traced scalar: a test-time sweep of z needs no retraining). With the held-out ring
+  (`config.guard_holdout`) the evidence is that of `params` (required) on the ring."""
   z = config.guard_z if z is None else z
+  if guard.holdout is not None:
+    if params is None:
+      raise ValueError("a guard with held-out evidence scores the parameters: pass params")
+    lcb, n = holdout_lower_bound(params, guard.holdout, config, z)
+    return (n >= config.guard_min_queries) & (lcb > 0.0)
   return (guard.count >= config.guard_min_queries) & (lower_bound(guard, z) > 0.0)
 
 
@@ -230,7 +344,7 @@ def served_params(params: adapter_lib.AdapterParams, guard, config: EARConfig,
   guard off) or `serve_adapted`, else `first_stage_params(config)` (leafwise `jnp.where`)."""
   if guard is None:
     return params
-  serve = serve_adapted(guard, config, z)
+  serve = serve_adapted(guard, config, z, params)
   return jax.tree_util.tree_map(lambda a, f: jnp.where(serve, a, f.astype(a.dtype)), params,
                                 first_stage_params(config))
 

@@ -32,6 +32,7 @@ from ear_jax.core import critic as critic_lib
 from ear_jax.core import guard as guard_lib
 from ear_jax.core import losses
 from ear_jax.core import policies
+from ear_jax.core import retrieval
 from ear_jax.core.config import LR_SCHEDULES, EARConfig, HParams, optimizer_fn
 from ear_jax.core.critic import Critic
 from ear_jax.core.slates import gather_slate
@@ -126,7 +127,7 @@ def init_learner(key: jax.Array, config: EARConfig) -> LearnerState:
   return LearnerState(params=params, opt_state=make_optimizer(config).init(params),
                       buffer=buffer_lib.init_buffer(config), step=zero, queries_seen=zero,
                       critic_calls=zero,
-                      guard=guard_lib.init_guard() if config.guard else None)
+                      guard=guard_lib.init_guard(config) if config.guard else None)
 
 
 def apply_gradients(state: LearnerState, grads: adapter_lib.AdapterParams, config: EARConfig,
@@ -148,7 +149,8 @@ def apply_gradients(state: LearnerState, grads: adapter_lib.AdapterParams, confi
 def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: jax.Array,
                      candidates: jax.Array, where: jax.Array, gold: jax.Array, config: EARConfig,
                      hparams: HParams, critic: Critic,
-                     answer_support: Optional[jax.Array] = None):
+                     answer_support: Optional[jax.Array] = None,
+                     held: Optional[jax.Array] = None):
   """The training slates of one query and the critic's labels, by `config.train_slate`.
 
   Adapts the candidates (Eq. (3)-(4)) with the parameters at the batch's start and runs the
@@ -167,6 +169,9 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
     critic: a critic pytree `(key, SlateView) -> labels [s]`.
     answer_support: optional `[K, A]` answer-support features (`Stream.answer_support`), shown
       to the critic in `SlateView.answer_support`.
+    held: optional `[]` bool, the query is held out for the guard (`config.guard_holdout`): its
+      slates are then T pages of the first stage's ranking (`retrieval.paging_slate`) instead
+      of the policy's.
 
   Returns:
     The query's `Feedback`: `slates [R, s]` int32, `slate_mask [R, s]` bool, `labels [R, s]`.
@@ -182,6 +187,16 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
   if policy is None:
     raise ValueError("a config without a training-slate policy (train_slate='none') does not train")
   out = Feedback(*policy(key, z, lambda: adapter_lib.gram(m_t), where, feedback, config, hparams))
+  if config.guard_holdout and held is not None:
+    z_first, _ = adapter_lib.relevance(guard_lib.first_stage_params(config), query, candidates)
+    pages = retrieval.paging_slate(jax.random.split(key)[1], z_first, where, feedback,
+                                   config.num_rounds, config.slate_size)
+    if out.slates.shape != pages.pages.shape:
+      raise ValueError(f"guard_holdout: the training policy's {out.slates.shape[0]} slates and "
+                       f"the held-out pages ({config.num_rounds}) differ in number")
+    pick = lambda a, b: jnp.where(held, b, a)
+    out = Feedback(pick(out.slates, pages.pages), pick(out.slate_mask, pages.page_mask),
+                   pick(out.labels, pages.labels))
   if not config.guard_probe:
     return out
   # One more critic call, the guard's probe (`guard.probe_slate`), appended as the last row; the
@@ -317,14 +332,16 @@ def _batch_replay(keys, buffer, queries, config):
   return replay, buffer_lib.after_reads(buffer, replay.indices, replay.experiences)
 
 
-def _step(state, batch_loss, batch, where, config, hparams, buffer):
-  """Gradient of the batch-mean loss, one optimizer step, then the batch's experiences pushed."""
+def _step(state, batch_loss, batch, where, config, hparams, buffer, trained=None):
+  """Gradient of the batch-mean loss, one optimizer step, then the batch's experiences pushed
+  (those of `trained`, default `where`: held-out queries are not)."""
+  trained = where if trained is None else trained
   grads, (records, observed, ybar) = jax.grad(batch_loss, has_aux=True)(state.params)
   new_state = apply_gradients(state, grads, config, hparams)
   num = jnp.sum(where).astype(jnp.int32)
   new_state = new_state.replace(
       buffer=buffer_lib.push_experiences(buffer, batch.queries, batch.candidates,
-                                         batch.mask, observed, ybar, where),
+                                         batch.mask, observed, ybar, trained),
       queries_seen=state.queries_seen + num,
       critic_calls=state.critic_calls + jnp.sum(
           jnp.where(where[:, None], jnp.any(records.slate_mask, -1), False)).astype(jnp.int32))
@@ -354,17 +371,21 @@ def train_batch(state: LearnerState, keys: jax.Array, batch: Stream, where: jax.
   """
   critic = critic_lib.or_default(critic)
   k_train, k_replay = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
+  held = None
+  if config.guard_holdout:  # (stream positions: the learner's count of queries before the batch)
+    held = guard_lib.held_out(state.queries_seen, where.shape[0], config) & where
   slates, slate_mask, labels = jax.vmap(
-      collect_feedback, in_axes=(0, None, 0, 0, 0, 0, None, None, None, 0))(
+      collect_feedback, in_axes=(0, None, 0, 0, 0, 0, None, None, None, 0, 0))(
           k_train, state.params, batch.queries, batch.candidates, batch.mask, batch.gold, config,
-          hparams, critic, batch.answer_support)
+          hparams, critic, batch.answer_support, held)
   return train_batch_on_feedback(state, k_replay, batch, slates, slate_mask, labels, where,
-                                 config, hparams)
+                                 config, hparams, held)
 
 
 def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
                             slates: jax.Array, slate_mask: jax.Array, labels: jax.Array,
-                            where: jax.Array, config: EARConfig, hparams: HParams):
+                            where: jax.Array, config: EARConfig, hparams: HParams,
+                            held: Optional[jax.Array] = None):
   """THE learner step: a batch's slates and labels -> one optimizer step and the batch's pushes.
 
   The batch's replays are selected and gathered once (Eq. (15)), its losses (Eq. (10)-(17)) are
@@ -385,6 +406,8 @@ def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
     where: `[b]` bool, real queries.
     config: static config.
     hparams: hyperparameters.
+    held: `[b]` bool, the real queries held out for the guard (`config.guard_holdout`; None:
+      none): left out of the loss and the replay buffer, pushed to the guard's held-out ring.
 
   Returns:
     `(new_state, records)` as in `train_batch`.
@@ -393,12 +416,14 @@ def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
   replay, buffer = _batch_replay(keys, state.buffer, batch.queries, config)
   feedback = Feedback(slates=slates, slate_mask=slate_mask, labels=labels)
 
+  trained = where if held is None else where & ~held
+
   def batch_loss(params):
     loss, aux = jax.vmap(query_loss, in_axes=(None, 0, 0, 0, 0, 0, None, None))(
         params, batch.queries, batch.candidates, batch.mask, feedback, replay, config, hparams)
-    return _masked_batch_mean(loss, where), aux
+    return _masked_batch_mean(loss, trained), aux
 
-  new_state, records = _step(state, batch_loss, batch, where, config, hparams, buffer)
+  new_state, records = _step(state, batch_loss, batch, where, config, hparams, buffer, trained)
   if config.guard:
     if config.guard_probe:
       evidence = guard_lib.probe_evidence
@@ -408,8 +433,13 @@ def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
     d, counts = jax.vmap(evidence, in_axes=(None, None, 0, 0, 0, 0, 0, 0, None))(
         state.params, guard_lib.first_stage_params(config), batch.queries, batch.candidates,
         batch.mask, slates, slate_mask, labels, config.slate_size)
-    counts = counts & where
-    new_state = new_state.replace(guard=guard_lib.update_guard(state.guard, d, counts, config))
+    counts = counts & trained
+    guard = guard_lib.update_guard(state.guard, d, counts, config)
+    if guard.holdout is not None and held is not None:
+      guard = guard.replace(holdout=guard_lib.push_holdout(
+          guard.holdout, guard_lib.first_stage_params(config), batch.queries, batch.candidates,
+          batch.mask, slates, slate_mask, labels, held & where, config.slate_size))
+    new_state = new_state.replace(guard=guard)
     records = records._replace(guard_d=jnp.where(counts, d, 0.0), guard_counts=counts)
   return new_state, records
 

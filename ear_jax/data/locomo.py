@@ -23,6 +23,7 @@ import numpy as np
 
 from ear_jax.data import corpus as corpus_lib
 from ear_jax.data import parsing
+from ear_jax.data import sources
 
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 ADVERSARIAL = 5
@@ -219,7 +220,7 @@ def load_locomo(path, *, limit: int | None = None) -> corpus_lib.Corpus:
       queries.append(corpus_lib.Query(id=f"{sample_id}/q{qi}", text=question, gold=gold,
                                       category=category, group=g, answer=answer))
   stats = {
-      "file": str(path),
+      "file": sources.shown_path(path),
       "conversations": len(banks),
       "sessions": st["sessions"],
       "turns": st["turns"],

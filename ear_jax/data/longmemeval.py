@@ -20,6 +20,7 @@ import numpy as np
 
 from ear_jax.data import corpus as corpus_lib
 from ear_jax.data import parsing
+from ear_jax.data import sources
 
 _ANSWER = parsing.Kind((str, int, float), "a string or a number")
 # Looked up in the data directory in this order; the first that exists is used.
@@ -101,7 +102,7 @@ def load_longmemeval(path, *, limit: int | None = None) -> corpus_lib.Corpus:
                                     category=qtype, group=g,
                                     answer=None if answer is None else str(answer), date=qdate))
   stats = {
-      "file": str(path),
+      "file": sources.shown_path(path),
       "questions": st["questions"],
       "queries_evaluable": len(queries),
       "questions_abs_excluded": st["questions_abs_excluded"],

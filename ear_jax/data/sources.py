@@ -11,6 +11,7 @@ Fetching is `ear_jax.data.download`; finding a file in the data directory is
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 from typing import Sequence
 
@@ -42,6 +43,19 @@ SOURCES = {
                "/datasets/xiaowu0162/longmemeval/resolve/main/longmemeval_s.json", None),
     ),
 }
+
+
+def shown_path(path) -> str:
+  """`path` as results files record it: `$EAR_DATA_DIR/<relative>` when it lies in the data
+  directory `$EAR_DATA_DIR` names (results never hold a machine's absolute path), else as is."""
+  root = os.environ.get("EAR_DATA_DIR")
+  if root:
+    try:
+      return "$EAR_DATA_DIR/" + pathlib.Path(path).resolve().relative_to(
+          pathlib.Path(root).resolve()).as_posix()
+    except ValueError:
+      pass
+  return str(path)
 
 
 def missing_file_message(name: str, data_dir, filenames: Sequence[str] = ()) -> str:

@@ -386,6 +386,62 @@ def measure_dispatch(method: Method, calls: int = 2000) -> dict:
   return {"mean_ms": float(ms.mean()), "p50_ms": float(np.median(ms)), "calls": int(calls)}
 
 
+def measure_device_floor(method: Method, calls: int = 500) -> dict:
+  """What one training question's device calls cost when a memory serves questions one at a
+  time (issue 30's floor), each a compiled call timed to its host result, nothing around it:
+  `first_round_ms` (`agent.memory.episode.session_round` computing the adapter: Eq. (3)-(4) on
+  `[K, d]` candidates and the Gram of Eq. (6), then an Explorer round), `later_round_ms` (a round
+  reusing them: the bandit update and the greedy slate), `learner_step_ms` (ONE
+  `learner.train_batch_on_feedback` of `b` queries, state donated, as `Memory`'s driver calls it)
+  and `per_training_question_ms` = first + (T - 1) later + step / b. The first stage's search is
+  not in it (the table's `search` row measures that path). Means over `calls` calls."""
+  from ear_jax.agent.memory import episode as live_episode  # pylint: disable=g-import-not-at-top
+  config, hp = method.config, method.hparams
+  K, T, b, s = config.num_candidates, config.num_rounds, config.batch_size, config.slate_size
+  width = config.dim + config.side_features
+  rng = np.random.default_rng(0)
+  state = jax.tree_util.tree_map(lambda x: jax.numpy.array(x, copy=True),
+                                 learner_lib.init_learner(jax.random.PRNGKey(0), config))
+  q = rng.standard_normal(config.dim).astype(np.float32)
+  c = rng.standard_normal((K, width)).astype(np.float32)
+  mask, zeros = np.ones((K,), bool), np.zeros((K,), np.float32)
+  last = (np.full((K,), -1, np.int32), np.zeros((K,), bool), np.full((K,), -1.0, np.float32))
+
+  def timed(fn, n):
+    for _ in range(20):
+      fn()
+    t = time.perf_counter()
+    for _ in range(n):
+      fn()
+    return 1e3 * (time.perf_counter() - t) / n
+
+  one = lambda given=None: live_episode.session_round(state.params, hp, q, c, mask, zeros, zeros,
+                                                      last, s, True, given)
+  _, given = one()
+  first, later = timed(one, calls), timed(lambda: one(given), calls)
+  step = jax.jit(learner_lib.train_batch_on_feedback, static_argnames=("config",),
+                 donate_argnums=0)
+  from ear_jax.core.stream import Stream  # pylint: disable=g-import-not-at-top
+  batch = Stream(queries=rng.standard_normal((b, config.dim)).astype(np.float32),
+                 candidates=rng.standard_normal((b, K, width)).astype(np.float32),
+                 mask=np.ones((b, K), bool), gold=np.zeros((b, K), bool),
+                 num_gold=np.zeros((b,), np.int32))
+  slates = np.tile(np.arange(K, dtype=np.int32)[:s], (b, T, 1))
+  slates = np.pad(slates, ((0, 0), (0, 0), (0, K - s)), constant_values=-1)
+  smask = slates >= 0
+  labels = np.full(slates.shape, -1.0, np.float32)
+  keys = jax.random.split(jax.random.PRNGKey(1), b)
+  box = [state]
+
+  def train():
+    box[0], _ = step(box[0], keys, batch, slates, smask, labels, np.ones((b,), bool), config, hp)
+    jax.block_until_ready(box[0].params)
+
+  learner_step = timed(train, max(calls // 5, 20))
+  return {"first_round_ms": first, "later_round_ms": later, "learner_step_ms": learner_step,
+          "per_training_question_ms": first + (T - 1) * later + learner_step / b}
+
+
 def run_runner(data: LiveData, method: Method, seeds: Sequence[int], train_index: np.ndarray,
                test_index: np.ndarray, critic: Optional[critic_lib.SimulatedCritic] = None, *,
                name: str = "runner", timing_repeat: bool = True):
@@ -526,6 +582,7 @@ def run(data: LiveData, method: Method, seeds: Sequence[int],
   dispatch = measure_dispatch(method)
   c = cmp["cost_ms_per_question"]
   c.update(dispatch_ms=dispatch["mean_ms"], dispatch_p50_ms=dispatch["p50_ms"])
+  c["device_floor"] = measure_device_floor(method)
   c["ratio_to_scan_plus_dispatch"] = {
       step: c["live_by_step_mean"][step] / (c["scan"] + dispatch["mean_ms"])
       for step in STEPS}
@@ -586,6 +643,14 @@ def table_md(cmp: dict, *, title: str) -> str:
               f"`recall`{' / test paging `recall`' if paging else ''} / `search` / all steps | "
               f"{r['train']:.2f} / {r['recall_test']:.2f}{paging} / {r['search']:.2f} / "
               f"{r['all_steps']:.2f} |"]
+  if "device_floor" in c:  # (results before session 11 lack it)
+    f = c["device_floor"]
+    lines.append(f"| floor: a training question's device calls one question at a time (first "
+                 f"round {f['first_round_ms']:.3f} + (T - 1) x later round "
+                 f"{f['later_round_ms']:.3f} + learner step {f['learner_step_ms']:.3f} / b; no "
+                 f"search), against the target 2 x (scan + one dispatch) = "
+                 f"{2 * (c['scan'] + c['dispatch_ms']):.3f} | "
+                 f"{f['per_training_question_ms']:.3f} |")
   if "bound_ms_per_search" in c:
     lines.append(f"| bound: one search reads the bank ({c['bank_bytes'] / 1e6:.1f} MB) / memory "
                  f"bandwidth measured in this run ({c['bandwidth_gb_per_s']:.1f} GB/s) | "
@@ -604,5 +669,6 @@ def table_md(cmp: dict, *, title: str) -> str:
 
 
 __all__ = ["LiveData", "MODES", "MODE_NAMES", "SeedResult", "StreamCritic", "build_memory", "compare",
-           "critic_round_keys", "live_data", "load_live_data", "measure_dispatch", "run",
+           "critic_round_keys", "live_data", "load_live_data", "measure_device_floor",
+           "measure_dispatch", "run",
            "run_runner", "run_seed", "table_md"]

@@ -17,6 +17,14 @@ from ear_jax.data.first_stage import FirstStageOptions, check_generator
 MAX_WINDOW_MS = 1000.0
 # The settings that say where and when, not what: an opened memory takes the caller's.
 SERVING = ("cache_dir", "batch_window_ms", "batch_max_queries")
+# A directory stores its `MemoryConfig`, a preset by its name. When a preset's definition changes,
+# `PRESETS_VERSION` goes up and `PRESET_CHANGES[v]` says what the presets changed at v meant
+# before, so a directory written earlier (its meta's `presets` below v) opens with the settings it
+# was created with (`stored_config`), pinned as a config from then on.
+PRESETS_VERSION = 2
+PRESET_CHANGES = {
+    2: {"ear_safe": dict(guard_holdout=0, guard_z=0.5)},  # session 11: the held-out guard
+}
 
 
 def check_int(value, name: str, minimum: int) -> int:
@@ -244,3 +252,21 @@ def _check_honoured(config: EARConfig) -> None:
         f"config.test_rounds={config.test_rounds} is not honoured by Memory: recall plays "
         f"num_rounds={config.num_rounds} rounds, which train as one query; set test_rounds=None "
         "or equal to num_rounds")
+
+
+def stored_config(meta: dict) -> MemoryConfig:
+  """The `MemoryConfig` a directory's meta stores, with a preset whose definition changed since
+  it was written (`PRESET_CHANGES`) read as it was then (a config, no longer the name)."""
+  cfg = MemoryConfig.from_dict(meta["memory_config"])
+  written = int(meta.get("presets", 1))
+  if cfg.method is None:
+    return cfg
+  over = {}
+  for version in sorted(PRESET_CHANGES, reverse=True):  # (the earliest change's values win)
+    if version > written:
+      over.update(PRESET_CHANGES[version].get(cfg.method, {}))
+  if not over:
+    return cfg
+  d = cfg.dim or cfg._encoder_dim()  # pylint: disable=protected-access
+  m = Method.named(cfg.method, dim=d, **over)
+  return dataclasses.replace(cfg, method=None, config=m.config, hparams=m.hparams)

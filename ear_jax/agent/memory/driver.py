@@ -26,7 +26,9 @@ Not thread-safe on its own: `Memory` holds its lock around every call.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 from typing import Callable, Optional
 
 import jax
@@ -51,6 +53,13 @@ _step_keys = jax.jit(lambda key, n, b: jax.random.split(jax.random.fold_in(key, 
 
 
 UNKNOWN = -2  # `Driver.buffer_rows` of a slot whose candidate's bank row is not known yet
+MAX_QUESTIONS = 16384  # questions whose held-out part a memory remembers (`Driver.next_held`)
+
+
+def question_key(question: str) -> int:
+  """A question's key for `Driver.next_held`: the first 8 bytes of its text's sha256, int64."""
+  return int.from_bytes(hashlib.sha256(question.encode("utf-8")).digest()[:8], "little",
+                        signed=True)
 
 
 def _owned(state):
@@ -100,6 +109,37 @@ class Driver:
     if state is not None:  # (rows unknown until `resolve_rows`)
       self.buffer_rows[np.asarray(self.state.buffer.mask)] = UNKNOWN
     self.insert_index = int(self.state.buffer.insert_index)  # host copy
+    # The guard's held-out ring (`config.guard_holdout`): its slots' bank rows (as `buffer_rows`),
+    # its count, and the training sessions opened so far (every n-th is held out: `next_held`).
+    ring = None if self.state.guard is None else self.state.guard.holdout
+    self.holdout_rows = None if ring is None else np.full(ring.mask.shape, -1, np.int32)
+    self.holdout_count = 0 if ring is None else int(ring.count)
+    if ring is not None and state is not None:
+      self.holdout_rows[np.asarray(ring.mask)] = UNKNOWN
+    self.opened = int(self.state.queries_seen)
+    # question key -> held out: a question asked again keeps its part (the newest MAX_QUESTIONS)
+    self.questions: "collections.OrderedDict[int, bool]" = collections.OrderedDict()
+
+  def next_held(self, question: str = "", scope=()) -> bool:
+    """Whether a training session of `question` (in the scopes `scope`) is held out for the
+    guard. A question seen before in the same scopes keeps its part, so a held-out question is never trained on and a trained one never
+    scores the guard, however often an agent asks it; a new question (or one without text) is
+    held out when it is the `config.guard_holdout`-th new one (`guard.held_out`: in a stream of
+    distinct questions opened and closed in order, the runner's stream positions)."""
+    n = self.config.guard_holdout
+    if not n:
+      return False
+    key = question_key("\x00".join([*map(str, scope or ()), question])) if question else None
+    if key is not None and key in self.questions:
+      self.questions.move_to_end(key)
+      return self.questions[key]
+    held = self.opened % n == n - 1
+    self.opened += 1
+    if key is not None:
+      self.questions[key] = held
+      while len(self.questions) > MAX_QUESTIONS:
+        self.questions.popitem(last=False)
+    return held
 
   def push(self, items) -> int:
     """Queues closed sessions and trains every full batch; returns the learner steps taken."""
@@ -117,22 +157,44 @@ class Driver:
     batch = Stream(queries=stacked.query, candidates=stacked.candidates, mask=stacked.mask,
                    gold=np.zeros(stacked.mask.shape, bool), num_gold=np.zeros((b,), np.int32))
     keys = _step_keys(self.train_key, self.num_batches, b)
+    held = np.asarray(stacked.held, bool).reshape(b)
+    extra = (held,) if self.config.guard_holdout else ()  # (else the paper's call, as before)
     self.state, _ = _train_step(
         self.state, keys, batch, stacked.slates, stacked.slate_mask, stacked.labels,
-        jnp.ones((b,), bool), self.config, self.hparams)
+        jnp.ones((b,), bool), self.config, self.hparams, *extra)
     self.num_batches += 1
-    cap = self.config.buffer_capacity  # the step pushed the b queries in order (`push_experiences`)
-    self.buffer_rows[(self.insert_index + np.arange(b)) % cap] = np.where(
-        stacked.mask, stacked.rows, -1)
-    self.insert_index = (self.insert_index + b) % cap
+    rows = np.where(stacked.mask, stacked.rows, -1)
+    cap = self.config.buffer_capacity  # the step pushed the trained queries in order
+    n = int((~held).sum())  # (`push_experiences`: held-out queries are not pushed)
+    self.buffer_rows[(self.insert_index + np.arange(n)) % cap] = rows[~held]
+    self.insert_index = (self.insert_index + n) % cap
+    if held.any():  # ... and the held-out ones went to the guard's ring (`guard.push_holdout`)
+      h = self.holdout_rows.shape[0]
+      self.holdout_rows[(self.holdout_count + np.arange(int(held.sum()))) % h] = rows[held]
+      self.holdout_count += int(held.sum())
 
   def forget(self, rows: np.ndarray) -> None:
-    """Masks the candidates at bank `rows` out of the queued items and the replay buffer (mask,
-    observed and the Eq. (12) mean label cleared, the embedding zeroed, the saved row -1)."""
+    """Masks the candidates at bank `rows` out of the queued items, the replay buffer (mask,
+    observed and the Eq. (12) mean label cleared, the embedding zeroed, the saved row -1) and
+    the guard's held-out ring (mask, citation and first-stage top-s cleared, embedding zeroed)."""
     self.ready = [mask_item(it, rows) for it in self.ready]
     hit = np.isin(self.buffer_rows, rows)
     self.buffer_rows[hit] = -1
     self._mask_buffer(hit)
+    if self.holdout_rows is not None:
+      hit = np.isin(self.holdout_rows, rows)
+      self.holdout_rows[hit] = -1
+      self._mask_ring(hit)
+
+  def _mask_ring(self, hit: np.ndarray) -> None:
+    """Clears the held-out ring's candidates where `hit [H, K]`."""
+    ring = self.state.guard.holdout
+    hit = hit & np.asarray(ring.mask)
+    if hit.any():
+      h = jnp.asarray(hit)
+      ring = ring.replace(candidates=jnp.where(h[..., None], 0.0, ring.candidates),
+                          mask=ring.mask & ~h, cited=ring.cited & ~h, in_first=ring.in_first & ~h)
+      self.state = self.state.replace(guard=self.state.guard.replace(holdout=ring))
 
   def _mask_buffer(self, hit: np.ndarray) -> None:
     """Clears the buffer's candidates where `hit [C, K]`."""
@@ -157,11 +219,17 @@ class Driver:
                           for f in dataclasses.fields(self.hparams)},
               "buffer_rows": self.buffer_rows.copy(),
               "buffer_features": np.asarray(self.state.buffer.candidates[..., d:])}
+    if self.holdout_rows is not None:  # (the ring's candidates likewise: rows and features)
+      arrays["holdout_rows"] = self.holdout_rows.copy()
+      arrays["holdout_features"] = np.asarray(self.state.guard.holdout.candidates[..., d:])
+      arrays["questions"] = {"keys": np.asarray(list(self.questions), np.int64).reshape(-1),
+                             "held": np.asarray(list(self.questions.values()), bool).reshape(-1)}
     if self.ready:
       arrays["ready"] = {f: np.stack([getattr(it, f) for it in self.ready])
                          for f in TrainItem._fields if f != "candidates"}
       arrays["ready"]["features"] = np.stack([it.candidates[:, d:] for it in self.ready])
-    return arrays, {"num_batches": self.num_batches, "num_ready": len(self.ready)}
+    return arrays, {"num_batches": self.num_batches, "num_ready": len(self.ready),
+                    "opened": self.opened}
 
   @classmethod
   def restore(cls, config: EARConfig, seed: int, arrays, meta, where: str, gather: Callable,
@@ -182,16 +250,39 @@ class Driver:
       raise ValueError(f"{where}: buffer_rows {rows.shape} / buffer_features {feats.shape} do "
                        f"not fit the replay buffer {want}")
     cands = jnp.concatenate([jnp.asarray(gather(rows, rows >= 0)), jnp.asarray(feats)], -1)
-    out.state = _owned(state.replace(buffer=state.buffer.replace(candidates=cands)))
+    state = state.replace(buffer=state.buffer.replace(candidates=cands))
+    if out.holdout_rows is not None:
+      if "holdout_rows" not in arrays:
+        raise ValueError(f"{where}: the learner has a held-out ring (guard_holdout) but no "
+                         "holdout_rows were saved")
+      hrows = np.asarray(arrays["holdout_rows"]).astype(np.int32)
+      hfeats = np.asarray(arrays["holdout_features"], np.float32)
+      if hrows.shape != out.holdout_rows.shape:
+        raise ValueError(f"{where}: holdout_rows {hrows.shape} do not fit the held-out ring "
+                         f"{out.holdout_rows.shape}")
+      ring = state.guard.holdout
+      ring = ring.replace(candidates=jnp.concatenate(
+          [jnp.asarray(gather(hrows, hrows >= 0)), jnp.asarray(hfeats)], -1))
+      state = state.replace(guard=state.guard.replace(holdout=ring))
+      out.holdout_rows, out.holdout_count = hrows, int(ring.count)
+    out.state = _owned(state)
     out.buffer_rows, out.insert_index = rows, int(out.state.buffer.insert_index)
     if meta["num_ready"]:
       r = {k: np.asarray(v) for k, v in arrays["ready"].items()}
       r["candidates"] = np.concatenate(
           [np.asarray(gather(r["rows"], r["rows"] >= 0)), r.pop("features")], -1)
+      r.setdefault("held", np.zeros((meta["num_ready"],), bool))  # (saved before it existed)
       out.ready = [TrainItem(*(r[f][j] for f in TrainItem._fields))
                    for j in range(meta["num_ready"])]
     out.num_batches = int(meta["num_batches"])
-    dead = np.unique(np.concatenate([out.buffer_rows.ravel()] + [it.rows for it in out.ready]))
+    out.opened = int(meta.get("opened", int(out.state.queries_seen) + len(out.ready)))
+    if "questions" in arrays:
+      q = arrays["questions"]
+      out.questions = collections.OrderedDict(
+          zip(np.asarray(q["keys"], np.int64).tolist(), np.asarray(q["held"], bool).tolist()))
+    ring_rows = [] if out.holdout_rows is None else [out.holdout_rows.ravel()]
+    dead = np.unique(np.concatenate([out.buffer_rows.ravel()] + ring_rows
+                                    + [it.rows for it in out.ready]))
     dead = dead[(dead >= 0) & ~live(dead)]
     if dead.size:
       out.forget(dead)
@@ -203,11 +294,15 @@ class Driver:
     `rows_of_embedding(emb [n, d]) -> [n]` maps each candidate to the bank row holding exactly that
     embedding (-1: none, masked out). `Memory` calls it before every snapshot."""
     todo = self.buffer_rows == UNKNOWN
-    if not todo.any():
-      return
-    cands = np.asarray(self.state.buffer.candidates[..., :self.config.dim])[todo]
-    self.buffer_rows[todo] = rows_of_embedding(cands)
-    self._mask_buffer(self.buffer_rows < 0)
+    if todo.any():
+      cands = np.asarray(self.state.buffer.candidates[..., :self.config.dim])[todo]
+      self.buffer_rows[todo] = rows_of_embedding(cands)
+      self._mask_buffer(self.buffer_rows < 0)
+    if self.holdout_rows is not None and (self.holdout_rows == UNKNOWN).any():
+      todo = self.holdout_rows == UNKNOWN
+      cands = np.asarray(self.state.guard.holdout.candidates[..., :self.config.dim])[todo]
+      self.holdout_rows[todo] = rows_of_embedding(cands)
+      self._mask_ring(self.holdout_rows < 0)
 
 
 def _without_candidates(state):
@@ -215,5 +310,10 @@ def _without_candidates(state):
   bank rows instead); works on arrays and on abstract (`ShapeDtypeStruct`) states."""
   empty = jax.ShapeDtypeStruct if isinstance(state.buffer.candidates, jax.ShapeDtypeStruct) else (
       lambda shape, dtype: np.zeros(shape, dtype))
-  return state.replace(buffer=state.buffer.replace(
+  state = state.replace(buffer=state.buffer.replace(
       candidates=empty((0,), state.buffer.candidates.dtype)))
+  if state.guard is not None and state.guard.holdout is not None:  # (the held-out ring likewise)
+    ring = state.guard.holdout
+    state = state.replace(guard=state.guard.replace(holdout=ring.replace(
+        candidates=empty((0,), ring.candidates.dtype))))
+  return state

@@ -61,6 +61,7 @@ from ear_jax.agent.memory.recall import Recall
 from ear_jax.agent.memory.sessions import (CriticKeys, Ops, Session, SessionDroppedError,
                                            Sessions, Slate,
                                            citation_labels)
+from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import guard as guard_lib
 from ear_jax.core import learner as learner_lib
@@ -116,6 +117,8 @@ class _Closed:
 
 # The served parameters of a guarded memory in one compiled call (`core.guard.served_params`).
 _served = jax.jit(guard_lib.served_params, static_argnums=2)
+# The first stage's relevance of a held-out session's candidates (`guard_holdout`: its pages).
+_first_relevance = jax.jit(lambda p, q, c: adapter_lib.relevance(p, q, c)[0])
 _copy = jax.jit(lambda tree: jax.tree_util.tree_map(jnp.copy, tree))  # (one call, own buffers)
 
 
@@ -194,6 +197,7 @@ class Memory:
       self._lexical.restore(rows, codes)
     self._sessions = Sessions(config, cfg.max_sessions)
     self._driver = Driver(config, self._hparams, cfg.seed, learner)
+    self._served_cache = (None, None)  # (the guard state, its served parameters)
     self._stats = collections.Counter()
     self._generation = 0
     self._batcher = None
@@ -219,6 +223,7 @@ class Memory:
           "(a table replaced by an older copy?)")
     driver, sessions = arrays.get("driver", {}), arrays.get("sessions", {})
     for name, rows in (("driver/buffer_rows", driver.get("buffer_rows")),
+                       ("driver/holdout_rows", driver.get("holdout_rows")),
                        ("driver/ready/rows", driver.get("ready", {}).get("rows")),
                        ("sessions/cand_idx", sessions.get("cand_idx"))):
       rows = np.asarray([] if rows is None else rows)
@@ -293,7 +298,7 @@ class Memory:
         return memory
       if learner is not None:
         raise ValueError(f"learner= starts a new memory directory, but {root} holds one")
-      stored = MemoryConfig.from_dict(meta["memory_config"])
+      stored = config_lib.stored_config(meta)
       if cfg is not None or settings:
         wanted = dataclasses.replace(cfg or stored, **settings)
         if wanted.candidates is None:  # (not given: the directory's first stage)
@@ -358,7 +363,8 @@ class Memory:
       sessions = self._sessions.snapshot()
       driver = self._driver.snapshot()
       self._generation += 1
-      meta = {"memory_config": self._cfg.to_dict(), "rows": self._next_row,
+      meta = {"memory_config": self._cfg.to_dict(), "presets": config_lib.PRESETS_VERSION,
+              "rows": self._next_row,
               "encoder_identity": self._encoder.identity, "stats": dict(self._stats),
               "generation": self._generation, "sessions": sessions[1], "driver": driver[1]}
       if self._searcher is not None:
@@ -439,7 +445,9 @@ class Memory:
     state = self._driver.state
     if state.guard is None:
       return state.params
-    return _served(state.params, state.guard, self._ear)
+    if self._served_cache[0] is not state.guard:  # (new after every learner step and delete)
+      self._served_cache = (state.guard, _served(state.params, state.guard, self._ear))
+    return self._served_cache[1]
 
   # ----------------------------------------------------------------------------------------------
   # rows: add, get, list, delete, update
@@ -757,8 +765,9 @@ class Memory:
 
     def finish(texts, q_emb, found):
       rows, mask, cands, slates = found
+      held = not frozen and self._driver.next_held(texts[0], names)  # (`guard_holdout`)
       sid = self._sessions.new(texts[0], q_emb[0], rows[0], cands[0], mask[0], names or (),
-                               frozen)
+                               frozen, held)
       if frozen:  # (a reference: `_learn` copies it before a learner step donates it)
         s = self._sessions.by_id[sid]
         s.params, s.ranking = self._served_params(), slates[2][0]
@@ -825,6 +834,14 @@ class Memory:
     explore = bool(explore)
     with self._lock:
       s = self._sessions.get(sid, open_round=False)
+      if s.held:  # held out for the guard: page `rounds` of the first stage's ranking
+        if k > int(s.cand_mask.sum()):
+          raise ValueError(f"k={k} is larger than the {int(s.cand_mask.sum())} candidates of "
+                           f"session {sid}")
+        if s.ranking is None:
+          s.ranking = np.asarray(_first_relevance(guard_lib.first_stage_params(self._ear),
+                                                  s.query_emb, s.cand_emb))
+        return self._open_page(s, sid, k, s.rounds, explore)
       held = int(s.cand_mask.sum())
       if s.frozen:
         k = min(k, held)
@@ -854,16 +871,21 @@ class Memory:
       s = self._sessions.get(sid, open_round=False)
       if not s.frozen:
         raise ValueError(f"session {sid} learns; paging is a test-time rule (learn=False)")
-      z = s.ranking
-      order = np.lexsort((np.arange(len(z)), -z))
-      pos = order[s.cand_mask[order]][t * k:(t + 1) * k].astype(np.int32)
-      if not len(pos):
-        return Slate((), (), (), (), s.rounds + 1, True, sid, s.query)
-      s.paged = True
-      self._sessions.open_round(sid, pos, True)
-      self._stats["rounds"] += 1
-      return self._slate(s.cand_idx[pos], z[pos], s.rounds + 1, True, sid, s.query,
-                         self._candidate_records(s, pos))
+      return self._open_page(s, sid, k, t, True)
+
+  def _open_page(self, s, sid: int, k: int, t: int, explore: bool) -> Slate:
+    """Page t of session `s`'s `ranking` over its candidates still held (ties to the lower
+    candidate), opened as its next round (`explore`: the session goes on after its feedback)."""
+    z = s.ranking
+    order = np.lexsort((np.arange(len(z)), -z))
+    pos = order[s.cand_mask[order]][t * k:(t + 1) * k].astype(np.int32)
+    if not len(pos):
+      return Slate((), (), (), (), s.rounds + 1, True, sid, s.query)
+    s.paged = True
+    self._sessions.open_round(sid, pos, explore)
+    self._stats["rounds"] += 1
+    return self._slate(s.cand_idx[pos], z[pos], s.rounds + 1, True, sid, s.query,
+                       self._candidate_records(s, pos))
 
   def _learn(self, items) -> int:
     if len(self._driver.ready) + len(items) >= self._ear.batch_size:
@@ -937,10 +959,10 @@ class Memory:
     with self._lock:
       self._sessions.by_id.pop(sid, None)
 
-  def _info(self, sid: int) -> tuple[int, bool]:
+  def _info(self, sid: int) -> tuple[int, bool, bool]:
     with self._lock:
       s = self._sessions.get(sid)
-      return s.rounds, s.closed
+      return s.rounds, s.closed, s.held
 
   def _critique(self, sid: int, critic, t: int) -> Optional[np.ndarray]:
     """`Ops.critique`: the open round of `sid` shown to a host critic (outside the lock, key
@@ -979,12 +1001,23 @@ class Memory:
     return labels
 
   def _final(self, sid: int, k: int) -> tuple[tuple, tuple]:
-    """`Ops.final`: the top-k by bandit mean, ties by adapted relevance ('exploit')."""
+    """`Ops.final`: the top-k by bandit mean, ties by adapted relevance ('exploit'); for a
+    held-out session (`guard_holdout`), paging's answer: the cited first, in the first stage's
+    order, then that ranking (`core.retrieval.paging_slate`)."""
     with self._lock:
       s = self._sessions.get(sid)
       k = min(k, int(s.cand_mask.sum()))  # (frozen: deletes may have masked candidates out)
       if not k:
         return (), ()
+      if s.held:
+        z = s.ranking
+        order = np.lexsort((np.arange(len(z)), -z))
+        order = order[s.cand_mask[order]]
+        cited = np.zeros(len(z), bool)
+        shown = s.slate_mask[:s.rounds]
+        cited[s.slates[:s.rounds][shown & (s.labels[:s.rounds] > 0)]] = True
+        pos = np.concatenate([order[cited[order]], order[~cited[order]]])[:k]
+        return (tuple(r["id"] for r in self._candidate_records(s, pos)), tuple(z[pos].tolist()))
       params = s.params if s.params is not None else self._driver.state.params
       slate, slate_mask, z = recall_lib.exploit(params, s.query_emb, s.cand_emb, s.cand_mask,
                                                 s.mean, s.counts, s.last(), k,

@@ -101,6 +101,15 @@ def read_meta(root: pathlib.Path) -> Optional[dict]:
   return None if step is None else _learner_meta(store, step, store.read_meta(step))
 
 
+def stored_memory_config(path):
+  """The `MemoryConfig` the memory directory `path` was created with (`config.stored_config`),
+  or None when it holds no memory yet."""
+  from ear_jax.agent.memory import config as config_lib  # pylint: disable=g-import-not-at-top
+  root = checkpoint_dir(path)
+  meta = read_meta(root) if root.is_dir() else None
+  return None if meta is None else config_lib.stored_config(meta)
+
+
 def read_learner(root: pathlib.Path) -> tuple[dict, dict, str]:
   """`(arrays, meta, where)` of the latest learner item of `root` (verified).
 

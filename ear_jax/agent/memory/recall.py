@@ -15,7 +15,9 @@ the guard's served parameters of round 1 and nothing is queued; its default rule
 (`rule='paging'`, issue 27): round t shows page t (ranks `t k .. t k + k - 1`) of the served
 ranking, and the answer is the cited memories first, in ranking order, then the ranking, as
 `core.retrieval.paging_slate` (`inference.evaluate`'s `paging_adapted` slate for the same labels:
-`tests/test_memory_recall.py`); `rule='explorer'` plays the Explorer's rounds instead.
+`tests/test_memory_recall.py`); `rule='explorer'` plays the Explorer's rounds instead. A training
+session held out for the guard (`EARConfig.guard_holdout`: every n-th) shows pages of the first
+stage's ranking instead of Explorer rounds, answers as paging does, and is never trained on.
 
 Deletes and updates meanwhile (by the critic itself, or another thread) never make it fail: with
 `learn=True` a delete or update of one of the session's candidates drops the session, so the
@@ -107,6 +109,8 @@ def recall(ops: Ops, question: str, critic, k: int, *, query_embedding, learn: b
 def _rounds(ops: Ops, session, critic, k: int, learn: bool, rounds: int,
             final_slate: str) -> Recall:
   shown, labels = [], []
+  if learn and ops.info(session.id)[2]:  # held out for the guard: pages, and paging's answer
+    final_slate = "paging"
   try:
     for t in range(rounds):
       slate = session.round(k, explore=True)

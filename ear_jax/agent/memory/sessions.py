@@ -109,6 +109,7 @@ class TrainItem(NamedTuple):
   labels: np.ndarray  # [T, K] float32 labels in {-1, +1}
   rows: np.ndarray  # [K] int32 bank rows of the candidates (-1 = padding): what the learner
   #   item saves instead of the candidates' embeddings (`driver`)
+  held: Any = False  # [] bool: held out for the guard (`EARConfig.guard_holdout`): never trained
 
 
 @dataclasses.dataclass
@@ -138,6 +139,8 @@ class Query:
   ranking: Optional[np.ndarray] = None  # frozen: [K] float32 the served parameters' relevance z
   #   of its candidates (the open's one search computed it; paging reads it)
   paged: bool = False  # its rounds are pages of `ranking`: no bandit statistics kept
+  held: bool = False  # held out for the guard (`EARConfig.guard_holdout`): its rounds page the
+  #   first stage's ranking (`ranking`, computed at its first round) and it is never trained on
   records: dict = dataclasses.field(default_factory=dict)  # bank row -> its table record (a
   #   candidate's record never changes while its session lives: a delete or update drops it)
 
@@ -159,12 +162,14 @@ class Query:
   def train_item(self) -> TrainItem:
     return TrainItem(self.query_emb.copy(), self.cand_emb.copy(), self.cand_mask.copy(),
                      self.slates.copy(), self.slate_mask.copy(), self.labels.copy(),
-                     self.cand_idx.copy())
+                     self.cand_idx.copy(), np.bool_(self.held))
 
 
 _ARRAYS = ("query_emb", "cand_idx", "cand_mask", "mean", "counts", "slates", "slate_mask",
            "labels")
-_FIELDS = ("query", "scope", "rounds", "closed", "open_slate", "open_explore", "last_used")
+_FIELDS = ("query", "scope", "rounds", "closed", "open_slate", "open_explore", "last_used",
+           "held", "paged")
+_FIELD_DEFAULTS = {"held": False, "paged": False}  # (learner items saved before they existed)
 
 
 class Sessions:
@@ -209,8 +214,9 @@ class Sessions:
     return s
 
   def new(self, query: str, query_emb, cand_idx, cand_emb, cand_mask, scope=(),
-          frozen: bool = False) -> int:
-    """Opens a session with zero statistics (Alg. 2 line 3); returns its id."""
+          frozen: bool = False, held: bool = False) -> int:
+    """Opens a session with zero statistics (Alg. 2 line 3); returns its id. `held`: held out
+    for the guard (its rounds page the first stage)."""
     T, K = self.config.num_rounds, self.config.num_candidates
     sid = self.next_session
     self.next_session += 1
@@ -220,7 +226,7 @@ class Sessions:
         cand_mask=np.array(cand_mask, bool), mean=np.zeros((K,), np.float32),
         counts=np.zeros((K,), np.float32), slates=np.full((T, K), -1, np.int32),
         slate_mask=np.zeros((T, K), bool), labels=np.full((T, K), -1.0, np.float32),
-        scope=tuple(scope or ()), frozen=frozen)
+        scope=tuple(scope or ()), frozen=frozen, held=bool(held), paged=bool(held))
     self._touch(sid)
     return sid
 
@@ -321,7 +327,8 @@ class Sessions:
         out.gone[int(sm["id"])] = "a memory among its candidates was deleted or updated"
         continue
       s = Query(cand_emb=emb[j], **{f: np.array(arrays[f][j]) for f in _ARRAYS},
-                **{f: sm[f] for f in _FIELDS})
+                **{f: sm.get(f, _FIELD_DEFAULTS.get(f)) if f in _FIELD_DEFAULTS else sm[f]
+                   for f in _FIELDS})
       s.scope = tuple(s.scope)
       s.open_slate = None if s.open_slate is None else np.asarray(s.open_slate, np.int32)
       out.by_id[int(sm["id"])] = s
@@ -381,7 +388,7 @@ class Ops(NamedTuple):
   round: Callable  # (sid, k, explore) -> Slate
   feedback: Callable  # (sid, cited_ids, answer) -> bool (a learner step ran)
   close: Callable  # (sid) -> bool
-  info: Callable  # (sid) -> (rounds, closed)
+  info: Callable  # (sid) -> (rounds, closed, held)
   critique: Callable  # (sid, critic, t) -> labels [k] or None: the open round shown to a critic
   final: Callable  # (sid, k) -> (ids, scores): the top-k by bandit mean ('exploit')
   page: Callable  # (sid, k, t) -> Slate: page t of a frozen session's served ranking (paging)

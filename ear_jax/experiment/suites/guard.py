@@ -8,7 +8,10 @@ setting in `SETTINGS` (a critic, a learning rate) one run of `ear_safe` (`ear_tu
 (its evidence is only recorded), so the same run gives every row: the frozen first stage (the
 untrained adapter), `ear_tuned` (the adapter always served: guard off) and the guard at each
 `Z_GRID` x `HALF_LIFE_GRID` setting (its state folded again from the run's recorded evidence,
-`guard.guard_from_evidence`), all paired per seed against the frozen first stage.
+`guard.guard_from_evidence`), all paired per seed against the frozen first stage. With
+`--guard_holdout=n` (the held-out ring, `guard.Holdout`) training leaves every n-th query out, the
+guard-off row is that adapter unguarded, and the grid is `Z_GRID` only (the ring scores the final
+parameters; no half-life).
 """
 from __future__ import annotations
 
@@ -78,7 +81,18 @@ def guard_rows(r: Runner, critic_name: str, critic_over: dict, hparam_over: dict
              "mean_d": [float(log["guard_d"][i][log["guard_counts"][i]].mean())
                         for i in range(num)]},
          "guard": []}
-  for h in HALF_LIFE_GRID:
+  if config.guard_holdout:  # the held-out ring scores the final parameters: a z grid only
+    for z in Z_GRID:
+      serve = np.asarray(jax.vmap(lambda g, p: guard_lib.serve_adapted(g, config, z, p))(
+          states.guard, states.params))
+      lcb = np.asarray(jax.vmap(lambda g, p: guard_lib.holdout_lower_bound(
+          p, g.holdout, config, z)[0])(states.guard, states.params))
+      out["guard"].append({
+          "half_life": config.guard_half_life, "z": z, "serve_adapted": serve.tolist(),
+          "lcb": lcb.tolist(), "adapter": np.where(serve, out["adapted"], out["frozen"]).tolist(),
+          "explorer_guarded": np.where(serve, out["explorer_adapted"],
+                                       out["explorer_first"]).tolist()})
+  for h in () if config.guard_holdout else HALF_LIFE_GRID:
     cfg = dataclasses.replace(config, guard_half_life=h)
     g = jax.vmap(lambda d, c: guard_lib.guard_from_evidence(d, c, cfg))(
         jnp.asarray(log["guard_d"]), jnp.asarray(log["guard_counts"]))
@@ -116,10 +130,15 @@ def suite_guard_tune(r: Runner) -> str:
     ev = res["evidence"]
     rows.append([res["critic"], "frozen first stage", "–", f"{np.mean(frozen):.2f}", "(baseline)",
                  "–", "–"])
-    rows.append([res["critic"], "ear_tuned (guard off)", "adapter", f"{np.mean(res['adapted']):.2f}",
+    off = ("the same adapter unguarded (trained without the held-out queries)"
+           if res["config"].get("guard_holdout", 0) else "ear_tuned (guard off)")
+    rows.append([res["critic"], off, "adapter", f"{np.mean(res['adapted']):.2f}",
                  d(res["adapted"]), f"{len(frozen)}/{len(frozen)}", "–"])
+    holdout = res["config"].get("guard_holdout", 0)
     for row in res["guard"]:
-      rows.append([res["critic"], f"guard z = {row['z']:g}, half-life {row['half_life']:g}",
+      name = (f"held-out guard (every {holdout}th query) z = {row['z']:g}" if holdout else
+              f"guard z = {row['z']:g}, half-life {row['half_life']:g}")
+      rows.append([res["critic"], name,
                    "adapter", f"{np.mean(row['adapter']):.2f}", d(row["adapter"]),
                    f"{int(np.sum(row['serve_adapted']))}/{len(frozen)}",
                    " ".join(f"{x:+.2f}" for x in row["lcb"])])
@@ -137,9 +156,10 @@ def suite_guard_tune(r: Runner) -> str:
       "seed's training stream; the test split is not read)", "",
       md_table(["setting", "row", "mode", "validation R@5", "Δ vs frozen first stage [95% CI]",
                 "seeds serving the adapter", "LCB of mean d per seed"], rows), "",
-      DELTA_NOTE + " One `ear_safe` training run per setting; the guard does not change training, "
-      "so the guard-off row and every guard setting come from the same adapters (guard states "
-      "folded again from the recorded evidence)."])
+      DELTA_NOTE + " One `ear_safe` training run per setting; the guard-off row and every guard "
+      "setting come from the same adapters (the prequential guard changes nothing in training: "
+      "its states are folded again from the recorded evidence; the held-out guard's ring scores "
+      "the final parameters at each z)."])
 
 
 # --suite=guard: the simulated critics of issue 27's targets (training and test time alike).
@@ -205,7 +225,8 @@ def guard_test_rows(r: Runner, candidates: str, critic_name: str, critic_over: d
   rows = {name: {metric: (100.0 * np.asarray(evs[src][f"{metric}_{mode}"], np.float64)).tolist()
                  for metric in ("recall", "hitrate")}
           for name, (src, mode) in TEST_ROWS.items()}
-  serve = np.asarray(jax.vmap(lambda g: guard_lib.serve_adapted(g, config))(res.final_state.guard))
+  serve = np.asarray(jax.vmap(lambda g, p: guard_lib.serve_adapted(g, config, params=p))(
+      res.final_state.guard, res.final_state.params))
   diagnosis = evidence_diagnosis(res.train_log, stream, test, evs["adapted"], evs["first"])
   summary = summaries.summarize(res, stream, b.categories)
   summary.update(method=METHOD, run=run_name, critic={k: float(getattr(critic, k))
@@ -317,14 +338,19 @@ def suite_guard(r: Runner) -> str:
           for res in results for dg in [res.get("diagnosis")] if dg]
   met = {kind: sum(ok for k, ok in targets if k == kind) for kind in ("safety", "paging")}
   total = {kind: sum(k == kind for k, _ in targets) for kind in ("safety", "paging")}
+  holdout = results[0]["ident"]["config"].get("guard_holdout", 0)
+  training = ("the guard records evidence and changes nothing in training, so its adapter is "
+              "`ear_tuned`'s" if not holdout else
+              f"with guard_holdout = {holdout} every {holdout}-th training query is held out "
+              "(paged over the first stage, never trained on), so the 'guard off' row is THAT "
+              "adapter served unguarded, trained on the other queries: not `ear_tuned`'s")
   return "\n".join([
       f"### Guard: ear_safe against the frozen first stage and paging — {r.opts.benchmark} "
       f"(test split, {len(r.seeds)} seeds)", "",
       md_table(["first stage", "critic", "row", "test mode", "R@5", "Δ R@5 vs frozen first stage "
                 "[95% CI]", "Δ R@5 vs paging over the first stage [95% CI]", "Hit@5",
                 "seeds serving the adapter", "issue 27 target"], table), "",
-      DELTA_NOTE + " One `ear_safe` training run per first stage and critic (the guard records "
-      "evidence and changes nothing in training, so its adapter is `ear_tuned`'s); every row is "
+      DELTA_NOTE + f" One `ear_safe` training run per first stage and critic ({training}); every row is "
       "scored with that run's critic and evaluation keys. Paging: the critic reads the ranking's "
       f"top {results[0]['test_rounds']} x 5 in pages of 5 (the same calls as the Explorer) and "
       "the answer puts the cited memories first. Targets met: safety "

@@ -38,6 +38,9 @@ from ear_jax.experiment.suites.paper import md_table
 from ear_jax.experiment.suites.run_cache import Runner
 
 METHOD = "ear_safe"
+# The diagnosis is of the prequential evidence: `ear_safe` as it was before session 11 (its
+# held-out ring off; the probe variants cannot be combined with the ring).
+PREQUENTIAL = dict(guard_holdout=0, guard_z=0.5)
 PREFIXES = (0.25, 0.5, 0.75, 1.0)  # shares of the training stream trained on (along the stream)
 # name -> (config overrides, simulated critic overrides)
 VARIANTS = {"training slates": ({}, {}),
@@ -80,7 +83,7 @@ def diagnose(r: Runner, config_over: dict, critic_over: dict) -> dict:
   train, test = r._splits[False]  # pylint: disable=protected-access
   m = runner.build_method(METHOD, dim=stream.dim, num_candidates=stream.num_candidates,
                           side_features=stream.num_side_features or None,
-                          **{**r.opts.config_overrides, **config_over})
+                          **{**PREQUENTIAL, **r.opts.config_overrides, **config_over})
   config = m.config
   critic = critic_lib.make_simulated_critic(**critic_over)
   num = len(r.seeds)
