@@ -290,3 +290,29 @@ def test_a_question_asked_again_keeps_its_part_across_a_save(tmp_path):
     assert ask(back, 3).final_slate == "paging" and ask(back, 2).final_slate == "round_T"
     qs[9] = rng.normal(size=8)
     assert ask(back, 9).final_slate == "paging"  # the 6th new question
+
+
+@pytest.mark.slow
+def test_the_runner_checkpoints_and_resumes_the_ring(tmp_path):
+  from ear_jax.experiment import runner  # pylint: disable=g-import-not-at-top
+  cfg = EARConfig(dim=16, num_candidates=8, slate_size=2, num_rounds=4, replay_size=2,
+                  buffer_capacity=64, batch_size=4, guard=True, guard_min_queries=4,
+                  guard_holdout=4, guard_holdout_capacity=16)
+  stream = learnable_stream(0, 80)
+  hp = default_hparams(learning_rate=3e-2)
+  seeds = [0, 1]
+  train, test = runner.seed_splits(80, seeds)
+  plain = runner.train_and_evaluate("ring", stream, train, test, cfg, hp, seeds)
+  from ear_jax.experiment import checkpointing  # pylint: disable=g-import-not-at-top
+  with pytest.raises(runner.Interrupted):  # stopped after its first chunk: a partial ring saved
+    runner.train_and_evaluate(
+        "ring", stream, train, test, cfg, hp, seeds, checkpoint_every=8, stop_after_chunks=1,
+        checkpointer=checkpointing.RunCheckpointer(tmp_path / "ck"))
+  resumed = runner.train_and_evaluate(
+      "ring", stream, train, test, cfg, hp, seeds, checkpoint_every=8, resume=True,
+      checkpointer=checkpointing.RunCheckpointer(tmp_path / "ck"))
+  for a, b in zip(jax.tree_util.tree_leaves(plain.final_state.guard),
+                  jax.tree_util.tree_leaves(resumed.final_state.guard)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert int(np.asarray(plain.final_state.guard.holdout.count)[0]) == train.shape[1] // 4
+  np.testing.assert_array_equal(plain.eval["adapter_slates"], resumed.eval["adapter_slates"])
