@@ -217,8 +217,8 @@ def test_top_mask_matches_top_s_slate():
   # (the ring's first-stage top-s is `top_s_slate`'s: ties to the lower index)
   z = jnp.asarray([0.5, 0.5, 0.2, 0.5])
   slate, m = top_s_slate(z, jnp.ones(4, bool), 2)
-  np.testing.assert_array_equal(guard._top_mask(z, jnp.ones(4, bool), 2),  # pylint: disable=protected-access
-                                np.isin(np.arange(4), np.asarray(slate)[np.asarray(m)]))
+  top = guard._top_mask(z, jnp.ones(4, bool), 2)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(top, np.isin(np.arange(4), np.asarray(slate)[np.asarray(m)]))
 
 
 def _side_stream(n, seed=0, d=4, k=6):
@@ -316,3 +316,15 @@ def test_the_runner_checkpoints_and_resumes_the_ring(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert int(np.asarray(plain.final_state.guard.holdout.count)[0]) == train.shape[1] // 4
   np.testing.assert_array_equal(plain.eval["adapter_slates"], resumed.eval["adapter_slates"])
+
+
+def test_a_held_out_question_asked_again_is_in_the_ring_once():
+  m, rng, _, _ = _held_memory()
+  qs = [rng.normal(size=8) for _ in range(8)]
+  for _ in range(3):  # three epochs of the same 8 questions: 4 held out, each in the ring once
+    for j, q in enumerate(qs):
+      m.recall(f"question {j}", _cite_first, k=2, query_embedding=q)
+  state = m.learner
+  assert int(state.guard.holdout.count) == 4
+  assert int(state.buffer.num_pushed) == 12  # the 4 trained questions, every epoch
+  m.close()

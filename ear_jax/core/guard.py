@@ -48,9 +48,10 @@ With `guard_holdout`, every n-th training query (`held_out`) is a small validati
 online: its slates are pages of the first stage's ranking (with `T s >= K` every candidate is
 labelled), it is never trained on, and its candidates and citations go to a ring of the newest
 `H = guard_holdout_capacity` (`Holdout`). The guard then scores the CURRENT parameters on the ring,
-`d_j = |Y_j ∩ TopS(z^phi_j)| - |Y_j ∩ TopS(z^0_j)|` (or the question unit), and serves the adapted
-ranking when `mean(d) - guard_z * sd / sqrt(n) > 0` over the `n >= guard_min_queries` held-out
-queries with a citation (`holdout_lower_bound`). An unshown candidate counts as not cited; the
+`d_j = |Y_j ∩ TopS(z^phi_j)| - |Y_j ∩ TopS(z^0_j)|` (or the question unit), and serves the
+adapted ranking when `mean(d) - guard_z * sd / sqrt(n) > 0` over the `n >= guard_min_queries`
+held-out queries with a citation (`holdout_lower_bound`). (`Memory` puts a held-out question
+asked again in the ring once: the ring's questions are independent evidence.) An unshown candidate counts as not cited; the
 pages show the first stage's ranking first, so with `T s < K` the bias is toward the first stage.
 """
 from __future__ import annotations

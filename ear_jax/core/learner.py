@@ -385,7 +385,7 @@ def train_batch(state: LearnerState, keys: jax.Array, batch: Stream, where: jax.
 def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
                             slates: jax.Array, slate_mask: jax.Array, labels: jax.Array,
                             where: jax.Array, config: EARConfig, hparams: HParams,
-                            held: Optional[jax.Array] = None):
+                            held: Optional[jax.Array] = None, ring: Optional[jax.Array] = None):
   """THE learner step: a batch's slates and labels -> one optimizer step and the batch's pushes.
 
   The batch's replays are selected and gathered once (Eq. (15)), its losses (Eq. (10)-(17)) are
@@ -408,6 +408,8 @@ def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
     hparams: hyperparameters.
     held: `[b]` bool, the real queries held out for the guard (`config.guard_holdout`; None:
       none): left out of the loss and the replay buffer, pushed to the guard's held-out ring.
+    ring: `[b]` bool, which of the held-out queries go to the ring (default: all; `Memory` leaves
+      out a held-out question asked again, so the ring's questions stay independent).
 
   Returns:
     `(new_state, records)` as in `train_batch`.
@@ -438,7 +440,8 @@ def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
     if guard.holdout is not None and held is not None:
       guard = guard.replace(holdout=guard_lib.push_holdout(
           guard.holdout, guard_lib.first_stage_params(config), batch.queries, batch.candidates,
-          batch.mask, slates, slate_mask, labels, held & where, config.slate_size))
+          batch.mask, slates, slate_mask, labels, (held if ring is None else held & ring) & where,
+          config.slate_size))
     new_state = new_state.replace(guard=guard)
     records = records._replace(guard_d=jnp.where(counts, d, 0.0), guard_counts=counts)
   return new_state, records

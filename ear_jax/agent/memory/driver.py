@@ -120,26 +120,33 @@ class Driver:
     # question key -> held out: a question asked again keeps its part (the newest MAX_QUESTIONS)
     self.questions: "collections.OrderedDict[int, bool]" = collections.OrderedDict()
 
-  def next_held(self, question: str = "", scope=()) -> bool:
+  def next_held(self, question: str = "", scope=()) -> int:
     """Whether a training session of `question` (in the scopes `scope`) is held out for the
-    guard. A question seen before in the same scopes keeps its part, so a held-out question is never trained on and a trained one never
-    scores the guard, however often an agent asks it; a new question (or one without text) is
-    held out when it is the `config.guard_holdout`-th new one (`guard.held_out`: in a stream of
-    distinct questions opened and closed in order, the runner's stream positions)."""
+    guard. A question seen before in the same scopes keeps its part, so a held-out question is
+    never trained on and a trained one never scores the guard, however often an agent asks it;
+    a new question (or one without text) is held out when it is the `config.guard_holdout`-th
+    new one (`guard.held_out`: in a stream of distinct questions opened and closed in order, the
+    runner's stream positions).
+
+    Returns:
+      0: trained; 1: held out, its feedback goes to the ring; 2: held out again (a held-out
+      question asked before: not trained, and not in the ring twice, so the ring's questions
+      stay independent evidence).
+    """
     n = self.config.guard_holdout
     if not n:
-      return False
+      return 0
     key = question_key("\x00".join([*map(str, scope or ()), question])) if question else None
     if key is not None and key in self.questions:
       self.questions.move_to_end(key)
-      return self.questions[key]
+      return 2 if self.questions[key] else 0
     held = self.opened % n == n - 1
     self.opened += 1
     if key is not None:
       self.questions[key] = held
       while len(self.questions) > MAX_QUESTIONS:
         self.questions.popitem(last=False)
-    return held
+    return int(held)
 
   def push(self, items) -> int:
     """Queues closed sessions and trains every full batch; returns the learner steps taken."""
@@ -157,8 +164,9 @@ class Driver:
     batch = Stream(queries=stacked.query, candidates=stacked.candidates, mask=stacked.mask,
                    gold=np.zeros(stacked.mask.shape, bool), num_gold=np.zeros((b,), np.int32))
     keys = _step_keys(self.train_key, self.num_batches, b)
-    held = np.asarray(stacked.held, bool).reshape(b)
-    extra = (held,) if self.config.guard_holdout else ()  # (else the paper's call, as before)
+    code = np.asarray(stacked.held, np.int8).reshape(b)  # (`next_held`: 0 / 1 / 2)
+    held, ring = code > 0, code == 1
+    extra = (held, ring) if self.config.guard_holdout else ()  # (else the paper's call)
     self.state, _ = _train_step(
         self.state, keys, batch, stacked.slates, stacked.slate_mask, stacked.labels,
         jnp.ones((b,), bool), self.config, self.hparams, *extra)
@@ -168,10 +176,10 @@ class Driver:
     n = int((~held).sum())  # (`push_experiences`: held-out queries are not pushed)
     self.buffer_rows[(self.insert_index + np.arange(n)) % cap] = rows[~held]
     self.insert_index = (self.insert_index + n) % cap
-    if held.any():  # ... and the held-out ones went to the guard's ring (`guard.push_holdout`)
+    if ring.any():  # ... and the ring's went to the guard's ring (`guard.push_holdout`)
       h = self.holdout_rows.shape[0]
-      self.holdout_rows[(self.holdout_count + np.arange(int(held.sum()))) % h] = rows[held]
-      self.holdout_count += int(held.sum())
+      self.holdout_rows[(self.holdout_count + np.arange(int(ring.sum()))) % h] = rows[ring]
+      self.holdout_count += int(ring.sum())
 
   def forget(self, rows: np.ndarray) -> None:
     """Masks the candidates at bank `rows` out of the queued items, the replay buffer (mask,
@@ -271,7 +279,7 @@ class Driver:
       r = {k: np.asarray(v) for k, v in arrays["ready"].items()}
       r["candidates"] = np.concatenate(
           [np.asarray(gather(r["rows"], r["rows"] >= 0)), r.pop("features")], -1)
-      r.setdefault("held", np.zeros((meta["num_ready"],), bool))  # (saved before it existed)
+      r.setdefault("held", np.zeros((meta["num_ready"],), np.int8))  # (saved before it existed)
       out.ready = [TrainItem(*(r[f][j] for f in TrainItem._fields))
                    for j in range(meta["num_ready"])]
     out.num_batches = int(meta["num_batches"])

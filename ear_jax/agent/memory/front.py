@@ -962,7 +962,7 @@ class Memory:
   def _info(self, sid: int) -> tuple[int, bool, bool]:
     with self._lock:
       s = self._sessions.get(sid)
-      return s.rounds, s.closed, s.held
+      return s.rounds, s.closed, bool(s.held)
 
   def _critique(self, sid: int, critic, t: int) -> Optional[np.ndarray]:
     """`Ops.critique`: the open round of `sid` shown to a host critic (outside the lock, key

@@ -109,7 +109,8 @@ class TrainItem(NamedTuple):
   labels: np.ndarray  # [T, K] float32 labels in {-1, +1}
   rows: np.ndarray  # [K] int32 bank rows of the candidates (-1 = padding): what the learner
   #   item saves instead of the candidates' embeddings (`driver`)
-  held: Any = False  # [] bool: held out for the guard (`EARConfig.guard_holdout`): never trained
+  held: Any = 0  # [] int8 `Driver.next_held`: 0 trained; 1 held out (`EARConfig.guard_holdout`:
+  #   never trained, its feedback to the guard's ring); 2 held out again (not in the ring twice)
 
 
 @dataclasses.dataclass
@@ -139,8 +140,9 @@ class Query:
   ranking: Optional[np.ndarray] = None  # frozen: [K] float32 the served parameters' relevance z
   #   of its candidates (the open's one search computed it; paging reads it)
   paged: bool = False  # its rounds are pages of `ranking`: no bandit statistics kept
-  held: bool = False  # held out for the guard (`EARConfig.guard_holdout`): its rounds page the
-  #   first stage's ranking (`ranking`, computed at its first round) and it is never trained on
+  held: int = 0  # held out for the guard (`Driver.next_held`'s code; `EARConfig.guard_holdout`):
+  #   its rounds page the first stage's ranking (`ranking`, computed at its first round) and it
+  #   is never trained on
   records: dict = dataclasses.field(default_factory=dict)  # bank row -> its table record (a
   #   candidate's record never changes while its session lives: a delete or update drops it)
 
@@ -162,14 +164,14 @@ class Query:
   def train_item(self) -> TrainItem:
     return TrainItem(self.query_emb.copy(), self.cand_emb.copy(), self.cand_mask.copy(),
                      self.slates.copy(), self.slate_mask.copy(), self.labels.copy(),
-                     self.cand_idx.copy(), np.bool_(self.held))
+                     self.cand_idx.copy(), np.int8(self.held))
 
 
 _ARRAYS = ("query_emb", "cand_idx", "cand_mask", "mean", "counts", "slates", "slate_mask",
            "labels")
 _FIELDS = ("query", "scope", "rounds", "closed", "open_slate", "open_explore", "last_used",
            "held", "paged")
-_FIELD_DEFAULTS = {"held": False, "paged": False}  # (learner items saved before they existed)
+_FIELD_DEFAULTS = {"held": 0, "paged": False}  # (learner items saved before they existed)
 
 
 class Sessions:
@@ -214,9 +216,9 @@ class Sessions:
     return s
 
   def new(self, query: str, query_emb, cand_idx, cand_emb, cand_mask, scope=(),
-          frozen: bool = False, held: bool = False) -> int:
+          frozen: bool = False, held: int = 0) -> int:
     """Opens a session with zero statistics (Alg. 2 line 3); returns its id. `held`: held out
-    for the guard (its rounds page the first stage)."""
+    for the guard (`Driver.next_held`'s code; its rounds page the first stage)."""
     T, K = self.config.num_rounds, self.config.num_candidates
     sid = self.next_session
     self.next_session += 1
@@ -226,7 +228,7 @@ class Sessions:
         cand_mask=np.array(cand_mask, bool), mean=np.zeros((K,), np.float32),
         counts=np.zeros((K,), np.float32), slates=np.full((T, K), -1, np.int32),
         slate_mask=np.zeros((T, K), bool), labels=np.full((T, K), -1.0, np.float32),
-        scope=tuple(scope or ()), frozen=frozen, held=bool(held), paged=bool(held))
+        scope=tuple(scope or ()), frozen=frozen, held=int(held), paged=bool(held))
     self._touch(sid)
     return sid
 

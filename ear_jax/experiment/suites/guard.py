@@ -350,7 +350,8 @@ def suite_guard(r: Runner) -> str:
       md_table(["first stage", "critic", "row", "test mode", "R@5", "Δ R@5 vs frozen first stage "
                 "[95% CI]", "Δ R@5 vs paging over the first stage [95% CI]", "Hit@5",
                 "seeds serving the adapter", "issue 27 target"], table), "",
-      DELTA_NOTE + f" One `ear_safe` training run per first stage and critic ({training}); every row is "
+      DELTA_NOTE + " One `ear_safe` training run per first stage and critic "
+      f"({training}); every row is "
       "scored with that run's critic and evaluation keys. Paging: the critic reads the ranking's "
       f"top {results[0]['test_rounds']} x 5 in pages of 5 (the same calls as the Explorer) and "
       "the answer puts the cited memories first. Targets met: safety "
