@@ -149,11 +149,11 @@ def build_options():
   except ValueError as e:
     raise app.UsageError(f"--critic_precision / --critic_recall: {e}") from None
   try:
-    # (a suite's methods vary: its guard flags are checked as a guarded method would take them)
+    # (a suite's methods vary: its guard flags are checked as the guarded preset takes them)
     guarded = _SUITE.value is not None and any(k.startswith("guard_") for k in config_over)
-    probe = cfg.EARConfig.for_method(_METHOD.value if _SUITE.value is None else "ear",
-                                     **{"dim": max(config_over.get("adapter_rank") or 1, 8),
-                                        **({"guard": True} if guarded else {}), **config_over})
+    probe = cfg.EARConfig.for_method(
+        _METHOD.value if _SUITE.value is None else ("ear_safe" if guarded else "ear"),
+        **{"dim": max(config_over.get("adapter_rank") or 1, 8), **config_over})
     cfg.default_hparams(**hparam_over)
   except ValueError as e:
     name = next((k for k in list(config_over) + list(hparam_over) if k in str(e)), None)

@@ -138,6 +138,13 @@ def test_ring_and_its_evidence_by_hand():
   np.testing.assert_array_equal(d, [0.0, 1.0, 0.0])
   d, _ = jit_evidence(first, ring, 2, False)
   np.testing.assert_array_equal(d, [0.0, 0.0, 0.0])
+  # 'dcg': sum 1 / log2(2 + rank) of the cited over the whole ranking, adapted minus first stage's:
+  # query 1 (0 and 3 swap ranks 0 and 3): 0; query 3 (candidate 2: rank 2 -> rank 1).
+  d, counts = guard.holdout_evidence(adapted, ring, 2, first=first)
+  np.testing.assert_allclose(d, [0.0, 1 / np.log2(3) - 1 / np.log2(4), 0.0], atol=1e-6)
+  np.testing.assert_array_equal(counts, [True, True, False])
+  with pytest.raises(ValueError, match="needs guard_holdout"):
+    EARConfig(guard=True, guard_evidence="dcg")
   lcb, n = guard.holdout_lower_bound(adapted, ring, cfg, 0.0)
   assert float(n) == 2 and float(lcb) == pytest.approx(0.5)
   # The ring keeps the newest H = 3: two more held-out queries go to slots 2 and 0.

@@ -28,7 +28,7 @@ LABEL_WEIGHTS = ("none", "balanced")
 # mean after the T rounds, ties by adapted relevance ('exploit', `explorer.exploit_slate`).
 FINAL_SLATES = ("round_T", "exploit")
 # What the guard's evidence counts per training query (`guard.query_evidence`).
-GUARD_EVIDENCE = ("items", "questions")
+GUARD_EVIDENCE = ("items", "questions", "dcg")
 # Where `weight_decay` pulls the adapter (`learner.make_optimizer`).
 WEIGHT_DECAY_TARGETS = ("zero", "first_stage")
 # Learning-rate schedules (optax), a multiplier of `HParams.learning_rate` by optimizer step:
@@ -188,7 +188,9 @@ class EARConfig:
     guard_evidence: what the evidence `d` of a training query counts: 'items' (cited items in the
       adapted top-s minus in the first stage's) or 'questions' (1 when every cited item is in the
       adapted top-s, minus 1 when every one is in the first stage's: Recall@s's unit, a whole
-      question). 'questions' needs the training slates' evidence (not the probe).
+      question). 'questions' needs the training slates' evidence (not the probe). 'dcg'
+      (`guard_holdout` only): the discounted cumulative gain of the cited items over the whole
+      ranking of a held-out question (every candidate labelled), adapted minus first stage's.
     guard_holdout: n >= 2: every n-th training query is held out (`guard.held_out`): its slates
       are pages of the first stage's ranking, it is never trained on (no loss, not in the replay
       buffer), and its citations go to the guard's held-out ring (`guard.Holdout`), which then
@@ -316,6 +318,9 @@ class EARConfig:
                        f"{self.guard_holdout_capacity!r}")
     if self.guard_holdout and not self.guard:
       raise ValueError("guard_holdout needs guard=True (the held-out queries feed the guard)")
+    if self.guard_evidence == "dcg" and not self.guard_holdout:
+      raise ValueError("guard_evidence='dcg' ranks every candidate of a held-out question: it "
+                       "needs guard_holdout (the training slates label only some)")
     if self.guard_holdout and self.guard_probe:
       raise ValueError("guard_holdout and guard_probe are two sources of the guard's evidence: "
                        "choose one")

@@ -147,15 +147,28 @@ def push_holdout(holdout: Holdout, first: adapter_lib.AdapterParams, queries: ja
 
 
 def holdout_evidence(params: adapter_lib.AdapterParams, holdout: Holdout, slate_size: int,
-                     questions: bool = False):
+                     questions: bool = False, first=None):
   """`(d [H] float32, counts [H] bool)` of `params` on the held-out ring: cited items in the
   adapted top-s minus in the first stage's (with `questions`, 1[every cited item in the adapted
-  top-s] - 1[... in the first stage's]); a slot counts when it holds a query with a citation."""
+  top-s] - 1[... in the first stage's]; with `first`, the first stage's parameters, the
+  discounted cumulative gain of the cited items over the whole ranking, `sum 1 / log2(2 + rank)`,
+  adapted minus first stage's); a slot counts when it holds a query with a citation."""
   params = jax.lax.stop_gradient(params)
+  cited, in_f = holdout.cited, holdout.in_first
+  if first is not None:
+    def dcg(p, q, c, m, y):
+      z = jnp.where(m, adapter_lib.adapter_scores(p, q, c), -jnp.inf)
+      k = z.shape[0]
+      idx = jnp.arange(k)
+      ahead = (z[None, :] > z[:, None]) | ((z[None, :] == z[:, None]) & (idx[None, :] < idx[:, None]))
+      rank = jnp.sum(ahead & m[None, :], axis=1)  # (ties to the lower candidate, as top_s_slate)
+      return jnp.sum(jnp.where(y & m, 1.0 / jnp.log2(2.0 + rank), 0.0))
+    both = lambda p: jax.vmap(lambda q, c, m, y: dcg(p, q, c, m, y))(
+        holdout.queries, holdout.candidates, holdout.mask, cited)
+    return both(params) - both(first), jnp.any(cited, -1)
   in_a = jax.vmap(lambda q, c, m: _top_mask(adapter_lib.adapter_scores(params, q, c), m,
                                             slate_size))(holdout.queries, holdout.candidates,
                                                          holdout.mask)
-  cited, in_f = holdout.cited, holdout.in_first
   if questions:
     d = (jnp.all(~cited | in_a, -1).astype(jnp.float32)
          - jnp.all(~cited | in_f, -1).astype(jnp.float32))
@@ -170,7 +183,9 @@ def holdout_lower_bound(params: adapter_lib.AdapterParams, holdout: Holdout,
   """`(mean(d) - z * sd / sqrt(n), n)` of `params` on the held-out ring (`holdout_evidence`;
   `sd` with Bessel's correction); `-inf` before two counted queries."""
   d, counts = holdout_evidence(params, holdout, config.slate_size,
-                               config.guard_evidence == "questions")
+                               config.guard_evidence == "questions",
+                               first_stage_params(config) if config.guard_evidence == "dcg"
+                               else None)
   n = jnp.sum(counts).astype(jnp.float32)
   mean = jnp.sum(jnp.where(counts, d, 0.0)) / jnp.maximum(n, 1.0)
   var = jnp.sum(jnp.where(counts, (d - mean) ** 2, 0.0)) / jnp.maximum(n - 1.0, 1.0)
