@@ -232,7 +232,7 @@ def test_guard_off_adds_no_state_and_serves_the_adapter():
 def test_ear_safe_is_ear_tuned_with_the_held_out_guard():
   safe, tuned = Method.named("ear_safe"), Method.named("ear_tuned")
   assert safe.config == dataclasses.replace(tuned.config, guard=True, guard_holdout=5,
-                                            guard_z=1.0)
+                                            guard_evidence="questions", guard_z=0.25)
   for a, b in zip(jax.tree_util.tree_leaves(safe.hparams), jax.tree_util.tree_leaves(tuned.hparams)):
     np.testing.assert_array_equal(a, b)
   assert EARConfig.from_dict(safe.config.to_dict()) == safe.config
@@ -296,7 +296,8 @@ def test_runner_serves_the_first_stage_when_the_adapter_is_worse_and_checkpoints
   stream = _side_stream(48, seed=2)
   cfg = EARConfig.for_method("ear_safe", dim=D, num_candidates=K, slate_size=S, num_rounds=3,
                              replay_size=2, buffer_capacity=64, batch_size=4, side_features=3,
-                             guard_min_queries=4, guard_holdout=0, guard_z=0.5)  # (prequential)
+                             guard_min_queries=4, guard_holdout=0, guard_z=0.5,
+                             guard_evidence="items")  # (prequential)
   hp = default_hparams(learning_rate=0.0)
   seeds = [0, 1]
   train, test = runner.seed_splits(48, seeds)

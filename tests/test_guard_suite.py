@@ -24,7 +24,8 @@ def test_guard_suite_rows_are_paired_per_seed_and_match_the_plain_runs(locomo_pa
   opts = suites.Options(benchmark="locomo", data_dir=str(locomo_path.parent.resolve()), limit=1,
                         seeds=2, workdir=str(tmp_path / "w"), suite="guard",
                         checkpoint_every=None, progress=False,
-                        config_overrides={"guard_holdout": 0, "guard_z": 0.5})
+                        config_overrides={"guard_holdout": 0, "guard_z": 0.5,
+                                          "guard_evidence": "items"})
   res = suites.run(opts)
   md = res["tables"]["guard"]
   for g in first_stage.GENERATORS_SHOWN:

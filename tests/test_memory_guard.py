@@ -19,7 +19,8 @@ N = 40
 def _memory(tmp_path=None, **learner_fields):
   """A guarded memory of N memories; with `learner_fields`, opened at a new directory under
   `tmp_path` with its learner state changed so (`Memory.open(learner=)`)."""
-  m = Method.named("ear_safe", dim=D, guard_holdout=0, guard_z=0.5)  # the prequential guard
+  m = Method.named("ear_safe", dim=D, guard_holdout=0, guard_z=0.5,  # the prequential guard
+                   guard_evidence="items")
   config = MemoryConfig(encoder=None, config=m.config, hparams=m.hparams)
   if learner_fields:
     start = Memory(config).learner.replace(**learner_fields)

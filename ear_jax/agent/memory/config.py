@@ -23,7 +23,7 @@ SERVING = ("cache_dir", "batch_window_ms", "batch_max_queries")
 # was created with (`stored_config`), pinned as a config from then on.
 PRESETS_VERSION = 2
 PRESET_CHANGES = {
-    2: {"ear_safe": dict(guard_holdout=0, guard_z=0.5)},  # session 11: the held-out guard
+    2: {"ear_safe": dict(guard_holdout=0, guard_z=0.5, guard_evidence="items")},  # session 11
 }
 
 

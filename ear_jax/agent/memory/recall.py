@@ -109,9 +109,9 @@ def recall(ops: Ops, question: str, critic, k: int, *, query_embedding, learn: b
 def _rounds(ops: Ops, session, critic, k: int, learn: bool, rounds: int,
             final_slate: str) -> Recall:
   shown, labels = [], []
-  if learn and ops.info(session.id)[2]:  # held out for the guard: pages, and paging's answer
-    final_slate = "paging"
   try:
+    if learn and ops.info(session.id)[2]:  # held out for the guard: pages, and paging's answer
+      final_slate = "paging"
     for t in range(rounds):
       slate = session.round(k, explore=True)
       if not len(slate):  # (frozen: every memory it could show was deleted)

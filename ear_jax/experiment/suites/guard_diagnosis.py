@@ -40,7 +40,7 @@ from ear_jax.experiment.suites.run_cache import Runner
 METHOD = "ear_safe"
 # The diagnosis is of the prequential evidence: `ear_safe` as it was before session 11 (its
 # held-out ring off; the probe variants cannot be combined with the ring).
-PREQUENTIAL = dict(guard_holdout=0, guard_z=0.5)
+PREQUENTIAL = dict(guard_holdout=0, guard_z=0.5, guard_evidence="items")
 PREFIXES = (0.25, 0.5, 0.75, 1.0)  # shares of the training stream trained on (along the stream)
 # name -> (config overrides, simulated critic overrides)
 VARIANTS = {"training slates": ({}, {}),
