@@ -51,8 +51,9 @@ labelled), it is never trained on, and its candidates and citations go to a ring
 `d_j = |Y_j ∩ TopS(z^phi_j)| - |Y_j ∩ TopS(z^0_j)|` (or the question unit), and serves the
 adapted ranking when `mean(d) - guard_z * sd / sqrt(n) > 0` over the `n >= guard_min_queries`
 held-out queries with a citation (`holdout_lower_bound`). (`Memory` puts a held-out question
-asked again in the ring once: the ring's questions are independent evidence.) An unshown candidate counts as not cited; the
-pages show the first stage's ranking first, so with `T s < K` the bias is toward the first stage.
+asked again in the ring once: the ring's questions are independent evidence.) An unshown
+candidate counts as not cited; the pages show the first stage's ranking first, so with `T s < K`
+the bias is toward the first stage.
 """
 from __future__ import annotations
 
@@ -159,9 +160,8 @@ def holdout_evidence(params: adapter_lib.AdapterParams, holdout: Holdout, slate_
     def dcg(p, q, c, m, y):
       z = jnp.where(m, adapter_lib.adapter_scores(p, q, c), -jnp.inf)
       k = z.shape[0]
-      idx = jnp.arange(k)
-      ahead = (z[None, :] > z[:, None]) | ((z[None, :] == z[:, None]) & (idx[None, :] < idx[:, None]))
-      rank = jnp.sum(ahead & m[None, :], axis=1)  # (ties to the lower candidate, as top_s_slate)
+      _, order = jax.lax.top_k(z, k)  # (ties to the lower candidate, as top_s_slate)
+      rank = jnp.zeros((k,), jnp.int32).at[order].set(jnp.arange(k, dtype=jnp.int32))
       return jnp.sum(jnp.where(y & m, 1.0 / jnp.log2(2.0 + rank), 0.0))
     both = lambda p: jax.vmap(lambda q, c, m, y: dcg(p, q, c, m, y))(
         holdout.queries, holdout.candidates, holdout.mask, cited)

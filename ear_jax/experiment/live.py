@@ -47,10 +47,12 @@ import jax
 import numpy as np
 
 from ear_jax.agent.memory import Memory, MemoryConfig
+from ear_jax.agent.memory import episode as memory_episode
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import episode
 from ear_jax.core import learner as learner_lib
 from ear_jax.core.config import Method
+from ear_jax.core.stream import Stream
 from ear_jax.data import candidates as candidates_lib
 from ear_jax.data import corpora
 from ear_jax.data import corpus as corpus_lib
@@ -395,7 +397,6 @@ def measure_device_floor(method: Method, calls: int = 500) -> dict:
   `learner.train_batch_on_feedback` of `b` queries, state donated, as `Memory`'s driver calls it)
   and `per_training_question_ms` = first + (T - 1) later + step / b. The first stage's search is
   not in it (the table's `search` row measures that path). Means over `calls` calls."""
-  from ear_jax.agent.memory import episode as live_episode  # pylint: disable=g-import-not-at-top
   config, hp = method.config, method.hparams
   K, T, b, s = config.num_candidates, config.num_rounds, config.batch_size, config.slate_size
   width = config.dim + config.side_features
@@ -415,13 +416,12 @@ def measure_device_floor(method: Method, calls: int = 500) -> dict:
       fn()
     return 1e3 * (time.perf_counter() - t) / n
 
-  one = lambda given=None: live_episode.session_round(state.params, hp, q, c, mask, zeros, zeros,
-                                                      last, s, True, given)
+  one = lambda given=None: memory_episode.session_round(state.params, hp, q, c, mask, zeros,
+                                                        zeros, last, s, True, given)
   _, given = one()
   first, later = timed(one, calls), timed(lambda: one(given), calls)
   step = jax.jit(learner_lib.train_batch_on_feedback, static_argnames=("config",),
                  donate_argnums=0)
-  from ear_jax.core.stream import Stream  # pylint: disable=g-import-not-at-top
   batch = Stream(queries=rng.standard_normal((b, config.dim)).astype(np.float32),
                  candidates=rng.standard_normal((b, K, width)).astype(np.float32),
                  mask=np.ones((b, K), bool), gold=np.zeros((b, K), bool),

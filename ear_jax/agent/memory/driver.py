@@ -301,16 +301,15 @@ class Driver:
     learner=...)`, the converter, which adds the rows afterwards) their bank rows:
     `rows_of_embedding(emb [n, d]) -> [n]` maps each candidate to the bank row holding exactly that
     embedding (-1: none, masked out). `Memory` calls it before every snapshot."""
-    todo = self.buffer_rows == UNKNOWN
-    if todo.any():
-      cands = np.asarray(self.state.buffer.candidates[..., :self.config.dim])[todo]
-      self.buffer_rows[todo] = rows_of_embedding(cands)
-      self._mask_buffer(self.buffer_rows < 0)
-    if self.holdout_rows is not None and (self.holdout_rows == UNKNOWN).any():
-      todo = self.holdout_rows == UNKNOWN
-      cands = np.asarray(self.state.guard.holdout.candidates[..., :self.config.dim])[todo]
-      self.holdout_rows[todo] = rows_of_embedding(cands)
-      self._mask_ring(self.holdout_rows < 0)
+    stores = [(self.buffer_rows, lambda: self.state.buffer.candidates, self._mask_buffer)]
+    if self.holdout_rows is not None:  # (the guard's held-out ring likewise)
+      stores.append((self.holdout_rows, lambda: self.state.guard.holdout.candidates,
+                     self._mask_ring))
+    for rows, candidates, mask in stores:
+      todo = rows == UNKNOWN
+      if todo.any():
+        rows[todo] = rows_of_embedding(np.asarray(candidates()[..., :self.config.dim])[todo])
+        mask(rows < 0)
 
 
 def _without_candidates(state):

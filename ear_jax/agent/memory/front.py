@@ -118,7 +118,9 @@ class _Closed:
 # The served parameters of a guarded memory in one compiled call (`core.guard.served_params`).
 _served = jax.jit(guard_lib.served_params, static_argnums=2)
 # The first stage's relevance of a held-out session's candidates (`guard_holdout`: its pages).
-_first_relevance = jax.jit(lambda p, q, c: adapter_lib.relevance(p, q, c)[0])
+_first_relevance = jax.jit(
+    lambda q, c, config: adapter_lib.relevance(guard_lib.first_stage_params(config), q, c)[0],
+    static_argnums=2)
 _copy = jax.jit(lambda tree: jax.tree_util.tree_map(jnp.copy, tree))  # (one call, own buffers)
 
 
@@ -839,8 +841,7 @@ class Memory:
           raise ValueError(f"k={k} is larger than the {int(s.cand_mask.sum())} candidates of "
                            f"session {sid}")
         if s.ranking is None:
-          s.ranking = np.asarray(_first_relevance(guard_lib.first_stage_params(self._ear),
-                                                  s.query_emb, s.cand_emb))
+          s.ranking = np.asarray(_first_relevance(s.query_emb, s.cand_emb, self._ear))
         return self._open_page(s, sid, k, s.rounds, explore)
       held = int(s.cand_mask.sum())
       if s.frozen:
@@ -1001,23 +1002,12 @@ class Memory:
     return labels
 
   def _final(self, sid: int, k: int) -> tuple[tuple, tuple]:
-    """`Ops.final`: the top-k by bandit mean, ties by adapted relevance ('exploit'); for a
-    held-out session (`guard_holdout`), paging's answer: the cited first, in the first stage's
-    order, then that ranking (`core.retrieval.paging_slate`)."""
+    """`Ops.final`: the top-k by bandit mean, ties by adapted relevance ('exploit')."""
     with self._lock:
       s = self._sessions.get(sid)
       k = min(k, int(s.cand_mask.sum()))  # (frozen: deletes may have masked candidates out)
       if not k:
         return (), ()
-      if s.held:
-        z = s.ranking
-        order = np.lexsort((np.arange(len(z)), -z))
-        order = order[s.cand_mask[order]]
-        cited = np.zeros(len(z), bool)
-        shown = s.slate_mask[:s.rounds]
-        cited[s.slates[:s.rounds][shown & (s.labels[:s.rounds] > 0)]] = True
-        pos = np.concatenate([order[cited[order]], order[~cited[order]]])[:k]
-        return (tuple(r["id"] for r in self._candidate_records(s, pos)), tuple(z[pos].tolist()))
       params = s.params if s.params is not None else self._driver.state.params
       slate, slate_mask, z = recall_lib.exploit(params, s.query_emb, s.cand_emb, s.cand_mask,
                                                 s.mean, s.counts, s.last(), k,

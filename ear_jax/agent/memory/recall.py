@@ -122,7 +122,10 @@ def _rounds(ops: Ops, session, critic, k: int, learn: bool, rounds: int,
       if labels[-1] is None:  # an unusable reply: no update, and no more rounds on guesswork
         break
     ids, scores = (shown[-1].ids, shown[-1].scores) if shown else ((), ())
-    if final_slate != "round_T":
+    if final_slate == "paging":  # (a held-out session's pages: paging's answer)
+      answer, _ = _paging_answer(shown, labels, k)
+      ids, scores = tuple(i for i, _ in answer), tuple(sc for _, sc in answer)
+    elif final_slate != "round_T":
       ids, scores = ops.final(session.id, k)
     held = ops.records(list(ids) + [i for s in shown for i in s.ids], session.id)
     session.close()  # ended early: the rounds so far are the training query
@@ -153,9 +156,7 @@ def _pages(ops: Ops, session, critic, k: int, rounds: int) -> Recall:
     labels.append(ops.critique(session.id, critic, t))
     if labels[-1] is None:
       break
-  ranked = [(i, sc, lab is not None and len(lab) == len(p.ids) and lab[j] > 0)
-            for p, lab in zip(shown, labels) for j, (i, sc) in enumerate(zip(p.ids, p.scores))]
-  answer = ([(i, sc) for i, sc, c in ranked if c] + [(i, sc) for i, sc, c in ranked if not c])[:k]
+  answer, ranked = _paging_answer(shown, labels, k)
   held = ops.records([i for i, _, _ in ranked], session.id)
   session.close()
   ops.count("frozen_recalls")
@@ -165,3 +166,13 @@ def _pages(ops: Ops, session, critic, k: int, rounds: int) -> Recall:
                 scores=tuple(float(sc) for _, sc in answer), rounds=tuple(shown),
                 labels=tuple(labels), final_slate="paging",
                 dropped=tuple(dict.fromkeys(i for i, _, _ in ranked if i not in held)))
+
+
+def _paging_answer(shown, labels, k: int):
+  """`(answer [(id, score)] of at most k, ranked [(id, score, cited)])` of pages `shown` and
+  their `labels` (None: unusable): the cited memories first, in ranking order, then the ranking
+  (`core.retrieval.paging_slate`)."""
+  ranked = [(i, sc, lab is not None and len(lab) == len(p.ids) and lab[j] > 0)
+            for p, lab in zip(shown, labels) for j, (i, sc) in enumerate(zip(p.ids, p.scores))]
+  answer = ([(i, sc) for i, sc, c in ranked if c] + [(i, sc) for i, sc, c in ranked if not c])[:k]
+  return answer, ranked

@@ -130,11 +130,11 @@ def suite_guard_tune(r: Runner) -> str:
     ev = res["evidence"]
     rows.append([res["critic"], "frozen first stage", "–", f"{np.mean(frozen):.2f}", "(baseline)",
                  "–", "–"])
-    off = ("the same adapter unguarded (trained without the held-out queries)"
-           if res["config"].get("guard_holdout", 0) else "ear_tuned (guard off)")
+    holdout = res["config"].get("guard_holdout", 0)
+    off = ("the same adapter unguarded (trained without the held-out queries)" if holdout
+           else "ear_tuned (guard off)")
     rows.append([res["critic"], off, "adapter", f"{np.mean(res['adapted']):.2f}",
                  d(res["adapted"]), f"{len(frozen)}/{len(frozen)}", "–"])
-    holdout = res["config"].get("guard_holdout", 0)
     for row in res["guard"]:
       name = (f"held-out guard (every {holdout}th query) z = {row['z']:g}" if holdout else
               f"guard z = {row['z']:g}, half-life {row['half_life']:g}")
