@@ -29,6 +29,7 @@ from ear_jax.agent import mcp_server
 from ear_jax.agent import mcp_stdio
 from ear_jax.agent.memory import Memory, MemoryConfig
 from ear_jax.agent.memory import persistence
+from ear_jax.agent.memory.config import DEFAULT_METHOD  # (a new directory's, as Memory()'s)
 from ear_jax.core.config import METHODS
 from ear_jax.data import encoders
 
@@ -41,7 +42,6 @@ BATCH_TOKENS = 512
 _DIR = flags.DEFINE_string("memory_dir", None, "The memory directory (created with the settings "
                            "below if it holds no memory; else opened, and its stored settings "
                            "must equal them).", required=True)
-DEFAULT_METHOD = "ear_safe"  # a new directory's method when --method is not given
 _METHOD = flags.DEFINE_enum("method", None, list(METHODS), "EAR method of the memory (config "
                             "and hyperparameters). Default: the directory's; for a new one "
                             "'ear_safe' (the held-out guard: RESULTS.md \"The held-out guard\").")

@@ -130,6 +130,62 @@ def test_the_default_first_stage_is_hybrid_with_an_encoder_and_dense_without():
   assert MemoryConfig(encoder=None, dim=8, candidates="bm25").first_stage_name == "bm25"
 
 
+def test_the_default_learner_is_ear_safe_and_one_of_config_hparams_keeps_the_papers_other():
+  from ear_jax.agent.memory import MemoryConfig  # pylint: disable=import-outside-toplevel
+  from ear_jax.agent.memory import config as mconfig  # pylint: disable=import-outside-toplevel
+  from ear_jax.core.config import Method  # pylint: disable=import-outside-toplevel
+  safe = Method.named(mconfig.DEFAULT_METHOD, dim=8)
+  default = MemoryConfig(encoder=None, dim=8)
+  assert mconfig.DEFAULT_METHOD == "ear_safe" and default.method is None
+  assert default.ear == safe.config and default.ear.guard and default.ear.guard_holdout == 5
+  assert float(default.learner_hparams.learning_rate) == float(safe.hparams.learning_rate)
+  assert MemoryConfig(encoder=None, method="ear", dim=8).ear == EARConfig(dim=8)  # (the paper's)
+  only_config = MemoryConfig(encoder=None, config=EARConfig(dim=8, slate_size=3))
+  assert float(only_config.learner_hparams.learning_rate) == float(
+      default_hparams().learning_rate)
+  only_hparams = MemoryConfig(encoder=None, dim=8, hparams=default_hparams(alpha=0.25))
+  assert only_hparams.ear == EARConfig(dim=8)
+  assert float(only_hparams.learner_hparams.alpha) == np.float32(0.25)
+
+
+def test_a_directory_of_the_earlier_default_learner_opens_as_it_was_created(tmp_path, monkeypatch):
+  # Written before presets 3 (meta `presets` 2): no method / config / hparams meant the paper's
+  # `EARConfig(dim=d)` + `default_hparams()`. Opened now, the directory keeps them (pinned as a
+  # config, also once saved again), its learner loads, and a new default memory is `ear_safe`.
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from ear_jax.agent.memory import Memory, MemoryConfig  # pylint: disable=import-outside-toplevel
+  from ear_jax.agent.memory import config as mconfig  # pylint: disable=import-outside-toplevel
+  from ear_jax.agent.memory import persistence  # pylint: disable=import-outside-toplevel
+  default = MemoryConfig(encoder=None, dim=8)
+  with monkeypatch.context() as mp:
+    mp.setattr(mconfig, "DEFAULT_METHOD", "ear")  # (the paper's config and hyperparameters)
+    mp.setattr(mconfig, "PRESETS_VERSION", 2)
+    m = Memory.open(tmp_path / "old", default)
+    m.add(["a", "b", "c"], embeddings=np.eye(3, 8))
+    assert m.config.ear == EARConfig(dim=8) and m.learner.guard is None
+    m.close()
+  meta = persistence.read_meta(tmp_path / "old")
+  assert meta["presets"] == 2 and meta["memory_config"]["method"] is None
+  assert meta["memory_config"]["config"] is None and meta["memory_config"]["hparams"] is None
+  paper = default_hparams()
+  for _ in range(2):  # (opened, saved under today's presets, opened again)
+    with Memory.open(tmp_path / "old") as back:
+      assert back.config.ear == EARConfig(dim=8) and back.learner.guard is None
+      assert {f.name: float(getattr(back.config.learner_hparams, f.name))
+              for f in dataclasses.fields(paper)} == {
+                  f.name: float(getattr(paper, f.name)) for f in dataclasses.fields(paper)}
+      assert len(back.list()) == 3
+      back.save()
+  assert persistence.read_meta(tmp_path / "old")["presets"] == mconfig.PRESETS_VERSION
+  with pytest.raises(ValueError, match="guard"):  # today's default differs: named
+    Memory.open(tmp_path / "old", default)
+  Memory.open(tmp_path / "old", MemoryConfig(encoder=None, method="ear", dim=8)).close()
+  with Memory.open(tmp_path / "new", default) as new:
+    assert new.config.ear.guard_holdout == 5 and new.learner.guard.holdout is not None
+  with Memory.open(tmp_path / "new") as again:  # (written under presets 3: still the default)
+    assert again.config.method is None and again.config.ear.guard_holdout == 5
+
+
 @pytest.mark.slow  # (two memory directories: seconds)
 def test_a_directory_keeps_its_first_stage_when_opened_without_one(tmp_path):
   from ear_jax.agent.memory import Memory, MemoryConfig  # pylint: disable=import-outside-toplevel

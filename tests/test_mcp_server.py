@@ -92,6 +92,9 @@ def test_tools_are_listed_with_descriptions_and_schemas():
   assert "after answering" in tools["cite"].description.lower()
   assert "cite" in tools["recall"].description
   assert tools["recall"].inputSchema["properties"]["k"]["maximum"] == 8
+  learn = tools["recall"].inputSchema["properties"]["learn"]
+  assert learn["type"] == "boolean" and learn["default"] is True
+  assert "learn=false" in tools["recall"].description and "answer_ids" in tools["recall"].description
   texts = tools["remember"].inputSchema["properties"]["texts"]
   assert texts["type"] == "array" and texts["maxItems"] == mcp_server.MAX_TEXTS
   assert texts["items"]["maxLength"] == mcp_server.MAX_TEXT_CHARS  # the limits a client sees
@@ -173,6 +176,8 @@ HOSTILE = [
     ("recall", {"question": "fox", "k": "many"}, "k"),
     ("recall", {"question": "fox", "k": 0}, "k"),
     ("recall", {"question": "fox", "k": 99}, "k"),
+    ("recall", {"question": "fox", "learn": "no"}, "learn"),
+    ("recall", {"question": "fox", "learn": 0}, "learn"),
     ("recall", {}, "question"),
     ("cite", {"retrieval_id": "abcd-7-1", "used_ids": []}, "earlier run"),
     ("cite", {"retrieval_id": 7, "used_ids": []}, "retrieval_id"),
@@ -217,6 +222,105 @@ def test_cite_errors_unknown_shown_ids_and_twice():
   assert not twice[0] and "already cited" in twice[1]
 
 
+SAFE = MemoryConfig(encoder=None, config=EARConfig.for_method(
+    "ear_safe", dim=D, num_candidates=8, buffer_capacity=64))
+
+
+def _fox_critic(key, view):
+  """Cites the memories about a fox (the labels the MCP agent below gives by its used_ids)."""
+  del key
+  return np.asarray([1.0 if "fox" in t else -1.0 for t in view.texts], np.float32)
+
+
+def _leaves(memory):
+  return [np.asarray(x) for x in jax.tree.leaves(memory.learner)]
+
+
+def test_test_time_recall_pages_the_served_ranking_and_trains_nothing():
+  """`recall(learn=false)`: call t is page t (ranks t k .. t k + k - 1) of the served ranking,
+  what `Memory.recall(learn=False)` shows its critic; `answer_ids` is its paging answer; citing
+  the pages changes no learner state (params, buffer, counters, the guard's ring) and no later
+  ranking; the T + 1-th call starts over at page 1; a training session of the same question goes
+  on beside it, untouched."""
+  svc = mcp_server.MemoryService(Memory(SAFE, encoder=HashEncoder()))
+  svc.remember(FACTS)
+  for i in range(10):  # two learner steps (b = 4), one question held out for the guard's ring
+    svc.memory.recall(f"which animal lives in room {i}", _fox_critic, k=3)
+  assert svc.memory.stats["learner_steps"] == 2
+  assert int(svc.memory.learner.guard.holdout.count) >= 1  # (the ring holds a question)
+  q, T = "where does the blue fox live", svc.memory.config.ear.num_rounds
+
+  async def script(s):
+    train = await mcp_agent.must(s, "recall", {"question": q, "k": 2})
+    await mcp_agent.must(s, "cite", {"retrieval_id": train["retrieval_id"], "used_ids": []})
+    before = _leaves(svc.memory), dict(svc.memory.stats), await mcp_agent.must(
+        s, "search", {"question": q, "k": 8})
+    pages, cites = [], []
+    for _ in range(T + 1):
+      r = await mcp_agent.must(s, "recall", {"question": q, "k": 2, "learn": False})
+      pages.append(r)
+      used = [m["id"] for m in r["memories"] if "fox" in m["text"]]
+      cites.append(await mcp_agent.must(s, "cite", {"retrieval_id": r["retrieval_id"],
+                                                    "used_ids": used}))
+    again = [await mcp_agent.call(s, "cite", {"retrieval_id": pages[j]["retrieval_id"],
+                                              "used_ids": []}) for j in (0, T)]
+    after = _leaves(svc.memory), dict(svc.memory.stats), await mcp_agent.must(
+        s, "search", {"question": q, "k": 8})
+    train2 = await mcp_agent.must(s, "recall", {"question": q, "k": 2})
+    return train, before, pages, cites, again, after, train2
+  train, before, pages, cites, again, after, train2 = _run(svc, script)
+  want = svc.memory.recall(q, _fox_critic, k=2, learn=False)  # (the same learner state)
+  ids = lambda r: [m["id"] for m in r["memories"]]
+  assert [r["round"] for r in pages] == [1, 2, 3, 4, 1]  # the 5th starts over
+  assert [ids(r) for r in pages[:T]] == [list(p.ids) for p in want.rounds]
+  assert ids(pages[T]) == ids(pages[0])
+  assert cites[T - 1]["answer_ids"] == list(want.ids) and cites[T - 1]["rounds_left"] == 0
+  assert "fox" in FACTS[int(want.ids[0][1:])]  # (cited first)
+  assert pages[1]["answer_ids"] == cites[0]["answer_ids"]  # (page 2 open, uncited)
+  assert not any(c["learner_step"] for c in cites)
+  for a, b in zip(before[0], after[0]):  # params, optimiser, buffer, queries_seen, guard ring
+    np.testing.assert_array_equal(a, b)
+  for name in ("learner_steps", "queries_queued", "ready", "pending"):
+    assert after[1].get(name, 0) == before[1].get(name, 0), name
+  assert after[2] == before[2]  # no later ranking moved
+  assert not again[0][0] and "has ended" in again[0][1]  # (its T pages cited: released)
+  assert not again[1][0] and "already cited" in again[1][1]
+  # the training session of the same question: its round 2, the same session as before
+  assert train2["round"] == 2
+  assert train2["retrieval_id"].split("-")[1] == train["retrieval_id"].split("-")[1]
+  assert {r["retrieval_id"].split("-")[1] for r in pages}.isdisjoint(
+      {train["retrieval_id"].split("-")[1]})
+  assert svc.stats()["open_questions"] == 2  # (question, scope, learn): both kept apart
+  svc.close()
+
+
+def test_test_time_pages_past_the_candidates_end_with_an_empty_page():
+  """K = 8, k = 3: pages of 3, 3 and 2 memories, then an empty one (no retrieval id, the answer)
+  and the question starts over."""
+  async def script(s):
+    await mcp_agent.must(s, "remember", {"texts": FACTS})
+    out = []
+    for _ in range(5):
+      r = await mcp_agent.must(s, "recall", {"question": "green owl", "k": 3, "learn": False})
+      out.append(r)
+      if r["retrieval_id"] is not None:
+        c = await mcp_agent.must(s, "cite", {"retrieval_id": r["retrieval_id"],
+                                             "answer": "the green owl lives in room 11"})
+        assert "answer_ids" in c and not c["learner_step"]
+    return out, await mcp_agent.must(s, "stats", {})
+  svc = _service()
+  out, st = _run(svc, script)
+  assert [len(r["memories"]) for r in out] == [3, 3, 2, 0, 3]
+  assert [r["round"] for r in out] == [1, 2, 3, 4, 1]
+  shown = [m["id"] for r in out[:3] for m in r["memories"]]
+  assert len(set(shown)) == 8  # every candidate, once
+  assert out[3]["retrieval_id"] is None and "answer_ids" in out[3]["next"]
+  assert out[3]["answer_ids"][0] == "m11" and len(out[3]["answer_ids"]) == 3  # (the answer's)
+  assert set(out[3]["answer_ids"]) <= set(shown)
+  assert st["learner_steps"] == 0 and st["pending"] == 0 and st["answer_feedback"] == 4
+  svc.close()
+
+
 @pytest.mark.slow  # (fast tier's budget; CI's full suite runs it)
 def test_concurrent_calls_are_safe():
   async def script(s):
@@ -249,8 +353,12 @@ def test_a_restart_keeps_the_memories_and_the_learner_and_refuses_old_retrieval_
     r = await mcp_agent.must(s, "recall", {"question": "red dog", "k": 2})
     await mcp_agent.must(s, "cite", {"retrieval_id": r["retrieval_id"], "used_ids": []})
     await mcp_agent.must(s, "remember", {"texts": FACTS[8:10]})
-    return r["retrieval_id"], await mcp_agent.must(s, "stats", {})
-  old_rid, before = _run(svc, first)
+    test = await mcp_agent.must(s, "recall", {"question": "red dog", "k": 2, "learn": False})
+    await mcp_agent.must(s, "cite", {"retrieval_id": test["retrieval_id"], "used_ids": []})
+    test = await mcp_agent.must(s, "recall", {"question": "red dog", "k": 2, "learn": False})
+    assert test["round"] == 2
+    return (r["retrieval_id"], test["retrieval_id"]), await mcp_agent.must(s, "stats", {})
+  (old_rid, old_test_rid), before = _run(svc, first)
   svc.close()
   params = jax.tree.leaves(svc.memory.learner.params)
   back = Memory.open(tmp_path / "mem", CONFIG, encoder=HashEncoder())
@@ -259,16 +367,19 @@ def test_a_restart_keeps_the_memories_and_the_learner_and_refuses_old_retrieval_
   svc2 = mcp_server.MemoryService(back, tmp_path / "mem")
 
   async def second(s):
-    stale = await mcp_agent.call(s, "cite", {"retrieval_id": old_rid, "used_ids": []})
+    stale = [await mcp_agent.call(s, "cite", {"retrieval_id": rid, "used_ids": []})
+             for rid in (old_rid, old_test_rid)]
     st = await mcp_agent.must(s, "stats", {})
     r = await mcp_agent.must(s, "recall", {"question": "red dog", "k": 2})
-    return stale, st, r
-  stale, st, r = _run(svc2, second)
+    test = await mcp_agent.must(s, "recall", {"question": "red dog", "k": 2, "learn": False})
+    return stale, st, r, test
+  stale, st, r, test = _run(svc2, second)
   svc2.close()
-  assert not stale[0] and "earlier run" in stale[1]
-  assert st["memories"] == 10 and st["feedback"] == before["feedback"] == 1
-  assert st["pending"] == 1  # (the cited session, queued for training at shutdown)
+  assert all(not ok and "earlier run" in err for ok, err in stale)
+  assert st["memories"] == 10 and st["feedback"] == before["feedback"] == 2
+  assert st["pending"] == 1  # (the cited training session, queued at shutdown; not the test one)
   assert r["round"] == 1
+  assert test["round"] == 1  # a test-time session is never saved: the question starts over
 
 
 def test_loopback_check():

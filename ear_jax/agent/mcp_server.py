@@ -5,10 +5,17 @@ the `Memory` API:
 
 * `remember(texts, scope?, dates?)` -> `Memory.add`: the new memories' ids (in `scope`, e.g. one
   user's; dated now unless `dates` are given);
-* `recall(question, k, scope?)` -> `Session.round`: a retrieval id and `k` memories (id, text,
-  date) of ONE Explorer round over the memories of `scope` (every scope when absent); the same
-  question asked again in the same scope (after `cite`) plays the next round of the same session,
-  so a question's `T` rounds are one training query (Eq. (11)-(14));
+* `recall(question, k, scope?, learn?)` -> `Session.round`: a retrieval id and `k` memories (id,
+  text, date) of ONE Explorer round over the memories of `scope` (every scope when absent); the
+  same question asked again in the same scope (after `cite`) plays the next round of the same
+  session, so a question's `T` rounds are one training query (Eq. (11)-(14)). With `learn=false`
+  (test time: answering without teaching the memory) the question's session is a frozen one
+  (`Memory.session(learn=False)`, paging, the default test-time rule of `Memory.recall`): call t
+  shows page t (ranks `t k .. t k + k - 1`) of the served ranking, `cite` records the page's
+  citations and trains nothing, and both return `answer_ids`, paging's answer so far
+  (`Session.answer`: the cited memories first, in ranking order, then the ranking). After the
+  T-th page (or past the candidates, an empty page) the next call starts over at page 1, as a
+  training question's T + 1-th call starts a new session;
 * `cite(retrieval_id, used_ids?, answer?)` -> `Session.feedback` of that round: the memories the
   answer used are +1, the others shown -1; the agent's LLM names the ids it used, or sends its
   answer, whose used memories the answer rule finds (issue 28), or both (their union);
@@ -17,14 +24,18 @@ the `Memory` API:
 * `stats()` -> sizes, counters, the learner's progress.
 
 `MemoryService` is the transport-free core. It keeps no state of its own beyond a bounded map
-(question, scope) -> `Session.id`, so that a repeated question resumes its session; a retrieval
+(question, scope, learn) -> `Session.id`, so that a repeated question resumes its session (a
+training and a test-time session of one question never meet); a retrieval
 id is `<run token>-<session id>-<round>` (the token is random per server run: an id from before a
 restart is refused by name, never confused with a new session) and `cite` resumes the session by
 id (`Memory.session(resume=...)`). Durability is `Memory`'s: every add / delete of an opened
 memory is durable when it returns, so an acknowledged `remember` / `forget` survives kill -9. The
 learner item (adapter, buffer, open sessions) is saved every `save_learner_s` seconds when a tool
 changed it, and at shutdown (`close`, which first closes the sessions of the question map so their
-feedback is queued for training); a crash loses learner steps since then, never a memory. Tools run
+feedback is queued for training); a crash loses learner steps since then, never a memory. A
+test-time session is never saved (`Memory` keeps frozen sessions in memory only): a restart (or a
+crash) drops it, its retrieval ids are refused as an earlier run's, and the question starts again at
+page 1; a timer save while it is open leaves it open in the running server. Tools run
 concurrently in worker threads (`worker_threads` of them, an anyio capacity limiter of the server's
 own): the service's lock guards only the question map, never a `Memory` call, and one question's
 rounds are kept in order by a lock of its own (`KEY_LOCKS` striped locks), so encoding and
@@ -61,8 +72,9 @@ INSTRUCTIONS = (
     "answer=<your answer>)` with your answer as you gave it (and, if you know them, used_ids= the "
     "ids of the memories your answer used): the memory learns from your answer which memories "
     "helped. If the memories were not enough, call `recall` again with the SAME question (after "
-    "`cite`) to see a different selection. `search` looks up memories without learning; `forget` "
-    "deletes memories permanently.")
+    "`cite`) to see a different selection. To answer without teaching the memory (e.g. at an "
+    "evaluation), pass learn=false to `recall` and answer from its `answer_ids`. `search` looks "
+    "up memories without learning; `forget` deletes memories permanently.")
 
 
 def is_loopback(host: str) -> bool:
@@ -93,7 +105,7 @@ class MemoryService:
     self.run_token = secrets.token_hex(4)  # names this server run in its retrieval ids
     self._lock = threading.Lock()  # the question map and the flags below (no Memory call inside)
     self._key_locks = [threading.Lock() for _ in range(KEY_LOCKS)]  # a question's rounds in order
-    self._questions = collections.OrderedDict()  # (question, scope name or None) -> Session.id
+    self._questions = collections.OrderedDict()  # (question, scope or None, learn) -> Session.id
     self._changed = False  # a tool changed the learner since the last save
     self.saves = 0
     self.closed = False
@@ -136,7 +148,11 @@ class MemoryService:
     if m[1] != self.run_token:
       raise ValueError(f"retrieval_id {shown!r} is from an earlier run of this server (it "
                        "restarted since) or from another server: call recall again")
-    return self.memory.session(resume=int(m[2])), int(m[3])
+    try:
+      return self.memory.session(resume=int(m[2])), int(m[3])
+    except ValueError as e:  # (closed by its last round's or page's cite, dropped, released)
+      raise type(e)(f"retrieval_id {shown!r} names a session that has ended ({e}): call recall "
+                    "again") from None
 
   # ----------------------------------------------------------------------------------------------
   # tools
@@ -144,22 +160,27 @@ class MemoryService:
   def remember(self, texts, scope=None, dates=None) -> dict:
     return {"ids": self.memory.add(texts, scope=scope, dates=dates)}
 
-  def recall(self, question, k: int = 5, scope=None) -> dict:
-    """The next round of the question's open session in `scope`, else round 1 of a new session.
+  def recall(self, question, k: int = 5, scope=None, learn: bool = True) -> dict:
+    """The next round of the question's open session in `scope`, else round 1 of a new session
+    (`learn=False`: a test-time session, whose round t + 1 is page t of the served ranking).
     An earlier round never cited is replaced (`Session.round`): the new one has its number, so
     its retrieval id now names the new slate. Other questions' recalls run meanwhile."""
-    key = (question, scope)
+    if not isinstance(learn, bool):
+      raise TypeError(f"learn must be true or false, got {type(learn).__name__}")
+    key = (question, scope, learn)
     with self._key_locks[hash(key) % KEY_LOCKS]:  # one question's rounds in order
       with self._lock:
         sid = self._questions.get(key)
       slate = None
       if sid is not None:
         try:
-          slate = self.memory.session(resume=sid).round(k)
+          session = self.memory.session(resume=sid)
+          slate = session.round(k)
         except ValueError:  # its T rounds are played, or it was closed, dropped or evicted
-          pass
+          if not learn:  # (a test-time session past its pages: released here)
+            self._close_session(sid)
       if slate is None:
-        session = self.memory.session(question, scope=scope)
+        session = self.memory.session(question, scope=scope, learn=learn)
         try:
           slate = session.round(k)
         except ValueError:  # (k larger than the scope's memories)
@@ -170,14 +191,21 @@ class MemoryService:
         self._questions.move_to_end(key)
         evicted = [self._questions.popitem(last=False)[1]
                    for _ in range(len(self._questions) - MAX_OPEN)]
-        self._changed = True
+        self._changed = self._changed or learn  # (a test-time session changes no learner)
+      out = {"retrieval_id": f"{self.run_token}-{slate.session_id}-{slate.round}",
+             "round": slate.round, "rounds_per_question": self._ear.num_rounds,
+             "memories": self._slate(slate),
+             "next": "answer from these memories, then call cite(retrieval_id, answer=<your "
+                     "answer>) (and used_ids=<the ids you used>, if you know them)"}
+      if not learn:
+        out["answer_ids"] = list(session.answer().ids)
+        if not len(slate):  # past its candidates: no page to cite, the next call starts over
+          self._close_session(slate.session_id)
+          out.update(retrieval_id=None, next="no more memories for this question: answer from "
+                                             "the memories of answer_ids")
     for sid in evicted:
       self._close_session(sid)
-    return {"retrieval_id": f"{self.run_token}-{slate.session_id}-{slate.round}",
-            "round": slate.round, "rounds_per_question": self._ear.num_rounds,
-            "memories": self._slate(slate),
-            "next": "answer from these memories, then call cite(retrieval_id, answer=<your "
-                    "answer>) (and used_ids=<the ids you used>, if you know them)"}
+    return out
 
   def cite(self, retrieval_id, used_ids=None, answer=None) -> dict:
     """A round's feedback: `used_ids`, `answer`, or both (their union; `Session.feedback`)."""
@@ -191,9 +219,17 @@ class MemoryService:
     if round_ > session.rounds + 1:
       raise ValueError(f"retrieval_id {retrieval_id!r} is not a retrieval id returned by recall")
     trained = session.feedback(used_ids or (), answer=answer)  # (the T-th closes the session)
-    self._touch()
-    return {"recorded": True, "round": round_,
-            "rounds_left": max(self._ear.num_rounds - round_, 0), "learner_step": bool(trained)}
+    out = {"recorded": True, "round": round_,
+           "rounds_left": max(self._ear.num_rounds - round_, 0), "learner_step": bool(trained)}
+    if session.learn:
+      self._touch()
+    else:  # (test time: nothing to train; the T-th page releases the frozen session)
+      try:
+        out["answer_ids"] = list(session.answer().ids)
+      finally:
+        if round_ >= self._ear.num_rounds:
+          session.close()
+    return out
 
   def search(self, question, k: int = 5, scope=None) -> dict:
     return {"memories": self._slate(self.memory.search(question, k, scope=scope))}
@@ -218,6 +254,7 @@ class MemoryService:
   # the learner item
 
   def _close_session(self, sid: int) -> None:
+    """Closes session `sid` (a training one is queued, a test-time one released), if open."""
     try:
       self.memory.session(resume=sid).close()
     except ValueError:  # closed already, dropped or evicted
@@ -303,7 +340,7 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
   from typing import Annotated  # pylint: disable=g-import-not-at-top
   import anyio  # pylint: disable=g-import-not-at-top
   from mcp.server.fastmcp import FastMCP  # pylint: disable=g-import-not-at-top
-  from pydantic import Field, StrictInt, StrictStr  # pylint: disable=g-import-not-at-top
+  from pydantic import Field, StrictBool, StrictInt, StrictStr  # pylint: disable=g-import-not-at-top
 
   if isinstance(worker_threads, bool) or not isinstance(worker_threads, int) or worker_threads < 1:
     raise ValueError(f"worker_threads must be an int >= 1, got {worker_threads!r}")
@@ -345,13 +382,19 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
       "memories you used, if you know them): that is how the memory learns what is useful. If "
       "these memories were not enough, call `cite` all the same (your best answer, or "
       "used_ids=[]) and call `recall` again with exactly the same question to get another "
-      "selection (a few rounds per question)."))
+      "selection (a few rounds per question). learn=false: answer WITHOUT teaching the memory "
+      "(e.g. at an evaluation); each call with the same question shows the next page of its "
+      "best-ranked memories, cite each page as above, and answer from `answer_ids` (the "
+      "memories you cited first, then the best-ranked)."))
   async def recall(question: Annotated[text, Field(
       description="The question you need to answer, in natural language.")],
                    k: k_arg = 5,
                    scope: scope_arg("Optional scope to recall from (as given to remember); "
-                                    "default: every scope.") = None) -> dict:
-    return await run(service.recall, question, k, scope)
+                                    "default: every scope.") = None,
+                   learn: Annotated[StrictBool, Field(description=(
+                       "true (default): your citations teach the memory; false: test time, "
+                       "pages of the current ranking, nothing learnt."))] = True) -> dict:
+    return await run(service.recall, question, k, scope, learn)
 
   @mcp.tool(description=(
       "Call this after answering from a `recall` result, once per retrieval_id: send your answer "

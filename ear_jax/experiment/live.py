@@ -47,6 +47,7 @@ import jax
 import numpy as np
 
 from ear_jax.agent.memory import Memory, MemoryConfig
+from ear_jax.agent.memory import driver as memory_driver
 from ear_jax.agent.memory import episode as memory_episode
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import episode
@@ -393,8 +394,8 @@ def measure_device_floor(method: Method, calls: int = 500) -> dict:
   time (issue 30's floor), each a compiled call timed to its host result, nothing around it:
   `first_round_ms` (`agent.memory.episode.session_round` computing the adapter: Eq. (3)-(4) on
   `[K, d]` candidates and the Gram of Eq. (6), then an Explorer round), `later_round_ms` (a round
-  reusing them: the bandit update and the greedy slate), `learner_step_ms` (ONE
-  `learner.train_batch_on_feedback` of `b` queries, state donated, as `Memory`'s driver calls it)
+  reusing them: the bandit update and the greedy slate), `learner_step_ms` (ONE call of the
+  driver's compiled step `agent.memory.driver.train_step` on `b` queries, state donated)
   and `per_training_question_ms` = first + (T - 1) later + step / b. The first stage's search is
   not in it (the table's `search` row measures that path). Means over `calls` calls."""
   config, hp = method.config, method.hparams
@@ -420,8 +421,7 @@ def measure_device_floor(method: Method, calls: int = 500) -> dict:
                                                         zeros, last, s, True, given)
   _, given = one()
   first, later = timed(one, calls), timed(lambda: one(given), calls)
-  step = jax.jit(learner_lib.train_batch_on_feedback, static_argnames=("config",),
-                 donate_argnums=0)
+  step = memory_driver.train_step  # the driver's own compiled step (state donated)
   batch = Stream(queries=rng.standard_normal((b, config.dim)).astype(np.float32),
                  candidates=rng.standard_normal((b, K, width)).astype(np.float32),
                  mask=np.ones((b, K), bool), gold=np.zeros((b, K), bool),

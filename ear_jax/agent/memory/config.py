@@ -21,10 +21,17 @@ SERVING = ("cache_dir", "batch_window_ms", "batch_max_queries")
 # `PRESETS_VERSION` goes up and `PRESET_CHANGES[v]` says what the presets changed at v meant
 # before, so a directory written earlier (its meta's `presets` below v) opens with the settings it
 # was created with (`stored_config`), pinned as a config from then on.
-PRESETS_VERSION = 2
+PRESETS_VERSION = 3
 PRESET_CHANGES = {
     2: {"ear_safe": dict(guard_holdout=0, guard_z=0.5, guard_evidence="items")},  # session 11
 }
+# The learner of a memory given no `method`, `config` nor `hparams`: this preset since presets
+# `DEFAULT_METHOD_SINCE` (issue 27: the tuned preset with the held-out guard, RESULTS.md "The
+# held-out guard"), its own `PRESET_CHANGES` applying to such a directory too; before, the paper's
+# `EARConfig(dim=d)` + `default_hparams()`, which `stored_config` pins for a directory written
+# then. (Another default later: another presets version, and `stored_config` pins this one.)
+DEFAULT_METHOD = "ear_safe"
+DEFAULT_METHOD_SINCE = 3
 
 
 def check_int(value, name: str, minimum: int) -> int:
@@ -43,9 +50,13 @@ class MemoryConfig:
     encoder: 'minilm', a local Hugging Face checkpoint directory, a `.npy`/`.npz` of precomputed
       embeddings, or None (every `add` / query passes embeddings). Loaded at the first text that
       needs encoding (`Memory(encoder=...)` takes an `Encoder` object instead, not saved).
-    method: a preset name (`Method.named`), exclusive with `config` / `hparams`.
-    config: `EARConfig`; default `EARConfig(dim=encoder dim or dim)`.
-    hparams: `HParams`; default `default_hparams()`.
+    method: a preset name (`Method.named`: its config and its own hyperparameters), exclusive
+      with `config` / `hparams`. None with neither of them (the default): `DEFAULT_METHOD`,
+      'ear_safe' (the tuned preset with the held-out guard); `method='ear'` is the paper's.
+    config: `EARConfig`; given without `hparams`, the hyperparameters are the paper's
+      `default_hparams()`.
+    hparams: `HParams`; given without `config`, the config is the paper's
+      `EARConfig(dim=encoder dim or dim)`.
     dim: the embedding dimension when neither `config` nor the encoder gives it.
     seed: seed of the learner (adapter init, replay randomness, critic keys).
     multistore: candidates = top-K/2 dialogue memories + top-K/2 observations (Section 5).
@@ -189,14 +200,12 @@ class MemoryConfig:
 
   def _resolved(self) -> tuple[EARConfig, HParams]:
     config, hparams, d = self.config, self.hparams, self.dim or self._encoder_dim()
-    if self.method is not None:
-      if d is None:
-        raise ValueError("the embedding dimension is unknown: pass dim= with method=")
-      config, hparams = Method.named(self.method, dim=d)[1:3]
+    if d is None and config is None:
+      raise ValueError("the embedding dimension is unknown: pass dim= or "
+                       "config=EARConfig(dim=...)")
+    if self.method is not None or (config is None and hparams is None):  # (DEFAULT_METHOD)
+      config, hparams = Method.named(self.method or DEFAULT_METHOD, dim=d)[1:3]
     if config is None:
-      if d is None:
-        raise ValueError("the embedding dimension is unknown: pass config=EARConfig(dim=...) or "
-                         "dim=")
       config = EARConfig(dim=d)
     if self.dim is not None and self.dim != config.dim:
       raise ValueError(f"dim={self.dim} does not match config.dim={config.dim}")
@@ -256,17 +265,23 @@ def _check_honoured(config: EARConfig) -> None:
 
 def stored_config(meta: dict) -> MemoryConfig:
   """The `MemoryConfig` a directory's meta stores, with a preset whose definition changed since
-  it was written (`PRESET_CHANGES`) read as it was then (a config, no longer the name)."""
+  it was written (`PRESET_CHANGES`), or the default learner written before `DEFAULT_METHOD`
+  (the paper's), read as it was then (a config, no longer the name)."""
   cfg = MemoryConfig.from_dict(meta["memory_config"])
   written = int(meta.get("presets", 1))
-  if cfg.method is None:
+  d = cfg.dim or cfg._encoder_dim()  # pylint: disable=protected-access
+  method = cfg.method
+  if method is None and cfg.config is None and cfg.hparams is None:
+    if written < DEFAULT_METHOD_SINCE:
+      return dataclasses.replace(cfg, config=EARConfig(dim=d), hparams=default_hparams())
+    method = DEFAULT_METHOD
+  if method is None:
     return cfg
   over = {}
   for version in sorted(PRESET_CHANGES, reverse=True):  # (the earliest change's values win)
     if version > written:
-      over.update(PRESET_CHANGES[version].get(cfg.method, {}))
+      over.update(PRESET_CHANGES[version].get(method, {}))
   if not over:
     return cfg
-  d = cfg.dim or cfg._encoder_dim()  # pylint: disable=protected-access
-  m = Method.named(cfg.method, dim=d, **over)
+  m = Method.named(method, dim=d, **over)
   return dataclasses.replace(cfg, method=None, config=m.config, hparams=m.hparams)

@@ -41,8 +41,9 @@ from ear_jax.core.config import EARConfig, HParams
 from ear_jax.core.stream import Stream
 
 # The learner step with the state donated: the step updates the `[C, K, d]` replay buffer and the
-# optimizer state in place instead of copying them (and allocates no fresh buffer per step).
-_train_step = jax.jit(learner_lib.train_batch_on_feedback, static_argnames=("config",),
+# optimizer state in place instead of copying them (and allocates no fresh buffer per step). The one
+# compiled step a memory makes (`experiment.live.measure_device_floor` times this very function).
+train_step = jax.jit(learner_lib.train_batch_on_feedback, static_argnames=("config",),
                       donate_argnums=0)
 
 
@@ -167,7 +168,7 @@ class Driver:
     code = np.asarray(stacked.held, np.int8).reshape(b)  # (`next_held`: 0 / 1 / 2)
     held, ring = code > 0, code == 1
     extra = (held, ring) if self.config.guard_holdout else ()  # (else the paper's call)
-    self.state, _ = _train_step(
+    self.state, _ = train_step(
         self.state, keys, batch, stacked.slates, stacked.slate_mask, stacked.labels,
         jnp.ones((b,), bool), self.config, self.hparams, *extra)
     self.num_batches += 1

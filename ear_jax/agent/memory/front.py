@@ -141,7 +141,9 @@ class Memory:
 
   Training: a query's rounds are ONE training query and ONE experience (Eq. (10)-(14); see
   `ear_jax.agent.memory.sessions`). Every `b` closed sessions -> one learner step
-  (`ear_jax.agent.memory.driver`). `search` is a pure read: no session, nothing learnt.
+  (`ear_jax.agent.memory.driver`). `search` is a pure read: no session, nothing learnt. The
+  learner is `MemoryConfig.method` (default `config.DEFAULT_METHOD`, `ear_safe`: the tuned
+  preset with the held-out guard; `method='ear'` is the paper's).
 
   `Memory(...)` is an in-memory memory (its table in SQLite's ':memory:'); `Memory.open(dir)`
   opens (or creates) a memory directory, where every add / update / delete is durable when it
@@ -209,8 +211,8 @@ class Memory:
           lambda texts, what: self._encoder.embed(texts, config.dim, cfg.cache_dir, what),
           lambda key, texts, q_emb, scopes: self._first_stage(texts, q_emb, scopes, *key),
           self._lock)
-    self._ops = Ops(page=self._page, round=self._round, feedback=self._feedback, close=self._close,
-                    info=self._info, critique=self._critique, final=self._final,
+    self._ops = Ops(round=self._round, feedback=self._feedback, close=self._close,
+                    answer=self._answer, info=self._info, critique=self._critique, final=self._final,
                     open=self._open, abandon=self._abandon, records=self._live_records,
                     count=self._count)
 
@@ -740,28 +742,40 @@ class Memory:
     out = self._staged(texts, q_emb, names, k, k, finish)
     return out if batch else out[0]
 
-  def session(self, question=None, *, query_embedding=None, scope=None,
+  def session(self, question=None, *, query_embedding=None, scope=None, learn: bool = True,
               resume: Optional[int] = None) -> Session:
     """Opens a query session: its candidates are found now, by the first stage, in the scopes
     `scope` names (None: every scope); `resume=<id>` re-attaches to an open session instead.
+
+    With `learn=False` a test-time (frozen) session, `recall(learn=False)`'s paging driven by the
+    caller: round t + 1 shows page t of the served ranking, `feedback` records the citations
+    (nothing trains the learner: no learner step, replay push or guard ring), `Session.answer`
+    is paging's answer. It is never saved (after a reopen its id is unknown to `resume`) and is
+    evicted like any session beyond `max_sessions`: `close()` it when done.
 
     Raises:
       ValueError: no memory in the scopes, a bad question; for `resume`, an unknown or closed
         session (`SessionDroppedError` for one a delete or an eviction dropped).
     """
     if resume is not None:
-      if question is not None or query_embedding is not None or scope is not None:
-        raise ValueError("pass either resume= or a question (with its scope), not both")
+      if question is not None or query_embedding is not None or scope is not None or (
+          learn is not True):
+        raise ValueError("pass either resume= or a question (with its scope and learn), not "
+                         "both: a resumed session learns as it was opened")
       sid = check_int(resume, "resume", 0)
       with self._lock:
         s = self._sessions.get(sid)
-        if s.frozen or s.closed:
+        if s.closed:
           raise ValueError(f"session {sid} is closed: open a new session")
-        return Session(self._ops, sid, s.query, s.scope)
-    return self._open(question, query_embedding, scope, False)
+        return Session(self._ops, sid, s.query, s.scope, not s.frozen)
+    if not isinstance(learn, (bool, np.bool_)):
+      raise InputTypeError(f"learn must be a bool, got {type(learn).__name__}")
+    return self._open(question, query_embedding, scope, not learn, 1, not learn)
 
-  def _open(self, question, query_embedding, scope, frozen: bool, k: int = 1) -> Session:
-    """`Ops.open`: a new session (frozen: `recall(learn=False)`'s) whose rounds can show `k`."""
+  def _open(self, question, query_embedding, scope, frozen: bool, k: int = 1,
+            paged: bool = False) -> Session:
+    """`Ops.open`: a new session (frozen: a test-time one; `paged`: its rounds are pages of the
+    served ranking) whose rounds can show `k`."""
     names = checks_lib.check_scope_spec(scope)
     texts, q_emb = self._queries(question, query_embedding, False)
 
@@ -769,13 +783,13 @@ class Memory:
       rows, mask, cands, slates = found
       held = not frozen and self._driver.next_held(texts[0], names)  # (`guard_holdout`)
       sid = self._sessions.new(texts[0], q_emb[0], rows[0], cands[0], mask[0], names or (),
-                               frozen, held)
-      if frozen:  # (a reference: `_learn` copies it before a learner step donates it)
+                               frozen, held, frozen and paged)
+      if frozen:  # (params, an Explorer one's: `_learn` copies them before a step donates them)
         s = self._sessions.by_id[sid]
-        s.params, s.ranking = self._served_params(), slates[2][0]
+        s.params, s.ranking = None if paged else self._served_params(), slates[2][0]
       self._stats["sessions_opened"] += 1
       self._learn(self._sessions.evict())
-      return Session(self._ops, sid, texts[0], names or ())
+      return Session(self._ops, sid, texts[0], names or (), not frozen)
 
     # (frozen: the search's slate by the served parameters gives their ranking `z`, what paging
     # reads, in the same call)
@@ -836,12 +850,13 @@ class Memory:
     explore = bool(explore)
     with self._lock:
       s = self._sessions.get(sid, open_round=False)
-      if s.held:  # held out for the guard: page `rounds` of the first stage's ranking
-        if k > int(s.cand_mask.sum()):
-          raise ValueError(f"k={k} is larger than the {int(s.cand_mask.sum())} candidates of "
-                           f"session {sid}")
-        if s.ranking is None:
-          s.ranking = np.asarray(_first_relevance(s.query_emb, s.cand_emb, self._ear))
+      if s.held or s.paged:  # page `rounds` of the served ranking (frozen) or of the first
+        if s.held:  # stage's (held out for the guard)
+          if k > int(s.cand_mask.sum()):
+            raise ValueError(f"k={k} is larger than the {int(s.cand_mask.sum())} candidates of "
+                             f"session {sid}")
+          if s.ranking is None:
+            s.ranking = np.asarray(_first_relevance(s.query_emb, s.cand_emb, self._ear))
         return self._open_page(s, sid, k, s.rounds, explore)
       held = int(s.cand_mask.sum())
       if s.frozen:
@@ -864,29 +879,47 @@ class Memory:
       return self._slate(s.cand_idx[pos], z[pos], s.rounds + 1, explore or s.frozen, sid,
                          s.query, self._candidate_records(s, pos))
 
-  def _page(self, sid: int, k, t: int) -> Slate:
-    """`Ops.page`: page t (ranks `t k .. t k + k - 1`, ties to the lower candidate) of a frozen
-    session's served ranking over its candidates still held, opened as its next round."""
-    k = self._check_k(k)
-    with self._lock:
-      s = self._sessions.get(sid, open_round=False)
-      if not s.frozen:
-        raise ValueError(f"session {sid} learns; paging is a test-time rule (learn=False)")
-      return self._open_page(s, sid, k, t, True)
-
   def _open_page(self, s, sid: int, k: int, t: int, explore: bool) -> Slate:
-    """Page t of session `s`'s `ranking` over its candidates still held (ties to the lower
-    candidate), opened as its next round (`explore`: the session goes on after its feedback)."""
+    """Page t (ranks `t k .. t k + k - 1`) of session `s`'s `ranking` over its candidates still
+    held (ties to the lower candidate), opened as its next round (`explore`: the session goes on
+    after its feedback)."""
     z = s.ranking
     order = np.lexsort((np.arange(len(z)), -z))
     pos = order[s.cand_mask[order]][t * k:(t + 1) * k].astype(np.int32)
     if not len(pos):
       return Slate((), (), (), (), s.rounds + 1, True, sid, s.query)
-    s.paged = True
     self._sessions.open_round(sid, pos, explore)
     self._stats["rounds"] += 1
     return self._slate(s.cand_idx[pos], z[pos], s.rounds + 1, True, sid, s.query,
                        self._candidate_records(s, pos))
+
+  def _answer(self, sid: int, k) -> Slate:
+    """`Ops.answer`: `recall.paging_answer` of the pages session `sid` showed (its rounds with
+    feedback, then the open one uncited), less the memories deleted since; `k` None: the first
+    page's size."""
+    k = None if k is None else self._check_k(k)
+    with self._lock:
+      s = self._sessions.get(sid)
+      if not (s.held or s.paged):
+        raise ValueError(f"session {sid} plays Explorer rounds: answer() is paging's (a session "
+                         "opened with learn=False)")
+      pages = [(s.slates[t][s.slate_mask[t]], s.labels[t][s.slate_mask[t]])
+               for t in range(s.rounds)]
+      pages += [] if s.open_slate is None else [(s.open_slate, None)]
+      shown, labels = [], []
+      for pos, lab in pages:
+        keep = s.cand_mask[pos]  # (a delete masked its memory out)
+        shown.append(self._slate(s.cand_idx[pos[keep]], s.ranking[pos[keep]], s.rounds, False,
+                                 sid, s.query, self._candidate_records(s, pos[keep])))
+        labels.append(None if lab is None else lab[keep])
+      if k is None:
+        k = len(pages[0][0]) if pages else 0
+      answer, _ = recall_lib.paging_answer(shown, labels, k)
+      recs = {i: (text, store) for p in shown for i, text, store in zip(p.ids, p.texts, p.stores)}
+      return Slate(ids=tuple(i for i, _ in answer), texts=tuple(recs[i][0] for i, _ in answer),
+                   stores=tuple(recs[i][1] for i, _ in answer),
+                   scores=tuple(float(sc) for _, sc in answer), round=s.rounds, explore=False,
+                   session_id=sid, query=s.query)
 
   def _learn(self, items) -> int:
     if len(self._driver.ready) + len(items) >= self._ear.batch_size:

@@ -96,7 +96,7 @@ def recall(ops: Ops, question: str, critic, k: int, *, query_embedding, learn: b
            rounds: int, final_slate: str) -> Recall:
   """`rounds` Explorer rounds (or, `final_slate='paging'`, pages) of `question` with `critic` (a
   checked question and `k`; see the module docstring), then the final slate, as a `Recall`."""
-  session = ops.open(question, query_embedding, scope, not learn, k)
+  session = ops.open(question, query_embedding, scope, not learn, k, final_slate == "paging")
   try:
     if final_slate == "paging":
       return _pages(ops, session, critic, k, rounds)
@@ -123,7 +123,7 @@ def _rounds(ops: Ops, session, critic, k: int, learn: bool, rounds: int,
         break
     ids, scores = (shown[-1].ids, shown[-1].scores) if shown else ((), ())
     if final_slate == "paging":  # (a held-out session's pages: paging's answer)
-      answer, _ = _paging_answer(shown, labels, k)
+      answer, _ = paging_answer(shown, labels, k)
       ids, scores = tuple(i for i, _ in answer), tuple(sc for _, sc in answer)
     elif final_slate != "round_T":
       ids, scores = ops.final(session.id, k)
@@ -149,14 +149,14 @@ def _pages(ops: Ops, session, critic, k: int, rounds: int) -> Recall:
   on the same labels; nothing cited: the adapter-only top-k)."""
   shown, labels = [], []
   for t in range(rounds):
-    page = ops.page(session.id, k, t)
+    page = session.round(k)  # (a paging session's round t + 1 is page t)
     if not len(page):  # past the candidates (or every one was deleted)
       break
     shown.append(page)
     labels.append(ops.critique(session.id, critic, t))
     if labels[-1] is None:
       break
-  answer, ranked = _paging_answer(shown, labels, k)
+  answer, ranked = paging_answer(shown, labels, k)
   held = ops.records([i for i, _, _ in ranked], session.id)
   session.close()
   ops.count("frozen_recalls")
@@ -168,10 +168,10 @@ def _pages(ops: Ops, session, critic, k: int, rounds: int) -> Recall:
                 dropped=tuple(dict.fromkeys(i for i, _, _ in ranked if i not in held)))
 
 
-def _paging_answer(shown, labels, k: int):
+def paging_answer(shown, labels, k: int):
   """`(answer [(id, score)] of at most k, ranked [(id, score, cited)])` of pages `shown` and
   their `labels` (None: unusable): the cited memories first, in ranking order, then the ranking
-  (`core.retrieval.paging_slate`)."""
+  (`core.retrieval.paging_slate`; `Session.answer` too)."""
   ranked = [(i, sc, lab is not None and len(lab) == len(p.ids) and lab[j] > 0)
             for p, lab in zip(shown, labels) for j, (i, sc) in enumerate(zip(p.ids, p.scores))]
   answer = ([(i, sc) for i, sc, c in ranked if c] + [(i, sc) for i, sc, c in ranked if not c])[:k]

@@ -19,9 +19,13 @@ dropped. A session that leaves by eviction, or by a delete or an update of one o
 (`ear_jax.agent.memory.forget`), is remembered with the reason (the last `MAX_GONE`), so its
 handle's calls raise a `SessionDroppedError` saying why.
 
-*Frozen* sessions play `Memory.recall(learn=False)`: every round with the served parameters of
-round 1, bandit updates but nothing for the learner; a delete masks its memories out of the later
-rounds instead of dropping the session. They are neither evicted nor saved.
+*Frozen* sessions play `Memory.recall(learn=False)` and `Memory.session(learn=False)`: nothing for
+the learner; a delete masks its memories out of the later rounds instead of dropping the session.
+A *paging* one's round t is page t of the served ranking (ranks `t k .. t k + k - 1`, the served
+parameters' relevance computed by the open's search), its answer `Session.answer`; an Explorer one
+(`recall(rule='explorer')`) plays every round with the served parameters of round 1. They are
+never saved (they end with their process) and are evicted like the others (an unclosed
+`Memory.session(learn=False)` cannot pile up).
 
 The registry is not thread-safe on its own (`Memory` holds its lock); a handle reaches its memory
 only through `Ops`, the memory's locked session operations.
@@ -132,7 +136,7 @@ class Query:
   open_slate: Optional[np.ndarray] = None  # [k] int32 candidate positions of the open round
   open_explore: bool = False
   last_used: int = 0
-  frozen: bool = False  # `recall(learn=False)`: never trained, evicted or saved
+  frozen: bool = False  # a test-time session (`learn=False`): never trained or saved
   params: Any = None  # the adapter parameters of its last round (frozen / 'exploit' answers)
   stale: bool = False  # the feedback of round `rounds` is not in mean / counts yet (`last`)
   adapted: Any = None  # `(z [K], gram [K, K])` device arrays of its last round (`episode.adapted`)
@@ -202,10 +206,12 @@ class Sessions:
       if sid in self.gone:
         raise SessionDroppedError(f"session {sid} was dropped because {self.gone[sid]}; open a "
                                   "new session")
-      raise ValueError(f"unknown session {sid}: this memory has no such session open")
+      raise ValueError(f"unknown session {sid}: this memory has no such session open (a "
+                       "learn=False session ends at close() and is never saved)")
     if open_round is not None and s.closed:
       raise ValueError(f"session {sid} is closed (an adapter-only round, close or its T "
-                       "rounds) and went to the learner; open a new session")
+                       f"rounds){'' if s.frozen else ' and went to the learner'}; open a new "
+                       "session")
     if open_round and s.open_slate is None:
       raise ValueError(f"session {sid} has no open round to label: call round() first (each "
                        "round takes feedback once)")
@@ -216,9 +222,10 @@ class Sessions:
     return s
 
   def new(self, query: str, query_emb, cand_idx, cand_emb, cand_mask, scope=(),
-          frozen: bool = False, held: int = 0) -> int:
+          frozen: bool = False, held: int = 0, paged: bool = False) -> int:
     """Opens a session with zero statistics (Alg. 2 line 3); returns its id. `held`: held out
-    for the guard (`Driver.next_held`'s code; its rounds page the first stage)."""
+    for the guard (`Driver.next_held`'s code; its rounds page the first stage); `paged`
+    (frozen): its rounds page the served ranking."""
     T, K = self.config.num_rounds, self.config.num_candidates
     sid = self.next_session
     self.next_session += 1
@@ -228,7 +235,7 @@ class Sessions:
         cand_mask=np.array(cand_mask, bool), mean=np.zeros((K,), np.float32),
         counts=np.zeros((K,), np.float32), slates=np.full((T, K), -1, np.int32),
         slate_mask=np.zeros((T, K), bool), labels=np.full((T, K), -1.0, np.float32),
-        scope=tuple(scope or ()), frozen=frozen, held=int(held), paged=bool(held))
+        scope=tuple(scope or ()), frozen=frozen, held=int(held), paged=bool(held) or bool(paged))
     self._touch(sid)
     return sid
 
@@ -270,9 +277,9 @@ class Sessions:
     return s.train_item() if s.rounds and not s.frozen else None
 
   def evict(self) -> list[TrainItem]:
-    """Drops sessions beyond `max_sessions` (least recently used, closed ones first); returns
-    the items of those with feedback."""
-    live = [sid for sid, s in self.by_id.items() if not s.frozen]
+    """Drops sessions beyond `max_sessions` (least recently used, closed ones first; test-time
+    ones too, which have no item); returns the items of those with feedback."""
+    live = list(self.by_id)
     excess = len(live) - self.max_sessions
     if excess <= 0:
       return []
@@ -393,8 +400,8 @@ class Ops(NamedTuple):
   info: Callable  # (sid) -> (rounds, closed, held)
   critique: Callable  # (sid, critic, t) -> labels [k] or None: the open round shown to a critic
   final: Callable  # (sid, k) -> (ids, scores): the top-k by bandit mean ('exploit')
-  page: Callable  # (sid, k, t) -> Slate: page t of a frozen session's served ranking (paging)
-  open: Callable  # (question, query_embedding, scope, frozen, k) -> Session
+  answer: Callable  # (sid, k or None) -> Slate: paging's answer over the pages shown so far
+  open: Callable  # (question, query_embedding, scope, frozen, k, paged) -> Session
   abandon: Callable  # (sid) -> None: drops the session untrained (its recall failed)
   records: Callable  # (ids, sid or None) -> {id: record} of those still held
   count: Callable  # (name) -> None: one more in `Memory.stats[name]`
@@ -407,10 +414,13 @@ class Session:
     id: the session id (`Memory.session(resume=id)` re-attaches to it).
     question: the question's text ('' when only an embedding was given).
     scope: the scope names its candidates came from (empty: every scope).
+    learn: False for a test-time session (`Memory.session(learn=False)`): its rounds are pages
+      of the served ranking and nothing of it trains the learner.
   """
 
-  def __init__(self, ops: Ops, sid: int, question: str, scope: tuple):
+  def __init__(self, ops: Ops, sid: int, question: str, scope: tuple, learn: bool = True):
     self._ops, self.id, self.question, self.scope = ops, int(sid), question, tuple(scope)
+    self.learn = bool(learn)
 
   def __repr__(self):
     return f"Session(id={self.id}, question={self.question!r}, rounds={self.rounds})"
@@ -431,7 +441,10 @@ class Session:
   def round(self, k: int = 5, explore: bool = True) -> Slate:
     """The next round's slate of `k` memories (an open round without feedback is discarded):
     one Explorer round (Eq. (5)-(8)), or with `explore=False` the adapter's top-k ranked by the
-    guard's served parameters (its feedback closes the session). At most `T` rounds.
+    guard's served parameters (its feedback closes the session). At most `T` rounds. A
+    test-time session (`learn=False`) shows page t (ranks `t k .. t k + k - 1`) of the served
+    ranking in round t + 1, t the rounds with feedback so far (keep `k` the same on every
+    page; past its candidates: an empty slate, no round opened).
 
     Raises:
       SessionDroppedError: a delete / update of one of its candidates or an eviction ended it.
@@ -457,3 +470,16 @@ class Session:
     """Ends the session: queued for the learner when it has feedback (its rounds so far are one
     training query). Idempotent. Returns True when this triggered a learner step."""
     return self._ops.close(self.id)
+
+  def answer(self, k: Optional[int] = None) -> Slate:
+    """Paging's answer (test-time sessions, `learn=False`): of the pages shown so far (an open
+    page counts as uncited), the cited memories first, in ranking order, then the ranking, cut to
+    `k` (default: the first page's size) and less what was deleted since; what
+    `Memory.recall(learn=False)` answers for the same labels (`recall.paging_answer`). Its
+    `round` is the pages with feedback; it still answers once the T-th page's feedback closed
+    the session, until `close()` releases it.
+
+    Raises:
+      ValueError: a session that plays Explorer rounds (its answer is `Memory.recall`'s).
+    """
+    return self._ops.answer(self.id, k)

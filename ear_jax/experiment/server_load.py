@@ -1,0 +1,227 @@
+"""The workload of the load benchmark (issue 30, `server_bench`): the memory directory, the
+clients' loop, and what they saw.
+
+Symbols: `N` memories, `S` scopes, `C` concurrent clients.
+
+`prefill` writes `N` memories in `S` scopes of `N / S` each: synthetic sentences (`TEMPLATES`
+words) whose MiniLM embeddings are computed once per distinct sentence and passed to
+`Memory.add(embeddings=)` (plus a little noise per memory, so no two are equal); every text starts
+with its scope's marker `[sNNN]` (`marker`). `run_phase` runs C clients, client `j` in scope
+`s{j % S}`, each a loop of one iteration after another: `remember` one new memory, `recall`
+(k = 5) one of `QUESTIONS` questions (they repeat, so later rounds resume the question's session),
+`cite` its first memory, `search` (k = 5) the same question; a `Record` keeps each tool's
+latencies, the errors, the acknowledged `remember`s and the leaks (a `recall` / `search` result
+without the client's marker). `check_acknowledged` opens the directory afterwards: every
+acknowledged `remember` must be there with its text and scope.
+"""
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+TOOLS = ("remember", "recall", "cite", "search")
+_WHO = ("Alice", "Bob", "Carol", "Dan", "Erin", "Frank", "Grace", "Heidi")
+_DID = ("bought", "painted", "lost", "fixed", "sold", "borrowed", "cooked", "planted")
+_WHAT = ("a red bicycle", "the blue kitchen", "an old guitar", "two tomato plants",
+         "a wooden boat", "the garden fence", "a birthday cake", "a pair of hiking boots")
+TEMPLATES = tuple(f"{w} {d} {x}." for w in _WHO for d in _DID for x in _WHAT)  # 512
+QUESTIONS = tuple(f"What did {w} do with {x}?" for w in _WHO[:4] for x in _WHAT[:4])
+
+
+def scope_name(s: int) -> str:
+  return f"s{s:03d}"
+
+
+def marker(scope: str) -> str:
+  """The prefix of every text of `scope` (how a leak is seen)."""
+  return f"[{scope}]"
+
+
+def _pct(ms: list) -> dict:
+  if not ms:
+    return {"n": 0, "p50_ms": None, "p99_ms": None}
+  a = np.asarray(ms)
+  return {"n": len(a), "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
+
+
+# --------------------------------------------------------------------------------------------------
+# the memory directory
+
+
+def prefill(memory_dir: pathlib.Path, n: int, s: int, encoder, seed: int = 0) -> dict:
+  """Writes `n` memories in `s` scopes into the new directory `memory_dir` (one durable `add` of
+  `n / s` memories per scope; embeddings of the distinct sentences, encoded once, plus noise)."""
+  from ear_jax.agent.memory import Memory, MemoryConfig  # pylint: disable=g-import-not-at-top
+  from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
+  t0 = time.perf_counter()
+  base = encoders.encode(encoder, list(TEMPLATES), use_cache=False, progress=False)
+  encode_s = time.perf_counter() - t0
+  rng = np.random.default_rng(seed)
+  per = -(-n // s)
+  t1 = time.perf_counter()
+  with Memory.open(memory_dir, MemoryConfig(method="ear_tuned", candidates="dense"),
+                   encoder=encoder) as mem:
+    for j in range(s):
+      rows = np.arange(j * per, min(n, (j + 1) * per))
+      if not len(rows):
+        break
+      scope = scope_name(j)
+      texts = [f"{marker(scope)} {TEMPLATES[r % len(TEMPLATES)]} (#{r})" for r in rows]
+      emb = base[rows % len(TEMPLATES)] + 0.05 * rng.standard_normal((len(rows), base.shape[1]),
+                                                                     np.float32)
+      mem.add(texts, scope=scope, embeddings=emb)
+    held = len(mem)
+  return {"memories": held, "scopes": s, "encode_templates_s": encode_s,
+          "add_s": time.perf_counter() - t1}
+
+
+def check_acknowledged(memory_dir: pathlib.Path, acked: list) -> dict:
+  """Opens the directory; `missing`: acknowledged `(id, text, scope)` not held with that text and
+  scope."""
+  from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
+  with Memory.open(memory_dir) as mem:
+    held = len(mem)
+    got = {r["id"]: r for scope in sorted({a[2] for a in acked}) for r in mem.list(scope)}
+  missing = [a for a in acked if a[0] not in got or (got[a[0]]["text"], got[a[0]]["scope"])
+             != (a[1], a[2])]
+  return {"acknowledged": len(acked), "missing": len(missing), "held": held,
+          "missing_examples": [list(m) for m in missing[:3]]}
+
+
+# --------------------------------------------------------------------------------------------------
+# the clients
+
+
+class Record:
+  """What one phase's clients saw: latencies per tool, errors, leaks, acknowledged remembers."""
+
+  def __init__(self):
+    self.ms = {t: [] for t in TOOLS}
+    self.errors = {t: 0 for t in TOOLS}
+    self.error_examples: list[str] = []
+    self.leaks, self.interrupted, self.session_errors = 0, 0, 0
+    self.acked: list[tuple] = []  # (id, text, scope)
+    self.calls = 0
+
+  def summary(self, seconds: float) -> dict:
+    return {"seconds": seconds, "calls": self.calls, "calls_per_s": self.calls / seconds,
+            "errors": sum(self.errors.values()) + self.session_errors, "leaks": self.leaks,
+            "interrupted": self.interrupted, "acknowledged": len(self.acked),
+            "tools": {t: {**_pct(self.ms[t]), "errors": self.errors[t]} for t in TOOLS},
+            "error_examples": self.error_examples[:5]}
+
+
+class _Stop(Exception):
+  """The server is gone (the kill -9 phase): the client stops."""
+
+
+async def _client(call: Callable, j: int, s: int, deadline: float, rec: Record,
+                  stop_on_failure: bool, min_iterations: int = 0) -> None:
+  """One client's loop: remember / recall / cite / search in scope `s{j % S}` until `deadline`
+  (and at least `min_iterations` whole iterations).
+
+  `call(tool, args)` -> `(ok, payload)`; an exception is a failure (with `stop_on_failure`: an
+  interruption, the loop ends)."""
+  scope = scope_name(j % s)
+  tag = marker(scope)
+
+  async def one(tool, args):
+    t = time.perf_counter()
+    try:
+      ok, out = await call(tool, args)
+    except Exception as e:  # pylint: disable=broad-except  (a transport failure)
+      if stop_on_failure:
+        rec.interrupted += 1
+        raise _Stop() from e
+      ok, out = False, f"{type(e).__name__}: {e}"
+    rec.ms[tool].append(1e3 * (time.perf_counter() - t))
+    rec.calls += 1
+    if not ok:
+      rec.errors[tool] += 1
+      rec.error_examples.append(f"{tool}: {str(out)[:300]}")
+      return None
+    if tool in ("recall", "search"):
+      rec.leaks += sum(not m["text"].startswith(tag) for m in out["memories"])
+    return out
+
+  i = 0
+
+  def more():
+    return i < min_iterations or time.monotonic() < deadline
+
+  try:
+    while more():
+      text = f"{tag} client {j} note {i}: {TEMPLATES[(7 * i + j) % len(TEMPLATES)]}"
+      out = await one("remember", {"texts": [text], "scope": scope})
+      if out is not None:
+        rec.acked.append((out["ids"][0], text, scope))
+      q = QUESTIONS[(i + j) % len(QUESTIONS)]
+      out = more() and await one("recall", {"question": q, "k": 5, "scope": scope})
+      if out and out["memories"] and more():
+        await one("cite", {"retrieval_id": out["retrieval_id"],
+                           "used_ids": [out["memories"][0]["id"]]})
+      if more():
+        await one("search", {"question": q, "k": 5, "scope": scope})
+      i += 1
+  except _Stop:
+    pass
+
+
+async def _progress(rec: Record, label: str, t0: float, every_s: float = 10.0) -> None:
+  while True:
+    await asyncio.sleep(every_s)
+    dt = time.perf_counter() - t0
+    print(f"  {label}: {dt:5.0f} s, {rec.calls} calls ({rec.calls / dt:.2f}/s), "
+          f"{sum(rec.errors.values())} errors", flush=True)
+
+
+async def run_phase(clients: int, s: int, seconds: float, label: str, open_call,
+                 kill: Optional[Callable] = None, min_iterations: int = 0) -> tuple:
+  """`(summary, Record)` of `clients` concurrent `_client` loops for `seconds` (and at least
+  `min_iterations` each); `open_call(j)` is an async context manager yielding client `j`'s
+  `call`. With `kill`: `kill()` (in a thread)
+  halfway, once a `remember` of this phase was acknowledged; the calls then in flight are
+  cancelled and counted as interrupted (never as errors), and the phase ends."""
+  rec = Record()
+  t0 = time.perf_counter()
+  deadline = time.monotonic() + (float("inf") if kill else seconds)
+
+  async def one(j):
+    try:
+      async with open_call(j) as call:
+        await _client(call, j, s, deadline, rec, kill is not None, min_iterations)
+    except asyncio.CancelledError:  # (the server was killed)
+      rec.interrupted += 1
+    except Exception as e:  # pylint: disable=broad-except  (a session failed to open or close)
+      if kill is not None:
+        rec.interrupted += 1
+      else:
+        rec.session_errors += 1
+        rec.error_examples.append(f"client {j}: {type(e).__name__}: {e}"[:300])
+
+  tick = asyncio.ensure_future(_progress(rec, label, t0))
+  tasks = [asyncio.ensure_future(one(j)) for j in range(clients)]
+  try:
+    if kill is None:
+      await asyncio.gather(*tasks)
+    else:
+      await asyncio.sleep(seconds / 2)
+      while not rec.acked:
+        await asyncio.sleep(0.1)
+      await asyncio.to_thread(kill)
+      for t in tasks:
+        t.cancel()
+      await asyncio.gather(*tasks, return_exceptions=True)
+  finally:
+    tick.cancel()
+  out = rec.summary(time.perf_counter() - t0)
+  out["clients"] = clients
+  print(f"  {label}: {out['calls']} calls in {out['seconds']:.1f} s = {out['calls_per_s']:.2f}/s, "
+        f"{out['errors']} errors, {out['leaks']} leaks, {out['interrupted']} interrupted",
+        flush=True)
+  return out, rec
+
