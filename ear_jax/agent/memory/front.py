@@ -767,7 +767,7 @@ class Memory:
         s = self._sessions.get(sid)
         if s.closed:
           raise ValueError(f"session {sid} is closed: open a new session")
-        return Session(self._ops, sid, s.query, s.scope, not s.frozen)
+        return Session(self._ops, sid, s.query, s.scope, not s.frozen, bool(s.held))
     if not isinstance(learn, (bool, np.bool_)):
       raise InputTypeError(f"learn must be a bool, got {type(learn).__name__}")
     return self._open(question, query_embedding, scope, not learn, 1, not learn)
@@ -789,7 +789,7 @@ class Memory:
         s.params, s.ranking = None if paged else self._served_params(), slates[2][0]
       self._stats["sessions_opened"] += 1
       self._learn(self._sessions.evict())
-      return Session(self._ops, sid, texts[0], names or (), not frozen)
+      return Session(self._ops, sid, texts[0], names or (), not frozen, bool(held))
 
     # (frozen: the search's slate by the served parameters gives their ranking `z`, what paging
     # reads, in the same call)
@@ -993,10 +993,10 @@ class Memory:
     with self._lock:
       self._sessions.by_id.pop(sid, None)
 
-  def _info(self, sid: int) -> tuple[int, bool, bool]:
+  def _info(self, sid: int) -> tuple[int, bool]:
     with self._lock:
       s = self._sessions.get(sid)
-      return s.rounds, s.closed, bool(s.held)
+      return s.rounds, s.closed
 
   def _critique(self, sid: int, critic, t: int) -> Optional[np.ndarray]:
     """`Ops.critique`: the open round of `sid` shown to a host critic (outside the lock, key

@@ -110,7 +110,7 @@ def _rounds(ops: Ops, session, critic, k: int, learn: bool, rounds: int,
             final_slate: str) -> Recall:
   shown, labels = [], []
   try:
-    if learn and ops.info(session.id)[2]:  # held out for the guard: pages, and paging's answer
+    if learn and session.held_out:  # held out for the guard: pages, and paging's answer
       final_slate = "paging"
     for t in range(rounds):
       slate = session.round(k, explore=True)

@@ -397,7 +397,7 @@ class Ops(NamedTuple):
   round: Callable  # (sid, k, explore) -> Slate
   feedback: Callable  # (sid, cited_ids, answer) -> bool (a learner step ran)
   close: Callable  # (sid) -> bool
-  info: Callable  # (sid) -> (rounds, closed, held)
+  info: Callable  # (sid) -> (rounds, closed)
   critique: Callable  # (sid, critic, t) -> labels [k] or None: the open round shown to a critic
   final: Callable  # (sid, k) -> (ids, scores): the top-k by bandit mean ('exploit')
   answer: Callable  # (sid, k or None) -> Slate: paging's answer over the pages shown so far
@@ -416,11 +416,14 @@ class Session:
     scope: the scope names its candidates came from (empty: every scope).
     learn: False for a test-time session (`Memory.session(learn=False)`): its rounds are pages
       of the served ranking and nothing of it trains the learner.
+    held_out: True for a training session held out for the guard (`EARConfig.guard_holdout`,
+      `Driver.next_held`): its rounds page the first stage's ranking and it is never trained on.
   """
 
-  def __init__(self, ops: Ops, sid: int, question: str, scope: tuple, learn: bool = True):
+  def __init__(self, ops: Ops, sid: int, question: str, scope: tuple, learn: bool = True,
+               held_out: bool = False):
     self._ops, self.id, self.question, self.scope = ops, int(sid), question, tuple(scope)
-    self.learn = bool(learn)
+    self.learn, self.held_out = bool(learn), bool(held_out)
 
   def __repr__(self):
     return f"Session(id={self.id}, question={self.question!r}, rounds={self.rounds})"
