@@ -850,13 +850,13 @@ class Memory:
     explore = bool(explore)
     with self._lock:
       s = self._sessions.get(sid, open_round=False)
-      if s.held or s.paged:  # page `rounds` of the served ranking (frozen) or of the first
-        if s.held:  # stage's (held out for the guard)
-          if k > int(s.cand_mask.sum()):
-            raise ValueError(f"k={k} is larger than the {int(s.cand_mask.sum())} candidates of "
-                             f"session {sid}")
-          if s.ranking is None:
-            s.ranking = np.asarray(_first_relevance(s.query_emb, s.cand_emb, self._ear))
+      if s.held:  # held out for the guard: its pages are of the first stage's ranking
+        if k > int(s.cand_mask.sum()):
+          raise ValueError(f"k={k} is larger than the {int(s.cand_mask.sum())} candidates of "
+                           f"session {sid}")
+        if s.ranking is None:
+          s.ranking = np.asarray(_first_relevance(s.query_emb, s.cand_emb, self._ear))
+      if s.paged:  # page `rounds` of `ranking` (a held-out session is paged too)
         return self._open_page(s, sid, k, s.rounds, explore)
       held = int(s.cand_mask.sum())
       if s.frozen:
@@ -900,7 +900,7 @@ class Memory:
     k = None if k is None else self._check_k(k)
     with self._lock:
       s = self._sessions.get(sid)
-      if not (s.held or s.paged):
+      if not s.paged:  # (held-out sessions are paged too)
         raise ValueError(f"session {sid} plays Explorer rounds: answer() is paging's (a session "
                          "opened with learn=False)")
       pages = [(s.slates[t][s.slate_mask[t]], s.labels[t][s.slate_mask[t]])
