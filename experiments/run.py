@@ -8,6 +8,7 @@
   python -m experiments.run --benchmark=locomo --suite=answer_critic  # EAR taught by the answers
   python -m experiments.run --benchmark=locomo --suite=guard_tune --candidates=hybrid --seeds=5
   python -m experiments.run --benchmark=locomo --suite=guard --seeds=10  # ear_safe vs paging
+  python -m experiments.run --benchmark=locomo --suite=headroom --seeds=5  # gold-label bound
 
 Writes into --workdir: results.json (config, versions, per-seed and mean ± std Recall@5/Hitrate@5
 in both inference modes, per category, the Recall@K ceiling, wall time), tables.md and
@@ -40,7 +41,8 @@ SUITES = ("main", "ablation", "hparams", "curves", "noise", "multistore", "qa", 
           "answer_critic",  # EAR trained by the answer-grounded critic (issue 28)
           "guard_tune",  # the guard on LoCoMo validation (issue 27)
           "guard",  # ear_safe vs the frozen first stage and paging, test split (issue 27)
-          "guard_diagnosis")  # what the guard's evidence reads vs held-out measurements
+          "guard_diagnosis",  # what the guard's evidence reads vs held-out measurements
+          "headroom")  # the adapter fitted on gold labels: an upper bound (issue 27)
 
 _DATA = data_flags.define(["locomo", "longmemeval", "jsonl", "synthetic"])
 _FIRST_STAGE = first_stage_flags.define()  # --candidates=dense|bm25|hybrid

@@ -35,6 +35,7 @@ from ear_jax.experiment.suites import answer_critic
 from ear_jax.experiment.suites import first_stage
 from ear_jax.experiment.suites import guard
 from ear_jax.experiment.suites import guard_diagnosis
+from ear_jax.experiment.suites import headroom
 from ear_jax.experiment.suites import hparams_curves
 from ear_jax.experiment.suites import main_ablation
 from ear_jax.experiment.suites import noise_multistore
@@ -75,6 +76,8 @@ SUITES["guard_tune"] = guard.suite_guard_tune
 SUITES["guard"] = guard.suite_guard
 # The guard's evidence against held-out measurements (issue 27), by name only: a diagnosis.
 SUITES["guard_diagnosis"] = guard_diagnosis.suite_guard_diagnosis
+# The adapter fitted on gold labels (issue 27's strength target), by name only: an upper bound.
+SUITES["headroom"] = headroom.suite_headroom
 SUITE_NAMES = tuple(SUITES) + ("all",)  # the values of `--suite`
 
 
