@@ -23,7 +23,7 @@ import optax
 
 from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import metrics
-from ear_jax.core import slates as slates_lib
+from ear_jax.core import retrieval
 from ear_jax.core.stream import Stream
 
 
@@ -35,10 +35,8 @@ class FitCurve(NamedTuple):
 
 def recall_at(params: adapter_lib.AdapterParams, part: Stream, slate_size: int) -> jax.Array:
   """`[]` Recall@s of the adapter-only top-s (all gold in the slate; gold outside K misses)."""
-  z = jax.vmap(adapter_lib.adapter_scores, in_axes=(None, 0, 0))(
-      params, part.queries, part.candidates)
-  slate, slate_mask = jax.vmap(slates_lib.top_s_slate, in_axes=(0, 0, None))(
-      z, part.mask, slate_size)
+  slate, slate_mask, _ = retrieval.batch_slates(params, part.queries, part.candidates,
+                                                 part.mask, slate_size)
   hit = jax.vmap(metrics.gold_in_slate)(part.gold, slate, slate_mask)
   return metrics.masked_mean(metrics.slate_recall(hit, part.num_gold))
 

@@ -29,6 +29,7 @@ from ear_jax.core import adapter as adapter_lib
 from ear_jax.experiment import plots
 from ear_jax.experiment import runner
 from ear_jax.experiment import stats
+from ear_jax.experiment import summaries
 from ear_jax.experiment import supervised
 from ear_jax.experiment.suites.first_stage import GENERATORS_SHOWN, _validation, sub_runner
 from ear_jax.experiment.suites.pairing import DELTA_NOTE, fd
@@ -47,9 +48,9 @@ SLATE = 5
 STRENGTH_TARGET = {"locomo": 5.0, "longmemeval": 2.0}
 
 
-def _fit_grid(part_fit, part_val, p0, seeds, frozen, lrs, betas):
+def _fit_grid(part_fit, part_val, p0, frozen, lrs, betas):
   """`{(lr, beta): FitCurve of [S, E + 1] (percent)}` for one variant, every seed at once."""
-  keys = jax.random.split(jax.random.PRNGKey(20261202), len(seeds))
+  keys = jax.random.split(jax.random.PRNGKey(20261202), part_fit.queries.shape[0])
   out = {}
   for lr in lrs:
     for beta in betas:
@@ -80,17 +81,16 @@ def headroom_rows(r: Runner, candidates: str) -> dict:
   fit_part, val_part = part(fit_i), part(val_i)
   frozen = 100.0 * np.asarray(jax.vmap(lambda s: supervised.recall_at(p0, s, SLATE))(val_part),
                               np.float64)
-  gold = np.asarray(val_part.gold & val_part.mask).sum(-1)
-  ceiling = 100.0 * ((gold >= np.asarray(val_part.num_gold)) & (gold > 0)).mean(-1)
+  ceiling = summaries.ceiling(stream, val_i, SLATE)["recall@K"]["per_seed"]
   online = runner.train_and_evaluate(f"headroom {ONLINE} {candidates}", stream, fit_i, val_i,
                                      m.config, m.hparams, r.seeds, progress=r.opts.progress)
-  out = {"candidates": candidates, "frozen": frozen.tolist(), "ceiling": ceiling.tolist(),
+  out = {"candidates": candidates, "frozen": frozen.tolist(), "ceiling": ceiling,
          "online": (100.0 * np.asarray(online.eval["recall_adapter"], np.float64)).tolist(),
          "variants": {}}
   for name, (fields, lrs, betas) in VARIANTS.items():
     fields = tuple(f for f in fields if getattr(p0, f) is not None)
-    held = _fit_grid(fit_part, val_part, p0, r.seeds, fields, lrs, betas)
-    inside = _fit_grid(val_part, val_part, p0, r.seeds, fields, lrs, betas)
+    held = _fit_grid(fit_part, val_part, p0, fields, lrs, betas)
+    inside = _fit_grid(val_part, val_part, p0, fields, lrs, betas)
     best, at = _best(held)
     best_in, at_in = _best(inside)
     out["variants"][name] = {
