@@ -96,6 +96,7 @@ def all_suites(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("all_suites")  # one worker builds the module fixture (pytest.ini)
 @pytest.mark.parametrize("suite", suites.ALL_ORDER)
 def test_every_suite_writes_its_table_and_plots_on_synthetic(all_suites, suite):
   results, wd = all_suites
