@@ -14,9 +14,14 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 def test_ci_bounds_the_llm_build_with_a_margin_and_reports_a_skipped_tier():
   script = (REPO / ".ci" / "run").read_text()
-  bound = int(re.search(r"timeout (\d+) python -m pip install [^\n]*requirements-llm", script)[1])
-  # 590 s on a loaded 2-core machine hit the old 600 s bound; the whole CI must stay < 90 min.
-  assert 1500 <= bound <= 2400, bound
+  build = re.search(r"timeout (\d+) python -m pip wheel [^\n]*requirements-llm[^\n]*\\\n[^\n]*&\n", script)
+  assert build, "the llama.cpp wheel is built in the background"
+  bound = int(build[1])
+  # The build took 590 s to 12 min on loaded 2-core machines (348 s here, session 15) and runs
+  # beside the core install; the whole CI must stay under 30 min.
+  assert 900 <= bound <= 1500, bound
+  assert script.index("pip wheel") < script.index("pip install -q -r requirements.txt")
+  assert "--find-links" in script and "-DLLAVA_BUILD=OFF" in script
   assert "CMAKE_BUILD_PARALLEL_LEVEL" in script
   assert "EAR_REQUIRE_REAL_LLM=1" in script  # set only when the extra installed
   assert "-rs" in script and "REAL-LLM" in script  # pytest's skip reasons and CI's own banner
