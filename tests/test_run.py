@@ -96,7 +96,7 @@ def all_suites(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("all_suites")  # one worker builds the module fixture (pytest.ini)
+@pytest.mark.xdist_group("all_suites")  # every user of `all_suites`: one worker builds it (pytest.ini)
 @pytest.mark.parametrize("suite", suites.ALL_ORDER)
 def test_every_suite_writes_its_table_and_plots_on_synthetic(all_suites, suite):
   results, wd = all_suites
@@ -114,6 +114,7 @@ def test_every_suite_writes_its_table_and_plots_on_synthetic(all_suites, suite):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("all_suites")
 def test_main_suite_table_matches_results_json_and_the_frozen_top5(all_suites):
   results, wd = all_suites
   runs = results["runs"]
@@ -135,6 +136,7 @@ def test_main_suite_table_matches_results_json_and_the_frozen_top5(all_suites):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("all_suites")
 def test_a_method_alone_gives_the_same_numbers_per_seed_as_inside_the_all_suite(all_suites,
                                                                                  tmp_path):
   """Issue 20 item 11: a method's numbers depend on the method, seeds, data and settings only,
@@ -160,6 +162,7 @@ def test_a_method_alone_gives_the_same_numbers_per_seed_as_inside_the_all_suite(
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("all_suites")
 def test_results_json_has_every_field(all_suites):
   _, wd = all_suites
   res = json.loads((wd / "results.json").read_text())
