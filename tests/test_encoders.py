@@ -114,6 +114,53 @@ def test_cache_shard_from_another_model_is_an_error(tmp_path):
     encoders.encode(b, ["y"], cache_dir=tmp_path / "rb", progress=False)
 
 
+def test_each_shard_is_read_once_per_process_and_other_processes_shards_are_seen(tmp_path,
+                                                                               monkeypatch):
+  """A live memory encodes one question per call: the cache must not re-read its directory each
+  time (session 16 measured 0.3 s per call over a 154 MB cache), yet must see a shard another
+  process wrote since, and still refuse one of another model."""
+  enc = _FakeEncoder("a")
+  encoders.encode(enc, [f"t{i}" for i in range(5)], cache_dir=tmp_path, progress=False)
+  encoders.encode(enc, ["u"], cache_dir=tmp_path, progress=False)
+  loads = []
+  real_load = np.load
+  monkeypatch.setattr(np, "load", lambda f, *a, **k: loads.append(f) or real_load(f, *a, **k))
+  for _ in range(3):
+    encoders.encode(enc, ["t1", "u"], cache_dir=tmp_path, progress=False)
+  assert loads == [] and enc.calls == 2
+  # Another process (a cache object of its own) writes a shard: read once, nothing re-encoded.
+  other = embedding_cache.EmbeddingCache(tmp_path, enc)
+  want = np.ones((1, enc.dim), np.float32)
+  other.add([embedding_cache.text_key("v")], want)
+  loads.clear()
+  got = encoders.encode(enc, ["v", "t0"], cache_dir=tmp_path, progress=False)
+  encoders.encode(enc, ["v"], cache_dir=tmp_path, progress=False)
+  assert len(loads) == 1 and enc.calls == 2
+  np.testing.assert_array_equal(got[0], want[0])
+  shard = next(other.dir.glob("shard-*.npz"))
+  foreign = _FakeEncoder("b")
+  b_dir = embedding_cache.EmbeddingCache(tmp_path / "b", foreign).dir
+  encoders.encode(foreign, ["w"], cache_dir=tmp_path / "b", progress=False)
+  (b_dir / ("shard-9" + shard.name[7:])).write_bytes(shard.read_bytes())
+  with pytest.raises(ValueError, match="another model"):
+    encoders.encode(foreign, ["w"], cache_dir=tmp_path / "b", progress=False)
+
+
+def test_many_small_shards_are_merged_and_nothing_is_lost(tmp_path, monkeypatch):
+  monkeypatch.setattr(embedding_cache, "COMPACT_AT", 8)
+  enc = _FakeEncoder("a")
+  texts = [f"question {i}" for i in range(30)]
+  want = np.concatenate([encoders.encode(enc, [t], cache_dir=tmp_path, progress=False)
+                         for t in texts])
+  (model_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+  assert len(list(model_dir.glob("shard-*.npz"))) <= 9
+  assert not list(model_dir.glob(".*"))  # no temporary file left behind
+  fresh = embedding_cache.EmbeddingCache(tmp_path, enc)  # another process's view, from disk
+  assert len(fresh) == 30
+  np.testing.assert_array_equal(np.stack([fresh.get(embedding_cache.text_key(t)) for t in texts]),
+                                want)
+
+
 def test_unknown_encoder_path_raises_naming_it(tmp_path):
   with pytest.raises(ValueError, match="no/such/model"):
     encoders.load_encoder("no/such/model")

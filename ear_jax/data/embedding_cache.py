@@ -5,6 +5,13 @@ identity) and `.npz` shards of (`keys`: text sha256, `embeddings`, `identity_has
 atomically, so an interrupted run keeps the shards it finished. A directory written by another model
 is an error, never a silent mix. The cache root is `$EAR_CACHE_DIR`, else `$XDG_CACHE_HOME/ear_jax`,
 else `~/.cache/ear_jax`.
+
+A process reads each shard once: `open_cache` keeps one `EmbeddingCache` per directory and model,
+and each call reads only the shards that appeared since (other processes' included; a shard of
+another model is refused when it appears). A live memory writes a small shard per new question, so
+once a directory holds more than `COMPACT_AT` shards, the small ones this process has read (under
+`SMALL_SHARD` rows) are merged into one (written atomically before they are removed; a concurrent
+reader at worst re-reads or re-encodes, never loses an embedding).
 """
 from __future__ import annotations
 
@@ -13,10 +20,16 @@ import json
 import os
 import pathlib
 import tempfile
+import threading
 import time
 from typing import Sequence
 
 import numpy as np
+
+COMPACT_AT = 256  # shards in a directory above which the small ones read are merged into one
+SMALL_SHARD = 4096  # rows of a shard that compaction merges
+_OPEN: dict = {}  # (directory, identity hash) -> EmbeddingCache, for `open_cache`
+_OPEN_LOCK = threading.Lock()
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -49,6 +62,13 @@ def _safe(name: str) -> str:
   return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64] or "model"
 
 
+def _model_dir(root: pathlib.Path, encoder) -> pathlib.Path:
+  """`root` itself if it holds a `meta.json`, else `encoder`'s directory under it."""
+  if (root / "meta.json").is_file():
+    return root
+  return root / f"{_safe(encoder.name)}-{encoder.identity_hash[:16]}"
+
+
 class EmbeddingCache:
   """On-disk embeddings of one model, keyed by text sha256.
 
@@ -62,12 +82,8 @@ class EmbeddingCache:
   """
 
   def __init__(self, root, encoder):
-    root = pathlib.Path(root).expanduser()
     ident_hash = encoder.identity_hash
-    if (root / "meta.json").is_file():
-      self.dir = root
-    else:
-      self.dir = root / f"{_safe(encoder.name)}-{ident_hash[:16]}"
+    self.dir = _model_dir(pathlib.Path(root).expanduser(), encoder)
     self.meta_path = self.dir / "meta.json"
     if self.meta_path.is_file():
       meta = json.loads(self.meta_path.read_text())
@@ -84,12 +100,57 @@ class EmbeddingCache:
     self.identity_hash = ident_hash
     self.dim = encoder.dim
     self._emb: dict[str, np.ndarray] = {}
-    for shard in sorted(self.dir.glob("shard-*.npz")):
-      with np.load(shard, allow_pickle=False) as z:
-        if str(z["identity_hash"]) != ident_hash:
-          raise ValueError(f"cache shard {shard} belongs to another model; remove it")
-        for k, e in zip(z["keys"], z["embeddings"]):
-          self._emb[str(k)] = e
+    self._read: dict[str, list | None] = {}  # shards read into `_emb`: name -> keys if small
+    self._lock = threading.Lock()
+    self.refresh()
+
+  def refresh(self) -> None:
+    """Reads the shards that appeared in the directory since the last call (ValueError naming a
+    shard of another model); merges the shards read once there are more than `COMPACT_AT`."""
+    with self._lock:
+      names = sorted(p.name for p in self.dir.glob("shard-*.npz"))
+      for name in names:
+        if name in self._read:
+          continue
+        shard = self.dir / name
+        try:
+          with np.load(shard, allow_pickle=False) as z:
+            if str(z["identity_hash"]) != self.identity_hash:
+              raise ValueError(f"cache shard {shard} belongs to another model; remove it")
+            keys = list(map(str, z["keys"]))
+            self._emb.update(zip(keys, z["embeddings"]))
+        except FileNotFoundError:
+          continue  # merged by another process; its merged shard is read on a later call
+        self._read[name] = keys if len(keys) < SMALL_SHARD else None
+      if len(names) > COMPACT_AT:
+        self._compact()
+
+  def _compact(self) -> None:
+    """Writes the small shards read as one shard, then removes them."""
+    small = {n: k for n, k in self._read.items() if k is not None}
+    keys = list(dict.fromkeys(k for ks in small.values() for k in ks))
+    if len(small) < 2:
+      return
+    merged = self._write(keys, np.stack([self._emb[k] for k in keys]))
+    for name in small:
+      del self._read[name]
+      try:
+        os.unlink(self.dir / name)
+      except FileNotFoundError:
+        pass
+    self._read[merged] = keys if len(keys) < SMALL_SHARD else None
+
+  def _write(self, keys, embeddings) -> str:
+    """Writes one shard atomically; returns its name."""
+    keys_arr = np.asarray(list(keys))
+    embeddings = np.asarray(embeddings, np.float32)
+    name = f"shard-{time.time_ns():020d}-{os.getpid()}.npz"
+
+    def writer(f):
+      np.savez(f, keys=keys_arr, embeddings=embeddings, identity_hash=np.asarray(self.identity_hash))
+
+    _atomic_write_bytes(self.dir / name, writer)
+    return name
 
   def __len__(self):
     return len(self._emb)
@@ -101,13 +162,21 @@ class EmbeddingCache:
     """Stores and persists a shard (atomically)."""
     if not keys:
       return
-    keys_arr = np.asarray(list(keys))
-    embeddings = np.asarray(embeddings, np.float32)
-    name = f"shard-{time.time_ns():020d}-{os.getpid()}.npz"
+    keys, embeddings = list(keys), np.asarray(embeddings, np.float32)
+    with self._lock:
+      self._read[self._write(keys, embeddings)] = keys if len(keys) < SMALL_SHARD else None
+      self._emb.update(zip(keys, embeddings))
 
-    def writer(f):
-      np.savez(f, keys=keys_arr, embeddings=embeddings, identity_hash=np.asarray(self.identity_hash))
 
-    _atomic_write_bytes(self.dir / name, writer)
-    for k, e in zip(keys, embeddings):
-      self._emb[k] = e
+def open_cache(root, encoder) -> EmbeddingCache:
+  """This process's `EmbeddingCache` of `encoder` under `root` (made on first use, `refresh`ed on
+  each later one), so each shard is read once per process."""
+  directory = _model_dir(pathlib.Path(root).expanduser(), encoder)
+  key = (str(directory.resolve()), encoder.identity_hash)
+  with _OPEN_LOCK:
+    cache = _OPEN.get(key)
+    if cache is None or not cache.meta_path.is_file():  # new, or its directory was removed
+      cache = _OPEN[key] = EmbeddingCache(root, encoder)
+      return cache
+  cache.refresh()
+  return cache

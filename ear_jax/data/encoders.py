@@ -146,7 +146,7 @@ def encode(encoder: Encoder, texts: Iterable[str], *, cache_dir=None, use_cache:
   stats.num_unique += len(first)
   cache = None
   if use_cache and not isinstance(encoder, precomputed.PrecomputedEncoder):
-    cache = embedding_cache.EmbeddingCache(cache_dir or default_cache_dir(), encoder)
+    cache = embedding_cache.open_cache(cache_dir or default_cache_dir(), encoder)
   found = {}
   if cache is not None:
     for k in first:
