@@ -3,7 +3,7 @@ first stage cannot see raise the gold-label held-out bound of `--suite=headroom`
 
 Usage (LoCoMo validation only; the test split is never read):
   EAR_DATA_DIR=../shared/data python docs/probes/context_features_headroom.py locomo [SET ...]
-SET in base, pos, meta, ctx, meta+pos (default: all). Per candidate, computed here on the host from
+SET in base, pos, meta, ctx, meta+pos, spk, ctx+spk, adj+spk (default: all). Per candidate, computed here on the host from
 the benchmark's candidate ids and texts (LoCoMo ids `D<session>:<turn>`):
   recency    the candidate's session number / the conversation's last session;
   same_sess  other candidates of the same session / K;
@@ -68,7 +68,8 @@ for k, v in dict(recency=recency, same_sess=same_sess, adj=adj, spk=spk).items()
   print(f"  {k}: mean on gold {v[g & mask].mean():.3f} non-gold {v[~g & mask].mean():.3f}")
 E = lambda *xs: [np.where(mask, x, 0).astype(np.float32) for x in xs]
 extras = {"base": [], "pos": E(pos), "meta": E(recency, same_sess, adj, spk),
-          "meta+pos": E(recency, same_sess, adj, spk, pos), "ctx": E(same_sess, adj)}
+          "meta+pos": E(recency, same_sess, adj, spk, pos), "ctx": E(same_sess, adj),
+          "spk": E(spk), "ctx+spk": E(same_sess, adj, spk), "adj+spk": E(adj, spk)}
 which = sys.argv[2:] or list(extras)
 for name in which:
   ex = extras[name]
