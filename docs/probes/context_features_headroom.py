@@ -3,7 +3,10 @@ first stage cannot see raise the gold-label held-out bound of `--suite=headroom`
 
 Usage (LoCoMo validation only; the test split is never read):
   EAR_DATA_DIR=../shared/data python docs/probes/context_features_headroom.py locomo [SET ...]
-SET in base, pos, meta, ctx, meta+pos, spk, ctx+spk, adj+spk (default: all). Per candidate, computed here on the host from
+SET in base, pos, meta, ctx, meta+pos, spk, ctx+spk, adj+spk (default: all). With `--online`,
+each set instead trains the `ear_tuned` preset online from the simulated critic on the fit part
+and reports adapter-only Recall@5 on validation against the frozen first stage, paired per seed
+(`PROBE_LR=<lr>` overrides the preset's learning rate). Per candidate, computed here on the host from
 the benchmark's candidate ids and texts (LoCoMo ids `D<session>:<turn>`):
   recency    the candidate's session number / the conversation's last session;
   same_sess  other candidates of the same session / K;
@@ -70,7 +73,28 @@ E = lambda *xs: [np.where(mask, x, 0).astype(np.float32) for x in xs]
 extras = {"base": [], "pos": E(pos), "meta": E(recency, same_sess, adj, spk),
           "meta+pos": E(recency, same_sess, adj, spk, pos), "ctx": E(same_sess, adj),
           "spk": E(spk), "ctx+spk": E(same_sess, adj, spk), "adj+spk": E(adj, spk)}
-which = sys.argv[2:] or list(extras)
+online = "--online" in sys.argv
+which = [a for a in sys.argv[2:] if a != "--online"] or list(extras)
+if online:  # the preset learning online from the simulated critic, fit -> validation, paired
+  from ear_jax.core import guard as guard_lib
+  seeds = list(range(5))
+  for name in which:
+    ex = extras[name]
+    cc = np.concatenate([c] + [e[..., None] for e in ex], -1) if ex else c
+    s2 = stream.replace(candidates=jnp.asarray(cc)).replace(answer_support=None)
+    m = runner.build_method("ear_tuned", dim=d, num_candidates=K, side_features=F + len(ex))
+    lr = os.environ.get("PROBE_LR")  # validation only: the preset's learning rate, overridden
+    if lr:
+      m = m._replace(hparams=m.hparams.replace(learning_rate=jnp.float32(float(lr))))
+    res = runner.train_and_evaluate(f"probe {name}", s2, fit_i, val_i, m.config, m.hparams, seeds)
+    first = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (len(seeds),) + x.shape),
+                                   guard_lib.first_stage_params(m.config))
+    frozen = runner.evaluate_params(first, s2, val_i, m.config, m.hparams, seeds)
+    a = 100 * np.asarray(res.eval["recall_adapter"], np.float64)
+    f = 100 * np.asarray(frozen["recall_adapter"], np.float64)
+    print(f"{name:10s} online ear_tuned: frozen {f.mean():.2f} adapter-only {a.mean():.2f} "
+          f"(+{(a - f).mean():.2f}; per seed {np.round(a - f, 2).tolist()})", flush=True)
+  sys.exit(0)
 for name in which:
   ex = extras[name]
   cc = np.concatenate([c] + [e[..., None] for e in ex], -1) if ex else c
