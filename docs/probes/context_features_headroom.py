@@ -23,6 +23,7 @@ from ear_jax.experiment.suites import headroom as H
 from ear_jax.experiment.suites.first_stage import sub_runner, _validation
 from ear_jax.experiment.suites.run_cache import Runner
 from ear_jax.core import adapter as adapter_lib
+from ear_jax.core import guard as guard_lib
 
 bench_name = sys.argv[1]
 opts = suites.Options(benchmark=bench_name, data_dir=os.environ.get("EAR_DATA_DIR", "../shared/data"), seeds=5,
@@ -75,33 +76,27 @@ extras = {"base": [], "pos": E(pos), "meta": E(recency, same_sess, adj, spk),
           "spk": E(spk), "ctx+spk": E(same_sess, adj, spk), "adj+spk": E(adj, spk)}
 online = "--online" in sys.argv
 which = [a for a in sys.argv[2:] if a != "--online"] or list(extras)
-if online:  # the preset learning online from the simulated critic, fit -> validation, paired
-  from ear_jax.core import guard as guard_lib
-  seeds = list(range(5))
-  for name in which:
-    ex = extras[name]
-    cc = np.concatenate([c] + [e[..., None] for e in ex], -1) if ex else c
-    s2 = stream.replace(candidates=jnp.asarray(cc)).replace(answer_support=None)
-    m = runner.build_method("ear_tuned", dim=d, num_candidates=K, side_features=F + len(ex))
+for name in which:
+  ex = extras[name]
+  cc = np.concatenate([c] + [e[..., None] for e in ex], -1) if ex else c
+  s2 = stream.replace(candidates=jnp.asarray(cc), answer_support=None)
+  m = runner.build_method("ear_tuned", dim=d, num_candidates=K, side_features=F + len(ex))
+  if online:  # the preset learning online from the simulated critic, fit -> validation, paired
     lr = os.environ.get("PROBE_LR")  # validation only: the preset's learning rate, overridden
     if lr:
       m = m._replace(hparams=m.hparams.replace(learning_rate=jnp.float32(float(lr))))
-    res = runner.train_and_evaluate(f"probe {name}", s2, fit_i, val_i, m.config, m.hparams, seeds)
-    first = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (len(seeds),) + x.shape),
+    res = runner.train_and_evaluate(f"probe {name}", s2, fit_i, val_i, m.config, m.hparams,
+                                    sub.seeds)
+    first = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (len(sub.seeds),) + x.shape),
                                    guard_lib.first_stage_params(m.config))
-    frozen = runner.evaluate_params(first, s2, val_i, m.config, m.hparams, seeds)
+    frozen = runner.evaluate_params(first, s2, val_i, m.config, m.hparams, sub.seeds)
     a = 100 * np.asarray(res.eval["recall_adapter"], np.float64)
     f = 100 * np.asarray(frozen["recall_adapter"], np.float64)
     print(f"{name:10s} online ear_tuned: frozen {f.mean():.2f} adapter-only {a.mean():.2f} "
           f"(+{(a - f).mean():.2f}; per seed {np.round(a - f, 2).tolist()})", flush=True)
-  sys.exit(0)
-for name in which:
-  ex = extras[name]
-  cc = np.concatenate([c] + [e[..., None] for e in ex], -1) if ex else c
-  s2 = stream.replace(candidates=jnp.asarray(cc))
-  m = runner.build_method("ear_tuned", dim=d, num_candidates=K, side_features=F + len(ex))
+    continue
   p0 = adapter_lib.init_adapter(jax.random.PRNGKey(0), m.config)
-  part = lambda i: runner.stack_streams(s2, i).replace(answer_support=None)
+  part = lambda i: runner.stack_streams(s2, i)
   fp, vp = part(fit_i), part(val_i)
   for fields, lrs, betas, tag in [((), (3e-5, 1e-4), (64.0,), "all"),
                                    (("w_q", "w_m", "a_q", "a_m"), (1e-2,), (64.0,), "side")]:

@@ -128,9 +128,9 @@ class EmbeddingCache:
   def _compact(self) -> None:
     """Writes the small shards read as one shard, then removes them."""
     small = {n: k for n, k in self._read.items() if k is not None}
-    keys = list(dict.fromkeys(k for ks in small.values() for k in ks))
     if len(small) < 2:
       return
+    keys = list(dict.fromkeys(k for ks in small.values() for k in ks))
     merged = self._write(keys, np.stack([self._emb[k] for k in keys]))
     for name in small:
       del self._read[name]
