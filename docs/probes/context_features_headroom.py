@@ -3,7 +3,8 @@ first stage cannot see raise the gold-label held-out bound of `--suite=headroom`
 
 Usage (LoCoMo validation only; the test split is never read):
   EAR_DATA_DIR=../shared/data python docs/probes/context_features_headroom.py locomo [SET ...]
-SET in base, pos, meta, ctx, meta+pos, spk, ctx+spk, adj+spk (default: all). With `--online`,
+SET in base, pos, meta, ctx, meta+pos, spk, ctx+spk, adj+spk, lib (default: all; lib is the
+library's `--features=context`, session 17). With `--online`,
 each set instead trains the `ear_tuned` preset online from the simulated critic on the fit part
 and reports adapter-only Recall@5 on validation against the frozen first stage, paired per seed
 (`PROBE_LR=<lr>` overrides the preset's learning rate). Per candidate, computed here on the host from
@@ -74,13 +75,26 @@ E = lambda *xs: [np.where(mask, x, 0).astype(np.float32) for x in xs]
 extras = {"base": [], "pos": E(pos), "meta": E(recency, same_sess, adj, spk),
           "meta+pos": E(recency, same_sess, adj, spk, pos), "ctx": E(same_sess, adj),
           "spk": E(spk), "ctx+spk": E(same_sess, adj, spk), "adj+spk": E(adj, spk)}
+# "lib": the library's own context features (`--features=context`, first_stage.CONTEXT_FEATURES,
+# session 17), built by the pipeline instead of here; the same queries, so the same splits.
+lib_stream = None
 online = "--online" in sys.argv
 which = [a for a in sys.argv[2:] if a != "--online"] or list(extras)
+extras["lib"] = None
 for name in which:
   ex = extras[name]
-  cc = np.concatenate([c] + [e[..., None] for e in ex], -1) if ex else c
-  s2 = stream.replace(candidates=jnp.asarray(cc), answer_support=None)
-  m = runner.build_method("ear_tuned", dim=d, num_candidates=K, side_features=F + len(ex))
+  if name == "lib":
+    lb = sub_runner(r, "hybrid", features="context").bench()
+    assert list(lb.query_ids) == list(b.query_ids)
+    s2 = lb.stream.replace(answer_support=None)
+    n_side = s2.num_side_features
+    print("lib features vs probe's ctx+spk: max |diff|", float(np.abs(
+        np.asarray(s2.candidates)[..., d + F:] - np.stack(extras["ctx+spk"], -1)).max()), flush=True)
+  else:
+    cc = np.concatenate([c] + [e[..., None] for e in ex], -1) if ex else c
+    s2 = stream.replace(candidates=jnp.asarray(cc), answer_support=None)
+    n_side = F + len(ex)
+  m = runner.build_method("ear_tuned", dim=d, num_candidates=K, side_features=n_side)
   if online:  # the preset learning online from the simulated critic, fit -> validation, paired
     lr = os.environ.get("PROBE_LR")  # validation only: the preset's learning rate, overridden
     if lr:

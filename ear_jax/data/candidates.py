@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 import time
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -33,6 +34,8 @@ from ear_jax.data import lexical
 from ear_jax.data import synthetic
 
 DEFAULT_K = 20
+# A speaker prefix: one to three capitalised words, then ':' ("Caroline: ...").
+SPEAKER = re.compile(r"^([A-Z][\w'.-]*(?: [A-Z][\w'.-]*){0,2}):")
 top_k_candidates = first_stage.top_k_candidates  # the dense first stage (Eq. (1))
 
 
@@ -136,12 +139,16 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
     k: K, candidates per query.
     multistore: top-K/2 dialogue turns + top-K/2 observations (Section 5).
     candidates: the first stage, a name in `first_stage.GENERATORS` ('dense', 'bm25', 'hybrid').
-    side_features: append the first-stage features (`first_stage.FEATURES`) to every candidate
-      row of the stream (for `EARConfig.side_features`).
-    first_stage_options: the hybrid fusion's settings (default `FirstStageOptions()`).
+    side_features: append the side features (`first_stage_options.feature_names`: the first
+      stage's, and with `features="context"` the bank's `first_stage.CONTEXT_FEATURES`) to every
+      candidate row of the stream (for `EARConfig.side_features`).
+    first_stage_options: the hybrid fusion's settings and the feature set (default
+      `FirstStageOptions()`).
   """
   first_stage.check_generator(candidates)
   fs_options = first_stage_options or first_stage.FirstStageOptions()
+  if fs_options.uses_context and not side_features:
+    raise ValueError("features='context' are side features: pass side_features=True")
   corpus = ec.corpus
   if multistore and k % 2:
     raise ValueError(f"multi-store candidates need an even K, got {k}")
@@ -155,7 +162,8 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
   scores = np.full((nq, k), -np.inf, np.float32)
   gold = np.zeros((nq, k), bool)
   num_gold_store = np.zeros((nq, 2), np.int32)
-  feats = np.zeros((nq, k, len(first_stage.FEATURES)), np.float32) if side_features else None
+  feats = (np.zeros((nq, k, len(fs_options.feature_names)), np.float32) if side_features
+           else None)
   lexical_needed = candidates != "dense" or side_features
   index_bm25, offsets, vocab = (_bm25_index(corpus, by_group, multistore) if lexical_needed
                                 else (None, None, None))
@@ -169,9 +177,11 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
       queries = [lexical.term_ids(vocab, t) for t in lexical.tokenize([corpus.queries[n].text
                                                                for n in rows])]
       found = index_bm25.scores(queries, np.arange(len(corpus.banks)) == g)
+      ctx = (bank_context(bank.texts, bank.dates, vocab) + (queries,)
+             if fs_options.uses_context else None)
       idx, sc, f = first_stage.bank_first_stage(
           ec.query_embeddings[rows], ec.bank_embeddings[g], bank.stores, used, found, k,
-          candidates, fs_options, multistore, offset=offsets[g])
+          candidates, fs_options, multistore, offset=offsets[g], context=ctx)
       if side_features:
         feats[rows] = f
     index[rows] = idx
@@ -207,7 +217,7 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
   stats["candidates"] = candidates
   if candidates == "hybrid":
     stats["first_stage_options"] = dataclasses.asdict(fs_options)
-  stats["side_features"] = list(first_stage.FEATURES) if side_features else []
+  stats["side_features"] = list(fs_options.feature_names) if side_features else []
   stats["multistore"] = multistore
   stats["banks_smaller_than_k"] = int(sum(
       int((b.stores == 0).sum() if not multistore else len(b)) < k for b in corpus.banks))
@@ -237,6 +247,24 @@ def _dense(queries, emb, stores, used, k: int, multistore: bool):
   sc = np.concatenate([p[1] for p in parts], 1)
   order = np.argsort(-sc, axis=1, kind="stable")
   return np.take_along_axis(idx, order, 1), np.take_along_axis(sc, order, 1)
+
+
+def bank_context(texts: Sequence[str], dates: Optional[Sequence[str]], vocab: dict):
+  """`(sessions [M] int32, speakers [M] int32)` of a bank's rows for the `"context"` features
+  (`first_stage.Context`; -1 = unknown).
+
+  A row's session is its date string (rows of one session share it; '' = unknown), coded in order
+  of first appearance. Its speaker is the BM25 term (`vocab`'s id) of the first word of a leading
+  name of one to three capitalised words followed by ':' (`SPEAKER`: LoCoMo's "Caroline: ...",
+  not "Quick question: ..."); -1 when there is none or the term is not in `vocab`.
+  """
+  codes: dict = {}
+  sessions = np.asarray([codes.setdefault(d, len(codes)) if d else -1
+                         for d in (dates or [""] * len(texts))], np.int32)
+  heads = [m.group(1) if (m := SPEAKER.match(t)) else "" for t in texts]
+  speakers = np.asarray([vocab.get(tk[0], -1) if tk else -1 for tk in lexical.tokenize(heads)],
+                        np.int32)
+  return sessions, speakers
 
 
 def _bm25_index(corpus: corpus_lib.Corpus, by_group, multistore: bool):

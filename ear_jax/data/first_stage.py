@@ -2,7 +2,7 @@
 features, for the benchmark pipeline and for `ear_jax.agent.Memory` alike.
 
 Symbols: `q` queries, `C` rows of a bank (a benchmark bank padded to a power of two, or a
-`Memory`'s capacity), `K` candidates, `d` dimension, `F = len(FEATURES)` first-stage features,
+`Memory`'s capacity), `K` candidates, `d` dimension, `F` side features (`FEATURE_SETS[options.features]`),
 `B` BM25 pairs per query (a power-of-two bucket), `t` the RRF depth.
 
 ONE implementation: `rank_bank` is a pure, jittable function of the bank's embeddings, its
@@ -36,6 +36,14 @@ the frozen dense cosine, and its BM25 score divided by the query's best candidat
 `ear_jax.core.adapter.relevance` adds `w . f` to the adapted cosine; `w` starts at
 `[side_init, -1, 0]`, so before any feedback the adapter-only slate is the first stage's top-s.
 
+Context features (issue 27; `FirstStageOptions.features = "context"`): three more per candidate,
+from what a bank knows of its rows (`Context`), which no first stage scores:
+`same_session` (the other candidates of the row's session, / K), `adjacent` (rows r - 1 and r + 1
+of the same session among the candidates, / 2: bank rows are in insertion order, so a session's
+turns are consecutive rows) and `speaker_named` (1 when the row's speaker, the term of a short
+leading `Name:`, is one of the question's BM25 terms). Chosen on LoCoMo validation (BUILD_NOTES
+"Session 16"); a bank without sessions or speakers gives 0.
+
 Stores: single store, only dialogue rows (store 0) are candidates (and BM25 documents: the
 pipeline's and `Memory`'s indexes hold only them); `multistore`, each store's top-K/2, merged by
 score (store 0 first on equal scores).
@@ -56,6 +64,10 @@ from ear_jax.core.types import CandidateGenerator
 
 QUERY_BATCH = 64  # queries per jitted search call (the last batch is padded)
 FEATURES = ("first_stage", "dense_cosine", "bm25")
+CONTEXT_FEATURES = ("same_session", "adjacent", "speaker_named")
+# `FirstStageOptions.features` -> the side features of every candidate, in order.
+FEATURE_SETS = {"first_stage": FEATURES, "context": FEATURES + CONTEXT_FEATURES}
+NO_TERM = -2  # padding of `Context.query_terms` (never a term id, nor the -1 of "no speaker")
 FUSIONS = ("rrf", "weighted")
 MIN_BUCKET = 16  # smallest bucket of BM25 pairs per query
 _top_k_search = jax.jit(retrieval.top_k_search, static_argnames=("k", "chunk"))
@@ -63,7 +75,7 @@ _top_k_search = jax.jit(retrieval.top_k_search, static_argnames=("k", "chunk"))
 
 @dataclasses.dataclass(frozen=True)
 class FirstStageOptions:
-  """Settings of the hybrid fusion (ignored by `dense` and `bm25`).
+  """Settings of the hybrid fusion (ignored by `dense` and `bm25`) and the side features.
 
   The defaults are the choice of `python -m experiments.run --benchmark=locomo
   --suite=first_stage_tune --seeds=5` on LoCoMo validation data (BUILD_NOTES "First stage"):
@@ -72,8 +84,12 @@ class FirstStageOptions:
   fusion: str = "weighted"
   rrf_k: float = 60.0
   lexical_weight: float = 0.6
+  features: str = "first_stage"  # a name in FEATURE_SETS: the side features of each candidate
 
   def __post_init__(self):
+    if self.features not in FEATURE_SETS:
+      raise ValueError(f"unknown features={self.features!r}; expected one of "
+                       f"{tuple(FEATURE_SETS)}")
     if self.fusion not in FUSIONS:
       raise ValueError(f"unknown fusion={self.fusion!r}; expected one of {FUSIONS}")
     if not 0.0 <= self.lexical_weight <= 1.0:
@@ -81,11 +97,20 @@ class FirstStageOptions:
     if not self.rrf_k > 0:
       raise ValueError(f"rrf_k must be > 0, got {self.rrf_k}")
 
+  @property
+  def feature_names(self) -> tuple:
+    """The side features of each candidate, in order (`FEATURE_SETS[features]`)."""
+    return FEATURE_SETS[self.features]
+
+  @property
+  def uses_context(self) -> bool:
+    return self.features == "context"
+
   @classmethod
-  def with_defaults(cls, fusion=None, lexical_weight=None) -> "FirstStageOptions":
-    """The options with `fusion` / `lexical_weight` where given (None: the default)."""
-    over = {k: v for k, v in (("fusion", fusion), ("lexical_weight", lexical_weight))
-            if v is not None}
+  def with_defaults(cls, fusion=None, lexical_weight=None, features=None) -> "FirstStageOptions":
+    """The options with `fusion` / `lexical_weight` / `features` where given (None: default)."""
+    over = {k: v for k, v in (("fusion", fusion), ("lexical_weight", lexical_weight),
+                              ("features", features)) if v is not None}
     return cls(**over)
 
 
@@ -131,6 +156,13 @@ def pow2_at_least(n: int, minimum: int = 1) -> int:
   """The smallest power of two `>= max(n, minimum, 1)`."""
   n = max(n, minimum, 1)
   return 1 << (n - 1).bit_length()
+
+
+class Context(NamedTuple):
+  """What a bank knows of its rows beyond their texts (`"context"` features; -1 = unknown)."""
+  sessions: jax.Array  # [C] int32 a code per row for its session (-1: unknown)
+  speakers: jax.Array  # [C] int32 the term id of the row's speaker (-1: none)
+  query_terms: jax.Array  # [q, L] int32 each query's BM25 term ids (NO_TERM = padding)
 
 
 class BankScores(NamedTuple):
@@ -255,20 +287,39 @@ def check_generator(name: str) -> Callable:
   return GENERATORS[name]
 
 
-def features(s: BankScores, rows, scores, mask):
+def context_features(ctx: Context, rows, mask):
+  """`[q, K, 3]` float32 `CONTEXT_FEATURES` of candidates `rows [q, K]` (`mask`) (0 on padding)."""
+  k = rows.shape[1]
+  safe = jnp.maximum(rows, 0)
+  sess = jnp.where(mask, ctx.sessions[safe], -1)
+  known = sess >= 0
+  same = (sess[:, :, None] == sess[:, None, :]) & known[:, :, None] & known[:, None, :]
+  same_session = (jnp.sum(same, -1) - known) / k  # the others of its session
+  step = jnp.abs(rows[:, :, None] - rows[:, None, :]) == 1
+  adjacent = jnp.sum(same & step, -1) / 2.0
+  spk = jnp.where(mask, ctx.speakers[safe], -1)
+  named = jnp.any(ctx.query_terms[:, None, :] == spk[:, :, None], -1) & (spk >= 0)
+  return jnp.stack([same_session, adjacent, named.astype(jnp.float32)], -1)
+
+
+def features(s: BankScores, rows, scores, mask, ctx: Optional[Context] = None):
   """`[q, K, F]` float32 side features of ranked candidates `rows [q, K]` with their first-stage
-  `scores` and `mask` (`FEATURES`; 0 on padding)."""
+  `scores` and `mask` (`FEATURES`, then `CONTEXT_FEATURES` when `ctx` is given; 0 on padding)."""
   first = jnp.where(mask, _minmax(jnp.where(mask, scores, 0.0), mask), 0.0)
   safe = jnp.maximum(rows, 0)
   cos = jnp.take_along_axis(s.cos, safe, 1)
   lex = jnp.take_along_axis(s.lex, safe, 1)
   best = jnp.max(jnp.where(mask, lex, 0.0), axis=1, keepdims=True)
   lex = jnp.where(best > 0, lex / jnp.where(best > 0, best, 1.0), 0.0)
-  return jnp.where(mask[..., None], jnp.stack([first, cos, lex], -1), 0.0)
+  out = jnp.stack([first, cos, lex], -1)
+  if ctx is not None:
+    out = jnp.concatenate([out, context_features(ctx, rows, mask)], -1)
+  return jnp.where(mask[..., None], out, 0.0)
 
 
-def _block(queries, emb, where, stores, lex_rows, lex_scores, k, generator, options, multistore):
-  """`rank_bank` for one block of queries."""
+def _block(queries, emb, where, stores, lex_rows, lex_scores, ctx, k, generator, options,
+           multistore):
+  """`rank_bank` for one block of queries (`ctx`: its `Context`, or None)."""
   cap = emb.shape[0]
   b = queries.shape[0]
   cos = retrieval._chunk_scores(queries, emb)  # [b, C] float32  pylint: disable=protected-access
@@ -286,11 +337,11 @@ def _block(queries, emb, where, stores, lex_rows, lex_scores, k, generator, opti
     rows, sc = gen(s._replace(where=where & (stores == 0)), k, options)
   mask = sc > -jnp.inf
   rows = jnp.where(mask, rows, -1).astype(jnp.int32)
-  return rows, mask, sc, features(s, rows, sc, mask)
+  return rows, mask, sc, features(s, rows, sc, mask, ctx)
 
 
 def rank_bank(queries, emb, where, stores, lex_rows, lex_scores, *, k: int, generator: str,
-              options: FirstStageOptions, multistore: bool):
+              options: FirstStageOptions, multistore: bool, context: Optional[Context] = None):
   """The first stage of `q` queries over one bank (pure; jit with the keywords static).
 
   Queries go in blocks of `retrieval.SCORE_BUDGET // C` (a `lax.map`), so at most about that many
@@ -307,15 +358,23 @@ def rank_bank(queries, emb, where, stores, lex_rows, lex_scores, *, k: int, gene
     generator: a name in `GENERATORS`.
     options: the hybrid fusion's settings.
     multistore: each store's top-K/2, merged by score.
+    context: the bank's `Context` (required by, and only by, `options.features == "context"`).
 
   Returns:
     `(rows [q, K] int32 (-1 = padding), mask [q, K] bool, scores [q, K] float32 (the first
     stage's, -inf = padding), features [q, K, F] float32)`, best first.
   """
+  if options.uses_context != (context is not None):
+    raise ValueError(f"features={options.features!r} needs a first_stage.Context exactly when "
+                     "it is 'context'")
   cap, q = emb.shape[0], queries.shape[0]
   per_block = min(q, pow2_at_least(max(1, retrieval.SCORE_BUDGET // cap) + 1) // 2)
-  fn = lambda x: _block(x[0], emb, where, stores, x[1], x[2], k, generator, options, multistore)
-  xs = (queries, lex_rows, lex_scores)
+
+  def fn(x):
+    ctx = None if context is None else Context(context.sessions, context.speakers, x[3])
+    return _block(x[0], emb, where, stores, x[1], x[2], ctx, k, generator, options, multistore)
+
+  xs = (queries, lex_rows, lex_scores) + (() if context is None else (context.query_terms,))
   if per_block == q:
     return fn(xs)
   blocks = tuple(a.reshape((q // per_block, per_block) + a.shape[1:]) for a in xs)
@@ -339,12 +398,23 @@ def pairs(found: Sequence[tuple[np.ndarray, np.ndarray]], capacity: int, num_pad
   return rows, scores
 
 
+def pad_terms(terms: Sequence[np.ndarray], num_padded: int) -> np.ndarray:
+  """`[num_padded, L]` int32: each query's term ids padded with `NO_TERM` to a power of two `L`
+  (at least 8; one compiled shape for many query lengths)."""
+  width = pow2_at_least(max([len(t) for t in terms] + [1]), 8)
+  out = np.full((num_padded, width), NO_TERM, np.int32)
+  for i, t in enumerate(terms):
+    out[i, :len(t)] = t
+  return out
+
+
 _rank_bank = jax.jit(rank_bank, static_argnames=("k", "generator", "options", "multistore"))
 
 
 def bank_first_stage(queries: np.ndarray, emb: np.ndarray, stores: np.ndarray, valid: np.ndarray,
                      found: Sequence[tuple[np.ndarray, np.ndarray]], k: int, generator: str,
-                     options: FirstStageOptions, multistore: bool, offset: int = 0):
+                     options: FirstStageOptions, multistore: bool, offset: int = 0,
+                     context: Optional[tuple] = None):
   """`rank_bank` of one benchmark bank on the host's arrays (the bank padded to a power of two
   rows, at least `k`; the queries in blocks of `min(QUERY_BATCH, n)` rounded up to a power of two,
   so a benchmark compiles once per padded bank size).
@@ -358,6 +428,8 @@ def bank_first_stage(queries: np.ndarray, emb: np.ndarray, stores: np.ndarray, v
       are bank rows).
     k, generator, options, multistore: as `rank_bank`.
     offset: the bank's first row in the BM25 index.
+    context: for `options.features == "context"`, `(sessions [M] int32, speakers [M] int32,
+      query_terms)`, a list of each query's `[t]` BM25 term ids (`Context`).
 
   Returns:
     `(index [n, K] int32, scores [n, K] float32, features [n, K, F] float32)`.
@@ -370,12 +442,22 @@ def bank_first_stage(queries: np.ndarray, emb: np.ndarray, stores: np.ndarray, v
   where[:m] = valid
   stores_p = np.full(cap, -1, np.int32)
   stores_p[:m] = stores
+  if context is not None:
+    sessions_p, speakers_p = np.full(cap, -1, np.int32), np.full(cap, -1, np.int32)
+    sessions_p[:m], speakers_p[:m] = context[0], context[1]
+    terms = pad_terms(context[2], n)
   out = []
   for s in range(0, n, q):  # blocks of `q` queries (one compiled shape per bank size)
     q_p = np.zeros((q, queries.shape[1]), np.float32)
     q_p[:min(q, n - s)] = queries[s:s + q]
     lex_rows, lex_scores = pairs(found[s:s + q], cap, q, offset)
+    ctx = None
+    if context is not None:
+      t_p = np.full((q, terms.shape[1]), NO_TERM, np.int32)
+      t_p[:min(q, n - s)] = terms[s:s + q]
+      ctx = Context(sessions_p, speakers_p, t_p)
     rows, _, sc, feats = _rank_bank(q_p, emb_p, where, stores_p, lex_rows, lex_scores, k=k,
-                                    generator=generator, options=options, multistore=multistore)
+                                    generator=generator, options=options, multistore=multistore,
+                                    context=ctx)
     out.append([np.asarray(a)[:min(q, n - s)] for a in (rows, sc, feats)])
   return tuple(np.concatenate([o[i] for o in out]) for i in range(3))

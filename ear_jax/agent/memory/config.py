@@ -139,6 +139,10 @@ class MemoryConfig:
     if not isinstance(self.first_stage, FirstStageOptions):
       raise InputTypeError("first_stage must be a first_stage.FirstStageOptions, got "
                            f"{type(self.first_stage).__name__}")
+    if self.first_stage.uses_context:
+      raise ValueError("first_stage features='context' is a benchmark option for now: a Memory "
+                       "does not record sessions (BUILD_NOTES \"Session 17\"); use "
+                       "features='first_stage'")
     if self.config is not None and not isinstance(self.config, EARConfig):
       raise InputTypeError(f"config must be an EARConfig, got {type(self.config).__name__}")
     if self.hparams is not None and not isinstance(self.hparams, HParams):
