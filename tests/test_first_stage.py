@@ -227,12 +227,16 @@ def test_bank_context_codes_sessions_and_only_short_speaker_prefixes():
   np.testing.assert_array_equal(speakers, [0, 1, -1, -1, -1, -1])  # Eve is not in the vocabulary
 
 
-def test_unknown_feature_sets_and_context_in_a_memory_are_refused():
+def test_unknown_feature_sets_are_refused():
   with pytest.raises(ValueError, match="unknown features"):
     first_stage.FirstStageOptions(features="dates")
-  from ear_jax.agent.memory import config as memory_config  # pylint: disable=g-import-not-at-top
-  with pytest.raises(ValueError, match="benchmark option"):
-    memory_config.MemoryConfig(first_stage=first_stage.FirstStageOptions(features="context"))
+
+
+def test_session_turns_count_each_session_s_rows_in_order_and_continue():
+  counters = {}
+  np.testing.assert_array_equal(first_stage.session_turns(np.array([0, 0, 1, -1, 0]), counters),
+                                [0, 1, 0, -1, 2])
+  np.testing.assert_array_equal(first_stage.session_turns(np.array([1, 2]), counters), [1, 0])
 
 
 # -- EAR with side features -----------------------------------------------------------------------

@@ -285,3 +285,116 @@ def test_a_live_memory_with_one_scope_per_conversation_slates_the_pipeline_candi
       assert sorted(slate.ids) == sorted(want)
       f0 = first[i][[want.index(m) for m in slate.ids]]
       assert (np.diff(f0) <= 1e-5).all(), (bench.query_ids[i], slate.ids, want)
+
+
+# -- features='context' (issue 27, session 17) ---------------------------------------------------
+SPEAKERS = ("Alice", "Bob", "Carol")
+
+
+def _dialogue(n, seed):
+  """`(texts, dates)`: `n` turns `Name: words`, in sessions of 3-6 turns."""
+  rng = np.random.default_rng(seed)
+  texts = [f"{SPEAKERS[i % 3]}: {t}" for i, t in enumerate(_texts(n, seed))]
+  dates, s = [], 0
+  while len(dates) < n:
+    dates += [f"session {seed}.{s}"] * int(rng.integers(3, 7))
+    s += 1
+  return texts, dates[:n]
+
+
+def _memory_features(mem, qtexts, qemb, scope, k=K):
+  """`(candidate ids [q, K], features [q, K, 6])` of a `Memory`'s first stage in `scope`."""
+  with mem._lock:  # pylint: disable=protected-access
+    rows, mask, cands, _ = mem._first_stage(qtexts, qemb, [(scope,)] * len(qtexts), None)  # pylint: disable=protected-access
+  ids = np.where(mask, np.asarray([r["id"] for r in mem._records(np.arange(mem._next_row))]  # pylint: disable=protected-access
+                                  + [""])[np.where(mask, rows, -1)], "")
+  return ids, cands[..., -6:]
+
+
+@pytest.mark.parametrize("name,capacity", [("hybrid", 64), ("hybrid", 4096),
+                                           pytest.param("bm25", 64, marks=pytest.mark.slow)])
+def test_a_memory_s_context_features_equal_the_pipeline_s_with_interleaved_scopes(name, capacity,
+                                                                                 tmp_path):
+  """Two users' dialogues added five rows at a time, interleaved, in one `Memory`: each scope's
+  candidates and all six features equal the pipeline's over that user's own bank (sessions from
+  the dates, speakers from the `Name:` prefixes), over the whole bank masked (capacity 64) and
+  over the scope's gathered rows (4096); and again after the memory is reopened from its
+  directory (the context rebuilt from the table)."""
+  from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
+  from ear_jax.core.config import EARConfig  # pylint: disable=g-import-not-at-top
+  opts = first_stage.FirstStageOptions(features="context")
+  users, banks = [], []
+  for u in range(2):
+    rng = np.random.default_rng(50 + u)
+    texts, dates = _dialogue(40, 20 + u)
+    emb, qtexts = _unit(rng.standard_normal((40, DIM))), _texts(6, 90 + u)
+    qtexts = [f"what did {SPEAKERS[i % 3]} say about {t}" for i, t in enumerate(qtexts)]
+    users.append((texts, dates, emb, qtexts, _unit(rng.standard_normal((6, DIM)))))
+  with Memory.open(tmp_path / "m", None, encoder=None,
+                   config=EARConfig(dim=DIM, num_candidates=K, slate_size=3), candidates=name,
+                   first_stage=opts, initial_capacity=capacity) as mem:
+    for start in range(0, 40, 5):  # interleaved: user 0's rows, user 1's, user 0's, ...
+      for u, (texts, dates, emb, _, _) in enumerate(users):
+        mem.add(texts[start:start + 5], embeddings=emb[start:start + 5],
+                dates=dates[start:start + 5], scope=f"user {u}",
+                ids=[f"b{u}:{i}" for i in range(start, start + 5)])
+    got = [_memory_features(mem, u[3], u[4], f"user {i}") for i, u in enumerate(users)]
+    gathered = bank_lib.scope_candidates(mem._scope_rows, mem._scopes.allowed(("user 0",)),  # pylint: disable=protected-access
+                                         mem._bank.emb.shape[0])  # pylint: disable=protected-access
+    assert (gathered is not None) == (capacity > 64)
+  with Memory.open(tmp_path / "m") as again:
+    got_again = [_memory_features(again, u[3], u[4], f"user {i}") for i, u in enumerate(users)]
+  for u, (texts, dates, emb, qtexts, qemb) in enumerate(users):
+    want_ids, want_f = _pipeline_dated(texts, dates, emb, qtexts, qemb, name, opts, u)
+    assert want_f[..., 3:].any(axis=(0, 1)).all()  # every context feature fires somewhere
+    for ids, feats in (got[u], got_again[u]):
+      np.testing.assert_array_equal(ids, want_ids)
+      np.testing.assert_allclose(feats, want_f, atol=1e-6)
+
+
+def _pipeline_dated(texts, dates, emb, qtexts, qemb, name, options, g):
+  """`build_benchmark` of one dated bank: `(candidate ids [N, K], features [N, K, F])`."""
+  ids = [f"b{g}:{i}" for i in range(len(texts))]
+  bank = corpus_lib.Bank(ids=ids, texts=list(texts), stores=np.zeros(len(texts), np.int8),
+                         refs=[()] * len(texts), dates=list(dates))
+  queries = [corpus_lib.Query(id=f"q{i}", text=t, gold=(ids[0],), category="c", group=0)
+             for i, t in enumerate(qtexts)]
+  ec = corpus_lib.EmbeddedCorpus(corpus_lib.Corpus("t", [bank], queries, {}), [emb], qemb)
+  bench = candidates_lib.build_benchmark(ec, k=K, candidates=name, side_features=True,
+                                         first_stage_options=options)
+  return bench.candidate_ids, np.asarray(bench.stream.candidates)[..., DIM:]
+
+
+@pytest.mark.slow
+def test_a_memory_of_locomo_dated_by_session_gives_the_pipeline_s_context_features(
+    locomo_path, minilm, tmp_path):
+  """LoCoMo's ten conversations in one `Memory` (one scope each, every turn dated with its
+  session's date): every question's candidates and six features equal the pipeline's
+  `--candidates=hybrid --features=context`."""
+  from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
+  from ear_jax.core.config import EARConfig  # pylint: disable=g-import-not-at-top
+  from ear_jax.data import corpora  # pylint: disable=g-import-not-at-top
+  del minilm
+  opts = first_stage.FirstStageOptions(features="context")
+  corpus = corpora.load_corpus("locomo", data_dir=str(locomo_path.parent))
+  ec, _ = candidates_lib.embed_corpus(corpus, "minilm", progress=False)
+  bench = candidates_lib.build_benchmark(ec, candidates="hybrid", side_features=True,
+                                         first_stage_options=opts)
+  k = bench.candidate_ids.shape[1]
+  with Memory.open(tmp_path / "m", None, encoder=None, candidates="hybrid", first_stage=opts,
+                   config=EARConfig(dim=ec.query_embeddings.shape[1], num_candidates=k)) as mem:
+    for g, b in enumerate(corpus.banks):
+      dia = np.flatnonzero(b.stores == 0)
+      mem.add([b.texts[i] for i in dia], ids=[f"{g}/{b.ids[i]}" for i in dia],
+              embeddings=ec.bank_embeddings[g][dia], dates=[b.dates[i] for i in dia],
+              scope=f"conversation {g}")
+    qidx = {q.id: n for n, q in enumerate(corpus.queries)}
+    want = np.asarray(bench.stream.candidates)[..., -6:]
+    for g in range(len(corpus.banks)):
+      sel = np.flatnonzero(bench.group == g)
+      qs = [qidx[bench.query_ids[i]] for i in sel]
+      ids, feats = _memory_features(mem, [corpus.queries[n].text for n in qs],
+                                    ec.query_embeddings[qs], f"conversation {g}", k=k)
+      np.testing.assert_array_equal(ids, [[f"{g}/{c}" for c in bench.candidate_ids[i]]
+                                          for i in sel])
+      np.testing.assert_allclose(feats, want[sel], atol=1e-5)

@@ -261,10 +261,15 @@ def bank_context(texts: Sequence[str], dates: Optional[Sequence[str]], vocab: di
   codes: dict = {}
   sessions = np.asarray([codes.setdefault(d, len(codes)) if d else -1
                          for d in (dates or [""] * len(texts))], np.int32)
-  heads = [m.group(1) if (m := SPEAKER.match(t)) else "" for t in texts]
-  speakers = np.asarray([vocab.get(tk[0], -1) if tk else -1 for tk in lexical.tokenize(heads)],
-                        np.int32)
+  speakers = np.asarray([vocab.get(t, -1) if t else -1 for t in speaker_terms(texts)], np.int32)
   return sessions, speakers
+
+
+def speaker_terms(texts: Sequence[str]) -> list[str]:
+  """Each text's speaker as a BM25 term: the first token of a leading `SPEAKER` name ('' when
+  there is none); `bank_context` and `Memory` (`lexical_bank.LexicalBank.speakers`) alike."""
+  heads = [m.group(1) if (m := SPEAKER.match(t)) else "" for t in texts]
+  return [tk[0] if tk else "" for tk in lexical.tokenize(heads)]
 
 
 def _bm25_index(corpus: corpus_lib.Corpus, by_group, multistore: bool):

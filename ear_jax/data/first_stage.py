@@ -38,9 +38,8 @@ the frozen dense cosine, and its BM25 score divided by the query's best candidat
 
 Context features (issue 27; `FirstStageOptions.features = "context"`): three more per candidate,
 from what a bank knows of its rows (`Context`), which no first stage scores:
-`same_session` (the other candidates of the row's session, / K), `adjacent` (rows r - 1 and r + 1
-of the same session among the candidates, / 2: bank rows are in insertion order, so a session's
-turns are consecutive rows) and `speaker_named` (1 when the row's speaker, the term of a short
+`same_session` (the other candidates of the row's session, / K), `adjacent` (the rows just before
+and after it in its session, in insertion order, among the candidates, / 2) and `speaker_named` (1 when the row's speaker, the term of a short
 leading `Name:`, is one of the question's BM25 terms). Chosen on LoCoMo validation (BUILD_NOTES
 "Session 16"); a bank without sessions or speakers gives 0.
 
@@ -162,6 +161,7 @@ class Context(NamedTuple):
   """What a bank knows of its rows beyond their texts (`"context"` features; -1 = unknown)."""
   sessions: jax.Array  # [C] int32 a code per row for its session (-1: unknown)
   speakers: jax.Array  # [C] int32 the term id of the row's speaker (-1: none)
+  turns: jax.Array  # [C] int32 each row's place among its session's rows, in insertion order
   query_terms: jax.Array  # [q, L] int32 each query's BM25 term ids (NO_TERM = padding)
 
 
@@ -295,7 +295,8 @@ def context_features(ctx: Context, rows, mask):
   known = sess >= 0
   same = (sess[:, :, None] == sess[:, None, :]) & known[:, :, None] & known[:, None, :]
   same_session = (jnp.sum(same, -1) - known) / k  # the others of its session
-  step = jnp.abs(rows[:, :, None] - rows[:, None, :]) == 1
+  turn = jnp.where(mask, ctx.turns[safe], -2)
+  step = jnp.abs(turn[:, :, None] - turn[:, None, :]) == 1
   adjacent = jnp.sum(same & step, -1) / 2.0
   spk = jnp.where(mask, ctx.speakers[safe], -1)
   named = jnp.any(ctx.query_terms[:, None, :] == spk[:, :, None], -1) & (spk >= 0)
@@ -371,7 +372,7 @@ def rank_bank(queries, emb, where, stores, lex_rows, lex_scores, *, k: int, gene
   per_block = min(q, pow2_at_least(max(1, retrieval.SCORE_BUDGET // cap) + 1) // 2)
 
   def fn(x):
-    ctx = None if context is None else Context(context.sessions, context.speakers, x[3])
+    ctx = None if context is None else context._replace(query_terms=x[3])
     return _block(x[0], emb, where, stores, x[1], x[2], ctx, k, generator, options, multistore)
 
   xs = (queries, lex_rows, lex_scores) + (() if context is None else (context.query_terms,))
@@ -396,6 +397,19 @@ def pairs(found: Sequence[tuple[np.ndarray, np.ndarray]], capacity: int, num_pad
   for i, (r, s) in enumerate(found):
     rows[i, :len(r)], scores[i, :len(s)] = r, s
   return rows, scores
+
+
+def session_turns(sessions: np.ndarray, counters: Optional[dict] = None) -> np.ndarray:
+  """`[n]` int32 each row's place among the rows of its session code (`sessions [n]`, -1:
+  unknown, given -1) in order; `counters` (session -> rows seen) continues a count and is
+  updated."""
+  counters = {} if counters is None else counters
+  out = np.full(len(sessions), -1, np.int32)
+  for i, s in enumerate(np.asarray(sessions).tolist()):
+    if s >= 0:
+      out[i] = counters.get(s, 0)
+      counters[s] = out[i] + 1
+  return out
 
 
 def pad_terms(terms: Sequence[np.ndarray], num_padded: int) -> np.ndarray:
@@ -443,8 +457,8 @@ def bank_first_stage(queries: np.ndarray, emb: np.ndarray, stores: np.ndarray, v
   stores_p = np.full(cap, -1, np.int32)
   stores_p[:m] = stores
   if context is not None:
-    sessions_p, speakers_p = np.full(cap, -1, np.int32), np.full(cap, -1, np.int32)
-    sessions_p[:m], speakers_p[:m] = context[0], context[1]
+    sessions_p, speakers_p, turns_p = (np.full(cap, -1, np.int32) for _ in range(3))
+    sessions_p[:m], speakers_p[:m], turns_p[:m] = context[0], context[1], session_turns(context[0])
     terms = pad_terms(context[2], n)
   out = []
   for s in range(0, n, q):  # blocks of `q` queries (one compiled shape per bank size)
@@ -455,7 +469,7 @@ def bank_first_stage(queries: np.ndarray, emb: np.ndarray, stores: np.ndarray, v
     if context is not None:
       t_p = np.full((q, terms.shape[1]), NO_TERM, np.int32)
       t_p[:min(q, n - s)] = terms[s:s + q]
-      ctx = Context(sessions_p, speakers_p, t_p)
+      ctx = Context(sessions_p, speakers_p, turns_p, t_p)
     rows, _, sc, feats = _rank_bank(q_p, emb_p, where, stores_p, lex_rows, lex_scores, k=k,
                                     generator=generator, options=options, multistore=multistore,
                                     context=ctx)

@@ -5,9 +5,12 @@ in `scopes` (`ScopeNames`, `ScopeRows`); the checks of `Memory`'s arguments in `
 Symbols: `C` capacity (`capacity_for`), `d` dimension, `K` candidates, `s` slate size, `q`
 queries of one call (padded to a power of two), `S` scope codes (padded to a power of two).
 
-    DeviceBank(emb [C, d], valid [C] bool, stores [C] int8, scopes [C] int32)
+    DeviceBank(emb [C, d], valid [C] bool, stores [C] int8, scopes [C] int32, sessions [C] int32,
+               speakers [C] int32, turns [C] int32)
     empty(dim, capacity=MIN_CAPACITY, dtype='float32'); grow(bank, rows) (holds rows < `rows`)
-    write(bank, rows [n], emb [n, d], stores [n], scopes [n]); tombstone(bank, rows [n])
+    write(bank, rows [n], emb [n, d], stores [n], scopes [n], sessions=None, speakers=None,
+          turns=None); tombstone(bank, rows [n])
+    context_of(bank, cand=None) (traced): `first_stage.Context`'s row-side inputs
     search(bank, queries [q, d], *, k, multistore, allowed=None, slate=None, searcher=None,
            scope_rows=None)
         -> (rows [q, K] int32 (-1 pad), mask [q, K], cands [q, K, d] float32,
@@ -107,6 +110,10 @@ class DeviceBank(NamedTuple):
   valid: jax.Array  # [C] bool, the live rows
   stores: jax.Array  # [C] int8 store code (0 dialogue / episodic, 1 observation / semantic)
   scopes: jax.Array  # [C] int32 scope code (`ScopeNames`)
+  # The "context" features' inputs (`first_stage.Context`; -1 = unknown / none):
+  sessions: jax.Array  # [C] int32 session code of the row (its date's, `front`)
+  speakers: jax.Array  # [C] int32 term id of the row's speaker (`lexical_bank.speakers`)
+  turns: jax.Array  # [C] int32 the row's place among its session's rows (`first_stage.Context`)
 
 
 def empty(dim: int, capacity: int = MIN_CAPACITY, dtype: str = "float32") -> DeviceBank:
@@ -115,7 +122,9 @@ def empty(dim: int, capacity: int = MIN_CAPACITY, dtype: str = "float32") -> Dev
     raise ValueError(f"unknown bank_dtype {dtype!r}; expected one of {sorted(BANK_DTYPES)}")
   cap = capacity_for(capacity)
   return DeviceBank(jnp.zeros((cap, int(dim)), BANK_DTYPES[dtype]), jnp.zeros((cap,), bool),
-                    jnp.zeros((cap,), jnp.int8), jnp.zeros((cap,), jnp.int32))
+                    jnp.zeros((cap,), jnp.int8), jnp.zeros((cap,), jnp.int32),
+                    jnp.full((cap,), -1, jnp.int32), jnp.full((cap,), -1, jnp.int32),
+                    jnp.full((cap,), -1, jnp.int32))
 
 
 def grow(bank: DeviceBank, rows: int) -> DeviceBank:
@@ -136,22 +145,30 @@ def _padded_rows(rows, cap: int) -> np.ndarray:
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _write(bank, at, emb, stores, scopes):
+def _write(bank, at, emb, stores, scopes, sessions, speakers, turns):
   return DeviceBank(bank.emb.at[at].set(emb.astype(bank.emb.dtype), mode="drop"),
                     bank.valid.at[at].set(True, mode="drop"),
                     bank.stores.at[at].set(stores, mode="drop"),
-                    bank.scopes.at[at].set(scopes, mode="drop"))
+                    bank.scopes.at[at].set(scopes, mode="drop"),
+                    bank.sessions.at[at].set(sessions, mode="drop"),
+                    bank.speakers.at[at].set(speakers, mode="drop"),
+                    bank.turns.at[at].set(turns, mode="drop"))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _tombstone(bank, at):
   return DeviceBank(bank.emb.at[at].set(0, mode="drop"), bank.valid.at[at].set(False, mode="drop"),
-                    bank.stores.at[at].set(0, mode="drop"), bank.scopes.at[at].set(0, mode="drop"))
+                    bank.stores.at[at].set(0, mode="drop"), bank.scopes.at[at].set(0, mode="drop"),
+                    bank.sessions.at[at].set(-1, mode="drop"),
+                    bank.speakers.at[at].set(-1, mode="drop"),
+                    bank.turns.at[at].set(-1, mode="drop"))
 
 
-def write(bank: DeviceBank, rows, emb, stores, scopes) -> DeviceBank:
-  """Writes `[n, d]` unit rows with store codes `[n]` and scope codes `[n]` at device `rows [n]`
-  (growing the bank when a row is beyond it), in place: `bank` is donated."""
+def write(bank: DeviceBank, rows, emb, stores, scopes, sessions=None, speakers=None,
+          turns=None) -> DeviceBank:
+  """Writes `[n, d]` unit rows with store codes `[n]`, scope codes `[n]` and (None: -1) session,
+  speaker and turn codes `[n]` (`first_stage.Context`) at device `rows [n]` (growing the bank
+  when a row is beyond it), in place: `bank` is donated."""
   rows = np.asarray(rows, np.int64).reshape(-1)
   if not len(rows):
     return bank
@@ -159,7 +176,11 @@ def write(bank: DeviceBank, rows, emb, stores, scopes) -> DeviceBank:
   at = _padded_rows(rows, bank.emb.shape[0])
   pad = lambda a, t: np.concatenate([np.asarray(a, t), np.zeros((len(at) - len(rows),)
                                                                    + np.shape(a)[1:], t)])
-  return _write(bank, at, pad(emb, np.float32), pad(stores, np.int8), pad(scopes, np.int32))
+  unknown = np.full(len(rows), -1, np.int32)
+  return _write(bank, at, pad(emb, np.float32), pad(stores, np.int8), pad(scopes, np.int32),
+                pad(unknown if sessions is None else sessions, np.int32),
+                pad(unknown if speakers is None else speakers, np.int32),
+                pad(unknown if turns is None else turns, np.int32))
 
 
 def tombstone(bank: DeviceBank, rows) -> DeviceBank:
@@ -245,6 +266,15 @@ def gathered(bank: DeviceBank, allowed, cand):
   if allowed is not None:
     valid = valid & allowed[bank.scopes[at]]
   return bank.emb[at], valid, bank.stores[at]
+
+
+def context_of(bank: DeviceBank, cand=None):
+  """Traced: `(sessions, speakers, turns)` `[C]` of the bank (or `[P]` at its rows `cand`,
+  `gathered`'s), the row-side inputs of `first_stage.Context`."""
+  if cand is None:
+    return bank.sessions, bank.speakers, bank.turns
+  at = jnp.minimum(cand, bank.emb.shape[0] - 1)
+  return bank.sessions[at], bank.speakers[at], bank.turns[at]
 
 
 def rows_at(cand, pos, mask):

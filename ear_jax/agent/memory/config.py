@@ -139,10 +139,6 @@ class MemoryConfig:
     if not isinstance(self.first_stage, FirstStageOptions):
       raise InputTypeError("first_stage must be a first_stage.FirstStageOptions, got "
                            f"{type(self.first_stage).__name__}")
-    if self.first_stage.uses_context:
-      raise ValueError("first_stage features='context' is a benchmark option for now: a Memory "
-                       "does not record sessions (BUILD_NOTES \"Session 17\"); use "
-                       "features='first_stage'")
     if self.config is not None and not isinstance(self.config, EARConfig):
       raise InputTypeError(f"config must be an EARConfig, got {type(self.config).__name__}")
     if self.hparams is not None and not isinstance(self.hparams, HParams):
@@ -162,6 +158,8 @@ class MemoryConfig:
         f.name: float(getattr(self.hparams, f.name)) for f in dataclasses.fields(self.hparams)}
     d["index_options"] = dict(self.index_options)
     d["first_stage"] = dataclasses.asdict(self.first_stage)
+    if self.first_stage.features == "first_stage":  # (as directories stored it before session 17)
+      del d["first_stage"]["features"]
     return d
 
   @classmethod
@@ -219,8 +217,9 @@ class MemoryConfig:
     _check_honoured(config)
     if self.multistore and config.num_candidates % 2:
       raise ValueError(f"multistore needs an even num_candidates K, got {config.num_candidates}")
-    f = lexical_bank.NUM_FEATURES
-    if self.first_stage_name != "dense" and not config.side_features:
+    f = len(self.first_stage.feature_names)
+    if (self.first_stage_name != "dense" or self.first_stage.uses_context) and (
+        not config.side_features):
       config = dataclasses.replace(config, side_features=f)
     if config.side_features not in (0, f):
       raise ValueError(f"config.side_features={config.side_features}, but a memory's first stage "

@@ -5,7 +5,8 @@ rounds, `b` batch size.
 
 Where a row lives: in the table (`table.Table`, SQLite: `<dir>/rows.sqlite`, or `:memory:` for a
 memory that was never saved), and, derived from it at open, on the device (`bank.DeviceBank`:
-`[C, d]` embeddings, masks, store and scope codes), in the lexical index (`lexical_bank`) and an
+`[C, d]` embeddings, masks, store and scope codes, and with features='context' each row's
+session, speaker and turn), in the lexical index (`lexical_bank`) and an
 optional ANN searcher (`bank.Searcher`, `<dir>/ann`). Where the learner lives: the `driver.Driver`
 (adapter, optimiser, replay buffer, guard, queued items) and the `sessions.Sessions` registry,
 saved together as ONE Orbax item (`persistence`, `<dir>/learner`) by `save()`.
@@ -58,6 +59,7 @@ from ear_jax.agent.memory.driver import Driver, seed_keys
 from ear_jax.agent.memory.encoder_slot import EncoderSlot
 from ear_jax.agent.memory.episode import AnswerFeedback, run_critic_episode
 from ear_jax.agent.memory.recall import Recall
+from ear_jax.data import first_stage
 from ear_jax.agent.memory.sessions import (CriticKeys, Ops, Session, SessionDroppedError,
                                            Sessions, Slate,
                                            citation_labels)
@@ -175,16 +177,26 @@ class Memory:
     self._lock = threading.RLock()
     self._save_lock = threading.Lock()
     self._critic_keys = CriticKeys(seed_keys(cfg.seed)[2], config.num_rounds)
-    rows = table.read_all()
+    context = cfg.first_stage.uses_context
+    rows = table.read_all(texts=context)
     self._next_row = int(rows.next_row)
     self._scopes, codes = scopes_lib.ScopeNames.from_rows(
         [rows.scope_names[c] for c in rows.scope_codes], rows.stores,
         held_before=rows.next_row > len(rows.rows))
     self._scope_rows = scopes_lib.ScopeRows(rows.rows, codes)
+    self._lexical = None
+    if lexical_bank.needs_lexical(cfg.first_stage_name, config.side_features):
+      self._lexical = lexical_bank.LexicalBank(cfg.first_stage_name, cfg.first_stage,
+                                               cfg.multistore)
+      self._lexical.restore(rows, codes)
+    # features='context': (scope, date) -> session code; session code -> its rows so far
+    self._date_codes, self._session_turns = {}, {}
     self._bank = bank_lib.write(
         bank_lib.empty(config.dim, max(cfg.initial_capacity, config.num_candidates,
                                        rows.next_row), cfg.bank_dtype),
-        rows.rows, rows.embeddings, rows.stores, codes)
+        rows.rows, rows.embeddings, rows.stores, codes,
+        *(self._context(rows.texts, rows.dates, [rows.scope_names[c] for c in rows.scope_codes],
+                        rows.stores) if context else ()))
     self._searcher = None
     if cfg.index != "exact" and root is not None:
       self._searcher = bank_lib.Searcher.load(root / persistence.ANN, cfg.index,
@@ -194,11 +206,6 @@ class Memory:
       self._searcher = bank_lib.ann_searcher(cfg.index, dict(cfg.index_options), config.dim)
       self._searcher.add(rows.rows, rows.embeddings, rows.stores, codes)
     self._ann_rows = self._next_row if root is not None and (root / persistence.ANN).exists() else 0
-    self._lexical = None
-    if lexical_bank.needs_lexical(cfg.first_stage_name, config.side_features):
-      self._lexical = lexical_bank.LexicalBank(cfg.first_stage_name, cfg.first_stage,
-                                               cfg.multistore)
-      self._lexical.restore(rows, codes)
     self._sessions = Sessions(config, cfg.max_sessions)
     self._driver = Driver(config, self._hparams, cfg.seed, learner)
     self._served_cache = (None, None)  # (the guard state, its served parameters)
@@ -515,16 +522,29 @@ class Memory:
                                         for t in enc.terms]  # (not indexed: no terms)
       rows = self._table.insert(ids, texts, codes, [scope] * n, dates, emb, terms,
                                 () if enc is None else enc.new_vocab)
-      self._put(rows, emb, codes, scope, enc)
+      self._put(rows, emb, codes, scope, enc, texts, dates)
       self._stats["memories_added"] += n
       return list(ids)
 
-  def _put(self, rows, emb, codes, scope: str, enc) -> None:
+  def _context(self, texts, dates, scopes, stores, new_vocab=()):
+    """`(sessions, speakers, turns)` `[n]` int32 of new rows for features='context': a session per
+    (scope, date) (rows added with one date in one scope are one session; `add`'s default date is
+    the call's time), the speaker's term id (`lexical_bank.LexicalBank.speakers`) and the row's
+    place in its session (`first_stage.session_turns`)."""
+    codes = self._date_codes
+    sessions = np.asarray([codes.setdefault((s, d), len(codes)) if d else -1
+                           for s, d in zip(scopes, dates)], np.int32)
+    return (sessions, self._lexical.speakers(texts, stores, new_vocab),
+            first_stage.session_turns(sessions, self._session_turns))
+
+  def _put(self, rows, emb, codes, scope: str, enc, texts, dates) -> None:
     """Rows the table just took into the device bank, the counts, the searcher, the lexicon."""
     scodes = self._scopes.codes([scope] * len(rows))
     self._scopes.count(scodes, codes)
     self._scope_rows.add(rows, scodes)
-    self._bank = bank_lib.write(self._bank, rows, emb, codes, scodes)
+    context = (self._context(texts, dates, [scope] * len(rows), codes, enc.new_vocab)
+               if self._cfg.first_stage.uses_context else ())
+    self._bank = bank_lib.write(self._bank, rows, emb, codes, scodes, *context)
     if self._searcher is not None:
       self._searcher.add(rows, emb, codes, scodes)
     if self._lexical is not None:
@@ -635,7 +655,7 @@ class Memory:
       new = self._table.replace(int(rows[0]), memory_id, new_text, int(code[0]), rec["scope"],
                                 rec["date"], emb[0], *lex)
       self._unput(rows, [rec], "updated")
-      self._put(np.asarray([new]), emb, code, rec["scope"], enc)
+      self._put(np.asarray([new]), emb, code, rec["scope"], enc, [new_text], [rec["date"]])
       if self._lexical is not None:
         self._lexical.delete(rows)
       self._stats["memories_updated"] += 1

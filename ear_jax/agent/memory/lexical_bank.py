@@ -1,7 +1,8 @@
 """The lexical first stage of `Memory`: its vocabulary, its `lexical.BM25Index`, and the search.
 
 Symbols: `C` bank capacity, `d` dimension, `K` candidates, `q` queries of one call (padded to a
-power of two), `F = len(first_stage.FEATURES)` side features.
+power of two), `F = len(options.feature_names)` side features (3, or 6 with
+`features='context'`).
 
 `Memory(candidates='bm25' | 'hybrid')` (and 'dense' with `config.side_features > 0`) keeps a
 `LexicalBank` beside its `bank.DeviceBank`. It ranks exactly as the benchmark pipeline ranks one
@@ -28,6 +29,9 @@ Interfaces (what `front` calls; rows are the table's device rows, never reused):
       .delete(rows) -> list[str]                        # after the table write: unindexes them,
           # drops and returns their dead terms (= dead_terms(rows) just before)
       .restore(table_rows, scope_codes=None) -> None    # from Table.read_all() (terms, vocab)
+      .speakers(texts, stores, new_vocab=()) -> [n] int32   # pure: each row's speaker term id
+          # (`first_stage.Context`; -1: none), for features='context'
+
       .search(device_bank, queries [q, d], query_texts [q], k, *, allowed=None, slate=None,
               scope_rows=None)
           -> (rows [q, K] int32, mask [q, K], cands [q, K, d + F] float32, slates or None)
@@ -62,10 +66,10 @@ import numpy as np
 
 from ear_jax.agent.memory import bank as bank_lib
 from ear_jax.agent.memory import scopes as scopes_lib
+from ear_jax.data import candidates as candidates_lib
 from ear_jax.data import first_stage
 from ear_jax.data import lexical
 
-NUM_FEATURES = len(first_stage.FEATURES)
 tokenize = lexical.tokenize
 
 
@@ -92,6 +96,7 @@ class LexicalBank:
   def __init__(self, candidates: str, options: first_stage.FirstStageOptions, multistore: bool):
     first_stage.check_generator(candidates)
     self.candidates, self.options, self.multistore = candidates, options, bool(multistore)
+    self.num_features = len(options.feature_names)
     self.vocab: dict[str, int] = {}  # term -> id
     self._term_of: dict[int, str] = {}  # id -> term
     self._next_id = 0  # ids are never reused within a run (a dead id may still have postings)
@@ -177,6 +182,16 @@ class LexicalBank:
     self.index.add(np.asarray(table_rows.rows, np.int64)[keep], codes[keep],
                    np.asarray(table_rows.terms, np.int32)[at], new_offsets)
 
+  def speakers(self, texts: Sequence[str], stores, new_vocab: tuple = ()) -> np.ndarray:
+    """`[n]` int32 the term id of each row's speaker (the first word of a leading name,
+    `candidates.SPEAKER`, as the pipeline's `candidates.bank_context`) in the vocabulary or
+    `new_vocab` (`Encoded.new_vocab` of rows not added yet); -1 when there is none or the row is
+    not indexed (store codes `stores [n]`). Pure."""
+    new = dict(new_vocab)
+    names = candidates_lib.speaker_terms(texts)
+    return np.asarray([self.vocab.get(t, new.get(t, -1)) if t and indexed else -1
+                       for t, indexed in zip(names, self._indexed(stores))], np.int32)
+
   def query_ids(self, tokens: Sequence[str]) -> np.ndarray:
     """`[t]` int32 ids of a query's tokens (`tokenize`), unknown terms left out."""
     return lexical.term_ids(self.vocab, tokens)
@@ -200,7 +215,9 @@ class LexicalBank:
         (`bank.scope_candidates`), the same ranking as over the whole bank masked.
     """
     q, padded = len(queries), bank_lib.pad_queries(queries)
-    found = self._scores([self.query_ids(t) for t in tokenize(query_texts)], allowed)
+    ids = [self.query_ids(t) for t in tokenize(query_texts)]
+    found = self._scores(ids, allowed)
+    terms = first_stage.pad_terms(ids, len(padded)) if self.options.uses_context else None
     cand = bank_lib.scope_candidates(scope_rows, allowed, bank.emb.shape[0], len(padded))
     if cand is None:
       lex_rows, lex_scores = first_stage.pairs(found, bank.emb.shape[0], len(padded))
@@ -211,10 +228,10 @@ class LexicalBank:
           len(padded))
     params, hparams, size, explore = slate if slate is not None else (None, None, None, False)
     out = _search(padded, bank, bank_lib.query_allowed(allowed, len(padded)), cand, lex_rows,
-                  lex_scores, params, hparams if explore else None, k=k,
+                  lex_scores, terms, params, hparams if explore else None, k=k,
                   multistore=self.multistore, generator=self.candidates, options=self.options,
                   slate_size=None if size is None else int(size), explore=bool(explore))
-    return bank_lib.unpack(out, q, k, bank.emb.shape[1] + NUM_FEATURES, size)
+    return bank_lib.unpack(out, q, k, bank.emb.shape[1] + self.num_features, size)
 
   def _scores(self, ids: list, allowed) -> list:
     """BM25 pairs of each query (`BM25Index.scores`) with the statistics of its scopes: one call
@@ -240,24 +257,27 @@ def _positions(cand: np.ndarray, rows: np.ndarray, scores: np.ndarray):
 
 @functools.partial(jax.jit, static_argnames=("k", "multistore", "generator", "options",
                                              "slate_size", "explore"))
-def _search(queries, bank, allowed, cand, lex_rows, lex_scores, params, hparams, *, k, multistore,
-            generator, options, slate_size, explore):
+def _search(queries, bank, allowed, cand, lex_rows, lex_scores, terms, params, hparams, *, k,
+            multistore, generator, options, slate_size, explore):
   """`first_stage.rank_bank` over the allowed live rows (of the bank, or its rows `cand [P]`
-  given: then `lex_rows` are positions in `cand`), then `bank.finish` (gather, features, first
-  slate), in one call."""
-  def ranked(queries, allowed, cand, lex_rows, lex_scores):
+  given: then `lex_rows` are positions in `cand`; `terms [q, L]`: the queries' term ids for the
+  context features, or None), then `bank.finish` (gather, features, first slate), in one call."""
+  def ranked(queries, allowed, cand, lex_rows, lex_scores, terms):
     if cand is None:
       emb, stores = bank.emb, bank.stores
       where = bank.valid if allowed is None else bank.valid & allowed[bank.scopes]
     else:
       emb, where, stores = bank_lib.gathered(bank, allowed, cand)
+    ctx = None if terms is None else first_stage.Context(*bank_lib.context_of(bank, cand), terms)
     rows, mask, _, feats = first_stage.rank_bank(queries, emb, where, stores, lex_rows,
                                                  lex_scores, k=k, generator=generator,
-                                                 options=options, multistore=multistore)
+                                                 options=options, multistore=multistore,
+                                                 context=ctx)
     if cand is not None:
       rows = bank_lib.rows_at(cand, rows, mask)
     return rows, mask, feats
 
-  rows, mask, feats = bank_lib.per_query(ranked, queries, allowed, cand, lex_rows, lex_scores)
+  rows, mask, feats = bank_lib.per_query(ranked, queries, allowed, cand, lex_rows, lex_scores,
+                                         terms)
   slate = None if slate_size is None else (params, hparams, slate_size, explore)
   return bank_lib.finish(queries, bank.emb, rows, mask, features=feats, slate=slate)

@@ -65,6 +65,7 @@ class TableRows(NamedTuple):
     term_offsets: `[n + 1]` int64.
     vocab: `(term, id)` pairs of the lexical vocabulary.
     next_row: the device rows `< next_row` were ever used (the next insert gets `next_row`).
+    texts, dates: `[n]` each row's text and date (`read_all(texts=True)`; else None).
   """
   rows: np.ndarray
   stores: np.ndarray
@@ -75,6 +76,8 @@ class TableRows(NamedTuple):
   term_offsets: np.ndarray
   vocab: list
   next_row: int
+  texts: Optional[list] = None
+  dates: Optional[list] = None
 
 
 def _digest(row: int, memory_id: str, text: str, store: int, scope: str, date: str,
@@ -244,12 +247,16 @@ class Table:
                                 "check: it was changed outside ear_jax")
         yield r
 
-  def read_all(self) -> TableRows:
-    """Every live row, verified (`TableRows`)."""
+  def read_all(self, texts: bool = False) -> TableRows:
+    """Every live row, verified (`TableRows`; with `texts`, their texts and dates too)."""
     n, d = self._n, self.dim
     rows, stores, codes, names, terms = [], [], [], {}, []
+    kept = ([], []) if texts else None
     emb, part = np.empty((n, d), np.float32), []  # copied in parts: no second [n, d] of bytes
-    for row, _, _, store, scope, _, e, t, _ in self._verified():
+    for row, _, text, store, scope, date, e, t, _ in self._verified():
+      if kept is not None:
+        kept[0].append(text)
+        kept[1].append(date)
       rows.append(row - 1)
       stores.append(store)
       codes.append(names.setdefault(scope, len(names)))
@@ -268,7 +275,7 @@ class Table:
         scope_codes=np.asarray(codes, np.int32), scope_names=list(names), embeddings=emb,
         terms=np.frombuffer(b"".join(terms), np.int32),
         term_offsets=np.cumsum([0] + [len(t) // 4 for t in terms], dtype=np.int64),
-        vocab=vocab, next_row=self._next())
+        vocab=vocab, next_row=self._next(), texts=kept and kept[0], dates=kept and kept[1])
 
   def records(self, rows) -> list[dict]:
     """`{id, text, store, scope, date, row}` of the device rows `rows`, in that order (verified;
