@@ -32,6 +32,7 @@ from ear_jax.agent.memory import persistence
 from ear_jax.agent.memory.config import DEFAULT_METHOD  # (a new directory's, as Memory()'s)
 from ear_jax.core.config import METHODS
 from ear_jax.data import encoders
+from ear_jax.data import first_stage
 
 # Tokens per encoder call: one question pays for a whole call (the encoder's bulk default, 4,096,
 # is a 128 x 32 batch). `python -m experiments.bench --suite=server` reports the cost of one
@@ -49,6 +50,12 @@ _CANDIDATES = flags.DEFINE_enum("candidates", None, ["dense", "bm25", "hybrid"],
                                 "First stage: frozen cosine, BM25, or both fused. Default: the "
                                 "directory's; for a new one 'hybrid' (MemoryConfig's default with "
                                 "an encoder; RESULTS.md \"First stage\").")
+_FEATURES = flags.DEFINE_enum("features", None, list(first_stage.FEATURE_SETS), "Side features "
+                              "of each candidate: first_stage, or context (plus same session, "
+                              "adjacent turn and speaker named; a session is a scope and a "
+                              "date: remember a session's turns with its date; RESULTS.md "
+                              "\"Context features\"). Default: the directory's; for a new one "
+                              "first_stage.")
 _ENCODER = flags.DEFINE_string("encoder", "minilm", "Encoder spec of the memory: 'minilm' or a "
                                "local Hugging Face checkpoint directory.")
 _CACHE = flags.DEFINE_string("cache_dir", None, "Embedding cache directory (default: none).")
@@ -93,11 +100,15 @@ def main(argv):
   memory_dir = pathlib.Path(_DIR.value).expanduser()
   try:  # (a second server on this directory is refused, naming the first one's pid)
     encoder = encoders.load_encoder(_ENCODER.value, tokens_per_batch=_BATCH_TOKENS.value)
-    stored = persistence.stored_memory_config(memory_dir) if _METHOD.value is None else None
+    on_disk = persistence.stored_memory_config(memory_dir)
+    stored = on_disk if _METHOD.value is None else None
     learner = (dict(method=stored.method, config=stored.config, hparams=stored.hparams)
                if stored is not None else dict(method=_METHOD.value or DEFAULT_METHOD))
+    fs = on_disk.first_stage if on_disk is not None else first_stage.FirstStageOptions()
+    if _FEATURES.value is not None:
+      fs = first_stage.FirstStageOptions(**{**fs.__dict__, "features": _FEATURES.value})
     memory = Memory.open(memory_dir, MemoryConfig(
-        **learner, candidates=_CANDIDATES.value, encoder=_ENCODER.value,
+        **learner, candidates=_CANDIDATES.value, first_stage=fs, encoder=_ENCODER.value,
         cache_dir=_CACHE.value, seed=_SEED.value, batch_window_ms=_WINDOW.value,
         batch_max_queries=_BATCH_MAX.value), encoder=encoder)
   except ValueError as e:
