@@ -2,8 +2,8 @@
 features, for the benchmark pipeline and for `ear_jax.agent.Memory` alike.
 
 Symbols: `q` queries, `C` rows of a bank (a benchmark bank padded to a power of two, or a
-`Memory`'s capacity), `K` candidates, `d` dimension, `F` side features (`FEATURE_SETS[options.features]`),
-`B` BM25 pairs per query (a power-of-two bucket), `t` the RRF depth.
+`Memory`'s capacity), `K` candidates, `d` dimension, `F` side features
+(`FEATURE_SETS[options.features]`), `B` BM25 pairs per query (a power-of-two bucket), `t` the RRF depth.
 
 ONE implementation: `rank_bank` is a pure, jittable function of the bank's embeddings, its
 candidate mask and each query's nonzero BM25 `(row, score)` pairs (`lexical.BM25Index.scores`,
@@ -39,9 +39,11 @@ the frozen dense cosine, and its BM25 score divided by the query's best candidat
 Context features (issue 27; `FirstStageOptions.features = "context"`): three more per candidate,
 from what a bank knows of its rows (`Context`), which no first stage scores:
 `same_session` (the other candidates of the row's session, / K), `adjacent` (the rows just before
-and after it in its session, in insertion order, among the candidates, / 2) and `speaker_named` (1 when the row's speaker, the term of a short
-leading `Name:`, is one of the question's BM25 terms). Chosen on LoCoMo validation (BUILD_NOTES
-"Session 16"); a bank without sessions or speakers gives 0.
+and after it in its session, in insertion order, among the candidates, / 2) and `speaker_named`
+(1 when the row's speaker, the first word of a leading `Name:`, is one of the question's BM25
+terms). Chosen on LoCoMo validation (BUILD_NOTES "Session 16"); a bank without sessions or
+speakers gives 0. Sessions, speakers and turns come from `candidates.bank_context` (pipeline) or
+the `Memory`'s rows (`agent.memory.bank.DeviceBank`).
 
 Stores: single store, only dialogue rows (store 0) are candidates (and BM25 documents: the
 pipeline's and `Memory`'s indexes hold only them); `multistore`, each store's top-K/2, merged by
