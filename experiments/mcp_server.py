@@ -16,6 +16,7 @@ search per window) and the encoder answers a small batch quickly (`--encoder_bat
 
 Needs `pip install mcp` (requirements.txt).
 """
+import dataclasses
 import os
 import pathlib
 import signal
@@ -106,7 +107,7 @@ def main(argv):
                if stored is not None else dict(method=_METHOD.value or DEFAULT_METHOD))
     fs = on_disk.first_stage if on_disk is not None else first_stage.FirstStageOptions()
     if _FEATURES.value is not None:
-      fs = first_stage.FirstStageOptions(**{**fs.__dict__, "features": _FEATURES.value})
+      fs = dataclasses.replace(fs, features=_FEATURES.value)
     memory = Memory.open(memory_dir, MemoryConfig(
         **learner, candidates=_CANDIDATES.value, first_stage=fs, encoder=_ENCODER.value,
         cache_dir=_CACHE.value, seed=_SEED.value, batch_window_ms=_WINDOW.value,

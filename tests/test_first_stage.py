@@ -232,6 +232,13 @@ def test_unknown_feature_sets_are_refused():
     first_stage.FirstStageOptions(features="dates")
 
 
+def test_session_codes_code_keys_in_order_of_first_appearance_and_continue():
+  codes = {}
+  np.testing.assert_array_equal(first_stage.session_codes(["a", "b", None, "a"], codes),
+                                [0, 1, -1, 0])
+  np.testing.assert_array_equal(first_stage.session_codes([("u", "b"), "b"], codes), [2, 1])
+
+
 def test_session_turns_count_each_session_s_rows_in_order_and_continue():
   counters = {}
   np.testing.assert_array_equal(first_stage.session_turns(np.array([0, 0, 1, -1, 0]), counters),

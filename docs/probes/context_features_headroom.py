@@ -77,7 +77,6 @@ extras = {"base": [], "pos": E(pos), "meta": E(recency, same_sess, adj, spk),
           "spk": E(spk), "ctx+spk": E(same_sess, adj, spk), "adj+spk": E(adj, spk)}
 # "lib": the library's own context features (`--features=context`, first_stage.CONTEXT_FEATURES,
 # session 17), built by the pipeline instead of here; the same queries, so the same splits.
-lib_stream = None
 online = "--online" in sys.argv
 which = [a for a in sys.argv[2:] if a != "--online"] or list(extras)
 extras["lib"] = None

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import re
 import time
 from typing import Any, Optional, Sequence
 
@@ -34,8 +33,6 @@ from ear_jax.data import lexical
 from ear_jax.data import synthetic
 
 DEFAULT_K = 20
-# A speaker prefix: one to three capitalised words, then ':' ("Caroline: ...").
-SPEAKER = re.compile(r"^([A-Z][\w'.-]*(?: [A-Z][\w'.-]*){0,2}):")
 top_k_candidates = first_stage.top_k_candidates  # the dense first stage (Eq. (1))
 
 
@@ -253,23 +250,15 @@ def bank_context(texts: Sequence[str], dates: Optional[Sequence[str]], vocab: di
   """`(sessions [M] int32, speakers [M] int32)` of a bank's rows for the `"context"` features
   (`first_stage.Context`; -1 = unknown).
 
-  A row's session is its date string (rows of one session share it; '' = unknown), coded in order
-  of first appearance. Its speaker is the BM25 term (`vocab`'s id) of the first word of a leading
-  name of one to three capitalised words followed by ':' (`SPEAKER`: LoCoMo's "Caroline: ...",
-  not "Quick question: ..."); -1 when there is none or the term is not in `vocab`.
+  A row's session is its date string (rows of one session share it; '' = unknown;
+  `first_stage.session_codes`). Its speaker is the BM25 term (`vocab`'s id) of
+  `lexical.speaker_terms` (LoCoMo's "Caroline: ..."); -1 when there is none or the term is not in
+  `vocab`.
   """
-  codes: dict = {}
-  sessions = np.asarray([codes.setdefault(d, len(codes)) if d else -1
-                         for d in (dates or [""] * len(texts))], np.int32)
-  speakers = np.asarray([vocab.get(t, -1) if t else -1 for t in speaker_terms(texts)], np.int32)
+  sessions = first_stage.session_codes([d or None for d in (dates or [""] * len(texts))])
+  speakers = np.asarray([vocab.get(t, -1) if t else -1 for t in lexical.speaker_terms(texts)],
+                        np.int32)
   return sessions, speakers
-
-
-def speaker_terms(texts: Sequence[str]) -> list[str]:
-  """Each text's speaker as a BM25 term: the first token of a leading `SPEAKER` name ('' when
-  there is none); `bank_context` and `Memory` (`lexical_bank.LexicalBank.speakers`) alike."""
-  heads = [m.group(1) if (m := SPEAKER.match(t)) else "" for t in texts]
-  return [tk[0] if tk else "" for tk in lexical.tokenize(heads)]
 
 
 def _bm25_index(corpus: corpus_lib.Corpus, by_group, multistore: bool):

@@ -3,7 +3,8 @@ features, for the benchmark pipeline and for `ear_jax.agent.Memory` alike.
 
 Symbols: `q` queries, `C` rows of a bank (a benchmark bank padded to a power of two, or a
 `Memory`'s capacity), `K` candidates, `d` dimension, `F` side features
-(`FEATURE_SETS[options.features]`), `B` BM25 pairs per query (a power-of-two bucket), `t` the RRF depth.
+(`FEATURE_SETS[options.features]`), `B` BM25 pairs per query (a power-of-two bucket), `t` the
+RRF depth.
 
 ONE implementation: `rank_bank` is a pure, jittable function of the bank's embeddings, its
 candidate mask and each query's nonzero BM25 `(row, score)` pairs (`lexical.BM25Index.scores`,
@@ -399,6 +400,14 @@ def pairs(found: Sequence[tuple[np.ndarray, np.ndarray]], capacity: int, num_pad
   for i, (r, s) in enumerate(found):
     rows[i, :len(r)], scores[i, :len(s)] = r, s
   return rows, scores
+
+
+def session_codes(keys: Sequence, codes: Optional[dict] = None) -> np.ndarray:
+  """`[n]` int32 a session code per row from its session key (any hashable; None: unknown, -1),
+  coded in order of first appearance; `codes` (key -> code) continues a coding and is updated."""
+  codes = {} if codes is None else codes
+  return np.asarray([-1 if key is None else codes.setdefault(key, len(codes)) for key in keys],
+                    np.int32)
 
 
 def session_turns(sessions: np.ndarray, counters: Optional[dict] = None) -> np.ndarray:

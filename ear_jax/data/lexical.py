@@ -38,12 +38,16 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import Optional, Sequence
 
 import numpy as np
 
 TOKEN_PATTERN = r"(?u)\b\w+\b"
 STOPWORDS = "en_plus"
+# A speaker prefix: one to three capitalised words, then ':' ("Caroline: ...", not "Quick
+# question: ..."); `speaker_terms`.
+SPEAKER = re.compile(r"^([A-Z][\w'.-]*(?: [A-Z][\w'.-]*){0,2}):")
 K1 = 1.2
 B = 0.75
 MIN_DELTA = 1 << 16  # delta postings always allowed before a merge into the base
@@ -66,6 +70,14 @@ def tokenize(texts: Sequence[str]) -> list[list[str]]:
   return _bm25s().tokenize(list(texts), lower=True, token_pattern=TOKEN_PATTERN,
                            stopwords=STOPWORDS, stemmer=None, return_ids=False,
                            show_progress=False)
+
+
+def speaker_terms(texts: Sequence[str]) -> list[str]:
+  """Each text's speaker as a term: the first token (`tokenize`) of a leading `SPEAKER` name, ''
+  when there is none (the "context" features' speaker, `data.candidates.bank_context` and
+  `agent.memory.lexical_bank.LexicalBank.speakers` alike)."""
+  heads = [m.group(1) if (m := SPEAKER.match(t)) else "" for t in texts]
+  return [tk[0] if tk else "" for tk in tokenize(heads)]
 
 
 def pack(token_ids: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

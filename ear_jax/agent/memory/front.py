@@ -59,7 +59,6 @@ from ear_jax.agent.memory.driver import Driver, seed_keys
 from ear_jax.agent.memory.encoder_slot import EncoderSlot
 from ear_jax.agent.memory.episode import AnswerFeedback, run_critic_episode
 from ear_jax.agent.memory.recall import Recall
-from ear_jax.data import first_stage
 from ear_jax.agent.memory.sessions import (CriticKeys, Ops, Session, SessionDroppedError,
                                            Sessions, Slate,
                                            citation_labels)
@@ -67,6 +66,7 @@ from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import guard as guard_lib
 from ear_jax.core import learner as learner_lib
+from ear_jax.data import first_stage
 from ear_jax.io import checkpoints
 
 __all__ = ["DEFAULT_SCOPE", "AnswerFeedback", "Memory", "MemoryConfig", "Recall", "Session",
@@ -180,9 +180,9 @@ class Memory:
     context = cfg.first_stage.uses_context
     rows = table.read_all(texts=context)
     self._next_row = int(rows.next_row)
+    row_scopes = [rows.scope_names[c] for c in rows.scope_codes]
     self._scopes, codes = scopes_lib.ScopeNames.from_rows(
-        [rows.scope_names[c] for c in rows.scope_codes], rows.stores,
-        held_before=rows.next_row > len(rows.rows))
+        row_scopes, rows.stores, held_before=rows.next_row > len(rows.rows))
     self._scope_rows = scopes_lib.ScopeRows(rows.rows, codes)
     self._lexical = None
     if lexical_bank.needs_lexical(cfg.first_stage_name, config.side_features):
@@ -195,8 +195,7 @@ class Memory:
         bank_lib.empty(config.dim, max(cfg.initial_capacity, config.num_candidates,
                                        rows.next_row), cfg.bank_dtype),
         rows.rows, rows.embeddings, rows.stores, codes,
-        *(self._context(rows.texts, rows.dates, [rows.scope_names[c] for c in rows.scope_codes],
-                        rows.stores) if context else ()))
+        *(self._context(rows.texts, rows.dates, row_scopes, rows.stores) if context else ()))
     self._searcher = None
     if cfg.index != "exact" and root is not None:
       self._searcher = bank_lib.Searcher.load(root / persistence.ANN, cfg.index,
@@ -531,9 +530,8 @@ class Memory:
     (scope, date) (rows added with one date in one scope are one session; `add`'s default date is
     the call's time), the speaker's term id (`lexical_bank.LexicalBank.speakers`) and the row's
     place in its session (`first_stage.session_turns`)."""
-    codes = self._date_codes
-    sessions = np.asarray([codes.setdefault((s, d), len(codes)) if d else -1
-                           for s, d in zip(scopes, dates)], np.int32)
+    sessions = first_stage.session_codes([(s, d) if d else None for s, d in zip(scopes, dates)],
+                                         self._date_codes)
     return (sessions, self._lexical.speakers(texts, stores, new_vocab),
             first_stage.session_turns(sessions, self._session_turns))
 

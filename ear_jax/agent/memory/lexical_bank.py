@@ -31,7 +31,6 @@ Interfaces (what `front` calls; rows are the table's device rows, never reused):
       .restore(table_rows, scope_codes=None) -> None    # from Table.read_all() (terms, vocab)
       .speakers(texts, stores, new_vocab=()) -> [n] int32   # pure: each row's speaker term id
           # (`first_stage.Context`; -1: none), for features='context'
-
       .search(device_bank, queries [q, d], query_texts [q], k, *, allowed=None, slate=None,
               scope_rows=None)
           -> (rows [q, K] int32, mask [q, K], cands [q, K, d + F] float32, slates or None)
@@ -66,7 +65,6 @@ import numpy as np
 
 from ear_jax.agent.memory import bank as bank_lib
 from ear_jax.agent.memory import scopes as scopes_lib
-from ear_jax.data import candidates as candidates_lib
 from ear_jax.data import first_stage
 from ear_jax.data import lexical
 
@@ -184,11 +182,11 @@ class LexicalBank:
 
   def speakers(self, texts: Sequence[str], stores, new_vocab: tuple = ()) -> np.ndarray:
     """`[n]` int32 the term id of each row's speaker (the first word of a leading name,
-    `candidates.SPEAKER`, as the pipeline's `candidates.bank_context`) in the vocabulary or
+    `lexical.speaker_terms`, as the pipeline's `candidates.bank_context`) in the vocabulary or
     `new_vocab` (`Encoded.new_vocab` of rows not added yet); -1 when there is none or the row is
     not indexed (store codes `stores [n]`). Pure."""
     new = dict(new_vocab)
-    names = candidates_lib.speaker_terms(texts)
+    names = lexical.speaker_terms(texts)
     return np.asarray([self.vocab.get(t, new.get(t, -1)) if t and indexed else -1
                        for t, indexed in zip(names, self._indexed(stores))], np.int32)
 
