@@ -32,6 +32,7 @@ _CHOICES = {
     "final_slate": lambda: list(config_lib.FINAL_SLATES),
     "lr_schedule": lambda: list(config_lib.LR_SCHEDULES),
     "guard_evidence": lambda: list(config_lib.GUARD_EVIDENCE),
+    "guard_pages": lambda: list(config_lib.GUARD_PAGES),
     "weight_decay_target": lambda: list(config_lib.WEIGHT_DECAY_TARGETS),
 }
 # Bounds checked by absl validators: (lower bound, inclusive?).

@@ -335,3 +335,81 @@ def test_a_held_out_question_asked_again_is_in_the_ring_once():
   assert int(state.guard.holdout.count) == 4
   assert int(state.buffer.num_pushed) == 12  # the 4 trained questions, every epoch
   m.close()
+
+
+def test_config_checks_guard_pages():
+  with pytest.raises(ValueError, match="guard_pages"):
+    EARConfig(guard=True, guard_holdout=5, guard_pages="random")
+  with pytest.raises(ValueError, match="needs guard_holdout"):
+    EARConfig(guard=True, guard_pages="shuffled")
+  cfg = EARConfig(guard=True, guard_holdout=5, guard_pages="shuffled")
+  assert EARConfig.from_dict(cfg.to_dict()) == cfg
+  assert "guard_pages" not in EARConfig(guard=True, guard_holdout=5).to_dict()  # the default
+
+
+def test_page_order_is_the_first_stage_or_a_random_order_per_key():
+  z = jnp.asarray([0.9, 0.1, 0.5, 0.3, 0.7, 0.2])
+  key = jax.random.PRNGKey(3)
+  first = EARConfig(guard=True, guard_holdout=2)
+  np.testing.assert_array_equal(guard.page_order(key, z, first), z)
+  shuffled = dataclasses.replace(first, guard_pages="shuffled")
+  a = np.asarray(guard.page_order(key, z, shuffled))
+  assert a.shape == (6,) and len(set(a.tolist())) == 6  # distinct scores: an order
+  np.testing.assert_array_equal(a, guard.page_order(key, z + 5.0, shuffled))  # not by z
+  orders = {tuple(np.argsort(-np.asarray(guard.page_order(jax.random.PRNGKey(i), z, shuffled))))
+            for i in range(20)}
+  assert len(orders) > 10  # another key, another order
+
+
+def test_episode_pages_held_out_queries_in_a_random_order_with_guard_pages_shuffled():
+  n, every = 40, 4
+  cfg = EARConfig(dim=16, num_candidates=8, slate_size=2, num_rounds=4, replay_size=2,
+                  buffer_capacity=64, batch_size=4, guard=True, guard_min_queries=10,
+                  guard_holdout=every, guard_holdout_capacity=64, guard_pages="shuffled")
+  stream = to_device(learnable_stream(0, n))
+  hp = default_hparams(learning_rate=3e-2)
+  state, records = jit_episode(jax.random.PRNGKey(0), stream, cfg, hp)
+  first, first_records = jit_episode(jax.random.PRNGKey(0), stream,
+                                     dataclasses.replace(cfg, guard_pages="first_stage"), hp)
+  held = np.flatnonzero(np.arange(n) % every == every - 1)
+  in_order = 0
+  for i in held:  # every candidate once, in an order that is not the first stage's
+    pages = np.asarray(records.slates[i]).reshape(-1)
+    assert sorted(pages.tolist()) == list(range(8))
+    z0 = np.einsum("kd,d->k", np.asarray(stream.candidates[i]), np.asarray(stream.queries[i]))
+    in_order += np.array_equal(pages, np.argsort(-z0, kind="stable"))
+  assert in_order == 0
+  # Only the held-out queries' pages differ: the trained queries' slates and the adapter are
+  # the same (held-out queries are never trained on).
+  trained = np.setdiff1d(np.arange(n), held)
+  np.testing.assert_array_equal(np.asarray(records.slates)[trained],
+                                np.asarray(first_records.slates)[trained])
+  np.testing.assert_array_equal(np.asarray(state.params.w_q), np.asarray(first.params.w_q))
+  np.testing.assert_array_equal(np.asarray(state.guard.holdout.in_first),
+                                np.asarray(first.guard.holdout.in_first))
+
+
+def test_memory_pages_a_held_out_question_shuffled_and_answers_by_the_first_stage():
+  cfg = dataclasses.replace(MEM_CFG, guard_pages="shuffled")
+  m = Memory(MemoryConfig(encoder=None, config=cfg))
+  rng = np.random.default_rng(0)
+  emb = rng.normal(size=(30, 8))
+  ids = m.add([f"memory {i}" for i in range(30)], embeddings=emb)
+  emb = emb / np.linalg.norm(emb, axis=-1, keepdims=True)
+  unit = lambda x: x / np.linalg.norm(x)
+  shuffled = 0
+  for j in range(8):
+    q = rng.normal(size=8)
+    out = m.recall(f"question {j}", _cite_first, k=2, query_embedding=q)
+    if j % 2 == 0:
+      continue
+    ranking = [ids[f] for f in np.argsort(-(emb @ unit(q)), kind="stable")[:6]]
+    shown = [i for r in out.rounds for i in r.ids]
+    assert sorted(shown) == sorted(ranking)  # every candidate once
+    shuffled += shown != ranking
+    cited = [r.ids[0] for r in out.rounds]  # (the critic cites each page's first)
+    expect = [i for i in ranking if i in cited] + [i for i in ranking if i not in cited]
+    assert list(out.ids) == expect[:2]  # cited first, in the first stage's order
+  assert shuffled >= 3
+  assert int(m.learner.guard.holdout.count) == 4
+  m.close()

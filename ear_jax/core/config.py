@@ -29,6 +29,7 @@ LABEL_WEIGHTS = ("none", "balanced")
 FINAL_SLATES = ("round_T", "exploit")
 # What the guard's evidence counts per training query (`guard.query_evidence`).
 GUARD_EVIDENCE = ("items", "questions", "dcg")
+GUARD_PAGES = ("first_stage", "shuffled")
 # Where `weight_decay` pulls the adapter (`learner.make_optimizer`).
 WEIGHT_DECAY_TARGETS = ("zero", "first_stage")
 # Learning-rate schedules (optax), a multiplier of `HParams.learning_rate` by optimizer step:
@@ -199,6 +200,12 @@ class EARConfig:
       scores the CURRENT adapter against the first stage on questions it never learnt from;
       the guard serves by that evidence instead of the prequential one. 0 = off.
     guard_holdout_capacity: `H`, the held-out queries the ring keeps (the newest).
+    guard_pages: the order in which a held-out query's candidates are paged to the critic:
+      'first_stage' (the first stage's ranking, page t = ranks t s .. t s + s - 1) or 'shuffled'
+      (a random order drawn per query, `guard.page_order`): a critic whose false citations fall
+      beside the gold items of a slate (Appendix A.2's) then cites them independently of either
+      ranking, where the first stage's order puts them into the first stage's own top-s and
+      biases the ring toward it (RESULTS.md "Shuffled held-out pages").
   """
   dim: int = 384
   num_candidates: int = 20
@@ -236,6 +243,7 @@ class EARConfig:
   guard_evidence: str = "items"
   guard_holdout: int = 0
   guard_holdout_capacity: int = 256
+  guard_pages: str = "first_stage"
 
   def __post_init__(self):
     # Strategies stay names (resolved where used); `None` is the name 'none', and a registered
@@ -299,6 +307,7 @@ class EARConfig:
     if self.guard_probe and not self.guard:
       raise ValueError("guard_probe=True needs guard=True (the probe feeds the guard's evidence)")
     _check_choice("guard_evidence", self.guard_evidence, GUARD_EVIDENCE)
+    _check_choice("guard_pages", self.guard_pages, GUARD_PAGES)
     _check_choice("weight_decay_target", self.weight_decay_target, WEIGHT_DECAY_TARGETS)
     if self.guard_probe and self.guard_evidence != "items":
       raise ValueError("guard_evidence='questions' reads the training slates: it cannot be "
@@ -323,6 +332,9 @@ class EARConfig:
     if self.guard_evidence == "dcg" and not self.guard_holdout:
       raise ValueError("guard_evidence='dcg' ranks every candidate of a held-out question: it "
                        "needs guard_holdout (the training slates label only some)")
+    if self.guard_pages != "first_stage" and not self.guard_holdout:
+      raise ValueError(f"guard_pages={self.guard_pages!r} orders the held-out queries' pages: "
+                       "it needs guard_holdout")
     if self.guard_holdout and self.guard_probe:
       raise ValueError("guard_holdout and guard_probe are two sources of the guard's evidence: "
                        "choose one")
@@ -385,7 +397,7 @@ _OPTIONAL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EARConfig)
                                     "side_features",
                                     "side_init", "guard", "guard_z", "guard_min_queries",
                                     "guard_half_life", "guard_probe", "guard_evidence",
-                                    "guard_holdout", "guard_holdout_capacity")}
+                                    "guard_holdout", "guard_holdout_capacity", "guard_pages")}
 
 
 @flax.struct.dataclass

@@ -46,14 +46,19 @@ it read positive while the final adapter lost on the test split (the adapter dri
 prequential score reads higher is open: RESULTS.md "Why the guard misjudges LongMemEval_S").
 With `guard_holdout`, every n-th training query (`held_out`) is a small validation set built
 online: its slates are pages of the first stage's ranking (with `T s >= K` every candidate is
-labelled), it is never trained on, and its candidates and citations go to a ring of the newest
+labelled; `config.guard_pages='shuffled'`: pages of a random order, `page_order`), it is never
+trained on, and its candidates and citations go to a ring of the newest
 `H = guard_holdout_capacity` (`Holdout`). The guard then scores the CURRENT parameters on the ring,
 `d_j = |Y_j ∩ TopS(z^phi_j)| - |Y_j ∩ TopS(z^0_j)|` (or the question unit), and serves the
 adapted ranking when `mean(d) - guard_z * sd / sqrt(n) > 0` over the `n >= guard_min_queries`
 held-out queries with a citation (`holdout_lower_bound`). (`Memory` puts a held-out question
 asked again in the ring once: the ring's questions are independent evidence.) An unshown
 candidate counts as not cited; the pages show the first stage's ranking first, so with `T s < K`
-the bias is toward the first stage.
+the bias is toward the first stage. So is a critic's slate-dependent noise with `T s = K`: Appendix
+A.2's critic cites a non-gold item beside gold ones, and the first page holds the first stage's own
+top-s and most of the gold, so its false citations count for the first stage (LoCoMo validation:
+the ring read -0.10 questions per question where the served adapter gained 0.07); shuffled pages
+spread them independently of both rankings.
 """
 from __future__ import annotations
 
@@ -117,6 +122,20 @@ def held_out(first_index: jax.Array, num: int, config: EARConfig) -> jax.Array:
   if not n:
     return jnp.zeros((num,), bool)
   return (first_index + jnp.arange(num)) % n == n - 1
+
+
+PAGES_KEY = 0x2F  # `fold_in` data of a held-out query's page-order key (`page_order`)
+
+
+def page_order(key: jax.Array, first_relevance: jax.Array, config: EARConfig) -> jax.Array:
+  """`[K]` the scores a held-out query's candidates are paged by (`retrieval.paging_slate`:
+  page t = ranks `t s .. t s + s - 1` of them): the first stage's relevance itself
+  (`config.guard_pages='first_stage'`), or with 'shuffled' uniform draws under
+  `fold_in(key, PAGES_KEY)` (`key`: the query's slate key; a random order of the candidates, the
+  same for every ranking the ring later scores)."""
+  if config.guard_pages == "first_stage":
+    return first_relevance
+  return jax.random.uniform(jax.random.fold_in(key, PAGES_KEY), first_relevance.shape)
 
 
 def push_holdout(holdout: Holdout, first: adapter_lib.AdapterParams, queries: jax.Array,

@@ -119,10 +119,15 @@ class _Closed:
 
 # The served parameters of a guarded memory in one compiled call (`core.guard.served_params`).
 _served = jax.jit(guard_lib.served_params, static_argnums=2)
-# The first stage's relevance of a held-out session's candidates (`guard_holdout`: its pages).
-_first_relevance = jax.jit(
-    lambda q, c, config: adapter_lib.relevance(guard_lib.first_stage_params(config), q, c)[0],
-    static_argnums=2)
+# A held-out session's (`guard_holdout`) first-stage relevance `z` of its candidates and the scores
+# its pages follow (`guard.page_order`: `z` itself, or a random order under the session's key).
+_held_pages = jax.jit(
+    lambda q, c, key, config: (lambda z: (z, guard_lib.page_order(key, z, config)))(
+        adapter_lib.relevance(guard_lib.first_stage_params(config), q, c)[0]),
+    static_argnums=3)
+# The key of session `sid`'s page order (`guard_pages='shuffled'`), from the memory's critic key.
+_page_key = jax.jit(lambda key, sid: jax.random.fold_in(
+    jax.random.fold_in(key, guard_lib.PAGES_KEY), sid))
 _copy = jax.jit(lambda tree: jax.tree_util.tree_map(jnp.copy, tree))  # (one call, own buffers)
 
 
@@ -177,6 +182,7 @@ class Memory:
     self._lock = threading.RLock()
     self._save_lock = threading.Lock()
     self._critic_keys = CriticKeys(seed_keys(cfg.seed)[2], config.num_rounds)
+    self._page_base = seed_keys(cfg.seed)[2]  # (`_page_key`: held-out sessions' page orders)
     context = cfg.first_stage.uses_context
     rows = table.read_all(texts=context)
     self._next_row = int(rows.next_row)
@@ -873,7 +879,9 @@ class Memory:
           raise ValueError(f"k={k} is larger than the {int(s.cand_mask.sum())} candidates of "
                            f"session {sid}")
         if s.ranking is None:
-          s.ranking = np.asarray(_first_relevance(s.query_emb, s.cand_emb, self._ear))
+          z, order = _held_pages(s.query_emb, s.cand_emb, _page_key(self._page_base, sid),
+                                 self._ear)
+          s.ranking, s.page_order = np.asarray(z), np.asarray(order)
       if s.paged:  # page `rounds` of `ranking` (a held-out session is paged too)
         return self._open_page(s, sid, k, s.rounds, explore)
       held = int(s.cand_mask.sum())
@@ -898,11 +906,12 @@ class Memory:
                          s.query, self._candidate_records(s, pos))
 
   def _open_page(self, s, sid: int, k: int, t: int, explore: bool) -> Slate:
-    """Page t (ranks `t k .. t k + k - 1`) of session `s`'s `ranking` over its candidates still
-    held (ties to the lower candidate), opened as its next round (`explore`: the session goes on
-    after its feedback)."""
+    """Page t (ranks `t k .. t k + k - 1`) of session `s`'s `ranking` (a held-out session's:
+    of its `page_order`) over its candidates still held (ties to the lower candidate), opened as
+    its next round (`explore`: the session goes on after its feedback)."""
     z = s.ranking
-    order = np.lexsort((np.arange(len(z)), -z))
+    by = z if s.page_order is None else s.page_order
+    order = np.lexsort((np.arange(len(by)), -by))
     pos = order[s.cand_mask[order]][t * k:(t + 1) * k].astype(np.int32)
     if not len(pos):
       return Slate((), (), (), (), s.rounds + 1, True, sid, s.query)
