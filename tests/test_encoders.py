@@ -161,6 +161,27 @@ def test_many_small_shards_are_merged_and_nothing_is_lost(tmp_path, monkeypatch)
                                 want)
 
 
+def test_a_process_keeps_at_most_max_resident_rows_of_embeddings_and_reads_dropped_ones_again(
+    tmp_path, monkeypatch):
+  monkeypatch.setattr(embedding_cache, "MAX_RESIDENT_ROWS", 5)
+  monkeypatch.setattr(embedding_cache, "COMPACT_AT", 6)
+  enc = _FakeEncoder("a")
+  texts = [f"q{i}" for i in range(24)]
+  want = np.concatenate([encoders.encode(enc, texts[i:i + 2], cache_dir=tmp_path, progress=False)
+                         for i in range(0, 24, 2)])  # 12 shards of 2 (merged past 6)
+  cache = embedding_cache.open_cache(tmp_path, enc)
+  assert len(cache) == 24
+  assert cache._resident <= 5 or len(cache._loaded) == 1  # pylint: disable=protected-access
+  calls = enc.calls
+  got = encoders.encode(enc, texts, cache_dir=tmp_path, progress=False)  # dropped: read again
+  np.testing.assert_array_equal(got, want)
+  assert enc.calls == calls  # nothing encoded again
+  for t in texts[::-1]:  # one key at a time: still at most 5 rows, or the one shard in use
+    np.testing.assert_array_equal(cache.get(embedding_cache.text_key(t)),
+                                  want[texts.index(t)])
+    assert cache._resident <= 5 or len(cache._loaded) == 1  # pylint: disable=protected-access
+
+
 def test_unknown_encoder_path_raises_naming_it(tmp_path):
   with pytest.raises(ValueError, match="no/such/model"):
     encoders.load_encoder("no/such/model")

@@ -12,6 +12,10 @@ another model is refused when it appears). A live memory writes a small shard pe
 once a directory holds more than `COMPACT_AT` shards, the small ones this process has read (under
 `SMALL_SHARD` rows) are merged into one (written atomically before they are removed; a concurrent
 reader at worst re-reads or re-encodes, never loses an embedding).
+
+Memory: a process keeps an index of every key it has seen (key -> shard) and the embeddings of the
+shards it used last, at most `MAX_RESIDENT_ROWS` rows of them (whole shards, least recently used
+dropped first; the shard in use is always kept); a key of a dropped shard reads that shard again.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import json
 import os
 import pathlib
 import tempfile
+import collections
 import threading
 import time
 from typing import Sequence
@@ -28,6 +33,7 @@ import numpy as np
 
 COMPACT_AT = 256  # shards in a directory above which the small ones read are merged into one
 SMALL_SHARD = 4096  # rows of a shard that compaction merges
+MAX_RESIDENT_ROWS = 1 << 18  # embeddings a process keeps in memory (~400 MB at d = 384)
 _OPEN: dict = {}  # (directory, identity hash) -> EmbeddingCache, for `open_cache`
 _OPEN_LOCK = threading.Lock()
 
@@ -99,8 +105,11 @@ class EmbeddingCache:
       _atomic_write_bytes(self.meta_path, lambda f: f.write(blob))
     self.identity_hash = ident_hash
     self.dim = encoder.dim
-    self._emb: dict[str, np.ndarray] = {}
-    self._read: dict[str, list | None] = {}  # shards read into `_emb`: name -> keys if small
+    self._where: dict[str, str] = {}  # every key seen -> the shard that holds it
+    # shards in memory, least recently used first: name -> {key: embedding}
+    self._loaded: "collections.OrderedDict[str, dict]" = collections.OrderedDict()
+    self._resident = 0  # rows in `_loaded`
+    self._read: dict[str, list | None] = {}  # shards indexed: name -> keys if small
     self._lock = threading.Lock()
     self.refresh()
 
@@ -112,33 +121,73 @@ class EmbeddingCache:
       for name in names:
         if name in self._read:
           continue
-        shard = self.dir / name
-        try:
-          with np.load(shard, allow_pickle=False) as z:
-            if str(z["identity_hash"]) != self.identity_hash:
-              raise ValueError(f"cache shard {shard} belongs to another model; remove it")
-            keys = list(map(str, z["keys"]))
-            self._emb.update(zip(keys, z["embeddings"]))
-        except FileNotFoundError:
+        rows = self._load(name)
+        if rows is None:
           continue  # merged by another process; its merged shard is read on a later call
-        self._read[name] = keys if len(keys) < SMALL_SHARD else None
+        for k in rows:
+          self._where.setdefault(k, name)
+        self._read[name] = list(rows) if len(rows) < SMALL_SHARD else None
       if len(names) > COMPACT_AT:
         self._compact()
+
+  def _load(self, name: str):
+    """Shard `name`'s `{key: embedding}`, kept as the most recently used (None: it is gone)."""
+    if name in self._loaded:
+      self._loaded.move_to_end(name)
+      return self._loaded[name]
+    shard = self.dir / name
+    try:
+      with np.load(shard, allow_pickle=False) as z:
+        if str(z["identity_hash"]) != self.identity_hash:
+          raise ValueError(f"cache shard {shard} belongs to another model; remove it")
+        rows = dict(zip(map(str, z["keys"]), z["embeddings"]))
+    except FileNotFoundError:
+      return None
+    self._keep(name, rows)
+    return rows
+
+  def _keep(self, name: str, rows: dict) -> None:
+    """Shard `name` in memory as the most recently used; the least recently used others dropped
+    while more than `MAX_RESIDENT_ROWS` rows are held."""
+    self._loaded[name] = rows
+    self._resident += len(rows)
+    while self._resident > MAX_RESIDENT_ROWS and len(self._loaded) > 1:
+      _, dropped = self._loaded.popitem(last=False)
+      self._resident -= len(dropped)
+
+  def _forget(self, name: str) -> None:
+    dropped = self._loaded.pop(name, None)
+    if dropped is not None:
+      self._resident -= len(dropped)
 
   def _compact(self) -> None:
     """Writes the small shards read as one shard, then removes them."""
     small = {n: k for n, k in self._read.items() if k is not None}
     if len(small) < 2:
       return
+    rows = {}
+    for name in list(small):
+      got = self._load(name)
+      if got is None:  # (another process merged it meanwhile: its keys are in its merged shard)
+        del small[name], self._read[name]
+        continue
+      rows.update(got)
+    if len(small) < 2:
+      return
     keys = list(dict.fromkeys(k for ks in small.values() for k in ks))
-    merged = self._write(keys, np.stack([self._emb[k] for k in keys]))
+    embeddings = np.stack([rows[k] for k in keys])
+    merged = self._write(keys, embeddings)
     for name in small:
       del self._read[name]
+      self._forget(name)
       try:
         os.unlink(self.dir / name)
       except FileNotFoundError:
         pass
+    for k in keys:
+      self._where[k] = merged
     self._read[merged] = keys if len(keys) < SMALL_SHARD else None
+    self._keep(merged, dict(zip(keys, embeddings)))
 
   def _write(self, keys, embeddings) -> str:
     """Writes one shard atomically; returns its name."""
@@ -153,10 +202,19 @@ class EmbeddingCache:
     return name
 
   def __len__(self):
-    return len(self._emb)
+    return len(self._where)
 
   def get(self, key: str):
-    return self._emb.get(key)
+    """The embedding of `key`, or None (not cached, or its shard was removed by hand)."""
+    with self._lock:
+      name = self._where.get(key)
+      if name is None:
+        return None
+      rows = self._load(name)
+      if rows is None:  # (removed meanwhile: encoded again by the caller)
+        del self._where[key]
+        return None
+      return rows.get(key)
 
   def add(self, keys: Sequence[str], embeddings: np.ndarray) -> None:
     """Stores and persists a shard (atomically)."""
@@ -164,8 +222,11 @@ class EmbeddingCache:
       return
     keys, embeddings = list(keys), np.asarray(embeddings, np.float32)
     with self._lock:
-      self._read[self._write(keys, embeddings)] = keys if len(keys) < SMALL_SHARD else None
-      self._emb.update(zip(keys, embeddings))
+      name = self._write(keys, embeddings)
+      self._read[name] = keys if len(keys) < SMALL_SHARD else None
+      for k in keys:
+        self._where[k] = name
+      self._keep(name, dict(zip(keys, embeddings)))
 
 
 def open_cache(root, encoder) -> EmbeddingCache:

@@ -82,11 +82,10 @@ def guard_rows(r: Runner, critic_name: str, critic_over: dict, hparam_over: dict
                         for i in range(num)]},
          "guard": []}
   if config.guard_holdout:  # the held-out ring scores the final parameters: a z grid only
-    for z in Z_GRID:
-      serve = np.asarray(jax.vmap(lambda g, p: guard_lib.serve_adapted(g, config, z, p))(
-          states.guard, states.params))
-      lcb = np.asarray(jax.vmap(lambda g, p: guard_lib.holdout_lower_bound(
-          p, g.holdout, config, z)[0])(states.guard, states.params))
+    for z in Z_GRID:  # (the ring scored once per z: `serve_adapted`'s rule on its bound)
+      lcb, n = (np.asarray(x) for x in jax.vmap(lambda g, p: guard_lib.holdout_lower_bound(
+          p, g.holdout, config, z))(states.guard, states.params))
+      serve = (n >= config.guard_min_queries) & (lcb > 0.0)
       out["guard"].append({
           "half_life": config.guard_half_life, "z": z, "serve_adapted": serve.tolist(),
           "lcb": lcb.tolist(), "adapter": np.where(serve, out["adapted"], out["frozen"]).tolist(),
