@@ -413,3 +413,34 @@ def test_memory_pages_a_held_out_question_shuffled_and_answers_by_the_first_stag
   assert shuffled >= 3
   assert int(m.learner.guard.holdout.count) == 4
   m.close()
+
+
+def test_a_held_out_sessions_shuffled_pages_continue_after_a_reopen(tmp_path):
+  cfg = dataclasses.replace(MEM_CFG, guard_pages="shuffled")
+  m = Memory.open(tmp_path / "m", MemoryConfig(encoder=None, config=cfg))
+  rng = np.random.default_rng(1)
+  m.add([f"memory {i}" for i in range(30)], embeddings=rng.normal(size=(30, 8)))
+  m.recall("question 0", _cite_first, k=2, query_embedding=rng.normal(size=8))  # trained
+  q = rng.normal(size=8)
+  s = m.session("question 1", query_embedding=q)
+  assert s.held_out
+  first = s.round(2)
+  s.feedback([first.ids[0]])
+  m.save()
+  m.close()
+  m = Memory.open(tmp_path / "m")
+  s = m.session(resume=s.id)
+  pages = [first, s.round(2)]
+  s.feedback([])
+  pages.append(s.round(2))
+  shown = [i for p in pages for i in p.ids]
+  assert len(set(shown)) == 6  # the same order as before the reopen: no candidate twice
+  # ... and it is the order a memory that never closed shows (the same seed and session id)
+  again = Memory(MemoryConfig(encoder=None, config=cfg))
+  rng = np.random.default_rng(1)
+  again.add([f"memory {i}" for i in range(30)], embeddings=rng.normal(size=(30, 8)))
+  again.recall("question 0", _cite_first, k=2, query_embedding=rng.normal(size=8))
+  t = again.session("question 1", query_embedding=rng.normal(size=8))
+  assert [i for _ in range(3) for i in (t.round(2).ids, t.feedback([]))[0]] == shown
+  m.close()
+  again.close()
