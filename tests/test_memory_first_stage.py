@@ -306,8 +306,10 @@ def _memory_features(mem, qtexts, qemb, scope, k=K):
   """`(candidate ids [q, K], features [q, K, 6])` of a `Memory`'s first stage in `scope`."""
   with mem._lock:  # pylint: disable=protected-access
     rows, mask, cands, _ = mem._first_stage(qtexts, qemb, [(scope,)] * len(qtexts), None)  # pylint: disable=protected-access
-  ids = np.where(mask, np.asarray([r["id"] for r in mem._records(np.arange(mem._next_row))]  # pylint: disable=protected-access
-                                  + [""])[np.where(mask, rows, -1)], "")
+  live = mem._table.list_rows()  # pylint: disable=protected-access
+  names = np.full(mem._next_row + 1, "", dtype=object)  # pylint: disable=protected-access
+  names[live] = [r["id"] for r in mem._records(live)]  # pylint: disable=protected-access
+  ids = np.where(mask, names[np.where(mask, rows, -1)], "").astype(str)
   return ids, cands[..., -6:]
 
 
@@ -350,6 +352,48 @@ def test_a_memory_s_context_features_equal_the_pipeline_s_with_interleaved_scope
     for ids, feats in (got[u], got_again[u]):
       np.testing.assert_array_equal(ids, want_ids)
       np.testing.assert_allclose(feats, want_f, atol=1e-6)
+
+
+def test_deletes_and_an_update_keep_a_context_memory_equal_to_the_pipeline_and_to_its_reopening(
+    tmp_path):
+  """A dialogue in a `features='context'` memory, then deletes in the middle of sessions and an
+  update: the live memory, the same directory reopened, and the pipeline over the remaining turns
+  in their order (the updated one where it was) give the same candidates and six features: a
+  delete closes its session's gap, an update keeps the memory's turn."""
+  from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
+  from ear_jax.core.config import EARConfig  # pylint: disable=g-import-not-at-top
+  opts = first_stage.FirstStageOptions(features="context")
+  rng = np.random.default_rng(7)
+  texts, dates = _dialogue(10, 3)  # 8 live rows after the deletes: all K candidates
+  emb = _unit(rng.standard_normal((10, DIM)))
+  qtexts = [f"what did {SPEAKERS[i % 3]} say about {t}" for i, t in enumerate(_texts(6, 91))]
+  qemb = _unit(rng.standard_normal((6, DIM)))
+  ids = [f"m{i}" for i in range(10)]
+  with Memory.open(tmp_path / "m", None, encoder=None,
+                   config=EARConfig(dim=DIM, num_candidates=K, slate_size=3), candidates="hybrid",
+                   first_stage=opts, initial_capacity=64) as mem:
+    for start in range(0, 10, 5):
+      mem.add(texts[start:start + 5], embeddings=emb[start:start + 5],
+              dates=dates[start:start + 5], scope="u", ids=ids[start:start + 5])
+    gone = [1, 7]  # (inside sessions 3.0 = rows 0-5 and 3.1 = rows 6-8)
+    mem.delete([ids[i] for i in gone])
+    new_text, new_emb = f"{SPEAKERS[0]}: a corrected turn", _unit(rng.standard_normal(DIM))
+    mem.update(ids[3], text=new_text, embedding=new_emb)
+    got = _memory_features(mem, qtexts, qemb, "u")
+  with Memory.open(tmp_path / "m") as again:
+    got_again = _memory_features(again, qtexts, qemb, "u")
+  keep = [i for i in range(10) if i not in gone]
+  p_texts = [new_text if i == 3 else texts[i] for i in keep]
+  p_emb = np.stack([new_emb if i == 3 else emb[i] for i in keep])
+  want_ids, want_f = _pipeline_dated(p_texts, [dates[i] for i in keep], p_emb, qtexts, qemb,
+                                     "hybrid", opts, 0)
+  want_ids = np.where(want_ids == "", "", np.asarray([ids[i] for i in keep] + [""])[
+      np.asarray([int(x.split(":")[1]) if x else -1 for x in want_ids.reshape(-1)])].reshape(
+          want_ids.shape))
+  assert want_f[..., 4].any()  # the adjacency feature fires
+  for ids_got, feats in (got, got_again):
+    np.testing.assert_array_equal(ids_got, want_ids)
+    np.testing.assert_allclose(feats, want_f, atol=1e-6)
 
 
 def _pipeline_dated(texts, dates, emb, qtexts, qemb, name, options, g):

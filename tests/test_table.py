@@ -221,3 +221,37 @@ def test_every_acknowledged_write_survives_kill_9_at_random_points(tmp_path):
     assert acked["ADD"] - acked["DEL"] - pending_del <= live
     assert live <= acked["ADD"] | pending_add and not live & acked["DEL"]
     t.close()
+
+
+def test_an_update_keeps_the_memory_s_place_across_reopens_and_a_delete_forgets_it(path):
+  t = Table(path, D)
+  _add(t, ["a", "b", "c"])
+  e = np.ones(D, np.float32)
+  new = t.replace(1, "b", "b again", 0, "s", "2024-05-01", e)
+  assert new == 3 and t.places([0, 2, 3]).tolist() == [0, 2, 1]
+  newer = t.replace(new, "b", "b once more", 0, "s", "2024-05-01", e)  # (the first place stays)
+  t.close()
+  t = Table(path, D)
+  got = t.read_all()
+  assert got.rows.tolist() == [0, 2, newer] and got.places.tolist() == [0, 2, 1]
+  t.delete([newer])
+  assert t.places([0, 2]).tolist() == [0, 2] and t.get_meta("places") == "{}"
+  t.close()
+
+
+def test_a_failed_update_leaves_the_places_as_they_were(path):
+  t = Table(path, D)
+  _add(t, ["a", "b"])
+  with pytest.raises(ValueError):  # (a wrong dimension: the whole transaction rolls back)
+    t.replace(0, "a", "x", 0, "s", "d", np.ones(D + 1, np.float32))
+  assert t.places([0, 1]).tolist() == [0, 1] and len(t) == 2
+  t.close()
+
+
+def test_places_changed_outside_ear_jax_are_refused_naming_the_file(path):
+  t = Table(path, D)
+  _add(t, ["a"])
+  t.set_meta("places", "[1, 2]")
+  t.close()
+  with pytest.raises(CheckpointError, match="rows.sqlite.*places"):
+    Table(path, D)

@@ -9,7 +9,7 @@ queries of one call (padded to a power of two), `S` scope codes (padded to a pow
                speakers [C] int32, turns [C] int32)
     empty(dim, capacity=MIN_CAPACITY, dtype='float32'); grow(bank, rows) (holds rows < `rows`)
     write(bank, rows [n], emb [n, d], stores [n], scopes [n], sessions=None, speakers=None,
-          turns=None); tombstone(bank, rows [n])
+          turns=None); tombstone(bank, rows [n]); set_turns(bank, rows [n], turns [n])
     context_of(bank, cand=None) (traced): `first_stage.Context`'s row-side inputs
     search(bank, queries [q, d], *, k, multistore, allowed=None, slate=None, searcher=None,
            scope_rows=None)
@@ -181,6 +181,22 @@ def write(bank: DeviceBank, rows, emb, stores, scopes, sessions=None, speakers=N
                 pad(unknown if sessions is None else sessions, np.int32),
                 pad(unknown if speakers is None else speakers, np.int32),
                 pad(unknown if turns is None else turns, np.int32))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_turns(bank, at, turns):
+  return bank._replace(turns=bank.turns.at[at].set(turns, mode="drop"))
+
+
+def set_turns(bank: DeviceBank, rows, turns) -> DeviceBank:
+  """Sets the turn codes `[n]` of device `rows [n]` (`features='context'`: a session's later rows
+  after a delete), in place: `bank` is donated."""
+  rows = np.asarray(rows, np.int64).reshape(-1)
+  if not len(rows):
+    return bank
+  at = _padded_rows(rows, bank.emb.shape[0])
+  return _set_turns(bank, at, np.concatenate([np.asarray(turns, np.int32),
+                                              np.zeros(len(at) - len(rows), np.int32)]))
 
 
 def tombstone(bank: DeviceBank, rows) -> DeviceBank:

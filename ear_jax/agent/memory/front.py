@@ -195,13 +195,14 @@ class Memory:
       self._lexical = lexical_bank.LexicalBank(cfg.first_stage_name, cfg.first_stage,
                                                cfg.multistore)
       self._lexical.restore(rows, codes)
-    # features='context': (scope, date) -> session code; session code -> its rows so far
-    self._date_codes, self._session_turns = {}, {}
+    # features='context': (scope, date) -> session code; each session's live rows by place
+    self._date_codes, self._turns = {}, scopes_lib.SessionTurns()
     self._bank = bank_lib.write(
         bank_lib.empty(config.dim, max(cfg.initial_capacity, config.num_candidates,
                                        rows.next_row), cfg.bank_dtype),
         rows.rows, rows.embeddings, rows.stores, codes,
-        *(self._context(rows.texts, rows.dates, row_scopes, rows.stores) if context else ()))
+        *(self._context(rows.rows, rows.texts, rows.dates, row_scopes, rows.stores, (),
+                        rows.places)[0] if context else ()))
     self._searcher = None
     if cfg.index != "exact" and root is not None:
       self._searcher = bank_lib.Searcher.load(root / persistence.ANN, cfg.index,
@@ -531,24 +532,27 @@ class Memory:
       self._stats["memories_added"] += n
       return list(ids)
 
-  def _context(self, texts, dates, scopes, stores, new_vocab=()):
-    """`(sessions, speakers, turns)` `[n]` int32 of new rows for features='context': a session per
-    (scope, date) (rows added with one date in one scope are one session; `add`'s default date is
-    the call's time), the speaker's term id (`lexical_bank.LexicalBank.speakers`) and the row's
-    place in its session (`first_stage.session_turns`)."""
+  def _context(self, rows, texts, dates, scopes, stores, new_vocab=(), places=None):
+    """For features='context', new rows' `((sessions, speakers, turns) [n] int32, moved)`: a
+    session per (scope, date) (rows added with one date in one scope are one session; `add`'s
+    default date is the call's time), the speaker's term id (`lexical_bank.LexicalBank.speakers`)
+    and the row's turn, its index among its session's live rows by place (`scopes.SessionTurns`;
+    `places` None: the rows' own numbers), with `{row: turn}` of the rows it moved."""
     sessions = first_stage.session_codes([(s, d) if d else None for s, d in zip(scopes, dates)],
                                          self._date_codes)
-    return (sessions, self._lexical.speakers(texts, stores, new_vocab),
-            first_stage.session_turns(sessions, self._session_turns))
+    turns, moved = self._turns.add(rows, sessions, places)
+    return (sessions, self._lexical.speakers(texts, stores, new_vocab), turns), moved
 
-  def _put(self, rows, emb, codes, scope: str, enc, texts, dates) -> None:
+  def _put(self, rows, emb, codes, scope: str, enc, texts, dates, places=None) -> None:
     """Rows the table just took into the device bank, the counts, the searcher, the lexicon."""
     scodes = self._scopes.codes([scope] * len(rows))
     self._scopes.count(scodes, codes)
     self._scope_rows.add(rows, scodes)
-    context = (self._context(texts, dates, [scope] * len(rows), codes, enc.new_vocab)
-               if self._cfg.first_stage.uses_context else ())
+    context, moved = (self._context(rows, texts, dates, [scope] * len(rows), codes,
+                                    enc.new_vocab, places)
+                      if self._cfg.first_stage.uses_context else ((), {}))
     self._bank = bank_lib.write(self._bank, rows, emb, codes, scodes, *context)
+    self._bank = bank_lib.set_turns(self._bank, list(moved), list(moved.values()))
     if self._searcher is not None:
       self._searcher.add(rows, emb, codes, scodes)
     if self._lexical is not None:
@@ -625,6 +629,9 @@ class Memory:
     self._scopes.count(self._scopes.codes([r["scope"] for r in recs]),
                        checks_lib.store_codes([r["store"] for r in recs], len(recs)), -1)
     self._bank = bank_lib.tombstone(self._bank, rows)
+    if self._cfg.first_stage.uses_context:  # (the session's later rows move up one)
+      moved = self._turns.remove(rows)
+      self._bank = bank_lib.set_turns(self._bank, list(moved), list(moved.values()))
     self._scope_rows.remove(rows)
     if self._searcher is not None:
       self._searcher.remove(rows, self._bank)
@@ -636,8 +643,9 @@ class Memory:
 
   def update(self, memory_id: str, *, text: Optional[str] = None, embedding=None) -> str:
     """Corrects one memory: its row is deleted everywhere (as `delete`) and a new one with the
-    same id, store, scope and date inserted, in ONE table transaction. `text` None keeps the
-    text; `embedding` None encodes the new text (outside the lock).
+    same id, store, scope and date inserted, in ONE table transaction; it keeps the memory's place
+    in their order (`Table.places`: with features='context', its turn in its session). `text`
+    None keeps the text; `embedding` None encodes the new text (outside the lock).
 
     Returns:
       The id.
@@ -659,7 +667,8 @@ class Memory:
       new = self._table.replace(int(rows[0]), memory_id, new_text, int(code[0]), rec["scope"],
                                 rec["date"], emb[0], *lex)
       self._unput(rows, [rec], "updated")
-      self._put(np.asarray([new]), emb, code, rec["scope"], enc, [new_text], [rec["date"]])
+      self._put(np.asarray([new]), emb, code, rec["scope"], enc, [new_text], [rec["date"]],
+                self._table.places([new]))  # (the memory keeps its place: its turn)
       if self._lexical is not None:
         self._lexical.delete(rows)
       self._stats["memories_updated"] += 1

@@ -6,9 +6,12 @@ its scopes' rows (`bank.scope_candidates`) and `check_k` costs O(scopes).
     ScopeNames: names, codes(names), allowed(names) -> [S] bool, count(codes, stores, sign),
         available(...), check_k(...), ScopeNames.from_rows(scope names, stores, held_before)
     ScopeRows(rows, codes): add(rows, codes), remove(rows), size(allowed), of(allowed) -> [n]
+    SessionTurns: add(rows, sessions, places) -> (turns [n], moved), remove(rows) -> moved
+        (`features='context'`: each session's live rows in place order; a row's turn is its index)
 """
 from __future__ import annotations
 
+import bisect
 from typing import Optional, Sequence
 
 import numpy as np
@@ -175,3 +178,52 @@ class ScopeRows:
     if len(parts) == 1:
       return parts[0]
     return np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int32)
+
+
+class SessionTurns:
+  """Each session's live rows in the order of their places (`table.Table.places`: a row's own
+  number, or for an updated memory the place of the row it replaced), for `features='context'`:
+  a row's turn (`first_stage.Context.turns`) is its index among its session's live rows, so a
+  delete closes the gap (the later rows move up one) and an update keeps the memory's turn, in a
+  live memory and in one reopened from its table alike. Sessions are codes >= 0 (-1: none)."""
+
+  def __init__(self):
+    self._rows: dict[int, list] = {}  # session -> sorted [(place, row)]
+    self._of: dict[int, tuple] = {}  # row -> (session, place)
+    self._turn: dict[int, int] = {}  # row -> its turn as last given out
+
+  def add(self, rows, sessions, places=None):
+    """Adds rows (`places` None: their own numbers). Returns `(turns [n] int32, moved)`: the new
+    rows' turns (-1 without a session) and `{row: turn}` of the other rows whose turn changed
+    (a row placed before them)."""
+    rows = [int(r) for r in np.asarray(rows).reshape(-1)]
+    places = rows if places is None else [int(p) for p in np.asarray(places).reshape(-1)]
+    touched = set()
+    for r, s, p in zip(rows, np.asarray(sessions).reshape(-1).tolist(), places):
+      if s >= 0:
+        bisect.insort(self._rows.setdefault(s, []), (p, r))
+        self._of[r] = (s, p)
+        touched.add(s)
+    moved = self._renumber(touched)
+    turns = np.asarray([self._turn.get(r, -1) for r in rows], np.int32)
+    return turns, {r: t for r, t in moved.items() if r not in set(rows)}
+
+  def remove(self, rows) -> dict:
+    """Drops rows; returns `{row: turn}` of the live rows whose turn changed."""
+    touched = set()
+    for r in np.asarray(rows).reshape(-1).tolist():
+      got = self._of.pop(int(r), None)
+      if got is not None:
+        self._rows[got[0]].remove((got[1], int(r)))
+        self._turn.pop(int(r), None)
+        touched.add(got[0])
+    return self._renumber(touched)
+
+  def _renumber(self, sessions) -> dict:
+    """The turns of `sessions`' rows again; `{row: turn}` of those that changed."""
+    moved = {}
+    for s in sessions:
+      for j, (_, r) in enumerate(self._rows[s]):
+        if self._turn.get(r) != j:
+          self._turn[r] = moved[r] = j
+    return moved

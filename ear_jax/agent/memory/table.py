@@ -49,6 +49,7 @@ _SCHEMA = (
 _FORMAT = "ear_jax.agent.memory.table/1"
 _COLUMNS = "row, id, text, store, scope, date, embedding, terms, sha256"
 _PART = 65536  # rows of embeddings joined at a time by read_all
+_PLACES = "places"  # meta entry: {row: place} of updated memories (`Table.places`)
 
 
 class TableRows(NamedTuple):
@@ -66,6 +67,8 @@ class TableRows(NamedTuple):
     vocab: `(term, id)` pairs of the lexical vocabulary.
     next_row: the device rows `< next_row` were ever used (the next insert gets `next_row`).
     texts, dates: `[n]` each row's text and date (`read_all(texts=True)`; else None).
+    places: `[n]` int64 each row's place in the order of the memories (`Table.places`): its
+      row, or for an updated memory the place of the row it replaced.
   """
   rows: np.ndarray
   stores: np.ndarray
@@ -78,6 +81,7 @@ class TableRows(NamedTuple):
   next_row: int
   texts: Optional[list] = None
   dates: Optional[list] = None
+  places: Optional[np.ndarray] = None
 
 
 def _digest(row: int, memory_id: str, text: str, store: int, scope: str, date: str,
@@ -145,6 +149,28 @@ class Table:
       raise CheckpointError(f"{self.where}: holds embeddings of dimension {self.get_meta('dim')}, "
                             f"expected {self.dim}")
     self._n = self._db.execute("SELECT count(*) FROM memories").fetchone()[0]
+    self._places = self._read_places()
+
+  def _read_places(self) -> dict:
+    """The meta table's `places`: device row -> place, for the rows of updated memories."""
+    raw = self.get_meta(_PLACES)
+    try:
+      return {int(r): int(p) for r, p in json.loads(raw).items()} if raw else {}
+    except (ValueError, TypeError, AttributeError):
+      raise CheckpointError(f"{self.where}: its '{_PLACES}' entry is not a JSON object of row "
+                            "places: it was changed outside ear_jax") from None
+
+  def _write_places(self, places: dict) -> None:
+    """`places` into the meta table (inside the caller's transaction)."""
+    self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                     (_PLACES, json.dumps({str(r): p for r, p in sorted(places.items())})))
+
+  def places(self, rows) -> np.ndarray:
+    """`[n]` int64 the place of each device row `rows` in the order of the memories: the row
+    itself, or for an updated memory the place of the row it replaced (`replace` keeps it), so
+    an update keeps the memory where it was (`features='context'`: its turn in its session)."""
+    return np.asarray([self._places.get(int(r), int(r)) for r in np.asarray(rows).reshape(-1)],
+                      np.int64)
 
   @contextlib.contextmanager
   def _errors(self):
@@ -167,6 +193,7 @@ class Table:
         if self._db.in_transaction:
           self._db.execute("ROLLBACK")
         self._n = self._db.execute("SELECT count(*) FROM memories").fetchone()[0]
+        self._places = self._read_places()
         raise
       self._db.execute("COMMIT")
 
@@ -200,6 +227,11 @@ class Table:
     self._n -= self._db.executemany("DELETE FROM memories WHERE row = ?",
                                     [(int(r) + 1,) for r in rows]).rowcount
     self._db.executemany("DELETE FROM vocab WHERE term = ?", [(t,) for t in dead_terms])
+    gone = [int(r) for r in rows if int(r) in self._places]
+    if gone:
+      for r in gone:
+        del self._places[r]
+      self._write_places(self._places)
 
   def insert(self, ids, texts, stores: np.ndarray, scopes: Sequence[str], dates, embeddings,
              terms: Optional[Sequence[np.ndarray]] = None,
@@ -220,14 +252,17 @@ class Table:
 
   def replace(self, row: int, memory_id: str, text: str, store: int, scope: str, date: str,
               embedding, terms=None, new_vocab=(), dead_terms=()) -> int:
-    """An update: deletes device row `row`, then inserts the memory again under a new row, in one
-    transaction; returns the new device row."""
+    """An update: deletes device row `row`, then inserts the memory again under a new row that
+    keeps the old one's place (`places`), in one transaction; returns the new device row."""
     with self._transaction():
+      place = int(self.places([row])[0])
       self._delete([row], dead_terms)
-      new = self._insert([memory_id], [text], [store], [scope], [date],
-                         np.reshape(embedding, (1, -1)), None if terms is None else [terms],
-                         new_vocab)
-      return int(new[0])
+      new = int(self._insert([memory_id], [text], [store], [scope], [date],
+                             np.reshape(embedding, (1, -1)), None if terms is None else [terms],
+                             new_vocab)[0])
+      self._places[new] = place
+      self._write_places(self._places)
+      return new
 
   def set_meta(self, key: str, value: str) -> None:
     with self._transaction():
@@ -275,7 +310,8 @@ class Table:
         scope_codes=np.asarray(codes, np.int32), scope_names=list(names), embeddings=emb,
         terms=np.frombuffer(b"".join(terms), np.int32),
         term_offsets=np.cumsum([0] + [len(t) // 4 for t in terms], dtype=np.int64),
-        vocab=vocab, next_row=self._next(), texts=kept and kept[0], dates=kept and kept[1])
+        vocab=vocab, next_row=self._next(), texts=kept and kept[0], dates=kept and kept[1],
+        places=self.places(rows))
 
   def records(self, rows) -> list[dict]:
     """`{id, text, store, scope, date, row}` of the device rows `rows`, in that order (verified;
