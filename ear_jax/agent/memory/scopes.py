@@ -195,35 +195,53 @@ class SessionTurns:
   def add(self, rows, sessions, places=None):
     """Adds rows (`places` None: their own numbers). Returns `(turns [n] int32, moved)`: the new
     rows' turns (-1 without a session) and `{row: turn}` of the other rows whose turn changed
-    (a row placed before them)."""
+    (a row placed before them). Appending to a session costs O(rows added); a row placed inside
+    one (an update) renumbers the session's rows after it."""
     rows = [int(r) for r in np.asarray(rows).reshape(-1)]
     places = rows if places is None else [int(p) for p in np.asarray(places).reshape(-1)]
-    touched = set()
+    by_session: dict[int, list] = {}
     for r, s, p in zip(rows, np.asarray(sessions).reshape(-1).tolist(), places):
       if s >= 0:
-        bisect.insort(self._rows.setdefault(s, []), (p, r))
+        by_session.setdefault(s, []).append((p, r))
         self._of[r] = (s, p)
-        touched.add(s)
-    moved = self._renumber(touched)
+    moved = {}
+    for s, new in by_session.items():
+      new.sort()
+      lst = self._rows.setdefault(s, [])
+      start = len(lst)
+      lst.extend(new)
+      if start and new[0] < lst[start - 1]:  # (placed inside the session: merge, renumber after)
+        lst.sort()
+        start = bisect.bisect_left(lst, new[0])
+      moved.update(self._renumber(lst, start))
     turns = np.asarray([self._turn.get(r, -1) for r in rows], np.int32)
-    return turns, {r: t for r, t in moved.items() if r not in set(rows)}
+    added = set(rows)
+    return turns, {r: t for r, t in moved.items() if r not in added}
 
   def remove(self, rows) -> dict:
-    """Drops rows; returns `{row: turn}` of the live rows whose turn changed."""
-    touched = set()
+    """Drops rows; returns `{row: turn}` of the live rows whose turn changed (those after them in
+    their sessions)."""
+    gone: dict[int, list] = {}
     for r in np.asarray(rows).reshape(-1).tolist():
       got = self._of.pop(int(r), None)
       if got is not None:
-        self._rows[got[0]].remove((got[1], int(r)))
+        gone.setdefault(got[0], []).append((got[1], int(r)))
         self._turn.pop(int(r), None)
-        touched.add(got[0])
-    return self._renumber(touched)
-
-  def _renumber(self, sessions) -> dict:
-    """The turns of `sessions`' rows again; `{row: turn}` of those that changed."""
     moved = {}
-    for s in sessions:
-      for j, (_, r) in enumerate(self._rows[s]):
-        if self._turn.get(r) != j:
-          self._turn[r] = moved[r] = j
+    for s, out in gone.items():
+      lst = self._rows[s]
+      start = min(bisect.bisect_left(lst, x) for x in out)
+      drop = set(out)
+      lst[start:] = [x for x in lst[start:] if x not in drop]
+      moved.update(self._renumber(lst, start))
+    return moved
+
+  def _renumber(self, lst, start: int) -> dict:
+    """The turns of `lst[start:]` (one session's rows by place); `{row: turn}` of those that
+    changed."""
+    moved = {}
+    for j in range(start, len(lst)):
+      r = lst[j][1]
+      if self._turn.get(r) != j:
+        self._turn[r] = moved[r] = j
     return moved
