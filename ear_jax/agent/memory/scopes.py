@@ -190,7 +190,6 @@ class SessionTurns:
   def __init__(self):
     self._rows: dict[int, list] = {}  # session -> sorted [(place, row)]
     self._of: dict[int, tuple] = {}  # row -> (session, place)
-    self._turn: dict[int, int] = {}  # row -> its turn as last given out
 
   def add(self, rows, sessions, places=None):
     """Adds rows (`places` None: their own numbers). Returns `(turns [n] int32, moved)`: the new
@@ -204,7 +203,7 @@ class SessionTurns:
       if s >= 0:
         by_session.setdefault(s, []).append((p, r))
         self._of[r] = (s, p)
-    moved = {}
+    after = {}  # {row: turn} from each session's first new row on
     for s, new in by_session.items():
       new.sort()
       lst = self._rows.setdefault(s, [])
@@ -213,10 +212,10 @@ class SessionTurns:
       if start and new[0] < lst[start - 1]:  # (placed inside the session: merge, renumber after)
         lst.sort()
         start = bisect.bisect_left(lst, new[0])
-      moved.update(self._renumber(lst, start))
-    turns = np.asarray([self._turn.get(r, -1) for r in rows], np.int32)
+      after.update(_turns_from(lst, start))
+    turns = np.asarray([after.get(r, -1) for r in rows], np.int32)
     added = set(rows)
-    return turns, {r: t for r, t in moved.items() if r not in added}
+    return turns, {r: t for r, t in after.items() if r not in added}
 
   def remove(self, rows) -> dict:
     """Drops rows; returns `{row: turn}` of the live rows whose turn changed (those after them in
@@ -226,22 +225,17 @@ class SessionTurns:
       got = self._of.pop(int(r), None)
       if got is not None:
         gone.setdefault(got[0], []).append((got[1], int(r)))
-        self._turn.pop(int(r), None)
     moved = {}
     for s, out in gone.items():
       lst = self._rows[s]
       start = min(bisect.bisect_left(lst, x) for x in out)
       drop = set(out)
       lst[start:] = [x for x in lst[start:] if x not in drop]
-      moved.update(self._renumber(lst, start))
+      moved.update(_turns_from(lst, start))
     return moved
 
-  def _renumber(self, lst, start: int) -> dict:
-    """The turns of `lst[start:]` (one session's rows by place); `{row: turn}` of those that
-    changed."""
-    moved = {}
-    for j in range(start, len(lst)):
-      r = lst[j][1]
-      if self._turn.get(r) != j:
-        self._turn[r] = moved[r] = j
-    return moved
+
+def _turns_from(lst, start: int) -> dict:
+  """`{row: turn}` of `lst[start:]` (one session's rows by place). Every old row there changed
+  turn: a new row was placed, or a removed one was, before it."""
+  return {lst[j][1]: j for j in range(start, len(lst))}
