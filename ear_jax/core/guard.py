@@ -368,9 +368,16 @@ def serve_adapted(guard: GuardState, config: EARConfig, z=None, params=None) -> 
   if guard.holdout is not None:
     if params is None:
       raise ValueError("a guard with held-out evidence scores the parameters: pass params")
-    lcb, n = holdout_lower_bound(params, guard.holdout, config, z)
-    return (n >= config.guard_min_queries) & (lcb > 0.0)
+    return holdout_decision(params, guard.holdout, config, z)[0]
   return (guard.count >= config.guard_min_queries) & (lower_bound(guard, z) > 0.0)
+
+
+def holdout_decision(params: adapter_lib.AdapterParams, holdout: Holdout, config: EARConfig, z):
+  """`(serve [] bool, lcb, n)` of `params` on the held-out ring: the adapted ranking is served
+  when at least `config.guard_min_queries` held-out queries have a citation and the lower bound
+  (`holdout_lower_bound`) is above 0."""
+  lcb, n = holdout_lower_bound(params, holdout, config, z)
+  return (n >= config.guard_min_queries) & (lcb > 0.0), lcb, n
 
 
 def served_params(params: adapter_lib.AdapterParams, guard, config: EARConfig,

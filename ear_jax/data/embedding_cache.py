@@ -19,12 +19,12 @@ dropped first; the shard in use is always kept); a key of a dropped shard reads 
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
 import pathlib
 import tempfile
-import collections
 import threading
 import time
 from typing import Sequence

@@ -181,8 +181,9 @@ class Memory:
                        f"{slot.dim}")
     self._lock = threading.RLock()
     self._save_lock = threading.Lock()
-    self._critic_keys = CriticKeys(seed_keys(cfg.seed)[2], config.num_rounds)
-    self._page_base = seed_keys(cfg.seed)[2]  # (`_page_key`: held-out sessions' page orders)
+    k_critic = seed_keys(cfg.seed)[2]
+    self._critic_keys = CriticKeys(k_critic, config.num_rounds)
+    self._page_base = k_critic  # (`_page_key`: held-out sessions' page orders)
     context = cfg.first_stage.uses_context
     rows = table.read_all(texts=context)
     self._next_row = int(rows.next_row)

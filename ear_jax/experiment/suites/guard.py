@@ -82,10 +82,9 @@ def guard_rows(r: Runner, critic_name: str, critic_over: dict, hparam_over: dict
                         for i in range(num)]},
          "guard": []}
   if config.guard_holdout:  # the held-out ring scores the final parameters: a z grid only
-    for z in Z_GRID:  # (the ring scored once per z: `serve_adapted`'s rule on its bound)
-      lcb, n = (np.asarray(x) for x in jax.vmap(lambda g, p: guard_lib.holdout_lower_bound(
+    for z in Z_GRID:  # (the ring scored once per z: the decision and the bound it read)
+      serve, lcb, _ = (np.asarray(x) for x in jax.vmap(lambda g, p: guard_lib.holdout_decision(
           p, g.holdout, config, z))(states.guard, states.params))
-      serve = (n >= config.guard_min_queries) & (lcb > 0.0)
       out["guard"].append({
           "half_life": config.guard_half_life, "z": z, "serve_adapted": serve.tolist(),
           "lcb": lcb.tolist(), "adapter": np.where(serve, out["adapted"], out["frozen"]).tolist(),
