@@ -140,6 +140,45 @@ def test_a_row_changed_outside_ear_jax_is_refused_naming_its_id(path, column, va
   assert t.texts([0]) == ["text of a"]  # the other rows still read
 
 
+def test_records_are_read_from_the_file_once_kept_at_most_record_cache_and_a_delete_drops_them(
+    path, monkeypatch):
+  from ear_jax.agent.memory import table as table_lib  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(table_lib, "RECORD_CACHE", 4)
+  t = Table(path, D)
+  _add(t, [f"m{i}" for i in range(10)])
+  reads = []
+  verified = t._verified
+  monkeypatch.setattr(t, "_verified", lambda *a: reads.append(a) or verified(*a))
+  first = t.records([3, 1, 3])
+  assert [r["id"] for r in first] == ["m3", "m1", "m3"] and len(reads) == 1
+  assert t.records([1, 3]) == [first[1], first[0]] and len(reads) == 1  # kept: no file read
+  first[0]["text"] = "changed by the caller"  # (a caller's dict is its own copy)
+  assert t.records([3])[0]["text"] == "text of m3"
+  assert [r["id"] for r in t.records(range(10))] == [f"m{i}" for i in range(10)]
+  assert len(t._recent) == 4 and list(t._recent) == [6, 7, 8, 9]  # the newest 4
+  t.delete([8])
+  with pytest.raises(KeyError, match=r"rows \[8\]"):
+    t.records([8])
+  new = t.replace(9, "m9", "an updated text", 0, "s", "2024-05-02", np.ones(D, np.float32))
+  with pytest.raises(KeyError, match=r"rows \[9\]"):
+    t.records([9])
+  assert t.records([new])[0]["text"] == "an updated text"
+
+
+def test_a_kept_record_is_the_verified_one_and_a_changed_row_read_from_the_file_is_refused(path):
+  t = Table(path, D)
+  _add(t, ["a", "victim", "c"])
+  kept = t.records([1])
+  with sqlite3.connect(path) as db:  # (outside ear_jax, while the table is open)
+    db.execute("UPDATE memories SET text = 'edited' WHERE id IN ('victim', 'c')")
+  assert t.records([1]) == kept  # served from memory: what was verified
+  with pytest.raises(CheckpointError, match="'c'.*SHA-256"):
+    t.records([2])
+  t.close()
+  with pytest.raises(CheckpointError, match="'victim'"):
+    Table(path, D).records([1])
+
+
 def test_a_file_that_is_not_this_table_is_refused_naming_it(tmp_path, path):
   t = Table(path, D)
   _add(t, [f"m{i}" for i in range(300)])

@@ -17,15 +17,20 @@ Guarantees:
   * Row numbers are never reused (`AUTOINCREMENT`): a deleted row's number stays dead, so the
     learner's references to rows (replay buffer, sessions) can never point at another memory.
     The API speaks device rows, `row - 1` (0-based, the device bank's index).
-  * Verified: every read of rows (`read_all`, `records`, `texts`) checks each row's SHA-256; a row
-    changed outside ear_jax, a file that is not this table (foreign, truncated, another schema or
-    dimension) is a `CheckpointError` naming the file (and the row's id).
+  * Verified: every read of rows from the file (`read_all`, `records`, `texts`) checks each row's
+    SHA-256; a row changed outside ear_jax, a file that is not this table (foreign, truncated,
+    another schema or dimension) is a `CheckpointError` naming the file (and the row's id).
+    `records` keeps the newest `RECORD_CACHE` verified records in memory and reads only the
+    others from the file (a live memory's questions read the same candidates again and again);
+    a delete drops its rows from it, and row numbers are never reused, so a kept record is always
+    the row's own (the directory's owner lock keeps other writers out).
 
 Not thread-safe on its own: `Memory` calls it under its lock (the connection may be used from any
 thread).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -50,6 +55,7 @@ _FORMAT = "ear_jax.agent.memory.table/1"
 _COLUMNS = "row, id, text, store, scope, date, embedding, terms, sha256"
 _PART = 65536  # rows of embeddings joined at a time by read_all
 _PLACES = "places"  # meta entry: {row: place} of updated memories (`Table.places`)
+RECORD_CACHE = 1 << 15  # verified records `records` keeps (the least recently read dropped first)
 
 
 class TableRows(NamedTuple):
@@ -150,6 +156,7 @@ class Table:
                             f"expected {self.dim}")
     self._n = self._db.execute("SELECT count(*) FROM memories").fetchone()[0]
     self._places = self._read_places()
+    self._recent = collections.OrderedDict()  # device row -> (id, text, store, scope, date)
 
   def _read_places(self) -> dict:
     """The meta table's `places`: device row -> place, for the rows of updated memories."""
@@ -224,6 +231,8 @@ class Table:
     return np.arange(first - 1, first - 1 + len(rows), dtype=np.int64)
 
   def _delete(self, rows, dead_terms) -> None:
+    for r in rows:  # (before the delete: a rolled-back one only costs a read again)
+      self._recent.pop(int(r), None)
     self._n -= self._db.executemany("DELETE FROM memories WHERE row = ?",
                                     [(int(r) + 1,) for r in rows]).rowcount
     self._db.executemany("DELETE FROM vocab WHERE term = ?", [(t,) for t in dead_terms])
@@ -314,15 +323,26 @@ class Table:
         places=self.places(rows))
 
   def records(self, rows) -> list[dict]:
-    """`{id, text, store, scope, date, row}` of the device rows `rows`, in that order (verified;
-    KeyError naming a row that holds no memory)."""
-    got = {r[0] - 1: dict(id=r[1], text=r[2], store=r[3], scope=r[4], date=r[5], row=r[0] - 1)
-           for r in self._verified("WHERE row IN (SELECT value + 1 FROM json_each(?))",
-                                   (json.dumps([int(r) for r in rows]),))}
-    missing = [int(r) for r in rows if int(r) not in got]
+    """`{id, text, store, scope, date, row}` of the device rows `rows`, in that order (verified
+    when read from the file; the newest `RECORD_CACHE` kept in memory; KeyError naming a row that
+    holds no memory)."""
+    rows = [int(r) for r in rows]
+    got = {r: self._recent[r] for r in rows if r in self._recent}
+    read = [r for r in dict.fromkeys(rows) if r not in got]
+    if read:
+      for r in self._verified("WHERE row IN (SELECT value + 1 FROM json_each(?))",
+                              (json.dumps(read),)):
+        got[r[0] - 1] = r[1:6]
+    missing = [r for r in rows if r not in got]
     if missing:
       raise KeyError(f"{self.where}: no memory at rows {missing[:5]}")
-    return [dict(got[int(r)]) for r in rows]
+    for r in dict.fromkeys(rows):
+      self._recent[r] = got[r]
+      self._recent.move_to_end(r)
+    while len(self._recent) > RECORD_CACHE:
+      self._recent.popitem(last=False)
+    return [dict(id=got[r][0], text=got[r][1], store=got[r][2], scope=got[r][3],
+                 date=got[r][4], row=r) for r in rows]
 
   def texts(self, rows) -> list[str]:
     """The texts of the device rows `rows`, in that order (verified)."""
