@@ -144,3 +144,101 @@ def test_final_adapter_is_replaced_atomically_and_only_training_checkpoints_have
   with pytest.raises(ValueError, match="num_rounds"):
     checkpointing.restore_adapter(store, config=ex.build_config("ear", dim=8, num_candidates=20,
                                                                 num_rounds=2))
+
+
+def _guarded_params(v, num_seeds=2, dim=8, side=2):
+  from ear_jax.core import adapter as adapter_lib  # pylint: disable=g-import-not-at-top
+  return adapter_lib.AdapterParams(
+      w_q=np.full((num_seeds, dim, dim), v, np.float32),
+      w_m=np.full((num_seeds, dim, dim), -v, np.float32),
+      w_side=np.full((num_seeds, side), 3 * v, np.float32))
+
+
+def test_a_guarded_adapter_restores_what_its_guard_serves_and_the_trained_one_on_request(
+    tmp_path):
+  """A user who deploys `ear_safe`'s saved adapter gets what the run served: the adapter where
+  the guard trusts it, the first stage's parameters (identity, `w_side` at its init) where not."""
+  from ear_jax.core import guard as guard_lib  # pylint: disable=g-import-not-at-top
+  config = ex.build_config("ear_safe", dim=8, num_candidates=20, side_features=2)
+  store = tmp_path / "wd" / "runs" / "ear_safe" / checkpointing.ADAPTER_DIR
+  save = lambda **kw: checkpointing.save_adapter(store, _guarded_params(1.0), config=config,
+                                                 hparams=default_hparams(), seeds=[0, 1],
+                                                 position=40, **kw)
+  with pytest.raises(ValueError, match="guard's decision per seed"):
+    save()
+  with pytest.raises(ValueError, match="2 seeds"):
+    save(served=[True])
+  assert not store.exists()  # (nothing written by a refused save)
+  save(served=np.array([True, False]))
+  first = guard_lib.first_stage_params(config)
+  got, stored, meta = checkpointing.restore_adapter(tmp_path / "wd", seed_index=None)
+  assert stored == config and meta["served"] == [True, False]
+  np.testing.assert_array_equal(got.w_q[0], np.full((8, 8), 1.0, np.float32))
+  np.testing.assert_array_equal(got.w_side[0], np.full((2,), 3.0, np.float32))
+  for leaf in ("w_q", "w_m", "w_side"):  # seed 1: the guard serves the first stage
+    np.testing.assert_array_equal(getattr(got, leaf)[1], np.asarray(getattr(first, leaf)))
+  one, _, _ = checkpointing.restore_adapter(tmp_path / "wd", seed_index=1)
+  np.testing.assert_array_equal(one.w_side, np.asarray(first.w_side))
+  raw, _, meta = checkpointing.restore_adapter(tmp_path / "wd", seed_index=1, guarded=False)
+  np.testing.assert_array_equal(raw.w_m, np.full((8, 8), -1.0, np.float32))
+  assert meta["served"] == [True, False]
+  plain = ex.build_config("ear", dim=8, num_candidates=20)
+  with pytest.raises(ValueError, match="no guard"):
+    checkpointing.save_adapter(tmp_path / "other", _guarded_params(1.0, side=0).replace(
+        w_side=None), config=plain, hparams=default_hparams(), seeds=[0, 1], position=40,
+                               served=[True, True])
+
+
+def test_a_guarded_adapter_saved_without_the_decision_is_refused_unless_asked_for_raw(tmp_path):
+  """An adapter stored before the decision was (no `served` in its metadata) must not be served
+  as if the guard had trusted it."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  config = ex.build_config("ear_safe", dim=8, num_candidates=20, side_features=2)
+  store = tmp_path / "runs" / "ear_safe" / checkpointing.ADAPTER_DIR
+  params = _guarded_params(1.0)
+  meta = {"format": checkpointing.ADAPTER_FORMAT, "config": config.to_dict(),
+          "hparams": checkpointing._hparams_json(default_hparams()), "seeds": [0, 1],
+          "position": 40, "leaves": checkpointing._leaf_specs(params)}
+  with contextlib.closing(checkpointing.CheckpointStore(store, max_to_keep=1)) as s:
+    s.save(0, {"params": params}, meta)
+  with pytest.raises(ValueError, match="guarded=False"):
+    checkpointing.restore_adapter(tmp_path)
+  raw, _, _ = checkpointing.restore_adapter(tmp_path, guarded=False)
+  np.testing.assert_array_equal(raw.w_q, np.full((8, 8), 1.0, np.float32))
+
+
+@pytest.mark.slow
+def test_a_guarded_run_restores_the_parameters_its_test_set_was_scored_with(setup, tmp_path):
+  """From a training checkpoint (the learner state with the guard) and from the final adapter
+  `experiments.run` writes: the served parameters are `runner.served_params` of the final state."""
+  from ear_jax.core import guard as guard_lib  # pylint: disable=g-import-not-at-top
+  from ear_jax.experiment import suites  # pylint: disable=g-import-not-at-top
+  bench, train, test, _ = setup
+  config = ex.build_config("ear_safe", dim=16, num_candidates=20, buffer_capacity=64,
+                           guard_holdout=2, guard_min_queries=4)
+  hp = ex.build_method("ear_safe", dim=16, num_candidates=20).hparams
+  full = ex.train_and_evaluate("ear_safe", bench.stream, train, test, config, hp, [0, 1],
+                               checkpoint_every=16,
+                               checkpointer=checkpointing.RunCheckpointer(tmp_path / "c"))
+  served = checkpointing.guard_decisions(full.final_state, config)
+  want = ex.served_params(full.final_state, config)
+  assert not served.all()  # (a seed whose guard serves the first stage: the raw adapter differs)
+  got, _, meta = checkpointing.restore_adapter(tmp_path / "c", seed_index=None)
+  assert meta["served"] == served.tolist()
+  assert _equal(got, want)
+  raw, _, _ = checkpointing.restore_adapter(tmp_path / "c", seed_index=None, guarded=False)
+  assert _equal(raw, full.final_state.params)
+  out = suites.run(suites.Options(benchmark="synthetic", seeds=2, synthetic_queries=60,
+                                  synthetic_dim=16, progress=False, workdir=str(tmp_path / "wd"),
+                                  suite=None, method="ear_safe",
+                                  config_overrides={"buffer_capacity": 64, "guard_min_queries": 4,
+                                                    "guard_holdout": 2}))
+  (name, run), = out["runs"].items()
+  got, _, meta = checkpointing.restore_adapter(tmp_path / "wd", run=name, seed_index=None)
+  assert len(meta["served"]) == 2 and not all(meta["served"])
+  raw, stored, _ = checkpointing.restore_adapter(tmp_path / "wd", run=name, seed_index=None,
+                                                 guarded=False)
+  first = guard_lib.first_stage_params(stored)
+  seed = lambda tree, i: jax.tree_util.tree_map(lambda x: np.asarray(x)[i], tree)
+  for i, s in enumerate(meta["served"]):
+    assert _equal(seed(got, i), seed(raw, i) if s else first)

@@ -19,7 +19,10 @@ or segmentation is a `ValueError` that says what differs; an unreadable or forei
 A finished run also keeps its final adapters alone (`save_adapter`, `ADAPTER_FORMAT`): only the
 `AdapterParams` of every seed, one small verified step in `<workdir>/runs/<run>/adapter/`, written
 whether or not training checkpoints were asked for. Research code restores a trained adapter with
-`restore_adapter(workdir, run=...)`, from that store or from the run's training checkpoints.
+`restore_adapter(workdir, run=...)`, from that store or from the run's training checkpoints. For a
+guarded config (`EARConfig.guard`) the store also records each seed's guard decision, and
+`restore_adapter` returns what the guard serves (the adapter, or the first stage's parameters),
+the parameters the run's test set was scored with; `guarded=False` gives the trained adapter.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ear_jax.core import guard as guard_lib
 from ear_jax.core import learner
 from ear_jax.core.config import EARConfig, HParams
 from ear_jax.io.checkpoints import CheckpointError, CheckpointStore, check_compatible
@@ -193,7 +197,7 @@ class RunCheckpointer:
 
 
 def save_adapter(directory, params, *, config: EARConfig, hparams: HParams, seeds: Sequence[int],
-                 position: int) -> pathlib.Path:
+                 position: int, served: Optional[Sequence[bool]] = None) -> pathlib.Path:
   """Saves a finished run's final adapters (every seed) as one small verified checkpoint step.
 
   Only the `AdapterParams` are stored (for the full adapter `2 d^2` float32 per seed: 1.2 MB at
@@ -209,19 +213,49 @@ def save_adapter(directory, params, *, config: EARConfig, hparams: HParams, seed
     hparams: the run's hyperparameters.
     seeds: the `S` seeds.
     position: training queries seen (the run's stream length).
+    served: `[S]` whether each seed's guard serves its adapter (`guard_decisions` of the final
+      learner states); required with `config.guard`, refused without it.
 
   Returns:
     The step directory written.
 
   Raises:
+    ValueError: `served` missing for a guarded config, given for an unguarded one, or not one
+      decision per seed.
     CheckpointError: the write or its verification failed (the previous adapter is kept).
   """
   meta = {"format": ADAPTER_FORMAT, "config": config.to_dict(), "hparams": _hparams_json(hparams),
           "seeds": [int(s) for s in seeds], "position": int(position),
           "leaves": _leaf_specs(params)}
+  if config.guard != (served is not None):
+    raise ValueError(f"save_adapter({directory}): " + (
+        "a guarded config needs the guard's decision per seed (served=...)" if config.guard else
+        "served= is the guard's decision, and this config has no guard"))
+  if served is not None:
+    served = [bool(x) for x in np.asarray(served).reshape(-1)]
+    if len(served) != len(meta["seeds"]):
+      raise ValueError(f"save_adapter({directory}): {len(served)} guard decisions for "
+                       f"{len(meta['seeds'])} seeds")
+    meta["served"] = served
   with contextlib.closing(CheckpointStore(directory, max_to_keep=1)) as store:
     latest = store.latest_step()
     return store.save(0 if latest is None else latest + 1, {"params": params}, meta)
+
+
+def guard_decisions(states, config: EARConfig) -> np.ndarray:
+  """`[S]` bool: whether each seed's guard serves its adapter (`guard.serve_adapted` of the
+  stacked learner `states` `[S, ...]`, with their own parameters for the held-out ring)."""
+  return np.asarray(jax.vmap(lambda st: guard_lib.serve_adapted(st.guard, config,
+                                                                params=st.params))(states))
+
+
+def _served(params, served: np.ndarray, config: EARConfig):
+  """The stacked `params` `[S, ...]` where `served [S]`, else the first stage's parameters
+  (`guard.first_stage_params`): what each seed's guard serves."""
+  first = guard_lib.first_stage_params(config)
+  return jax.tree_util.tree_map(
+      lambda a, f: np.where(served.reshape((-1,) + (1,) * np.ndim(f)), np.asarray(a),
+                            np.asarray(f, np.asarray(a).dtype)), params, first)
 
 
 def find_run_dirs(workdir) -> list:
@@ -281,7 +315,8 @@ def _restore_final_adapter(directory: pathlib.Path, config: Optional[EARConfig])
 
 
 def restore_adapter(workdir, *, run: Optional[str] = None, config: Optional[EARConfig] = None,
-                    seed_index: Optional[int] = 0, position: Optional[int] = None):
+                    seed_index: Optional[int] = 0, position: Optional[int] = None,
+                    guarded: bool = True):
   """Restores a trained adapter from a run's workdir, for use in research code.
 
   Every finished run of `experiments.run` keeps its final adapters in `runs/<run>/adapter`
@@ -301,14 +336,20 @@ def restore_adapter(workdir, *, run: Optional[str] = None, config: Optional[EARC
     seed_index: which seed's adapter (`0..S-1`); None returns the stacked `[S, ...]` adapter.
     position: the step (training queries seen) of a training checkpoint; default the final
       adapter (or the latest training checkpoint when the run kept no final adapter).
+    guarded: for a guarded config (`EARConfig.guard`, e.g. `ear_safe`), return what each seed's
+      guard serves: its adapter where the guard trusts it, else the first stage's parameters
+      (`guard.first_stage_params`), the parameters the run's test set was scored with. False:
+      the trained adapter itself, whatever the guard decided. No effect without a guard.
 
   Returns:
     `(params: AdapterParams, config: EARConfig, meta: dict)`; `meta["position"]` is the number of
-    training queries the adapter has seen.
+    training queries the adapter has seen; with a guard `meta["served"]` is `[S]` the guard's
+    decision per seed (True: the adapter is served).
 
   Raises:
     FileNotFoundError: no adapter or checkpoint found (or no training checkpoint for `position`).
-    ValueError: other config / shape, ambiguous run.
+    ValueError: other config / shape, ambiguous run; a guarded adapter saved without the guard's
+      decision (before it was stored) asked for with `guarded=True`.
     CheckpointError: unreadable or foreign checkpoint.
   """
   workdir = pathlib.Path(workdir)
@@ -346,6 +387,16 @@ def restore_adapter(workdir, *, run: Optional[str] = None, config: Optional[EARC
     with contextlib.closing(ckpt):
       state, _, _ = ckpt.restore(meta["position"])
     params = state.params
+    meta = dict(meta)
+    if stored.guard:
+      meta["served"] = guard_decisions(state, stored).tolist()
+  if stored.guard and guarded:
+    if "served" not in meta:
+      raise ValueError(
+          f"the adapter of run {names[0]!r} in {str(workdir)!r} has a guard but was saved "
+          "without the guard's decision: pass guarded=False for the trained adapter itself, or "
+          "rerun the method to store the decision")
+    params = _served(params, np.asarray(meta["served"], bool), stored)
   if seed_index is not None:
     if not 0 <= seed_index < len(meta["seeds"]):
       raise ValueError(f"seed_index={seed_index} out of range for {len(meta['seeds'])} seeds")
@@ -354,4 +405,5 @@ def restore_adapter(workdir, *, run: Optional[str] = None, config: Optional[EARC
 
 
 __all__ = ["ADAPTER_DIR", "ADAPTER_FORMAT", "CheckpointError", "RunCheckpointer", "FORMAT",
-           "find_adapter_dirs", "find_run_dirs", "restore_adapter", "save_adapter"]
+           "find_adapter_dirs", "find_run_dirs", "guard_decisions", "restore_adapter",
+           "save_adapter"]

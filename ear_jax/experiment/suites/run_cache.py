@@ -221,9 +221,11 @@ class Runner:
                         **{k: v for k, v in result.eval.items()})
     # Orbax saves are collectives over every process (see __init__): multi-process runs keep none.
     if result.config.trains and jax.process_count() == 1:
+      served = (checkpointing.guard_decisions(result.final_state, result.config)
+                if result.config.guard else None)  # (restore_adapter serves what the guard does)
       checkpointing.save_adapter(run_dir / checkpointing.ADAPTER_DIR, result.final_state.params,
                                  config=result.config, hparams=result.hparams, seeds=result.seeds,
-                                 position=result.train_index.shape[1])
+                                 position=result.train_index.shape[1], served=served)
     with open(run_dir / "result.json", "w") as f:
       json.dump(summary, f, indent=1)
 
