@@ -45,7 +45,8 @@ print("ready", flush=True)
 step = (store.latest_step() or 0) + 1
 while count:
   store.save(step, expected_arrays(step), {"step": step, "pad": "x" * 4096})
-  print("saved", step, flush=True)
+  sys.stdout.write(f"saved {step}\\n")  # (one write: a kill never leaves half a line)
+  sys.stdout.flush()
   step, count = step + 1, count - 1
 ''')
 

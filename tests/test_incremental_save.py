@@ -235,8 +235,9 @@ _LOOP_CHILD = textwrap.dedent("""
     def digest():
       leaves = jax.tree_util.tree_leaves(m.learner.params)
       return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in leaves)).hexdigest()[:16]
-    def say(*words):
-      print(*words, flush=True)
+    def say(*words):  # ONE write per line (with PYTHONUNBUFFERED print writes word by word)
+      sys.stdout.write(" ".join(map(str, words)) + "\\n")
+      sys.stdout.flush()
     say("READY", digest())
     n = 0
     while True:

@@ -222,18 +222,21 @@ import sys
 import numpy as np
 from ear_jax.agent.memory.table import Table
 t = Table(sys.argv[1], 8)
+def say(line):  # ONE write per line: with PYTHONUNBUFFERED, print() writes its parts one by one
+  sys.stdout.write(line + "\\n")
+  sys.stdout.flush()
 for i in range(100000):
   memory_id = f"{sys.argv[2]}-{i}"
   if i % 7 == 3:
     memory_id = f"{sys.argv[2]}-{i - 1}"
-    print("TRY DEL", memory_id, flush=True)
+    say("TRY DEL " + memory_id)
     t.delete(t.rows_of([memory_id]))
-    print("ACK DEL", memory_id, flush=True)
+    say("ACK DEL " + memory_id)
   else:
-    print("TRY ADD", memory_id, flush=True)
+    say("TRY ADD " + memory_id)
     t.insert([memory_id], [f"text {i} " * (1 + i % 50)], [0], ["s"], [""],
              np.full((1, 8), i, np.float32), [np.arange(i % 5, dtype=np.int32)])
-    print("ACK ADD", memory_id, flush=True)
+    say("ACK ADD " + memory_id)
 """
 
 
@@ -250,7 +253,8 @@ def test_every_acknowledged_write_survives_kill_9_at_random_points(tmp_path):
     os.kill(child.pid, signal.SIGKILL)  # most likely inside a transaction
     child.wait()
     tried = {"ADD": set(), "DEL": set()}
-    for line in lines + child.stdout.read().splitlines():
+    text = "".join(lines) + child.stdout.read()
+    for line in text.split("\n")[:-1]:  # (a line cut by the kill has no newline: never said)
       state, kind, memory_id = line.split()
       (acked if state == "ACK" else tried)[kind].add(memory_id)
     child.stdout.close()
