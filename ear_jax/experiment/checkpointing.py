@@ -254,8 +254,8 @@ def _served(params, served: np.ndarray, config: EARConfig):
   (`guard.first_stage_params`): what each seed's guard serves."""
   first = guard_lib.first_stage_params(config)
   return jax.tree_util.tree_map(
-      lambda a, f: np.where(served.reshape((-1,) + (1,) * np.ndim(f)), np.asarray(a),
-                            np.asarray(f, np.asarray(a).dtype)), params, first)
+      lambda a, f: jnp.where(served.reshape((-1,) + (1,) * np.ndim(f)), a, f.astype(a.dtype)),
+      params, first)
 
 
 def find_run_dirs(workdir) -> list:
