@@ -386,7 +386,13 @@ def served_params(params: adapter_lib.AdapterParams, guard, config: EARConfig,
   guard off) or `serve_adapted`, else `first_stage_params(config)` (leafwise `jnp.where`)."""
   if guard is None:
     return params
-  serve = serve_adapted(guard, config, z, params)
+  return choose_params(serve_adapted(guard, config, z, params), params, config)
+
+
+def choose_params(serve: jax.Array, params: adapter_lib.AdapterParams,
+                  config: EARConfig) -> adapter_lib.AdapterParams:
+  """`params` where `serve` (`[]` bool, a guard's decision), else `first_stage_params(config)`
+  (leafwise `jnp.where`; callers vmap it over seeds)."""
   return jax.tree_util.tree_map(lambda a, f: jnp.where(serve, a, f.astype(a.dtype)), params,
                                 first_stage_params(config))
 

@@ -249,15 +249,6 @@ def guard_decisions(states, config: EARConfig) -> np.ndarray:
                                                                 params=st.params))(states))
 
 
-def _served(params, served: np.ndarray, config: EARConfig):
-  """The stacked `params` `[S, ...]` where `served [S]`, else the first stage's parameters
-  (`guard.first_stage_params`): what each seed's guard serves."""
-  first = guard_lib.first_stage_params(config)
-  return jax.tree_util.tree_map(
-      lambda a, f: jnp.where(served.reshape((-1,) + (1,) * np.ndim(f)), a, f.astype(a.dtype)),
-      params, first)
-
-
 def find_run_dirs(workdir) -> list:
   """Run checkpoint directories under `workdir` (`workdir/checkpoints/<run>`, or `workdir` itself)."""
   workdir = pathlib.Path(workdir)
@@ -396,7 +387,8 @@ def restore_adapter(workdir, *, run: Optional[str] = None, config: Optional[EARC
           f"the adapter of run {names[0]!r} in {str(workdir)!r} has a guard but was saved "
           "without the guard's decision: pass guarded=False for the trained adapter itself, or "
           "rerun the method to store the decision")
-    params = _served(params, np.asarray(meta["served"], bool), stored)
+    params = jax.vmap(lambda p, serve: guard_lib.choose_params(serve, p, stored))(
+        params, np.asarray(meta["served"], bool))
   if seed_index is not None:
     if not 0 <= seed_index < len(meta["seeds"]):
       raise ValueError(f"seed_index={seed_index} out of range for {len(meta['seeds'])} seeds")

@@ -25,6 +25,7 @@ import numpy as np
 
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import guard as guard_lib
+from ear_jax.experiment import checkpointing
 from ear_jax.experiment import runner
 from ear_jax.experiment import stats
 from ear_jax.experiment import summaries
@@ -223,8 +224,7 @@ def guard_test_rows(r: Runner, candidates: str, critic_name: str, critic_over: d
   rows = {name: {metric: (100.0 * np.asarray(evs[src][f"{metric}_{mode}"], np.float64)).tolist()
                  for metric in ("recall", "hitrate")}
           for name, (src, mode) in TEST_ROWS.items()}
-  serve = np.asarray(jax.vmap(lambda g, p: guard_lib.serve_adapted(g, config, params=p))(
-      res.final_state.guard, res.final_state.params))
+  serve = checkpointing.guard_decisions(res.final_state, config)
   diagnosis = evidence_diagnosis(res.train_log, stream, test, evs["adapted"], evs["first"])
   summary = summaries.summarize(res, stream, b.categories)
   summary.update(method=METHOD, run=run_name, critic={k: float(getattr(critic, k))
