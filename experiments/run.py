@@ -42,7 +42,8 @@ SUITES = ("main", "ablation", "hparams", "curves", "noise", "multistore", "qa", 
           "guard_tune",  # the guard on LoCoMo validation (issue 27)
           "guard",  # ear_safe vs the frozen first stage and paging, test split (issue 27)
           "guard_diagnosis",  # what the guard's evidence reads vs held-out measurements
-          "headroom")  # the adapter fitted on gold labels: an upper bound (issue 27)
+          "headroom",  # the adapter fitted on gold labels: an upper bound (issue 27)
+          "pool_tune", "pool")  # K > T s: loss_support and K on validation; presets at K 20-100
 
 _DATA = data_flags.define(["locomo", "longmemeval", "jsonl", "synthetic"])
 _FIRST_STAGE = first_stage_flags.define()  # --candidates=dense|bm25|hybrid
@@ -129,7 +130,7 @@ def build_options():
     raise app.UsageError("--suite=multistore needs observations: use --benchmark=locomo "
                          "(or synthetic / jsonl)")
   bench = _DATA.benchmark.value
-  if _SUITE.value in ("tune", "first_stage_tune") and bench == "longmemeval":
+  if _SUITE.value in ("tune", "first_stage_tune", "pool_tune") and bench == "longmemeval":
     raise app.UsageError(f"--suite={_SUITE.value}: LongMemEval_S is the held-out transfer benchmark and is "
                          "never tuned on; use --benchmark=locomo (--suite=beyond reports it)")
   if _CRITIC.value == "answer" and bench == "synthetic":

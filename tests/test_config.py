@@ -20,6 +20,7 @@ jit_run_episode = jax.jit(episode.run_episode, static_argnames=("config",))
     (dict(batch_size=0), "batch_size must be >= 1"),
     (dict(loss_form="pl"), "unknown loss_form='pl'"),
     (dict(replay_unobserved="zero"), "unknown replay_unobserved='zero'"),
+    (dict(loss_support="shown"), "unknown loss_support='shown'"),
     (dict(optimizer="rmsprop"), "unknown optimizer='rmsprop'"),
     (dict(train_slate=3), "train_slate must be a registry name or a function"),
     (dict(adapter_rank=0), "adapter_rank"),

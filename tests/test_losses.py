@@ -91,3 +91,39 @@ def test_replay_loss_is_a_masked_mean_and_zero_when_empty():
                                                 jnp.array([True, True, False])), 2.0)
   assert float(losses.replay_loss(jnp.array([5.0]), jnp.array([False]))) == 0.0
   np.testing.assert_allclose(losses.combined_loss(1.0, 2.0, 0.5), 2.0)
+
+
+def test_loss_support_all_and_a_covering_window_are_the_valid_candidates_themselves():
+  where = jnp.array([True, True, False, True])
+  observed = jnp.array([True, False, False, False])
+  assert losses.loss_support(where, observed, "all", 2) is where
+  assert losses.loss_support(where, observed, "window", 4) is where  # K <= T s: the paper's set
+
+
+def test_loss_support_window_is_the_first_stages_top_ts_and_the_labelled_tail():
+  where = jnp.array([True, True, True, True, True, False])
+  observed = jnp.array([False, True, False, False, True, True])
+  np.testing.assert_array_equal(losses.loss_support(where, observed, "window", 2),
+                                [True, True, False, False, True, False])
+  np.testing.assert_array_equal(losses.loss_support(where, observed, "labelled", 2),
+                                [False, True, False, False, True, False])
+
+
+def test_unshown_tail_gets_no_gradient_outside_the_window():
+  # Two shown, uncited memories (ranks 0 and 1, label -1): with the full softmax the loss pushes
+  # every other candidate up, the never-shown tail (ranks 2-5) included; with the window of
+  # T s = 3 the tail beyond it is untouched and only rank 2 (in the window) moves up.
+  z = jnp.zeros(6)
+  where = jnp.ones(6, bool)
+  slates, mask, labels = jnp.array([[0, 1]]), jnp.ones((1, 2), bool), jnp.array([[-1.0, -1.0]])
+  observed, _ = losses.aggregate_feedback(slates, mask, labels, 6)
+
+  def grad(mode):
+    support = losses.loss_support(where, observed, mode, 3)
+    return jax.grad(lambda x: losses.ranking_loss(x, support, slates, mask, labels, 0.0,
+                                                  "flat"))(z)
+
+  g_all, g_window = grad("all"), grad("window")
+  assert np.all(np.asarray(g_all[2:]) < 0)  # gradient descent raises the whole unshown tail
+  assert g_window[2] < 0 and np.all(np.asarray(g_window[3:]) == 0.0)
+  assert np.all(np.isfinite(np.asarray(g_window)))

@@ -73,6 +73,14 @@ def test_ear_step_matches_numpy(overrides):
   _run_both(config, default_hparams(learning_rate=0.05))
 
 
+@pytest.mark.parametrize("loss_support", ["window", "labelled"])
+def test_loss_support_beyond_the_rounds_window_matches_numpy(loss_support):
+  # K = 6 > T s = 2 x 2 = 4: the window leaves the never-shown tail out of the softmax.
+  config = EARConfig.for_method("ear", **{**BASE, "slate_size": 2, "num_rounds": 2,
+                                          "loss_support": loss_support})
+  _run_both(config, default_hparams(learning_rate=0.05))
+
+
 @pytest.mark.parametrize("method", ["rl_update",
                                     pytest.param("ear_no_explorer", marks=pytest.mark.slow),
                                     pytest.param("ear_no_replay", marks=pytest.mark.slow)])

@@ -21,6 +21,8 @@ from ear_jax.core.types import Critic, Optimizer, ReplayStrategy, TrainSlatePoli
 
 LOSS_FORMS = ("flat", "sequential")
 REPLAY_UNOBSERVED = ("negative", "ignore")
+# The candidates Eq. (10)'s softmax runs over (`ear_jax.core.losses.loss_support`).
+LOSS_SUPPORTS = ("all", "window", "labelled")
 # Eq. (10)'s per-position weights: 'none' (the paper) or 'balanced' (positives and negatives of a
 # query carry equal total weight; `ear_jax.core.losses.label_weights`).
 LABEL_WEIGHTS = ("none", "balanced")
@@ -154,6 +156,10 @@ class EARConfig:
     adapter_rank: None for the full d x d adapter (Eq. (3)); an int r for the low-rank W = A B^T.
     grad_clip_norm: optional global-norm gradient clipping (None = off).
     loss_on_tempered_logits: the REINFORCE loss uses log softmax(z / tau) (RMM) instead of softmax(z).
+    loss_support: the candidates Eq. (10)'s softmax (current and replay losses, and the replay's
+      Gumbel slates) runs over: 'all' (every valid candidate, the paper), 'window' (the first
+      stage's top `T s` and every candidate that received feedback: the paper's set when
+      `K <= T s`) or 'labelled' (only candidates that received feedback).
     label_weights: Eq. (10)'s per-position weights, 'none' (the paper) or 'balanced' (the positive
       and the negative positions of a query carry equal total weight).
     final_slate: explorer-assisted inference's slate, 'round_T' (the paper) or 'exploit' (top-s by
@@ -223,6 +229,7 @@ class EARConfig:
   adapter_rank: Optional[int] = None
   grad_clip_norm: Optional[float] = None
   loss_on_tempered_logits: bool = False
+  loss_support: str = "all"
   # Beyond the paper; the defaults are the paper's and are left out of `to_dict`.
   label_weights: str = "none"
   final_slate: str = "round_T"
@@ -276,6 +283,7 @@ class EARConfig:
           f"slate_size s={self.slate_size} is larger than num_candidates K={self.num_candidates}")
     _check_choice("loss_form", self.loss_form, LOSS_FORMS)
     _check_choice("replay_unobserved", self.replay_unobserved, REPLAY_UNOBSERVED)
+    _check_choice("loss_support", self.loss_support, LOSS_SUPPORTS)
     if self.adapter_rank is not None and not (
         isinstance(self.adapter_rank, int) and 1 <= self.adapter_rank <= self.dim):
       raise ValueError(f"adapter_rank must be None or an int in [1, dim={self.dim}], "
@@ -344,6 +352,11 @@ class EARConfig:
     return self.train_slate != "none"
 
   @property
+  def loss_window(self) -> int:
+    """`T s`: the first stage's candidates a query's training rounds can show (`loss_support`)."""
+    return self.num_rounds * self.slate_size
+
+  @property
   def eval_rounds(self) -> int:
     """`T` of explorer-assisted inference: `test_rounds`, else `num_rounds`."""
     return self.num_rounds if self.test_rounds is None else self.test_rounds
@@ -392,7 +405,7 @@ class EARConfig:
 
 
 _OPTIONAL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EARConfig)
-                      if f.name in ("label_weights", "final_slate", "test_rounds", "lr_schedule",
+                      if f.name in ("loss_support", "label_weights", "final_slate", "test_rounds", "lr_schedule",
                                     "lr_schedule_steps", "weight_decay", "weight_decay_target",
                                     "side_features",
                                     "side_init", "guard", "guard_z", "guard_min_queries",

@@ -270,11 +270,12 @@ def experience_replay_loss(params: adapter_lib.AdapterParams, replay: Replay, co
 
   def one(k, e):
     z, _ = adapter_lib.relevance(params, e.queries, e.candidates)
-    slate, slate_mask = losses.gumbel_top_s(k, z, e.mask, hparams.tau, config.slate_size)
+    support = losses.loss_support(e.mask, e.observed, config.loss_support, config.loss_window)
+    slate, slate_mask = losses.gumbel_top_s(k, z, support, hparams.tau, config.slate_size)
     rewards, counted = losses.replay_rewards(e.ybar, e.observed, config.replay_unobserved)
     r = gather_slate(rewards, slate, slate_mask, -1.0)
     c = gather_slate(counted, slate, slate_mask, False)
-    return losses.ranking_loss(z, e.mask, slate[None], slate_mask[None], r[None],
+    return losses.ranking_loss(z, support, slate[None], slate_mask[None], r[None],
                                hparams.baseline, config.loss_form, count_mask=c[None],
                                weighting=config.label_weights)
 
@@ -309,9 +310,11 @@ def query_loss(params: adapter_lib.AdapterParams, query: jax.Array, candidates: 
     slates, slate_mask, labels = slates[:-1], slate_mask[:-1], labels[:-1]
   z, _ = adapter_lib.relevance(params, query, candidates)
   loss_logits = z / hparams.tau if config.loss_on_tempered_logits else z
-  loss_cur = losses.ranking_loss(loss_logits, where, slates, slate_mask, labels, hparams.baseline,
-                                 config.loss_form, weighting=config.label_weights)
   observed, ybar = losses.aggregate_feedback(slates, slate_mask, labels, config.num_candidates)
+  support = losses.loss_support(where, observed, config.loss_support, config.loss_window)
+  loss_cur = losses.ranking_loss(loss_logits, support, slates, slate_mask, labels,
+                                 hparams.baseline, config.loss_form,
+                                 weighting=config.label_weights)
   if config.use_replay:
     loss_rep, num_replayed = experience_replay_loss(params, replay, config, hparams)
   else:

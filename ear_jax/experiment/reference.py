@@ -182,6 +182,16 @@ def _top(scores, valid, s):
 # ----------------------------------------------------------------------------- one query, one batch
 
 
+def _support(valid, observed, config):
+  """The candidates the loss's softmax runs over (`config.loss_support`), written out."""
+  k, window = len(valid), config.num_rounds * config.slate_size
+  if config.loss_support == "all" or (config.loss_support == "window" and k <= window):
+    return valid
+  if config.loss_support == "window":
+    return np.asarray([bool(valid[i]) and (i < window or bool(observed[i])) for i in range(k)])
+  return np.asarray([bool(valid[i]) and bool(observed[i]) for i in range(k)])
+
+
 def _query(state, q, cands, valid, gold, rnd: Randoms, config, hp):
   """Loss, gradients and the experience of one query against the state at the batch's start."""
   s, k = config.slate_size, config.num_candidates
@@ -196,12 +206,6 @@ def _query(state, q, cands, valid, gold, rnd: Randoms, config, hp):
     slates = [slate]
     labels = [_critic([gold[i] for i in slate], rnd.critic_u[0], hp["critic_precision"],
                       hp["critic_recall"])]
-  zl = z / hp["tau"] if config.loss_on_tempered_logits else z
-  loss_cur, gz = _rank_loss_and_grad(zl, valid, slates, labels, [[True] * len(x) for x in slates],
-                                     hp["baseline"], config.loss_form)
-  if config.loss_on_tempered_logits:
-    gz = gz / hp["tau"]
-  gwq, gwm = _backward(gz, q, cands, qt, qn, mts, mns)
   # Eq. 11-12
   obs, ybar = np.zeros(k, bool), np.zeros(k)
   cnt = np.zeros(k)
@@ -211,6 +215,13 @@ def _query(state, q, cands, valid, gold, rnd: Randoms, config, hp):
       ybar[i] += yi
   obs = cnt > 0
   ybar = np.where(obs, ybar / np.maximum(cnt, 1), 0.0)
+  zl = z / hp["tau"] if config.loss_on_tempered_logits else z
+  loss_cur, gz = _rank_loss_and_grad(zl, _support(valid, obs, config), slates, labels,
+                                     [[True] * len(x) for x in slates], hp["baseline"],
+                                     config.loss_form)
+  if config.loss_on_tempered_logits:
+    gz = gz / hp["tau"]
+  gwq, gwm = _backward(gz, q, cands, qt, qn, mts, mns)
   loss_rep = 0.0
   if config.use_replay:
     bv = state["buf_valid"]
@@ -227,8 +238,9 @@ def _query(state, q, cands, valid, gold, rnd: Randoms, config, hp):
     for slot, c in enumerate(chosen):
       rq, rc, rmask = state["buf_q"][c], state["buf_c"][c], state["buf_mask"][c]
       qt2, qn2, mts2, mns2, z2 = _forward(state["wq"], state["wm"], rq, rc)
-      slate = _top(z2 / hp["tau"] + rnd.replay_gumbel[slot], rmask, s)
       yb, ob = state["buf_ybar"][c], state["buf_obs"][c]
+      rmask = _support(rmask, ob, config)
+      slate = _top(z2 / hp["tau"] + rnd.replay_gumbel[slot], rmask, s)
       rew = [1.0 if yb[i] > 0 else -1.0 for i in slate]
       counted = [True if config.replay_unobserved == "negative" else bool(ob[i]) for i in slate]
       l, g = _rank_loss_and_grad(z2, rmask, [slate], [rew], [counted], hp["baseline"],

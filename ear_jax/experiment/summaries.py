@@ -61,17 +61,44 @@ def _masked_pct(values, where):
   return 100.0 * (values * where).sum(-1) / np.maximum(where.sum(-1), 1)
 
 
-def ceiling(stream: Stream, test_index: np.ndarray, slate_size: int = 5) -> dict:
+def ceiling(stream: Stream, test_index: np.ndarray, slate_size: int = 5,
+            window: Optional[int] = None) -> dict:
   """Best achievable test metrics of any reranker of the K candidates, per seed (percent).
 
   `recall@K`: all gold inside the top-K; `recall@s`: that and at most `s` gold; `hitrate@K`: any.
+  With `window < K` (`EARConfig.loss_window`, `T s`) also `recall@window`: all gold inside the
+  first stage's own top `window` (candidates are in the first stage's rank order), the ceiling of
+  anything that shows the critic only those.
   """
-  gold = np.asarray(stream.gold)[test_index].sum(-1)
+  gold_k = np.asarray(stream.gold)[test_index]
+  gold = gold_k.sum(-1)
   ng = np.asarray(stream.num_gold)[test_index]
   has = ng > 0
-  return {"recall@K": mean_std(_masked_pct(gold >= ng, has)),
-          f"recall@{slate_size}": mean_std(_masked_pct((gold >= ng) & (ng <= slate_size), has)),
-          "hitrate@K": mean_std(_masked_pct(gold > 0, has))}
+  out = {"recall@K": mean_std(_masked_pct(gold >= ng, has)),
+         f"recall@{slate_size}": mean_std(_masked_pct((gold >= ng) & (ng <= slate_size), has)),
+         "hitrate@K": mean_std(_masked_pct(gold > 0, has))}
+  if window is not None and window < gold_k.shape[-1]:
+    out[f"recall@{window}"] = mean_std(_masked_pct(gold_k[..., :window].sum(-1) >= ng, has))
+  return out
+
+
+def beyond_window(slates: np.ndarray, gold: np.ndarray, window: int) -> dict:
+  """Where a served top-s comes from: the share of its memories outside the first stage's top
+  `window` (`T s`), and the share of those that are gold (percent, per seed).
+
+  Args:
+    slates: `[S, M, s]` candidate indices (-1 = empty), candidates in the first stage's order.
+    gold: `[S, M, K]` bool.
+    window: `T s`.
+  """
+  slates = np.asarray(slates)
+  valid = slates >= 0
+  deep = valid & (slates >= window)
+  hit = np.take_along_axis(np.asarray(gold), np.maximum(slates, 0), -1) & deep
+  share = 100.0 * deep.sum((-1, -2)) / np.maximum(valid.sum((-1, -2)), 1)
+  gold_rate = np.where(deep.sum((-1, -2)) > 0,
+                       100.0 * hit.sum((-1, -2)) / np.maximum(deep.sum((-1, -2)), 1), np.nan)
+  return {"share": mean_std(share), "gold_rate": mean_std(gold_rate)}
 
 
 def summarize(result: RunResult, stream: Stream, categories: Optional[np.ndarray] = None,
@@ -86,9 +113,14 @@ def summarize(result: RunResult, stream: Stream, categories: Optional[np.ndarray
          "num_train": int(result.train_index.shape[1]), "num_test": int(result.test_index.shape[1]),
          "metrics": {m: mean_std(100.0 * np.asarray(ev[m], np.float64))
                      for m in METRIC_NAMES + PAGING_METRIC_NAMES},
-         "ceiling": ceiling(stream, result.test_index, slate_size),
+         "ceiling": ceiling(stream, result.test_index, slate_size,
+                            result.config.loss_window),
          "critic_calls": mean_std(result.critic_calls),
          "wall_seconds": round(result.wall_seconds, 2), "resumed_from": result.resumed_from}
+  window = result.config.loss_window
+  if stream.num_candidates > window:  # the served top-s beyond the first stage's top T s
+    out["beyond_window"] = beyond_window(
+        ev["adapter_slates"], np.asarray(stream.gold)[result.test_index], window)
   if categories is not None:
     cats = np.asarray(categories)[result.test_index]  # [S, M]
     per = {}
@@ -216,5 +248,5 @@ def _cpu_model() -> str:
   return platform.processor() or platform.machine() or "unknown"
 
 
-__all__ = ["PAGING_METRIC_NAMES", "ceiling", "config_dict", "first_crossing", "hparams_dict",
+__all__ = ["PAGING_METRIC_NAMES", "beyond_window", "ceiling", "config_dict", "first_crossing", "hparams_dict",
            "mean_std", "store_metrics", "store_proximity_delta", "summarize", "versions"]

@@ -39,6 +39,7 @@ from ear_jax.experiment.suites import headroom
 from ear_jax.experiment.suites import hparams_curves
 from ear_jax.experiment.suites import main_ablation
 from ear_jax.experiment.suites import noise_multistore
+from ear_jax.experiment.suites import pool
 from ear_jax.experiment.suites import qa
 from ear_jax.experiment.suites import tune
 from ear_jax.experiment.suites.options import Options
@@ -78,6 +79,10 @@ SUITES["guard"] = guard.suite_guard
 SUITES["guard_diagnosis"] = guard_diagnosis.suite_guard_diagnosis
 # The adapter fitted on gold labels (issue 27's strength target), by name only: an upper bound.
 SUITES["headroom"] = headroom.suite_headroom
+# The candidate pool K > T s, by name only: loss_support and K on LoCoMo validation; every learning
+# preset at K = 20 / 50 / 100 against the frozen first stage on the test split.
+SUITES["pool_tune"] = pool.suite_pool_tune
+SUITES["pool"] = pool.suite_pool
 SUITE_NAMES = tuple(SUITES) + ("all",)  # the values of `--suite`
 
 

@@ -1,0 +1,195 @@
+"""Suites `pool_tune` and `pool`: EAR over larger candidate pools (K > T s), same critic budget.
+
+With T = 4 rounds of s = 5 the critic sees at most `T s` = 20 memories per question, so nothing
+shown at K = 20 can beat the first stage's Recall@20. A larger pool K holds more gold, but the
+critic labels only what is shown: Eq. (10)'s softmax over all K candidates then pushes probability
+onto the never-shown tail (`EARConfig.loss_support`, `core.losses.loss_support`).
+
+`pool_tune` (LoCoMo validation only: the last 20 % of each seed's training stream; the test split
+and LongMemEval_S are never read): for K in `K_VALUES`, the frozen first stage and `ear_tuned`
+with each `loss_support`, trained on the fit part. `pool` (test split, either benchmark): for K
+in `K_VALUES`, the frozen first stage and every shipped learning preset; adapter-only Recall@5
+paired with the frozen first stage, paging over the served ranking (the default test-time rule)
+paired with the first stage's Recall@(T s) ceiling, and where the served top-5 comes from.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from absl import logging
+import numpy as np
+
+from ear_jax.experiment import runner
+from ear_jax.experiment import stats
+from ear_jax.experiment import summaries
+from ear_jax.experiment.suites.pairing import DELTA_NOTE, fd, get_metric, pair
+from ear_jax.experiment.suites.paper import fmt, md_table
+from ear_jax.experiment.suites.run_cache import Runner
+
+K_VALUES = (20, 50, 100)
+SUPPORTS = ("all", "window", "labelled")
+TUNED = "ear_tuned"
+# The learning presets the `pool` table reports (each with its own `loss_support`), and the
+# collapse of `ear_tuned` with the paper's softmax over all K, shown beside them.
+PRESETS = ("ear", "ear_tuned", "ear_safe")
+COLLAPSE = ("ear_tuned", {"loss_support": "all"})
+
+
+def pool_runner(r: Runner, k: int) -> Runner:
+  """A `Runner` over the same benchmark, first stage and seeds with K = `k` candidates.
+
+  Its runs go to `<workdir>/k<k>/`; its paired comparisons, summaries and plots are recorded in
+  `r`'s (one results.json). The splits are `r`'s (they depend on the queries only).
+  """
+  sub = Runner(dataclasses.replace(r.opts, k=k, workdir=str(r.workdir / f"k{k}")))
+  sub.paired, sub.summaries, sub.plots = r.paired, r.summaries, r.plots
+  return sub
+
+
+def _window(stream) -> int:
+  return runner.build_config(TUNED, dim=stream.dim, num_candidates=stream.num_candidates,
+                             side_features=stream.num_side_features or None).loss_window
+
+
+def _pct(ev, key):
+  return 100.0 * np.asarray(ev[key], np.float64)
+
+
+def tune_pool(r: Runner) -> dict:
+  """Every `pool_tune` row's per-seed validation Recall@5 (percent)."""
+  if r.opts.benchmark == "longmemeval":
+    raise ValueError("pool_tune: LongMemEval_S is the held-out transfer benchmark and is never "
+                     "tuned on; use --benchmark=locomo")
+  rows = []
+  for k in K_VALUES:
+    sub = pool_runner(r, k)
+    stream = sub.bench().stream
+    train, _ = sub._splits[False]  # pylint: disable=protected-access
+    fit, val = runner.validation_split(train)
+    window = _window(stream)
+    ceiling = summaries.ceiling(stream, val, 5, window).get(f"recall@{window}")
+    for method, over in [("retriever", {})] + [(TUNED, {"loss_support": s}) for s in SUPPORTS]:
+      if method == TUNED and k <= window and over["loss_support"] == "window":
+        continue  # the same set as 'all' at K <= T s (`losses.loss_support`)
+      m = runner.build_method(method, dim=stream.dim, num_candidates=k,
+                              hparams=r.opts.hparam_overrides,
+                              side_features=stream.num_side_features or None,
+                              **{**r.opts.config_overrides, **over})
+      res = runner.train_and_evaluate(f"pool_tune k={k} {method} {over}", stream, fit, val,
+                                      m.config, m.hparams, r.seeds, progress=r.opts.progress)
+      row = {"k": k, "method": method, **over,
+             "adapter": _pct(res.eval, "recall_adapter").tolist(),
+             "paging_served": _pct(res.eval, "recall_paging_adapted").tolist(),
+             "paging_first_stage": _pct(res.eval, "recall_paging_first_stage").tolist(),
+             "ceiling_window": None if ceiling is None else ceiling["per_seed"]}
+      rows.append(row)
+      logging.info("pool_tune K=%d %s %s: validation R@5 adapter %.2f, paging %.2f", k, method,
+                   over, np.mean(row["adapter"]), np.mean(row["paging_served"]))
+  return {"rows": rows, **choose(rows)}
+
+
+def choose(rows: list) -> dict:
+  """The rule, fixed before the validation numbers were read: the `loss_support` whose mean
+  adapter-only Δ R@5 against the frozen first stage is >= 0 at every K and largest summed over
+  the K > T s; then the K whose paging over the served ranking (the default test-time rule) has
+  the best mean validation Recall@5 with that support, among the K where its adapter-only Δ >= 0."""
+  frozen = {row["k"]: np.asarray(row["adapter"]) for row in rows if row["method"] == "retriever"}
+
+  def delta(row):
+    return float(np.mean(np.asarray(row["adapter"]) - frozen[row["k"]]))
+
+  def rows_of(support):
+    return [row for row in rows if row["method"] == TUNED and (
+        row["loss_support"] == support or (support == "window" and row["loss_support"] == "all"
+                                           and row["k"] == min(frozen)))]
+
+  safe = [s for s in SUPPORTS if all(delta(row) >= 0 for row in rows_of(s))]
+  if not safe:
+    return {"chosen_support": None, "chosen_k": None}
+  support = max(safe, key=lambda s: sum(delta(row) for row in rows_of(s) if row["k"] > min(frozen)))
+  best = max((row for row in rows_of(support) if delta(row) >= 0),
+             key=lambda row: np.mean(row["paging_served"]))
+  return {"chosen_support": support, "chosen_k": best["k"]}
+
+
+def suite_pool_tune(r: Runner) -> str:
+  """`pool_tune`: `loss_support` and K on LoCoMo validation; writes pool_tune.json."""
+  res = tune_pool(r)
+  if r.writes:
+    (r.workdir / "pool_tune.json").write_text(json.dumps(res, indent=1))
+  frozen = {row["k"]: np.asarray(row["adapter"]) for row in res["rows"]
+            if row["method"] == "retriever"}
+  table = []
+  for row in res["rows"]:
+    a = np.asarray(row["adapter"])
+    is_frozen = row["method"] == "retriever"
+    table.append([
+        str(row["k"]), "frozen first stage" if is_frozen else
+        f"{row['method']}, loss_support={row['loss_support']}",
+        fmt({"mean": float(a.mean()), "std": float(a.std())}),
+        "(baseline)" if is_frozen else fd(stats.paired_difference(a, frozen[row["k"]])),
+        fmt({"mean": float(np.mean(row["paging_first_stage" if is_frozen else "paging_served"])),
+             "std": float(np.std(row["paging_first_stage" if is_frozen else "paging_served"]))}),
+        "–" if row["ceiling_window"] is None else f"{np.mean(row['ceiling_window']):.2f}"])
+  return "\n".join([
+      f"### Candidate pool: validation — {r.opts.benchmark}, {r.opts.candidates} ({len(r.seeds)} "
+      "seeds; validation = the last 20 % of each seed's training stream, the test split is not "
+      "read)", "",
+      md_table(["K", "method", "R@5 adapter-only", "Δ vs frozen [95% CI]",
+                "R@5 paging (served ranking; frozen: first stage)",
+                "first stage's R@20 ceiling"], table), "",
+      f"Chosen (rule in `pool.choose`): loss_support = {res['chosen_support']}, K = "
+      f"{res['chosen_k']}. " + DELTA_NOTE])
+
+
+def suite_pool(r: Runner) -> str:
+  """`pool`: every learning preset at K in `K_VALUES` against the frozen first stage (test)."""
+  rows, comp = [], []
+  for k in K_VALUES:
+    sub = pool_runner(r, k)
+    stream = sub.bench().stream
+    window = _window(stream)
+    frozen = sub.run("retriever")
+    ceiling = frozen["ceiling"].get(f"recall@{window}")
+    runs = [(m, m, None) for m in PRESETS]
+    if k > window:
+      runs.append((f"{COLLAPSE[0]}, loss_support=all", COLLAPSE[0], COLLAPSE[1]))
+    rows.append([str(k), "frozen first stage", fmt(get_metric(frozen, "recall_adapter")),
+                 "(baseline)", fmt(get_metric(frozen, "recall_explorer")),
+                 fmt(get_metric(frozen, "recall_paging_first_stage")),
+                 "–" if ceiling is None else fmt(ceiling), "–"])
+    for label, method, over in runs:
+      s = sub.run(method, config_overrides=over)
+      paging = get_metric(s, "recall_paging_adapted")
+      d = pair(sub, "pool", {"label": f"{label} (K={k})", "run": s["run"], "mode": "adapter"},
+               {"label": f"frozen first stage (K={k})", "run": frozen["run"], "mode": "adapter"},
+               "R@5", get_metric(s, "recall_adapter")["per_seed"],
+               get_metric(frozen, "recall_adapter")["per_seed"])
+      vs_ceiling = "–" if ceiling is None else fd(pair(
+          sub, "pool", {"label": f"{label} (K={k}), paging", "run": s["run"], "mode": "paging"},
+          {"label": f"first stage's R@{window} (K={k})", "run": frozen["run"], "mode": "ceiling"},
+          "R@5", paging["per_seed"], ceiling["per_seed"], primary=False))
+      rows.append([str(k), label, fmt(get_metric(s, "recall_adapter")), fd(d),
+                   fmt(get_metric(s, "recall_explorer")), fmt(paging), "–" if ceiling is None
+                   else fmt(ceiling), vs_ceiling])
+      if "beyond_window" in s:
+        comp.append([str(k), label, fmt(s["beyond_window"]["share"]),
+                     fmt(s["beyond_window"]["gold_rate"])])
+    if "beyond_window" in frozen:
+      comp.append([str(k), "frozen first stage", fmt(frozen["beyond_window"]["share"]), "–"])
+  return "\n".join([
+      f"### Candidate pool K — {r.opts.benchmark}, {r.opts.candidates} (test split, "
+      f"{len(r.seeds)} seeds, T = 4 critic calls of s = 5)", "",
+      md_table(["K", "method", "R@5 adapter-only", "Δ adapter-only vs frozen [95% CI]",
+                "R@5 explorer-assisted", "R@5 paging (served ranking)",
+                "first stage's R@20 (ceiling at K = 20)", "Δ paging vs that ceiling [95% CI]"],
+               rows), "",
+      "Where the adapter-only top-5 comes from (K > T s = 20): the share of its memories "
+      "outside the first stage's top 20, and how many of those are gold:", "",
+      md_table(["K", "method", "share of the top-5 beyond rank 20 (%)", "gold among them (%)"],
+               comp), "", DELTA_NOTE])
+
+
+__all__ = ["COLLAPSE", "K_VALUES", "PRESETS", "SUPPORTS", "choose", "pool_runner", "suite_pool",
+           "suite_pool_tune", "tune_pool"]
