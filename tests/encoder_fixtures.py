@@ -11,8 +11,8 @@ import pathlib
 
 import numpy as np
 
+from ear_jax.data import candidates
 from ear_jax.data import corpora
-from ear_jax.data import corpus as corpus_lib
 
 WORDS = ("the cat sat on mat a dog barked at moon caroline went to support group yesterday "
          "melanie painted sunrise over lake last year why does it matter her and of in is was "
@@ -92,10 +92,7 @@ def write_tiny_checkpoint(directory, model_type: str, seed: int = 0) -> pathlib.
 
 def locomo_texts(data_dir=None) -> list[str]:
   """The distinct texts the LoCoMo benchmark encodes, in its order (queries, then dialogue)."""
-  corpus = corpora.load_corpus("locomo", data_dir=data_dir)
-  texts = [q.text for q in corpus.queries]
-  for bank in corpus.banks:
-    texts += [t for t, s in zip(bank.texts, bank.stores) if s == corpus_lib.STORE_DIALOGUE]
+  texts, _, _ = candidates.encoded_texts(corpora.load_corpus("locomo", data_dir=data_dir))
   return list(dict.fromkeys(texts))
 
 
