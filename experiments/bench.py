@@ -38,17 +38,19 @@ against bank size, and the search right after adding one memory (target <= 2x a 
 (remember / recall / cite / search, `--server_seconds` each), a kill -9 mid-run, the same workload
 in-process; calls/s, p50 / p99 per tool, errors, leaks, acknowledged writes -> `--server_out`.
 
-`--suite=accelerator` (`ear_jax.experiment.accelerator_bench`; ~6 min on an H200): the device and
-versions, the core's fast tests on the device, `experiments.run --suite=main` on LoCoMo on the
-device beside a CPU reference (`--accel_reference`: a JSON of per-seed CPU values, committed at
-results/accelerator/locomo_main_cpu.json, or `cpu` = the same command now on the host CPU), one
-jitted `vmap(run_episode)` over N = 1 / 10 / 100 / 1000 seeds (and the host CPU at small N), and
-exact search over 1M and 10M x 384 rows (float32 / bfloat16, batch 1 / 64) against the bandwidth
-bound measured in the run -> `--accel_out` (JSON), the markdown beside it and, on a GPU / TPU,
-BENCHMARKS.md's "GPU" section. Offline: embeddings from `--cache_dir` (a model's embedding cache
-directory, the one holding meta.json, runs with no model installed; else a cache root) and LoCoMo
-from `--data_dir`. `--small`: tiny sizes, the synthetic benchmark and one test file (a CPU check,
-~1 min). `--accel_make_reference=<results.json of a CPU run>` writes `--accel_reference` from it.
+`--suite=accelerator` (`ear_jax.experiment.accelerator_bench`; sized for ~6 min on an H200, not yet
+timed on one): the device and versions, the core's fast tests on the device, `experiments.run
+--suite=main` on LoCoMo on the device beside a CPU reference (`--accel_reference`: a JSON of
+per-seed CPU values, committed at results/accelerator/locomo_main_cpu.json, or `cpu` = the same
+command now on the host CPU), one jitted `vmap(run_episode)` over N = 1 / 10 / 100 / 1000 seeds
+(and the host CPU at small N), and exact search over 1M and 10M x 384 rows (float32 / bfloat16,
+batch 1 / 64) against the bandwidth bound measured in the run -> `--accel_out` (JSON), the
+markdown beside it and, on a GPU / TPU, BENCHMARKS.md's "GPU" section. Offline: embeddings from
+`--cache_dir` (a model's embedding cache directory, the one holding meta.json, runs with no model
+installed; else a cache root) and LoCoMo from `--data_dir`. `--small`: tiny sizes, the synthetic
+benchmark and one test file (a CPU check; 2-3 min on a loaded 2-core machine).
+`--accel_make_reference=<results.json of a CPU run>` writes `--accel_reference` from it;
+`--accel_bundle=.accel` packs LoCoMo and its embeddings for an offline machine and prints the call.
 
 The measurements are `ear_jax.experiment.benchmarking`; this program reads the flags, calls them
 and prints the table. Timings take the minimum over repetitions (the machine is shared; the minimum
@@ -157,7 +159,7 @@ _ACCEL_SEARCH_SIZES = flags.DEFINE_list("accel_search_sizes", ["1000000", "10000
                                         "--suite=accelerator: bank rows of the exact search.")
 _ACCEL_SKIP = flags.DEFINE_list("accel_skip", [], "--suite=accelerator: steps to leave out (tests, "
                                 "main, seeds, search).")
-_ACCEL_TIMEOUT = flags.DEFINE_integer("accel_timeout", 240, "--suite=accelerator: seconds for the "
+_ACCEL_TIMEOUT = flags.DEFINE_integer("accel_timeout", 200, "--suite=accelerator: seconds for the "
                                       "tests, and for each paper run.", lower_bound=1)
 _ACCEL_OUT = flags.DEFINE_string("accel_out", "results/accelerator/accelerator.json",
                                  "--suite=accelerator: JSON output; the markdown is written beside "
@@ -309,7 +311,7 @@ def _accelerator_reference():
 
 def _accelerator_bundle():
   """`--accel_bundle=DIR`: `accelerator_paper.write_bundle`, DIR added to git's exclude file (a
-  carried folder must be ignored), then the device call to make (carry DIR, about 6 min)."""
+  carried folder must be ignored), then the device call to make (carry DIR)."""
   import subprocess  # pylint: disable=g-import-not-at-top
   from ear_jax.experiment import accelerator_paper  # pylint: disable=g-import-not-at-top
   folder = pathlib.Path(_ACCEL_BUNDLE.value)
@@ -333,7 +335,8 @@ def _accelerator_bundle():
              f"2>&1 | tee $OUT/bench.log; rc=$?; cp BENCHMARKS.md $OUT/; exit $rc")
   print(f"wrote {folder}/ ({info['texts']} texts, {info['bytes'] / 2**20:.1f} MiB); {line} is in "
         f"{exclude}")
-  print("device call (the repository's checkout, this folder carried; ~6 min on an H200):")
+  print("device call (the repository's checkout with this folder carried; sized for ~6 min on an "
+        "H200, each step bounded by --accel_timeout, the whole by `timeout 560`):")
   print(json.dumps({"command": command, "carry": [str(folder)], "timeout_s": 600}, indent=1))
   return 0
 

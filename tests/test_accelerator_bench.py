@@ -127,3 +127,28 @@ def test_small_suite_runs_on_cpu_without_the_optional_packages(tmp_path):
   text = out.with_suffix(".md").read_text()
   assert "JAX_DEFAULT_MATMUL_PRECISION=highest" in text and "ratio to bound" in text
   assert md.read_text() == "## GPU\nNo GPU.\n" and "not written: the device is the CPU" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bundle_holds_locomo_and_exactly_its_embeddings_for_a_run_with_no_model(locomo_path,
+                                                                               tmp_path):
+  """`write_bundle` copies LoCoMo and one cache directory with the embeddings of every text the
+  benchmark encodes; that directory, as the encoder, gives the model's embeddings bit for bit."""
+  from ear_jax.data import candidates  # pylint: disable=g-import-not-at-top
+  from ear_jax.data import corpora  # pylint: disable=g-import-not-at-top
+  from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
+  from tests import encoder_fixtures  # pylint: disable=g-import-not-at-top
+  model = encoder_fixtures.write_tiny_checkpoint(tmp_path / "tiny", "bert")
+  info = accelerator_paper.write_bundle(tmp_path / "bundle", data_dir=locomo_path.parent,
+                                        cache_dir=tmp_path / "cache", encoder=str(model))
+  assert (tmp_path / "bundle/data/locomo10.json").read_bytes() == locomo_path.read_bytes()
+  texts, _, _ = candidates.encoded_texts(corpora.load_corpus("locomo",
+                                                             data_dir=locomo_path.parent))
+  assert info["texts"] == len(set(texts))
+  cached = encoders.load_encoder(info["cache_dir"])
+  enc = encoders.load_encoder(str(model))
+  assert cached.identity_hash == enc.identity_hash
+  some = texts[:5] + texts[-5:]
+  got = encoders.encode(cached, some, progress=False)
+  want = encoders.encode(enc, some, cache_dir=tmp_path / "cache", progress=False)
+  assert (got == want).all()

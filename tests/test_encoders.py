@@ -282,6 +282,20 @@ def test_cached_texts_run_without_the_model_and_a_miss_loads_it(tmp_path, monkey
     encoders.encode(again, ["a dog barked at the moon"], cache_dir=tmp_path, progress=False)
 
 
+def test_a_flax_msgpack_checkpoint_of_a_task_model_loads_like_its_safetensors(tmp_path):
+  """`flax_model.msgpack` (Flax names, under a task model's `bert` key) gives the same embeddings
+  as the PyTorch-named safetensors it was converted from."""
+  from flax import serialization  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  path = encoder_fixtures.write_tiny_checkpoint(tmp_path / "bert", "bert")
+  want, _ = encoders.load_encoder(str(path)).encode_new(encoder_fixtures.TEXTS, progress=False)
+  tree = bert.from_torch_names(load_file(str(path / "model.safetensors")))
+  (path / "model.safetensors").unlink()
+  (path / "flax_model.msgpack").write_bytes(serialization.msgpack_serialize({"bert": tree}))
+  got, _ = encoders.load_encoder(str(path)).encode_new(encoder_fixtures.TEXTS, progress=False)
+  np.testing.assert_allclose(got, want, atol=1e-6)
+
+
 def test_a_cache_directory_is_an_encoder_with_no_model(tmp_path):
   """`--encoder=<a model's cache directory>`: that model's identity and rows, bit for bit; a text
   not in it is an error naming the directory."""

@@ -181,7 +181,7 @@ def hidden_states(params: Any, input_ids, attention_mask, config: BertConfig):
   return _modules(config).apply({"params": params}, input_ids, attention_mask)
 
 
-def _from_torch_names(weights: dict[str, np.ndarray]) -> dict:
+def from_torch_names(weights: dict[str, np.ndarray]) -> dict:
   """A PyTorch state dict (`embeddings.word_embeddings.weight`, ...) as the Flax parameter tree."""
   tree: dict = {}
   for name, value in weights.items():
@@ -215,7 +215,7 @@ def _read_weights(model_dir: pathlib.Path) -> dict:
     weights = {}
     for f in ([model_dir / "model.safetensors"] if not shards else shards):
       weights.update(load_file(str(f)))
-    return _from_torch_names(weights)
+    return from_torch_names(weights)
   if (model_dir / "flax_model.msgpack").is_file():
     from flax import serialization  # pylint: disable=g-import-not-at-top
     tree = serialization.msgpack_restore((model_dir / "flax_model.msgpack").read_bytes())
@@ -232,9 +232,11 @@ def _read_weights(model_dir: pathlib.Path) -> dict:
                        "the checkpoint as model.safetensors") from None
     state = torch.load(str(model_dir / "pytorch_model.bin"), map_location="cpu",
                        weights_only=True)
-    return _from_torch_names({k: v.float().numpy() for k, v in state.items()})
-  raise ValueError(f"encoder directory {str(model_dir)!r} has no weights (model.safetensors / "
-                   "flax_model.msgpack / pytorch_model.bin)")
+    return from_torch_names({k: v.float().numpy() for k, v in state.items()})
+  raise ValueError(f"encoder directory {str(model_dir)!r} has no weights this encoder reads "
+                   "(model.safetensors, model-*.safetensors, flax_model.msgpack or "
+                   "pytorch_model.bin; sharded Flax / PyTorch checkpoints: save them as "
+                   "safetensors)")
 
 
 def _check_shapes(params: dict, config: BertConfig, where: str) -> None:

@@ -190,16 +190,18 @@ def run_seeds(num_queries: int, dim: int, counts: Sequence[int], cpu_counts: Seq
 
 
 # ------------------------------------------------------------------------------------------------
-def _bank(key, m: int, dim: int, dtype):
-  """`[m, d]` random unit rows made on the device (float32 math, stored as `dtype`)."""
+def _bank(key, m: int, dim: int, dtype, block: int = 1_000_000):
+  """`[m, d]` random unit rows made on the device (float32 math, stored as `dtype`), in blocks of
+  `block` rows when they divide `m` (a `lax.map`: the float32 temporaries stay one block)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  nb = m // block if m > block and m % block == 0 else 1
 
-  @jax.jit
-  def make(key):
-    x = jax.random.normal(key, (m, dim), jnp.float32)
+  def unit_rows(key):
+    x = jax.random.normal(key, (m // nb, dim), jnp.float32)
     return (x / jnp.linalg.norm(x, axis=-1, keepdims=True)).astype(dtype)
 
+  make = jax.jit(lambda key: jax.lax.map(unit_rows, jax.random.split(key, nb)).reshape(m, dim))
   return make(key)
 
 

@@ -55,7 +55,8 @@ def table(result: dict) -> str:
   plugin = ", ".join(f"{k} {v[k]}" for k in v if k.startswith(("jax-cuda", "libtpu"))) or "none"
   mem = env.get("device_memory_bytes")
   lines = [
-      f"Command: `{result.get('command', '')}` (wall {result.get('wall_s', '?')} s).",
+      f"Written by `{result.get('command', '')}` (wall {result.get('wall_s', '?')} s); rerun it to "
+      "refresh this section, never edit it by hand.",
       "",
       f"Device: {env.get('device_kind')} x {env.get('device_count')} (backend "
       f"{env.get('backend')}{f', {mem / 2**30:.0f} GiB usable' if mem else ''}); host "
