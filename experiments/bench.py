@@ -6,6 +6,7 @@ r"""Speed of ear_jax, measured against baselines measured in the same run.
   python -m experiments.bench --suite=first_stage   # BM25 / hybrid candidates, 10k -> 1M
   python -m experiments.bench --suite=server   # the MCP server under 16 concurrent HTTP clients
   python -m experiments.bench --suite=scopes   # a scoped search among 1M memories in 10k scopes
+  python -m experiments.bench --suite=accelerator --data_dir=D --cache_dir=C   # the GPU column
 
 Everything runs on one fixed synthetic stream shaped like LoCoMo training (1,232 queries, K = 20,
 s = 5, T = 4, B = 4, batch 4; d = 384 and d = 768; EAR with the default config):
@@ -37,6 +38,20 @@ against bank size, and the search right after adding one memory (target <= 2x a 
 (remember / recall / cite / search, `--server_seconds` each), a kill -9 mid-run, the same workload
 in-process; calls/s, p50 / p99 per tool, errors, leaks, acknowledged writes -> `--server_out`.
 
+`--suite=accelerator` (`ear_jax.experiment.accelerator_bench`; sized for ~6 min on an H200, not yet
+timed on one): the device and versions, the core's fast tests on the device, `experiments.run
+--suite=main` on LoCoMo on the device beside a CPU reference (`--accel_reference`: a JSON of
+per-seed CPU values, committed at results/accelerator/locomo_main_cpu.json, or `cpu` = the same
+command now on the host CPU), one jitted `vmap(run_episode)` over N = 1 / 10 / 100 / 1000 seeds
+(and the host CPU at small N), and exact search over 1M and 10M x 384 rows (float32 / bfloat16,
+batch 1 / 64) against the bandwidth bound measured in the run -> `--accel_out` (JSON), the
+markdown beside it and, on a GPU / TPU, BENCHMARKS.md's "GPU" section. Offline: embeddings from
+`--cache_dir` (a model's embedding cache directory, the one holding meta.json, runs with no model
+installed; else a cache root) and LoCoMo from `--data_dir`. `--small`: tiny sizes, the synthetic
+benchmark and one test file (a CPU check; 2-3 min on a loaded 2-core machine).
+`--accel_make_reference=<results.json of a CPU run>` writes `--accel_reference` from it;
+`--accel_bundle=.accel` packs LoCoMo and its embeddings for an offline machine and prints the call.
+
 The measurements are `ear_jax.experiment.benchmarking`; this program reads the flags, calls them
 and prints the table. Timings take the minimum over repetitions (the machine is shared; the minimum
 is the least disturbed run). Every ratio is printed with its target and whether it is met.
@@ -65,7 +80,7 @@ _REPO = pathlib.Path(__file__).resolve().parent.parent
 ROWS = ("scan", "loop", "numpy", "seeds", "inference", "encode", "suite")
 
 _SUITE = flags.DEFINE_enum("suite", "default", ["default", "scale", "scale_probes", "distributed",
-                                                "first_stage", "server", "scopes"],
+                                                "first_stage", "server", "scopes", "accelerator"],
                            "Which benchmark: the default rows, memory at scale, the "
                            "probes behind its design choices (PQ settings, retrieve latency warm "
                            "and cold), or the cross-process merge of the sharded search ("
@@ -110,6 +125,49 @@ _SCOPE_STAGES = flags.DEFINE_list("scope_stages", ["exact", "bm25", "hybrid"], "
 _SCOPE_OUT = flags.DEFINE_string("scope_out", "results/scopes/scopes.json", "--suite=scopes: JSON "
                                  "output; the table (.md) is written beside it.")
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny shapes, one repetition: every field in ~30 s.")
+flags.DEFINE_alias("small", "quick")
+_CACHE_DIR = flags.DEFINE_string("cache_dir", None, "--suite=accelerator: the embeddings of the "
+                                 "paper run: one model's embedding cache directory (holding "
+                                 "meta.json; no model needed), else a cache root for "
+                                 "--accel_encoder (default: $EAR_CACHE_DIR or ~/.cache/ear_jax).")
+_ACCEL_ENCODER = flags.DEFINE_string("accel_encoder", "minilm", "--suite=accelerator: the encoder "
+                                     "when --cache_dir is not a model's cache directory.")
+_ACCEL_SEEDS = flags.DEFINE_integer("accel_seeds", 10, "--suite=accelerator: seeds of the paper "
+                                    "run (as the reference's).", lower_bound=1)
+_ACCEL_REFERENCE = flags.DEFINE_string(
+    "accel_reference", None, "--suite=accelerator: the CPU reference, a JSON of per-seed values "
+    "(default results/accelerator/locomo_main_cpu.json), or 'cpu': the same command now on the "
+    "host CPU (the default with --small).")
+_ACCEL_MAKE_REFERENCE = flags.DEFINE_string(
+    "accel_make_reference", None, "Write --accel_reference from this results.json of a CPU run of "
+    "experiments.run and exit.")
+_ACCEL_BUNDLE = flags.DEFINE_string(
+    "accel_bundle", None, "Write what an offline accelerator run needs (LoCoMo and its embeddings, "
+    "from --data_dir and the --cache_dir root) into this folder of the repository, have git ignore "
+    "it, print the device command, and exit.")
+_ACCEL_TOLERANCE = flags.DEFINE_float("accel_tolerance", 1.0, "--suite=accelerator: the largest "
+                                      "|device mean - CPU mean| over the seeds, in points.",
+                                      lower_bound=0.0)
+_ACCEL_PRECISION = flags.DEFINE_enum("accel_precision", "highest", ["default", "high", "highest"],
+                                     "--suite=accelerator: JAX_DEFAULT_MATMUL_PRECISION of the "
+                                     "tests and the paper run (highest: float32, no TF32).")
+_ACCEL_SEED_COUNTS = flags.DEFINE_list("accel_seed_counts", ["1", "10", "100", "1000"],
+                                       "--suite=accelerator: N of the vmapped seeds.")
+_ACCEL_CPU_SEED_COUNTS = flags.DEFINE_list("accel_cpu_seed_counts", ["1", "10"],
+                                           "--suite=accelerator: N on the host CPU.")
+_ACCEL_SEARCH_SIZES = flags.DEFINE_list("accel_search_sizes", ["1000000", "10000000"],
+                                        "--suite=accelerator: bank rows of the exact search.")
+_ACCEL_SKIP = flags.DEFINE_list("accel_skip", [], "--suite=accelerator: steps to leave out (tests, "
+                                "main, seeds, search).")
+_ACCEL_TIMEOUT = flags.DEFINE_integer("accel_timeout", 200, "--suite=accelerator: seconds for the "
+                                      "tests, and for each paper run.", lower_bound=1)
+_ACCEL_OUT = flags.DEFINE_string("accel_out", "results/accelerator/accelerator.json",
+                                 "--suite=accelerator: JSON output; the markdown is written beside "
+                                 "it.")
+_ACCEL_MD = flags.DEFINE_string("accel_benchmarks_md", str(_REPO / "BENCHMARKS.md"),
+                                "--suite=accelerator: the file whose '## GPU' section is "
+                                "replaced (only when the device is not a CPU; '' = none).")
+_ACCEL_REFERENCE_DEFAULT = "results/accelerator/locomo_main_cpu.json"  # (relative to the repo)
 _OUT = flags.DEFINE_string("out", "bench.json", "Where to write the results (JSON).")
 _NUM_QUERIES = flags.DEFINE_integer("num_queries", 1232, "Training queries of the stream.",
                                     lower_bound=1)
@@ -146,6 +204,12 @@ def main(argv):
     return _distributed()
   if _SUITE.value == "scopes":
     return _scopes()
+  if _ACCEL_MAKE_REFERENCE.value:
+    return _accelerator_reference()
+  if _ACCEL_BUNDLE.value:
+    return _accelerator_bundle()
+  if _SUITE.value == "accelerator":
+    return _accelerator()
   if _SUITE.value == "scale":
     return _scale()
   if _SUITE.value == "scale_probes":
@@ -232,6 +296,104 @@ def main(argv):
   with open(_OUT.value, "w") as f:
     json.dump(results, f, indent=1)
   print(f"wrote {_OUT.value}")
+
+
+def _accelerator_reference():
+  """`--accel_make_reference`: the CPU reference file from a CPU run's results.json."""
+  from ear_jax.experiment import accelerator_paper  # pylint: disable=g-import-not-at-top
+  results = json.loads(pathlib.Path(_ACCEL_MAKE_REFERENCE.value).read_text())
+  out = pathlib.Path(_ACCEL_REFERENCE.value or _REPO / _ACCEL_REFERENCE_DEFAULT)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(accelerator_paper.reference_from_results(results), indent=1) + "\n")
+  print(f"wrote {out}")
+  return 0
+
+
+def _accelerator_bundle():
+  """`--accel_bundle=DIR`: `accelerator_paper.write_bundle`, DIR added to git's exclude file (a
+  carried folder must be ignored), then the device call to make (carry DIR)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  from ear_jax.experiment import accelerator_paper  # pylint: disable=g-import-not-at-top
+  folder = pathlib.Path(_ACCEL_BUNDLE.value)
+  if folder.is_absolute() or ".." in folder.parts or len(folder.parts) != 1:
+    raise app.UsageError("--accel_bundle: one folder name at the repository root, e.g. .accel")
+  info = accelerator_paper.write_bundle(_REPO / folder, data_dir=_DATA_DIR.value,
+                                        cache_dir=_CACHE_DIR.value, encoder=_ACCEL_ENCODER.value)
+  exclude = pathlib.Path(subprocess.run(["git", "rev-parse", "--git-path", "info/exclude"],
+                                        cwd=_REPO, capture_output=True, text=True,
+                                        check=True).stdout.strip())
+  exclude = exclude if exclude.is_absolute() else _REPO / exclude
+  line = f"/{folder}/"
+  if line not in (exclude.read_text().splitlines() if exclude.is_file() else []):
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    with open(exclude, "a") as f:
+      f.write(f"\n{line}\n")
+  cache = os.path.relpath(info["cache_dir"], _REPO)
+  command = (f"export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.95; set -o pipefail; "
+             f"timeout 560 python3 -m experiments.bench --suite=accelerator "
+             f"--data_dir={folder}/data --cache_dir={cache} --accel_out=$OUT/accelerator.json "
+             f"2>&1 | tee $OUT/bench.log; rc=$?; cp BENCHMARKS.md $OUT/; exit $rc")
+  print(f"wrote {folder}/ ({info['texts']} texts, {info['bytes'] / 2**20:.1f} MiB); {line} is in "
+        f"{exclude}")
+  print("device call (the repository's checkout with this folder carried; sized for ~6 min on an "
+        "H200, each step bounded by --accel_timeout, the whole by `timeout 560`):")
+  print(json.dumps({"command": command, "carry": [str(folder)], "timeout_s": 600}, indent=1))
+  return 0
+
+
+def _accelerator():
+  """`--suite=accelerator`: `accelerator_bench.run` -> `--accel_out` (JSON), the markdown beside
+  it, and BENCHMARKS.md's "GPU" section when the device is not a CPU."""
+  from ear_jax.experiment import accelerator_bench  # pylint: disable=g-import-not-at-top
+  from ear_jax.experiment import accelerator_table  # pylint: disable=g-import-not-at-top
+  small = _QUICK.value
+  # Paths inside the repository are passed (and printed) relative to it: the runs start there.
+  rel = lambda p: os.path.relpath(p, _REPO) if os.path.abspath(p).startswith(str(_REPO) + os.sep) \
+      else p
+  data_dir = rel(_DATA_DIR.value or os.environ.get("EAR_DATA_DIR") or str(_REPO.parent / "shared" /
+                                                                            "data"))
+  if small:
+    suite_args = ["--benchmark=synthetic", "--method=ear", f"--seeds={min(_ACCEL_SEEDS.value, 2)}",
+                  "--synthetic_queries=64", "--eval_every=1000"]
+  else:
+    cache = _CACHE_DIR.value and rel(_CACHE_DIR.value)
+    if cache and (pathlib.Path(cache).expanduser() / "meta.json").is_file():
+      encoder = [f"--encoder={cache}"]  # its embeddings, no model
+    else:
+      encoder = [f"--encoder={_ACCEL_ENCODER.value}"] + ([f"--cache_dir={cache}"] if cache else [])
+    suite_args = ["--benchmark=locomo", "--suite=main", f"--seeds={_ACCEL_SEEDS.value}",
+                  "--candidates=dense", f"--data_dir={data_dir}", *encoder]
+  reference = _ACCEL_REFERENCE.value or ("cpu" if small else str(_ACCEL_REFERENCE_DEFAULT))
+  ints = lambda xs: [int(x) for x in xs]
+  res = accelerator_bench.run(
+      _REPO, suite_args=suite_args, reference=reference, tolerance=_ACCEL_TOLERANCE.value,
+      precision=_ACCEL_PRECISION.value,
+      test_files=accelerator_bench.core_test_files(_REPO)[:1] if small else None,
+      test_workers=1 if small else max(1, min(8, (os.cpu_count() or 2) // 2)),
+      test_timeout=_ACCEL_TIMEOUT.value, suite_timeout=_ACCEL_TIMEOUT.value,
+      seed_counts=[1, 4] if small else ints(_ACCEL_SEED_COUNTS.value),
+      cpu_seed_counts=[1] if small else ints(_ACCEL_CPU_SEED_COUNTS.value),
+      stream_queries=32 if small else _NUM_QUERIES.value, dim=64 if small else 384,
+      search_sizes=[20_000] if small else ints(_ACCEL_SEARCH_SIZES.value),
+      search_dtypes=["float32", "bfloat16"], search_batches=[1, 64],
+      search_chunks=[None] if small else [None, 1 << 20], k=20, reps=2 if small else 5,
+      bandwidth_bytes=4e7 if small else 4e9, skip=_ACCEL_SKIP.value)
+  res["command"] = "python -m experiments.bench " + " ".join(sys.argv[1:])
+  res["small"] = small
+  res["targets"] = accelerator_table.targets(res)
+  text = accelerator_table.table(res)
+  out = pathlib.Path(_ACCEL_OUT.value)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(res, indent=1) + "\n")
+  out.with_suffix(".md").write_text(text + "\n")
+  print(text)
+  print(f"wrote {out}, {out.with_suffix('.md')}")
+  if _ACCEL_MD.value and res["environment"]["backend"] != "cpu":
+    accelerator_table.write_section(_ACCEL_MD.value, text)
+    print(f"wrote the '## GPU' section of {_ACCEL_MD.value}")
+  elif _ACCEL_MD.value:
+    print(f"{_ACCEL_MD.value} not written: the device is the CPU")
+  return 0
 
 
 def _distributed():

@@ -5,12 +5,15 @@ Reference embeddings, batching, truncation, cache, precomputed embeddings.
 import json
 import pathlib
 import re
+import sys
 
 import numpy as np
 import pytest
 
+from ear_jax.data import bert
 from ear_jax.data import embedding_cache
 from ear_jax.data import encoders
+from tests import encoder_fixtures
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 # The published sentence-transformers all-MiniLM-L6-v2 embedding of "hello world" (first dims).
@@ -215,25 +218,126 @@ def test_precomputed_npy_without_sidecar_raises(tmp_path):
 
 
 @pytest.mark.slow
-def test_cls_pooling_is_the_normalized_first_token_and_keys_its_own_cache(minilm, tmp_path):
-  from transformers import AutoTokenizer, FlaxAutoModel  # pylint: disable=g-import-not-at-top
+def test_cls_pooling_is_the_normalized_first_token_and_keys_its_own_cache(minilm, reference,
+                                                                         tmp_path):
   cls = encoders.load_encoder("minilm", pooling="cls")
   assert cls.pooling == "cls" and cls.identity != minilm.identity  # caches never mix
-  text = "Caroline went to the LGBTQ support group yesterday."
-  got = encoders.encode(cls, [text], cache_dir=tmp_path, progress=False)[0]
-  tok = AutoTokenizer.from_pretrained(str(encoders.default_model_dir()))
-  model = FlaxAutoModel.from_pretrained(str(encoders.default_model_dir()))
-  batch = tok([text], return_tensors="np")
-  first = np.asarray(model(**batch).last_hidden_state)[0, 0]
-  np.testing.assert_allclose(got, first / np.linalg.norm(first), atol=1e-5)
-  mean = encoders.encode(minilm, [text], cache_dir=tmp_path, progress=False)[0]
+  got = encoders.encode(cls, reference["sentences"], cache_dir=tmp_path, progress=False)
+  np.testing.assert_allclose(got, np.asarray(reference["cls_embeddings"]), atol=1e-5)
+  mean = encoders.encode(minilm, reference["sentences"], cache_dir=tmp_path, progress=False)
   assert float(np.abs(got - mean).max()) > 1e-2
 
 
+@pytest.mark.slow
+def test_locomo_slice_equals_the_transformers_flax_model_and_keeps_its_cache_key(minilm,
+                                                                                 locomo_path,
+                                                                                 tmp_path):
+  """24 LoCoMo texts (evenly spaced, and the longest) equal the embeddings transformers'
+  FlaxAutoModel wrote into the embedding cache (tests/fixtures/make_locomo_slice.py), and the model
+  identity hashes as it did then: caches written by that code are still hits."""
+  with np.load(FIXTURES / "locomo_minilm_slice.npz") as z:
+    keys, want, old_identity = list(z["keys"]), z["embeddings"], str(z["identity_hash"])
+  texts = encoder_fixtures.locomo_slice(encoder_fixtures.locomo_texts(locomo_path.parent))
+  assert [embedding_cache.text_key(t) for t in texts] == keys
+  assert minilm.identity_hash == old_identity
+  got = encoders.encode(minilm, texts, cache_dir=tmp_path, progress=False)
+  assert float(np.abs(got - want).max()) <= 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["bert", "roberta"])
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_tiny_checkpoints_equal_transformers_flax_models(model_type, pooling, tmp_path):
+  """BERT (tokenizer from vocab.txt) and RoBERTa (tokenizer.json, position ids after the padding
+  id, a `roberta.` weight prefix) equal transformers' FlaxAutoModel on the same random weights."""
+  ref = json.loads((FIXTURES / "tiny_encoders.json").read_text())
+  path = encoder_fixtures.write_tiny_checkpoint(tmp_path / model_type, model_type)
+  enc = encoders.load_encoder(str(path), pooling=pooling)
+  ids, truncated = enc.tokenizer.encode(encoder_fixtures.TEXTS)
+  assert ids == ref[model_type]["input_ids"] and not truncated.any()
+  got = encoders.encode(enc, encoder_fixtures.TEXTS, cache_dir=tmp_path / "cache", progress=False)
+  np.testing.assert_allclose(got, np.asarray(ref[model_type][pooling]), atol=1e-5)
+
+
+def test_cached_texts_run_without_the_model_and_a_miss_loads_it(tmp_path, monkeypatch):
+  """Construction reads no weights; with every text cached, `encode` never builds the model (and
+  never imports transformers); the first uncached text loads it."""
+  monkeypatch.setitem(sys.modules, "transformers", None)  # any import of it fails
+  path = encoder_fixtures.write_tiny_checkpoint(tmp_path / "bert", "bert")
+  enc = encoders.load_encoder(str(path))
+  assert not enc.loaded
+  first = encoders.encode(enc, encoder_fixtures.TEXTS[:3], cache_dir=tmp_path, progress=False)
+  assert enc.loaded
+  again = encoders.load_encoder(str(path))
+
+  def no_model(*args):
+    raise RuntimeError("loaded the model")
+
+  monkeypatch.setattr(bert, "load", no_model)
+  st = encoders.EncodeStats()
+  got = encoders.encode(again, encoder_fixtures.TEXTS[:3][::-1], cache_dir=tmp_path,
+                        progress=False, stats=st)
+  assert (st.num_cached, st.num_encoded) == (3, 0) and not again.loaded
+  np.testing.assert_array_equal(got, first[::-1])
+  with pytest.raises(RuntimeError, match="loaded the model"):  # a miss needs the model
+    encoders.encode(again, ["a dog barked at the moon"], cache_dir=tmp_path, progress=False)
+
+
+def test_a_flax_msgpack_checkpoint_of_a_task_model_loads_like_its_safetensors(tmp_path):
+  """`flax_model.msgpack` (Flax names, under a task model's `bert` key) gives the same embeddings
+  as the PyTorch-named safetensors it was converted from."""
+  from flax import serialization  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  path = encoder_fixtures.write_tiny_checkpoint(tmp_path / "bert", "bert")
+  want, _ = encoders.load_encoder(str(path)).encode_new(encoder_fixtures.TEXTS, progress=False)
+  tree = bert.from_torch_names(load_file(str(path / "model.safetensors")))
+  (path / "model.safetensors").unlink()
+  (path / "flax_model.msgpack").write_bytes(serialization.msgpack_serialize({"bert": tree}))
+  got, _ = encoders.load_encoder(str(path)).encode_new(encoder_fixtures.TEXTS, progress=False)
+  np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_a_cache_directory_is_an_encoder_with_no_model(tmp_path):
+  """`--encoder=<a model's cache directory>`: that model's identity and rows, bit for bit; a text
+  not in it is an error naming the directory."""
+  path = encoder_fixtures.write_tiny_checkpoint(tmp_path / "bert", "bert")
+  enc = encoders.load_encoder(str(path))
+  want = encoders.encode(enc, encoder_fixtures.TEXTS, cache_dir=tmp_path / "c", progress=False)
+  (model_dir,) = (tmp_path / "c").iterdir()
+  cached = encoders.load_encoder(str(model_dir))
+  assert (cached.name, cached.dim, cached.identity_hash) == ("bert", 32, enc.identity_hash)
+  st = encoders.EncodeStats()
+  got = encoders.encode(cached, encoder_fixtures.TEXTS[::-1], progress=False, stats=st)
+  np.testing.assert_array_equal(got, want[::-1])
+  assert st.num_encoded == len(set(encoder_fixtures.TEXTS))  # (looked up, not cached again)
+  with pytest.raises(ValueError, match=r"cache directory.*1 texts are not in it.*'unseen'"):
+    encoders.encode(cached, ["unseen"], progress=False)
+
+
+def test_an_unsupported_architecture_is_a_clear_error_before_any_weight_is_read(tmp_path):
+  path = encoder_fixtures.write_tiny_checkpoint(tmp_path / "gpt", "bert")
+  cfg = json.loads((path / "config.json").read_text())
+  (path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2",
+                                                "architectures": ["GPT2Model"]}))
+  with pytest.raises(ValueError, match=r"model_type 'gpt2'.*not supported.*bert.*\.npz"):
+    encoders.load_encoder(str(path))
+  (path / "config.json").write_text(json.dumps({**cfg, "position_embedding_type": "relative_key"}))
+  with pytest.raises(ValueError, match="relative_key"):
+    encoders.load_encoder(str(path))
+
+
+def test_weights_that_do_not_fit_the_config_name_the_parameter(tmp_path):
+  path = encoder_fixtures.write_tiny_checkpoint(tmp_path / "bert", "bert")
+  cfg = json.loads((path / "config.json").read_text())
+  (path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+  enc = encoders.load_encoder(str(path))
+  with pytest.raises(ValueError, match=r"no 'encoder/layer/2/"):
+    enc.encode_new(["the cat"], progress=False)
+
+
 def test_no_data_module_changes_the_environment():
-  """A library changes no global state at import: offline loading is `local_files_only=True`."""
+  """A library changes no global state at import; nothing reaches the Hub."""
   pkg = pathlib.Path(encoders.__file__).parent
   writes = re.compile(r"os\.environ(\.setdefault|\.update|\[[^\]]+\]\s*=)|os\.putenv")
   for src in sorted(pkg.glob("*.py")):
     assert not writes.search(src.read_text()), src.name
-  assert "local_files_only=True" in (pkg / "flax_encoder.py").read_text()
+  assert not any("huggingface_hub" in src.read_text() for src in pkg.glob("*.py"))  # no Hub

@@ -86,6 +86,27 @@ class Benchmark:
         answers=None if self.answers is None else [self.answers[i] for i in index])
 
 
+def encoded_texts(corpus: corpus_lib.Corpus, *, multistore: bool = False
+                  ) -> tuple[list[str], list[np.ndarray], list[int]]:
+  """The texts `embed_corpus` encodes: every query, then the memories of the stores used (the
+  dialogue store, or all with `multistore`) of every bank a query searches.
+
+  Returns:
+    (texts, per bank a `[len(bank)]` bool mask of the memories encoded, offsets: bank g's rows are
+    `texts[offsets[g]:offsets[g + 1]]`).
+  """
+  queried = {q.group for q in corpus.queries}  # banks without an evaluable query are not encoded
+  used = [np.zeros(len(b), bool) if g not in queried else
+          np.ones(len(b), bool) if multistore else b.stores == corpus_lib.STORE_DIALOGUE
+          for g, b in enumerate(corpus.banks)]
+  texts = [q.text for q in corpus.queries]
+  offsets = [len(texts)]
+  for b, u in zip(corpus.banks, used):
+    texts.extend(t for t, keep in zip(b.texts, u) if keep)
+    offsets.append(len(texts))
+  return texts, used, offsets
+
+
 def embed_corpus(corpus: corpus_lib.Corpus, encoder="minilm", *, cache_dir=None, progress=True,
                  multistore: bool = False) -> tuple[corpus_lib.EmbeddedCorpus, dict]:
   """Encodes every query and the memories (of the stores used) of every queried bank, once.
@@ -97,15 +118,7 @@ def embed_corpus(corpus: corpus_lib.Corpus, encoder="minilm", *, cache_dir=None,
     (`ear_jax.data.corpus.EmbeddedCorpus`, encoding statistics).
   """
   enc = encoders.load_encoder(encoder)
-  queried = {q.group for q in corpus.queries}  # banks without an evaluable query are not encoded
-  used = [np.zeros(len(b), bool) if g not in queried else
-          np.ones(len(b), bool) if multistore else b.stores == corpus_lib.STORE_DIALOGUE
-          for g, b in enumerate(corpus.banks)]
-  texts = [q.text for q in corpus.queries]
-  offsets = [len(texts)]
-  for b, u in zip(corpus.banks, used):
-    texts.extend(t for t, keep in zip(b.texts, u) if keep)
-    offsets.append(len(texts))
+  texts, used, offsets = encoded_texts(corpus, multistore=multistore)
   st = encoders.EncodeStats()
   t0 = time.perf_counter()
   emb = encoders.encode(enc, texts, cache_dir=cache_dir, progress=progress, stats=st)

@@ -18,9 +18,14 @@ import numpy as np
 
 
 class Encoder:
-  """Base class: `identity` (a JSON-able dict) names the model; `encode_new` embeds texts."""
+  """Base class: `identity` (a JSON-able dict) names the model; `encode_new` embeds texts.
+
+  `cacheable`: whether `encoders.encode` keeps this encoder's embeddings in the on-disk cache
+  (False for encoders that only look embeddings up).
+  """
   name: str
   dim: int
+  cacheable: bool = True
 
   @property
   def identity(self) -> dict:

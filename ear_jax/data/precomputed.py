@@ -1,13 +1,19 @@
-"""Precomputed embeddings, for encoders JAX cannot run: looked up by text.
+"""Precomputed embeddings, looked up by text: a file, or an embedding cache directory.
 
 Symbols: `n` texts, `d` embedding dimension.
 
-Either a `.npz` file with `embeddings` `[n, d]` float and EITHER `texts` `[n]` str (looked up by exact
+`PrecomputedEncoder`, for encoders JAX cannot run: either a `.npz` file with `embeddings` `[n, d]` float and EITHER `texts` `[n]` str (looked up by exact
 text) OR `keys` `[n]` str (the hex sha256 of each UTF-8 text, `embedding_cache.text_key`), or a `.npy`
 file `[n, d]` with a sidecar `<same stem>.texts.json` (a JSON list of the n texts). Every requested
 text must be present. Rows are L2-normalised on load, without overflow or underflow
 (`encoder_base.unit_rows`); a non-real dtype (complex, bool, strings), NaN / Inf or an
 all-zero row is an error naming the file.
+
+`CacheDirEncoder`: one model's directory of the embedding cache (`ear_jax.data.embedding_cache`, the
+directory holding `meta.json`) used as the encoder, with no model: it has that model's name,
+dimension and identity, and returns the cached rows bit for bit (nothing is renormalised), so a run
+over cached texts equals the model's run on a machine where the model is not installed. A text not
+in the directory is an error naming it.
 """
 from __future__ import annotations
 
@@ -37,6 +43,8 @@ class PrecomputedEncoder(encoder_base.Encoder):
     ValueError: naming the file, when it is missing, malformed, not real numbers, or holds
       NaN / Inf or an all-zero row.
   """
+
+  cacheable = False  # (the file is the cache)
 
   def __init__(self, path):
     path = pathlib.Path(path).expanduser()
@@ -93,3 +101,43 @@ class PrecomputedEncoder(encoder_base.Encoder):
       raise ValueError(f"{self.path}: {len(missing)} texts have no precomputed embedding, "
                        f"e.g. {missing[0][:80]!r}")
     return self._emb[np.asarray(rows, np.int64)].reshape(len(texts), self.dim), 0
+
+
+class CacheDirEncoder(encoder_base.Encoder):
+  """The embeddings of one model's cache directory (it holds `meta.json`), with no model.
+
+  Raises:
+    ValueError: naming the directory, when its `meta.json` is missing or unreadable, or its identity
+      does not hash to the identity hash it records.
+  """
+  cacheable = False  # (the directory is the cache)
+
+  def __init__(self, path):
+    path = pathlib.Path(path).expanduser()
+    try:
+      meta = json.loads((path / "meta.json").read_text())
+      self.name, self._identity, self.dim = meta["name"], meta["identity"], int(meta["dim"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise ValueError(f"embedding cache directory {str(path)!r}: unreadable meta.json "
+                       f"({type(e).__name__}: {e})") from None
+    if self.identity_hash != meta.get("identity_hash"):
+      raise ValueError(f"embedding cache directory {str(path)!r}: meta.json's identity does not "
+                       "hash to its identity_hash (edited by hand?)")
+    self.path = path.resolve()
+    self.max_length = self._identity.get("max_length")
+    self._cache = embedding_cache.EmbeddingCache(self.path, self)
+
+  @property
+  def identity(self) -> dict:
+    return self._identity
+
+  def encode_new(self, texts, progress=True, bar=None):
+    texts = encoder_base.check_texts(texts)
+    self._cache.refresh()
+    rows = [self._cache.get(embedding_cache.text_key(t)) for t in texts]
+    missing = [t for t, r in zip(texts, rows) if r is None]
+    if missing:
+      raise ValueError(f"embedding cache directory {str(self.path)!r} (model {self.name!r}, no "
+                       f"model loaded): {len(missing)} texts are not in it, e.g. "
+                       f"{missing[0][:80]!r}")
+    return np.stack(rows).reshape(len(texts), self.dim).astype(np.float32, copy=False), 0

@@ -1,0 +1,170 @@
+"""The paper run on an accelerator, per seed beside the CPU, and the bundle that lets it run offline.
+
+`run_main_suite` runs `experiments.run` (e.g. `--benchmark=locomo --suite=main --seeds=10
+--candidates=dense`, embeddings from an embedding cache directory of MiniLM) on the default device
+in a subprocess, and compares its per-seed values with a CPU reference: a file written by
+`reference_from_results` from a CPU run of the same command (committed:
+results/accelerator/locomo_main_cpu.json), or the same command run now on the host CPU
+(`JAX_PLATFORMS=cpu`). `compare_per_seed` says, per run and metric, how many seeds are equal and
+whether the mean over seeds is within the tolerance (in points). `write_bundle` copies LoCoMo and
+exactly its embeddings into a folder that travels to a machine with no network and no MiniLM.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Sequence
+
+import numpy as np
+
+DEFAULT_TOLERANCE = 1.0  # points of Recall@5 / Hit@5: |device mean - CPU mean| over the seeds
+
+
+def subprocess_env(precision: str, **extra) -> dict:
+  """This environment plus: the matmul precision, no XLA preallocation (several processes may
+  share the device), and the caller's XLA_FLAGS as they are (tests/conftest.py sets CPU compile
+  flags only when XLA_FLAGS is unset)."""
+  env = dict(os.environ, JAX_DEFAULT_MATMUL_PRECISION=precision,
+             XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+  env.setdefault("XLA_FLAGS", "")
+  env.update(extra)
+  return env
+
+
+# ------------------------------------------------------------------------------------------------
+def per_seed_metrics(results: dict) -> dict:
+  """`{run: {metric: [per-seed values]}}` of an `experiments.run` results.json."""
+  return {run: {m: v["per_seed"] for m, v in r["metrics"].items()
+                if m.startswith(("recall_", "hitrate_"))}
+          for run, r in results["runs"].items()}
+
+
+def reference_from_results(results: dict) -> dict:
+  """A CPU reference file's contents from a CPU run's results.json: per-seed values, the command
+  (without its `--workdir`, a path of the machine it ran on) and the versions (what
+  `--accel_reference` reads)."""
+  if results.get("versions", {}).get("backend") != "cpu":
+    raise ValueError(f"a CPU reference must come from a CPU run (backend "
+                     f"{results.get('versions', {}).get('backend')!r})")
+  command = " ".join(a for a in shlex.split(results["command"]) if not a.startswith("--workdir"))
+  return {"command": command, "versions": results["versions"], "seeds": results["seeds"],
+          "benchmark": results["benchmark"], "suite": results["suite"],
+          "per_seed": per_seed_metrics(results)}
+
+
+def _run_suite(repo: pathlib.Path, args: Sequence[str], env: dict, timeout: float) -> dict:
+  with tempfile.TemporaryDirectory() as tmp:
+    cmd = [sys.executable, "-m", "experiments.run", *args, f"--workdir={tmp}/run", "--noprogress"]
+    t = time.perf_counter()
+    try:
+      proc = subprocess.run(cmd, cwd=str(repo), env=env, text=True, capture_output=True,
+                            timeout=timeout)
+    except subprocess.TimeoutExpired:
+      return {"status": f"timed out after {timeout:.0f} s"}
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+      return {"status": f"failed (rc {proc.returncode})", "tail": (proc.stdout + proc.stderr)[-1500:]}
+    results = json.loads((pathlib.Path(tmp) / "run" / "results.json").read_text())
+  return {"status": "ran", "wall_s": round(wall, 1), "versions": results["versions"],
+          "seeds": results["seeds"], "per_seed": per_seed_metrics(results),
+          "suite_s": results.get("suite_wall_seconds", {}).get(results.get("suite") or "", None)}
+
+
+def compare_per_seed(device: dict, reference: dict, tolerance: float) -> list[dict]:
+  """One row per (run, metric) in both: the means over seeds, their difference, the largest
+  per-seed difference, how many seeds are equal (to the 4 decimals results.json keeps) and whether
+  the means are within `tolerance` points."""
+  rows = []
+  for run, metrics in reference.items():
+    for metric, ref in metrics.items():
+      got = device.get(run, {}).get(metric)
+      if got is None or len(got) != len(ref):
+        continue
+      a, b = np.asarray(ref, float), np.asarray(got, float)
+      diff = float(b.mean() - a.mean())
+      rows.append({"run": run, "metric": metric, "cpu_mean": round(float(a.mean()), 4),
+                   "device_mean": round(float(b.mean()), 4), "diff": round(diff, 4),
+                   "max_seed_diff": round(float(np.abs(b - a).max()), 4),
+                   "seeds_equal": int((np.abs(b - a) < 5e-4).sum()), "seeds": len(a),
+                   "within_tolerance": abs(diff) <= tolerance})
+  return rows
+
+
+def run_main_suite(repo: pathlib.Path, suite_args: Sequence[str], precision: str,
+                   reference: str, tolerance: float, timeout: float) -> dict:
+  """`experiments.run <suite_args>` on the device beside a CPU reference.
+
+  Args:
+    repo: the repository root (the subprocesses run there).
+    suite_args: the flags of `experiments.run`, e.g. `--benchmark=locomo --suite=main --seeds=10
+      --candidates=dense --encoder=<cache dir> --data_dir=<dir>`.
+    precision: `JAX_DEFAULT_MATMUL_PRECISION` of both runs.
+    reference: a reference JSON file (`reference_from_results`), or `"cpu"`: the same command now
+      on the host CPU.
+    tolerance: points; the per-(run, metric) verdict compares the means over seeds.
+    timeout: seconds per subprocess.
+
+  Returns:
+    The device run (`status`, wall time, per-seed values), the reference's source and command, the
+    comparison rows and `all_within_tolerance`.
+  """
+  out = {"args": list(suite_args), "precision": precision, "tolerance_points": tolerance}
+  device = _run_suite(repo, suite_args, subprocess_env(precision), timeout)
+  out["device"] = device
+  if reference == "cpu":
+    ref = _run_suite(repo, suite_args, subprocess_env(precision, JAX_PLATFORMS="cpu"), timeout)
+    out["reference"] = {"source": "the same command on the host CPU in this run (JAX_PLATFORMS=cpu)",
+                        **{k: ref.get(k) for k in ("status", "wall_s", "versions")}}
+    ref_seeds = ref.get("per_seed")
+  else:
+    path = pathlib.Path(reference)
+    ref = json.loads((path if path.is_absolute() else repo / path).read_text())
+    out["reference"] = {"source": reference, "command": ref.get("command"),
+                        "versions": ref.get("versions")}
+    ref_seeds = ref["per_seed"]
+  if device["status"] != "ran" or not ref_seeds:
+    out["status"] = f"not compared: device {device['status']}, reference {ref.get('status', 'read')}"
+    return out
+  rows = compare_per_seed(device["per_seed"], ref_seeds, tolerance)
+  out["rows"] = rows
+  out["all_within_tolerance"] = bool(rows) and all(r["within_tolerance"] for r in rows)
+  out["status"] = "compared"
+  return out
+
+
+def write_bundle(out_dir, *, data_dir=None, cache_dir=None, encoder: str = "minilm") -> dict:
+  """What an offline run of the paper step needs, in `out_dir`: `data/locomo10.json` and
+  `cache/<model>-<identity>/`, the embedding cache directory of `encoder` holding exactly the texts
+  the LoCoMo benchmark encodes (read from the cache at `cache_dir`; a text missing there is
+  encoded). Pass `--data_dir=<out_dir>/data --cache_dir=<that directory>` to the bench: the
+  directory is an encoder with no model (`precomputed.CacheDirEncoder`).
+
+  Returns:
+    The two paths and the bundle's bytes.
+  """
+  import shutil  # pylint: disable=g-import-not-at-top
+  from ear_jax.data import candidates  # pylint: disable=g-import-not-at-top
+  from ear_jax.data import corpora  # pylint: disable=g-import-not-at-top
+  from ear_jax.data import embedding_cache  # pylint: disable=g-import-not-at-top
+  from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
+  out_dir = pathlib.Path(out_dir)
+  src = corpora.find_benchmark_file("locomo", data_dir)
+  (out_dir / "data").mkdir(parents=True, exist_ok=True)
+  shutil.copyfile(src, out_dir / "data" / src.name)
+  enc = encoders.load_encoder(encoder)
+  texts, _, _ = candidates.encoded_texts(corpora.load_corpus("locomo", data_dir=out_dir / "data"))
+  texts = list(dict.fromkeys(texts))
+  emb = encoders.encode(enc, texts, cache_dir=cache_dir, progress=False)
+  model_dir = out_dir / "cache" / embedding_cache.EmbeddingCache(out_dir / "cache", enc).dir.name
+  shutil.rmtree(model_dir)  # a fresh directory with one shard of exactly these texts
+  embedding_cache.EmbeddingCache(out_dir / "cache", enc).add(
+      [embedding_cache.text_key(t) for t in texts], emb)
+  size = sum(f.stat().st_size for f in out_dir.rglob("*") if f.is_file())
+  return {"data_dir": str(out_dir / "data"), "cache_dir": str(model_dir), "texts": len(texts),
+          "bytes": size}
