@@ -84,6 +84,20 @@ def test_memory_config_round_trips_through_a_json_safe_dict():
     MemoryConfig.from_dict({**d, "nope": 1})
 
 
+def test_num_candidates_sets_the_learners_k_and_a_directory_keeps_it(tmp_path):
+  m = _fill(Memory(None, method="ear_tuned", dim=_D, num_candidates=7))
+  assert m.config.ear.num_candidates == 7 and m.config.ear.loss_support == "window"
+  m.save(tmp_path / "k7")
+  m.close()
+  with Memory.open(tmp_path / "k7") as back:
+    assert back.config.ear.num_candidates == 7
+  with pytest.raises(ValueError, match="differ|does not match"):
+    Memory.open(tmp_path / "k7", MemoryConfig(encoder=None, method="ear_tuned", dim=_D,
+                                              num_candidates=8))
+  with pytest.raises(ValueError, match="num_candidates K=3 is smaller than the slate size s=5"):
+    MemoryConfig(encoder=None, method="ear_tuned", dim=_D, num_candidates=3).ear
+
+
 def test_memory_rejects_unknown_settings_and_a_method_with_a_config():
   with pytest.raises(TypeError, match=r"unknown Memory setting\(s\) \['capacity'\]"):
     Memory(None, config=_config(), capacity=3)

@@ -72,8 +72,11 @@ METHODS = {
     # (LoCoMo; BUILD_NOTES, "validation protocol and ear_tuned"); its hyperparameters:
     # METHOD_HPARAMS (`Method.named` pairs the two).
     # `side_init` was chosen by `--suite=first_stage_tune` (acts with side features only).
+    # `loss_support='window'`: the paper's softmax at K <= T s (bit for bit), and no push onto
+    # the never-shown tail of a larger pool (`core.losses.loss_support`).
     "ear_tuned": dict(train_slate="explorer", use_replay=True, replay_strategy="random",
-                      replay_size=8, final_slate="exploit", test_rounds=4, side_init=0.05),
+                      replay_size=8, final_slate="exploit", test_rounds=4, side_init=0.05,
+                      loss_support="window"),
 }
 # `ear_safe`: `ear_tuned` with the guard (`ear_jax.core.guard`): at test time the learned ranking
 # is served only when the feedback of held-out training queries (every 5th, never trained on)
@@ -83,11 +86,16 @@ METHODS = {
 # Until session 11 its evidence was the prequential one (`guard_holdout=0, guard_z=0.5`, items).
 METHODS["ear_safe"] = dict(METHODS["ear_tuned"], guard=True, guard_holdout=5,
                            guard_evidence="questions", guard_z=0.25)
+# `ear_pool`: `ear_safe` for a candidate pool larger than the critic is shown (K > T s): the loss
+# learns only from labelled candidates (`loss_support='labelled'`, chosen by `--suite=pool_tune`
+# on LoCoMo validation).
+METHODS["ear_pool"] = dict(METHODS["ear_safe"], loss_support="labelled")
 # Hyperparameters of a method where they differ from the paper's (`hparams_for_method`).
 METHOD_HPARAMS = {
     "ear_tuned": dict(learning_rate=1e-4, baseline=0.0, tau=0.25),
 }
 METHOD_HPARAMS["ear_safe"] = METHOD_HPARAMS["ear_tuned"]
+METHOD_HPARAMS["ear_pool"] = METHOD_HPARAMS["ear_tuned"]
 
 
 def _check_choice(name, value, choices):
@@ -389,7 +397,7 @@ class EARConfig:
 
     Args:
       method: one of `METHODS`: 'retriever', 'rl_update', 'ear', 'ear_no_replay', 'ear_no_explorer',
-        'ear_tuned', 'ear_safe'.
+        'ear_tuned', 'ear_safe', 'ear_pool'.
       **overrides: any `EARConfig` field.
 
     Raises:

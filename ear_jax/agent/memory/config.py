@@ -66,6 +66,10 @@ class MemoryConfig:
     bank_dtype: 'float32' or 'bfloat16', the dtype of the device bank.
     index: 'exact' (the device search) or 'faiss_hnsw' / 'faiss_ivf' / 'faiss_pq'.
     index_options: that searcher's options, sorted `(key, value)` pairs (a dict is accepted).
+    num_candidates: `K`, the memories the first stage retrieves per question, from which the
+      learner picks each slate (>= the slate size; even with `multistore`); None (the default):
+      the method's own K (`EARConfig.num_candidates`). RESULTS.md "Candidate pool K" measures
+      K = 20 / 50 / 100.
     candidates: the first stage, 'dense' | 'bm25' | 'hybrid' (`data.first_stage.GENERATORS`):
       with 'bm25' / 'hybrid' each candidate carries the first stage's scores as side features
       and queries need their texts. Not with an ANN `index`. None (the default): 'hybrid' with an
@@ -91,6 +95,7 @@ class MemoryConfig:
   bank_dtype: str = "float32"
   index: str = "exact"
   index_options: tuple = ()
+  num_candidates: Optional[int] = None
   candidates: Optional[str] = None
   first_stage: FirstStageOptions = FirstStageOptions()
   batch_window_ms: float = 0.0
@@ -117,6 +122,8 @@ class MemoryConfig:
     fix("batch_window_ms", float(window))
     if self.dim is not None:
       fix("dim", check_int(self.dim, "dim", 1))
+    if self.num_candidates is not None:
+      fix("num_candidates", check_int(self.num_candidates, "num_candidates", 1))
     fix("multistore", bool(self.multistore))
     if self.cache_dir is not None:
       fix("cache_dir", str(self.cache_dir))
@@ -209,6 +216,11 @@ class MemoryConfig:
       config, hparams = Method.named(self.method or DEFAULT_METHOD, dim=d)[1:3]
     if config is None:
       config = EARConfig(dim=d)
+    if self.num_candidates is not None and self.num_candidates != config.num_candidates:
+      if self.num_candidates < config.slate_size:
+        raise ValueError(f"num_candidates K={self.num_candidates} is smaller than the slate size "
+                         f"s={config.slate_size}")
+      config = dataclasses.replace(config, num_candidates=self.num_candidates)
     if self.dim is not None and self.dim != config.dim:
       raise ValueError(f"dim={self.dim} does not match config.dim={config.dim}")
     enc = self._encoder_dim()
@@ -238,7 +250,7 @@ class MemoryConfig:
     (`SERVING`: the embedding cache directory, which says where, and the batching, which says
     when, not what)."""
     d = self.to_dict()
-    for name in ("method", "config", "hparams", "dim") + SERVING:
+    for name in ("method", "config", "hparams", "dim", "num_candidates") + SERVING:
       del d[name]
     d["candidates"] = self.first_stage_name
     ear, hp = self._resolved()

@@ -32,8 +32,13 @@ SUPPORTS = ("all", "window", "labelled")
 TUNED = "ear_tuned"
 # The learning presets the `pool` table reports (each with its own `loss_support`), and the
 # collapse of `ear_tuned` with the paper's softmax over all K, shown beside them.
-PRESETS = ("ear", "ear_tuned", "ear_safe")
+PRESETS = ("ear", "ear_tuned", "ear_safe", "ear_pool")
+# Rows beside them: `ear_pool`'s learner unguarded (every training question trained, the adapter
+# always served), and, at K > T s, the paper's softmax over all K (the collapse) and the
+# paper's EAR with the window.
+UNGUARDED_POOL = ("ear_pool", {"guard": False, "guard_holdout": 0})
 COLLAPSE = ("ear_tuned", {"loss_support": "all"})
+PAPER_WINDOW = ("ear", {"loss_support": "window"})
 
 
 def pool_runner(r: Runner, k: int) -> Runner:
@@ -52,6 +57,22 @@ def _window(stream) -> int:
                              side_features=stream.num_side_features or None).loss_window
 
 
+def pushed_up_share(sub: Runner, summary: dict) -> float | None:
+  """Percent of a run's training questions whose labels sum below the baseline,
+  `sum_j (y_j - b) < 0` over the shown positions: for such a question Eq. (10)'s softmax over all
+  K raises every candidate it did not show (`d L / d z_i = p_i sum_j (y_j - b)` for an unshown
+  i). From `runs/<run>/train_log.npz` (None when it was not written)."""
+  path = sub.workdir / "runs" / summary["run"] / "train_log.npz"
+  if not path.is_file():
+    return None
+  log = np.load(path)
+  b = summary["hparams"]["baseline"]
+  pos = log["positive_labels"].astype(np.float64)
+  shown = summary["config"]["slate_size"] * log["critic_calls"].astype(np.float64)  # full slates
+  net = pos * (1.0 - b) - (shown - pos) * (1.0 + b)
+  return float(100.0 * np.mean(net < 0))
+
+
 def _pct(ev, key):
   return 100.0 * np.asarray(ev[key], np.float64)
 
@@ -61,7 +82,8 @@ def tune_pool(r: Runner) -> dict:
   if r.opts.benchmark == "longmemeval":
     raise ValueError("pool_tune: LongMemEval_S is the held-out transfer benchmark and is never "
                      "tuned on; use --benchmark=locomo")
-  rows = []
+  done_path = r.workdir / "pool_tune_rows.json"  # each row as it finishes (for --resume)
+  rows = json.loads(done_path.read_text()) if r.opts.resume and done_path.is_file() else []
   for k in K_VALUES:
     sub = pool_runner(r, k)
     stream = sub.bench().stream
@@ -72,6 +94,9 @@ def tune_pool(r: Runner) -> dict:
     for method, over in [("retriever", {})] + [(TUNED, {"loss_support": s}) for s in SUPPORTS]:
       if method == TUNED and k <= window and over["loss_support"] == "window":
         continue  # the same set as 'all' at K <= T s (`losses.loss_support`)
+      if any(row["k"] == k and row["method"] == method and row.get("loss_support") ==
+             over.get("loss_support") for row in rows):
+        continue  # finished before a --resume
       m = runner.build_method(method, dim=stream.dim, num_candidates=k,
                               hparams=r.opts.hparam_overrides,
                               side_features=stream.num_side_features or None,
@@ -83,7 +108,10 @@ def tune_pool(r: Runner) -> dict:
              "paging_served": _pct(res.eval, "recall_paging_adapted").tolist(),
              "paging_first_stage": _pct(res.eval, "recall_paging_first_stage").tolist(),
              "ceiling_window": None if ceiling is None else ceiling["per_seed"]}
+      del res  # its final learner state (a [S, C, K, d] buffer) before the next run allocates one
       rows.append(row)
+      if r.writes:
+        done_path.write_text(json.dumps(rows))
       logging.info("pool_tune K=%d %s %s: validation R@5 adapter %.2f, paging %.2f", k, method,
                    over, np.mean(row["adapter"]), np.mean(row["paging_served"]))
   return {"rows": rows, **choose(rows)}
@@ -152,9 +180,10 @@ def suite_pool(r: Runner) -> str:
     window = _window(stream)
     frozen = sub.run("retriever")
     ceiling = frozen["ceiling"].get(f"recall@{window}")
-    runs = [(m, m, None) for m in PRESETS]
+    runs = [(m, m, None) for m in PRESETS] + [("ear_pool unguarded", *UNGUARDED_POOL)]
     if k > window:
-      runs.append((f"{COLLAPSE[0]}, loss_support=all", COLLAPSE[0], COLLAPSE[1]))
+      runs += [(f"{m}, loss_support={over['loss_support']}", m, over)
+               for m, over in (COLLAPSE, PAPER_WINDOW)]
     rows.append([str(k), "frozen first stage", fmt(get_metric(frozen, "recall_adapter")),
                  "(baseline)", fmt(get_metric(frozen, "recall_explorer")),
                  fmt(get_metric(frozen, "recall_paging_first_stage")),
@@ -174,10 +203,12 @@ def suite_pool(r: Runner) -> str:
                    fmt(get_metric(s, "recall_explorer")), fmt(paging), "–" if ceiling is None
                    else fmt(ceiling), vs_ceiling])
       if "beyond_window" in s:
+        pushed = pushed_up_share(sub, s)
         comp.append([str(k), label, fmt(s["beyond_window"]["share"]),
-                     fmt(s["beyond_window"]["gold_rate"])])
+                     fmt(s["beyond_window"]["gold_rate"]),
+                     "–" if pushed is None else f"{pushed:.1f}"])
     if "beyond_window" in frozen:
-      comp.append([str(k), "frozen first stage", fmt(frozen["beyond_window"]["share"]), "–"])
+      comp.append([str(k), "frozen first stage", fmt(frozen["beyond_window"]["share"]), "–", "–"])
   return "\n".join([
       f"### Candidate pool K — {r.opts.benchmark}, {r.opts.candidates} (test split, "
       f"{len(r.seeds)} seeds, T = 4 critic calls of s = 5)", "",
@@ -187,9 +218,14 @@ def suite_pool(r: Runner) -> str:
                rows), "",
       "Where the adapter-only top-5 comes from (K > T s = 20): the share of its memories "
       "outside the first stage's top 20, and how many of those are gold:", "",
-      md_table(["K", "method", "share of the top-5 beyond rank 20 (%)", "gold among them (%)"],
-               comp), "", DELTA_NOTE])
+      md_table(["K", "method", "share of the top-5 beyond rank 20 (%)", "gold among them (%)",
+                "training questions whose labels sum below b (%)"], comp), "",
+      "For a training question whose labels sum below the baseline b, Eq. (10)'s softmax over "
+      "all K raises every candidate it did not show (d L / d z_i = p_i Σ_j (y_j − b) for an "
+      "unshown i); `loss_support` takes the unshown tail beyond the first stage's top T s out "
+      "of the softmax.", "", DELTA_NOTE])
 
 
-__all__ = ["COLLAPSE", "K_VALUES", "PRESETS", "SUPPORTS", "choose", "pool_runner", "suite_pool",
+__all__ = ["COLLAPSE", "K_VALUES", "PAPER_WINDOW", "PRESETS", "UNGUARDED_POOL", "SUPPORTS", "choose", "pool_runner",
+           "pushed_up_share", "suite_pool",
            "suite_pool_tune", "tune_pool"]
