@@ -43,6 +43,9 @@ Guarantees:
     or rewritten by a read.
   * Quiet: every Orbax object is closed after each call, and Orbax's asyncio noise ("Event loop is
     closed", tracebacks of the coroutines a failed read abandons) is kept off stderr (`_quiet`).
+  * No growth: `read_meta` and `restore` read Orbax's metadata file themselves and restore numpy
+    leaves into zeros of their recorded shapes (`_zeros_target`), so no array is opened for its
+    metadata (tensorstore keeps what that returns: the process grew with every read).
 """
 from __future__ import annotations
 
@@ -152,6 +155,45 @@ def _json_roundtrip(meta: dict, what: str) -> dict:
     raise ValueError(f"{what} is not JSON-serialisable: {e}") from e
 
 
+def _zeros_target(tree: Optional[dict], record: dict):
+  """The restore target of a step restored as saved: Orbax's tree metadata (`_ORBAX_METADATA`'s
+  `tree_metadata`: each leaf's keys, dict or sequence, and value type) with numpy zeros of each
+  array leaf's stored shape (the leaf record's; a placeholder for an empty one) and None, {} or
+  [] for the others; Orbax then restores into numpy arrays without opening each array for its
+  metadata. None (Orbax reads the tree itself) for a tree it cannot read or with a leaf that is
+  not a numpy array."""
+  empty = {"None": None, "Dict": {}, "List": []}
+  root, kinds = {}, {1: list, 2: dict}
+  try:
+    for entry in tree.values():
+      keys = [(int(k["key"]) if k["key_type"] == 1 else k["key"], kinds[k["key_type"]])
+              for k in entry["key_metadata"]]
+      name = "/".join(str(k) for k, _ in keys)
+      kind = entry["value_metadata"]["value_type"]
+      if name in record and kind == "np.ndarray":  # (a jax.Array leaf: Orbax's own reading)
+        rec = record[name]
+        leaf = np.zeros(() if rec["empty"] else rec["shape"], rec["dtype"])
+      else:
+        leaf = empty[kind]
+      node = root
+      for (key, kind), (_, child) in zip(keys, keys[1:] + [(None, None)]):
+        if kind is list:
+          if not isinstance(node, list):
+            return None
+          node.extend([None] * (key + 1 - len(node)))
+        elif not isinstance(node, dict):
+          return None
+        if child is None:
+          node[key] = leaf
+        else:
+          if node[key] is None if kind is list else key not in node:
+            node[key] = child()
+          node = node[key]
+  except (AttributeError, KeyError, TypeError, ValueError):
+    return None
+  return root
+
+
 # -- the store -------------------------------------------------------------------------------
 class CheckpointStore:
   """Atomic Orbax checkpoints of (array pytree, JSON meta) in `directory`, one subdirectory per step.
@@ -245,7 +287,7 @@ class CheckpointStore:
     state_dir = path / _STATE
     if _DIGEST not in raw and not state_dir.is_dir():
       return raw  # written before digests, without arrays: nothing to check against
-    custom, _ = self._read_array_metadata(path, state_dir)
+    custom, _ = self._read_array_metadata(path, state_dir, shapes=False)
     return self._checked_meta(path, raw, custom)
 
   @staticmethod
@@ -288,12 +330,16 @@ class CheckpointStore:
           "edited")
     return meta
 
-  def _read_array_metadata(self, path: pathlib.Path, state_dir: pathlib.Path):
+  def _read_array_metadata(self, path: pathlib.Path, state_dir: pathlib.Path,
+                           shapes: bool = True):
     """`(custom metadata dict, {leaf: (shape, dtype)})` of a step's array item; CheckpointError
-    naming the file when it is missing, unreadable or holds a field this version does not know."""
+    naming the file when it is missing, unreadable or holds a field this version does not know.
+    `shapes` False: `(custom, tree)`, read from Orbax's metadata file alone (`_metadata_file`),
+    no array opened."""
     if not state_dir.is_dir():
       raise CheckpointError(f"checkpoint {path} has no array directory {state_dir}")
-    found, failure = _quiet.call(lambda: self._array_metadata(state_dir), state_dir)
+    read = self._array_metadata if shapes else self._metadata_file
+    found, failure = _quiet.call(lambda: read(state_dir), state_dir)
     if failure:
       raise CheckpointError(f"checkpoint {path}: the array metadata in {state_dir} is unreadable "
                             f"(truncated or corrupted?): {failure}")
@@ -313,12 +359,24 @@ class CheckpointStore:
   @staticmethod
   def _array_metadata(state_dir: pathlib.Path) -> tuple[dict, dict]:
     """(the custom metadata: leaf record and digest, {} for a checkpoint saved without them;
-    {leaf: (shape, dtype)})."""
+    {leaf: (shape, dtype)}), through Orbax, which opens every array."""
     ocp = _ocp()
     with contextlib.closing(ocp.StandardCheckpointHandler(**_this_process_only())) as handler:
       md = handler.metadata(state_dir)
     custom = md.custom_metadata
     return ({} if custom is None else custom), _leaves.metadata_shapes(md.tree)
+
+  @staticmethod
+  def _metadata_file(state_dir: pathlib.Path) -> tuple[dict, Optional[dict]]:
+    """(the custom metadata, as `_array_metadata`; Orbax's tree metadata or None) read from
+    Orbax's metadata file (`_ORBAX_METADATA`, JSON) alone. Orbax's own reader opens every array
+    through tensorstore, whose `Spec.to_json` never frees what it returns (tensorstore 0.1.86):
+    each read kept ~200 objects for good, so opening a memory again and again grew the process."""
+    found = json.loads((state_dir / _ORBAX_METADATA).read_text(encoding="utf-8"))
+    if not isinstance(found, dict):
+      raise ValueError(f"{_ORBAX_METADATA} holds a {type(found).__name__}, not a JSON object")
+    custom, tree = found.get("custom_metadata"), found.get("tree_metadata")
+    return ({} if custom is None else custom), (tree if isinstance(tree, dict) else None)
 
   def restore(self, step: int | None = None, target=None):
     """`(arrays, meta)` of `step` (default: the latest).
@@ -341,11 +399,13 @@ class CheckpointStore:
     raw = self._read_meta_file(path)
     state_dir = path / _STATE
     ocp = _ocp()
-    custom, _ = self._read_array_metadata(path, state_dir)
+    custom, tree = self._read_array_metadata(path, state_dir, shapes=False)
     meta = self._checked_meta(path, raw, custom)
     record = custom.get(_RECORD)
     if record is not None and target is not None:
       target = _leaves.restore_target(target, record)  # ValueError before any array is read
+    elif record is not None:  # (as saved: Orbax would open every array for its metadata)
+      target = _zeros_target(tree, record)
 
     def read():
       with contextlib.closing(ocp.Checkpointer(
