@@ -234,6 +234,12 @@ class Memory:
     """The learner, sessions and counters of the learner item of `root` (rows deleted since its
     save masked out, sessions showing one dropped)."""
     arrays, meta, where = persistence.read_learner(root)
+    table = meta.get("table")  # (None: an item saved before tables had an identity)
+    if table is not None and table != self._table.identity:
+      raise checkpoints.CheckpointError(
+          f"{where} belongs to the table with identity {table}, not to "
+          f"{root / persistence.TABLE} (identity {self._table.identity}): a learner item of "
+          "another memory directory (copied here?) is never used")
     if int(meta["rows"]) > self._next_row:
       raise checkpoints.CheckpointError(
           f"{where} was saved when the table held rows up to {meta['rows']}, but the table "
@@ -302,15 +308,15 @@ class Memory:
     cfg, enc, settings = _settings(memory_config or _UNSET, encoder, settings)
     root = persistence.checkpoint_dir(path)
     persistence.check_directory(root)
-    hold = persistence.own(root)
+    hold, table = persistence.own(root), None
     try:
       persistence.remove_ann(root, only_trash=True)
       meta = persistence.read_meta(root)
       if meta is None:  # a new directory (or a converter's table without its learner item)
         cfg, slot = _new_config(cfg, enc, settings)
+        table = table_lib.Table(root / persistence.TABLE, cfg.ear.dim)
         memory = cls.__new__(cls)
-        memory._setup(cfg, slot, table_lib.Table(root / persistence.TABLE, cfg.ear.dim), root,
-                      hold, learner)
+        memory._setup(cfg, slot, table, root, hold, learner)
         if learner is None:  # (with one, the caller adds its rows, then saves)
           memory._write_learner()
         return memory
@@ -333,6 +339,8 @@ class Memory:
       memory._restore_learner(root)
       return memory
     except BaseException:
+      if table is not None:
+        table.close()
       if hold is not None:
         hold.release()
       raise
@@ -382,7 +390,7 @@ class Memory:
       driver = self._driver.snapshot()
       self._generation += 1
       meta = {"memory_config": self._cfg.to_dict(), "presets": config_lib.PRESETS_VERSION,
-              "rows": self._next_row,
+              "rows": self._next_row, "table": self._table.identity,
               "encoder_identity": self._encoder.identity, "stats": dict(self._stats),
               "generation": self._generation, "sessions": sessions[1], "driver": driver[1]}
       if self._searcher is not None:
