@@ -223,8 +223,9 @@ def test_delete_with_lexical_and_ann_first_stages():
 
 
 # A child that trains on six memories (faiss HNSW: `ann/` holds their vectors), saves, and then
-# deletes one and saves, SIGKILLed where `stage` says: 'write' (writing the learner item) or
-# 'trash' (removing the `ann/` that held the deleted vector, after renaming it away).
+# deletes one and saves, SIGKILLed where `stage` says: 'write' (writing the learner item),
+# 'trash' (removing the `ann/` that held the deleted vector, after renaming it away) or 'commit'
+# (the delete committed, its `ann/` not yet renamed away: the file is stale).
 _KILLED_CHILD = textwrap.dedent("""
     import shutil, sqlite3, sys, time
     import numpy as np
@@ -256,8 +257,11 @@ _KILLED_CHILD = textwrap.dedent("""
       return real_rmtree(p, *args, **kw)
     if stage == "write":
       checkpoints.CheckpointStore._write = lambda self, *args: stall()
-    else:
+    elif stage == "trash":
       shutil.rmtree = rmtree
+    else:
+      from ear_jax.agent.memory import persistence
+      persistence.remove_ann = lambda root, only_trash=False: stall()
     m.delete("m2")
     m.add(["a later memory"], embeddings=np.ones((1, 8)))
     m.save()
@@ -265,7 +269,7 @@ _KILLED_CHILD = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["write", "trash"])
+@pytest.mark.parametrize("stage", ["write", "trash", "commit"])
 def test_sigkill_after_a_delete_leaves_no_bytes_once_reopened(tmp_path, stage):
   from tests.kill_helpers import sigkill_at  # pylint: disable=g-import-not-at-top
   path, vec_file = tmp_path / "mem", tmp_path / "vec"
@@ -274,6 +278,8 @@ def test_sigkill_after_a_delete_leaves_no_bytes_once_reopened(tmp_path, stage):
   assert len(vec) == 4 * D
   if stage == "trash":  # what the kill left: the old index, holding the deleted vector
     assert [p.name for p in path.glob(".*trash*")] and _files_holding(path, vec)
+  if stage == "commit":  # the stale index file itself
+    assert _files_holding(path, vec) == [str(path / "ann" / "index.npz")]
   with Memory.open(path) as m:  # the delete returned before the kill: it holds
     assert "m2" not in _ids(m) and {"m0", "m1", "m3", "m4", "m5"} <= set(_ids(m))
     assert not list(path.glob(".*trash*"))  # the open removed what the kill left

@@ -209,6 +209,8 @@ class Memory:
       self._searcher = bank_lib.Searcher.load(root / persistence.ANN, cfg.index,
                                               dict(cfg.index_options), config.dim, rows.rows,
                                               rows.embeddings, rows.stores, codes)
+      if self._searcher.stale_file is not None:  # (a kill between a delete's commit and its
+        persistence.remove_ann(root)  # `remove_ann`: it may hold the deleted rows' vectors)
     elif cfg.index != "exact":
       self._searcher = bank_lib.ann_searcher(cfg.index, dict(cfg.index_options), config.dim)
       self._searcher.add(rows.rows, rows.embeddings, rows.stores, codes)

@@ -13,7 +13,8 @@ next_row at the save, table: the table's identity (`Table.identity`: an item of 
 directory's table is refused), encoder: its identity, stats, counters}`. A save writes the next step and
 verifies it before the older one is deleted (`max_to_keep=1`), so a save killed at any moment
 leaves the previous or the new item. `<dir>/ann` is written by `save` and removed by a delete or
-an update of a row it covers (`remove_ann`); `open` rebuilds or extends it.
+an update of a row it covers (`remove_ann`); `open` rebuilds or extends it, and removes a stale
+one (a process killed between a delete's commit and that removal) before anything is served.
 """
 from __future__ import annotations
 
