@@ -33,9 +33,10 @@ Guarantees:
     writer that waits longer than `lock_timeout_s` gets a `CheckpointError`. The lock file is removed
     again when the save ends (a killed writer's stale file is harmless).
   * Owned (for callers that opt in, as `Memory` does): `own` takes an exclusive owner lock
-    `<directory>/.owner` for as long as the caller uses the directory (shared by the callers of one
-    process, dropped by the kernel when the process dies, even by SIGKILL); another process gets a
-    `DirectoryInUseError` naming the directory and the owner's pid.
+    `<directory>/.owner` for as long as the caller uses the directory (one holder in one process,
+    dropped by the kernel when the process dies, even by SIGKILL); another process, or another
+    caller of the same process, gets a `DirectoryInUseError` naming the directory and the owner
+    (its pid, or the first caller's description).
   * No leftovers: a step being deleted is renamed to `.trash-*` first; what a killed delete leaves
     there is never read, and the next save deletes it (`_remove_debris`).
   * Clear errors: unreadable, truncated or corrupted checkpoints are `CheckpointError`s naming the
@@ -61,7 +62,7 @@ from typing import Optional
 import numpy as np
 
 from ear_jax.io import _leaves, _quiet
-from ear_jax.io._lock import LOCK_NAME, DirLock, Hold, LockTimeout, hold
+from ear_jax.io._lock import LOCK_NAME, DirLock, HeldHere, Hold, LockTimeout, hold
 
 _STATE, _META = "state", "meta"
 _META_FILE = "metadata"  # the file name of Orbax's JsonCheckpointHandler
@@ -478,18 +479,20 @@ class CheckpointStore:
     with self._locked():
       self._remove(self.directory / str(int(step)))
 
-  def own(self, what: str = "directory") -> Hold:
-    """This process's exclusive owner lock of the store's directory (creating it), held until the
-    returned `Hold` is released or garbage-collected; the process shares it among its callers
-    (`_lock.hold`) and the kernel drops it when the process dies, even by SIGKILL. It is
-    independent of the save and writer locks: a store can be read and written by its owner only
-    if every writer takes it, which is the caller's protocol (`Memory` does).
+  def own(self, what: str = "directory", holder: str = "") -> Hold:
+    """This caller's exclusive owner lock of the store's directory (creating it), held until the
+    returned `Hold` is released or garbage-collected: one holder in one process (`_lock.hold`,
+    by the directory's real path); the kernel drops it when the process dies, even by SIGKILL.
+    It is independent of the save and writer locks: a store can be read and written by its owner
+    only if every writer takes it, which is the caller's protocol (`Memory` does).
 
     Args:
       what: the directory's kind, the subject of the error message (e.g. "memory directory").
+      holder: who takes it, named in the error of a second `own` in this process.
 
     Raises:
-      DirectoryInUseError: another process owns it (naming the directory and its pid).
+      DirectoryInUseError: another process owns it (naming the directory and its pid), or this
+        process does (naming the directory and the first `holder`).
       CheckpointError: the directory cannot be created.
     """
     try:
@@ -497,7 +500,10 @@ class CheckpointStore:
     except OSError as e:
       raise CheckpointError(f"cannot create checkpoint directory {self.directory}: {e}") from e
     try:
-      return hold(self.directory, OWNER_LOCK)
+      return hold(self.directory, OWNER_LOCK, holder)
+    except HeldHere as e:
+      raise DirectoryInUseError(f"{what} {e}: one holder per directory per process (close that "
+                                "one first, or share it)") from None
     except LockTimeout as e:
       raise DirectoryInUseError(f"{what} {e}: only one process may use it at a time (stop that "
                                 "one first, or use another directory)") from None

@@ -289,7 +289,8 @@ class Memory:
            learner: Optional[learner_lib.LearnerState] = None, **settings) -> "Memory":
     """Opens the memory directory `path`, creating it with `memory_config` / `settings` when it
     holds no memory; an existing one keeps its stored `MemoryConfig` (passing a different one
-    is a ValueError naming the differing fields). Holds the owner lock until `close`.
+    is a ValueError naming the differing fields). Holds the owner lock until `close`: no other
+    process, and no other `Memory` of this one, opens the directory meanwhile.
 
     Args:
       path: the memory directory.
@@ -300,7 +301,8 @@ class Memory:
       **settings: `MemoryConfig` fields.
 
     Raises:
-      DirectoryInUseError: another process holds `path` (naming it and that process's pid).
+      DirectoryInUseError: another process holds `path` (naming it and that process's pid), or
+        another `Memory` of this process (naming it and where that one was opened).
       CheckpointError: a corrupted table or learner item (naming the file);
         `CheckpointFormatError` for an old layout (convert it: `experiments.convert_memory`).
     """
@@ -372,7 +374,7 @@ class Memory:
         raise ValueError("this memory was never saved: pass the directory to save it to")
       root = persistence.checkpoint_dir(path)
       persistence.check_directory(root)
-      hold = persistence.own(root)
+      hold = persistence.own(root, "Memory.save")
       try:
         if persistence.read_meta(root) is not None or (root / persistence.TABLE).exists():
           raise ValueError(f"{str(root)!r} holds a memory already: Memory.open it, or save to "

@@ -22,6 +22,8 @@ import errno
 import os
 import pathlib
 import shutil
+import sys
+import threading
 from typing import Optional
 
 from ear_jax.io import checkpoints
@@ -64,15 +66,28 @@ def check_directory(root: pathlib.Path) -> None:
                    "experiments.convert_memory`)")
 
 
-def own(root: pathlib.Path):
-  """This process's owner lock (a `Hold`) of the memory directory `root` (created): one process
-  at a time uses a memory directory. None for a directory this process cannot write.
+def _caller() -> str:
+  """`file:line` of the innermost frame outside the ear_jax package, and the thread: who opens."""
+  package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+    frame = frame.f_back
+  where = "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+  return f"{where} in thread {threading.current_thread().name!r}"
+
+
+def own(root: pathlib.Path, how: str = "Memory.open"):
+  """The owner lock (a `Hold`) of the memory directory `root` (created) for one `Memory` of this
+  process: one process at a time, and one `Memory` in it, uses a memory directory (`how`: the
+  call taking it, named with its caller in the error of a second one). None for a directory this
+  process cannot write.
 
   Raises:
-    DirectoryInUseError: another process holds it (naming the directory and that process's pid).
+    DirectoryInUseError: another process holds it (naming the directory and that process's pid),
+      or another `Memory` of this process (naming the directory and where that one was opened).
   """
   try:
-    return checkpoints.CheckpointStore(root).own("memory directory")
+    return checkpoints.CheckpointStore(root).own("memory directory", f"{how} at {_caller()}")
   except OSError as e:  # (DirectoryInUseError is not one)
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
       return None
