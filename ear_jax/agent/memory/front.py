@@ -904,8 +904,8 @@ class Memory:
           z, order = _held_pages(s.query_emb, s.cand_emb, _page_key(self._page_base, sid),
                                  self._ear)
           s.ranking, s.page_order = np.asarray(z), np.asarray(order)
-      if s.paged:  # page `rounds` of `ranking` (a held-out session is paged too)
-        return self._open_page(s, sid, k, s.rounds, explore)
+      if s.paged:  # the next page of `ranking` (a held-out session is paged too)
+        return self._open_page(s, sid, k, explore)
       held = int(s.cand_mask.sum())
       if s.frozen:
         k = min(k, held)
@@ -927,14 +927,17 @@ class Memory:
       return self._slate(s.cand_idx[pos], z[pos], s.rounds + 1, explore or s.frozen, sid,
                          s.query, self._candidate_records(s, pos))
 
-  def _open_page(self, s, sid: int, k: int, t: int, explore: bool) -> Slate:
-    """Page t (ranks `t k .. t k + k - 1`) of session `s`'s `ranking` (a held-out session's:
-    of its `page_order`) over its candidates still held (ties to the lower candidate), opened as
-    its next round (`explore`: the session goes on after its feedback)."""
+  def _open_page(self, s, sid: int, k: int, explore: bool) -> Slate:
+    """The next page of session `s`'s `ranking` (a held-out session's: of its `page_order`; ties
+    to the lower candidate): its first `k` candidates still held that no page with feedback
+    showed (after t pages of k and no delete: ranks `t k .. t k + k - 1`), opened as its next
+    round (`explore`: the session goes on after its feedback)."""
     z = s.ranking
     by = z if s.page_order is None else s.page_order
     order = np.lexsort((np.arange(len(by)), -by))
-    pos = order[s.cand_mask[order]][t * k:(t + 1) * k].astype(np.int32)
+    fresh = s.cand_mask.copy()
+    fresh[s.slates[:s.rounds][s.slate_mask[:s.rounds]]] = False
+    pos = order[fresh[order]][:k].astype(np.int32)
     if not len(pos):
       return Slate((), (), (), (), s.rounds + 1, True, sid, s.query)
     self._sessions.open_round(sid, pos, explore)
@@ -1051,7 +1054,8 @@ class Memory:
     """`Ops.critique`: the open round of `sid` shown to a host critic (outside the lock, key
     `fold_in(fold_in(k_critic, sid), t)` as a host `[2]` uint32 array, `sessions.CriticKeys`);
     its labels applied, or (None, an unusable reply) the round discarded with no update
-    (`stats['critic_no_update']`)."""
+    (`stats['critic_no_update']`). Returns the critic's labels of the memories it was shown (a
+    frozen session applies those of the memories still held: none left, no update)."""
     with self._lock:
       s = self._sessions.get(sid, open_round=True)
       slate = s.open_slate[s.cand_mask[s.open_slate]]  # (frozen: less what was deleted since)
@@ -1070,17 +1074,19 @@ class Memory:
     with self._lock:
       self._stats["critic_calls"] += 1
       s = self._sessions.get(sid, open_round=True)
+      kept = labels
       if s.frozen:  # (a delete meanwhile masked some of its memories out: label the others)
         keep = s.cand_mask[slate]
-        slate, labels = slate[keep], None if labels is None or not keep.any() else labels[keep]
-        s.open_slate = slate
+        s.open_slate, kept = slate[keep], None if labels is None else labels[keep]
       elif not np.array_equal(s.open_slate, slate):
         raise ValueError(f"session {sid} showed another round while the critic ran")
       if labels is None:
         s.open_slate = None
         self._stats["critic_no_update"] += 1
+      elif not len(kept):  # (every memory it showed was deleted: no update, the rounds go on)
+        s.open_slate = None
       else:
-        self._apply(sid, labels)
+        self._apply(sid, kept)
     return labels
 
   def _final(self, sid: int, k: int) -> tuple[tuple, tuple]:

@@ -447,8 +447,9 @@ class Session:
     """The next round's slate of `k` memories (an open round without feedback is discarded):
     one Explorer round (Eq. (5)-(8)), or with `explore=False` the adapter's top-k ranked by the
     guard's served parameters (its feedback closes the session). At most `T` rounds. A
-    test-time session (`learn=False`) shows page t (ranks `t k .. t k + k - 1`) of the served
-    ranking in round t + 1, t the rounds with feedback so far (keep `k` the same on every
+    test-time session (`learn=False`) shows the next page of the served ranking: its first `k`
+    memories still held that no page with feedback showed (page t, ranks `t k .. t k + k - 1`,
+    t the rounds with feedback so far, while nothing was deleted; keep `k` the same on every
     page; past its candidates: an empty slate, no round opened).
 
     Raises:
