@@ -1,6 +1,7 @@
 """`Memory.delete` (issue 19 item 4, issue 29): a deleted memory never comes back, in results,
 sessions, queued items, the replay buffer, a reopened memory, or the bytes of any file of the
 memory directory (`rows.sqlite` and its journal, the learner's Orbax steps, the faiss index)."""
+import contextlib
 import json
 import pathlib
 import shutil
@@ -195,6 +196,50 @@ def test_forgetting_leaves_no_bytes_in_any_file_of_the_memory_directory(tmp_path
     assert _ids(back) == ids and victim not in ids and len(back) == 31
     assert victim not in back.search("which note?", 5, query_embedding=marker_emb).ids
   assert _files_holding(path, vec) == []
+
+
+def test_the_learner_item_keeps_the_question_of_an_open_session_only_and_none_once_dropped(
+    tmp_path):
+  """The learner item kept closed sessions' questions, and an open one's in clear after a
+  `delete` of a memory it showed dropped the session (until the next save)."""
+  path = tmp_path / "mem"
+  m, emb = _memory(n=12)
+  m.save(path)
+  done = m.session("closed question qzx1", query_embedding=emb[0])
+  done.feedback(done.round(2, explore=False).ids[:1])  # (an adapter-only round: closes it)
+  kept = m.session("open question qzx2", query_embedding=emb[1])
+  shown = kept.round(2, explore=True)
+  other = m.session("open question qzx3", query_embedding=-emb[1])
+  others = other.round(6, explore=False).ids  # (all its K candidates)
+  m.save()
+  assert _files_holding(path, b"closed question qzx1") == []
+  assert _files_holding(path, b"open question qzx2") and _files_holding(path, b"qzx3")
+  victim = next(i for i in shown.ids if i not in others)
+  m.delete(victim)  # drops `kept`, not `other`
+  with pytest.raises(SessionDroppedError):
+    kept.round(2)
+  assert _files_holding(path, b"open question qzx2") == [] and _files_holding(path, b"qzx3")
+  m.close()
+  with Memory.open(path) as back:
+    assert back.session(resume=other.id).question == "open question qzx3"
+
+
+def test_an_open_that_drops_a_saved_session_rewrites_the_learner_item_before_serving(tmp_path):
+  """A process killed between a delete's commit and the learner item's new save: the item holds
+  the question of a session the delete dropped; the next open drops it and saves."""
+  path = tmp_path / "mem"
+  m, emb = _memory(n=12)
+  m.save(path)
+  s = m.session("a question qzx4", query_embedding=emb[2])
+  victim = s.round(2, explore=True).ids[0]
+  m.save()
+  m.close()
+  with contextlib.closing(sqlite3.connect(path / "rows.sqlite")) as db, db:
+    db.execute("DELETE FROM memories WHERE id = ?", (victim,))  # (as the killed delete did)
+  assert _files_holding(path, b"a question qzx4")
+  with Memory.open(path) as back:
+    assert back.stats["sessions_dropped_by_delete"] == 1
+    assert _files_holding(path, b"a question qzx4") == []
 
 
 @pytest.mark.slow  # (~2 s: BM25, hybrid, faiss)

@@ -216,6 +216,7 @@ class Memory:
       self._searcher.add(rows.rows, rows.embeddings, rows.stores, codes)
     self._ann_rows = self._next_row if root is not None and (root / persistence.ANN).exists() else 0
     self._sessions = Sessions(config, cfg.max_sessions)
+    self._saved_questions = set()  # the sessions whose question the learner item on disk holds
     self._driver = Driver(config, self._hparams, cfg.seed, learner)
     self._served_cache = (None, None)  # (the guard state, its served parameters)
     self._stats = collections.Counter()
@@ -232,9 +233,10 @@ class Memory:
                     open=self._open, abandon=self._abandon, records=self._live_records,
                     count=self._count)
 
-  def _restore_learner(self, root: pathlib.Path) -> None:
+  def _restore_learner(self, root: pathlib.Path) -> bool:
     """The learner, sessions and counters of the learner item of `root` (rows deleted since its
-    save masked out, sessions showing one dropped)."""
+    save masked out, sessions showing one dropped); True when the item holds the question of a
+    session dropped so (a process killed before its delete rewrote the item)."""
     arrays, meta, where = persistence.read_learner(root)
     table = meta.get("table")  # (None: an item saved before tables had an identity)
     if table is not None and table != self._table.identity:
@@ -264,6 +266,7 @@ class Memory:
                                   gather, live)
     self._sessions, dropped = Sessions.restore(self._ear, self._cfg.max_sessions, sessions,
                                                meta["sessions"], gather, live)
+    self._saved_questions = {int(x["id"]) for x in meta["sessions"]["sessions"] if x.get("query")}
     self._stats = collections.Counter(meta["stats"])
     if dropped:
       self._stats["sessions_dropped_by_delete"] += dropped
@@ -273,6 +276,7 @@ class Memory:
       raise ValueError(f"{where} was written with another encoder model (identity "
                        f"{saved[:16]}), not this one (identity {self._encoder.identity[:16]})")
     self._encoder.identity = self._encoder.identity or saved
+    return bool(self._saved_questions - set(self._sessions.by_id))
 
   def _live_rows(self, rows) -> np.ndarray:
     """`[..]` bool: which device rows hold a memory now."""
@@ -340,7 +344,8 @@ class Memory:
       table = table_lib.Table(root / persistence.TABLE, stored.ear.dim)
       memory = cls.__new__(cls)
       memory._setup(stored, slot, table, root, hold, None)
-      memory._restore_learner(root)
+      if memory._restore_learner(root) and hold is not None:
+        memory._write_learner()  # (before anything is served: no question of a dropped session)
       return memory
     except BaseException:
       if table is not None:
@@ -391,6 +396,7 @@ class Memory:
     with self._lock:
       self._driver.resolve_rows(self._rows_of_embeddings)
       sessions = self._sessions.snapshot()
+      self._saved_questions = {s["id"] for s in sessions[1]["sessions"] if s["query"]}
       driver = self._driver.snapshot()
       self._generation += 1
       meta = {"memory_config": self._cfg.to_dict(), "presets": config_lib.PRESETS_VERSION,
@@ -619,8 +625,9 @@ class Memory:
   def delete(self, ids) -> list[str]:
     """Deletes memories everywhere (see `ear_jax.agent.memory.forget`): the table row (one
     transaction, its bytes overwritten), the device, lexical and ANN rows (`<dir>/ann` removed
-    when it covers one), the open sessions that had one as a candidate (dropped untrained),
-    queued items and the replay buffer (masked). Unknown ids: ValueError, nothing changed.
+    when it covers one), the open sessions that had one as a candidate (dropped untrained; when
+    the learner item holds the question of one, it is saved again before this returns), queued
+    items and the replay buffer (masked). Unknown ids: ValueError, nothing changed.
 
     Returns:
       The deleted ids.
@@ -632,13 +639,17 @@ class Memory:
       self._table.delete(rows, () if self._lexical is None else self._lexical.dead_terms(rows))
       if self._lexical is not None:
         self._lexical.delete(rows)
-      self._unput(rows, recs, "deleted")
+      questions = self._unput(rows, recs, "deleted")
       self._stats["memories_deleted"] += len(rows)
+    if questions:
+      self.save()
     return ids
 
-  def _unput(self, rows: np.ndarray, recs: list[dict], verb: str) -> None:
+  def _unput(self, rows: np.ndarray, recs: list[dict], verb: str) -> bool:
     """Rows the table just dropped out of the device bank, the counts, the searcher, the ANN
-    file, the sessions, the queue and the buffer (call under the lock)."""
+    file, the sessions, the queue and the buffer (call under the lock). True when the learner
+    item holds the question of a session this dropped: the caller saves it again, after the
+    lock (so no file keeps it once the call returns)."""
     self._scopes.count(self._scopes.codes([r["scope"] for r in recs]),
                        checks_lib.store_codes([r["store"] for r in recs], len(recs)), -1)
     self._bank = bank_lib.tombstone(self._bank, rows)
@@ -651,8 +662,11 @@ class Memory:
       if self._root is not None and int(rows.min()) < self._ann_rows:
         persistence.remove_ann(self._root)
         self._ann_rows = 0
+    held = set(self._sessions.by_id)
     forget.forget_rows(self._sessions, self._driver, rows,
                        {int(r["row"]): r["id"] for r in recs}, self._stats, verb)
+    return self._root is not None and bool(
+        (held - set(self._sessions.by_id)) & self._saved_questions)
 
   def update(self, memory_id: str, *, text: Optional[str] = None, embedding=None) -> str:
     """Corrects one memory: its row is deleted everywhere (as `delete`) and a new one with the
@@ -679,12 +693,14 @@ class Memory:
         lex = (enc.terms[0], enc.new_vocab, self._lexical.dead_terms(rows, keep=enc))
       new = self._table.replace(int(rows[0]), memory_id, new_text, int(code[0]), rec["scope"],
                                 rec["date"], emb[0], *lex)
-      self._unput(rows, [rec], "updated")
+      questions = self._unput(rows, [rec], "updated")
       self._put(np.asarray([new]), emb, code, rec["scope"], enc, [new_text], [rec["date"]],
                 self._table.places([new]))  # (the memory keeps its place: its turn)
       if self._lexical is not None:
         self._lexical.delete(rows)
       self._stats["memories_updated"] += 1
+    if questions:
+      self.save()
     return memory_id
 
   # ----------------------------------------------------------------------------------------------

@@ -305,7 +305,8 @@ class Sessions:
 
   def snapshot(self):
     """`(arrays, meta)`: host copies of the sessions that are not frozen (no arrays when none).
-    The candidates are saved as their bank rows (`cand_idx`) and first-stage features only."""
+    The candidates are saved as their bank rows (`cand_idx`) and first-stage features only; the
+    question's text only while the session is open (a closed one needs it no more)."""
     ss = [(sid, s) for sid, s in self.by_id.items() if not s.frozen]
     for _, s in ss:
       s.settle()
@@ -314,8 +315,8 @@ class Sessions:
       arrays = {f: np.stack([getattr(s, f) for _, s in ss]) for f in _ARRAYS}
       arrays["features"] = np.stack([s.cand_emb[:, self.config.dim:] for _, s in ss])
     meta = {"next_session": self.next_session, "clock": self.clock,
-            "sessions": [{"id": sid, **{f: _jsonable(getattr(s, f)) for f in _FIELDS}}
-                         for sid, s in ss]}
+            "sessions": [{"id": sid, **{f: _jsonable(getattr(s, f)) for f in _FIELDS},
+                          **({"query": ""} if s.closed else {})} for sid, s in ss]}
     return arrays, meta
 
   @classmethod
