@@ -78,8 +78,9 @@ def test_restoring_host_arrays_as_saved_reads_what_orbax_reads_and_keeps_no_obje
   rng = np.random.default_rng(0)
   arrays = {"pair": Pair(w=rng.standard_normal((16, 8)).astype(np.float32),
                          n=rng.integers(-5, 5, (7,)).astype(np.int8)),
-            "flags": rng.random(9) > 0.5, "scalar": np.float32(3), "empty": np.zeros((0, 3), np.int32),
-            "nested": [{}, {"x": np.arange(3)}], "seq": (np.ones(2), None, np.eye(2, dtype=np.int64))}
+            "flags": rng.random(9) > 0.5, "scalar": np.float32(3),
+            "empty": np.zeros((0, 3), np.int32), "nested": [{}, {"x": np.arange(3)}],
+            "seq": (np.ones(2), None, np.eye(2, dtype=np.int64))}
   store = CheckpointStore(tmp_path / "c")
   store.save(1, arrays, META)
   got, meta = store.restore()

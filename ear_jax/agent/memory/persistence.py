@@ -10,11 +10,12 @@ hyperparameters, the queued training items and the open sessions (`driver.Driver
 `sessions.Sessions.snapshot`: candidates as bank rows, never a memory's embedding or text), and a
 verified JSON meta: `{format: 2, memory_config: MemoryConfig.to_dict(), rows: the table's
 next_row at the save, table: the table's identity (`Table.identity`: an item of another
-directory's table is refused), encoder: its identity, stats, counters}`. A save writes the next step and
-verifies it before the older one is deleted (`max_to_keep=1`), so a save killed at any moment
-leaves the previous or the new item. `<dir>/ann` is written by `save` and removed by a delete or
-an update of a row it covers (`remove_ann`); `open` rebuilds or extends it, and removes a stale
-one (a process killed between a delete's commit and that removal) before anything is served.
+directory's table is refused), encoder: its identity, stats, counters}`. A save writes the next
+step and verifies it before the older one is deleted (`max_to_keep=1`), so a save killed at any
+moment leaves the previous or the new item. `<dir>/ann` is written by `save` and removed by a
+delete or an update of a row it covers (`remove_ann`); `open` rebuilds or extends it, and removes
+a stale one (a process killed between a delete's commit and that removal) before anything is
+served.
 """
 from __future__ import annotations
 
