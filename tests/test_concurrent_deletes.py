@@ -64,6 +64,37 @@ def test_a_critic_that_edits_a_shown_memory_inside_recall_gets_an_answer(learn, 
     assert len(seen) == m.config.ear.num_rounds and len(set(edited)) == len(edited)
 
 
+@pytest.mark.parametrize("k, deletes", [(1, 1), (2, 1), (2, 2)])
+def test_test_time_paging_goes_on_past_the_memories_the_critic_deletes(k, deletes):
+  """A critic deleting what it was shown ended `recall(learn=False)`'s pages (1 critic call of
+  T = 4, an empty answer), and a page after a delete skipped the memory that moved up into the
+  pages already shown. The pages show the served ranking's next memories, none skipped."""
+  cfg = EARConfig(dim=D, num_candidates=12, slate_size=2, num_rounds=4, batch_size=2,
+                  buffer_capacity=16, replay_size=2)
+  m = Memory(None, config=cfg)
+  rng = np.random.default_rng(1)
+  m.add([f"text {i}" for i in range(20)], embeddings=rng.normal(size=(20, D)))
+  q = rng.normal(size=D)
+  untouched = m.recall("q", lambda key, view: -np.ones(len(view.ids)), k=k, query_embedding=q,
+                       learn=False)
+  ranking = [i for page in untouched.rounds for i in page.ids]
+  assert len(ranking) == 4 * k
+  seen = []
+
+  def critic(key, view):
+    del key
+    seen.append(list(view.ids))
+    m.delete(list(view.ids[:deletes]))  # then cites the others
+    return np.asarray([-1.0] * deletes + [1.0] * (len(view.ids) - deletes), np.float32)
+
+  out = m.recall("q", critic, k=k, query_embedding=q, learn=False)
+  assert sum(seen, []) == ranking  # T pages, in ranking order, none skipped
+  cited = [p[deletes:] for p in seen]
+  assert list(out.ids) == sum(cited, [])[:k]  # the cited survivors first (none: empty)
+  assert list(out.dropped) == [i for p in seen for i in p[:deletes]]
+  assert m.stats["critic_calls"] == 8
+
+
 def test_a_session_a_delete_or_update_dropped_says_which_memory_and_why():
   m, rng = _memory()
   q = rng.normal(size=D)

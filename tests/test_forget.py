@@ -1,6 +1,7 @@
 """`Memory.delete` (issue 19 item 4, issue 29): a deleted memory never comes back, in results,
 sessions, queued items, the replay buffer, a reopened memory, or the bytes of any file of the
 memory directory (`rows.sqlite` and its journal, the learner's Orbax steps, the faiss index)."""
+import contextlib
 import json
 import pathlib
 import shutil
@@ -197,6 +198,50 @@ def test_forgetting_leaves_no_bytes_in_any_file_of_the_memory_directory(tmp_path
   assert _files_holding(path, vec) == []
 
 
+def test_the_learner_item_keeps_the_question_of_an_open_session_only_and_none_once_dropped(
+    tmp_path):
+  """The learner item kept closed sessions' questions, and an open one's in clear after a
+  `delete` of a memory it showed dropped the session (until the next save)."""
+  path = tmp_path / "mem"
+  m, emb = _memory(n=12)
+  m.save(path)
+  done = m.session("closed question qzx1", query_embedding=emb[0])
+  done.feedback(done.round(2, explore=False).ids[:1])  # (an adapter-only round: closes it)
+  kept = m.session("open question qzx2", query_embedding=emb[1])
+  shown = kept.round(2, explore=True)
+  other = m.session("open question qzx3", query_embedding=-emb[1])
+  others = other.round(6, explore=False).ids  # (all its K candidates)
+  m.save()
+  assert _files_holding(path, b"closed question qzx1") == []
+  assert _files_holding(path, b"open question qzx2") and _files_holding(path, b"qzx3")
+  victim = next(i for i in shown.ids if i not in others)
+  m.delete(victim)  # drops `kept`, not `other`
+  with pytest.raises(SessionDroppedError):
+    kept.round(2)
+  assert _files_holding(path, b"open question qzx2") == [] and _files_holding(path, b"qzx3")
+  m.close()
+  with Memory.open(path) as back:
+    assert back.session(resume=other.id).question == "open question qzx3"
+
+
+def test_an_open_that_drops_a_saved_session_rewrites_the_learner_item_before_serving(tmp_path):
+  """A process killed between a delete's commit and the learner item's new save: the item holds
+  the question of a session the delete dropped; the next open drops it and saves."""
+  path = tmp_path / "mem"
+  m, emb = _memory(n=12)
+  m.save(path)
+  s = m.session("a question qzx4", query_embedding=emb[2])
+  victim = s.round(2, explore=True).ids[0]
+  m.save()
+  m.close()
+  with contextlib.closing(sqlite3.connect(path / "rows.sqlite")) as db, db:
+    db.execute("DELETE FROM memories WHERE id = ?", (victim,))  # (as the killed delete did)
+  assert _files_holding(path, b"a question qzx4")
+  with Memory.open(path) as back:
+    assert back.stats["sessions_dropped_by_delete"] == 1
+    assert _files_holding(path, b"a question qzx4") == []
+
+
 @pytest.mark.slow  # (~2 s: BM25, hybrid, faiss)
 def test_delete_with_lexical_and_ann_first_stages():
   m, emb = _memory(n=30, candidates="bm25")
@@ -223,8 +268,9 @@ def test_delete_with_lexical_and_ann_first_stages():
 
 
 # A child that trains on six memories (faiss HNSW: `ann/` holds their vectors), saves, and then
-# deletes one and saves, SIGKILLed where `stage` says: 'write' (writing the learner item) or
-# 'trash' (removing the `ann/` that held the deleted vector, after renaming it away).
+# deletes one and saves, SIGKILLed where `stage` says: 'write' (writing the learner item),
+# 'trash' (removing the `ann/` that held the deleted vector, after renaming it away) or 'commit'
+# (the delete committed, its `ann/` not yet renamed away: the file is stale).
 _KILLED_CHILD = textwrap.dedent("""
     import shutil, sqlite3, sys, time
     import numpy as np
@@ -256,8 +302,11 @@ _KILLED_CHILD = textwrap.dedent("""
       return real_rmtree(p, *args, **kw)
     if stage == "write":
       checkpoints.CheckpointStore._write = lambda self, *args: stall()
-    else:
+    elif stage == "trash":
       shutil.rmtree = rmtree
+    else:
+      from ear_jax.agent.memory import persistence
+      persistence.remove_ann = lambda root, only_trash=False: stall()
     m.delete("m2")
     m.add(["a later memory"], embeddings=np.ones((1, 8)))
     m.save()
@@ -265,7 +314,7 @@ _KILLED_CHILD = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["write", "trash"])
+@pytest.mark.parametrize("stage", ["write", "trash", "commit"])
 def test_sigkill_after_a_delete_leaves_no_bytes_once_reopened(tmp_path, stage):
   from tests.kill_helpers import sigkill_at  # pylint: disable=g-import-not-at-top
   path, vec_file = tmp_path / "mem", tmp_path / "vec"
@@ -274,6 +323,8 @@ def test_sigkill_after_a_delete_leaves_no_bytes_once_reopened(tmp_path, stage):
   assert len(vec) == 4 * D
   if stage == "trash":  # what the kill left: the old index, holding the deleted vector
     assert [p.name for p in path.glob(".*trash*")] and _files_holding(path, vec)
+  if stage == "commit":  # the stale index file itself
+    assert _files_holding(path, vec) == [str(path / "ann" / "index.npz")]
   with Memory.open(path) as m:  # the delete returned before the kill: it holds
     assert "m2" not in _ids(m) and {"m0", "m1", "m3", "m4", "m5"} <= set(_ids(m))
     assert not list(path.glob(".*trash*"))  # the open removed what the kill left

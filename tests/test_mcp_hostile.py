@@ -49,6 +49,29 @@ def test_k_that_is_not_a_json_integer_is_a_tool_error_never_coerced():
 
 
 
+def test_unknown_arguments_are_a_tool_error_naming_them_and_reach_no_tool():
+  """`stats(extra=1)` was answered (pydantic ignores unknown fields), `recall(question=..., kk=2)`
+  ran with k=5: a misspelt argument must not be silently dropped."""
+  calls = [("stats", {"extra": 1}, ["extra"]),
+           ("remember", {"texts": ["a fact"], "scopes": "user-1"}, ["scopes"]),
+           ("recall", {"question": "red cat", "kk": 2, "z": None}, ["kk", "z"]),
+           ("search", {"question": "red cat", "k": 2, "learn": False}, ["learn"]),
+           ("forget", {"ids": ["m0"], "force": True}, ["force"]),
+           ("cite", {"retrieval_id": "x", "used": []}, ["used"])]
+
+  async def script(s):
+    await mcp_agent.must(s, "remember", {"texts": FACTS})
+    out = [(tool, names, *(await mcp_agent.call(s, tool, args))) for tool, args, names in calls]
+    tools = {t.name: t.inputSchema for t in (await s.list_tools()).tools}
+    return out, tools, await mcp_agent.must(s, "stats", {})
+  out, tools, st = _run(_service(), script)
+  for tool, names, ok, err in out:
+    assert not ok, f"{tool} accepted unknown arguments {names}: {err}"
+    assert f"unknown argument(s) {names}" in err and tool in err and "Traceback" not in err, err
+  assert all(schema.get("additionalProperties") is False for schema in tools.values()), tools
+  assert st["memories"] == len(FACTS) and st["rounds"] == 0 and st["searches"] == 0
+
+
 def _free_port(host: str) -> int:
   with socket.socket() as s:
     s.bind((host, 0))

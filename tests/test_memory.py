@@ -423,7 +423,8 @@ def test_saving_an_in_memory_memory_binds_it_to_the_directory(tmp_path):
   with pytest.raises(ValueError, match="save\\(\\) writes there"):
     m.save(tmp_path / "elsewhere")
   m.close()
-  assert Memory.open(tmp_path / "d").get("after")[0]["text"] == "after the save"
+  with Memory.open(tmp_path / "d") as back:
+    assert back.get("after")[0]["text"] == "after the save"
   with pytest.raises(ValueError, match="holds a memory already"):
     _memory().save(tmp_path / "d")
 

@@ -2,11 +2,13 @@
 (and the `save` that binds an in-memory memory to a directory) takes its owner lock; a second
 process (a second MCP server on one `--memory_dir`) is refused, naming the first one's pid, until
 the first closes the memory or dies (even by SIGKILL)."""
+import inspect
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -69,6 +71,42 @@ def test_an_open_memory_holds_its_directory_naming_this_process_until_closed(tmp
     assert again.save() == path  # (a save keeps the lock)
     assert lock.exists()
   assert not lock.exists()
+
+
+def test_a_second_open_of_one_directory_in_one_process_is_refused_naming_the_first(tmp_path):
+  """Two `Memory.open` of one directory in one process both succeeded (the owner lock was the
+  process's): after `a.delete(['sec'])` returned, `b.search` still found it."""
+  path, link = tmp_path / "mem", tmp_path / "link"
+  line = inspect.currentframe().f_lineno + 1
+  first = Memory.open(path, SETTINGS)
+  first.add(["sec"], ids=["sec"], embeddings=np.ones((1, D)))
+  link.symlink_to(path)
+  where = (f"memory directory {path} is in use by this process already \\(Memory.open at "
+           f"{__file__}:{line} in thread 'MainThread'\\): one holder per directory per process")
+  others = []
+  for attempt in (lambda: Memory.open(path), lambda: Memory.open(tmp_path / "." / "mem"),
+                  lambda: Memory.open(link), lambda: _memory().save(path),
+                  lambda: others.append(Memory.open(path))):
+    with pytest.raises(DirectoryInUseError, match=where):
+      attempt()
+  in_thread = []
+  thread = threading.Thread(target=lambda: in_thread.append(_refusal(path)))
+  thread.start()
+  thread.join()
+  assert in_thread and "in use by this process already" in in_thread[0]
+  first.delete(["sec"])
+  assert len(first) == 0 and not others
+  first.close()
+  with Memory.open(link) as again:  # released at close
+    assert len(again) == 0
+
+
+def _refusal(path) -> str:
+  try:
+    Memory.open(path).close()
+  except DirectoryInUseError as e:
+    return str(e)
+  return "opened"
 
 
 def test_saving_an_in_memory_memory_binds_it_to_the_directory_and_its_lock(tmp_path):

@@ -331,6 +331,23 @@ def test_bad_scopes_and_dates_are_refused_and_nothing_is_added(kw, err, match):
   assert len(m) == 0 and m.list() == []
 
 
+@pytest.mark.parametrize("bad", ["a\x00b", "a\nb", "a\x7f", "\x85"])
+def test_a_scope_name_with_a_control_character_is_refused_everywhere_and_never_leaks(bad):
+  """SQLite's `json_each` cuts a string at U+0000: 'a\\x00b' would list scope 'a'."""
+  m = Memory(None, config=_config())
+  m.add(["one", "two", "three"], embeddings=np.eye(3, D) + 0.1, scope="a")
+  char = next(c for c in bad if c not in "ab")
+  problem = f"U\\+{ord(char):04X}.*scope names may not contain control characters"
+  calls = [lambda: m.list(scope=bad), lambda: m.list(scope=["a", bad]),
+           lambda: m.add(["four"], embeddings=np.ones((1, D)), scope=bad),
+           lambda: m.search(query_embedding=np.ones(D), k=1, scope=bad),
+           lambda: m.session(query_embedding=np.ones(D), scope=[bad])]
+  for call in calls:
+    with pytest.raises(ValueError, match=problem):
+      call()
+  assert len(m) == 3 and m.stats["sessions_opened"] == 0
+
+
 def test_bad_scope_specs_of_queries_are_refused():
   m = Memory(None, config=_config())
   m.add(["one", "two", "three"], embeddings=np.eye(3, D) + 0.1, scope="a")

@@ -1,5 +1,6 @@
 """The SQLite table of a memory's rows (`ear_jax.agent.memory.table`): durable, verified, and a
 forgotten row leaves no byte in any file of the directory."""
+import contextlib
 import os
 import pathlib
 import random
@@ -138,6 +139,67 @@ def test_a_row_changed_outside_ear_jax_is_refused_naming_its_id(path, column, va
   with pytest.raises(CheckpointError, match="'victim'"):
     t.records(t.rows_of(["victim"]))
   assert t.texts([0]) == ["text of a"]  # the other rows still read
+
+
+def _overwrite(path: pathlib.Path, old: bytes, new: bytes) -> None:
+  """Writes `new` over the one occurrence of `old` in the file (what a damaged disk might do)."""
+  data = path.read_bytes()
+  assert data.count(old) == 1, data.count(old)
+  path.write_bytes(data.replace(old, new))
+
+
+def test_an_id_index_entry_naming_another_row_is_refused_at_open_naming_the_file(path):
+  """The index maps id-0010 to id-0020's row: SQLite would serve and delete id-0020 for it."""
+  t = Table(path, D)
+  _add(t, [f"id-{i:04d}" for i in range(30)])
+  t.close()
+  entry = b"\x03\x1b\x01id-0010"  # the id index's record (id, row): header, id, then the row
+  _overwrite(path, entry + b"\x0b", entry + b"\x15")  # row 11 -> 21
+  with contextlib.closing(sqlite3.connect(path)) as db:
+    assert db.execute("SELECT row FROM memories WHERE id = 'id-0010'").fetchone() == (21,)
+  with pytest.raises(CheckpointError, match=f"{path}: fails SQLite's integrity check .*"
+                     "sqlite_autoindex_memories_1.*changed outside ear_jax"):
+    Table(path, D)
+
+
+@pytest.mark.parametrize("old, new", [
+    (b"\x03'\x09zyxmarkerterm", b"\x03'\x09zyxmarkerterX"),  # the term of the vocabulary row
+    (b"\x03'\x09zyxmarkerterm", b"\x03'\x08zyxmarkerterm"),  # its id (serial type 9: 1)
+    (b"\x03'\x01zyxmarkerterm\x02", b"\x03'\x01zyxmarkerterX\x02"),  # the term index's entry
+], ids=["term", "id", "term-index"])
+def test_a_changed_byte_in_the_vocabulary_is_refused_at_open_naming_the_file(path, old, new):
+  """A changed term silently drops its memories from a search for the word."""
+  t = Table(path, D)
+  _add(t, ["a", "b"], terms=[np.array([0, 1], np.int32), np.array([0], np.int32)],
+       new_vocab=[("common", 0), ("zyxmarkerterm", 1)])
+  t.close()
+  _overwrite(path, old, new)
+  with pytest.raises(CheckpointError, match=f"{path}: fails SQLite's integrity check"):
+    Table(path, D)
+
+
+def test_a_changed_byte_in_the_meta_table_is_refused_at_open_naming_the_file(path):
+  t = Table(path, D)
+  _add(t, ["a", "b", "c"])
+  t.replace(1, "b", "b again", 0, "s", "2024-05-01", np.ones(D, np.float32))
+  t.close()
+  _overwrite(path, b'{"3": 1}', b'{"3": 2}')  # the places of updated rows: b's turn moves
+  with pytest.raises(CheckpointError, match=f"{path}: its meta table .* fails its SHA-256 check"):
+    Table(path, D)
+
+
+def test_a_table_written_before_the_meta_digest_gets_an_identity_and_the_digest_at_open(path):
+  t = Table(path, D)
+  _add(t, ["a"])
+  assert len(t.identity) == 32 and Table(None, D).identity != t.identity
+  t.close()
+  with contextlib.closing(sqlite3.connect(path)) as db, db:
+    db.execute("DELETE FROM meta WHERE key IN ('identity', 'sha256')")
+  t = Table(path, D)
+  identity = t.identity
+  assert len(identity) == 32 and t.read_all().rows.tolist() == [0]
+  t.close()
+  assert Table(path, D).identity == identity
 
 
 def test_records_are_read_from_the_file_once_kept_at_most_record_cache_and_a_delete_drops_them(

@@ -333,13 +333,15 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
   once, each in a worker thread (more wait for a free one).
 
   Arguments are strict JSON types (`StrictInt`, `StrictStr`): `k=true` or `k="5"` is a tool error,
-  never coerced to 1 or 5; sizes are bounded in the schema (`MAX_*`). HTTP on a loopback address
+  never coerced to 1 or 5; sizes are bounded in the schema (`MAX_*`); an argument a tool does not
+  take is a tool error naming it (`_strict`), never silently dropped. HTTP on a loopback address
   checks the Host and Origin headers against that address and `port` (DNS rebinding), on 127.0.0.2
   as on 127.0.0.1.
   """
   from typing import Annotated  # pylint: disable=g-import-not-at-top
   import anyio  # pylint: disable=g-import-not-at-top
   from mcp.server.fastmcp import FastMCP  # pylint: disable=g-import-not-at-top
+  from mcp.server.fastmcp.tools import Tool  # pylint: disable=g-import-not-at-top
   from pydantic import Field, StrictBool, StrictInt, StrictStr  # pylint: disable=g-import-not-at-top
 
   if isinstance(worker_threads, bool) or not isinstance(worker_threads, int) or worker_threads < 1:
@@ -349,8 +351,11 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
   def run(fn, *args):
     return _run(limiter, fn, *args)
 
-  mcp = FastMCP("ear-memory", instructions=INSTRUCTIONS, host=host, port=port,
-                log_level="WARNING", transport_security=_transport_security(host, port))
+  tools = []
+
+  def tool(description: str):
+    return lambda fn: tools.append(_strict(Tool.from_function(fn, description=description)))
+
   kmax = service.memory.config.ear.num_candidates  # K
   text = Annotated[StrictStr, Field(max_length=MAX_TEXT_CHARS)]
   short = Annotated[StrictStr, Field(max_length=MAX_SCOPE_CHARS)]
@@ -359,7 +364,7 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
   def scope_arg(doc):
     return Annotated[Optional[short], Field(description=doc)]
 
-  @mcp.tool(description=(
+  @tool(description=(
       "Store new long-term memories (facts, conversation turns, preferences). One memory per "
       "list entry, each a self-contained sentence or short passage (at most "
       f"{MAX_TEXT_CHARS} characters, {MAX_TEXTS} per call). Returns their ids."))
@@ -375,7 +380,7 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
                          max_length=MAX_TEXTS)] = None) -> dict:
     return await run(service.remember, texts, scope, dates)
 
-  @mcp.tool(description=(
+  @tool(description=(
       "Retrieve memories relevant to a question BEFORE answering it. Returns a retrieval_id and "
       "memories (id, text, date). After answering you MUST call `cite(retrieval_id, "
       "answer=<your answer>)` with this retrieval_id and your answer (and used_ids, the ids of the "
@@ -396,7 +401,7 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
                        "pages of the current ranking, nothing learnt."))] = True) -> dict:
     return await run(service.recall, question, k, scope, learn)
 
-  @mcp.tool(description=(
+  @tool(description=(
       "Call this after answering from a `recall` result, once per retrieval_id: send your answer "
       "(`answer`, the text you answered with; the memory finds which recalled memories it drew "
       "on) and/or the ids of the recalled memories your answer used (`used_ids`; an empty list "
@@ -411,7 +416,7 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
                                  f"{MAX_TEXT_CHARS} characters).")] = None) -> dict:
     return await run(service.cite, retrieval_id, used_ids, answer)
 
-  @mcp.tool(description=(
+  @tool(description=(
       "Look up memories for a query without learning (no citation needed): the memory's current "
       "best ranking. Use `recall` + `cite` when answering a question."))
   async def search(question: Annotated[text, Field(description="The query.")],
@@ -420,19 +425,45 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
                                     "every scope.") = None) -> dict:
     return await run(service.search, question, k, scope)
 
-  @mcp.tool(description=(
+  @tool(description=(
       "Permanently delete memories by id (e.g. wrong or outdated facts, or at the user's request). "
       "They are never recalled again and are erased from the saved memory."))
   async def forget(ids: Annotated[list[text], Field(
       description="Ids of the memories to delete.", max_length=MAX_IDS)]) -> dict:
     return await run(service.forget, ids)
 
-  @mcp.tool(description="Sizes and counters of the memory: memories stored, retrievals, "
+  @tool(description="Sizes and counters of the memory: memories stored, retrievals, "
             "citations, learner steps, learner saves, micro-batching.")
   async def stats() -> dict:
     return await run(service.stats)
 
-  return mcp
+  return FastMCP("ear-memory", instructions=INSTRUCTIONS, host=host, port=port,
+                 log_level="WARNING", transport_security=_transport_security(host, port),
+                 tools=tools)
+
+
+def _strict(tool):
+  """`tool` (an `mcp` SDK `Tool`) refusing the arguments it does not take, naming them (its
+  argument model ignores them otherwise), and saying so in its schema
+  (`additionalProperties: false`)."""
+  from pydantic import ConfigDict, model_validator  # pylint: disable=g-import-not-at-top
+  base = tool.fn_metadata.arg_model
+  names = sorted(field.alias or name for name, field in base.model_fields.items())
+
+  def known(cls, data):
+    del cls
+    unknown = sorted(set(data) - set(names)) if isinstance(data, dict) else []
+    if unknown:
+      raise ValueError(f"unknown argument(s) {unknown} for tool {tool.name!r}; it takes {names}")
+    return data
+
+  strict = type(base.__name__, (base,), {
+      "__module__": base.__module__, "model_config": ConfigDict(**base.model_config,
+                                                                extra="forbid"),
+      "known_arguments": model_validator(mode="before")(classmethod(known))})
+  tool.fn_metadata.arg_model = strict
+  tool.parameters = strict.model_json_schema(by_alias=True)
+  return tool
 
 
 class BearerAuth:

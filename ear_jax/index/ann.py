@@ -38,8 +38,9 @@ depends on how the rows were batched into `add`s, and HNSW inserts each batch hi
 (and, multi-threaded, in an order that depends on thread timing). faiss does not save HNSW's level
 generator: a restored one is advanced past the one draw per vector held, so adds after a load get
 the levels they would have got. `load` extends the saved state with the table's rows at or above
-its `rows`; a file that does not hold exactly the table's live rows below them (stale: `Memory`
-removes the directory before a delete) is ignored and the searcher rebuilt from the table.
+its `rows`; a file that does not hold exactly the table's live rows below them (stale: a delete
+committed, then the process died before `Memory` removed the directory) is not used, named in
+`stale_file` (`Memory.open` removes it), and the searcher rebuilt from the table.
 `state_id` names one state (a new random id after every add), so `save` skips an unchanged one.
 
 Scopes (`Memory(...).search(..., scope=...)`): a scoped search passes the `allowed` mask over
@@ -247,6 +248,7 @@ class FaissSearcher:
     self.row_scopes = np.zeros((0,), np.int32)  # [rows] scope code by bank row (the selectors)
     self.state_id = uuid.uuid4().hex  # names this state; a new one after every add
     self._saved = None  # (file, state_id) last written or read
+    self.stale_file = None  # the state file `load` found stale and did not use (or None)
 
   def __len__(self):
     return sum(len(s) for s in self._stores)
@@ -400,7 +402,7 @@ class FaissSearcher:
     """The searcher of a table's live bank `rows [n]` (ascending; `emb [n, d]`, store and scope
     codes `[n]`): the state saved in `directory` extended with the rows added since, or a new one
     over all the rows when there is none or it does not hold exactly the live rows below its
-    `rows` (a delete removes it first, so that is only a stale file).
+    `rows` (a stale file, which may hold deleted rows' vectors: named in `stale_file`).
 
     Raises:
       ValueError: naming the file, when it is unreadable or the state of another index.
@@ -430,6 +432,8 @@ class FaissSearcher:
         searcher.row_scopes = np.zeros(int(meta["rows"]), np.int32)
         searcher.row_scopes[rows[below]] = scopes[below]
         searcher._saved, todo = (path, searcher.state_id), ~below
+      else:
+        searcher.stale_file = path
     searcher.add(rows[todo], np.asarray(emb)[todo], stores[todo], scopes[todo])
     return searcher
 

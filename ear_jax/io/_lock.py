@@ -1,6 +1,6 @@
 """An inter-process lock on a directory: an exclusive `fcntl.flock` on `<directory>/.lock`
-(`DirLock`), and a directory's owner lock held by one process for as long as it uses it
-(`hold`)."""
+(`DirLock`), and a directory's owner lock held by one holder of one process for as long as it
+uses it (`hold`)."""
 from __future__ import annotations
 
 import fcntl
@@ -15,6 +15,10 @@ LOCK_NAME = ".lock"
 
 class LockTimeout(TimeoutError):
   """Another process held the lock longer than the timeout."""
+
+
+class HeldHere(LockTimeout):
+  """This process holds the owner lock already (`hold`); the message names its holder."""
 
 
 class DirLock:
@@ -91,8 +95,8 @@ class DirLock:
 
 
 class Hold:
-  """One holder's share of a process's owner lock on a directory (`hold`); `release` (or garbage
-  collection) gives the share back, and the last share releases the flock."""
+  """A process's owner lock on a directory (`hold`); `release` (or garbage collection) releases
+  the flock."""
 
   def __init__(self, key: str):
     self.key = key
@@ -107,43 +111,47 @@ class Hold:
     self._finalizer()
 
 
-# The owner locks this process holds: flock is per open file, so a second flock of one file by the
-# same process would refuse the process itself. One `DirLock` per directory, shared by every
-# `Hold` of this process (process state by nature, hence module state).
-_OWNED: dict[str, list] = {}  # realpath of the lock file -> [DirLock, shares]
+# The owner locks this process holds, by the real path of the lock file: flock is per open file,
+# so the kernel would refuse a second flock of one file by the same process only through another
+# file description, and the holder's name would be lost. Process state by nature, hence module
+# state.
+_OWNED: dict[str, tuple] = {}  # realpath of the lock file -> (DirLock, its holder's description)
 _OWNED_LOCK = threading.Lock()
 
 
-def hold(directory: pathlib.Path, name: str) -> Hold:
-  """A share of this process's exclusive owner lock `<directory>/<name>` (taken now if this process
-  does not hold it yet; never waits).
+def hold(directory: pathlib.Path, name: str, holder: str = "") -> Hold:
+  """This process's exclusive owner lock `<directory>/<name>` (never waits), for ONE holder: the
+  directory's real path names it, so a link or another spelling of the path is the same lock.
+
+  Args:
+    directory: the directory.
+    name: the lock file's name.
+    holder: who takes it (named in the error of a second `hold` in this process).
 
   Raises:
+    HeldHere: this process holds it already (the message names the directory and `holder` of the
+      first).
     LockTimeout: another process holds it (the message names the directory and its pid).
   """
   key = os.path.realpath(pathlib.Path(directory) / name)
   with _OWNED_LOCK:
-    entry = _OWNED.get(key)
-    if entry is None:
-      lock = DirLock(pathlib.Path(key).parent, 0.0, name)
-      try:
-        lock.acquire()
-      except LockTimeout:
-        raise LockTimeout(f"{lock.path.parent} is in use by another process ({lock.holder()}, "
-                          f"which holds its lock {lock.path})") from None
-      entry = _OWNED[key] = [lock, 0]
-    entry[1] += 1
+    if key in _OWNED:
+      raise HeldHere(f"{pathlib.Path(key).parent} is in use by this process already ("
+                     f"{_OWNED[key][1] or 'another holder'})")
+    lock = DirLock(pathlib.Path(key).parent, 0.0, name)
+    try:
+      lock.acquire()
+    except LockTimeout:
+      raise LockTimeout(f"{lock.path.parent} is in use by another process ({lock.holder()}, "
+                        f"which holds its lock {lock.path})") from None
+    _OWNED[key] = (lock, holder)
   return Hold(key)
 
 
 def _drop(key: str) -> None:
   with _OWNED_LOCK:
-    entry = _OWNED.get(key)
-    if entry is None:
-      return
-    entry[1] -= 1
-    if entry[1] <= 0:
-      del _OWNED[key]
+    entry = _OWNED.pop(key, None)
+    if entry is not None:
       entry[0].release()
 
 

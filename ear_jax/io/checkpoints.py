@@ -33,9 +33,10 @@ Guarantees:
     writer that waits longer than `lock_timeout_s` gets a `CheckpointError`. The lock file is removed
     again when the save ends (a killed writer's stale file is harmless).
   * Owned (for callers that opt in, as `Memory` does): `own` takes an exclusive owner lock
-    `<directory>/.owner` for as long as the caller uses the directory (shared by the callers of one
-    process, dropped by the kernel when the process dies, even by SIGKILL); another process gets a
-    `DirectoryInUseError` naming the directory and the owner's pid.
+    `<directory>/.owner` for as long as the caller uses the directory (one holder in one process,
+    dropped by the kernel when the process dies, even by SIGKILL); another process, or another
+    caller of the same process, gets a `DirectoryInUseError` naming the directory and the owner
+    (its pid, or the first caller's description).
   * No leftovers: a step being deleted is renamed to `.trash-*` first; what a killed delete leaves
     there is never read, and the next save deletes it (`_remove_debris`).
   * Clear errors: unreadable, truncated or corrupted checkpoints are `CheckpointError`s naming the
@@ -43,6 +44,9 @@ Guarantees:
     or rewritten by a read.
   * Quiet: every Orbax object is closed after each call, and Orbax's asyncio noise ("Event loop is
     closed", tracebacks of the coroutines a failed read abandons) is kept off stderr (`_quiet`).
+  * No growth: `read_meta` and `restore` read Orbax's metadata file themselves and restore numpy
+    leaves into zeros of their recorded shapes (`_zeros_target`), so no array is opened for its
+    metadata (tensorstore keeps what that returns: the process grew with every read).
 """
 from __future__ import annotations
 
@@ -58,7 +62,7 @@ from typing import Optional
 import numpy as np
 
 from ear_jax.io import _leaves, _quiet
-from ear_jax.io._lock import LOCK_NAME, DirLock, Hold, LockTimeout, hold
+from ear_jax.io._lock import LOCK_NAME, DirLock, HeldHere, Hold, LockTimeout, hold
 
 _STATE, _META = "state", "meta"
 _META_FILE = "metadata"  # the file name of Orbax's JsonCheckpointHandler
@@ -150,6 +154,45 @@ def _json_roundtrip(meta: dict, what: str) -> dict:
     return json.loads(json.dumps(meta, allow_nan=True))
   except (TypeError, ValueError) as e:
     raise ValueError(f"{what} is not JSON-serialisable: {e}") from e
+
+
+def _zeros_target(tree: Optional[dict], record: dict):
+  """The restore target of a step restored as saved: Orbax's tree metadata (`_ORBAX_METADATA`'s
+  `tree_metadata`: each leaf's keys, dict or sequence, and value type) with numpy zeros of each
+  array leaf's stored shape (the leaf record's; a placeholder for an empty one) and None, {} or
+  [] for the others; Orbax then restores into numpy arrays without opening each array for its
+  metadata. None (Orbax reads the tree itself) for a tree it cannot read or with a leaf that is
+  not a numpy array."""
+  empty = {"None": None, "Dict": {}, "List": []}
+  root, kinds = {}, {1: list, 2: dict}
+  try:
+    for entry in tree.values():
+      keys = [(int(k["key"]) if k["key_type"] == 1 else k["key"], kinds[k["key_type"]])
+              for k in entry["key_metadata"]]
+      name = "/".join(str(k) for k, _ in keys)
+      kind = entry["value_metadata"]["value_type"]
+      if name in record and kind == "np.ndarray":  # (a jax.Array leaf: Orbax's own reading)
+        rec = record[name]
+        leaf = np.zeros(() if rec["empty"] else rec["shape"], rec["dtype"])
+      else:
+        leaf = empty[kind]
+      node = root
+      for (key, kind), (_, child) in zip(keys, keys[1:] + [(None, None)]):
+        if kind is list:
+          if not isinstance(node, list):
+            return None
+          node.extend([None] * (key + 1 - len(node)))
+        elif not isinstance(node, dict):
+          return None
+        if child is None:
+          node[key] = leaf
+        else:
+          if node[key] is None if kind is list else key not in node:
+            node[key] = child()
+          node = node[key]
+  except (AttributeError, KeyError, TypeError, ValueError):
+    return None
+  return root
 
 
 # -- the store -------------------------------------------------------------------------------
@@ -245,7 +288,7 @@ class CheckpointStore:
     state_dir = path / _STATE
     if _DIGEST not in raw and not state_dir.is_dir():
       return raw  # written before digests, without arrays: nothing to check against
-    custom, _ = self._read_array_metadata(path, state_dir)
+    custom, _ = self._read_array_metadata(path, state_dir, shapes=False)
     return self._checked_meta(path, raw, custom)
 
   @staticmethod
@@ -288,12 +331,16 @@ class CheckpointStore:
           "edited")
     return meta
 
-  def _read_array_metadata(self, path: pathlib.Path, state_dir: pathlib.Path):
+  def _read_array_metadata(self, path: pathlib.Path, state_dir: pathlib.Path,
+                           shapes: bool = True):
     """`(custom metadata dict, {leaf: (shape, dtype)})` of a step's array item; CheckpointError
-    naming the file when it is missing, unreadable or holds a field this version does not know."""
+    naming the file when it is missing, unreadable or holds a field this version does not know.
+    `shapes` False: `(custom, tree)`, read from Orbax's metadata file alone (`_metadata_file`),
+    no array opened."""
     if not state_dir.is_dir():
       raise CheckpointError(f"checkpoint {path} has no array directory {state_dir}")
-    found, failure = _quiet.call(lambda: self._array_metadata(state_dir), state_dir)
+    read = self._array_metadata if shapes else self._metadata_file
+    found, failure = _quiet.call(lambda: read(state_dir), state_dir)
     if failure:
       raise CheckpointError(f"checkpoint {path}: the array metadata in {state_dir} is unreadable "
                             f"(truncated or corrupted?): {failure}")
@@ -313,12 +360,24 @@ class CheckpointStore:
   @staticmethod
   def _array_metadata(state_dir: pathlib.Path) -> tuple[dict, dict]:
     """(the custom metadata: leaf record and digest, {} for a checkpoint saved without them;
-    {leaf: (shape, dtype)})."""
+    {leaf: (shape, dtype)}), through Orbax, which opens every array."""
     ocp = _ocp()
     with contextlib.closing(ocp.StandardCheckpointHandler(**_this_process_only())) as handler:
       md = handler.metadata(state_dir)
     custom = md.custom_metadata
     return ({} if custom is None else custom), _leaves.metadata_shapes(md.tree)
+
+  @staticmethod
+  def _metadata_file(state_dir: pathlib.Path) -> tuple[dict, Optional[dict]]:
+    """(the custom metadata, as `_array_metadata`; Orbax's tree metadata or None) read from
+    Orbax's metadata file (`_ORBAX_METADATA`, JSON) alone. Orbax's own reader opens every array
+    through tensorstore, whose `Spec.to_json` never frees what it returns (tensorstore 0.1.86):
+    each read kept ~200 objects for good, so opening a memory again and again grew the process."""
+    found = json.loads((state_dir / _ORBAX_METADATA).read_text(encoding="utf-8"))
+    if not isinstance(found, dict):
+      raise ValueError(f"{_ORBAX_METADATA} holds a {type(found).__name__}, not a JSON object")
+    custom, tree = found.get("custom_metadata"), found.get("tree_metadata")
+    return ({} if custom is None else custom), (tree if isinstance(tree, dict) else None)
 
   def restore(self, step: int | None = None, target=None):
     """`(arrays, meta)` of `step` (default: the latest).
@@ -341,11 +400,13 @@ class CheckpointStore:
     raw = self._read_meta_file(path)
     state_dir = path / _STATE
     ocp = _ocp()
-    custom, _ = self._read_array_metadata(path, state_dir)
+    custom, tree = self._read_array_metadata(path, state_dir, shapes=False)
     meta = self._checked_meta(path, raw, custom)
     record = custom.get(_RECORD)
     if record is not None and target is not None:
       target = _leaves.restore_target(target, record)  # ValueError before any array is read
+    elif record is not None:  # (as saved: Orbax would open every array for its metadata)
+      target = _zeros_target(tree, record)
 
     def read():
       with contextlib.closing(ocp.Checkpointer(
@@ -418,18 +479,20 @@ class CheckpointStore:
     with self._locked():
       self._remove(self.directory / str(int(step)))
 
-  def own(self, what: str = "directory") -> Hold:
-    """This process's exclusive owner lock of the store's directory (creating it), held until the
-    returned `Hold` is released or garbage-collected; the process shares it among its callers
-    (`_lock.hold`) and the kernel drops it when the process dies, even by SIGKILL. It is
-    independent of the save and writer locks: a store can be read and written by its owner only
-    if every writer takes it, which is the caller's protocol (`Memory` does).
+  def own(self, what: str = "directory", holder: str = "") -> Hold:
+    """This caller's exclusive owner lock of the store's directory (creating it), held until the
+    returned `Hold` is released or garbage-collected: one holder in one process (`_lock.hold`,
+    by the directory's real path); the kernel drops it when the process dies, even by SIGKILL.
+    It is independent of the save and writer locks: a store can be read and written by its owner
+    only if every writer takes it, which is the caller's protocol (`Memory` does).
 
     Args:
       what: the directory's kind, the subject of the error message (e.g. "memory directory").
+      holder: who takes it, named in the error of a second `own` in this process.
 
     Raises:
-      DirectoryInUseError: another process owns it (naming the directory and its pid).
+      DirectoryInUseError: another process owns it (naming the directory and its pid), or this
+        process does (naming the directory and the first `holder`).
       CheckpointError: the directory cannot be created.
     """
     try:
@@ -437,7 +500,10 @@ class CheckpointStore:
     except OSError as e:
       raise CheckpointError(f"cannot create checkpoint directory {self.directory}: {e}") from e
     try:
-      return hold(self.directory, OWNER_LOCK)
+      return hold(self.directory, OWNER_LOCK, holder)
+    except HeldHere as e:
+      raise DirectoryInUseError(f"{what} {e}: one holder per directory per process (close that "
+                                "one first, or share it)") from None
     except LockTimeout as e:
       raise DirectoryInUseError(f"{what} {e}: only one process may use it at a time (stop that "
                                 "one first, or use another directory)") from None

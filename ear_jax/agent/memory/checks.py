@@ -138,14 +138,15 @@ def store_codes(store, n: int) -> np.ndarray:
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # Unicode category Cc
 
 
-def check_id_chars(ids: list[str], what: str) -> None:
-  """ValueError naming `what` (and the index) for an id holding a control character."""
+def check_id_chars(ids: list[str], what: str, noun: str = "memory ids") -> None:
+  """ValueError naming `what` (and the index) for an id (or a name: `noun`) holding a control
+  character (U+0000 included: SQLite's JSON functions cut a string there)."""
   for j, i in enumerate(ids):
     bad = _CONTROL.search(i)
     if bad is not None:
       where = what if len(ids) == 1 and what != "ids" else f"{what}[{j}]"
       raise ValueError(f"{where}={i!r} holds the control character U+{ord(bad.group()):04X} at "
-                       f"position {bad.start()}: memory ids may not contain control characters")
+                       f"position {bad.start()}: {noun} may not contain control characters")
 
 
 def check_id_list(ids, n: int) -> list[str]:
@@ -170,8 +171,9 @@ def check_id_list(ids, n: int) -> list[str]:
   return ids
 
 
-def check_scope(scope) -> str:
-  """The scope of an `add`: None -> `DEFAULT_SCOPE`, else a non-empty string (UTF-8 encodable)."""
+def check_scope(scope, what: str = "scope") -> str:
+  """The scope of an `add`: None -> `DEFAULT_SCOPE`, else a non-empty string (UTF-8 encodable, no
+  control character)."""
   if scope is None:
     return DEFAULT_SCOPE
   if not isinstance(scope, str):
@@ -179,7 +181,8 @@ def check_scope(scope) -> str:
                          f"None, got {type(scope).__name__}")
   if not scope:
     raise ValueError("scope is an empty string: pass a scope name or None (the default scope)")
-  _check_encodable([scope], "scope")
+  _check_encodable([scope], what)
+  check_id_chars([scope], what, "scope names")
   return scope
 
 
@@ -199,7 +202,7 @@ def check_scope_spec(scope) -> Optional[tuple[str, ...]]:
   for i, s in enumerate(scope):
     if not isinstance(s, str):
       raise InputTypeError(f"scope[{i}] must be a string, got {type(s).__name__}")
-    names.append(check_scope(s))
+    names.append(check_scope(s, f"scope[{i}]"))
   return tuple(dict.fromkeys(names))
 
 

@@ -18,7 +18,9 @@ here, in the same call:
 The saved learner item never held the memory's embedding or text (candidates are saved as bank
 rows, `driver`), so no file of the memory directory keeps its bytes once the call returns; on
 open, a saved session or item that refers to a row deleted since is dropped or masked the same
-way.
+way. The learner item holds the question of an open session only (`sessions.Sessions.snapshot`);
+when a delete drops a session whose question it holds, `Memory` saves it again before the call
+returns, and an open that drops one (a process killed in between) saves it before serving.
 
 Correcting: `Memory.update(id, text=..., embedding=...)` is a delete of the memory's row (all of
 the above) and an insert of a new row with the same id, store, scope and date, in ONE table

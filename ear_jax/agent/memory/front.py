@@ -209,11 +209,14 @@ class Memory:
       self._searcher = bank_lib.Searcher.load(root / persistence.ANN, cfg.index,
                                               dict(cfg.index_options), config.dim, rows.rows,
                                               rows.embeddings, rows.stores, codes)
+      if self._searcher.stale_file is not None:  # (a kill between a delete's commit and its
+        persistence.remove_ann(root)  # `remove_ann`: it may hold the deleted rows' vectors)
     elif cfg.index != "exact":
       self._searcher = bank_lib.ann_searcher(cfg.index, dict(cfg.index_options), config.dim)
       self._searcher.add(rows.rows, rows.embeddings, rows.stores, codes)
     self._ann_rows = self._next_row if root is not None and (root / persistence.ANN).exists() else 0
     self._sessions = Sessions(config, cfg.max_sessions)
+    self._saved_questions = set()  # the sessions whose question the learner item on disk holds
     self._driver = Driver(config, self._hparams, cfg.seed, learner)
     self._served_cache = (None, None)  # (the guard state, its served parameters)
     self._stats = collections.Counter()
@@ -230,10 +233,17 @@ class Memory:
                     open=self._open, abandon=self._abandon, records=self._live_records,
                     count=self._count)
 
-  def _restore_learner(self, root: pathlib.Path) -> None:
+  def _restore_learner(self, root: pathlib.Path) -> bool:
     """The learner, sessions and counters of the learner item of `root` (rows deleted since its
-    save masked out, sessions showing one dropped)."""
+    save masked out, sessions showing one dropped); True when the item holds the question of a
+    session dropped so (a process killed before its delete rewrote the item)."""
     arrays, meta, where = persistence.read_learner(root)
+    table = meta.get("table")  # (None: an item saved before tables had an identity)
+    if table is not None and table != self._table.identity:
+      raise checkpoints.CheckpointError(
+          f"{where} belongs to the table with identity {table}, not to "
+          f"{root / persistence.TABLE} (identity {self._table.identity}): a learner item of "
+          "another memory directory (copied here?) is never used")
     if int(meta["rows"]) > self._next_row:
       raise checkpoints.CheckpointError(
           f"{where} was saved when the table held rows up to {meta['rows']}, but the table "
@@ -256,6 +266,7 @@ class Memory:
                                   gather, live)
     self._sessions, dropped = Sessions.restore(self._ear, self._cfg.max_sessions, sessions,
                                                meta["sessions"], gather, live)
+    self._saved_questions = {int(x["id"]) for x in meta["sessions"]["sessions"] if x.get("query")}
     self._stats = collections.Counter(meta["stats"])
     if dropped:
       self._stats["sessions_dropped_by_delete"] += dropped
@@ -265,6 +276,7 @@ class Memory:
       raise ValueError(f"{where} was written with another encoder model (identity "
                        f"{saved[:16]}), not this one (identity {self._encoder.identity[:16]})")
     self._encoder.identity = self._encoder.identity or saved
+    return bool(self._saved_questions - set(self._sessions.by_id))
 
   def _live_rows(self, rows) -> np.ndarray:
     """`[..]` bool: which device rows hold a memory now."""
@@ -281,7 +293,8 @@ class Memory:
            learner: Optional[learner_lib.LearnerState] = None, **settings) -> "Memory":
     """Opens the memory directory `path`, creating it with `memory_config` / `settings` when it
     holds no memory; an existing one keeps its stored `MemoryConfig` (passing a different one
-    is a ValueError naming the differing fields). Holds the owner lock until `close`.
+    is a ValueError naming the differing fields). Holds the owner lock until `close`: no other
+    process, and no other `Memory` of this one, opens the directory meanwhile.
 
     Args:
       path: the memory directory.
@@ -292,7 +305,8 @@ class Memory:
       **settings: `MemoryConfig` fields.
 
     Raises:
-      DirectoryInUseError: another process holds `path` (naming it and that process's pid).
+      DirectoryInUseError: another process holds `path` (naming it and that process's pid), or
+        another `Memory` of this process (naming it and where that one was opened).
       CheckpointError: a corrupted table or learner item (naming the file);
         `CheckpointFormatError` for an old layout (convert it: `experiments.convert_memory`).
     """
@@ -302,15 +316,15 @@ class Memory:
     cfg, enc, settings = _settings(memory_config or _UNSET, encoder, settings)
     root = persistence.checkpoint_dir(path)
     persistence.check_directory(root)
-    hold = persistence.own(root)
+    hold, table = persistence.own(root), None
     try:
       persistence.remove_ann(root, only_trash=True)
       meta = persistence.read_meta(root)
       if meta is None:  # a new directory (or a converter's table without its learner item)
         cfg, slot = _new_config(cfg, enc, settings)
+        table = table_lib.Table(root / persistence.TABLE, cfg.ear.dim)
         memory = cls.__new__(cls)
-        memory._setup(cfg, slot, table_lib.Table(root / persistence.TABLE, cfg.ear.dim), root,
-                      hold, learner)
+        memory._setup(cfg, slot, table, root, hold, learner)
         if learner is None:  # (with one, the caller adds its rows, then saves)
           memory._write_learner()
         return memory
@@ -330,9 +344,12 @@ class Memory:
       table = table_lib.Table(root / persistence.TABLE, stored.ear.dim)
       memory = cls.__new__(cls)
       memory._setup(stored, slot, table, root, hold, None)
-      memory._restore_learner(root)
+      if memory._restore_learner(root) and hold is not None:
+        memory._write_learner()  # (before anything is served: no question of a dropped session)
       return memory
     except BaseException:
+      if table is not None:
+        table.close()
       if hold is not None:
         hold.release()
       raise
@@ -362,7 +379,7 @@ class Memory:
         raise ValueError("this memory was never saved: pass the directory to save it to")
       root = persistence.checkpoint_dir(path)
       persistence.check_directory(root)
-      hold = persistence.own(root)
+      hold = persistence.own(root, "Memory.save")
       try:
         if persistence.read_meta(root) is not None or (root / persistence.TABLE).exists():
           raise ValueError(f"{str(root)!r} holds a memory already: Memory.open it, or save to "
@@ -379,10 +396,11 @@ class Memory:
     with self._lock:
       self._driver.resolve_rows(self._rows_of_embeddings)
       sessions = self._sessions.snapshot()
+      self._saved_questions = {s["id"] for s in sessions[1]["sessions"] if s["query"]}
       driver = self._driver.snapshot()
       self._generation += 1
       meta = {"memory_config": self._cfg.to_dict(), "presets": config_lib.PRESETS_VERSION,
-              "rows": self._next_row,
+              "rows": self._next_row, "table": self._table.identity,
               "encoder_identity": self._encoder.identity, "stats": dict(self._stats),
               "generation": self._generation, "sessions": sessions[1], "driver": driver[1]}
       if self._searcher is not None:
@@ -607,8 +625,9 @@ class Memory:
   def delete(self, ids) -> list[str]:
     """Deletes memories everywhere (see `ear_jax.agent.memory.forget`): the table row (one
     transaction, its bytes overwritten), the device, lexical and ANN rows (`<dir>/ann` removed
-    when it covers one), the open sessions that had one as a candidate (dropped untrained),
-    queued items and the replay buffer (masked). Unknown ids: ValueError, nothing changed.
+    when it covers one), the open sessions that had one as a candidate (dropped untrained; when
+    the learner item holds the question of one, it is saved again before this returns), queued
+    items and the replay buffer (masked). Unknown ids: ValueError, nothing changed.
 
     Returns:
       The deleted ids.
@@ -620,13 +639,17 @@ class Memory:
       self._table.delete(rows, () if self._lexical is None else self._lexical.dead_terms(rows))
       if self._lexical is not None:
         self._lexical.delete(rows)
-      self._unput(rows, recs, "deleted")
+      questions = self._unput(rows, recs, "deleted")
       self._stats["memories_deleted"] += len(rows)
+    if questions:
+      self.save()
     return ids
 
-  def _unput(self, rows: np.ndarray, recs: list[dict], verb: str) -> None:
+  def _unput(self, rows: np.ndarray, recs: list[dict], verb: str) -> bool:
     """Rows the table just dropped out of the device bank, the counts, the searcher, the ANN
-    file, the sessions, the queue and the buffer (call under the lock)."""
+    file, the sessions, the queue and the buffer (call under the lock). True when the learner
+    item holds the question of a session this dropped: the caller saves it again, after the
+    lock (so no file keeps it once the call returns)."""
     self._scopes.count(self._scopes.codes([r["scope"] for r in recs]),
                        checks_lib.store_codes([r["store"] for r in recs], len(recs)), -1)
     self._bank = bank_lib.tombstone(self._bank, rows)
@@ -639,8 +662,11 @@ class Memory:
       if self._root is not None and int(rows.min()) < self._ann_rows:
         persistence.remove_ann(self._root)
         self._ann_rows = 0
+    held = set(self._sessions.by_id)
     forget.forget_rows(self._sessions, self._driver, rows,
                        {int(r["row"]): r["id"] for r in recs}, self._stats, verb)
+    return self._root is not None and bool(
+        (held - set(self._sessions.by_id)) & self._saved_questions)
 
   def update(self, memory_id: str, *, text: Optional[str] = None, embedding=None) -> str:
     """Corrects one memory: its row is deleted everywhere (as `delete`) and a new one with the
@@ -667,12 +693,14 @@ class Memory:
         lex = (enc.terms[0], enc.new_vocab, self._lexical.dead_terms(rows, keep=enc))
       new = self._table.replace(int(rows[0]), memory_id, new_text, int(code[0]), rec["scope"],
                                 rec["date"], emb[0], *lex)
-      self._unput(rows, [rec], "updated")
+      questions = self._unput(rows, [rec], "updated")
       self._put(np.asarray([new]), emb, code, rec["scope"], enc, [new_text], [rec["date"]],
                 self._table.places([new]))  # (the memory keeps its place: its turn)
       if self._lexical is not None:
         self._lexical.delete(rows)
       self._stats["memories_updated"] += 1
+    if questions:
+      self.save()
     return memory_id
 
   # ----------------------------------------------------------------------------------------------
@@ -892,8 +920,8 @@ class Memory:
           z, order = _held_pages(s.query_emb, s.cand_emb, _page_key(self._page_base, sid),
                                  self._ear)
           s.ranking, s.page_order = np.asarray(z), np.asarray(order)
-      if s.paged:  # page `rounds` of `ranking` (a held-out session is paged too)
-        return self._open_page(s, sid, k, s.rounds, explore)
+      if s.paged:  # the next page of `ranking` (a held-out session is paged too)
+        return self._open_page(s, sid, k, explore)
       held = int(s.cand_mask.sum())
       if s.frozen:
         k = min(k, held)
@@ -915,14 +943,17 @@ class Memory:
       return self._slate(s.cand_idx[pos], z[pos], s.rounds + 1, explore or s.frozen, sid,
                          s.query, self._candidate_records(s, pos))
 
-  def _open_page(self, s, sid: int, k: int, t: int, explore: bool) -> Slate:
-    """Page t (ranks `t k .. t k + k - 1`) of session `s`'s `ranking` (a held-out session's:
-    of its `page_order`) over its candidates still held (ties to the lower candidate), opened as
-    its next round (`explore`: the session goes on after its feedback)."""
+  def _open_page(self, s, sid: int, k: int, explore: bool) -> Slate:
+    """The next page of session `s`'s `ranking` (a held-out session's: of its `page_order`; ties
+    to the lower candidate): its first `k` candidates still held that no page with feedback
+    showed (after t pages of k and no delete: ranks `t k .. t k + k - 1`), opened as its next
+    round (`explore`: the session goes on after its feedback)."""
     z = s.ranking
     by = z if s.page_order is None else s.page_order
     order = np.lexsort((np.arange(len(by)), -by))
-    pos = order[s.cand_mask[order]][t * k:(t + 1) * k].astype(np.int32)
+    fresh = s.cand_mask.copy()
+    fresh[s.slates[:s.rounds][s.slate_mask[:s.rounds]]] = False
+    pos = order[fresh[order]][:k].astype(np.int32)
     if not len(pos):
       return Slate((), (), (), (), s.rounds + 1, True, sid, s.query)
     self._sessions.open_round(sid, pos, explore)
@@ -1039,7 +1070,8 @@ class Memory:
     """`Ops.critique`: the open round of `sid` shown to a host critic (outside the lock, key
     `fold_in(fold_in(k_critic, sid), t)` as a host `[2]` uint32 array, `sessions.CriticKeys`);
     its labels applied, or (None, an unusable reply) the round discarded with no update
-    (`stats['critic_no_update']`)."""
+    (`stats['critic_no_update']`). Returns the critic's labels of the memories it was shown (a
+    frozen session applies those of the memories still held: none left, no update)."""
     with self._lock:
       s = self._sessions.get(sid, open_round=True)
       slate = s.open_slate[s.cand_mask[s.open_slate]]  # (frozen: less what was deleted since)
@@ -1058,17 +1090,19 @@ class Memory:
     with self._lock:
       self._stats["critic_calls"] += 1
       s = self._sessions.get(sid, open_round=True)
+      kept = labels
       if s.frozen:  # (a delete meanwhile masked some of its memories out: label the others)
         keep = s.cand_mask[slate]
-        slate, labels = slate[keep], None if labels is None or not keep.any() else labels[keep]
-        s.open_slate = slate
+        s.open_slate, kept = slate[keep], None if labels is None else labels[keep]
       elif not np.array_equal(s.open_slate, slate):
         raise ValueError(f"session {sid} showed another round while the critic ran")
       if labels is None:
         s.open_slate = None
         self._stats["critic_no_update"] += 1
+      elif not len(kept):  # (every memory it showed was deleted: no update, the rounds go on)
+        s.open_slate = None
       else:
-        self._apply(sid, labels)
+        self._apply(sid, kept)
     return labels
 
   def _final(self, sid: int, k: int) -> tuple[tuple, tuple]:

@@ -9,10 +9,13 @@ The learner item holds the learner state (adapter, optimiser, replay buffer, gua
 hyperparameters, the queued training items and the open sessions (`driver.Driver.snapshot`,
 `sessions.Sessions.snapshot`: candidates as bank rows, never a memory's embedding or text), and a
 verified JSON meta: `{format: 2, memory_config: MemoryConfig.to_dict(), rows: the table's
-next_row at the save, encoder: its identity, stats, counters}`. A save writes the next step and
-verifies it before the older one is deleted (`max_to_keep=1`), so a save killed at any moment
-leaves the previous or the new item. `<dir>/ann` is written by `save` and removed by a delete or
-an update of a row it covers (`remove_ann`); `open` rebuilds or extends it.
+next_row at the save, table: the table's identity (`Table.identity`: an item of another
+directory's table is refused), encoder: its identity, stats, counters}`. A save writes the next
+step and verifies it before the older one is deleted (`max_to_keep=1`), so a save killed at any
+moment leaves the previous or the new item. `<dir>/ann` is written by `save` and removed by a
+delete or an update of a row it covers (`remove_ann`); `open` rebuilds or extends it, and removes
+a stale one (a process killed between a delete's commit and that removal) before anything is
+served.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import errno
 import os
 import pathlib
 import shutil
+import sys
+import threading
 from typing import Optional
 
 from ear_jax.io import checkpoints
@@ -62,15 +67,28 @@ def check_directory(root: pathlib.Path) -> None:
                    "experiments.convert_memory`)")
 
 
-def own(root: pathlib.Path):
-  """This process's owner lock (a `Hold`) of the memory directory `root` (created): one process
-  at a time uses a memory directory. None for a directory this process cannot write.
+def _caller() -> str:
+  """`file:line` of the innermost frame outside the ear_jax package, and the thread: who opens."""
+  package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+    frame = frame.f_back
+  where = "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+  return f"{where} in thread {threading.current_thread().name!r}"
+
+
+def own(root: pathlib.Path, how: str = "Memory.open"):
+  """The owner lock (a `Hold`) of the memory directory `root` (created) for one `Memory` of this
+  process: one process at a time, and one `Memory` in it, uses a memory directory (`how`: the
+  call taking it, named with its caller in the error of a second one). None for a directory this
+  process cannot write.
 
   Raises:
-    DirectoryInUseError: another process holds it (naming the directory and that process's pid).
+    DirectoryInUseError: another process holds it (naming the directory and that process's pid),
+      or another `Memory` of this process (naming the directory and where that one was opened).
   """
   try:
-    return checkpoints.CheckpointStore(root).own("memory directory")
+    return checkpoints.CheckpointStore(root).own("memory directory", f"{how} at {_caller()}")
   except OSError as e:  # (DirectoryInUseError is not one)
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
       return None

@@ -305,7 +305,8 @@ class Sessions:
 
   def snapshot(self):
     """`(arrays, meta)`: host copies of the sessions that are not frozen (no arrays when none).
-    The candidates are saved as their bank rows (`cand_idx`) and first-stage features only."""
+    The candidates are saved as their bank rows (`cand_idx`) and first-stage features only; the
+    question's text only while the session is open (a closed one needs it no more)."""
     ss = [(sid, s) for sid, s in self.by_id.items() if not s.frozen]
     for _, s in ss:
       s.settle()
@@ -314,8 +315,8 @@ class Sessions:
       arrays = {f: np.stack([getattr(s, f) for _, s in ss]) for f in _ARRAYS}
       arrays["features"] = np.stack([s.cand_emb[:, self.config.dim:] for _, s in ss])
     meta = {"next_session": self.next_session, "clock": self.clock,
-            "sessions": [{"id": sid, **{f: _jsonable(getattr(s, f)) for f in _FIELDS}}
-                         for sid, s in ss]}
+            "sessions": [{"id": sid, **{f: _jsonable(getattr(s, f)) for f in _FIELDS},
+                          **({"query": ""} if s.closed else {})} for sid, s in ss]}
     return arrays, meta
 
   @classmethod
@@ -447,8 +448,9 @@ class Session:
     """The next round's slate of `k` memories (an open round without feedback is discarded):
     one Explorer round (Eq. (5)-(8)), or with `explore=False` the adapter's top-k ranked by the
     guard's served parameters (its feedback closes the session). At most `T` rounds. A
-    test-time session (`learn=False`) shows page t (ranks `t k .. t k + k - 1`) of the served
-    ranking in round t + 1, t the rounds with feedback so far (keep `k` the same on every
+    test-time session (`learn=False`) shows the next page of the served ranking: its first `k`
+    memories still held that no page with feedback showed (page t, ranks `t k .. t k + k - 1`,
+    t the rounds with feedback so far, while nothing was deleted; keep `k` the same on every
     page; past its candidates: an empty slate, no round opened).
 
     Raises:

@@ -5,7 +5,8 @@ Symbols: `n` live rows, `d` embedding dimension.
 One table holds every live memory: its id, text, store code, scope name, date, float32 embedding
 `[d]`, the int32 term ids of its text (for the lexical index; NULL without one) and a SHA-256 of
 all of them with the row number (`_digest`). Beside it: the lexical vocabulary (`term <-> id`) and
-a small key/value `meta` table (the dimension; JSON strings of the caller).
+a small key/value `meta` table (the dimension, the table's random `identity`, the places of
+updated rows) with a SHA-256 of its entries (`_META_DIGEST`).
 
 Guarantees:
 
@@ -20,6 +21,11 @@ Guarantees:
   * Verified: every read of rows from the file (`read_all`, `records`, `texts`) checks each row's
     SHA-256; a row changed outside ear_jax, a file that is not this table (foreign, truncated,
     another schema or dimension) is a `CheckpointError` naming the file (and the row's id).
+    What decides which row an id, a word or a scope names is checked when the file is opened:
+    SQLite's `integrity_check` (every index against its table: the id, scope and vocabulary
+    indexes; the vocabulary's terms and ids are indexed both ways, so a changed byte in either
+    disagrees with an index) and the meta table's SHA-256; a failure is a `CheckpointError` naming
+    the file and what is wrong.
     `records` keeps the newest `RECORD_CACHE` verified records in memory and reads only the
     others from the file (a live memory's questions read the same candidates again and again);
     a delete drops its rows from it, and row numbers are never reused, so a kept record is always
@@ -36,6 +42,7 @@ import hashlib
 import json
 import os
 import pathlib
+import secrets
 import sqlite3
 from typing import NamedTuple, Optional, Sequence
 
@@ -55,6 +62,8 @@ _FORMAT = "ear_jax.agent.memory.table/1"
 _COLUMNS = "row, id, text, store, scope, date, embedding, terms, sha256"
 _PART = 65536  # rows of embeddings joined at a time by read_all
 _PLACES = "places"  # meta entry: {row: place} of updated memories (`Table.places`)
+_IDENTITY = "identity"  # meta entry: a random id made with the table (`Table.identity`)
+_META_DIGEST = "sha256"  # meta entry: SHA-256 of the other entries (`_meta_digest`)
 RECORD_CACHE = 1 << 15  # verified records `records` keeps (the least recently read dropped first)
 
 
@@ -109,9 +118,14 @@ class Table:
   """The table at `path` (created with the schema when new; None: an in-memory table) for
   embeddings of dimension `dim`.
 
+  Attributes:
+    identity: a random hex id made with the table (a copy of the file keeps it): what a learner
+      item records to name its table.
+
   Raises:
     CheckpointError: `path` is not this table (not SQLite, truncated, another schema or
-      dimension), naming the file.
+      dimension) or was damaged (SQLite's integrity check, the meta table's SHA-256), naming the
+      file and what is wrong.
   """
 
   def __init__(self, path: Optional[pathlib.Path], dim: int):
@@ -148,15 +162,61 @@ class Table:
         for statement in _SCHEMA:
           self._db.execute(statement)
         self._db.executemany("INSERT INTO meta VALUES (?, ?)",
-                             [("format", _FORMAT), ("dim", str(self.dim))])
-    elif found != list(_SCHEMA) or self.get_meta("format") != _FORMAT:
+                             [("format", _FORMAT), ("dim", str(self.dim)),
+                              (_IDENTITY, secrets.token_hex(16))])
+        self._seal_meta()
+    elif found != list(_SCHEMA):
       raise CheckpointError(f"{self.where}: not a memory table of this version (another schema)")
+    else:
+      self._check_integrity()
+      if self.get_meta("format") != _FORMAT:
+        raise CheckpointError(f"{self.where}: not a memory table of this version (another "
+                              "schema)")
     if self.get_meta("dim") != str(self.dim):
       raise CheckpointError(f"{self.where}: holds embeddings of dimension {self.get_meta('dim')}, "
                             f"expected {self.dim}")
+    self.identity = self._check_meta()
     self._n = self._db.execute("SELECT count(*) FROM memories").fetchone()[0]
     self._places = self._read_places()
     self._recent = collections.OrderedDict()  # device row -> (id, text, store, scope, date)
+
+  def _check_integrity(self) -> None:
+    """SQLite's `integrity_check` of the file: every page, and every index against its table (the
+    id index names the row of an id, the vocabulary's the id of a word)."""
+    with self._errors():
+      problems = [p for (p,) in self._db.execute("PRAGMA integrity_check(5)")]
+    if problems != ["ok"]:
+      raise CheckpointError(
+          f"{self.where}: fails SQLite's integrity check ({'; '.join(problems)}): the file was "
+          "changed outside ear_jax (an index that disagrees with its table would name another "
+          "memory for an id or a word)")
+
+  def _meta_digest(self) -> str:
+    """SHA-256 (hex) of the meta table's entries but the digest, in key order."""
+    with self._errors():
+      entries = self._db.execute("SELECT key, value FROM meta WHERE key != ? ORDER BY key",
+                                 (_META_DIGEST,)).fetchall()
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+
+  def _seal_meta(self) -> None:
+    """Writes the meta table's digest (inside the caller's transaction, after its meta writes)."""
+    self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                     (_META_DIGEST, self._meta_digest()))
+
+  def _check_meta(self) -> str:
+    """The table's identity, after checking the meta table against its digest (a table written
+    before either gets both now)."""
+    digest = self.get_meta(_META_DIGEST)
+    if digest is None:
+      with self._transaction():
+        if self.get_meta(_IDENTITY) is None:
+          self._db.execute("INSERT INTO meta VALUES (?, ?)", (_IDENTITY, secrets.token_hex(16)))
+        self._seal_meta()
+    elif digest != self._meta_digest():
+      raise CheckpointError(f"{self.where}: its meta table (dimension, identity, places of "
+                            "updated memories) fails its SHA-256 check: it was changed outside "
+                            "ear_jax")
+    return self.get_meta(_IDENTITY)
 
   def _read_places(self) -> dict:
     """The meta table's `places`: device row -> place, for the rows of updated memories."""
@@ -171,6 +231,7 @@ class Table:
     """`places` into the meta table (inside the caller's transaction)."""
     self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)",
                      (_PLACES, json.dumps({str(r): p for r, p in sorted(places.items())})))
+    self._seal_meta()
 
   def places(self, rows) -> np.ndarray:
     """`[n]` int64 the place of each device row `rows` in the order of the memories: the row
@@ -276,6 +337,7 @@ class Table:
   def set_meta(self, key: str, value: str) -> None:
     with self._transaction():
       self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+      self._seal_meta()
 
   def get_meta(self, key: str) -> Optional[str]:
     with self._errors():
