@@ -98,6 +98,9 @@ def test_loss_support_all_and_a_covering_window_are_the_valid_candidates_themsel
   observed = jnp.array([True, False, False, False])
   assert losses.loss_support(where, observed, "all", 2) is where
   assert losses.loss_support(where, observed, "window", 4) is where  # K <= T s: the paper's set
+  assert losses.loss_support(where, observed, "auto", 4) is where
+  np.testing.assert_array_equal(losses.loss_support(where, observed, "auto", 3),
+                                [True, False, False, False])  # K > T s: the labelled ones
 
 
 def test_loss_support_window_is_the_first_stages_top_ts_and_the_labelled_tail():

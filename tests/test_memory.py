@@ -86,7 +86,7 @@ def test_memory_config_round_trips_through_a_json_safe_dict():
 
 def test_num_candidates_sets_the_learners_k_and_a_directory_keeps_it(tmp_path):
   m = _fill(Memory(None, method="ear_tuned", dim=_D, num_candidates=7))
-  assert m.config.ear.num_candidates == 7 and m.config.ear.loss_support == "window"
+  assert m.config.ear.num_candidates == 7 and m.config.ear.loss_support == "auto"
   m.save(tmp_path / "k7")
   m.close()
   with Memory.open(tmp_path / "k7") as back:

@@ -73,7 +73,7 @@ def test_ear_step_matches_numpy(overrides):
   _run_both(config, default_hparams(learning_rate=0.05))
 
 
-@pytest.mark.parametrize("loss_support", ["window", "labelled"])
+@pytest.mark.parametrize("loss_support", ["window", "labelled", "auto"])
 def test_loss_support_beyond_the_rounds_window_matches_numpy(loss_support):
   # K = 6 > T s = 2 x 2 = 4: the window leaves the never-shown tail out of the softmax.
   config = EARConfig.for_method("ear", **{**BASE, "slate_size": 2, "num_rounds": 2,

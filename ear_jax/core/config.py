@@ -22,7 +22,7 @@ from ear_jax.core.types import Critic, Optimizer, ReplayStrategy, TrainSlatePoli
 LOSS_FORMS = ("flat", "sequential")
 REPLAY_UNOBSERVED = ("negative", "ignore")
 # The candidates Eq. (10)'s softmax runs over (`ear_jax.core.losses.loss_support`).
-LOSS_SUPPORTS = ("all", "window", "labelled")
+LOSS_SUPPORTS = ("all", "labelled", "window", "auto")
 # Eq. (10)'s per-position weights: 'none' (the paper) or 'balanced' (positives and negatives of a
 # query carry equal total weight; `ear_jax.core.losses.label_weights`).
 LABEL_WEIGHTS = ("none", "balanced")
@@ -72,11 +72,11 @@ METHODS = {
     # (LoCoMo; BUILD_NOTES, "validation protocol and ear_tuned"); its hyperparameters:
     # METHOD_HPARAMS (`Method.named` pairs the two).
     # `side_init` was chosen by `--suite=first_stage_tune` (acts with side features only).
-    # `loss_support='window'`: the paper's softmax at K <= T s (bit for bit), and no push onto
-    # the never-shown tail of a larger pool (`core.losses.loss_support`).
+    # `loss_support='auto'` (`--suite=pool_tune`): the paper's softmax at K <= T s (bit for bit),
+    # and only labelled candidates in a larger pool (`core.losses.loss_support`).
     "ear_tuned": dict(train_slate="explorer", use_replay=True, replay_strategy="random",
                       replay_size=8, final_slate="exploit", test_rounds=4, side_init=0.05,
-                      loss_support="window"),
+                      loss_support="auto"),
 }
 # `ear_safe`: `ear_tuned` with the guard (`ear_jax.core.guard`): at test time the learned ranking
 # is served only when the feedback of held-out training queries (every 5th, never trained on)
@@ -86,16 +86,11 @@ METHODS = {
 # Until session 11 its evidence was the prequential one (`guard_holdout=0, guard_z=0.5`, items).
 METHODS["ear_safe"] = dict(METHODS["ear_tuned"], guard=True, guard_holdout=5,
                            guard_evidence="questions", guard_z=0.25)
-# `ear_pool`: `ear_safe` for a candidate pool larger than the critic is shown (K > T s): the loss
-# learns only from labelled candidates (`loss_support='labelled'`, chosen by `--suite=pool_tune`
-# on LoCoMo validation).
-METHODS["ear_pool"] = dict(METHODS["ear_safe"], loss_support="labelled")
 # Hyperparameters of a method where they differ from the paper's (`hparams_for_method`).
 METHOD_HPARAMS = {
     "ear_tuned": dict(learning_rate=1e-4, baseline=0.0, tau=0.25),
 }
 METHOD_HPARAMS["ear_safe"] = METHOD_HPARAMS["ear_tuned"]
-METHOD_HPARAMS["ear_pool"] = METHOD_HPARAMS["ear_tuned"]
 
 
 def _check_choice(name, value, choices):
@@ -165,9 +160,10 @@ class EARConfig:
     grad_clip_norm: optional global-norm gradient clipping (None = off).
     loss_on_tempered_logits: the REINFORCE loss uses log softmax(z / tau) (RMM) instead of softmax(z).
     loss_support: the candidates Eq. (10)'s softmax (current and replay losses, and the replay's
-      Gumbel slates) runs over: 'all' (every valid candidate, the paper), 'window' (the first
-      stage's top `T s` and every candidate that received feedback: the paper's set when
-      `K <= T s`) or 'labelled' (only candidates that received feedback).
+      Gumbel slates) runs over: 'all' (every valid candidate, the paper), 'labelled' (only
+      candidates that received feedback), 'window' (the first stage's top `T s` and every
+      labelled candidate) or 'auto' ('all' when `K <= T s`, where the rounds can show every
+      candidate, else 'labelled'); `core.losses.loss_support`.
     label_weights: Eq. (10)'s per-position weights, 'none' (the paper) or 'balanced' (the positive
       and the negative positions of a query carry equal total weight).
     final_slate: explorer-assisted inference's slate, 'round_T' (the paper) or 'exploit' (top-s by
@@ -397,7 +393,7 @@ class EARConfig:
 
     Args:
       method: one of `METHODS`: 'retriever', 'rl_update', 'ear', 'ear_no_replay', 'ear_no_explorer',
-        'ear_tuned', 'ear_safe', 'ear_pool'.
+        'ear_tuned', 'ear_safe'.
       **overrides: any `EARConfig` field.
 
     Raises:

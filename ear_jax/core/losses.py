@@ -53,29 +53,29 @@ def slate_log_probs(logits: jax.Array, where: jax.Array, slate: jax.Array, slate
 def loss_support(where: jax.Array, observed: jax.Array, mode: str, window: int) -> jax.Array:
   """The candidates Eq. (10)'s softmax runs over (`EARConfig.loss_support`).
 
-  'all': every valid candidate (Alg. 3 line 7, the paper). 'window': the first stage's top
-  `window` (`T s`, the candidates a query's rounds can show) and every candidate that received
-  feedback; the same set as 'all' when `K <= window` (then `where` itself is returned, so the
-  computation is the paper's bit for bit). 'labelled': only candidates that received feedback.
-  Outside the support a candidate gets no gradient from the loss: pushing shown, uncited memories
-  down then moves probability onto labelled or in-window candidates, never onto the
-  never-shown tail of a large K.
+  'all': every valid candidate (Alg. 3 line 7, the paper). 'labelled': only candidates that
+  received feedback. 'window': the first stage's top `window` (`T s`, what a query's rounds can
+  show) and every labelled candidate. 'auto': 'all' when the rounds can show every candidate
+  (`K <= window`), else 'labelled'. 'window' and 'auto' return `where` itself when
+  `K <= window`, so the computation is the paper's bit for bit. Outside the support a candidate
+  gets no gradient from the loss: pushing shown, uncited memories down then never moves
+  probability onto the never-shown tail of a large K.
 
   Args:
     where: `[K]` bool, valid candidates (in the first stage's rank order).
     observed: `[K]` bool, candidates that received feedback (Eq. (11)).
-    mode: 'all', 'window' or 'labelled'.
+    mode: 'all', 'labelled', 'window' or 'auto'.
     window: `T s` (static).
 
   Returns:
     `[K]` bool.
   """
   num_k = where.shape[-1]
-  if mode == "all" or (mode == "window" and num_k <= window):
+  if mode == "all" or (mode in ("window", "auto") and num_k <= window):
     return where
   if mode == "window":
     return where & ((jnp.arange(num_k) < window) | observed)
-  if mode == "labelled":
+  if mode in ("labelled", "auto"):
     return where & observed
   raise ValueError(f"unknown loss_support={mode!r}")
 

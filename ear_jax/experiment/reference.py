@@ -185,7 +185,7 @@ def _top(scores, valid, s):
 def _support(valid, observed, config):
   """The candidates the loss's softmax runs over (`config.loss_support`), written out."""
   k, window = len(valid), config.num_rounds * config.slate_size
-  if config.loss_support == "all" or (config.loss_support == "window" and k <= window):
+  if config.loss_support == "all" or (config.loss_support in ("window", "auto") and k <= window):
     return valid
   if config.loss_support == "window":
     return np.asarray([bool(valid[i]) and (i < window or bool(observed[i])) for i in range(k)])

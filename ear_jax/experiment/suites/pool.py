@@ -28,17 +28,17 @@ from ear_jax.experiment.suites.paper import fmt, md_table
 from ear_jax.experiment.suites.run_cache import Runner
 
 K_VALUES = (20, 50, 100)
+# The supports trained on validation; 'auto' is 'all' at K <= T s and 'labelled' beyond, so its
+# rows are theirs (`choose`).
 SUPPORTS = ("all", "window", "labelled")
 TUNED = "ear_tuned"
-# The learning presets the `pool` table reports (each with its own `loss_support`), and the
-# collapse of `ear_tuned` with the paper's softmax over all K, shown beside them.
-PRESETS = ("ear", "ear_tuned", "ear_safe", "ear_pool")
-# Rows beside them: `ear_pool`'s learner unguarded (every training question trained, the adapter
-# always served), and, at K > T s, the paper's softmax over all K (the collapse) and the
-# paper's EAR with the window.
-UNGUARDED_POOL = ("ear_pool", {"guard": False, "guard_holdout": 0})
+# The learning presets the `pool` table reports (each with its own `loss_support`).
+PRESETS = ("ear", "ear_tuned", "ear_safe")
+# Rows beside them at K > T s: `ear_tuned` with the paper's softmax over all K (the collapse), and
+# the paper's EAR with 'auto' (its preset keeps the paper's loss: 'auto' is not the paper's at
+# K = 20 with T = 2, Table 6).
 COLLAPSE = ("ear_tuned", {"loss_support": "all"})
-PAPER_WINDOW = ("ear", {"loss_support": "window"})
+PAPER_AUTO = ("ear", {"loss_support": "auto"})
 
 
 def pool_runner(r: Runner, k: int) -> Runner:
@@ -118,27 +118,35 @@ def tune_pool(r: Runner) -> dict:
 
 
 def choose(rows: list) -> dict:
-  """The rule, fixed before the validation numbers were read: the `loss_support` whose mean
-  adapter-only Δ R@5 against the frozen first stage is >= 0 at every K and largest summed over
-  the K > T s; then the K whose paging over the served ranking (the default test-time rule) has
-  the best mean validation Recall@5 with that support, among the K where its adapter-only Δ >= 0."""
+  """The rule (validation only): the `loss_support` whose mean adapter-only Δ R@5 against the
+  frozen first stage is >= 0 at every K and largest summed over the K; then the K whose paging
+  over the served ranking (the default test-time rule) has the best mean validation Recall@5 with
+  that support, among the K where its adapter-only Δ >= 0."""
   frozen = {row["k"]: np.asarray(row["adapter"]) for row in rows if row["method"] == "retriever"}
 
   def delta(row):
     return float(np.mean(np.asarray(row["adapter"]) - frozen[row["k"]]))
 
   def rows_of(support):
-    return [row for row in rows if row["method"] == TUNED and (
-        row["loss_support"] == support or (support == "window" and row["loss_support"] == "all"
-                                           and row["k"] == min(frozen)))]
+    """Per K, the row trained with `support` ('window' / 'auto' at K <= T s: the 'all' row)."""
+    out = []
+    for k in sorted(frozen):
+      small = k == min(frozen)  # K = T s: 'window' and 'auto' are 'all'
+      name = {"window": "all" if small else "window",
+              "auto": "all" if small else "labelled"}.get(support, support)
+      out += [row for row in rows if row["method"] == TUNED and row["k"] == k
+              and row["loss_support"] == name]
+    return out
 
-  safe = [s for s in SUPPORTS if all(delta(row) >= 0 for row in rows_of(s))]
+  supports = SUPPORTS + ("auto",)
+  safe = [s for s in supports if all(delta(row) >= 0 for row in rows_of(s))]
   if not safe:
     return {"chosen_support": None, "chosen_k": None}
-  support = max(safe, key=lambda s: sum(delta(row) for row in rows_of(s) if row["k"] > min(frozen)))
+  support = max(safe, key=lambda s: sum(delta(row) for row in rows_of(s)))
   best = max((row for row in rows_of(support) if delta(row) >= 0),
              key=lambda row: np.mean(row["paging_served"]))
-  return {"chosen_support": support, "chosen_k": best["k"]}
+  return {"chosen_support": support, "chosen_k": best["k"],
+          "summed_delta": {s: sum(delta(row) for row in rows_of(s)) for s in supports}}
 
 
 def suite_pool_tune(r: Runner) -> str:
@@ -167,8 +175,10 @@ def suite_pool_tune(r: Runner) -> str:
       md_table(["K", "method", "R@5 adapter-only", "Δ vs frozen [95% CI]",
                 "R@5 paging (served ranking; frozen: first stage)",
                 "first stage's R@20 ceiling"], table), "",
-      f"Chosen (rule in `pool.choose`): loss_support = {res['chosen_support']}, K = "
-      f"{res['chosen_k']}. " + DELTA_NOTE])
+      f"Chosen (rule in `pool.choose`; 'auto' = the 'all' row at K = 20 and the 'labelled' rows "
+      f"beyond): loss_support = {res['chosen_support']}, K = {res['chosen_k']}. Summed Δ over "
+      f"K: " + ", ".join(f"{k} {v:+.2f}" for k, v in res["summed_delta"].items()) + ". "
+      + DELTA_NOTE])
 
 
 def suite_pool(r: Runner) -> str:
@@ -180,10 +190,10 @@ def suite_pool(r: Runner) -> str:
     window = _window(stream)
     frozen = sub.run("retriever")
     ceiling = frozen["ceiling"].get(f"recall@{window}")
-    runs = [(m, m, None) for m in PRESETS] + [("ear_pool unguarded", *UNGUARDED_POOL)]
+    runs = [(m, m, None) for m in PRESETS]
     if k > window:
       runs += [(f"{m}, loss_support={over['loss_support']}", m, over)
-               for m, over in (COLLAPSE, PAPER_WINDOW)]
+               for m, over in (COLLAPSE, PAPER_AUTO)]
     rows.append([str(k), "frozen first stage", fmt(get_metric(frozen, "recall_adapter")),
                  "(baseline)", fmt(get_metric(frozen, "recall_explorer")),
                  fmt(get_metric(frozen, "recall_paging_first_stage")),
@@ -226,6 +236,6 @@ def suite_pool(r: Runner) -> str:
       "of the softmax.", "", DELTA_NOTE])
 
 
-__all__ = ["COLLAPSE", "K_VALUES", "PAPER_WINDOW", "PRESETS", "UNGUARDED_POOL", "SUPPORTS", "choose", "pool_runner",
+__all__ = ["COLLAPSE", "K_VALUES", "PAPER_AUTO", "PRESETS", "SUPPORTS", "choose", "pool_runner",
            "pushed_up_share", "suite_pool",
            "suite_pool_tune", "tune_pool"]
