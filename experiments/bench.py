@@ -64,12 +64,12 @@ from experiments import dist_flags
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 ROWS = ("scan", "loop", "numpy", "seeds", "inference", "encode", "suite")
 
-_SUITE = flags.DEFINE_enum("suite", "default", ["default", "scale", "scale_probes", "distributed",
+_SUITE = flags.DEFINE_enum("suite", "default", ["default", "scale", "distributed",
                                                 "first_stage", "server", "scopes"],
-                           "Which benchmark: the default rows, memory at scale, the "
-                           "probes behind its design choices (PQ settings, retrieve latency warm "
-                           "and cold), or the cross-process merge of the sharded search ("
-                           "run one process per --process_id with --coordinator).")
+                           "Which benchmark: the default rows, memory at scale, the first stage, "
+                           "the MCP server under load, scoped search, or the cross-process merge "
+                           "of the sharded search (run one process per --process_id with "
+                           "--coordinator).")
 _DIST_ROWS = flags.DEFINE_integer("distributed_rows", 1_000_000, "--suite=distributed: bank rows "
                                   "(split over the processes).", lower_bound=2)
 _SCALE_SIZES = flags.DEFINE_list("scale_sizes", ["1000", "10000", "100000", "1000000"],
@@ -148,8 +148,6 @@ def main(argv):
     return _scopes()
   if _SUITE.value == "scale":
     return _scale()
-  if _SUITE.value == "scale_probes":
-    return _scale_probes()
   if _SUITE.value == "first_stage":
     return _first_stage()
   if _SUITE.value == "server":
@@ -340,27 +338,6 @@ def _server():
   print(text)
   print(f"wrote {out}, {out.with_suffix('.md')}")
   return 0 if not (res["errors"] or res["leaks"] or res["missing"]) else 1
-
-
-def _scale_probes():
-  """`--suite=scale_probes`: `scale_bench.pq_probe` and `latency_probe` -> JSON and markdown next to
-  `--scale_out`."""
-  from ear_jax.experiment import scale_bench  # pylint: disable=g-import-not-at-top
-  out = pathlib.Path(_SCALE_OUT.value).with_name("probes.json")
-  out.parent.mkdir(parents=True, exist_ok=True)
-  quick = _QUICK.value
-  pq = scale_bench.pq_probe(m=20_000 if quick else 1_000_000, dim=64 if quick else 384,
-                            num_queries=20 if quick else 100,
-                            probes=(("PQ16x4fs", 400), ("PQ32x4fs", 200), ("PQ64x4fs", 200))
-                            if quick else scale_bench.PQ_PROBES)
-  lat = scale_bench.latency_probe(m=2_000 if quick else 10_000, dim=64 if quick else 384,
-                                  calls=20 if quick else 100)
-  command = "python -m experiments.bench " + " ".join(sys.argv[1:])
-  out.write_text(json.dumps({"command": command, "pq": pq, "latency": lat}, indent=1))
-  text = scale_bench.probes_table(pq, lat)
-  out.with_suffix(".md").write_text(f"Command: `{command}`\n\n{text}\n")
-  print(text)
-  print(f"wrote {out}, {out.with_suffix('.md')}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -244,9 +244,9 @@ def save_adapter(directory, params, *, config: EARConfig, hparams: HParams, seed
 
 def guard_decisions(states, config: EARConfig) -> np.ndarray:
   """`[S]` bool: whether each seed's guard serves its adapter (`guard.serve_adapted` of the
-  stacked learner `states` `[S, ...]`, with their own parameters for the held-out ring)."""
-  return np.asarray(jax.vmap(lambda st: guard_lib.serve_adapted(st.guard, config,
-                                                                params=st.params))(states))
+  stacked learner `states` `[S, ...]`: their own parameters on their held-out rings)."""
+  return np.asarray(jax.vmap(lambda st: guard_lib.serve_adapted(st.params, st.guard,
+                                                                config))(states))
 
 
 def find_run_dirs(workdir) -> list:
