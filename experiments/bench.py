@@ -2,43 +2,24 @@ r"""Speed of ear_jax, measured against baselines measured in the same run.
 
   python -m experiments.bench              # full table (a few minutes on 2 CPU cores), bench.json
   python -m experiments.bench --quick      # every field on tiny shapes (~30 s; used by a test)
-  python -m experiments.bench --suite=scale   # memory at scale, 1k -> 1M (see below)
+  python -m experiments.bench --suite=scale   # memory at scale, 1k -> 1M
   python -m experiments.bench --suite=first_stage   # BM25 / hybrid candidates, 10k -> 1M
   python -m experiments.bench --suite=server   # the MCP server under 16 concurrent HTTP clients
   python -m experiments.bench --suite=scopes   # a scoped search among 1M memories in 10k scopes
+  python -m experiments.bench --suite=distributed --coordinator=... --num_processes=2 --process_id=I
 
-Everything runs on one fixed synthetic stream shaped like LoCoMo training (1,232 queries, K = 20,
-s = 5, T = 4, B = 4, batch 4; d = 384 and d = 768; EAR with the default config):
-  scan       EAR training as one jitted `lax.scan` over the stream (`run_episode`), queries/s;
-             compile time reported separately.
-  loop       the same jitted per-batch step (`learner.train_batch`) called from a Python loop.
-  numpy      the independent NumPy implementation (`ear_jax.experiment.reference`), queries/s.
-  seeds      8 seeds with `vmap` in one call (`sharding.sharded_episodes`: all devices) vs 8
-             sequential jitted `run_episode` calls.
-  roofline   FLOPs of one EAR training query (counted by `ear_flops_per_query`), achieved GFLOP/s
-             of `scan`, and the peak fp32 matmul GFLOP/s of this machine measured in the same run.
-  inference  adapter-only retrieval (`retrieval.retrieve`, jitted) and explorer-assisted retrieval
-             (`retrieval.top_k_search` + `inference.explorer_slate`, the paper's simulated critic:
-             `benchmarking.explorer_retrieve`) from a bank of 600 and of 250 memories, top-K
-             search included, batch 1 latency and batch 256 throughput; paper Table 8 beside them.
-  encode     MiniLM sentences/s (`ear_jax.data.encoders`).
-  suite      wall time of `experiments.run --benchmark=locomo --suite=main` (3 seeds x 3 methods).
+The default rows run on one fixed synthetic stream shaped like LoCoMo training (1,232 queries,
+K = 20, s = 5, T = 4, B = 4, batch 4; d = 384 and d = 768): `scan` (training as one jitted
+`lax.scan`, compile time apart), `loop` (the same jitted step from a Python loop), `numpy` (the
+independent NumPy implementation), `seeds` (8 seeds with `vmap` vs 8 sequential calls),
+`roofline` (FLOPs per training query, achieved and peak GFLOP/s), `inference` (adapter-only and
+explorer-assisted retrieval, batch 1 and 256; paper Table 8 beside them), `encode` (MiniLM
+sentences/s) and `suite` (wall time of `experiments.run --benchmark=locomo --suite=main`).
 
-`--suite=scale` (`ear_jax.experiment.scale_bench`): add, search (p50 / p90, batch 1 and batch
-256), a session's round, feedback and save costs of `Memory` against bank size (`--scale_sizes`)
-for the exact fp32, exact bf16 and faiss paths (`--scale_paths`), each beside the memory-bandwidth
-and matmul bounds measured in the same run, and for the exact path `Memory.open` of the saved
-directory (at 1M against the load before issue 29, target <= 2x) and `add` of one memory to the
-opened memory (target < 50 ms); writes `--scale_out` (JSON), a markdown table and a log-log plot.
-`--suite=first_stage` (`ear_jax.experiment.first_stage_bench`): the BM25 / hybrid first stage
-against bank size, and the search right after adding one memory (target <= 2x a search).
-`--suite=server` (`ear_jax.experiment.server_bench`): the MCP server over loopback HTTP with
-`--server_memories` in `--server_scopes` scopes, 1 and `--server_clients` concurrent clients
-(remember / recall / cite / search, `--server_seconds` each), a kill -9 mid-run, the same workload
-in-process; calls/s, p50 / p99 per tool, errors, leaks, acknowledged writes -> `--server_out`.
-
-The measurements are `ear_jax.experiment.benchmarking`; this program reads the flags, calls them
-and prints the table. Timings take the minimum over repetitions (the machine is shared; the minimum
+The other suites are `ear_jax.experiment.scale_bench`, `first_stage_bench`, `server_bench`,
+`scope_bench` and `distributed_bench` (each module's docstring says what it measures); the
+default rows are `ear_jax.experiment.benchmarking`. This program reads the flags, calls them and
+prints the table. Timings take the minimum over repetitions (the machine is shared; the minimum
 is the least disturbed run). Every ratio is printed with its target and whether it is met.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ from ear_jax.agent.memory import Memory, MemoryConfig
 from ear_jax.agent.memory.checks import check_embeddings
 from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import guard as guard_lib
-from ear_jax.core.config import Method
+from ear_jax.core.config import EARConfig, Method
 
 D = 16
 N = 40
@@ -118,3 +118,25 @@ def test_the_guard_ring_is_saved_and_loaded_with_the_learner(tmp_path):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert bool(guard_lib.serve_adapted(loaded.learner.params, loaded.learner.guard,
                                         loaded.config.ear))
+
+
+def test_a_directory_saved_with_the_guards_evidence_sums_opens_and_serves_as_before(tmp_path):
+  # tests/fixtures/guard_sums_memory: `ear_safe` saved by the code that also kept evidence sums
+  # beside the held-out ring (made by tests/fixtures/make_guard_sums_memory.py with that code).
+  import json  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  fixtures = pathlib.Path(__file__).parent / "fixtures"
+  old = json.loads((fixtures / "guard_sums_memory.json").read_text())
+  shutil.copytree(fixtures / "guard_sums_memory", tmp_path / "m")
+  with Memory.open(tmp_path / "m") as m:
+    assert m.config.ear == EARConfig.for_method("ear_safe", dim=8)
+    assert int(m.learner.guard.count) == old["ring_count"] == 2
+    assert int(m.learner.queries_seen) == old["queries_seen"]
+    np.testing.assert_array_equal(np.asarray(m.learner.params.w_q), np.float32(old["w_q"]))
+    assert [list(m.search(query_embedding=q, k=5).ids) for q in old["queries"]] == old["search"]
+    m.recall("one more", lambda key, view: -np.ones(len(view.ids), np.float32), k=5,
+             query_embedding=np.ones(8))
+    m.save()
+  with Memory.open(tmp_path / "m") as again:  # (saved without the sums, opened again)
+    assert int(again.learner.guard.count) == 2 and len(again.list()) == 30

@@ -1,5 +1,4 @@
-"""Memory at scale: add / search / session / feedback / save / open costs against bank size, with
-bounds.
+"""Memory at scale: add / search / session / feedback / save / open costs against bank size.
 
 Symbols: `M` memories, `d` dimension, `K` candidates, `n` queries per call.
 
@@ -10,22 +9,18 @@ embeddings=...)` and timed as an agent uses it (p50 / p90 of `calls`): `search(q
 k=5)` (the pure read: the candidate search and the adapter's slate in one device call, what the
 bandwidth bound applies to), a session's first `round(5)`, its `feedback` + `close` (every `b`-th
 close runs a learner step, waited for and reported apart), and `search` of 256 queries in one
-call. The exact fp32 path then measures persistence (issue 29): the first `save` (it binds the
-memory to a directory: the table and the learner item), the save after adding 1,000 memories and
-with nothing added (the learner item alone), `Memory.open` of the directory (median of 3: the
-table read and verified, the device bank written, the learner item restored; against
-`OLD_LOAD_1M_S` at 1M), and on the opened memory `add` of ONE memory (durable when it returns,
-p50 of 20; target `ADD_ONE_TARGET_MS`) and the search right after each such add (against the
-search p50: the add leaves no work behind for the next read). The bounds are measured in the same
+call. The exact fp32 path then measures persistence: the first `save`, the saves after adding
+1,000 memories and nothing, `Memory.open` (median of 3; against `OLD_LOAD_1M_S` at 1M), and on
+the opened memory `add` of ONE memory (p50 of 20; target `ADD_ONE_TARGET_MS`) and the search
+right after each such add. The bounds are measured in the same
 run: memory bandwidth from a resident-array reduction (`jnp.sum` over a ~1.5 GB device array,
 minimum of repetitions) and the fp32 matmul peak (`benchmarking.measure_peak`). An exact search
 must read the bank once (`M d` values), so its bound is `bank bytes / bandwidth`; 256 queries also
 need `2 n M d` FLOPs.
 
-Data: `random` (unit Gaussian directions; the issue's setup and the hardest case for an ANN index:
-no structure to exploit) and `clustered` (unit vectors around `M / 1000` centres, the kind of
-structure real sentence embeddings have), the ANN paths' recall@K measured against the exact
-top-K of the same bank (the memory's K candidates: `search` with k = K).
+Data: `random` (unit Gaussian directions: no structure for an ANN index to exploit) and
+`clustered` (unit vectors around `M / 1000` centres); the ANN paths' recall@K is measured against
+the exact top-K of the same bank.
 """
 from __future__ import annotations
 
@@ -46,7 +41,7 @@ from ear_jax.experiment import benchmarking
 
 # IVF: 512 lists (k-means on the first 39 x 512 vectors of a store, 10 iterations), 8 probed: a
 # query scans ~1/64 of the bank. One build thread: on a shared small machine faiss's threads
-# waiting for each other made building slower (BUILD_NOTES, "memory at scale").
+# waiting for each other made building slower.
 IVF = {"nlist": 512, "nprobe": 8, "build_threads": 1}
 # name -> (Memory keyword options, data)
 PATHS = {
@@ -63,12 +58,11 @@ PATHS = {
 }
 ADD_BATCH = 1 << 16
 # `Memory.load` of this bench's exact 1M memory (d = 384, random unit embeddings added in batches of
-# `ADD_BATCH`, then saved) with the code before issue 29 (commit d127715: Orbax bank shards),
-# median of 3, on the shared 2-core machine of the issue's work: 17.5 and 18.0 s in two runs at a
-# load average of 1-3; 34.6 s at a load average of 7, back to back with `Memory.open` of issue 29
-# (40.2 s there). Issue 29's target: `Memory.open` of the same memory within 2x of it.
+# `ADD_BATCH`, then saved) with the layout before the SQLite rows (commit d127715: Orbax bank
+# shards), median of 3, on a shared 2-core machine: 17.5 and 18.0 s in two runs at a load average
+# of 1-3. The target: `Memory.open` of the same memory within 2x of it.
 OLD_LOAD_1M_S = 17.5
-ADD_ONE_TARGET_MS = 50.0  # issue 29: `add` of one memory at 1M, durable when it returns
+ADD_ONE_TARGET_MS = 50.0  # the target: `add` of one memory at 1M, durable when it returns
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -285,7 +279,7 @@ def run(sizes: Sequence[int], paths: Sequence[str], dim: int = 384, calls: int =
 
 def table(res: dict) -> str:
   """The markdown table of a `run` result (times beside their bounds), then the persistence rows
-  of the exact path beside issue 29's targets."""
+  of the exact path beside their targets."""
   lines = ["| path (data) | M | add (total) | search b1 p50 / bound | round b1 p50 / p90 | "
            f"search b{res['batch']} per call / bound | feedback p50 (learner step p50) | "
            "save first / after +1,000 (+0) | device bytes / memory | recall@K |",
@@ -314,7 +308,7 @@ def table(res: dict) -> str:
                "state (`Memory.learner`, to wait for the step; the copy alone beside it).")
   persisted = [r for r in res["rows"] if "load_s" in r]
   if persisted:
-    lines += ["", "| exact, M | `Memory.open` (median of 3) | vs before issue 29 (target <= 2x) "
+    lines += ["", "| exact, M | `Memory.open` (median of 3) | vs the Orbax-shards layout (target <= 2x) "
               "| first search after open | `add` of one memory p50 / p90 (target < "
               f"{ADD_ONE_TARGET_MS:.0f} ms) | search after that add p50 / search p50 | table / "
               "learner item bytes |", "|---|---|---|---|---|---|---|"]

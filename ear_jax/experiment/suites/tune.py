@@ -62,7 +62,6 @@ MAX_COMBINE = 4
 # "Better" means higher by more than float32 rounding of a mean (one validation query of one seed
 # moves a 5-seed mean by ~0.08 points on LoCoMo): equal scores are ties, not improvements.
 _EPS = 1e-3
-_EXPLORER_KEYS = ("lambda_rel", "lambda_div", "lambda_exp")
 
 
 class _Tuner:
