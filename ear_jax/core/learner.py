@@ -156,8 +156,7 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
   out = Feedback(*policy(key, z, lambda: adapter_lib.gram(m_t), where, feedback, config, hparams))
   if config.guard_holdout and held is not None:
     z_first, _ = adapter_lib.relevance(guard_lib.first_stage_params(config), query, candidates)
-    pages = retrieval.paging_slate(jax.random.split(key)[1],
-                                   z_first, where, feedback,
+    pages = retrieval.paging_slate(jax.random.split(key)[1], z_first, where, feedback,
                                    config.num_rounds, config.slate_size)
     if out.slates.shape != pages.pages.shape:
       raise ValueError(f"guard_holdout: the training policy's {out.slates.shape[0]} slates and "
