@@ -242,3 +242,29 @@ def test_a_guarded_run_restores_the_parameters_its_test_set_was_scored_with(setu
   seed = lambda tree, i: jax.tree_util.tree_map(lambda x: np.asarray(x)[i], tree)
   for i, s in enumerate(meta["served"]):
     assert _equal(seed(got, i), seed(raw, i) if s else first)
+
+
+def test_an_adapter_saved_by_the_previous_layout_restores_what_its_guard_served(tmp_path):
+  """tests/fixtures/old_run_adapter: an `ear_safe` run's final adapters saved by the code that
+  stored the guard's retired config fields and the adapter's empty low-rank fields (made by
+  tests/fixtures/make_previous_layouts.py with that code)."""
+  import json  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  from ear_jax.core import guard as guard_lib  # pylint: disable=g-import-not-at-top
+  from ear_jax.core.config import EARConfig  # pylint: disable=g-import-not-at-top
+  fixtures = pathlib.Path(__file__).parent / "fixtures"
+  old = json.loads((fixtures / "old_run_adapter.json").read_text())
+  assert "adapter_rank" in old["config"] and "guard_evidence" in old["config"]
+  shutil.copytree(fixtures / "old_run_adapter", tmp_path / "wd")
+  got, stored, meta = run_checkpoints.restore_adapter(tmp_path / "wd", seed_index=None)
+  assert stored == EARConfig.for_method("ear_safe", dim=4, num_candidates=6, side_features=2)
+  assert meta["served"] == [True, False]
+  first = guard_lib.first_stage_params(stored)
+  for name in ("w_q", "w_m", "w_side"):
+    want = np.asarray(old["params"][name], np.float32)
+    np.testing.assert_array_equal(np.asarray(getattr(got, name))[0], want[0])  # served
+    np.testing.assert_array_equal(np.asarray(getattr(got, name))[1], getattr(first, name))
+  raw, _, _ = run_checkpoints.restore_adapter(tmp_path / "wd", seed_index=1, guarded=False)
+  np.testing.assert_array_equal(np.asarray(raw.w_q), np.asarray(old["params"]["w_q"][1],
+                                                                np.float32))

@@ -122,7 +122,7 @@ def test_the_guard_ring_is_saved_and_loaded_with_the_learner(tmp_path):
 
 def test_a_directory_saved_with_the_guards_evidence_sums_opens_and_serves_as_before(tmp_path):
   # tests/fixtures/guard_sums_memory: `ear_safe` saved by the code that also kept evidence sums
-  # beside the held-out ring (made by tests/fixtures/make_guard_sums_memory.py with that code).
+  # beside the held-out ring (made by tests/fixtures/make_previous_layouts.py with that code).
   import json  # pylint: disable=g-import-not-at-top
   import pathlib  # pylint: disable=g-import-not-at-top
   import shutil  # pylint: disable=g-import-not-at-top

@@ -38,7 +38,7 @@ import numpy as np
 from ear_jax.core import guard as guard_lib
 from ear_jax.core import learner
 from ear_jax.core.config import EARConfig, HParams
-from ear_jax.io.checkpoints import CheckpointError, CheckpointStore, check_compatible
+from ear_jax.io.checkpoints import CheckpointError, CheckpointStore, check_compatible, fit_target
 
 FORMAT = "ear_jax.run_checkpoint/2"
 ADAPTER_FORMAT = "ear_jax.run_adapter/1"  # a finished run's final adapters alone (`save_adapter`)
@@ -301,8 +301,11 @@ def _restore_final_adapter(directory: pathlib.Path, config: Optional[EARConfig])
     if _leaf_specs(target) != meta["leaves"]:
       raise ValueError(f"adapter in {directory} has array shapes that do not match its config "
                        f"{stored}")
-    tree, _ = store.restore(target={"params": target})
-  return tree["params"], stored, meta
+    # As saved, then matched to the target by leaf name (`fit_target`): an adapter saved with
+    # fields this version no longer has (empty placeholders in Orbax's tree) reads too.
+    tree, _ = store.restore()
+  params = fit_target(target, tree["params"], f"the adapter in {directory}")
+  return jax.tree_util.tree_map(jnp.asarray, params), stored, meta
 
 
 def restore_adapter(workdir, *, run: Optional[str] = None, config: Optional[EARConfig] = None,
