@@ -4,8 +4,9 @@ Pure functions over immutable pytree state; a whole online episode is one `lax.s
 seeds and hyperparameters. Callers `jax.jit` (the config is a static argument:
 `jax.jit(run_episode, static_argnames="config")`). This module is the table of contents of the
 method; everything else is reached through its subpackage (`ear_jax.core`, `ear_jax.data`,
-`ear_jax.io`, `ear_jax.index`, `ear_jax.agent`, `ear_jax.experiment`). README.md has the quick
-start and BUILD_NOTES.md the map from each paper equation to its function.
+`ear_jax.io`, `ear_jax.index`, `ear_jax.agent`, `ear_jax.experiment`; importing this module
+imports no experiment code). README.md has the quick start and the design document the map from
+each paper equation to its function.
 """
 from ear_jax.core.config import EARConfig, HParams, Method, default_hparams, stack_hparams
 from ear_jax.core.stream import Stream
@@ -18,7 +19,7 @@ from ear_jax.core.inference import EvalResult, evaluate
 from ear_jax.core.critic import SlateView, make_simulated_critic
 from ear_jax.core.types import Critic
 from ear_jax.agent.memory import Memory, MemoryConfig
-from ear_jax.experiment.checkpointing import CheckpointError, restore_adapter
+from ear_jax.io.run_checkpoints import CheckpointError, restore_adapter
 
 __version__ = "0.1.0"
 

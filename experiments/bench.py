@@ -2,58 +2,25 @@ r"""Speed of ear_jax, measured against baselines measured in the same run.
 
   python -m experiments.bench              # full table (a few minutes on 2 CPU cores), bench.json
   python -m experiments.bench --quick      # every field on tiny shapes (~30 s; used by a test)
-  python -m experiments.bench --suite=scale   # memory at scale, 1k -> 1M (see below)
+  python -m experiments.bench --suite=scale   # memory at scale, 1k -> 1M
   python -m experiments.bench --suite=first_stage   # BM25 / hybrid candidates, 10k -> 1M
   python -m experiments.bench --suite=server   # the MCP server under 16 concurrent HTTP clients
   python -m experiments.bench --suite=scopes   # a scoped search among 1M memories in 10k scopes
   python -m experiments.bench --suite=accelerator --data_dir=D --cache_dir=C   # the GPU column
+  python -m experiments.bench --suite=distributed --coordinator=... --num_processes=2 --process_id=I
 
-Everything runs on one fixed synthetic stream shaped like LoCoMo training (1,232 queries, K = 20,
-s = 5, T = 4, B = 4, batch 4; d = 384 and d = 768; EAR with the default config):
-  scan       EAR training as one jitted `lax.scan` over the stream (`run_episode`), queries/s;
-             compile time reported separately.
-  loop       the same jitted per-batch step (`learner.train_batch`) called from a Python loop.
-  numpy      the independent NumPy implementation (`ear_jax.experiment.reference`), queries/s.
-  seeds      8 seeds with `vmap` in one call (`sharding.sharded_episodes`: all devices) vs 8
-             sequential jitted `run_episode` calls.
-  roofline   FLOPs of one EAR training query (counted by `ear_flops_per_query`), achieved GFLOP/s
-             of `scan`, and the peak fp32 matmul GFLOP/s of this machine measured in the same run.
-  inference  adapter-only retrieval (`retrieval.retrieve`, jitted) and explorer-assisted retrieval
-             (`retrieval.top_k_search` + `inference.explorer_slate`, the paper's simulated critic:
-             `benchmarking.explorer_retrieve`) from a bank of 600 and of 250 memories, top-K
-             search included, batch 1 latency and batch 256 throughput; paper Table 8 beside them.
-  encode     MiniLM sentences/s (`ear_jax.data.encoders`).
-  suite      wall time of `experiments.run --benchmark=locomo --suite=main` (3 seeds x 3 methods).
+The default rows run on one fixed synthetic stream shaped like LoCoMo training (1,232 queries,
+K = 20, s = 5, T = 4, B = 4, batch 4; d = 384 and d = 768): `scan` (training as one jitted
+`lax.scan`, compile time apart), `loop` (the same jitted step from a Python loop), `numpy` (the
+independent NumPy implementation), `seeds` (8 seeds with `vmap` vs 8 sequential calls),
+`roofline` (FLOPs per training query, achieved and peak GFLOP/s), `inference` (adapter-only and
+explorer-assisted retrieval, batch 1 and 256; paper Table 8 beside them), `encode` (MiniLM
+sentences/s) and `suite` (wall time of `experiments.run --benchmark=locomo --suite=main`).
 
-`--suite=scale` (`ear_jax.experiment.scale_bench`): add, search (p50 / p90, batch 1 and batch
-256), a session's round, feedback and save costs of `Memory` against bank size (`--scale_sizes`)
-for the exact fp32, exact bf16 and faiss paths (`--scale_paths`), each beside the memory-bandwidth
-and matmul bounds measured in the same run, and for the exact path `Memory.open` of the saved
-directory (at 1M against the load before issue 29, target <= 2x) and `add` of one memory to the
-opened memory (target < 50 ms); writes `--scale_out` (JSON), a markdown table and a log-log plot.
-`--suite=first_stage` (`ear_jax.experiment.first_stage_bench`): the BM25 / hybrid first stage
-against bank size, and the search right after adding one memory (target <= 2x a search).
-`--suite=server` (`ear_jax.experiment.server_bench`): the MCP server over loopback HTTP with
-`--server_memories` in `--server_scopes` scopes, 1 and `--server_clients` concurrent clients
-(remember / recall / cite / search, `--server_seconds` each), a kill -9 mid-run, the same workload
-in-process; calls/s, p50 / p99 per tool, errors, leaks, acknowledged writes -> `--server_out`.
-
-`--suite=accelerator` (`ear_jax.experiment.accelerator_bench`; sized for ~6 min on an H200, not yet
-timed on one): the device and versions, the core's fast tests on the device, `experiments.run
---suite=main` on LoCoMo on the device beside a CPU reference (`--accel_reference`: a JSON of
-per-seed CPU values, committed at results/accelerator/locomo_main_cpu.json, or `cpu` = the same
-command now on the host CPU), one jitted `vmap(run_episode)` over N = 1 / 10 / 100 / 1000 seeds
-(and the host CPU at small N), and exact search over 1M and 10M x 384 rows (float32 / bfloat16,
-batch 1 / 64) against the bandwidth bound measured in the run -> `--accel_out` (JSON), the
-markdown beside it and, on a GPU / TPU, BENCHMARKS.md's "GPU" section. Offline: embeddings from
-`--cache_dir` (a model's embedding cache directory, the one holding meta.json, runs with no model
-installed; else a cache root) and LoCoMo from `--data_dir`. `--small`: tiny sizes, the synthetic
-benchmark and one test file (a CPU check; 2-3 min on a loaded 2-core machine).
-`--accel_make_reference=<results.json of a CPU run>` writes `--accel_reference` from it;
-`--accel_bundle=.accel` packs LoCoMo and its embeddings for an offline machine and prints the call.
-
-The measurements are `ear_jax.experiment.benchmarking`; this program reads the flags, calls them
-and prints the table. Timings take the minimum over repetitions (the machine is shared; the minimum
+The other suites are `ear_jax.experiment.scale_bench`, `first_stage_bench`, `server_bench`,
+`scope_bench`, `distributed_bench` and `accelerator_bench` (`--small`: a CPU check) (each module's docstring says what it measures); the
+default rows are `ear_jax.experiment.benchmarking`. This program reads the flags, calls them and
+prints the table. Timings take the minimum over repetitions (the machine is shared; the minimum
 is the least disturbed run). Every ratio is printed with its target and whether it is met.
 """
 from __future__ import annotations
@@ -79,12 +46,12 @@ from experiments import dist_flags
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 ROWS = ("scan", "loop", "numpy", "seeds", "inference", "encode", "suite")
 
-_SUITE = flags.DEFINE_enum("suite", "default", ["default", "scale", "scale_probes", "distributed",
+_SUITE = flags.DEFINE_enum("suite", "default", ["default", "scale", "distributed",
                                                 "first_stage", "server", "scopes", "accelerator"],
-                           "Which benchmark: the default rows, memory at scale, the "
-                           "probes behind its design choices (PQ settings, retrieve latency warm "
-                           "and cold), or the cross-process merge of the sharded search ("
-                           "run one process per --process_id with --coordinator).")
+                           "Which benchmark: the default rows, memory at scale, the first stage, "
+                           "the MCP server under load, scoped search, the cross-process merge "
+                           "of the sharded search (run one process per --process_id with "
+                           "--coordinator), or the accelerator column.")
 _DIST_ROWS = flags.DEFINE_integer("distributed_rows", 1_000_000, "--suite=distributed: bank rows "
                                   "(split over the processes).", lower_bound=2)
 _SCALE_SIZES = flags.DEFINE_list("scale_sizes", ["1000", "10000", "100000", "1000000"],
@@ -212,8 +179,6 @@ def main(argv):
     return _accelerator()
   if _SUITE.value == "scale":
     return _scale()
-  if _SUITE.value == "scale_probes":
-    return _scale_probes()
   if _SUITE.value == "first_stage":
     return _first_stage()
   if _SUITE.value == "server":
@@ -502,27 +467,6 @@ def _server():
   print(text)
   print(f"wrote {out}, {out.with_suffix('.md')}")
   return 0 if not (res["errors"] or res["leaks"] or res["missing"]) else 1
-
-
-def _scale_probes():
-  """`--suite=scale_probes`: `scale_bench.pq_probe` and `latency_probe` -> JSON and markdown next to
-  `--scale_out`."""
-  from ear_jax.experiment import scale_bench  # pylint: disable=g-import-not-at-top
-  out = pathlib.Path(_SCALE_OUT.value).with_name("probes.json")
-  out.parent.mkdir(parents=True, exist_ok=True)
-  quick = _QUICK.value
-  pq = scale_bench.pq_probe(m=20_000 if quick else 1_000_000, dim=64 if quick else 384,
-                            num_queries=20 if quick else 100,
-                            probes=(("PQ16x4fs", 400), ("PQ32x4fs", 200), ("PQ64x4fs", 200))
-                            if quick else scale_bench.PQ_PROBES)
-  lat = scale_bench.latency_probe(m=2_000 if quick else 10_000, dim=64 if quick else 384,
-                                  calls=20 if quick else 100)
-  command = "python -m experiments.bench " + " ".join(sys.argv[1:])
-  out.write_text(json.dumps({"command": command, "pq": pq, "latency": lat}, indent=1))
-  text = scale_bench.probes_table(pq, lat)
-  out.with_suffix(".md").write_text(f"Command: `{command}`\n\n{text}\n")
-  print(text)
-  print(f"wrote {out}, {out.with_suffix('.md')}")
 
 
 # ------------------------------------------------------------------------------------------------

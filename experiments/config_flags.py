@@ -28,22 +28,15 @@ _CHOICES = {
     "optimizer": lambda: list(config_lib.OPTIMIZERS),
     "loss_form": lambda: list(config_lib.LOSS_FORMS),
     "replay_unobserved": lambda: list(config_lib.REPLAY_UNOBSERVED),
-    "label_weights": lambda: list(config_lib.LABEL_WEIGHTS),
     "final_slate": lambda: list(config_lib.FINAL_SLATES),
-    "lr_schedule": lambda: list(config_lib.LR_SCHEDULES),
-    "guard_evidence": lambda: list(config_lib.GUARD_EVIDENCE),
-    "guard_pages": lambda: list(config_lib.GUARD_PAGES),
-    "weight_decay_target": lambda: list(config_lib.WEIGHT_DECAY_TARGETS),
 }
 # Bounds checked by absl validators: (lower bound, inclusive?).
 _BOUNDS = {
     "slate_size": (1, True), "num_rounds": (1, True), "replay_size": (1, True),
-    "buffer_capacity": (1, True), "batch_size": (1, True), "adapter_rank": (1, True),
-    "test_rounds": (1, True), "lr_schedule_steps": (1, True), "weight_decay": (0.0, True),
-    "side_init": (0.0, True), "grad_clip_norm": (0.0, False), "tau": (0.0, False),
-    "learning_rate": (0.0, True), "lambda_rep": (0.0, True), "alpha": (0.0, True),
-    "guard_z": (0.0, True), "guard_min_queries": (1, True), "guard_half_life": (0.0, True),
-    "guard_holdout": (0, True), "guard_holdout_capacity": (1, True),
+    "buffer_capacity": (1, True), "batch_size": (1, True), "test_rounds": (1, True),
+    "side_init": (0.0, True), "tau": (0.0, False), "learning_rate": (0.0, True),
+    "lambda_rep": (0.0, True), "alpha": (0.0, True), "guard_z": (0.0, True),
+    "guard_min_queries": (1, True), "guard_holdout": (0, True), "guard_holdout_capacity": (1, True),
 }
 
 

@@ -1,32 +1,23 @@
 """Measures an LLM critic's citation precision / recall against the gold evidence (Appendix A.2).
 
-The slates are those the EAR training policy shows (`ear_jax.experiment.critic_eval`): one episode
-of the Explorer over the K=20 retrieved candidates of the training split's queries (`--seed`
-split, the paper's simulated critic driving it), keeping per query its first slate that holds a gold
-memory; plus gold-free slates of queries whose slates never hold one. `--subset=pilot` uses the
-first `--pilot_queries` training queries (choose the prompt there), `--subset=eval` the following
-ones (report these). Without `--base_url` the local llama.cpp server with SmolLM2-135M-Instruct is
-started for the run. Replies are cached on disk (`--llm_cache_dir`): an interrupted run resumes.
+The slates are those the EAR training policy shows (`ear_jax.experiment.critic_eval`), per query
+its first slate holding a gold memory, plus gold-free slates. `--subset=pilot` (choose the prompt)
+and `--subset=eval` (report) are disjoint. Without `--base_url` the local llama.cpp server with
+SmolLM2-135M-Instruct is started; replies are cached on disk (`--llm_cache_dir`).
 
   python -m experiments.critic_eval --subset=eval --num_slates=300 --num_gold_free=60
   python -m experiments.critic_eval --subset=pilot --num_slates=40 --num_gold_free=10 --prompt=cite_json
   python -m experiments.critic_eval --base_url=http://localhost:8000/v1 --model=qwen2.5-7b
 
-The answer-grounded critic (`--critic=answer`, issue 28; no LLM call: the gold answers play the
-agent's answers). `--subset=validation` scores its threshold grid on the slates of each seed's
-validation queries (the last 20 % of its training stream) and chooses; `--subset=test` measures
-the library's thresholds (`core.critic.ANSWER_DEFAULTS`) on the slates of each seed's test queries,
-beside the simulated critic's settings measured on the same slates:
+The answer-grounded critic (`--critic=answer`; the gold answers play the agent's answers):
+`--subset=validation` chooses its thresholds on validation queries, `--subset=test` measures the
+library's (`core.critic.ANSWER_DEFAULTS`) on the test queries beside the simulated critic's:
 
   python -m experiments.critic_eval --critic=answer --subset=validation --seeds=5
   python -m experiments.critic_eval --critic=answer --subset=test --seeds=10
 
-`--answers=llm` (test only) measures the same thresholds with a weak agent's own answers instead
-of the gold ones (`ear_jax.experiment.agent_answers`: the local LLM answering each test question
-from the retriever's top-5, the QA suite's answer prompt), beside the gold-answer row on the same
-slates. The answers are read from `--answers_file` (default
-results/critic_eval/llm_answers_<benchmark>.json); `--generate_answers` makes them first (one LLM
-call per test question of the seeds, through the reply cache `--llm_cache_dir`):
+`--answers=llm` uses the local LLM's own answers (`ear_jax.experiment.agent_answers`), read from
+`--answers_file`; `--generate_answers` makes them first:
 
   python -m experiments.critic_eval --critic=answer --subset=test --seeds=1 --answers=llm \
       --generate_answers
@@ -300,7 +291,7 @@ def _answer_main():
               f"| cite each slate's first memory | {first['first_precision']:.3f} | "
               f"{first['first_recall']:.3f} | – | – | – | – |"]
     if bench.name == "locomo":
-      lines.append("| SmolLM2-135M as the critic, `judge_each_json` (RESULTS.md, issue 11: 300 + "
+      lines.append("| SmolLM2-135M as the critic, `judge_each_json` (RESULTS.md, LLM critic: 300 + "
                    "30 slates of seed 0's training split; not rerun) | 0.274 | 0.289 | – | – | – "
                    "| 0.667 |")
     if agent:

@@ -8,7 +8,7 @@ Recall@5 through the adapter-only `search`, then answers the training questions 
 
 * `cite`: the ids of the gold turns it was shown (`used_ids`: a perfect citing critic);
 * `answer`: only its answer (`answer=`, the question's LoCoMo gold answer, as a competent agent
-  would answer; no ids): the server labels the shown turns by the answer rule (issue 28). A
+  would answer; no ids): the server labels the shown turns by the answer rule. A
   question without a gold answer gets no `cite` (an agent with nothing to say).
 
   python -m experiments.mcp_agent --locomo=../shared/data/locomo10.json --memory_dir=ear_mcp_run \\

@@ -8,7 +8,6 @@
   python -m experiments.run --benchmark=locomo --suite=answer_critic  # EAR taught by the answers
   python -m experiments.run --benchmark=locomo --suite=guard_tune --candidates=hybrid --seeds=5
   python -m experiments.run --benchmark=locomo --suite=guard --seeds=10  # ear_safe vs paging
-  python -m experiments.run --benchmark=locomo --suite=headroom --seeds=5  # gold-label bound
 
 Writes into --workdir: results.json (config, versions, per-seed and mean ± std Recall@5/Hitrate@5
 in both inference modes, per category, the Recall@K ceiling, wall time), tables.md and
@@ -38,11 +37,9 @@ from experiments import dist_flags
 SUITES = ("main", "ablation", "hparams", "curves", "noise", "multistore", "qa", "all",
           "tune", "beyond",  # tune / beyond: validation tuning, ear_tuned vs ear
           "first_stage_tune", "first_stage",  # EAR over dense / BM25 / hybrid
-          "answer_critic",  # EAR trained by the answer-grounded critic (issue 28)
-          "guard_tune",  # the guard on LoCoMo validation (issue 27)
-          "guard",  # ear_safe vs the frozen first stage and paging, test split (issue 27)
-          "guard_diagnosis",  # what the guard's evidence reads vs held-out measurements
-          "headroom",  # the adapter fitted on gold labels: an upper bound (issue 27)
+          "answer_critic",  # EAR trained by the answer-grounded critic
+          "guard_tune",  # ear_safe's guard on LoCoMo validation
+          "guard",  # ear_safe vs the frozen first stage and paging, test split
           "pool_tune", "pool")  # K > T s: loss_support and K on validation; presets at K 20-100
 
 _DATA = data_flags.define(["locomo", "longmemeval", "jsonl", "synthetic"])
@@ -106,7 +103,7 @@ _HPARAM_FLAGS = config_flags.define_hparam_flags()
 _CRITIC = flags.DEFINE_enum("critic", "simulated", ["simulated", "answer"], "The critic of every "
                             "trained run: simulated (Appendix A.2, --critic_precision / "
                             "--critic_recall) or answer (the answer-grounded critic with the "
-                            "benchmark's gold answers as the agent's answers; issue 28).")
+                            "benchmark's gold answers as the agent's answers).")
 # The simulated critic's parameters (Appendix A.2; None = the paper's, defined in core.critic).
 _CRITIC_FLAGS = {
     "precision": flags.DEFINE_float(
@@ -156,7 +153,7 @@ def build_options():
     guarded = _SUITE.value is not None and any(k.startswith("guard_") for k in config_over)
     probe = cfg.EARConfig.for_method(
         _METHOD.value if _SUITE.value is None else ("ear_safe" if guarded else "ear"),
-        **{"dim": max(config_over.get("adapter_rank") or 1, 8), **config_over})
+        **{"dim": 8, **config_over})
     cfg.default_hparams(**hparam_over)
   except ValueError as e:
     name = next((k for k in list(config_over) + list(hparam_over) if k in str(e)), None)

@@ -48,28 +48,6 @@ def test_all_masked_log_probs_are_finite():
   assert np.all(np.isfinite(np.asarray(lp)))
 
 
-@pytest.mark.slow
-def test_low_rank_adapter_starts_at_identity_and_learns():
-  cfg = EARConfig(dim=4, num_candidates=2, slate_size=1, adapter_rank=2)
-  p = adapter.init_adapter(jax.random.PRNGKey(0), cfg)
-  assert p.w_q is None and p.a_q.shape == (4, 2)
-  q = jnp.array([1.0, 0.0, 0.0, 0.0])
-  np.testing.assert_allclose(adapter.adapt_queries(p, q), q, atol=1e-7)
-  m = jnp.eye(4)[1:3]
-  g = jax.grad(lambda pp: adapter.adapter_scores(pp, q, m)[0])(p)
-  assert float(jnp.abs(g.a_q).sum()) > 0  # A receives a gradient although W = A B^T = 0
-
-
-def test_low_rank_matches_full_adapter_with_the_same_w():
-  rng = np.random.default_rng(0)
-  a, b = rng.normal(size=(5, 2)), rng.normal(size=(5, 2))
-  lr = adapter.AdapterParams(a_q=a, b_q=b, a_m=b, b_m=a)
-  full = adapter.AdapterParams(w_q=a @ b.T, w_m=b @ a.T)
-  q, m = rng.normal(size=5), rng.normal(size=(3, 5))
-  np.testing.assert_allclose(adapter.adapter_scores(lr, q, m), adapter.adapter_scores(full, q, m),
-                             rtol=1e-5, atol=1e-6)
-
-
 def test_jit_and_vmap_agree_with_plain_calls():
   rng = np.random.default_rng(1)
   p = adapter.AdapterParams(w_q=rng.normal(size=(4, 4)) * 0.1, w_m=rng.normal(size=(4, 4)) * 0.1)

@@ -1,4 +1,4 @@
-"""Tests of ear_jax/checkpointing.py: bitwise kill-and-resume, restore_adapter, bad checkpoints."""
+"""Tests of ear_jax/io/run_checkpoints.py: bitwise kill-and-resume, restore_adapter, bad checkpoints."""
 import hashlib
 import os
 import pathlib
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ear_jax.data import candidates
-from ear_jax.experiment import checkpointing
+from ear_jax.io import run_checkpoints
 from ear_jax.experiment import runner as ex
 from ear_jax.data import synthetic
 from ear_jax.core.config import default_hparams
@@ -31,7 +31,7 @@ def _run(setup, directory, eval_every=16, **kw):
   config = kw.pop("config")
   return ex.train_and_evaluate("ear", bench.stream, train, test, config, default_hparams(),
                                [0, 1], eval_every=eval_every, checkpoint_every=16,
-                               checkpointer=checkpointing.RunCheckpointer(directory), **kw)
+                               checkpointer=run_checkpoints.RunCheckpointer(directory), **kw)
 
 
 def _tree_hash(path):
@@ -73,12 +73,12 @@ def test_interrupted_then_resumed_run_is_bitwise_identical(setup, uninterrupted,
 @pytest.mark.slow
 def test_restore_adapter_gives_the_final_adapter_and_rejects_another_config(setup, uninterrupted):
   full, d = uninterrupted
-  params, config, meta = checkpointing.restore_adapter(d, seed_index=1)
+  params, config, meta = run_checkpoints.restore_adapter(d, seed_index=1)
   assert config == setup[3] and meta["position"] == 51
   np.testing.assert_array_equal(np.asarray(params.w_m), np.asarray(full.final_state.params.w_m[1]))
   other = setup[3].__class__(**{**setup[3].__dict__, "num_rounds": 2})
   with pytest.raises(ValueError, match="num_rounds"):
-    checkpointing.restore_adapter(d, config=other)
+    run_checkpoints.restore_adapter(d, config=other)
 
 
 @pytest.mark.slow
@@ -102,7 +102,7 @@ def test_corrupted_checkpoint_is_a_clear_error_and_keeps_checkpoints(setup, tmp_
   for p in data:  # truncate the array data of the latest step
     p.write_bytes(p.read_bytes()[:16])
   before = _tree_hash(tmp_path / "c")
-  with pytest.raises(checkpointing.CheckpointError, match="left untouched"):
+  with pytest.raises(run_checkpoints.CheckpointError, match="left untouched"):
     _run(setup, tmp_path / "c", eval_every=None, resume=True)
   assert _tree_hash(tmp_path / "c") == before
   assert sorted(os.listdir(tmp_path / "c")) == ["16", "32"]
@@ -113,11 +113,11 @@ def test_foreign_checkpoint_directory_is_a_clear_error_and_is_left_alone(setup, 
   d.mkdir(parents=True)
   (d / "model.bin").write_bytes(b"not ours")
   before = _tree_hash(tmp_path / "c")
-  with pytest.raises(checkpointing.CheckpointError, match="not an ear_jax run checkpoint"):
+  with pytest.raises(run_checkpoints.CheckpointError, match="not an ear_jax run checkpoint"):
     _run(setup, tmp_path / "c", resume=True)
   assert _tree_hash(tmp_path / "c") == before
-  with pytest.raises(checkpointing.CheckpointError):
-    checkpointing.restore_adapter(tmp_path / "c")
+  with pytest.raises(run_checkpoints.CheckpointError):
+    run_checkpoints.restore_adapter(tmp_path / "c")
 
 
 def test_final_adapter_is_replaced_atomically_and_only_training_checkpoints_have_positions(
@@ -126,23 +126,23 @@ def test_final_adapter_is_replaced_atomically_and_only_training_checkpoints_have
   workdir for an intermediate position names the flag that would have written it."""
   from ear_jax.core import adapter as adapter_lib
   config = ex.build_config("ear", dim=8, num_candidates=20)
-  store = tmp_path / "wd" / "runs" / "ear" / checkpointing.ADAPTER_DIR
+  store = tmp_path / "wd" / "runs" / "ear" / run_checkpoints.ADAPTER_DIR
 
   def params(v):
     return adapter_lib.AdapterParams(w_q=np.full((2, 8, 8), v, np.float32),
                                      w_m=np.full((2, 8, 8), -v, np.float32))
 
   for v in (1.0, 2.0):
-    checkpointing.save_adapter(store, params(v), config=config, hparams=default_hparams(),
+    run_checkpoints.save_adapter(store, params(v), config=config, hparams=default_hparams(),
                                seeds=[0, 1], position=40)
   assert [p.name for p in store.iterdir() if p.name.isdigit()] == ["1"]
-  got, stored, meta = checkpointing.restore_adapter(tmp_path / "wd", run="ear", seed_index=1)
+  got, stored, meta = run_checkpoints.restore_adapter(tmp_path / "wd", run="ear", seed_index=1)
   assert stored == config and meta["position"] == 40 and meta["seeds"] == [0, 1]
   np.testing.assert_array_equal(np.asarray(got.w_q), np.full((8, 8), 2.0, np.float32))
   with pytest.raises(FileNotFoundError, match="--checkpoint_every"):
-    checkpointing.restore_adapter(tmp_path / "wd", run="ear", position=16)
+    run_checkpoints.restore_adapter(tmp_path / "wd", run="ear", position=16)
   with pytest.raises(ValueError, match="num_rounds"):
-    checkpointing.restore_adapter(store, config=ex.build_config("ear", dim=8, num_candidates=20,
+    run_checkpoints.restore_adapter(store, config=ex.build_config("ear", dim=8, num_candidates=20,
                                                                 num_rounds=2))
 
 
@@ -160,8 +160,8 @@ def test_a_guarded_adapter_restores_what_its_guard_serves_and_the_trained_one_on
   the guard trusts it, the first stage's parameters (identity, `w_side` at its init) where not."""
   from ear_jax.core import guard as guard_lib  # pylint: disable=g-import-not-at-top
   config = ex.build_config("ear_safe", dim=8, num_candidates=20, side_features=2)
-  store = tmp_path / "wd" / "runs" / "ear_safe" / checkpointing.ADAPTER_DIR
-  save = lambda **kw: checkpointing.save_adapter(store, _guarded_params(1.0), config=config,
+  store = tmp_path / "wd" / "runs" / "ear_safe" / run_checkpoints.ADAPTER_DIR
+  save = lambda **kw: run_checkpoints.save_adapter(store, _guarded_params(1.0), config=config,
                                                  hparams=default_hparams(), seeds=[0, 1],
                                                  position=40, **kw)
   with pytest.raises(ValueError, match="guard's decision per seed"):
@@ -171,20 +171,20 @@ def test_a_guarded_adapter_restores_what_its_guard_serves_and_the_trained_one_on
   assert not store.exists()  # (nothing written by a refused save)
   save(served=np.array([True, False]))
   first = guard_lib.first_stage_params(config)
-  got, stored, meta = checkpointing.restore_adapter(tmp_path / "wd", seed_index=None)
+  got, stored, meta = run_checkpoints.restore_adapter(tmp_path / "wd", seed_index=None)
   assert stored == config and meta["served"] == [True, False]
   np.testing.assert_array_equal(got.w_q[0], np.full((8, 8), 1.0, np.float32))
   np.testing.assert_array_equal(got.w_side[0], np.full((2,), 3.0, np.float32))
   for leaf in ("w_q", "w_m", "w_side"):  # seed 1: the guard serves the first stage
     np.testing.assert_array_equal(getattr(got, leaf)[1], np.asarray(getattr(first, leaf)))
-  one, _, _ = checkpointing.restore_adapter(tmp_path / "wd", seed_index=1)
+  one, _, _ = run_checkpoints.restore_adapter(tmp_path / "wd", seed_index=1)
   np.testing.assert_array_equal(one.w_side, np.asarray(first.w_side))
-  raw, _, meta = checkpointing.restore_adapter(tmp_path / "wd", seed_index=1, guarded=False)
+  raw, _, meta = run_checkpoints.restore_adapter(tmp_path / "wd", seed_index=1, guarded=False)
   np.testing.assert_array_equal(raw.w_m, np.full((8, 8), -1.0, np.float32))
   assert meta["served"] == [True, False]
   plain = ex.build_config("ear", dim=8, num_candidates=20)
   with pytest.raises(ValueError, match="no guard"):
-    checkpointing.save_adapter(tmp_path / "other", _guarded_params(1.0, side=0).replace(
+    run_checkpoints.save_adapter(tmp_path / "other", _guarded_params(1.0, side=0).replace(
         w_side=None), config=plain, hparams=default_hparams(), seeds=[0, 1], position=40,
                                served=[True, True])
 
@@ -194,16 +194,16 @@ def test_a_guarded_adapter_saved_without_the_decision_is_refused_unless_asked_fo
   as if the guard had trusted it."""
   import contextlib  # pylint: disable=g-import-not-at-top
   config = ex.build_config("ear_safe", dim=8, num_candidates=20, side_features=2)
-  store = tmp_path / "runs" / "ear_safe" / checkpointing.ADAPTER_DIR
+  store = tmp_path / "runs" / "ear_safe" / run_checkpoints.ADAPTER_DIR
   params = _guarded_params(1.0)
-  meta = {"format": checkpointing.ADAPTER_FORMAT, "config": config.to_dict(),
-          "hparams": checkpointing._hparams_json(default_hparams()), "seeds": [0, 1],
-          "position": 40, "leaves": checkpointing._leaf_specs(params)}
-  with contextlib.closing(checkpointing.CheckpointStore(store, max_to_keep=1)) as s:
+  meta = {"format": run_checkpoints.ADAPTER_FORMAT, "config": config.to_dict(),
+          "hparams": run_checkpoints._hparams_json(default_hparams()), "seeds": [0, 1],
+          "position": 40, "leaves": run_checkpoints._leaf_specs(params)}
+  with contextlib.closing(run_checkpoints.CheckpointStore(store, max_to_keep=1)) as s:
     s.save(0, {"params": params}, meta)
   with pytest.raises(ValueError, match="guarded=False"):
-    checkpointing.restore_adapter(tmp_path)
-  raw, _, _ = checkpointing.restore_adapter(tmp_path, guarded=False)
+    run_checkpoints.restore_adapter(tmp_path)
+  raw, _, _ = run_checkpoints.restore_adapter(tmp_path, guarded=False)
   np.testing.assert_array_equal(raw.w_q, np.full((8, 8), 1.0, np.float32))
 
 
@@ -219,14 +219,14 @@ def test_a_guarded_run_restores_the_parameters_its_test_set_was_scored_with(setu
   hp = ex.build_method("ear_safe", dim=16, num_candidates=20).hparams
   full = ex.train_and_evaluate("ear_safe", bench.stream, train, test, config, hp, [0, 1],
                                checkpoint_every=16,
-                               checkpointer=checkpointing.RunCheckpointer(tmp_path / "c"))
-  served = checkpointing.guard_decisions(full.final_state, config)
+                               checkpointer=run_checkpoints.RunCheckpointer(tmp_path / "c"))
+  served = run_checkpoints.guard_decisions(full.final_state, config)
   want = ex.served_params(full.final_state, config)
   assert not served.all()  # (a seed whose guard serves the first stage: the raw adapter differs)
-  got, _, meta = checkpointing.restore_adapter(tmp_path / "c", seed_index=None)
+  got, _, meta = run_checkpoints.restore_adapter(tmp_path / "c", seed_index=None)
   assert meta["served"] == served.tolist()
   assert _equal(got, want)
-  raw, _, _ = checkpointing.restore_adapter(tmp_path / "c", seed_index=None, guarded=False)
+  raw, _, _ = run_checkpoints.restore_adapter(tmp_path / "c", seed_index=None, guarded=False)
   assert _equal(raw, full.final_state.params)
   out = suites.run(suites.Options(benchmark="synthetic", seeds=2, synthetic_queries=60,
                                   synthetic_dim=16, progress=False, workdir=str(tmp_path / "wd"),
@@ -234,11 +234,37 @@ def test_a_guarded_run_restores_the_parameters_its_test_set_was_scored_with(setu
                                   config_overrides={"buffer_capacity": 64, "guard_min_queries": 4,
                                                     "guard_holdout": 2}))
   (name, run), = out["runs"].items()
-  got, _, meta = checkpointing.restore_adapter(tmp_path / "wd", run=name, seed_index=None)
+  got, _, meta = run_checkpoints.restore_adapter(tmp_path / "wd", run=name, seed_index=None)
   assert len(meta["served"]) == 2 and not all(meta["served"])
-  raw, stored, _ = checkpointing.restore_adapter(tmp_path / "wd", run=name, seed_index=None,
+  raw, stored, _ = run_checkpoints.restore_adapter(tmp_path / "wd", run=name, seed_index=None,
                                                  guarded=False)
   first = guard_lib.first_stage_params(stored)
   seed = lambda tree, i: jax.tree_util.tree_map(lambda x: np.asarray(x)[i], tree)
   for i, s in enumerate(meta["served"]):
     assert _equal(seed(got, i), seed(raw, i) if s else first)
+
+
+def test_an_adapter_saved_by_the_previous_layout_restores_what_its_guard_served(tmp_path):
+  """tests/fixtures/old_run_adapter: an `ear_safe` run's final adapters saved by the code that
+  stored the guard's retired config fields and the adapter's empty low-rank fields (made by
+  tests/fixtures/make_previous_layouts.py with that code)."""
+  import json  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  from ear_jax.core import guard as guard_lib  # pylint: disable=g-import-not-at-top
+  from ear_jax.core.config import EARConfig  # pylint: disable=g-import-not-at-top
+  fixtures = pathlib.Path(__file__).parent / "fixtures"
+  old = json.loads((fixtures / "old_run_adapter.json").read_text())
+  assert "adapter_rank" in old["config"] and "guard_evidence" in old["config"]
+  shutil.copytree(fixtures / "old_run_adapter", tmp_path / "wd")
+  got, stored, meta = run_checkpoints.restore_adapter(tmp_path / "wd", seed_index=None)
+  assert stored == EARConfig.for_method("ear_safe", dim=4, num_candidates=6, side_features=2)
+  assert meta["served"] == [True, False]
+  first = guard_lib.first_stage_params(stored)
+  for name in ("w_q", "w_m", "w_side"):
+    want = np.asarray(old["params"][name], np.float32)
+    np.testing.assert_array_equal(np.asarray(getattr(got, name))[0], want[0])  # served
+    np.testing.assert_array_equal(np.asarray(getattr(got, name))[1], getattr(first, name))
+  raw, _, _ = run_checkpoints.restore_adapter(tmp_path / "wd", seed_index=1, guarded=False)
+  np.testing.assert_array_equal(np.asarray(raw.w_q), np.asarray(old["params"]["w_q"][1],
+                                                                np.float32))

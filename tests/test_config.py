@@ -23,7 +23,7 @@ jit_run_episode = jax.jit(episode.run_episode, static_argnames=("config",))
     (dict(loss_support="shown"), "unknown loss_support='shown'"),
     (dict(optimizer="rmsprop"), "unknown optimizer='rmsprop'"),
     (dict(train_slate=3), "train_slate must be a registry name or a function"),
-    (dict(adapter_rank=0), "adapter_rank"),
+    (dict(guard_holdout=1), "guard_holdout must be 0"),
     (dict(replay_size=9, buffer_capacity=8), "replay_size B=9 is larger than buffer_capacity"),
     (dict(dim=2.5), "dim must be an int"),
 ])
@@ -96,9 +96,31 @@ def test_a_config_written_before_strategies_were_names_loads_and_equals_todays()
          "buffer_capacity": 2048, "batch_size": 4, "train_slate": "explorer", "use_replay": True,
          "loss_form": "flat", "replay_strategy": "similarity", "replay_unobserved": "negative",
          "optimizer": "adam", "adapter_rank": None, "grad_clip_norm": None,
-         "loss_on_tempered_logits": False}  # the `to_dict` of EARConfig() before issue 21
+         "loss_on_tempered_logits": False}  # the `to_dict` of EARConfig() before strategy objects
   assert EARConfig.from_dict(old) == EARConfig() == EARConfig.for_method("ear")
-  assert EARConfig().to_dict() == old
+  assert EARConfig().to_dict() == {k: v for k, v in old.items()
+                                   if k not in ("adapter_rank", "grad_clip_norm")}
+
+
+def test_a_stored_config_with_fields_of_earlier_versions_reads_as_the_behaviour_it_names():
+  safe = EARConfig.for_method("ear_safe")
+  stored = {**safe.to_dict(), "adapter_rank": None, "grad_clip_norm": None, "guard": True,
+            "guard_evidence": "questions"}  # `ear_safe` as the version before wrote it
+  assert EARConfig.from_dict(stored) == safe
+  assert EARConfig.from_dict({**stored, "guard_half_life": 100.0, "guard_probe": False,
+                              "guard_pages": "first_stage", "lr_schedule_steps": 7}) == safe
+  for field, value in [("adapter_rank", 32), ("grad_clip_norm", 1.0), ("label_weights", "balanced"),
+                       ("weight_decay", 1.0), ("lr_schedule", "rsqrt"), ("guard_probe", True),
+                       ("guard_pages", "shuffled"), ("guard_evidence", "items")]:
+    with pytest.raises(ValueError, match=f"stored EARConfig field {field}="):
+      EARConfig.from_dict({**stored, field: value})
+  with pytest.raises(ValueError, match="guard_evidence='items'"):  # (its default then)
+    EARConfig.from_dict({k: v for k, v in stored.items() if k != "guard_evidence"})
+  prequential = {**EARConfig.for_method("ear_tuned").to_dict(), "guard": True}
+  with pytest.raises(ValueError, match="stored EARConfig field guard=True"):
+    EARConfig.from_dict(prequential)
+  with pytest.raises(ValueError, match="unknown EARConfig field"):
+    EARConfig.for_method("ear", adapter_rank=None)  # (retired fields are read, not taken)
 
 
 def test_config_is_hashable_and_hparams_stack():
@@ -182,7 +204,7 @@ def test_a_directory_of_the_earlier_default_learner_opens_as_it_was_created(tmp_
     Memory.open(tmp_path / "old", default)
   Memory.open(tmp_path / "old", MemoryConfig(encoder=None, method="ear", dim=8)).close()
   with Memory.open(tmp_path / "new", default) as new:
-    assert new.config.ear.guard_holdout == 5 and new.learner.guard.holdout is not None
+    assert new.config.ear.guard_holdout == 5 and new.learner.guard is not None
   with Memory.open(tmp_path / "new") as again:  # (written under presets 3: still the default)
     assert again.config.method is None and again.config.ear.guard_holdout == 5
 

@@ -25,18 +25,18 @@ def test_every_config_field_but_the_data_fixed_ones_and_every_hparam_is_a_flag_w
 
 def test_flags_set_the_fields_they_name():
   fv, cfg, hp = _flag_values()
-  fv(["prog", "--train_slate=gumbel", "--nouse_replay", "--test_rounds=2", "--weight_decay=0.1",
-      "--grad_clip_norm=1.5", "--tau=0.25"])
+  fv(["prog", "--train_slate=gumbel", "--nouse_replay", "--test_rounds=2", "--guard_z=0.1",
+      "--guard_holdout=5", "--tau=0.25"])
   over = config_flags.overrides(cfg)
   assert over == {"train_slate": "gumbel", "use_replay": False, "test_rounds": 2,
-                  "weight_decay": 0.1, "grad_clip_norm": 1.5}
+                  "guard_z": 0.1, "guard_holdout": 5}
   c = config_lib.EARConfig.for_method("ear", **over)
   assert (c.train_slate, c.use_replay, c.eval_rounds) == ("gumbel", False, 2)
   assert config_flags.overrides(hp) == {"tau": 0.25}
 
 
-@pytest.mark.parametrize("arg", ["--replay_size=0", "--grad_clip_norm=0", "--tau=0",
-                                 "--weight_decay=-1", "--loss_form=pl", "--optimizer=rmsprop"])
+@pytest.mark.parametrize("arg", ["--replay_size=0", "--guard_holdout=-1", "--tau=0",
+                                 "--guard_z=-1", "--loss_form=pl", "--optimizer=rmsprop"])
 def test_out_of_bounds_values_are_refused_naming_the_flag(arg):
   fv, _, _ = _flag_values()
   with pytest.raises(flags.Error, match=arg.split("=")[0].lstrip("-")):

@@ -170,7 +170,7 @@ import sys
 import jax
 import numpy as np
 from ear_jax.io.checkpoints import CheckpointError, CheckpointStore
-from ear_jax.experiment import checkpointing
+from ear_jax.io import run_checkpoints
 with CheckpointStore(sys.argv[1]) as store:
   arrays, meta = store.restore()
   target = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), arrays)
@@ -178,8 +178,8 @@ with CheckpointStore(sys.argv[1]) as store:
   print("restored", meta["step"], float(np.asarray(again["w"]).sum()))
   store.save(meta["step"] + 1, again, meta)
 try:
-  checkpointing.restore_adapter(sys.argv[1])
-except checkpointing.CheckpointError as e:
+  run_checkpoints.restore_adapter(sys.argv[1])
+except run_checkpoints.CheckpointError as e:
   print("foreign ok")
 bad = CheckpointStore(sys.argv[2])  # many arrays, read concurrently: some are pending when one fails
 rng = np.random.default_rng(0)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import ear_jax
-from ear_jax.experiment import checkpointing
+from ear_jax.io import run_checkpoints
 from ear_jax.io import checkpoints
 from ear_jax.io.checkpoints import CheckpointError, CheckpointStore, check_compatible
 
@@ -283,7 +283,7 @@ def test_checkpoints_written_without_a_leaf_record_still_restore(tmp_path):
 
 
 def test_one_checkpoint_error_class_everywhere():
-  assert ear_jax.CheckpointError is checkpointing.CheckpointError is checkpoints.CheckpointError
+  assert ear_jax.CheckpointError is run_checkpoints.CheckpointError is checkpoints.CheckpointError
   assert issubclass(CheckpointError, RuntimeError)
   assert pathlib.Path(CheckpointStore("relative").directory).is_absolute()
 
@@ -316,7 +316,7 @@ def test_run_checkpointer_refuses_overwrites_and_lists_differing_fields(tmp_path
       jnp.stack([jax.random.PRNGKey(s) for s in (0, 1)]))
 
   def bound(cfg):
-    ckpt = checkpointing.RunCheckpointer(tmp_path / "run")
+    ckpt = run_checkpoints.RunCheckpointer(tmp_path / "run")
     ckpt.bind(config=cfg, hparams=default_hparams(), seeds=[0, 1], num_train=32, segment=16,
               target=states)
     return ckpt

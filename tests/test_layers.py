@@ -1,8 +1,11 @@
-"""The package's layers import only downward (BUILD_NOTES "Architecture"), and nothing imports tests/."""
+"""The package's layers import only downward, and nothing imports tests/."""
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = ["core", "data", "io", "index", "agent", "experiment"]  # each may import only those before it
@@ -41,6 +44,15 @@ def test_no_library_module_or_program_imports_tests():
                for folder in ("ear_jax", "experiments") for p in (REPO / folder).rglob("*.py")
                for m in _imports(p) if m == "tests" or m.startswith("tests.")]
   assert not offenders, offenders
+
+
+def test_importing_ear_jax_imports_no_experiment_code():
+  # The package's table of contents (`ear_jax/__init__`) reaches trained adapters through io/.
+  code = ("import sys, ear_jax; "
+          "print(sorted(m for m in sys.modules if m.startswith('ear_jax.experiment')))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+  assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_the_layer_checker_catches_an_upward_import(tmp_path):

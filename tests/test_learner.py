@@ -129,20 +129,6 @@ def test_ear_learns_a_learnable_stream():
   assert float(after.hitrate_adapter) > float(before.hitrate_adapter) + 0.3
 
 
-@pytest.mark.slow
-def test_low_rank_adapter_episode_learns_a_learnable_stream():
-  cfg = EARConfig.for_method("ear", dim=16, num_candidates=8, slate_size=2, num_rounds=3,
-                             replay_size=2, buffer_capacity=512, batch_size=4, adapter_rank=8)
-  hp = default_hparams(learning_rate=1e-2)
-  test = learnable_stream(2, 200)
-  untrained = learner.init_learner(jax.random.PRNGKey(0), cfg)
-  state, rec = jit_run_episode(jax.random.PRNGKey(0), learnable_stream(1, 400), cfg, hp)
-  assert state.params.w_q is None and np.all(np.isfinite(rec.loss))
-  before = jit_evaluate(jax.random.PRNGKey(9), untrained.params, test, cfg, hp)
-  after = jit_evaluate(jax.random.PRNGKey(9), state.params, test, cfg, hp)
-  assert float(after.recall_adapter) > float(before.recall_adapter) + 0.2
-
-
 def test_train_batch_on_feedback_equals_train_batch_with_the_same_labels():
   state = learner.init_learner(jax.random.PRNGKey(0), CFG)
   keys = jax.random.split(jax.random.PRNGKey(1), 4)

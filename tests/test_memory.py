@@ -480,7 +480,7 @@ def test_a_learner_given_to_open_keeps_its_replay_buffer_over_the_rows_added_bef
 
 def test_open_refuses_a_directory_of_the_older_layout(tmp_path):
   (tmp_path / "old" / "bank_shards").mkdir(parents=True)
-  with pytest.raises(checkpoints.CheckpointFormatError, match="convert_memory"):
+  with pytest.raises(checkpoints.CheckpointFormatError, match="older layout"):
     Memory.open(tmp_path / "old")
 
 

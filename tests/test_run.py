@@ -142,7 +142,7 @@ def test_a_method_alone_gives_the_same_numbers_per_seed_as_inside_the_all_suite(
   """Issue 20 item 11: a method's numbers depend on the method, seeds, data and settings only,
   not on the suite that ran it nor on how training was cut into segments (the all-suite run
   checkpoints every 16 queries and evaluates curves; the lone run does neither)."""
-  from ear_jax.experiment import checkpointing
+  from ear_jax.io import run_checkpoints
   results, wd = all_suites
   alone = suites.run(suites.Options(**dict(TINY, workdir=str(tmp_path), suite=None, method="ear",
                                            checkpoint_every=None, eval_every=48)))
@@ -155,8 +155,8 @@ def test_a_method_alone_gives_the_same_numbers_per_seed_as_inside_the_all_suite(
       assert inside["metrics"][metric]["per_seed"] == values["per_seed"], metric
     np.testing.assert_array_equal(inside["critic_calls"]["per_seed"],
                                   lone["critic_calls"]["per_seed"])
-  a, _, _ = checkpointing.restore_adapter(wd, run="ear", seed_index=None)
-  b, _, _ = checkpointing.restore_adapter(tmp_path, run=name, seed_index=None)
+  a, _, _ = run_checkpoints.restore_adapter(wd, run="ear", seed_index=None)
+  b, _, _ = run_checkpoints.restore_adapter(tmp_path, run=name, seed_index=None)
   np.testing.assert_array_equal(np.asarray(a.w_q), np.asarray(b.w_q))
   np.testing.assert_array_equal(np.asarray(a.w_m), np.asarray(b.w_m))
 
@@ -183,7 +183,7 @@ def test_results_json_has_every_field(all_suites):
 
 @pytest.mark.slow
 def test_suite_resumed_after_a_kill_matches_the_uninterrupted_run(tmp_path):
-  from ear_jax.experiment import checkpointing
+  from ear_jax.io import run_checkpoints
   from ear_jax.experiment import runner as experiment
   full_wd = tmp_path / "full"
   full = suites.run(suites.Options(**dict(TINY, workdir=str(full_wd), suite=None, method="ear")))
@@ -196,11 +196,11 @@ def test_suite_resumed_after_a_kill_matches_the_uninterrupted_run(tmp_path):
   resumed = suites.run(suites.Options(resume=True, **opts))
   name = [n for n in resumed["runs"]][0]
   assert resumed["runs"][name]["resumed_from"] == 16
-  p1, _, _ = checkpointing.restore_adapter(tmp_path, seed_index=None)
+  p1, _, _ = run_checkpoints.restore_adapter(tmp_path, seed_index=None)
   ref = full["runs"][name]
   assert resumed["runs"][name]["metrics"] == ref["metrics"]
   assert resumed["runs"][name]["curve"] == ref["curve"]
-  p2, _, _ = checkpointing.restore_adapter(full_wd, run="ear_eval=16", seed_index=None)
+  p2, _, _ = run_checkpoints.restore_adapter(full_wd, run="ear_eval=16", seed_index=None)
   np.testing.assert_array_equal(np.asarray(p1.w_q), np.asarray(p2.w_q))
 
 
@@ -213,22 +213,22 @@ def test_a_default_run_writes_no_training_checkpoints_only_its_small_final_adapt
   """Issue 20 item 10: training checkpoints only when asked for; the final adapter is always kept
   (small: the adapter alone), restorable, and equal to the last training checkpoint's adapter of
   the same run made with --checkpoint_every (same numbers too: checkpoints change nothing)."""
-  from ear_jax.experiment import checkpointing
+  from ear_jax.io import run_checkpoints
   opts = {k: v for k, v in TINY.items() if k != "checkpoint_every"}
   plain = suites.run(suites.Options(**dict(opts, workdir=str(tmp_path / "plain"), suite=None,
                                            method="ear")))
   name = "ear_eval=16"
   assert not (tmp_path / "plain" / "checkpoints").exists()
   adapter_dir = tmp_path / "plain" / "runs" / name / "adapter"
-  params, _, meta = checkpointing.restore_adapter(tmp_path / "plain", seed_index=None)
-  assert meta["format"] == checkpointing.ADAPTER_FORMAT and meta["position"] == 48
+  params, _, meta = run_checkpoints.restore_adapter(tmp_path / "plain", seed_index=None)
+  assert meta["format"] == run_checkpoints.ADAPTER_FORMAT and meta["position"] == 48
   raw = sum(np.asarray(x).nbytes for x in jax_leaves(params))
   assert raw == 2 * 2 * 16 * 16 * 4  # w_q, w_m: [S=2, 16, 16] float32
   assert _dir_bytes(adapter_dir) < raw + 64_000, _dir_bytes(adapter_dir)  # Orbax files + JSON
   ckpt = suites.run(suites.Options(**dict(opts, workdir=str(tmp_path / "ckpt"), suite=None,
                                           method="ear", checkpoint_every=16)))
   assert ckpt["runs"][name]["metrics"] == plain["runs"][name]["metrics"]
-  from_ckpt, _, _ = checkpointing.restore_adapter(tmp_path / "ckpt", run=name, seed_index=None,
+  from_ckpt, _, _ = run_checkpoints.restore_adapter(tmp_path / "ckpt", run=name, seed_index=None,
                                                   position=48)
   for a, b in zip(jax_leaves(params), jax_leaves(from_ckpt)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

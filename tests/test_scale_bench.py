@@ -41,19 +41,3 @@ def test_scale_bench_tiny_run_fields_bounds_and_persistence(tmp_path):
   assert "(measured at 1M, d = 384)" in text  # no ratio to the 1M baseline at other sizes
   scale_bench.plot(res, str(tmp_path / "p.png"))
   assert (tmp_path / "p.png").stat().st_size > 1000
-
-
-@pytest.mark.slow
-def test_scale_probes_on_a_tiny_bank():
-  pq = scale_bench.pq_probe(m=3000, dim=32, num_queries=10,
-                            probes=(("PQ8x4fs", 200), ("PQ16x4fs", 100), ("PQ32x4fs", 100)))
-  assert [(r["factory"], r["shards"]) for r in pq] == [("PQ8x4fs", 1), ("PQ16x4fs", 1),
-                                                       ("PQ32x4fs", 1), ("PQ16x4fs", 2)]
-  assert all(0 <= r["recall_at_k"] <= 1 and r["p50_ms"] > 0 for r in pq)
-  assert pq[2]["recall_at_k"] >= 0.9  # one dimension per sub-quantizer, 5 K re-ranked
-  assert pq[3]["recall_at_k"] == pytest.approx(pq[1]["recall_at_k"], abs=0.15)  # same codes
-  lat = scale_bench.latency_probe(m=500, dim=16, calls=5)
-  keys = [k for k in lat if k.endswith("_p50_ms")]
-  assert len(keys) == 8 and all(lat[k] > 0 for k in keys)
-  text = scale_bench.probes_table(pq, lat)
-  assert "| PQ16x4fs | 100 | 2 |" in text and "round idle 10ms" in text

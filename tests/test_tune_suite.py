@@ -14,7 +14,7 @@ from ear_jax.experiment.suites import tune
 def test_tune_then_beyond_on_synthetic(tmp_path, monkeypatch):
   monkeypatch.setattr(tune, "LR_GRID", (1e-3, 1e-2))
   monkeypatch.setattr(tune, "B_GRID", (0.0, 0.5))
-  monkeypatch.setattr(tune, "STATIC_VARIANTS", {"balanced labels": {"label_weights": "balanced"}})
+  monkeypatch.setattr(tune, "STATIC_VARIANTS", {"sequential loss": {"loss_form": "sequential"}})
   monkeypatch.setattr(tune, "REFINE", {"alpha=1": {"alpha": 1.0}})
   common = dict(benchmark="synthetic", seeds=2, workdir=str(tmp_path / "tune"),
                 checkpoint_every=None, progress=False, synthetic_queries=80, synthetic_dim=8)

@@ -1,10 +1,8 @@
 """The residual retrieval adapter (Eq. (3)) and the relevance distribution it defines (Eq. (4)).
 
-Symbols: `d` embedding dimension, `K` candidates, `r` rank of the low-rank option.
+Symbols: `d` embedding dimension, `K` candidates, `F` first-stage side features.
 
-The full adapter holds `W_q, W_m` of shape `[d, d]`, initialised to zero (the identity map). The
-low-rank option (the paper's stated future work) holds `W = A B^T` with `A, B` of shape `[d, r]`;
-`A` starts at zero and `B` random, so the adapter starts at the identity and still receives gradients.
+The adapter holds `W_q, W_m` of shape `[d, d]`, initialised to zero (the identity map).
 `(I + W) x` is computed as `x + W x`: `I + W` is never materialised.
 """
 from __future__ import annotations
@@ -26,18 +24,10 @@ MASKED_LOGIT = -1e9
 
 @flax.struct.dataclass
 class AdapterParams:
-  """Adapter parameters phi = {W_q, W_m} (Eq. (3)).
-
-  For the full adapter `w_q`, `w_m` are `[d, d]` and the low-rank factors are None; for the
-  low-rank adapter `w_q`, `w_m` are None and `(a_q, b_q)`, `(a_m, b_m)` are `[d, r]` with
-  `W = A B^T`. With first-stage side features `w_side` `[F]` weighs them (`relevance`).
-  """
-  w_q: Optional[jax.Array] = None  # [d, d] float32
-  w_m: Optional[jax.Array] = None  # [d, d] float32
-  a_q: Optional[jax.Array] = None  # [d, r] float32
-  b_q: Optional[jax.Array] = None  # [d, r] float32
-  a_m: Optional[jax.Array] = None  # [d, r] float32
-  b_m: Optional[jax.Array] = None  # [d, r] float32
+  """Adapter parameters phi = {W_q, W_m} (Eq. (3)); with first-stage side features `w_side`
+  weighs them (`relevance`)."""
+  w_q: jax.Array  # [d, d] float32
+  w_m: jax.Array  # [d, d] float32
   # Weights of the first-stage side features (`config.side_features = F > 0`), else None.
   w_side: Optional[jax.Array] = None  # [F] float32
 
@@ -46,8 +36,8 @@ def init_adapter(key: jax.Array, config: EARConfig) -> AdapterParams:
   """Identity-initialised adapter parameters.
 
   Args:
-    key: PRNG key (used only by the low-rank option, for `B`); the key is consumed.
-    config: static config (`dim`, `adapter_rank`).
+    key: PRNG key; the key is consumed (the identity init draws nothing from it).
+    config: static config (`dim`, `side_features`, `side_init`).
 
   Returns:
     `AdapterParams` with `W_q = W_m = 0` (and, with side features, `w_side = [side_init, -1, 0,
@@ -58,16 +48,9 @@ def init_adapter(key: jax.Array, config: EARConfig) -> AdapterParams:
   if config.side_features:
     w_side = jnp.zeros((config.side_features,), jnp.float32).at[:2].set(
         jnp.asarray([config.side_init, -1.0], jnp.float32))
-  if config.adapter_rank is None:
-    zeros = jnp.zeros((d, d), jnp.float32)
-    return AdapterParams(w_q=zeros, w_m=zeros, w_side=w_side)
-  r = config.adapter_rank
-  k_q, k_m = jax.random.split(key)
-  scale = 1.0 / jnp.sqrt(jnp.float32(d))
-  return AdapterParams(
-      a_q=jnp.zeros((d, r), jnp.float32), b_q=scale * jax.random.normal(k_q, (d, r), jnp.float32),
-      a_m=jnp.zeros((d, r), jnp.float32), b_m=scale * jax.random.normal(k_m, (d, r), jnp.float32),
-      w_side=w_side)
+  del key
+  zeros = jnp.zeros((d, d), jnp.float32)
+  return AdapterParams(w_q=zeros, w_m=zeros, w_side=w_side)
 
 
 def safe_normalize(x: jax.Array) -> jax.Array:
@@ -76,12 +59,9 @@ def safe_normalize(x: jax.Array) -> jax.Array:
   return x * jax.lax.rsqrt(jnp.maximum(sq, _NORM_EPS))
 
 
-def _residual(x: jax.Array, w: Optional[jax.Array], a: Optional[jax.Array],
-              b: Optional[jax.Array]) -> jax.Array:
+def _residual(x: jax.Array, w: jax.Array) -> jax.Array:
   """`(I + W) x` for row vectors `x [..., d]`, as `x + x W^T` (never forming `I + W`)."""
-  if w is not None:
-    return x + x @ w.T
-  return x + (x @ b) @ a.T  # W = A B^T  ->  x W^T = (x B) A^T
+  return x + x @ w.T
 
 
 def adapt_queries(params: AdapterParams, q: jax.Array) -> jax.Array:
@@ -94,7 +74,7 @@ def adapt_queries(params: AdapterParams, q: jax.Array) -> jax.Array:
   Returns:
     `[..., d]` adapted, unit-norm (or zero) query embeddings.
   """
-  return safe_normalize(_residual(q, params.w_q, params.a_q, params.b_q))
+  return safe_normalize(_residual(q, params.w_q))
 
 
 def adapt_memories(params: AdapterParams, m: jax.Array) -> jax.Array:
@@ -107,7 +87,7 @@ def adapt_memories(params: AdapterParams, m: jax.Array) -> jax.Array:
   Returns:
     `[..., d]` adapted, unit-norm (or zero) memory embeddings.
   """
-  return safe_normalize(_residual(m, params.w_m, params.a_m, params.b_m))
+  return safe_normalize(_residual(m, params.w_m))
 
 
 def relevance_logits(q_adapted: jax.Array, m_adapted: jax.Array) -> jax.Array:

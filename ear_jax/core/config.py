@@ -23,26 +23,9 @@ LOSS_FORMS = ("flat", "sequential")
 REPLAY_UNOBSERVED = ("negative", "ignore")
 # The candidates Eq. (10)'s softmax runs over (`ear_jax.core.losses.loss_support`).
 LOSS_SUPPORTS = ("all", "labelled", "window", "auto")
-# Eq. (10)'s per-position weights: 'none' (the paper) or 'balanced' (positives and negatives of a
-# query carry equal total weight; `ear_jax.core.losses.label_weights`).
-LABEL_WEIGHTS = ("none", "balanced")
 # Explorer-assisted final slate: round T's slate (the paper, Section 3.6) or the top-s by bandit
 # mean after the T rounds, ties by adapted relevance ('exploit', `explorer.exploit_slate`).
 FINAL_SLATES = ("round_T", "exploit")
-# What the guard's evidence counts per training query (`guard.query_evidence`).
-GUARD_EVIDENCE = ("items", "questions", "dcg")
-GUARD_PAGES = ("first_stage", "shuffled")
-# Where `weight_decay` pulls the adapter (`learner.make_optimizer`).
-WEIGHT_DECAY_TARGETS = ("zero", "first_stage")
-# Learning-rate schedules (optax), a multiplier of `HParams.learning_rate` by optimizer step:
-# name -> `fn(steps) -> optax.Schedule`; `steps` is `EARConfig.lr_schedule_steps`.
-LR_SCHEDULES = {
-    "constant": None,
-    # 1 / sqrt(1 + step / steps): no horizon needed (an online stream has no known end).
-    "rsqrt": lambda steps: lambda count: jax.lax.rsqrt(1.0 + count / steps),
-    # cosine decay from 1 to 0.1 over `steps` optimizer steps, then 0.1.
-    "cosine": lambda steps: optax.cosine_decay_schedule(1.0, steps, alpha=0.1),
-}
 # The optimizer is an optax alias `learning_rate -> optax.GradientTransformation` (the learning rate
 # is injected from `HParams.learning_rate` at every step, so it can be swept with `vmap`).
 OPTIMIZERS = {
@@ -68,10 +51,9 @@ METHODS = {
     "ear_no_replay": dict(train_slate="explorer", use_replay=False),
     # Table 3: "+ Only Experience Buffer during training": adapter top-s slate, one critic call, replay.
     "ear_no_explorer": dict(train_slate="adapter", use_replay=True),
-    # Beyond the paper: EAR with the switches chosen on validation data by `--suite=tune`
-    # (LoCoMo; BUILD_NOTES, "validation protocol and ear_tuned"); its hyperparameters:
-    # METHOD_HPARAMS (`Method.named` pairs the two).
-    # `side_init` was chosen by `--suite=first_stage_tune` (acts with side features only).
+    # Beyond the paper: EAR with the switches chosen on LoCoMo validation data by `--suite=tune`;
+    # its hyperparameters: METHOD_HPARAMS (`Method.named` pairs the two). `side_init` was chosen
+    # by `--suite=first_stage_tune` (it acts with side features only).
     # `loss_support='auto'` (`--suite=pool_tune`): the paper's softmax at K <= T s (bit for bit),
     # and only labelled candidates in a larger pool (`core.losses.loss_support`).
     "ear_tuned": dict(train_slate="explorer", use_replay=True, replay_strategy="random",
@@ -80,12 +62,10 @@ METHODS = {
 }
 # `ear_safe`: `ear_tuned` with the guard (`ear_jax.core.guard`): at test time the learned ranking
 # is served only when the feedback of held-out training queries (every 5th, never trained on)
-# shows it puts more of them whole in the top-s than the first stage does (Recall@s's unit); n, z
-# and the unit by `--suite=guard_tune --guard_holdout=N --guard_evidence=E` (LoCoMo validation:
-# the largest gain among the settings whose every mean stays at or above the first stage).
-# Until session 11 its evidence was the prequential one (`guard_holdout=0, guard_z=0.5`, items).
-METHODS["ear_safe"] = dict(METHODS["ear_tuned"], guard=True, guard_holdout=5,
-                           guard_evidence="questions", guard_z=0.25)
+# shows it puts more of them whole in the top-s than the first stage does; n and z by
+# `--suite=guard_tune --guard_holdout=N` (LoCoMo validation: the largest gain among the settings
+# whose every mean stays at or above the first stage).
+METHODS["ear_safe"] = dict(METHODS["ear_tuned"], guard_holdout=5, guard_z=0.25)
 # Hyperparameters of a method where they differ from the paper's (`hparams_for_method`).
 METHOD_HPARAMS = {
     "ear_tuned": dict(learning_rate=1e-4, baseline=0.0, tau=0.25),
@@ -156,28 +136,15 @@ class EARConfig:
     optimizer: a name in `OPTIMIZERS`, 'adam' (default; the paper names none) or 'sgd' (or an
       optax alias `learning_rate -> optax.GradientTransformation`; a registered alias is stored
       by its name).
-    adapter_rank: None for the full d x d adapter (Eq. (3)); an int r for the low-rank W = A B^T.
-    grad_clip_norm: optional global-norm gradient clipping (None = off).
     loss_on_tempered_logits: the REINFORCE loss uses log softmax(z / tau) (RMM) instead of softmax(z).
     loss_support: the candidates Eq. (10)'s softmax (current and replay losses, and the replay's
       Gumbel slates) runs over: 'all' (every valid candidate, the paper), 'labelled' (only
       candidates that received feedback), 'window' (the first stage's top `T s` and every
       labelled candidate) or 'auto' ('all' when `K <= T s`, where the rounds can show every
       candidate, else 'labelled'); `core.losses.loss_support`.
-    label_weights: Eq. (10)'s per-position weights, 'none' (the paper) or 'balanced' (the positive
-      and the negative positions of a query carry equal total weight).
     final_slate: explorer-assisted inference's slate, 'round_T' (the paper) or 'exploit' (top-s by
       bandit mean after the T rounds, ties by adapted relevance).
     test_rounds: `T` at test (explorer-assisted inference); None: `num_rounds`.
-    lr_schedule: a name in `LR_SCHEDULES`: 'constant' (the paper), 'rsqrt' or 'cosine' (optax
-      multipliers of `HParams.learning_rate` by optimizer step).
-    lr_schedule_steps: the schedule's scale in optimizer steps.
-    weight_decay: decoupled decay of the adapter's parameters toward 0 (W -> 0, i.e. toward the
-      identity map), `phi <- phi - eta * weight_decay * phi` per step (optax); 0 = off.
-    weight_decay_target: where `weight_decay` pulls: 'zero' (every parameter, `w_side` included:
-      the first stage's own weight and the dense cosine's -1 go to 0) or 'first_stage' (toward the
-      untrained adapter, `guard.first_stage_params`: W -> 0 as before, `w_side` -> its initial
-      `[side_init, -1, 0, ...]`, so the decay shrinks the ranking toward the first stage's).
     side_features: `F`, first-stage features per candidate used as side information (0 = off,
       the paper). With F > 0 each candidate row is `[embedding (d) | features (F)]`, feature 0 is
       the first stage's own score (normalised), feature 1 the frozen dense cosine, and the
@@ -185,37 +152,17 @@ class EARConfig:
     side_init: the initial weight of feature 0 (the first stage's score); with the weight of
       feature 1 at -1 the initial `z` is `side_init * f_0`, so before any feedback the adapter-only
       slate is the first stage's own top-s.
-    guard: keep prequential evidence of whether the adapted ranking beats the first stage's on
-      the critic's citations (`LearnerState.guard`, `ear_jax.core.guard`) and serve the first
-      stage's ranking at test time unless it does (False = off, the paper: no guard state).
     guard_z: the guard's confidence: the adapted ranking is served when mean(d) - guard_z * se > 0.
-    guard_min_queries: the guard serves the first stage until this many training queries with a
-      cited item have been seen.
-    guard_half_life: the evidence of a query halves in weight after this many later evidence
-      queries (tracks the current adapter); 0 = every query weighs the same.
-    guard_probe: one more critic call per training query shows the guard's probe
-      (`guard.probe_slate`: the adapted and the first stage's top-s interleaved in one slate),
-      and the evidence is read from it alone (a critic's slate-dependent noise then falls on both
-      rankings alike); training leaves the probe out. False = the evidence of the training
-      slates, with each differing item required to have been shown.
-    guard_evidence: what the evidence `d` of a training query counts: 'items' (cited items in the
-      adapted top-s minus in the first stage's) or 'questions' (1 when every cited item is in the
-      adapted top-s, minus 1 when every one is in the first stage's: Recall@s's unit, a whole
-      question). 'questions' needs the training slates' evidence (not the probe). 'dcg'
-      (`guard_holdout` only): the discounted cumulative gain of the cited items over the whole
-      ranking of a held-out question (every candidate labelled), adapted minus first stage's.
-    guard_holdout: n >= 2: every n-th training query is held out (`guard.held_out`): its slates
-      are pages of the first stage's ranking, it is never trained on (no loss, not in the replay
-      buffer), and its citations go to the guard's held-out ring (`guard.Holdout`), which then
-      scores the CURRENT adapter against the first stage on questions it never learnt from;
-      the guard serves by that evidence instead of the prequential one. 0 = off.
+    guard_min_queries: the guard serves the first stage until this many held-out queries with a
+      cited item are in its ring.
+    guard_holdout: the guard (`ear_jax.core.guard`; 0 = off, the paper). n >= 2: every n-th
+      training query is held out (`guard.held_out`): its slates are pages of the first stage's
+      ranking, it is never trained on (no loss, not in the replay buffer), and its citations go
+      to the guard's held-out ring (`guard.GuardState`). At test time the guard scores the
+      CURRENT adapter against the first stage on the ring (per question: 1 when every cited item
+      is in the adapted top-s, minus 1 when every one is in the first stage's) and serves the
+      first stage's ranking unless the adapter wins.
     guard_holdout_capacity: `H`, the held-out queries the ring keeps (the newest).
-    guard_pages: the order in which a held-out query's candidates are paged to the critic:
-      'first_stage' (the first stage's ranking, page t = ranks t s .. t s + s - 1) or 'shuffled'
-      (a random order drawn per query, `guard.page_order`): a critic whose false citations fall
-      beside the gold items of a slate (Appendix A.2's) then cites them independently of either
-      ranking, where the first stage's order puts them into the first stage's own top-s and
-      biases the ring toward it (RESULTS.md "Shuffled held-out pages").
   """
   dim: int = 384
   num_candidates: int = 20
@@ -230,31 +177,19 @@ class EARConfig:
   replay_strategy: Union[str, ReplayStrategy] = "similarity"
   replay_unobserved: str = "negative"
   optimizer: Union[str, Optimizer] = "adam"
-  adapter_rank: Optional[int] = None
-  grad_clip_norm: Optional[float] = None
   loss_on_tempered_logits: bool = False
   loss_support: str = "all"
   # Beyond the paper; the defaults are the paper's and are left out of `to_dict`.
-  label_weights: str = "none"
   final_slate: str = "round_T"
   test_rounds: Optional[int] = None
-  lr_schedule: str = "constant"
-  lr_schedule_steps: int = 100
-  weight_decay: float = 0.0
-  weight_decay_target: str = "zero"
   # First-stage scores as side information (Appendix B.6). 0 = off (the paper).
   side_features: int = 0
   side_init: float = 0.5  # chosen for `ear` by `--suite=first_stage_tune` (LoCoMo validation)
-  # The guard (beyond the paper, `ear_jax.core.guard`). False = off (the paper).
-  guard: bool = False
-  guard_z: float = 0.5  # z and the half-life: chosen by `--suite=guard_tune` (LoCoMo validation)
+  # The guard (beyond the paper, `ear_jax.core.guard`). 0 = off (the paper).
+  guard_z: float = 0.5
   guard_min_queries: int = 50
-  guard_half_life: float = 250.0
-  guard_probe: bool = False
-  guard_evidence: str = "items"
   guard_holdout: int = 0
   guard_holdout_capacity: int = 256
-  guard_pages: str = "first_stage"
 
   def __post_init__(self):
     # Strategies stay names (resolved where used); `None` is the name 'none', and a registered
@@ -288,24 +223,10 @@ class EARConfig:
     _check_choice("loss_form", self.loss_form, LOSS_FORMS)
     _check_choice("replay_unobserved", self.replay_unobserved, REPLAY_UNOBSERVED)
     _check_choice("loss_support", self.loss_support, LOSS_SUPPORTS)
-    if self.adapter_rank is not None and not (
-        isinstance(self.adapter_rank, int) and 1 <= self.adapter_rank <= self.dim):
-      raise ValueError(f"adapter_rank must be None or an int in [1, dim={self.dim}], "
-                       f"got {self.adapter_rank!r}")
-    if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
-      raise ValueError(f"grad_clip_norm must be None or > 0, got {self.grad_clip_norm!r}")
-    _check_choice("label_weights", self.label_weights, LABEL_WEIGHTS)
     _check_choice("final_slate", self.final_slate, FINAL_SLATES)
-    _check_choice("lr_schedule", self.lr_schedule, tuple(LR_SCHEDULES))
     if self.test_rounds is not None and (isinstance(self.test_rounds, bool) or not isinstance(
         self.test_rounds, int) or self.test_rounds < 1):
       raise ValueError(f"test_rounds must be None or an int >= 1, got {self.test_rounds!r}")
-    if isinstance(self.lr_schedule_steps, bool) or not isinstance(
-        self.lr_schedule_steps, int) or self.lr_schedule_steps < 1:
-      raise ValueError(f"lr_schedule_steps must be an int >= 1, got {self.lr_schedule_steps!r}")
-    if not (isinstance(self.weight_decay, (int, float)) and not isinstance(self.weight_decay, bool)
-            and self.weight_decay >= 0):
-      raise ValueError(f"weight_decay must be a float >= 0, got {self.weight_decay!r}")
     if isinstance(self.side_features, bool) or not isinstance(self.side_features, int) or not (
         self.side_features == 0 or self.side_features >= 2):
       raise ValueError("side_features must be 0 (off) or an int >= 2 (feature 0: the first "
@@ -313,21 +234,9 @@ class EARConfig:
     if isinstance(self.side_init, bool) or not isinstance(self.side_init, (int, float)) or not (
         self.side_init >= 0):
       raise ValueError(f"side_init must be a float >= 0, got {self.side_init!r}")
-    for name in ("guard", "guard_probe"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-    if self.guard_probe and not self.guard:
-      raise ValueError("guard_probe=True needs guard=True (the probe feeds the guard's evidence)")
-    _check_choice("guard_evidence", self.guard_evidence, GUARD_EVIDENCE)
-    _check_choice("guard_pages", self.guard_pages, GUARD_PAGES)
-    _check_choice("weight_decay_target", self.weight_decay_target, WEIGHT_DECAY_TARGETS)
-    if self.guard_probe and self.guard_evidence != "items":
-      raise ValueError("guard_evidence='questions' reads the training slates: it cannot be "
-                       "combined with guard_probe=True (the probe shows part of each ranking)")
-    for name in ("guard_z", "guard_half_life"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"{name} must be a float >= 0, got {value!r}")
+    if isinstance(self.guard_z, bool) or not isinstance(self.guard_z, (int, float)) or not (
+        self.guard_z >= 0):
+      raise ValueError(f"guard_z must be a float >= 0, got {self.guard_z!r}")
     if isinstance(self.guard_min_queries, bool) or not isinstance(
         self.guard_min_queries, int) or self.guard_min_queries < 1:
       raise ValueError(f"guard_min_queries must be an int >= 1, got {self.guard_min_queries!r}")
@@ -339,17 +248,6 @@ class EARConfig:
         self.guard_holdout_capacity, int) or self.guard_holdout_capacity < 1:
       raise ValueError("guard_holdout_capacity must be an int >= 1, got "
                        f"{self.guard_holdout_capacity!r}")
-    if self.guard_holdout and not self.guard:
-      raise ValueError("guard_holdout needs guard=True (the held-out queries feed the guard)")
-    if self.guard_evidence == "dcg" and not self.guard_holdout:
-      raise ValueError("guard_evidence='dcg' ranks every candidate of a held-out question: it "
-                       "needs guard_holdout (the training slates label only some)")
-    if self.guard_pages != "first_stage" and not self.guard_holdout:
-      raise ValueError(f"guard_pages={self.guard_pages!r} orders the held-out queries' pages: "
-                       "it needs guard_holdout")
-    if self.guard_holdout and self.guard_probe:
-      raise ValueError("guard_holdout and guard_probe are two sources of the guard's evidence: "
-                       "choose one")
 
   @property
   def trains(self) -> bool:
@@ -359,6 +257,11 @@ class EARConfig:
   def loss_window(self) -> int:
     """`T s`: the first stage's candidates a query's training rounds can show (`loss_support`)."""
     return self.num_rounds * self.slate_size
+
+  @property
+  def guard(self) -> bool:
+    """Whether the guard is on (`guard_holdout` > 0)."""
+    return self.guard_holdout > 0
 
   @property
   def eval_rounds(self) -> int:
@@ -381,7 +284,22 @@ class EARConfig:
 
   @classmethod
   def from_dict(cls, d: dict) -> "EARConfig":
-    """Inverse of `to_dict` (registered strategies only; unknown fields are an error)."""
+    """Inverse of `to_dict` (registered strategies only; unknown fields are an error).
+
+    A config stored by an earlier version (a saved memory, adapter or run checkpoint) may hold
+    fields this version no longer has (`_RETIRED`): each is read when it names the behaviour this
+    version has, else it is a ValueError naming the field.
+    """
+    d = dict(d)
+    retired = {k: d.pop(k) for k in list(d) if k in _RETIRED}
+    held = bool(d.get("guard_holdout", 0))
+    if "guard" in retired:  # (a guarded config stored its evidence unit when not 'items')
+      retired.setdefault("guard_evidence", "items")
+    have = {**_RETIRED, "guard": held, "guard_evidence": "questions" if held else "items"}
+    for name, value in retired.items():
+      if have[name] is not _ANY and value != have[name]:
+        raise ValueError(f"stored EARConfig field {name}={value!r} is an option this version no "
+                         f"longer has (only {name}={have[name]!r} is read)")
     return cls(**d)
 
   @classmethod
@@ -409,12 +327,16 @@ class EARConfig:
 
 
 _OPTIONAL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EARConfig)
-                      if f.name in ("loss_support", "label_weights", "final_slate", "test_rounds", "lr_schedule",
-                                    "lr_schedule_steps", "weight_decay", "weight_decay_target",
-                                    "side_features",
-                                    "side_init", "guard", "guard_z", "guard_min_queries",
-                                    "guard_half_life", "guard_probe", "guard_evidence",
-                                    "guard_holdout", "guard_holdout_capacity", "guard_pages")}
+                      if f.name in ("loss_support", "final_slate", "test_rounds", "side_features",
+                                    "side_init", "guard_z", "guard_min_queries", "guard_holdout",
+                                    "guard_holdout_capacity")}
+_ANY = object()
+# Fields of earlier versions -> the value whose behaviour this version has (`from_dict`); `_ANY`:
+# fields that acted only together with another retired value.
+_RETIRED = {"adapter_rank": None, "grad_clip_norm": None, "label_weights": "none",
+            "lr_schedule": "constant", "lr_schedule_steps": _ANY, "weight_decay": 0.0,
+            "weight_decay_target": _ANY, "guard": False, "guard_probe": False,
+            "guard_evidence": "items", "guard_half_life": _ANY, "guard_pages": "first_stage"}
 
 
 @flax.struct.dataclass

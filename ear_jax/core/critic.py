@@ -37,7 +37,7 @@ DEFAULT_RECALL = 0.86
 # embedding with the memory's, and the cosine of "question answer" with the memory's.
 ANSWER_FEATURES = ("new_words", "new_word_share", "answer_cosine", "question_answer_cosine")
 # The answer critic's thresholds, chosen on LoCoMo validation (`experiments.critic_eval
-# --critic=answer --subset=validation`; BUILD_NOTES "The answer-grounded critic").
+# --critic=answer --subset=validation`).
 # The slate's best-supported memory is always cited (best_min_cosine = -inf, so min_overlap does
 # not matter), any memory holding >= 75 % of the answer's new words, or whose "question answer"
 # cosine is >= 0.75.
@@ -141,7 +141,7 @@ class OracleCritic:
 def answer_critic(support: jax.Array, slate_mask: jax.Array, min_overlap: jax.Array,
                   best_min_cosine: jax.Array, min_share: jax.Array,
                   min_cosine: jax.Array) -> jax.Array:
-  """Labels the shown memories the agent's answer draws on (issue 28; no LLM call, no key).
+  """Labels the shown memories the agent's answer draws on (no LLM call, no key).
 
   The slate's best-supported memory (most new answer words, ties broken by the question-answer
   cosine; several only on an exact tie) is cited when it holds at least `min_overlap` of the

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
   from ear_jax.core.config import HParams
 
 # The s picks and T rounds are short static loops: unrolled, XLA fuses them (no while-loop
-# overhead per pick on CPU; measured in BUILD_NOTES, "Speed", "Profile first").
+# overhead per pick on CPU).
 _UNROLL = True
 
 

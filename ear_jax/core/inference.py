@@ -6,10 +6,10 @@ Adapter-only inference takes the top-s of the adapted logits `z`; explorer-assis
 T Explorer rounds with the critic (`EARConfig.eval_rounds`) and returns round T's slate (the paper)
 or, with `final_slate='exploit'`, the top-s by bandit mean. With the guard (`EARConfig.guard`)
 the parameters served at test time are `served_params(state, config)`: the adapter's when the
-guard's evidence says its ranking beats the first stage's, else the untrained adapter's (the first
-stage's ranking).
+guard's held-out evidence says its ranking beats the first stage's, else the untrained adapter's
+(the first stage's ranking).
 
-Paging (beyond the paper, issue 27) is explorer-assisted inference's baseline with the same critic
+Paging (beyond the paper) is explorer-assisted inference's baseline with the same critic
 and the same T calls of s memories: the critic reads the ranking's top `T s` in T pages of s and the
 answer puts the cited memories first (`retrieval.paging_slate`). `evaluate` scores it over two
 rankings: the first stage's (`guard.first_stage_params`, the untrained adapter) and the one served
@@ -39,7 +39,7 @@ def served_params(state, config: EARConfig, z=None) -> adapter_lib.AdapterParams
   `retrieval.slate_from_candidates`, the Explorer at test).
 
   Without the guard (`state.guard is None`) `state.params`; with it, `state.params` when
-  `guard.serve_adapted(state.guard, config, z)`, else `guard.first_stage_params(config)` (whose
+  `guard.serve_adapted(state.params, state.guard, config, z)`, else `guard.first_stage_params(config)` (whose
   top-s is the first stage's). A `jnp.where` on a scalar: jit / vmap over seeds as they are.
 
   Args:

@@ -18,7 +18,6 @@ the LLM episode collect them on the host.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple, Optional
 
 import flax
@@ -33,7 +32,7 @@ from ear_jax.core import guard as guard_lib
 from ear_jax.core import losses
 from ear_jax.core import policies
 from ear_jax.core import retrieval
-from ear_jax.core.config import LR_SCHEDULES, EARConfig, HParams, optimizer_fn
+from ear_jax.core.config import EARConfig, HParams, optimizer_fn
 from ear_jax.core.critic import Critic
 from ear_jax.core.slates import gather_slate
 from ear_jax.core.stream import Stream
@@ -48,7 +47,7 @@ class LearnerState:
   step: jax.Array  # [] int32, optimizer steps taken
   queries_seen: jax.Array  # [] int32, training queries processed
   critic_calls: jax.Array  # [] int32, critic calls spent in training
-  # The guard's evidence (`config.guard`, `ear_jax.core.guard`); None when the guard is off.
+  # The guard's held-out ring (`config.guard_holdout`, `ear_jax.core.guard`); None when it is off.
   guard: Optional[guard_lib.GuardState] = None
 
 
@@ -61,22 +60,6 @@ class QueryRecord(NamedTuple):
   loss_cur: jax.Array  # [] float32, Eq. (10)
   loss_rep: jax.Array  # [] float32, Eq. (16)
   num_replayed: jax.Array  # [] int32, |J_n|
-  # The guard's evidence of the query (`config.guard`, `guard.query_evidence`), else None.
-  guard_d: Optional[jax.Array] = None  # [] float32, d (0 where it does not count)
-  guard_counts: Optional[jax.Array] = None  # [] bool, the query counts as evidence
-
-
-def _decay_toward(anchor: adapter_lib.AdapterParams, weight) -> optax.GradientTransformation:
-  """`optax.add_decayed_weights` toward the untrained adapter instead of 0: `updates + weight
-  (phi - phi_0)` for `w_side` (`phi_0`: its initial `[side_init, -1, 0, ...]`), `updates + weight
-  phi` for W (whose initial value is 0; a low-rank `B` decays toward 0 too, as `A B^T` does)."""
-
-  def update(updates, state, params):
-    if params.w_side is not None:
-      params = params.replace(w_side=params.w_side - anchor.w_side)
-    return jax.tree_util.tree_map(lambda u, p: u + weight * p, updates, params), state
-
-  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def make_optimizer(config: EARConfig) -> optax.GradientTransformation:
@@ -84,37 +67,21 @@ def make_optimizer(config: EARConfig) -> optax.GradientTransformation:
 
   `optax.inject_hyperparams` keeps the learning rate in the optimizer state, where
   `apply_gradients` sets it from `HParams.learning_rate` before every step, so it can be swept with
-  `vmap`. Optional global-norm clipping (`config.grad_clip_norm`) comes first; optional decoupled
-  weight decay toward 0 or the untrained adapter (`config.weight_decay`,
-  `config.weight_decay_target`) and a learning-rate schedule (`config.lr_schedule`,
-  `optax.scale_by_schedule`) come after the optimizer. With the defaults the transformation is the
-  bare optimizer (the paper's).
+  `vmap`.
   """
-
-  def build(learning_rate):
-    parts = [] if config.grad_clip_norm is None else [
-        optax.clip_by_global_norm(config.grad_clip_norm)]
-    parts.append(optimizer_fn(config)(learning_rate))
-    if config.weight_decay and config.weight_decay_target == "first_stage":
-      parts.append(_decay_toward(guard_lib.first_stage_params(config),
-                                 -learning_rate * config.weight_decay))
-    elif config.weight_decay:  # decoupled: phi <- phi - eta * weight_decay * phi
-      parts.append(optax.add_decayed_weights(-learning_rate * config.weight_decay))
-    schedule = LR_SCHEDULES[config.lr_schedule]
-    if schedule is not None:  # a multiplier of the whole step by optimizer step
-      parts.append(optax.scale_by_schedule(schedule(config.lr_schedule_steps)))
-    return parts[0] if len(parts) == 1 else optax.chain(*parts)
-
-  # A weak 0.0: `init` stores the learning rate in the parameters' float dtype (float32, or float64
-  # for a float64 run), and `apply_gradients` keeps that dtype.
-  return optax.inject_hyperparams(build)(learning_rate=0.0)
+  optimizer = optimizer_fn(config)
+  # Only the learning rate is injected (the wrapper hides the alias's other arguments). A weak 0.0:
+  # `init` stores it in the parameters' float dtype (float32, or float64 for a float64 run), and
+  # `apply_gradients` keeps that dtype.
+  return optax.inject_hyperparams(lambda learning_rate: optimizer(learning_rate))(
+      learning_rate=0.0)
 
 
 def init_learner(key: jax.Array, config: EARConfig) -> LearnerState:
   """A fresh learner: identity adapter, empty optimizer state and buffer, zero counters.
 
   Args:
-    key: PRNG key (for the low-rank adapter's init); the key is consumed.
+    key: PRNG key of the adapter's init (`adapter.init_adapter`); the key is consumed.
     config: static config.
 
   Raises:
@@ -170,9 +137,8 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
     answer_support: optional `[K, A]` answer-support features (`Stream.answer_support`), shown
       to the critic in `SlateView.answer_support`.
     held: optional `[]` bool, the query is held out for the guard (`config.guard_holdout`): its
-      slates are then T pages of the first stage's ranking (`retrieval.paging_slate`; with
-      `config.guard_pages='shuffled'` of a random order, `guard.page_order`) instead of the
-      policy's.
+      slates are then T pages of the first stage's ranking (`retrieval.paging_slate`) instead of
+      the policy's.
 
   Returns:
     The query's `Feedback`: `slates [R, s]` int32, `slate_mask [R, s]` bool, `labels [R, s]`.
@@ -190,8 +156,7 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
   out = Feedback(*policy(key, z, lambda: adapter_lib.gram(m_t), where, feedback, config, hparams))
   if config.guard_holdout and held is not None:
     z_first, _ = adapter_lib.relevance(guard_lib.first_stage_params(config), query, candidates)
-    pages = retrieval.paging_slate(jax.random.split(key)[1],
-                                   guard_lib.page_order(key, z_first, config), where, feedback,
+    pages = retrieval.paging_slate(jax.random.split(key)[1], z_first, where, feedback,
                                    config.num_rounds, config.slate_size)
     if out.slates.shape != pages.pages.shape:
       raise ValueError(f"guard_holdout: the training policy's {out.slates.shape[0]} slates and "
@@ -199,20 +164,7 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
     pick = lambda a, b: jnp.where(held, b, a)
     out = Feedback(pick(out.slates, pages.pages), pick(out.slate_mask, pages.page_mask),
                    pick(out.labels, pages.labels))
-  if not config.guard_probe:
-    return out
-  # One more critic call, the guard's probe (`guard.probe_slate`), appended as the last row; the
-  # loss and the buffer leave it out (`query_loss`), so training is the policy's alone. Its key
-  # is folded from the query's: the policy's draws are those of a run without the probe.
-  k_slate, k_critic = jax.random.split(jax.random.fold_in(key, PROBE_KEY))
-  z_first, _ = adapter_lib.relevance(guard_lib.first_stage_params(config), query, candidates)
-  slate, slate_mask = guard_lib.probe_slate(k_slate, z, z_first, where, config.slate_size)
-  labels = jnp.where(slate_mask, feedback(k_critic, slate, slate_mask), -1.0).astype(jnp.float32)
-  return Feedback(*(jnp.concatenate([a, b[None]]) for a, b in zip(out, (slate, slate_mask,
-                                                                        labels))))
-
-
-PROBE_KEY = 0x27  # `fold_in` data of the guard probe's key (issue 27)
+  return out
 
 
 class Feedback(NamedTuple):
@@ -276,8 +228,7 @@ def experience_replay_loss(params: adapter_lib.AdapterParams, replay: Replay, co
     r = gather_slate(rewards, slate, slate_mask, -1.0)
     c = gather_slate(counted, slate, slate_mask, False)
     return losses.ranking_loss(z, support, slate[None], slate_mask[None], r[None],
-                               hparams.baseline, config.loss_form, count_mask=c[None],
-                               weighting=config.label_weights)
+                               hparams.baseline, config.loss_form, count_mask=c[None])
 
   per_exp = jax.vmap(one)(jax.random.split(replay.key, config.replay_size), replay.experiences)
   return losses.replay_loss(per_exp, replay.mask), jnp.sum(replay.mask).astype(jnp.int32)
@@ -306,15 +257,12 @@ def query_loss(params: adapter_lib.AdapterParams, query: jax.Array, candidates: 
     `(loss [], (record: QueryRecord, observed [K] bool, ybar [K] float32))`.
   """
   slates, slate_mask, labels = feedback
-  if config.guard_probe:  # the guard's probe row (`collect_feedback`) is evidence, not training
-    slates, slate_mask, labels = slates[:-1], slate_mask[:-1], labels[:-1]
   z, _ = adapter_lib.relevance(params, query, candidates)
   loss_logits = z / hparams.tau if config.loss_on_tempered_logits else z
   observed, ybar = losses.aggregate_feedback(slates, slate_mask, labels, config.num_candidates)
   support = losses.loss_support(where, observed, config.loss_support, config.loss_window)
   loss_cur = losses.ranking_loss(loss_logits, support, slates, slate_mask, labels,
-                                 hparams.baseline, config.loss_form,
-                                 weighting=config.label_weights)
+                                 hparams.baseline, config.loss_form)
   if config.use_replay:
     loss_rep, num_replayed = experience_replay_loss(params, replay, config, hparams)
   else:
@@ -396,9 +344,8 @@ def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
   The batch's replays are selected and gathered once (Eq. (15)), its losses (Eq. (10)-(17)) are
   vmapped and averaged into one gradient, one optimizer step follows (Eq. (18)), then the batch's
   experiences (Eq. (11)-(14)) are pushed. The slates and labels may come from a jitted critic
-  (`train_batch`) or from the host (an LLM critic, `ear_jax.agent.Memory`). With `config.guard`
-  the guard's evidence of the batch (`guard.query_evidence`, with the parameters at the batch's
-  start) is added to `state.guard`.
+  (`train_batch`) or from the host (an LLM critic, `ear_jax.agent.Memory`). With the guard its
+  held-out queries go to its ring (`guard.push_holdout`).
 
   Args:
     state: learner state at the batch's start.
@@ -431,23 +378,9 @@ def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
     return _masked_batch_mean(loss, trained), aux
 
   new_state, records = _step(state, batch_loss, batch, where, config, hparams, buffer, trained)
-  if config.guard:
-    if config.guard_probe:
-      evidence = guard_lib.probe_evidence
-    else:
-      evidence = functools.partial(guard_lib.query_evidence,
-                                   questions=config.guard_evidence == "questions")
-    d, counts = jax.vmap(evidence, in_axes=(None, None, 0, 0, 0, 0, 0, 0, None))(
-        state.params, guard_lib.first_stage_params(config), batch.queries, batch.candidates,
-        batch.mask, slates, slate_mask, labels, config.slate_size)
-    counts = counts & trained
-    guard = guard_lib.update_guard(state.guard, d, counts, config)
-    if guard.holdout is not None and held is not None:
-      guard = guard.replace(holdout=guard_lib.push_holdout(
-          guard.holdout, guard_lib.first_stage_params(config), batch.queries, batch.candidates,
-          batch.mask, slates, slate_mask, labels, (held if ring is None else held & ring) & where,
-          config.slate_size))
-    new_state = new_state.replace(guard=guard)
-    records = records._replace(guard_d=jnp.where(counts, d, 0.0), guard_counts=counts)
+  if config.guard and held is not None:
+    new_state = new_state.replace(guard=guard_lib.push_holdout(
+        state.guard, guard_lib.first_stage_params(config), batch.queries, batch.candidates,
+        batch.mask, slates, slate_mask, labels, (held if ring is None else held & ring) & where,
+        config.slate_size))
   return new_state, records
-

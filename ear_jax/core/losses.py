@@ -80,37 +80,9 @@ def loss_support(where: jax.Array, observed: jax.Array, mode: str, window: int) 
   raise ValueError(f"unknown loss_support={mode!r}")
 
 
-def label_weights(rewards: jax.Array, counted: jax.Array, mode: str) -> jax.Array:
-  """Per-position weights of Eq. (10): 1 ('none', the paper) or class-balanced ('balanced').
-
-  'balanced' gives the `n+` positive and the `n-` negative counted positions of one query equal
-  total weight, `n / (2 n+)` and `n / (2 n-)` (`n = n+ + n-`, so the weights still sum to `n`);
-  with only one class present every weight is 1.
-
-  Args:
-    rewards: `[...]` labels or rewards in {-1, +1}.
-    counted: `[...]` bool, positions that count in the loss.
-    mode: 'none' or 'balanced'.
-
-  Returns:
-    `[...]` float32 weights.
-  """
-  if mode == "none":
-    return jnp.ones(rewards.shape, jnp.float32)
-  if mode != "balanced":
-    raise ValueError(f"unknown label_weights={mode!r}")
-  pos = counted & (rewards > 0)
-  neg = counted & ~(rewards > 0)
-  n_pos, n_neg = jnp.sum(pos), jnp.sum(neg)
-  n = (n_pos + n_neg).astype(jnp.float32)
-  both = (n_pos > 0) & (n_neg > 0)
-  w = jnp.where(pos, n / (2.0 * jnp.maximum(n_pos, 1)), n / (2.0 * jnp.maximum(n_neg, 1)))
-  return jnp.where(both, w, 1.0).astype(jnp.float32)
-
-
 def ranking_loss(logits: jax.Array, where: jax.Array, slates: jax.Array, slate_mask: jax.Array,
                  rewards: jax.Array, baseline: jax.Array, loss_form: str,
-                 count_mask: jax.Array | None = None, weighting: str = "none") -> jax.Array:
+                 count_mask: jax.Array | None = None) -> jax.Array:
   """Feedback-weighted ranking loss `-1/(R s) sum_t sum_j (y_tj - b) log p_phi(i_tj)`, Eq. (10).
 
   The normaliser is the number of counted slate positions (`R s` when every slate is full), so
@@ -126,8 +98,6 @@ def ranking_loss(logits: jax.Array, where: jax.Array, slates: jax.Array, slate_m
     loss_form: 'flat' or 'sequential' (see `slate_log_probs`).
     count_mask: optional `[R, s]` bool, positions that count in the loss (default `slate_mask`);
       the slate's order (for 'sequential') is still given by `slate_mask`.
-    weighting: 'none' (the paper) or 'balanced' (class-balanced label weights, `label_weights`):
-      the sum becomes `sum w_tj (y_tj - b) log p_phi(i_tj)`.
 
   Returns:
     `[]` loss.
@@ -136,11 +106,7 @@ def ranking_loss(logits: jax.Array, where: jax.Array, slates: jax.Array, slate_m
   lp = jax.vmap(slate_log_probs, in_axes=(None, None, 0, 0, None))(
       logits, where, slates, slate_mask, loss_form)
   counted = slate_mask if count_mask is None else count_mask & slate_mask
-  if weighting == "none":  # the paper's Eq. (10), bit for bit
-    total = jnp.sum(jnp.where(counted, (rewards - baseline) * lp, 0.0))
-  else:
-    w = label_weights(rewards, counted, weighting)
-    total = jnp.sum(jnp.where(counted, w * (rewards - baseline) * lp, 0.0))
+  total = jnp.sum(jnp.where(counted, (rewards - baseline) * lp, 0.0))
   return -_safe_div(total, jnp.sum(counted))
 
 

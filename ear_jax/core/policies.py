@@ -24,7 +24,6 @@ import jax.numpy as jnp
 
 from ear_jax.core import explorer
 from ear_jax.core import losses
-from ear_jax.core import retrieval
 from ear_jax.core import slates
 from ear_jax.core.config import resolve_strategy
 from ear_jax.core.types import TrainSlatePolicy
@@ -61,22 +60,10 @@ def gumbel_slates(key, relevance, gram_fn, where, feedback, config, hparams):
   return _one_slate(k_critic, slate, slate_mask, feedback)
 
 
-def paging_slates(key, relevance, gram_fn, where, feedback, config, hparams):
-  """Pages of the adapted ranking (beyond the paper, issue 27): `R = T` slates, page t = ranks
-  `t s .. t s + s - 1` of `z` (`retrieval.paging_slate`), each labelled by the critic. The same
-  critic calls as the Explorer's T rounds; with `T s >= K` every candidate is labelled."""
-  del gram_fn, hparams
-  _, k_critic = jax.random.split(key)
-  out = retrieval.paging_slate(k_critic, relevance, where, feedback, config.num_rounds,
-                               config.slate_size)
-  return out.pages, out.page_mask, out.labels
-
-
 TRAIN_SLATES: dict[str, Optional[TrainSlatePolicy]] = {
     "explorer": explorer_slates,
     "adapter": adapter_slates,
     "gumbel": gumbel_slates,
-    "paging": paging_slates,
     "none": None,  # no training: Only Retriever / Only Explorer at test
 }
 

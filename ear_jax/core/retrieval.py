@@ -304,7 +304,7 @@ class PagingOutput(NamedTuple):
 
 def paging_slate(key: jax.Array, relevance: jax.Array, where: jax.Array,
                  feedback: SlateFeedback, num_pages: int, slate_size: int) -> PagingOutput:
-  """Paging, the test-time baseline of explorer-assisted inference (beyond the paper, issue 27).
+  """Paging, the test-time baseline of explorer-assisted inference (beyond the paper).
 
   With the same critic and the same number of calls as T Explorer rounds, the critic is shown the
   ranking's top `T s` in T pages of `s` (page t = ranks `t s .. t s + s - 1` of `relevance` over

@@ -1,4 +1,4 @@
-"""An agent's own answers for the answer-grounded critic (issue 28): generated, stored, read back.
+"""An agent's own answers for the answer-grounded critic: generated, stored, read back.
 
 The answer critic (`core.critic.AnswerCritic`) reads how much an agent's answer draws on each shown
 memory (`data.answer_support`). With the gold answers it measures a competent agent; this module

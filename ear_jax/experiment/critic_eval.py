@@ -240,7 +240,7 @@ def critique_slates(critic, slates: Sequence[SlateRecord],
   return out
 
 
-# --- the answer-grounded critic (issue 28) ---------------------------------------------------------
+# --- the answer-grounded critic ----------------------------------------------------------------------
 # Its thresholds' grid (`core.critic.answer_critic`; inf switches a branch off, -inf cites the
 # slate's best-supported memory always) and the choice rule: the highest recall whose precision
 # (the simulated critic's p: on the protocol's slates holding gold) is at least `MIN_PRECISION`;

@@ -17,7 +17,7 @@ the same queries: a search compiles once per power-of-two bucket of BM25 pairs):
   cycle (it compiles the one-row device write);
 * through `Memory(MemoryConfig(candidates=...))` for bm25 and the default hybrid: `add` of every
   memory, `search` without changes, and `calls` cycles of: `add` of one memory, the first `search`
-  after it (no rebuild: the index is incremental; issue 29's "first retrieve after adding one
+  after it (no rebuild: the index is incremental; the target's "first retrieve after adding one
   memory within 2x of a retrieve without changes", `AFTER_ADD_TARGET`), `delete` of it, the search
   after that (after one untimed cycle: it compiles the one-row write and tombstone).
 Each search stands beside its bound, the bank's float32 bytes over the memory bandwidth measured in
@@ -45,7 +45,7 @@ from ear_jax.experiment import scale_bench
 VOCAB = 50_000
 ZIPF_S = 1.1
 ADD_BATCH = 1 << 16
-AFTER_ADD_TARGET = 2.0  # issue 29: the search after adding one memory / a search without changes
+AFTER_ADD_TARGET = 2.0  # the search after adding one memory / a search without changes
 STAGES = {"bm25": ("bm25", first_stage.FirstStageOptions()),
           "hybrid_rrf": ("hybrid", first_stage.FirstStageOptions(fusion="rrf")),
           "hybrid_weighted": ("hybrid", first_stage.FirstStageOptions(fusion="weighted"))}

@@ -17,24 +17,12 @@ For one seed, `run_seed` replays what `ear_jax.experiment.runner.train_and_evalu
 * the critic: `StreamCritic`, the simulated critic of Appendix A.2 on the host with the runner's
   per-round keys (`critic_round_keys`), so that a slate the runner also shows gets the same labels.
 
-What differs from the runner: (1) by construction, the learner's own keys (`Memory`'s
-`ear_jax.agent.memory.driver.seed_keys`: the replay's random selection and Gumbel slates, Eq. (15)
-and (19)) are not the runner's per-query replay keys; given the runner's replay keys the live run
-is the runner's, slate for slate (`tests/test_live.py`, a multi-bank synthetic benchmark). (1b)
-`Memory` trains full batches of `b` questions only: when `N` is not a multiple of `b` the runner
-trains its last, padded batch and the live memory leaves those questions queued (`pending`). (2)
-Float rounding: `Memory` re-normalises every embedding (1 ulp off the stream's), two LoCoMo
-questions have tied candidates in another order, and XLA rounds the runner's vmapped scan
-differently from the live step. The online dynamics amplify such ulp-level differences: on the
-whole of LoCoMo the runner does not even reproduce itself when seed 0 is vmapped alone instead of
-beside seed 1 (2/3 of the adapter-only test slates the same). So on real data the two agree in
-distribution, not slate for slate: the paired difference live - runner over seeds is the check.
-
-Timing: each `recall` / `search` is timed with `time.perf_counter`, minus the time spent inside the
-critic (`StreamCritic.seconds`); the learner steps (inside the training recalls) are included.
-Issue 30's target compares them with the scan's cost per question plus ONE dispatch, measured in
-the same run (`measure_dispatch`: a trivial jitted call with a session round's argument shapes).
-Library code: no flags are read here.
+What differs: the learner's own replay keys (`driver.seed_keys`; given the runner's, the live run
+is the runner's slate for slate, `tests/test_live.py`), the last partial batch (left queued), and
+float rounding (re-normalised embeddings, ties, XLA's vmapped scan), which the online dynamics
+amplify: on real data the two agree in distribution, and the paired difference live - runner over
+seeds is the check. Each `recall` / `search` is timed minus the critic's time, beside the scan's
+cost per question plus one dispatch measured in the same run (`measure_dispatch`).
 """
 from __future__ import annotations
 
@@ -391,7 +379,7 @@ def measure_dispatch(method: Method, calls: int = 2000) -> dict:
 
 def measure_device_floor(method: Method, calls: int = 500) -> dict:
   """What one training question's device calls cost when a memory serves questions one at a
-  time (issue 30's floor), each a compiled call timed to its host result, nothing around it:
+  time (the floor of a live call), each a compiled call timed to its host result, nothing around it:
   `first_round_ms` (`agent.memory.episode.session_round` computing the adapter: Eq. (3)-(4) on
   `[K, d]` candidates and the Gram of Eq. (6), then an Explorer round), `later_round_ms` (a round
   reusing them: the bandit update and the greedy slate), `learner_step_ms` (ONE call of the
@@ -578,7 +566,7 @@ def run(data: LiveData, method: Method, seeds: Sequence[int],
   peak = benchmarking.measure_peak()
   bandwidth = scale_bench.measure_bandwidth()
   flops = benchmarking.ear_flops_per_query(method.config)["total"]
-  # The target of issue 30: a recall within 2x of (the scan's cost per question + one dispatch).
+  # The target: a recall within 2x of (the scan's cost per question + one dispatch).
   dispatch = measure_dispatch(method)
   c = cmp["cost_ms_per_question"]
   c.update(dispatch_ms=dispatch["mean_ms"], dispatch_p50_ms=dispatch["p50_ms"])
@@ -627,7 +615,7 @@ def table_md(cmp: dict, *, title: str) -> str:
             f"| live: test `recall(learn=False, rule='explorer')`, mean / p50 | "
             f"{c['live_by_step_mean']['recall_test']:.2f} / "
             f"{c['live_by_step_p50']['recall_test']:.2f} |"]
-  if "recall_paging" in c["live_by_step_mean"]:  # (results before session 10 lack it)
+  if "recall_paging" in c["live_by_step_mean"]:  # (earlier results lack it)
     lines.append(f"| live: test `recall(learn=False)` (paging, the default), mean / p50 | "
                  f"{c['live_by_step_mean']['recall_paging']:.2f} / "
                  f"{c['live_by_step_p50']['recall_paging']:.2f} |")
@@ -643,7 +631,7 @@ def table_md(cmp: dict, *, title: str) -> str:
               f"`recall`{' / test paging `recall`' if paging else ''} / `search` / all steps | "
               f"{r['train']:.2f} / {r['recall_test']:.2f}{paging} / {r['search']:.2f} / "
               f"{r['all_steps']:.2f} |"]
-  if "device_floor" in c:  # (results before session 11 lack it)
+  if "device_floor" in c:  # (earlier results lack it)
     f = c["device_floor"]
     lines.append(f"| floor: a training question's device calls one question at a time (first "
                  f"round {f['first_round_ms']:.3f} + (T - 1) x later round "

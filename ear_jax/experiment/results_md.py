@@ -145,7 +145,7 @@ def write_beyond_md(workdirs: Sequence[pathlib.Path],
   if BEYOND_BEGIN in text:
     text = text[:text.index(BEYOND_BEGIN)] + gen + text[text.index(BEYOND_END) + len(BEYOND_END):]
   else:
-    text = text.rstrip("\n") + "\n\n## Beyond the paper (issue 12)\n\n" + gen + "\n"
+    text = text.rstrip("\n") + "\n\n## Beyond the paper\n\n" + gen + "\n"
   root.write_text(text)
 
 

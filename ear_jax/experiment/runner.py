@@ -135,7 +135,7 @@ def _eval_config(config: EARConfig) -> EARConfig:
   `side_features` and `side_init` give its first stage's ranking (paging over the first stage)."""
   return EARConfig(dim=config.dim, num_candidates=config.num_candidates,
                    slate_size=config.slate_size, num_rounds=config.eval_rounds,
-                   adapter_rank=config.adapter_rank, replay_size=1, batch_size=1,
+                   replay_size=1, batch_size=1,
                    buffer_capacity=1, final_slate=config.final_slate,
                    side_features=config.side_features, side_init=config.side_init)
 
@@ -203,10 +203,7 @@ class RunResult:
 def _record_log(records) -> dict:
   labels = np.asarray(records.labels)
   mask = np.asarray(records.slate_mask)
-  guard = {} if records.guard_d is None else {  # the guard's evidence (`config.guard`)
-      "guard_d": np.asarray(records.guard_d, np.float32),
-      "guard_counts": np.asarray(records.guard_counts, bool)}
-  return {**guard,
+  return {
       "loss": np.asarray(records.loss, np.float32),
       "loss_cur": np.asarray(records.loss_cur, np.float32),
       "loss_rep": np.asarray(records.loss_rep, np.float32),
@@ -248,7 +245,7 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
     eval_every: evaluate the test set every this many training queries (learning curves), at 0 and
       at the end; None: only at the end.
     checkpoint_every: save a checkpoint every this many training queries and at the end.
-    checkpointer: an `ear_jax.experiment.checkpointing.RunCheckpointer` (None: no checkpoints).
+    checkpointer: an `ear_jax.experiment.run_checkpoints.RunCheckpointer` (None: no checkpoints).
     resume: continue from the checkpointer's latest checkpoint when there is one.
     stop_after_chunks: raise `Interrupted` after this many segments (after their checkpoint).
     critic: a critic pytree shared by the seeds (default: the paper's simulated critic).

@@ -1,5 +1,4 @@
-"""Memory at scale: add / search / session / feedback / save / open costs against bank size, with
-bounds.
+"""Memory at scale: add / search / session / feedback / save / open costs against bank size.
 
 Symbols: `M` memories, `d` dimension, `K` candidates, `n` queries per call.
 
@@ -10,22 +9,18 @@ embeddings=...)` and timed as an agent uses it (p50 / p90 of `calls`): `search(q
 k=5)` (the pure read: the candidate search and the adapter's slate in one device call, what the
 bandwidth bound applies to), a session's first `round(5)`, its `feedback` + `close` (every `b`-th
 close runs a learner step, waited for and reported apart), and `search` of 256 queries in one
-call. The exact fp32 path then measures persistence (issue 29): the first `save` (it binds the
-memory to a directory: the table and the learner item), the save after adding 1,000 memories and
-with nothing added (the learner item alone), `Memory.open` of the directory (median of 3: the
-table read and verified, the device bank written, the learner item restored; against
-`OLD_LOAD_1M_S` at 1M), and on the opened memory `add` of ONE memory (durable when it returns,
-p50 of 20; target `ADD_ONE_TARGET_MS`) and the search right after each such add (against the
-search p50: the add leaves no work behind for the next read). The bounds are measured in the same
+call. The exact fp32 path then measures persistence: the first `save`, the saves after adding
+1,000 memories and nothing, `Memory.open` (median of 3; against `OLD_LOAD_1M_S` at 1M), and on
+the opened memory `add` of ONE memory (p50 of 20; target `ADD_ONE_TARGET_MS`) and the search
+right after each such add. The bounds are measured in the same
 run: memory bandwidth from a resident-array reduction (`jnp.sum` over a ~1.5 GB device array,
 minimum of repetitions) and the fp32 matmul peak (`benchmarking.measure_peak`). An exact search
 must read the bank once (`M d` values), so its bound is `bank bytes / bandwidth`; 256 queries also
 need `2 n M d` FLOPs.
 
-Data: `random` (unit Gaussian directions; the issue's setup and the hardest case for an ANN index:
-no structure to exploit) and `clustered` (unit vectors around `M / 1000` centres, the kind of
-structure real sentence embeddings have), the ANN paths' recall@K measured against the exact
-top-K of the same bank (the memory's K candidates: `search` with k = K).
+Data: `random` (unit Gaussian directions: no structure for an ANN index to exploit) and
+`clustered` (unit vectors around `M / 1000` centres); the ANN paths' recall@K is measured against
+the exact top-K of the same bank.
 """
 from __future__ import annotations
 
@@ -46,7 +41,7 @@ from ear_jax.experiment import benchmarking
 
 # IVF: 512 lists (k-means on the first 39 x 512 vectors of a store, 10 iterations), 8 probed: a
 # query scans ~1/64 of the bank. One build thread: on a shared small machine faiss's threads
-# waiting for each other made building slower (BUILD_NOTES, "memory at scale").
+# waiting for each other made building slower.
 IVF = {"nlist": 512, "nprobe": 8, "build_threads": 1}
 # name -> (Memory keyword options, data)
 PATHS = {
@@ -63,12 +58,11 @@ PATHS = {
 }
 ADD_BATCH = 1 << 16
 # `Memory.load` of this bench's exact 1M memory (d = 384, random unit embeddings added in batches of
-# `ADD_BATCH`, then saved) with the code before issue 29 (commit d127715: Orbax bank shards),
-# median of 3, on the shared 2-core machine of the issue's work: 17.5 and 18.0 s in two runs at a
-# load average of 1-3; 34.6 s at a load average of 7, back to back with `Memory.open` of issue 29
-# (40.2 s there). Issue 29's target: `Memory.open` of the same memory within 2x of it.
+# `ADD_BATCH`, then saved) with the layout before the SQLite rows (commit d127715: Orbax bank
+# shards), median of 3, on a shared 2-core machine: 17.5 and 18.0 s in two runs at a load average
+# of 1-3. The target: `Memory.open` of the same memory within 2x of it.
 OLD_LOAD_1M_S = 17.5
-ADD_ONE_TARGET_MS = 50.0  # issue 29: `add` of one memory at 1M, durable when it returns
+ADD_ONE_TARGET_MS = 50.0  # the target: `add` of one memory at 1M, durable when it returns
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -285,7 +279,7 @@ def run(sizes: Sequence[int], paths: Sequence[str], dim: int = 384, calls: int =
 
 def table(res: dict) -> str:
   """The markdown table of a `run` result (times beside their bounds), then the persistence rows
-  of the exact path beside issue 29's targets."""
+  of the exact path beside their targets."""
   lines = ["| path (data) | M | add (total) | search b1 p50 / bound | round b1 p50 / p90 | "
            f"search b{res['batch']} per call / bound | feedback p50 (learner step p50) | "
            "save first / after +1,000 (+0) | device bytes / memory | recall@K |",
@@ -314,7 +308,7 @@ def table(res: dict) -> str:
                "state (`Memory.learner`, to wait for the step; the copy alone beside it).")
   persisted = [r for r in res["rows"] if "load_s" in r]
   if persisted:
-    lines += ["", "| exact, M | `Memory.open` (median of 3) | vs before issue 29 (target <= 2x) "
+    lines += ["", "| exact, M | `Memory.open` (median of 3) | vs the Orbax-shards layout (target <= 2x) "
               "| first search after open | `add` of one memory p50 / p90 (target < "
               f"{ADD_ONE_TARGET_MS:.0f} ms) | search after that add p50 / search p50 | table / "
               "learner item bytes |", "|---|---|---|---|---|---|---|"]
@@ -378,116 +372,3 @@ def plot(res: dict, path: str) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
-
-
-# ------------------------------------------------------------------------------------------------
-# probes behind the design choices (`--suite=scale_probes`)
-
-# (faiss factory string, proposals re-ranked exactly) on random unit vectors, one query at a time
-PQ_PROBES = (("PQ128x4fs", 2000), ("PQ192x4fs", 1000), ("PQ384x4fs", 1000))
-
-
-def pq_probe(m: int = 1_000_000, dim: int = 384, num_queries: int = 100, k: int = 20,
-             probes=PQ_PROBES, shards: int = 2) -> list[dict]:
-  """faiss alone on `m` random unit vectors: p50 per query and recall@k against the exact top-k of
-  PQ fast-scan + exact re-ranking of the best proposals (numpy), and the middle setting split in
-  `shards` threaded `IndexShards`."""
-  import faiss  # pylint: disable=g-import-not-at-top
-  x = np.concatenate([embeddings("random", s, min(m, s + ADD_BATCH), dim, m)
-                      for s in range(0, m, ADD_BATCH)])
-  qs = queries("random", num_queries, dim, m)
-  exact = np.argsort(-(qs @ x.T), axis=1, kind="stable")[:, :k]
-  threads = faiss.omp_get_max_threads()
-  out = []
-  settings = [(f, r, 1) for f, r in probes] + [(probes[1][0], probes[1][1], shards)]
-  for factory, rerank, parts in settings:
-    base = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
-    base.train(x[:ADD_BATCH])
-    if parts == 1:
-      index = base
-      index.add(x)
-    else:
-      index = faiss.IndexShards(dim, True, True)
-      held = []
-      for p in range(parts):
-        part = faiss.clone_index(base)
-        part.add(x[p * m // parts:(p + 1) * m // parts])
-        held.append(part)  # keep the Python objects alive
-        index.add_shard(part)
-    faiss.omp_set_num_threads(1)
-    ts, rec = [], []
-    try:
-      for i in range(num_queries):
-        t = time.perf_counter()
-        _, ids = index.search(qs[i:i + 1], rerank)
-        rows = ids[0][ids[0] >= 0]
-        top = rows[np.argsort(-(x[rows] @ qs[i]), kind="stable")[:k]]
-        ts.append(time.perf_counter() - t)
-        rec.append(len(set(top.tolist()) & set(exact[i].tolist())) / k)
-    finally:
-      faiss.omp_set_num_threads(threads)
-    out.append({"factory": factory, "rerank": rerank, "shards": parts, "M": m,
-                "p50_ms": float(np.median(ts) * 1e3), "recall_at_k": float(np.mean(rec))})
-    logging.info("pq probe %s", out[-1])
-    del index, base
-    gc.collect()
-  return out
-
-
-def latency_probe(m: int = 10_000, dim: int = 384, calls: int = 100) -> dict:
-  """A session's first `round` p50 at `m` memories back to back, between feedbacks, after a 100 MB
-  cache sweep and after 10 ms idle; and a no-op jitted call and a bank-sized `jnp.sum` warm /
-  after idle."""
-  mem = Memory(MemoryConfig(encoder=None, config=EARConfig(dim=dim), initial_capacity=m))
-  _fill(mem, "random", m, dim)
-  qs = queries("random", calls + 8, dim, m)
-
-  def feedback(s, r):
-    s.feedback([r.ids[0]])
-    s.close()
-    _step_waited(mem)
-
-  for q in qs[-8:]:  # compile a round and the learner step
-    s = mem.session(query_embedding=q)
-    feedback(s, s.round(5))
-  sweep = np.ones(25_000_000, np.float32)
-  between = {"back_to_back": lambda s, r: s.close(), "feedback": feedback,
-             "cache_sweep": lambda s, r: (s.close(), sweep.sum()),
-             "idle_10ms": lambda s, r: (s.close(), time.sleep(0.01))}
-  out = {"M": m}
-  for name, then in between.items():
-    ts = []
-    for q in qs[:calls]:
-      t = time.perf_counter()
-      s = mem.session(query_embedding=q)
-      r = s.round(5)
-      ts.append(time.perf_counter() - t)
-      then(s, r)
-    out[f"round_{name}_p50_ms"] = float(np.median(ts) * 1e3)
-  mem.close()
-  noop, total = jax.jit(lambda a: a + 1), jax.jit(jnp.sum)
-  one, emb = jnp.ones(3), jnp.asarray(embeddings("random", 0, m, dim, m))  # (the bank's shape)
-  for name, fn in (("noop", lambda: noop(one)), ("bank_sum", lambda: total(emb))):
-    benchmarking.block(fn())
-    for idle in (0.0, 0.01):
-      ts = []
-      for _ in range(calls):
-        time.sleep(idle)
-        ts.append(_timed(fn)[0])
-      out[f"{name}_{'idle_10ms' if idle else 'warm'}_p50_ms"] = float(np.median(ts) * 1e3)
-  logging.info("latency probe %s", out)
-  return out
-
-
-def probes_table(pq: list[dict], lat: dict) -> str:
-  """Markdown of `pq_probe` and `latency_probe`."""
-  size = f"{pq[0]['M']:,}" if pq else "-"
-  lines = [f"| faiss index ({size} random unit vectors) | re-ranked | shards | p50 per query | "
-           "recall@20 |", "|---|---|---|---|---|"]
-  for r in pq:
-    lines.append(f"| {r['factory']} | {r['rerank']:,} | {r['shards']} | {r['p50_ms']:.2f} ms | "
-                 f"{r['recall_at_k']:.3f} |")
-  lines += ["", f"| at {lat['M']:,} memories | p50 |", "|---|---|"]
-  lines += [f"| {k[:-7].replace('_', ' ')} | {v:.3f} ms |" for k, v in lat.items()
-            if k.endswith("_p50_ms")]
-  return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Scoped search at scale (issue 30): a scoped `Memory.search` among `M` memories in `S` scopes
+"""Scoped search at scale: a scoped `Memory.search` among `M` memories in `S` scopes
 against a `Memory` holding only that scope's memories, in the same run.
 
 Symbols: `M` memories, `S` scopes (`M / S` memories each), `d` dimension.
@@ -11,7 +11,7 @@ p99 of `calls` single-query searches with `query_embedding` and a 3-word questio
 the next of `sample` scopes; the searches compared called in turn, so the machine's load hits them
 alike): the scoped search (`scope=u<i>`: the gathered path of
 `bank.scope_candidates`), the same with the gather switched off (`GATHER_SHARE` huge: the masked
-scan of every row, the cost before issue 30) and the unscoped search (unchanged path; `calls / 4`
+scan of every row, the cost before the gathered path) and the unscoped search (unchanged path; `calls / 4`
 of these two), and the same
 scoped query on a `Memory` holding only that scope's rows (same embeddings, texts, config). The
 bounds: the scope's bytes and the bank's bytes over the bandwidth measured in this run
@@ -98,7 +98,7 @@ def _times(fns: dict, calls: int) -> dict:
 
 
 def _masked_scan(fn):
-  """`fn` with the gathered path switched off (the masked scan of every row, before issue 30)."""
+  """`fn` with the gathered path switched off (the masked scan of every row)."""
 
   def call(i):
     share = bank_lib.GATHER_SHARE

@@ -1,4 +1,4 @@
-"""The MCP server under load (issue 30): C concurrent clients over loopback HTTP, N memories in S
+"""The MCP server under load: C concurrent clients over loopback HTTP, N memories in S
 scopes, every acknowledged write checked, a kill -9 mid-run, and the same workload in-process.
 
 Symbols: `N` memories, `S` scopes, `C` concurrent clients.
@@ -36,7 +36,7 @@ from ear_jax.experiment.server_load import (QUESTIONS, TOOLS, check_acknowledged
                                             run_phase)
 from ear_jax.experiment.server_process import Server, direct_call, http_call
 
-THROUGHPUT_TARGET = 3.0  # issue 30: C = 16 clients vs one, calls/s
+THROUGHPUT_TARGET = 3.0  # C = 16 clients vs one, calls/s
 
 _BATCH = ("batch_windows", "batch_requests", "batch_encoder_calls", "batch_searches")
 

@@ -1,4 +1,4 @@
-"""The workload of the load benchmark (issue 30, `server_bench`): the memory directory, the
+"""The workload of the load benchmark (`server_bench`): the memory directory, the
 clients' loop, and what they saw.
 
 Symbols: `N` memories, `S` scopes, `C` concurrent clients.

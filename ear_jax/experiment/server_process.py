@@ -1,4 +1,4 @@
-"""The MCP server of the load benchmark (issue 30, `server_bench`): a subprocess and how a client
+"""The MCP server of the load benchmark (`server_bench`): a subprocess and how a client
 calls its tools.
 
 `Server` starts `python -m experiments.mcp_server --transport=http` on 127.0.0.1 (a free port, a

@@ -14,16 +14,9 @@ for confidence `c` (0.95 by default). It treats the seeds as independent draws o
 experiment (split, initialisation, critic noise, exploration); it says nothing about the
 variation over test queries within one seed, and with 3 seeds it is wide (t_{2, 0.975} = 4.30).
 
-Verdicts: 'better' / 'worse' when the interval lies entirely above / below 0, otherwise 'tie'
-(the seeds cannot order the two methods). Degenerate cases:
-
-- `n = 1`: no interval (`lo = hi = nan`), verdict 'tie (n=1)'.
-- `n = 0` (no seed has both values): everything nan, verdict 'no data'.
-- `sd = 0` with `n >= 2` (every seed shows the same difference): the interval is the point
-  `lo = hi = mean`, so it excludes 0 exactly when `mean != 0`; the verdict is then 'better' /
-  'worse' by the sign of the mean, and 'tie' for identical inputs (mean = 0). No NaN appears.
-
-Library code: numpy and scipy only.
+Verdicts: 'better' / 'worse' when the interval lies entirely above / below 0, otherwise 'tie'.
+`n = 1`: no interval (nan), 'tie (n=1)'; `n = 0`: all nan, 'no data'; `sd = 0`: the interval is
+the point `mean` (the verdict by its sign; 'tie' at 0), never NaN.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Appendix C) and the library versions a result depends on.
 
 `summarize` turns a `runner.RunResult` into the per-run dict written to `result.json` and
 `results.json` (percent, per seed and mean ± std): the four test metrics of the paper's two
-test-time modes, then (`PAGING_METRIC_NAMES`, issue 27) those of paging over the first stage's and
+test-time modes, then (`PAGING_METRIC_NAMES`) those of paging over the first stage's and
 over the adapted ranking, explorer-assisted inference's baseline with the same critic and calls.
 Library code: no flags are read here.
 """

@@ -1,1 +1,2 @@
-"""Persistence shared by the agent and experiment layers: atomic, verified Orbax checkpoints."""
+"""Persistence shared by the agent and experiment layers: atomic, verified Orbax checkpoints
+(`checkpoints`) and the checkpoints and final adapters of a whole run (`run_checkpoints`)."""

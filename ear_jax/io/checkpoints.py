@@ -1,52 +1,28 @@
 """`CheckpointStore`: atomic, verified, inter-process-locked Orbax checkpoints of (arrays, JSON meta).
 
 The one checkpoint mechanism of ear_jax, used by the experiment runner (`RunCheckpointer`) and by
-`Memory`. A store is a directory holding one subdirectory per step (`<directory>/<step>/`), each an
-Orbax `CheckpointManager` step with two items:
-
-  * `state`: the array pytree, saved with `StandardSave`. Its Orbax custom metadata records every
-    leaf's path, shape, dtype and SHA-256, so a bit flip or truncation in the array files is a
-    `CheckpointError` on restore, never silently wrong numbers. Zero-size leaves (which Orbax cannot
-    write) are stored as a scalar placeholder and rebuilt from the record.
-  * `meta`: the caller's JSON dict, saved with `JsonSave` (file `<step>/meta/metadata`).
-
-Every byte a restore depends on is verified: the SHA-256 of the canonical JSON of the meta dict and
-the leaf record together is written twice, into the meta file (key `ear_jax.io/sha256`, removed
-again on read) and into the array item's custom metadata, so a changed meta value, leaf record or
-digest (or a flipped key that hides one digest) is a `CheckpointError` naming the meta file.
-Checkpoints written before this digest (neither copy present) still load. An unknown field in the
-custom metadata (another record version) is a `CheckpointError` naming the file and the field.
+`Memory`. A store is a directory with one Orbax step per subdirectory (`<directory>/<step>/`), each
+of two items: `state`, the array pytree (its custom metadata records every leaf's path, shape,
+dtype and SHA-256; zero-size leaves are a scalar placeholder rebuilt from the record), and `meta`,
+the caller's JSON dict (`<step>/meta/metadata`). A SHA-256 of the meta and the leaf record is
+written into both items, so a changed value, record or digest is a `CheckpointError` naming the
+file (checkpoints written before this digest still load).
 
 Guarantees:
-
-  * Atomic: Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it when complete; the
-    readers (`steps`, `latest_step`, `read_meta`, `restore`) only see the digit-named directories, so
-    a reader sees the previous or the new step, never a half-written one. A save killed at any
-    moment (even SIGKILL) leaves the latest complete step loadable; its debris is removed by the
-    next save.
-  * Verified before cleanup: after Orbax has finished, the new step's meta and array metadata are
-    read back and compared with what was saved; only then are steps beyond `max_to_keep` deleted
-    (renamed away first, then removed). A step that fails verification is discarded and the older
-    ones are kept.
-  * Serialised: a whole save runs under an exclusive `fcntl.flock` on `<directory>/.lock`, so two
-    processes saving to one directory never interleave (nor delete each other's temporaries); a
-    writer that waits longer than `lock_timeout_s` gets a `CheckpointError`. The lock file is removed
-    again when the save ends (a killed writer's stale file is harmless).
-  * Owned (for callers that opt in, as `Memory` does): `own` takes an exclusive owner lock
-    `<directory>/.owner` for as long as the caller uses the directory (one holder in one process,
-    dropped by the kernel when the process dies, even by SIGKILL); another process, or another
-    caller of the same process, gets a `DirectoryInUseError` naming the directory and the owner
-    (its pid, or the first caller's description).
-  * No leftovers: a step being deleted is renamed to `.trash-*` first; what a killed delete leaves
-    there is never read, and the next save deletes it (`_remove_debris`).
+  * Atomic: a step is written under a temporary name and renamed when complete; readers see only
+    digit-named steps, so a save killed at any moment (even SIGKILL) leaves the latest complete one.
+  * Verified before cleanup: the new step is read back and compared before older steps beyond
+    `max_to_keep` are deleted (renamed to `.trash-*` first, removed by the next save).
+  * Serialised: a save holds an exclusive `fcntl.flock` on `<directory>/.lock` (`lock_timeout_s`).
+  * Owned (opt-in, as `Memory` does): `own` takes an owner lock `<directory>/.owner` (one holder
+    in one process), dropped by the kernel when the process dies; another process, or another
+    caller of this one, gets a `DirectoryInUseError` naming the owner.
   * Clear errors: unreadable, truncated or corrupted checkpoints are `CheckpointError`s naming the
-    path; incompatible requests are `ValueError`s listing the differences. Nothing is ever deleted
-    or rewritten by a read.
-  * Quiet: every Orbax object is closed after each call, and Orbax's asyncio noise ("Event loop is
-    closed", tracebacks of the coroutines a failed read abandons) is kept off stderr (`_quiet`).
-  * No growth: `read_meta` and `restore` read Orbax's metadata file themselves and restore numpy
-    leaves into zeros of their recorded shapes (`_zeros_target`), so no array is opened for its
-    metadata (tensorstore keeps what that returns: the process grew with every read).
+    path; incompatible requests are `ValueError`s listing the differences; a read never deletes
+    or rewrites anything. Orbax's asyncio noise is kept off stderr (`_quiet`).
+  * No growth: reads take Orbax's metadata file themselves and restore numpy leaves into zeros of
+    their recorded shapes, so no array is opened for its metadata (tensorstore keeps what that
+    returns: the process grew with every read).
 """
 from __future__ import annotations
 

@@ -23,7 +23,9 @@ SERVING = ("cache_dir", "batch_window_ms", "batch_max_queries")
 # was created with (`stored_config`), pinned as a config from then on.
 PRESETS_VERSION = 3
 PRESET_CHANGES = {
-    2: {"ear_safe": dict(guard_holdout=0, guard_z=0.5, guard_evidence="items")},  # session 11
+    # 'ear_safe' before presets 2 guarded by evidence sums this version no longer has: such a
+    # directory is refused (`stored_config`).
+    2: {"ear_safe": None},
 }
 # The learner of a memory given no `method`, `config` nor `hparams`: this preset since presets
 # `DEFAULT_METHOD_SINCE` (issue 27: the tuned preset with the held-out guard, RESULTS.md "The
@@ -268,9 +270,6 @@ def _check_honoured(config: EARConfig) -> None:
         f"config.train_slate={config.train_slate!r} is not honoured by Memory: its training "
         "slates are the Explorer rounds the agent plays (recall / Session.round(explore=True)); "
         "use train_slate='explorer'")
-  if config.guard_probe:
-    raise ValueError("config.guard_probe=True is not honoured by Memory: its training rounds are "
-                     "the Explorer rounds the agent plays, without the guard's probe slate")
   if config.test_rounds is not None and config.test_rounds != config.num_rounds:
     raise ValueError(
         f"config.test_rounds={config.test_rounds} is not honoured by Memory: recall plays "
@@ -295,6 +294,9 @@ def stored_config(meta: dict) -> MemoryConfig:
   over = {}
   for version in sorted(PRESET_CHANGES, reverse=True):  # (the earliest change's values win)
     if version > written:
+      if method in PRESET_CHANGES[version] and PRESET_CHANGES[version][method] is None:
+        raise ValueError(f"this memory directory was written with the preset {method!r} of "
+                         f"presets version {written}, which this version no longer has")
       over.update(PRESET_CHANGES[version].get(method, {}))
   if not over:
     return cfg

@@ -112,7 +112,7 @@ class Driver:
     self.insert_index = int(self.state.buffer.insert_index)  # host copy
     # The guard's held-out ring (`config.guard_holdout`): its slots' bank rows (as `buffer_rows`),
     # its count, and the training sessions opened so far (every n-th is held out: `next_held`).
-    ring = None if self.state.guard is None else self.state.guard.holdout
+    ring = self.state.guard
     self.holdout_rows = None if ring is None else np.full(ring.mask.shape, -1, np.int32)
     self.holdout_count = 0 if ring is None else int(ring.count)
     if ring is not None and state is not None:
@@ -197,13 +197,13 @@ class Driver:
 
   def _mask_ring(self, hit: np.ndarray) -> None:
     """Clears the held-out ring's candidates where `hit [H, K]`."""
-    ring = self.state.guard.holdout
+    ring = self.state.guard
     hit = hit & np.asarray(ring.mask)
     if hit.any():
       h = jnp.asarray(hit)
       ring = ring.replace(candidates=jnp.where(h[..., None], 0.0, ring.candidates),
                           mask=ring.mask & ~h, cited=ring.cited & ~h, in_first=ring.in_first & ~h)
-      self.state = self.state.replace(guard=self.state.guard.replace(holdout=ring))
+      self.state = self.state.replace(guard=ring)
 
   def _mask_buffer(self, hit: np.ndarray) -> None:
     """Clears the buffer's candidates where `hit [C, K]`."""
@@ -230,7 +230,7 @@ class Driver:
               "buffer_features": np.asarray(self.state.buffer.candidates[..., d:])}
     if self.holdout_rows is not None:  # (the ring's candidates likewise: rows and features)
       arrays["holdout_rows"] = self.holdout_rows.copy()
-      arrays["holdout_features"] = np.asarray(self.state.guard.holdout.candidates[..., d:])
+      arrays["holdout_features"] = np.asarray(self.state.guard.candidates[..., d:])
       arrays["questions"] = {"keys": np.asarray(list(self.questions), np.int64).reshape(-1),
                              "held": np.asarray(list(self.questions.values()), bool).reshape(-1)}
     if self.ready:
@@ -250,7 +250,10 @@ class Driver:
     hparams = HParams(**{k: jnp.asarray(v, jnp.float32) for k, v in arrays["hparams"].items()})
     out = cls(config, hparams, seed)
     abstract = _without_candidates(jax.eval_shape(lambda: out.state))
-    state = checkpoints.fit_target(abstract, arrays["learner"], f"{where}: the learner state")
+    learner = dict(arrays["learner"])
+    if isinstance(learner.get("guard"), dict) and "holdout" in learner["guard"]:
+      learner["guard"] = learner["guard"]["holdout"]  # (saved beside evidence sums no longer kept)
+    state = checkpoints.fit_target(abstract, learner, f"{where}: the learner state")
     state = jax.tree_util.tree_map(lambda x, t: jnp.asarray(x, t.dtype), state, abstract)
     rows = np.asarray(arrays["buffer_rows"]).astype(np.int32)
     feats = np.asarray(arrays["buffer_features"], np.float32)
@@ -269,10 +272,9 @@ class Driver:
       if hrows.shape != out.holdout_rows.shape:
         raise ValueError(f"{where}: holdout_rows {hrows.shape} do not fit the held-out ring "
                          f"{out.holdout_rows.shape}")
-      ring = state.guard.holdout
-      ring = ring.replace(candidates=jnp.concatenate(
+      ring = state.guard.replace(candidates=jnp.concatenate(
           [jnp.asarray(gather(hrows, hrows >= 0)), jnp.asarray(hfeats)], -1))
-      state = state.replace(guard=state.guard.replace(holdout=ring))
+      state = state.replace(guard=ring)
       out.holdout_rows, out.holdout_count = hrows, int(ring.count)
     out.state = _owned(state)
     out.buffer_rows, out.insert_index = rows, int(out.state.buffer.insert_index)
@@ -304,7 +306,7 @@ class Driver:
     embedding (-1: none, masked out). `Memory` calls it before every snapshot."""
     stores = [(self.buffer_rows, lambda: self.state.buffer.candidates, self._mask_buffer)]
     if self.holdout_rows is not None:  # (the guard's held-out ring likewise)
-      stores.append((self.holdout_rows, lambda: self.state.guard.holdout.candidates,
+      stores.append((self.holdout_rows, lambda: self.state.guard.candidates,
                      self._mask_ring))
     for rows, candidates, mask in stores:
       todo = rows == UNKNOWN
@@ -320,8 +322,7 @@ def _without_candidates(state):
       lambda shape, dtype: np.zeros(shape, dtype))
   state = state.replace(buffer=state.buffer.replace(
       candidates=empty((0,), state.buffer.candidates.dtype)))
-  if state.guard is not None and state.guard.holdout is not None:  # (the held-out ring likewise)
-    ring = state.guard.holdout
-    state = state.replace(guard=state.guard.replace(holdout=ring.replace(
-        candidates=empty((0,), ring.candidates.dtype))))
+  if state.guard is not None:  # (the held-out ring likewise)
+    state = state.replace(guard=state.guard.replace(
+        candidates=empty((0,), state.guard.candidates.dtype)))
   return state

@@ -119,15 +119,11 @@ class _Closed:
 
 # The served parameters of a guarded memory in one compiled call (`core.guard.served_params`).
 _served = jax.jit(guard_lib.served_params, static_argnums=2)
-# A held-out session's (`guard_holdout`) first-stage relevance `z` of its candidates and the scores
-# its pages follow (`guard.page_order`: `z` itself, or a random order under the session's key).
+# A held-out session's (`guard_holdout`) first-stage relevance `z` of its candidates: its pages
+# follow it.
 _held_pages = jax.jit(
-    lambda q, c, key, config: (lambda z: (z, guard_lib.page_order(key, z, config)))(
-        adapter_lib.relevance(guard_lib.first_stage_params(config), q, c)[0]),
-    static_argnums=3)
-# The key of session `sid`'s page order (`guard_pages='shuffled'`), from the memory's critic key.
-_page_key = jax.jit(lambda key, sid: jax.random.fold_in(
-    jax.random.fold_in(key, guard_lib.PAGES_KEY), sid))
+    lambda q, c, config: adapter_lib.relevance(guard_lib.first_stage_params(config), q, c)[0],
+    static_argnums=2)
 _copy = jax.jit(lambda tree: jax.tree_util.tree_map(jnp.copy, tree))  # (one call, own buffers)
 
 
@@ -183,7 +179,6 @@ class Memory:
     self._save_lock = threading.Lock()
     k_critic = seed_keys(cfg.seed)[2]
     self._critic_keys = CriticKeys(k_critic, config.num_rounds)
-    self._page_base = k_critic  # (`_page_key`: held-out sessions' page orders)
     context = cfg.first_stage.uses_context
     rows = table.read_all(texts=context)
     self._next_row = int(rows.next_row)
@@ -301,14 +296,14 @@ class Memory:
       memory_config: the `MemoryConfig` (of a new directory, or the one expected).
       encoder: an `Encoder` object (or spec) instead of the stored spec (dimension and model
         identity must match).
-      learner: a `LearnerState` to start a NEW directory from (`experiments.convert_memory`).
+      learner: a `LearnerState` to start a NEW directory from.
       **settings: `MemoryConfig` fields.
 
     Raises:
       DirectoryInUseError: another process holds `path` (naming it and that process's pid), or
         another `Memory` of this process (naming it and where that one was opened).
       CheckpointError: a corrupted table or learner item (naming the file);
-        `CheckpointFormatError` for an old layout (convert it: `experiments.convert_memory`).
+        `CheckpointFormatError` for an old layout.
     """
     if memory_config is not None and not isinstance(memory_config, MemoryConfig):
       raise InputTypeError(f"memory_config must be a MemoryConfig, got "
@@ -917,9 +912,7 @@ class Memory:
           raise ValueError(f"k={k} is larger than the {int(s.cand_mask.sum())} candidates of "
                            f"session {sid}")
         if s.ranking is None:
-          z, order = _held_pages(s.query_emb, s.cand_emb, _page_key(self._page_base, sid),
-                                 self._ear)
-          s.ranking, s.page_order = np.asarray(z), np.asarray(order)
+          s.ranking = np.asarray(_held_pages(s.query_emb, s.cand_emb, self._ear))
       if s.paged:  # the next page of `ranking` (a held-out session is paged too)
         return self._open_page(s, sid, k, explore)
       held = int(s.cand_mask.sum())
@@ -944,10 +937,10 @@ class Memory:
                          s.query, self._candidate_records(s, pos))
 
   def _open_page(self, s, sid: int, k: int, explore: bool) -> Slate:
-    """The next page of session `s`'s `ranking` (a held-out session's: of its `page_order`; ties
-    to the lower candidate): its first `k` candidates still held that no page with feedback
-    showed (after t pages of k and no delete: ranks `t k .. t k + k - 1`), opened as its next
-    round (`explore`: the session goes on after its feedback)."""
+    """The next page of session `s`'s `ranking` (a held-out session's: of its `page_order`, when
+    one was saved; ties to the lower candidate): its first `k` candidates still held that no page
+    with feedback showed (after t pages of k and no delete: ranks `t k .. t k + k - 1`), opened as
+    its next round (`explore`: the session goes on after its feedback)."""
     z = s.ranking
     by = z if s.page_order is None else s.page_order
     order = np.lexsort((np.arange(len(by)), -by))

@@ -31,7 +31,7 @@ from ear_jax.io import checkpoints
 
 FORMAT = 2
 TABLE, LEARNER, ANN = "rows.sqlite", "learner", "ann"
-OLD_SHARDS = "bank_shards"  # what a directory of the older layout holds (`convert_memory`)
+OLD_SHARDS = "bank_shards"  # what a directory of the older (Orbax shards) layout holds
 
 
 def checkpoint_dir(path) -> pathlib.Path:
@@ -60,11 +60,10 @@ def check_directory(root: pathlib.Path) -> None:
     return
   if OLD_SHARDS in names:
     raise checkpoints.CheckpointFormatError(
-        f"{root} is a memory directory of an older layout: convert it with `python -m "
-        "experiments.convert_memory`")
+        f"{root} is a memory directory of an older layout (Orbax bank shards, before the SQLite "
+        "rows), which this version does not read")
   raise ValueError(f"{root} is not a memory directory (it holds {sorted(names)[:5]}); use a new "
-                   "or empty directory (a memory of ear_jax 0.1.0 is converted by `python -m "
-                   "experiments.convert_memory`)")
+                   "or empty directory")
 
 
 def _caller() -> str:
@@ -107,8 +106,7 @@ def _learner_meta(store, step: int, meta: dict) -> dict:
   if meta.get("format") != FORMAT:
     raise checkpoints.CheckpointFormatError(
         f"{store.meta_file(step)}: field 'format' is {meta.get('format')!r}, not a learner item "
-        f"this version reads ({FORMAT}); convert an older checkpoint with "
-        "`python -m experiments.convert_memory`")
+        f"this version reads ({FORMAT})")
   return meta
 
 

@@ -172,8 +172,7 @@ def paging_answer(shown, labels, k: int):
   """`(answer [(id, score)] of at most k, ranked [(id, score, cited)])` of pages `shown` and
   their `labels` (None: unusable): the cited memories first, in ranking order, then the ranking
   (`core.retrieval.paging_slate`; `Session.answer` too). The ranking is by score, the order
-  shown among equal scores: the pages' own order, or a held-out session's first-stage ranking
-  when its pages were shuffled (`EARConfig.guard_pages`)."""
+  shown among equal scores: the pages' own order."""
   ranked = [(i, sc, lab is not None and len(lab) == len(p.ids) and lab[j] > 0)
             for p, lab in zip(shown, labels) for j, (i, sc) in enumerate(zip(p.ids, p.scores))]
   ranked.sort(key=lambda r: -r[1])  # (stable: pages of a ranking are in its order already)

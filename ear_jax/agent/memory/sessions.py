@@ -145,7 +145,7 @@ class Query:
   #   of its candidates (the open's one search computed it; paging reads it)
   paged: bool = False  # its rounds are pages of `ranking`: no bandit statistics kept
   page_order: Optional[np.ndarray] = None  # held out: [K] float32 the scores its pages follow
-  #   (`guard.page_order`: `ranking` itself, or a random order; computed with `ranking`)
+  #   when not `ranking` (None: `ranking`)
   held: int = 0  # held out for the guard (`Driver.next_held`'s code; `EARConfig.guard_holdout`):
   #   its rounds page the first stage's ranking (`ranking`, computed at its first round) and it
   #   is never trained on

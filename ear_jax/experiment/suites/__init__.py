@@ -34,8 +34,6 @@ from ear_jax.experiment import summaries
 from ear_jax.experiment.suites import answer_critic
 from ear_jax.experiment.suites import first_stage
 from ear_jax.experiment.suites import guard
-from ear_jax.experiment.suites import guard_diagnosis
-from ear_jax.experiment.suites import headroom
 from ear_jax.experiment.suites import hparams_curves
 from ear_jax.experiment.suites import main_ablation
 from ear_jax.experiment.suites import noise_multistore
@@ -69,16 +67,12 @@ SUITES["beyond"] = tune.suite_beyond
 # dense / BM25 / hybrid candidates on the test split.
 SUITES["first_stage_tune"] = first_stage.suite_first_stage_tune
 SUITES["first_stage"] = first_stage.suite_first_stage
-# The answer-grounded critic (issue 28), by name only: EAR trained by the agent's answers.
+# The answer-grounded critic, by name only: EAR trained by the agent's answers.
 SUITES["answer_critic"] = answer_critic.suite_answer_critic
-# The guard (issue 27), by name only: adapter-only with and without the guard, LoCoMo validation.
+# The guard, by name only: `ear_safe`'s guard with and without it, LoCoMo validation.
 SUITES["guard_tune"] = guard.suite_guard_tune
-# The guard and paging (issue 27), by name only: ear_safe vs the frozen first stage and paging, test.
+# The guard and paging, by name only: ear_safe vs the frozen first stage and paging, test split.
 SUITES["guard"] = guard.suite_guard
-# The guard's evidence against held-out measurements (issue 27), by name only: a diagnosis.
-SUITES["guard_diagnosis"] = guard_diagnosis.suite_guard_diagnosis
-# The adapter fitted on gold labels (issue 27's strength target), by name only: an upper bound.
-SUITES["headroom"] = headroom.suite_headroom
 # The candidate pool K > T s, by name only: loss_support and K on LoCoMo validation; every learning
 # preset at K = 20 / 50 / 100 against the frozen first stage on the test split.
 SUITES["pool_tune"] = pool.suite_pool_tune

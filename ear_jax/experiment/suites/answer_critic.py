@@ -1,5 +1,5 @@
 """Suite `answer_critic`: EAR trained by the answer-grounded critic, the feedback an agent gives by
-answering (issue 28).
+answering.
 
 For `ear` and `ear_tuned` over the run's first stage (`--candidates`, dense by default), each seed's
 full training stream is learned online with (a) the paper's simulated critic (Appendix A.2, it
@@ -20,7 +20,7 @@ from ear_jax.experiment.suites.run_cache import Runner
 METHODS = ("ear", "ear_tuned")
 CRITICS = {"simulated": "simulated (p 0.88 / r 0.86, reads the gold labels)",
            "answer": "answer-grounded (gold answers)"}
-# Issue 28's target: the adapter-only gain over the frozen first stage with the answer critic.
+# The target: the adapter-only gain over the frozen first stage with the answer critic.
 TARGET = {"locomo": "gain > 0, 95% interval above 0"}
 
 
@@ -51,7 +51,7 @@ def suite_answer_critic(r: Runner) -> str:
       f"first stage, adapter-only test Recall@5 ({len(r.seeds)} seeds)", "",
       md_table(["method", "critic during training", "R@5", "Δ R@5 vs frozen first stage "
                 "[95% CI]", "Δ R@5 vs the simulated critic [95% CI]", "Hit@5",
-                "issue 28 target"], rows), "",
+                "target"], rows), "",
       DELTA_NOTE + f" Answer critic thresholds: {dict(critic_lib.ANSWER_DEFAULTS)} (chosen on "
       "LoCoMo validation: `python -m experiments.critic_eval --critic=answer --subset=validation`)."
       " No critic call at test time (adapter only)."])

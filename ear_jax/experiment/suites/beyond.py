@@ -6,7 +6,7 @@ the untouched test split, in both test modes: adapter only, and explorer-assiste
 test budget (T = 4 critic calls per test query). Every comparison is a per-seed paired difference
 with its 95 % t-interval (`pairing.pair_runs` -> results.json "paired"), overall and per category,
 checked against `TARGETS`. On LongMemEval_S (never tuned on) this is the transfer test. Below
-each explorer-assisted row (issue 27): its two paging neighbours (`pairing.paging_rows`), paired
+each explorer-assisted row: its two paging neighbours (`pairing.paging_rows`), paired
 with it in the last column.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def suite_beyond(r: Runner) -> str:
                    fmt(runs[m]["critic_calls"], 0), "(reference)" if mode == "explorer" else "–"])
       if mode == "explorer":
         explorer_rows.append((len(rows) - 1, m))
-  paging = []  # after the issue-12 comparisons, so their records keep their positions
+  paging = []  # after the targets' comparisons, so their records keep their positions
   for i, m in explorer_rows:
     new = []
     for mode, text, d in paging_rows(r, "beyond", names[m], runs[m]):
@@ -86,11 +86,11 @@ def suite_beyond(r: Runner) -> str:
         "",
         md_table(["method", "test mode", "R@5", "Δ R@5 vs retriever [95% CI]",
                   "Δ R@5 vs paper EAR, same mode [95% CI]", "Hit@5",
-                  "Δ Hit@5 vs retriever [95% CI]", "issue 12 target", "critic calls (train)",
+                  "Δ Hit@5 vs retriever [95% CI]", "target", "critic calls (train)",
                   PAGING_DELTA_HEADER], rows), "",
         DELTA_NOTE + " Test mode 'explorer-assisted' spends T = 4 critic calls per test query "
         "(the paper's budget) for both EAR variants; the paper's EAR answers with round T's slate, "
-        "`ear_tuned` with its own final-slate rule. Targets: issue 12 (mean paired difference vs "
+        "`ear_tuned` with its own final-slate rule. Targets (mean paired difference vs "
         "the retriever).", "", paging_note(runs["ear"], r.opts.k)]
   cats = sorted(runs["ear_tuned"].get("per_category", {}))
   if cats:

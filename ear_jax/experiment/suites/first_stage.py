@@ -19,7 +19,7 @@ The table says whether the library's defaults (`FirstStageOptions`, `EARConfig.s
 `GENERATORS_SHOWN`, the frozen first stage and `ear` / `ear_tuned` (adapter only, and explorer-
 assisted at T = 4), trained on every seed's full training stream and scored on its test split, with
 per-seed paired differences against the same first stage and against the best frozen one. Below
-each explorer-assisted row (issue 27): its two paging neighbours (`pairing.paging_rows`), paired
+each explorer-assisted row: its two paging neighbours (`pairing.paging_rows`), paired
 with it in the last column.
 """
 from __future__ import annotations
@@ -223,7 +223,7 @@ def suite_first_stage(r: Runner) -> str:
                      "(reference)" if mode == "explorer" else "–"])
         if mode == "explorer":
           explorer_rows.append((len(rows) - 1, g, m))
-  paging = []  # after the issue-18 comparisons, so their records keep their positions
+  paging = []  # after the targets' comparisons, so their records keep their positions
   for i, g, m in explorer_rows:
     s, ret, new = runs[g][m], runs[g]["retriever"], []
     for mode, text, d in paging_rows(r, "first_stage", f"{m} over {g}", s):
@@ -252,7 +252,7 @@ def suite_first_stage(r: Runner) -> str:
       "(test split)", "",
       md_table(["first stage", "method", "test mode", "R@5", "Δ R@5 vs same first stage "
                 "[95% CI]", f"Δ R@5 vs best first stage ({best}) [95% CI]", "Hit@5",
-                "issue 18 target", PAGING_DELTA_HEADER], rows), "",
+                "target", PAGING_DELTA_HEADER], rows), "",
       DELTA_NOTE + f" The frozen first stage is the generator's own top-5. Side information: on "
       f"for bm25 and hybrid (z = adapted cosine + w . [first-stage score, dense cosine, BM25]), off "
       f"for dense (the paper's EAR). Hybrid fusion: {fs_opts}. Recall@K ceiling (all gold in the "

@@ -1,21 +1,22 @@
-"""Suite `guard_tune`: does the guard (`EARConfig.guard`, `ear_jax.core.guard`) keep EAR's
-adapter-only ranking at or above the first stage's? LoCoMo validation only.
+"""Suites `guard_tune` and `guard`: does `ear_safe`'s guard (`ear_jax.core.guard`) keep EAR's
+adapter-only ranking at or above the first stage's?
 
-The validation protocol of `--suite=tune` (`runner.validation_split`): per seed the training
-stream's last 20 % is validation; the test split is never read, LongMemEval_S is refused. For each
-setting in `SETTINGS` (a critic, a learning rate) one run of `ear_safe` (`ear_tuned` + guard) over the runner's first stage
-(`--candidates`, e.g. hybrid) is trained on the fit part. The guard changes nothing in training
-(its evidence is only recorded), so the same run gives every row: the frozen first stage (the
-untrained adapter), `ear_tuned` (the adapter always served: guard off) and the guard at each
-`Z_GRID` x `HALF_LIFE_GRID` setting (its state folded again from the run's recorded evidence,
-`guard.guard_from_evidence`), all paired per seed against the frozen first stage. With
-`--guard_holdout=n` (the held-out ring, `guard.Holdout`) training leaves every n-th query out, the
-guard-off row is that adapter unguarded, and the grid is `Z_GRID` only (the ring scores the final
-parameters; no half-life).
+`guard_tune` (LoCoMo validation only; the protocol of `--suite=tune`, `runner.validation_split`:
+per seed the training stream's last 20 % is validation, the test split is never read,
+LongMemEval_S is refused). For each setting in `SETTINGS` (a critic, a learning rate) one run of
+`ear_safe` over the runner's first stage (`--candidates`, e.g. hybrid) is trained on the fit part;
+training leaves every n-th query out for the guard's held-out ring (`--guard_holdout`), so the
+same run gives every row: the frozen first stage (the untrained adapter), that adapter served
+unguarded, and the guard at each `Z_GRID` value (the ring scores the final parameters), all paired
+per seed against the frozen first stage.
+
+`guard` (any benchmark, test split): one `ear_safe` run per first stage and simulated critic
+(`TEST_CRITICS`); the rows of `TEST_ROWS` (the frozen first stage, the same adapters unguarded,
+`ear_safe` adapter-only and explorer-assisted, paging over the first stage and over the served
+ranking) from that run's adapters, critic and evaluation keys, paired per seed.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 
 from absl import logging
@@ -25,7 +26,6 @@ import numpy as np
 
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import guard as guard_lib
-from ear_jax.experiment import checkpointing
 from ear_jax.experiment import runner
 from ear_jax.experiment import stats
 from ear_jax.experiment import summaries
@@ -33,6 +33,7 @@ from ear_jax.experiment.suites.first_stage import GENERATORS_SHOWN, _validation,
 from ear_jax.experiment.suites.pairing import DELTA_NOTE, fd, pair
 from ear_jax.experiment.suites.paper import fmt, md_table
 from ear_jax.experiment.suites.run_cache import Runner
+from ear_jax.io import run_checkpoints
 
 METHOD = "ear_safe"
 # name -> (simulated critic (precision, recall) overrides, hyperparameter overrides): the default
@@ -42,7 +43,6 @@ SETTINGS = {"default critic (P .88, R .86)": ({}, {}),
             "noisy critic (P = R = 0.7)": ({"precision": 0.7, "recall": 0.7}, {}),
             "default critic, learning rate 3e-3": ({}, {"learning_rate": 3e-3})}
 Z_GRID = (0.0, 0.25, 0.5, 1.0, 1.645)
-HALF_LIFE_GRID = (0.0, 50.0, 100.0, 250.0)
 
 
 def _pct(ev, mode):
@@ -58,6 +58,8 @@ def guard_rows(r: Runner, critic_name: str, critic_over: dict, hparam_over: dict
                           hparams={**r.opts.hparam_overrides, **hparam_over},
                           side_features=stream.num_side_features, **r.opts.config_overrides)
   config = m.config
+  if not config.guard:
+    raise ValueError("guard_tune: --guard_holdout=0 turns the guard off")
   critic = critic_lib.make_simulated_critic(**critic_over) if critic_over else None
   res = runner.train_and_evaluate(f"guard_tune {critic_name}", stream, fit, val, config,
                                   m.hparams, r.seeds, critic=critic, progress=r.opts.progress)
@@ -67,7 +69,6 @@ def guard_rows(r: Runner, critic_name: str, critic_over: dict, hparam_over: dict
                                  guard_lib.first_stage_params(config))
   score = lambda p: runner.evaluate_params(p, stream, val, config, m.hparams, r.seeds, critic)
   ev_first, ev_adapted = score(first), score(states.params)
-  log = res.train_log
   out = {"critic": critic_name, "critic_overrides": critic_over, "hparam_overrides": hparam_over,
          "config": config.to_dict(),
          "frozen": _pct(ev_first, "adapter").tolist(),
@@ -75,40 +76,20 @@ def guard_rows(r: Runner, critic_name: str, critic_over: dict, hparam_over: dict
          "guarded_run": _pct(res.eval, "adapter").tolist(),
          "explorer_adapted": _pct(ev_adapted, "explorer").tolist(),
          "explorer_first": _pct(ev_first, "explorer").tolist(),
-         "evidence": {
-             "queries": int(log["guard_counts"].shape[1]),
-             "with_a_citation": (log["positive_labels"] > 0).sum(1).tolist(),
-             "counted": log["guard_counts"].sum(1).tolist(),
-             "mean_d": [float(log["guard_d"][i][log["guard_counts"][i]].mean())
-                        for i in range(num)]},
          "guard": []}
-  if config.guard_holdout:  # the held-out ring scores the final parameters: a z grid only
-    for z in Z_GRID:  # (the ring scored once per z: the decision and the bound it read)
-      serve, lcb, _ = (np.asarray(x) for x in jax.vmap(lambda g, p: guard_lib.holdout_decision(
-          p, g.holdout, config, z))(states.guard, states.params))
-      out["guard"].append({
-          "half_life": config.guard_half_life, "z": z, "serve_adapted": serve.tolist(),
-          "lcb": lcb.tolist(), "adapter": np.where(serve, out["adapted"], out["frozen"]).tolist(),
-          "explorer_guarded": np.where(serve, out["explorer_adapted"],
-                                       out["explorer_first"]).tolist()})
-  for h in () if config.guard_holdout else HALF_LIFE_GRID:
-    cfg = dataclasses.replace(config, guard_half_life=h)
-    g = jax.vmap(lambda d, c: guard_lib.guard_from_evidence(d, c, cfg))(
-        jnp.asarray(log["guard_d"]), jnp.asarray(log["guard_counts"]))
-    for z in Z_GRID:
-      serve = np.asarray(jax.vmap(lambda gg: guard_lib.serve_adapted(gg, cfg, z))(g))
-      lcb = np.asarray(jax.vmap(lambda gg: guard_lib.lower_bound(gg, z))(g))
-      out["guard"].append({
-          "half_life": h, "z": z, "serve_adapted": serve.tolist(), "lcb": lcb.tolist(),
-          "adapter": np.where(serve, out["adapted"], out["frozen"]).tolist(),
-          "explorer_guarded": np.where(serve, out["explorer_adapted"],
-                                       out["explorer_first"]).tolist()})
-  # The run's own evaluation is the guard at the config's (z, half-life): a consistency check.
-  own = [row for row in out["guard"] if row["z"] == config.guard_z
-         and row["half_life"] == config.guard_half_life]
+  for z in Z_GRID:  # the ring scored once per z: the decision and the bound it read
+    serve, lcb, _ = (np.asarray(x) for x in jax.vmap(lambda g, p: guard_lib.holdout_decision(
+        p, g, config, z))(states.guard, states.params))
+    out["guard"].append({
+        "z": z, "serve_adapted": serve.tolist(), "lcb": lcb.tolist(),
+        "adapter": np.where(serve, out["adapted"], out["frozen"]).tolist(),
+        "explorer_guarded": np.where(serve, out["explorer_adapted"],
+                                     out["explorer_first"]).tolist()})
+  # The run's own evaluation is the guard at the config's z: a consistency check.
+  own = [row for row in out["guard"] if row["z"] == config.guard_z]
   if own and not np.allclose(own[0]["adapter"], out["guarded_run"]):
-    raise AssertionError("guard_tune: the run's guarded evaluation differs from the guard folded "
-                         f"from its evidence: {out['guarded_run']} vs {own[0]['adapter']}")
+    raise AssertionError("guard_tune: the run's guarded evaluation differs from the guard's "
+                         f"decision on its ring: {out['guarded_run']} vs {own[0]['adapter']}")
   logging.info("guard_tune %s: frozen %.2f, adapted %.2f, guarded (run) %.2f", critic_name,
                np.mean(out["frozen"]), np.mean(out["adapted"]), np.mean(out["guarded_run"]))
   return out
@@ -126,18 +107,14 @@ def suite_guard_tune(r: Runner) -> str:
   for res in results:
     frozen = res["frozen"]
     d = lambda v: fd(stats.paired_difference(v, frozen).to_json())
-    ev = res["evidence"]
+    holdout = res["config"]["guard_holdout"]
     rows.append([res["critic"], "frozen first stage", "–", f"{np.mean(frozen):.2f}", "(baseline)",
                  "–", "–"])
-    holdout = res["config"].get("guard_holdout", 0)
-    off = ("the same adapter unguarded (trained without the held-out queries)" if holdout
-           else "ear_tuned (guard off)")
-    rows.append([res["critic"], off, "adapter", f"{np.mean(res['adapted']):.2f}",
-                 d(res["adapted"]), f"{len(frozen)}/{len(frozen)}", "–"])
+    rows.append([res["critic"], "the same adapter unguarded (trained without the held-out "
+                 "queries)", "adapter", f"{np.mean(res['adapted']):.2f}", d(res["adapted"]),
+                 f"{len(frozen)}/{len(frozen)}", "–"])
     for row in res["guard"]:
-      name = (f"held-out guard (every {holdout}th query) z = {row['z']:g}" if holdout else
-              f"guard z = {row['z']:g}, half-life {row['half_life']:g}")
-      rows.append([res["critic"], name,
+      rows.append([res["critic"], f"held-out guard (every {holdout}th query) z = {row['z']:g}",
                    "adapter", f"{np.mean(row['adapter']):.2f}", d(row["adapter"]),
                    f"{int(np.sum(row['serve_adapted']))}/{len(frozen)}",
                    " ".join(f"{x:+.2f}" for x in row["lcb"])])
@@ -145,26 +122,21 @@ def suite_guard_tune(r: Runner) -> str:
                  f"{np.mean(res['explorer_adapted']):.2f}", d(res["explorer_adapted"]), "–", "–"])
     rows.append([res["critic"], "ear_tuned explorer, first stage's z", "explorer T = 4",
                  f"{np.mean(res['explorer_first']):.2f}", d(res["explorer_first"]), "–", "–"])
-    rows.append([res["critic"], f"evidence: {np.mean(ev['counted']):.0f} of "
-                 f"{np.mean(ev['with_a_citation']):.0f} fit queries with a citation count "
-                 f"({ev['queries']} fit queries); mean d per seed "
-                 + " ".join(f"{x:+.3f}" for x in ev["mean_d"]), "", "", "", "", ""])
   return "\n".join([
       f"### Guard: adapter-only vs the frozen first stage — {r.opts.benchmark}, "
       f"{r.opts.candidates} candidates ({len(r.seeds)} seeds, validation = last 20 % of each "
       "seed's training stream; the test split is not read)", "",
       md_table(["setting", "row", "mode", "validation R@5", "Δ vs frozen first stage [95% CI]",
                 "seeds serving the adapter", "LCB of mean d per seed"], rows), "",
-      DELTA_NOTE + " One `ear_safe` training run per setting; the guard-off row and every guard "
-      "setting come from the same adapters (the prequential guard changes nothing in training: "
-      "its states are folded again from the recorded evidence; the held-out guard's ring scores "
-      "the final parameters at each z)."])
+      DELTA_NOTE + " One `ear_safe` training run per setting; the unguarded row and every guard "
+      "setting come from the same adapters (the guard's held-out ring scores the final "
+      "parameters at each z)."])
 
 
-# --suite=guard: the simulated critics of issue 27's targets (training and test time alike).
+# --suite=guard: the simulated critics of the safety and paging targets (training and test time).
 TEST_CRITICS = {"default critic (P .88, R .86)": {},
                 "noisy critic (P = R = 0.7)": {"precision": 0.7, "recall": 0.7}}
-# Issue 27's safety target for `ear_safe` adapter-only minus the same frozen first stage (points).
+# The safety target for `ear_safe` adapter-only minus the same frozen first stage (points).
 SAFETY_MEAN, SAFETY_LOWER = 0.0, -1.0
 # Row -> (where its per-seed values come from: the run's own evaluation ('safe'), the same
 # adapters served unguarded ('adapted') or the untrained adapter ('first'); the EvalResult mode).
@@ -196,6 +168,8 @@ def guard_test_rows(r: Runner, candidates: str, critic_name: str, critic_over: d
                           side_features=stream.num_side_features or None,
                           **r.opts.config_overrides)
   config = m.config
+  if not config.guard:
+    raise ValueError("guard: --guard_holdout=0 turns the guard off")
   critic = critic_lib.make_simulated_critic(**critic_over)
   p, rc = float(critic.precision), float(critic.recall)
   run_name = f"guard_{candidates}_critic_p{p:.2f}_r{rc:.2f}"
@@ -224,15 +198,13 @@ def guard_test_rows(r: Runner, candidates: str, critic_name: str, critic_over: d
   rows = {name: {metric: (100.0 * np.asarray(evs[src][f"{metric}_{mode}"], np.float64)).tolist()
                  for metric in ("recall", "hitrate")}
           for name, (src, mode) in TEST_ROWS.items()}
-  serve = checkpointing.guard_decisions(res.final_state, config)
-  diagnosis = evidence_diagnosis(res.train_log, stream, test, evs["adapted"], evs["first"])
+  serve = run_checkpoints.guard_decisions(res.final_state, config)
   summary = summaries.summarize(res, stream, b.categories)
   summary.update(method=METHOD, run=run_name, critic={k: float(getattr(critic, k))
                                                        for k in ("precision", "recall")},
                  candidates=candidates, epochs=1)
   out = {"ident": ident, "candidates": candidates, "critic": critic_name, "rows": rows,
-         "serve_adapted": serve.tolist(), "test_rounds": config.eval_rounds, "summary": summary,
-         "diagnosis": diagnosis}
+         "serve_adapted": serve.tolist(), "test_rounds": config.eval_rounds, "summary": summary}
   r.summaries[run_name] = summary
   if r.writes:
     cache.parent.mkdir(parents=True, exist_ok=True)
@@ -241,30 +213,6 @@ def guard_test_rows(r: Runner, candidates: str, critic_name: str, critic_over: d
                "first stage %.2f, paging served %.2f (R@5)", run_name,
                *[np.mean(rows[k]["recall"]) for k in TEST_ROWS])
   return out
-
-
-def evidence_diagnosis(train_log: dict, stream, test, adapted, first) -> dict:
-  """What the guard saw against what the test split shows, per seed: the mean evidence `d` of
-  the counted training queries (cited items in the adapted top-s minus the first stage's) and,
-  on the test split, the mean gold items in the adapter's top-s minus the first stage's (the
-  quantity `d` estimates, with a perfect critic) and the Recall@s difference (all gold in the
-  top-s: the metric the targets read)."""
-  gold = np.asarray(stream.gold)
-
-  def gold_in(ev):  # [S, M] gold memories in each test query's top-s
-    sl = np.asarray(ev["adapter_slates"])
-    out = []
-    for i, idx in enumerate(np.asarray(test)):
-      g = np.pad(gold[idx], ((0, 0), (0, 1)))  # (index K: an empty position, never gold)
-      out.append(np.take_along_axis(g, np.where(sl[i] < 0, g.shape[1] - 1, sl[i]), 1).sum(1))
-    return np.stack(out)
-
-  d, counts = np.asarray(train_log["guard_d"]), np.asarray(train_log["guard_counts"])
-  return {"evidence_mean_d": [float(d[i][counts[i]].mean()) if counts[i].any() else 0.0
-                              for i in range(d.shape[0])],
-          "test_gold_in_top_s_diff": (gold_in(adapted) - gold_in(first)).mean(1).tolist(),
-          "test_recall_diff": (100.0 * (np.asarray(adapted["adapter_all_gold"], np.float64)
-                                        - np.asarray(first["adapter_all_gold"]))).mean(1).tolist()}
 
 
 def _side(label, run_name, mode):
@@ -329,17 +277,10 @@ def suite_guard(r: Runner) -> str:
         target = f"paging: {'met' if ok else 'not met'} (Δ vs paging ≥ 0)"
         targets.append(("paging", ok))
       table.append(cells + [serving, target])
-  diag = [[res["candidates"], res["critic"], " ".join(f"{x:+.3f}" for x in dg["evidence_mean_d"]),
-           f"{np.mean(dg['evidence_mean_d']):+.3f}",
-           f"{np.mean(dg['test_gold_in_top_s_diff']):+.3f}",
-           f"{np.mean(dg['test_recall_diff']):+.2f}"]
-          for res in results for dg in [res.get("diagnosis")] if dg]
   met = {kind: sum(ok for k, ok in targets if k == kind) for kind in ("safety", "paging")}
   total = {kind: sum(k == kind for k, _ in targets) for kind in ("safety", "paging")}
-  holdout = results[0]["ident"]["config"].get("guard_holdout", 0)
-  training = ("the guard records evidence and changes nothing in training, so its adapter is "
-              "`ear_tuned`'s" if not holdout else
-              f"with guard_holdout = {holdout} every {holdout}-th training query is held out "
+  holdout = results[0]["ident"]["config"]["guard_holdout"]
+  training = (f"with guard_holdout = {holdout} every {holdout}-th training query is held out "
               "(paged over the first stage, never trained on), so the 'guard off' row is THAT "
               "adapter served unguarded, trained on the other queries: not `ear_tuned`'s")
   return "\n".join([
@@ -347,17 +288,14 @@ def suite_guard(r: Runner) -> str:
       f"(test split, {len(r.seeds)} seeds)", "",
       md_table(["first stage", "critic", "row", "test mode", "R@5", "Δ R@5 vs frozen first stage "
                 "[95% CI]", "Δ R@5 vs paging over the first stage [95% CI]", "Hit@5",
-                "seeds serving the adapter", "issue 27 target"], table), "",
+                "seeds serving the adapter", "target"], table), "",
       DELTA_NOTE + " One `ear_safe` training run per first stage and critic "
       f"({training}); every row is "
       "scored with that run's critic and evaluation keys. Paging: the critic reads the ranking's "
       f"top {results[0]['test_rounds']} x 5 in pages of 5 (the same calls as the Explorer) and "
       "the answer puts the cited memories first. Targets met: safety "
-      f"{met['safety']}/{total['safety']}, paging {met['paging']}/{total['paging']}.",
-      "", "What the guard saw (training evidence) against the test split, the guard off:", "",
-      md_table(["first stage", "critic", "mean evidence d per seed", "mean d",
-                "test: gold in adapted top-5 − in first stage's", "test: Δ R@5"], diag)])
+      f"{met['safety']}/{total['safety']}, paging {met['paging']}/{total['paging']}."])
 
 
-__all__ = ["HALF_LIFE_GRID", "SETTINGS", "TEST_CRITICS", "TEST_ROWS", "Z_GRID", "guard_rows",
+__all__ = ["SETTINGS", "TEST_CRITICS", "TEST_ROWS", "Z_GRID", "guard_rows",
            "suite_guard", "suite_guard_tune", "guard_test_rows"]

@@ -1,6 +1,6 @@
 """Suites `main` (Table 2: Only Retriever, RL-update reranker, EAR) and `ablation` (Table 3).
 
-Below each explorer-assisted row, beyond the paper (issue 27): its two paging neighbours
+Below each explorer-assisted row, beyond the paper: its two paging neighbours
 (`pairing.paging_rows`), in a last column paired with it; the paper's rows keep every cell.
 """
 from __future__ import annotations

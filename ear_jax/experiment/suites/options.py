@@ -35,7 +35,7 @@ class Options:
   hparam_overrides: dict = dataclasses.field(default_factory=dict)
   critic_overrides: dict = dataclasses.field(default_factory=dict)  # simulated critic p / r
   # The critic of every trained run: 'simulated' (Appendix A.2, `critic_overrides`) or 'answer'
-  # (the answer-grounded critic of issue 28 with the gold answers, `core.critic.ANSWER_DEFAULTS`).
+  # (the answer-grounded critic with the gold answers, `core.critic.ANSWER_DEFAULTS`).
   critic: str = "simulated"
   synthetic_queries: int = 500
   synthetic_dim: int = 32

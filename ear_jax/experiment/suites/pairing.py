@@ -17,7 +17,7 @@ is compared, the metric, the paper's difference where the paper gives both numbe
 the verdict agrees with the paper's direction. Records with `primary` feed the "Readings" list
 (`ear_jax.experiment.results_md.readings_md`).
 
-Paging (issue 27, `core.inference.evaluate`) is explorer-assisted inference's baseline: the same
+Paging (`core.inference.evaluate`) is explorer-assisted inference's baseline: the same
 critic reads the first stage's (or the adapted) ranking's top T x s in T pages of s and the answer
 puts the cited memories first; the same T calls, and call t shares round t's key. `paging_rows`
 gives a table's explorer-assisted row its two paging neighbours, each paired with that row.
@@ -93,7 +93,7 @@ PAGING_MODES = {"paging_first_stage": "paging over the first stage ({t} pages of
                 "paging_adapted": "paging over the adapted ranking ({t} pages of {s})"}
 
 # Printed under a table with paging rows (after its own note, which stays as it was).
-PAGING_NOTE = ("Paging rows (issue 27): the same run's critic reads the first stage's (or the "
+PAGING_NOTE = ("Paging rows: the same run's critic reads the first stage's (or the "
                "adapted) ranking's top T x 5 in T pages of 5 and the answer puts the cited "
                "memories first: the same T critic calls per test query and as many memories shown "
                "as the explorer-assisted row above them, with common random numbers (page t and "

@@ -42,7 +42,6 @@ PAPER = {
     "appendix_c": "Table 12: Delta_before ~ 0; after the adapter episodic queries get Delta < 0 "
                   "(-0.05..-0.10) and semantic queries Delta > 0 (+0.02..+0.15).",
 }
-PAPER_TABLE2_OTHER_ENCODERS = "Table 2 also lists Stella / GTE rows; only Contriever is quoted."
 
 
 # ------------------------------------------------------------------------------------------------

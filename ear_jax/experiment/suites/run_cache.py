@@ -24,12 +24,12 @@ import jax
 import numpy as np
 
 from ear_jax.core import critic as critic_lib
-from ear_jax.experiment import checkpointing
 from ear_jax.experiment import runner
 from ear_jax.experiment import sharding
 from ear_jax.experiment import summaries
 from ear_jax.experiment.suites.options import Options
 from ear_jax.experiment.suites.paper import fmt
+from ear_jax.io import run_checkpoints
 
 
 def slug(s: str) -> str:
@@ -45,7 +45,7 @@ class Runner:
     self.workdir = pathlib.Path(opts.workdir)
     self.writes = sharding.is_primary()  # multi-process: process 0 alone writes the workdir
     # Orbax saves are collectives over every process; a checkpoint of a multi-process run is not
-    # offered (yet): such runs are not checkpointed (see BUILD_NOTES "Multi-process runs").
+    # offered (yet): such runs are not checkpointed.
     self.checkpoints = bool(opts.checkpoint_every) and jax.process_count() == 1
     if opts.checkpoint_every and not self.checkpoints:
       logging.warning("%d processes: runs are not checkpointed (--checkpoint_every ignored)",
@@ -178,7 +178,7 @@ class Runner:
     ckpt = None
     if self.checkpoints and config.trains:
       ckpt_dir = self.workdir / "checkpoints" / run_name
-      ckpt = checkpointing.RunCheckpointer(ckpt_dir)
+      ckpt = run_checkpoints.RunCheckpointer(ckpt_dir)
       if ckpt.existing_steps() and not o.resume:
         raise ValueError(f"{ckpt_dir} already holds checkpoints: pass --resume to continue that "
                          "run, or choose another --workdir (nothing was overwritten)")
@@ -212,7 +212,7 @@ class Runner:
   def _write_run(self, run_dir, result, summary) -> None:
     """`runs/<run>/{train_log.npz, test_eval.npz, adapter/, result.json}` (result.json last: it
     marks done); `adapter/` (trained methods only) holds the final adapters of every seed, what
-    `checkpointing.restore_adapter(workdir, run=...)` reads."""
+    `run_checkpoints.restore_adapter(workdir, run=...)` reads."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if result.train_log:
       np.savez_compressed(run_dir / "train_log.npz", train_index=result.train_index,
@@ -221,9 +221,9 @@ class Runner:
                         **{k: v for k, v in result.eval.items()})
     # Orbax saves are collectives over every process (see __init__): multi-process runs keep none.
     if result.config.trains and jax.process_count() == 1:
-      served = (checkpointing.guard_decisions(result.final_state, result.config)
+      served = (run_checkpoints.guard_decisions(result.final_state, result.config)
                 if result.config.guard else None)  # (restore_adapter serves what the guard does)
-      checkpointing.save_adapter(run_dir / checkpointing.ADAPTER_DIR, result.final_state.params,
+      run_checkpoints.save_adapter(run_dir / run_checkpoints.ADAPTER_DIR, result.final_state.params,
                                  config=result.config, hparams=result.hparams, seeds=result.seeds,
                                  position=result.train_index.shape[1], served=served)
     with open(run_dir / "result.json", "w") as f:

@@ -42,17 +42,12 @@ EVAL_VARIANTS = {"round_T": {"test_rounds": TEST_ROUNDS, "final_slate": "round_T
                  "exploit": {"test_rounds": TEST_ROUNDS, "final_slate": "exploit"}}
 # One static choice at a time (EARConfig overrides on top of the paper's switches).
 STATIC_VARIANTS = {
-    "balanced labels": {"label_weights": "balanced"},
     "T_train=2": {"num_rounds": 2},
     "T_train=8": {"num_rounds": 8},
     "B=8": {"replay_size": 8},
     "random replay": {"replay_strategy": "random"},
     "no replay": {"use_replay": False},
     "sequential loss": {"loss_form": "sequential"},
-    "rank 32": {"adapter_rank": 32},
-    "weight decay 1": {"weight_decay": 1.0},
-    "rsqrt lr schedule": {"lr_schedule": "rsqrt", "lr_schedule_steps": 50},
-    "cosine lr schedule": {"lr_schedule": "cosine", "lr_schedule_steps": 250},
 }
 # Stage 4: continuous hyperparameters, one change at a time around the best (then together).
 REFINE = {
@@ -67,7 +62,6 @@ MAX_COMBINE = 4
 # "Better" means higher by more than float32 rounding of a mean (one validation query of one seed
 # moves a 5-seed mean by ~0.08 points on LoCoMo): equal scores are ties, not improvements.
 _EPS = 1e-3
-_EXPLORER_KEYS = ("lambda_rel", "lambda_div", "lambda_exp")
 
 
 class _Tuner:
@@ -288,7 +282,7 @@ def suite_tune(r: Runner) -> str:
   with _open_w(r, r.workdir / "tune" / "sweep_table.json") as f:
     json.dump(rows, f, indent=1)
   nv = r._splits[False][0].shape[1] - t_fit_size(r)  # pylint: disable=protected-access
-  md = [f"### Tuning on validation (issue 12) — {r.opts.benchmark}", "",
+  md = [f"### Tuning on validation — {r.opts.benchmark}", "",
         f"Per seed the training stream's last 20 % ({nv} queries) is validation; candidates are "
         f"trained online on the first {t_fit_size(r)} and scored there; the test split is never "
         f"read. {len(r.seeds)} seeds; {len(rows)} settings scored. Selection: mean validation "
