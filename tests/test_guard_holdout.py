@@ -313,3 +313,41 @@ def test_a_held_out_question_asked_again_is_in_the_ring_once():
   assert int(state.guard.count) == 4
   assert int(state.buffer.num_pushed) == 12  # the 4 trained questions, every epoch
   m.close()
+
+
+def test_held_out_pages_interleave_both_rankings_when_the_rounds_cannot_show_every_candidate():
+  cfg = EARConfig(dim=4, num_candidates=6, slate_size=1, num_rounds=4, guard_holdout=5)
+  z_first = jnp.asarray([6.0, 5.0, 4.0, 3.0, 2.0, 1.0])  # ranks 0..5
+  z_adapted = jnp.asarray([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])  # the reverse
+  where = jnp.asarray([True, True, True, True, True, False])
+  scores = guard.page_relevance(z_adapted, z_first, where, cfg)
+  # adapted #1 (4; 5 is not a candidate), first #1 (0), adapted #2 (3), first #2 (1), ...
+  np.testing.assert_array_equal(np.argsort(-np.asarray(scores), kind="stable")[:4], [4, 0, 3, 1])
+  # T s >= K: the first stage's relevance itself, bit for bit (ear_safe at K = T s unchanged)
+  covering = dataclasses.replace(cfg, num_rounds=6)
+  assert guard.page_relevance(z_adapted, z_first, where, covering) is z_first
+
+
+def test_episode_pages_held_out_queries_over_both_rankings_beyond_t_s():
+  n, every = 64, 4
+  cfg = EARConfig(dim=16, num_candidates=8, slate_size=1, num_rounds=4, replay_size=2,
+                  buffer_capacity=64, batch_size=4, guard_min_queries=10,
+                  guard_holdout=every, guard_holdout_capacity=64)
+  stream = to_device(learnable_stream(0, n))
+  hp = default_hparams(learning_rate=3e-2)
+  _, records = jit_episode(jax.random.PRNGKey(0), stream, cfg, hp)
+  # The first held-out query (position 3, its batch starts from the untrained adapter): both
+  # rankings are the frozen cosine, so its 4 pages are that ranking's top 4, once each.
+  z0 = np.einsum("kd,d->k", np.asarray(stream.candidates[3]), np.asarray(stream.queries[3]))
+  np.testing.assert_array_equal(np.asarray(records.slates[3]).reshape(-1),
+                                np.argsort(-z0, kind="stable")[:4])
+  # Later ones show the first stage's top two and the adapted ranking's, each candidate once;
+  # as the adapter learns, the pages are no longer the first stage's top 4 alone.
+  differs = []
+  for i in range(every - 1, n, every):
+    shown = np.asarray(records.slates[i]).reshape(-1)
+    z0 = np.einsum("kd,d->k", np.asarray(stream.candidates[i]), np.asarray(stream.queries[i]))
+    first = np.argsort(-z0, kind="stable")
+    assert len(set(shown.tolist())) == 4 and set(first[:2]) <= set(shown.tolist())
+    differs.append(set(shown.tolist()) != set(first[:4].tolist()))
+  assert any(differs)

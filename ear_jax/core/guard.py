@@ -6,7 +6,8 @@ Symbols: `b` queries in a batch, `K` candidates, `s` slate size, `R` slates per 
 
 With `guard_holdout = n`, every n-th training query (`held_out`) is a small validation set built
 online: its slates are pages of the first stage's ranking (with `T s >= K` every candidate is
-labelled), it is never trained on, and its candidates and citations go to a ring of the newest
+labelled; with `T s < K`, of both rankings interleaved, `page_relevance`), it is never trained
+on, and its candidates and citations go to a ring of the newest
 `H = guard_holdout_capacity` (`GuardState`, `push_holdout`). The first stage's ranking is that of
 the untrained adapter (`first_stage_params`: identity `W`, `w_side` at its init), whose top-s is
 the first stage's own top-s. At test time the guard scores the CURRENT parameters on the ring:
@@ -18,8 +19,8 @@ whether every cited item is in the adapted top-s minus whether every one is in t
 (Recall@s's unit), and serves the adapted ranking when `mean(d) - guard_z * sd / sqrt(n) > 0`
 over `n >= guard_min_queries` such questions (`holdout_decision`), else the first stage's
 (`served_params`, a leafwise `jnp.where` on a scalar: no Python branch on traced values). An
-unshown candidate counts as not cited; the pages show the first stage's ranking first, so with
-`T s < K` the bias is toward the first stage.
+unshown candidate counts as not cited, so pages of the first stage's ranking alone would favour
+it whenever `T s < K`: there the pages alternate the two rankings.
 """
 from __future__ import annotations
 
@@ -127,6 +128,33 @@ def holdout_decision(params: adapter_lib.AdapterParams, guard: GuardState, confi
   a test-time sweep of z needs no retraining)."""
   lcb, n = holdout_lower_bound(params, guard, config, config.guard_z if z is None else z)
   return (n >= config.guard_min_queries) & (lcb > 0.0), lcb, n
+
+
+def page_relevance(z_adapted: jax.Array, z_first: jax.Array, where: jax.Array,
+                   config: EARConfig) -> jax.Array:
+  """`[K]` scores whose ranking pages a held-out query (`retrieval.paging_slate`).
+
+  With `K <= T s` (every candidate is shown) the first stage's relevance `z_first` itself. With
+  `K > T s` the two rankings interleaved, `-min(2 r_a, 2 r_f + 1)` for a candidate at rank `r_a`
+  of `z_adapted` and `r_f` of `z_first` (0-based, ties to the lower index): the adapted top
+  candidate, the first stage's, the adapted second, ... each candidate once, so the `T s` pages
+  show both top-`T s / 2` and the guard's evidence (`holdout_evidence`) labels both top-s.
+
+  Args:
+    z_adapted: `[K]` relevance of the parameters training the query.
+    z_first: `[K]` relevance of `first_stage_params(config)`.
+    where: `[K]` bool, valid candidates.
+    config: static config (`num_rounds`, `slate_size`).
+  """
+  k = z_first.shape[-1]
+  if k <= config.num_rounds * config.slate_size:
+    return z_first
+
+  def ranks(z):
+    order = jnp.argsort(-jnp.where(where, jax.lax.stop_gradient(z), -jnp.inf), stable=True)
+    return jnp.zeros((k,), jnp.int32).at[order].set(jnp.arange(k, dtype=jnp.int32))
+
+  return -jnp.minimum(2 * ranks(z_adapted), 2 * ranks(z_first) + 1).astype(jnp.float32)
 
 
 def first_stage_params(config: EARConfig) -> adapter_lib.AdapterParams:

@@ -137,8 +137,9 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
     answer_support: optional `[K, A]` answer-support features (`Stream.answer_support`), shown
       to the critic in `SlateView.answer_support`.
     held: optional `[]` bool, the query is held out for the guard (`config.guard_holdout`): its
-      slates are then T pages of the first stage's ranking (`retrieval.paging_slate`) instead of
-      the policy's.
+      slates are then T pages of the first stage's ranking (`retrieval.paging_slate`; with
+      `K > T s` of it and the adapted one interleaved, `guard.page_relevance`) instead of the
+      policy's.
 
   Returns:
     The query's `Feedback`: `slates [R, s]` int32, `slate_mask [R, s]` bool, `labels [R, s]`.
@@ -156,8 +157,9 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
   out = Feedback(*policy(key, z, lambda: adapter_lib.gram(m_t), where, feedback, config, hparams))
   if config.guard_holdout and held is not None:
     z_first, _ = adapter_lib.relevance(guard_lib.first_stage_params(config), query, candidates)
-    pages = retrieval.paging_slate(jax.random.split(key)[1], z_first, where, feedback,
-                                   config.num_rounds, config.slate_size)
+    pages = retrieval.paging_slate(jax.random.split(key)[1],
+                                   guard_lib.page_relevance(z, z_first, where, config), where,
+                                   feedback, config.num_rounds, config.slate_size)
     if out.slates.shape != pages.pages.shape:
       raise ValueError(f"guard_holdout: the training policy's {out.slates.shape[0]} slates and "
                        f"the held-out pages ({config.num_rounds}) differ in number")
