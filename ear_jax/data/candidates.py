@@ -47,7 +47,7 @@ class Benchmark:
     query_texts: `[N]` query texts ('' for synthetic).
     categories: `[N]` str, LoCoMo category name / LongMemEval question_type / JSONL category.
     candidate_ids: `[N, K]` str memory ids ('' = padding).
-    candidate_texts: `[N, K]` str memory texts ('' = padding or synthetic).
+    candidate_texts: `[N, K]` object array of str memory texts ('' = padding or synthetic).
     candidate_store: `[N, K]` int8, 0 = dialogue/episodic, 1 = observation/semantic (0 on padding).
     candidate_scores: `[N, K]` float32 frozen cosine (-inf on padding); candidates are in rank order.
     group: `[N]` int32 index of the query's bank (conversation / question).
@@ -237,7 +237,9 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
       query_texts=[corpus.queries[n].text for n in keep],
       categories=np.asarray([corpus.queries[n].category for n in keep], dtype=object).astype(str)
       if len(keep) else np.zeros(0, str),
-      candidate_ids=cand_ids[keep].astype(str), candidate_texts=cand_texts[keep].astype(str),
+      # (texts stay Python strings: a fixed-width unicode array is [N, K] x the longest text,
+      # gigabytes for LongMemEval_S at K = 100)
+      candidate_ids=cand_ids[keep].astype(str), candidate_texts=cand_texts[keep],
       candidate_store=cand_store[keep], candidate_scores=scores[keep],
       group=np.asarray([corpus.queries[n].group for n in keep], np.int32),
       num_gold_store=num_gold_store[keep], stats=stats,
