@@ -248,6 +248,7 @@ def test_an_adapter_saved_by_the_previous_layout_restores_what_its_guard_served(
   """tests/fixtures/old_run_adapter: an `ear_safe` run's final adapters saved by the code that
   stored the guard's retired config fields and the adapter's empty low-rank fields (made by
   tests/fixtures/make_previous_layouts.py with that code)."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
   import json  # pylint: disable=g-import-not-at-top
   import pathlib  # pylint: disable=g-import-not-at-top
   import shutil  # pylint: disable=g-import-not-at-top
@@ -258,7 +259,10 @@ def test_an_adapter_saved_by_the_previous_layout_restores_what_its_guard_served(
   assert "adapter_rank" in old["config"] and "guard_evidence" in old["config"]
   shutil.copytree(fixtures / "old_run_adapter", tmp_path / "wd")
   got, stored, meta = run_checkpoints.restore_adapter(tmp_path / "wd", seed_index=None)
-  assert stored == EARConfig.for_method("ear_safe", dim=4, num_candidates=6, side_features=2)
+  # Stored before `loss_support` existed: that run trained with the paper's softmax over all K.
+  assert stored == dataclasses.replace(
+      EARConfig.for_method("ear_safe", dim=4, num_candidates=6, side_features=2),
+      loss_support="all")
   assert meta["served"] == [True, False]
   first = guard_lib.first_stage_params(stored)
   for name in ("w_q", "w_m", "w_side"):

@@ -118,7 +118,7 @@ def summarize(result: RunResult, stream: Stream, categories: Optional[np.ndarray
          "critic_calls": mean_std(result.critic_calls),
          "wall_seconds": round(result.wall_seconds, 2), "resumed_from": result.resumed_from}
   window = result.config.loss_window
-  if stream.num_candidates > window:  # the served top-s beyond the first stage's top T s
+  if np.shape(stream.gold)[-1] > window:  # the served top-s beyond the first stage's top T s
     out["beyond_window"] = beyond_window(
         ev["adapter_slates"], np.asarray(stream.gold)[result.test_index], window)
   if categories is not None:
