@@ -29,7 +29,7 @@ from absl import logging
 from ear_jax.agent import mcp_server
 from ear_jax.agent import mcp_stdio
 from ear_jax.agent.memory import Memory, MemoryConfig
-from ear_jax.agent.memory import persistence
+from ear_jax.agent.memory import config as config_lib
 from ear_jax.agent.memory.config import DEFAULT_METHOD  # (a new directory's, as Memory()'s)
 from ear_jax.core.config import METHODS
 from ear_jax.data import encoders
@@ -101,7 +101,7 @@ def main(argv):
   memory_dir = pathlib.Path(_DIR.value).expanduser()
   try:  # (a second server on this directory is refused, naming the first one's pid)
     encoder = encoders.load_encoder(_ENCODER.value, tokens_per_batch=_BATCH_TOKENS.value)
-    on_disk = persistence.stored_memory_config(memory_dir)
+    on_disk = config_lib.stored_memory_config(memory_dir)
     stored = on_disk if _METHOD.value is None else None
     learner = (dict(method=stored.method, config=stored.config, hparams=stored.hparams)
                if stored is not None else dict(method=_METHOD.value or DEFAULT_METHOD))

@@ -12,7 +12,7 @@ import pytest
 
 from ear_jax.agent.memory import Memory, MemoryConfig
 from ear_jax.agent.memory import driver as driver_lib
-from ear_jax.agent.memory import front as front_lib
+from ear_jax.agent.memory import sessions as sessions_lib
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import episode
 from ear_jax.core import inference
@@ -88,7 +88,7 @@ def test_live_equals_the_runner_given_the_runners_replay_keys(data, monkeypatch,
   monkeypatch.setattr(driver_lib, "_step_keys", runner_keys)
   # (shuffled held-out pages: training session `sid` is stream position `sid`, whose page order
   # the runner draws from the query's slate key)
-  monkeypatch.setattr(front_lib, "_page_key", lambda key, sid: jnp.asarray(slate_keys[sid]))
+  monkeypatch.setattr(sessions_lib, "_page_key", lambda key, sid: jnp.asarray(slate_keys[sid]))
   built = []
   build = live.build_memory
   monkeypatch.setattr(live, "build_memory", lambda *a: built.append(build(*a)) or built[-1])

@@ -508,7 +508,7 @@ def test_a_server_with_context_features_keeps_them_in_its_directory(tmp_path):
   assert got  # the search answered
   with Memory.open(tmp_path / "mem") as m:
     assert m.config.first_stage.features == "context"
-    assert np.asarray(m._bank.sessions)[:3].tolist() == [0, 0, 0]  # pylint: disable=protected-access
+    assert np.asarray(m._rows.bank.sessions)[:3].tolist() == [0, 0, 0]  # pylint: disable=protected-access
   _stdio(tmp_path / "mem", script, [])  # no --features: the directory's
   other = subprocess.run(
       [sys.executable, "-m", "experiments.mcp_server", f"--memory_dir={tmp_path / 'mem'}",

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from ear_jax.agent.memory import front as memory_lib
+from ear_jax.agent.memory import recall as memory_lib
 from ear_jax.agent.memory import Memory, MemoryConfig, SessionDroppedError
 from ear_jax.core.config import EARConfig, default_hparams
 from ear_jax.data import encoders

@@ -18,7 +18,7 @@ the `Memory` API:
   training question's T + 1-th call starts a new session;
 * `cite(retrieval_id, used_ids?, answer?)` -> `Session.feedback` of that round: the memories the
   answer used are +1, the others shown -1; the agent's LLM names the ids it used, or sends its
-  answer, whose used memories the answer rule finds (issue 28), or both (their union);
+  answer, whose used memories the answer rule finds, or both (their union);
 * `search(question, k, scope?)` -> `Memory.search`: the adapter-only top-k (no learning);
 * `forget(ids)` -> `Memory.delete`;
 * `stats()` -> sizes, counters, the learner's progress.

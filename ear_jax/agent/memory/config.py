@@ -3,13 +3,15 @@ construction and resolved to the `EARConfig` / `HParams` it runs (`MemoryConfig.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from ear_jax.agent.memory import bank as bank_lib
 from ear_jax.agent.memory import lexical_bank
-from ear_jax.agent.memory.checks import InputTypeError
+from ear_jax.agent.memory import persistence
+from ear_jax.agent.memory.checks import InputTypeError, check_int
+from ear_jax.agent.memory.encoder_slot import EncoderSlot
 from ear_jax.core import policies
 from ear_jax.core.config import EARConfig, HParams, Method, default_hparams
 from ear_jax.data.first_stage import FirstStageOptions, check_generator
@@ -23,23 +25,15 @@ SERVING = ("cache_dir", "batch_window_ms", "batch_max_queries")
 # was created with (`stored_config`), pinned as a config from then on.
 PRESETS_VERSION = 3
 PRESET_CHANGES = {
-    2: {"ear_safe": dict(guard_holdout=0, guard_z=0.5, guard_evidence="items")},  # session 11
+    2: {"ear_safe": dict(guard_holdout=0, guard_z=0.5, guard_evidence="items")},
 }
 # The learner of a memory given no `method`, `config` nor `hparams`: this preset since presets
-# `DEFAULT_METHOD_SINCE` (issue 27: the tuned preset with the held-out guard, RESULTS.md "The
-# held-out guard"), its own `PRESET_CHANGES` applying to such a directory too; before, the paper's
+# `DEFAULT_METHOD_SINCE` (the tuned preset with the held-out guard, RESULTS.md "The held-out
+# guard"), its own `PRESET_CHANGES` applying to such a directory too; before, the paper's
 # `EARConfig(dim=d)` + `default_hparams()`, which `stored_config` pins for a directory written
 # then. (Another default later: another presets version, and `stored_config` pins this one.)
 DEFAULT_METHOD = "ear_safe"
 DEFAULT_METHOD_SINCE = 3
-
-
-def check_int(value, name: str, minimum: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise InputTypeError(f"{name} must be an int, got {type(value).__name__}")
-  if value < minimum:
-    raise ValueError(f"{name} must be >= {minimum}, got {name}={value}")
-  return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +159,7 @@ class MemoryConfig:
         f.name: float(getattr(self.hparams, f.name)) for f in dataclasses.fields(self.hparams)}
     d["index_options"] = dict(self.index_options)
     d["first_stage"] = dataclasses.asdict(self.first_stage)
-    if self.first_stage.features == "first_stage":  # (as directories stored it before session 17)
+    if self.first_stage.features == "first_stage":  # (as directories stored it before `features`)
       del d["first_stage"]["features"]
     return d
 
@@ -300,3 +294,60 @@ def stored_config(meta: dict) -> MemoryConfig:
     return cfg
   m = Method.named(method, dim=d, **over)
   return dataclasses.replace(cfg, method=None, config=m.config, hparams=m.hparams)
+
+
+def opened_config(stored: MemoryConfig, cfg: Optional[MemoryConfig], settings: dict,
+                  where: str) -> MemoryConfig:
+  """The config an existing memory directory opens with: `stored`, with the serving settings
+  (`SERVING`) of what the caller passed (`cfg` and / or `settings`), which must otherwise equal
+  the stored one (ValueError naming `where` and the differing settings)."""
+  if cfg is None and not settings:
+    return stored
+  wanted = dataclasses.replace(cfg or stored, **settings)
+  if wanted.candidates is None:  # (not given: the directory's first stage)
+    wanted = dataclasses.replace(wanted, candidates=stored.candidates)
+  from ear_jax.io import checkpoints  # pylint: disable=g-import-not-at-top
+  checkpoints.check_compatible(stored._comparable(), wanted._comparable(),
+                               f"the MemoryConfig of {where}")
+  return dataclasses.replace(  # (where and when, not what)
+      stored, **{name: getattr(wanted, name) for name in SERVING})
+
+
+UNSET = object()  # an argument not passed
+
+
+def arguments(first, encoder, settings: dict) -> tuple[Optional[MemoryConfig], Any, dict]:
+  """`(MemoryConfig or None, encoder object or spec or UNSET, settings)` of the arguments of
+  `Memory(...)` / `Memory.open(...)`: a first argument that is not a MemoryConfig is the
+  encoder."""
+  fields = {f.name for f in dataclasses.fields(MemoryConfig)}
+  unknown = sorted(set(settings) - fields)
+  if unknown:
+    raise InputTypeError(f"unknown Memory setting(s) {unknown}; the settings are MemoryConfig's "
+                         f"fields {sorted(fields)}")
+  if "encoder" in settings:
+    raise InputTypeError("pass the encoder as Memory(encoder=...) (or MemoryConfig.encoder)")
+  if isinstance(first, MemoryConfig) or first is UNSET:
+    return (None if first is UNSET else first), encoder, settings
+  if encoder is not UNSET:
+    raise ValueError("pass the encoder once: as the first argument or as encoder=")
+  return None, first, settings
+
+
+def new_config(cfg: Optional[MemoryConfig], enc, settings: dict):
+  """`(MemoryConfig, EncoderSlot)` of a new memory (`arguments`' output): the encoder's spec and,
+  for an `Encoder` object, its dimension filled in."""
+  cfg = cfg or MemoryConfig()
+  slot = EncoderSlot(cfg.encoder if enc is UNSET else enc)
+  if slot.encoder is not None and cfg.dim is None and cfg.config is None and not (
+      {"dim", "config"} & set(settings)):
+    settings = {**settings, "dim": slot.encoder.dim}
+  return dataclasses.replace(cfg, encoder=slot.spec, **settings), slot
+
+
+def stored_memory_config(path) -> Optional[MemoryConfig]:
+  """The `MemoryConfig` the memory directory `path` was created with (`stored_config`), or None
+  when it holds no memory yet."""
+  root = persistence.checkpoint_dir(path)
+  meta = persistence.read_meta(root) if root.is_dir() else None
+  return None if meta is None else stored_config(meta)

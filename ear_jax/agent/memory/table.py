@@ -5,34 +5,22 @@ Symbols: `n` live rows, `d` embedding dimension.
 One table holds every live memory: its id, text, store code, scope name, date, float32 embedding
 `[d]`, the int32 term ids of its text (for the lexical index; NULL without one) and a SHA-256 of
 all of them with the row number (`_digest`). Beside it: the lexical vocabulary (`term <-> id`) and
-a small key/value `meta` table (the dimension, the table's random `identity`, the places of
-updated rows) with a SHA-256 of its entries (`_META_DIGEST`).
-
-Guarantees:
+a small key/value `meta` table (dimension, random `identity`, places of updated rows) with a
+SHA-256 of its entries. Guarantees:
 
   * Durable: each `insert` / `delete` / `replace` is ONE transaction (`synchronous=FULL`, a rollback
-    journal), complete on disk when it returns; a process killed at any moment (even SIGKILL)
-    leaves every acknowledged row and nothing half-written.
-  * Forgetting leaves no bytes: `secure_delete=ON` overwrites deleted rows (and freed pages) with
-    zeros, and `journal_mode=DELETE` unlinks the journal, which held the old pages, at each commit.
-  * Row numbers are never reused (`AUTOINCREMENT`): a deleted row's number stays dead, so the
-    learner's references to rows (replay buffer, sessions) can never point at another memory.
-    The API speaks device rows, `row - 1` (0-based, the device bank's index).
-  * Verified: every read of rows from the file (`read_all`, `records`, `texts`) checks each row's
-    SHA-256; a row changed outside ear_jax, a file that is not this table (foreign, truncated,
-    another schema or dimension) is a `CheckpointError` naming the file (and the row's id).
-    What decides which row an id, a word or a scope names is checked when the file is opened:
-    SQLite's `integrity_check` (every index against its table: the id, scope and vocabulary
-    indexes; the vocabulary's terms and ids are indexed both ways, so a changed byte in either
-    disagrees with an index) and the meta table's SHA-256; a failure is a `CheckpointError` naming
-    the file and what is wrong.
-    `records` keeps the newest `RECORD_CACHE` verified records in memory and reads only the
-    others from the file (a live memory's questions read the same candidates again and again);
-    a delete drops its rows from it, and row numbers are never reused, so a kept record is always
-    the row's own (the directory's owner lock keeps other writers out).
+    journal), complete on disk when it returns; a kill at any moment (even SIGKILL) leaves every
+    acknowledged row and nothing half-written.
+  * Forgetting leaves no bytes: `secure_delete=ON` overwrites deleted rows with zeros, and
+    `journal_mode=DELETE` unlinks the journal, which held the old pages, at each commit.
+  * Row numbers are never reused (`AUTOINCREMENT`), so the learner's references to rows can never
+    point at another memory. The API speaks device rows, `row - 1` (0-based).
+  * Verified: every read of rows checks each row's SHA-256; at open, SQLite's `integrity_check`
+    (every index against its table) and the meta table's SHA-256. A row changed outside ear_jax, or
+    a file that is not this table, is a `CheckpointError` naming the file (and the row's id).
+    `records` keeps the newest `RECORD_CACHE` verified records in memory (rows are never reused).
 
-Not thread-safe on its own: `Memory` calls it under its lock (the connection may be used from any
-thread).
+Not thread-safe on its own: `Memory` calls it under its lock.
 """
 from __future__ import annotations
 
@@ -437,3 +425,16 @@ class Table:
         self._db.backup(dst)
       finally:
         dst.close()
+
+
+class ClosedTable:
+  """The table of a closed memory: every use is a ValueError saying so."""
+
+  def __init__(self, root):
+    self._where = "this memory" if root is None else f"memory {str(root)!r}"
+
+  def __getattr__(self, name):
+    raise ValueError(f"{self._where} is closed (Memory.close): open it again")
+
+  def __len__(self):
+    return self.__getattr__("__len__")
