@@ -112,7 +112,7 @@ _SERVER_WINDOW = flags.DEFINE_float("server_batch_window_ms", 5.0, "--suite=serv
                                      lower_bound=0.0)
 _SERVER_BATCH_TOKENS = flags.DEFINE_integer("server_encoder_batch_tokens", 512, "--suite=server: "
                                             "the server's --encoder_batch_tokens.", lower_bound=1)
-_SERVER_ARGS = flags.DEFINE_list("server_args", [], "--suite=server: more experiments.mcp_server "
+_SERVER_ARGS = flags.DEFINE_list("server_args", [], "--suite=server: more ear-mcp-server "
                                  "flags, e.g. --server_args=--worker_threads=16.")
 _SERVER_OUT = flags.DEFINE_string("server_out", "results/server/server.json", "--suite=server: "
                                   "JSON output; the table (.md) is written beside it.")

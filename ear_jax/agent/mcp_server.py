@@ -1,60 +1,34 @@
 """An EAR `Memory` served over the Model Context Protocol: the agent's own LLM is the critic.
 
-An MCP client (a desktop or IDE assistant, an agent framework) calls six tools, each one call of
-the `Memory` API:
-
-* `remember(texts, scope?, dates?)` -> `Memory.add`: the new memories' ids (in `scope`, e.g. one
-  user's; dated now unless `dates` are given);
-* `recall(question, k, scope?, learn?)` -> `Session.round`: a retrieval id and `k` memories (id,
-  text, date) of ONE Explorer round over the memories of `scope` (every scope when absent); the
-  same question asked again in the same scope (after `cite`) plays the next round of the same
-  session, so a question's `T` rounds are one training query (Eq. (11)-(14)). With `learn=false`
-  (test time: answering without teaching the memory) the question's session is a frozen one
-  (`Memory.session(learn=False)`, paging, the default test-time rule of `Memory.recall`): call t
-  shows page t (ranks `t k .. t k + k - 1`) of the served ranking, `cite` records the page's
-  citations and trains nothing, and both return `answer_ids`, paging's answer so far
-  (`Session.answer`: the cited memories first, in ranking order, then the ranking). After the
-  T-th page (or past the candidates, an empty page) the next call starts over at page 1, as a
-  training question's T + 1-th call starts a new session;
-* `cite(retrieval_id, used_ids?, answer?)` -> `Session.feedback` of that round: the memories the
-  answer used are +1, the others shown -1; the agent's LLM names the ids it used, or sends its
-  answer, whose used memories the answer rule finds, or both (their union);
-* `search(question, k, scope?)` -> `Memory.search`: the adapter-only top-k (no learning);
-* `forget(ids)` -> `Memory.delete`;
-* `stats()` -> sizes, counters, the learner's progress.
-
-`MemoryService` is the transport-free core. It keeps no state of its own beyond a bounded map
-(question, scope, learn) -> `Session.id`, so that a repeated question resumes its session (a
-training and a test-time session of one question never meet); a retrieval
-id is `<run token>-<session id>-<round>` (the token is random per server run: an id from before a
-restart is refused by name, never confused with a new session) and `cite` resumes the session by
-id (`Memory.session(resume=...)`). Durability is `Memory`'s: every add / delete of an opened
-memory is durable when it returns, so an acknowledged `remember` / `forget` survives kill -9. The
-learner item (adapter, buffer, open sessions) is saved every `save_learner_s` seconds when a tool
-changed it, and at shutdown (`close`, which first closes the sessions of the question map so their
-feedback is queued for training); a crash loses learner steps since then, never a memory. A
-test-time session is never saved (`Memory` keeps frozen sessions in memory only): a restart (or a
-crash) drops it, its retrieval ids are refused as an earlier run's, and the question starts again at
-page 1; a timer save while it is open leaves it open in the running server. Tools run
-concurrently in worker threads (`worker_threads` of them, an anyio capacity limiter of the server's
-own): the service's lock guards only the question map, never a `Memory` call, and one question's
-rounds are kept in order by a lock of its own (`KEY_LOCKS` striped locks), so encoding and
-searching are `Memory`'s to batch and to lock; `Memory`'s `ValueError` / `TypeError` is the tool
-error. `build_server` wraps the service in the `mcp` SDK's `FastMCP`
-(strict JSON argument types and size limits in the tools' schemas); `mcp_stdio.serve_stdio` runs it
-on stdio and `serve_http` on streamable HTTP (loopback by default with Host / Origin checks,
-optional bearer token).
-
 Symbols: `k` memories per slate, `K` candidates, `T` Explorer rounds per question.
+
+Six tools, each one call of the `Memory` API: `remember(texts, scope?, dates?)` -> `Memory.add`;
+`recall(question, k, scope?, learn?)` -> `Session.round` of the question's session in `scope` (the
+same question asked again after `cite` plays the next round, so a question's `T` rounds are one
+training query, Eq. (11)-(14); `learn=false`: a test-time session, call t shows page t of the
+served ranking, `cite` trains nothing and both return `answer_ids`, paging's answer so far);
+`cite(retrieval_id, used_ids?, answer?)` -> `Session.feedback` of that round (the cited ids, the
+memories the answer draws on by the answer rule, or both); `search(question, k, scope?)` ->
+`Memory.search`; `forget(ids)` -> `Memory.delete`; `stats()`.
+
+`MemoryService` is the transport-free core: a bounded map (question, scope, learn) -> session id
+(a repeated question resumes its session) and a retrieval id `<run token>-<session>-<round>` (the
+token is random per run: an id from before a restart is refused by name). Every remember / forget
+is durable when it returns (`Memory`); the learner item is saved every `save_learner_s` seconds
+when a tool changed it and at `close` (which first queues the open sessions of the map). Tools
+run in worker threads (`build_server`: the SDK's `FastMCP`, strict JSON argument types and size
+limits in the schemas); one question's rounds are kept in order by a lock of its own, and no
+service lock is held across a `Memory` call. Transports: `mcp_stdio` and `mcp_http`; the program
+is `mcp_cli` (`ear-mcp-server`).
 """
 import collections
-import hmac
-import ipaddress
 import re
 import secrets
 import sys
 import threading
 from typing import Optional
+
+from ear_jax.agent import mcp_http
 
 MAX_TEXT_CHARS = 20_000  # one memory, question or answer
 MAX_TEXTS = 512  # memories per `remember`
@@ -75,16 +49,6 @@ INSTRUCTIONS = (
     "`cite`) to see a different selection. To answer without teaching the memory (e.g. at an "
     "evaluation), pass learn=false to `recall` and answer from its `answer_ids`. `search` looks "
     "up memories without learning; `forget` deletes memories permanently.")
-
-
-def is_loopback(host: str) -> bool:
-  """True for 'localhost' and loopback addresses (127.0.0.0/8, ::1)."""
-  if host == "localhost":
-    return True
-  try:
-    return ipaddress.ip_address(host.strip("[]")).is_loopback
-  except ValueError:
-    return False
 
 
 class MemoryService:
@@ -309,24 +273,6 @@ def _run(limiter, fn, *args):
   return go()
 
 
-def _transport_security(host: str, port: int):
-  """The Host / Origin checks of HTTP on a loopback `host` (DNS rebinding: a web page whose name
-  now resolves to this address): that address (for 127.0.0.1, localhost and ::1: the three names)
-  at `port`; a wrong Host is a 421, a wrong Origin a 403. None (no check) elsewhere: a
-  non-loopback address needs the bearer token, which such a page cannot send."""
-  from mcp.server.transport_security import TransportSecuritySettings  # pylint: disable=g-import-not-at-top
-  if not is_loopback(host):
-    return None
-  if host in ("127.0.0.1", "localhost", "::1", "[::1]"):
-    names = ["127.0.0.1", "localhost", "[::1]"]
-  else:
-    name = host.strip("[]")
-    names = [f"[{name}]" if ":" in name else name]
-  return TransportSecuritySettings(
-      enable_dns_rebinding_protection=True, allowed_hosts=[f"{n}:{port}" for n in names],
-      allowed_origins=[f"http://{n}:{port}" for n in names])
-
-
 def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 8000,
                  worker_threads: int = WORKER_THREADS):
   """A `FastMCP` server with the six tools over `service`: up to `worker_threads` tool calls run at
@@ -438,7 +384,7 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
     return await run(service.stats)
 
   return FastMCP("ear-memory", instructions=INSTRUCTIONS, host=host, port=port,
-                 log_level="WARNING", transport_security=_transport_security(host, port),
+                 log_level="WARNING", transport_security=mcp_http.transport_security(host, port),
                  tools=tools)
 
 
@@ -464,30 +410,3 @@ def _strict(tool):
   tool.fn_metadata.arg_model = strict
   tool.parameters = strict.model_json_schema(by_alias=True)
   return tool
-
-
-class BearerAuth:
-  """ASGI middleware: 401 unless `Authorization: Bearer <token>` (compared in constant time)."""
-
-  def __init__(self, app, token: str):
-    self.app, self._token = app, token.encode()
-
-  async def __call__(self, scope, receive, send):
-    if scope["type"] == "http":
-      got = dict(scope.get("headers") or []).get(b"authorization", b"")
-      if not hmac.compare_digest(got, b"Bearer " + self._token):
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"text/plain"),
-                                (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": b"missing or wrong bearer token"})
-        return
-    await self.app(scope, receive, send)
-
-
-def serve_http(mcp, host: str, port: int, token: Optional[str]) -> None:
-  """Streamable HTTP at `http://host:port/mcp` (uvicorn), behind `BearerAuth` when `token`."""
-  import uvicorn  # pylint: disable=g-import-not-at-top
-  app = mcp.streamable_http_app()
-  if token:
-    app = BearerAuth(app, token)
-  uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
