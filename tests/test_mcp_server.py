@@ -207,6 +207,23 @@ def test_bad_input_is_a_tool_error_and_the_server_keeps_serving(tool, args, mess
   assert len(r["memories"]) == 2
 
 
+def test_k_is_a_maximum_a_small_scope_gives_what_it_holds_and_says_how_many():
+  async def script(s):
+    await mcp_agent.must(s, "remember", {"texts": FACTS[:3], "scope": "few"})
+    got = await mcp_agent.must(s, "recall", {"question": "red cat", "k": 5, "scope": "few"})
+    await mcp_agent.must(s, "cite", {"retrieval_id": got["retrieval_id"], "used_ids": []})
+    test = await mcp_agent.must(s, "recall", {"question": "red cat", "k": 5, "scope": "few",
+                                              "learn": False})
+    found = await mcp_agent.must(s, "search", {"question": "red cat", "k": 5, "scope": "few"})
+    ok, err = await mcp_agent.call(s, "recall", {"question": "red cat", "k": 5,
+                                                  "scope": "nobody"})
+    return got, test, found, ok, err
+  got, test, found, ok, err = _run(_service(), script)
+  for out in (got, test, found):
+    assert out["count"] == len(out["memories"]) == 3, out
+  assert not ok and "k=5" in err and "scope 'nobody' holds no memories" in err, err
+
+
 def test_cite_errors_unknown_shown_ids_and_twice():
   async def script(s):
     await mcp_agent.must(s, "remember", {"texts": FACTS})

@@ -312,16 +312,30 @@ def test_feedback_rejects_a_round_that_is_not_open():
   rejects(m, lambda: s.feedback([r.ids[1]]), f"session {s.id} has no open round")
 
 
-def test_queries_reject_k_larger_than_the_bank():
+def test_k_is_a_maximum_a_small_memory_gives_what_it_holds():
   m = _memory(n=4)
-  rejects(m, lambda: m.search("q", k=5, query_embedding=_queries(1)[0]),
-          r"k=5 is larger than the memory bank: only 4 memories")
-  rejects(m, lambda: m.search("q", k=9, query_embedding=_queries(1)[0]),
-          "k=9 is larger than num_candidates K=8")
-  s = m.session("q", query_embedding=_queries(1)[0])
-  rejects(m, lambda: s.round(5), f"k=5 is larger than the 4 candidates of session {s.id}")
+  q = _queries(1)[0]
+  assert len(m.search("q", k=5, query_embedding=q)) == 4
+  assert [len(x) for x in m.search(["a", "b"], k=6, query_embedding=_queries(2))] == [4, 4]
+  rejects(m, lambda: m.search("q", k=9, query_embedding=q), "k=9 is larger than num_candidates K=8")
+  s = m.session("q", query_embedding=q)
+  first = s.round(5)
+  assert len(first) == 4 and first.round == 1
+  s.feedback(first.ids[:1])
+  assert len(s.round(7, explore=False)) == 4
+  for learn in (True, False):
+    out = m.recall("q", lambda key, view: np.ones(len(view.ids), np.float32), k=5,
+                   query_embedding=q, learn=learn)
+    assert len(out) == 4 and all(len(r) == 4 for r in out.rounds), learn
+  paged = m.session("q", query_embedding=q, learn=False)
+  assert len(paged.round(3)) == 3 and len(paged.answer(5)) == 3
   empty = Memory(None, config=_config())
-  rejects(empty, lambda: empty.session("q", query_embedding=_queries(1)[0]), "the bank is empty")
+  rejects(empty, lambda: empty.session("q", query_embedding=q), "no memory to retrieve: the bank "
+          "is empty")
+  rejects(empty, lambda: empty.search("q", k=5, query_embedding=q),
+          r"no memory to retrieve \(k=5\): the bank is empty")
+  rejects(empty, lambda: empty.recall("q", None, k=4, query_embedding=q, scope="u1"),
+          r"no memory to retrieve \(k=4\): scope 'u1' holds no memories")
 
 
 def test_queries_reject_an_empty_question():

@@ -144,10 +144,13 @@ class MemoryService:
           if not learn:  # (a test-time session past its pages: released here)
             self._close_session(sid)
       if slate is None:
-        session = self.memory.session(question, scope=scope, learn=learn)
+        try:
+          session = self.memory.session(question, scope=scope, learn=learn)
+        except ValueError as e:  # (a bad question, or nothing in the scope: named with k)
+          raise type(e)(f"recall(k={k}): {e}") from None
         try:
           slate = session.round(k)
-        except ValueError:  # (k larger than the scope's memories)
+        except ValueError:  # (k outside [1, K])
           session.close()
           raise
       with self._lock:
@@ -158,7 +161,7 @@ class MemoryService:
         self._changed = self._changed or learn  # (a test-time session changes no learner)
       out = {"retrieval_id": f"{self.run_token}-{slate.session_id}-{slate.round}",
              "round": slate.round, "rounds_per_question": self._ear.num_rounds,
-             "memories": self._slate(slate),
+             "memories": self._slate(slate), "count": len(slate),
              "next": "answer from these memories, then call cite(retrieval_id, answer=<your "
                      "answer>) (and used_ids=<the ids you used>, if you know them)"}
       if not learn:
@@ -196,7 +199,8 @@ class MemoryService:
     return out
 
   def search(self, question, k: int = 5, scope=None) -> dict:
-    return {"memories": self._slate(self.memory.search(question, k, scope=scope))}
+    slate = self.memory.search(question, k, scope=scope)
+    return {"memories": self._slate(slate), "count": len(slate)}
 
   def forget(self, ids) -> dict:
     deleted = self.memory.delete(ids)
@@ -305,7 +309,8 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
   kmax = service.memory.config.ear.num_candidates  # K
   text = Annotated[StrictStr, Field(max_length=MAX_TEXT_CHARS)]
   short = Annotated[StrictStr, Field(max_length=MAX_SCOPE_CHARS)]
-  k_arg = Annotated[StrictInt, Field(description=f"How many memories (1-{kmax}).", ge=1, le=kmax)]
+  k_arg = Annotated[StrictInt, Field(description=f"How many memories at most (1-{kmax}); fewer "
+                                     "when the scope holds fewer.", ge=1, le=kmax)]
 
   def scope_arg(doc):
     return Annotated[Optional[short], Field(description=doc)]

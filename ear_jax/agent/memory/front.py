@@ -313,8 +313,9 @@ class Memory:
 
   def search(self, question=None, k: int = 5, *, query_embedding=None, scope=None):
     """The adapter's top-k of a question (ranked by the guard's served parameters): a pure read,
-    no session, nothing learnt. A list of questions (or `[n, d]` embeddings) -> a list of
-    slates, in one batched device call.
+    no session, nothing learnt. `k` (in `[1, K]`) is a maximum: a scope holding fewer
+    candidates gives them all (`len(slate)`); one holding none is a ValueError naming it. A list
+    of questions (or `[n, d]` embeddings) -> a list of slates, in one batched device call.
 
     Returns:
       A `Slate` (round 0, session_id -1), or a list of them.
@@ -360,9 +361,10 @@ class Memory:
     return self._open(question, query_embedding, scope, not learn, 1, not learn)
 
   def _open(self, question, query_embedding, scope, frozen: bool, k: int = 1,
-            paged: bool = False) -> Session:
+            paged: bool = False, asked: Optional[int] = None) -> Session:
     """A new session (frozen: a test-time one; `paged`: its rounds are pages of the served
-    ranking, which the first stage's slate of size `k` computes in the same call)."""
+    ranking, which the first stage's slate of size `k` computes in the same call; `asked`: the
+    caller's k, named when the scopes hold nothing)."""
     names = checks_lib.check_scope_spec(scope)
     texts, q_emb = self._stage.queries(question, query_embedding, False)
 
@@ -372,7 +374,7 @@ class Memory:
                                       frozen, paged, None if slates is None else slates[2][0])
       return Session(self._learning, sid, texts[0], names or (), not frozen, held)
 
-    return self._stage.run(texts, q_emb, names, k if frozen else None, k, finish)
+    return self._stage.run(texts, q_emb, names, k if frozen else None, asked, finish)
 
   def recall(self, question: str, critic, k: int = 5, *, query_embedding=None,
              learn: bool = True, scope=None, rule: Optional[str] = None) -> Recall:
@@ -383,7 +385,7 @@ class Memory:
       question: the question's text (shown to the critic).
       critic: `critic(key, view) -> labels [k]` or None (e.g. `LLMCritic`), or
         `AnswerFeedback(answer_fn)` (this memory's encoder embeds the answers).
-      k: memories per slate and in the answer.
+      k: memories per slate and in the answer, at most (fewer when the scopes hold fewer).
       query_embedding: optional `[d]` precomputed embedding of the question.
       learn: False: nothing trains (explorer-assisted inference, `core.inference.evaluate`).
       scope: the scopes the candidates come from (None: every scope).
@@ -401,6 +403,6 @@ class Memory:
                        "learns from the Explorer's rounds)")
     k = check_k(k, self._ear.num_candidates)
     final = "paging" if rule == "paging" else self._ear.final_slate
-    session = self._open(question, query_embedding, scope, not learn, k, final == "paging")
+    session = self._open(question, query_embedding, scope, not learn, k, final == "paging", k)
     return recall_lib.recall(self._learning, session, critic, k, learn=bool(learn),
                              rounds=self._ear.num_rounds, final_slate=final)

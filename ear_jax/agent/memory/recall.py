@@ -93,7 +93,8 @@ class Session:
       return True
 
   def round(self, k: int = 5, explore: bool = True) -> Slate:
-    """The next round's slate of `k` memories (an open round without feedback is discarded):
+    """The next round's slate of at most `k` memories (fewer when the session's candidates are
+    fewer; an open round without feedback is discarded):
     one Explorer round (Eq. (5)-(8)), or with `explore=False` the adapter's top-k ranked by the
     guard's served parameters (its feedback closes the session). At most `T` rounds. A
     test-time session (`learn=False`) shows the next page of the served ranking: its first `k`
@@ -103,7 +104,7 @@ class Session:
 
     Raises:
       SessionDroppedError: a delete / update of one of its candidates or an eviction ended it.
-      ValueError: closed, all `T` rounds played, or `k` larger than its candidates.
+      ValueError: closed, all `T` rounds played, or `k` outside `[1, K]`.
     """
     return self._learning.round(self.id, k, explore)
 

@@ -187,8 +187,8 @@ class QuerySession:
     return self.open_slate
 
   def play(self, k: int, explore: bool, view: View):
-    """Opens the next round: `(positions [k'], scores [k'], explore)` of what it shows, or None
-    when it has nothing left to show (no round opened)."""
+    """Opens the next round of at most `k` memories: `(positions [k'], scores [k'], explore)` of
+    what it shows, or None when it has nothing left to show (no round opened)."""
     raise NotImplementedError
 
   def record(self, labels: np.ndarray, num_rounds: int) -> Optional[TrainItem]:
@@ -274,17 +274,13 @@ class QuerySession:
     self.stale, self.adapted_by = False, params
     return slate[slate_mask], z
 
-  def _check_k(self, k: int) -> None:
-    if k > self.num_held:
-      raise ValueError(f"k={k} is larger than the {self.num_held} candidates of session "
-                       f"{self.sid}")
 
 
 class TrainingSession(QuerySession):
   """A learning session: Explorer rounds, or the adapter's top-k (whose feedback closes it)."""
 
   def play(self, k, explore, view):
-    self._check_k(k)
+    k = min(k, self.num_held)  # (k is a maximum)
     params = view.params if explore else view.served
     pos, z = self._explorer_round(k, explore, params, view.hparams)
     self.open(pos, explore)
@@ -343,7 +339,6 @@ class HeldOutSession(_Paged):
   training (`held`: `Driver.next_held`'s code)."""
 
   def play(self, k, explore, view):
-    self._check_k(k)
     if self.ranking is None:
       z, order = _held_pages(self.query_emb, self.cand_emb, _page_key(view.page_base, self.sid),
                              view.config)

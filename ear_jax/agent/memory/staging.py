@@ -12,6 +12,8 @@ slate size (`batcher.Batcher`; each query in its own scopes).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from ear_jax.agent.memory import batcher as batcher_lib
@@ -82,14 +84,17 @@ class Stage:
                        "(BM25): pass the question, with query_embedding or without")
     return texts, emb
 
-  def run(self, texts, emb, names, size, k: int, finish):
+  def run(self, texts, emb, names, size, k: Optional[int], finish):
     """`finish(texts, q_emb, first stage)` under the lock after the first stage of the checked
-    query (`queries`) in the scopes `names` (with `size`, the slate of that size), once the
-    scopes are checked to hold `k` candidates: in the window's one encoder call and one search
-    per slate size when batching (each query in its own scopes), else now."""
+    query (`queries`) in the scopes `names` (with `size`, the slate of that size): in the
+    window's one encoder call and one search per slate size when batching (each query in its own
+    scopes), else now. Scopes without a candidate are refused (naming them and `k`, the memories
+    asked for) before any encoding, and again at the search."""
     search_texts = texts if texts is not None else [""] * len(emb)
-    prepare = lambda: self.rows.scopes.check_k(k, self.config.num_candidates,
-                                               self.cfg.multistore, names)
+    prepare = lambda: self.rows.scopes.check_any(self.config.num_candidates,
+                                                 self.cfg.multistore, names, k)
+    with self._lock:  # (before the encoder: an empty memory answers at once)
+      prepare()
     if self.batcher is not None:
       return self.batcher.submit(batcher_lib.Request(
           texts if emb is None else None, emb, (size,), search_texts, prepare, finish,
