@@ -338,6 +338,42 @@ def test_k_is_a_maximum_a_small_memory_gives_what_it_holds():
           r"no memory to retrieve \(k=4\): scope 'u1' holds no memories")
 
 
+class _Named384(encoders.Encoder):
+  """A 384-dimensional encoder the caller names (a stand-in for the model of their embeddings)."""
+  name, dim = "named384", 384
+
+  @property
+  def identity(self):
+    return {"named": 384}
+
+  def encode_new(self, texts, progress=True, bar=None):
+    out = np.random.default_rng(len(texts)).normal(size=(len(texts), 384)).astype(np.float32)
+    return out / np.linalg.norm(out, axis=1, keepdims=True), 0
+
+
+def test_a_memory_of_caller_embeddings_refuses_text_questions_unless_its_encoder_is_named(
+    tmp_path):
+  emb = np.random.default_rng(0).normal(size=(3, 384))
+  m = Memory()  # MiniLM by default, not named: never loaded here (refused before)
+  m.add(["alpha one", "beta two", "gamma three"], embeddings=emb)
+  for call in (lambda: m.search("alpha"), lambda: m.session("alpha"),
+               lambda: m.recall("alpha", None, k=2), lambda: m.search(["alpha", "beta"])):
+    with pytest.raises(ValueError, match="all came with your own embeddings .* Pass "
+                                         "query_embedding="):
+      call()
+  assert m.search("alpha", k=1, query_embedding=emb[0]).ids == ("m0",)
+  m.save(tmp_path / "mem")
+  m.close()
+  with Memory.open(tmp_path / "mem") as m:
+    with pytest.raises(ValueError, match="name the encoder that made the memories' embeddings"):
+      m.search("alpha")
+  with Memory.open(tmp_path / "mem", encoder=_Named384()) as m:  # named: its text questions
+    assert len(m.search("alpha", k=2)) == 2
+  named = Memory(encoder=_Named384())  # named from the start: rows and questions are its
+  named.add(["alpha one", "beta two"], embeddings=emb[:2])
+  assert len(named.search("alpha", k=2)) == 2
+
+
 def test_queries_reject_an_empty_question():
   m = _memory()
   rejects(m, lambda: m.search("", k=3), r"question\[0\] is an empty text")

@@ -146,7 +146,8 @@ def convert(old, new) -> Report:
   live = np.flatnonzero(stores != _DELETED)
   created = not new.exists()
   try:
-    with Memory.open(new, config, learner=learner) as memory:
+    # (the encoder named: the old rows' embeddings are its, and text questions stay answerable)
+    with Memory.open(new, config, encoder=config.encoder, learner=learner) as memory:
       # one add per run of rows of one scope (add takes one scope), at most _BATCH rows each
       runs = itertools.groupby(enumerate(live), key=lambda jr: (scopes[jr[1]], jr[0] // _BATCH))
       for (scope, _), run in runs:

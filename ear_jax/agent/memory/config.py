@@ -314,6 +314,14 @@ def opened_config(stored: MemoryConfig, cfg: Optional[MemoryConfig], settings: d
 
 
 UNSET = object()  # an argument not passed
+DEFAULT_ENCODER = MemoryConfig.encoder  # ('minilm')
+
+
+def encoder_slot(cfg: MemoryConfig, enc, identity: Optional[str] = None) -> EncoderSlot:
+  """The `EncoderSlot` of `cfg` (or of `enc`, an encoder passed on its own); explicit unless it
+  is `MemoryConfig`'s default encoder taken by default."""
+  return EncoderSlot(cfg.encoder if enc is UNSET else enc, identity,
+                     explicit=enc is not UNSET or cfg.encoder != DEFAULT_ENCODER)
 
 
 def arguments(first, encoder, settings: dict) -> tuple[Optional[MemoryConfig], Any, dict]:
@@ -338,7 +346,7 @@ def new_config(cfg: Optional[MemoryConfig], enc, settings: dict):
   """`(MemoryConfig, EncoderSlot)` of a new memory (`arguments`' output): the encoder's spec and,
   for an `Encoder` object, its dimension filled in."""
   cfg = cfg or MemoryConfig()
-  slot = EncoderSlot(cfg.encoder if enc is UNSET else enc)
+  slot = encoder_slot(cfg, enc)
   if slot.encoder is not None and cfg.dim is None and cfg.config is None and not (
       {"dim", "config"} & set(settings)):
     settings = {**settings, "dim": slot.encoder.dim}

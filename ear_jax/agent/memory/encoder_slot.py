@@ -20,9 +20,12 @@ class EncoderSlot:
   Args:
     encoder: 'minilm', a checkpoint directory, a `.npy`/`.npz` file, an `Encoder`, or None.
     identity: the model identity the memory's embeddings came from (None: not known yet).
+    explicit: the caller named this encoder (not `MemoryConfig`'s default): embeddings it adds are
+      taken as this encoder's, and text-only queries are encoded by it whatever the rows are.
   """
 
-  def __init__(self, encoder: Any, identity: Optional[str] = None):
+  def __init__(self, encoder: Any, identity: Optional[str] = None, explicit: bool = True):
+    self.explicit = bool(explicit)
     from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
     self._lock = threading.Lock()
     # One encode at a time: a Hugging Face fast tokenizer shared by two threads fails with

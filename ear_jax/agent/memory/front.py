@@ -105,7 +105,7 @@ class Memory:
         raise ValueError(f"learner= starts a new memory directory, but {root} holds one")
       else:
         cfg = config_lib.opened_config(config_lib.stored_config(meta), cfg, settings, root)
-        slot = EncoderSlot(cfg.encoder if enc is UNSET else enc, meta.get("encoder_identity"))
+        slot = config_lib.encoder_slot(cfg, enc, meta.get("encoder_identity"))
       table = table_lib.Table(root / persistence.TABLE, cfg.ear.dim)
       memory = cls.__new__(cls)
       memory._setup(cfg, slot, table, root, hold, learner)
@@ -256,7 +256,8 @@ class Memory:
     with self._lock:  # (re-checked: another thread may have added since)
       ids = self._rows.new_ids(n) if ids is None else ids
       self._rows.check_new(ids)
-      self._rows.insert(ids, texts, codes, scope, dates, emb, tokens)
+      self._rows.insert(ids, texts, codes, scope, dates, emb, tokens,
+                        self._stage.source(embeddings))
       self._stats["memories_added"] += n
       return list(ids)
 
@@ -301,7 +302,7 @@ class Memory:
       emb = self._stage.embed([text], None, 1, "the updated memory's")
     with self._lock:  # (checked again: another call may have deleted it meanwhile)
       row = int(self._rows.rows_of([memory_id], "memory_id")[0])
-      rec, _ = self._rows.replace(row, text, emb)
+      rec, _ = self._rows.replace(row, text, emb, self._stage.source(embedding))
       questions = self._learning.forget(np.asarray([row]), [rec], "updated")
       self._stats["memories_updated"] += 1
     if questions:

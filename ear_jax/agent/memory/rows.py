@@ -169,15 +169,15 @@ class Rows:
     """The texts' tokens for the lexical index (None without one): pure, outside the lock."""
     return None if self.lexical is None else lexical_bank.tokenize(texts)
 
-  def insert(self, ids, texts, codes, scope: str, dates, emb, tokens) -> np.ndarray:
+  def insert(self, ids, texts, codes, scope: str, dates, emb, tokens, source: str) -> np.ndarray:
     """New rows (checked ids, texts, store codes, one scope, dates, `[n, d]` unit embeddings,
-    `tokenize`'s tokens): ONE table transaction, then the bank, scopes, lexical index, searcher.
-    Returns their rows."""
+    `tokenize`'s tokens; `source`: `Table.insert`'s): ONE table transaction, then the bank, scopes,
+    lexical index, searcher. Returns their rows."""
     enc = None if tokens is None else self.lexical.encode(tokens, codes)
     terms = None if enc is None else [np.zeros(0, np.int32) if t is None else t
                                       for t in enc.terms]  # (not indexed: no terms)
     rows = self.table.insert(ids, texts, codes, [scope] * len(ids), dates, emb, terms,
-                             () if enc is None else enc.new_vocab)
+                             () if enc is None else enc.new_vocab, source)
     self._put(rows, emb, codes, scope, enc, texts, dates)
     return rows
 
@@ -191,7 +191,7 @@ class Rows:
     self._unput(rows, recs)
     return recs
 
-  def replace(self, row: int, text: Optional[str], emb) -> tuple[dict, int]:
+  def replace(self, row: int, text: Optional[str], emb, source: str) -> tuple[dict, int]:
     """A held row's memory with a new text (None: kept) and `[1, d]` embedding: the old row
     dropped and a new one with the same id, store, scope, date and place inserted, in ONE table
     transaction. Returns `(the old record, the new row)`."""
@@ -204,7 +204,7 @@ class Rows:
       enc = self.lexical.encode(lexical_bank.tokenize([new_text]), code)
       lex = (enc.terms[0], enc.new_vocab, self.lexical.dead_terms(rows, keep=enc))
     new = self.table.replace(int(row), rec["id"], new_text, int(code[0]), rec["scope"],
-                             rec["date"], emb[0], *lex)
+                             rec["date"], emb[0], *lex, source=source)
     self._unput(rows, [rec])
     self._put(np.asarray([new]), emb, code, rec["scope"], enc, [new_text], [rec["date"]],
               self.table.places([new]))  # (the memory keeps its place: its turn)

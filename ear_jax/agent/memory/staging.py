@@ -95,6 +95,8 @@ class Stage:
                                                  self.cfg.multistore, names, k)
     with self._lock:  # (before the encoder: an empty memory answers at once)
       prepare()
+      if emb is None:
+        self._check_encodable()
     if self.batcher is not None:
       return self.batcher.submit(batcher_lib.Request(
           texts if emb is None else None, emb, (size,), search_texts, prepare, finish,
@@ -105,6 +107,22 @@ class Stage:
       prepare()
       return finish(search_texts, emb, self.first_stage(search_texts, emb, [names] * len(emb),
                                                         size))
+
+  def source(self, embeddings) -> str:
+    """Where rows' embeddings come from (`Table.embedded_by`): the memory's encoder, or the
+    caller's `embeddings` (vouched for as the encoder's when the caller named the encoder)."""
+    return "caller" if embeddings is not None and not self.encoder.explicit else "encoder"
+
+  def _check_encodable(self) -> None:
+    """ValueError when a question's text would be embedded by an encoder that made none of the
+    rows: every row came with the caller's embeddings and the encoder is only the default."""
+    if self.rows.table.embedded_by == "caller" and not self.encoder.explicit:
+      raise ValueError(
+          f"this memory's memories all came with your own embeddings (add(..., embeddings=...)), "
+          f"and its encoder {self.encoder.spec!r} is only the default, not one you named: a "
+          "question's text embedded by it need not match them. Pass query_embedding= (your "
+          "embedder's vector of the question), or name the encoder that made the memories' "
+          "embeddings (Memory(encoder=...), Memory.open(path, encoder=...))")
 
   def first_stage(self, texts, q_emb, scopes, size):
     """The first stage of `[q, d]` queries in their scopes, with the adapter's slate of `size`

@@ -52,6 +52,7 @@ _PART = 65536  # rows of embeddings joined at a time by read_all
 _PLACES = "places"  # meta entry: {row: place} of updated memories (`Table.places`)
 _IDENTITY = "identity"  # meta entry: a random id made with the table (`Table.identity`)
 _META_DIGEST = "sha256"  # meta entry: SHA-256 of the other entries (`_meta_digest`)
+_EMBEDDED_BY = "embedded_by"  # meta entry: `Table.embedded_by`
 RECORD_CACHE = 1 << 15  # verified records `records` keeps (the least recently read dropped first)
 
 
@@ -109,6 +110,9 @@ class Table:
   Attributes:
     identity: a random hex id made with the table (a copy of the file keeps it): what a learner
       item records to name its table.
+    embedded_by: where the rows' embeddings came from: 'encoder' (some row's from the memory's
+      encoder, or vouched for by a named one), 'caller' (every row's from the caller), or None
+      (no row yet, or a table written before this was recorded).
 
   Raises:
     CheckpointError: `path` is not this table (not SQLite, truncated, another schema or
@@ -166,6 +170,7 @@ class Table:
     self.identity = self._check_meta()
     self._n = self._db.execute("SELECT count(*) FROM memories").fetchone()[0]
     self._places = self._read_places()
+    self.embedded_by = self.get_meta(_EMBEDDED_BY)
     self._recent = collections.OrderedDict()  # device row -> (id, text, store, scope, date)
 
   def _check_integrity(self) -> None:
@@ -250,6 +255,7 @@ class Table:
           self._db.execute("ROLLBACK")
         self._n = self._db.execute("SELECT count(*) FROM memories").fetchone()[0]
         self._places = self._read_places()
+        self.embedded_by = self.get_meta(_EMBEDDED_BY)
         raise
       self._db.execute("COMMIT")
 
@@ -262,6 +268,18 @@ class Table:
   def _next(self) -> int:
     got = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'memories'").fetchone()
     return got[0] if got else 0
+
+  def _note_source(self, source: Optional[str]) -> None:
+    """Records where new rows' embeddings came from (inside the caller's transaction):
+    `embedded_by` becomes 'encoder' once any row's came from (or was vouched for by) the memory's
+    encoder, else 'caller' (every row so far came with the caller's own embeddings)."""
+    if source is None:
+      return
+    new = "encoder" if "encoder" in (source, self.embedded_by) else "caller"
+    if new != self.embedded_by:
+      self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (_EMBEDDED_BY, new))
+      self._seal_meta()
+      self.embedded_by = new
 
   def _insert(self, ids, texts, stores, scopes, dates, embeddings, terms, new_vocab):
     emb = np.ascontiguousarray(embeddings, np.float32)
@@ -293,14 +311,18 @@ class Table:
 
   def insert(self, ids, texts, stores: np.ndarray, scopes: Sequence[str], dates, embeddings,
              terms: Optional[Sequence[np.ndarray]] = None,
-             new_vocab: Sequence[tuple[str, int]] = ()) -> np.ndarray:
+             new_vocab: Sequence[tuple[str, int]] = (), source: Optional[str] = None
+             ) -> np.ndarray:
     """Appends rows (and vocabulary entries) in one transaction; returns their device rows `[n]`.
+    `source`: 'encoder' or 'caller', where their embeddings came from (`embedded_by`).
 
     Raises:
       ValueError: lengths or dimension do not match, or an id is already stored (nothing written).
     """
     with self._transaction():
-      return self._insert(ids, texts, stores, scopes, dates, embeddings, terms, new_vocab)
+      rows = self._insert(ids, texts, stores, scopes, dates, embeddings, terms, new_vocab)
+      self._note_source(source)
+      return rows
 
   def delete(self, rows, dead_terms: Sequence[str] = ()) -> None:
     """Deletes the device rows `rows` and the vocabulary entries `dead_terms`, in one transaction
@@ -309,7 +331,7 @@ class Table:
       self._delete(rows, dead_terms)
 
   def replace(self, row: int, memory_id: str, text: str, store: int, scope: str, date: str,
-              embedding, terms=None, new_vocab=(), dead_terms=()) -> int:
+              embedding, terms=None, new_vocab=(), dead_terms=(), source=None) -> int:
     """An update: deletes device row `row`, then inserts the memory again under a new row that
     keeps the old one's place (`places`), in one transaction; returns the new device row."""
     with self._transaction():
@@ -320,6 +342,7 @@ class Table:
                              new_vocab)[0])
       self._places[new] = place
       self._write_places(self._places)
+      self._note_source(source)
       return new
 
   def set_meta(self, key: str, value: str) -> None:
