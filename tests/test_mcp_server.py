@@ -217,8 +217,10 @@ def test_k_is_a_maximum_a_small_scope_gives_what_it_holds_and_says_how_many():
     found = await mcp_agent.must(s, "search", {"question": "red cat", "k": 5, "scope": "few"})
     ok, err = await mcp_agent.call(s, "recall", {"question": "red cat", "k": 5,
                                                   "scope": "nobody"})
-    return got, test, found, ok, err
-  got, test, found, ok, err = _run(_service(), script)
+    st = await mcp_agent.must(s, "stats", {})
+    return got, test, found, ok, err, st
+  got, test, found, ok, err, st = _run(_service(), script)
+  assert st["serves"] == "adapter" and st["guard_evidence"] == 0  # (ear_tuned: no guard)
   for out in (got, test, found):
     assert out["count"] == len(out["memories"]) == 3, out
   assert not ok and "k=5" in err and "scope 'nobody' holds no memories" in err, err

@@ -91,7 +91,7 @@ def test_num_candidates_sets_the_learners_k_and_a_directory_keeps_it(tmp_path):
   m.close()
   with Memory.open(tmp_path / "k7") as back:
     assert back.config.ear.num_candidates == 7
-  with pytest.raises(ValueError, match="differ|does not match"):
+  with pytest.raises(ValueError, match="num_candidates: 7 there, 8 asked"):
     Memory.open(tmp_path / "k7", MemoryConfig(encoder=None, method="ear_tuned", dim=_D,
                                               num_candidates=8))
   with pytest.raises(ValueError, match="num_candidates K=3 is smaller than the slate size s=5"):
@@ -110,7 +110,8 @@ def test_memory_rejects_unknown_settings_and_a_method_with_a_config():
 def test_memory_has_the_public_members_of_the_design():
   public = sorted(n for n in dir(Memory) if not n.startswith("_"))
   assert public == sorted(["open", "save", "close", "add", "search", "session", "recall",
-                           "delete", "update", "get", "list", "stats", "config", "learner"])
+                           "delete", "update", "get", "list", "stats", "config", "learner",
+                           "train"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -479,15 +480,53 @@ def test_saving_an_in_memory_memory_binds_it_to_the_directory(tmp_path):
     _memory().save(tmp_path / "d")
 
 
+def test_a_settings_mismatch_says_in_plain_words_how_to_open_the_directory(tmp_path):
+  Memory.open(tmp_path / "d", encoder=None, dim=_D).close()  # the default learner: ear_safe
+  with pytest.raises(ValueError) as e:
+    Memory.open(tmp_path / "d", encoder=None, dim=_D, method="ear", candidates="bm25")
+  msg = str(e.value)
+  assert "method: 'ear_safe' there, 'ear' asked" in msg, msg
+  assert "candidates: 'dense' there, 'bm25' asked" in msg, msg
+  assert "Memory.open(path) without these" in msg and "new memory in another directory" in msg
+  assert msg.count(" there, ") == 2 and "stored=" not in msg  # not every field of the presets
+  with Memory.open(tmp_path / "d") as m:  # as it says: without them
+    assert m.config.first_stage_name == "dense"
+
+
+def test_train_trains_the_queued_sessions_now_and_only_those(tmp_path):
+  m = _memory(batch_size=4)
+  for q in _queries(3):
+    s = m.session("q", query_embedding=q)
+    s.feedback(s.round(3).ids[:1])
+    s.close()
+  open_ = m.session("q", query_embedding=_queries(1, seed=9)[0])
+  open_.feedback(open_.round(3).ids[:1])  # (open: not queued, not trained)
+  assert m.stats["ready"] == 3 and m.stats["learner_steps"] == 0
+  p0 = jax.tree_util.tree_leaves(m.learner.params)
+  assert m.train() == 1  # 3 of b = 4: one step, the missing query masked out
+  state = m.learner
+  assert int(state.step) == 1 and int(state.queries_seen) == 3
+  assert int(state.buffer.num_pushed) == 3
+  assert not all(np.array_equal(a, b) for a, b in zip(p0, jax.tree_util.tree_leaves(
+      state.params)))
+  assert m.stats["ready"] == 0 and m.stats["learner_steps"] == 1 and not open_.closed
+  assert m.train() == 0 and int(m.learner.step) == 1  # nothing queued: nothing to do
+  m.save(tmp_path / "m")
+  m.close()
+  with Memory.open(tmp_path / "m") as back:
+    assert int(back.learner.step) == 1 and back.stats["ready"] == 0
+
+
 def test_open_rejects_another_config_or_encoder_dimension(tmp_path):
   m = _memory()
   m.save(tmp_path / "c")
   m.close()
-  with pytest.raises(ValueError, match=r"differs in 1 field\(s\): dim: stored=16 vs expected=32"):
+  with pytest.raises(ValueError, match=r"other settings: the learner's dim: 16 there, 32 asked\. "
+                                       r"Open it with its own settings"):
     Memory.open(tmp_path / "c", config=_config(dim=32))
-  with pytest.raises(ValueError, match=r"batch_size: stored=2 vs expected=4"):
+  with pytest.raises(ValueError, match=r"the learner's batch_size: 2 there, 4 asked"):
     Memory.open(tmp_path / "c", config=_config(batch_size=4))
-  with pytest.raises(ValueError, match=r"seed: stored=0 vs expected=5"):
+  with pytest.raises(ValueError, match=r"seed: 0 there, 5 asked"):
     Memory.open(tmp_path / "c", seed=5)
 
   class Enc32(encoders.Encoder):

@@ -61,8 +61,10 @@ def test_a_guarded_memory_serves_the_first_stage_until_its_feedback_trusts_the_a
   cosine = _ids(m, q)  # the untrained adapter: the first stage's top-5
   bad = _bad_params(m, rng)
   assert _ids(_memory(tmp_path, params=bad)[0], q) == cosine  # served: the first stage's ranking
+  assert m.stats["serves_adapter"] == 0 and m.stats["guard_evidence"] == 0
   trusted = _memory(tmp_path, params=bad, guard=_trusted())[0]
   assert _ids(trusted, q) != cosine  # trusted now: the adapter's own ranking is served
+  assert trusted.stats["serves_adapter"] == 1 and trusted.stats["guard_evidence"] == 100
 
 
 def _first_round(m, q):

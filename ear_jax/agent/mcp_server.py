@@ -216,6 +216,8 @@ class MemoryService:
                 "rounds", "searches", "feedback", "answer_feedback", "learner_steps", "pending",
                 "memories_added", "memories_deleted", "batch_windows", "batch_requests",
                 "batch_encoder_calls", "batch_searches")},
+            "serves": "adapter" if st["serves_adapter"] else "first stage",
+            "guard_evidence": int(st["guard_evidence"]),
             "open_questions": len(self._questions), "learner_saves": self.saves}
 
   # ----------------------------------------------------------------------------------------------
@@ -384,7 +386,8 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
     return await run(service.forget, ids)
 
   @tool(description="Sizes and counters of the memory: memories stored, retrievals, "
-            "citations, learner steps, learner saves, micro-batching.")
+            "citations, learner steps, learner saves, micro-batching, and what search serves "
+            "now (the adapter or the first stage, and the guard's evidence).")
   async def stats() -> dict:
     return await run(service.stats)
 

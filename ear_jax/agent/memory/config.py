@@ -306,11 +306,42 @@ def opened_config(stored: MemoryConfig, cfg: Optional[MemoryConfig], settings: d
   wanted = dataclasses.replace(cfg or stored, **settings)
   if wanted.candidates is None:  # (not given: the directory's first stage)
     wanted = dataclasses.replace(wanted, candidates=stored.candidates)
-  from ear_jax.io import checkpoints  # pylint: disable=g-import-not-at-top
-  checkpoints.check_compatible(stored._comparable(), wanted._comparable(),
-                               f"the MemoryConfig of {where}")
+  differ = _differences(stored, wanted)
+  if differ:
+    raise ValueError(
+        f"the memory in {where} was made with other settings: {'; '.join(differ)}. Open it with "
+        "its own settings (Memory.open(path) without these; ear-mcp-server without these "
+        "flags), or make a new memory in another directory")
   return dataclasses.replace(  # (where and when, not what)
       stored, **{name: getattr(wanted, name) for name in SERVING})
+
+
+def _learner_name(cfg: MemoryConfig) -> Optional[str]:
+  """The preset a config's learner is, by name (None: a config / hyperparameters of its own)."""
+  if cfg.config is None and cfg.hparams is None:
+    return cfg.method or DEFAULT_METHOD
+  return None
+
+
+def _differences(stored: MemoryConfig, wanted: MemoryConfig) -> list[str]:
+  """`'<setting>: <stored> there, <wanted> asked'` of every setting two configs of one memory
+  disagree on (`_comparable`): the learner by its preset's name, and for a config of its own its
+  first differing fields (a field a first stage sets, `side_features`, left out)."""
+  a, b = stored._comparable(), wanted._comparable()  # pylint: disable=protected-access
+  keys = [k for k in sorted(set(a) | set(b), key=str)
+          if a.get(k, "default") != b.get(k, "default")]
+  show = lambda k: f"{a.get(k, 'default')!r} there, {b.get(k, 'default')!r} asked"
+  learner = ({f.name for f in dataclasses.fields(EARConfig)} | {"hparams"}) - {"num_candidates"}
+  out = [f"{k}: {show(k)}" for k in keys if k not in learner]
+  fields = [k for k in keys if k in learner and k != "side_features"]
+  names = [_learner_name(stored), _learner_name(wanted)]
+  if fields and names[0] != names[1]:
+    there, asked = (repr(n) if n else "a config of its own" for n in names)
+    out.append(f"method: {there} there, {asked} asked")
+  if fields and None in names:  # (a config of its own: which of its fields)
+    out += [f"the learner's {k}: {show(k)}" for k in fields[:3]]
+    out += [f"{len(fields) - 3} more of the learner's fields"] if len(fields) > 3 else []
+  return out
 
 
 UNSET = object()  # an argument not passed

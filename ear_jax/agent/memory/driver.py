@@ -158,24 +158,37 @@ class Driver:
       steps += 1
     return steps
 
+  def flush(self) -> int:
+    """Trains every queued item now: the full batches, then the rest as one batch whose missing
+    queries are masked out (the runner's last batch of a stream). Returns the steps taken."""
+    steps = self.push([])
+    if self.ready:
+      self._train()
+      steps += 1
+    return steps
+
   def _train(self) -> None:
+    """ONE learner step on the first `b` queued items (fewer: the batch padded, masked)."""
     b = self.config.batch_size
     items, self.ready = self.ready[:b], self.ready[b:]
+    valid = np.arange(b) < len(items)
+    items = items + [items[-1]] * (b - len(items))  # (padding: masked out of the step)
     stacked = TrainItem(*(np.stack(x) for x in zip(*items)))
     batch = Stream(queries=stacked.query, candidates=stacked.candidates, mask=stacked.mask,
                    gold=np.zeros(stacked.mask.shape, bool), num_gold=np.zeros((b,), np.int32))
     keys = _step_keys(self.train_key, self.num_batches, b)
     code = np.asarray(stacked.held, np.int8).reshape(b)  # (`next_held`: 0 / 1 / 2)
-    held, ring = code > 0, code == 1
+    held, ring = (code > 0) & valid, (code == 1) & valid
     extra = (held, ring) if self.config.guard_holdout else ()  # (else the paper's call)
     self.state, _ = train_step(
         self.state, keys, batch, stacked.slates, stacked.slate_mask, stacked.labels,
-        jnp.ones((b,), bool), self.config, self.hparams, *extra)
+        jnp.asarray(valid), self.config, self.hparams, *extra)
     self.num_batches += 1
     rows = np.where(stacked.mask, stacked.rows, -1)
     cap = self.config.buffer_capacity  # the step pushed the trained queries in order
-    n = int((~held).sum())  # (`push_experiences`: held-out queries are not pushed)
-    self.buffer_rows[(self.insert_index + np.arange(n)) % cap] = rows[~held]
+    pushed = valid & ~held  # (`push_experiences`: held-out and padding queries are not pushed)
+    n = int(pushed.sum())
+    self.buffer_rows[(self.insert_index + np.arange(n)) % cap] = rows[pushed]
     self.insert_index = (self.insert_index + n) % cap
     if ring.any():  # ... and the ring's went to the guard's ring (`guard.push_holdout`)
       h = self.holdout_rows.shape[0]

@@ -213,15 +213,26 @@ class Memory:
     updated, searches, sessions opened, rounds, feedback, learner steps, critic calls, ...) and
     `memories`, `capacity` (device rows), `ready` (closed sessions queued for the next learner
     step), `pending` (those plus open sessions with feedback), `sessions` (open ones),
-    `generation` (learner items saved)."""
+    `generation` (learner items saved), and what `search` serves now: `serves_adapter` (1: the
+    adapter's ranking; 0: the first stage's, the guard not trusting the adapter yet) and
+    `guard_evidence` (the held-out questions with a citation its decision rests on)."""
     with self._lock:
       batcher = self._stage.batcher
       batched = {} if batcher is None else batcher.counts()
+      serves, evidence = self._learning.serving()
       return collections.Counter(
           {**self._stats, **batched, "memories": len(self._rows),
            "capacity": self._rows.capacity, "ready": len(self._learning.driver.ready),
            "pending": self._learning.pending(), "sessions": self._learning.open_sessions(),
-           "generation": self._generation})
+           "generation": self._generation, "serves_adapter": int(serves),
+           "guard_evidence": evidence})
+
+  def train(self) -> int:
+    """Trains the queued (closed) sessions now instead of waiting for the `b`-th: one learner
+    step per `b` of them, the last one with fewer (the missing queries masked out, as the
+    benchmark runner's last batch). Close open sessions first to include them. Returns the
+    learner steps taken."""
+    return self._learning.train()
 
   # ----------------------------------------------------------------------------------------------
   # rows: add, get, list, delete, update

@@ -16,6 +16,7 @@ outside the lock.
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Callable, Optional
 
 import jax
@@ -33,6 +34,16 @@ from ear_jax.core import guard as guard_lib
 
 # The served parameters of a guarded memory in one compiled call (`core.guard.served_params`).
 _served = jax.jit(guard_lib.served_params, static_argnums=2)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _serving(params, guard, config):
+  """`(serves the adapter [] bool, evidence [] int32)`: the guard's decision and the training
+  questions it rests on (the held-out ring's questions with a citation)."""
+  if guard.holdout is not None:
+    serve, _, n = guard_lib.holdout_decision(params, guard.holdout, config, config.guard_z)
+    return serve, n.astype(jnp.int32)
+  return guard_lib.serve_adapted(guard, config, None, params), guard.count.astype(jnp.int32)
 _copy = jax.jit(lambda tree: jax.tree_util.tree_map(jnp.copy, tree))  # (one call, own buffers)
 
 
@@ -73,6 +84,26 @@ class Learning:
     if self._served_cache[0] is not state.guard:  # (new after every learner step and delete)
       self._served_cache = (state.guard, _served(state.params, state.guard, self.config))
     return self._served_cache[1]
+
+  def serving(self) -> tuple[bool, int]:
+    """`(serves the adapter, guard evidence)`: whether `search` ranks by the adapter (else by the
+    first stage, the guard not trusting the adapter yet) and the questions the guard's decision
+    rests on (0 without a guard). Call under the lock."""
+    state = self.driver.state
+    if state.guard is None:
+      return True, 0
+    serve, n = _serving(state.params, state.guard, self.config)
+    return bool(serve), int(n)
+
+  def train(self) -> int:
+    """Trains every queued session now (`Driver.flush`); returns the learner steps taken."""
+    with self._lock:
+      if not self.driver.ready:
+        return 0
+      self._detach_params()
+      steps = self.driver.flush()
+      self.stats["learner_steps"] += steps
+      return steps
 
   def view(self) -> sessions_lib.View:
     state = self.driver.state
