@@ -175,10 +175,9 @@ class Memory:
     """Releases the owner lock and closes the database (idempotent); every later call but
     `close` is a ValueError."""
     with self._lock:
-      if isinstance(self._rows.table, table_lib.ClosedTable):
+      if self._rows.closed:
         return
-      self._rows.table.close()
-      self._rows.table = table_lib.ClosedTable(self._root)
+      self._rows.close()
       self._learning.close_memory()
       if self._hold is not None:
         self._hold.release()

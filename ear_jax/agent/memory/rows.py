@@ -263,6 +263,16 @@ class Rows:
       self.searcher.save(self.root / persistence.ANN)
       self._ann_rows = self.next_row
 
+  @property
+  def closed(self) -> bool:
+    return isinstance(self.table, _ClosedTable)
+
+  def close(self) -> None:
+    """Closes the table: every later use of these rows is a ValueError saying so."""
+    if not self.closed:
+      self.table.close()
+      self.table = _ClosedTable(self.root)
+
   def move_to(self, root: pathlib.Path, path: pathlib.Path) -> None:
     """Copies the table into the new database file `path` of the directory `root` and uses it."""
     self.table.backup_to(path)
@@ -270,3 +280,15 @@ class Rows:
     self.table = table_lib.Table(path, self.dim)
     self.root = root
 
+
+class _ClosedTable:
+  """The table of a closed memory: every use is a ValueError saying so."""
+
+  def __init__(self, root):
+    self._where = "this memory" if root is None else f"memory {str(root)!r}"
+
+  def __getattr__(self, name):
+    raise ValueError(f"{self._where} is closed (Memory.close): open it again")
+
+  def __len__(self):
+    return self.__getattr__("__len__")

@@ -110,9 +110,8 @@ class Table:
   Attributes:
     identity: a random hex id made with the table (a copy of the file keeps it): what a learner
       item records to name its table.
-    embedded_by: where the rows' embeddings came from: 'encoder' (some row's from the memory's
-      encoder, or vouched for by a named one), 'caller' (every row's from the caller), or None
-      (no row yet, or a table written before this was recorded).
+    embedded_by: 'encoder' (a row's embedding came from the memory's encoder, or a named one),
+      'caller' (every row's from the caller), or None (no row yet, or an older table).
 
   Raises:
     CheckpointError: `path` is not this table (not SQLite, truncated, another schema or
@@ -449,15 +448,3 @@ class Table:
       finally:
         dst.close()
 
-
-class ClosedTable:
-  """The table of a closed memory: every use is a ValueError saying so."""
-
-  def __init__(self, root):
-    self._where = "this memory" if root is None else f"memory {str(root)!r}"
-
-  def __getattr__(self, name):
-    raise ValueError(f"{self._where} is closed (Memory.close): open it again")
-
-  def __len__(self):
-    return self.__getattr__("__len__")
