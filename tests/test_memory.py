@@ -375,6 +375,22 @@ def test_a_memory_of_caller_embeddings_refuses_text_questions_unless_its_encoder
   assert len(named.search("alpha", k=2)) == 2
 
 
+def test_argument_checks_and_an_empty_memory_answer_before_the_encoder_loads(monkeypatch):
+  def no_load(*args, **kwargs):
+    raise AssertionError("the encoder was loaded")
+
+  monkeypatch.setattr(encoders, "load_encoder", no_load)
+  m = Memory()  # MiniLM, loaded at the first text that needs encoding: never, here
+  for call, match in ((lambda: m.recall("a question", None), "no memory to retrieve"),
+                      (lambda: m.search("q", k=3, scope="u1"), "scope 'u1' holds no memories"),
+                      (lambda: m.session("q"), "the bank is empty"),
+                      (lambda: m.search("q", k=0), "k must be >= 1"),
+                      (lambda: m.search("q", scope=""), "scope"),
+                      (lambda: m.recall("q", None, rule="nope"), "unknown rule")):
+    with pytest.raises(ValueError, match=match):
+      call()
+
+
 def test_queries_reject_an_empty_question():
   m = _memory()
   rejects(m, lambda: m.search("", k=3), r"question\[0\] is an empty text")

@@ -35,6 +35,7 @@ from ear_jax.agent.memory.rows import Rows
 from ear_jax.agent.memory.sessions import SessionDroppedError, Slate
 from ear_jax.agent.memory.staging import Stage
 from ear_jax.core import learner as learner_lib
+from ear_jax.io import compilation_cache
 
 __all__ = ["DEFAULT_SCOPE", "AnswerFeedback", "Memory", "MemoryConfig", "Recall", "Session",
            "SessionDroppedError", "Slate", "llm_feedback", "run_critic_episode"]
@@ -63,6 +64,7 @@ class Memory:
 
   def _setup(self, cfg: MemoryConfig, slot: EncoderSlot, table, root, hold, learner) -> None:
     """Builds the rows of `table` and a fresh learning (or one from a `learner` state)."""
+    compilation_cache.enable()  # (a second process loads what this one compiles)
     self._cfg, self._encoder, self._root, self._hold = cfg, slot, root, hold
     self._ear, self._hparams = cfg._resolved()  # pylint: disable=protected-access
     config = self._ear
