@@ -496,6 +496,48 @@ def test_saving_an_in_memory_memory_binds_it_to_the_directory(tmp_path):
     _memory().save(tmp_path / "d")
 
 
+def _two_steps(m):
+  m.add([f"memory {i}" for i in range(8)], embeddings=np.random.default_rng(0).normal(size=(8, 7)))
+  for q in np.random.default_rng(1).normal(size=(4, 7)):
+    s = m.session(query_embedding=q)
+    s.feedback(s.round(2).ids[:1])
+    s.close()
+  return m
+
+
+def test_warm_learner_compiles_the_step_in_the_background_and_the_first_step_reuses_it():
+  from ear_jax.agent.memory import driver as driver_lib  # pylint: disable=g-import-not-at-top
+  cfg = EARConfig(dim=7, num_candidates=4, slate_size=2, num_rounds=2, batch_size=2,
+                  buffer_capacity=8, replay_size=2)  # (shapes no other test compiles)
+  before = driver_lib.train_step._cache_size()  # pylint: disable=protected-access
+  m = Memory(None, config=cfg, warm_learner=True)
+  m._learning.driver._warming.join()  # pylint: disable=protected-access
+  assert driver_lib.train_step._cache_size() == before + 1  # pylint: disable=protected-access
+  assert int(m.learner.step) == 0  # nothing learnt by the warm-up
+  _two_steps(m)
+  assert m.stats["learner_steps"] == 2
+  assert driver_lib.train_step._cache_size() == before + 1  # pylint: disable=protected-access
+  plain = _two_steps(Memory(None, config=cfg))  # the same learning as without the warm-up
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(m.learner),
+                                                  jax.tree_util.tree_leaves(plain.learner)))
+
+
+def test_while_the_step_compiles_full_batches_wait_in_the_queue_and_train_after():
+  import threading  # pylint: disable=g-import-not-at-top
+  cfg = EARConfig(dim=7, num_candidates=4, slate_size=2, num_rounds=2, batch_size=2,
+                  buffer_capacity=8, replay_size=2)
+  m = Memory(None, config=cfg)
+  release = threading.Event()
+  compiling = threading.Thread(target=release.wait)
+  compiling.start()
+  m._learning.driver._warming = compiling  # pylint: disable=protected-access  (a slow compile)
+  _two_steps(m)
+  assert m.stats["learner_steps"] == 0 and m.stats["ready"] == 4  # (no call waited)
+  release.set()
+  compiling.join()
+  assert m.train() == 2 and m.stats["ready"] == 0 and int(m.learner.queries_seen) == 4
+
+
 def test_a_settings_mismatch_says_in_plain_words_how_to_open_the_directory(tmp_path):
   Memory.open(tmp_path / "d", encoder=None, dim=_D).close()  # the default learner: ear_safe
   with pytest.raises(ValueError) as e:

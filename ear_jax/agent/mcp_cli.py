@@ -106,7 +106,8 @@ def open_memory(args):
   return Memory.open(memory_dir, MemoryConfig(
       **learner, num_candidates=k, candidates=args.candidates, first_stage=fs,
       encoder=args.encoder, cache_dir=args.cache_dir, seed=args.seed,
-      batch_window_ms=args.batch_window_ms, batch_max_queries=args.batch_max_queries),
+      batch_window_ms=args.batch_window_ms, batch_max_queries=args.batch_max_queries,
+      warm_learner=True),  # (a shutdown never waits for the compiler)
                      encoder=encoder), memory_dir
 
 
@@ -135,7 +136,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     service.close()
     os._exit(0)  # pylint: disable=protected-access
 
+  # SIGTERM and SIGINT save and exit at once (a SIGINT left to asyncio would wait for the stdin
+  # reader's thread, i.e. for the client to close stdin)
   signal.signal(signal.SIGTERM, on_term)
+  signal.signal(signal.SIGINT, on_term)
   try:
     if args.transport == "stdio":
       from ear_jax.agent import mcp_stdio  # pylint: disable=g-import-not-at-top

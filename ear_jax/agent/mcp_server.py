@@ -26,6 +26,7 @@ import re
 import secrets
 import sys
 import threading
+import time
 from typing import Optional
 
 from ear_jax.agent import mcp_http
@@ -245,8 +246,10 @@ class MemoryService:
       self.saves += 1
 
   def close(self) -> None:
-    """Shutdown (stdin EOF, SIGTERM): queues the sessions of the question map (a restart starts
-    them anew), saves the learner item, closes the memory; idempotent."""
+    """Shutdown (stdin EOF, SIGTERM, SIGINT): queues the sessions of the question map (a restart
+    starts them anew), saves the learner item, closes the memory, and says on stderr when the
+    save ended; idempotent."""
+    started = time.time()
     with self._lock:
       if self.closed:
         return
@@ -261,6 +264,11 @@ class MemoryService:
       self._touch()
     try:
       self.save()
+      saved = time.time()
+      st = self.memory.stats
+      print(f"ear-mcp-server: shutdown: learner saved ({st['learner_steps']} learner steps, "
+            f"{st['ready']} sessions queued) {saved - started:.2f} s after it began, at "
+            f"{saved:.3f}", file=sys.stderr, flush=True)
     finally:
       self.memory.close()
 

@@ -18,7 +18,7 @@ from ear_jax.data.first_stage import FirstStageOptions, check_generator
 
 MAX_WINDOW_MS = 1000.0
 # The settings that say where and when, not what: an opened memory takes the caller's.
-SERVING = ("cache_dir", "batch_window_ms", "batch_max_queries")
+SERVING = ("cache_dir", "batch_window_ms", "batch_max_queries", "warm_learner")
 # A directory stores its `MemoryConfig`, a preset by its name. When a preset's definition changes,
 # `PRESETS_VERSION` goes up and `PRESET_CHANGES[v]` says what the presets changed at v meant
 # before, so a directory written earlier (its meta's `presets` below v) opens with the settings it
@@ -75,6 +75,9 @@ class MemoryConfig:
       call alone. A serving setting,
       not part of what the memory is (like `cache_dir`).
     batch_max_queries: a window closes early once it holds this many queries.
+    warm_learner: compile the learner step in a background thread as the memory is built
+      (nothing is learnt), so neither the first learner step nor a server's shutdown waits for
+      the compiler (the MCP server's setting). A serving setting.
   """
   encoder: Optional[str] = "minilm"
   method: Optional[str] = None
@@ -94,6 +97,7 @@ class MemoryConfig:
   first_stage: FirstStageOptions = FirstStageOptions()
   batch_window_ms: float = 0.0
   batch_max_queries: int = 64
+  warm_learner: bool = False
 
   def __post_init__(self):
     fix = lambda name, value: object.__setattr__(self, name, value)
@@ -119,6 +123,7 @@ class MemoryConfig:
     if self.num_candidates is not None:
       fix("num_candidates", check_int(self.num_candidates, "num_candidates", 1))
     fix("multistore", bool(self.multistore))
+    fix("warm_learner", bool(self.warm_learner))
     if self.cache_dir is not None:
       fix("cache_dir", str(self.cache_dir))
     opts = self.index_options

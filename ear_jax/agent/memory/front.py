@@ -61,6 +61,7 @@ class Memory:
   def __init__(self, memory_config: Any = UNSET, /, *, encoder: Any = UNSET, **settings):
     cfg, slot = config_lib.new_config(*config_lib.arguments(memory_config, encoder, settings))
     self._setup(cfg, slot, table_lib.Table(None, cfg.ear.dim), None, None, None)
+    self._learning.warm()
 
   def _setup(self, cfg: MemoryConfig, slot: EncoderSlot, table, root, hold, learner) -> None:
     """Builds the rows of `table` and a fresh learning (or one from a `learner` state)."""
@@ -74,7 +75,8 @@ class Memory:
     self._rows = Rows(table, cfg, config, root)
     self._stage = Stage(cfg, config, self._hparams, slot, self._rows, self._lock)
     self._learning = Learning(config, self._hparams, cfg.seed, cfg.max_sessions, self._rows,
-                              self._lock, self._stats, self._stage.embed_answer, learner)
+                              self._lock, self._stats, self._stage.embed_answer, learner,
+                              cfg.warm_learner)
     self._stage.learning = self._learning
 
   # ----------------------------------------------------------------------------------------------
@@ -117,6 +119,7 @@ class Memory:
         write = memory._restore_learner(root) and hold is not None
       if write:
         memory._write_learner()
+      memory._learning.warm()  # (the restored learner's step, with `warm_learner`)
       return memory
     except BaseException:
       if table is not None:

@@ -59,10 +59,12 @@ class Learning:
     stats: the memory's counters (a `Counter`, shared).
     embed_answer: `embed_answer(texts) -> [n, d]`, the memory's encoder for answers.
     learner: a learner state to start from (default: a fresh one from the seed).
+    warm: `warm()` compiles the learner step in the background (`MemoryConfig.warm_learner`).
   """
 
   def __init__(self, config, hparams, seed: int, max_sessions: int, rows, lock,
-               stats: collections.Counter, embed_answer: Callable, learner=None):
+               stats: collections.Counter, embed_answer: Callable, learner=None,
+               warm: bool = False):
     self.config, self.hparams, self.seed, self.max_sessions = config, hparams, seed, max_sessions
     self.rows, self._lock, self.stats, self._embed_answer = rows, lock, stats, embed_answer
     k_critic = seed_keys(seed)[2]
@@ -71,6 +73,24 @@ class Learning:
     self.driver = Driver(config, hparams, seed, learner)
     self.saved_questions = set()  # the sessions whose question the learner item on disk holds
     self._served_cache = (None, None)  # (the guard state, its served parameters)
+    self._warm = warm
+
+  def warm(self) -> None:
+    """With `warm`: the learner step compiled in a background thread (`Driver.warm`), with the
+    other programs a first learner step or a save runs (a copy of the parameters, a pending
+    bandit update), so neither waits for the compiler."""
+    if not self._warm:
+      return
+    K, params = self.config.num_candidates, self.driver.state.params
+    zeros = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+
+    def also():
+      jax.block_until_ready(_copy(jax.tree_util.tree_map(
+          lambda s: jnp.zeros(s.shape, s.dtype), zeros)))
+      episode.update_bandits(np.zeros((1, K), np.float32), np.zeros((1, K), np.float32),
+                             *(x[None] for x in episode.no_feedback(K)))
+
+    self.driver.warm(also)
 
   # ----------------------------------------------------------------------------------------------
   # what the learner serves
