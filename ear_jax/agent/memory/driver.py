@@ -1,7 +1,7 @@
 """The learner driver of `Memory`: closed sessions queue up; every `b` of them -> ONE learner step.
 
-Symbols: `b` batch size (`config.batch_size`), `T` Explorer rounds, `K` candidates, `d` dimension,
-`F` first-stage side features, `C` replay buffer capacity.
+Symbols: `b` batch size, `T` Explorer rounds, `K` candidates, `d` dimension, `F` side features,
+`C` replay buffer capacity.
 
 The driver owns the `LearnerState`. `push` queues the `TrainItem`s of closed sessions (see
 `ear_jax.agent.memory.sessions`); as soon as `b` are queued, ONE call of
@@ -15,14 +15,14 @@ The learner item (`snapshot` / `restore`, written by `persistence`) never holds 
 embedding or text: the replay buffer's and the queued items' candidates are saved as their bank
 rows (`buffer_rows [C, K]`, `TrainItem.rows`) with their first-stage features, and gathered back
 from the bank on open; a row deleted since is masked out there as a delete masks it here
-(`ear_jax.agent.memory.forget`).
+(`forget`, called by `learning.Learning.forget`).
 
 Keys: `k_init, k_train, k_critic = jax.random.split(jax.random.PRNGKey(seed), 3)`; `k_init`
 initialises the learner, batch number `j` (0, 1, ...) uses the replay keys
 `jax.random.split(jax.random.fold_in(k_train, j), b)` (one per query of the batch), and `k_critic`
 is `Memory`'s (critic calls). The same calls with the same seed give the same parameters.
 
-Not thread-safe on its own: `Memory` holds its lock around every call.
+Not thread-safe on its own: `Learning` holds the memory's lock (`warm`'s thread shares nothing).
 """
 from __future__ import annotations
 
