@@ -4,6 +4,10 @@ import pathlib
 import setuptools
 
 _HERE = pathlib.Path(__file__).parent
+CONSOLE_SCRIPTS = [
+    "ear-mcp-server = ear_jax.agent.mcp_cli:main",
+    "ear-llm-server = ear_jax.agent.llm.server_cli:main",
+]
 
 
 def _requirements():
@@ -22,4 +26,6 @@ setuptools.setup(
     python_requires=">=3.10",
     install_requires=_requirements(),
     extras_require={"test": ["pytest>=8,<10", "hypothesis>=6.100,<7"]},
+    # The programs a user runs: the MCP memory server and the local LLM server.
+    entry_points={"console_scripts": CONSOLE_SCRIPTS},
 )

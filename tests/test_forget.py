@@ -97,7 +97,7 @@ def test_searching_a_memory_whose_memories_were_all_deleted_says_so():
   m, emb = _memory()
   for i in _ids(m):  # (one at a time: the shapes the tests above compiled)
     m.delete(i)
-  with pytest.raises(ValueError, match=r"^k=1 is larger than the memory bank: the memory holds "
+  with pytest.raises(ValueError, match=r"^no memory to retrieve \(k=1\): the memory holds "
                      r"no memories \(all were deleted\)$"):
     m.search(query_embedding=emb[0], k=1)
 

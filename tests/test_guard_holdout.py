@@ -79,6 +79,9 @@ def test_memory_holds_out_every_nth_session_pages_the_first_stage_and_never_trai
   assert int(state.buffer.num_pushed) == 4  # the 4 trained sessions, not the 4 held out
   ring = state.guard
   assert int(ring.count) == 4 and int(ring.cited.any(-1).sum()) == 4
+  serve, _, n = guard.holdout_decision(state.params, ring, MEM_CFG, MEM_CFG.guard_z)
+  st = m.stats  # what `search` serves now, and the evidence it rests on
+  assert st["guard_evidence"] == int(n) == 4 and st["serves_adapter"] == int(serve)
   before = (np.asarray(ring.candidates), np.asarray(ring.mask))
   m.save()
   m.close()

@@ -169,7 +169,8 @@ def test_base_url_before_start_is_an_error():
 def test_program_exits_with_an_error_naming_a_missing_model(tmp_path):
   missing = tmp_path / "absent.gguf"
   repo = pathlib.Path(__file__).resolve().parents[1]
-  proc = subprocess.run([sys.executable, "-m", "experiments.llm_server", f"--model_path={missing}"],
+  proc = subprocess.run([sys.executable, "-m", "ear_jax.agent.llm.server_cli",
+                         f"--model_path={missing}"],
                         cwd=repo, capture_output=True, text=True, timeout=60, check=False)
   assert proc.returncode == 1
   assert "absent.gguf" in proc.stderr and "does not exist" in proc.stderr

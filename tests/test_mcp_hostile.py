@@ -90,7 +90,7 @@ def test_forged_host_on_another_loopback_address_is_refused(tmp_path):
   host = "127.0.0.2"
   port = _free_port(host)
   proc = subprocess.Popen(
-      [sys.executable, "-m", "experiments.mcp_server", f"--memory_dir={tmp_path / 'mem'}",
+      [sys.executable, "-m", "ear_jax.agent.mcp_cli", f"--memory_dir={tmp_path / 'mem'}",
        "--transport=http", f"--host={host}", f"--port={port}"], env=_env(EAR_MCP_TOKEN=""),
       cwd=str(mcp_agent.REPO), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   url = f"http://{host}:{port}/mcp"
@@ -121,12 +121,12 @@ def test_forged_host_on_another_loopback_address_is_refused(tmp_path):
 
 
 class _RawStdio:
-  """`python -m experiments.mcp_server` over stdio, written to with raw bytes; `reply(id)` waits
+  """`ear-mcp-server` over stdio, written to with raw bytes; `reply(id)` waits
   (bounded) for the JSON-RPC message answering `id`."""
 
   def __init__(self, memory_dir):
     self.proc = subprocess.Popen(
-        [sys.executable, "-m", "experiments.mcp_server", f"--memory_dir={memory_dir}",
+        [sys.executable, "-m", "ear_jax.agent.mcp_cli", f"--memory_dir={memory_dir}",
          "--save_learner_s=0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, env=_env(), cwd=str(mcp_agent.REPO))
     self.lines = queue.Queue()
@@ -270,7 +270,7 @@ def test_a_second_server_on_one_memory_dir_exits_naming_the_first_servers_pid(tm
   srv = _RawStdio(tmp_path / "mem")
   try:
     _start(srv)  # (the first server holds the directory)
-    second = subprocess.run([sys.executable, "-m", "experiments.mcp_server",
+    second = subprocess.run([sys.executable, "-m", "ear_jax.agent.mcp_cli",
                              f"--memory_dir={tmp_path / 'mem'}"], capture_output=True, text=True,
                             env=_env(), cwd=str(mcp_agent.REPO), timeout=120,
                             stdin=subprocess.DEVNULL)

@@ -1,4 +1,4 @@
-"""The MCP server (issue 22, `ear_jax/agent/mcp_server.py`, `experiments/mcp_server.py`), driven by
+"""The MCP server (issue 22, `ear_jax/agent/mcp_server.py`, `ear_jax/agent/mcp_cli.py`), driven by
 the `mcp` SDK's own client: in memory (fast tier, a hashing encoder), and over stdio / HTTP with a
 real subprocess and the MiniLM encoder (slow): the scripted LoCoMo agent's citations raise the
 held-out Recall@5 of `search`, a restart keeps the memories and the learner, hostile input never
@@ -23,7 +23,7 @@ pytest.importorskip("mcp")
 from mcp.shared.memory import create_connected_server_and_client_session  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from ear_jax import EARConfig  # pylint: disable=wrong-import-position
-from ear_jax.agent import mcp_server  # pylint: disable=wrong-import-position
+from ear_jax.agent import mcp_http, mcp_server  # pylint: disable=wrong-import-position
 from ear_jax.agent.memory import Memory, MemoryConfig  # pylint: disable=wrong-import-position
 from ear_jax.data import encoders  # pylint: disable=wrong-import-position
 from experiments import mcp_agent  # pylint: disable=wrong-import-position
@@ -207,6 +207,25 @@ def test_bad_input_is_a_tool_error_and_the_server_keeps_serving(tool, args, mess
   assert len(r["memories"]) == 2
 
 
+def test_k_is_a_maximum_a_small_scope_gives_what_it_holds_and_says_how_many():
+  async def script(s):
+    await mcp_agent.must(s, "remember", {"texts": FACTS[:3], "scope": "few"})
+    got = await mcp_agent.must(s, "recall", {"question": "red cat", "k": 5, "scope": "few"})
+    await mcp_agent.must(s, "cite", {"retrieval_id": got["retrieval_id"], "used_ids": []})
+    test = await mcp_agent.must(s, "recall", {"question": "red cat", "k": 5, "scope": "few",
+                                              "learn": False})
+    found = await mcp_agent.must(s, "search", {"question": "red cat", "k": 5, "scope": "few"})
+    ok, err = await mcp_agent.call(s, "recall", {"question": "red cat", "k": 5,
+                                                  "scope": "nobody"})
+    st = await mcp_agent.must(s, "stats", {})
+    return got, test, found, ok, err, st
+  got, test, found, ok, err, st = _run(_service(), script)
+  assert st["serves"] == "adapter" and st["guard_evidence"] == 0  # (ear_tuned: no guard)
+  for out in (got, test, found):
+    assert out["count"] == len(out["memories"]) == 3, out
+  assert not ok and "k=5" in err and "scope 'nobody' holds no memories" in err, err
+
+
 def test_cite_errors_unknown_shown_ids_and_twice():
   async def script(s):
     await mcp_agent.must(s, "remember", {"texts": FACTS})
@@ -383,9 +402,9 @@ def test_a_restart_keeps_the_memories_and_the_learner_and_refuses_old_retrieval_
 
 
 def test_loopback_check():
-  assert mcp_server.is_loopback("127.0.0.1") and mcp_server.is_loopback("::1")
-  assert mcp_server.is_loopback("localhost")
-  assert not mcp_server.is_loopback("0.0.0.0") and not mcp_server.is_loopback("192.168.1.4")
+  assert mcp_http.is_loopback("127.0.0.1") and mcp_http.is_loopback("::1")
+  assert mcp_http.is_loopback("localhost")
+  assert not mcp_http.is_loopback("0.0.0.0") and not mcp_http.is_loopback("192.168.1.4")
 
 
 @pytest.mark.slow  # (learner saves: ~1 s)
@@ -470,7 +489,7 @@ def test_stdio_hostile_inputs_and_sigterm_exits_cleanly(tmp_path):
     assert [r["id"] for r in m.list()] == ["m0", "m1", "m2"]
 
   proc = subprocess.Popen(  # SIGTERM: a clean exit (status 0) with the lock released
-      [sys.executable, "-m", "experiments.mcp_server", f"--memory_dir={tmp_path / 'mem'}"],
+      [sys.executable, "-m", "ear_jax.agent.mcp_cli", f"--memory_dir={tmp_path / 'mem'}"],
       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=_env(),
       cwd=str(mcp_agent.REPO))
   msgs = [{"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
@@ -489,7 +508,7 @@ def test_stdio_hostile_inputs_and_sigterm_exits_cleanly(tmp_path):
   with Memory.open(tmp_path / "mem") as m:
     assert [r["id"] for r in m.list()] == ["m0", "m1", "m2", "m3"]
   other = subprocess.run(  # other settings than the directory's: one line naming the field
-      [sys.executable, "-m", "experiments.mcp_server", f"--memory_dir={tmp_path / 'mem'}",
+      [sys.executable, "-m", "ear_jax.agent.mcp_cli", f"--memory_dir={tmp_path / 'mem'}",
        "--candidates=bm25"], capture_output=True, text=True, env=_env(), cwd=str(mcp_agent.REPO),
       timeout=120, stdin=subprocess.DEVNULL)
   assert other.returncode != 0 and "candidates" in other.stderr, other.stderr
@@ -508,10 +527,10 @@ def test_a_server_with_context_features_keeps_them_in_its_directory(tmp_path):
   assert got  # the search answered
   with Memory.open(tmp_path / "mem") as m:
     assert m.config.first_stage.features == "context"
-    assert np.asarray(m._bank.sessions)[:3].tolist() == [0, 0, 0]  # pylint: disable=protected-access
+    assert np.asarray(m._rows.bank.sessions)[:3].tolist() == [0, 0, 0]  # pylint: disable=protected-access
   _stdio(tmp_path / "mem", script, [])  # no --features: the directory's
   other = subprocess.run(
-      [sys.executable, "-m", "experiments.mcp_server", f"--memory_dir={tmp_path / 'mem'}",
+      [sys.executable, "-m", "ear_jax.agent.mcp_cli", f"--memory_dir={tmp_path / 'mem'}",
        "--features=first_stage"], capture_output=True, text=True, env=_env(),
       cwd=str(mcp_agent.REPO), timeout=120, stdin=subprocess.DEVNULL)
   assert other.returncode != 0 and "first_stage" in other.stderr, other.stderr
@@ -532,7 +551,7 @@ def test_http_transport_with_bearer_token(tmp_path):
   port = _free_port()
   env = _env(EAR_MCP_TOKEN="s3cret-token")
   proc = subprocess.Popen(
-      [sys.executable, "-m", "experiments.mcp_server", f"--memory_dir={tmp_path / 'mem'}",
+      [sys.executable, "-m", "ear_jax.agent.mcp_cli", f"--memory_dir={tmp_path / 'mem'}",
        "--transport=http", f"--port={port}"], env=env, cwd=str(mcp_agent.REPO),
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   url = f"http://127.0.0.1:{port}/mcp"
@@ -566,7 +585,7 @@ def test_http_transport_with_bearer_token(tmp_path):
   with Memory.open(tmp_path / "mem") as m:
     assert len(m) == 6
   bad = subprocess.run(
-      [sys.executable, "-m", "experiments.mcp_server", f"--memory_dir={tmp_path / 'x'}",
+      [sys.executable, "-m", "ear_jax.agent.mcp_cli", f"--memory_dir={tmp_path / 'x'}",
        "--transport=http", "--host=0.0.0.0"], env={**env, "EAR_MCP_TOKEN": ""},
       cwd=str(mcp_agent.REPO), capture_output=True, text=True, timeout=120)
   assert bad.returncode != 0 and "not a loopback address" in bad.stderr

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from ear_jax.agent.memory import front as memory_lib
+from ear_jax.agent.memory import recall as memory_lib
 from ear_jax.agent.memory import Memory, MemoryConfig, SessionDroppedError
 from ear_jax.core.config import EARConfig, default_hparams
 from ear_jax.data import encoders
@@ -91,7 +91,7 @@ def test_num_candidates_sets_the_learners_k_and_a_directory_keeps_it(tmp_path):
   m.close()
   with Memory.open(tmp_path / "k7") as back:
     assert back.config.ear.num_candidates == 7
-  with pytest.raises(ValueError, match="differ|does not match"):
+  with pytest.raises(ValueError, match="num_candidates: 7 there, 8 asked"):
     Memory.open(tmp_path / "k7", MemoryConfig(encoder=None, method="ear_tuned", dim=_D,
                                               num_candidates=8))
   with pytest.raises(ValueError, match="num_candidates K=3 is smaller than the slate size s=5"):
@@ -110,7 +110,8 @@ def test_memory_rejects_unknown_settings_and_a_method_with_a_config():
 def test_memory_has_the_public_members_of_the_design():
   public = sorted(n for n in dir(Memory) if not n.startswith("_"))
   assert public == sorted(["open", "save", "close", "add", "search", "session", "recall",
-                           "delete", "update", "get", "list", "stats", "config", "learner"])
+                           "delete", "update", "get", "list", "stats", "config", "learner",
+                           "train"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -312,16 +313,82 @@ def test_feedback_rejects_a_round_that_is_not_open():
   rejects(m, lambda: s.feedback([r.ids[1]]), f"session {s.id} has no open round")
 
 
-def test_queries_reject_k_larger_than_the_bank():
+def test_k_is_a_maximum_a_small_memory_gives_what_it_holds():
   m = _memory(n=4)
-  rejects(m, lambda: m.search("q", k=5, query_embedding=_queries(1)[0]),
-          r"k=5 is larger than the memory bank: only 4 memories")
-  rejects(m, lambda: m.search("q", k=9, query_embedding=_queries(1)[0]),
-          "k=9 is larger than num_candidates K=8")
-  s = m.session("q", query_embedding=_queries(1)[0])
-  rejects(m, lambda: s.round(5), f"k=5 is larger than the 4 candidates of session {s.id}")
+  q = _queries(1)[0]
+  assert len(m.search("q", k=5, query_embedding=q)) == 4
+  assert [len(x) for x in m.search(["a", "b"], k=6, query_embedding=_queries(2))] == [4, 4]
+  rejects(m, lambda: m.search("q", k=9, query_embedding=q), "k=9 is larger than num_candidates K=8")
+  s = m.session("q", query_embedding=q)
+  first = s.round(5)
+  assert len(first) == 4 and first.round == 1
+  s.feedback(first.ids[:1])
+  assert len(s.round(7, explore=False)) == 4
+  for learn in (True, False):
+    out = m.recall("q", lambda key, view: np.ones(len(view.ids), np.float32), k=5,
+                   query_embedding=q, learn=learn)
+    assert len(out) == 4 and all(len(r) == 4 for r in out.rounds), learn
+  paged = m.session("q", query_embedding=q, learn=False)
+  assert len(paged.round(3)) == 3 and len(paged.answer(5)) == 3
   empty = Memory(None, config=_config())
-  rejects(empty, lambda: empty.session("q", query_embedding=_queries(1)[0]), "the bank is empty")
+  rejects(empty, lambda: empty.session("q", query_embedding=q), "no memory to retrieve: the bank "
+          "is empty")
+  rejects(empty, lambda: empty.search("q", k=5, query_embedding=q),
+          r"no memory to retrieve \(k=5\): the bank is empty")
+  rejects(empty, lambda: empty.recall("q", None, k=4, query_embedding=q, scope="u1"),
+          r"no memory to retrieve \(k=4\): scope 'u1' holds no memories")
+
+
+class _Named384(encoders.Encoder):
+  """A 384-dimensional encoder the caller names (a stand-in for the model of their embeddings)."""
+  name, dim = "named384", 384
+
+  @property
+  def identity(self):
+    return {"named": 384}
+
+  def encode_new(self, texts, progress=True, bar=None):
+    out = np.random.default_rng(len(texts)).normal(size=(len(texts), 384)).astype(np.float32)
+    return out / np.linalg.norm(out, axis=1, keepdims=True), 0
+
+
+def test_a_memory_of_caller_embeddings_refuses_text_questions_unless_its_encoder_is_named(
+    tmp_path):
+  emb = np.random.default_rng(0).normal(size=(3, 384))
+  m = Memory()  # MiniLM by default, not named: never loaded here (refused before)
+  m.add(["alpha one", "beta two", "gamma three"], embeddings=emb)
+  for call in (lambda: m.search("alpha"), lambda: m.session("alpha"),
+               lambda: m.recall("alpha", None, k=2), lambda: m.search(["alpha", "beta"])):
+    with pytest.raises(ValueError, match="all came with your own embeddings .* Pass "
+                                         "query_embedding="):
+      call()
+  assert m.search("alpha", k=1, query_embedding=emb[0]).ids == ("m0",)
+  m.save(tmp_path / "mem")
+  m.close()
+  with Memory.open(tmp_path / "mem") as m:
+    with pytest.raises(ValueError, match="name the encoder that made the memories' embeddings"):
+      m.search("alpha")
+  with Memory.open(tmp_path / "mem", encoder=_Named384()) as m:  # named: its text questions
+    assert len(m.search("alpha", k=2)) == 2
+  named = Memory(encoder=_Named384())  # named from the start: rows and questions are its
+  named.add(["alpha one", "beta two"], embeddings=emb[:2])
+  assert len(named.search("alpha", k=2)) == 2
+
+
+def test_argument_checks_and_an_empty_memory_answer_before_the_encoder_loads(monkeypatch):
+  def no_load(*args, **kwargs):
+    raise AssertionError("the encoder was loaded")
+
+  monkeypatch.setattr(encoders, "load_encoder", no_load)
+  m = Memory()  # MiniLM, loaded at the first text that needs encoding: never, here
+  for call, match in ((lambda: m.recall("a question", None), "no memory to retrieve"),
+                      (lambda: m.search("q", k=3, scope="u1"), "scope 'u1' holds no memories"),
+                      (lambda: m.session("q"), "the bank is empty"),
+                      (lambda: m.search("q", k=0), "k must be >= 1"),
+                      (lambda: m.search("q", scope=""), "scope"),
+                      (lambda: m.recall("q", None, rule="nope"), "unknown rule")):
+    with pytest.raises(ValueError, match=match):
+      call()
 
 
 def test_queries_reject_an_empty_question():
@@ -429,15 +496,95 @@ def test_saving_an_in_memory_memory_binds_it_to_the_directory(tmp_path):
     _memory().save(tmp_path / "d")
 
 
+def _two_steps(m):
+  m.add([f"memory {i}" for i in range(8)], embeddings=np.random.default_rng(0).normal(size=(8, 7)))
+  for q in np.random.default_rng(1).normal(size=(4, 7)):
+    s = m.session(query_embedding=q)
+    s.feedback(s.round(2).ids[:1])
+    s.close()
+  return m
+
+
+def test_warm_learner_compiles_the_step_in_the_background_and_the_first_step_reuses_it():
+  from ear_jax.agent.memory import driver as driver_lib  # pylint: disable=g-import-not-at-top
+  cfg = EARConfig(dim=7, num_candidates=4, slate_size=2, num_rounds=2, batch_size=2,
+                  buffer_capacity=8, replay_size=2)  # (shapes no other test compiles)
+  before = driver_lib.train_step._cache_size()  # pylint: disable=protected-access
+  m = Memory(None, config=cfg, warm_learner=True)
+  m._learning.driver._warming.join()  # pylint: disable=protected-access
+  assert driver_lib.train_step._cache_size() == before + 1  # pylint: disable=protected-access
+  assert int(m.learner.step) == 0  # nothing learnt by the warm-up
+  _two_steps(m)
+  assert m.stats["learner_steps"] == 2
+  assert driver_lib.train_step._cache_size() == before + 1  # pylint: disable=protected-access
+  plain = _two_steps(Memory(None, config=cfg))  # the same learning as without the warm-up
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(m.learner),
+                                                  jax.tree_util.tree_leaves(plain.learner)))
+
+
+def test_while_the_step_compiles_full_batches_wait_in_the_queue_and_train_after():
+  import threading  # pylint: disable=g-import-not-at-top
+  cfg = EARConfig(dim=7, num_candidates=4, slate_size=2, num_rounds=2, batch_size=2,
+                  buffer_capacity=8, replay_size=2)
+  m = Memory(None, config=cfg)
+  release = threading.Event()
+  compiling = threading.Thread(target=release.wait)
+  compiling.start()
+  m._learning.driver._warming = compiling  # pylint: disable=protected-access  (a slow compile)
+  _two_steps(m)
+  assert m.stats["learner_steps"] == 0 and m.stats["ready"] == 4  # (no call waited)
+  release.set()
+  compiling.join()
+  assert m.train() == 2 and m.stats["ready"] == 0 and int(m.learner.queries_seen) == 4
+
+
+def test_a_settings_mismatch_says_in_plain_words_how_to_open_the_directory(tmp_path):
+  Memory.open(tmp_path / "d", encoder=None, dim=_D).close()  # the default learner: ear_safe
+  with pytest.raises(ValueError) as e:
+    Memory.open(tmp_path / "d", encoder=None, dim=_D, method="ear", candidates="bm25")
+  msg = str(e.value)
+  assert "method: 'ear_safe' there, 'ear' asked" in msg, msg
+  assert "candidates: 'dense' there, 'bm25' asked" in msg, msg
+  assert "Memory.open(path) without these" in msg and "new memory in another directory" in msg
+  assert msg.count(" there, ") == 2 and "stored=" not in msg  # not every field of the presets
+  with Memory.open(tmp_path / "d") as m:  # as it says: without them
+    assert m.config.first_stage_name == "dense"
+
+
+def test_train_trains_the_queued_sessions_now_and_only_those(tmp_path):
+  m = _memory(batch_size=4)
+  for q in _queries(3):
+    s = m.session("q", query_embedding=q)
+    s.feedback(s.round(3).ids[:1])
+    s.close()
+  open_ = m.session("q", query_embedding=_queries(1, seed=9)[0])
+  open_.feedback(open_.round(3).ids[:1])  # (open: not queued, not trained)
+  assert m.stats["ready"] == 3 and m.stats["learner_steps"] == 0
+  p0 = jax.tree_util.tree_leaves(m.learner.params)
+  assert m.train() == 1  # 3 of b = 4: one step, the missing query masked out
+  state = m.learner
+  assert int(state.step) == 1 and int(state.queries_seen) == 3
+  assert int(state.buffer.num_pushed) == 3
+  assert not all(np.array_equal(a, b) for a, b in zip(p0, jax.tree_util.tree_leaves(
+      state.params)))
+  assert m.stats["ready"] == 0 and m.stats["learner_steps"] == 1 and not open_.closed
+  assert m.train() == 0 and int(m.learner.step) == 1  # nothing queued: nothing to do
+  m.save(tmp_path / "m")
+  m.close()
+  with Memory.open(tmp_path / "m") as back:
+    assert int(back.learner.step) == 1 and back.stats["ready"] == 0
+
+
 def test_open_rejects_another_config_or_encoder_dimension(tmp_path):
   m = _memory()
   m.save(tmp_path / "c")
   m.close()
-  with pytest.raises(ValueError, match=r"differs in 1 field\(s\): dim: stored=16 vs expected=32"):
+  with pytest.raises(ValueError, match=r"other settings: the learner's dim: 16 there, 32 asked\. "
+                                       r"Open it with its own settings"):
     Memory.open(tmp_path / "c", config=_config(dim=32))
-  with pytest.raises(ValueError, match=r"batch_size: stored=2 vs expected=4"):
+  with pytest.raises(ValueError, match=r"the learner's batch_size: 2 there, 4 asked"):
     Memory.open(tmp_path / "c", config=_config(batch_size=4))
-  with pytest.raises(ValueError, match=r"seed: stored=0 vs expected=5"):
+  with pytest.raises(ValueError, match=r"seed: 0 there, 5 asked"):
     Memory.open(tmp_path / "c", seed=5)
 
   class Enc32(encoders.Encoder):

@@ -137,7 +137,7 @@ def test_second_process_on_one_memory_dir_is_refused_naming_the_first_until_it_i
         attempt()
     assert (path / "rows.sqlite").read_bytes() == table  # nothing was written
     # the MCP server's start: one clear line, no traceback
-    server = subprocess.run([sys.executable, "-m", "experiments.mcp_server",
+    server = subprocess.run([sys.executable, "-m", "ear_jax.agent.mcp_cli",
                              f"--memory_dir={path}"], capture_output=True, text=True, env=ENV,
                             cwd=str(REPO), timeout=120, stdin=subprocess.DEVNULL)
     assert server.returncode != 0

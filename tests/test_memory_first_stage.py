@@ -305,10 +305,10 @@ def _dialogue(n, seed):
 def _memory_features(mem, qtexts, qemb, scope, k=K):
   """`(candidate ids [q, K], features [q, K, 6])` of a `Memory`'s first stage in `scope`."""
   with mem._lock:  # pylint: disable=protected-access
-    rows, mask, cands, _ = mem._first_stage(qtexts, qemb, [(scope,)] * len(qtexts), None)  # pylint: disable=protected-access
-  live = mem._table.list_rows()  # pylint: disable=protected-access
-  names = np.full(mem._next_row + 1, "", dtype=object)  # pylint: disable=protected-access
-  names[live] = [r["id"] for r in mem._records(live)]  # pylint: disable=protected-access
+    rows, mask, cands, _ = mem._stage.first_stage(qtexts, qemb, [(scope,)] * len(qtexts), None)  # pylint: disable=protected-access
+  live = mem._rows.table.list_rows()  # pylint: disable=protected-access
+  names = np.full(mem._rows.next_row + 1, "", dtype=object)  # pylint: disable=protected-access
+  names[live] = [r["id"] for r in mem._rows.records(live)]  # pylint: disable=protected-access
   ids = np.where(mask, names[np.where(mask, rows, -1)], "").astype(str)
   return ids, cands[..., -6:]
 
@@ -341,8 +341,8 @@ def test_a_memory_s_context_features_equal_the_pipeline_s_with_interleaved_scope
                 dates=dates[start:start + 5], scope=f"user {u}",
                 ids=[f"b{u}:{i}" for i in range(start, start + 5)])
     got = [_memory_features(mem, u[3], u[4], f"user {i}") for i, u in enumerate(users)]
-    gathered = bank_lib.scope_candidates(mem._scope_rows, mem._scopes.allowed(("user 0",)),  # pylint: disable=protected-access
-                                         mem._bank.emb.shape[0])  # pylint: disable=protected-access
+    gathered = bank_lib.scope_candidates(mem._rows.scope_rows, mem._rows.scopes.allowed(("user 0",)),  # pylint: disable=protected-access
+                                         mem._rows.bank.emb.shape[0])  # pylint: disable=protected-access
     assert (gathered is not None) == (capacity > 64)
   with Memory.open(tmp_path / "m") as again:
     got_again = [_memory_features(again, u[3], u[4], f"user {i}") for i, u in enumerate(users)]

@@ -77,9 +77,11 @@ def test_a_guarded_memory_serves_the_first_stage_until_its_ring_trusts_the_adapt
   cosine = _ids(m, q)  # the untrained adapter: the first stage's top-5
   bad = _bad_params(m, rng)
   assert _ids(_memory(tmp_path, params=bad)[0], q) == cosine  # served: the first stage's ranking
+  assert m.stats["serves_adapter"] == 0 and m.stats["guard_evidence"] == 0
   trusted = _memory(tmp_path, params=bad, guard=_trusted(bad))[0]
   assert bool(guard_lib.serve_adapted(bad, trusted.learner.guard, METHOD.config))
   assert _ids(trusted, q) != cosine  # trusted now: the adapter's own ranking is served
+  assert trusted.stats["serves_adapter"] == 1 and trusted.stats["guard_evidence"] == H
 
 
 def _first_round(m, q):

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from ear_jax.agent.memory import episode, recall, sessions
+from ear_jax.agent.memory import episode, registry
 from ear_jax.core import learner
 from ear_jax.core.config import default_hparams
 from tests.memory_helpers import config, unit
@@ -68,8 +68,8 @@ def test_no_feedback_leaves_the_statistics_as_they_are(case):
 def test_exploit_with_the_cached_adapter_output_equals_a_fresh_one(case):
   params, hp, query, cands, mask, mean, counts, last = case
   _, given = episode.session_round(params, hp, query, cands, mask, mean, counts, last, S, True)
-  fresh = recall.exploit(params, query, cands, mask, mean, counts, last, S)
-  cached = recall.exploit(params, query, cands, mask, mean, counts, last, S, given)
+  fresh = episode.exploit(params, query, cands, mask, mean, counts, last, S)
+  cached = episode.exploit(params, query, cands, mask, mean, counts, last, S, given)
   for a, b in zip(fresh, cached):
     np.testing.assert_array_equal(a, b)
   assert fresh[1].all()
@@ -77,7 +77,7 @@ def test_exploit_with_the_cached_adapter_output_equals_a_fresh_one(case):
 
 def test_critic_keys_are_the_two_fold_ins_of_the_session_and_round():
   key = jax.random.PRNGKey(7)
-  keys = sessions.CriticKeys(key, num_rounds=3)
+  keys = registry.CriticKeys(key, num_rounds=3)
   for sid, t in ((0, 0), (5, 2), (300, 1), (2, 7)):  # (a later block; a round beyond T)
     want = jax.random.fold_in(jax.random.fold_in(key, sid), t)
     np.testing.assert_array_equal(keys(sid, t), np.asarray(want))

@@ -90,6 +90,25 @@ def test_a_failed_insert_writes_nothing(path):
   np.testing.assert_array_equal(_add(t, ["b"]), [1])
 
 
+def test_the_table_records_where_its_embeddings_came_from_across_reopen_and_rollback(path):
+  t = Table(path, D)
+  assert t.embedded_by is None  # (no row yet)
+  t.insert(["a"], ["x"], [0], ["s"], [""], np.ones((1, D)), source="caller")
+  assert t.embedded_by == "caller"
+  with pytest.raises(ValueError, match="already stored"):  # (rolled back: still 'caller')
+    t.insert(["b", "a"], ["x", "y"], [0, 0], ["s"] * 2, [""] * 2, np.ones((2, D)),
+             source="encoder")
+  assert t.embedded_by == "caller"
+  t.close()
+  t = Table(path, D)
+  assert t.embedded_by == "caller"
+  t.insert(["b"], ["y"], [0], ["s"], [""], np.ones((1, D)), source="encoder")
+  t.insert(["c"], ["z"], [0], ["s"], [""], np.ones((1, D)), source="caller")
+  assert t.embedded_by == "encoder"  # (one row of the memory's encoder is enough)
+  t.close()
+  assert Table(path, D).embedded_by == "encoder"
+
+
 def _marker_row(t, marker: bytes, vec: np.ndarray):
   return _add(t, ["marker-id-1"], texts=[marker.decode() * 40], emb=vec[None])[0]
 

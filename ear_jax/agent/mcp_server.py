@@ -1,60 +1,35 @@
 """An EAR `Memory` served over the Model Context Protocol: the agent's own LLM is the critic.
 
-An MCP client (a desktop or IDE assistant, an agent framework) calls six tools, each one call of
-the `Memory` API:
-
-* `remember(texts, scope?, dates?)` -> `Memory.add`: the new memories' ids (in `scope`, e.g. one
-  user's; dated now unless `dates` are given);
-* `recall(question, k, scope?, learn?)` -> `Session.round`: a retrieval id and `k` memories (id,
-  text, date) of ONE Explorer round over the memories of `scope` (every scope when absent); the
-  same question asked again in the same scope (after `cite`) plays the next round of the same
-  session, so a question's `T` rounds are one training query (Eq. (11)-(14)). With `learn=false`
-  (test time: answering without teaching the memory) the question's session is a frozen one
-  (`Memory.session(learn=False)`, paging, the default test-time rule of `Memory.recall`): call t
-  shows page t (ranks `t k .. t k + k - 1`) of the served ranking, `cite` records the page's
-  citations and trains nothing, and both return `answer_ids`, paging's answer so far
-  (`Session.answer`: the cited memories first, in ranking order, then the ranking). After the
-  T-th page (or past the candidates, an empty page) the next call starts over at page 1, as a
-  training question's T + 1-th call starts a new session;
-* `cite(retrieval_id, used_ids?, answer?)` -> `Session.feedback` of that round: the memories the
-  answer used are +1, the others shown -1; the agent's LLM names the ids it used, or sends its
-  answer, whose used memories the answer rule finds (issue 28), or both (their union);
-* `search(question, k, scope?)` -> `Memory.search`: the adapter-only top-k (no learning);
-* `forget(ids)` -> `Memory.delete`;
-* `stats()` -> sizes, counters, the learner's progress.
-
-`MemoryService` is the transport-free core. It keeps no state of its own beyond a bounded map
-(question, scope, learn) -> `Session.id`, so that a repeated question resumes its session (a
-training and a test-time session of one question never meet); a retrieval
-id is `<run token>-<session id>-<round>` (the token is random per server run: an id from before a
-restart is refused by name, never confused with a new session) and `cite` resumes the session by
-id (`Memory.session(resume=...)`). Durability is `Memory`'s: every add / delete of an opened
-memory is durable when it returns, so an acknowledged `remember` / `forget` survives kill -9. The
-learner item (adapter, buffer, open sessions) is saved every `save_learner_s` seconds when a tool
-changed it, and at shutdown (`close`, which first closes the sessions of the question map so their
-feedback is queued for training); a crash loses learner steps since then, never a memory. A
-test-time session is never saved (`Memory` keeps frozen sessions in memory only): a restart (or a
-crash) drops it, its retrieval ids are refused as an earlier run's, and the question starts again at
-page 1; a timer save while it is open leaves it open in the running server. Tools run
-concurrently in worker threads (`worker_threads` of them, an anyio capacity limiter of the server's
-own): the service's lock guards only the question map, never a `Memory` call, and one question's
-rounds are kept in order by a lock of its own (`KEY_LOCKS` striped locks), so encoding and
-searching are `Memory`'s to batch and to lock; `Memory`'s `ValueError` / `TypeError` is the tool
-error. `build_server` wraps the service in the `mcp` SDK's `FastMCP`
-(strict JSON argument types and size limits in the tools' schemas); `mcp_stdio.serve_stdio` runs it
-on stdio and `serve_http` on streamable HTTP (loopback by default with Host / Origin checks,
-optional bearer token).
-
 Symbols: `k` memories per slate, `K` candidates, `T` Explorer rounds per question.
+
+Six tools, each one call of the `Memory` API: `remember(texts, scope?, dates?)` -> `Memory.add`;
+`recall(question, k, scope?, learn?)` -> `Session.round` of the question's session in `scope` (the
+same question asked again after `cite` plays the next round, so a question's `T` rounds are one
+training query, Eq. (11)-(14); `learn=false`: a test-time session, call t shows page t of the
+served ranking, `cite` trains nothing and both return `answer_ids`, paging's answer so far);
+`cite(retrieval_id, used_ids?, answer?)` -> `Session.feedback` of that round (the cited ids, the
+memories the answer draws on by the answer rule, or both); `search(question, k, scope?)` ->
+`Memory.search`; `forget(ids)` -> `Memory.delete`; `stats()`.
+
+`MemoryService` is the transport-free core: a bounded map (question, scope, learn) -> session id
+(a repeated question resumes its session) and a retrieval id `<run token>-<session>-<round>` (the
+token is random per run: an id from before a restart is refused by name). Every remember / forget
+is durable when it returns (`Memory`); the learner item is saved every `save_learner_s` seconds
+when a tool changed it and at `close` (which first queues the open sessions of the map). Tools
+run in worker threads (`build_server`: the SDK's `FastMCP`, strict JSON argument types and size
+limits in the schemas); one question's rounds are kept in order by a lock of its own, and no
+service lock is held across a `Memory` call. Transports: `mcp_stdio` and `mcp_http`; the program
+is `mcp_cli` (`ear-mcp-server`).
 """
 import collections
-import hmac
-import ipaddress
 import re
 import secrets
 import sys
 import threading
+import time
 from typing import Optional
+
+from ear_jax.agent import mcp_http
 
 MAX_TEXT_CHARS = 20_000  # one memory, question or answer
 MAX_TEXTS = 512  # memories per `remember`
@@ -75,16 +50,6 @@ INSTRUCTIONS = (
     "`cite`) to see a different selection. To answer without teaching the memory (e.g. at an "
     "evaluation), pass learn=false to `recall` and answer from its `answer_ids`. `search` looks "
     "up memories without learning; `forget` deletes memories permanently.")
-
-
-def is_loopback(host: str) -> bool:
-  """True for 'localhost' and loopback addresses (127.0.0.0/8, ::1)."""
-  if host == "localhost":
-    return True
-  try:
-    return ipaddress.ip_address(host.strip("[]")).is_loopback
-  except ValueError:
-    return False
 
 
 class MemoryService:
@@ -180,10 +145,13 @@ class MemoryService:
           if not learn:  # (a test-time session past its pages: released here)
             self._close_session(sid)
       if slate is None:
-        session = self.memory.session(question, scope=scope, learn=learn)
+        try:
+          session = self.memory.session(question, scope=scope, learn=learn)
+        except ValueError as e:  # (a bad question, or nothing in the scope: named with k)
+          raise type(e)(f"recall(k={k}): {e}") from None
         try:
           slate = session.round(k)
-        except ValueError:  # (k larger than the scope's memories)
+        except ValueError:  # (k outside [1, K])
           session.close()
           raise
       with self._lock:
@@ -194,7 +162,7 @@ class MemoryService:
         self._changed = self._changed or learn  # (a test-time session changes no learner)
       out = {"retrieval_id": f"{self.run_token}-{slate.session_id}-{slate.round}",
              "round": slate.round, "rounds_per_question": self._ear.num_rounds,
-             "memories": self._slate(slate),
+             "memories": self._slate(slate), "count": len(slate),
              "next": "answer from these memories, then call cite(retrieval_id, answer=<your "
                      "answer>) (and used_ids=<the ids you used>, if you know them)"}
       if not learn:
@@ -232,7 +200,8 @@ class MemoryService:
     return out
 
   def search(self, question, k: int = 5, scope=None) -> dict:
-    return {"memories": self._slate(self.memory.search(question, k, scope=scope))}
+    slate = self.memory.search(question, k, scope=scope)
+    return {"memories": self._slate(slate), "count": len(slate)}
 
   def forget(self, ids) -> dict:
     deleted = self.memory.delete(ids)
@@ -248,6 +217,8 @@ class MemoryService:
                 "rounds", "searches", "feedback", "answer_feedback", "learner_steps", "pending",
                 "memories_added", "memories_deleted", "batch_windows", "batch_requests",
                 "batch_encoder_calls", "batch_searches")},
+            "serves": "adapter" if st["serves_adapter"] else "first stage",
+            "guard_evidence": int(st["guard_evidence"]),
             "open_questions": len(self._questions), "learner_saves": self.saves}
 
   # ----------------------------------------------------------------------------------------------
@@ -275,8 +246,10 @@ class MemoryService:
       self.saves += 1
 
   def close(self) -> None:
-    """Shutdown (stdin EOF, SIGTERM): queues the sessions of the question map (a restart starts
-    them anew), saves the learner item, closes the memory; idempotent."""
+    """Shutdown (stdin EOF, SIGTERM, SIGINT): queues the sessions of the question map (a restart
+    starts them anew), saves the learner item, closes the memory, and says on stderr when the
+    save ended; idempotent."""
+    started = time.time()
     with self._lock:
       if self.closed:
         return
@@ -291,6 +264,11 @@ class MemoryService:
       self._touch()
     try:
       self.save()
+      saved = time.time()
+      st = self.memory.stats
+      print(f"ear-mcp-server: shutdown: learner saved ({st['learner_steps']} learner steps, "
+            f"{st['ready']} sessions queued) {saved - started:.2f} s after it began, at "
+            f"{saved:.3f}", file=sys.stderr, flush=True)
     finally:
       self.memory.close()
 
@@ -307,24 +285,6 @@ def _run(limiter, fn, *args):
     except (ValueError, TypeError, KeyError) as e:  # Memory's input errors (and the service's)
       raise ToolError(f"{type(e).__name__}: {e}") from None
   return go()
-
-
-def _transport_security(host: str, port: int):
-  """The Host / Origin checks of HTTP on a loopback `host` (DNS rebinding: a web page whose name
-  now resolves to this address): that address (for 127.0.0.1, localhost and ::1: the three names)
-  at `port`; a wrong Host is a 421, a wrong Origin a 403. None (no check) elsewhere: a
-  non-loopback address needs the bearer token, which such a page cannot send."""
-  from mcp.server.transport_security import TransportSecuritySettings  # pylint: disable=g-import-not-at-top
-  if not is_loopback(host):
-    return None
-  if host in ("127.0.0.1", "localhost", "::1", "[::1]"):
-    names = ["127.0.0.1", "localhost", "[::1]"]
-  else:
-    name = host.strip("[]")
-    names = [f"[{name}]" if ":" in name else name]
-  return TransportSecuritySettings(
-      enable_dns_rebinding_protection=True, allowed_hosts=[f"{n}:{port}" for n in names],
-      allowed_origins=[f"http://{n}:{port}" for n in names])
 
 
 def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 8000,
@@ -359,7 +319,8 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
   kmax = service.memory.config.ear.num_candidates  # K
   text = Annotated[StrictStr, Field(max_length=MAX_TEXT_CHARS)]
   short = Annotated[StrictStr, Field(max_length=MAX_SCOPE_CHARS)]
-  k_arg = Annotated[StrictInt, Field(description=f"How many memories (1-{kmax}).", ge=1, le=kmax)]
+  k_arg = Annotated[StrictInt, Field(description=f"How many memories at most (1-{kmax}); fewer "
+                                     "when the scope holds fewer.", ge=1, le=kmax)]
 
   def scope_arg(doc):
     return Annotated[Optional[short], Field(description=doc)]
@@ -433,12 +394,13 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
     return await run(service.forget, ids)
 
   @tool(description="Sizes and counters of the memory: memories stored, retrievals, "
-            "citations, learner steps, learner saves, micro-batching.")
+            "citations, learner steps, learner saves, micro-batching, and what search serves "
+            "now (the adapter or the first stage, and the guard's evidence).")
   async def stats() -> dict:
     return await run(service.stats)
 
   return FastMCP("ear-memory", instructions=INSTRUCTIONS, host=host, port=port,
-                 log_level="WARNING", transport_security=_transport_security(host, port),
+                 log_level="WARNING", transport_security=mcp_http.transport_security(host, port),
                  tools=tools)
 
 
@@ -464,30 +426,3 @@ def _strict(tool):
   tool.fn_metadata.arg_model = strict
   tool.parameters = strict.model_json_schema(by_alias=True)
   return tool
-
-
-class BearerAuth:
-  """ASGI middleware: 401 unless `Authorization: Bearer <token>` (compared in constant time)."""
-
-  def __init__(self, app, token: str):
-    self.app, self._token = app, token.encode()
-
-  async def __call__(self, scope, receive, send):
-    if scope["type"] == "http":
-      got = dict(scope.get("headers") or []).get(b"authorization", b"")
-      if not hmac.compare_digest(got, b"Bearer " + self._token):
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"text/plain"),
-                                (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": b"missing or wrong bearer token"})
-        return
-    await self.app(scope, receive, send)
-
-
-def serve_http(mcp, host: str, port: int, token: Optional[str]) -> None:
-  """Streamable HTTP at `http://host:port/mcp` (uvicorn), behind `BearerAuth` when `token`."""
-  import uvicorn  # pylint: disable=g-import-not-at-top
-  app = mcp.streamable_http_app()
-  if token:
-    app = BearerAuth(app, token)
-  uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()

@@ -14,7 +14,9 @@ the tokenizer truncates longer texts (keeping its special tokens) and they are c
 Speed: texts are bucketed by token length into a few padded lengths (32/64/128/256 for MiniLM), each
 bucket with a fixed batch shape, so the jitted encoder compiles a handful of shapes. Each text is
 padded to its bucket length; the last batch of a bucket is filled with empty rows that are
-discarded.
+discarded. A call of at most `SMALL_CALL` texts (a question, a live memory's few new memories)
+pads each batch only to the next power of two of its rows: one question costs one row, not a
+whole batch of `tokens_per_batch` tokens.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from ear_jax.data import hf_tokenizer
 
 DEFAULT_BUCKETS = (32, 64, 128, 256)
 DEFAULT_TOKENS_PER_BATCH = 4096
+SMALL_CALL = 64  # texts of a call padded to powers of two (larger calls: to full batches)
 _WEIGHTS = ("flax_model.msgpack", "model.safetensors", "pytorch_model.bin")
 
 
@@ -182,7 +185,8 @@ class FlaxEncoder(encoder_base.Encoder):
         bs = self.batch_size(length)
         for start in range(0, len(rows), bs):
           chunk = rows[start:start + bs]  # rows of the batch past the chunk: padding, discarded
-          input_ids, mask = self.tokenizer.pad([ids[i] for i in chunk], length, bs)
+          width = min(bs, 1 << (len(chunk) - 1).bit_length()) if n <= SMALL_CALL else bs
+          input_ids, mask = self.tokenizer.pad([ids[i] for i in chunk], length, width)
           emb = np.asarray(embed(params, input_ids, mask))
           out[chunk] = emb[:len(chunk)]
           bar.update(len(chunk))

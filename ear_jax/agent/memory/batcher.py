@@ -3,29 +3,16 @@
 Symbols: `n` texts or queries of one request, `q` queries of one search, `d` dimension.
 
 With `MemoryConfig.batch_window_ms > 0`, the requests that arrive within one window share ONE
-encoder call and, per distinct search key (the slate size), ONE jitted first stage over their
-padded `[q, d]` queries, each query in its own request's scopes (`bank.search`'s per-query specs:
-several users' questions share the call). A request is `(texts to encode or None, given [n, d]
-embeddings or None, key, finish)`:
-
-* the first request of a window makes its thread the window's *leader*; it waits `window`
-  seconds (or until `max_queries` queries are queued), closes the window (a later request opens
-  the next one), encodes every queued text in ONE call (`encode`), then takes the memory's lock
-  ONCE and, per key, runs `prepare` on each request (its checks under the lock), ONE `search`
-  over the requests that passed, and `finish` on each request's rows of the result;
-* the other threads wait for their own request's value or error. No lock is held while the leader
-  waits or encodes (`EncoderSlot` serialises encoder calls on its own), so windows pipeline: one
-  encodes while the next collects.
-
-A bad request fails alone: its error is raised in its own thread and the others of its window are
-served. When the window's encoder call fails, each request is encoded alone (so only the request
-whose texts fail gets the error); when a search fails, each of its requests is searched alone.
-
-Consistency: each request takes effect at ONE instant between its call and its return (the
-leader's locked section), as an unbatched call does under the lock: a search sees every add that
-returned before it was called and none of a delete that returned before; an add or delete
-concurrent with it is seen whole or not at all. Session opens register their session in the same
-locked section as their first stage, so a delete cannot fall between the two.
+encoder call and, per search key (the slate size), ONE jitted first stage over their padded
+`[q, d]` queries, each query in its own request's scopes. The first request of a window makes its
+thread the window's *leader*: it waits `window` seconds (or until `max_queries` queries are
+queued), encodes every queued text in ONE call, then takes the memory's lock ONCE and, per key,
+runs each request's `prepare` (its checks), ONE `search` over those that passed, and each one's
+`finish`. The other threads wait for their own request's value or error. No lock is held while
+the leader waits or encodes, so windows pipeline. A bad request fails alone: when the window's
+encoder call or a search fails, each request is retried alone, so only the failing one gets the
+error. Each request takes effect at ONE instant between its call and its return (the leader's
+locked section): a search sees every add that returned before it was called.
 """
 from __future__ import annotations
 

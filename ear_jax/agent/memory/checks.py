@@ -4,7 +4,8 @@ the default scope.
     InputTypeError (a TypeError and a ValueError); STORES (name -> code), STORE_NAMES (code ->
     name); DEFAULT_SCOPE
     string_list, check_text_list, check_embeddings, real_query_vector, store_codes,
-    check_id_chars, check_id_list, check_scope, check_scope_spec, now_date, check_dates
+    check_id_chars, check_id_list, check_scope, check_scope_spec, now_date, check_dates,
+    check_ids, unknown_ids, check_update, check_int, check_k
 
 Each raises a ValueError (or `InputTypeError`) naming the argument.
 """
@@ -226,3 +227,57 @@ def check_dates(dates, n: int) -> list[str]:
       raise InputTypeError(f"dates[{i}] must be a string, got {type(d).__name__}")
   _check_encodable(dates, "dates")
   return dates
+
+
+def check_ids(ids, what: str = "ids") -> list[str]:
+  """One id or a non-empty sequence of distinct string ids, as a list (no lookup)."""
+  ids = string_list(ids, what, "memory id")
+  dup = sorted({i for i in ids if ids.count(i) > 1})
+  if dup:
+    raise ValueError(f"{what}: duplicate memory ids {dup[:5]}")
+  return ids
+
+
+def unknown_ids(ids: list[str], rows: np.ndarray, what: str) -> ValueError:
+  """The error of ids whose `rows` are -1 (never added, or deleted)."""
+  unknown = [i for i, r in zip(ids, rows) if r < 0]
+  shown = ", ".join(repr(i) for i in unknown[:5]) + (" ..." if len(unknown) > 5 else "")
+  return ValueError(f"{what}: unknown memory id(s) {shown} ({len(unknown)} of {len(ids)}; they "
+                    "were never added or were deleted); nothing was changed")
+
+
+def check_update(memory_id, text, embedding, dim: int):
+  """`(memory_id, text or None, [1, d] embedding or None)` of an update, validated before anything
+  changes: ValueError / InputTypeError for a non-string id or text, an invalid embedding, or an
+  update that changes nothing."""
+  if not isinstance(memory_id, str):
+    raise InputTypeError(f"memory_id must be a string, got {type(memory_id).__name__}")
+  check_id_chars([memory_id], "memory_id")
+  if text is None and embedding is None:
+    raise ValueError(f"update of memory {memory_id!r} changes nothing: pass text= and/or "
+                     "embedding=")
+  if text is not None:
+    if not isinstance(text, str):
+      raise InputTypeError(f"text must be a string, got {type(text).__name__}")
+    text = check_text_list(text, "text")[0]
+  emb = None
+  if embedding is not None:
+    arr = encoder_base.real_array(embedding, "embedding")
+    emb = check_embeddings(arr[None] if arr.ndim == 1 else arr, 1, dim, "embedding")
+  return memory_id, text, emb
+
+
+def check_int(value, name: str, minimum: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise InputTypeError(f"{name} must be an int, got {type(value).__name__}")
+  if value < minimum:
+    raise ValueError(f"{name} must be >= {minimum}, got {name}={value}")
+  return int(value)
+
+
+def check_k(k, num_candidates: int) -> int:
+  """`k`, the memories a slate shows: an int in `[1, K]`."""
+  k = check_int(k, "k", 1)
+  if k > num_candidates:
+    raise ValueError(f"k={k} is larger than num_candidates K={num_candidates}")
+  return k

@@ -3,20 +3,22 @@ construction and resolved to the `EARConfig` / `HParams` it runs (`MemoryConfig.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from ear_jax.agent.memory import bank as bank_lib
 from ear_jax.agent.memory import lexical_bank
-from ear_jax.agent.memory.checks import InputTypeError
+from ear_jax.agent.memory import persistence
+from ear_jax.agent.memory.checks import InputTypeError, check_int
+from ear_jax.agent.memory.encoder_slot import EncoderSlot
 from ear_jax.core import policies
 from ear_jax.core.config import EARConfig, HParams, Method, default_hparams
 from ear_jax.data.first_stage import FirstStageOptions, check_generator
 
 MAX_WINDOW_MS = 1000.0
 # The settings that say where and when, not what: an opened memory takes the caller's.
-SERVING = ("cache_dir", "batch_window_ms", "batch_max_queries")
+SERVING = ("cache_dir", "batch_window_ms", "batch_max_queries", "warm_learner")
 # A directory stores its `MemoryConfig`, a preset by its name. When a preset's definition changes,
 # `PRESETS_VERSION` goes up and `PRESET_CHANGES[v]` says what the presets changed at v meant
 # before, so a directory written earlier (its meta's `presets` below v) opens with the settings it
@@ -28,20 +30,12 @@ PRESET_CHANGES = {
     2: {"ear_safe": None},
 }
 # The learner of a memory given no `method`, `config` nor `hparams`: this preset since presets
-# `DEFAULT_METHOD_SINCE` (issue 27: the tuned preset with the held-out guard, RESULTS.md "The
-# held-out guard"), its own `PRESET_CHANGES` applying to such a directory too; before, the paper's
+# `DEFAULT_METHOD_SINCE` (the tuned preset with the held-out guard, RESULTS.md "The held-out
+# guard"), its own `PRESET_CHANGES` applying to such a directory too; before, the paper's
 # `EARConfig(dim=d)` + `default_hparams()`, which `stored_config` pins for a directory written
 # then. (Another default later: another presets version, and `stored_config` pins this one.)
 DEFAULT_METHOD = "ear_safe"
 DEFAULT_METHOD_SINCE = 3
-
-
-def check_int(value, name: str, minimum: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise InputTypeError(f"{name} must be an int, got {type(value).__name__}")
-  if value < minimum:
-    raise ValueError(f"{name} must be >= {minimum}, got {name}={value}")
-  return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +77,9 @@ class MemoryConfig:
       call alone. A serving setting,
       not part of what the memory is (like `cache_dir`).
     batch_max_queries: a window closes early once it holds this many queries.
+    warm_learner: compile the learner step in a background thread as the memory is built
+      (nothing is learnt), so neither the first learner step nor a server's shutdown waits for
+      the compiler (the MCP server's setting). A serving setting.
   """
   encoder: Optional[str] = "minilm"
   method: Optional[str] = None
@@ -102,6 +99,7 @@ class MemoryConfig:
   first_stage: FirstStageOptions = FirstStageOptions()
   batch_window_ms: float = 0.0
   batch_max_queries: int = 64
+  warm_learner: bool = False
 
   def __post_init__(self):
     fix = lambda name, value: object.__setattr__(self, name, value)
@@ -127,6 +125,7 @@ class MemoryConfig:
     if self.num_candidates is not None:
       fix("num_candidates", check_int(self.num_candidates, "num_candidates", 1))
     fix("multistore", bool(self.multistore))
+    fix("warm_learner", bool(self.warm_learner))
     if self.cache_dir is not None:
       fix("cache_dir", str(self.cache_dir))
     opts = self.index_options
@@ -167,7 +166,7 @@ class MemoryConfig:
         f.name: float(getattr(self.hparams, f.name)) for f in dataclasses.fields(self.hparams)}
     d["index_options"] = dict(self.index_options)
     d["first_stage"] = dataclasses.asdict(self.first_stage)
-    if self.first_stage.features == "first_stage":  # (as directories stored it before session 17)
+    if self.first_stage.features == "first_stage":  # (as directories stored it before `features`)
       del d["first_stage"]["features"]
     return d
 
@@ -302,3 +301,99 @@ def stored_config(meta: dict) -> MemoryConfig:
     return cfg
   m = Method.named(method, dim=d, **over)
   return dataclasses.replace(cfg, method=None, config=m.config, hparams=m.hparams)
+
+
+def opened_config(stored: MemoryConfig, cfg: Optional[MemoryConfig], settings: dict,
+                  where: str) -> MemoryConfig:
+  """The config an existing memory directory opens with: `stored`, with the serving settings
+  (`SERVING`) of what the caller passed (`cfg` and / or `settings`), which must otherwise equal
+  the stored one (ValueError naming `where` and the differing settings)."""
+  if cfg is None and not settings:
+    return stored
+  wanted = dataclasses.replace(cfg or stored, **settings)
+  if wanted.candidates is None:  # (not given: the directory's first stage)
+    wanted = dataclasses.replace(wanted, candidates=stored.candidates)
+  differ = _differences(stored, wanted)
+  if differ:
+    raise ValueError(
+        f"the memory in {where} was made with other settings: {'; '.join(differ)}. Open it with "
+        "its own settings (Memory.open(path) without these; ear-mcp-server without these "
+        "flags), or make a new memory in another directory")
+  return dataclasses.replace(  # (where and when, not what)
+      stored, **{name: getattr(wanted, name) for name in SERVING})
+
+
+def _learner_name(cfg: MemoryConfig) -> Optional[str]:
+  """The preset a config's learner is, by name (None: a config / hyperparameters of its own)."""
+  if cfg.config is None and cfg.hparams is None:
+    return cfg.method or DEFAULT_METHOD
+  return None
+
+
+def _differences(stored: MemoryConfig, wanted: MemoryConfig) -> list[str]:
+  """`'<setting>: <stored> there, <wanted> asked'` of every setting two configs of one memory
+  disagree on (`_comparable`): the learner by its preset's name, and for a config of its own its
+  first differing fields (a field a first stage sets, `side_features`, left out)."""
+  a, b = stored._comparable(), wanted._comparable()  # pylint: disable=protected-access
+  keys = [k for k in sorted(set(a) | set(b), key=str)
+          if a.get(k, "default") != b.get(k, "default")]
+  show = lambda k: f"{a.get(k, 'default')!r} there, {b.get(k, 'default')!r} asked"
+  learner = ({f.name for f in dataclasses.fields(EARConfig)} | {"hparams"}) - {"num_candidates"}
+  out = [f"{k}: {show(k)}" for k in keys if k not in learner]
+  fields = [k for k in keys if k in learner and k != "side_features"]
+  names = [_learner_name(stored), _learner_name(wanted)]
+  if fields and names[0] != names[1]:
+    there, asked = (repr(n) if n else "a config of its own" for n in names)
+    out.append(f"method: {there} there, {asked} asked")
+  if fields and None in names:  # (a config of its own: which of its fields)
+    out += [f"the learner's {k}: {show(k)}" for k in fields[:3]]
+    out += [f"{len(fields) - 3} more of the learner's fields"] if len(fields) > 3 else []
+  return out
+
+
+UNSET = object()  # an argument not passed
+DEFAULT_ENCODER = MemoryConfig.encoder  # ('minilm')
+
+
+def encoder_slot(cfg: MemoryConfig, enc, identity: Optional[str] = None) -> EncoderSlot:
+  """The `EncoderSlot` of `cfg` (or of `enc`, an encoder passed on its own); explicit unless it
+  is `MemoryConfig`'s default encoder taken by default."""
+  return EncoderSlot(cfg.encoder if enc is UNSET else enc, identity,
+                     explicit=enc is not UNSET or cfg.encoder != DEFAULT_ENCODER)
+
+
+def arguments(first, encoder, settings: dict) -> tuple[Optional[MemoryConfig], Any, dict]:
+  """`(MemoryConfig or None, encoder object or spec or UNSET, settings)` of the arguments of
+  `Memory(...)` / `Memory.open(...)`: a first argument that is not a MemoryConfig is the
+  encoder."""
+  fields = {f.name for f in dataclasses.fields(MemoryConfig)}
+  unknown = sorted(set(settings) - fields)
+  if unknown:
+    raise InputTypeError(f"unknown Memory setting(s) {unknown}; the settings are MemoryConfig's "
+                         f"fields {sorted(fields)}")
+  if "encoder" in settings:
+    raise InputTypeError("pass the encoder as Memory(encoder=...) (or MemoryConfig.encoder)")
+  if isinstance(first, MemoryConfig) or first is UNSET:
+    return (None if first is UNSET else first), encoder, settings
+  if encoder is not UNSET:
+    raise ValueError("pass the encoder once: as the first argument or as encoder=")
+  return None, first, settings
+
+
+def new_config(cfg: Optional[MemoryConfig], enc, settings: dict):
+  """`(MemoryConfig, EncoderSlot)` of a new memory (`arguments`' output): the encoder's spec and,
+  for an `Encoder` object, its dimension filled in."""
+  cfg = cfg or MemoryConfig()
+  slot = encoder_slot(cfg, enc)
+  if slot.encoder is not None and cfg.dim is None and cfg.config is None and not (
+      {"dim", "config"} & set(settings)):
+    settings = {**settings, "dim": slot.encoder.dim}
+  return dataclasses.replace(cfg, encoder=slot.spec, **settings), slot
+
+
+def stored_memory_config(path) -> Optional[MemoryConfig]:
+  """The `MemoryConfig` the memory directory `path` was created with (`stored_config`), or None
+  when it holds no memory yet."""
+  root = persistence.checkpoint_dir(path)
+  meta = persistence.read_meta(root) if root.is_dir() else None
+  return None if meta is None else stored_config(meta)

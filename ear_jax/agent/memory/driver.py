@@ -1,7 +1,7 @@
 """The learner driver of `Memory`: closed sessions queue up; every `b` of them -> ONE learner step.
 
-Symbols: `b` batch size (`config.batch_size`), `T` Explorer rounds, `K` candidates, `d` dimension,
-`F` first-stage side features, `C` replay buffer capacity.
+Symbols: `b` batch size, `T` Explorer rounds, `K` candidates, `d` dimension, `F` side features,
+`C` replay buffer capacity.
 
 The driver owns the `LearnerState`. `push` queues the `TrainItem`s of closed sessions (see
 `ear_jax.agent.memory.sessions`); as soon as `b` are queued, ONE call of
@@ -15,20 +15,21 @@ The learner item (`snapshot` / `restore`, written by `persistence`) never holds 
 embedding or text: the replay buffer's and the queued items' candidates are saved as their bank
 rows (`buffer_rows [C, K]`, `TrainItem.rows`) with their first-stage features, and gathered back
 from the bank on open; a row deleted since is masked out there as a delete masks it here
-(`ear_jax.agent.memory.forget`).
+(`forget`, called by `learning.Learning.forget`).
 
 Keys: `k_init, k_train, k_critic = jax.random.split(jax.random.PRNGKey(seed), 3)`; `k_init`
 initialises the learner, batch number `j` (0, 1, ...) uses the replay keys
 `jax.random.split(jax.random.fold_in(k_train, j), b)` (one per query of the batch), and `k_critic`
 is `Memory`'s (critic calls). The same calls with the same seed give the same parameters.
 
-Not thread-safe on its own: `Memory` holds its lock around every call.
+Not thread-safe on its own: `Learning` holds the memory's lock (`warm`'s thread shares nothing).
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import hashlib
+import threading
 from typing import Callable, Optional
 
 import jax
@@ -120,6 +121,28 @@ class Driver:
     self.opened = int(self.state.queries_seen)
     # question key -> held out: a question asked again keeps its part (the newest MAX_QUESTIONS)
     self.questions: "collections.OrderedDict[int, bool]" = collections.OrderedDict()
+    self._warming = None  # the thread compiling the learner step (`warm`), until it is joined
+
+  def warm(self, also: Optional[Callable] = None) -> None:
+    """Compiles the learner step in a background thread: one `train_step` on zeros of the
+    state's shapes with every query masked out (nothing is learnt, the live state is not
+    touched), so the first real step finds it compiled (`push` defers steps until then); then
+    `also()` (more to compile) in the same thread."""
+    def run():
+      k_init = seed_keys(0)[0]
+      shapes = jax.eval_shape(lambda: learner_lib.init_learner(k_init, self.config))
+      zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      b, T, K = self.config.batch_size, self.config.num_rounds, self.config.num_candidates
+      width = self.config.dim + self.config.side_features
+      item = TrainItem(np.zeros(self.config.dim, np.float32), np.zeros((K, width), np.float32),
+                       np.zeros(K, bool), np.full((T, K), -1, np.int32), np.zeros((T, K), bool),
+                       np.full((T, K), -1.0, np.float32), np.full(K, -1, np.int32), np.int8(0))
+      args, _ = self._step_args([item] * b, np.zeros(b, bool), 0)
+      jax.block_until_ready(train_step(zeros, *args))
+      if also is not None:
+        also()
+    self._warming = threading.Thread(target=run, daemon=True, name="ear-learner-warm")
+    self._warming.start()
 
   def next_held(self, question: str = "", scope=()) -> int:
     """Whether a training session of `question` (in the scopes `scope`) is held out for the
@@ -150,32 +173,58 @@ class Driver:
     return int(held)
 
   def push(self, items) -> int:
-    """Queues closed sessions and trains every full batch; returns the learner steps taken."""
+    """Queues closed sessions and trains every full batch; returns the learner steps taken.
+    While `warm` is still compiling the step, the batches wait in the queue (saved with it) for
+    the next push after it: a call never waits for the compiler."""
     self.ready.extend(items)
+    if self._warming is not None and self._warming.is_alive():
+      return 0
     steps = 0
     while len(self.ready) >= self.config.batch_size:
       self._train()
       steps += 1
     return steps
 
-  def _train(self) -> None:
+  def flush(self) -> int:
+    """Trains every queued item now: the full batches, then the rest as one batch whose missing
+    queries are masked out (the runner's last batch of a stream). Returns the steps taken."""
+    steps = self.push([])
+    if self.ready:
+      self._train()
+      steps += 1
+    return steps
+
+  def _step_args(self, items, valid, step: int):
+    """`(train_step's arguments after the state, (rows [b, K], held [b], ring [b]))` of `b`
+    items (`valid [b]`: the real ones) of learner step `step`."""
     b = self.config.batch_size
-    items, self.ready = self.ready[:b], self.ready[b:]
     stacked = TrainItem(*(np.stack(x) for x in zip(*items)))
     batch = Stream(queries=stacked.query, candidates=stacked.candidates, mask=stacked.mask,
                    gold=np.zeros(stacked.mask.shape, bool), num_gold=np.zeros((b,), np.int32))
-    keys = _step_keys(self.train_key, self.num_batches, b)
+    keys = _step_keys(self.train_key, step, b)
     code = np.asarray(stacked.held, np.int8).reshape(b)  # (`next_held`: 0 / 1 / 2)
-    held, ring = code > 0, code == 1
+    held, ring = (code > 0) & valid, (code == 1) & valid
     extra = (held, ring) if self.config.guard_holdout else ()  # (else the paper's call)
-    self.state, _ = train_step(
-        self.state, keys, batch, stacked.slates, stacked.slate_mask, stacked.labels,
-        jnp.ones((b,), bool), self.config, self.hparams, *extra)
-    self.num_batches += 1
     rows = np.where(stacked.mask, stacked.rows, -1)
+    return (keys, batch, stacked.slates, stacked.slate_mask, stacked.labels, jnp.asarray(valid),
+            self.config, self.hparams, *extra), (rows, held, ring)
+
+  def _train(self) -> None:
+    """ONE learner step on the first `b` queued items (fewer: the batch padded, masked)."""
+    if self._warming is not None:  # (compiling it: the step waits, and is not compiled twice)
+      self._warming.join()
+      self._warming = None
+    b = self.config.batch_size
+    items, self.ready = self.ready[:b], self.ready[b:]
+    valid = np.arange(b) < len(items)
+    items = items + [items[-1]] * (b - len(items))  # (padding: masked out of the step)
+    args, (rows, held, ring) = self._step_args(items, valid, self.num_batches)
+    self.state, _ = train_step(self.state, *args)
+    self.num_batches += 1
     cap = self.config.buffer_capacity  # the step pushed the trained queries in order
-    n = int((~held).sum())  # (`push_experiences`: held-out queries are not pushed)
-    self.buffer_rows[(self.insert_index + np.arange(n)) % cap] = rows[~held]
+    pushed = valid & ~held  # (`push_experiences`: held-out and padding queries are not pushed)
+    n = int(pushed.sum())
+    self.buffer_rows[(self.insert_index + np.arange(n)) % cap] = rows[pushed]
     self.insert_index = (self.insert_index + n) % cap
     if ring.any():  # ... and the ring's went to the guard's ring (`guard.push_holdout`)
       h = self.holdout_rows.shape[0]

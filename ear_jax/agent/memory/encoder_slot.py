@@ -20,9 +20,12 @@ class EncoderSlot:
   Args:
     encoder: 'minilm', a checkpoint directory, a `.npy`/`.npz` file, an `Encoder`, or None.
     identity: the model identity the memory's embeddings came from (None: not known yet).
+    explicit: the caller named this encoder (not `MemoryConfig`'s default): embeddings it adds are
+      taken as this encoder's, and text-only queries are encoded by it whatever the rows are.
   """
 
-  def __init__(self, encoder: Any, identity: Optional[str] = None):
+  def __init__(self, encoder: Any, identity: Optional[str] = None, explicit: bool = True):
+    self.explicit = bool(explicit)
     from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
     self._lock = threading.Lock()
     # One encode at a time: a Hugging Face fast tokenizer shared by two threads fails with
@@ -53,6 +56,25 @@ class EncoderSlot:
     if self.encoder is not None:
       return self.encoder.dim
     return 384 if self.spec == "minilm" else None
+
+  def check_dim(self, dim: int, root=None) -> None:
+    """ValueError when the encoder's dimension (if known) is not `dim`, the dimension of the
+    memory (of the directory `root`)."""
+    if self.dim is None or self.dim == dim:
+      return
+    if root is None:
+      raise ValueError(f"config.dim={dim} does not match the encoder's dimension {self.dim}")
+    raise ValueError(f"{root} was written with encoder dimension d={dim}, but encoder "
+                     f"{(self.encoder.name if self.encoder else self.spec)!r} has dimension "
+                     f"{self.dim}")
+
+  def adopt_identity(self, saved: Optional[str], where: str) -> None:
+    """Takes the identity a learner item (`where`) saved, unless the encoder is another model
+    (ValueError)."""
+    if saved and self.identity and saved != self.identity:
+      raise ValueError(f"{where} was written with another encoder model (identity "
+                       f"{saved[:16]}), not this one (identity {self.identity[:16]})")
+    self.identity = self.identity or saved
 
   def get(self, dim: int):
     """The encoder (loaded now if it was given as a spec), or None."""

@@ -1,17 +1,18 @@
 """Host-side critic loops over arrays: one round's slates for a batch of queries, a training episode
-(`run_critic_episode`); `Memory`'s agent step with a host critic is `front.llm_feedback` (and
+(`run_critic_episode`); `Memory`'s agent step with a host critic is `recall.llm_feedback` (and
 `Memory.recall`'s rounds).
 
 Symbols: `N` queries, `K` candidates, `s` slate size, `T` Explorer rounds, `b` batch size.
 
 `round_slates` / `update_bandits` play one round for a batch of queries; `session_round` is one
-round of one `Memory` session with its previous round's feedback applied first, in ONE call. Both
+round of one `Memory` session with its previous round's feedback applied first, in ONE call
+(`exploit`: the 'exploit' final slate likewise). Both
 loops use the library's critic protocol (`ear_jax.core.critic`): `critic(key, view) -> labels [s]`
 or None (an unusable reply: no update), with a `SlateView` that carries `query_text` and the
 memories' `texts` for host critics such as `ear_jax.agent.llm.critic.LLMCritic`; and the one learner
 step, `ear_jax.core.learner.train_batch_on_feedback` (jitted here).
 
-Feedback from the agent's answer (issue 28): `answer_labels` labels a shown slate by the answer
+Feedback from the agent's answer: `answer_labels` labels a shown slate by the answer
 rule of the benchmarks (the features of `ear_jax.data.answer_support.slate_support`, then the
 jitted `ear_jax.core.critic.answer_critic` with `ANSWER_DEFAULTS` or a given `AnswerCritic`'s
 thresholds), used by `Session.feedback(answer=...)` and by the host critic `AnswerFeedback` (an
@@ -130,6 +131,24 @@ def session_round(params, hparams, query, candidates, mask, mean, counts, last, 
   return (ints[:k], ints[k:].astype(bool), floats[:K], floats[K:2 * K], floats[2 * K:]), adapted_
 
 
+@functools.partial(jax.jit, static_argnames=("k",))
+def _exploit(params, query, candidates, given, mask, mean, counts, last, *, k):
+  z, _ = adapted(params, query, candidates, given)
+  stats = explorer_lib.update_bandit(explorer_lib.BanditStats(mean=mean, counts=counts), *last)
+  slate, slate_mask = explorer_lib.exploit_slate(stats, z, mask, k)
+  return slate, slate_mask, z
+
+
+def exploit(params, query, candidates, mask, mean, counts, last, k: int, given=None):
+  """The top-k by bandit mean, ties by adapted relevance: `(slate [k], slate_mask [k], z [K])`
+  numpy, after the pending feedback `last = (slate [K], slate_mask [K], labels [K])` (Eq. (9);
+  all masked: none); `given`: the rounds' `adapted` by the same `params` (see `session_round`)."""
+  if given is not None:
+    params = query = candidates = None
+  return jax.device_get(_exploit(params, query, candidates, given, mask, mean, counts,
+                                 tuple(last), k=k))
+
+
 def no_feedback(num_candidates: int):
   """`last` of `session_round` when there is no feedback to apply: an all-masked round."""
   return (np.full((num_candidates,), -1, np.int32), np.zeros((num_candidates,), bool),
@@ -173,7 +192,7 @@ def check_answer(answer, what: str = "answer") -> str:
 def answer_labels(question: str, answer: str, texts: Sequence[str], memories: np.ndarray,
                   embed: Callable, critic: Optional[critic_lib.AnswerCritic] = None
                   ) -> np.ndarray:
-  """`[k]` labels of a shown slate from the agent's answer, by the answer rule (issue 28).
+  """`[k]` labels of a shown slate from the agent's answer, by the answer rule.
 
   The slate's answer-support features (`answer_support.slate_support`: the answer's new content
   words held by each memory, their share, the answer's and "question answer"'s cosines with it)
@@ -205,8 +224,8 @@ def answer_labels(question: str, answer: str, texts: Sequence[str], memories: np
 
 @dataclasses.dataclass(frozen=True)
 class AnswerFeedback:
-  """A host critic made of the agent's answers (issue 28): the critic of `Memory.recall` (or
-  `front.llm_feedback`, `run_critic_episode`) for an agent that only answers.
+  """A host critic made of the agent's answers: the critic of `Memory.recall` (or
+  `recall.llm_feedback`, `run_critic_episode`) for an agent that only answers.
 
   Each round, `answer_fn(question, texts)` is the agent answering the question from the shown
   memories' texts (in slate order); its answer labels the slate by the answer rule

@@ -1,59 +1,22 @@
 """The lexical first stage of `Memory`: its vocabulary, its `lexical.BM25Index`, and the search.
 
 Symbols: `C` bank capacity, `d` dimension, `K` candidates, `q` queries of one call (padded to a
-power of two), `F = len(options.feature_names)` side features (3, or 6 with
-`features='context'`).
+power of two), `F = len(options.feature_names)` side features (3, or 6 with `features='context'`).
 
-`Memory(candidates='bm25' | 'hybrid')` (and 'dense' with `config.side_features > 0`) keeps a
-`LexicalBank` beside its `bank.DeviceBank`. It ranks exactly as the benchmark pipeline ranks one
-bank, by construction: the same tokens (`lexical.tokenize`), the same incremental BM25
-(`lexical.BM25Index`: a scoped query scores with the allowed scopes' statistics, as the pipeline
-scores each bank with its own), and the same jittable kernel (`first_stage.rank_bank`: the
-generators, the fusion, the features, ties by lower row), here inside one jitted call with the
+`Memory(candidates='bm25' | 'hybrid')` (and 'dense' with side features) keeps a `LexicalBank`
+beside its `bank.DeviceBank`. It ranks exactly as the benchmark pipeline ranks one bank: the same
+tokens (`lexical.tokenize`), the same incremental BM25 (`lexical.BM25Index`: a scoped query scores
+with the allowed scopes' statistics) and the same jittable kernel (`first_stage.rank_bank`: the
+generators, the fusion, the features, ties by lower row), inside one jitted call with the
 candidates' gather and the first-round slate (`bank.finish`). Single store: only dialogue
-memories (store 0) are indexed and are candidates; `multistore`: every memory is indexed, each
-store's top-K/2 merged.
-
-Interfaces (what `front` calls; rows are the table's device rows, never reused):
-
-    needs_lexical(candidates, side_features) -> bool
-    tokenize(texts) -> list[list[str]]                  # pure: outside the memory's lock
-    LexicalBank(candidates, options, multistore)
-      .encode(tokens, stores) -> Encoded(terms, new_vocab)  # pure (under the lock, before the
-          # table write): per row its int32 term ids (None: not indexed, e.g. an observation of a
-          # single-store memory), and the (term, id) pairs new to the vocabulary
-      .add(rows, encoded, scope_codes) -> None          # after the table write: commits the new
-          # vocabulary and indexes the rows (O(their tokens), no rebuild)
-      .dead_terms(rows, keep=None) -> list[str]        # pure: the terms only `rows` hold (for
-          # Table.delete / replace; `keep`: an Encoded that still uses its terms, for an update)
-      .delete(rows) -> list[str]                        # after the table write: unindexes them,
-          # drops and returns their dead terms (= dead_terms(rows) just before)
-      .restore(table_rows, scope_codes=None) -> None    # from Table.read_all() (terms, vocab)
-      .speakers(texts, stores, new_vocab=()) -> [n] int32   # pure: each row's speaker term id
-          # (`first_stage.Context`; -1: none), for features='context'
-      .search(device_bank, queries [q, d], query_texts [q], k, *, allowed=None, slate=None,
-              scope_rows=None)
-          -> (rows [q, K] int32, mask [q, K], cands [q, K, d + F] float32, slates or None)
-          # as bank.search; allowed [S] bool over scope codes (ScopeNames.allowed); with
-          # scope_rows (scopes.ScopeRows) a scope of few rows is ranked over its gathered rows
-
-A scoped search costs its scopes (issue 30): BM25 reads only their postings
-(`lexical.BM25Index`), and when `bank.scope_candidates` gives their rows (few of the bank's) the
-call gathers those `[P, d]` rows and runs `rank_bank` over them (the dense half of hybrid
-included), the BM25 pairs given as positions among them; the positions keep the rows' order, so
-the ranking is the masked one over the whole bank (the dense cosine feature may differ in its last
-bit: XLA may sum a matrix product of another shape in another order).
-
-An update is `enc = encode(...)`, `dead = dead_terms([old], keep=enc)`, `Table.replace(...,
-new_vocab=enc.new_vocab, dead_terms=dead)`, `add([new], enc, ...)`, then `delete([old])`.
-
-Persistence: the table holds each row's term ids (`terms`) and the vocabulary, written in the
-row's own transaction; the vocabulary never keeps a term no live row holds (`dead_terms`), so a
-forgotten memory's words leave the database with it. `restore` rebuilds the index from them
-without tokenising (`O(tokens)` plus one sort).
-
-ANN searchers (`index='faiss_*'`) are refused with bm25 / hybrid / side features (`front`): the
-fusion needs every valid row's cosine (the min-max normalisation, the RRF ranks).
+memories are indexed; `multistore`: every memory, each store's top-K/2 merged. A scope of few
+rows is ranked over its gathered rows (`bank.scope_candidates`; the dense cosine feature may
+differ in its last bit). A write is `encode` (pure, before the table write) -> the table's
+transaction -> `add`; a delete is `dead_terms` -> the table's transaction -> `delete`; an update
+is `encode`, `dead_terms(keep=...)`, `Table.replace`, `add`, `delete`. The table holds each row's
+term ids and the vocabulary, which never keeps a term no live row holds (a forgotten memory's
+words leave the database with it); `restore` rebuilds the index from them without tokenising.
+ANN searchers are refused with bm25 / hybrid / side features: the fusion needs every row's cosine.
 """
 from __future__ import annotations
 

@@ -27,6 +27,8 @@ import sys
 import threading
 from typing import Optional
 
+import numpy as np
+
 from ear_jax.io import checkpoints
 
 FORMAT = 2
@@ -94,6 +96,20 @@ def own(root: pathlib.Path, how: str = "Memory.open"):
     raise
 
 
+def claim_new(path) -> tuple[pathlib.Path, object]:
+  """`(root, owner lock)` of `path`, a directory that holds no memory, for a memory saved there
+  the first time (`Memory.save`). ValueError (nothing held) when it holds one."""
+  root = checkpoint_dir(path)
+  check_directory(root)
+  hold = own(root, "Memory.save")
+  if read_meta(root) is not None or (root / TABLE).exists():
+    if hold is not None:
+      hold.release()
+    raise ValueError(f"{str(root)!r} holds a memory already: Memory.open it, or save to another "
+                     "directory")
+  return root, hold
+
+
 def write_learner(root: pathlib.Path, arrays, meta: dict) -> pathlib.Path:
   """Saves the learner item as the next step of `<root>/learner` (the older step is deleted once
   the new one verifies); returns the step's directory."""
@@ -115,15 +131,6 @@ def read_meta(root: pathlib.Path) -> Optional[dict]:
   store = checkpoints.CheckpointStore(root / LEARNER)
   step = store.latest_step()
   return None if step is None else _learner_meta(store, step, store.read_meta(step))
-
-
-def stored_memory_config(path):
-  """The `MemoryConfig` the memory directory `path` was created with (`config.stored_config`),
-  or None when it holds no memory yet."""
-  from ear_jax.agent.memory import config as config_lib  # pylint: disable=g-import-not-at-top
-  root = checkpoint_dir(path)
-  meta = read_meta(root) if root.is_dir() else None
-  return None if meta is None else config_lib.stored_config(meta)
 
 
 def read_learner(root: pathlib.Path) -> tuple[dict, dict, str]:
@@ -153,3 +160,37 @@ def remove_ann(root: pathlib.Path, only_trash: bool = False) -> None:
       pass
   for p in root.glob(f".{ANN}-trash-*"):
     shutil.rmtree(p, ignore_errors=True)
+
+
+def read_learner_of(root: pathlib.Path, table_identity: str, next_row: int
+                    ) -> tuple[dict, dict, str]:
+  """`read_learner` of the memory whose table has `table_identity` and ends at `next_row`.
+
+  Raises:
+    CheckpointError: the item belongs to another table, was saved after rows this table lacks,
+      or names a row outside the rows it was saved with (naming the files).
+  """
+  arrays, meta, where = read_learner(root)
+  table = meta.get("table")  # (None: an item saved before tables had an identity)
+  if table is not None and table != table_identity:
+    raise checkpoints.CheckpointError(
+        f"{where} belongs to the table with identity {table}, not to {root / TABLE} (identity "
+        f"{table_identity}): a learner item of another memory directory (copied here?) is never "
+        "used")
+  if int(meta["rows"]) > next_row:
+    raise checkpoints.CheckpointError(
+        f"{where} was saved when the table held rows up to {meta['rows']}, but the table "
+        f"{root / TABLE} ends at row {next_row}: they are not one memory's (a table replaced by "
+        "an older copy?)")
+  driver, sessions = arrays.get("driver", {}), arrays.get("sessions", {})
+  for name, rows in (("driver/buffer_rows", driver.get("buffer_rows")),
+                     ("driver/holdout_rows", driver.get("holdout_rows")),
+                     ("driver/ready/rows", driver.get("ready", {}).get("rows")),
+                     ("sessions/cand_idx", sessions.get("cand_idx"))):
+    rows = np.asarray([] if rows is None else rows)
+    bad = rows[(rows < -1) | (rows >= int(meta["rows"]))]
+    if bad.size:
+      raise checkpoints.CheckpointError(
+          f"{where}: {name} names row {int(bad[0])}, outside the {meta['rows']} rows it was "
+          "saved with (corrupted, or another memory's)")
+  return arrays, meta, where

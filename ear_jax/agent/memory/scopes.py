@@ -1,10 +1,10 @@
 """Scopes on the host: scope name <-> int32 code with the live rows per scope and store
 (`ScopeNames`), and each scope's device rows in order (`ScopeRows`), so a scoped search reads only
-its scopes' rows (`bank.scope_candidates`) and `check_k` costs O(scopes).
+its scopes' rows (`bank.scope_candidates`) and `check_any` costs O(scopes).
 
     scope_label(names) -> str (for messages)
     ScopeNames: names, codes(names), allowed(names) -> [S] bool, count(codes, stores, sign),
-        available(...), check_k(...), ScopeNames.from_rows(scope names, stores, held_before)
+        available(...), check_any(...), ScopeNames.from_rows(scope names, stores, held_before)
     ScopeRows(rows, codes): add(rows, codes), remove(rows), size(allowed), of(allowed) -> [n]
     SessionTurns: add(rows, sessions, places) -> (turns [n], moved), remove(rows) -> moved
         (`features='context'`: each session's live rows in place order; a row's turn is its index)
@@ -27,7 +27,7 @@ def scope_label(names: Sequence[str]) -> str:
 
 class ScopeNames:
   """Scope name <-> int32 code (in order of first use; `DEFAULT_SCOPE` is 0) and the live rows
-  per scope and store (`counts [S, 2]`), so `check_k` costs O(scopes) at any bank size."""
+  per scope and store (`counts [S, 2]`), so `check_any` costs O(scopes) at any bank size."""
 
   def __init__(self):
     self.names: list[str] = [DEFAULT_SCOPE]
@@ -85,19 +85,15 @@ class ScopeNames:
       return min(int(held[0]), num_candidates)
     return sum(min(int(c), num_candidates // 2) for c in held)
 
-  def check_k(self, k: int, num_candidates: int, multistore: bool,
-              names: Optional[Sequence[str]] = None) -> None:
-    """ValueError when a query of the scopes `names` (None: every scope) cannot get `k`
-    candidates."""
-    avail = self.available(num_candidates, multistore, names)
-    if k <= avail:
+  def check_any(self, num_candidates: int, multistore: bool,
+                names: Optional[Sequence[str]] = None, k: Optional[int] = None) -> None:
+    """ValueError when a query of the scopes `names` (None: every scope) has no candidate at all,
+    naming the scopes (and `k`, the memories asked for, when given). A query with candidates
+    gets `min(k, available)` of them: `k` is a maximum."""
+    if self.available(num_candidates, multistore, names):
       return
     held = int(self._held(names).sum())
     where = "the bank" if names is None else scope_label(tuple(names))
-    of = "" if names is None else " of " + where
-    if avail:
-      raise ValueError(f"k={k} is larger than the memory bank{of}: only {avail} memories can be "
-                       f"retrieved ({held} in {where})")
     if names is None and not held and self.held_before:
       empty_ = "the memory holds no memories (all were deleted)"
     elif multistore or not held:
@@ -105,7 +101,7 @@ class ScopeNames:
     else:
       empty_ = (f"{'the bank is empty of' if names is None else where + ' holds no'} dialogue "
                 "memories (observations are candidates only with multistore)")
-    raise ValueError(f"k={k} is larger than the memory bank{of}: {empty_}")
+    raise ValueError(f"no memory to retrieve{'' if k is None else f' (k={k})'}: {empty_}")
 
 
 class ScopeRows:

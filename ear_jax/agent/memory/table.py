@@ -5,34 +5,22 @@ Symbols: `n` live rows, `d` embedding dimension.
 One table holds every live memory: its id, text, store code, scope name, date, float32 embedding
 `[d]`, the int32 term ids of its text (for the lexical index; NULL without one) and a SHA-256 of
 all of them with the row number (`_digest`). Beside it: the lexical vocabulary (`term <-> id`) and
-a small key/value `meta` table (the dimension, the table's random `identity`, the places of
-updated rows) with a SHA-256 of its entries (`_META_DIGEST`).
-
-Guarantees:
+a small key/value `meta` table (dimension, random `identity`, places of updated rows) with a
+SHA-256 of its entries. Guarantees:
 
   * Durable: each `insert` / `delete` / `replace` is ONE transaction (`synchronous=FULL`, a rollback
-    journal), complete on disk when it returns; a process killed at any moment (even SIGKILL)
-    leaves every acknowledged row and nothing half-written.
-  * Forgetting leaves no bytes: `secure_delete=ON` overwrites deleted rows (and freed pages) with
-    zeros, and `journal_mode=DELETE` unlinks the journal, which held the old pages, at each commit.
-  * Row numbers are never reused (`AUTOINCREMENT`): a deleted row's number stays dead, so the
-    learner's references to rows (replay buffer, sessions) can never point at another memory.
-    The API speaks device rows, `row - 1` (0-based, the device bank's index).
-  * Verified: every read of rows from the file (`read_all`, `records`, `texts`) checks each row's
-    SHA-256; a row changed outside ear_jax, a file that is not this table (foreign, truncated,
-    another schema or dimension) is a `CheckpointError` naming the file (and the row's id).
-    What decides which row an id, a word or a scope names is checked when the file is opened:
-    SQLite's `integrity_check` (every index against its table: the id, scope and vocabulary
-    indexes; the vocabulary's terms and ids are indexed both ways, so a changed byte in either
-    disagrees with an index) and the meta table's SHA-256; a failure is a `CheckpointError` naming
-    the file and what is wrong.
-    `records` keeps the newest `RECORD_CACHE` verified records in memory and reads only the
-    others from the file (a live memory's questions read the same candidates again and again);
-    a delete drops its rows from it, and row numbers are never reused, so a kept record is always
-    the row's own (the directory's owner lock keeps other writers out).
+    journal), complete on disk when it returns; a kill at any moment (even SIGKILL) leaves every
+    acknowledged row and nothing half-written.
+  * Forgetting leaves no bytes: `secure_delete=ON` overwrites deleted rows with zeros, and
+    `journal_mode=DELETE` unlinks the journal, which held the old pages, at each commit.
+  * Row numbers are never reused (`AUTOINCREMENT`), so the learner's references to rows can never
+    point at another memory. The API speaks device rows, `row - 1` (0-based).
+  * Verified: every read of rows checks each row's SHA-256; at open, SQLite's `integrity_check`
+    (every index against its table) and the meta table's SHA-256. A row changed outside ear_jax, or
+    a file that is not this table, is a `CheckpointError` naming the file (and the row's id).
+    `records` keeps the newest `RECORD_CACHE` verified records in memory (rows are never reused).
 
-Not thread-safe on its own: `Memory` calls it under its lock (the connection may be used from any
-thread).
+Not thread-safe on its own: `Memory` calls it under its lock.
 """
 from __future__ import annotations
 
@@ -64,6 +52,7 @@ _PART = 65536  # rows of embeddings joined at a time by read_all
 _PLACES = "places"  # meta entry: {row: place} of updated memories (`Table.places`)
 _IDENTITY = "identity"  # meta entry: a random id made with the table (`Table.identity`)
 _META_DIGEST = "sha256"  # meta entry: SHA-256 of the other entries (`_meta_digest`)
+_EMBEDDED_BY = "embedded_by"  # meta entry: `Table.embedded_by`
 RECORD_CACHE = 1 << 15  # verified records `records` keeps (the least recently read dropped first)
 
 
@@ -121,6 +110,8 @@ class Table:
   Attributes:
     identity: a random hex id made with the table (a copy of the file keeps it): what a learner
       item records to name its table.
+    embedded_by: 'encoder' (a row's embedding came from the memory's encoder, or a named one),
+      'caller' (every row's from the caller), or None (no row yet, or an older table).
 
   Raises:
     CheckpointError: `path` is not this table (not SQLite, truncated, another schema or
@@ -178,6 +169,7 @@ class Table:
     self.identity = self._check_meta()
     self._n = self._db.execute("SELECT count(*) FROM memories").fetchone()[0]
     self._places = self._read_places()
+    self.embedded_by = self.get_meta(_EMBEDDED_BY)
     self._recent = collections.OrderedDict()  # device row -> (id, text, store, scope, date)
 
   def _check_integrity(self) -> None:
@@ -262,6 +254,7 @@ class Table:
           self._db.execute("ROLLBACK")
         self._n = self._db.execute("SELECT count(*) FROM memories").fetchone()[0]
         self._places = self._read_places()
+        self.embedded_by = self.get_meta(_EMBEDDED_BY)
         raise
       self._db.execute("COMMIT")
 
@@ -274,6 +267,18 @@ class Table:
   def _next(self) -> int:
     got = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'memories'").fetchone()
     return got[0] if got else 0
+
+  def _note_source(self, source: Optional[str]) -> None:
+    """Records where new rows' embeddings came from (inside the caller's transaction):
+    `embedded_by` becomes 'encoder' once any row's came from (or was vouched for by) the memory's
+    encoder, else 'caller' (every row so far came with the caller's own embeddings)."""
+    if source is None:
+      return
+    new = "encoder" if "encoder" in (source, self.embedded_by) else "caller"
+    if new != self.embedded_by:
+      self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (_EMBEDDED_BY, new))
+      self._seal_meta()
+      self.embedded_by = new
 
   def _insert(self, ids, texts, stores, scopes, dates, embeddings, terms, new_vocab):
     emb = np.ascontiguousarray(embeddings, np.float32)
@@ -305,14 +310,18 @@ class Table:
 
   def insert(self, ids, texts, stores: np.ndarray, scopes: Sequence[str], dates, embeddings,
              terms: Optional[Sequence[np.ndarray]] = None,
-             new_vocab: Sequence[tuple[str, int]] = ()) -> np.ndarray:
+             new_vocab: Sequence[tuple[str, int]] = (), source: Optional[str] = None
+             ) -> np.ndarray:
     """Appends rows (and vocabulary entries) in one transaction; returns their device rows `[n]`.
+    `source`: 'encoder' or 'caller', where their embeddings came from (`embedded_by`).
 
     Raises:
       ValueError: lengths or dimension do not match, or an id is already stored (nothing written).
     """
     with self._transaction():
-      return self._insert(ids, texts, stores, scopes, dates, embeddings, terms, new_vocab)
+      rows = self._insert(ids, texts, stores, scopes, dates, embeddings, terms, new_vocab)
+      self._note_source(source)
+      return rows
 
   def delete(self, rows, dead_terms: Sequence[str] = ()) -> None:
     """Deletes the device rows `rows` and the vocabulary entries `dead_terms`, in one transaction
@@ -321,7 +330,7 @@ class Table:
       self._delete(rows, dead_terms)
 
   def replace(self, row: int, memory_id: str, text: str, store: int, scope: str, date: str,
-              embedding, terms=None, new_vocab=(), dead_terms=()) -> int:
+              embedding, terms=None, new_vocab=(), dead_terms=(), source=None) -> int:
     """An update: deletes device row `row`, then inserts the memory again under a new row that
     keeps the old one's place (`places`), in one transaction; returns the new device row."""
     with self._transaction():
@@ -332,6 +341,7 @@ class Table:
                              new_vocab)[0])
       self._places[new] = place
       self._write_places(self._places)
+      self._note_source(source)
       return new
 
   def set_meta(self, key: str, value: str) -> None:
@@ -437,3 +447,4 @@ class Table:
         self._db.backup(dst)
       finally:
         dst.close()
+

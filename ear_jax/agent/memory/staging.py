@@ -1,0 +1,131 @@
+"""`Stage`: what a `Memory` call goes through before it reaches the state: its texts encoded and
+its first stage run under the lock.
+
+Symbols: `n` texts, `q` queries, `d` dimension, `K` candidates, `s` slate size.
+
+Texts are encoded outside the memory's lock (`EncoderSlot`); a query's first stage
+(`Rows.first_stage`, with the slate of the served parameters when asked for) runs under it, with
+the query's checks (`prepare`) and the caller's `finish` in the same locked section, so a query
+sees every add that returned before it was called. With `MemoryConfig.batch_window_ms > 0` the
+encodings and first stages arriving within one window share ONE encoder call and ONE search per
+slate size (`batcher.Batcher`; each query in its own scopes).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ear_jax.agent.memory import batcher as batcher_lib
+from ear_jax.agent.memory import checks as checks_lib
+from ear_jax.agent.memory.checks import InputTypeError
+
+
+class Stage:
+  """Encoding and the first stage of one memory.
+
+  Args:
+    cfg: the `MemoryConfig`; config, hparams: the resolved `EARConfig` / `HParams`.
+    encoder: the memory's `EncoderSlot`.
+    rows: the memory's `rows.Rows`.
+    lock: the memory's lock.
+  Attributes:
+    learning: the memory's `learning.Learning` (its served parameters rank `search`'s slate); set
+      by `Memory` once built.
+  """
+
+  def __init__(self, cfg, config, hparams, encoder, rows, lock):
+    self.cfg, self.config, self.hparams = cfg, config, hparams
+    self.encoder, self.rows, self._lock = encoder, rows, lock
+    self.learning = None
+    self.batcher = None
+    if cfg.batch_window_ms > 0:
+      self.batcher = batcher_lib.Batcher(
+          cfg.batch_window_ms / 1e3, cfg.batch_max_queries,
+          lambda texts, what: encoder.embed(texts, config.dim, cfg.cache_dir, what),
+          lambda key, texts, q_emb, scopes: self.first_stage(texts, q_emb, scopes, *key),
+          lock)
+
+  def embed(self, texts, embeddings, n, what: str) -> np.ndarray:
+    """Checked `[n, d]` embeddings, given or encoded (outside the lock; in the window's one
+    encoder call when batching)."""
+    if embeddings is not None:
+      return checks_lib.check_embeddings(embeddings, n, self.config.dim, f"{what} embeddings")
+    if self.batcher is not None:
+      return self.batcher.submit(batcher_lib.Request(texts, None, None, what=what))
+    return self.encoder.embed(texts, self.config.dim, self.cfg.cache_dir, what)
+
+  def embed_answer(self, texts: list[str]) -> np.ndarray:
+    """`[n, d]` embeddings of an answer's texts by this memory's encoder (outside the lock)."""
+    if self.encoder.get(self.config.dim) is None:
+      raise ValueError("this memory has no encoder, so it cannot embed an answer: feedback from "
+                       "an answer needs the memories' encoder (build the Memory with one); give "
+                       "cited ids instead")
+    return self.embed(texts, None, len(texts), "the answer's")
+
+  def queries(self, question, query_embedding, batch: bool):
+    """`(texts [n] or None, [n, d] given unit embeddings or None)`, checked (the texts are
+    encoded when no embeddings are given)."""
+    if question is None and query_embedding is None:
+      raise ValueError("pass a question (text) or query_embedding")
+    if question is not None and not batch and not isinstance(question, str):
+      raise InputTypeError(f"question must be a string, got {type(question).__name__}")
+    texts = None if question is None else checks_lib.check_text_list(question, "question")
+    if query_embedding is None:
+      return texts, None
+    emb = query_embedding
+    if not batch:
+      emb = checks_lib.real_query_vector(query_embedding, self.config.dim)[None]
+    emb = self.embed(texts, emb, None if texts is None else len(texts), "query")
+    if not len(emb):
+      raise ValueError("no question: pass at least one")
+    if self.rows.lexical is not None and texts is None:
+      raise ValueError(f"candidates={self.cfg.first_stage_name!r} ranks by the question's text "
+                       "(BM25): pass the question, with query_embedding or without")
+    return texts, emb
+
+  def run(self, texts, emb, names, size, k: Optional[int], finish):
+    """`finish(texts, q_emb, first stage)` under the lock after the first stage of the checked
+    query (`queries`) in the scopes `names` (with `size`, the slate of that size): in the
+    window's one encoder call and one search per slate size when batching (each query in its own
+    scopes), else now. Scopes without a candidate are refused (naming them and `k`, the memories
+    asked for) before any encoding, and again at the search."""
+    search_texts = texts if texts is not None else [""] * len(emb)
+    prepare = lambda: self.rows.scopes.check_any(self.config.num_candidates,
+                                                 self.cfg.multistore, names, k)
+    with self._lock:  # (before the encoder: an empty memory answers at once)
+      prepare()
+      if emb is None:
+        self._check_encodable()
+    if self.batcher is not None:
+      return self.batcher.submit(batcher_lib.Request(
+          texts if emb is None else None, emb, (size,), search_texts, prepare, finish,
+          scope=names, what="query"))
+    if emb is None:
+      emb = self.embed(texts, None, len(texts), "query")
+    with self._lock:
+      prepare()
+      return finish(search_texts, emb, self.first_stage(search_texts, emb, [names] * len(emb),
+                                                        size))
+
+  def source(self, embeddings) -> str:
+    """Where rows' embeddings come from (`Table.embedded_by`): the memory's encoder, or the
+    caller's `embeddings` (vouched for as the encoder's when the caller named the encoder)."""
+    return "caller" if embeddings is not None and not self.encoder.explicit else "encoder"
+
+  def _check_encodable(self) -> None:
+    """ValueError when a question's text would be embedded by an encoder that made none of the
+    rows: every row came with the caller's embeddings and the encoder is only the default."""
+    if self.rows.table.embedded_by == "caller" and not self.encoder.explicit:
+      raise ValueError(
+          f"this memory's memories all came with your own embeddings (add(..., embeddings=...)), "
+          f"and its encoder {self.encoder.spec!r} is only the default, not one you named: a "
+          "question's text embedded by it need not match them. Pass query_embedding= (your "
+          "embedder's vector of the question), or name the encoder that made the memories' "
+          "embeddings (Memory(encoder=...), Memory.open(path, encoder=...))")
+
+  def first_stage(self, texts, q_emb, scopes, size):
+    """The first stage of `[q, d]` queries in their scopes, with the adapter's slate of `size`
+    by the served parameters (None: none). Call under the lock."""
+    slate = None if size is None else (self.learning.served_params(), self.hparams, size, False)
+    return self.rows.first_stage(texts, q_emb, scopes, self.config.num_candidates, slate)

@@ -1,0 +1,43 @@
+"""JAX's persistent compilation cache for the library: a second process loads what the first
+compiled (the encoder, the searches, the learner step) instead of compiling it again.
+
+`enable()` (called by every `Memory` and the installed programs) points JAX at `directory()`:
+`$EAR_CACHE_DIR/xla`, else `$XDG_CACHE_HOME/ear_jax/xla`, else `~/.cache/ear_jax/xla`, and caches
+every compiled program (JAX's default keeps only those that took a second to compile; a memory's
+take less, many of them). It changes nothing when the caller chose a cache already
+(`jax_compilation_cache_dir`, e.g. `JAX_COMPILATION_CACHE_DIR`) or set `EAR_NO_COMPILATION_CACHE`
+to anything but '' / '0'. The cache holds compiled programs only, never a memory's data; JAX
+treats it as trusted code, so keep it in a directory only you can write.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Optional
+
+OFF = "EAR_NO_COMPILATION_CACHE"  # the opt-out
+
+
+def directory() -> pathlib.Path:
+  """The cache's directory (see the module docstring)."""
+  from ear_jax.data.embedding_cache import default_cache_dir  # pylint: disable=g-import-not-at-top
+  return default_cache_dir() / "xla"
+
+
+def enable() -> Optional[str]:
+  """Turns the persistent compilation cache on at `directory()`, unless the caller set one or
+  opted out; returns the directory in use (None: no cache). Idempotent."""
+  import jax  # pylint: disable=g-import-not-at-top
+  chosen = jax.config.jax_compilation_cache_dir
+  if chosen:
+    return chosen
+  if os.environ.get(OFF, "") not in ("", "0"):
+    return None
+  path = directory()
+  try:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+  except OSError:  # (a read-only home: no cache, as before)
+    return None
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_compilation_cache_dir", str(path))
+  return str(path)
