@@ -29,6 +29,13 @@ def data():
   return live.live_data(ec)
 
 
+@pytest.fixture(scope="module")
+def data50():
+  """K = 50 > T s = 20 candidates (banks of 12 to 96 memories: some questions hold fewer)."""
+  ec = synthetic.make_synthetic(seed=0, num_queries=100, dim=16, num_banks=4)
+  return live.live_data(ec, k=50)
+
+
 def _method(data, name, **overrides):
   s = data.bench.stream
   return runner.build_method(name, dim=s.dim, num_candidates=s.num_candidates, **overrides)
@@ -61,14 +68,22 @@ def test_live_candidates_are_the_runners_candidates(data):
     assert [data.source(x) for x in ids] == [(g, c) for c in data.candidate_bank_ids(i)], i
 
 
+_GUARD = {"guard_holdout": 5, "guard_min_queries": 4}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [{}, {"guard_holdout": 5, "guard_min_queries": 4}],
-                         ids=["ear", "ear_with_held_out_guard"])
-def test_live_equals_the_runner_given_the_runners_replay_keys(data, monkeypatch, overrides):
+@pytest.mark.parametrize("k,overrides", [
+    (20, {}), (20, _GUARD), (50, {"loss_support": "auto"}),
+    (50, {"loss_support": "auto", **_GUARD})],
+    ids=["ear", "ear_with_held_out_guard", "k50_auto", "k50_auto_with_held_out_guard"])
+def test_live_equals_the_runner_given_the_runners_replay_keys(request, monkeypatch, k, overrides):
   # The only difference by construction: Memory's learner draws its replay keys from its own seed
   # (`driver.seed_keys`). Handing it the runner's per-query replay keys makes EAR's run (similarity
   # replay, Gumbel replay slates) identical to the runner's. With the held-out guard every 5th
-  # training question pages the first stage in both, and the ring decides what both serve.
+  # training question pages the first stage in both (with K > T s interleaved with the adapted
+  # ranking, `guard.page_relevance`), and the ring decides what both serve.
+  data = request.getfixturevalue("data" if k == 20 else "data50")
+  assert data.bench.stream.num_candidates == k
   method = _method(data, "ear", **overrides)
   train, test = runner.seed_splits(data.bench.num_queries, [0])
   episode_key, _ = jax.random.split(runner.per_seed_keys([0])[0])
