@@ -154,13 +154,18 @@ def test_the_default_first_stage_is_hybrid_with_an_encoder_and_dense_without():
 
 
 def test_the_default_learner_is_ear_safe_and_one_of_config_hparams_keeps_the_papers_other():
+  import dataclasses  # pylint: disable=import-outside-toplevel
   from ear_jax.agent.memory import MemoryConfig  # pylint: disable=import-outside-toplevel
   from ear_jax.agent.memory import config as mconfig  # pylint: disable=import-outside-toplevel
   from ear_jax.core.config import Method  # pylint: disable=import-outside-toplevel
   safe = Method.named(mconfig.DEFAULT_METHOD, dim=8)
   default = MemoryConfig(encoder=None, dim=8)
   assert mconfig.DEFAULT_METHOD == "ear_safe" and default.method is None
-  assert default.ear == safe.config and default.ear.guard and default.ear.guard_holdout == 5
+  pool = mconfig.PRESET_POOL["ear_safe"]  # (the default preset's candidate pool K)
+  assert pool == 100 and default.ear.num_candidates == pool and safe.config.num_candidates == 20
+  assert default.ear == dataclasses.replace(safe.config, num_candidates=pool)
+  assert default.ear.guard and default.ear.guard_holdout == 5
+  assert MemoryConfig(encoder=None, dim=8, num_candidates=30).ear.num_candidates == 30
   assert float(default.learner_hparams.learning_rate) == float(safe.hparams.learning_rate)
   assert MemoryConfig(encoder=None, method="ear", dim=8).ear == EARConfig(dim=8)  # (the paper's)
   only_config = MemoryConfig(encoder=None, config=EARConfig(dim=8, slate_size=3))
@@ -207,6 +212,25 @@ def test_a_directory_of_the_earlier_default_learner_opens_as_it_was_created(tmp_
     assert new.config.ear.guard_holdout == 5 and new.learner.guard is not None
   with Memory.open(tmp_path / "new") as again:  # (written under presets 3: still the default)
     assert again.config.method is None and again.config.ear.guard_holdout == 5
+
+
+def test_a_default_directory_of_presets_3_keeps_its_k_of_20(tmp_path, monkeypatch):
+  # Written before presets 4 the default learner ('ear_safe') retrieved K = 20 candidates; opened
+  # now (also by a program passing the directory's own settings) it keeps them, and a new
+  # default memory retrieves `PRESET_POOL`'s K.
+  from ear_jax.agent.memory import Memory, MemoryConfig  # pylint: disable=import-outside-toplevel
+  from ear_jax.agent.memory import config as mconfig  # pylint: disable=import-outside-toplevel
+  default = MemoryConfig(encoder=None, dim=8)
+  with monkeypatch.context() as mp:
+    mp.setattr(mconfig, "PRESET_POOL", {})
+    mp.setattr(mconfig, "PRESETS_VERSION", 3)
+    Memory.open(tmp_path / "old", default).close()
+  stored = mconfig.stored_memory_config(tmp_path / "old")
+  assert stored.ear.num_candidates == 20 and stored.ear.guard_holdout == 5
+  with Memory.open(tmp_path / "old") as back:
+    assert back.config.ear.num_candidates == 20
+  with Memory.open(tmp_path / "new", default) as new:
+    assert new.config.ear.num_candidates == 100
 
 
 @pytest.mark.slow  # (two memory directories: seconds)

@@ -546,7 +546,8 @@ def test_a_settings_mismatch_says_in_plain_words_how_to_open_the_directory(tmp_p
   assert "method: 'ear_safe' there, 'ear' asked" in msg, msg
   assert "candidates: 'dense' there, 'bm25' asked" in msg, msg
   assert "Memory.open(path) without these" in msg and "new memory in another directory" in msg
-  assert msg.count(" there, ") == 2 and "stored=" not in msg  # not every field of the presets
+  assert "num_candidates: 100 there, 20 asked" in msg, msg  # (the presets' pools K)
+  assert msg.count(" there, ") == 3 and "stored=" not in msg  # not every field of the presets
   with Memory.open(tmp_path / "d") as m:  # as it says: without them
     assert m.config.first_stage_name == "dense"
 

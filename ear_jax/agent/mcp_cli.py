@@ -60,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
       "session is a scope and a date). Default: the directory's; for a new one first_stage.")
   add("--k", type=_at_least(1, int), default=None, help="K, the candidates per question the "
       "learner picks each slate from (MemoryConfig.num_candidates). Default: the directory's; for "
-      "a new one the method's.")
+      "a new one the preset's pool (100 for the default ear_safe; 20 for the others).")
   add("--encoder", default="minilm", help="Encoder spec of the memory: 'minilm' or a local "
       "Hugging Face checkpoint directory.")
   add("--cache_dir", default=None, help="Embedding cache directory (default: none).")

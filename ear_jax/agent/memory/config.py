@@ -23,12 +23,18 @@ SERVING = ("cache_dir", "batch_window_ms", "batch_max_queries", "warm_learner")
 # `PRESETS_VERSION` goes up and `PRESET_CHANGES[v]` says what the presets changed at v meant
 # before, so a directory written earlier (its meta's `presets` below v) opens with the settings it
 # was created with (`stored_config`), pinned as a config from then on.
-PRESETS_VERSION = 3
+PRESETS_VERSION = 4
 PRESET_CHANGES = {
     # 'ear_safe' before presets 2 guarded by evidence sums this version no longer has: such a
     # directory is refused (`stored_config`).
     2: {"ear_safe": None},
+    # Before presets 4 every preset's memory retrieved K = 20 candidates (`PRESET_POOL`).
+    4: {"ear_safe": dict(num_candidates=20)},
 }
+# The candidate pool K of a memory whose `num_candidates` is None, by preset (else the preset's own
+# `EARConfig.num_candidates`, 20): chosen on LoCoMo validation by `--suite=pool_tune`, and on the
+# test splits of both benchmarks never below the frozen first stage (RESULTS.md "Candidate pool K").
+PRESET_POOL = {"ear_safe": 100}
 # The learner of a memory given no `method`, `config` nor `hparams`: this preset since presets
 # `DEFAULT_METHOD_SINCE` (the tuned preset with the held-out guard, RESULTS.md "The held-out
 # guard"), its own `PRESET_CHANGES` applying to such a directory too; before, the paper's
@@ -64,8 +70,8 @@ class MemoryConfig:
     index_options: that searcher's options, sorted `(key, value)` pairs (a dict is accepted).
     num_candidates: `K`, the memories the first stage retrieves per question, from which the
       learner picks each slate (>= the slate size; even with `multistore`); None (the default):
-      the method's own K (`EARConfig.num_candidates`). RESULTS.md "Candidate pool K" measures
-      K = 20 / 50 / 100.
+      the preset's pool (`PRESET_POOL`: 100 for 'ear_safe', the default) or the method's own K
+      (`EARConfig.num_candidates`, 20). RESULTS.md "Candidate pool K" measures K = 20 / 50 / 100.
     candidates: the first stage, 'dense' | 'bm25' | 'hybrid' (`data.first_stage.GENERATORS`):
       with 'bm25' / 'hybrid' each candidate carries the first stage's scores as side features
       and queries need their texts. Not with an ANN `index`. None (the default): 'hybrid' with an
@@ -214,7 +220,10 @@ class MemoryConfig:
       raise ValueError("the embedding dimension is unknown: pass dim= or "
                        "config=EARConfig(dim=...)")
     if self.method is not None or (config is None and hparams is None):  # (DEFAULT_METHOD)
-      config, hparams = Method.named(self.method or DEFAULT_METHOD, dim=d)[1:3]
+      name = self.method or DEFAULT_METHOD
+      config, hparams = Method.named(name, dim=d)[1:3]
+      if self.num_candidates is None and name in PRESET_POOL:
+        config = dataclasses.replace(config, num_candidates=PRESET_POOL[name])
     if config is None:
       config = EARConfig(dim=d)
     if self.num_candidates is not None and self.num_candidates != config.num_candidates:
