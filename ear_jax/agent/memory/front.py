@@ -6,7 +6,7 @@ A memory is three objects behind one re-entrant lock: its rows (`rows.Rows`: tab
 lexical index, ANN searcher), its stage (`staging.Stage`: encoding, the first stage) and its
 learning (`learning.Learning`: the sessions and the learner they feed). Every public method
 validates its input first and raises ValueError (TypeError for wrong types; `InputTypeError` is
-both) naming the problem, with the state unchanged. docs/memory_design.md draws one query's and
+both) naming the problem, with the state unchanged. The design document draws one query's and
 one write's path.
 """
 from __future__ import annotations
