@@ -19,9 +19,8 @@ sentences/s), `memory` (a default `Memory`'s warm single-question `search` again
 2 x (encode + device search), and a second process's first search; `memory_latency`) and
 `suite` (wall time of `experiments.run --benchmark=locomo --suite=main`).
 
-The other suites are `ear_jax.experiment.scale_bench`, `first_stage_bench`, `server_bench`,
-`scope_bench`, `distributed_bench` and `accelerator_bench` (`--small`: a CPU check), each
-module's docstring saying what it measures; the default rows are `ear_jax.experiment.benchmarking`. This program reads the flags, calls them and
+The other suites: `ear_jax.experiment.scale_bench`, `first_stage_bench`, `server_bench`,
+`scope_bench`, `distributed_bench`, `accelerator_bench` (`--small`: a CPU check); the default rows are `ear_jax.experiment.benchmarking`. This program reads the flags, calls them and
 prints the table. Timings take the minimum over repetitions (the machine is shared; the minimum
 is the least disturbed run). Every ratio is printed with its target and whether it is met.
 """

@@ -1,4 +1,4 @@
-"""No machine-specific path anywhere in the repository (issue 20, item 12).
+"""No machine-specific path anywhere in the repository; source that speaks of the code.
 
 Every file git tracks, or would add (untracked and not ignored), is searched for absolute paths
 under the top-level folders that name one machine's layout (`_MACHINE_ROOTS`: work, root, home,
@@ -75,3 +75,33 @@ def test_the_checker_finds_a_machine_path(line):
 ])
 def test_the_checker_allows_portable_paths(line):
   assert not machine_paths(line), line
+
+
+# Numbered work history in source ("issue 27", "session 16", "BUILD_NOTES, ..."): the code says what
+# it does; history lives in git.
+HISTORY = re.compile(r"\b(?:[Ii]ssue|[Ss]ession) \d+\b(?! (?:of|holds|is|was|has|opened))|BUILD_NOTES")
+
+
+def _sources():
+  return sorted(p for top in ("ear_jax", "experiments") for p in (REPO / top).rglob("*.py"))
+
+
+def test_source_names_no_work_history_and_module_docstrings_stay_short():
+  import ast  # pylint: disable=g-import-not-at-top
+  history, long_doc = [], []
+  for path in _sources():
+    text = path.read_text()
+    history += [f"{path.relative_to(REPO)}:{i}" for i, line in enumerate(text.splitlines(), 1)
+                if HISTORY.search(line)]
+    doc = ast.get_docstring(ast.parse(text))
+    if doc and len(doc.splitlines()) > 25:
+      long_doc.append(f"{path.relative_to(REPO)} ({len(doc.splitlines())} lines)")
+  assert not history, history
+  assert not long_doc, long_doc
+
+
+@pytest.mark.parametrize("line,bad", [("see BUILD_NOTES", True), ("(issue 27)", True),
+                                      ("Session 16's choice", True), ("session 3 holds", False),
+                                      ("the session's id", False)])
+def test_the_history_checker(line, bad):
+  assert bool(HISTORY.search(line)) == bad

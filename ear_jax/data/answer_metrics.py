@@ -2,33 +2,23 @@
 
 Pure text functions (no I/O, no JAX, no LLM); the LLM judge (J) lives in `ear_jax.agent.llm.qa`.
 
-LoCoMo F1, exactly as `eval_question_answering` in snap-research/LoCoMo `task_eval/evaluation.py`:
-  * `normalize_answer`: drop commas, lower-case, drop ASCII punctuation, drop the words a / an /
-    the / and, collapse white space;
-  * `token_f1`: Porter-stemmed (`ear_jax.data.porter`, = NLTK's `PorterStemmer()`) token F1 of the
-    normalised texts (multiset overlap; 0 when nothing overlaps);
-  * per category (`locomo_f1`): the gold answer is `str(answer)`; category 3 (open-domain) keeps
-    only the part of the gold before the first ';'; categories 2, 3, 4 score `token_f1`;
-    category 1 (multi-hop) splits prediction and gold on ',' and averages, over the gold parts, the
-    best `token_f1` against any predicted part (`multi_answer_f1`); category 5 (adversarial) is 1
-    when the prediction contains 'no information available' or 'not mentioned' (any case), else 0.
-The categories are LoCoMo's numbers (1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop,
-5 adversarial); `LOCOMO_CATEGORY_NUMBERS` maps the loader's names back to them.
+LoCoMo F1, as `eval_question_answering` in snap-research/LoCoMo `task_eval/evaluation.py`:
+`normalize_answer` (drop commas, lower-case, drop ASCII punctuation and a / an / the / and,
+collapse white space); `token_f1`, the Porter-stemmed (`ear_jax.data.porter`) multiset token F1;
+per category (`locomo_f1`; LoCoMo's numbers 1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop,
+5 adversarial, `LOCOMO_CATEGORY_NUMBERS`): category 3 keeps the gold before the first ';';
+2, 3, 4 score `token_f1`; 1 splits both on ',' and averages over the gold parts the best
+`token_f1` against any predicted part (`multi_answer_f1`); 5 is 1 when the prediction contains
+'no information available' or 'not mentioned'. LongMemEval has no official F1: the same
+`token_f1` (no category rules); its abstention questions (`_abs` in the id, `is_abstention`) are
+judged with the official abstention prompt.
 
-LongMemEval's official scorer has no F1 (only the LLM judge); for Table 2's LongMemEval F1 the same
-`token_f1` is used (category rules do not apply). Its abstention questions (`_abs` in the question
-id) are judged with the official abstention prompt (`ear_jax.agent.llm.qa`); `is_abstention` names them.
-
-BLEU-1 (`bleu1`) is sentence BLEU-1 as memory-system papers report it for LoCoMo (mem0's and
-A-Mem's `calculate_bleu_scores`: NLTK `sentence_bleu([reference], hypothesis, weights=(1, 0, 0, 0),
-smoothing_function=SmoothingFunction().method1)` on lower-cased tokens). For unigram weights the
-smoothing never acts (NLTK returns 0 when no unigram matches), so BLEU-1 = BP * p1 with p1 the
-clipped unigram precision and BP = 1 if c > r else exp(1 - r / c) (c, r: hypothesis and reference
-lengths). Tokens: `tokenize`, a regular-expression approximation of `nltk.word_tokenize` (Punkt + Treebank,
-which needs NLTK data files): clitics split off ("children's" -> children 's, "don't" -> do n't),
-hyphenated words and decimals whole, quotes as `` / '', other punctuation alone. On LoCoMo's answers
-it gives NLTK's tokens for all but a few per cent of texts (measured: see BUILD_NOTES, "QA
-evaluation").
+BLEU-1 (`bleu1`), as mem0's and A-Mem's `calculate_bleu_scores` (NLTK `sentence_bleu` with weights
+(1, 0, 0, 0) and `method1` smoothing on lower-cased tokens), which for unigrams is BP * p1 (p1 the
+clipped unigram precision, BP = 1 if c > r else exp(1 - r / c)). Tokens: `tokenize`, a regular
+expression approximating `nltk.word_tokenize` (which needs NLTK data files): clitics split off
+("don't" -> do n't), hyphenated words and decimals whole, quotes as `` / '', other punctuation
+alone.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Answer support: how much an agent's answer draws on each candidate memory (issue 28).
+"""Answer support: how much an agent's answer draws on each candidate memory.
 
 Symbols: `N` queries, `K` candidates per query, `d` embedding dimension, `F` answer-support
 features (`core.critic.ANSWER_FEATURES`).
@@ -123,7 +123,7 @@ def answer_support(questions: Sequence[str], answers: Sequence[str], candidate_t
 def slate_support(question: str, answer: str, texts: Sequence[str], memories: np.ndarray,
                   embed) -> np.ndarray:
   """`[s, F]` float32 answer support of ONE slate of `s` shown memories, in `ANSWER_FEATURES`
-  order: `answer_support`'s features of one query (a live `Memory`'s feedback, issue 28).
+  order: `answer_support`'s features of one query (a live `Memory`'s feedback).
 
   Args:
     question: the question's text.

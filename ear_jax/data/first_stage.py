@@ -1,54 +1,26 @@
 """The first stage (Eq. (1) for any first stage): dense, BM25 and hybrid candidates, and their
 features, for the benchmark pipeline and for `ear_jax.agent.Memory` alike.
 
-Symbols: `q` queries, `C` rows of a bank (a benchmark bank padded to a power of two, or a
-`Memory`'s capacity), `K` candidates, `d` dimension, `F` side features
-(`FEATURE_SETS[options.features]`), `B` BM25 pairs per query (a power-of-two bucket), `t` the
-RRF depth.
+Symbols: `q` queries, `C` bank rows, `K` candidates, `d` dimension, `F` side features, `B` BM25
+pairs per query, `t` the RRF depth. ONE implementation: `rank_bank` is a pure, jittable function
+of the bank's embeddings, its mask and each query's nonzero BM25 `(row, score)` pairs; the
+pipeline calls it per bank (`bank_first_stage`) and `Memory` inside its one jitted search
+(`agent.memory.lexical_bank`): the same texts give the same candidates, order and features.
 
-ONE implementation: `rank_bank` is a pure, jittable function of the bank's embeddings, its
-candidate mask and each query's nonzero BM25 `(row, score)` pairs (`lexical.BM25Index.scores`,
-padded by `pairs`); `candidates.build_benchmark` calls it per bank (`bank_first_stage`), and
-`Memory` calls it inside its one jitted search (`ear_jax.agent.memory.lexical_bank`). So the
-same texts and embeddings give the same candidates, in the same order, with the same features,
-in a benchmark and in a live memory.
+A generator (`GENERATORS`, `core.types.CandidateGenerator`): `fn(BankScores(cos [q, C], lex [q, C],
+where [C]), k, options) -> (rows [q, k] int32, scores [q, k] float32)`, best first, ties to the
+lower row. `dense`: the frozen cosine (the paper's). `bm25`: BM25 over the bank's texts. `hybrid`:
+'weighted' (`lexical_weight * bm25~ + (1 - lexical_weight) * cos~`, min-max normalised; the weight
+chosen on LoCoMo validation, `--suite=first_stage_tune`) or 'rrf' (`1 / (rrf_k + rank)` summed;
+only rows in the top `t = ceil(rrf_k + 2 K) + 1` of either ranking can reach the fused top-K, so
+no full sort: `_ranks_one`, `O(C log t)` per query).
 
-A generator ranks the rows a query may see: `fn(BankScores(cos [q, C], lex [q, C], where [C]), k,
-options) -> (rows [q, k] int32, scores [q, k] float32)`, best first (ties: lower row first; -inf
-past the valid rows). `GENERATORS` names them for the command line (`core.types.
-CandidateGenerator`); adding one is one function and one registry line.
-
-- `dense`: the frozen encoder's cosine (the paper's Eq. (1); without features the pipeline and
-  `Memory` use the streamed `retrieval.top_k_search` instead, `top_k_candidates`).
-- `bm25`: BM25 over the bank's texts (`ear_jax.data.lexical`).
-- `hybrid`: a fusion of the two rankings over the whole bank, `FirstStageOptions.fusion`:
-  'weighted' (`lexical_weight * bm25~ + (1 - lexical_weight) * cos~`, each min-max normalised over
-  the valid rows) or 'rrf' (reciprocal-rank fusion, `1 / (rrf_k + rank)` summed over the two
-  rankings, float32). The weight is chosen on validation data only (BUILD_NOTES "First stage").
-  RRF without sorting the bank: only rows in the top-`t` of either ranking, `t = ceil(rrf_k + 2 K)
-  + 1` (capped at `C`), can reach the fused top-K (a row below `t` in both scores below
-  `2 / (rrf_k + t) < 1 / (rrf_k + K)`, which each of the cosine top-K beats); a row's rank in the
-  other ranking is `1 +` the valid rows before it, counted by a binary search among the `t`
-  (`_ranks_one`, `O(C log t)` per query).
-
-Side information (`features`, Appendix B.6): each candidate carries `FEATURES`: its first stage's
-own score min-max normalised over the K candidates (1 = the first stage's best, 0 = its K-th),
-the frozen dense cosine, and its BM25 score divided by the query's best candidate BM25 score.
-`ear_jax.core.adapter.relevance` adds `w . f` to the adapted cosine; `w` starts at
-`[side_init, -1, 0]`, so before any feedback the adapter-only slate is the first stage's top-s.
-
-Context features (issue 27; `FirstStageOptions.features = "context"`): three more per candidate,
-from what a bank knows of its rows (`Context`), which no first stage scores:
-`same_session` (the other candidates of the row's session, / K), `adjacent` (the rows just before
-and after it in its session, in insertion order, among the candidates, / 2) and `speaker_named`
-(1 when the row's speaker, the first word of a leading `Name:`, is one of the question's BM25
-terms). Chosen on LoCoMo validation (BUILD_NOTES "Session 16"); a bank without sessions or
-speakers gives 0. Sessions, speakers and turns come from `candidates.bank_context` (pipeline) or
-the `Memory`'s rows (`agent.memory.bank.DeviceBank`).
-
-Stores: single store, only dialogue rows (store 0) are candidates (and BM25 documents: the
-pipeline's and `Memory`'s indexes hold only them); `multistore`, each store's top-K/2, merged by
-score (store 0 first on equal scores).
+Side information (Appendix B.6, `FEATURES`): the first stage's own score min-max normalised over
+the K candidates, the dense cosine, and the BM25 score over the query's best; `adapter.relevance`
+adds `w . f` with `w` starting at `[side_init, -1, 0]`, so the untrained adapter serves the first
+stage's top-s. `features='context'` adds `same_session`, `adjacent` and `speaker_named` from the
+bank's sessions and speakers (0 without them). Stores: only dialogue rows (store 0) are
+candidates; `multistore`: each store's top-K/2 merged by score.
 """
 from __future__ import annotations
 
@@ -80,7 +52,7 @@ class FirstStageOptions:
   """Settings of the hybrid fusion (ignored by `dense` and `bm25`) and the side features.
 
   The defaults are the choice of `python -m experiments.run --benchmark=locomo
-  --suite=first_stage_tune --seeds=5` on LoCoMo validation data (BUILD_NOTES "First stage"):
+  --suite=first_stage_tune --seeds=5` on LoCoMo validation data:
   the weighted sum with a BM25 share of 0.6 (validation Recall@5 48.4; RRF 40.7).
   """
   fusion: str = "weighted"

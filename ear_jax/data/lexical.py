@@ -3,36 +3,25 @@
 Symbols: `N` documents (rows) of the allowed scopes, `V` term ids, `P` postings (one per
 (document, distinct term)), `S` scope codes, `n` queries.
 
-One tokenisation and one scoring for every caller (the benchmark pipeline, `ear_jax.agent.Memory`),
-so identical texts get identical scores everywhere:
-- tokens: lower-cased runs of word characters (`TOKEN_PATTERN`, `\\w+`: letters, digits, `_`),
-  with bm25s's English stop-word list `en_plus` (179 words: function words, pronouns and question
-  words such as 'what' / 'did') removed; no stemming (on LoCoMo, bm25s's 33-word list 'en' gives
-  40.0 Recall@5, 'en_plus' 45.9: question words match half of every conversation). `tokenize` is
-  bm25s's tokeniser with these settings;
-- scoring: BM25, Lucene's variant (`K1 = 1.2`, `B = 0.75`), with the statistics (document count,
-  mean length, document frequencies) of the ALLOWED SCOPES only: a scope is one bank (one
-  conversation, one question's haystack, one tenant of a `Memory`), so a scoped query scores
-  exactly as a BM25 index over that bank alone would (bm25s's `get_scores`, bit for bit:
-  `tests/test_bm25_index.py`), whatever the other scopes hold.
+One tokenisation and one scoring for every caller (the pipeline, `ear_jax.agent.Memory`): tokens
+are bm25s's tokeniser's lower-cased `\\w+` runs (`TOKEN_PATTERN`) without bm25s's English stop
+words `en_plus` (179 words, question words included: they match half of every conversation), no
+stemming; scoring is Lucene's BM25 (`K1 = 1.2`, `B = 0.75`) with the statistics of the ALLOWED
+SCOPES only, so a scoped query scores exactly as a BM25 index over that bank alone (bm25s's
+`get_scores`, bit for bit: `tests/test_bm25_index.py`), whatever the other scopes hold.
 
-Why not bm25s's index: it stores each (term, document) BM25 score, which depends on every document
-through the document frequencies and the mean length, so it has no incremental add, and its
-statistics are global. `BM25Index` stores what does not change (raw term frequencies, document
-lengths) and computes BM25 at query time from the allowed scopes' statistics, in the same float
-operations as bm25s (idf rounded to float32, the term-frequency part in float64, each (document,
-term) score rounded to float32, summed in float32 in the query's token order).
+Why not bm25s's index: it stores each (term, document) score, which depends on every document
+(document frequencies, mean length): no incremental add, global statistics. `BM25Index` stores
+raw term frequencies and lengths and computes BM25 at query time in bm25s's float operations
+(idf in float32, the term-frequency part in float64, each score rounded to float32, summed in
+float32 in the query's token order).
 
-Layout: postings `(key = term << 31 | scope, row, tf)` in a BASE segment sorted by key (a term's
-postings contiguous, by scope inside it), a DELTA segment sorted the same way, and an append-only
-TAIL (unsorted, scanned, at most `MAX_TAIL` postings). The tail is merged into the delta when it
-outgrows `MAX_TAIL`, the delta into the base when it outgrows `max(MIN_DELTA, base /
-DELTA_SHARE)` (each one timsort merge of two sorted runs, so an add costs `O(its tokens)`
-amortised). A scoped query reads only its scopes' ranges of the base and the delta (one binary
-search per (term, allowed scope) in each) plus the tail: `O(its scopes' postings of its terms)`
-plus a bounded scan, whatever the other scopes hold. `delete` is `O(its tokens)`: the statistics
-are decremented and the row's postings masked (`live`) until the next merge into the base drops
-them.
+Layout: postings `(key = term << 31 | scope, row, tf)` in a sorted BASE segment, a sorted DELTA
+and an append-only TAIL (at most `MAX_TAIL`, scanned); the tail merges into the delta, the delta
+into the base when it outgrows `max(MIN_DELTA, base / DELTA_SHARE)` (timsort merges of two runs:
+an add is `O(its tokens)` amortised). A scoped query reads its scopes' ranges (one binary search
+per (term, scope) per segment) plus the tail. `delete` is `O(its tokens)`: statistics decremented,
+postings masked (`live`) until the next merge into the base drops them.
 """
 from __future__ import annotations
 

@@ -1,72 +1,28 @@
 """Approximate candidate search through faiss: the ANN searchers behind `Memory(index=...)`.
 
-Symbols: `n` queries, `M` memories, `d` dimension, `K` candidates.
+Symbols: `n` queries, `M` memories, `d` dimension, `K` candidates. A searcher holds one faiss index per store (0 dialogue, 1 observation) and each vector's bank row;
+it answers what the exact device search answers (`core.retrieval.top_k_search` in
+`agent.memory.bank`): the top-K rows by inner product among the dialogue memories, or with
+`multistore` each store's top-K/2 merged by score (ties: store 0 first); unfilled rows are -1.
+`SEARCHERS`: `faiss_hnsw` (`IndexHNSWFlat`), `faiss_ivf` (`IndexIVFFlat`, exact `IndexFlatIP` until
+a store holds `train_factor * nlist` vectors, then trained once), `faiss_pq` (`IndexPQFastScan`,
+trained likewise). With `rerank > 1` it proposes `rerank * K` rows that the bank re-scores exactly
+in the same jitted call as the candidate gather.
 
-A searcher holds one faiss index per store (0 dialogue / episodic, 1 observation / semantic) and
-the bank row of every vector it holds; it answers the same question as the exact device search
-(`ear_jax.core.retrieval.top_k_search` in `ear_jax.agent.memory.bank`): the top-K rows by inner
-product (cosine: the rows are unit vectors) among the dialogue memories, or with `multistore` the
-top-K/2 of each store merged by score (equal scores: store 0 first). Rows it cannot fill are -1,
-masked. EAR is unchanged: it works on the K candidates whatever produced them.
+Hookup: `make_searcher(name, dim, options)`, `add(rows, emb, stores, scopes)` in table order,
+`remove(rows, bank)` (rebuilt from the live rows: HNSW cannot remove), `search(queries, k,
+multistore, allowed)`, `save(directory)` / `FaissSearcher.load(...)` for `<memory dir>/ann/`. A
+searcher is saved as itself (`faiss.serialize_index`), not rebuilt: IVF / PQ training and HNSW's
+insertion order depend on how rows were batched; HNSW's level generator is advanced past the
+vectors held so later adds get the levels they would have got. A file not holding exactly the
+table's live rows below its `rows` (stale) is named in `stale_file` and rebuilt from the table.
 
-Searchers (`SEARCHERS`, one line each to add another):
-
-* `faiss_hnsw`: `IndexHNSWFlat` (graph; no training; `hnsw_m`, `ef_construction`, `ef_search`).
-  Adding is slow on few cores (it searches the graph for every insert).
-* `faiss_ivf`: `IndexIVFFlat` (inverted lists over a k-means coarse quantizer; `nlist`, `nprobe`).
-  Until a store holds `train_factor * nlist` vectors it is searched exactly (`IndexFlatIP`); at
-  that size the quantizer is trained on everything held and later vectors are only assigned.
-* `faiss_pq`: `IndexPQFastScan` (4-bit product quantization scanned exhaustively; `pq_m`), whose
-  `rerank * K` best rows the bank re-scores exactly (`rerank`); trained like IVF (`train_size`).
-
-A searcher with `rerank > 1` proposes `rerank * K` rows; `ear_jax.agent.memory.bank` re-scores
-them with the exact inner product against its device rows (per store with `multistore`) and keeps
-the K best, in the same jitted call as the candidate gather.
-
-The hookup of the device bank (`ear_jax.agent.memory.bank`): `make_searcher(name, dim, options)`,
-then `add(rows, emb, stores, scopes)` as the table gives rows (device rows, ascending, never
-reused), `remove(rows, bank)` after a delete (rebuilt from the bank's live rows: HNSW cannot
-remove), `search(queries, k, multistore, allowed)`, `save(directory)` and
-`FaissSearcher.load(directory, name, options, dim, rows, emb, stores, scopes)` for
-`<memory dir>/ann/`.
-
-A searcher is saved as itself, not rebuilt (`save`: `<directory>/index.npz`, written atomically):
-each store's faiss index in faiss's own serialisation (`faiss.serialize_index`, a uint8 array) and
-its bank rows, and a meta record (`rows`: the bank rows it covers). Rebuilding could not give the
-same index back: IVF / PQ train on the vectors held when a store reaches its training size, which
-depends on how the rows were batched into `add`s, and HNSW inserts each batch highest level first
-(and, multi-threaded, in an order that depends on thread timing). faiss does not save HNSW's level
-generator: a restored one is advanced past the one draw per vector held, so adds after a load get
-the levels they would have got. `load` extends the saved state with the table's rows at or above
-its `rows`; a file that does not hold exactly the table's live rows below them (stale: a delete
-committed, then the process died before `Memory` removed the directory) is not used, named in
-`stale_file` (`Memory.open` removes it), and the searcher rebuilt from the table.
-`state_id` names one state (a new random id after every add), so `save` skips an unchanged one.
-
-Scopes (`Memory(...).search(..., scope=...)`): a scoped search passes the `allowed` mask over
-scope codes; the searcher keeps every row's scope code (`row_scopes`, given to `add`) and each
-store searches with a faiss ID selector (`IDSelectorBitmap` over its vector positions, in
-`SearchParameters` / `SearchParametersIVF` / `SearchParametersHNSW` carrying the index's own
-`nprobe` / `efSearch`), so only rows of those scopes are proposed. The bitmaps are cached per
-store and scope set (`MAX_SELECTORS`, least recently used first out) and extended in place with
-the vectors added since, never rebuilt per query; `remove` rebuilds the stores, and with them the
-caches. An index that cannot filter (PQ fast-scan, once trained) answers None, and the bank
-searches that query exactly on the device.
-
-Every query gets `min(k, rows it may return)` rows (per store with `multistore`), however small
-its scopes: a filtered HNSW search walks the whole graph but keeps only selected nodes, and a
-filtered IVF search probes `nprobe` lists that may hold none of a scope's rows, so for a small
-scope both find few of its rows or none, and HNSW slower than the exact device search over the
-whole bank (masked per scope; measured in BUILD_NOTES, issue 31). So a scoped search of a store
-holding at most `FEW_ROWS * k` rows of the scopes goes straight to the exact device search (the
-searcher answers None), and any search (scoped or not) in which a query got fewer rows than it
-may return answers None too, for the whole batch. (The bank does not even ask the searcher when the
-scopes hold at most `capacity / bank.GATHER_SHARE` rows: it gathers and scores exactly those rows,
-a cost proportional to the scope, issue 30.) Widening efSearch / nprobe was not taken: it
-costs as much as the exact search for a small scope and guarantees nothing for HNSW.
-
-This module is host-side (faiss runs on the CPU, numpy in and out); it is its own layer between
-`io` and `agent` because `core` does no I/O and `data` is about benchmarks.
+Scopes: a scoped search filters with cached `IDSelectorBitmap`s per store and scope set
+(`MAX_SELECTORS`, LRU, extended in place). A small scope (at most `FEW_ROWS * k` rows), an index
+that cannot filter (trained PQ fast-scan) or any query that got fewer rows than it may return
+answers None, and the bank searches exactly on the device: a filtered HNSW / IVF search finds few
+of a small scope's rows, and the exact search over the scope costs no more. Host-side (faiss on
+the CPU, numpy in and out): its own layer between `io` and `agent`.
 """
 from __future__ import annotations
 
