@@ -175,7 +175,7 @@ HOSTILE = [
     ("recall", {"question": 3}, "question"),
     ("recall", {"question": "fox", "k": "many"}, "k"),
     ("recall", {"question": "fox", "k": 0}, "k"),
-    ("recall", {"question": "fox", "k": 99}, "k"),
+    ("recall", {"question": "fox", "k": 1000}, "k"),
     ("recall", {"question": "fox", "learn": "no"}, "learn"),
     ("recall", {"question": "fox", "learn": 0}, "learn"),
     ("recall", {}, "question"),

@@ -116,3 +116,23 @@ def test_kill_9_after_the_save_interval_keeps_the_learning_saved_by_then(tmp_pat
   assert "shutdown: learner saved" not in (tmp_path / "err.log").read_text()  # (killed: none)
   with Memory.open(tmp_path / "mem") as m:  # the 4 open sessions and their feedback were saved
     assert m.stats["feedback"] == 4 and m.stats["sessions"] == 4 and len(m) == 12
+
+
+@pytest.mark.slow  # (subprocesses: seconds each)
+def test_a_process_ends_cleanly_while_the_learner_still_compiles(tmp_path):
+  # Closed (or the server ended by stdin EOF) while `warm_learner`'s thread compiles: the process
+  # must not crash in the interpreter's teardown (it aborted with the compiler running).
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  env = {**os.environ, "PYTHONPATH": str(mcp_agent.REPO), "JAX_PLATFORMS": "cpu"}
+  code = ("import sys; from ear_jax.agent.memory import Memory, MemoryConfig; "
+          "Memory.open(sys.argv[1], MemoryConfig(encoder=None, dim=16, warm_learner=True)).close()")
+  for i in range(2):
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"m{i}")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "terminate" not in done.stderr, done.stderr[-2000:]
+    served = subprocess.run(
+        [sys.executable, "-m", "ear_jax.agent.mcp_cli", f"--memory_dir={tmp_path / f's{i}'}",
+         "--candidates=dense"], env=env, capture_output=True, text=True, timeout=300,
+        stdin=subprocess.DEVNULL)  # (stdin ends at once: saves and exits)
+    assert served.returncode == 0, served.stderr[-2000:]

@@ -15,6 +15,7 @@ required).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -152,6 +153,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     pass
   finally:
     service.close()
+  # Everything is saved. Leave without the interpreter's teardown: the learner's warm-up thread
+  # may still be compiling, and tearing JAX down under it crashes the process (exit 134 / -11).
+  for stream in (sys.stdout, sys.stderr):
+    with contextlib.suppress(ValueError, OSError):  # (stdio's transport closed stdout)
+      stream.flush()
+  os._exit(0)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":

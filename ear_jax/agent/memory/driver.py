@@ -144,6 +144,12 @@ class Driver:
     self._warming = threading.Thread(target=run, daemon=True, name="ear-learner-warm")
     self._warming.start()
 
+  def join_warm(self) -> None:
+    """Waits for `warm`'s compilation (a process must not exit while a thread compiles)."""
+    warming = self._warming
+    if warming is not None:
+      warming.join()
+
   def next_held(self, question: str = "", scope=()) -> int:
     """Whether a training session of `question` (in the scopes `scope`) is held out for the
     guard. A question seen before in the same scopes keeps its part, so a held-out question is

@@ -187,6 +187,7 @@ class Memory:
       if self._hold is not None:
         self._hold.release()
         self._hold = None
+    self._learning.join_warm()  # (a process must not exit while a thread compiles)
 
   def __enter__(self) -> "Memory":
     return self

@@ -252,6 +252,11 @@ class Learning:
     with self._lock:
       self.registry.closed_memory = True
 
+  def join_warm(self) -> None:
+    """Waits for the learner's warm-up compilation, if one runs (`MemoryConfig.warm_learner`);
+    call it without the lock."""
+    self.driver.join_warm()
+
   def info(self, sid: int) -> tuple[int, bool]:
     with self._lock:
       s = self.registry.get(sid)
