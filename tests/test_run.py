@@ -89,14 +89,21 @@ def test_retriever_method_table_matches_an_independent_frozen_top5(tmp_path):
   assert np.all(np.array(run["metrics"]["recall_explorer"]["per_seed"]) <= ceiling + 1e-3)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def all_suites(tmp_path_factory):
-  wd = tmp_path_factory.mktemp("all")
-  return suites.run(suites.Options(workdir=str(wd), suite="all", **TINY)), wd
+  """`--suite=all` on the tiny benchmark, run ONCE for the whole test session: the pytest-xdist
+  workers share it through their common temporary root (the first builds it under a file lock,
+  the others read its results.json)."""
+  import filelock  # pylint: disable=g-import-not-at-top
+  root = tmp_path_factory.getbasetemp().parent  # (xdist: shared by the workers; else the session's)
+  wd = root / "all_suites"
+  with filelock.FileLock(str(root / "all_suites.lock")):
+    if not (wd / "results.json").is_file():
+      suites.run(suites.Options(workdir=str(wd), suite="all", **TINY))
+  return json.loads((wd / "results.json").read_text()), wd
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("all_suites")  # every user of `all_suites`: one worker builds it (pytest.ini)
 @pytest.mark.parametrize("suite", suites.ALL_ORDER)
 def test_every_suite_writes_its_table_and_plots_on_synthetic(all_suites, suite):
   results, wd = all_suites
@@ -114,7 +121,6 @@ def test_every_suite_writes_its_table_and_plots_on_synthetic(all_suites, suite):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("all_suites")
 def test_main_suite_table_matches_results_json_and_the_frozen_top5(all_suites):
   results, wd = all_suites
   runs = results["runs"]
@@ -136,7 +142,6 @@ def test_main_suite_table_matches_results_json_and_the_frozen_top5(all_suites):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("all_suites")
 def test_a_method_alone_gives_the_same_numbers_per_seed_as_inside_the_all_suite(all_suites,
                                                                                  tmp_path):
   """Issue 20 item 11: a method's numbers depend on the method, seeds, data and settings only,
@@ -162,7 +167,6 @@ def test_a_method_alone_gives_the_same_numbers_per_seed_as_inside_the_all_suite(
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("all_suites")
 def test_results_json_has_every_field(all_suites):
   _, wd = all_suites
   res = json.loads((wd / "results.json").read_text())
