@@ -1,12 +1,8 @@
 """JSON-able summaries of experiment runs: mean ± std over seeds, the Recall@K ceiling,
-per-category metrics, learning-curve crossings, the multi-store diagnostics (Table 5, Fig. 6,
-Appendix C) and the library versions a result depends on.
+per-category metrics, learning curves, the multi-store diagnostics (Table 5, Fig. 6, Appendix C)
+and the library versions a result depends on.
 
-`summarize` turns a `runner.RunResult` into the per-run dict written to `result.json` and
-`results.json` (percent, per seed and mean ± std): the four test metrics of the paper's two
-test-time modes, then (`PAGING_METRIC_NAMES`) those of paging over the first stage's and
-over the adapted ranking, explorer-assisted inference's baseline with the same critic and calls.
-Library code: no flags are read here.
+`summarize` turns a `runner.RunResult` into the per-run dict of `result.json` / `results.json`.
 """
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ from ear_jax.core.config import EARConfig, HParams
 from ear_jax.core.stream import Stream
 from ear_jax.experiment.runner import METRIC_NAMES, RunResult
 
-# Paging (`core.inference.evaluate`): the critic reads a ranking's top T x s in T pages of s.
-# Appended after `METRIC_NAMES` in a summary's "metrics" (the earlier keys keep their positions).
+# Paging (the critic reads a ranking's top T x s in T pages of s), appended after `METRIC_NAMES`.
 PAGING_METRIC_NAMES = ("recall_paging_first_stage", "hitrate_paging_first_stage",
                        "recall_paging_adapted", "hitrate_paging_adapted")
 # (per-query field of `RunResult.eval`, per-category metric name), in the order they are written.
@@ -66,9 +61,7 @@ def ceiling(stream: Stream, test_index: np.ndarray, slate_size: int = 5,
   """Best achievable test metrics of any reranker of the K candidates, per seed (percent).
 
   `recall@K`: all gold inside the top-K; `recall@s`: that and at most `s` gold; `hitrate@K`: any.
-  With `window < K` (`EARConfig.loss_window`, `T s`) also `recall@window`: all gold inside the
-  first stage's own top `window` (candidates are in the first stage's rank order), the ceiling of
-  anything that shows the critic only those.
+  With `window < K` (`T s`) also `recall@window`: all gold inside the first stage's top `window`.
   """
   gold_k = np.asarray(stream.gold)[test_index]
   gold = gold_k.sum(-1)
@@ -83,14 +76,8 @@ def ceiling(stream: Stream, test_index: np.ndarray, slate_size: int = 5,
 
 
 def beyond_window(slates: np.ndarray, gold: np.ndarray, window: int) -> dict:
-  """Where a served top-s comes from: the share of its memories outside the first stage's top
-  `window` (`T s`), and the share of those that are gold (percent, per seed).
-
-  Args:
-    slates: `[S, M, s]` candidate indices (-1 = empty), candidates in the first stage's order.
-    gold: `[S, M, K]` bool.
-    window: `T s`.
-  """
+  """Share of a served top-s outside the first stage's top `window` (`T s`), and the gold share
+  of those (percent, per seed). `slates [S, M, s]` (-1 = empty), `gold [S, M, K]`."""
   slates = np.asarray(slates)
   valid = slates >= 0
   deep = valid & (slates >= window)
@@ -103,9 +90,8 @@ def beyond_window(slates: np.ndarray, gold: np.ndarray, window: int) -> dict:
 
 def summarize(result: RunResult, stream: Stream, categories: Optional[np.ndarray] = None,
               slate_size: int = 5) -> dict:
-  """JSON-able summary of a run: per-seed and mean ± std of the test metrics (percent; the paper's
-  four, then `PAGING_METRIC_NAMES`), per category, the Recall@K ceiling, critic calls, the
-  learning curve and wall time."""
+  """JSON-able summary of a run: per-seed and mean ± std test metrics (percent), per category,
+  the Recall@K ceiling, critic calls, the learning curve and wall time."""
   ev = result.eval
   has = np.asarray(stream.num_gold)[result.test_index] > 0
   out = {"name": result.name, "config": config_dict(result.config),
@@ -145,8 +131,7 @@ def first_crossing(curve: list, metric: str, level: float, x: str = "queries_see
   return None
 
 
-# ----------------------------------------------------------------------------------------------
-# Multi-store diagnostics (Section 5, Appendix C)
+# --- Multi-store diagnostics (Section 5, Appendix C) ---
 
 
 def store_metrics(slates: np.ndarray, gold: np.ndarray, store: np.ndarray,
@@ -229,8 +214,7 @@ def versions() -> dict:
     out["orbax_checkpoint"] = ocp.__version__
   except Exception:  # pylint: disable=broad-except
     pass
-  # XLA compiles for the host's instruction set, so float rounding (and through EAR's argmax
-  # decisions, a few slates) can differ between CPU models: results name theirs.
+  # Float rounding can differ between CPU models (XLA targets the host's instruction set).
   out["cpu"] = _cpu_model()
   return out
 
