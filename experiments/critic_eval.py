@@ -127,7 +127,7 @@ _ANSWER_HEADER = ("| critic | precision | recall | F1 | precision, every slate s
 
 
 def _llm_answer_bench(bench, needed):
-  """`(bench with the LLM's answer support, info)` from --answers_file (--generate_answers first)."""
+  """`(bench with the LLM's answer support, info)` from --answers_file (see --generate_answers)."""
   from ear_jax.data import answer_metrics  # pylint: disable=g-import-not-at-top
   from ear_jax.data import answer_support  # pylint: disable=g-import-not-at-top
   from ear_jax.experiment import agent_answers  # pylint: disable=g-import-not-at-top

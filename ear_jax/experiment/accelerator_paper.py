@@ -93,18 +93,10 @@ def run_main_suite(repo: pathlib.Path, suite_args: Sequence[str], precision: str
                    reference: str, tolerance: float, timeout: float) -> dict:
   """`experiments.run <suite_args>` on the device beside a CPU reference.
 
-  Args:
-    repo: the repository root (the subprocesses run there).
-    suite_args: the flags of `experiments.run`.
-    precision: `JAX_DEFAULT_MATMUL_PRECISION` of both runs.
-    reference: a reference JSON file (`reference_from_results`), or `"cpu"`: the same command now
-      on the host CPU.
-    tolerance: points, compared on the means over seeds.
-    timeout: seconds per subprocess.
-
-  Returns:
-    The device run, the reference's source and command, the comparison rows and
-    `all_within_tolerance`.
+  `reference`: a reference JSON file (`reference_from_results`), or `"cpu"`: the same command now
+  on the host CPU. `precision`: `JAX_DEFAULT_MATMUL_PRECISION` of both runs; `tolerance`: points,
+  compared on the means over seeds; `timeout`: seconds per subprocess. Returns the device run, the
+  reference, the comparison rows and `all_within_tolerance`.
   """
   out = {"args": list(suite_args), "precision": precision, "tolerance_points": tolerance}
   device = _run_suite(repo, suite_args, subprocess_env(precision), timeout)

@@ -24,16 +24,9 @@ from ear_jax.core import critic as critic_lib
 
 
 class SlateRecord(NamedTuple):
-  """One slate shown by the training policy.
-
-  Attributes:
-    query: the query's row in the stream the episode ran on.
-    round: the Explorer round `t` in `[0, T)`.
-    question: the query text.
-    texts: the slate's memory texts (non-empty positions, slate order).
-    gold: `[len(texts)]` bool, which of them are gold evidence.
-    positions: `[len(texts)]` their candidate positions in `[0, K)` (slate order).
-  """
+  """One slate shown by the training policy: `query` (its row in the stream), Explorer `round`
+  in `[0, T)`, `question`, the memory `texts` (slate order), `gold` `[len(texts)]` bool and their
+  candidate `positions` in `[0, K)`."""
   query: int
   round: int
   question: str
@@ -60,14 +53,9 @@ class _Recorder:
 def record_training_slates(key: jax.Array, bench, config, hparams, critic=None) -> list[SlateRecord]:
   """Every slate the Explorer training policy shows on `bench` (one episode, in stream order).
 
-  Args:
-    key: the episode's PRNG key.
-    bench: an `ear_jax.data.candidates.Benchmark` (texts and gold flags).
-    config, hparams: the learner's (`train_slate='explorer'`).
-    critic: the jitted critic that drives the episode (default: the paper's simulated critic).
-
-  Returns:
-    `N * T` records, in the order shown.
+  `bench` is a `candidates.Benchmark` (texts and gold flags), `config` the learner's
+  (`train_slate='explorer'`), `critic` the one driving the episode (default: the simulated
+  critic). Returns `N * T` records, in the order shown.
   """
   recorder = _Recorder(critic_lib.or_default(critic))
   episode_lib.run_critic_episode(key, bench.stream, bench.query_texts, bench.candidate_texts,
@@ -174,18 +162,11 @@ def jitted_citations(critic, stream, slates: Sequence[SlateRecord], key: jax.Arr
   """The citations of a jitted critic (e.g. `AnswerCritic`) on recorded slates.
 
   Each slate is shown through `critic.slate_view` of its query's row of `stream`, as inside the
-  training scan.
-
-  Args:
-    critic: a critic pytree, or (`stacked=True`) `H` critics stacked on a leading axis.
-    stream: the `Stream` whose rows the records' `query` fields index.
-    slates: the recorded slates (their `positions` are candidate positions).
-    key: PRNG key, split into one key per slate; the key is consumed.
-    slate_size: `s`.
-    stacked: whether `critic` holds `H` critics.
+  training scan; `key` is split into one key per slate (consumed). With `stacked`, `critic` holds
+  `H` critics on a leading axis and `H` lists are returned.
 
   Returns:
-    Per slate, the cited positions (indices into its `texts`); with `stacked`, `H` such lists.
+    Per slate, the cited positions (indices into its `texts`).
   """
   if not stacked:
     critic = critic_lib.stack_critics([critic])

@@ -202,15 +202,12 @@ class SeedResult:
   """One seed streamed through `Memory`.
 
   Attributes:
-    seed: the seed.
-    all_gold: mode -> `[M]` bool, every gold memory of test question j in its slate (Recall@s).
-    any_gold: mode -> `[M]` bool, some gold memory in it (Hitrate@s).
-    recall, hitrate: mode -> the means over test questions (fractions).
+    all_gold, any_gold: mode -> `[M]` bool, every / some gold memory in the slate (Recall@s /
+      Hitrate@s); `recall`, `hitrate`: their means (fractions).
     slates: mode -> `[M]` tuples of the returned memory ids.
     seconds: per step ('train', 'search', 'recall_test'; critic excluded), 'critic' and 'add'.
     per_question_ms: step -> `[N]` or `[M]` ms (critic excluded).
     outside_candidates: shown or returned ids not among the runner's candidates of the question.
-    learner_steps: `Memory.stats['learner_steps']` after training.
     pending: training questions left queued (fewer than `b`).
     bank_bytes: the bytes one exact search reads (the bank's `[C, d]` embeddings).
   """
@@ -233,14 +230,9 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
              progress: Optional[Callable[[str], None]] = None) -> SeedResult:
   """Streams one seed's split through a fresh `Memory` (see the module docstring).
 
-  Args:
-    data: the benchmark (`live_data`).
-    method: the method (`runner.build_method`), the same object the runner runs.
-    seed: the seed (the runner's keys of this seed; the `Memory`'s seed).
-    train_index: `[N]` benchmark queries of the training stream, in order.
-    test_index: `[M]` test queries.
-    critic: the simulated critic (default: the paper's).
-    progress: optional callable taking a line of text (every 500 questions).
+  `method` is the object the runner runs (`runner.build_method`); `seed` gives the runner's keys of
+  this seed and the `Memory`'s seed; `train_index [N]` / `test_index [M]` are benchmark queries in
+  stream order; `progress` takes a line every 500 questions.
   """
   critic = critic or critic_lib.make_simulated_critic()
   config = method.config
@@ -483,18 +475,10 @@ def load_live_data(benchmark: str, *, data_dir=None, encoder="minilm", cache_dir
 def run(data: LiveData, method: Method, seeds: Sequence[int],
         critic: Optional[critic_lib.SimulatedCritic] = None, *, time_scan: bool = True,
         name: str = "live") -> tuple[dict, list]:
-  """The jitted runner and the live stream on the same seeds, compared (`compare`).
+  """The jitted runner and the live stream on the same seeds and splits, compared (`compare`).
 
-  Args:
-    data: the benchmark.
-    method: the method (`runner.build_method`).
-    seeds: the seeds (the runner's splits `runner.seed_splits`).
-    critic: the simulated critic (default: the paper's).
-    time_scan: time a second, compiled runner call; else the first (compilation included).
-    name: run name (logs).
-
-  Returns:
-    `(comparison dict, [SeedResult])`.
+  `time_scan` times a second, compiled runner call (else the first, compilation included).
+  Returns `(comparison dict, [SeedResult])`.
   """
   critic = critic or critic_lib.make_simulated_critic()
   seeds = [int(x) for x in seeds]

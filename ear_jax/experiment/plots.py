@@ -26,14 +26,10 @@ def learning_curves(path, curves: Mapping[str, list], *, metric: str = "recall_a
   """One line per run: mean over seeds of `metric` against mean `x`, with a 95% interval band.
 
   Args:
-    path: output PNG path.
     curves: `{label: curve}`; a curve is a list of points `{x: [S], metric: [S], ...}`.
     metric: which metric (percent).
     x: 'queries_seen' or 'critic_calls'.
-    title: plot title.
-    xlabel: axis label (default from `x`).
     hlines: `{label: value}` horizontal reference lines (e.g. the frozen retriever).
-    ylabel: axis label.
   """
   plt = _plt()
   fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -64,13 +60,9 @@ def grouped_bars(path, groups: Sequence[str], series: Mapping[str, Mapping[str, 
                  interval: str = stats.INTERVAL_LABEL):
   """Grouped bars: per group one bar per series, the mean with its 95% t-interval.
 
-  Args:
-    path: output PNG path.
-    groups: x-axis groups (e.g. question categories).
-    series: `{series_label: {group: [n] values}}` (per seed, or e.g. per question).
-    title, ylabel: labels.
-    paper: optional `{series_label: {group: value}}` drawn as black markers.
-    interval: what the values are samples of, for the legend.
+  `series`: `{series_label: {group: [n] values}}` (per seed, or e.g. per question); `paper`:
+  optional `{series_label: {group: value}}` drawn as black markers; `interval` names what the
+  values are samples of, for the legend.
   """
   plt = _plt()
   fig, ax = plt.subplots(figsize=(max(6.4, 1.2 * len(groups) * max(1, len(series)) / 2), 4.2))
@@ -105,12 +97,7 @@ def paired_differences(path, diffs: Mapping[str, Mapping[str, Mapping]], *, titl
                        ylabel: str = "difference (points)", baseline: str = "baseline"):
   """Paired differences vs a baseline: one marker per (comparison, metric), 95% interval bars.
 
-  Args:
-    path: output PNG path.
-    diffs: `{comparison_label: {metric: d}}`, `d` a `PairedDifference` or its `to_json()` dict.
-    title: plot title.
-    ylabel: axis label (treatment - baseline).
-    baseline: the baseline's name (axis label).
+  `diffs`: `{comparison_label: {metric: d}}`, `d` a `PairedDifference` or its `to_json()` dict.
   """
   plt = _plt()
   labels = list(diffs)

@@ -48,7 +48,7 @@ class Interrupted(Exception):
 
 def build_method(method: str, *, dim: int, num_candidates: int, hparams: Optional[dict] = None,
                  critic=None, **overrides) -> Method:
-  """`Method.named(method, ...)`: the preset's config and hyperparameters; None overrides dropped."""
+  """`Method.named(method, ...)`: the preset's config and hyperparameters (None overrides dropped)."""
   overrides = {k: v for k, v in overrides.items() if v is not None}
   return Method.named(method, hparams=hparams, critic=critic, dim=dim,
                       num_candidates=num_candidates, **overrides)
@@ -226,23 +226,18 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
     stream: the benchmark's stream of all queries.
     train_index: `[S, N]` training queries per seed, in stream order (one epoch).
     test_index: `[S, M]` test queries per seed.
-    config: static config.
-    hparams: hyperparameters (shared by the seeds).
+    config, hparams: the method (hyperparameters shared by the seeds).
     seeds: the `S` seeds; seed `i` uses `PRNGKey(seeds[i])`, split into (episode, evaluation).
     epochs: passes over the training stream.
     eval_every: evaluate the test set every this many training queries, at 0 and at the end;
       None: only at the end.
     checkpoint_every: save a checkpoint every this many training queries and at the end.
-    checkpointer: a `run_checkpoints.RunCheckpointer` (None: no checkpoints).
-    resume: continue from the checkpointer's latest checkpoint when there is one.
-    stop_after_chunks: raise `Interrupted` after this many segments (after their checkpoint).
+    checkpointer: a `run_checkpoints.RunCheckpointer` (None: no checkpoints); `resume` continues
+      from its latest checkpoint; `stop_after_chunks` raises `Interrupted` after that many
+      segments (after their checkpoint).
     critic: a critic pytree shared by the seeds (default: the paper's simulated critic).
-    progress: show a tqdm bar over segments.
     seed_axis: split the seeds over every process's devices (`sharding.SeedAxis`; default when
       several processes run); no checkpointer then (ValueError).
-
-  Returns:
-    A `RunResult`.
   """
   t0 = time.perf_counter()
   critic = critic_lib.or_default(critic)

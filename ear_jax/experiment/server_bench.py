@@ -60,17 +60,8 @@ def run(repo: pathlib.Path, *, memories: int = 100_000, scopes: int = 100,
         server_args: tuple = (),
         timeout_s: float = 300.0) -> dict:
   """The whole benchmark in a new temporary directory, removed after a run without errors and
-  kept (its path printed) otherwise.
-
-  Args:
-    repo: the repository root (where the server runs).
-    memories, scopes, clients, seconds: `N`, `S`, `C` and each timed phase's duration.
-    warmup_s: the untimed warm-up's duration.
-    batch_window_ms: the micro-batching window (`--batch_window_ms`), also in-process.
-    encoder_batch_tokens: the server's `--encoder_batch_tokens`, also in-process.
-    server_args: more `ear-mcp-server` flags.
-    timeout_s: a client's limit on one call.
-  """
+  kept (its path printed) otherwise. `memories`, `scopes`, `clients`: `N`, `S`, `C`; `seconds`
+  per timed phase; `batch_window_ms` / `encoder_batch_tokens` apply to the server and in-process."""
   import shutil  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
   if not 1 <= scopes <= memories:

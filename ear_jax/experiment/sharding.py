@@ -42,17 +42,10 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
                            process_id: Optional[int] = None) -> bool:
   """Calls `jax.distributed.initialize` when a multi-host run is asked for; else does nothing.
 
-  Asked for = a coordinator address passed or in `$EAR_COORDINATOR_ADDRESS` (with
-  `$EAR_NUM_PROCESSES`, `$EAR_PROCESS_ID`). Call it before any other JAX call.
-
-  Args:
-    coordinator_address: `host:port` of process 0, `'auto'` (SLURM, TPU pods), or None (read the
-      environment).
-    num_processes: total processes (None: environment or auto-detection).
-    process_id: this process's index (None: environment or auto-detection).
-
-  Returns:
-    True when `jax.distributed.initialize` was called.
+  Asked for = `coordinator_address` (`host:port` of process 0, or `'auto'` for SLURM / TPU pods)
+  passed or in `$EAR_COORDINATOR_ADDRESS`; `num_processes` / `process_id` default to
+  `$EAR_NUM_PROCESSES` / `$EAR_PROCESS_ID` or auto-detection. Call it before any other JAX call.
+  Returns True when `jax.distributed.initialize` was called.
   """
   address = coordinator_address or os.environ.get(ENV_COORDINATOR)
   if not address:
@@ -104,14 +97,9 @@ class SeedAxis:
   def map(self, fn, sharded: dict, replicated: dict, **static):
     """`fn(**sharded, **replicated, **static)` with each device on its own seeds.
 
-    Args:
-      fn: a function of per-seed-batched arguments whose every output has the leading seed axis.
-      sharded: name -> global `[S', ...]` tree (from `shard` or an earlier `map`).
-      replicated: name -> host tree every device sees whole (hyperparameters, a critic).
-      **static: hashable static arguments (a config).
-
-    Returns:
-      `fn`'s outputs as global `[S', ...]` arrays split by seeds.
+    `fn` takes per-seed-batched arguments and returns outputs with the leading seed axis;
+    `sharded`: name -> global `[S', ...]` tree; `replicated`: name -> host tree every device sees
+    whole; `static`: hashable arguments. Returns `fn`'s outputs as global `[S', ...]` arrays.
     """
     names = tuple(sharded) + tuple(replicated)
     call = _seed_sharded_fn(fn, self.mesh, names, len(sharded), tuple(sorted(static.items())))
@@ -161,14 +149,12 @@ def sharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hparams
     stream: `N` training queries (replicated on every device).
     config: static config.
     hparams: `HParams` shared by all runs, or with a leading `[R]` axis on every leaf when
-      `hparams_batched` (build it with `config.stack_hparams`).
+      `hparams_batched` (`config.stack_hparams`).
     critic: a critic pytree shared by the runs (default: the paper's simulated critic).
     mesh: a 1-D mesh with axis `'runs'` (default: `run_mesh()`, all devices).
-    hparams_batched: whether `hparams` has the leading run axis.
 
   Returns:
-    `(LearnerState, records)` with a leading `[R]` axis on every leaf, as global arrays (use
-    `gather_to_host` in multi-host runs).
+    `(LearnerState, records)` with a leading `[R]` axis on every leaf, as global arrays.
   """
   mesh = run_mesh() if mesh is None else mesh
   critic = critic_lib.or_default(critic)
@@ -263,14 +249,9 @@ def shard_bank_local(local_bank: np.ndarray, local_valid: np.ndarray,
                      mesh: Optional[Mesh] = None):
   """The global bank from the rows each process holds (a bank split across processes).
 
-  The bank is the processes' rows concatenated in process order. Each process holds `R` rows
-  (`max_p M_p` rounded up to its device count; padding invalid, row id -1). A collective: every
-  process calls it with the same mesh, in the same order.
-
-  Args:
-    local_bank: `[M_p, d]` this process's rows.
-    local_valid: `[M_p]` their validity mask.
-    mesh: a 1-D `'bank'` mesh over every process's devices, process-major (default `bank_mesh()`).
+  The bank is the processes' `local_bank [M_p, d]` / `local_valid [M_p]` concatenated in process
+  order; each process holds `R` rows (`max_p M_p` rounded up to its device count; padding invalid,
+  row id -1). A collective: every process calls it with the same `'bank'` mesh, in the same order.
 
   Returns:
     `(bank [P R, d], valid [P R], row_ids [P R] int32)`, global arrays split by rows over the mesh;
@@ -344,15 +325,13 @@ def sharded_top_k_search(queries, bank: jax.Array, valid: jax.Array, k: int, *,
 
   Args:
     queries: `[n, d]` unit queries (replicated).
-    bank: `[M', d]` the global sharded bank of `shard_bank`.
-    valid: `[M']` its validity mask.
+    bank, valid: `[M', d]` / `[M']` the global sharded bank and its mask.
     k: `K`.
     mesh: the mesh the bank was sharded with (default: `bank_mesh()`).
     row_ids: `[M']` the global row of each held row (`shard_bank_local`); None: by position.
 
   Returns:
-    `(index [n, K] int32 (-1 = padding), scores [n, K], mask [n, K])`, best first, replicated on
-    every device of every process.
+    `(index [n, K] int32 (-1 = padding), scores [n, K], mask [n, K])`, best first, replicated.
   """
   mesh = bank_mesh() if mesh is None else mesh
   queries = _global_array(np.asarray(queries, np.float32), NamedSharding(mesh, P()))

@@ -26,10 +26,8 @@ class PairedDifference(NamedTuple):
 
   Attributes:
     n: seeds with a finite value in both runs.
-    mean: mean per-seed difference.
-    sd: sample standard deviation of the differences (ddof = 1; nan for n < 2).
-    lo: lower end of the t-interval (nan for n < 2).
-    hi: upper end of the t-interval (nan for n < 2).
+    mean, sd: mean and sample standard deviation (ddof = 1) of the per-seed differences.
+    lo, hi: the ends of the t-interval (nan for n < 2; `sd` too).
     per_seed: the per-seed differences, in the given seed order (None where a value is missing).
     verdict: 'better', 'worse', 'tie', 'tie (n=1)' or 'no data'.
     confidence: the interval's confidence level.
@@ -92,15 +90,9 @@ def paired_difference(treatment: Sequence[Optional[float]], baseline: Sequence[O
                       confidence: float = 0.95) -> PairedDifference:
   """Mean per-seed difference `treatment - baseline` with its t-interval over seeds.
 
-  Seeds where either value is None / NaN are dropped (their `per_seed` entry is None).
-
-  Args:
-    treatment: per-seed metric of the method.
-    baseline: per-seed metric of the baseline, same seeds in the same order.
-    confidence: the interval's confidence level, in (0, 1).
-
-  Returns:
-    A `PairedDifference` (see the module docstring for the degenerate cases).
+  `treatment` and `baseline` hold one value per seed in the same order; seeds where either is None
+  / NaN are dropped (their `per_seed` entry is None). Returns a `PairedDifference` (see the module
+  docstring for the degenerate cases).
 
   Raises:
     ValueError: when the lengths differ or `confidence` is outside (0, 1).

@@ -138,16 +138,10 @@ def store_metrics(slates: np.ndarray, gold: np.ndarray, store: np.ndarray,
                   num_gold_store: np.ndarray, where: Optional[np.ndarray] = None) -> dict:
   """Per-store Recall@s and observations in the final slate (Table 5, Fig. 6), in percent.
 
-  Args:
-    slates: `[..., M, s]` int candidate indices (-1 = empty).
-    gold: `[..., M, K]` bool gold candidates.
-    store: `[..., M, K]` int8 store of each candidate (0 dialogue, 1 observation).
-    num_gold_store: `[..., M, 2]` gold memories per store in the whole bank.
-    where: optional `[..., M]` bool, queries to average over.
-
-  Returns:
-    `{"recall_dialogue", "recall_observation"` `[...]` percent over queries with gold in that
-    store, `"observations_in_slate"` `[...]` mean count}`.
+  `slates [..., M, s]` (-1 = empty), `gold` / `store` `[..., M, K]` (store 0 dialogue, 1
+  observation), `num_gold_store [..., M, 2]` gold per store in the whole bank, `where [..., M]`
+  queries to average over. Returns `recall_dialogue` / `recall_observation` (over queries with
+  gold in that store) and `observations_in_slate` (mean count), each `[...]`.
   """
   slates = np.asarray(slates)
   valid = slates >= 0
@@ -170,18 +164,10 @@ def store_proximity_delta(params: adapter_lib.AdapterParams, queries: jax.Array,
                           candidates: jax.Array, mask: jax.Array, store: jax.Array):
   """Appendix C, Eq. (21)-(23): `Delta(q) = d_e(q) - d_s(q)` before and after the adapter.
 
-  `d_e`/`d_s` is the mean cosine distance `1 - sim` of the query to the query's episodic (store 0)
-  / semantic (store 1) candidates. Positive: closer to semantic memories.
-
-  Args:
-    params: adapter parameters (unbatched).
-    queries: `[M, d]` pre-adapter queries.
-    candidates: `[M, K, d]` pre-adapter candidates.
-    mask: `[M, K]` bool valid candidates.
-    store: `[M, K]` int store ids.
-
-  Returns:
-    `(delta_before [M], delta_after [M])`; NaN where a query lacks candidates of one store.
+  `d_e` / `d_s`: the mean cosine distance of the query to its store-0 / store-1 candidates
+  (positive: closer to semantic memories). Inputs are unbatched params, `queries [M, d]`,
+  `candidates [M, K, d]`, `mask` / `store` `[M, K]`. Returns `(delta_before [M], delta_after
+  [M])`; NaN where a query lacks candidates of one store.
   """
   def delta(q, m):
     sim = jnp.einsum("nd,nkd->nk", q, m)

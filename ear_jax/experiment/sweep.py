@@ -89,8 +89,8 @@ def sweep_validation(stream: Stream, fit_index: np.ndarray, validation_index: np
       `final_slate`) scored from the same adapters; default `{"default": {}}`.
 
   Returns:
-    `{"recall_adapter", "hitrate_adapter": [H, S] in percent, "explorer": {variant:
-    {"recall", "hitrate": [H, S]}}, "seconds": wall seconds}`.
+    `{"recall_adapter", "hitrate_adapter": [H, S] percent, "explorer": {variant: {"recall",
+    "hitrate": [H, S]}}, "seconds"}`.
   """
   t0 = time.perf_counter()
   critic = critic_lib.or_default(critic)

@@ -128,7 +128,7 @@ TEST_CRITICS = {"default critic (P .88, R .86)": {},
                 "noisy critic (P = R = 0.7)": {"precision": 0.7, "recall": 0.7}}
 # The safety target for `ear_safe` adapter-only minus the same frozen first stage (points).
 SAFETY_MEAN, SAFETY_LOWER = 0.0, -1.0
-# Row -> (source of its values: 'safe' run, 'adapted' unguarded, 'first' untrained; EvalResult mode).
+# Row -> (its values' source: 'safe' run, 'adapted' unguarded, 'first' untrained; EvalResult mode).
 TEST_ROWS = {
     "frozen first stage": ("first", "adapter"),
     "ear_tuned adapter-only (guard off)": ("adapted", "adapter"),

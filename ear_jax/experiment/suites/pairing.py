@@ -45,16 +45,11 @@ def _sign(v):
 def pair(r: Runner, suite: str, treatment: dict, baseline: dict, metric: str, t_values,
          b_values, *, paper_delta=None, expected_sign=None, primary: bool = True,
          score: bool = True) -> dict:
-  """Paired difference `treatment - baseline` of per-seed values, recorded for results.json.
+  """Paired difference `treatment - baseline` of per-seed values, recorded in `r.paired[suite]`.
 
   Args:
-    r: the runner (records go to `r.paired[suite]`).
-    suite: suite name.
-    treatment: `{"label", "run", "mode"}` describing the method (JSON).
-    baseline: the same for the baseline.
-    metric: metric label, e.g. "R@5".
-    t_values: per-seed values of the treatment (seed order `r.seeds`).
-    b_values: per-seed values of the baseline, same seeds.
+    treatment, baseline: `{"label", "run", "mode"}` describing each side (JSON).
+    t_values, b_values: per-seed values, in the seed order `r.seeds`.
     paper_delta: the paper's difference, if it reports both numbers.
     expected_sign: the paper's direction (+1 / -1) (default: the sign of `paper_delta`).
     primary: list this comparison in the suite's readings.
@@ -135,20 +130,11 @@ def side(label: str, summary: dict, mode: Optional[str]) -> dict:
 def pair_runs(r: Runner, suite: str, t: tuple, b: tuple, metrics=("recall", "hitrate"),
               paper: Optional[dict] = None, primary=True,
               expected: Optional[dict] = None) -> dict:
-  """`pair` of test metrics of two runs.
+  """`pair` of the test metrics of two runs, `t` and `b` each `(label, summary, test mode)`.
 
-  Args:
-    r: the runner.
-    suite: suite name.
-    t: treatment `(label, summary, test mode)`.
-    b: baseline `(label, summary, test mode)`.
-    metrics: 'recall' (R@5) and / or 'hitrate' (Hit@5).
-    paper: optional `{metric: paper difference}`.
-    primary: a bool, or the set of metrics that feed the readings.
-    expected: optional `{metric: +1 / -1}`, the paper's direction where it gives no numbers.
-
-  Returns:
-    `{metric: difference dict}`.
+  `metrics`: 'recall' (R@5) and / or 'hitrate' (Hit@5); `paper` / `expected`: optional
+  `{metric: paper difference / +1 / -1}`; `primary`: a bool or the metrics that feed the readings.
+  Returns `{metric: difference dict}`.
 
   Raises:
     ValueError: when the two runs do not share seeds and test-set size (not paired).
