@@ -7,9 +7,10 @@ Symbols: `S` seeds, `N` training questions, `M` test questions, `K` candidates, 
 `Memory`: the same banks (one `scope` per bank, so candidates are the top-K of the question's own
 bank), the same split (`runner.seed_splits`; it never trains on the test set) and the simulated
 critic with the runner's per-round keys (`StreamCritic`), so a slate both show gets the same
-labels. What differs is the learner's replay keys, the last partial batch (left queued) and float
-rounding, so the check is the paired difference live - runner over seeds. Each call is timed
-without the critic, beside the scan's cost per question plus one dispatch.
+labels. Given the runner's replay keys the live run equals the runner slate for slate
+(`tests/test_live.py`); with its own keys, the last partial batch left queued and float rounding,
+the check is the paired difference live - runner over seeds. Each call is timed without the
+critic, beside the scan's cost per question plus one dispatch.
 """
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ from ear_jax.core.config import EARConfig, HParams
 from ear_jax.core.stream import Stream
 from ear_jax.experiment.runner import METRIC_NAMES, RunResult
 
-# Paging (the critic reads a ranking's top T x s in T pages of s), appended after `METRIC_NAMES`.
+# Paging (the critic reads a ranking's top T x s in T pages of s), appended after `METRIC_NAMES`
+# so the earlier keys keep their positions.
 PAGING_METRIC_NAMES = ("recall_paging_first_stage", "hitrate_paging_first_stage",
                        "recall_paging_adapted", "hitrate_paging_adapted")
 # (per-query field of `RunResult.eval`, per-category metric name), in the order they are written.
