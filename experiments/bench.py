@@ -9,20 +9,10 @@ r"""Speed of ear_jax, measured against baselines measured in the same run.
   python -m experiments.bench --suite=accelerator --data_dir=D --cache_dir=C   # the GPU column
   python -m experiments.bench --suite=distributed --coordinator=... --num_processes=2 --process_id=I
 
-The default rows run on one fixed synthetic stream shaped like LoCoMo training (1,232 queries,
-K = 20, s = 5, T = 4, B = 4, batch 4; d = 384 and d = 768): `scan` (training as one jitted
-`lax.scan`, compile time apart), `loop` (the same jitted step from a Python loop), `numpy` (the
-independent NumPy implementation), `seeds` (8 seeds with `vmap` vs 8 sequential calls),
-`roofline` (FLOPs per training query, achieved and peak GFLOP/s), `inference` (adapter-only and
-explorer-assisted retrieval, batch 1 and 256; paper Table 8 beside them), `encode` (MiniLM
-sentences/s), `memory` (a default `Memory`'s warm single-question `search` against
-2 x (encode + device search), and a second process's first search; `memory_latency`) and
-`suite` (wall time of `experiments.run --benchmark=locomo --suite=main`).
-
-The other suites: `ear_jax.experiment.scale_bench`, `first_stage_bench`, `server_bench`,
-`scope_bench`, `distributed_bench`, `accelerator_bench` (`--small`: a CPU check); the default rows are `ear_jax.experiment.benchmarking`. This program reads the flags, calls them and
-prints the table. Timings take the minimum over repetitions (the machine is shared; the minimum
-is the least disturbed run). Every ratio is printed with its target and whether it is met.
+The default rows (`ear_jax.experiment.benchmarking`) run on a synthetic stream shaped like LoCoMo
+training: `scan`, `loop`, `numpy`, `seeds`, `roofline`, `inference`, `encode`, `memory` and
+`suite` (wall time of `experiments.run --suite=main`). Every ratio is printed with its target and
+whether it is met; timings are the minimum over repetitions.
 """
 from __future__ import annotations
 
@@ -285,7 +275,7 @@ def _accelerator_reference():
 
 def _accelerator_bundle():
   """`--accel_bundle=DIR`: `accelerator_paper.write_bundle`, DIR added to git's exclude file (a
-  carried folder must be ignored), then the device call to make (carry DIR)."""
+  carried folder must be ignored), then the device call to make."""
   import subprocess  # pylint: disable=g-import-not-at-top
   from ear_jax.experiment import accelerator_paper  # pylint: disable=g-import-not-at-top
   folder = pathlib.Path(_ACCEL_BUNDLE.value)
@@ -316,8 +306,8 @@ def _accelerator_bundle():
 
 
 def _accelerator():
-  """`--suite=accelerator`: `accelerator_bench.run` -> `--accel_out` (JSON), the markdown beside
-  it, and BENCHMARKS.md's "GPU" section when the device is not a CPU."""
+  """`--suite=accelerator`: JSON at `--accel_out`, markdown beside it, and BENCHMARKS.md's "GPU"
+  section when the device is not a CPU."""
   from ear_jax.experiment import accelerator_bench  # pylint: disable=g-import-not-at-top
   from ear_jax.experiment import accelerator_table  # pylint: disable=g-import-not-at-top
   small = _QUICK.value
@@ -371,8 +361,7 @@ def _accelerator():
 
 
 def _distributed():
-  """`--suite=distributed`: `distributed_bench.run` in every process; process 0 prints the table
-  and writes it (JSON and markdown) under results/distributed/."""
+  """`--suite=distributed` in every process; process 0 writes results/distributed/."""
   from ear_jax.experiment import distributed_bench  # pylint: disable=g-import-not-at-top
   quick = _QUICK.value
   res = distributed_bench.run(m=20_000 if quick else _DIST_ROWS.value, dim=64 if quick else 384,
@@ -390,8 +379,7 @@ def _distributed():
 
 
 def _scopes():
-  """`--suite=scopes`: `scope_bench.run` (a scoped search vs a memory of that scope alone) -> JSON
-  and markdown at `--scope_out`."""
+  """`--suite=scopes`: JSON and markdown at `--scope_out`."""
   from ear_jax.experiment import scope_bench  # pylint: disable=g-import-not-at-top
   quick = _QUICK.value
   res = scope_bench.run(2_000 if quick else _SCOPE_MEMORIES.value,
@@ -433,9 +421,7 @@ def _scale():
 
 
 def _first_stage():
-  """`--suite=first_stage`: `first_stage_bench.run` (BM25 / hybrid candidates and
-  `Memory.search` with hybrid at 10k, 100k, 1M memories) -> `--first_stage_out` (JSON) and the
-  markdown table beside it."""
+  """`--suite=first_stage`: JSON at `--first_stage_out`, markdown beside it."""
   from ear_jax.experiment import first_stage_bench  # pylint: disable=g-import-not-at-top
   quick = _QUICK.value
   res = first_stage_bench.run([2_000] if quick else [10_000, 100_000, 1_000_000],
@@ -452,8 +438,7 @@ def _first_stage():
 
 
 def _server():
-  """`--suite=server`: `server_bench.run` -> `--server_out` (JSON) and the markdown table beside it
-  (`--quick`: 2,000 memories in 4 scopes, 4 clients, 3 s per phase)."""
+  """`--suite=server`: JSON at `--server_out`, markdown beside it (`--quick`: a small load)."""
   import logging as py_logging  # pylint: disable=g-import-not-at-top
   from absl import logging  # pylint: disable=g-import-not-at-top
   from ear_jax.experiment import server_bench  # pylint: disable=g-import-not-at-top

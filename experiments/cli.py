@@ -1,10 +1,7 @@
 """Running an experiment program: `absl.app.run`, but a usage error prints only its message.
 
-absl prints the module docstring and every flag's help (over 100 lines for `experiments.run`)
-before the message of an `app.UsageError` raised in `main`, so the one line that says what is wrong
-scrolls away. `run(main)` prints `<program>: error: <message>` and a pointer to `--helpshort` on
-stderr instead, and exits with the error's exit code (1). Flag-parsing errors (an unknown flag, a
-value off an enum) are absl's own short messages, unchanged.
+`run(main)` prints `<program>: error: <message>` and a pointer to `--helpshort` on stderr, instead
+of absl's full help before the message, and exits with code 1.
 """
 import sys
 

@@ -1,10 +1,8 @@
 """Command-line flags generated from the fields of `EARConfig` and `HParams`.
 
-One flag per field, named like the field, its help taken from the field's documentation (the
-`Attributes:` entry of `EARConfig`'s docstring, the comment beside an `HParams` field), its bounds
-checked by absl validators. Every flag defaults to None: the method's (or the paper's) value.
-Fields fixed by the data are not flags: `dim` (the encoder), `num_candidates` (`--k`) and
-`side_features` (the first stage, `--candidates` / `--side_features`).
+One flag per field, its help the field's `Attributes:` entry (`EARConfig`) or comment (`HParams`),
+its bounds checked by absl validators, default None (the method's value). `SET_BY_DATA` fields are
+not flags.
 """
 from __future__ import annotations
 

@@ -1,27 +1,17 @@
 """Measures an LLM critic's citation precision / recall against the gold evidence (Appendix A.2).
 
-The slates are those the EAR training policy shows (`ear_jax.experiment.critic_eval`), per query
-its first slate holding a gold memory, plus gold-free slates. `--subset=pilot` (choose the prompt)
-and `--subset=eval` (report) are disjoint. Without `--base_url` the local llama.cpp server with
-SmolLM2-135M-Instruct is started; replies are cached on disk (`--llm_cache_dir`).
+On the slates the EAR training policy shows (`ear_jax.experiment.critic_eval`); `--subset=pilot`
+and `--subset=eval` are disjoint. Without `--base_url` the local llama.cpp server is started;
+replies are cached (`--llm_cache_dir`). `--critic=answer` measures the answer-grounded critic
+(`--subset=validation` chooses its thresholds, `--subset=test` measures the library's);
+`--answers=llm` uses the local LLM's own answers from `--answers_file`.
 
   python -m experiments.critic_eval --subset=eval --num_slates=300 --num_gold_free=60
-  python -m experiments.critic_eval --subset=pilot --num_slates=40 --num_gold_free=10 --prompt=cite_json
   python -m experiments.critic_eval --base_url=http://localhost:8000/v1 --model=qwen2.5-7b
-
-The answer-grounded critic (`--critic=answer`; the gold answers play the agent's answers):
-`--subset=validation` chooses its thresholds on validation queries, `--subset=test` measures the
-library's (`core.critic.ANSWER_DEFAULTS`) on the test queries beside the simulated critic's:
-
   python -m experiments.critic_eval --critic=answer --subset=validation --seeds=5
   python -m experiments.critic_eval --critic=answer --subset=test --seeds=10
-
-`--answers=llm` uses the local LLM's own answers (`ear_jax.experiment.agent_answers`), read from
-`--answers_file`; `--generate_answers` makes them first:
-
   python -m experiments.critic_eval --critic=answer --subset=test --seeds=1 --answers=llm \
       --generate_answers
-  python -m experiments.critic_eval --critic=answer --subset=test --seeds=1 --answers=llm
 """
 import json
 import pathlib
@@ -137,8 +127,7 @@ _ANSWER_HEADER = ("| critic | precision | recall | F1 | precision, every slate s
 
 
 def _llm_answer_bench(bench, needed):
-  """`(bench with the LLM's answer support, info)`: its answers to the queries `needed` read from
-  --answers_file (after asking the LLM for the missing ones with --generate_answers)."""
+  """`(bench with the LLM's answer support, info)` from --answers_file (see --generate_answers)."""
   from ear_jax.data import answer_metrics  # pylint: disable=g-import-not-at-top
   from ear_jax.data import answer_support  # pylint: disable=g-import-not-at-top
   from ear_jax.experiment import agent_answers  # pylint: disable=g-import-not-at-top
@@ -163,8 +152,7 @@ def _llm_answer_bench(bench, needed):
 
 
 def _generate_answers(bench, needed, path):
-  """Asks the LLM (the QA suite's answer request) for the answers of `needed` that `path` lacks,
-  and writes the file (entries for other queries kept)."""
+  """Asks the LLM for the answers of `needed` that `path` lacks, and writes the file."""
   from ear_jax.experiment import agent_answers  # pylint: disable=g-import-not-at-top
   from ear_jax.experiment.suites import qa as qa_suite  # pylint: disable=g-import-not-at-top
   kept = agent_answers.load_answers(path)["answers"] if path.is_file() else []

@@ -1,8 +1,4 @@
-"""The data flags shared by the experiment programs: benchmark, files, encoder, slice and K.
-
-Each program calls `define(benchmarks)` once at import; `benchmark_name(data)` turns the flags into
-the name `ear_jax.data.candidates.load_benchmark` takes (`jsonl:PATH` for a user memory bank).
-"""
+"""The data flags shared by the experiment programs: benchmark, files, encoder, slice and K."""
 import os
 from typing import NamedTuple, Sequence
 
@@ -21,8 +17,7 @@ class DataFlags(NamedTuple):
 
 
 def define(benchmarks: Sequence[str], benchmark_help: str = "Which benchmark.") -> DataFlags:
-  """Defines --benchmark (one of `benchmarks`), --jsonl, --data_dir, --encoder, --cache_dir,
-  --limit and --k."""
+  """Defines --benchmark, --jsonl, --data_dir, --encoder, --cache_dir, --limit and --k."""
   return DataFlags(
       benchmark=flags.DEFINE_enum("benchmark", "locomo", list(benchmarks), benchmark_help),
       jsonl=flags.DEFINE_string("jsonl", None, "User JSONL memory bank (--benchmark=jsonl)."),
@@ -38,12 +33,11 @@ def define(benchmarks: Sequence[str], benchmark_help: str = "Which benchmark.") 
 
 
 def benchmark_name(data: DataFlags) -> str:
-  """The `load_benchmark` name of the flags.
+  """The `load_benchmark` name of the flags (`jsonl:PATH` for a user memory bank).
 
   Raises:
-    app.UsageError: --benchmark=jsonl without --jsonl, or a --jsonl path that is a directory or
-      does not exist; a benchmark file (LoCoMo, LongMemEval) that is not in the data directory
-      (the message says where to put it and how to download it).
+    app.UsageError: --benchmark=jsonl without --jsonl, a --jsonl path that is a directory or
+      missing, or a benchmark file not in the data directory (saying where to put it).
   """
   name = data.benchmark.value
   if name in ("locomo", "longmemeval"):

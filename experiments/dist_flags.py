@@ -2,11 +2,9 @@
 
   python -m experiments.run ... --coordinator=HOST:PORT --num_processes=N --process_id=I
 
-Every process runs the same command with its own `--process_id` (0 .. N-1; process 0 serves the
-coordinator at HOST:PORT and alone writes files). Unset flags fall back to $EAR_COORDINATOR_ADDRESS,
-$EAR_NUM_PROCESSES and $EAR_PROCESS_ID; `--coordinator=auto` lets `jax.distributed.initialize()`
-read what a cluster launcher set (SLURM's `srun`, TPU pods, Open MPI). Without a coordinator
-nothing happens (a single-process run).
+Every process runs the same command with its own `--process_id`; process 0 alone writes files.
+Unset flags fall back to $EAR_COORDINATOR_ADDRESS, $EAR_NUM_PROCESSES and $EAR_PROCESS_ID;
+`--coordinator=auto` reads a cluster launcher's settings. Without a coordinator: one process.
 """
 from __future__ import annotations
 
@@ -60,11 +58,10 @@ def initialize(f: DistFlags) -> bool:
 
 
 def check_supported(*, suite, resume: bool) -> None:
-  """What a multi-process `experiments.run` does not offer (yet).
+  """What a multi-process `experiments.run` does not offer.
 
   Raises:
-    app.UsageError: --suite=qa (one LLM server, answers from files only process 0 wrote) or
-      --resume (multi-process runs write no checkpoints).
+    app.UsageError: --suite=qa or --resume (multi-process runs write no checkpoints).
   """
   if suite == "qa":
     raise app.UsageError("--suite=qa runs in one process (drop --coordinator)")

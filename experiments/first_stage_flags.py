@@ -1,9 +1,5 @@
-"""The first-stage flags shared by the experiment programs: which candidate generator
-produces the K candidates, the hybrid fusion's settings, and whether the first stage's scores reach
-EAR as side information.
-
-Each program calls `define()` once at import; `options(fs)` validates the values and returns the
-keyword arguments of `ear_jax.data.candidates.load_benchmark` / `suites.Options`.
+"""The first-stage flags shared by the experiment programs: the candidate generator, the hybrid
+fusion, and whether the first stage's scores reach EAR as side information.
 """
 from typing import NamedTuple
 

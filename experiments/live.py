@@ -5,13 +5,8 @@ jitted runner on the same seeds (`ear_jax.experiment.live`).
   python -m experiments.live --benchmark=locomo --method=ear --seeds=10 --out=runs/live_ear
   python -m experiments.live --benchmark=synthetic --method=ear --seeds=2 --synthetic_queries=200
 
-One `Memory` per seed holds every queried bank's dialogue turns (one scope per LoCoMo conversation /
-LongMemEval question), the seed's training questions go through `Memory.recall` in the runner's
-order with a host simulated critic drawing the runner's keys, then the test questions through
-`Memory.search` (adapter-only) and `Memory.recall(learn=False)` (explorer-assisted, adapter
-frozen). Writes into --out: results.json (per-seed Recall@5 / Hitrate@5 of both, the paired
-differences live - runner with 95 % t-intervals, the share of identical test slates, the costs per
-question) and table.md (also printed).
+Writes results.json (per-seed metrics, paired differences live - runner, identical slates, costs
+per question) and table.md (also printed) into --out.
 """
 import json
 import os

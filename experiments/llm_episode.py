@@ -1,20 +1,14 @@
 """One EAR training episode with a real LLM critic, beside simulated critics on the same episode.
 
-The benchmark's queries are split 80/20 (Section 4.4, `--seed`); the training stream is processed
-once, in order, with `ear_jax.agent.memory.episode.run_critic_episode` (host-side loop: T Explorer rounds
-per query whose labels come from the critic through the protocol `critic(key, view)`, then the one
-jitted learner step). The same loop, with the same keys, split and stream, runs each simulated
-critic of `--simulated=P:R` (Appendix A.2), so the only difference between the runs is the critic
-(the paper's Appendix B.4 compares the two). At the end the adapter-only Recall@5 / Hitrate@5 on
-the test split is reported for each run beside the frozen retriever's, with the LLM critic's call
-statistics (unparseable replies, HTTP errors and timeouts apply no update and are counted).
-Without `--base_url` the local llama.cpp server (SmolLM2-135M-Instruct) is started for the run;
-replies are cached (`--llm_cache_dir`), so a rerun or a resumed run costs only the missing calls.
+The training stream of the 80/20 split (`--seed`) runs once through the host-side episode loop
+(`agent.memory.episode.run_critic_episode`) with the LLM critic, and again with each simulated
+critic of `--simulated=P:R` on the same keys, split and stream: only the critic differs (Appendix
+B.4). Reports each run's adapter-only Recall@5 / Hitrate@5 on the test split beside the frozen
+retriever's, and the LLM's call statistics (failed replies apply no update). Without `--base_url`
+the local llama.cpp server is started; replies are cached (`--llm_cache_dir`).
 
   python -m experiments.llm_episode --benchmark=locomo --limit=2 --max_train_queries=100 \\
       --simulated=0.88:0.86 --simulated=0.3:0.4
-  python -m experiments.llm_episode --benchmark=locomo --limit=1 \\
-      --base_url=http://localhost:8000/v1 --model=Qwen/Qwen2.5-7B-Instruct --max_train_queries=40
   OPENAI_API_KEY=... python -m experiments.llm_episode --base_url=https://api.openai.com/v1 \\
       --model=gpt-4o-mini --benchmark=jsonl --jsonl=my_bank.jsonl --out=runs/llm_episode.json
 """

@@ -1,11 +1,8 @@
 """The LLM flags shared by the experiment programs that call a chat model (critic, episode).
 
-`define()` once at import; `endpoint(llm)` is a context manager yielding `(base_url, model, info)`:
-the given `--base_url` / `--model`, or, without `--base_url`, the local llama.cpp server
-(`ear_jax.agent.llm.server.LlamaServer`, SmolLM2-135M-Instruct unless `--model_path`), started on
-loopback for the program's lifetime and stopped at the end (also on Ctrl-C or SIGTERM). Replies are
-cached in `--llm_cache_dir` (a local server's port is not part of the key), so a rerun costs only
-the requests not made before.
+`define()` once at import; `endpoint(llm)` yields `(base_url, model, info)`: the given `--base_url`
+/ `--model`, or the local llama.cpp server started on loopback for the program's lifetime (also
+stopped on Ctrl-C or SIGTERM). Replies are cached in `--llm_cache_dir`.
 """
 import contextlib
 import signal

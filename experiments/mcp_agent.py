@@ -1,15 +1,9 @@
 """A scripted MCP agent over LoCoMo: does the memory server learn from an agent's feedback?
 
-Starts the MCP server (`ear-mcp-server`) as a subprocess and talks to it with the `mcp` SDK's
-stdio client, as any agent would: `remember`s one LoCoMo conversation's turns, measures held-out
-Recall@5 through the adapter-only `search`, then answers the training questions with `recall` +
-`cite` (T rounds each), and measures the held-out Recall@5 again. What `cite` sends
-(`--feedback`):
-
-* `cite`: the ids of the gold turns it was shown (`used_ids`: a perfect citing critic);
-* `answer`: only its answer (`answer=`, the question's LoCoMo gold answer, as a competent agent
-  would answer; no ids): the server labels the shown turns by the answer rule. A
-  question without a gold answer gets no `cite` (an agent with nothing to say).
+Talks to `ear-mcp-server` over stdio with the `mcp` SDK: `remember`s one conversation's turns,
+measures held-out Recall@5 with `search`, answers the training questions with `recall` + `cite`,
+and measures again. `--feedback=cite` sends the gold ids shown (a perfect citing critic);
+`--feedback=answer` only the question's gold answer (no `cite` without one).
 
   python -m experiments.mcp_agent --locomo=../shared/data/locomo10.json --memory_dir=ear_mcp_run \\
       --conversation=0 --num_test=40 --epochs=2 --feedback=answer
@@ -58,8 +52,7 @@ async def must(session, tool: str, args: dict):
 
 
 def locomo_slice(path, conversation: int, num_test: int, seed: int = 0):
-  """`(bank, train queries, test queries)` of one LoCoMo conversation (queries with gold turns,
-  shuffled by `seed`, the first `num_test` held out)."""
+  """`(bank, train queries, test queries)` of one conversation (shuffled by `seed`)."""
   from ear_jax.data.locomo import load_locomo  # pylint: disable=g-import-not-at-top
   corpus = load_locomo(path, limit=conversation + 1)
   bank = corpus.banks[conversation]
@@ -70,8 +63,7 @@ def locomo_slice(path, conversation: int, num_test: int, seed: int = 0):
 
 
 async def recall_at(session, queries, to_mem: dict, k: int = 5) -> dict:
-  """Recall@k (every gold memory in the slate, the project's metric, `ear_jax.core.metrics`),
-  the mean fraction of gold in the slate, and Hitrate@k (any gold) of `search` over `queries`."""
+  """Recall@k, the mean gold fraction in the slate and Hitrate@k of `search` over `queries`."""
   full, frac, hit = [], [], []
   for q in queries:
     out = await must(session, "search", {"question": q.text, "k": k})
@@ -86,8 +78,7 @@ async def recall_at(session, queries, to_mem: dict, k: int = 5) -> dict:
 
 
 def dialogue_turns(bank) -> tuple[list[str], list[str]]:
-  """`(dia ids, texts)` of the bank's dialogue turns (store 0: the benchmark's candidates; the
-  observations are left out)."""
+  """`(dia ids, texts)` of the bank's dialogue turns (store 0)."""
   keep = [j for j, s in enumerate(bank.stores) if int(s) == 0]
   return [bank.ids[j] for j in keep], [bank.texts[j] for j in keep]
 
@@ -107,9 +98,7 @@ FEEDBACK = ("cite", "answer")
 
 async def train(session, queries, to_mem: dict, rounds: int, k: int = 5,
                 feedback: str = "cite") -> tuple[int, int]:
-  """Answers each question with `rounds` recall + cite rounds; `cite` sends the gold ids it was
-  shown (`feedback='cite'`) or the gold answer only (`'answer'`). Returns `(ids cited, answers
-  sent)`."""
+  """Answers each question with `rounds` recall + cite rounds: `(ids cited, answers sent)`."""
   if feedback not in FEEDBACK:
     raise ValueError(f"feedback must be one of {FEEDBACK}, got {feedback!r}")
   cites = answers = 0

@@ -1,12 +1,9 @@
-"""Dataset report: encodes a benchmark (with the embedding cache), builds its candidates, and prints
-and writes the dataset statistics and the frozen first stage's Recall@5 / Hitrate@5 / Recall@K ceiling
-over ALL evaluable queries, overall and per category.
+"""Dataset report: statistics and the frozen first stage's Recall@5 / Hitrate@5 / Recall@K
+ceiling over all evaluable queries, overall and per category.
 
   EAR_DATA_DIR=../shared/data python -m experiments.prepare --benchmark=locomo
   python -m experiments.prepare --benchmark=locomo --candidates=bm25     # or hybrid
-  python -m experiments.prepare --benchmark=longmemeval --out=runs/prepare_lme.json
   python -m experiments.prepare --benchmark=jsonl --jsonl=my_bank.jsonl
-  python -m experiments.prepare --benchmark=synthetic
 """
 import json
 import os

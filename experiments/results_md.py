@@ -1,13 +1,10 @@
-"""Assembles RESULTS.md from the workdirs of `experiments.run` (tables, plots, commands, timings).
+"""Assembles RESULTS.md from the workdirs of `experiments.run` (`ear_jax.experiment.results_md`).
 
   python -m experiments.results_md runs/locomo_main [runs/longmemeval_all ...]
   python -m experiments.results_md --beyond runs/locomo_tune runs/locomo_beyond ...
 
-Copies each workdir's plots to results/<benchmark>/ and rewrites the block between the
-`<!-- generated:begin -->` / `<!-- generated:end -->` markers of RESULTS.md; text outside the block
-(the written reading of the numbers) is kept. With `--beyond`, the workdirs of `--suite=tune` /
-`--suite=beyond` rewrite the "Beyond the paper" block instead (`<!-- beyond:begin -->` markers). The generation lives in
-`ear_jax.experiment.results_md` (readings of the paired comparisons included).
+Rewrites only the block between the `<!-- generated:begin -->` / `<!-- generated:end -->` markers
+(with `--beyond`: the `<!-- beyond:begin -->` block); text outside it is kept.
 """
 import pathlib
 import sys

@@ -9,13 +9,10 @@
   python -m experiments.run --benchmark=locomo --suite=guard_tune --candidates=hybrid --seeds=5
   python -m experiments.run --benchmark=locomo --suite=guard --seeds=10  # ear_safe vs paging
 
-Writes into --workdir: results.json (config, versions, per-seed and mean ± std Recall@5/Hitrate@5
-in both inference modes, per category, the Recall@K ceiling, wall time), tables.md and
-table_<suite>.md (measured beside the paper), plots/*.png (means over seeds with 95 % intervals),
-runs/<run>/{result.json, train_log.npz, test_eval.npz, adapter/} (adapter/: the final adapters of
-a trained method, Orbax, 11 MB on LoCoMo with 10 seeds) and, only with --checkpoint_every=N,
-checkpoints/<run>/ (Orbax training checkpoints for --resume).
-Benchmark files come from --data_dir, else $EAR_DATA_DIR, else ~/.cache/ear_jax/data.
+Writes into --workdir: results.json, tables.md and table_<suite>.md, plots/*.png,
+runs/<run>/{result.json, train_log.npz, test_eval.npz, adapter/} and, with --checkpoint_every=N,
+checkpoints/<run>/ (for --resume). Benchmark files come from --data_dir, else $EAR_DATA_DIR, else
+~/.cache/ear_jax/data.
 """
 import logging
 import os
@@ -96,8 +93,7 @@ _QA_FLAGS = {
                                  upper_bound=65535),
 }
 
-# Every field of EARConfig but those the data fixes, and every continuous hyperparameter, one
-# flag each, generated from the dataclasses (None = the method's value; `experiments.config_flags`).
+# One flag per EARConfig field (but those the data fixes) and per hyperparameter (`config_flags`).
 _CONFIG_FLAGS = config_flags.define_config_flags()
 _HPARAM_FLAGS = config_flags.define_hparam_flags()
 _CRITIC = flags.DEFINE_enum("critic", "simulated", ["simulated", "answer"], "The critic of every "

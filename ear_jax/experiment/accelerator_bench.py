@@ -2,25 +2,13 @@
 
 Symbols: `N` seeds (runs), `M` bank rows, `d` dimension, `B` queries per search, `K` candidates.
 
-`run(...)` takes the steps below in this order and returns one JSON-able dict (`accelerator_table`
-renders it). The two steps that start programs come first, before this process touches the device,
-so that each process can take the device's memory; they run with `JAX_DEFAULT_MATMUL_PRECISION`
-set (default `highest`: float32 matrix products, no TF32), which the output states.
-
-* `environment`: backend, devices, their memory, the versions of jax, its plugin and the libraries.
-* `run_core_tests`: the core's fast tests (`core_test_files`: the test files that import nothing of
-  the project but `ear_jax.core`) run by pytest on the device, in a subprocess.
-* `accelerator_paper.run_main_suite`: `experiments.run --suite=main` on the device beside a CPU
-  reference, per seed (see that module).
-* `run_seeds`: one jitted `vmap(run_episode)` (`sharding.unsharded_episodes`) over `N` seeds on a
-  stream shaped like LoCoMo training (`benchmarking.bench_stream`): episodes/s and the ratio to
-  `N = 1`; the same on the host CPU for a few `N` (the speed-up's denominator).
-* `run_search`: exact top-K search (`retrieval.top_k_search`, the one search every caller uses) over
-  `M x d` unit rows in float32 and bfloat16 at batch `B`, beside the bandwidth bound measured in the
-  same run (`scale_bench.measure_bandwidth`: a reduction over a resident array; the search reads the
-  bank once, so its bound is bank bytes / bandwidth).
-
-No flags are read here (`experiments/bench.py --suite=accelerator` sets them).
+`run` takes these steps in order and returns one JSON-able dict (`accelerator_table` renders it):
+`environment`; `run_core_tests` (the core's fast tests on the device, a subprocess);
+`accelerator_paper.run_main_suite` (`--suite=main` on the device beside a CPU reference);
+`run_seeds` (episodes/s of `vmap(run_episode)` over `N` seeds, device and host); `run_search`
+(exact top-K in float32 and bfloat16 beside the measured bandwidth bound). The two subprocess
+steps come first, before this process touches the device, under `JAX_DEFAULT_MATMUL_PRECISION`
+(default `highest`: no TF32).
 """
 from __future__ import annotations
 
@@ -98,12 +86,11 @@ def core_test_files(repo: pathlib.Path) -> list[str]:
 
 def run_core_tests(repo: pathlib.Path, files: Sequence[str], precision: str,
                    timeout: float, workers: int = 1) -> dict:
-  """`pytest -m "not slow"` on `files` in a subprocess on the default device (`workers` > 1:
-  that many pytest-xdist workers sharing the device).
+  """`pytest -m "not slow"` on `files` in a subprocess on the default device (`workers` xdist).
 
   Returns:
-    `status` ('passed', 'failed', 'timed out'), the counts of pytest's summary line, the failed
-    test ids, seconds, the command and the precision.
+    `status` ('passed', 'failed', 'timed out'), the summary counts, failed test ids, seconds, the
+    command and the precision.
   """
   cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider",
          *(["-n", str(workers)] if workers > 1 else []), *files]
@@ -137,9 +124,8 @@ def _peak_bytes(device) -> Optional[int]:
 
 
 def seed_scaling(stream, config, hparams, counts: Sequence[int], reps: int, device=None) -> list:
-  """Episodes/s of one jitted `vmap(run_episode)` over `N` seeds, for each `N` in `counts`, on
-  `device` (default: the default device). Compile time is reported apart; an `N` that fails (out
-  of memory) is reported and ends the list."""
+  """Episodes/s of one jitted `vmap(run_episode)` over `N` seeds for each `N` in `counts`
+  (compile time apart; an `N` that fails ends the list)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from ear_jax.core import stream as stream_lib  # pylint: disable=g-import-not-at-top
@@ -191,8 +177,7 @@ def run_seeds(num_queries: int, dim: int, counts: Sequence[int], cpu_counts: Seq
 
 # ------------------------------------------------------------------------------------------------
 def _bank(key, m: int, dim: int, dtype, block: int = 1_000_000):
-  """`[m, d]` random unit rows made on the device (float32 math, stored as `dtype`), in blocks of
-  `block` rows when they divide `m` (a `lax.map`: the float32 temporaries stay one block)."""
+  """`[m, d]` random unit rows made on the device as `dtype`, in blocks of `block` rows."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   nb = m // block if m > block and m % block == 0 else 1
@@ -208,12 +193,8 @@ def _bank(key, m: int, dim: int, dtype, block: int = 1_000_000):
 def run_search(sizes: Sequence[int], dim: int, dtypes: Sequence[str], batches: Sequence[int],
                k: int, reps: int, bandwidth_bytes: float, chunks: Sequence[Optional[int]] = (None,)
                ) -> dict:
-  """Exact `retrieval.top_k_search` over `M x d` rows beside the bandwidth bound of this run.
-
-  Each row: milliseconds per call (the minimum over `reps` calls, waited for), the bound (bank
-  bytes / bandwidth), their ratio and the bank bytes read per second. `chunks`: the search's
-  `chunk` argument (None = its default, `retrieval.block_rows(B)`).
-  """
+  """Exact `retrieval.top_k_search` over `M x d` rows beside the bandwidth bound of this run:
+  ms per call (minimum of `reps`), the bound, their ratio and bytes read per second."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from ear_jax.core import retrieval  # pylint: disable=g-import-not-at-top
@@ -263,8 +244,7 @@ def run(repo: pathlib.Path, *, suite_args: Sequence[str], reference: str, tolera
         stream_queries: int, dim: int, search_sizes: Sequence[int], search_dtypes: Sequence[str],
         search_batches: Sequence[int], search_chunks: Sequence[Optional[int]], k: int, reps: int,
         bandwidth_bytes: float, skip: Sequence[str] = ()) -> dict:
-  """Every step (see the module doc), in order; a step named in `skip` is left out. Each step's
-  result is also logged as JSON when it ends (a run stopped later keeps them in its log)."""
+  """Every step not in `skip`, in order; each step's result is logged as JSON when it ends."""
   t0 = time.perf_counter()
   out = {}
 

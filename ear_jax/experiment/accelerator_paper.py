@@ -1,13 +1,9 @@
 """The paper run on an accelerator, per seed beside the CPU, and the bundle that lets it run offline.
 
-`run_main_suite` runs `experiments.run` (e.g. `--benchmark=locomo --suite=main --seeds=10
---candidates=dense`, embeddings from an embedding cache directory of MiniLM) on the default device
-in a subprocess, and compares its per-seed values with a CPU reference: a file written by
-`reference_from_results` from a CPU run of the same command (committed:
-results/accelerator/locomo_main_cpu.json), or the same command run now on the host CPU
-(`JAX_PLATFORMS=cpu`). `compare_per_seed` says, per run and metric, how many seeds are equal and
-whether the mean over seeds is within the tolerance (in points). `write_bundle` copies LoCoMo and
-exactly its embeddings into a folder that travels to a machine with no network and no MiniLM.
+`run_main_suite` runs `experiments.run` on the default device in a subprocess and compares its
+per-seed values (`compare_per_seed`) with a CPU reference: a file from `reference_from_results`
+(committed: results/accelerator/locomo_main_cpu.json) or the same command now on the host CPU.
+`write_bundle` copies LoCoMo and exactly its embeddings for a machine with no network.
 """
 from __future__ import annotations
 
@@ -27,9 +23,8 @@ DEFAULT_TOLERANCE = 1.0  # points of Recall@5 / Hit@5: |device mean - CPU mean| 
 
 
 def subprocess_env(precision: str, **extra) -> dict:
-  """This environment plus: the matmul precision, no XLA preallocation (several processes may
-  share the device), and the caller's XLA_FLAGS as they are (tests/conftest.py sets CPU compile
-  flags only when XLA_FLAGS is unset)."""
+  """This environment plus the matmul precision and no XLA preallocation (processes share the
+  device); the caller's XLA_FLAGS are kept as they are."""
   env = dict(os.environ, JAX_DEFAULT_MATMUL_PRECISION=precision,
              XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
   env.setdefault("XLA_FLAGS", "")
@@ -47,8 +42,7 @@ def per_seed_metrics(results: dict) -> dict:
 
 def reference_from_results(results: dict) -> dict:
   """A CPU reference file's contents from a CPU run's results.json: per-seed values, the command
-  (without its `--workdir`, a path of the machine it ran on) and the versions (what
-  `--accel_reference` reads)."""
+  (without `--workdir`) and the versions."""
   if results.get("versions", {}).get("backend") != "cpu":
     raise ValueError(f"a CPU reference must come from a CPU run (backend "
                      f"{results.get('versions', {}).get('backend')!r})")
@@ -77,9 +71,8 @@ def _run_suite(repo: pathlib.Path, args: Sequence[str], env: dict, timeout: floa
 
 
 def compare_per_seed(device: dict, reference: dict, tolerance: float) -> list[dict]:
-  """One row per (run, metric) in both: the means over seeds, their difference, the largest
-  per-seed difference, how many seeds are equal (to the 4 decimals results.json keeps) and whether
-  the means are within `tolerance` points."""
+  """One row per (run, metric): means, their difference, the largest per-seed difference, seeds
+  equal to 4 decimals, and whether the means are within `tolerance` points."""
   rows = []
   for run, metrics in reference.items():
     for metric, ref in metrics.items():
@@ -100,19 +93,10 @@ def run_main_suite(repo: pathlib.Path, suite_args: Sequence[str], precision: str
                    reference: str, tolerance: float, timeout: float) -> dict:
   """`experiments.run <suite_args>` on the device beside a CPU reference.
 
-  Args:
-    repo: the repository root (the subprocesses run there).
-    suite_args: the flags of `experiments.run`, e.g. `--benchmark=locomo --suite=main --seeds=10
-      --candidates=dense --encoder=<cache dir> --data_dir=<dir>`.
-    precision: `JAX_DEFAULT_MATMUL_PRECISION` of both runs.
-    reference: a reference JSON file (`reference_from_results`), or `"cpu"`: the same command now
-      on the host CPU.
-    tolerance: points; the per-(run, metric) verdict compares the means over seeds.
-    timeout: seconds per subprocess.
-
-  Returns:
-    The device run (`status`, wall time, per-seed values), the reference's source and command, the
-    comparison rows and `all_within_tolerance`.
+  `reference`: a reference JSON file (`reference_from_results`), or `"cpu"`: the same command now
+  on the host CPU. `precision`: `JAX_DEFAULT_MATMUL_PRECISION` of both runs; `tolerance`: points,
+  compared on the means over seeds; `timeout`: seconds per subprocess. Returns the device run, the
+  reference, the comparison rows and `all_within_tolerance`.
   """
   out = {"args": list(suite_args), "precision": precision, "tolerance_points": tolerance}
   device = _run_suite(repo, suite_args, subprocess_env(precision), timeout)
@@ -139,14 +123,10 @@ def run_main_suite(repo: pathlib.Path, suite_args: Sequence[str], precision: str
 
 
 def write_bundle(out_dir, *, data_dir=None, cache_dir=None, encoder: str = "minilm") -> dict:
-  """What an offline run of the paper step needs, in `out_dir`: `data/locomo10.json` and
-  `cache/<model>-<identity>/`, the embedding cache directory of `encoder` holding exactly the texts
-  the LoCoMo benchmark encodes (read from the cache at `cache_dir`; a text missing there is
-  encoded). Pass `--data_dir=<out_dir>/data --cache_dir=<that directory>` to the bench: the
-  directory is an encoder with no model (`precomputed.CacheDirEncoder`).
+  """Writes `data/locomo10.json` and the embedding cache of exactly LoCoMo's texts to `out_dir`.
 
-  Returns:
-    The two paths and the bundle's bytes.
+  Pass `--data_dir=<out_dir>/data --cache_dir=<cache directory>` to the bench (an encoder with no
+  model, `precomputed.CacheDirEncoder`). Returns the two paths and the bundle's bytes.
   """
   import shutil  # pylint: disable=g-import-not-at-top
   from ear_jax.data import candidates  # pylint: disable=g-import-not-at-top

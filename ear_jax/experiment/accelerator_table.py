@@ -1,9 +1,7 @@
 """The accelerator run's targets, its markdown table, and BENCHMARKS.md's "GPU" section.
 
-`targets(result)`: vmapped seeds at the largest `N` against the host CPU's best episodes/s (target
->= 50x), and exact search at the largest bank, batch 64, against the bandwidth bound (target <= 2x).
-`table(result)`: the markdown of one `accelerator_bench.run` result. `write_section(path, text)`:
-replaces the body of the file's `## GPU` section (or appends the section) with `text`.
+`targets(result)`: vmapped seeds against the host CPU (target >= 50x) and exact search against the
+bandwidth bound (target <= 2x).
 """
 from __future__ import annotations
 
@@ -153,8 +151,7 @@ def table(result: dict) -> str:
 
 
 def write_section(path, text: str, heading: str = HEADING) -> None:
-  """Replaces the body of `path`'s `heading` section (up to the next `## ` heading) with `text`,
-  or appends the section when the file has none."""
+  """Replaces the body of `path`'s `heading` section with `text`, or appends the section."""
   path = pathlib.Path(path)
   lines = path.read_text().splitlines()
   body = [heading, "", *text.splitlines(), ""]

@@ -1,22 +1,11 @@
 """An agent's own answers for the answer-grounded critic: generated, stored, read back.
 
-The answer critic (`core.critic.AnswerCritic`) reads how much an agent's answer draws on each shown
-memory (`data.answer_support`). With the gold answers it measures a competent agent; this module
-supplies a weak one's: the local LLM (or any chat endpoint) answering each question from the
-memories the QA suite would show it for the frozen first stage, i.e. the retriever's top
-`ANSWER_MEMORIES` candidates (rank order, with their session dates), through the QA suite's answer
-prompt and decoding (`agent.llm.qa_prompts.answer_messages`, temperature 0,
-`agent.llm.qa.ANSWER_MAX_TOKENS`). One call per question; no judge call.
-
-The answers are stored as JSON (`write_answers`) keyed by query id and question text, so a table
-regenerates from the file with no LLM call; `read_answers` returns them in the benchmark's query
-order and refuses a file that is missing, of another benchmark, or lacks or misaligns a question
-the measurement needs (the error names the file). An answer call that failed or returned only
-white space is stored as '' (status kept); its answer support is all zeros
-(`data.answer_support`), on which the library's `AnswerCritic` (`best_min_cosine = -inf`: every
-shown memory ties as the best-supported) cites the whole slate: such answers are counted.
-
-Host-side code (file and network I/O): never jitted.
+`AnswerCritic` reads how much an answer draws on each shown memory. With the gold answers it
+measures a competent agent; this module supplies a weak one's: the local LLM answering each
+question from the frozen first stage's top `ANSWER_MEMORIES` memories with the QA suite's prompt
+(temperature 0). The answers are stored as JSON keyed by query id and question, so a table
+regenerates with no LLM call; `read_answers` refuses a missing, foreign or misaligned file. A
+failed or blank answer is stored as '' (its support is all zeros: the critic cites the whole slate).
 """
 from __future__ import annotations
 
@@ -34,14 +23,7 @@ FORMAT = "ear_jax.agent_answers.v1"
 
 
 def answer_items(bench, corpus, rows: Sequence[int], top: int = ANSWER_MEMORIES) -> list:
-  """`QAItem`s of queries `rows` of `bench`, each with its retriever top-`top` memories.
-
-  Args:
-    bench: the `candidates.Benchmark` (candidates in the frozen first stage's rank order).
-    corpus: its `corpus.Corpus` (session dates, question dates, gold answers).
-    rows: query rows of `bench`.
-    top: memories shown per question.
-  """
+  """`QAItem`s of queries `rows` of `bench`, each with its retriever top-`top` memories."""
   queries = {q.id: q for q in corpus.queries}
   dates = {}
   for g, bank in enumerate(corpus.banks):
@@ -66,8 +48,7 @@ def answer_items(bench, corpus, rows: Sequence[int], top: int = ANSWER_MEMORIES)
 def generate_answers(client, items: Sequence, *, max_workers: int = qa_lib.DEFAULT_WORKERS,
                      max_tokens: int = qa_lib.ANSWER_MAX_TOKENS,
                      progress: bool = True) -> list[dict]:
-  """Per item `{"query_id", "question", "answer", "status"}`: one answer call each (the QA
-  suite's answer request; `client`'s reply cache makes a rerun free)."""
+  """Per item `{"query_id", "question", "answer", "status"}`: one answer call each."""
   results = qa_lib.run_requests(
       client, [(qa_prompts.answer_messages(it.question, it.memories, it.question_date),
                 {"temperature": 0.0, "max_tokens": int(max_tokens)}) for it in items],
@@ -92,8 +73,7 @@ def load_answers(path) -> dict:
   """The JSON `write_answers` wrote.
 
   Raises:
-    FileNotFoundError: naming the file when it is missing.
-    ValueError: naming the file when it is not such a JSON.
+    FileNotFoundError, ValueError: naming the file when it is missing or not such a JSON.
   """
   path = pathlib.Path(path)
   if not path.is_file():
@@ -116,8 +96,8 @@ def read_answers(path, bench, rows: Sequence[int]) -> list[str]:
 
   Raises:
     FileNotFoundError: naming the file when it is missing.
-    ValueError: naming the file when it belongs to another benchmark, when a query of `rows` has
-      no answer there, or when a stored question differs from the benchmark's (misaligned).
+    ValueError: naming the file when it belongs to another benchmark, lacks a query of `rows`,
+      or a stored question differs from the benchmark's.
   """
   body = load_answers(path)
   if body.get("benchmark") != bench.name:

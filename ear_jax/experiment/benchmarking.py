@@ -1,11 +1,8 @@
 """Speed measurements of ear_jax: the rows of `experiments.bench`, as library functions.
 
-Every row times the functions users call, jitted: training with `episode.run_episode` (scan) and
-`learner.train_batch` (loop), sweeps with `sharding.sharded_episodes`, adapter-only retrieval
-with `retrieval.retrieve` and explorer-assisted retrieval with `retrieval.top_k_search` followed
-by `inference.explorer_slate` and the paper's simulated critic (`explorer_retrieve`). The NumPy
-baseline is `ear_jax.experiment.reference`. Timings are the minimum over repetitions (on a shared
-machine the minimum is the least disturbed run). No flags are read here.
+Every row times the jitted functions users call (training scan and loop, sharded sweeps,
+adapter-only and explorer-assisted retrieval); the NumPy baseline is `reference`. Timings are the
+minimum over repetitions (the least disturbed run on a shared machine).
 
 Symbols: `n` queries, `M` bank rows, `d` dimension, `K` candidates, `s` slate size.
 """
@@ -53,15 +50,9 @@ def bench_stream(num_queries: int, dim: int, k: int = 20, seed: int = 0) -> Stre
 def ear_flops_per_query(config: EARConfig) -> dict:
   """Floating-point operations of one EAR training query (multiply-add = 2), by component.
 
-  Counted: the matmuls with `d x d` adapters (forward and the weight gradient; no input gradient is
-  needed), the logits, the Gram matrix of the Explorer and the similarity selection of Eq. (15).
-  Elementwise work (normalisation, softmaxes, Adam) is O(K d) or O(d^2 / b) and left out.
-
-  Args:
-    config: the learner's config (full-rank adapter).
-
-  Returns:
-    FLOPs by component and their `total`.
+  Counted: the `d x d` adapter matmuls (forward and weight gradient), the logits, the Explorer's
+  Gram matrix and the similarity selection of Eq. (15); O(K d) elementwise work is left out.
+  Returns FLOPs by component and their `total`.
   """
   d, k, b, c = config.dim, config.num_candidates, config.replay_size, config.buffer_capacity
   rows_q = 1 + (b if config.use_replay else 0)  # current query + replayed queries (W_q)
@@ -150,8 +141,7 @@ def loop_batches(stream: Stream, config: EARConfig, key: jax.Array):
 def run_loop(stream: Stream, config: EARConfig, hparams: HParams, reps: int):
   """`learner.train_batch` (jitted) called once per batch from Python: `(row, final state)`.
 
-  The row also times the same loop with the state donated (XLA may then update the `[C, K, d]`
-  buffer in place instead of copying it on every call): what is left is the per-call dispatch.
+  The row also times the loop with the state donated: what is left is the per-call dispatch.
   """
   k_init, batches = loop_batches(stream, config, jax.random.PRNGKey(0))
   t = time.perf_counter()
@@ -239,11 +229,9 @@ def _latency(fn, calls: int) -> float:
 
 def run_inference(dim: int, bank_sizes: Sequence[int], batches: Sequence[int], reps: int,
                   calls_b1: int) -> dict:
-  """Adapter-only (`retrieval.retrieve`) and explorer-assisted (`explorer_retrieve`, the
-  paper's simulated critic) retrieval from random unit banks, top-K search included.
+  """Adapter-only and explorer-assisted retrieval from random unit banks, top-K search included.
 
-  Batch 1 is timed as the median of `calls_b1` single calls (latency), larger batches as the
-  minimum of `max(reps, 3)` calls (throughput). Rows are keyed `bank{M}` then `{mode}_b{batch}`.
+  Batch 1: median of `calls_b1` calls (latency); larger batches: minimum of `max(reps, 3)`.
   """
   config = EARConfig(dim=dim)
   hparams = default_hparams()

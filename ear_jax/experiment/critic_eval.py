@@ -1,25 +1,14 @@
-"""Measuring a critic against gold evidence: the slates a training policy shows, and the critic's
-citation precision / recall on them (the quantities of the simulated critic, Appendix A.2).
+"""Measuring a critic against gold evidence: its citation precision / recall on the slates a
+training policy shows (the quantities of the simulated critic, Appendix A.2).
 
 Symbols: `s` slate size, `T` Explorer rounds, `K` candidates.
 
-Slates: `record_training_slates` runs the training episode's host loop
-(`ear_jax.agent.memory.episode.run_critic_episode`: T Explorer rounds per query over the K retrieved
-candidates, the learner step after each batch) with the paper's simulated critic and records every
-slate shown, with the memory texts and gold flags. `select_slates` keeps, per query, the first
-slate holding at least one gold memory (the slates on which precision and recall are defined) and,
-separately, the first slate of queries whose slates never hold a gold memory (the simulated critic
-cites nothing there; a real one may).
-
-Metrics (`citation_metrics`), over the slates with a usable reply: micro precision
+`record_training_slates` records every slate of the training episode's host loop (driven by the
+simulated critic); `select_slates` keeps per query its first slate holding gold, and the first
+slate of queries whose slates never hold gold. `citation_metrics` gives micro precision
 `sum |cited & gold| / sum |cited|` and recall `sum |cited & gold| / sum |gold shown|` on gold
-slates, exactly the simulated critic's `p` and `r` (in expectation it cites `n r` gold and
-`n r (1-p)/p` other items on a slate with `n` gold); the chance precision of a critic citing at
-random (`sum |gold| / sum |shown|`); the precision / recall of a critic citing only each slate's
-first memory (position 0: the policy's top pick, gold there most often); the parse rate; the mean number cited on gold-free slates; and
-the citation rate per slate position (position bias).
-
-Host-side code; the episode inside is the library's jitted learner step.
+slates (exactly the simulated critic's `p` and `r`), beside chance and first-position baselines,
+the parse rate, citations on gold-free slates and the citation rate per position.
 """
 from __future__ import annotations
 
@@ -35,16 +24,9 @@ from ear_jax.core import critic as critic_lib
 
 
 class SlateRecord(NamedTuple):
-  """One slate shown by the training policy.
-
-  Attributes:
-    query: the query's row in the stream the episode ran on.
-    round: the Explorer round `t` in `[0, T)`.
-    question: the query text.
-    texts: the slate's memory texts (non-empty positions, slate order).
-    gold: `[len(texts)]` bool, which of them are gold evidence.
-    positions: `[len(texts)]` their candidate positions in `[0, K)` (slate order).
-  """
+  """One slate shown by the training policy: `query` (its row in the stream), Explorer `round`
+  in `[0, T)`, `question`, the memory `texts` (slate order), `gold` `[len(texts)]` bool and their
+  candidate `positions` in `[0, K)`."""
   query: int
   round: int
   question: str
@@ -71,14 +53,9 @@ class _Recorder:
 def record_training_slates(key: jax.Array, bench, config, hparams, critic=None) -> list[SlateRecord]:
   """Every slate the Explorer training policy shows on `bench` (one episode, in stream order).
 
-  Args:
-    key: the episode's PRNG key.
-    bench: an `ear_jax.data.candidates.Benchmark` (texts and gold flags).
-    config, hparams: the learner's (the Explorer policy: `train_slate='explorer'`).
-    critic: the jitted critic that drives the episode (default: the paper's simulated critic).
-
-  Returns:
-    `N * T` records, in the order shown; `query` is the row in `bench`.
+  `bench` is a `candidates.Benchmark` (texts and gold flags), `config` the learner's
+  (`train_slate='explorer'`), `critic` the one driving the episode (default: the simulated
+  critic). Returns `N * T` records, in the order shown.
   """
   recorder = _Recorder(critic_lib.or_default(critic))
   episode_lib.run_critic_episode(key, bench.stream, bench.query_texts, bench.candidate_texts,
@@ -118,13 +95,10 @@ def citation_metrics(slates: Sequence[SlateRecord],
     cited: per slate, the cited positions, or None for an unusable reply.
 
   Returns:
-    A dict: `slates`, `usable`, `parse_rate`, and over usable slates with gold: `precision`,
-    `recall`, `f1`, `chance_precision`, `first_precision` / `first_recall` (a critic citing
-    exactly the slate's first memory, the policy's top pick), `cited_per_slate`, `gold_per_slate`;
-    over usable slates
-    without gold: `gold_free_slates`, `gold_free_cited_per_slate`, `gold_free_any_cited`;
-    `precision_all_slates` (cited gold over all citations, gold-free slates included); and
-    `position_cite_rate` (per slate position, over usable slates). NaN where undefined.
+    A dict: `slates`, `usable`, `parse_rate`; over usable gold slates `precision`, `recall`, `f1`,
+    `chance_precision`, `first_precision` / `first_recall`, `cited_per_slate`, `gold_per_slate`;
+    over usable gold-free slates `gold_free_slates`, `gold_free_cited_per_slate`,
+    `gold_free_any_cited`; `precision_all_slates`; `position_cite_rate`. NaN where undefined.
   """
   if len(slates) != len(cited):
     raise ValueError(f"{len(slates)} slates but {len(cited)} citation lists")
@@ -164,8 +138,7 @@ def citation_metrics(slates: Sequence[SlateRecord],
       "gold_per_slate": div(n_gold, n_gold_slates), "gold_free_slates": free_n,
       "gold_free_cited_per_slate": div(free_cited, free_n),
       "gold_free_any_cited": div(free_any, free_n),
-      # Over every usable slate, gold-free ones included: the precision of the labels the learner
-      # gets (the simulated critic cites nothing on a gold-free slate).
+      # Over every usable slate: the precision of the labels the learner gets.
       "precision_all_slates": div(tp, n_cited + free_cited),
       "position_cite_rate": [div(a, b) for a, b in zip(pos_cited, pos_shown)],
   }
@@ -174,8 +147,7 @@ def citation_metrics(slates: Sequence[SlateRecord],
 @functools.partial(jax.jit, static_argnames=("num_critics",))
 def _jitted_labels(critic, keys, queries, candidates, gold, support, slates, slate_mask,
                    num_critics):
-  """`[H, n, s]` labels of `H = num_critics` stacked critics on `n` slates (one key per slate);
-  a critic without parameters (`OracleCritic`) is one critic whatever `H`."""
+  """`[H, n, s]` labels of `H` stacked critics on `n` slates (one key per slate)."""
 
   def one(c, k, q, cand, g, sup, sl, sm):
     return c(k, critic_lib.slate_view(q, cand, g, sl, sm, sup))
@@ -189,21 +161,12 @@ def jitted_citations(critic, stream, slates: Sequence[SlateRecord], key: jax.Arr
                      slate_size: int, stacked: bool = False) -> list:
   """The citations of a jitted critic (e.g. `AnswerCritic`) on recorded slates.
 
-  Each slate is shown to the critic through `critic.slate_view` of its query's row of `stream`
-  (the stream the slates were recorded on: its gold flags and, for the answer critic, its
-  `answer_support`), exactly as inside the training scan.
-
-  Args:
-    critic: a critic pytree, or (`stacked=True`) critics stacked along a leading axis `H`
-      (`critic.stack_critics`: a threshold sweep, one compiled call).
-    stream: the `Stream` whose rows the records' `query` fields index.
-    slates: the recorded slates (their `positions` are candidate positions).
-    key: PRNG key, split into one key per slate; the key is consumed.
-    slate_size: `s`.
-    stacked: whether `critic` holds `H` critics.
+  Each slate is shown through `critic.slate_view` of its query's row of `stream`, as inside the
+  training scan; `key` is split into one key per slate (consumed). With `stacked`, `critic` holds
+  `H` critics on a leading axis and `H` lists are returned.
 
   Returns:
-    Per slate, the cited positions (indices into its `texts`); with `stacked`, `H` such lists.
+    Per slate, the cited positions (indices into its `texts`).
   """
   if not stacked:
     critic = critic_lib.stack_critics([critic])
@@ -240,12 +203,9 @@ def critique_slates(critic, slates: Sequence[SlateRecord],
   return out
 
 
-# --- the answer-grounded critic ----------------------------------------------------------------------
-# Its thresholds' grid (`core.critic.answer_critic`; inf switches a branch off, -inf cites the
-# slate's best-supported memory always) and the choice rule: the highest recall whose precision
-# (the simulated critic's p: on the protocol's slates holding gold) is at least `MIN_PRECISION`;
-# ties -> the higher precision. The precision over every slate shown (gold-free ones included) is
-# reported beside it (`precision_all_slates`).
+# --- the answer-grounded critic ---
+# Threshold grid (inf switches a branch off, -inf always cites the best-supported memory) and the
+# rule: the highest recall with protocol precision >= `MIN_PRECISION`; ties -> higher precision.
 ANSWER_GRID = {"min_overlap": (1.0, 2.0, 3.0, float("inf")),
                "best_min_cosine": (-float("inf"), 0.5, 0.6, float("inf")),
                "min_share": (0.4, 0.5, 0.6, 0.75, float("inf")),
@@ -272,8 +232,7 @@ class SeedSlates(NamedTuple):
 
 
 def policy_slates(bench, rows, seed: int, config, hparams) -> SeedSlates:
-  """Runs the Explorer training episode (the paper's simulated critic driving it, key
-  `PRNGKey(seed)`) on `bench.take(rows)` and records its slates (`record_training_slates`)."""
+  """Records the Explorer training episode's slates on `bench.take(rows)` (key `PRNGKey(seed)`)."""
   part = bench.take(np.asarray(rows))
   records = record_training_slates(jax.random.PRNGKey(seed), part, config, hparams)
   gold, free = select_slates(records)
@@ -282,8 +241,7 @@ def policy_slates(bench, rows, seed: int, config, hparams) -> SeedSlates:
 
 def critic_metrics(critic, seed_slates: Sequence[SeedSlates], slate_size: int,
                    stacked: bool = False) -> list[dict]:
-  """Per critic (one, or `H` stacked), `{"protocol": citation_metrics of the gold + gold-free
-  slates, "all_slates": citation_metrics of every slate shown}`, pooled over the seeds."""
+  """Per critic, `{"protocol": ..., "all_slates": ...}` `citation_metrics`, pooled over seeds."""
   pooled = {"protocol": ([], []), "all_slates": ([], [])}
   per = []
   for ss in seed_slates:
@@ -309,9 +267,8 @@ def critic_metrics(critic, seed_slates: Sequence[SeedSlates], slate_size: int,
 def choose_answer_thresholds(settings: Sequence[dict], metrics: Sequence[dict],
                              min_precision: float = MIN_PRECISION,
                              precision: tuple = CHOICE_PRECISION) -> dict:
-  """The setting with the highest protocol recall whose precision (`metrics[i][part][key]` for
-  `precision = (part, key)`) is `>= min_precision` (ties: the higher precision, then the earlier
-  in the grid); None when none is."""
+  """The setting with the highest protocol recall whose precision is `>= min_precision` (ties:
+  higher precision, then earlier in the grid); None when none is."""
   best, best_key = None, None
   for i, (s, m) in enumerate(zip(settings, metrics)):
     p = m[precision[0]][precision[1]]

@@ -2,23 +2,11 @@
 
 Symbols: `M` memories, `P` processes, `d` dimension, `K` candidates, `n` queries per call.
 
-Every process of a `jax.distributed` run calls `run` (SPMD). Process `p` generates only its own
-`M / P` rows (`scale_bench.embeddings`, random unit vectors, block `p`) and the bank is the global
-array of `sharding.shard_bank_local`. Timed, the minimum over repetitions, for `n` = 1 and 256:
-
-  sharded  `sharding.sharded_top_k_search` over the whole bank: each device's streamed top-K of its
-           rows, the all-gather of the P lists of K (score, row) pairs, the merge.
-  local    `retrieval.top_k_search` of this process's own `M / P` rows alone (what each device does
-           inside `sharded`), run by every process at the same time.
-  merge    `sharded - local`: what splitting the bank across processes adds per call (the
-           all-gather over gloo / the network, the merge, the processes waiting for each other).
-  tiny     `sharded_top_k_search` over a bank of 8 rows per process: the merge and the
-           communication with (almost) no search, a second reading of the same cost.
-  single   process 0 alone, after the others reached a barrier: `retrieval.top_k_search` of the
-           whole bank (the same rows) in one process, the single-process search beside them.
-
-On one machine the processes share its cores and memory bandwidth: this measures the overhead of
-the split, not a speed-up (that needs a host per process).
+Every process calls `run` (SPMD) and holds only its `M / P` rows. Timed for `n` = 1 and 256:
+`sharded` (`sharding.sharded_top_k_search` of the whole bank), `local` (this process's rows
+alone), `merge` = sharded - local (what the split adds), `tiny` (8 rows per process: the merge
+alone) and `single` (process 0 searching the whole bank alone). On one machine this measures the
+split's overhead, not a speed-up.
 """
 from __future__ import annotations
 
@@ -40,11 +28,8 @@ def _rows(m: int, dim: int, p: int, num: int) -> np.ndarray:
 
 def run(m: int = 1_000_000, dim: int = 384, k: int = 20, batches=(1, 256), reps: int = 5,
         single: bool = True) -> dict:
-  """Times the search of `m` rows split over every process (see the module docstring).
-
-  A collective: every process calls it with the same arguments. Returns the timings (ms per call
-  and per query) measured by this process; `single` is filled in process 0 only.
-  """
+  """Times the search of `m` rows split over every process (a collective: every process calls it
+  with the same arguments); `single` is filled in process 0 only."""
   num, me = jax.process_count(), jax.process_index()
   local = _rows(m, dim, me, num)
   local_dev, local_valid = jax.device_put(local), jax.device_put(np.ones(len(local), bool))

@@ -3,26 +3,12 @@ against bank size, alone and through `Memory`.
 
 Symbols: `M` memories, `d` dimension, `K` candidates.
 
-For each bank size, synthetic texts (`texts`: words drawn from a fixed vocabulary of `VOCAB`
-words with Zipf frequencies, 8-20 words a memory, a fixed seed) and random unit embeddings
-(`scale_bench.embeddings`), timed one query at a time (p50 of `calls`, after one untimed pass over
-the same queries: a search compiles once per power-of-two bucket of BM25 pairs):
-
-* the index alone (`lexical_bank.LexicalBank` over a `bank.DeviceBank`, the parts `Memory`
-  calls): `tokenise` (every text), `index build` (encode + `BM25Index.add` of every memory, in
-  blocks), `bm25 host` (one query's BM25 on the host, `BM25Index.scores`), `dense` (`bank.search`),
-  `bm25` / `hybrid rrf` / `hybrid weighted` (`LexicalBank.search`: host BM25, then one jitted call:
-  cosines, fusion, top-K, gather, features), and `calls` cycles of: add one memory (`encode` +
-  `add`), the first hybrid search after it, delete it (`dead_terms` + `delete`), after one untimed
-  cycle (it compiles the one-row device write);
-* through `Memory(MemoryConfig(candidates=...))` for bm25 and the default hybrid: `add` of every
-  memory, `search` without changes, and `calls` cycles of: `add` of one memory, the first `search`
-  after it (no rebuild: the index is incremental; the target's "first retrieve after adding one
-  memory within 2x of a retrieve without changes", `AFTER_ADD_TARGET`), `delete` of it, the search
-  after that (after one untimed cycle: it compiles the one-row write and tombstone).
-Each search stands beside its bound, the bank's float32 bytes over the memory bandwidth measured in
-the same run (`scale_bench.measure_bandwidth`): every one reads the bank once. The mean number of
-memories sharing a term with a query (`matching`) says how sparse BM25 was.
+For each bank size, synthetic Zipf texts (`texts`) and random unit embeddings are timed one query
+at a time (p50 after an untimed pass that compiles each BM25 bucket): the index alone
+(`LexicalBank`: tokenise, build, host BM25, dense / bm25 / hybrid searches, and add-search-delete
+cycles), then through `Memory` (add, search, and add-search-delete cycles: the first search after
+adding one memory within `AFTER_ADD_TARGET` x of one without changes; the index is incremental).
+Each search stands beside its bound, the bank's bytes over the bandwidth measured in this run.
 """
 from __future__ import annotations
 
@@ -52,8 +38,7 @@ STAGES = {"bm25": ("bm25", first_stage.FirstStageOptions()),
 
 
 def texts(start: int, stop: int, seed: int = 0) -> list[str]:
-  """Synthetic memory texts `start:stop` (reproducible block by block): 8-20 words `w<rank>` with
-  Zipf(`ZIPF_S`) frequencies over `VOCAB` ranks."""
+  """Synthetic memory texts `start:stop` (reproducible by block): 8-20 Zipf-drawn words."""
   rng = np.random.default_rng([seed, start, 11])
   p = 1.0 / np.arange(1, VOCAB + 1) ** ZIPF_S
   lens = rng.integers(8, 21, stop - start)

@@ -1,28 +1,16 @@
 """The live benchmark: a benchmark's questions streamed through `Memory`, beside the jitted runner.
 
-Symbols: `S` seeds, `N` training questions of a seed, `M` test questions, `K` candidates, `s` slate
-size, `T` Explorer rounds, `d` dimension.
+Symbols: `S` seeds, `N` training questions, `M` test questions, `K` candidates, `s` slate size,
+`T` Explorer rounds, `d` dimension.
 
-For one seed, `run_seed` replays what `ear_jax.experiment.runner.train_and_evaluate` computes in one
-`lax.scan`, one question at a time through the agent's `ear_jax.agent.memory.Memory`:
-
-* the memories: every queried bank's dialogue turns, added once with precomputed embeddings, one
-  `scope` per bank (a LoCoMo conversation, a LongMemEval question's haystack), so that a question's
-  candidates are the top-K of its own bank, as the runner's (`candidates.build_benchmark`);
-* the split: the runner's (`runner.seed_splits`), the training questions in stream order, each
-  `Memory.recall` (T Explorer rounds, one training query; a learner step every `b` questions),
-  then on the test questions adapter-only inference (`Memory.search`) and explorer-assisted
-  inference with the adapter frozen (`Memory.recall(learn=False)`), as `inference.evaluate` does
-  (it never trains on the test set);
-* the critic: `StreamCritic`, the simulated critic of Appendix A.2 on the host with the runner's
-  per-round keys (`critic_round_keys`), so that a slate the runner also shows gets the same labels.
-
-What differs: the learner's own replay keys (`driver.seed_keys`; given the runner's, the live run
-is the runner's slate for slate, `tests/test_live.py`), the last partial batch (left queued), and
-float rounding (re-normalised embeddings, ties, XLA's vmapped scan), which the online dynamics
-amplify: on real data the two agree in distribution, and the paired difference live - runner over
-seeds is the check. Each `recall` / `search` is timed minus the critic's time, beside the scan's
-cost per question plus one dispatch measured in the same run (`measure_dispatch`).
+`run_seed` replays one seed of `runner.train_and_evaluate` one question at a time through
+`Memory`: the same banks (one `scope` per bank, so candidates are the top-K of the question's own
+bank), the same split (`runner.seed_splits`; it never trains on the test set) and the simulated
+critic with the runner's per-round keys (`StreamCritic`), so a slate both show gets the same
+labels. Given the runner's replay keys the live run equals the runner slate for slate
+(`tests/test_live.py`); with its own keys, the last partial batch left queued and float rounding,
+the check is the paired difference live - runner over seeds. Each call is timed without the
+critic, beside the scan's cost per question plus one dispatch.
 """
 from __future__ import annotations
 
@@ -51,11 +39,9 @@ from ear_jax.experiment import runner
 from ear_jax.experiment import scale_bench
 from ear_jax.experiment import stats
 
-# adapter-only (Memory.search), explorer-assisted (recall(learn=False, rule='explorer')) and paging
-# over the served ranking (recall(learn=False, rule='paging'); the runner's `paging_adapted`).
+# Test modes: `Memory.search`, recall(learn=False, rule='explorer'), recall(learn=False, 'paging').
 MODES = ("adapter", "explorer", "paging_adapted")
-# The timed steps of a seed (`SeedResult.per_question_ms`): training `recall`, test `search`,
-# test `recall` with the Explorer's rounds and with paging (the default test rule).
+# Timed steps (`SeedResult.per_question_ms`).
 STEPS = ("train", "search", "recall_test", "recall_paging")
 MODE_NAMES = {"adapter": "adapter-only", "explorer": "explorer-assisted",
               "paging_adapted": "paging over the adapted ranking"}
@@ -95,8 +81,7 @@ class LiveData:
     return [c for c in self.bench.candidate_ids[i] if c]
 
   def source(self, memory_id: str) -> tuple:
-    """`(bank, id in the bank)` of a `Memory` id: bank ids repeat across banks (LoCoMo's
-    'D1:3'), so a memory is named by both."""
+    """`(bank, id in the bank)` of a `Memory` id (bank ids repeat across banks)."""
     return int(memory_id.split(":", 1)[0]), self.bank_id_of[memory_id]
 
 
@@ -109,8 +94,7 @@ def _memory_ids(bank: corpus_lib.Bank, g: int, rows: np.ndarray) -> list:
 
 
 def live_data(ec: corpus_lib.EmbeddedCorpus, *, k: int = candidates_lib.DEFAULT_K) -> LiveData:
-  """The runner's benchmark of an embedded corpus (`candidates.build_benchmark`, single store,
-  dense candidates) and the ids `Memory` gives its memories.
+  """The runner's benchmark of `ec` (single store, dense candidates) and `Memory`'s ids for it.
 
   Raises:
     ValueError: when the benchmark's queries cannot be matched with the corpus's.
@@ -142,9 +126,7 @@ def live_data(ec: corpus_lib.EmbeddedCorpus, *, k: int = candidates_lib.DEFAULT_
 
 
 def build_memory(data: LiveData, method: Method, seed: int) -> Memory:
-  """A `Memory` of `method` (its config and hyperparameters) holding every queried bank's dialogue
-  turns with their precomputed embeddings, one scope per bank (`LiveData.scope`).
-  """
+  """A `Memory` of `method` holding every queried bank's dialogue turns, one scope per bank."""
   groups = sorted(set(int(g) for g in data.bench.group))
   total = sum(len(data.dialogue_rows[g]) for g in groups)
   mem = Memory(MemoryConfig(encoder=None, config=method.config, hparams=method.hparams, seed=seed,
@@ -162,11 +144,8 @@ def critic_round_keys(seed: int, num_train: int, num_test: int, train_rounds: in
                       test_rounds: int):
   """The runner's critic keys of one seed: `(train [N, T, 2], test [M, T_test, 2])` uint32.
 
-  As `runner.train_and_evaluate` (`PRNGKey(seed)` split into episode and evaluation keys,
-  `episode.episode_keys`), `learner.train_batch` (query key -> (slates, replay)),
-  `policies.explorer_slates` (slates key -> (_, critic)), `explorer.explore` (critic key -> one
-  key per round) and `inference.evaluate` (evaluation key -> one key per test query -> one per
-  round).
+  Derived exactly as `runner.train_and_evaluate`, `learner.train_batch`, `explorer.explore` and
+  `inference.evaluate` split theirs.
   """
   episode_key, eval_key = jax.random.split(runner.per_seed_keys([seed])[0])
   _, query_keys = episode.episode_keys(episode_key, num_train)
@@ -184,11 +163,9 @@ _simulated = jax.jit(critic_lib.simulated_critic)
 class StreamCritic:
   """The simulated critic of Appendix A.2 as a host critic for `Memory.recall`.
 
-  `start(gold_ids, round_keys)` names the question's gold memory ids and its `[T, 2]` round keys;
-  call t of the question then labels the shown slate with `critic_lib.simulated_critic` under key
-  `round_keys[t]` (the key `Memory` passes is ignored), gold = the shown ids in `gold_ids`: the
-  runner's labels for the same slate. A slate shorter than `s` is padded (masked) to `s` as the
-  runner's slate would be. `seconds` sums the time spent inside calls.
+  `start(gold_ids, round_keys)` sets the question's gold ids and `[T, 2]` round keys; call t then
+  labels the shown slate under `round_keys[t]` (`Memory`'s key is ignored), padded to `s` as the
+  runner's slate: the runner's labels for the same slate. `seconds` sums the time inside calls.
 
   Args:
     critic: the `SimulatedCritic` (precision, recall).
@@ -226,20 +203,14 @@ class SeedResult:
   """One seed streamed through `Memory`.
 
   Attributes:
-    seed: the seed.
-    all_gold: mode -> `[M]` bool, every gold memory of test question j in its slate (Recall@s).
-    any_gold: mode -> `[M]` bool, some gold memory in it (Hitrate@s).
-    recall, hitrate: mode -> the means over test questions (fractions).
+    all_gold, any_gold: mode -> `[M]` bool, every / some gold memory in the slate (Recall@s /
+      Hitrate@s); `recall`, `hitrate`: their means (fractions).
     slates: mode -> `[M]` tuples of the returned memory ids.
-    seconds: 'train' (the N training recalls), 'search' and 'recall_test' (the M test
-      questions), each excluding the critic; 'critic' the time inside the critic; 'add' the time
-      to fill the memory.
-    per_question_ms: 'train' `[N]`, 'search' `[M]`, 'recall_test' `[M]` (critic excluded).
-    outside_candidates: shown or returned ids that are not among the runner's candidates of the
-      question (0 when the live candidates are the runner's).
-    learner_steps: `Memory.stats['learner_steps']` after training.
-    pending: training questions left queued (fewer than `b`: `Memory` trains full batches).
-    bank_bytes: the bytes one exact search reads (the bank's `[C, d]` embeddings, C its capacity).
+    seconds: per step ('train', 'search', 'recall_test'; critic excluded), 'critic' and 'add'.
+    per_question_ms: step -> `[N]` or `[M]` ms (critic excluded).
+    outside_candidates: shown or returned ids not among the runner's candidates of the question.
+    pending: training questions left queued (fewer than `b`).
+    bank_bytes: the bytes one exact search reads (the bank's `[C, d]` embeddings).
   """
   seed: int
   all_gold: dict
@@ -260,17 +231,9 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
              progress: Optional[Callable[[str], None]] = None) -> SeedResult:
   """Streams one seed's split through a fresh `Memory` (see the module docstring).
 
-  Args:
-    data: the benchmark (`live_data`).
-    method: the method (`runner.build_method`), the same object the runner runs.
-    seed: the seed (the runner's keys of this seed; the `Memory`'s seed).
-    train_index: `[N]` benchmark queries of the training stream, in order.
-    test_index: `[M]` test queries.
-    critic: the simulated critic (default: the paper's).
-    progress: optional callable taking a line of text (every 500 questions).
-
-  Returns:
-    A `SeedResult`.
+  `method` is the object the runner runs (`runner.build_method`); `seed` gives the runner's keys of
+  this seed and the `Memory`'s seed; `train_index [N]` / `test_index [M]` are benchmark queries in
+  stream order; `progress` takes a line every 500 questions.
   """
   critic = critic or critic_lib.make_simulated_critic()
   config = method.config
@@ -350,12 +313,10 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
 
 
 def measure_dispatch(method: Method, calls: int = 2000) -> dict:
-  """The round trip of ONE trivial jitted call with a session round's argument shapes (adapter
-  parameters, hyperparameters, a `[d]` query, `[K, d + F]` candidates, `[K]` mask and bandit
-  statistics, the `[K]` feedback to apply) and output shapes (`[s]` slate and mask, `[K]` z, mean
-  and counts), host arrays in and out as `episode.session_round` passes them: the cost of one
-  dispatch, what a question pays per device call beyond its compute. `mean_ms` / `p50_ms` over
-  `calls` calls (after a warm-up)."""
+  """The round trip of one trivial jitted call with a session round's argument and output shapes.
+
+  The cost of one dispatch: `mean_ms` / `p50_ms` over `calls` calls after a warm-up.
+  """
   config = method.config
   K, s, width = config.num_candidates, config.slate_size, config.dim + config.side_features
   params = jax.tree_util.tree_map(jax.numpy.asarray,
@@ -378,14 +339,12 @@ def measure_dispatch(method: Method, calls: int = 2000) -> dict:
 
 
 def measure_device_floor(method: Method, calls: int = 500) -> dict:
-  """What one training question's device calls cost when a memory serves questions one at a
-  time (the floor of a live call), each a compiled call timed to its host result, nothing around it:
-  `first_round_ms` (`agent.memory.episode.session_round` computing the adapter: Eq. (3)-(4) on
-  `[K, d]` candidates and the Gram of Eq. (6), then an Explorer round), `later_round_ms` (a round
-  reusing them: the bandit update and the greedy slate), `learner_step_ms` (ONE call of the
-  driver's compiled step `agent.memory.driver.train_step` on `b` queries, state donated)
-  and `per_training_question_ms` = first + (T - 1) later + step / b. The first stage's search is
-  not in it (the table's `search` row measures that path). Means over `calls` calls."""
+  """The device calls of one training question served alone, each timed to its host result.
+
+  `first_round_ms` (`session_round` computing the adapter, Eq. (3)-(4), and the Gram of Eq. (6)),
+  `later_round_ms`, `learner_step_ms` (one `driver.train_step` on `b` queries) and
+  `per_training_question_ms` = first + (T - 1) later + step / b; no search. Means over `calls`.
+  """
   config, hp = method.config, method.hparams
   K, T, b, s = config.num_candidates, config.num_rounds, config.batch_size, config.slate_size
   width = config.dim + config.side_features
@@ -435,8 +394,7 @@ def run_runner(data: LiveData, method: Method, seeds: Sequence[int], train_index
                name: str = "runner", timing_repeat: bool = True):
   """The jitted runner on the same seeds and splits: `(RunResult, warm_seconds or None)`.
 
-  With `timing_repeat` the same call runs a second time (compiled) and its wall time is returned:
-  the scan's cost without compilation.
+  With `timing_repeat` it runs twice and `warm_seconds` is the compiled call's wall time.
   """
   critic = critic or critic_lib.make_simulated_critic()
   args = (data.bench.stream, train_index, test_index, method.config, method.hparams, list(seeds))
@@ -449,11 +407,8 @@ def run_runner(data: LiveData, method: Method, seeds: Sequence[int], train_index
 
 
 def compare(data: LiveData, result, live: Sequence[SeedResult], scan_seconds: float) -> dict:
-  """Runner vs live per mode: per-seed Recall@s / Hitrate@s (percent), means, the paired
-  difference live - runner (`stats.paired_difference`, 95 % t-interval), the share of test
-  questions with the same slate per seed, and the costs per question (ms): live (critic excluded)
-  and the scan's (`scan_seconds` over all seeds' questions).
-  """
+  """Runner vs live per mode: Recall@s / Hitrate@s (percent), the paired difference live - runner
+  (95 % t-interval), the share of identical slates, and the costs per question (ms)."""
   out = {"modes": {}, "seeds": [r.seed for r in live]}
   for mode in MODES:
     rec = {}
@@ -508,9 +463,7 @@ def load_live_data(benchmark: str, *, data_dir=None, encoder="minilm", cache_dir
                    limit: Optional[int] = None, k: int = candidates_lib.DEFAULT_K,
                    progress: bool = True, synthetic_queries: int = 500,
                    synthetic_dim: int = 32) -> LiveData:
-  """`live_data` of a benchmark loaded as the runner loads it: 'locomo' / 'longmemeval' through
-  `corpora.load_corpus` and `candidates.embed_corpus` (the embedding cache), 'synthetic' as
-  `experiment.suites.Runner.bench` makes it."""
+  """`live_data` of 'locomo' / 'longmemeval' (embedding cache) or 'synthetic'."""
   if benchmark == "synthetic":
     ec = synthetic.make_synthetic(seed=0, num_queries=synthetic_queries, dim=synthetic_dim,
                                   num_banks=max(2, min(25, synthetic_queries // 8)))
@@ -523,19 +476,10 @@ def load_live_data(benchmark: str, *, data_dir=None, encoder="minilm", cache_dir
 def run(data: LiveData, method: Method, seeds: Sequence[int],
         critic: Optional[critic_lib.SimulatedCritic] = None, *, time_scan: bool = True,
         name: str = "live") -> tuple[dict, list]:
-  """The jitted runner and the live stream on the same seeds, compared (`compare`).
+  """The jitted runner and the live stream on the same seeds and splits, compared (`compare`).
 
-  Args:
-    data: the benchmark.
-    method: the method (`runner.build_method`).
-    seeds: the seeds (the runner's splits `runner.seed_splits`).
-    critic: the simulated critic (default: the paper's).
-    time_scan: run the runner a second time (compiled) for the scan's cost; else its first wall
-      time, compilation included.
-    name: run name (logs).
-
-  Returns:
-    `(comparison dict, [SeedResult])`.
+  `time_scan` times a second, compiled runner call (else the first, compilation included).
+  Returns `(comparison dict, [SeedResult])`.
   """
   critic = critic or critic_lib.make_simulated_critic()
   seeds = [int(x) for x in seeds]
@@ -560,9 +504,7 @@ def run(data: LiveData, method: Method, seeds: Sequence[int],
                  100 * float(result.eval["recall_explorer"][j]), time.perf_counter() - t0)
   cmp = compare(data, result, live, result.wall_seconds if warm is None else warm)
   cmp["scan_seconds"] = {"first": result.wall_seconds, "compiled": warm}
-  # The physical bounds, measured in this run: a training question's FLOPs (adapter matmuls and
-  # gradients, Explorer Gram, replay similarity) over this machine's fp32 matmul peak; a search's
-  # bytes (the exact search reads the whole bank once) over its memory bandwidth.
+  # Physical bounds measured in this run: FLOPs / matmul peak, bank bytes / memory bandwidth.
   peak = benchmarking.measure_peak()
   bandwidth = scale_bench.measure_bandwidth()
   flops = benchmarking.ear_flops_per_query(method.config)["total"]
@@ -587,8 +529,7 @@ def run(data: LiveData, method: Method, seeds: Sequence[int],
 
 
 def table_md(cmp: dict, *, title: str) -> str:
-  """The markdown table of `compare`: per mode runner and live means, the paired difference with
-  its interval, and the cost per question."""
+  """The markdown table of `compare`: means, paired differences and the cost per question."""
   lines = [f"### {title}", "",
            "| mode | metric | runner | live | live − runner [95% CI] | within noise |",
            "|---|---|---|---|---|---|"]

@@ -1,19 +1,11 @@
 """A default `Memory`'s first calls: a warm single-question `search` beside its two parts timed in
 the same run, and a second process's start with the persistent compilation cache.
 
-`run` builds `Memory(encoder=minilm)` (`MemoryConfig`'s defaults: MiniLM, the hybrid first stage,
-the default learner) holding `num_memories` LoCoMo turns (synthetic sentences without the data)
-and times, each as the minimum over `reps` distinct questions:
-
-* `search_ms`: `memory.search(question)` (encoding, the first stage, the slate, the records);
-* `encode_ms`: the encoder's forward for one question (`Encoder.encode_new([question])`);
-* `device_search_ms`: one device search: the memory's first stage over the same rows, built from
-  its parts (`lexical_bank.LexicalBank.search` with the adapter's slate, one jitted call).
-
-The bound is `2 (encode_ms + device_search_ms)`. `second_process` starts `python -m
-ear_jax.experiment.memory_latency` twice on an empty compilation cache directory
-(`EAR_CACHE_DIR`): each process builds the same memory and answers one search; the first
-compiles, the second loads what the first compiled (`ear_jax.io.compilation_cache`).
+`run` builds a default `Memory` (MiniLM, hybrid first stage) holding `num_memories` turns and
+times, each the minimum over `reps` questions, `search_ms`, `encode_ms` (one question's encoding)
+and `device_search_ms` (the first stage and slate in one jitted call); the bound is
+`2 (encode_ms + device_search_ms)`. `second_process` starts this module twice on an empty
+compilation cache (`EAR_CACHE_DIR`): the second loads what the first compiled.
 """
 from __future__ import annotations
 
@@ -94,8 +86,7 @@ def warm_search(num_memories: int = 50, reps: int = 20, data_dir: Optional[str] 
 
 def second_process(num_memories: int = 50, data_dir: Optional[str] = None,
                    timeout_s: float = 600.0) -> dict:
-  """Two processes, one after the other, on an empty compilation cache (module docstring): each
-  one's wall time from its start to its first search's answer, and that search's time."""
+  """Two processes in turn on an empty compilation cache: each one's time to its first answer."""
   runs = []
   with tempfile.TemporaryDirectory() as cache:
     env = {**os.environ, "EAR_CACHE_DIR": cache}

@@ -1,10 +1,5 @@
-"""PNG plots of EAR experiments (matplotlib, Agg backend): means over seeds with 95% intervals.
-
-Learning curves (Figs. 3-5) take the `curve` lists of `experiment.summarize` (one point per
-evaluation, each metric `[S]`); bar charts take `{label: [S] values}`. Bands and error bars are the
-95% Student-t interval of the mean over seeds (`stats.mean_interval`), and say so in the legend;
-`paired_differences` plots per-seed paired differences against a baseline (`stats.paired_difference`)
-with their intervals and a line at 0.
+"""PNG plots of EAR experiments (matplotlib, Agg): means over seeds with 95% t-intervals
+(`stats.mean_interval`), learning curves (Figs. 3-5), bars, paired differences and heat maps.
 """
 from __future__ import annotations
 
@@ -30,17 +25,11 @@ def learning_curves(path, curves: Mapping[str, list], *, metric: str = "recall_a
                     hlines: Optional[Mapping[str, float]] = None, ylabel: str = "Recall@5 (%)"):
   """One line per run: mean over seeds of `metric` against mean `x`, with a 95% interval band.
 
-  The band is the 95% t-interval of the mean over seeds at each evaluation (none with one seed).
-
   Args:
-    path: output PNG path.
     curves: `{label: curve}`; a curve is a list of points `{x: [S], metric: [S], ...}`.
     metric: which metric (percent).
     x: 'queries_seen' or 'critic_calls'.
-    title: plot title.
-    xlabel: axis label (default from `x`).
     hlines: `{label: value}` horizontal reference lines (e.g. the frozen retriever).
-    ylabel: axis label.
   """
   plt = _plt()
   fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -69,17 +58,11 @@ def learning_curves(path, curves: Mapping[str, list], *, metric: str = "recall_a
 def grouped_bars(path, groups: Sequence[str], series: Mapping[str, Mapping[str, Sequence[float]]],
                  *, title: str = "", ylabel: str = "", paper: Optional[Mapping] = None,
                  interval: str = stats.INTERVAL_LABEL):
-  """Grouped bars: for every group, one bar per series; height the mean of its values, error bar
-  the 95% t-interval of that mean (none for a single value).
+  """Grouped bars: per group one bar per series, the mean with its 95% t-interval.
 
-  Args:
-    path: output PNG path.
-    groups: x-axis groups (e.g. question categories).
-    series: `{series_label: {group: [n] values}}`: per seed (the default) or, say, per question.
-    title, ylabel: labels.
-    paper: optional `{series_label: {group: value}}` drawn as black markers (the paper's numbers).
-    interval: what the values are samples of, for the legend ('95% t-interval over seeds'). When
-      every bar has a single value the legend says there is no interval instead.
+  `series`: `{series_label: {group: [n] values}}` (per seed, or e.g. per question); `paper`:
+  optional `{series_label: {group: value}}` drawn as black markers; `interval` names what the
+  values are samples of, for the legend.
   """
   plt = _plt()
   fig, ax = plt.subplots(figsize=(max(6.4, 1.2 * len(groups) * max(1, len(series)) / 2), 4.2))
@@ -114,13 +97,7 @@ def paired_differences(path, diffs: Mapping[str, Mapping[str, Mapping]], *, titl
                        ylabel: str = "difference (points)", baseline: str = "baseline"):
   """Paired differences vs a baseline: one marker per (comparison, metric), 95% interval bars.
 
-  Args:
-    path: output PNG path.
-    diffs: `{comparison_label: {metric: d}}`, `d` a `stats.PairedDifference` or its `to_json()`
-      dict (mean, lo, hi, n, verdict).
-    title: plot title.
-    ylabel: axis label (the metric difference, treatment - baseline).
-    baseline: the baseline's name (axis label).
+  `diffs`: `{comparison_label: {metric: d}}`, `d` a `PairedDifference` or its `to_json()` dict.
   """
   plt = _plt()
   labels = list(diffs)
@@ -169,14 +146,7 @@ def heatmap(path, rows: Sequence[float], cols: Sequence[float], values: np.ndarr
             marks: Optional[Sequence[Sequence[str]]] = None, marks_note: str = ""):
   """An annotated heat map of `values [len(rows), len(cols)]` (e.g. Recall@5 over P x R).
 
-  Args:
-    path: output PNG path.
-    rows, cols: row / column values.
-    values: `[len(rows), len(cols)]` cell values.
-    title, row_label, col_label: labels.
-    marks: optional `[len(rows)][len(cols)]` short strings printed under each value (e.g. the
-      verdict of a paired comparison).
-    marks_note: caption explaining `marks` (under the plot).
+  `marks`: optional `[len(rows)][len(cols)]` strings under each value, explained by `marks_note`.
   """
   plt = _plt()
   fig, ax = plt.subplots(figsize=(5.2, 4.2))
@@ -204,8 +174,7 @@ def heatmap(path, rows: Sequence[float], cols: Sequence[float], values: np.ndarr
 
 def per_seed_scatter(path, series: Mapping[str, tuple], *, xlabel: str, ylabel: str,
                      title: str = ""):
-  """One point per seed and series (`{name: (x values, y values)}`) with the diagonal y = x:
-  two ways of measuring the same thing agree where the points sit on it."""
+  """One point per seed and series (`{name: (x values, y values)}`) with the diagonal y = x."""
   plt = _plt()
   fig, ax = plt.subplots(figsize=(4.6, 4.2))
   lo, hi = np.inf, -np.inf

@@ -1,18 +1,8 @@
 """An independent, straightforward NumPy implementation of one EAR / RL-update training step.
 
-An oracle for the tests (`tests/test_numpy_reference.py`: the jitted `learner.train_batch` equals
-it on identical draws) and the NumPy baseline of `experiments.bench` (the `numpy` row).
-
-Written from the paper's equations with plain loops and hand-derived gradients (no autodiff), so it
-shares no code with `ear_jax`. Random numbers are passed in (`Randoms`), so the JAX step and this
-one can be fed identical draws: `draw_randoms` reproduces the JAX step's key splitting.
-
-Public:
-  `numpy_train_batch(state, batch, randoms, config, hp)` -> (state, records): one optimizer step on
-    a batch (losses averaged over the batch's queries, experiences pushed after the step).
-  `numpy_train_stream(state, stream, config, hp, rng)` -> state: a whole stream, with NumPy draws
-    (the `numpy` row of `experiments.bench`, via `ear_jax.experiment.benchmarking.run_numpy`).
-  `init_numpy_state(config)`, `draw_randoms(key, config)`.
+Written from the paper's equations with plain loops and hand-derived gradients, sharing no code
+with `ear_jax`: the oracle of `tests/test_numpy_reference.py` (fed identical draws through
+`Randoms` / `draw_randoms`) and the `numpy` row of `experiments.bench` (`numpy_train_stream`).
 """
 from __future__ import annotations
 
@@ -262,11 +252,11 @@ def numpy_train_batch(state, batch, randoms: List[Randoms], config, hp):
   """One EAR (or RL-update) step on a batch: mean gradient, one Adam/SGD step, push experiences.
 
   Args:
-    state: dict from `init_numpy_state`. A new dict is returned; its buffer arrays are the caller's,
-      updated in place (as a real ring buffer would be), the weights and Adam moments are new.
-    batch: dict of numpy arrays `queries [b,d]`, `candidates [b,K,d]`, `mask [b,K]`, `gold [b,K]`.
+    state: dict from `init_numpy_state`; its buffer arrays are updated in place, the weights and
+      Adam moments of the returned dict are new.
+    batch: `queries [b,d]`, `candidates [b,K,d]`, `mask [b,K]`, `gold [b,K]` numpy arrays.
     randoms: one `Randoms` per query of the batch.
-    config: an `EARConfig` (read as plain attributes).
+    config: an `EARConfig`.
     hp: dict of hyperparameters (floats).
   """
   state = dict(state)  # the weights are rebound below; the buffer arrays are written in place

@@ -1,14 +1,9 @@
 """RESULTS.md from the workdirs of `experiments.run`: tables, readings, plots, commands, timings.
 
-`write_results_md` copies each workdir's plots to `<out_root>/<benchmark>/` and rewrites the block
-between the `<!-- generated:begin -->` / `<!-- generated:end -->` markers of RESULTS.md; text
-outside the block (the written reading of the numbers) is kept.
-
-After each suite's tables a generated "Readings" list states, for every primary paired comparison
-in results.json "paired" (per-seed differences vs a baseline, `ear_jax.experiment.stats`), the
-mean difference with its 95% t-interval over seeds, whether the interval excludes 0 (else: a tie),
-and whether that matches the paper's direction. The suites (`ear_jax.experiment.suites`) append
-the same readings to their tables.
+`write_results_md` copies each workdir's plots to `<out_root>/<benchmark>/` and rewrites only the
+block between the `<!-- generated:begin -->` / `<!-- generated:end -->` markers; text outside it
+is kept. Each suite's "Readings" state every primary paired comparison (mean difference, 95%
+t-interval over seeds, verdict, agreement with the paper's direction).
 """
 from __future__ import annotations
 
@@ -30,17 +25,9 @@ def _side(s: dict) -> str:
 
 
 def reading(rec: dict) -> str:
-  """One reading of a paired-comparison record of results.json "paired".
-
-  E.g. 'EAR (ours) [explorer] vs Only Retriever [adapter], R@5: +3.80 [+1.20, +6.40]: better
-  (interval excludes 0); paper +12.46 → the paper's direction holds'.
-
-  Args:
-    rec: a record of results.json "paired" (see `ear_jax.experiment.suites.pairing.pair`).
-
-  Returns:
-    The reading, one line.
-  """
+  """One line reading a results.json "paired" record (`suites.pairing.pair`), e.g.
+  'EAR [explorer] vs Only Retriever [adapter], R@5: +3.80 [+1.20, +6.40]: better (interval
+  excludes 0); paper +12.46 → the paper's direction holds'."""
   line = (f"{_side(rec['treatment'])} vs {_side(rec['baseline'])}, {rec['metric']}: "
           f"{stats.format_difference(rec)}: "
           f"{stats.describe_verdict(rec, neutral=rec.get('score') is False)}")
@@ -66,14 +53,8 @@ def readings_md(records: list, primary_only: bool = True) -> str:
 
 def section(workdir: pathlib.Path, out_root: pathlib.Path, title: str | None = None,
             level: int = 2) -> str:
-  """The markdown section of one workdir; copies its plots to `out_root/<benchmark>/`.
-
-  Args:
-    workdir: an `experiments.run` workdir with a results.json.
-    out_root: where the plots are copied (one folder per benchmark).
-    title: the section's heading (default: the benchmark's name).
-    level: the heading's level (2: '##').
-  """
+  """The markdown section of one workdir (heading `level`, default title the benchmark); copies
+  its plots to `out_root/<benchmark>/`."""
   res = json.loads((workdir / "results.json").read_text())
   bench = res["benchmark"]
   dest = out_root / bench
@@ -102,13 +83,8 @@ def section(workdir: pathlib.Path, out_root: pathlib.Path, title: str | None = N
 def write_results_md(workdirs: Sequence[pathlib.Path],
                      root: pathlib.Path = pathlib.Path("RESULTS.md"),
                      out_root: pathlib.Path = pathlib.Path("results")) -> None:
-  """Writes the generated block of `root` (and the plots under `out_root`) from `workdirs`.
-
-  Args:
-    workdirs: `experiments.run` workdirs, each with a results.json.
-    root: the RESULTS.md to rewrite (created when missing or without the markers).
-    out_root: where the plots are copied, one folder per benchmark.
-  """
+  """Writes the generated block of `root` (created when missing) and the plots under `out_root`
+  from `workdirs`."""
   gen = BEGIN + "\n" + "\n".join(section(pathlib.Path(w), out_root) for w in workdirs) + END
   if root.is_file() and BEGIN in root.read_text():
     text = root.read_text()
@@ -118,21 +94,15 @@ def write_results_md(workdirs: Sequence[pathlib.Path],
   root.write_text(text)
 
 
-# The "Beyond the paper" block: generated from the `--suite=tune` / `--suite=beyond`
-# workdirs between these markers; the written explanation around it is kept.
+# The "Beyond the paper" block, generated from `--suite=tune` / `--suite=beyond` workdirs.
 BEYOND_BEGIN, BEYOND_END = "<!-- beyond:begin -->", "<!-- beyond:end -->"
 
 
 def write_beyond_md(workdirs: Sequence[pathlib.Path],
                     root: pathlib.Path = pathlib.Path("RESULTS.md"),
                     out_root: pathlib.Path = pathlib.Path("results")) -> None:
-  """Rewrites RESULTS.md's "Beyond the paper" block from tune / beyond workdirs.
-
-  Args:
-    workdirs: `experiments.run` workdirs of `--suite=tune` and `--suite=beyond`.
-    root: the RESULTS.md to rewrite; the block is appended (under a heading) when missing.
-    out_root: where the plots are copied, one folder per benchmark.
-  """
+  """Rewrites RESULTS.md's "Beyond the paper" block (appended when missing) from tune / beyond
+  workdirs; plots go under `out_root`."""
   parts = []
   for w in workdirs:
     res = json.loads((pathlib.Path(w) / "results.json").read_text())

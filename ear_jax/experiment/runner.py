@@ -1,21 +1,15 @@
-"""Running EAR experiments: configs from method names, per-seed splits, seeds under `vmap`, chunked
-training with periodic test evaluation (learning curves) and checkpoints. The JSON-able summaries of
-a `RunResult` live in `ear_jax.experiment.summaries`.
+"""Running EAR experiments: seeds under `vmap`, chunked training with test evaluations (learning
+curves) and checkpoints. JSON summaries of a `RunResult` live in `summaries`.
 
 Symbols: `S` seeds, `N` training queries (times epochs), `M` test queries, `K` candidates, `s` slate
 size, `d` dimension.
 
-Protocol (Section 4.4): for seed `i` the queries are permuted with `datasets.split_indices(N, i)`;
-the first 80 % are the online training stream, the rest the test set. All seeds have the same
-shapes, so their streams are stacked on a leading axis and every seed runs in ONE vmapped call.
-
-Training is cut into segments of `gcd(checkpoint_every, eval_every)` queries (a multiple of the batch
-size): `episode.train_stream` over consecutive segments equals one call over the whole stream, and an
-interrupted run resumed from a checkpoint replays exactly the same segments, so its final state is
-bitwise identical to an uninterrupted run. Query `n` of seed `i` always uses key `keys[i, n]` of
-`episode.episode_keys`. The test set is evaluated (both inference modes) after every segment that
-ends on a multiple of `eval_every`, which gives the learning curves of Figs. 3-5 without re-running
-episodes. Library code: no flags are read here.
+Protocol (Section 4.4): seed `i` permutes the queries with `datasets.split_indices(N, i)`; the
+first 80 % are the online training stream, the rest the test set; all seeds run in one vmapped call.
+Training runs in segments of `gcd(checkpoint_every, eval_every)` queries, and query `n` of seed `i`
+always uses key `keys[i, n]`, so a run resumed from a checkpoint is bitwise identical to an
+uninterrupted one. The test set is evaluated after every segment ending on a multiple of
+`eval_every` (the learning curves of Figs. 3-5).
 """
 from __future__ import annotations
 
@@ -54,8 +48,7 @@ class Interrupted(Exception):
 
 def build_method(method: str, *, dim: int, num_candidates: int, hparams: Optional[dict] = None,
                  critic=None, **overrides) -> Method:
-  """`Method.named(method, dim=..., num_candidates=..., hparams=..., **overrides)`: the preset's
-  config and its own hyperparameters together; None values of `overrides` dropped."""
+  """`Method.named(method, ...)`: the preset's config and hyperparameters (None overrides dropped)."""
   overrides = {k: v for k, v in overrides.items() if v is not None}
   return Method.named(method, hparams=hparams, critic=critic, dim=dim,
                       num_candidates=num_candidates, **overrides)
@@ -81,9 +74,7 @@ def seed_splits(num_queries: int, seeds: Sequence[int], train_fraction: float = 
 def validation_split(train_index: np.ndarray, validation_fraction: float = 0.2):
   """Per seed, the training stream's last `validation_fraction` as a validation set.
 
-  Candidates are trained online on the first part (`fit`) and scored on the rest (`validation`);
-  the test split is never touched. Training order is stream order, so "last" is the end of the
-  online stream: `fit + validation == train` per seed, in order.
+  Never touches the test split; `fit + validation == train` per seed, in stream order.
 
   Args:
     train_index: `[S, N]` training queries per seed (from `seed_splits`).
@@ -113,8 +104,7 @@ def stack_streams(stream: Stream, index: np.ndarray) -> Stream:
 
 
 def per_seed_keys(seeds: Sequence[int]) -> jax.Array:
-  """`[S, 2]` one PRNG key per seed of a run: `PRNGKey(seed)` (not `Memory`'s keys of one seed,
-  `ear_jax.agent.memory.driver.seed_keys`)."""
+  """`[S, 2]` one PRNG key per seed: `PRNGKey(seed)`."""
   return jnp.stack([jax.random.PRNGKey(int(s)) for s in seeds])
 
 
@@ -131,8 +121,7 @@ def _train_segment(states, keys, streams, where, hparams, config, critic):
 
 
 def _eval_config(config: EARConfig) -> EARConfig:
-  """The fields `inference.evaluate` depends on (so methods share one compiled evaluation);
-  `side_features` and `side_init` give its first stage's ranking (paging over the first stage)."""
+  """The fields `inference.evaluate` depends on, so methods share one compiled evaluation."""
   return EARConfig(dim=config.dim, num_candidates=config.num_candidates,
                    slate_size=config.slate_size, num_rounds=config.eval_rounds,
                    replay_size=1, batch_size=1,
@@ -148,8 +137,7 @@ def _evaluate_seeds(keys, params, streams, hparams, config, critic):
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def served_params(states, config: EARConfig):
-  """`inference.served_params` of every seed's learner (`states` stacked `[S, ...]`): what the
-  test set is scored with (the adapter itself without `config.guard`)."""
+  """`inference.served_params` of every seed's learner (`states` stacked `[S, ...]`)."""
   return jax.vmap(lambda st: inference.served_params(st, config))(states)
 
 
@@ -238,25 +226,18 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
     stream: the benchmark's stream of all queries.
     train_index: `[S, N]` training queries per seed, in stream order (one epoch).
     test_index: `[S, M]` test queries per seed.
-    config: static config.
-    hparams: hyperparameters (shared by the seeds).
+    config, hparams: the method (hyperparameters shared by the seeds).
     seeds: the `S` seeds; seed `i` uses `PRNGKey(seeds[i])`, split into (episode, evaluation).
-    epochs: passes over the training stream (Fig. 4's RL update matched on critic calls).
-    eval_every: evaluate the test set every this many training queries (learning curves), at 0 and
-      at the end; None: only at the end.
+    epochs: passes over the training stream.
+    eval_every: evaluate the test set every this many training queries, at 0 and at the end;
+      None: only at the end.
     checkpoint_every: save a checkpoint every this many training queries and at the end.
-    checkpointer: an `ear_jax.experiment.run_checkpoints.RunCheckpointer` (None: no checkpoints).
-    resume: continue from the checkpointer's latest checkpoint when there is one.
-    stop_after_chunks: raise `Interrupted` after this many segments (after their checkpoint).
+    checkpointer: a `run_checkpoints.RunCheckpointer` (None: no checkpoints); `resume` continues
+      from its latest checkpoint; `stop_after_chunks` raises `Interrupted` after that many
+      segments (after their checkpoint).
     critic: a critic pytree shared by the seeds (default: the paper's simulated critic).
-    progress: show a tqdm bar over segments.
-    seed_axis: split the seeds over the devices of every process (`sharding.SeedAxis`); default:
-      when several processes run (`jax.distributed`), over all their devices, else one device.
-      Each device then trains and evaluates its own seeds with the same per-seed computation and
-      every process gets the whole result back; no checkpointer then (ValueError).
-
-  Returns:
-    A `RunResult`.
+    seed_axis: split the seeds over every process's devices (`sharding.SeedAxis`; default when
+      several processes run); no checkpointer then (ValueError).
   """
   t0 = time.perf_counter()
   critic = critic_lib.or_default(critic)
@@ -302,8 +283,7 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
     while position < n:
       end = min(position + seg, n)
       sl = slice(position, end)
-      # Every segment has the same length `seg` (the last one padded with masked queries), so
-      # the whole run compiles once.
+      # Every segment has length `seg` (the last padded with masked queries): one compilation.
       pad = np.minimum(np.arange(sl.start, sl.start + seg), n - 1)
       where = np.arange(sl.start, sl.start + seg) < n
       states, records = place.train(states, query_keys[:, pad],
@@ -349,10 +329,8 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
 
 def evaluate_params(params, stream: Stream, test_index: np.ndarray, config: EARConfig,
                     hparams: HParams, seeds: Sequence[int], critic=None) -> dict:
-  """Scores `[S]` stacked adapter parameters on each seed's test queries (every test-time mode)
-  with the evaluation keys of `train_and_evaluate`: `params = result.final_state.params` gives
-  `result.eval` of a run without the guard, `served_params(result.final_state, config)` that of a
-  run with it. Returns the `EvalResult` fields as numpy arrays (`[S, M]` / `[S]`)."""
+  """Scores `[S]` stacked adapter parameters on each seed's test queries with the evaluation keys
+  of `train_and_evaluate`; returns the `EvalResult` fields as numpy arrays (`[S, M]` / `[S]`)."""
   _, eval_key = _split_seed_keys(per_seed_keys(list(seeds)))
   ev = _evaluate_seeds(eval_key, params, stack_streams(stream, test_index), hparams,
                        _eval_config(config), critic_lib.or_default(critic))
@@ -365,9 +343,8 @@ class _DictView:
 
 
 class _Placement:
-  """Where `train_and_evaluate` runs its seeds: one device (`seed_axis` None: the jitted calls as
-  they are) or split over the devices of every process (`sharding.SeedAxis`: the same jitted
-  per-seed functions inside `shard_map`, streams placed per segment, results all-gathered)."""
+  """Where `train_and_evaluate` runs its seeds: one device, or split over every process's devices
+  (`sharding.SeedAxis`, results all-gathered)."""
 
   def __init__(self, seed_axis: Optional[sharding.SeedAxis], config: EARConfig, critic):
     self.seed_axis, self.config, self.critic = seed_axis, config, critic

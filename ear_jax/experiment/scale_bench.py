@@ -2,25 +2,13 @@
 
 Symbols: `M` memories, `d` dimension, `K` candidates, `n` queries per call.
 
-For each bank size and each path (`PATHS`: exact fp32, exact bf16, the faiss IVF, PQ fast-scan
-with exact re-ranking, and HNSW searchers), an in-memory `Memory(MemoryConfig(encoder=None,
-config=EARConfig(dim=d), ...))` is filled with unit embeddings through `Memory.add(...,
-embeddings=...)` and timed as an agent uses it (p50 / p90 of `calls`): `search(query_embedding=q,
-k=5)` (the pure read: the candidate search and the adapter's slate in one device call, what the
-bandwidth bound applies to), a session's first `round(5)`, its `feedback` + `close` (every `b`-th
-close runs a learner step, waited for and reported apart), and `search` of 256 queries in one
-call. The exact fp32 path then measures persistence: the first `save`, the saves after adding
-1,000 memories and nothing, `Memory.open` (median of 3; against `OLD_LOAD_1M_S` at 1M), and on
-the opened memory `add` of ONE memory (p50 of 20; target `ADD_ONE_TARGET_MS`) and the search
-right after each such add. The bounds are measured in the same
-run: memory bandwidth from a resident-array reduction (`jnp.sum` over a ~1.5 GB device array,
-minimum of repetitions) and the fp32 matmul peak (`benchmarking.measure_peak`). An exact search
-must read the bank once (`M d` values), so its bound is `bank bytes / bandwidth`; 256 queries also
-need `2 n M d` FLOPs.
-
-Data: `random` (unit Gaussian directions: no structure for an ANN index to exploit) and
-`clustered` (unit vectors around `M / 1000` centres); the ANN paths' recall@K is measured against
-the exact top-K of the same bank.
+For each bank size and path (`PATHS`: exact fp32 / bf16, faiss IVF, PQ with exact re-ranking,
+HNSW) a `Memory` is filled with unit embeddings and timed as an agent uses it (p50 / p90):
+`search` (k = 5), a session's first round, `feedback` + `close`, and a 256-query `search`. The
+exact path also times persistence: save, `Memory.open`, and `add` of one memory on the opened
+memory. Bounds are measured in the same run: memory bandwidth (an exact search reads the bank
+once: bank bytes / bandwidth) and the fp32 matmul peak. Data: `random` or `clustered` unit
+vectors; the ANN paths' recall@K is against the exact top-K.
 """
 from __future__ import annotations
 
@@ -39,9 +27,7 @@ from ear_jax.agent.memory import Memory, MemoryConfig
 from ear_jax.core.config import EARConfig
 from ear_jax.experiment import benchmarking
 
-# IVF: 512 lists (k-means on the first 39 x 512 vectors of a store, 10 iterations), 8 probed: a
-# query scans ~1/64 of the bank. One build thread: on a shared small machine faiss's threads
-# waiting for each other made building slower.
+# IVF: 512 lists, 8 probed (a query scans ~1/64 of the bank); one build thread.
 IVF = {"nlist": 512, "nprobe": 8, "build_threads": 1}
 # name -> (Memory keyword options, data)
 PATHS = {
@@ -49,18 +35,14 @@ PATHS = {
     "bf16": ({"bank_dtype": "bfloat16"}, "random"),
     "ivf": ({"index": "faiss_ivf", "index_options": IVF}, "random"),
     "ivf_clustered": ({"index": "faiss_ivf", "index_options": IVF}, "clustered"),
-    # PQ fast-scan (d / 2 sub-quantizers x 4 bits: 96 B per memory at d = 384) proposing
-    # 50 K = 1,000 rows that the bank re-scores exactly: a compressed exhaustive scan, the ANN path
-    # for data without structure.
+    # PQ fast-scan (d / 2 x 4 bits) proposing 50 K rows that the bank re-scores exactly.
     "pq": ({"index": "faiss_pq", "index_options": {"rerank": 50}}, "random"),
     "hnsw": ({"index": "faiss_hnsw", "index_options": {
         "hnsw_m": 32, "ef_construction": 80, "ef_search": 256, "build_threads": 1}}, "random"),
 }
 ADD_BATCH = 1 << 16
-# `Memory.load` of this bench's exact 1M memory (d = 384, random unit embeddings added in batches of
-# `ADD_BATCH`, then saved) with the layout before the SQLite rows (commit d127715: Orbax bank
-# shards), median of 3, on a shared 2-core machine: 17.5 and 18.0 s in two runs at a load average
-# of 1-3. The target: `Memory.open` of the same memory within 2x of it.
+# `Memory.load` of the exact 1M memory in the earlier Orbax-shard layout (BENCHMARKS.md); target:
+# `Memory.open` within 2x of it.
 OLD_LOAD_1M_S = 17.5
 ADD_ONE_TARGET_MS = 50.0  # the target: `add` of one memory at 1M, durable when it returns
 
@@ -81,8 +63,7 @@ def embeddings(kind: str, start: int, stop: int, dim: int, total: int, seed: int
 
 
 def queries(kind: str, n: int, dim: int, total: int, seed: int = 1) -> np.ndarray:
-  """`[n, d]` unit queries: random directions, or (clustered) new points of the bank's clusters
-  (rows far beyond the bank from the same generator: the same centres, other noise)."""
+  """`[n, d]` unit queries: random directions, or new points of the bank's clusters."""
   if kind == "clustered":
     return embeddings(kind, 10 * total + 1000 * seed, 10 * total + 1000 * seed + n, dim, total)
   return _unit(np.random.default_rng([seed, 9]).standard_normal((n, dim), np.float32))
@@ -112,9 +93,7 @@ def _timed(fn: Callable[[], object]) -> tuple[float, object]:
 
 
 def _fill(mem: Memory, kind: str, m: int, dim: int) -> float:
-  """Adds `m` memories (ids `m<i>`, texts the ids) in batches of `ADD_BATCH`; returns the total
-  seconds of the `add` calls and of one search after them (which waits for the last device
-  write, dispatched asynchronously)."""
+  """Adds `m` memories in batches of `ADD_BATCH`: seconds of the adds and of one search after."""
   total = 0.0
   for start in range(0, m, ADD_BATCH):
     stop = min(m, start + ADD_BATCH)
@@ -142,8 +121,7 @@ def _exact_top_k(kind: str, qs: np.ndarray, m: int, dim: int, k: int) -> np.ndar
 
 
 def _recall(mem: Memory, kind: str, qs: np.ndarray, m: int, dim: int, k: int) -> float:
-  """Recall@K of the memory's K candidates (`search` with k = K shows them all) against the exact
-  top-K of the same rows."""
+  """Recall@K of the memory's K candidates against the exact top-K of the same rows."""
   found = [[int(i[1:]) for i in s.ids] for s in mem.search(query_embedding=qs, k=k)]
   exact = _exact_top_k(kind, qs, m, dim, k)
   return float(np.mean([len(set(a) & set(b.tolist())) / k for a, b in zip(found, exact)]))
@@ -156,9 +134,8 @@ def _size(path: pathlib.Path) -> int:
 
 def _bench_persistence(mem: Memory, kind: str, m: int, dim: int, path: pathlib.Path,
                        reps: int = 3, adds: int = 20) -> dict:
-  """The first save (binding `mem` to `path`: table + learner item), then `reps` x (add 1,000,
-  save) and `reps` saves with nothing added (the learner item alone), `reps` opens of the
-  directory (median), and on the opened memory `adds` x (add ONE memory, search)."""
+  """Times the first save, saves after adding 1,000 and after nothing, opens (median), and on the
+  opened memory `adds` x (add one memory, search)."""
   shutil.rmtree(path, ignore_errors=True)
   out = {"save_first_s": _timed(lambda: mem.save(path))[0]}
   added, empty = [], []
@@ -278,8 +255,7 @@ def run(sizes: Sequence[int], paths: Sequence[str], dim: int = 384, calls: int =
 
 
 def table(res: dict) -> str:
-  """The markdown table of a `run` result (times beside their bounds), then the persistence rows
-  of the exact path beside their targets."""
+  """The markdown table of a `run` result, times beside their bounds and targets."""
   lines = ["| path (data) | M | add (total) | search b1 p50 / bound | round b1 p50 / p90 | "
            f"search b{res['batch']} per call / bound | feedback p50 (learner step p50) | "
            "save first / after +1,000 (+0) | device bytes / memory | recall@K |",

@@ -3,19 +3,11 @@ against a `Memory` holding only that scope's memories, in the same run.
 
 Symbols: `M` memories, `S` scopes (`M / S` memories each), `d` dimension.
 
-For each first stage (`STAGES`: exact dense, bm25, hybrid) one in-memory `Memory(encoder=None)`
-gets `M` unit embeddings (`scale_bench.embeddings`, random) with short synthetic texts (`_texts`:
-6 words drawn Zipf-like from a 5,000-word vocabulary), scope `u<i>` for memory `i`'s scope, added
-in `ROUNDS` rounds so each scope's rows lie spread over the bank as a service's would. Timed (p50 /
-p99 of `calls` single-query searches with `query_embedding` and a 3-word question, k = 5, each on
-the next of `sample` scopes; the searches compared called in turn, so the machine's load hits them
-alike): the scoped search (`scope=u<i>`: the gathered path of
-`bank.scope_candidates`), the same with the gather switched off (`GATHER_SHARE` huge: the masked
-scan of every row, the cost before the gathered path) and the unscoped search (unchanged path; `calls / 4`
-of these two), and the same
-scoped query on a `Memory` holding only that scope's rows (same embeddings, texts, config). The
-bounds: the scope's bytes and the bank's bytes over the bandwidth measured in this run
-(`scale_bench.measure_bandwidth`). Target: scoped / own-memory <= 2.
+For each first stage (`STAGES`) one `Memory` gets `M` random unit embeddings with short texts, its
+scopes spread over the bank in `ROUNDS` rounds. Timed in turn (p50 / p99): the scoped search (the
+gathered path of `bank.scope_candidates`), the same as a masked scan (`GATHER_SHARE` huge), the
+unscoped search, and the query on a `Memory` holding only that scope. Bounds: scope and bank bytes
+over the bandwidth measured in this run. Target: scoped / own-memory <= 2.
 """
 from __future__ import annotations
 
@@ -55,8 +47,7 @@ def _memory(stage: str, dim: int, capacity: int) -> Memory:
 
 def _build(stage: str, emb: np.ndarray, texts: list[str], num_scopes: int
            ) -> tuple[Memory, float]:
-  """`M` memories (`emb [M, d]`, `texts [M]`), memory `i` in scope `u<i % S>`, in `ROUNDS`
-  rounds over the scopes (one add per (round, scope)); returns the memory and the build seconds."""
+  """`M` memories, memory `i` in scope `u<i % S>`, added in `ROUNDS` rounds: (memory, seconds)."""
   m, dim = emb.shape
   mem = _memory(stage, dim, m)
   per = m // num_scopes
@@ -80,9 +71,7 @@ def _own(stage: str, scope: int, emb: np.ndarray, texts: list[str], num_scopes: 
 
 
 def _times(fns: dict, calls: int) -> dict:
-  """p50 / p99 ms of each of `fns` (name -> `fn(i)`), called in turn for `i < calls` (so a
-  change of the machine's load hits them alike), after a pass that compiles every shape met
-  (BM25 buckets, padded scope rows)."""
+  """p50 / p99 ms of each of `fns` (name -> `fn(i)`), called in turn, after a compiling pass."""
   for i in range(calls):
     for fn in fns.values():
       fn(i)

@@ -3,26 +3,14 @@ scopes, every acknowledged write checked, a kill -9 mid-run, and the same worklo
 
 Symbols: `N` memories, `S` scopes, `C` concurrent clients.
 
-`run` prepares a memory directory (`Memory.open`, the server's default `MemoryConfig`) holding `N`
-memories in `S` scopes (`server_load.prefill`), starts the MCP server on it
-(`server_process.Server`: `ear-mcp-server --transport=http` on 127.0.0.1, a free
-port, a random bearer token) and runs the clients of `server_load.run_phase` through the `mcp`
-SDK's streamable HTTP client (`server_process.http_call`), each a loop for `seconds` of remember /
-recall / cite / search in its own scope. The encoder runs for every `remember`, `recall` and
-`search` (the prefill alone is precomputed).
-
-Phases, in one run: warm-up (C clients, untimed: the encoder loads and the shapes compile), C = 1,
-C clients, SIGTERM (the learner saved), then the kill -9 phase (a new server on the directory, C
-clients, SIGKILL halfway: calls in flight then fail and are counted apart, not as errors; the
-server restarts on the same directory and answers `stats`), then the same workload in-process
-(`MemoryService` over `Memory.open` of the directory, from C threads: no HTTP, no JSON;
-`server_process.direct_call`) with C = 1 and C. After every phase each acknowledged `remember` must
-be in the directory (`server_load.check_acknowledged`: its text and scope), and no `recall` /
-`search` result may hold a memory of another scope (its marker). Reported per phase (`table`):
-tool calls/s, p50 / p99 latency per tool, errors, leaks, the memory's micro-batching counters
-(`stats`: requests per batch window); the throughput ratio C vs 1 (target `THROUGHPUT_TARGET`);
-beside them the encoder alone measured in the same run (one question, and C questions in one
-call: what batching can gain).
+`run` prefills a memory directory and starts `ear-mcp-server --transport=http` on it; each client
+loops remember / recall / cite / search in its own scope. Phases: warm-up (untimed), C = 1,
+C clients, SIGTERM, a kill -9 phase (SIGKILL halfway; calls in flight are counted apart; the
+server restarts on the directory), then the same workload in-process (`MemoryService`, threads)
+with C = 1 and C. After every phase each acknowledged `remember` must be in the directory and no
+result may hold another scope's memory. `table` reports per phase calls/s, p50 / p99 latency,
+errors, leaks and batching counters, the ratio C vs 1 (target `THROUGHPUT_TARGET`), and the
+encoder alone.
 """
 from __future__ import annotations
 
@@ -71,21 +59,9 @@ def run(repo: pathlib.Path, *, memories: int = 100_000, scopes: int = 100,
         batch_window_ms: float = 5.0, encoder_batch_tokens: int = 512,
         server_args: tuple = (),
         timeout_s: float = 300.0) -> dict:
-  """The whole benchmark (see the module doc), in a new temporary directory (the memory
-  directory and the servers' stderr, `server.log`), removed after a run without errors and kept
-  (its path printed) otherwise.
-
-  Args:
-    repo: the repository root (where the server runs).
-    memories, scopes, clients, seconds: `N`, `S`, `C` and each timed phase's duration.
-    warmup_s: the untimed warm-up's duration (C clients).
-    batch_window_ms: the micro-batching window of the server (`--batch_window_ms`) and of the
-      in-process phases' memory.
-    encoder_batch_tokens: the server's `--encoder_batch_tokens` (and the in-process phases'
-      encoder's).
-    server_args: more `ear-mcp-server` flags.
-    timeout_s: a client's limit on one call.
-  """
+  """The whole benchmark in a new temporary directory, removed after a run without errors and
+  kept (its path printed) otherwise. `memories`, `scopes`, `clients`: `N`, `S`, `C`; `seconds`
+  per timed phase; `batch_window_ms` / `encoder_batch_tokens` apply to the server and in-process."""
   import shutil  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
   if not 1 <= scopes <= memories:

@@ -3,16 +3,10 @@ clients' loop, and what they saw.
 
 Symbols: `N` memories, `S` scopes, `C` concurrent clients.
 
-`prefill` writes `N` memories in `S` scopes of `N / S` each: synthetic sentences (`TEMPLATES`
-words) whose MiniLM embeddings are computed once per distinct sentence and passed to
-`Memory.add(embeddings=)` (plus a little noise per memory, so no two are equal); every text starts
-with its scope's marker `[sNNN]` (`marker`). `run_phase` runs C clients, client `j` in scope
-`s{j % S}`, each a loop of one iteration after another: `remember` one new memory, `recall`
-(k = 5) one of `QUESTIONS` questions (they repeat, so later rounds resume the question's session),
-`cite` its first memory, `search` (k = 5) the same question; a `Record` keeps each tool's
-latencies, the errors, the acknowledged `remember`s and the leaks (a `recall` / `search` result
-without the client's marker). `check_acknowledged` opens the directory afterwards: every
-acknowledged `remember` must be there with its text and scope.
+`prefill` writes `N` memories in `S` scopes, each text starting with its scope's `marker`.
+`run_phase` runs C clients, client `j` in scope `s{j % S}`, each looping remember / recall / cite /
+search; a `Record` keeps latencies, errors, acknowledged `remember`s and leaks (a result without
+the client's marker). `check_acknowledged` then checks every acknowledged `remember` is held.
 """
 from __future__ import annotations
 
@@ -48,13 +42,12 @@ def _pct(ms: list) -> dict:
   return {"n": len(a), "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
 
 
-# --------------------------------------------------------------------------------------------------
-# the memory directory
+# --- the memory directory ---
 
 
 def prefill(memory_dir: pathlib.Path, n: int, s: int, encoder, seed: int = 0) -> dict:
-  """Writes `n` memories in `s` scopes into the new directory `memory_dir` (one durable `add` of
-  `n / s` memories per scope; embeddings of the distinct sentences, encoded once, plus noise)."""
+  """Writes `n` memories in `s` scopes into the new directory `memory_dir` (one durable `add` per
+  scope; distinct sentences encoded once, plus noise)."""
   from ear_jax.agent.memory import Memory, MemoryConfig  # pylint: disable=g-import-not-at-top
   from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
@@ -80,8 +73,7 @@ def prefill(memory_dir: pathlib.Path, n: int, s: int, encoder, seed: int = 0) ->
 
 
 def check_acknowledged(memory_dir: pathlib.Path, acked: list) -> dict:
-  """Opens the directory; `missing`: acknowledged `(id, text, scope)` not held with that text and
-  scope."""
+  """Opens the directory; `missing`: acknowledged `(id, text, scope)` not held as such."""
   from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
   with Memory.open(memory_dir) as mem:
     held = len(mem)
@@ -92,8 +84,7 @@ def check_acknowledged(memory_dir: pathlib.Path, acked: list) -> dict:
           "missing_examples": [list(m) for m in missing[:3]]}
 
 
-# --------------------------------------------------------------------------------------------------
-# the clients
+# --- the clients ---
 
 
 class Record:
@@ -121,11 +112,8 @@ class _Stop(Exception):
 
 async def _client(call: Callable, j: int, s: int, deadline: float, rec: Record,
                   stop_on_failure: bool, min_iterations: int = 0) -> None:
-  """One client's loop: remember / recall / cite / search in scope `s{j % S}` until `deadline`
-  (and at least `min_iterations` whole iterations).
-
-  `call(tool, args)` -> `(ok, payload)`; an exception is a failure (with `stop_on_failure`: an
-  interruption, the loop ends)."""
+  """One client's loop until `deadline` (at least `min_iterations`); `call(tool, args)` ->
+  `(ok, payload)`, an exception is a failure (with `stop_on_failure`: the loop ends)."""
   scope = scope_name(j % s)
   tag = marker(scope)
 
@@ -181,11 +169,9 @@ async def _progress(rec: Record, label: str, t0: float, every_s: float = 10.0) -
 
 async def run_phase(clients: int, s: int, seconds: float, label: str, open_call,
                  kill: Optional[Callable] = None, min_iterations: int = 0) -> tuple:
-  """`(summary, Record)` of `clients` concurrent `_client` loops for `seconds` (and at least
-  `min_iterations` each); `open_call(j)` is an async context manager yielding client `j`'s
-  `call`. With `kill`: `kill()` (in a thread)
-  halfway, once a `remember` of this phase was acknowledged; the calls then in flight are
-  cancelled and counted as interrupted (never as errors), and the phase ends."""
+  """`(summary, Record)` of `clients` concurrent `_client` loops for `seconds`; `open_call(j)`
+  yields client `j`'s `call`. With `kill`: `kill()` halfway, after an acknowledged `remember`;
+  calls then in flight count as interrupted (never as errors), and the phase ends."""
   rec = Record()
   t0 = time.perf_counter()
   deadline = time.monotonic() + (float("inf") if kill else seconds)

@@ -1,12 +1,9 @@
 """The MCP server of the load benchmark (`server_bench`): a subprocess and how a client
 calls its tools.
 
-`Server` starts `ear-mcp-server --transport=http` on 127.0.0.1 (a free port, a
-random bearer token in `EAR_MCP_TOKEN`, stderr appended to a log) on a memory directory, waits
-until it answers, and stops it with SIGTERM (the learner saved) or SIGKILL (kill -9). A phase's
-clients reach the tools through an `open_call(j)` (see `server_load.run_phase`): `http_call` over
-the server's streamable HTTP (the `mcp` SDK's client, one MCP session per client), `direct_call`
-in-process (a `MemoryService`'s tool methods in a thread pool: no HTTP, no JSON).
+`Server` starts `ear-mcp-server --transport=http` on 127.0.0.1 on a memory directory and stops it
+with SIGTERM or SIGKILL. Clients call the tools through `http_call` (one MCP session each) or
+`direct_call` (a `MemoryService` in-process: no HTTP, no JSON).
 """
 from __future__ import annotations
 
@@ -88,8 +85,7 @@ class Server:
 
 
 def http_call(server: Server, timeout_s: float):
-  """`open_call` of `server_load.run_phase` over the server's streamable HTTP (one MCP session per
-  client)."""
+  """`open_call` of `server_load.run_phase` over streamable HTTP (one MCP session per client)."""
   import contextlib  # pylint: disable=g-import-not-at-top
   import httpx  # pylint: disable=g-import-not-at-top
   from mcp import ClientSession  # pylint: disable=g-import-not-at-top
@@ -113,8 +109,7 @@ def http_call(server: Server, timeout_s: float):
 
 
 def direct_call(service, pool):
-  """`open_call` of `server_load.run_phase` in-process: the service's tool methods in `pool`'s
-  threads."""
+  """`open_call` of `server_load.run_phase` in-process, in `pool`'s threads."""
   import contextlib  # pylint: disable=g-import-not-at-top
 
   @contextlib.asynccontextmanager

@@ -2,22 +2,15 @@
 
 Symbols: `R` runs (seeds x settings), `D` devices, `N` training queries.
 
-A sweep is `jax.vmap(run_episode)` over a leading run axis of keys and (optionally) `HParams`. Here
-that axis is split over every device of a 1-D `Mesh` (axis name `'runs'`) with `jax.shard_map`:
-each device runs `R / D` episodes with `vmap`, the stream is replicated, nothing is communicated.
-The same call uses 1 CPU, 8 GPUs or a TPU slice; across hosts, call `initialize_distributed` first
-(every process then builds the same global arrays and runs the same program). `R` is padded to a
-multiple of `D` by repeating the last run; the padding is dropped from the result.
+`sharded_episodes` is `jax.vmap(run_episode)` with the run axis split over a 1-D `'runs'` mesh by
+`jax.shard_map`: each device runs `R / D` episodes, the stream is replicated, nothing is
+communicated; `R` is padded to a multiple of `D` by repeating the last run. On CPU,
+`XLA_FLAGS=--xla_force_host_platform_device_count=4` gives four devices (`tests/test_sharding.py`).
 
-On CPU, `XLA_FLAGS=--xla_force_host_platform_device_count=4` (set before JAX starts) gives four
-devices, which is how `tests/test_sharding.py` checks that sharded results equal unsharded ones.
-
-Several processes (`jax.distributed`, CPU collectives over gloo): `initialize_distributed`
-first, then every process runs the same program. `SeedAxis` splits an experiment's seeds over all
-processes' devices (`runner.train_and_evaluate` uses it by itself when `jax.process_count() > 1`),
-`is_primary` says which process writes files, and `shard_bank_local` builds the global bank from
-the rows each process holds for `sharded_top_k_search`. `tests/test_multiprocess.py` runs both on
-two local processes.
+Several processes: call `initialize_distributed` first, then every process runs the same program.
+`SeedAxis` splits an experiment's seeds over all processes' devices, `is_primary` says which
+process writes files, and `shard_bank_local` builds a global bank for `sharded_top_k_search`
+(`tests/test_multiprocess.py`).
 """
 from __future__ import annotations
 
@@ -49,18 +42,10 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
                            process_id: Optional[int] = None) -> bool:
   """Calls `jax.distributed.initialize` when a multi-host run is asked for; else does nothing.
 
-  Asked for = a coordinator address is passed, or set in `$EAR_COORDINATOR_ADDRESS` (then
-  `$EAR_NUM_PROCESSES` and `$EAR_PROCESS_ID` give the other two unless passed). Must be called
-  before any other JAX call. On clusters that JAX detects itself (SLURM, TPU pods) pass
-  `coordinator_address='auto'` to let `jax.distributed.initialize()` find everything.
-
-  Args:
-    coordinator_address: `host:port` of process 0, `'auto'`, or None (read the environment).
-    num_processes: total processes (None: environment or auto-detection).
-    process_id: this process's index (None: environment or auto-detection).
-
-  Returns:
-    True when `jax.distributed.initialize` was called.
+  Asked for = `coordinator_address` (`host:port` of process 0, or `'auto'` for SLURM / TPU pods)
+  passed or in `$EAR_COORDINATOR_ADDRESS`; `num_processes` / `process_id` default to
+  `$EAR_NUM_PROCESSES` / `$EAR_PROCESS_ID` or auto-detection. Call it before any other JAX call.
+  Returns True when `jax.distributed.initialize` was called.
   """
   address = coordinator_address or os.environ.get(ENV_COORDINATOR)
   if not address:
@@ -69,8 +54,7 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
     num_processes = int(os.environ[ENV_NUM_PROCESSES])
   if process_id is None and os.environ.get(ENV_PROCESS_ID):
     process_id = int(os.environ[ENV_PROCESS_ID])
-  # CPU processes exchange data through gloo (the default, "none", refuses cross-process
-  # collectives); GPUs / TPUs ignore this setting.
+  # CPU processes need gloo for cross-process collectives; GPUs / TPUs ignore it.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if address == "auto":
     jax.distributed.initialize()
@@ -88,12 +72,9 @@ def is_primary() -> bool:
 class SeedAxis:
   """`S` seeds' `[S, ...]` trees on a mesh, the seed axis split over its devices (multi-process).
 
-  `runner.train_and_evaluate` uses it when several processes run (`jax.process_count() > 1`):
-  every process holds the same host arrays (it loaded the same benchmark), `shard` places each
-  device's seeds (padded to `S'`, a multiple of the device count, by repeating the last seed),
-  `map` runs a per-seed-batch function with `jax.shard_map` (each device `vmap`s its `S' / D`
-  seeds; nothing is communicated) and `to_host` all-gathers a result back to every process's
-  host, the padding dropped.
+  Every process holds the same host arrays; `shard` places each device's seeds (padded to `S'`, a
+  multiple of the device count), `map` runs a per-seed-batch function under `jax.shard_map`
+  (nothing communicated) and `to_host` all-gathers a result to every host, padding dropped.
   """
 
   def __init__(self, num_seeds: int, mesh: Optional[Mesh] = None):
@@ -116,14 +97,9 @@ class SeedAxis:
   def map(self, fn, sharded: dict, replicated: dict, **static):
     """`fn(**sharded, **replicated, **static)` with each device on its own seeds.
 
-    Args:
-      fn: a function of per-seed-batched arguments whose every output has the leading seed axis.
-      sharded: name -> global `[S', ...]` tree (from `shard` or an earlier `map`).
-      replicated: name -> host tree every device sees whole (hyperparameters, a critic).
-      **static: hashable static arguments (a config).
-
-    Returns:
-      `fn`'s outputs as global `[S', ...]` arrays split by seeds.
+    `fn` takes per-seed-batched arguments and returns outputs with the leading seed axis;
+    `sharded`: name -> global `[S', ...]` tree; `replicated`: name -> host tree every device sees
+    whole; `static`: hashable arguments. Returns `fn`'s outputs as global `[S', ...]` arrays.
     """
     names = tuple(sharded) + tuple(replicated)
     call = _seed_sharded_fn(fn, self.mesh, names, len(sharded), tuple(sorted(static.items())))
@@ -166,23 +142,19 @@ def sharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hparams
                      hparams_batched: bool = False):
   """`jax.vmap(run_episode)` over `R` runs, the run axis split over the devices of `mesh`.
 
-  Equals `jax.vmap(episode.run_episode, in_axes=(0, None, None, 0 or None))(...)` (the same
-  numbers up to float reassociation in batched matmuls), but each device runs `R / D` of the runs.
+  Equals the unsharded vmap up to float reassociation in batched matmuls.
 
   Args:
-    keys: `[R, 2]` uint32 PRNG keys, one per run (e.g. `jax.random.split(key, R)` or
-      `jax.vmap(jax.random.PRNGKey)(seeds)`); each is consumed.
+    keys: `[R, 2]` uint32 PRNG keys, one per run; each is consumed.
     stream: `N` training queries (replicated on every device).
     config: static config.
     hparams: `HParams` shared by all runs, or with a leading `[R]` axis on every leaf when
-      `hparams_batched` (a hyperparameter sweep; build it with `config.stack_hparams`).
+      `hparams_batched` (`config.stack_hparams`).
     critic: a critic pytree shared by the runs (default: the paper's simulated critic).
     mesh: a 1-D mesh with axis `'runs'` (default: `run_mesh()`, all devices).
-    hparams_batched: whether `hparams` has the leading run axis.
 
   Returns:
-    `(LearnerState, records)` with a leading `[R]` axis on every leaf, as host-fetchable global
-    arrays (use `gather_to_host` in multi-host runs).
+    `(LearnerState, records)` with a leading `[R]` axis on every leaf, as global arrays.
   """
   mesh = run_mesh() if mesh is None else mesh
   critic = critic_lib.or_default(critic)
@@ -221,8 +193,7 @@ def _sharded_fn(mesh: Mesh, config: EARConfig, hparams_batched: bool):
   def per_device(keys, stream, hparams, critic):
     return _vmapped_episodes(keys, stream, config, hparams, critic, hparams_batched)
 
-  # check_vma=False: the runs never communicate, so each device simply holds its own runs (the
-  # zero-initialised scan carries are not marked as varying over the mesh axis).
+  # check_vma=False: the runs never communicate (zero-initialised carries are not marked varying).
   return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(RUN_AXIS), P(), hp_spec, P()),
                                out_specs=P(RUN_AXIS), check_vma=False))
 
@@ -247,8 +218,7 @@ _vmapped_episodes_jit = jax.jit(_vmapped_episodes,
                                 static_argnames=("config", "hparams_batched"))
 
 
-# ------------------------------------------------------------------------------------------------
-# candidate search over a bank sharded across devices
+# --- candidate search over a bank sharded across devices ---
 
 BANK_AXIS = "bank"
 
@@ -262,9 +232,8 @@ def bank_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
 def shard_bank(bank: np.ndarray, valid: np.ndarray, mesh: Mesh):
   """`(bank [M', d], valid [M'])` as global arrays split by rows over the mesh's `'bank'` axis.
 
-  `M'` is `M` rounded up to a multiple of the device count (the padding rows are invalid). Each
-  device holds `M' / D` consecutive rows; every process passes the same host arrays (multi-host:
-  each process only materialises its own devices' rows, `jax.make_array_from_callback`).
+  `M'` is `M` rounded up to a multiple of the device count (padding rows invalid). Every process
+  passes the same host arrays.
   """
   bank, valid = np.asarray(bank), np.asarray(valid, bool)
   num_dev = mesh.devices.size
@@ -280,16 +249,9 @@ def shard_bank_local(local_bank: np.ndarray, local_valid: np.ndarray,
                      mesh: Optional[Mesh] = None):
   """The global bank from the rows each process holds (a bank split across processes).
 
-  Process `p` passes only its own `M_p` rows; the bank is their concatenation in process order
-  (global row = `M_0 + ... + M_{p-1}` + local row), as if one process held all of it. Every process
-  holds `R` rows (`max_p M_p` rounded up to a multiple of its device count; the padding rows are
-  invalid, and `row_ids` maps each held row to its global row, -1 for padding). A collective: every
-  process calls it (with the same mesh, in the same order). One process: `shard_bank` with row ids.
-
-  Args:
-    local_bank: `[M_p, d]` this process's rows.
-    local_valid: `[M_p]` their validity mask.
-    mesh: a 1-D `'bank'` mesh over every process's devices, process-major (default `bank_mesh()`).
+  The bank is the processes' `local_bank [M_p, d]` / `local_valid [M_p]` concatenated in process
+  order; each process holds `R` rows (`max_p M_p` rounded up to its device count; padding invalid,
+  row id -1). A collective: every process calls it with the same `'bank'` mesh, in the same order.
 
   Returns:
     `(bank [P R, d], valid [P R], row_ids [P R] int32)`, global arrays split by rows over the mesh;
@@ -357,24 +319,19 @@ def sharded_top_k_search(queries, bank: jax.Array, valid: jax.Array, k: int, *,
                          mesh: Optional[Mesh] = None, row_ids: Optional[jax.Array] = None):
   """`retrieval.top_k_search` over a bank split by rows across devices (`shard_bank`).
 
-  Each device searches its own rows (the streamed exact top-K of `top_k_search`), the `D` lists of
-  K are all-gathered and merged by `lax.top_k`; the result, replicated on every device, equals the
-  unsharded search exactly (the same rows, scores and tie order: equal scores go to the lower row).
-  Communication per query is `D K` (score, row) pairs, independent of `M`. Dialogue-only search:
-  restrict `valid` to store 0 (the multi-store split is not offered here).
+  Each device searches its rows, the `D` lists of K are all-gathered and merged by `lax.top_k`:
+  equal to the unsharded search exactly (rows, scores and tie order: equal scores go to the lower
+  row). Communication per query is `D K` pairs, independent of `M`. Dialogue-only.
 
   Args:
     queries: `[n, d]` unit queries (replicated).
-    bank: `[M', d]` the global sharded bank of `shard_bank`.
-    valid: `[M']` its validity mask.
+    bank, valid: `[M', d]` / `[M']` the global sharded bank and its mask.
     k: `K`.
     mesh: the mesh the bank was sharded with (default: `bank_mesh()`).
-    row_ids: `[M']` the global row of each held row (`shard_bank_local`: a bank split across
-      processes); None: rows are numbered by position (`shard_bank`).
+    row_ids: `[M']` the global row of each held row (`shard_bank_local`); None: by position.
 
   Returns:
-    `(index [n, K] int32 (-1 = padding), scores [n, K], mask [n, K])`, best first, replicated on
-    every device of every process (multi-process: each reads it with `np.asarray`).
+    `(index [n, K] int32 (-1 = padding), scores [n, K], mask [n, K])`, best first, replicated.
   """
   mesh = bank_mesh() if mesh is None else mesh
   queries = _global_array(np.asarray(queries, np.float32), NamedSharding(mesh, P()))

@@ -1,18 +1,8 @@
 """Paired comparisons over seeds: the mean per-seed difference and its Student-t interval.
 
-Every run of the experiment suites is repeated on `S` seeds, and seed `i` is the same for every
-method (the same train/test split, the same PRNG keys; see `runner.train_and_evaluate`). Two
-methods are therefore compared on the per-seed differences `d_i = treatment_i - baseline_i`,
-which removes the split-to-split variation that both methods share.
-
-The interval is a t-interval over seeds: with `n` seeds, mean `m` and sample standard deviation
-`sd` (ddof = 1) of the differences,
-
-  `m ± t_{n-1, (1 + c) / 2} · sd / sqrt(n)`
-
-for confidence `c` (0.95 by default). It treats the seeds as independent draws of the whole
-experiment (split, initialisation, critic noise, exploration); it says nothing about the
-variation over test queries within one seed, and with 3 seeds it is wide (t_{2, 0.975} = 4.30).
+Seed `i` is the same for every method (split and PRNG keys), so methods are compared on
+`d_i = treatment_i - baseline_i`, with the interval `m ± t_{n-1, (1 + c) / 2} · sd / sqrt(n)`
+(`sd` with ddof = 1, confidence `c` = 0.95 by default) over seeds as independent draws.
 
 Verdicts: 'better' / 'worse' when the interval lies entirely above / below 0, otherwise 'tie'.
 `n = 1`: no interval (nan), 'tie (n=1)'; `n = 0`: all nan, 'no data'; `sd = 0`: the interval is
@@ -36,10 +26,8 @@ class PairedDifference(NamedTuple):
 
   Attributes:
     n: seeds with a finite value in both runs.
-    mean: mean per-seed difference.
-    sd: sample standard deviation of the differences (ddof = 1; nan for n < 2).
-    lo: lower end of the t-interval (nan for n < 2).
-    hi: upper end of the t-interval (nan for n < 2).
+    mean, sd: mean and sample standard deviation (ddof = 1) of the per-seed differences.
+    lo, hi: the ends of the t-interval (nan for n < 2; `sd` too).
     per_seed: the per-seed differences, in the given seed order (None where a value is missing).
     verdict: 'better', 'worse', 'tie', 'tie (n=1)' or 'no data'.
     confidence: the interval's confidence level.
@@ -83,10 +71,6 @@ def t_quantile(n: int, confidence: float = 0.95) -> float:
 def mean_interval(values: Sequence[Optional[float]], confidence: float = 0.95):
   """Mean of `values` over seeds and its t-interval (NaN / None seeds dropped).
 
-  Args:
-    values: per-seed values.
-    confidence: the interval's confidence level.
-
   Returns:
     `(mean, lo, hi, n)`; `lo = hi = nan` for n < 2, `lo = hi = mean` when all values are equal.
   """
@@ -106,16 +90,9 @@ def paired_difference(treatment: Sequence[Optional[float]], baseline: Sequence[O
                       confidence: float = 0.95) -> PairedDifference:
   """Mean per-seed difference `treatment - baseline` with its t-interval over seeds.
 
-  The two sequences hold one value per seed in the same seed order. Seeds where either value is
-  missing (None / NaN) are dropped from the statistics (their `per_seed` entry is None).
-
-  Args:
-    treatment: per-seed metric of the method.
-    baseline: per-seed metric of the baseline, same seeds in the same order.
-    confidence: the interval's confidence level, in (0, 1).
-
-  Returns:
-    A `PairedDifference` (see the module docstring for the degenerate cases).
+  `treatment` and `baseline` hold one value per seed in the same order; seeds where either is None
+  / NaN are dropped (their `per_seed` entry is None). Returns a `PairedDifference` (see the module
+  docstring for the degenerate cases).
 
   Raises:
     ValueError: when the lengths differ or `confidence` is outside (0, 1).
@@ -153,15 +130,8 @@ def _get(d: DifferenceLike, field: str):
 
 
 def format_difference(d: Optional[DifferenceLike], digits: int = 2) -> str:
-  """Table cell of a paired difference: `"+3.21 [+0.85, +5.57]"`.
-
-  Args:
-    d: a `PairedDifference` or its `to_json()` dict (None: no comparison).
-    digits: decimals.
-
-  Returns:
-    `"mean [lo, hi]"` with signs; `"+3.21 (n=1)"` without an interval; `"–"` without data.
-  """
+  """Table cell of a paired difference (or its `to_json()` dict): `"+3.21 [+0.85, +5.57]"`,
+  `"+3.21 (n=1)"` without an interval, `"–"` without data."""
   if d is None or _get(d, "n") == 0:
     return "–"
   mean, lo, hi = _get(d, "mean"), _get(d, "lo"), _get(d, "hi")
@@ -171,13 +141,7 @@ def format_difference(d: Optional[DifferenceLike], digits: int = 2) -> str:
 
 
 def describe_verdict(d: DifferenceLike, neutral: bool = False) -> str:
-  """The verdict in words, e.g. 'better (interval excludes 0)' or 'tie (interval includes 0)'.
-
-  Args:
-    d: a paired difference.
-    neutral: say 'higher' / 'lower' instead of 'better' / 'worse' (for a quantity that is not a
-      score, e.g. a count).
-  """
+  """The verdict in words, e.g. 'better (interval excludes 0)'; `neutral`: 'higher' / 'lower'."""
   v = d["verdict"] if isinstance(d, Mapping) else d.verdict
   if v in (BETTER, WORSE):
     if neutral:
@@ -189,15 +153,10 @@ def describe_verdict(d: DifferenceLike, neutral: bool = False) -> str:
 
 
 def agreement(d: DifferenceLike, expected_sign: Optional[float]) -> Optional[str]:
-  """Whether a verdict matches the direction the paper reports.
-
-  Args:
-    d: a paired difference.
-    expected_sign: the paper's difference (only its sign is used); None or 0: no claim.
+  """Whether a verdict matches the paper's direction (`expected_sign`; None or 0: no claim).
 
   Returns:
-    'holds' (the interval excludes 0 on the paper's side), 'opposite' (it excludes 0 on the other
-    side), 'not separated' (tie) or None without a paper direction.
+    'holds', 'opposite', 'not separated' (tie) or None without a paper direction.
   """
   if expected_sign is None or expected_sign == 0 or not math.isfinite(expected_sign):
     return None

@@ -1,12 +1,8 @@
 """JSON-able summaries of experiment runs: mean ± std over seeds, the Recall@K ceiling,
-per-category metrics, learning-curve crossings, the multi-store diagnostics (Table 5, Fig. 6,
-Appendix C) and the library versions a result depends on.
+per-category metrics, learning curves, the multi-store diagnostics (Table 5, Fig. 6, Appendix C)
+and the library versions a result depends on.
 
-`summarize` turns a `runner.RunResult` into the per-run dict written to `result.json` and
-`results.json` (percent, per seed and mean ± std): the four test metrics of the paper's two
-test-time modes, then (`PAGING_METRIC_NAMES`) those of paging over the first stage's and
-over the adapted ranking, explorer-assisted inference's baseline with the same critic and calls.
-Library code: no flags are read here.
+`summarize` turns a `runner.RunResult` into the per-run dict of `result.json` / `results.json`.
 """
 from __future__ import annotations
 
@@ -22,8 +18,8 @@ from ear_jax.core.config import EARConfig, HParams
 from ear_jax.core.stream import Stream
 from ear_jax.experiment.runner import METRIC_NAMES, RunResult
 
-# Paging (`core.inference.evaluate`): the critic reads a ranking's top T x s in T pages of s.
-# Appended after `METRIC_NAMES` in a summary's "metrics" (the earlier keys keep their positions).
+# Paging (the critic reads a ranking's top T x s in T pages of s), appended after `METRIC_NAMES`
+# so the earlier keys keep their positions.
 PAGING_METRIC_NAMES = ("recall_paging_first_stage", "hitrate_paging_first_stage",
                        "recall_paging_adapted", "hitrate_paging_adapted")
 # (per-query field of `RunResult.eval`, per-category metric name), in the order they are written.
@@ -66,9 +62,7 @@ def ceiling(stream: Stream, test_index: np.ndarray, slate_size: int = 5,
   """Best achievable test metrics of any reranker of the K candidates, per seed (percent).
 
   `recall@K`: all gold inside the top-K; `recall@s`: that and at most `s` gold; `hitrate@K`: any.
-  With `window < K` (`EARConfig.loss_window`, `T s`) also `recall@window`: all gold inside the
-  first stage's own top `window` (candidates are in the first stage's rank order), the ceiling of
-  anything that shows the critic only those.
+  With `window < K` (`T s`) also `recall@window`: all gold inside the first stage's top `window`.
   """
   gold_k = np.asarray(stream.gold)[test_index]
   gold = gold_k.sum(-1)
@@ -83,14 +77,8 @@ def ceiling(stream: Stream, test_index: np.ndarray, slate_size: int = 5,
 
 
 def beyond_window(slates: np.ndarray, gold: np.ndarray, window: int) -> dict:
-  """Where a served top-s comes from: the share of its memories outside the first stage's top
-  `window` (`T s`), and the share of those that are gold (percent, per seed).
-
-  Args:
-    slates: `[S, M, s]` candidate indices (-1 = empty), candidates in the first stage's order.
-    gold: `[S, M, K]` bool.
-    window: `T s`.
-  """
+  """Share of a served top-s outside the first stage's top `window` (`T s`), and the gold share
+  of those (percent, per seed). `slates [S, M, s]` (-1 = empty), `gold [S, M, K]`."""
   slates = np.asarray(slates)
   valid = slates >= 0
   deep = valid & (slates >= window)
@@ -103,9 +91,8 @@ def beyond_window(slates: np.ndarray, gold: np.ndarray, window: int) -> dict:
 
 def summarize(result: RunResult, stream: Stream, categories: Optional[np.ndarray] = None,
               slate_size: int = 5) -> dict:
-  """JSON-able summary of a run: per-seed and mean ± std of the test metrics (percent; the paper's
-  four, then `PAGING_METRIC_NAMES`), per category, the Recall@K ceiling, critic calls, the
-  learning curve and wall time."""
+  """JSON-able summary of a run: per-seed and mean ± std test metrics (percent), per category,
+  the Recall@K ceiling, critic calls, the learning curve and wall time."""
   ev = result.eval
   has = np.asarray(stream.num_gold)[result.test_index] > 0
   out = {"name": result.name, "config": config_dict(result.config),
@@ -145,24 +132,17 @@ def first_crossing(curve: list, metric: str, level: float, x: str = "queries_see
   return None
 
 
-# ----------------------------------------------------------------------------------------------
-# Multi-store diagnostics (Section 5, Appendix C)
+# --- Multi-store diagnostics (Section 5, Appendix C) ---
 
 
 def store_metrics(slates: np.ndarray, gold: np.ndarray, store: np.ndarray,
                   num_gold_store: np.ndarray, where: Optional[np.ndarray] = None) -> dict:
   """Per-store Recall@s and observations in the final slate (Table 5, Fig. 6), in percent.
 
-  Args:
-    slates: `[..., M, s]` int candidate indices (-1 = empty).
-    gold: `[..., M, K]` bool gold candidates.
-    store: `[..., M, K]` int8 store of each candidate (0 dialogue, 1 observation).
-    num_gold_store: `[..., M, 2]` gold memories per store in the whole bank.
-    where: optional `[..., M]` bool, queries to average over.
-
-  Returns:
-    `{"recall_dialogue", "recall_observation"` `[...]` percent over queries with gold in that
-    store, `"observations_in_slate"` `[...]` mean count}`.
+  `slates [..., M, s]` (-1 = empty), `gold` / `store` `[..., M, K]` (store 0 dialogue, 1
+  observation), `num_gold_store [..., M, 2]` gold per store in the whole bank, `where [..., M]`
+  queries to average over. Returns `recall_dialogue` / `recall_observation` (over queries with
+  gold in that store) and `observations_in_slate` (mean count), each `[...]`.
   """
   slates = np.asarray(slates)
   valid = slates >= 0
@@ -185,18 +165,10 @@ def store_proximity_delta(params: adapter_lib.AdapterParams, queries: jax.Array,
                           candidates: jax.Array, mask: jax.Array, store: jax.Array):
   """Appendix C, Eq. (21)-(23): `Delta(q) = d_e(q) - d_s(q)` before and after the adapter.
 
-  `d_e`/`d_s` is the mean cosine distance `1 - sim` of the query to the query's episodic (store 0)
-  / semantic (store 1) candidates. Positive: closer to semantic memories.
-
-  Args:
-    params: adapter parameters (unbatched).
-    queries: `[M, d]` pre-adapter queries.
-    candidates: `[M, K, d]` pre-adapter candidates.
-    mask: `[M, K]` bool valid candidates.
-    store: `[M, K]` int store ids.
-
-  Returns:
-    `(delta_before [M], delta_after [M])`; NaN where a query lacks candidates of one store.
+  `d_e` / `d_s`: the mean cosine distance of the query to its store-0 / store-1 candidates
+  (positive: closer to semantic memories). Inputs are unbatched params, `queries [M, d]`,
+  `candidates [M, K, d]`, `mask` / `store` `[M, K]`. Returns `(delta_before [M], delta_after
+  [M])`; NaN where a query lacks candidates of one store.
   """
   def delta(q, m):
     sim = jnp.einsum("nd,nkd->nk", q, m)
@@ -229,8 +201,7 @@ def versions() -> dict:
     out["orbax_checkpoint"] = ocp.__version__
   except Exception:  # pylint: disable=broad-except
     pass
-  # XLA compiles for the host's instruction set, so float rounding (and through EAR's argmax
-  # decisions, a few slates) can differ between CPU models: results name theirs.
+  # Float rounding can differ between CPU models (XLA targets the host's instruction set).
   out["cpu"] = _cpu_model()
   return out
 

@@ -1,14 +1,12 @@
-"""Validation sweeps: `H` stacked `HParams` x `S` seeds trained in ONE compiled episode.
+"""Validation sweeps: `H` stacked `HParams` x `S` seeds trained in one compiled episode.
 
 Symbols: `H` hyperparameter settings, `S` seeds, `N` fit queries, `V` validation queries.
 
-The honest protocol: per seed, `runner.validation_split` holds out the training stream's last 20 %
-as validation; every candidate setting is trained online on the first 80 % (`fit`) and scored on
-the validation part. The test split is not an argument here, so a sweep cannot read it. The keys
-are derived as in `runner.train_and_evaluate` (seed `i` -> `PRNGKey(seeds[i])` split into
-(episode, evaluation)), so an `H = 1` sweep equals `train_and_evaluate(train=fit, test=validation)`
-(`tests/test_validation_split.py`). Settings that only change test-time inference (`test_rounds`,
-`final_slate`) are scored from the same trained adapters (`eval_variants`), without retraining.
+Every setting is trained online on the fit part of `runner.validation_split` and scored on its
+validation part; the test split is not an argument, so a sweep cannot read it. Keys are derived as
+in `runner.train_and_evaluate`, so an `H = 1` sweep equals `train_and_evaluate(train=fit,
+test=validation)` (`tests/test_validation_split.py`). Test-time settings are scored from the same
+adapters (`eval_variants`), without retraining.
 """
 from __future__ import annotations
 
@@ -84,16 +82,15 @@ def sweep_validation(stream: Stream, fit_index: np.ndarray, validation_index: np
     fit_index: `[S, N]` fit queries per seed, in stream order (`runner.validation_split`).
     validation_index: `[S, V]` validation queries per seed.
     config: static config of the training run (one compile per config).
-    hparams: `HParams` stacked to `[H]` (`ear_jax.core.config.stack_hparams`).
+    hparams: `HParams` stacked to `[H]` (`config.stack_hparams`).
     seeds: the `S` seeds.
     critic: a critic pytree shared by all learners (default: the paper's simulated critic).
-    eval_variants: test-time variants scored from the same adapters, name -> `EARConfig`
-      overrides of the inference fields (`test_rounds`, `final_slate`); default
-      `{"default": {}}` (the config's own).
+    eval_variants: name -> `EARConfig` overrides of inference fields (`test_rounds`,
+      `final_slate`) scored from the same adapters; default `{"default": {}}`.
 
   Returns:
-    `{"recall_adapter", "hitrate_adapter": [H, S] in percent, "explorer": {variant:
-    {"recall", "hitrate": [H, S]}}, "seconds": wall seconds}`.
+    `{"recall_adapter", "hitrate_adapter": [H, S] percent, "explorer": {variant: {"recall",
+    "hitrate": [H, S]}}, "seconds"}`.
   """
   t0 = time.perf_counter()
   critic = critic_lib.or_default(critic)

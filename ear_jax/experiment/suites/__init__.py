@@ -1,22 +1,11 @@
 """The paper's experiments as suites: which runs, and how their results become tables and plots.
 
-No algorithm lives here: runs go through `ear_jax.experiment.runner.train_and_evaluate` (via
-`Runner`, which caches runs that several tables share); the suites write markdown tables (measured
-beside the paper's numbers), PNG plots, per-run JSON and per-query training logs, and
-`results.json`.
-
-Suites (`SUITES`, name -> function): main (Table 2), ablation (Table 3), hparams (Tables 6-7),
-curves (Figs. 3-4), noise (Fig. 5), multistore (Tables 4-5, Fig. 6, Appendix C); `all` runs them in
-order. `qa` (Table 2's F1 / BLEU-1 / J, Tables 4-5's QA columns) needs an LLM endpoint and runs by
-name only.
-
-Every suite also compares its methods with a baseline on PAIRED seeds (same seed = same split and
-keys; see `pairing`): the mean per-seed difference and its 95% t-interval over seeds
-(`ear_jax.experiment.stats`) go into the tables ("Δ ... [95% CI]" columns), into results.json
-("paired": suite -> list of records) and into the readings (`results_md.readings_md`).
-
-Modules: `options` (Options), `paper` (the paper's numbers, table cells), `run_cache` (Runner),
-`pairing` (paired comparisons), `main_ablation`, `hparams_curves`, `noise_multistore` (the suites).
+No algorithm lives here: runs go through `runner.train_and_evaluate` (via `Runner`), and the
+suites write markdown tables beside the paper's numbers, plots, per-run JSON and `results.json`.
+`SUITES` (name -> function): main (Table 2), ablation (Table 3), hparams (Tables 6-7), curves
+(Figs. 3-4), noise (Fig. 5), multistore (Tables 4-5, Fig. 6, Appendix C); `all` runs them in
+order. `qa` needs an LLM endpoint and runs by name only. Every suite also compares its methods with
+a baseline on paired seeds (`pairing`, `stats`).
 """
 from __future__ import annotations
 
@@ -46,8 +35,7 @@ from ear_jax.experiment.suites.paper import PAPER, fmt, md_table, with_cell_note
 from ear_jax.experiment.suites.run_cache import Runner
 
 
-# Suite name -> suite function `(Runner) -> markdown` (adding a suite: one function, one line here).
-# The order is the order of `--suite=all`.
+# Suite name -> `(Runner) -> markdown`, in the order of `--suite=all`.
 SUITES = {
     "main": main_ablation.suite_main,
     "ablation": main_ablation.suite_ablation,
@@ -59,12 +47,10 @@ SUITES = {
 ALL_ORDER = tuple(SUITES)
 # Suites that need an LLM endpoint run by name only, never as part of `all`.
 SUITES["qa"] = qa.suite_qa  # F1 / BLEU-1 / J of answers from the final slates
-# Beyond the paper, by name only: validation tuning (LoCoMo) and the test comparison of
-# the paper's EAR, `ear_tuned` and the retriever.
+# Beyond the paper, by name only: validation tuning and the test comparison of the presets.
 SUITES["tune"] = tune.suite_tune
 SUITES["beyond"] = tune.suite_beyond
-# The first stage, by name only: the first stage's settings tuned on LoCoMo validation, and EAR over
-# dense / BM25 / hybrid candidates on the test split.
+# The first stage, by name only: its settings tuned on validation, and EAR over each first stage.
 SUITES["first_stage_tune"] = first_stage.suite_first_stage_tune
 SUITES["first_stage"] = first_stage.suite_first_stage
 # The answer-grounded critic, by name only: EAR trained by the agent's answers.
@@ -73,8 +59,7 @@ SUITES["answer_critic"] = answer_critic.suite_answer_critic
 SUITES["guard_tune"] = guard.suite_guard_tune
 # The guard and paging, by name only: ear_safe vs the frozen first stage and paging, test split.
 SUITES["guard"] = guard.suite_guard
-# The candidate pool K > T s, by name only: loss_support and K on LoCoMo validation; every learning
-# preset at K = 20 / 50 / 100 against the frozen first stage on the test split.
+# The candidate pool K > T s, by name only: loss_support and K tuned, presets at K = 20 / 50 / 100.
 SUITES["pool_tune"] = pool.suite_pool_tune
 SUITES["pool"] = pool.suite_pool
 SUITE_NAMES = tuple(SUITES) + ("all",)  # the values of `--suite`
@@ -164,8 +149,7 @@ def _run(opts: Options, clock: _CompileClock) -> dict:
       "processes": {"count": jax.process_count(), "devices": jax.device_count()},
       "dataset": {k: v for k, v in b.stats.items() if k not in ("evidence_ids_dropped_list",)},
       "runs": r.summaries, "tables": r.tables, "plots": r.plots,
-      # suite -> [{treatment, baseline, metric, n, mean, sd, lo, hi, per_seed, verdict,
-      #            confidence, interval, paper_delta, expected_sign, vs_paper, primary, score}]
+      # suite -> [`pairing.pair` records]
       "paired": r.paired, "paired_note": DELTA_NOTE,
       "qa": getattr(r, "qa", None),  # --suite=qa: settings, endpoints, per-method QA results
       "suite_wall_seconds": r.timings, "wall_seconds": round(wall, 1),

@@ -1,14 +1,10 @@
 """Suite `answer_critic`: EAR trained by the answer-grounded critic, the feedback an agent gives by
 answering.
 
-For `ear` and `ear_tuned` over the run's first stage (`--candidates`, dense by default), each seed's
-full training stream is learned online with (a) the paper's simulated critic (Appendix A.2, it
-reads the gold labels) and (b) the answer critic (`core.critic.AnswerCritic` with
-`core.critic.ANSWER_DEFAULTS`, chosen on LoCoMo validation by `experiments.critic_eval
---critic=answer --subset=validation`), the gold answers playing the agent's answers. The test split
-is scored adapter-only (no critic call at test: what a user of the answer critic gets); the table
-gives per-seed paired differences against the frozen first stage and between the two critics.
-LongMemEval_S is reported with the thresholds chosen on LoCoMo (never tuned on).
+`ear` and `ear_tuned` learn each seed's training stream with the simulated critic and with
+`AnswerCritic` at `ANSWER_DEFAULTS` (chosen by `python -m experiments.critic_eval --critic=answer
+--subset=validation` on LoCoMo), the gold answers playing the agent's. The test split is scored
+adapter-only, paired with the frozen first stage and between the two critics.
 """
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
-"""Suite `beyond`: the paper's EAR vs `ear_tuned` vs the retriever on the TEST split.
+"""Suite `beyond`: the paper's EAR vs `ear_tuned` vs the retriever on the test split.
 
-`ear_tuned` (`core.config.METHODS` / `METHOD_HPARAMS`) holds the setting `--suite=tune` chose on
-LoCoMo validation data; here it is trained on the full training stream of every seed and scored on
-the untouched test split, in both test modes: adapter only, and explorer-assisted at the paper's
-test budget (T = 4 critic calls per test query). Every comparison is a per-seed paired difference
-with its 95 % t-interval (`pairing.pair_runs` -> results.json "paired"), overall and per category,
-checked against `TARGETS`. On LongMemEval_S (never tuned on) this is the transfer test. Below
-each explorer-assisted row: its two paging neighbours (`pairing.paging_rows`), paired
-with it in the last column.
+`ear_tuned` holds the setting `--suite=tune` chose on LoCoMo validation; here every method is
+trained on each seed's full training stream and scored adapter-only and explorer-assisted (T = 4),
+paired per seed, overall and per category, against `TARGETS`. LongMemEval_S (never tuned on) is
+the transfer test.
 """
 from __future__ import annotations
 

@@ -1,26 +1,12 @@
-"""Suites `first_stage_tune` and `first_stage`: EAR over the retrievers users pick.
+"""Suites `first_stage_tune` and `first_stage`: EAR over dense, BM25 and hybrid first stages
+(the paper's Table 10 question: another first stage, its scores as side information).
 
-The paper's Table 10 question (EAR layered on another first stage, its scores as side
-information) asked of the first stages agent memories run: dense (the frozen encoder, the paper's
-setting), BM25 and a hybrid of the two (`ear_jax.data.first_stage`).
-
-`first_stage_tune` (LoCoMo only; the validation protocol of `--suite=tune`,
-`runner.validation_split`): per seed the training stream's last 20 % is validation, the test split
-is never read.
-  A. the hybrid fusion: reciprocal-rank fusion or a weighted sum with the BM25 share in
-     `LEXICAL_WEIGHT_GRID`, scored by the frozen first stage's validation Recall@5;
-  B. `side_init` (the first stage's weight in `z` at the start) in `SIDE_INIT_GRID` for `ear` and
-     `ear_tuned`, trained on the fit part of BM25 and of hybrid candidates, scored by validation
-     adapter-only Recall@5 (mean over both first stages).
-The table says whether the library's defaults (`FirstStageOptions`, `EARConfig.side_init`, the
-`ear_tuned` preset) hold the chosen values.
-
-`first_stage` (any benchmark; LongMemEval_S is the held-out transfer test): for each first stage in
-`GENERATORS_SHOWN`, the frozen first stage and `ear` / `ear_tuned` (adapter only, and explorer-
-assisted at T = 4), trained on every seed's full training stream and scored on its test split, with
-per-seed paired differences against the same first stage and against the best frozen one. Below
-each explorer-assisted row: its two paging neighbours (`pairing.paging_rows`), paired
-with it in the last column.
+`first_stage_tune` (LoCoMo validation only, `runner.validation_split`; never reads the test split)
+chooses the hybrid fusion (`LEXICAL_WEIGHT_GRID`) by the frozen first stage's Recall@5 and
+`side_init` (`SIDE_INIT_GRID`) by adapter-only Recall@5, and says whether the library's defaults
+hold the chosen values. `first_stage` (test split; LongMemEval_S is the held-out transfer test)
+compares per first stage in `GENERATORS_SHOWN` the frozen first stage with `ear` / `ear_tuned`,
+paired per seed, each explorer-assisted row beside its paging neighbours.
 """
 from __future__ import annotations
 
@@ -47,18 +33,14 @@ SIDE_INIT_GRID = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 TUNED_METHODS = ("ear", "ear_tuned")
 TEST_ROUNDS = 4
 MODES = {"adapter": "adapter only", "explorer": "explorer-assisted, T = 4"}
-# The targets (test split, 10 seeds): the best frozen first stage's R@5, the adapter-only
-# gain over it, and the explorer-assisted R@5.
+# The targets (test split, 10 seeds).
 TARGETS = {"locomo": {"first_stage": 46.0, "adapter_gain": 5.0, "explorer": 55.0},
            "longmemeval": {"adapter_gain": 3.0, "explorer": 80.0}}
 
 
 def sub_runner(r: Runner, candidates: str, **options) -> Runner:
-  """A `Runner` over the same benchmark, seeds and splits with another first stage.
-
-  Its runs go to `<workdir>/first_stage/<candidates>[...]/`; its paired comparisons, summaries and
-  plots are recorded in `r`'s (one results.json).
-  """
+  """A `Runner` over the same benchmark, seeds and splits with another first stage; runs go to
+  `<workdir>/first_stage/<candidates>[...]/`, records into `r`'s results.json."""
   tag = "_".join([candidates] + [f"{k}={v}" for k, v in sorted(options.items())])
   opts = dataclasses.replace(r.opts, candidates=candidates,
                              workdir=str(r.workdir / "first_stage" / tag), **options)

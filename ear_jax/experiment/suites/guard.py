@@ -1,19 +1,10 @@
-"""Suites `guard_tune` and `guard`: does `ear_safe`'s guard (`ear_jax.core.guard`) keep EAR's
-adapter-only ranking at or above the first stage's?
+"""Suites `guard_tune` and `guard`: does `ear_safe`'s guard (`core.guard`) keep EAR's adapter-only
+ranking at or above the first stage's?
 
-`guard_tune` (LoCoMo validation only; the protocol of `--suite=tune`, `runner.validation_split`:
-per seed the training stream's last 20 % is validation, the test split is never read,
-LongMemEval_S is refused). For each setting in `SETTINGS` (a critic, a learning rate) one run of
-`ear_safe` over the runner's first stage (`--candidates`, e.g. hybrid) is trained on the fit part;
-training leaves every n-th query out for the guard's held-out ring (`--guard_holdout`), so the
-same run gives every row: the frozen first stage (the untrained adapter), that adapter served
-unguarded, and the guard at each `Z_GRID` value (the ring scores the final parameters), all paired
-per seed against the frozen first stage.
-
-`guard` (any benchmark, test split): one `ear_safe` run per first stage and simulated critic
-(`TEST_CRITICS`); the rows of `TEST_ROWS` (the frozen first stage, the same adapters unguarded,
-`ear_safe` adapter-only and explorer-assisted, paging over the first stage and over the served
-ranking) from that run's adapters, critic and evaluation keys, paired per seed.
+`guard_tune` (LoCoMo validation only; never reads the test split) trains one `ear_safe` run per
+setting in `SETTINGS` and reads every row from it: the frozen first stage, the adapter unguarded,
+and the guard at each `Z_GRID` value, paired per seed with the frozen first stage. `guard` (test
+split) does the same per first stage and critic (`TEST_CRITICS`) for the rows of `TEST_ROWS`.
 """
 from __future__ import annotations
 
@@ -36,9 +27,8 @@ from ear_jax.experiment.suites.run_cache import Runner
 from ear_jax.io import run_checkpoints
 
 METHOD = "ear_safe"
-# name -> (simulated critic (precision, recall) overrides, hyperparameter overrides): the default
-# critic, Figure 5's noisiest, and a learning rate 30x the preset's (a setting whose adapter is
-# worse than the first stage: what the guard is for).
+# name -> (critic (precision, recall) overrides, hyperparameter overrides); the last is a setting
+# whose adapter is worse than the first stage: what the guard is for.
 SETTINGS = {"default critic (P .88, R .86)": ({}, {}),
             "noisy critic (P = R = 0.7)": ({"precision": 0.7, "recall": 0.7}, {}),
             "default critic, learning rate 3e-3": ({}, {"learning_rate": 3e-3})}
@@ -138,8 +128,7 @@ TEST_CRITICS = {"default critic (P .88, R .86)": {},
                 "noisy critic (P = R = 0.7)": {"precision": 0.7, "recall": 0.7}}
 # The safety target for `ear_safe` adapter-only minus the same frozen first stage (points).
 SAFETY_MEAN, SAFETY_LOWER = 0.0, -1.0
-# Row -> (where its per-seed values come from: the run's own evaluation ('safe'), the same
-# adapters served unguarded ('adapted') or the untrained adapter ('first'); the EvalResult mode).
+# Row -> (its values' source: 'safe' run, 'adapted' unguarded, 'first' untrained; EvalResult mode).
 TEST_ROWS = {
     "frozen first stage": ("first", "adapter"),
     "ear_tuned adapter-only (guard off)": ("adapted", "adapter"),
@@ -153,12 +142,9 @@ MODE_LABELS = {"adapter": "top-5", "explorer": "explorer T = {t}",
 
 
 def guard_test_rows(r: Runner, candidates: str, critic_name: str, critic_over: dict) -> dict:
-  """One `ear_safe` run over `candidates` on the test split; every row's per-seed metrics.
-
-  Returns:
-    `{"rows": {row: {"recall": [S], "hitrate": [S]}}, "serve_adapted": [S], "summary": ...}`
-    (percent); cached in `<workdir>/guard/<candidates>_<critic>.json` (reused with --resume).
-  """
+  """One `ear_safe` run over `candidates` on the test split: `{"rows": {row: {"recall": [S],
+  "hitrate": [S]}}, "serve_adapted": [S], "summary": ...}` (percent), cached under
+  `<workdir>/guard/`."""
   sub = sub_runner(r, candidates)
   b = sub.bench()
   stream = b.stream

@@ -13,9 +13,8 @@ from ear_jax.experiment.suites.run_cache import Runner
 
 def suite_hparams(r: Runner) -> str:
   pkl = PAPER["hparams"]["longmemeval"]
-  # Paired baselines (adapter-only test mode, as the paper's Tables 6-7): the frozen retriever,
-  # and the default setting (T=4, B=4, similarity replay) the paper picks as best. The paper's
-  # numbers are LongMemEval's, so its direction is only checked on LongMemEval.
+  # Paired baselines (adapter-only): the frozen retriever and the paper's default (T=4, B=4,
+  # similarity replay); the paper's direction is checked on LongMemEval only (its numbers').
   lme = r.opts.benchmark == "longmemeval"
   pret = PAPER["main"]["longmemeval"]["retriever"][0]
   base = ("Only Retriever", r.run("retriever"), "adapter")
@@ -95,8 +94,7 @@ def suite_curves(r: Runner) -> str:
     curve = s["curve"]
     mins = min(float(np.mean(p["recall_adapter"])) for p in curve)
     label = names.get(m, f"RL update, {t} epochs (matched critic budget)")
-    # Final test Recall@5 (explorer off) paired with the retriever; the figures give no numbers,
-    # only that EAR ends above the retriever (Figs. 3-4).
+    # Final test Recall@5 paired with the retriever (the figures give only a direction).
     d = pair_runs(r, "curves", (label, s, "adapter"), ("Only Retriever", base, "adapter"),
                   metrics=("recall",), expected={"recall": 1} if m == "ear" else None)
     rows.append([label, fmt(get_metric(s, "recall_adapter")), fd(d["recall"]), f"{mins - ref:+.2f}",

@@ -1,8 +1,5 @@
-"""Suites `main` (Table 2: Only Retriever, RL-update reranker, EAR) and `ablation` (Table 3).
-
-Below each explorer-assisted row, beyond the paper: its two paging neighbours
-(`pairing.paging_rows`), in a last column paired with it; the paper's rows keep every cell.
-"""
+"""Suites `main` (Table 2: Only Retriever, RL-update reranker, EAR) and `ablation` (Table 3); each
+explorer-assisted row is followed by its two paging neighbours (`pairing.paging_rows`)."""
 from __future__ import annotations
 
 from ear_jax.experiment import plots
@@ -120,8 +117,7 @@ def suite_ablation(r: Runner) -> str:
     pl = PAPER["ablation"]["longmemeval"][(method, mode)]
     pc = PAPER["ablation"]["locomo"][(method, mode)]
     pv = PAPER["ablation"][pk][(method, mode)] if pk else None
-    # Baselines: the frozen retriever (does the variant help at all?) and full EAR evaluated in
-    # the same test mode (what the paper's ablation removes a component from).
+    # Baselines: the frozen retriever and full EAR in the same test mode.
     d_ret = pair_runs(r, "ablation", (label, s, mode), base,
                       paper={"recall": pv - pret} if pk else None, primary={"recall"})
     d_ear = None

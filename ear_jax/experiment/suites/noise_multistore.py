@@ -20,8 +20,7 @@ def suite_noise(r: Runner) -> str:
   ref = get_metric(ret, "recall_adapter")["mean"]
   grid = np.full((len(levels), len(levels)), np.nan)
   rows, diag = [], {}
-  # Paired baseline: the frozen retriever, since the paper's claim (Fig. 5) is that EAR stays above
-  # the retriever at every noise level; diagonal cells (P = R) feed the readings.
+  # Paired baseline: the frozen retriever (Fig. 5: EAR stays above it at every noise level).
   drows, marks, counts = [], [], {stats.BETTER: 0, stats.TIE: 0, stats.WORSE: 0}
   sym = {stats.BETTER: "+", stats.WORSE: "−"}
   for i, p in enumerate(levels):

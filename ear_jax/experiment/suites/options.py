@@ -15,8 +15,7 @@ class Options:
   cache_dir: Optional[str] = None
   limit: Optional[int] = None
   k: int = 20
-  # The first stage: a name in `ear_jax.data.first_stage.GENERATORS`; side features
-  # (the first stage's scores as side information) default to on for every generator but 'dense'.
+  # A name in `first_stage.GENERATORS`; side features default to on for all but 'dense'.
   candidates: str = "dense"
   side_features: Optional[bool] = None
   fusion: Optional[str] = None  # hybrid: 'rrf' | 'weighted' (None: FirstStageOptions' default)
@@ -34,8 +33,7 @@ class Options:
   config_overrides: dict = dataclasses.field(default_factory=dict)
   hparam_overrides: dict = dataclasses.field(default_factory=dict)
   critic_overrides: dict = dataclasses.field(default_factory=dict)  # simulated critic p / r
-  # The critic of every trained run: 'simulated' (Appendix A.2, `critic_overrides`) or 'answer'
-  # (the answer-grounded critic with the gold answers, `core.critic.ANSWER_DEFAULTS`).
+  # The critic of every trained run: 'simulated' or 'answer' (gold answers, `ANSWER_DEFAULTS`).
   critic: str = "simulated"
   synthetic_queries: int = 500
   synthetic_dim: int = 32

@@ -1,26 +1,13 @@
 """Paired comparisons over seeds: each suite compares its methods with a baseline.
 
-Seeds are paired by construction. `Runner.bench` computes ONE split per seed
-(`runner.seed_splits` -> `datasets.split_indices(N, seed)`, a fixed numpy permutation) and every run
-on that benchmark gets the same split and the same seed list; `runner.train_and_evaluate` derives
-every PRNG key of seed i from `PRNGKey(seeds[i])`: the adapter init, the per-query episode keys
-(query n of seed i uses key n, which drives the simulated critic's noise and the exploration) and
-the evaluation key. So seed i of every method sees the same train/test split and the same keys,
-and the per-seed difference `method_i - baseline_i` removes the split-to-split variation both
-share. (Runs with a different number of epochs split the episode key into a different number of
-query keys, so their critic draws differ; split and evaluation key still match. Runs on the
-multi-store benchmark are only paired with other multi-store runs.)
+Seeds are paired by construction: `Runner.bench` computes one split per seed and
+`runner.train_and_evaluate` derives every key of seed i from `PRNGKey(seeds[i])`, so seed i of
+every method sees the same split and keys. (Runs with another number of epochs draw different
+critic noise; multi-store runs pair only with multi-store runs.)
 
-`pair` records every comparison in `Runner.paired[suite]` (-> results.json "paired"): the
-`stats.paired_difference` fields (n, mean, sd, lo, hi, per_seed, verdict, confidence) plus who
-is compared, the metric, the paper's difference where the paper gives both numbers, and whether
-the verdict agrees with the paper's direction. Records with `primary` feed the "Readings" list
-(`ear_jax.experiment.results_md.readings_md`).
-
-Paging (`core.inference.evaluate`) is explorer-assisted inference's baseline: the same
-critic reads the first stage's (or the adapted) ranking's top T x s in T pages of s and the answer
-puts the cited memories first; the same T calls, and call t shares round t's key. `paging_rows`
-gives a table's explorer-assisted row its two paging neighbours, each paired with that row.
+`pair` records each comparison in `Runner.paired[suite]` (results.json "paired"); `primary` ones
+feed the readings (`results_md.readings_md`). `paging_rows` pairs a table's explorer-assisted row
+with its two paging baselines (the same T critic calls over the first-stage or adapted ranking).
 """
 from __future__ import annotations
 
@@ -58,22 +45,15 @@ def _sign(v):
 def pair(r: Runner, suite: str, treatment: dict, baseline: dict, metric: str, t_values,
          b_values, *, paper_delta=None, expected_sign=None, primary: bool = True,
          score: bool = True) -> dict:
-  """Paired difference `treatment - baseline` of per-seed values, recorded for results.json.
+  """Paired difference `treatment - baseline` of per-seed values, recorded in `r.paired[suite]`.
 
   Args:
-    r: the runner (records go to `r.paired[suite]`).
-    suite: suite name.
-    treatment: `{"label", "run", "mode"}` describing the method (JSON).
-    baseline: the same for the baseline.
-    metric: metric label, e.g. "R@5".
-    t_values: per-seed values of the treatment (seed order `r.seeds`).
-    b_values: per-seed values of the baseline, same seeds.
-    paper_delta: the paper's difference for this comparison, if it reports both numbers.
-    expected_sign: the paper's direction (+1 / -1) when it states one without numbers
-      (default: the sign of `paper_delta`).
+    treatment, baseline: `{"label", "run", "mode"}` describing each side (JSON).
+    t_values, b_values: per-seed values, in the seed order `r.seeds`.
+    paper_delta: the paper's difference, if it reports both numbers.
+    expected_sign: the paper's direction (+1 / -1) (default: the sign of `paper_delta`).
     primary: list this comparison in the suite's readings.
-    score: the metric is a score (higher = better); False for e.g. a count, whose 'better' /
-      'worse' verdicts are read as 'higher' / 'lower'.
+    score: higher is better; False reads verdicts as 'higher' / 'lower'.
 
   Returns:
     The `PairedDifference.to_json()` dict.
@@ -122,15 +102,7 @@ def explorer_rounds(summary: dict) -> int:
 
 
 def paging_rows(r: Runner, suite: str, label: str, summary: dict) -> list:
-  """The two paging neighbours of a run's explorer-assisted row, each paired with it.
-
-  Records `paging - explorer` R@5 of the same run (`pair_runs`, primary: in the readings).
-
-  Args:
-    r: the runner.
-    suite: suite name.
-    label: the explorer-assisted row's label (the run's, in the readings).
-    summary: the run's summary (with `summaries.PAGING_METRIC_NAMES`).
+  """The two paging neighbours of a run's explorer-assisted row, each paired with it (primary).
 
   Returns:
     `[(mode, row label, Δ R@5 dict)]` for `PAGING_MODES`, in that order.
@@ -158,20 +130,11 @@ def side(label: str, summary: dict, mode: Optional[str]) -> dict:
 def pair_runs(r: Runner, suite: str, t: tuple, b: tuple, metrics=("recall", "hitrate"),
               paper: Optional[dict] = None, primary=True,
               expected: Optional[dict] = None) -> dict:
-  """`pair` of test metrics of two runs: `t = (label, summary, mode)`, `b` likewise.
+  """`pair` of the test metrics of two runs, `t` and `b` each `(label, summary, test mode)`.
 
-  Args:
-    r: the runner.
-    suite: suite name.
-    t: treatment `(label, summary, test mode)`.
-    b: baseline `(label, summary, test mode)`.
-    metrics: 'recall' (R@5) and / or 'hitrate' (Hit@5).
-    paper: optional `{metric: paper difference}`.
-    primary: a bool, or the set of metrics that feed the readings.
-    expected: optional `{metric: +1 / -1}`, the paper's direction where it gives no numbers.
-
-  Returns:
-    `{metric: difference dict}`.
+  `metrics`: 'recall' (R@5) and / or 'hitrate' (Hit@5); `paper` / `expected`: optional
+  `{metric: paper difference / +1 / -1}`; `primary`: a bool or the metrics that feed the readings.
+  Returns `{metric: difference dict}`.
 
   Raises:
     ValueError: when the two runs do not share seeds and test-set size (not paired).

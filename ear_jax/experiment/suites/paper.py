@@ -44,8 +44,7 @@ PAPER = {
 }
 
 
-# ------------------------------------------------------------------------------------------------
-# Table cells.
+# --- Table cells ---
 
 
 # Printed under every table with 'mean ± std' cells.

@@ -1,16 +1,11 @@
 """Suites `pool_tune` and `pool`: EAR over larger candidate pools (K > T s), same critic budget.
 
-With T = 4 rounds of s = 5 the critic sees at most `T s` = 20 memories per question, so nothing
-shown at K = 20 can beat the first stage's Recall@20. A larger pool K holds more gold, but the
-critic labels only what is shown: Eq. (10)'s softmax over all K candidates then pushes probability
-onto the never-shown tail (`EARConfig.loss_support`, `core.losses.loss_support`).
-
-`pool_tune` (LoCoMo validation only: the last 20 % of each seed's training stream; the test split
-and LongMemEval_S are never read): for K in `K_VALUES`, the frozen first stage and `ear_tuned`
-with each `loss_support`, trained on the fit part. `pool` (test split, either benchmark): for K
-in `K_VALUES`, the frozen first stage and every shipped learning preset; adapter-only Recall@5
-paired with the frozen first stage, paging over the served ranking (the default test-time rule)
-paired with the first stage's Recall@(T s) ceiling, and where the served top-5 comes from.
+The critic sees at most `T s` memories per question, so a larger pool K holds more gold but
+Eq. (10)'s softmax over all K pushes probability onto the never-shown tail
+(`EARConfig.loss_support`). `pool_tune` (LoCoMo validation only; never reads the test split)
+trains `ear_tuned` with each `loss_support` for K in `K_VALUES`; `pool` (test split) runs every
+shipped learning preset for K in `K_VALUES`, paired with the frozen first stage and its
+Recall@(T s) ceiling.
 """
 from __future__ import annotations
 
@@ -28,25 +23,20 @@ from ear_jax.experiment.suites.paper import fmt, md_table
 from ear_jax.experiment.suites.run_cache import Runner
 
 K_VALUES = (20, 50, 100)
-# The supports trained on validation; 'auto' is 'all' at K <= T s and 'labelled' beyond, so its
-# rows are theirs (`choose`).
+# The supports trained on validation ('auto' is 'all' at K <= T s and 'labelled' beyond).
 SUPPORTS = ("all", "window", "labelled")
 TUNED = "ear_tuned"
 # The learning presets the `pool` table reports (each with its own `loss_support`).
 PRESETS = ("ear", "ear_tuned", "ear_safe")
-# Rows beside them at K > T s: `ear_tuned` with the paper's softmax over all K (the collapse), and
-# the paper's EAR with 'auto' (its preset keeps the paper's loss: 'auto' is not the paper's at
-# K = 20 with T = 2, Table 6).
+# Rows beside them at K > T s: `ear_tuned` with the softmax over all K, and the paper's EAR with
+# 'auto'.
 COLLAPSE = ("ear_tuned", {"loss_support": "all"})
 PAPER_AUTO = ("ear", {"loss_support": "auto"})
 
 
 def pool_runner(r: Runner, k: int) -> Runner:
-  """A `Runner` over the same benchmark, first stage and seeds with K = `k` candidates.
-
-  Its runs go to `<workdir>/k<k>/`; its paired comparisons, summaries and plots are recorded in
-  `r`'s (one results.json). The splits are `r`'s (they depend on the queries only).
-  """
+  """A `Runner` over the same benchmark, first stage, seeds and splits with K = `k`; runs go to
+  `<workdir>/k<k>/`, records into `r`'s results.json."""
   sub = Runner(dataclasses.replace(r.opts, k=k, workdir=str(r.workdir / f"k{k}")))
   sub.paired, sub.summaries, sub.plots = r.paired, r.summaries, r.plots
   return sub
@@ -58,10 +48,8 @@ def _window(stream) -> int:
 
 
 def pushed_up_share(sub: Runner, summary: dict) -> float | None:
-  """Percent of a run's training questions whose labels sum below the baseline,
-  `sum_j (y_j - b) < 0` over the shown positions: for such a question Eq. (10)'s softmax over all
-  K raises every candidate it did not show (`d L / d z_i = p_i sum_j (y_j - b)` for an unshown
-  i). From `runs/<run>/train_log.npz` (None when it was not written)."""
+  """Percent of a run's training questions with `sum_j (y_j - b) < 0` over the shown positions
+  (Eq. (10) then raises every unshown candidate); None without `train_log.npz`."""
   path = sub.workdir / "runs" / summary["run"] / "train_log.npz"
   if not path.is_file():
     return None
@@ -118,10 +106,8 @@ def tune_pool(r: Runner) -> dict:
 
 
 def choose(rows: list) -> dict:
-  """The rule (validation only): the `loss_support` whose mean adapter-only Δ R@5 against the
-  frozen first stage is >= 0 at every K and largest summed over the K; then the K whose paging
-  over the served ranking (the default test-time rule) has the best mean validation Recall@5 with
-  that support, among the K where its adapter-only Δ >= 0."""
+  """The rule (validation only): the `loss_support` with mean adapter-only Δ R@5 >= 0 at every K
+  and the largest sum; then the K with the best paging Recall@5 among those with Δ >= 0."""
   frozen = {row["k"]: np.asarray(row["adapter"]) for row in rows if row["method"] == "retriever"}
 
   def delta(row):

@@ -1,24 +1,12 @@
 """Suite `qa`: answers generated from each method's final slate, scored with F1, BLEU-1 and J.
 
-Table 2's QA columns (Only Retriever, RL update, EAR in both test modes), Table 4's candidate types
-and Table 5's J per category, on the same seeds and splits as `main` / `multistore`: the methods are
-the Runner's runs (trained once, or loaded with `--resume` from a workdir that holds them), and each
-test query's final slate is the one `inference.evaluate` chose (`runs/<run>/test_eval.npz`: adapter-
-only and explorer-assisted slates, with the evaluation's keys). The suite checks that those slates
-give the run's Recall@5 before using them. The slate's memories (text + session date) go to
-`ear_jax.agent.llm.qa.evaluate_qa`: answer -> F1 / BLEU-1 (`data.answer_metrics`) -> judge (J).
-
-QA costs LLM calls, so it runs on a subset: the first `QASettings.limit` test questions of each of
-the first `QASettings.seeds` seeds (every method answers the same questions). With no `base_url` the
-suite starts the local llama.cpp server itself (`agent.llm_server.LlamaServer`, SmolLM2-135M by
-default) on a fixed port, so the reply cache (`<workdir>/llm_cache`, keyed by endpoint, model,
-prompt and decoding settings) makes an interrupted or repeated run resume for free.
-
-Table 4's 'Only Observations' pool (`observation_bench`): the top-K observations of each query's
-bank, built by `data.candidates.build_benchmark` on the corpus with its two stores swapped (its
-single-store mode takes store 0); a query needs a gold observation (one referencing a gold turn).
-It is registered with the Runner under the key `OBSERVATIONS`, so its runs are trained, saved and
-resumed like every other run (run names end in `_observations_multistore`).
+Table 2's QA columns, Table 4's candidate types and Table 5's J per category, on the same seeds and
+runs as `main` / `multistore`. Each test query's final slate is read from the run's
+`test_eval.npz` (checked to reproduce its Recall@5) and answered by `agent.llm.qa.evaluate_qa`.
+QA runs on a subset (`QASettings.limit` questions of the first `QASettings.seeds` seeds); with no
+`base_url` it starts the local llama.cpp server on a fixed port, so the reply cache makes a rerun
+free. Table 4's 'Only Observations' pool (`observation_bench`, Runner key `OBSERVATIONS`) is the
+top-K observations of each query's bank.
 """
 from __future__ import annotations
 
@@ -349,8 +337,7 @@ def _tables(r: Runner, results: dict, info: dict, settings: QASettings) -> str:
              "(calls, cache hits, tokens, seconds, unusable replies) are in results.json under "
              "'qa'."]
   labels = [lab for lab, _, _ in MAIN_ROWS]
-  # Per-question scores: the bars are the table's means, the error bars its interval (over
-  # questions, not seeds: `settings.seeds` seeds' questions are pooled).
+  # Error bars over questions pooled across `settings.seeds` seeds.
   per_q = {lab: {name: [np.nan if v is None else 100.0 * v
                         for v in results[lab]["per_question"][key]]
                  for name, key in (("F1", "f1"), ("BLEU-1", "bleu1"), ("J", "j"))}

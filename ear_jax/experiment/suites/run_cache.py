@@ -1,15 +1,10 @@
 """`Runner`: loads the benchmark(s) once, runs (and memoizes) method runs, writes per-run outputs.
 
-A run is `runner.train_and_evaluate` of one method on all seeds. Runs that several tables share are
-computed once per process (memo keyed by method, config, hyperparameters, critic, epochs and
-evaluation period); with `Options.resume` a run whose `runs/<run>/result.json` matches is loaded
-instead, and interrupted runs continue from `checkpoints/<run>/` (written only with
-`Options.checkpoint_every`). Per run the workdir gets `runs/<run>/{result.json, train_log.npz,
-test_eval.npz}` and, for a trained method, `runs/<run>/adapter/` (its final adapters, small).
-
-Multi-process runs (`jax.distributed`, see `ear_jax.experiment.sharding`): every process runs the
-same program (the seeds split over all devices inside `runner.train_and_evaluate`) and gets the same
-results; only process 0 (`sharding.is_primary`) writes into the workdir, and no run is checkpointed.
+A run is `runner.train_and_evaluate` of one method on all seeds, computed once per process; with
+`Options.resume` a matching `runs/<run>/result.json` is loaded instead and interrupted runs continue
+from `checkpoints/<run>/`. Per run the workdir gets `runs/<run>/{result.json, train_log.npz,
+test_eval.npz, adapter/}`. In multi-process runs only process 0 writes, and nothing is
+checkpointed.
 """
 from __future__ import annotations
 
@@ -44,8 +39,7 @@ class Runner:
     self.opts = opts
     self.workdir = pathlib.Path(opts.workdir)
     self.writes = sharding.is_primary()  # multi-process: process 0 alone writes the workdir
-    # Orbax saves are collectives over every process; a checkpoint of a multi-process run is not
-    # offered (yet): such runs are not checkpointed.
+    # Orbax saves are collectives over every process: multi-process runs are not checkpointed.
     self.checkpoints = bool(opts.checkpoint_every) and jax.process_count() == 1
     if opts.checkpoint_every and not self.checkpoints:
       logging.warning("%d processes: runs are not checkpointed (--checkpoint_every ignored)",
@@ -96,8 +90,7 @@ class Runner:
     return self._benches[multistore]
 
   def answer_bench(self, multistore: bool = False):
-    """`bench(multistore)` with its stream's answer support from the gold answers (the answer
-    critic's input, `ear_jax.data.answer_support`; same queries, so the same splits)."""
+    """`bench(multistore)` with answer support from the gold answers (same queries and splits)."""
     if multistore not in self._answer_benches:
       from ear_jax.data import answer_support  # pylint: disable=g-import-not-at-top
       t0 = time.perf_counter()
@@ -116,8 +109,7 @@ class Runner:
     """Runs `method` on all seeds (or returns the cached result); returns its summary dict.
 
     `critic`: 'simulated' or 'answer' (default `Options.critic`); a trained method with the
-    answer critic runs on `answer_bench` (the same queries and splits) and its run is named
-    `<method>_..._critic=answer`.
+    answer critic runs on `answer_bench` and is named `<method>_..._critic=answer`.
     """
     o = self.opts
     critic_name = critic or o.critic
@@ -130,8 +122,7 @@ class Runner:
         method, dim=b.stream.dim, num_candidates=b.stream.num_candidates, hparams=hp_over,
         side_features=b.stream.num_side_features or None, **cfg_over)
     config, hparams = m.config, m.hparams
-    # A method that does not train learns from no critic: it keeps the simulated one (its
-    # explorer-assisted test mode included), so its run is shared with the simulated suites.
+    # A method that does not train keeps the simulated critic, so its run is shared.
     answer = critic_name == "answer" and config.trains
     if answer:
       b = self.answer_bench(multistore)
@@ -210,9 +201,8 @@ class Runner:
     return summary
 
   def _write_run(self, run_dir, result, summary) -> None:
-    """`runs/<run>/{train_log.npz, test_eval.npz, adapter/, result.json}` (result.json last: it
-    marks done); `adapter/` (trained methods only) holds the final adapters of every seed, what
-    `run_checkpoints.restore_adapter(workdir, run=...)` reads."""
+    """`runs/<run>/{train_log.npz, test_eval.npz, adapter/, result.json}`; result.json last (it
+    marks done); `adapter/` is what `run_checkpoints.restore_adapter` reads."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if result.train_log:
       np.savez_compressed(run_dir / "train_log.npz", train_index=result.train_index,

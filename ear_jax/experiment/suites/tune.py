@@ -1,21 +1,13 @@
 """Suite `tune`: choose EAR's settings on validation data only, in staged vmapped sweeps.
 
-Protocol (`ear_jax.experiment.sweep`): per seed, the training stream's last 20 % is validation;
-every candidate is trained online on the first 80 % and scored on validation; the test split is
-never read. Selection: the highest mean validation Recall@5 (adapter only) over the seeds
-(`--seeds`, at least 5 for a selection). Test-time choices (final slate 'round_T' / 'exploit' at
-the paper's test budget T = 4) are scored from the same adapters and chosen by explorer-assisted
-validation Recall@5. LongMemEval_S is the held-out transfer benchmark: this suite refuses it.
-
-Stages (each a few compiled episodes of `H` stacked `HParams` x `S` seeds):
-  1. the paper's switches, learning rate x baseline b (`LR_GRID` x `B_GRID`);
-  2. one static choice at a time (`STATIC_VARIANTS`), each with lr in {lr*/3, lr*, 3 lr*} x
-     b in {0, 0.5} around stage 1's best;
-  3. greedy combination of the static choices that beat stage 1, best first (kept if better);
-  4. the continuous hyperparameters one at a time around the best (`REFINE`), then the improving
-     ones together.
-Every call is cached in `<workdir>/tune/*.json` (`--resume` reuses it). The chosen setting goes to
-`<workdir>/tune/chosen.json` and the table says whether `core.config`'s `ear_tuned` preset holds it.
+Protocol (`sweep`): per seed the training stream's last 20 % is validation; the test split is never
+read, and LongMemEval_S (the held-out transfer benchmark) is refused. Selection: the highest mean
+validation Recall@5 (adapter only; test-time choices by explorer-assisted Recall@5).
+Stages: 1. learning rate x baseline b (`LR_GRID` x `B_GRID`); 2. each of `STATIC_VARIANTS`
+around stage 1's best; 3. greedy combination of those that beat stage 1; 4. the continuous
+hyperparameters one at a time (`REFINE`), then together. Every call is cached in
+`<workdir>/tune/*.json`; the choice goes to `tune/chosen.json`, and the table says whether the
+`ear_tuned` preset holds it.
 """
 from __future__ import annotations
 
@@ -59,8 +51,7 @@ REFINE = {
     "lr x0.5": {"learning_rate": 0.5}, "lr x2": {"learning_rate": 2.0},
 }
 MAX_COMBINE = 4
-# "Better" means higher by more than float32 rounding of a mean (one validation query of one seed
-# moves a 5-seed mean by ~0.08 points on LoCoMo): equal scores are ties, not improvements.
+# "Better" means higher by more than float32 rounding of a mean: equal scores are ties.
 _EPS = 1e-3
 
 
