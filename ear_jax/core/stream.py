@@ -1,14 +1,9 @@
 """Query streams: the fixed-shape arrays that an EAR episode consumes.
 
-Symbols: `N` queries, `K` candidates per query, `d` embedding dimension.
-
-A stream holds, for every query, its frozen (pre-adapter) embedding, the embeddings of its top-K
-candidates from its own memory bank (Eq. (1)), a `mask` (True = a real candidate; banks smaller than K
-are padded), a `gold` mask over the candidates and `num_gold`, the number of gold memories of the query
-in its whole bank (gold memories outside the top-K stay gold: they are misses in Recall@5).
-Optionally, `answer_support`: per candidate, how much the agent's answer draws on it
-(`ear_jax.data.answer_support`), read by the answer-grounded critic; None (the default) = absent,
-and every computation is then exactly what it was without the field.
+Symbols: `N` queries, `K` candidates per query, `d` embedding dimension. Per query: its frozen
+embedding, its top-K candidates' (Eq. (1)), a `mask` (small banks padded), a `gold` mask and
+`num_gold` over its whole bank (gold outside the top-K are misses). `answer_support` is optional;
+None leaves every computation as without the field.
 """
 from __future__ import annotations
 
