@@ -95,7 +95,6 @@ def relevance(params: AdapterParams, q: jax.Array, c: jax.Array):
   caller (learner, replay, retrieval, inference) computes `z` here.
 
   Args:
-    params: adapter parameters.
     q: `[d]` pre-adapter query.
     c: `[K, d]` pre-adapter candidates (`[K, d + F]` with side features).
 

@@ -45,14 +45,8 @@ def push_experiences(buffer: ReplayBuffer, queries: jax.Array, candidates: jax.A
                      where: jax.Array) -> ReplayBuffer:
   """Appends a batch of experiences in order, overwriting the oldest, Eq. (13)-(14).
 
-  Args:
-    buffer: the buffer.
-    queries: `[b, d]` pre-adapter queries.
-    candidates: `[b, K, d]` pre-adapter candidates.
-    mask: `[b, K]` valid candidates.
-    observed: `[b, K]` observed candidates.
-    ybar: `[b, K]` mean labels.
-    where: `[b]` bool, which rows to push (padding rows are skipped). `b` must be <= C.
+  `queries [b, d]`, `candidates [b, K, d]`, `mask`, `observed`, `ybar` `[b, K]`; `where [b]` bool
+  rows to push (padding skipped); `b <= C`.
   """
   chex.assert_rank([queries, candidates, where], [2, 3, 1])
   capacity = buffer.valid.shape[0]
@@ -115,13 +109,8 @@ def select_replay(key: jax.Array, buffer: ReplayBuffer, query: jax.Array, replay
                   strategy="similarity"):
   """Chooses the experiences to replay for one query, Eq. (15) and Table 7.
 
-  Args:
-    key: PRNG key (given to the strategy); the key is consumed.
-    buffer: the buffer as it stood before this query's batch.
-    query: `[d]` pre-adapter query embedding.
-    replay_size: `B` (static).
-    strategy: a `ReplayStrategy` or its name in `REPLAY_STRATEGIES`: the B valid slots with the
-      highest scores are replayed.
+  The key is consumed (by the strategy); `buffer` as it stood before this query's batch; `query
+  [d]`; `strategy` a `ReplayStrategy` or its name: the `B` valid slots with the top scores.
 
   Returns:
     `(indices [B] int32, replay_mask [B] bool)`; fewer than B valid while the buffer is short.

@@ -29,8 +29,7 @@ OPTIMIZERS = {
     "adam": optax.adam,
     "sgd": optax.sgd,
 }
-# Fields naming a behaviour (or holding its function), resolved where used by the registry beside
-# it, so this module imports no module of the core but `types`.
+# Fields naming a behaviour (or holding its function), resolved where used by their registries.
 STRATEGY_FIELDS = ("train_slate", "replay_strategy", "optimizer")
 
 # Methods of Tables 2-3 as presets of the switches below.
@@ -109,9 +108,8 @@ class EARConfig:
     replay_size: `B`, replayed experiences per query (Eq. (15)); 4 in the paper.
     buffer_capacity: `C`, ring-buffer capacity (Eq. (13)-(14)); the oldest is overwritten.
     batch_size: training queries per optimizer step (Appendix A.1: 4).
-    train_slate: the training-slate policy, a name in `core.policies.TRAIN_SLATES` or a function:
-      'explorer' (T rounds of Eq. (8)), 'adapter' (top-s of z), 'gumbel' (Gumbel top-s of z/tau,
-      RMM) or 'none' / None (no training).
+    train_slate: a name in `core.policies.TRAIN_SLATES` or a function: 'explorer' (T rounds of
+      Eq. (8)), 'adapter' (top-s of z), 'gumbel' (Gumbel top-s of z/tau, RMM) or 'none' / None.
     use_replay: add the replay loss of Eq. (16).
     loss_form: 'flat' (softmax over all K, Alg. 3 line 7) or 'sequential' (Plackett-Luce: position j
       excludes the items chosen before it, Section 3.4).
@@ -127,17 +125,15 @@ class EARConfig:
     final_slate: explorer-assisted inference's slate, 'round_T' (the paper) or 'exploit' (top-s by
       bandit mean after the T rounds, ties by adapted relevance).
     test_rounds: `T` at test (explorer-assisted inference); None: `num_rounds`.
-    side_features: `F`, first-stage features per candidate used as side information (0 = off, the
-      paper). Rows are `[embedding (d) | features (F)]`, feature 0 the first stage's normalised
-      score, feature 1 the dense cosine; `z_i = q~ . m~_i + w . f_i`.
+    side_features: `F`, first-stage features per candidate row `[embedding (d) | features (F)]`
+      (0 = off, the paper); feature 0 the first stage's score, 1 the dense cosine.
     side_init: the initial weight of feature 0; before any feedback the adapter-only slate is the
       first stage's own top-s.
     guard_z: the guard's confidence: the adapted ranking is served when mean(d) - guard_z * se > 0.
     guard_min_queries: the guard serves the first stage until this many held-out queries with a
       cited item are in its ring.
     guard_holdout: the guard (`core.guard`; 0 = off, the paper). n >= 2: every n-th training query
-      is held out (never trained on) and its citations go to the guard's ring; at test time the
-      first stage's ranking is served unless the current adapter beats it there.
+      is held out, and the first stage is served unless the adapter beats it on those.
     guard_holdout_capacity: `H`, the held-out queries the ring keeps (the newest).
   """
   dim: int = 384
@@ -158,10 +154,8 @@ class EARConfig:
   # Beyond the paper; left out of `to_dict` at their (the paper's) defaults.
   final_slate: str = "round_T"
   test_rounds: Optional[int] = None
-  # First-stage scores as side information (Appendix B.6). 0 = off (the paper).
   side_features: int = 0
   side_init: float = 0.5  # chosen for `ear` by `--suite=first_stage_tune` (LoCoMo validation)
-  # The guard (beyond the paper, `ear_jax.core.guard`). 0 = off (the paper).
   guard_z: float = 0.5
   guard_min_queries: int = 50
   guard_holdout: int = 0

@@ -29,8 +29,7 @@ DEFAULT_RECALL = 0.86
 
 # The answer-support features of a candidate, in column order (`ear_jax.data.answer_support`).
 ANSWER_FEATURES = ("new_words", "new_word_share", "answer_cosine", "question_answer_cosine")
-# The answer critic's thresholds, chosen by `experiments.critic_eval --critic=answer
-# --subset=validation`.
+# The answer critic's thresholds: `experiments.critic_eval --critic=answer --subset=validation`.
 ANSWER_DEFAULTS = {"min_overlap": 1.0, "best_min_cosine": -float("inf"), "min_share": 0.75,
                    "min_cosine": 0.75}
 
@@ -74,17 +73,11 @@ def simulated_critic(key: jax.Array, slate_gold: jax.Array, slate_mask: jax.Arra
   """Labels a slate like an LLM citing memories with given precision and recall (Appendix A.2).
 
   Each gold item is cited with probability `r`, each non-gold item with `p_fp`, from one uniform
-  draw per slate position. Cited -> +1, else -1.
-
-  Args:
-    key: PRNG key; the key is consumed.
-    slate_gold: `[s]` bool, which slate items are gold.
-    slate_mask: `[s]` bool, which slate positions hold an item.
-    precision: `p`.
-    recall: `r`.
+  draw per slate position; cited -> +1, else -1 (also at empty positions). The key is consumed;
+  `slate_gold`, `slate_mask` are `[s]` bool.
 
   Returns:
-    `[s]` float32 labels in {-1, +1} (-1 at empty positions).
+    `[s]` float32 labels in {-1, +1}.
   """
   chex.assert_rank([slate_gold, slate_mask], 1)
   gold = slate_gold & slate_mask
@@ -127,15 +120,8 @@ def answer_critic(support: jax.Array, slate_mask: jax.Array, min_overlap: jax.Ar
   The slate's best-supported memory (most new answer words, ties by question-answer cosine) is cited
   when it holds `>= min_overlap` new words or its cosine reaches `best_min_cosine`; any memory is
   cited with at least one new word and a share `>= min_share` of them, or a cosine `>= min_cosine`.
-  A threshold of `inf` switches its branch off.
-
-  Args:
-    support: `[s, A]` answer-support features of the slate (`ANSWER_FEATURES` order).
-    slate_mask: `[s]` bool, positions holding a memory.
-    min_overlap: `[]` new words the slate's best memory needs.
-    best_min_cosine: `[]` question-answer cosine that suffices for the slate's best memory.
-    min_share: `[]` share of the new words that any memory needs (with at least one).
-    min_cosine: `[]` question-answer cosine that suffices for any memory.
+  A threshold of `inf` switches its branch off. `support [s, A]` in `ANSWER_FEATURES` order,
+  `slate_mask [s]`, thresholds `[]`.
 
   Returns:
     `[s]` float32 labels in {-1, +1} (-1 at empty positions).

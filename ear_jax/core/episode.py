@@ -31,18 +31,9 @@ def train_stream(state: LearnerState, keys: jax.Array, stream: Stream, config: E
   """Online training over a stream, in order, as ONE `lax.scan` over batches.
 
   Consecutive chunks whose lengths are multiples of the batch size give the same result as one
-  call on the whole stream.
-
-  Args:
-    state: learner state.
-    keys: `[N]` per-query PRNG keys (see `episode_keys`); consumed.
-    stream: `N` training queries.
-    config: static config.
-    hparams: hyperparameters.
-    critic: the critic.
-    where: optional `[N]` bool, real queries (default: all). Masked queries are padding; a batch
-      without a real query leaves the state untouched with all-zero records (fixed-length
-      segments reuse one compiled scan).
+  call on the whole stream. `keys [N]` per-query keys (`episode_keys`) are consumed. `where [N]`
+  (default: all real): masked queries are padding, and a batch without a real query leaves the
+  state untouched with zero records (fixed-length segments reuse one compiled scan).
 
   Returns:
     `(new_state, records)`: `QueryRecord` fields stacked to `[N, ...]`; for an untrained method
@@ -89,8 +80,6 @@ def run_episode(key: jax.Array, stream: Stream, config: EARConfig, hparams: HPar
   Args:
     key: PRNG key of the episode; the key is consumed.
     stream: `N` training queries, in the order they arrive.
-    config: static config.
-    hparams: hyperparameters.
     critic: the critic (default: the simulated critic of Appendix A.2).
 
   Returns:

@@ -75,15 +75,8 @@ def greedy_slate(relevance: jax.Array, ucb: jax.Array, gram: jax.Array, where: j
                  hparams: HParams, slate_size: int):
   """Greedy slate of `s` picks of `argmax lambda_rel z - lambda_div D + lambda_exp U`, Eq. (7)-(8).
 
-  Each pick is over valid, not-yet-chosen candidates; ties go to the lowest index.
-
-  Args:
-    relevance: `[K]` adapted relevance `z_i = q~^T m~_i`.
-    ucb: `[K]` UCB values of Eq. (5) (constant within a round).
-    gram: `[K, K]` adapted candidate similarities for Eq. (6).
-    where: `[K]` bool, valid candidates.
-    hparams: `lambda_rel`, `lambda_div`, `lambda_exp`.
-    slate_size: `s` (static).
+  Each pick is over valid, not-yet-chosen candidates; ties go to the lowest index. Inputs:
+  `relevance [K]` (`z_i = q~^T m~_i`), `ucb [K]` (Eq. (5)), `gram [K, K]` (Eq. (6)), `where [K]`.
 
   Returns:
     `(slate [s] int32, slate_mask [s] bool)`.
@@ -129,17 +122,9 @@ def explore(key: jax.Array, relevance: jax.Array, gram: jax.Array, where: jax.Ar
             slate_size: int) -> ExplorerOutput:
   """T rounds of Exploratory Reflection (Alg. 2, Alg. 1 lines 3-7) as a `lax.scan` over rounds.
 
-  Each round: greedy slate (Eq. (7)-(8)), the critic's labels, bandit update (Eq. (9)).
-
-  Args:
-    key: PRNG key, split into one key per round for the critic; the key is consumed.
-    relevance: `[K]` adapted relevance logits (treated as constants).
-    gram: `[K, K]` adapted candidate similarities.
-    where: `[K]` bool, valid candidates.
-    feedback: `(key, slate, slate_mask) -> labels [s]`, the critic of this query.
-    hparams: Explorer hyperparameters (`lambda_*`, `alpha`).
-    num_rounds: `T` (static).
-    slate_size: `s` (static).
+  Each round: greedy slate (Eq. (7)-(8)), the critic's labels, bandit update (Eq. (9)). The key is
+  split into one key per round and consumed; `relevance [K]` and `gram [K, K]` are constants,
+  `feedback` is `(key, slate, slate_mask) -> labels [s]`.
 
   Returns:
     `ExplorerOutput` with the `[T, s]` slates, masks and labels and the final statistics.

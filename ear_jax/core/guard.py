@@ -1,7 +1,7 @@
 """The guard: serve the learned ranking only when held-out feedback shows it beats the first stage.
 
-Beyond the paper (`EARConfig.guard_holdout`). Symbols: `b` batch queries, `K` candidates, `s` slate
-size, `R` slates per training query, `H` held-out queries kept, `D = d (+ F)` a candidate row.
+Beyond the paper (`EARConfig.guard_holdout`). Symbols: `b` batch queries, `K` candidates, `s`
+slate size, `R` slates per query, `H` held-out queries kept, `D = d (+ F)` a candidate row.
 
 Every n-th training query (`held_out`) is never trained on: its slates are pages of the first
 stage's ranking (both rankings interleaved when `T s < K`, `page_relevance`) and its citations go
@@ -60,7 +60,6 @@ def push_holdout(guard: GuardState, first: adapter_lib.AdapterParams, queries: j
   """The batch's held-out queries (`held [b]`) written to the ring, in batch order.
 
   Args:
-    guard: the ring.
     first: `first_stage_params(config)`.
     queries: `[b, d]`; candidates: `[b, K, D]`; mask: `[b, K]`.
     slates, slate_mask, labels: `[b, R, s]` the queries' pages and the critic's labels.

@@ -97,14 +97,10 @@ def evaluate(key: jax.Array, params: adapter_lib.AdapterParams, stream: Stream,
 
   Args:
     key: PRNG key for the critic's calls; the key is consumed.
-    params: adapter parameters.
     stream: `M` test queries.
-    config: static config.
-    hparams: hyperparameters (the Explorer's weights).
-    critic: the critic of explorer-assisted inference and paging (default: the paper's simulated
-      critic).
-    first_stage: the parameters whose ranking is the first stage's; default
-      `guard.first_stage_params(config)`.
+    critic: the critic of explorer-assisted inference and paging (default: the simulated one).
+    first_stage: the parameters whose ranking is the first stage's (default: the untrained
+      adapter, `guard.first_stage_params`).
 
   Returns:
     An `EvalResult`; means are over queries with gold (`num_gold > 0`).

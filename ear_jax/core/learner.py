@@ -67,7 +67,6 @@ def init_learner(key: jax.Array, config: EARConfig) -> LearnerState:
 
   Args:
     key: PRNG key of the adapter's init; the key is consumed.
-    config: static config.
 
   Raises:
     ValueError: for a strategy name of `config` that no registry holds.
@@ -101,24 +100,16 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
                      held: Optional[jax.Array] = None):
   """The training slates of one query and the critic's labels, by `config.train_slate`.
 
-  Nothing here is differentiated.
-
   Args:
     key: PRNG key of the query's training slates; the key is consumed.
-    params: adapter parameters.
-    query: `[d]` pre-adapter query.
-    candidates: `[K, d]` pre-adapter candidates.
-    where: `[K]` bool, valid candidates.
-    gold: `[K]` bool, gold candidates (seen only by simulated critics).
-    config: static config.
-    hparams: hyperparameters.
+    query: `[d]` pre-adapter query; candidates: `[K, d]`; where, gold: `[K]` bool.
     critic: a critic pytree `(key, SlateView) -> labels [s]`.
     answer_support: optional `[K, A]` answer-support features, shown to the critic.
-    held: optional `[]` bool, the query is held out for the guard: its slates are then T pages of
-      the first stage's ranking (`retrieval.paging_slate`) instead of the policy's.
+    held: optional `[]` bool: the query is held out for the guard, and its slates are T pages of
+      the first stage's ranking instead of the policy's.
 
   Returns:
-    The query's `Feedback`: `slates [R, s]` int32, `slate_mask [R, s]` bool, `labels [R, s]`.
+    The query's `Feedback` (`[R, s]` slates, mask and labels), not differentiated.
   """
   params = jax.lax.stop_gradient(params)
   z, m_t = adapter_lib.relevance(params, query, candidates)
@@ -203,15 +194,7 @@ def query_loss(params: adapter_lib.AdapterParams, query: jax.Array, candidates: 
                hparams: HParams):
   """`L_EAR` of one training query whose feedback is known, Eq. (10)-(12), (15)-(17).
 
-  Args:
-    params: adapter parameters (differentiated).
-    query: `[d]` pre-adapter query.
-    candidates: `[K, d]` pre-adapter candidates (`[K, d + F]` with side features).
-    where: `[K]` bool, valid candidates.
-    feedback: the query's `Feedback`.
-    replay: the query's `Replay` (`prepare_replay`), or None without replay.
-    config: static config.
-    hparams: hyperparameters.
+  `query [d]`, `candidates [K, d (+ F)]`, `where [K]`; `replay` None without replay.
 
   Returns:
     `(loss [], (record: QueryRecord, observed [K] bool, ybar [K] float32))`.
@@ -270,10 +253,7 @@ def train_batch(state: LearnerState, keys: jax.Array, batch: Stream, where: jax.
   Args:
     state: learner state at the batch's start.
     keys: `[b]` PRNG keys, one per query, each split into (slates, replay); consumed.
-    batch: a `Stream` of `b` queries.
-    where: `[b]` bool, real (non-padding) queries.
-    config: static config.
-    hparams: hyperparameters.
+    batch: a `Stream` of `b` queries; where: `[b]` bool, real (non-padding) queries.
     critic: a critic pytree (default: the paper's simulated critic).
 
   Returns:
@@ -307,15 +287,11 @@ def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
     keys: `[b]` PRNG keys for the replay; consumed.
     batch: a `Stream` of `b` queries (`gold` is not used).
     slates: `[b, R, s]` int32 slates shown to the critic (-1 = empty position).
-    slate_mask: `[b, R, s]` bool; an all-False row (no usable answer) contributes only its replay
-      loss.
+    slate_mask: `[b, R, s]` bool; an all-False row (no usable answer) adds only replay loss.
     labels: `[b, R, s]` labels in {-1, +1}.
     where: `[b]` bool, real queries.
-    config: static config.
-    hparams: hyperparameters.
-    held: `[b]` bool, queries held out for the guard (None: none): never trained on, pushed to the
-      guard's ring.
-    ring: `[b]` bool, which held-out queries go to the ring (default: all).
+    held: `[b]` bool, queries held out for the guard (None: none): not trained on.
+    ring: `[b]` bool, which held-out queries go to the guard's ring (default: all).
 
   Returns:
     `(new_state, records)` as in `train_batch`.

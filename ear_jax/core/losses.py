@@ -21,13 +21,9 @@ def slate_log_probs(logits: jax.Array, where: jax.Array, slate: jax.Array, slate
                     loss_form: str) -> jax.Array:
   """`log p_phi(i_j)` of each slate position, in one of the two readings of Eq. (10).
 
-  Args:
-    logits: `[K]` relevance logits `z` (or `z / tau`).
-    where: `[K]` bool, valid candidates.
-    slate: `[s]` int32 slate (-1 = empty position).
-    slate_mask: `[s]` bool.
-    loss_form: 'flat': `log softmax(z)` over all valid candidates (Alg. 3 line 7); 'sequential':
-      Plackett-Luce, position j excludes the items chosen before it (Section 3.4).
+  `logits [K]` (`z` or `z / tau`), `where [K]`, `slate [s]` (-1 = empty), `slate_mask [s]`.
+  `loss_form`: 'flat', `log softmax(z)` over the valid candidates (Alg. 3 line 7), or
+  'sequential', Plackett-Luce: position j excludes the items chosen before it (Section 3.4).
 
   Returns:
     `[s]` log-probabilities (0 at empty positions).
@@ -83,11 +79,8 @@ def ranking_loss(logits: jax.Array, where: jax.Array, slates: jax.Array, slate_m
   The normaliser is the number of counted positions, so an all-masked input gives 0.
 
   Args:
-    logits: `[K]` relevance logits.
-    where: `[K]` bool, valid candidates.
-    slates: `[R, s]` int32 slates.
-    slate_mask: `[R, s]` bool, positions that hold an item.
-    rewards: `[R, s]` labels or rewards in {-1, +1}.
+    logits: `[K]` relevance logits; where: `[K]` bool.
+    slates, slate_mask, rewards: `[R, s]` slates, positions holding an item, rewards in {-1, +1}.
     baseline: `[]` the baseline `b`.
     loss_form: 'flat' or 'sequential' (see `slate_log_probs`).
     count_mask: optional `[R, s]` bool, positions that count in the loss (default `slate_mask`).
@@ -143,12 +136,7 @@ def gumbel_top_s(key: jax.Array, logits: jax.Array, where: jax.Array, tau: jax.A
                  slate_size: int):
   """A slate of `s` items without replacement: top-s of `z / tau + g`, `g ~ Gumbel(0, 1)`, Eq. (19).
 
-  Args:
-    key: PRNG key; the key is consumed.
-    logits: `[K]` relevance logits (treated as constants).
-    where: `[K]` bool, valid candidates.
-    tau: `[]` temperature.
-    slate_size: `s` (static).
+  The key is consumed; `logits [K]` are constants, `where [K]`, `tau []`.
 
   Returns:
     `(slate [s] int32, slate_mask [s] bool)`, ordered by perturbed score.

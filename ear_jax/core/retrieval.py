@@ -102,15 +102,13 @@ def top_k_search(queries: jax.Array, bank: jax.Array, valid: jax.Array, k: int,
 
   Ties go to the lower index; a bank with fewer than K valid rows gives padded, masked positions. A
   bank of more than `chunk` rows is streamed (`lax.scan` with a running top-K), so at most `n chunk`
-  scores exist at once. Scores are float32 for float32 or bfloat16 banks.
+  scores exist at once.
 
   Args:
-    queries: `[n, d]` unit query embeddings (frozen encoder).
-    bank: `[M, d]` unit memory embeddings (float32 or bfloat16).
-    valid: `[M]` bool, rows that may be returned.
+    queries: `[n, d]` unit query embeddings.
+    bank: `[M, d]` unit memory embeddings (float32 or bfloat16); valid: `[M]` bool.
     k: `K` (static).
-    stores: optional `[M]` int32 store code (0 episodic, 1 semantic; Section 5): the top-K/2 of
-      each store, merged by score.
+    stores: optional `[M]` int32 store code (0 episodic, 1 semantic; Section 5).
     chunk: rows per block of the streamed search (static); default `block_rows(n)`.
 
   Returns:
@@ -144,17 +142,8 @@ def slate_from_candidates(params: adapter_lib.AdapterParams, query: jax.Array,
                           stats: Optional[explorer_lib.BanditStats] = None):
   """Adapt -> slate for one query: the adapter's top-s (Section 3.6), or one Explorer round.
 
-  Without `stats`: `S = TopS_i z_i^phi`. With the query's bandit statistics: one Explorer round
-  (Eq. (5)-(8)), which needs `hparams`.
-
-  Args:
-    params: adapter parameters.
-    query: `[d]` pre-adapter query.
-    candidates: `[K, d]` pre-adapter candidates.
-    where: `[K]` bool, valid candidates.
-    slate_size: `s` (static).
-    hparams: Explorer hyperparameters (only with `stats`).
-    stats: optional `BanditStats` of the query's earlier rounds.
+  Without `stats`: `S = TopS_i z_i^phi`. With the query's `BanditStats`: one Explorer round
+  (Eq. (5)-(8)), which needs `hparams`. `query [d]`, `candidates [K, d]`, `where [K]`.
 
   Returns:
     `(slate [s] int32, slate_mask [s] bool, logits z [K])`.
@@ -185,16 +174,8 @@ def retrieve(params: adapter_lib.AdapterParams, queries: jax.Array, bank: jax.Ar
              valid: jax.Array, k: int, slate_size: int):
   """Batched adapter-only retrieval: `top_k_search`, then the adapter's top-s of each query.
 
-  When `n K > M` (static) the bank is adapted once and rows gathered; both paths give the same
-  logits.
-
-  Args:
-    params: adapter parameters.
-    queries: `[n, d]` pre-adapter queries.
-    bank: `[M, d]` memory embeddings.
-    valid: `[M]` bool.
-    k: `K` (static).
-    slate_size: `s` (static).
+  `queries [n, d]`, `bank [M, d]`, `valid [M]`. When `n K > M` the bank is adapted once and rows
+  gathered; both paths give the same logits.
 
   Returns:
     `(memory rows [n, s] int32 (-1 = empty), candidates [n, K] int32, logits [n, K])`.
@@ -233,18 +214,8 @@ def explorer_retrieve(key: jax.Array, params: adapter_lib.AdapterParams, queries
                       num_rounds: int, slate_size: int, hparams, critic: critic_lib.Critic):
   """Batched explorer-assisted retrieval: `top_k_search`, then `explorer_slate` per query.
 
-  Args:
-    key: PRNG key for the critic; the key is consumed.
-    params: adapter parameters.
-    queries: `[n, d]` pre-adapter queries.
-    bank: `[M, d]` memory embeddings.
-    valid: `[M]` bool.
-    gold: `[n, M]` bool gold flags (what a simulated critic sees; all False when unknown).
-    k: `K` (static).
-    num_rounds: `T` (static).
-    slate_size: `s` (static).
-    hparams: Explorer hyperparameters.
-    critic: a jitted critic pytree (e.g. `critic.default_critic()`).
+  Inputs as `retrieve`, plus `key` (consumed), `gold [n, M]` bool (what a simulated critic sees),
+  `num_rounds` `T` and a jitted `critic`.
 
   Returns:
     `[n, s]` int32 memory rows of round T's slate (-1 = empty).
@@ -279,19 +250,15 @@ def paging_slate(key: jax.Array, relevance: jax.Array, where: jax.Array,
                  feedback: SlateFeedback, num_pages: int, slate_size: int) -> PagingOutput:
   """Paging, the test-time baseline of explorer-assisted inference (beyond the paper).
 
-  With the same critic calls as T Explorer rounds, the critic sees the ranking's top `T s` in T
-  pages of `s` (ties to the lower index); the answer is the cited candidates first (in ranking
-  order), then the rest by the ranking, cut to `s`. With nothing cited it is `top_s_slate`, bit for
-  bit. Pages past the valid candidates are empty but still shown. One query; callers vmap.
+  The critic sees the ranking's top `T s` in T pages of `s` (ties to the lower index); the answer
+  is the cited candidates first, then the rest by the ranking, cut to `s`: with nothing cited,
+  `top_s_slate` bit for bit. Empty pages are still shown. One query; callers vmap.
 
   Args:
-    key: PRNG key, split into one key per page as `explorer.explore` splits it per round; the key
-      is consumed.
-    relevance: `[K]` scores to rank by (treated as constants).
-    where: `[K]` bool, valid candidates.
+    key: PRNG key, split per page as `explorer.explore` splits it per round; consumed.
+    relevance: `[K]` scores to rank by (constants); where: `[K]` bool.
     feedback: `(key, slate, slate_mask) -> labels [s]`, the critic of this query.
-    num_pages: `T` critic calls (static).
-    slate_size: `s` (static).
+    num_pages, slate_size: `T`, `s` (static).
 
   Returns:
     A `PagingOutput` (`[T, s]` pages, masks and labels; the `[s]` answer slate and mask).

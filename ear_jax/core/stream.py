@@ -60,14 +60,9 @@ def make_stream(queries, candidates, mask=None, gold=None, num_gold=None,
                 features=None, answer_support=None) -> Stream:
   """Builds and validates a `Stream` of numpy arrays from array-likes.
 
-  Args:
-    queries: `[N, d]` query embeddings.
-    candidates: `[N, K, d]` candidate embeddings.
-    mask: optional `[N, K]` bool candidate mask (default: all valid).
-    gold: optional `[N, K]` bool gold mask (default: no gold).
-    num_gold: optional `[N]` total gold per query (default: `gold.sum(-1)`).
-    features: optional `[N, K, F]` first-stage side features, appended to each candidate row.
-    answer_support: optional `[N, K, A]` answer-support features.
+  `queries [N, d]`, `candidates [N, K, d]`; optional `mask`, `gold` `[N, K]` (default all valid,
+  no gold), `num_gold [N]` (default `gold.sum(-1)`), `features [N, K, F]` appended to each row,
+  `answer_support [N, K, A]`.
 
   Raises:
     ValueError: naming the field whose shape, dtype or values are wrong.

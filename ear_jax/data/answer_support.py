@@ -69,15 +69,8 @@ def answer_support(questions: Sequence[str], answers: Sequence[str], candidate_t
                    cache_dir=None, progress: bool = False) -> np.ndarray:
   """`[N, K, F]` float32 answer support of every candidate, in `ANSWER_FEATURES` order.
 
-  Args:
-    questions: `[N]` question texts.
-    answers: `[N]` answer texts (an agent's answers, or the gold answers).
-    candidate_texts: `[N, K]` memory texts.
-    candidate_emb: `[N, K, d]` the candidates' frozen (unit) embeddings.
-    mask: `[N, K]` bool, real candidates.
-    encoder: the memories' frozen encoder (a spec or an `Encoder`); answers use its cache.
-    cache_dir: embedding cache root (else `$EAR_CACHE_DIR`, else ~/.cache/ear_jax).
-    progress: tqdm bar while encoding.
+  `questions`, `answers` `[N]` texts; `candidate_texts [N, K]`; `candidate_emb [N, K, d]` frozen
+  unit rows; `mask [N, K]`; `encoder` the memories' own (answers use its cache).
 
   Raises:
     ValueError: when the lengths or shapes disagree.
@@ -105,12 +98,8 @@ def slate_support(question: str, answer: str, texts: Sequence[str], memories: np
                   embed) -> np.ndarray:
   """`[s, F]` float32 answer support of ONE slate of `s` shown memories (`Memory` feedback).
 
-  Args:
-    question: the question's text.
-    answer: the agent's answer ('' = no answer: all zeros).
-    texts: `[s]` the shown memories' texts.
-    memories: `[s, d (+ F)]` their frozen (unit) embeddings (columns beyond `d` are ignored).
-    embed: `embed(texts) -> [n, d]` unit embeddings by the memories' own encoder.
+  `texts [s]`, `memories [s, d (+ F)]` (columns beyond `d` ignored); `embed(texts) -> [n, d]` by
+  the memories' own encoder. An empty `answer` gives zeros.
 
   Raises:
     ValueError: when the lengths or shapes disagree.
@@ -137,14 +126,9 @@ def slate_support(question: str, answer: str, texts: Sequence[str], memories: np
 
 def with_answer_support(bench, answers: Sequence[str] | None = None, encoder="minilm", *,
                         cache_dir=None, progress: bool = False):
-  """`bench` (a `candidates.Benchmark`) with `stream.answer_support` from `answers`.
+  """`bench` with `stream.answer_support` from `answers` (default: its gold answers).
 
-  Args:
-    bench: the benchmark.
-    answers: `[N]` answers in the benchmark's query order; default: its gold answers.
-    encoder: the benchmark's encoder (the memories' embeddings must come from it).
-    cache_dir: embedding cache root.
-    progress: tqdm bar while encoding.
+  `encoder` must be the benchmark's (the memories' embeddings come from it).
 
   Raises:
     ValueError: for a benchmark without answers (synthetic) or answers of the wrong length.

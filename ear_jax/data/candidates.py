@@ -38,11 +38,9 @@ class Benchmark:
   Attributes:
     name: 'locomo' | 'longmemeval' | 'jsonl' | 'synthetic'.
     stream: the `Stream` of all evaluable queries.
-    query_ids: `[N]` query ids.
-    query_texts: `[N]` query texts ('' for synthetic).
+    query_ids, query_texts: `[N]` ('' texts for synthetic).
     categories: `[N]` str, LoCoMo category / LongMemEval question_type / JSONL category.
-    candidate_ids: `[N, K]` str memory ids ('' = padding).
-    candidate_texts: `[N, K]` object array of str memory texts ('' = padding or synthetic).
+    candidate_ids, candidate_texts: `[N, K]` str ('' = padding).
     candidate_store: `[N, K]` int8, 0 = dialogue/episodic, 1 = observation/semantic.
     candidate_scores: `[N, K]` float32 first-stage scores (-inf on padding), in rank order.
     group: `[N]` int32 index of the query's bank.
@@ -133,16 +131,13 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
                     first_stage_options: first_stage.FirstStageOptions | None = None) -> Benchmark:
   """Top-K candidates, gold masks and the `Stream` for every evaluable query of an embedded corpus.
 
-  Queries with no gold memory among the stores used are excluded (counted in
-  `stats['queries_without_gold_in_stores_excluded']`).
+  Queries with no gold memory among the stores used are excluded (counted in `stats`).
 
   Args:
-    ec: the embedded corpus.
     k: K, candidates per query.
     multistore: top-K/2 dialogue turns + top-K/2 observations (Section 5).
     candidates: the first stage, a name in `first_stage.GENERATORS`.
-    side_features: append the side features (`first_stage_options.feature_names`) to every
-      candidate row (for `EARConfig.side_features`).
+    side_features: append the side features to every candidate row (`EARConfig.side_features`).
     first_stage_options: the hybrid fusion's settings and the feature set.
   """
   first_stage.check_generator(candidates)
@@ -333,20 +328,13 @@ def load_benchmark(name: str, *, data_dir=None, encoder="minilm", k: int = DEFAU
   """Loads, encodes (with the on-disk cache) and builds the candidate stream of a benchmark.
 
   Args:
-    name: 'synthetic', or any name `corpora.load_corpus` takes: 'locomo' | 'longmemeval', a path
-      to a user `.jsonl` file (optionally prefixed 'jsonl:'), or '<benchmark>:<path>'.
+    name: 'synthetic', or any name `corpora.load_corpus` takes.
     data_dir: directory of the benchmark files (else `$EAR_DATA_DIR`, else ~/.cache/ear_jax/data).
-    encoder: 'minilm', a local Hugging Face checkpoint directory, or a `.npy`/`.npz` of
-      precomputed embeddings. Ignored for 'synthetic'.
-    k: K, candidates per query.
-    multistore: top-K/2 dialogue turns + top-K/2 observations (Section 5).
+    encoder: 'minilm', a local checkpoint directory, or a `.npy`/`.npz` of embeddings.
     limit: only the first `limit` conversations / questions / queries.
     cache_dir: embedding cache root (else `$EAR_CACHE_DIR`, else ~/.cache/ear_jax).
     seed: generator seed, used by 'synthetic' only.
-    progress: tqdm progress bar while encoding.
-    candidates: the first stage (`first_stage.GENERATORS`).
-    side_features: append the first-stage features to every candidate row.
-    first_stage_options: the hybrid fusion's settings.
+    k, multistore, candidates, side_features, first_stage_options: as `build_benchmark`.
 
   Returns:
     A `Benchmark`.

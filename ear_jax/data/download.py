@@ -63,12 +63,8 @@ def download(name: str, data_dir=None, *, base_url: str | None = None, force: bo
              timeout: float = 60.0) -> pathlib.Path:
   """Makes sure the benchmark file of `name` ('locomo' | 'longmemeval') is in the data directory.
 
-  Args:
-    name: benchmark name.
-    data_dir: target directory (else `$EAR_DATA_DIR`, else ~/.cache/ear_jax/data).
-    base_url: replaces `https://github.com` / `https://huggingface.co`.
-    force: fetch even when a file is already there.
-    timeout: seconds per connection.
+  `data_dir` as `corpora.resolve_data_dir`; `base_url` replaces `https://github.com` /
+  `https://huggingface.co`; `force` fetches even when a file is there; `timeout` per connection.
 
   Returns:
     The path of the benchmark file.

@@ -105,14 +105,7 @@ def unit_rows(x: np.ndarray, what: str) -> np.ndarray:
   """`[n, d]` real rows scaled to unit L2 norm, float32, without overflow or underflow.
 
   An ordinary row is `x / ||x||` in float32, bit for bit; a row whose float32 squares overflow or
-  underflow is first divided by its largest `|x_i|` in a wider float.
-
-  Args:
-    x: `[n, d]` real array (see `real_array`).
-    what: what `x` is, for errors (e.g. `"memory embeddings"`).
-
-  Returns:
-    `[n, d]` float32 unit rows.
+  underflow is first divided by its largest `|x_i|` in a wider float. `what` names `x` in errors.
 
   Raises:
     ValueError: naming `what` and the rows that hold NaN or Inf, or that are all zero.

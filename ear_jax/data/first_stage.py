@@ -1,18 +1,14 @@
 """The first stage (Eq. (1) for any first stage): dense, BM25 and hybrid candidates, features.
 
 Symbols: `q` queries, `C` bank rows, `K` candidates, `d` dimension, `F` side features, `B` BM25
-pairs per query, `t` the RRF depth. ONE implementation: `rank_bank` is a pure, jittable function;
-the benchmark pipeline calls it per bank (`bank_first_stage`) and `Memory` inside its jitted search,
-so the same texts give the same candidates, order and features.
+pairs per query, `t` the RRF depth. ONE implementation, `rank_bank` (pure, jittable): the
+benchmark pipeline (`bank_first_stage`) and `Memory` give the same texts the same candidates.
 
-A generator (`GENERATORS`) maps `BankScores` to `(rows [q, k] int32, scores [q, k] float32)`, best
-first, ties to the lower row: `dense` (the paper's cosine), `bm25`, or `hybrid`: 'weighted'
-(min-max normalised `lexical_weight * bm25 + (1 - lexical_weight) * cos`) or 'rrf' (only rows in
-the top `t = ceil(rrf_k + 2 K) + 1` of either ranking can reach the fused top-K, so no full sort).
-
-Side features (Appendix B.6, `FEATURES`): the first stage's score min-max normalised over the K
-candidates, the dense cosine, the BM25 score over the query's best; 'context' adds
-`CONTEXT_FEATURES`. Only store 0 rows are candidates unless `multistore` (top-K/2 of each store).
+Generators (`GENERATORS`): `dense` (the paper's cosine), `bm25`, `hybrid`: 'weighted' (min-max
+normalised `lexical_weight * bm25 + (1 - lexical_weight) * cos`) or 'rrf' (only rows in the top
+`t = ceil(rrf_k + 2 K) + 1` of either ranking can reach the fused top-K). Best first, ties to the
+lower row. Side features (Appendix B.6, `FEATURES`, 'context' adds `CONTEXT_FEATURES`) start with
+the first stage's normalised score. Only store 0 is a candidate unless `multistore`.
 """
 from __future__ import annotations
 
@@ -82,12 +78,7 @@ def top_k_candidates(queries: np.ndarray, bank: np.ndarray, k: int, valid: np.nd
                      batch_size: int = QUERY_BATCH) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Top-`k` memories of one bank by cosine for each query (ties: lower index first).
 
-  Args:
-    queries: `[Nq, d]` unit query embeddings.
-    bank: `[M, d]` unit memory embeddings.
-    k: K, the number of candidates.
-    valid: optional `[M]` bool, memories that may be chosen (e.g. one store).
-    batch_size: queries per jitted call (the last batch is padded).
+  `queries [Nq, d]`, `bank [M, d]` unit rows; `valid [M]` optional; `batch_size` queries per call.
 
   Returns:
     (`index [Nq, K]` int32, -1 on padding; `scores [Nq, K]` float32, -inf on padding;
@@ -310,16 +301,13 @@ def rank_bank(queries, emb, where, stores, lex_rows, lex_scores, *, k: int, gene
 
   Args:
     queries: `[q, d]` unit queries (`q` a power of two).
-    emb: `[C, d]` the bank's unit rows (float32 or bfloat16).
-    where: `[C]` bool rows that may be candidates.
+    emb: `[C, d]` the bank's unit rows (float32 or bfloat16); where: `[C]` bool candidates.
     stores: `[C]` int store codes (single store: only store 0 is a candidate).
-    lex_rows: `[q, B]` int32 rows of each query's nonzero BM25 scores (`C` = padding, dropped).
-    lex_scores: `[q, B]` float32 their scores.
-    k: `K`.
-    generator: a name in `GENERATORS`.
-    options: the hybrid fusion's settings.
-    multistore: each store's top-K/2, merged by score.
-    context: the bank's `Context` (required exactly when `options.features == "context"`).
+    lex_rows, lex_scores: `[q, B]` each query's nonzero BM25 `(row, score)` pairs (row `C` =
+      padding).
+    k, generator, options, multistore: `K`, a name in `GENERATORS`, the fusion's settings, and
+      each store's top-K/2 merged.
+    context: the bank's `Context` (required exactly for 'context' features).
 
   Returns:
     `(rows [q, K] int32 (-1 = padding), mask [q, K] bool, scores [q, K] float32 (-inf =
@@ -397,13 +385,9 @@ def bank_first_stage(queries: np.ndarray, emb: np.ndarray, stores: np.ndarray, v
   """`rank_bank` of one benchmark bank on host arrays, padded so a benchmark compiles once per size.
 
   Args:
-    queries: `[n, d]` unit queries.
-    emb: `[M, d]` the bank's unit rows.
-    stores: `[M]` store codes.
-    valid: `[M]` bool rows that may be candidates.
+    queries: `[n, d]` unit queries; emb: `[M, d]` the bank's rows; stores, valid: `[M]`.
     found: per query, its BM25 `(rows, scores)`; rows minus `offset` are bank rows.
     k, generator, options, multistore: as `rank_bank`.
-    offset: the bank's first row in the BM25 index.
     context: for 'context' features, `(sessions [M] int32, speakers [M] int32, query_terms)`.
 
   Returns:

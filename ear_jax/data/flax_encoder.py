@@ -57,9 +57,6 @@ def _default_pooling(model_dir: pathlib.Path) -> str:
 class FlaxEncoder(encoder_base.Encoder):
   """A local BERT-family checkpoint run in Flax, jitted per (batch, length) bucket.
 
-  Construction reads the configuration and the tokenizer only; the weights are read by the first
-  `encode_new`.
-
   Args:
     model_dir: directory with `config.json`, weights and tokenizer files.
     name: short name used in cache directory names.
@@ -69,8 +66,7 @@ class FlaxEncoder(encoder_base.Encoder):
     tokens_per_batch: batch size of a bucket of length L is `max(1, tokens_per_batch // L)`.
 
   Raises:
-    ValueError: naming the directory, when it is not a supported checkpoint or has no weights or
-      no tokenizer.
+    ValueError: naming the directory, when it is not a supported checkpoint.
   """
 
   def __init__(self, model_dir, *, name: str | None = None, pooling: str | None = None,

@@ -35,20 +35,16 @@ def hidden_map(dim: int, angle: float, seed: int) -> np.ndarray:
 def make_synthetic(*, seed: int = 0, num_queries: int = 500, num_banks: int = 25, dim: int = 32,
                    bank_size: tuple[int, int] = (12, 96), max_gold: int = 2, angle: float = 0.8,
                    noise: float = 0.35, lookalikes: int = 3, multistore: bool = False):
-  """Generates an `EmbeddedCorpus` named 'synthetic' (no texts, no encoder needed).
+  """Generates an `EmbeddedCorpus` named 'synthetic' (no texts, no encoder needed; same seed, same).
 
   Args:
-    seed: generator seed (same seed, same benchmark).
-    num_queries: N.
     num_banks: number of memory banks; query n uses bank `n % num_banks`.
-    dim: d.
     bank_size: (min, max) memories per bank (store 0); the min is below K=20 on purpose.
     max_gold: each query has 1..max_gold gold memories.
     angle: strength of the hidden rotation (0 = the raw cosine is already right).
     noise: σ, query noise.
     lookalikes: non-gold distractors per query placed near the query itself.
-    multistore: also add one observation (store 1) per 4 dialogue memories, a noisy copy that
-      references (and is gold with) its source memory.
+    multistore: also one observation (store 1) per 4 dialogue memories, gold with its source.
   """
   rng = np.random.default_rng(seed)
   a = hidden_map(dim, angle, seed)

@@ -1,16 +1,12 @@
 """Approximate candidate search through faiss: the ANN searchers behind `Memory(index=...)`.
 
 Symbols: `n` queries, `M` memories, `d` dimension, `K` candidates. A searcher holds one faiss index
-per store and each vector's bank row, and answers what the exact device search answers: the top-K
-rows by inner product among the dialogue memories, or with `multistore` each store's top-K/2
-merged by score (ties: store 0 first); unfilled rows are -1. With `rerank > 1` it proposes
-`rerank * K` rows that the bank re-scores exactly.
-
-A searcher is saved as itself (`faiss.serialize_index`), not rebuilt, since training and HNSW's
-insertion order depend on batching; a file not holding exactly the table's live rows is stale
-(`stale_file`) and rebuilt from the table. A search it cannot answer well (a small scope, an index
-that cannot filter, a query short of rows) returns None and the bank searches exactly on the
-device. Host-side (faiss on the CPU): its own layer between `io` and `agent`.
+per store and answers what the exact device search answers (top-K by inner product, ties to store
+0; unfilled rows -1), optionally proposing `rerank * K` rows that the bank re-scores exactly. It is
+saved as itself, not rebuilt (training and HNSW depend on batching); a stale file is rebuilt from
+the table (`stale_file`). A search it cannot answer well (a small scope, an index that cannot
+filter, a query short of rows) returns None and the bank searches exactly. Host-side (faiss on
+the CPU): its own layer between `io` and `agent`.
 """
 from __future__ import annotations
 
@@ -239,7 +235,6 @@ class FaissSearcher:
 
     Args:
       queries: `[n, d]` unit queries.
-      k: rows per query.
       multistore: the top-`k/2` of each store instead of the dialogue memories' top-`k`.
       allowed: optional `[S]` bool over scope codes: only rows of those scopes.
 

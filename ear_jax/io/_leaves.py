@@ -1,8 +1,7 @@
 """The leaf record of a saved array pytree: every leaf's name, shape, dtype and SHA-256.
 
-Leaves are named by their container-independent path ('a/b/0'), so a NamedTuple or dataclass that
-Orbax restores as a dict keeps its names. Zero-size leaves, which Orbax cannot write, are saved as a
-scalar placeholder and rebuilt from the record.
+Leaves are named by container-independent paths ('a/b/0'); zero-size leaves, which Orbax cannot
+write, are saved as a scalar placeholder and rebuilt from the record.
 """
 from __future__ import annotations
 

@@ -117,12 +117,8 @@ _OWNED_LOCK = threading.Lock()
 def hold(directory: pathlib.Path, name: str, holder: str = "") -> Hold:
   """This process's exclusive owner lock `<directory>/<name>` (never waits), for ONE holder.
 
-  The directory's real path names it, so another spelling of the path is the same lock.
-
-  Args:
-    directory: the directory.
-    name: the lock file's name.
-    holder: who takes it (named in the error of a second `hold` in this process).
+  The directory's real path names it, so another spelling of the path is the same lock; `holder`
+  is named in the error of a second `hold` in this process.
 
   Raises:
     HeldHere: this process holds it already (naming the directory and the first `holder`).

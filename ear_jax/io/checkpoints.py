@@ -213,9 +213,7 @@ class CheckpointStore:
   def read_meta(self, step: int | None = None, *, verify: bool = True) -> dict:
     """The JSON meta of `step` (default: the latest), verified against its save-time digest.
 
-    Args:
-      step: the step; None for the latest.
-      verify: False reads the meta file alone, unverified.
+    `verify=False` reads the meta file alone, unverified.
 
     Raises:
       CheckpointError: no such step, or its meta file is missing, corrupted or does not match its
@@ -325,10 +323,8 @@ class CheckpointStore:
   def restore(self, step: int | None = None, target=None):
     """`(arrays, meta)` of `step` (default: the latest).
 
-    Args:
-      step: the step to restore; None for the latest.
-      target: an abstract pytree (`jax.ShapeDtypeStruct` leaves, or arrays): the arrays come back in
-        its structure, shapes, dtypes and shardings. None restores the tree as saved.
+    `target`: an abstract pytree (`jax.ShapeDtypeStruct` leaves, or arrays) whose structure, shapes,
+    dtypes and shardings the arrays come back in; None restores the tree as saved.
 
     Raises:
       CheckpointError: no such step, or its files are missing or corrupted (every leaf is checked
@@ -370,13 +366,8 @@ class CheckpointStore:
   def save(self, step: int, arrays, meta: dict) -> pathlib.Path:
     """Saves `(arrays, meta)` as `step`, verifies it, then drops steps beyond `max_to_keep`.
 
-    Args:
-      step: a non-negative int larger than every step on disk.
-      arrays: a pytree of numeric arrays (jax or numpy).
-      meta: a JSON-serialisable dict.
-
-    Returns:
-      The new step's directory.
+    `step` must exceed every step on disk; `arrays` is a pytree of numeric arrays, `meta` a
+    JSON-serialisable dict. Returns the new step's directory.
 
     Raises:
       ValueError: bad step, arrays or meta; nothing was written.
@@ -422,12 +413,9 @@ class CheckpointStore:
   def own(self, what: str = "directory", holder: str = "") -> Hold:
     """This caller's exclusive owner lock of the directory, held until the `Hold` is released.
 
-    One holder in one process; the kernel drops it when the process dies. It is independent of the
-    save lock: every writer must take it (`Memory` does).
-
-    Args:
-      what: the directory's kind, the subject of the error message (e.g. "memory directory").
-      holder: who takes it, named in the error of a second `own` in this process.
+    One holder in one process; the kernel drops it when the process dies. Independent of the save
+    lock: every writer must take it (`Memory` does). `what` / `holder` name the directory's kind /
+    the taker in errors.
 
     Raises:
       DirectoryInUseError: another process owns it (naming its pid), or this process does (naming

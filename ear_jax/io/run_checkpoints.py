@@ -184,25 +184,15 @@ def save_adapter(directory, params, *, config: EARConfig, hparams: HParams, seed
                  position: int, served: Optional[Sequence[bool]] = None) -> pathlib.Path:
   """Saves a finished run's final adapters (every seed) as one small verified checkpoint step.
 
-  Only the `AdapterParams` are stored. A save replaces the previous one atomically
-  (`max_to_keep=1`), so a kill at any moment leaves one of the two.
-
-  Args:
-    directory: the store, `<workdir>/runs/<run>/adapter`.
-    params: `AdapterParams` with a leading seed axis `[S, ...]` (numpy or jax).
-    config: the run's static config.
-    hparams: the run's hyperparameters.
-    seeds: the `S` seeds.
-    position: training queries seen (the run's stream length).
-    served: `[S]` whether each seed's guard serves its adapter (`guard_decisions`); required with
-      `config.guard`, refused without it.
+  Only the `AdapterParams [S, ...]` are stored; a save replaces the previous one atomically, so a
+  kill at any moment leaves one of the two. `position` is the run's stream length; `served` the
+  `[S]` guard decisions (`guard_decisions`), required exactly with `config.guard`.
 
   Returns:
     The step directory written.
 
   Raises:
-    ValueError: `served` missing for a guarded config, given for an unguarded one, or not one
-      decision per seed.
+    ValueError: `served` missing, unexpected, or not one decision per seed.
     CheckpointError: the write or its verification failed (the previous adapter is kept).
   """
   meta = {"format": ADAPTER_FORMAT, "config": config.to_dict(), "hparams": _hparams_json(hparams),
@@ -296,25 +286,21 @@ def restore_adapter(workdir, *, run: Optional[str] = None, config: Optional[EARC
   checkpoints of `--checkpoint_every`. Shapes are checked before any array is read.
 
   Args:
-    workdir: the `--workdir` of `experiments.run`, a run checkpoint directory or an adapter
-      directory itself.
+    workdir: the `--workdir` of `experiments.run`, a run checkpoint or an adapter directory.
     run: the run name (e.g. 'ear'); needed when the workdir holds several runs.
     config: optional expected `EARConfig`; another config is a ValueError naming the differences.
     seed_index: which seed's adapter (`0..S-1`); None returns the stacked `[S, ...]` adapter.
-    position: the step of a training checkpoint; default the final adapter (or the latest
-      training checkpoint when there is none).
-    guarded: for a guarded config, return what each seed's guard serves (its adapter, or the
-      first stage's parameters): what the run's test set was scored with. False: the trained
-      adapter itself. No effect without a guard.
+    position: the step of a training checkpoint; default the final adapter.
+    guarded: for a guarded config, what each seed's guard serves (what the test set was scored
+      with); False: the trained adapter itself.
 
   Returns:
-    `(params: AdapterParams, config: EARConfig, meta: dict)`; `meta["position"]` is the training
-    queries seen; with a guard `meta["served"]` is `[S]` the guard's decision per seed.
+    `(params, config, meta)`; `meta["position"]` is the training queries seen, `meta["served"]`
+    (with a guard) `[S]` the guard's decisions.
 
   Raises:
     FileNotFoundError: no adapter or checkpoint found (or none for `position`).
-    ValueError: other config / shape, ambiguous run; a guarded adapter saved without the guard's
-      decision asked for with `guarded=True`.
+    ValueError: other config / shape, ambiguous run, or a guarded adapter without its decision.
     CheckpointError: unreadable or foreign checkpoint.
   """
   workdir = pathlib.Path(workdir)
