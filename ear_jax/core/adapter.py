@@ -1,9 +1,7 @@
 """The residual retrieval adapter (Eq. (3)) and the relevance distribution it defines (Eq. (4)).
 
 Symbols: `d` embedding dimension, `K` candidates, `F` first-stage side features.
-
-The adapter holds `W_q, W_m` of shape `[d, d]`, initialised to zero (the identity map).
-`(I + W) x` is computed as `x + W x`: `I + W` is never materialised.
+`W_q, W_m` are `[d, d]`, zero-initialised (the identity map); `I + W` is never materialised.
 """
 from __future__ import annotations
 
@@ -24,24 +22,17 @@ MASKED_LOGIT = -1e9
 
 @flax.struct.dataclass
 class AdapterParams:
-  """Adapter parameters phi = {W_q, W_m} (Eq. (3)); with first-stage side features `w_side`
-  weighs them (`relevance`)."""
+  """Adapter parameters phi = {W_q, W_m} (Eq. (3)), and `w_side` weighing the side features."""
   w_q: jax.Array  # [d, d] float32
   w_m: jax.Array  # [d, d] float32
-  # Weights of the first-stage side features (`config.side_features = F > 0`), else None.
-  w_side: Optional[jax.Array] = None  # [F] float32
+  w_side: Optional[jax.Array] = None  # [F] float32, None without side features
 
 
 def init_adapter(key: jax.Array, config: EARConfig) -> AdapterParams:
-  """Identity-initialised adapter parameters.
+  """Identity-initialised adapter parameters (`W_q = W_m = 0`).
 
-  Args:
-    key: PRNG key; the key is consumed (the identity init draws nothing from it).
-    config: static config (`dim`, `side_features`, `side_init`).
-
-  Returns:
-    `AdapterParams` with `W_q = W_m = 0` (and, with side features, `w_side = [side_init, -1, 0,
-    ...]`: the initial relevance is `side_init` times the first stage's normalised score).
+  With side features `w_side = [side_init, -1, 0, ...]`: the initial relevance is `side_init` times
+  the first stage's normalised score. The key is consumed (the init draws nothing from it).
   """
   d = config.dim
   w_side = None
@@ -65,65 +56,32 @@ def _residual(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def adapt_queries(params: AdapterParams, q: jax.Array) -> jax.Array:
-  """Adapted query `q~ = (I + W_q) q / ||(I + W_q) q||`, Eq. (3).
-
-  Args:
-    params: adapter parameters.
-    q: `[..., d]` pre-adapter query embeddings.
-
-  Returns:
-    `[..., d]` adapted, unit-norm (or zero) query embeddings.
-  """
+  """Adapted query `q~ = (I + W_q) q / ||(I + W_q) q||`, Eq. (3), `[..., d]`."""
   return safe_normalize(_residual(q, params.w_q))
 
 
 def adapt_memories(params: AdapterParams, m: jax.Array) -> jax.Array:
-  """Adapted memories `m~_i = (I + W_m) m_i / ||(I + W_m) m_i||`, Eq. (3).
-
-  Args:
-    params: adapter parameters.
-    m: `[..., d]` pre-adapter memory embeddings (e.g. `[K, d]` candidates).
-
-  Returns:
-    `[..., d]` adapted, unit-norm (or zero) memory embeddings.
-  """
+  """Adapted memories `m~_i = (I + W_m) m_i / ||(I + W_m) m_i||`, Eq. (3), `[..., d]`."""
   return safe_normalize(_residual(m, params.w_m))
 
 
 def relevance_logits(q_adapted: jax.Array, m_adapted: jax.Array) -> jax.Array:
-  """Relevance logits `z_i = q~^T m~_i`, Eq. (4).
-
-  Args:
-    q_adapted: `[d]` adapted query.
-    m_adapted: `[K, d]` adapted candidates.
-
-  Returns:
-    `[K]` logits.
-  """
+  """Relevance logits `z_i = q~^T m~_i`, Eq. (4): `[d]`, `[K, d]` -> `[K]`."""
   chex.assert_rank([q_adapted, m_adapted], [1, 2])
   return m_adapted @ q_adapted
 
 
 def relevance_log_probs(logits: jax.Array, where: jax.Array) -> jax.Array:
-  """`log p_phi(i | x, C)`: log-softmax of the logits over valid candidates, Eq. (4).
+  """`log p_phi(i | x, C)`: log-softmax of `[K]` logits over valid candidates `where`, Eq. (4).
 
-  Args:
-    logits: `[K]` relevance logits (possibly divided by a temperature).
-    where: `[K]` bool, True for valid candidates.
-
-  Returns:
-    `[K]` log-probabilities; masked entries hold a large negative finite value. An all-masked input
-    gives finite values.
+  Masked entries hold a large negative finite value; an all-masked input gives finite values.
   """
   chex.assert_rank([logits, where], 1)
   return jax.nn.log_softmax(jnp.where(where, logits, MASKED_LOGIT))
 
 
 def split_candidates(params: AdapterParams, c: jax.Array):
-  """`(embeddings [..., d], side features [..., F] or None)` of candidate rows `c [..., d + F]`.
-
-  Without side features (`params.w_side is None`) the rows are the embeddings themselves.
-  """
+  """`(embeddings [..., d], side features [..., F] or None)` of candidate rows `c [..., d + F]`."""
   if params.w_side is None:
     return c, None
   f = params.w_side.shape[-1]
@@ -133,18 +91,15 @@ def split_candidates(params: AdapterParams, c: jax.Array):
 def relevance(params: AdapterParams, q: jax.Array, c: jax.Array):
   """Adapt -> relevance of one query's candidates: Eq. (3)-(4), plus the side term.
 
-  `z_i = q~ . m~_i` (Eq. (4)); with first-stage side features `z_i = q~ . m~_i + w_side . f_i`,
-  where each candidate row of `c` is `[m_i (d) | f_i (F)]` (Appendix B.6: the first stage's scores
-  as side information). Every caller (learner, replay, retrieval, inference) computes `z` here.
+  `z_i = q~ . m~_i (+ w_side . f_i)` for candidate rows `[m_i (d) | f_i (F)]` (Appendix B.6). Every
+  caller (learner, replay, retrieval, inference) computes `z` here.
 
   Args:
-    params: adapter parameters.
     q: `[d]` pre-adapter query.
     c: `[K, d]` pre-adapter candidates (`[K, d + F]` with side features).
 
   Returns:
-    `(z [K] logits, m~ [K, d] adapted candidate embeddings)` (the latter for the Gram matrix of
-    Eq. (6)).
+    `(z [K] logits, m~ [K, d] adapted candidate embeddings)` (the latter for Eq. (6)).
   """
   m, f = split_candidates(params, c)
   m_t = adapt_memories(params, m)
@@ -155,11 +110,7 @@ def relevance(params: AdapterParams, q: jax.Array, c: jax.Array):
 
 
 def gram(m_adapted: jax.Array) -> jax.Array:
-  """`G_il = m~_i . m~_l`, the adapted candidates' similarities of Eq. (6): `[K, d]` -> `[K, K]`.
-
-  The Explorer's redundancy reads it (`explorer.redundancy`); `m_adapted` is `relevance`'s second
-  output.
-  """
+  """`G_il = m~_i . m~_l`, the adapted candidates' similarities of Eq. (6): `[K, d]` -> `[K, K]`."""
   return m_adapted @ m_adapted.T
 
 

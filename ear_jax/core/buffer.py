@@ -1,9 +1,7 @@
 """The Experience Buffer: a fixed-capacity ring buffer of experiences (Eq. (13)-(15), Table 7).
 
 Symbols: `C` capacity, `K` candidates, `d` dimension, `B` replayed experiences, `b` a batch.
-
-An experience is `(q, candidate embeddings, candidate mask, observed mask, ybar)`, all BEFORE the
-adapter (Alg. 3: the adapter is re-applied at replay time). When full, the oldest is overwritten.
+Experiences are stored BEFORE the adapter (re-applied at replay time); the oldest is overwritten.
 """
 from __future__ import annotations
 
@@ -47,17 +45,8 @@ def push_experiences(buffer: ReplayBuffer, queries: jax.Array, candidates: jax.A
                      where: jax.Array) -> ReplayBuffer:
   """Appends a batch of experiences in order, overwriting the oldest, Eq. (13)-(14).
 
-  Args:
-    buffer: the buffer.
-    queries: `[b, d]` pre-adapter queries.
-    candidates: `[b, K, d]` pre-adapter candidates.
-    mask: `[b, K]` valid candidates.
-    observed: `[b, K]` observed candidates.
-    ybar: `[b, K]` mean labels.
-    where: `[b]` bool, which rows to push (padding rows are skipped). `b` must be <= C.
-
-  Returns:
-    The updated buffer.
+  `queries [b, d]`, `candidates [b, K, d]`, `mask`, `observed`, `ybar` `[b, K]`; `where [b]` bool
+  rows to push (padding skipped); `b <= C`.
   """
   chex.assert_rank([queries, candidates, where], [2, 3, 1])
   capacity = buffer.valid.shape[0]
@@ -99,8 +88,7 @@ def random_replay(key: jax.Array, buffer: ReplayBuffer, query: jax.Array) -> jax
   return jax.random.uniform(key, buffer.valid.shape)
 
 
-# A replay strategy scores every slot for one query: `(key, buffer, query [d]) -> scores [C]`;
-# `select_replay` takes the top-B valid slots. Adding a strategy: one function + one line here.
+# Replay strategies (`core.types.ReplayStrategy`) by name.
 REPLAY_STRATEGIES: dict[str, ReplayStrategy] = {
     "similarity": similarity_replay,
     "reward": reward_replay,
@@ -121,17 +109,11 @@ def select_replay(key: jax.Array, buffer: ReplayBuffer, query: jax.Array, replay
                   strategy="similarity"):
   """Chooses the experiences to replay for one query, Eq. (15) and Table 7.
 
-  Args:
-    key: PRNG key (given to the strategy, e.g. 'random'); the key is consumed.
-    buffer: the buffer as it stood before this query's batch.
-    query: `[d]` pre-adapter query embedding.
-    replay_size: `B` (static).
-    strategy: a replay strategy `(key, buffer, query) -> scores [C]` or its name in
-      `REPLAY_STRATEGIES`: the B valid slots with the highest scores are replayed.
+  The key is consumed (by the strategy); `buffer` as it stood before this query's batch; `query
+  [d]`; `strategy` a `ReplayStrategy` or its name: the `B` valid slots with the top scores.
 
   Returns:
-    `(indices [B] int32, replay_mask [B] bool)`: fewer than B are valid while the buffer holds
-    fewer than B experiences.
+    `(indices [B] int32, replay_mask [B] bool)`; fewer than B valid while the buffer is short.
   """
   chex.assert_rank(query, 1)
   score = replay_strategy(strategy)(key, buffer, query)
@@ -150,15 +132,7 @@ class Experiences(NamedTuple):
 
 
 def gather_experiences(buffer: ReplayBuffer, indices: jax.Array) -> Experiences:
-  """The experiences in slots `indices` (any shape `[...]`, values in `[0, C)`).
-
-  Args:
-    buffer: the buffer.
-    indices: `[...]` int32 slots (e.g. `[b, B]` for a batch's replay, Eq. (15)).
-
-  Returns:
-    `Experiences` with leading axes `[...]`.
-  """
+  """The experiences in slots `indices [...]` (e.g. `[b, B]`), with leading axes `[...]`."""
   return Experiences(queries=buffer.queries[indices], candidates=buffer.candidates[indices],
                      mask=buffer.mask[indices], observed=buffer.observed[indices],
                      ybar=buffer.ybar[indices], valid=buffer.valid[indices])
@@ -166,21 +140,11 @@ def gather_experiences(buffer: ReplayBuffer, indices: jax.Array) -> Experiences:
 
 def after_reads(buffer: ReplayBuffer, indices: jax.Array,
                 experiences: Experiences) -> ReplayBuffer:
-  """The buffer with `experiences` (gathered at `indices`) written back to where they came from.
+  """The buffer with `experiences` (gathered at `indices`) written back: values unchanged.
 
-  The values do not change. The write makes every later write (`push_experiences`) depend on the
-  reads, so inside a jitted loop XLA updates the `[C, K, d]` buffer in place instead of copying it
-  on every step (it copies when a read and a later write of the same buffer are not ordered by a
-  data dependence). Pass the indices that decided the reads (e.g. the `select_replay` output, which
-  already depends on the full reads of `queries` and `valid`).
-
-  Args:
-    buffer: the buffer the experiences were gathered from.
-    indices: `[...]` int32 slots passed to `gather_experiences`.
-    experiences: its output.
-
-  Returns:
-    A buffer equal to `buffer`.
+  The write orders every later push after the reads, so inside a jitted loop XLA updates the
+  `[C, K, d]` buffer in place instead of copying it every step. Pass the indices that decided the
+  reads (e.g. `select_replay`'s).
   """
   idx = indices.reshape(-1)
   put = lambda dst, src: dst.at[idx].set(src.reshape((idx.shape[0],) + dst.shape[1:]))

@@ -1,8 +1,7 @@
 """Static configuration (shapes and switches) and continuous hyperparameters.
 
-`EARConfig` fixes every shape and every discrete choice: it is frozen and hashable and is passed to
-jitted functions as a static argument. `HParams` holds the continuous hyperparameters as array leaves,
-so a sweep over them is a `jax.vmap`, not a recompile.
+`EARConfig` is frozen and hashable, a static argument of jitted functions; `HParams` holds array
+leaves, so a sweep is a `jax.vmap`, not a recompile.
 
 Symbols: `d` embedding dimension, `K` candidates per query, `s` slate size, `T` exploration rounds,
 `B` replayed experiences per query, `C` buffer capacity.
@@ -23,20 +22,14 @@ LOSS_FORMS = ("flat", "sequential")
 REPLAY_UNOBSERVED = ("negative", "ignore")
 # The candidates Eq. (10)'s softmax runs over (`ear_jax.core.losses.loss_support`).
 LOSS_SUPPORTS = ("all", "labelled", "window", "auto")
-# Explorer-assisted final slate: round T's slate (the paper, Section 3.6) or the top-s by bandit
-# mean after the T rounds, ties by adapted relevance ('exploit', `explorer.exploit_slate`).
+# Explorer-assisted final slate: round T's (the paper) or 'exploit' (`explorer.exploit_slate`).
 FINAL_SLATES = ("round_T", "exploit")
-# The optimizer is an optax alias `learning_rate -> optax.GradientTransformation` (the learning rate
-# is injected from `HParams.learning_rate` at every step, so it can be swept with `vmap`).
+# Optax aliases `learning_rate -> optax.GradientTransformation` (the rate is injected per step).
 OPTIMIZERS = {
     "adam": optax.adam,
     "sgd": optax.sgd,
 }
-# The behaviours passed in as functions are named in the config by strings (or given as the
-# functions themselves) and resolved where they are used, by the registry beside them:
-# `train_slate` by `ear_jax.core.policies.train_slate_policy` (`TRAIN_SLATES`), `replay_strategy`
-# by `ear_jax.core.buffer.replay_strategy` (`REPLAY_STRATEGIES`), `optimizer` by `optimizer_fn`
-# (`OPTIMIZERS`). So this module imports no module of the core but `types`.
+# Fields naming a behaviour (or holding its function), resolved where used by their registries.
 STRATEGY_FIELDS = ("train_slate", "replay_strategy", "optimizer")
 
 # Methods of Tables 2-3 as presets of the switches below.
@@ -49,22 +42,17 @@ METHODS = {
     "ear": dict(train_slate="explorer", use_replay=True),
     # Table 3: "+ Only Explorer during training" (no replay).
     "ear_no_replay": dict(train_slate="explorer", use_replay=False),
-    # Table 3: "+ Only Experience Buffer during training": adapter top-s slate, one critic call, replay.
+    # Table 3: "+ Only Experience Buffer during training": adapter top-s slate, one critic call.
     "ear_no_explorer": dict(train_slate="adapter", use_replay=True),
-    # Beyond the paper: EAR with the switches chosen on LoCoMo validation data by `--suite=tune`;
-    # its hyperparameters: METHOD_HPARAMS (`Method.named` pairs the two). `side_init` was chosen
-    # by `--suite=first_stage_tune` (it acts with side features only).
-    # `loss_support='auto'` (`--suite=pool_tune`): the paper's softmax at K <= T s (bit for bit),
-    # and only labelled candidates in a larger pool (`core.losses.loss_support`).
+    # Beyond the paper: switches chosen by `--suite=tune` (hyperparameters: METHOD_HPARAMS),
+    # `side_init` by `--suite=first_stage_tune`, `loss_support` by `--suite=pool_tune` ('auto' is
+    # the paper's softmax at K <= T s, bit for bit).
     "ear_tuned": dict(train_slate="explorer", use_replay=True, replay_strategy="random",
                       replay_size=8, final_slate="exploit", test_rounds=4, side_init=0.05,
                       loss_support="auto"),
 }
-# `ear_safe`: `ear_tuned` with the guard (`ear_jax.core.guard`): at test time the learned ranking
-# is served only when the feedback of held-out training queries (every 5th, never trained on)
-# shows it puts more of them whole in the top-s than the first stage does; n and z by
-# `--suite=guard_tune --guard_holdout=N` (LoCoMo validation: the largest gain among the settings
-# whose every mean stays at or above the first stage).
+# `ear_safe`: `ear_tuned` with the guard (`ear_jax.core.guard`); n and z chosen by
+# `--suite=guard_tune --guard_holdout=N`.
 METHODS["ear_safe"] = dict(METHODS["ear_tuned"], guard_holdout=5, guard_z=0.25)
 # Hyperparameters of a method where they differ from the paper's (`hparams_for_method`).
 METHOD_HPARAMS = {
@@ -79,8 +67,7 @@ def _check_choice(name, value, choices):
 
 
 def resolve_strategy(field: str, value, registry: dict):
-  """A strategy field's value -> its function: a name is looked up in `registry`, a function
-  passes through ('none' and None give None where the registry holds 'none').
+  """A strategy field's value -> its function: a name is looked up in `registry`, a function passes.
 
   Raises:
     ValueError: naming the field and the registry's names, for an unknown name.
@@ -103,7 +90,7 @@ def optimizer_fn(config: "EARConfig") -> Optimizer:
 
 
 def _strategy_name(value) -> str:
-  """A strategy field for `to_dict`: its name (`module.qualname` for a function given as such)."""
+  """A strategy field for `to_dict`: its name (`module.qualname` for a function)."""
   if isinstance(value, str):
     return value
   return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', repr(value))}"
@@ -121,47 +108,32 @@ class EARConfig:
     replay_size: `B`, replayed experiences per query (Eq. (15)); 4 in the paper.
     buffer_capacity: `C`, ring-buffer capacity (Eq. (13)-(14)); the oldest is overwritten.
     batch_size: training queries per optimizer step (Appendix A.1: 4).
-    train_slate: the training-slate policy, a name in `ear_jax.core.policies.TRAIN_SLATES` (or a
-      `TrainSlatePolicy` function): 'explorer' (T rounds of Eq. (8)), 'adapter' (top-s of z, one
-      critic call), 'gumbel' (Gumbel top-s of z/tau, one critic call, RMM) or 'none' / None (no
-      training: Only Retriever / Only Explorer at test).
+    train_slate: a name in `core.policies.TRAIN_SLATES` or a function: 'explorer' (T rounds of
+      Eq. (8)), 'adapter' (top-s of z), 'gumbel' (Gumbel top-s of z/tau, RMM) or 'none' / None.
     use_replay: add the replay loss of Eq. (16).
     loss_form: 'flat' (softmax over all K, Alg. 3 line 7) or 'sequential' (Plackett-Luce: position j
       excludes the items chosen before it, Section 3.4).
-    replay_strategy: the replay strategy, a name in `ear_jax.core.buffer.REPLAY_STRATEGIES` (or a
-      `ReplayStrategy` function `(key, buffer, query) -> scores [C]`): 'similarity' (Eq. (15)),
-      'reward' (bottom-B by mean reward) or 'random' (Table 7).
+    replay_strategy: a name in `core.buffer.REPLAY_STRATEGIES` or a function: 'similarity'
+      (Eq. (15)), 'reward' (bottom-B by mean reward) or 'random' (Table 7).
     replay_unobserved: 'negative' (Eq. (20) literally: never-chosen items get -1) or 'ignore'
-      (never-chosen items are left out of the replay loss, Eq. (13)).
-    optimizer: a name in `OPTIMIZERS`, 'adam' (default; the paper names none) or 'sgd' (or an
-      optax alias `learning_rate -> optax.GradientTransformation`; a registered alias is stored
-      by its name).
-    loss_on_tempered_logits: the REINFORCE loss uses log softmax(z / tau) (RMM) instead of softmax(z).
-    loss_support: the candidates Eq. (10)'s softmax (current and replay losses, and the replay's
-      Gumbel slates) runs over: 'all' (every valid candidate, the paper), 'labelled' (only
-      candidates that received feedback), 'window' (the first stage's top `T s` and every
-      labelled candidate) or 'auto' ('all' when `K <= T s`, where the rounds can show every
-      candidate, else 'labelled'); `core.losses.loss_support`.
+      (never-chosen items are left out of the replay loss).
+    optimizer: a name in `OPTIMIZERS`, 'adam' (default; the paper names none) or 'sgd', or an optax
+      alias `learning_rate -> optax.GradientTransformation`.
+    loss_on_tempered_logits: the REINFORCE loss uses log softmax(z / tau) (RMM), not softmax(z).
+    loss_support: the candidates Eq. (10)'s softmax runs over: 'all' (the paper), 'labelled',
+      'window' or 'auto' ('all' when `K <= T s`, else 'labelled'); `core.losses.loss_support`.
     final_slate: explorer-assisted inference's slate, 'round_T' (the paper) or 'exploit' (top-s by
       bandit mean after the T rounds, ties by adapted relevance).
     test_rounds: `T` at test (explorer-assisted inference); None: `num_rounds`.
-    side_features: `F`, first-stage features per candidate used as side information (0 = off,
-      the paper). With F > 0 each candidate row is `[embedding (d) | features (F)]`, feature 0 is
-      the first stage's own score (normalised), feature 1 the frozen dense cosine, and the
-      relevance is `z_i = q~ . m~_i + w . f_i` (`ear_jax.core.adapter.relevance`).
-    side_init: the initial weight of feature 0 (the first stage's score); with the weight of
-      feature 1 at -1 the initial `z` is `side_init * f_0`, so before any feedback the adapter-only
-      slate is the first stage's own top-s.
+    side_features: `F`, first-stage features per candidate row `[embedding (d) | features (F)]`
+      (0 = off, the paper); feature 0 the first stage's score, 1 the dense cosine.
+    side_init: the initial weight of feature 0; before any feedback the adapter-only slate is the
+      first stage's own top-s.
     guard_z: the guard's confidence: the adapted ranking is served when mean(d) - guard_z * se > 0.
     guard_min_queries: the guard serves the first stage until this many held-out queries with a
       cited item are in its ring.
-    guard_holdout: the guard (`ear_jax.core.guard`; 0 = off, the paper). n >= 2: every n-th
-      training query is held out (`guard.held_out`): its slates are pages of the first stage's
-      ranking, it is never trained on (no loss, not in the replay buffer), and its citations go
-      to the guard's held-out ring (`guard.GuardState`). At test time the guard scores the
-      CURRENT adapter against the first stage on the ring (per question: 1 when every cited item
-      is in the adapted top-s, minus 1 when every one is in the first stage's) and serves the
-      first stage's ranking unless the adapter wins.
+    guard_holdout: the guard (`core.guard`; 0 = off, the paper). n >= 2: every n-th training query
+      is held out, and the first stage is served unless the adapter beats it on those.
     guard_holdout_capacity: `H`, the held-out queries the ring keeps (the newest).
   """
   dim: int = 384
@@ -179,21 +151,18 @@ class EARConfig:
   optimizer: Union[str, Optimizer] = "adam"
   loss_on_tempered_logits: bool = False
   loss_support: str = "all"
-  # Beyond the paper; the defaults are the paper's and are left out of `to_dict`.
+  # Beyond the paper; left out of `to_dict` at their (the paper's) defaults.
   final_slate: str = "round_T"
   test_rounds: Optional[int] = None
-  # First-stage scores as side information (Appendix B.6). 0 = off (the paper).
   side_features: int = 0
   side_init: float = 0.5  # chosen for `ear` by `--suite=first_stage_tune` (LoCoMo validation)
-  # The guard (beyond the paper, `ear_jax.core.guard`). 0 = off (the paper).
   guard_z: float = 0.5
   guard_min_queries: int = 50
   guard_holdout: int = 0
   guard_holdout_capacity: int = 256
 
   def __post_init__(self):
-    # Strategies stay names (resolved where used); `None` is the name 'none', and a registered
-    # optax alias is stored by its name, so equal choices give equal (and equally hashed) configs.
+    # Strategies stay names (None is 'none', a registered alias its name): equal choices hash equal.
     if self.train_slate is None:
       object.__setattr__(self, "train_slate", "none")
     for name in ("train_slate", "replay_strategy"):
@@ -269,10 +238,10 @@ class EARConfig:
     return self.num_rounds if self.test_rounds is None else self.test_rounds
 
   def to_dict(self) -> dict:
-    """JSON-able fields; strategies by their names (`module.qualname` for a function given as such).
+    """JSON-able fields; strategies by their names.
 
-    The fields beyond the paper are written only when they differ from their (the paper's)
-    defaults, so checkpoints and saved memories written before they existed still match.
+    Fields beyond the paper are written only when they differ from their defaults, so checkpoints
+    and memories saved before they existed still match.
     """
     d = dataclasses.asdict(self)
     for name in STRATEGY_FIELDS:
@@ -286,9 +255,8 @@ class EARConfig:
   def from_dict(cls, d: dict) -> "EARConfig":
     """Inverse of `to_dict` (registered strategies only; unknown fields are an error).
 
-    A config stored by an earlier version (a saved memory, adapter or run checkpoint) may hold
-    fields this version no longer has (`_RETIRED`): each is read when it names the behaviour this
-    version has, else it is a ValueError naming the field.
+    A retired field (`_RETIRED`) is read when it names the behaviour this version has, else it is a
+    ValueError naming the field.
     """
     d = dict(d)
     retired = {k: d.pop(k) for k in list(d) if k in _RETIRED}
@@ -306,12 +274,10 @@ class EARConfig:
   def for_method(cls, method: str, **overrides) -> "EARConfig":
     """The config of a named method of Tables 2-3, with `overrides` applied on top.
 
-    The config alone: a method with hyperparameters of its own (`METHOD_HPARAMS`: `ear_tuned`)
-    needs them too, so prefer `Method.named(method)`, which carries both.
+    Prefer `Method.named(method)`, which carries the method's own hyperparameters too.
 
     Args:
-      method: one of `METHODS`: 'retriever', 'rl_update', 'ear', 'ear_no_replay', 'ear_no_explorer',
-        'ear_tuned', 'ear_safe'.
+      method: one of `METHODS`.
       **overrides: any `EARConfig` field.
 
     Raises:
@@ -331,8 +297,7 @@ _OPTIONAL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EARConfig)
                                     "side_init", "guard_z", "guard_min_queries", "guard_holdout",
                                     "guard_holdout_capacity")}
 _ANY = object()
-# Fields of earlier versions -> the value whose behaviour this version has (`from_dict`); `_ANY`:
-# fields that acted only together with another retired value.
+# Retired fields -> the value whose behaviour this version has (`_ANY`: acted only with another).
 _RETIRED = {"adapter_rank": None, "grad_clip_norm": None, "label_weights": "none",
             "lr_schedule": "constant", "lr_schedule_steps": _ANY, "weight_decay": 0.0,
             "weight_decay_target": _ANY, "guard": False, "guard_probe": False,
@@ -341,12 +306,7 @@ _RETIRED = {"adapter_rank": None, "grad_clip_norm": None, "label_weights": "none
 
 @flax.struct.dataclass
 class HParams:
-  """Continuous hyperparameters (array leaves; `vmap` over them for sweeps).
-
-  Defaults are the paper's (Appendix A): s=5, lambda_rel/div/exp = 0.4/0.3/0.3, alpha = 0.5,
-  b = 0.5, tau = 0.5, lambda_rep = 1, learning rate 1e-3. (The simulated critic's precision and
-  recall belong to the critic: `ear_jax.core.critic.SimulatedCritic`.)
-  """
+  """Continuous hyperparameters (array leaves: a sweep is a `vmap`); defaults: Appendix A."""
   lambda_rel: jax.Array  # [] float32, Eq. (7) relevance weight
   lambda_div: jax.Array  # [] float32, Eq. (7) redundancy weight
   lambda_exp: jax.Array  # [] float32, Eq. (7) UCB weight
@@ -365,8 +325,8 @@ HPARAM_DEFAULTS = dict(lambda_rel=0.4, lambda_div=0.3, lambda_exp=0.3, alpha=0.5
 def default_hparams(*, dtype=jnp.float32, **overrides) -> HParams:
   """`HParams` with the paper's values, `overrides` applied (scalars or arrays for a sweep).
 
-  `dtype`: the run's float dtype (`jnp.float64` for a float64 run under `jax_enable_x64`, where
-  the learner keeps it: no hyperparameter is rounded to float32)."""
+  `dtype` is the run's float dtype (`jnp.float64` keeps a float64 run unrounded).
+  """
   unknown = set(overrides) - set(HPARAM_DEFAULTS)
   if unknown:
     raise ValueError(f"unknown hyperparameter(s) {sorted(unknown)}; "
@@ -384,8 +344,7 @@ def stack_hparams(hparams_list) -> HParams:
 
 
 def hparams_for_method(method: str, **overrides) -> HParams:
-  """`default_hparams` with the method's own values (`METHOD_HPARAMS`), then `overrides`
-  (`Method.named` gives the config and these together).
+  """`default_hparams` with the method's own values (`METHOD_HPARAMS`), then `overrides`.
 
   Raises:
     ValueError: for an unknown method or hyperparameter.
@@ -398,10 +357,8 @@ def hparams_for_method(method: str, **overrides) -> HParams:
 class Method(NamedTuple):
   """A method as one object: its static config, its hyperparameters and its critic.
 
-  `Method.named(name)` pairs a preset of `METHODS` with that preset's own hyperparameters
-  (`METHOD_HPARAMS`; the paper's elsewhere), so a preset never meets another's hyperparameters by
-  accident (e.g. `ear_tuned`'s switches with the paper's learning rate). Unpack it where the pure
-  functions want the parts: `run_episode(key, stream, m.config, m.hparams, m.critic)`.
+  `Method.named(name)` pairs a preset of `METHODS` with its own hyperparameters, so a preset never
+  meets another's by accident. Unpack it where the pure functions want the parts.
   """
   name: str  # the preset's name in `METHODS`
   config: EARConfig  # static: shapes and switches

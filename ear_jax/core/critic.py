@@ -2,17 +2,13 @@
 
 Symbols: `s` slate size, `d` dimension.
 
-One protocol for every critic, jitted or not: a critic is a callable `critic(key, view) -> labels`
-that sees one shown slate through a `SlateView` (the query, the slate's candidate positions and
-memory embeddings, gold flags where known, and, on the host, the query text and the memory texts)
-and returns `[s]` float32 labels in {-1, +1} (+1 = cited / useful, -1 at empty positions). A critic
-OWNS its parameters: jitted critics are `flax.struct.dataclass` pytrees whose fields are array
-leaves (so a sweep over a critic's precision is a `vmap`, and the critic is an ordinary argument of
-jitted functions, not a static one); a parameter-free function becomes such a pytree with
-`jax.tree_util.Partial(fn)`. A host-side critic (an LLM, `ear_jax.agent.llm.critic.LLMCritic`)
-implements the same call on host arrays and may return None for an unusable reply (no update).
+A critic is a callable `critic(key, view) -> labels`: it sees one shown slate through a
+`SlateView` and returns `[s]` float32 labels in {-1, +1} (+1 = cited, -1 at empty positions).
+Jitted critics are `flax.struct.dataclass` pytrees owning their parameters as array leaves (a sweep
+is a `vmap`; a plain function becomes one with `jax.tree_util.Partial(fn)`). A host-side critic (an
+LLM) implements the same call on host arrays and may return None for an unusable reply.
 
-`CRITICS` maps command-line names to constructors; adding a critic is one class and one line there.
+`CRITICS` maps command-line names to constructors.
 """
 from __future__ import annotations
 
@@ -31,16 +27,9 @@ from ear_jax.core.types import Critic, SlateView  # pylint: disable=unused-impor
 DEFAULT_PRECISION = 0.88
 DEFAULT_RECALL = 0.86
 
-# The answer-support features of a candidate, in column order (`Stream.answer_support`, computed by
-# `ear_jax.data.answer_support`): the answer's content words not in the question that the memory
-# holds (a count), their share of the answer's new content words, the cosine of the answer's
-# embedding with the memory's, and the cosine of "question answer" with the memory's.
+# The answer-support features of a candidate, in column order (`ear_jax.data.answer_support`).
 ANSWER_FEATURES = ("new_words", "new_word_share", "answer_cosine", "question_answer_cosine")
-# The answer critic's thresholds, chosen on LoCoMo validation (`experiments.critic_eval
-# --critic=answer --subset=validation`).
-# The slate's best-supported memory is always cited (best_min_cosine = -inf, so min_overlap does
-# not matter), any memory holding >= 75 % of the answer's new words, or whose "question answer"
-# cosine is >= 0.75.
+# The answer critic's thresholds: `experiments.critic_eval --critic=answer --subset=validation`.
 ANSWER_DEFAULTS = {"min_overlap": 1.0, "best_min_cosine": -float("inf"), "min_share": 0.75,
                    "min_cosine": 0.75}
 
@@ -56,8 +45,7 @@ def slate_view(query: jax.Array, candidates: jax.Array, gold: Optional[jax.Array
     gold: `[K]` bool gold flags, or None when unknown (all False).
     slate: `[s]` int32 candidate positions (-1 = empty).
     slate_mask: `[s]` bool.
-    answer_support: optional `[K, A]` answer-support features (`Stream.answer_support`); None:
-      the view's `answer_support` is None.
+    answer_support: optional `[K, A]` answer-support features (`Stream.answer_support`).
   """
   gold_s = (jnp.zeros(slate.shape, bool) if gold is None else
             gather_slate(gold, slate, slate_mask, False))
@@ -72,11 +60,7 @@ def false_positive_rate(num_gold: jax.Array, num_other: jax.Array, precision: ja
                         recall: jax.Array) -> jax.Array:
   """`p_fp = n r (1 - p) / (u p)`, clipped to [0, 1]; 0 when `n = 0` or `u = 0` (Appendix A.2).
 
-  Args:
-    num_gold: `n`, gold items in the slate.
-    num_other: `u`, non-gold items in the slate.
-    precision: `p`, target precision.
-    recall: `r`, target recall.
+  `n` gold and `u` non-gold items in the slate, `p` target precision, `r` target recall.
   """
   n = jnp.asarray(num_gold, jnp.float32)
   u = jnp.asarray(num_other, jnp.float32)
@@ -88,19 +72,12 @@ def simulated_critic(key: jax.Array, slate_gold: jax.Array, slate_mask: jax.Arra
                      precision: jax.Array, recall: jax.Array) -> jax.Array:
   """Labels a slate like an LLM citing memories with given precision and recall (Appendix A.2).
 
-  Each gold item is cited with probability `r`; each non-gold item with `p_fp` (see
-  `false_positive_rate`). Cited -> +1, else -1. One uniform draw per slate position:
-  `u = jax.random.uniform(key, (s,))`, cited iff `u < r` (gold) or `u < p_fp` (non-gold).
-
-  Args:
-    key: PRNG key; the key is consumed.
-    slate_gold: `[s]` bool, which slate items are gold.
-    slate_mask: `[s]` bool, which slate positions hold an item.
-    precision: `p`.
-    recall: `r`.
+  Each gold item is cited with probability `r`, each non-gold item with `p_fp`, from one uniform
+  draw per slate position; cited -> +1, else -1 (also at empty positions). The key is consumed;
+  `slate_gold`, `slate_mask` are `[s]` bool.
 
   Returns:
-    `[s]` float32 labels in {-1, +1} (-1 at empty positions).
+    `[s]` float32 labels in {-1, +1}.
   """
   chex.assert_rank([slate_gold, slate_mask], 1)
   gold = slate_gold & slate_mask
@@ -113,10 +90,7 @@ def simulated_critic(key: jax.Array, slate_gold: jax.Array, slate_mask: jax.Arra
 
 @flax.struct.dataclass
 class SimulatedCritic:
-  """The simulated citation critic of Appendix A.2 as a critic pytree (its parameters are leaves).
-
-  Build it with `make_simulated_critic` (validates); `stack_critics` stacks several for a `vmap`.
-  """
+  """The simulated critic of Appendix A.2 as a critic pytree (build: `make_simulated_critic`)."""
   precision: jax.Array  # [] float32, p
   recall: jax.Array  # [] float32, r
 
@@ -143,23 +117,14 @@ def answer_critic(support: jax.Array, slate_mask: jax.Array, min_overlap: jax.Ar
                   min_cosine: jax.Array) -> jax.Array:
   """Labels the shown memories the agent's answer draws on (no LLM call, no key).
 
-  The slate's best-supported memory (most new answer words, ties broken by the question-answer
-  cosine; several only on an exact tie) is cited when it holds at least `min_overlap` of the
-  answer's new content words or its question-answer cosine reaches `best_min_cosine`; any memory
-  is cited when it holds at least one new word and a share `>= min_share` of them, or when its
-  question-answer cosine reaches `min_cosine`. A threshold of `inf` switches its branch off.
-  Cited -> +1, else -1 (-1 at empty positions).
-
-  Args:
-    support: `[s, A]` answer-support features of the slate (`ANSWER_FEATURES` order).
-    slate_mask: `[s]` bool, positions holding a memory.
-    min_overlap: `[]` new words the slate's best memory needs.
-    best_min_cosine: `[]` question-answer cosine that suffices for the slate's best memory.
-    min_share: `[]` share of the new words that any memory needs (with at least one).
-    min_cosine: `[]` question-answer cosine that suffices for any memory.
+  The slate's best-supported memory (most new answer words, ties by question-answer cosine) is cited
+  when it holds `>= min_overlap` new words or its cosine reaches `best_min_cosine`; any memory is
+  cited with at least one new word and a share `>= min_share` of them, or a cosine `>= min_cosine`.
+  A threshold of `inf` switches its branch off. `support [s, A]` in `ANSWER_FEATURES` order,
+  `slate_mask [s]`, thresholds `[]`.
 
   Returns:
-    `[s]` float32 labels in {-1, +1}.
+    `[s]` float32 labels in {-1, +1} (-1 at empty positions).
   """
   chex.assert_rank([support, slate_mask], [2, 1])
   new_words = support[:, ANSWER_FEATURES.index("new_words")]
@@ -176,11 +141,9 @@ def answer_critic(support: jax.Array, slate_mask: jax.Array, min_overlap: jax.Ar
 
 @flax.struct.dataclass
 class AnswerCritic:
-  """The answer-grounded critic (`answer_critic`) as a critic pytree: its thresholds are leaves,
-  so a threshold sweep is a `vmap`. It reads `view.answer_support` (a stream built with
-  `ear_jax.data.answer_support.with_answer_support`); the key is unused.
+  """`answer_critic` as a critic pytree (thresholds are leaves); reads `view.answer_support`.
 
-  Build it with `make_answer_critic` (the thresholds chosen on LoCoMo validation by default).
+  Build it with `make_answer_critic`.
   """
   min_overlap: jax.Array  # [] float32
   best_min_cosine: jax.Array  # [] float32

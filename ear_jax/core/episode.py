@@ -1,10 +1,7 @@
 """Whole online episodes: a stream of training queries as ONE `lax.scan` over batches (Alg. 1).
 
-Symbols: `N` training queries, `b` batch size.
-
-`run_episode(key, stream, config, hparams, critic)` splits the key once (an init key and one key per
-query, so query t's randomness does not depend on the carry) and scans `learner.train_batch` over
-the stream's batches. `vmap` it over keys (seeds), `HParams` (sweeps) or critic parameters.
+Symbols: `N` training queries, `b` batch size. `run_episode` splits the key once (an init key and
+one key per query) and scans `learner.train_batch`; `vmap` it over seeds, `HParams` or critics.
 """
 from __future__ import annotations
 
@@ -33,25 +30,14 @@ def train_stream(state: LearnerState, keys: jax.Array, stream: Stream, config: E
                  where: Optional[jax.Array] = None):
   """Online training over a stream, in order, as ONE `lax.scan` over batches.
 
-  The stream is cut into batches of `config.batch_size` (the last one padded and masked). Calling
-  it on consecutive chunks whose lengths are multiples of the batch size gives the same result as
-  one call on the whole stream.
-
-  Args:
-    state: learner state.
-    keys: `[N]` per-query PRNG keys (see `episode_keys`); consumed.
-    stream: `N` training queries.
-    config: static config.
-    hparams: hyperparameters.
-    critic: the critic.
-    where: optional `[N]` bool, real queries (default: all). Masked queries are padding: they
-      contribute no loss and are not pushed, and a batch without any real query leaves the state
-      untouched (no optimizer step) with all-zero records. This lets callers run fixed-length
-      segments of a stream so that every segment reuses one compiled scan.
+  Consecutive chunks whose lengths are multiples of the batch size give the same result as one
+  call on the whole stream. `keys [N]` per-query keys (`episode_keys`) are consumed. `where [N]`
+  (default: all real): masked queries are padding, and a batch without a real query leaves the
+  state untouched with zero records (fixed-length segments reuse one compiled scan).
 
   Returns:
-    `(new_state, records)`: `QueryRecord` fields stacked to `[N, ...]`. For an untrained method
-    (`train_slate='none'`) the state is returned unchanged and the records are None.
+    `(new_state, records)`: `QueryRecord` fields stacked to `[N, ...]`; for an untrained method
+    the state unchanged and None.
   """
   validate_stream(stream, config)
   if not config.trains:
@@ -91,14 +77,9 @@ def run_episode(key: jax.Array, stream: Stream, config: EARConfig, hparams: HPar
                 critic: Optional[Critic] = None):
   """A whole online training episode: init, then `train_stream` over the stream (one scan).
 
-  Jitted with `config` static; `vmap` over `key` (seeds), `hparams` (sweeps) or the critic's
-  parameters (noise sweeps).
-
   Args:
     key: PRNG key of the episode; the key is consumed.
     stream: `N` training queries, in the order they arrive.
-    config: static config.
-    hparams: hyperparameters.
     critic: the critic (default: the simulated critic of Appendix A.2).
 
   Returns:

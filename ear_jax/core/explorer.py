@@ -1,10 +1,9 @@
-"""Exploratory Reflection: the query-local UCB bandit with a diversity penalty (Eq. (5)-(9), Alg. 2).
+"""Exploratory Reflection: a query-local UCB bandit with a diversity penalty (Eq. (5)-(9)).
 
 Symbols: `K` candidates, `s` slate size, `T` exploration rounds.
 
-Every function here works on ONE query (unbatched); callers batch with `jax.vmap`. Slates are
-`[s]` int32 candidate indices with a `[s]` bool `slate_mask`: when fewer than `s` candidates are valid,
-the slate holds every valid candidate and the remaining positions are empty (index -1, mask False).
+Every function works on ONE query; callers `vmap`. Slates are `[s]` int32 indices with a `[s]`
+bool mask; with fewer than `s` valid candidates the remaining positions are empty (-1, False).
 """
 from __future__ import annotations
 
@@ -50,10 +49,6 @@ def init_bandit(num_candidates: int) -> BanditStats:
 def ucb_scores(stats: BanditStats, alpha: jax.Array) -> jax.Array:
   """Upper-confidence values `U_i = mu_i + alpha sqrt(log(1 + sum_l N_l) / (1 + N_i))`, Eq. (5).
 
-  Args:
-    stats: bandit statistics before the round.
-    alpha: `[]` exploration strength.
-
   Returns:
     `[K]` UCB values.
   """
@@ -80,19 +75,11 @@ def greedy_slate(relevance: jax.Array, ucb: jax.Array, gram: jax.Array, where: j
                  hparams: HParams, slate_size: int):
   """Greedy slate of `s` picks of `argmax lambda_rel z - lambda_div D + lambda_exp U`, Eq. (7)-(8).
 
-  Each pick is taken over valid, not-yet-chosen candidates; ties go to the lowest index.
-
-  Args:
-    relevance: `[K]` adapted relevance `z_i = q~^T m~_i`.
-    ucb: `[K]` UCB values of Eq. (5) (constant within a round).
-    gram: `[K, K]` adapted candidate similarities for Eq. (6).
-    where: `[K]` bool, valid candidates.
-    hparams: `lambda_rel`, `lambda_div`, `lambda_exp`.
-    slate_size: `s` (static).
+  Each pick is over valid, not-yet-chosen candidates; ties go to the lowest index. Inputs:
+  `relevance [K]` (`z_i = q~^T m~_i`), `ucb [K]` (Eq. (5)), `gram [K, K]` (Eq. (6)), `where [K]`.
 
   Returns:
-    `(slate [s] int32, slate_mask [s] bool)`; positions past the number of valid candidates are
-    empty (index -1, mask False).
+    `(slate [s] int32, slate_mask [s] bool)`.
   """
   chex.assert_rank([relevance, ucb, where], 1)
   base = hparams.lambda_rel * relevance + hparams.lambda_exp * ucb
@@ -117,18 +104,9 @@ def greedy_slate(relevance: jax.Array, ucb: jax.Array, gram: jax.Array, where: j
 
 def update_bandit(stats: BanditStats, slate: jax.Array, slate_mask: jax.Array,
                   labels: jax.Array) -> BanditStats:
-  """Bandit update for the chosen items only, Eq. (9).
+  """Bandit update for the chosen items only, Eq. (9): `N_i += 1`, `mu_i += (y_i - mu_i) / N_i`.
 
-  `N_i <- N_i + 1`, `mu_i <- mu_i + (y_i - mu_i) / N_i` for every `i` in the slate.
-
-  Args:
-    stats: statistics before the update.
-    slate: `[s]` int32 slate (no repeats; -1 = empty).
-    slate_mask: `[s]` bool.
-    labels: `[s]` critic labels.
-
-  Returns:
-    Updated `BanditStats`.
+  `slate [s]` int32 (no repeats; -1 = empty), `slate_mask [s]`, `labels [s]`.
   """
   num_k = stats.mean.shape[0]
   onehot = (slate[:, None] == jnp.arange(num_k)[None, :]) & slate_mask[:, None]  # [s, K]
@@ -144,18 +122,9 @@ def explore(key: jax.Array, relevance: jax.Array, gram: jax.Array, where: jax.Ar
             slate_size: int) -> ExplorerOutput:
   """T rounds of Exploratory Reflection (Alg. 2, Alg. 1 lines 3-7) as a `lax.scan` over rounds.
 
-  Each round builds a greedy slate (Eq. (7)-(8)) from the current UCB values, asks `feedback` for
-  its labels and updates the bandit statistics (Eq. (9)). The final slate is round T's.
-
-  Args:
-    key: PRNG key, split into one key per round for the critic; the key is consumed.
-    relevance: `[K]` adapted relevance logits (treated as constants).
-    gram: `[K, K]` adapted candidate similarities.
-    where: `[K]` bool, valid candidates.
-    feedback: `(key, slate, slate_mask) -> labels [s]`, the critic of this query.
-    hparams: Explorer hyperparameters (`lambda_*`, `alpha`).
-    num_rounds: `T` (static).
-    slate_size: `s` (static).
+  Each round: greedy slate (Eq. (7)-(8)), the critic's labels, bandit update (Eq. (9)). The key is
+  split into one key per round and consumed; `relevance [K]` and `gram [K, K]` are constants,
+  `feedback` is `(key, slate, slate_mask) -> labels [s]`.
 
   Returns:
     `ExplorerOutput` with the `[T, s]` slates, masks and labels and the final statistics.
@@ -177,20 +146,12 @@ def explore(key: jax.Array, relevance: jax.Array, gram: jax.Array, where: jax.Ar
 
 
 def exploit_slate(stats: BanditStats, relevance: jax.Array, where: jax.Array, slate_size: int):
-  """The top-s by bandit mean after the T rounds, ties broken by adapted relevance ('exploit').
+  """The top-s by bandit mean after the T rounds, ties by adapted relevance (beyond the paper).
 
-  Candidates the critic confirmed (mean > 0) come first, never-pulled ones (mean 0) by relevance
-  next, refuted ones (mean < 0) last. Beyond the paper, whose final slate is round T's.
-
-  Args:
-    stats: bandit statistics after round T.
-    relevance: `[K]` adapted relevance logits.
-    where: `[K]` bool, valid candidates.
-    slate_size: `s` (static).
+  Confirmed candidates (mean > 0) first, never-pulled ones next, refuted ones last.
 
   Returns:
-    `(slate [s] int32, slate_mask [s] bool)`; positions past the number of valid candidates are
-    empty (index -1, mask False).
+    `(slate [s] int32, slate_mask [s] bool)`.
   """
   chex.assert_rank([relevance, where], 1)
   mean = jnp.where(where, stats.mean, -jnp.inf)

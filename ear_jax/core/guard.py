@@ -1,26 +1,17 @@
-"""The guard: serve the learned ranking only when held-out feedback shows it beats the first
-stage's (beyond the paper; `EARConfig.guard_holdout`).
+"""The guard: serve the learned ranking only when held-out feedback shows it beats the first stage.
 
-Symbols: `b` queries in a batch, `K` candidates, `s` slate size, `R` slates per training query,
-`H` held-out queries kept, `D = d (+ F)` a candidate row.
+Beyond the paper (`EARConfig.guard_holdout`). Symbols: `b` batch queries, `K` candidates, `s`
+slate size, `R` slates per query, `H` held-out queries kept, `D = d (+ F)` a candidate row.
 
-With `guard_holdout = n`, every n-th training query (`held_out`) is a small validation set built
-online: its slates are pages of the first stage's ranking (with `T s >= K` every candidate is
-labelled; with `T s < K`, of both rankings interleaved, `page_relevance`), it is never trained
-on, and its candidates and citations go to a ring of the newest
-`H = guard_holdout_capacity` (`GuardState`, `push_holdout`). The first stage's ranking is that of
-the untrained adapter (`first_stage_params`: identity `W`, `w_side` at its init), whose top-s is
-the first stage's own top-s. At test time the guard scores the CURRENT parameters on the ring:
-per held-out question `j` with a citation,
+Every n-th training query (`held_out`) is never trained on: its slates are pages of the first
+stage's ranking (both rankings interleaved when `T s < K`, `page_relevance`) and its citations go
+to a ring of the newest `H` (`GuardState`). At test time, per held-out question with a citation,
 
   `d_j = 1[Y_j ⊆ TopS(z^phi_j)] - 1[Y_j ⊆ TopS(z^0_j)]`,
 
-whether every cited item is in the adapted top-s minus whether every one is in the first stage's
-(Recall@s's unit), and serves the adapted ranking when `mean(d) - guard_z * sd / sqrt(n) > 0`
-over `n >= guard_min_queries` such questions (`holdout_decision`), else the first stage's
-(`served_params`, a leafwise `jnp.where` on a scalar: no Python branch on traced values). An
-unshown candidate counts as not cited, so pages of the first stage's ranking alone would favour
-it whenever `T s < K`: there the pages alternate the two rankings.
+and the adapted ranking is served when `mean(d) - guard_z * sd / sqrt(n) > 0` over
+`n >= guard_min_queries` questions (`holdout_decision`), else the first stage's (a leafwise
+`jnp.where`, no Python branch on traced values).
 """
 from __future__ import annotations
 
@@ -35,9 +26,7 @@ from ear_jax.core.slates import top_s_slate
 
 @flax.struct.dataclass
 class GuardState:
-  """The newest `H` held-out training queries: what the guard scores the current parameters on
-  (part of the learner state, `LearnerState.guard`). Slot `i` holds the `i`-th held-out query
-  modulo `H`."""
+  """The newest `H` held-out training queries (slot `i`: the `i`-th held-out query modulo `H`)."""
   queries: jax.Array  # [H, d] pre-adapter queries
   candidates: jax.Array  # [H, K, D] pre-adapter candidate rows
   mask: jax.Array  # [H, K] bool, valid candidates (all False: an empty slot)
@@ -57,9 +46,7 @@ def init_guard(config: EARConfig) -> GuardState:
 
 
 def held_out(first_index: jax.Array, num: int, config: EARConfig) -> jax.Array:
-  """`[num]` bool: which of the training queries `first_index, ..., first_index + num - 1` (stream
-  positions, 0-based) are held out: every `config.guard_holdout`-th (positions n - 1, 2n - 1, ...);
-  all False when it is 0."""
+  """`[num]` bool: which stream positions `first_index ..` are held out (every n-th; none at 0)."""
   n = config.guard_holdout
   if not n:
     return jnp.zeros((num,), bool)
@@ -73,7 +60,6 @@ def push_holdout(guard: GuardState, first: adapter_lib.AdapterParams, queries: j
   """The batch's held-out queries (`held [b]`) written to the ring, in batch order.
 
   Args:
-    guard: the ring.
     first: `first_stage_params(config)`.
     queries: `[b, d]`; candidates: `[b, K, D]`; mask: `[b, K]`.
     slates, slate_mask, labels: `[b, R, s]` the queries' pages and the critic's labels.
@@ -95,9 +81,7 @@ def push_holdout(guard: GuardState, first: adapter_lib.AdapterParams, queries: j
 
 
 def holdout_evidence(params: adapter_lib.AdapterParams, guard: GuardState, slate_size: int):
-  """`(d [H] float32, counts [H] bool)` of `params` on the held-out ring: 1[every cited item in
-  the adapted top-s] - 1[every cited item in the first stage's]; a slot counts when it holds a
-  query with a citation."""
+  """`(d [H] float32, counts [H] bool)` of `params` on the ring; a slot counts with a citation."""
   params = jax.lax.stop_gradient(params)
   cited = guard.cited
   in_a = jax.vmap(lambda q, c, m: _top_mask(adapter_lib.adapter_scores(params, q, c), m,
@@ -110,8 +94,7 @@ def holdout_evidence(params: adapter_lib.AdapterParams, guard: GuardState, slate
 
 def holdout_lower_bound(params: adapter_lib.AdapterParams, guard: GuardState,
                         config: EARConfig, z):
-  """`(mean(d) - z * sd / sqrt(n), n)` of `params` on the held-out ring (`holdout_evidence`;
-  `sd` with Bessel's correction); `-inf` before two counted queries."""
+  """`(mean(d) - z * sd / sqrt(n), n)` on the ring (Bessel's `sd`); `-inf` before two queries."""
   d, counts = holdout_evidence(params, guard, config.slate_size)
   n = jnp.sum(counts).astype(jnp.float32)
   mean = jnp.sum(jnp.where(counts, d, 0.0)) / jnp.maximum(n, 1.0)
@@ -122,10 +105,10 @@ def holdout_lower_bound(params: adapter_lib.AdapterParams, guard: GuardState,
 
 def holdout_decision(params: adapter_lib.AdapterParams, guard: GuardState, config: EARConfig,
                      z=None):
-  """`(serve [] bool, lcb, n)` of `params` on the held-out ring: the adapted ranking is served
-  when at least `config.guard_min_queries` held-out queries have a citation and the lower bound
-  (`holdout_lower_bound`) is above 0. `z` overrides `config.guard_z` (a float or a traced scalar:
-  a test-time sweep of z needs no retraining)."""
+  """`(serve [] bool, lcb, n)`: serve when `n >= guard_min_queries` and `lcb > 0`.
+
+  `z` overrides `config.guard_z` (a float or a traced scalar: a sweep of z needs no retraining).
+  """
   lcb, n = holdout_lower_bound(params, guard, config, config.guard_z if z is None else z)
   return (n >= config.guard_min_queries) & (lcb > 0.0), lcb, n
 
@@ -134,11 +117,9 @@ def page_relevance(z_adapted: jax.Array, z_first: jax.Array, where: jax.Array,
                    config: EARConfig) -> jax.Array:
   """`[K]` scores whose ranking pages a held-out query (`retrieval.paging_slate`).
 
-  With `K <= T s` (every candidate is shown) the first stage's relevance `z_first` itself. With
-  `K > T s` the two rankings interleaved, `-min(2 r_a, 2 r_f + 1)` for a candidate at rank `r_a`
-  of `z_adapted` and `r_f` of `z_first` (0-based, ties to the lower index): the adapted top
-  candidate, the first stage's, the adapted second, ... each candidate once, so the `T s` pages
-  show both top-`T s / 2` and the guard's evidence (`holdout_evidence`) labels both top-s.
+  With `K <= T s`, `z_first` itself. Otherwise the two rankings interleaved,
+  `-min(2 r_a, 2 r_f + 1)` (0-based ranks, ties to the lower index), so the pages label both
+  rankings' top-s.
 
   Args:
     z_adapted: `[K]` relevance of the parameters training the query.
@@ -158,11 +139,7 @@ def page_relevance(z_adapted: jax.Array, z_first: jax.Array, where: jax.Array,
 
 
 def first_stage_params(config: EARConfig) -> adapter_lib.AdapterParams:
-  """The untrained adapter (`adapter.init_adapter`): identity `W`, `w_side = [side_init, -1, 0..]`.
-
-  Its relevance ranks the candidates as the first stage does (`z = side_init * f_0` up to float
-  rounding; the frozen cosine without side features).
-  """
+  """The untrained adapter: its relevance ranks the candidates as the first stage does."""
   return adapter_lib.init_adapter(jax.random.PRNGKey(0), config)
 
 
@@ -180,8 +157,7 @@ def serve_adapted(params: adapter_lib.AdapterParams, guard: GuardState, config: 
 
 def served_params(params: adapter_lib.AdapterParams, guard, config: EARConfig,
                   z=None) -> adapter_lib.AdapterParams:
-  """The parameters whose relevance is served at test time: `params` when `guard` is None (the
-  guard off) or `serve_adapted`, else `first_stage_params(config)` (leafwise `jnp.where`)."""
+  """`params` when `guard` is None or `serve_adapted`, else `first_stage_params(config)`."""
   if guard is None:
     return params
   return choose_params(serve_adapted(params, guard, config, z), params, config)
@@ -189,7 +165,6 @@ def served_params(params: adapter_lib.AdapterParams, guard, config: EARConfig,
 
 def choose_params(serve: jax.Array, params: adapter_lib.AdapterParams,
                   config: EARConfig) -> adapter_lib.AdapterParams:
-  """`params` where `serve` (`[]` bool, a guard's decision), else `first_stage_params(config)`
-  (leafwise `jnp.where`; callers vmap it over seeds)."""
+  """`params` where `serve` (`[]` bool), else `first_stage_params(config)`, leafwise."""
   return jax.tree_util.tree_map(lambda a, f: jnp.where(serve, a, f.astype(a.dtype)), params,
                                 first_stage_params(config))

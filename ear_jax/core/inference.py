@@ -2,18 +2,11 @@
 
 Symbols: `M` test queries, `K` candidates, `s` slate size, `T` Explorer rounds.
 
-Adapter-only inference takes the top-s of the adapted logits `z`; explorer-assisted inference runs
-T Explorer rounds with the critic (`EARConfig.eval_rounds`) and returns round T's slate (the paper)
-or, with `final_slate='exploit'`, the top-s by bandit mean. With the guard (`EARConfig.guard`)
-the parameters served at test time are `served_params(state, config)`: the adapter's when the
-guard's held-out evidence says its ranking beats the first stage's, else the untrained adapter's
-(the first stage's ranking).
-
-Paging (beyond the paper) is explorer-assisted inference's baseline with the same critic
-and the same T calls of s memories: the critic reads the ranking's top `T s` in T pages of s and the
-answer puts the cited memories first (`retrieval.paging_slate`). `evaluate` scores it over two
-rankings: the first stage's (`guard.first_stage_params`, the untrained adapter) and the one served
-(`params`).
+Adapter-only inference takes the top-s of `z`; explorer-assisted inference runs T rounds with the
+critic and answers round T's slate (or, with `final_slate='exploit'`, the top-s by bandit mean).
+With the guard the served parameters are `served_params`. Paging (beyond the paper) is the
+explorer's baseline with the same T critic calls (`retrieval.paging_slate`), scored over the first
+stage's ranking and the served one.
 """
 from __future__ import annotations
 
@@ -35,16 +28,11 @@ from ear_jax.core.stream import Stream
 
 
 def served_params(state, config: EARConfig, z=None) -> adapter_lib.AdapterParams:
-  """The adapter parameters a learner serves at test time (every test-time caller: `evaluate`,
-  `retrieval.slate_from_candidates`, the Explorer at test).
-
-  Without the guard (`state.guard is None`) `state.params`; with it, `state.params` when
-  `guard.serve_adapted(state.params, state.guard, config, z)`, else `guard.first_stage_params(config)` (whose
-  top-s is the first stage's). A `jnp.where` on a scalar: jit / vmap over seeds as they are.
+  """The adapter parameters a learner serves at test time (the guard's choice when it is on).
 
   Args:
     state: a `learner.LearnerState` (anything with `params` and `guard`).
-    config: the learner's static config (`guard_z`, `guard_min_queries`, `side_init`).
+    config: the learner's static config.
     z: optional confidence overriding `config.guard_z` (float or traced scalar).
   """
   return guard_lib.served_params(state.params, state.guard, config, z)
@@ -52,39 +40,31 @@ def served_params(state, config: EARConfig, z=None) -> adapter_lib.AdapterParams
 
 def adapter_only_slate(params: adapter_lib.AdapterParams, query: jax.Array,
                        candidates: jax.Array, where: jax.Array, slate_size: int):
-  """`S_adapter = TopS_i z_i^phi` for one query (Section 3.6): `retrieval.slate_from_candidates`.
-
-  Returns:
-    `(slate [s] int32, slate_mask [s] bool, logits [K])`.
-  """
+  """`S_adapter = TopS_i z_i^phi` for one query (Section 3.6): `(slate, slate_mask, z [K])`."""
   return retrieval.slate_from_candidates(params, query, candidates, where, slate_size)
 
 
 def explorer_slate(key: jax.Array, params: adapter_lib.AdapterParams, query: jax.Array,
                    candidates: jax.Array, where: jax.Array, feedback, config: EARConfig,
                    hparams: HParams) -> explorer_lib.ExplorerOutput:
-  """Explorer-assisted inference for one query (Section 3.6): `retrieval.explorer_slate`.
-
-  Returns:
-    The `ExplorerOutput` of `config.eval_rounds` rounds (`final_slate` picks the answer).
-  """
+  """Explorer-assisted inference for one query (Section 3.6): `config.eval_rounds` rounds."""
   return retrieval.explorer_slate(key, params, query, candidates, where, feedback,
                                   config.eval_rounds, config.slate_size, hparams)
 
 
 def final_slate(out: explorer_lib.ExplorerOutput, relevance: jax.Array, where: jax.Array,
                 config: EARConfig):
-  """The explorer-assisted answer by `config.final_slate`: round T's slate (the paper) or the
-  top-s by bandit mean (`explorer.exploit_slate`). Returns `(slate [s], slate_mask [s])`."""
+  """The explorer-assisted answer by `config.final_slate`: `(slate [s], slate_mask [s])`."""
   if config.final_slate == "round_T":
     return out.slates[-1], out.slate_mask[-1]
   return explorer_lib.exploit_slate(out.stats, relevance, where, config.slate_size)
 
 
 class EvalResult(NamedTuple):
-  """Per-query test results in every test-time mode (`[M]` fields, named by what they hold), and
-  their means over queries with gold (`[]` fields, named by the metric: `recall_*`, `hitrate_*`).
-  The paging fields come last, so the paper's fields keep their positions."""
+  """Per-query test results in every mode (`[M]` fields) and their means over queries with gold.
+
+  The paging fields come last, so the paper's fields keep their positions.
+  """
   adapter_slates: jax.Array  # [M, s] int32
   adapter_all_gold: jax.Array  # [M] bool, every gold memory in the adapter-only slate (Recall@s)
   adapter_any_gold: jax.Array  # [M] bool, some gold memory in it (Hitrate@s)
@@ -95,9 +75,7 @@ class EvalResult(NamedTuple):
   hitrate_adapter: jax.Array  # [] Hitrate@s, adapter-only
   recall_explorer: jax.Array  # [] Recall@s, explorer-assisted
   hitrate_explorer: jax.Array  # [] Hitrate@s, explorer-assisted
-  # Paging (`retrieval.paging_slate`, T = `config.eval_rounds` pages of s) over the first stage's
-  # ranking and over the served one (`params`): the same critic, keys and number of calls as the
-  # Explorer's.
+  # Paging over the first stage's ranking and over the served one.
   paging_first_stage_slates: jax.Array  # [M, s] int32
   paging_first_stage_all_gold: jax.Array  # [M] bool
   paging_first_stage_any_gold: jax.Array  # [M] bool
@@ -115,28 +93,21 @@ def evaluate(key: jax.Array, params: adapter_lib.AdapterParams, stream: Stream,
              first_stage: Optional[adapter_lib.AdapterParams] = None) -> EvalResult:
   """Scores a test stream in one vmapped call, in every test-time mode (adapter frozen).
 
-  Adapter-only, explorer-assisted (T = `config.eval_rounds` rounds), and paging over the first
-  stage's ranking and over `params`' (T pages of s). Query m's key drives its Explorer rounds and
-  both pagings alike (call t of each gets the key of round t: common random numbers, so the modes'
-  per-query differences are not blurred by the critic's noise).
+  Query m's key drives its Explorer rounds and both pagings alike (common random numbers).
 
   Args:
     key: PRNG key for the critic's calls; the key is consumed.
-    params: adapter parameters.
     stream: `M` test queries.
-    config: static config (`side_features` / `side_init` give the default `first_stage`).
-    hparams: hyperparameters (the Explorer's weights; the critic owns its own parameters).
-    critic: the critic used by explorer-assisted inference and paging (default: the paper's
-      simulated critic); it sees the stream's `answer_support` when the stream carries one.
-    first_stage: the parameters whose ranking is the first stage's; default
-      `guard.first_stage_params(config)` (the untrained adapter).
+    critic: the critic of explorer-assisted inference and paging (default: the simulated one).
+    first_stage: the parameters whose ranking is the first stage's (default: the untrained
+      adapter, `guard.first_stage_params`).
 
   Returns:
     An `EvalResult`; means are over queries with gold (`num_gold > 0`).
 
   Raises:
-    ValueError: when `first_stage` is None and `params` has side-feature weights but `config`
-      has no `side_features` (or another number of them).
+    ValueError: when `first_stage` is None and `params`' side-feature weights do not match
+      `config.side_features`.
   """
   critic = critic_lib.or_default(critic)
   if first_stage is None:

@@ -1,20 +1,12 @@
 """Assimilating Reflection and whole online episodes (Alg. 1, Alg. 3, Eq. (17)-(18), Appendix A.1).
 
 Symbols: `N` training queries, `b` batch size, `K` candidates, `s` slate size, `R` slates per
-training query (`T` for the Explorer, 1 for the single-slate methods), `B` replayed experiences,
-`d` dimension.
+training query (`T` for the Explorer, 1 for the single-slate methods), `B` replayed experiences.
 
-A batch of `b` queries is processed together (`vmap`) against the adapter and buffer as they stood at
-the batch's start; their losses are averaged into one gradient and one optimizer step; then their
-experiences are pushed into the buffer. With `b = 1` this is exactly Algorithm 1. A whole episode is
-ONE `jax.lax.scan` over batches under `jit`; per-query keys are split up front.
-
-One loss, `query_loss(params, query, candidates, where, feedback, replay, config, hparams)`, takes a
-query's `Feedback` (slates, mask, labels) and its gathered `Replay`. One learner step for every
-caller: `train_batch_on_feedback` takes the slates and labels of a batch (wherever they came from),
-vmaps `query_loss` and does the gradient step and the push. `train_batch` (the scanned
-episodes) first collects them with a jitted critic (`collect_feedback`), `ear_jax.agent.Memory` and
-the LLM episode collect them on the host.
+A batch of `b` queries is vmapped against the adapter and buffer as they stood at the batch's
+start: one averaged gradient, one optimizer step, then the batch's experiences are pushed (with
+`b = 1` exactly Algorithm 1). `train_batch_on_feedback` is the one learner step for every caller;
+`train_batch` first collects the feedback with a jitted critic.
 """
 from __future__ import annotations
 
@@ -63,16 +55,9 @@ class QueryRecord(NamedTuple):
 
 
 def make_optimizer(config: EARConfig) -> optax.GradientTransformation:
-  """`config.optimizer` (an optax alias, Adam by default) with its learning rate injected as state.
-
-  `optax.inject_hyperparams` keeps the learning rate in the optimizer state, where
-  `apply_gradients` sets it from `HParams.learning_rate` before every step, so it can be swept with
-  `vmap`.
-  """
+  """`config.optimizer` with its learning rate injected as state (set from `HParams` every step)."""
   optimizer = optimizer_fn(config)
-  # Only the learning rate is injected (the wrapper hides the alias's other arguments). A weak 0.0:
-  # `init` stores it in the parameters' float dtype (float32, or float64 for a float64 run), and
-  # `apply_gradients` keeps that dtype.
+  # A weak 0.0: `init` stores it in the parameters' float dtype, which `apply_gradients` keeps.
   return optax.inject_hyperparams(lambda learning_rate: optimizer(learning_rate))(
       learning_rate=0.0)
 
@@ -81,8 +66,7 @@ def init_learner(key: jax.Array, config: EARConfig) -> LearnerState:
   """A fresh learner: identity adapter, empty optimizer state and buffer, zero counters.
 
   Args:
-    key: PRNG key of the adapter's init (`adapter.init_adapter`); the key is consumed.
-    config: static config.
+    key: PRNG key of the adapter's init; the key is consumed.
 
   Raises:
     ValueError: for a strategy name of `config` that no registry holds.
@@ -99,11 +83,7 @@ def init_learner(key: jax.Array, config: EARConfig) -> LearnerState:
 
 def apply_gradients(state: LearnerState, grads: adapter_lib.AdapterParams, config: EARConfig,
                     hparams: HParams) -> LearnerState:
-  """One optax step `phi <- phi - eta * direction(grad)`, Eq. (18), with `eta` from `hparams`.
-
-  `eta` takes the dtype of the learning rate in the optimizer state (the run's float dtype: float32,
-  or float64 in a float64 run), so a float64 run's `eta` is never rounded to float32.
-  """
+  """One optax step, Eq. (18), with `eta` from `hparams` in the optimizer state's dtype."""
   stored = state.opt_state.hyperparams["learning_rate"]
   opt_state = state.opt_state._replace(hyperparams={
       **state.opt_state.hyperparams,
@@ -120,29 +100,16 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
                      held: Optional[jax.Array] = None):
   """The training slates of one query and the critic's labels, by `config.train_slate`.
 
-  Adapts the candidates (Eq. (3)-(4)) with the parameters at the batch's start and runs the
-  training-slate policy (the Explorer's T rounds, Alg. 2, by default), showing each slate to the
-  critic through a `SlateView`. Nothing here is differentiated.
-
   Args:
     key: PRNG key of the query's training slates; the key is consumed.
-    params: adapter parameters.
-    query: `[d]` pre-adapter query.
-    candidates: `[K, d]` pre-adapter candidates.
-    where: `[K]` bool, valid candidates.
-    gold: `[K]` bool, gold candidates (seen only by simulated critics).
-    config: static config.
-    hparams: hyperparameters.
+    query: `[d]` pre-adapter query; candidates: `[K, d]`; where, gold: `[K]` bool.
     critic: a critic pytree `(key, SlateView) -> labels [s]`.
-    answer_support: optional `[K, A]` answer-support features (`Stream.answer_support`), shown
-      to the critic in `SlateView.answer_support`.
-    held: optional `[]` bool, the query is held out for the guard (`config.guard_holdout`): its
-      slates are then T pages of the first stage's ranking (`retrieval.paging_slate`; with
-      `K > T s` of it and the adapted one interleaved, `guard.page_relevance`) instead of the
-      policy's.
+    answer_support: optional `[K, A]` answer-support features, shown to the critic.
+    held: optional `[]` bool: the query is held out for the guard, and its slates are T pages of
+      the first stage's ranking instead of the policy's.
 
   Returns:
-    The query's `Feedback`: `slates [R, s]` int32, `slate_mask [R, s]` bool, `labels [R, s]`.
+    The query's `Feedback` (`[R, s]` slates, mask and labels), not differentiated.
   """
   params = jax.lax.stop_gradient(params)
   z, m_t = adapter_lib.relevance(params, query, candidates)
@@ -170,11 +137,7 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
 
 
 class Feedback(NamedTuple):
-  """The slates one training query showed the critic and the critic's labels (unbatched).
-
-  Where they came from does not matter: a jitted critic (`collect_feedback`) or the host (an LLM,
-  `ear_jax.agent.Memory`).
-  """
+  """The slates one training query showed the critic and the critic's labels (unbatched)."""
   slates: jax.Array  # [R, s] int32 (-1 = empty position)
   slate_mask: jax.Array  # [R, s] bool; an all-False row: the critic gave no usable answer
   labels: jax.Array  # [R, s] float32 in {-1, +1}
@@ -192,11 +155,7 @@ def prepare_replay(key: jax.Array, buffer: buffer_lib.ReplayBuffer, query: jax.A
                    config: EARConfig) -> Replay:
   """Selects (Eq. (15), by `config.replay_strategy`) and gathers the B experiences of one query.
 
-  Args:
-    key: PRNG key, split into (selection, replay slates); the key is consumed.
-    buffer: the buffer as it stood at the batch's start.
-    query: `[d]` pre-adapter query.
-    config: static config.
+  The key is consumed; `buffer` is the buffer as it stood at the batch's start.
   """
   k_select, k_gumbel = jax.random.split(key)
   idx, replay_mask = buffer_lib.select_replay(k_select, buffer, query, config.replay_size,
@@ -207,16 +166,10 @@ def prepare_replay(key: jax.Array, buffer: buffer_lib.ReplayBuffer, query: jax.A
 
 def experience_replay_loss(params: adapter_lib.AdapterParams, replay: Replay, config: EARConfig,
                            hparams: HParams):
-  """Replay loss of one query on its gathered experiences, Eq. (16), (19)-(20) (Alg. 3 l. 14-22).
+  """Replay loss of one query, Eq. (16), (19)-(20) (Alg. 3 l. 14-22).
 
-  Re-applies the current adapter to the experiences' pre-adapter embeddings, samples a Gumbel
-  top-s slate per experience and applies the ranking loss with the binary replay rewards.
-
-  Args:
-    params: current adapter parameters (differentiated).
-    replay: the query's `Replay` (`prepare_replay`).
-    config: static config.
-    hparams: hyperparameters.
+  Re-applies the current adapter to the experiences, samples a Gumbel top-s slate per experience
+  and applies the ranking loss with the binary replay rewards.
 
   Returns:
     `(loss [], num_replayed [] int32)`.
@@ -241,19 +194,7 @@ def query_loss(params: adapter_lib.AdapterParams, query: jax.Array, candidates: 
                hparams: HParams):
   """`L_EAR` of one training query whose feedback is known, Eq. (10)-(12), (15)-(17).
 
-  The current loss (Eq. (10)) on the query's slates and labels, the replay loss (Eq. (16)) on its
-  gathered experiences, combined (Eq. (17)); also the aggregated feedback (Eq. (11)-(12)) that is
-  pushed into the buffer after the step.
-
-  Args:
-    params: adapter parameters (differentiated).
-    query: `[d]` pre-adapter query.
-    candidates: `[K, d]` pre-adapter candidates (`[K, d + F]` with side features).
-    where: `[K]` bool, valid candidates.
-    feedback: the query's `Feedback` (`[R, s]` slates, mask and labels).
-    replay: the query's `Replay` (`prepare_replay`), or None without replay.
-    config: static config.
-    hparams: hyperparameters.
+  `query [d]`, `candidates [K, d (+ F)]`, `where [K]`; `replay` None without replay.
 
   Returns:
     `(loss [], (record: QueryRecord, observed [K] bool, ybar [K] float32))`.
@@ -278,8 +219,7 @@ def query_loss(params: adapter_lib.AdapterParams, query: jax.Array, candidates: 
 def _batch_replay(keys, buffer, queries, config):
   """The batch's replays, gathered once before the gradient: `(replay [b, ...], buffer)`.
 
-  The returned buffer equals `buffer`; pushing into it (rather than into `buffer`) orders the push
-  after the gathers, so the `[C, K, d]` buffer is updated in place (see `buffer.after_reads`).
+  Pushing into the returned buffer orders the push after the gathers (`buffer.after_reads`).
   """
   if not config.use_replay:
     return None, buffer
@@ -288,8 +228,7 @@ def _batch_replay(keys, buffer, queries, config):
 
 
 def _step(state, batch_loss, batch, where, config, hparams, buffer, trained=None):
-  """Gradient of the batch-mean loss, one optimizer step, then the batch's experiences pushed
-  (those of `trained`, default `where`: held-out queries are not)."""
+  """Gradient of the batch-mean loss, one optimizer step, then the `trained` experiences pushed."""
   trained = where if trained is None else trained
   grads, (records, observed, ybar) = jax.grad(batch_loss, has_aux=True)(state.params)
   new_state = apply_gradients(state, grads, config, hparams)
@@ -309,16 +248,12 @@ def _masked_batch_mean(loss, where):
 
 def train_batch(state: LearnerState, keys: jax.Array, batch: Stream, where: jax.Array,
                 config: EARConfig, hparams: HParams, critic: Optional[Critic] = None):
-  """One online step on a batch of queries with a jitted critic (Appendix A.1; Alg. 1 lines 1-11):
-  the batch's slates and labels (`collect_feedback`, vmapped), then `train_batch_on_feedback`.
+  """One online step on a batch with a jitted critic (Alg. 1 lines 1-11).
 
   Args:
     state: learner state at the batch's start.
     keys: `[b]` PRNG keys, one per query, each split into (slates, replay); consumed.
-    batch: a `Stream` of `b` queries.
-    where: `[b]` bool, real (non-padding) queries.
-    config: static config.
-    hparams: hyperparameters.
+    batch: a `Stream` of `b` queries; where: `[b]` bool, real (non-padding) queries.
     critic: a critic pytree (default: the paper's simulated critic).
 
   Returns:
@@ -343,32 +278,24 @@ def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
                             held: Optional[jax.Array] = None, ring: Optional[jax.Array] = None):
   """THE learner step: a batch's slates and labels -> one optimizer step and the batch's pushes.
 
-  The batch's replays are selected and gathered once (Eq. (15)), its losses (Eq. (10)-(17)) are
-  vmapped and averaged into one gradient, one optimizer step follows (Eq. (18)), then the batch's
-  experiences (Eq. (11)-(14)) are pushed. The slates and labels may come from a jitted critic
-  (`train_batch`) or from the host (an LLM critic, `ear_jax.agent.Memory`). With the guard its
-  held-out queries go to its ring (`guard.push_holdout`).
+  Replays gathered once (Eq. (15)), losses (Eq. (10)-(17)) vmapped and averaged into one gradient,
+  one optimizer step (Eq. (18)), then the experiences pushed (Eq. (11)-(14)); with the guard, its
+  held-out queries go to its ring instead.
 
   Args:
     state: learner state at the batch's start.
     keys: `[b]` PRNG keys for the replay; consumed.
     batch: a `Stream` of `b` queries (`gold` is not used).
     slates: `[b, R, s]` int32 slates shown to the critic (-1 = empty position).
-    slate_mask: `[b, R, s]` bool; a query whose critic gave no usable answer has an all-False row
-      and contributes only its replay loss.
+    slate_mask: `[b, R, s]` bool; an all-False row (no usable answer) adds only replay loss.
     labels: `[b, R, s]` labels in {-1, +1}.
     where: `[b]` bool, real queries.
-    config: static config.
-    hparams: hyperparameters.
-    held: `[b]` bool, the real queries held out for the guard (`config.guard_holdout`; None:
-      none): left out of the loss and the replay buffer, pushed to the guard's held-out ring.
-    ring: `[b]` bool, which of the held-out queries go to the ring (default: all; `Memory` leaves
-      out a held-out question asked again, so the ring's questions stay independent).
+    held: `[b]` bool, queries held out for the guard (None: none): not trained on.
+    ring: `[b]` bool, which held-out queries go to the guard's ring (default: all).
 
   Returns:
     `(new_state, records)` as in `train_batch`.
   """
-  # The batch's replays are gathered once, before the gradient; `query_loss` is vmapped over them.
   replay, buffer = _batch_replay(keys, state.buffer, batch.queries, config)
   feedback = Feedback(slates=slates, slate_mask=slate_mask, labels=labels)
 

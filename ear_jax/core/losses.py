@@ -1,8 +1,7 @@
-"""Feedback-weighted ranking losses, feedback aggregation and replay slates (Eq. (10)-(12), (16), (19), (20)).
+"""Ranking losses, feedback aggregation and replay slates (Eq. (10)-(12), (16), (19), (20)).
 
 Symbols: `K` candidates, `s` slate size, `R` slates of one query (T rounds of the Explorer, or 1).
-
-All functions work on one query (unbatched). Masks are named `where` / `*_mask` (True = valid).
+All functions work on one query (unbatched); masks are True = valid.
 """
 from __future__ import annotations
 
@@ -22,14 +21,9 @@ def slate_log_probs(logits: jax.Array, where: jax.Array, slate: jax.Array, slate
                     loss_form: str) -> jax.Array:
   """`log p_phi(i_j)` of each slate position, in one of the two readings of Eq. (10).
 
-  Args:
-    logits: `[K]` relevance logits `z` (or `z / tau`).
-    where: `[K]` bool, valid candidates.
-    slate: `[s]` int32 slate (-1 = empty position).
-    slate_mask: `[s]` bool.
-    loss_form: 'flat': `log softmax(z)_{i_j}` over all valid candidates (Alg. 3 line 7);
-      'sequential': Plackett-Luce, position j's softmax excludes the items chosen at positions < j
-      (Section 3.4's wording).
+  `logits [K]` (`z` or `z / tau`), `where [K]`, `slate [s]` (-1 = empty), `slate_mask [s]`.
+  `loss_form`: 'flat', `log softmax(z)` over the valid candidates (Alg. 3 line 7), or
+  'sequential', Plackett-Luce: position j excludes the items chosen before it (Section 3.4).
 
   Returns:
     `[s]` log-probabilities (0 at empty positions).
@@ -53,13 +47,10 @@ def slate_log_probs(logits: jax.Array, where: jax.Array, slate: jax.Array, slate
 def loss_support(where: jax.Array, observed: jax.Array, mode: str, window: int) -> jax.Array:
   """The candidates Eq. (10)'s softmax runs over (`EARConfig.loss_support`).
 
-  'all': every valid candidate (Alg. 3 line 7, the paper). 'labelled': only candidates that
-  received feedback. 'window': the first stage's top `window` (`T s`, what a query's rounds can
-  show) and every labelled candidate. 'auto': 'all' when the rounds can show every candidate
-  (`K <= window`), else 'labelled'. 'window' and 'auto' return `where` itself when
-  `K <= window`, so the computation is the paper's bit for bit. Outside the support a candidate
-  gets no gradient from the loss: pushing shown, uncited memories down then never moves
-  probability onto the never-shown tail of a large K.
+  'all': every valid candidate (the paper). 'labelled': only candidates with feedback. 'window':
+  the first stage's top `window` (`T s`) and every labelled one. 'auto': 'all' when `K <= window`,
+  else 'labelled'. At `K <= window`, 'window' and 'auto' return `where` itself: the paper's
+  computation bit for bit.
 
   Args:
     where: `[K]` bool, valid candidates (in the first stage's rank order).
@@ -85,19 +76,14 @@ def ranking_loss(logits: jax.Array, where: jax.Array, slates: jax.Array, slate_m
                  count_mask: jax.Array | None = None) -> jax.Array:
   """Feedback-weighted ranking loss `-1/(R s) sum_t sum_j (y_tj - b) log p_phi(i_tj)`, Eq. (10).
 
-  The normaliser is the number of counted slate positions (`R s` when every slate is full), so
-  an all-masked input gives 0.
+  The normaliser is the number of counted positions, so an all-masked input gives 0.
 
   Args:
-    logits: `[K]` relevance logits.
-    where: `[K]` bool, valid candidates.
-    slates: `[R, s]` int32 slates.
-    slate_mask: `[R, s]` bool, positions that hold an item.
-    rewards: `[R, s]` labels or rewards in {-1, +1}.
-    baseline: `[]` the action-independent baseline `b`.
+    logits: `[K]` relevance logits; where: `[K]` bool.
+    slates, slate_mask, rewards: `[R, s]` slates, positions holding an item, rewards in {-1, +1}.
+    baseline: `[]` the baseline `b`.
     loss_form: 'flat' or 'sequential' (see `slate_log_probs`).
-    count_mask: optional `[R, s]` bool, positions that count in the loss (default `slate_mask`);
-      the slate's order (for 'sequential') is still given by `slate_mask`.
+    count_mask: optional `[R, s]` bool, positions that count in the loss (default `slate_mask`).
 
   Returns:
     `[]` loss.
@@ -113,12 +99,6 @@ def ranking_loss(logits: jax.Array, where: jax.Array, slates: jax.Array, slate_m
 def aggregate_feedback(slates: jax.Array, slate_mask: jax.Array, labels: jax.Array,
                        num_candidates: int):
   """Observed set and mean label per candidate over the rounds, Eq. (11)-(12).
-
-  Args:
-    slates: `[R, s]` int32 slates of the R rounds.
-    slate_mask: `[R, s]` bool.
-    labels: `[R, s]` labels.
-    num_candidates: `K` (static).
 
   Returns:
     `(observed [K] bool, ybar [K] float32)`; `ybar` is 0 for never-chosen candidates.
@@ -136,12 +116,11 @@ def replay_rewards(ybar: jax.Array, observed: jax.Array, replay_unobserved: str)
   Args:
     ybar: `[K]` aggregated labels of a stored experience.
     observed: `[K]` bool, candidates that received feedback.
-    replay_unobserved: 'negative' (Eq. (20) literally: never-chosen items, ybar = 0, get -1 and
-      count) or 'ignore' (never-chosen items are left out of the loss, Eq. (13)).
+    replay_unobserved: 'negative' (Eq. (20) literally: never-chosen items get -1 and count) or
+      'ignore' (never-chosen items are left out of the loss).
 
   Returns:
-    `(rewards [K] float32, counted [K] bool)`: `counted` marks the candidates that count in the
-    replay loss.
+    `(rewards [K] float32, counted [K] bool)`.
   """
   rewards = jnp.where(ybar > 0, 1.0, -1.0).astype(jnp.float32)
   if replay_unobserved == "negative":
@@ -157,27 +136,17 @@ def gumbel_top_s(key: jax.Array, logits: jax.Array, where: jax.Array, tau: jax.A
                  slate_size: int):
   """A slate of `s` items without replacement: top-s of `z / tau + g`, `g ~ Gumbel(0, 1)`, Eq. (19).
 
-  Args:
-    key: PRNG key; the key is consumed (`g = jax.random.gumbel(key, (K,))`).
-    logits: `[K]` relevance logits (treated as constants).
-    where: `[K]` bool, valid candidates.
-    tau: `[]` temperature.
-    slate_size: `s` (static).
+  The key is consumed; `logits [K]` are constants, `where [K]`, `tau []`.
 
   Returns:
-    `(slate [s] int32, slate_mask [s] bool)`, ordered by perturbed score (`slates.top_s_slate`).
+    `(slate [s] int32, slate_mask [s] bool)`, ordered by perturbed score.
   """
   g = jax.random.gumbel(key, logits.shape, jnp.float32)
   return top_s_slate(jax.lax.stop_gradient(logits) / tau + g, where, slate_size)
 
 
 def replay_loss(per_experience_losses: jax.Array, replay_mask: jax.Array) -> jax.Array:
-  """`L_rep = 1/|J| sum_{r in J} L_rank(e_r)`, Eq. (16); 0 when nothing is replayed.
-
-  Args:
-    per_experience_losses: `[B]` ranking losses of the replayed experiences.
-    replay_mask: `[B]` bool, which of the B slots hold an experience.
-  """
+  """`L_rep = 1/|J| sum_{r in J} L_rank(e_r)`, Eq. (16), over `[B]` losses; 0 when empty."""
   return _safe_div(jnp.sum(jnp.where(replay_mask, per_experience_losses, 0.0)),
                    jnp.sum(replay_mask))
 

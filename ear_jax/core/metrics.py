@@ -1,7 +1,6 @@
 """Retrieval metrics: Recall@s (ALL gold in the slate) and Hitrate@s (ANY gold), Section 4.4.
 
-Gold memories outside the top-K candidates count as misses (`num_gold` counts them). Reductions over
-queries are safe: an empty or all-masked set gives 0, not NaN.
+Gold outside the top-K count as misses; an empty or all-masked set gives 0, not NaN.
 """
 from __future__ import annotations
 

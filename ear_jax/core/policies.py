@@ -1,19 +1,9 @@
 """Training-slate policies: which slates of a training query the critic is shown (Alg. 1, Table 3).
 
-Symbols: `K` candidates, `s` slate size, `R` slates per training query (`T` for the Explorer, 1 for
-the single-slate policies).
-
-A policy is a function
-`policy(key, relevance, gram_fn, where, feedback, config, hparams) -> (slates, slate_mask, labels)`:
-  key: PRNG key; the key is consumed.
-  relevance: `[K]` adapted logits `z` (constants: no gradient flows through slate choice).
-  gram_fn: `() -> [K, K]` adapted candidate similarities (only the Explorer calls it).
-  where: `[K]` bool, valid candidates.
-  feedback: `(key, slate [s], slate_mask [s]) -> labels [s]`, the critic of this query.
-  config, hparams: the static config and the hyperparameters.
-returning `[R, s]` int32 slates (-1 = empty), `[R, s]` bool masks and `[R, s]` float32 labels.
-`TRAIN_SLATES` maps command-line names to policies (`'none'`: no training); adding a policy is one
-function and one line there.
+Symbols: `K` candidates, `s` slate size, `R` slates per training query (`T` for the Explorer, 1
+otherwise). A policy (`core.types.TrainSlatePolicy`) maps `(key, relevance [K], gram_fn, where
+[K], feedback, config, hparams)` to `[R, s]` slates, masks and labels; `relevance` is a constant
+(no gradient flows through slate choice). `TRAIN_SLATES` names them ('none': no training).
 """
 from __future__ import annotations
 
@@ -69,9 +59,5 @@ TRAIN_SLATES: dict[str, Optional[TrainSlatePolicy]] = {
 
 
 def train_slate_policy(value) -> Optional[TrainSlatePolicy]:
-  """`EARConfig.train_slate` (a name in `TRAIN_SLATES`, or a policy) -> the policy (None: 'none').
-
-  Raises:
-    ValueError: for a name not in `TRAIN_SLATES`.
-  """
+  """`EARConfig.train_slate` (a name or a policy) -> the policy (None: 'none')."""
   return resolve_strategy("train_slate", value, TRAIN_SLATES)

@@ -2,10 +2,8 @@
 
 Symbols: `n` queries, `M` bank rows, `d` dimension, `K` candidates, `s` slate size.
 
-Every caller goes through these functions: the benchmark pipeline builds its candidate streams with
-`top_k_search`, `ear_jax.agent.Memory` retrieves with `top_k_search` + `slate_from_candidates`,
-`inference.evaluate` uses `slate_from_candidates`, `explorer_slate` and `paging_slate`, and
-`experiments.bench` times `retrieve` and `explorer_retrieve`, i.e. exactly what users call.
+Every caller (benchmark streams, `ear_jax.agent.Memory`, `inference.evaluate`, `experiments.bench`)
+goes through these functions.
 """
 from __future__ import annotations
 
@@ -22,11 +20,8 @@ from ear_jax.core.slates import top_s_slate
 from ear_jax.core.types import SlateFeedback
 
 
-# The streamed search holds at most about this many scores at a time (16 MB of float32): a block
-# is `max(MIN_CHUNK, SCORE_BUDGET // n)` rows (rounded down to a power of two, so it divides the
-# power-of-two capacities of `ear_jax.agent.memory.bank.DeviceBank`). On CPU one large block is faster than a
-# scan of small ones for a few queries (XLA parallelises the matrix-vector product only outside a
-# loop), so a single query scans only banks of more than 4M rows.
+# The streamed search holds about this many scores at a time (16 MB of float32); a block is a power
+# of two of rows, so it divides the power-of-two capacities of `DeviceBank`.
 SCORE_BUDGET = 1 << 22
 MIN_CHUNK = 1 << 12
 
@@ -38,12 +33,7 @@ def block_rows(num_queries: int) -> int:
 
 
 def _chunk_scores(queries: jax.Array, rows: jax.Array) -> jax.Array:
-  """`[n, c]` float32 cosines of queries against a block of bank rows (fp32 or bf16 rows).
-
-  A bfloat16 block is widened to float32 as it is read (XLA's CPU bf16 matrix products are several
-  times slower than widening): for a few queries as one fused multiply-reduce per query, else as a
-  widened block for the float32 matrix product.
-  """
+  """`[n, c]` float32 cosines of queries against a block of rows (bfloat16 widened on read)."""
   queries = queries.astype(jnp.float32)
   if rows.dtype != jnp.float32 and queries.shape[0] <= 4:
     return jnp.stack([(rows.astype(jnp.float32) * q).sum(-1) for q in queries])
@@ -56,8 +46,7 @@ def _masked_top(scores, where, k):
 
 
 def _merge(best, new, k):
-  """Merges two `(values, index)` candidate lists; `best` first, so equal values keep the lower
-  bank index (the running list holds only lower indices than a later chunk)."""
+  """Merges two `(values, index)` lists; `best` first, so equal values keep the lower bank index."""
   vals = jnp.concatenate([best[0], new[0]], 1)
   idx = jnp.concatenate([best[1], new[1]], 1)
   vals, order = jax.lax.top_k(vals, k)
@@ -78,8 +67,7 @@ def _block_top(queries, rows, valid, stores, offset, per_store):
 
 
 def _streaming_top(queries, bank, valid, stores, per_store, chunk):
-  """The top-`per_store` lists over the whole bank, scanning it in `chunk`-row blocks (`lax.scan`
-  with a running top list merged by `lax.top_k`): the `[n, M]` score matrix is never formed."""
+  """Top-`per_store` lists over the whole bank in `chunk`-row blocks; `[n, M]` is never formed."""
   m = bank.shape[0]
   num_full = m // chunk
   n = queries.shape[0]
@@ -112,20 +100,15 @@ def top_k_search(queries: jax.Array, bank: jax.Array, valid: jax.Array, k: int,
                  stores: Optional[jax.Array] = None, chunk: Optional[int] = None):
   """Top-K bank rows by cosine (Eq. (1)); with `stores`, the top-K/2 of each of two stores.
 
-  Ties go to the lower index. Banks with fewer than K valid rows give padded, masked positions.
-  A bank of more than `chunk` rows is streamed: a `lax.scan` over `chunk`-row blocks keeps a
-  running top-K (each block's `lax.top_k`, a partial selection, merged into it), so the `[n, M]`
-  score matrix is never formed and nothing is sorted; at most `n chunk` scores (about
-  `SCORE_BUDGET`) exist at once and the bank is read once. The bank may be float32 or bfloat16
-  (scores are computed in float32 either way).
+  Ties go to the lower index; a bank with fewer than K valid rows gives padded, masked positions. A
+  bank of more than `chunk` rows is streamed (`lax.scan` with a running top-K), so at most `n chunk`
+  scores exist at once.
 
   Args:
-    queries: `[n, d]` unit query embeddings (frozen encoder).
-    bank: `[M, d]` unit memory embeddings (float32 or bfloat16).
-    valid: `[M]` bool, rows that may be returned.
+    queries: `[n, d]` unit query embeddings.
+    bank: `[M, d]` unit memory embeddings (float32 or bfloat16); valid: `[M]` bool.
     k: `K` (static).
-    stores: optional `[M]` int32 store code (0 episodic, 1 semantic) for the multi-store candidates
-      of Section 5: the top-K/2 of each store, merged by score.
+    stores: optional `[M]` int32 store code (0 episodic, 1 semantic; Section 5).
     chunk: rows per block of the streamed search (static); default `block_rows(n)`.
 
   Returns:
@@ -159,18 +142,8 @@ def slate_from_candidates(params: adapter_lib.AdapterParams, query: jax.Array,
                           stats: Optional[explorer_lib.BanditStats] = None):
   """Adapt -> slate for one query: the adapter's top-s (Section 3.6), or one Explorer round.
 
-  Without `stats` this is adapter-only inference, `S = TopS_i z_i^phi`. With the query's bandit
-  statistics it is one Explorer round (Eq. (5)-(8)): the greedy slate of
-  `lambda_rel z - lambda_div D + lambda_exp U` (needs `hparams`).
-
-  Args:
-    params: adapter parameters.
-    query: `[d]` pre-adapter query.
-    candidates: `[K, d]` pre-adapter candidates.
-    where: `[K]` bool, valid candidates.
-    slate_size: `s` (static).
-    hparams: Explorer hyperparameters (only with `stats`).
-    stats: optional `BanditStats` of the query's earlier rounds.
+  Without `stats`: `S = TopS_i z_i^phi`. With the query's `BanditStats`: one Explorer round
+  (Eq. (5)-(8)), which needs `hparams`. `query [d]`, `candidates [K, d]`, `where [K]`.
 
   Returns:
     `(slate [s] int32, slate_mask [s] bool, logits z [K])`.
@@ -188,8 +161,7 @@ def slate_from_candidates(params: adapter_lib.AdapterParams, query: jax.Array,
 def batch_slates(params: adapter_lib.AdapterParams, queries: jax.Array, candidates: jax.Array,
                  where: jax.Array, slate_size: int, hparams=None,
                  stats: Optional[explorer_lib.BanditStats] = None):
-  """`slate_from_candidates` for `n` queries (vmapped): `[n, d]` queries, `[n, K, d]` candidates,
-  `[n, K]` masks, and `[n, K]` bandit statistics for an Explorer round (None: adapter top-s).
+  """`slate_from_candidates` vmapped over `n` queries (`[n, ...]` inputs and `stats`).
 
   Returns:
     `(slate [n, s] int32, slate_mask [n, s] bool, logits z [n, K])`.
@@ -202,18 +174,8 @@ def retrieve(params: adapter_lib.AdapterParams, queries: jax.Array, bank: jax.Ar
              valid: jax.Array, k: int, slate_size: int):
   """Batched adapter-only retrieval: `top_k_search`, then the adapter's top-s of each query.
 
-  When the batch's `n K` candidate rows outnumber the bank's `M` rows (a static shape test), the
-  bank is adapted once and the candidates' adapted rows are gathered from it; otherwise the `n K`
-  candidates are adapted (`slate_from_candidates`). Both give the same logits (Eq. (3)-(4) act
-  row by row).
-
-  Args:
-    params: adapter parameters.
-    queries: `[n, d]` pre-adapter queries.
-    bank: `[M, d]` memory embeddings.
-    valid: `[M]` bool.
-    k: `K` (static).
-    slate_size: `s` (static).
+  `queries [n, d]`, `bank [M, d]`, `valid [M]`. When `n K > M` the bank is adapted once and rows
+  gathered; both paths give the same logits.
 
   Returns:
     `(memory rows [n, s] int32 (-1 = empty), candidates [n, K] int32, logits [n, K])`.
@@ -236,16 +198,8 @@ def explorer_slate(key: jax.Array, params: adapter_lib.AdapterParams, query: jax
                    slate_size: int, hparams) -> explorer_lib.ExplorerOutput:
   """Explorer-assisted slate of one query: T rounds with the critic (Section 3.6, Alg. 2).
 
-  Args:
-    key: PRNG key; the key is consumed.
-    params: adapter parameters.
-    query: `[d]` pre-adapter query.
-    candidates: `[K, d]` pre-adapter candidates.
-    where: `[K]` bool, valid candidates.
-    feedback: `(key, slate, slate_mask) -> labels [s]`.
-    num_rounds: `T` (static).
-    slate_size: `s` (static).
-    hparams: Explorer hyperparameters.
+  The key is consumed; `feedback` is `(key, slate, slate_mask) -> labels [s]`; inputs as in
+  `slate_from_candidates`.
 
   Returns:
     The `ExplorerOutput`; the final slate is `out.slates[-1]`.
@@ -260,18 +214,8 @@ def explorer_retrieve(key: jax.Array, params: adapter_lib.AdapterParams, queries
                       num_rounds: int, slate_size: int, hparams, critic: critic_lib.Critic):
   """Batched explorer-assisted retrieval: `top_k_search`, then `explorer_slate` per query.
 
-  Args:
-    key: PRNG key for the critic; the key is consumed.
-    params: adapter parameters.
-    queries: `[n, d]` pre-adapter queries.
-    bank: `[M, d]` memory embeddings.
-    valid: `[M]` bool.
-    gold: `[n, M]` bool gold flags (what a simulated critic sees; all False when unknown).
-    k: `K` (static).
-    num_rounds: `T` (static).
-    slate_size: `s` (static).
-    hparams: Explorer hyperparameters.
-    critic: a jitted critic pytree (e.g. `critic.default_critic()`).
+  Inputs as `retrieve`, plus `key` (consumed), `gold [n, M]` bool (what a simulated critic sees),
+  `num_rounds` `T` and a jitted `critic`.
 
   Returns:
     `[n, s]` int32 memory rows of round T's slate (-1 = empty).
@@ -306,22 +250,15 @@ def paging_slate(key: jax.Array, relevance: jax.Array, where: jax.Array,
                  feedback: SlateFeedback, num_pages: int, slate_size: int) -> PagingOutput:
   """Paging, the test-time baseline of explorer-assisted inference (beyond the paper).
 
-  With the same critic and the same number of calls as T Explorer rounds, the critic is shown the
-  ranking's top `T s` in T pages of `s` (page t = ranks `t s .. t s + s - 1` of `relevance` over
-  the valid candidates, ties to the lower index as in `top_s_slate`), and the answer is the cited
-  candidates first (in ranking order), then the rest by the ranking, cut to `s`. With nothing
-  cited the answer is the ranking's top-s (`top_s_slate`, bit for bit). Pages past the valid
-  candidates are empty (index -1, mask False); the critic is still called on them, as the Explorer
-  calls it on a short slate. One query (unbatched); callers vmap.
+  The critic sees the ranking's top `T s` in T pages of `s` (ties to the lower index); the answer
+  is the cited candidates first, then the rest by the ranking, cut to `s`: with nothing cited,
+  `top_s_slate` bit for bit. Empty pages are still shown. One query; callers vmap.
 
   Args:
-    key: PRNG key, split into one key per page as `explorer.explore` splits it into one per
-      round (page t's critic call gets round t's key); the key is consumed.
-    relevance: `[K]` scores to rank by (e.g. adapted logits `z`; treated as constants).
-    where: `[K]` bool, valid candidates.
+    key: PRNG key, split per page as `explorer.explore` splits it per round; consumed.
+    relevance: `[K]` scores to rank by (constants); where: `[K]` bool.
     feedback: `(key, slate, slate_mask) -> labels [s]`, the critic of this query.
-    num_pages: `T` critic calls (static).
-    slate_size: `s` (static).
+    num_pages, slate_size: `T`, `s` (static).
 
   Returns:
     A `PagingOutput` (`[T, s]` pages, masks and labels; the `[s]` answer slate and mask).

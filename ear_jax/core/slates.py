@@ -1,8 +1,6 @@
-"""Slate primitives: gathering per-candidate values at slate positions, and the top-s slate.
+"""Slate primitives: gathering values at slate positions, and the top-s slate.
 
-Symbols: `K` candidates, `s` slate size. A slate is `[s]` int32 candidate positions with a `[s]` bool
-`slate_mask`; when fewer than `s` candidates are valid the remaining positions are empty (index -1,
-mask False).
+Symbols: `K` candidates, `s` slate size. Empty positions: index -1, mask False.
 """
 from __future__ import annotations
 
@@ -11,15 +9,10 @@ import jax.numpy as jnp
 
 
 def top_s_slate(scores: jax.Array, where: jax.Array, slate_size: int):
-  """The `s` highest-scoring valid candidates, best first (adapter-only inference, Section 3.6).
-
-  Args:
-    scores: `[K]` scores (e.g. adapted logits `z`).
-    where: `[K]` bool, valid candidates.
-    slate_size: `s` (static).
+  """The `s` highest-scoring valid candidates of `scores [K]`, best first (Section 3.6).
 
   Returns:
-    `(slate [s] int32, slate_mask [s] bool)`, empty positions as in `greedy_slate`.
+    `(slate [s] int32, slate_mask [s] bool)`.
   """
   vals, idx = jax.lax.top_k(jnp.where(where, scores, -jnp.inf), slate_size)
   ok = vals > -jnp.inf

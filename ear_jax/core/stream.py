@@ -1,14 +1,9 @@
 """Query streams: the fixed-shape arrays that an EAR episode consumes.
 
-Symbols: `N` queries, `K` candidates per query, `d` embedding dimension.
-
-A stream holds, for every query, its frozen (pre-adapter) embedding, the embeddings of its top-K
-candidates from its own memory bank (Eq. (1)), a `mask` (True = a real candidate; banks smaller than K
-are padded), a `gold` mask over the candidates and `num_gold`, the number of gold memories of the query
-in its whole bank (gold memories outside the top-K stay gold: they are misses in Recall@5).
-Optionally, `answer_support`: per candidate, how much the agent's answer draws on it
-(`ear_jax.data.answer_support`), read by the answer-grounded critic; None (the default) = absent,
-and every computation is then exactly what it was without the field.
+Symbols: `N` queries, `K` candidates per query, `d` embedding dimension. Per query: its frozen
+embedding, its top-K candidates' (Eq. (1)), a `mask` (small banks padded), a `gold` mask and
+`num_gold` over its whole bank (gold outside the top-K are misses). `answer_support` is optional;
+None leaves every computation as without the field.
 """
 from __future__ import annotations
 
@@ -23,24 +18,13 @@ import numpy as np
 
 @flax.struct.dataclass
 class Stream:
-  """A stream of queries with their top-K candidate sets.
-
-  Attributes:
-    queries: `[N, d]` float32 pre-adapter query embeddings (unit vectors).
-    candidates: `[N, K, d]` float32 pre-adapter candidate embeddings (zeros where masked); with
-      first-stage side features `[N, K, d + F]`: each row is `[embedding | features]`.
-    mask: `[N, K]` bool, True where the candidate is a real memory.
-    gold: `[N, K]` bool, True where the candidate is a gold memory of the query.
-    num_gold: `[N]` int32, gold memories of the query in its whole bank (>= gold.sum(-1)).
-    answer_support: optional `[N, K, A]` float32, the answer-support features of each candidate
-      (`core.critic.ANSWER_FEATURES`; 0 where masked), or None.
-  """
-  queries: jax.Array  # [N, d] float32
-  candidates: jax.Array  # [N, K, d (+ F)] float32
-  mask: jax.Array  # [N, K] bool
-  gold: jax.Array  # [N, K] bool
-  num_gold: jax.Array  # [N] int32
-  answer_support: Optional[jax.Array] = None  # [N, K, A] float32, or None (absent)
+  """A stream of queries with their top-K candidate sets (numpy or jax arrays)."""
+  queries: jax.Array  # [N, d] float32 pre-adapter unit query embeddings
+  candidates: jax.Array  # [N, K, d (+ F)] float32 candidate rows [embedding | side features]
+  mask: jax.Array  # [N, K] bool, a real memory (0 rows where masked)
+  gold: jax.Array  # [N, K] bool, a gold memory of the query
+  num_gold: jax.Array  # [N] int32 gold memories in the whole bank (>= gold.sum(-1))
+  answer_support: Optional[jax.Array] = None  # [N, K, A] float32 (`critic.ANSWER_FEATURES`)
 
   @property
   def num_queries(self) -> int:
@@ -74,19 +58,11 @@ def _check(assertion, *args, message: str):
 
 def make_stream(queries, candidates, mask=None, gold=None, num_gold=None,
                 features=None, answer_support=None) -> Stream:
-  """Builds and validates a `Stream` from array-likes.
+  """Builds and validates a `Stream` of numpy arrays from array-likes.
 
-  Args:
-    queries: `[N, d]` query embeddings.
-    candidates: `[N, K, d]` candidate embeddings.
-    mask: optional `[N, K]` bool candidate mask (default: all valid).
-    gold: optional `[N, K]` bool gold mask (default: no gold).
-    num_gold: optional `[N]` total gold per query (default: `gold.sum(-1)`).
-    features: optional `[N, K, F]` first-stage side features, appended to each candidate row.
-    answer_support: optional `[N, K, A]` answer-support features (`Stream.answer_support`).
-
-  Returns:
-    A `Stream` of numpy arrays with canonical dtypes.
+  `queries [N, d]`, `candidates [N, K, d]`; optional `mask`, `gold` `[N, K]` (default all valid,
+  no gold), `num_gold [N]` (default `gold.sum(-1)`), `features [N, K, F]` appended to each row,
+  `answer_support [N, K, A]`.
 
   Raises:
     ValueError: naming the field whose shape, dtype or values are wrong.

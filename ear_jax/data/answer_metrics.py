@@ -1,24 +1,14 @@
-"""The benchmarks' own answer scores: LoCoMo's F1 (official rules), BLEU-1, and the abstention rules.
+"""The benchmarks' own answer scores: LoCoMo's F1, BLEU-1, and the abstention rules.
 
-Pure text functions (no I/O, no JAX, no LLM); the LLM judge (J) lives in `ear_jax.agent.llm.qa`.
+Pure text functions (no I/O, no JAX, no LLM); the LLM judge lives in `ear_jax.agent.llm.qa`.
 
-LoCoMo F1, as `eval_question_answering` in snap-research/LoCoMo `task_eval/evaluation.py`:
-`normalize_answer` (drop commas, lower-case, drop ASCII punctuation and a / an / the / and,
-collapse white space); `token_f1`, the Porter-stemmed (`ear_jax.data.porter`) multiset token F1;
-per category (`locomo_f1`; LoCoMo's numbers 1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop,
-5 adversarial, `LOCOMO_CATEGORY_NUMBERS`): category 3 keeps the gold before the first ';';
-2, 3, 4 score `token_f1`; 1 splits both on ',' and averages over the gold parts the best
-`token_f1` against any predicted part (`multi_answer_f1`); 5 is 1 when the prediction contains
-'no information available' or 'not mentioned'. LongMemEval has no official F1: the same
-`token_f1` (no category rules); its abstention questions (`_abs` in the id, `is_abstention`) are
-judged with the official abstention prompt.
-
-BLEU-1 (`bleu1`), as mem0's and A-Mem's `calculate_bleu_scores` (NLTK `sentence_bleu` with weights
-(1, 0, 0, 0) and `method1` smoothing on lower-cased tokens), which for unigrams is BP * p1 (p1 the
-clipped unigram precision, BP = 1 if c > r else exp(1 - r / c)). Tokens: `tokenize`, a regular
-expression approximating `nltk.word_tokenize` (which needs NLTK data files): clitics split off
-("don't" -> do n't), hyphenated words and decimals whole, quotes as `` / '', other punctuation
-alone.
+LoCoMo F1 follows `eval_question_answering` of snap-research/LoCoMo `task_eval/evaluation.py`:
+`normalize_answer`, the Porter-stemmed multiset `token_f1`, and the per-category rules of
+`locomo_f1` (3: gold before the first ';'; 1: `multi_answer_f1` over ','-split parts; 5: an
+abstention phrase). LongMemEval uses the same `token_f1`; its `_abs` questions (`is_abstention`)
+are judged with the official abstention prompt. BLEU-1 (`bleu1`) is mem0's / A-Mem's NLTK
+`sentence_bleu` with unigram weights and `method1` smoothing, i.e. BP * p1, over `tokenize`, a
+regular expression approximating `nltk.word_tokenize`.
 """
 from __future__ import annotations
 
@@ -36,8 +26,7 @@ LOCOMO_CATEGORY_NUMBERS = {"multi-hop": 1, "temporal": 2, "open-domain": 3, "sin
 ADVERSARIAL_PHRASES = ("no information available", "not mentioned")
 _PUNCT = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the|and)\b")
-# Treebank-like tokens: clitics ('s, n't, ...) apart, hyphenated words and decimals whole, quotes as
-# `` / '', any other non-space character alone.
+# Treebank-like tokens: clitics apart, hyphenated words and decimals whole, quotes as `` / ''.
 _TOKEN = re.compile(r"\w+(?=n't\b)|n't\b|'(?:s|m|d|ll|re|ve)\b|\w+(?:[-.]\w+)*|``|''|\S")
 _OPEN_QUOTE = re.compile(r'(^|(?<=[\s(\[{<]))"')
 
@@ -78,11 +67,7 @@ def adversarial_score(prediction: str) -> float:
 
 
 def locomo_category_number(category) -> int:
-  """LoCoMo's category number from a number or the loader's name.
-
-  Raises:
-    ValueError: naming the category when it is not one of LoCoMo's five.
-  """
+  """LoCoMo's category number from a number or the loader's name (ValueError if not one of five)."""
   if isinstance(category, str) and category in LOCOMO_CATEGORY_NUMBERS:
     return LOCOMO_CATEGORY_NUMBERS[category]
   if isinstance(category, int) and not isinstance(category, bool) and 1 <= category <= 5:
@@ -132,7 +117,7 @@ def bleu1(prediction: str, gold) -> float:
 
 
 def is_abstention(question_id: str) -> bool:
-  """LongMemEval: an abstention (unanswerable) question, as its scorer decides (`_abs` in the id)."""
+  """LongMemEval: an abstention (unanswerable) question (`_abs` in the id)."""
   return "_abs" in str(question_id)
 
 

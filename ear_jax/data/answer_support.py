@@ -1,26 +1,16 @@
 """Answer support: how much an agent's answer draws on each candidate memory.
 
 Symbols: `N` queries, `K` candidates per query, `d` embedding dimension, `F` answer-support
-features (`core.critic.ANSWER_FEATURES`).
+features (`core.critic.ANSWER_FEATURES`), computed on the host from the texts (0 at padding):
 
-The answer-grounded critic (`ear_jax.core.critic.AnswerCritic`) labels a shown memory "used" when
-the answer draws on it beyond what the question already says. What it reads is computed here, on
-the host, once per query and candidate, from the texts (`[N, K, F]` float32, 0 at padding):
+- `new_words`: the answer's content words not in the question that appear in the memory
+  (`lexical.tokenize` tokens, Porter-stemmed, compared as sets);
+- `new_word_share`: `new_words` over the answer's content words not in the question;
+- `answer_cosine`: the cosine of the answer's embedding with the memory's (the frozen encoder);
+- `question_answer_cosine`: the cosine of "question answer" with the memory's.
 
-- `new_words`: the number of the answer's content words that are not in the question and appear in
-  the memory. Content words: the lexical first stage's tokens (`lexical.tokenize`: lower-cased
-  `\\w+` runs without bm25s's `en_plus` stop words), each Porter-stemmed (`porter.stem`, as the
-  benchmarks' answer F1 stems), compared as sets;
-- `new_word_share`: `new_words` over the answer's content words not in the question (0 when it
-  has none);
-- `answer_cosine`: the cosine of the answer's embedding with the memory's (the same frozen encoder
-  as the memories, through its on-disk cache);
-- `question_answer_cosine`: the cosine of the embedding of "question answer" (the question with its
-  answer appended) with the memory's.
-
-`with_answer_support(bench, answers)` returns the benchmark with `stream.answer_support` set; it
-travels with the stream like `gold` (splits, seeds, batches), so a jitted critic reads it inside
-the episode's `lax.scan` through `SlateView.answer_support`.
+`with_answer_support(bench, answers)` sets `stream.answer_support`, which travels with the stream
+like `gold`, so a jitted critic reads it through `SlateView.answer_support`.
 """
 from __future__ import annotations
 
@@ -44,11 +34,7 @@ def lexical_support(questions: Sequence[str], answers: Sequence[str],
                     candidate_texts: np.ndarray, mask: np.ndarray) -> np.ndarray:
   """`[N, K, 2]` float32 (`new_words`, `new_word_share`) of every candidate (0 at padding).
 
-  Args:
-    questions: `[N]` question texts.
-    answers: `[N]` answer texts ('' = no answer: all zeros).
-    candidate_texts: `[N, K]` memory texts.
-    mask: `[N, K]` bool, real candidates.
+  `answers` '' gives all zeros; `candidate_texts [N, K]`, `mask [N, K]`.
   """
   n, k = np.shape(mask)
   q_words = content_words(questions)
@@ -70,11 +56,7 @@ def embedding_support(answer_emb: np.ndarray, question_answer_emb: np.ndarray,
                       candidate_emb: np.ndarray, mask: np.ndarray) -> np.ndarray:
   """`[N, K, 2]` float32 (`answer_cosine`, `question_answer_cosine`), 0 at padding.
 
-  Args:
-    answer_emb: `[N, d]` unit embeddings of the answers.
-    question_answer_emb: `[N, d]` unit embeddings of "question answer".
-    candidate_emb: `[N, K, d]` unit embeddings of the candidates.
-    mask: `[N, K]` bool.
+  Inputs: `answer_emb [N, d]`, `question_answer_emb [N, d]`, `candidate_emb [N, K, d]` unit rows.
   """
   cos = np.einsum("nd,nkd->nk", answer_emb, candidate_emb)
   qa_cos = np.einsum("nd,nkd->nk", question_answer_emb, candidate_emb)
@@ -87,16 +69,8 @@ def answer_support(questions: Sequence[str], answers: Sequence[str], candidate_t
                    cache_dir=None, progress: bool = False) -> np.ndarray:
   """`[N, K, F]` float32 answer support of every candidate, in `ANSWER_FEATURES` order.
 
-  Args:
-    questions: `[N]` question texts.
-    answers: `[N]` answer texts (an agent's answers, or the gold answers).
-    candidate_texts: `[N, K]` memory texts.
-    candidate_emb: `[N, K, d]` the candidates' frozen (unit) embeddings.
-    mask: `[N, K]` bool, real candidates.
-    encoder: the frozen encoder of the memories (a spec for `encoders.load_encoder`, or an
-      `Encoder`); the answers are encoded through its on-disk cache.
-    cache_dir: embedding cache root (else `$EAR_CACHE_DIR`, else ~/.cache/ear_jax).
-    progress: tqdm bar while encoding.
+  `questions`, `answers` `[N]` texts; `candidate_texts [N, K]`; `candidate_emb [N, K, d]` frozen
+  unit rows; `mask [N, K]`; `encoder` the memories' own (answers use its cache).
 
   Raises:
     ValueError: when the lengths or shapes disagree.
@@ -122,17 +96,10 @@ def answer_support(questions: Sequence[str], answers: Sequence[str], candidate_t
 
 def slate_support(question: str, answer: str, texts: Sequence[str], memories: np.ndarray,
                   embed) -> np.ndarray:
-  """`[s, F]` float32 answer support of ONE slate of `s` shown memories, in `ANSWER_FEATURES`
-  order: `answer_support`'s features of one query (a live `Memory`'s feedback).
+  """`[s, F]` float32 answer support of ONE slate of `s` shown memories (`Memory` feedback).
 
-  Args:
-    question: the question's text.
-    answer: the agent's answer ('' = no answer: all zeros).
-    texts: `[s]` the shown memories' texts.
-    memories: `[s, d (+ F)]` their frozen (unit) embeddings (columns beyond the encoder's `d`,
-      first-stage side features, are ignored).
-    embed: `embed(texts) -> [n, d]` unit embeddings by the memories' own encoder; called once,
-      with the answer and "question answer".
+  `texts [s]`, `memories [s, d (+ F)]` (columns beyond `d` ignored); `embed(texts) -> [n, d]` by
+  the memories' own encoder. An empty `answer` gives zeros.
 
   Raises:
     ValueError: when the lengths or shapes disagree.
@@ -159,15 +126,9 @@ def slate_support(question: str, answer: str, texts: Sequence[str], memories: np
 
 def with_answer_support(bench, answers: Sequence[str] | None = None, encoder="minilm", *,
                         cache_dir=None, progress: bool = False):
-  """`bench` (a `candidates.Benchmark`) with `stream.answer_support` from `answers`.
+  """`bench` with `stream.answer_support` from `answers` (default: its gold answers).
 
-  Args:
-    bench: the benchmark (its stream's first `d` candidate columns are the frozen embeddings).
-    answers: `[N]` answers in the benchmark's query order; default: its gold answers
-      (`bench.answers`, the answers of a competent agent).
-    encoder: the benchmark's encoder (the memories' embeddings must come from it).
-    cache_dir: embedding cache root.
-    progress: tqdm bar while encoding.
+  `encoder` must be the benchmark's (the memories' embeddings come from it).
 
   Raises:
     ValueError: for a benchmark without answers (synthetic) or answers of the wrong length.

@@ -2,19 +2,11 @@
 
 Symbols: `B` batch size, `L` padded token length, `h` hidden size, `H` attention heads.
 
-`load(model_dir)` reads a Hugging Face checkpoint directory (`config.json` and `model.safetensors`,
-sharded `model-*.safetensors`, `flax_model.msgpack`, or `pytorch_model.bin` when torch is
-installed) into a `BertConfig` and a parameter tree; `hidden_states(params, input_ids,
-attention_mask, config)` is the encoder's last hidden layer, `[B, L, h]`. The parameter tree has the
-names of the checkpoint's Flax form (`embeddings/word_embeddings/embedding`,
-`encoder/layer/0/attention/self/query/kernel`, ...), so a Flax checkpoint loads as it is and a
-PyTorch one by the usual renaming (a `weight` of a linear layer is its transposed `kernel`, of a
-LayerNorm its `scale`). The arithmetic is the post-LayerNorm BERT of the original release: word +
-position + token-type embeddings, LayerNorm, then per layer self-attention with a `-inf`-like bias on
-padded keys, a residual LayerNorm, a GELU feed-forward and a residual LayerNorm. RoBERTa and XLM-R
-differ only in their position ids (counted from `pad_token_id + 1` over the real tokens).
-`check_config(raw)` names what is not supported (another architecture, relative position
-embeddings, a decoder) before any weight is read. The pooler head is not used and not loaded.
+`load(model_dir)` reads a Hugging Face checkpoint directory (safetensors, Flax msgpack, or
+`pytorch_model.bin` with torch) into a `BertConfig` and a tree named as the checkpoint's Flax form;
+`hidden_states` is the last hidden layer. Post-LayerNorm BERT arithmetic; RoBERTa and XLM-R
+differ only in their position ids. `check_config` names what is unsupported before any weight is
+read. The pooler head is not loaded.
 """
 from __future__ import annotations
 
@@ -52,8 +44,7 @@ def check_config(raw: dict, where: str = "checkpoint") -> BertConfig:
   """A `BertConfig` from a checkpoint's `config.json` contents.
 
   Raises:
-    ValueError: naming `where` and what is not supported (model type, activation, relative
-      position embeddings, a decoder or cross-attention).
+    ValueError: naming `where` and what is not supported.
   """
   model_type = raw.get("model_type")
   if model_type not in _POSITIONS:
@@ -167,16 +158,13 @@ def _modules(config: BertConfig):
 
 
 def hidden_states(params: Any, input_ids, attention_mask, config: BertConfig):
-  """The last hidden layer of the encoder.
+  """The last hidden layer of the encoder, `[B, L, h]` float32.
 
   Args:
-    params: the parameter tree of `load` (`embeddings`, `encoder`).
+    params: the parameter tree of `load`.
     input_ids: `[B, L]` int32 token ids.
     attention_mask: `[B, L]` int32, 1 = a real token, 0 = padding (never attended to).
     config: the encoder's `BertConfig` (static under jit).
-
-  Returns:
-    `[B, L, h]` float32 hidden states.
   """
   return _modules(config).apply({"params": params}, input_ids, attention_mask)
 
@@ -261,8 +249,8 @@ def load(model_dir) -> tuple[BertConfig, dict]:
   """The config and the parameter tree (device arrays) of a checkpoint directory.
 
   Raises:
-    ValueError: naming the directory, for an unsupported config (`check_config`), missing weight
-      files, or weights that do not fit the config.
+    ValueError: naming the directory, for an unsupported config, missing weight files, or weights
+      that do not fit the config.
   """
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top

@@ -1,17 +1,12 @@
-"""Candidate sets (Eq. (1)): per query, the top-K memories of its own bank by cosine, as a `Stream`.
+"""Candidate sets (Eq. (1)): per query, the top-K memories of its own bank, as a `Stream`.
 
 Symbols: `N` queries, `K` candidates per query, `M` memories in a bank, `d` embedding dimension.
 
-`first_stage.top_k_candidates` (dense) scores queries against one bank in fixed-size, jitted batches (banks padded to a
-power of two so only a few shapes compile) and returns candidate indices in rank order, padded to K
-with `-1` and a mask when the bank has fewer than K memories. `build_benchmark` does this for every
-bank of a `corpus.Corpus` and assembles a `Benchmark` (the stream plus ids, texts, stores,
-categories and statistics). The multi-store variant (Section 5) takes the top-K/2 dialogue turns and
-the top-K/2 observations separately, then orders the K by cosine; an observation is gold when a
-dialogue id it references is gold. Gold memories outside the top-K stay gold (`num_gold`).
-The lexical first stages (bm25, hybrid, or dense with side features) index every queried bank's
-texts in one `lexical.BM25Index`, one scope per bank, and rank each bank with
-`first_stage.bank_first_stage` (the kernel `Memory` runs too).
+Candidates are in rank order, padded to K with `-1` and a mask when a bank is smaller. Multi-store
+(Section 5): the top-K/2 of each store, ordered by score; an observation is gold when a dialogue id
+it references is gold. Gold memories outside the top-K stay gold (`num_gold`). The lexical first
+stages index every queried bank in one `lexical.BM25Index` (one scope per bank) and rank it with
+`first_stage.bank_first_stage`, the kernel `Memory` runs too.
 
 `load_benchmark(name, ...)` is the one entry point: load -> encode (with cache) -> candidates.
 """
@@ -38,21 +33,19 @@ top_k_candidates = first_stage.top_k_candidates  # the dense first stage (Eq. (1
 
 @dataclasses.dataclass
 class Benchmark:
-  """Everything an EAR run needs about one benchmark. All arrays are numpy, query order = file order.
+  """Everything an EAR run needs about one benchmark (numpy arrays, query order = file order).
 
   Attributes:
     name: 'locomo' | 'longmemeval' | 'jsonl' | 'synthetic'.
     stream: the `Stream` of all evaluable queries.
-    query_ids: `[N]` query ids.
-    query_texts: `[N]` query texts ('' for synthetic).
-    categories: `[N]` str, LoCoMo category name / LongMemEval question_type / JSONL category.
-    candidate_ids: `[N, K]` str memory ids ('' = padding).
-    candidate_texts: `[N, K]` object array of str memory texts ('' = padding or synthetic).
-    candidate_store: `[N, K]` int8, 0 = dialogue/episodic, 1 = observation/semantic (0 on padding).
-    candidate_scores: `[N, K]` float32 frozen cosine (-inf on padding); candidates are in rank order.
-    group: `[N]` int32 index of the query's bank (conversation / question).
+    query_ids, query_texts: `[N]` ('' texts for synthetic).
+    categories: `[N]` str, LoCoMo category / LongMemEval question_type / JSONL category.
+    candidate_ids, candidate_texts: `[N, K]` str ('' = padding).
+    candidate_store: `[N, K]` int8, 0 = dialogue/episodic, 1 = observation/semantic.
+    candidate_scores: `[N, K]` float32 first-stage scores (-inf on padding), in rank order.
+    group: `[N]` int32 index of the query's bank.
     num_gold_store: `[N, 2]` int32 gold memories of the query per store in its whole bank.
-    stats: counts, dropped evidence, exclusions, encoding statistics, Recall@K ceiling, ...
+    stats: counts, exclusions, encoding statistics, Recall@K ceiling, ...
     answers: `[N]` the gold answers ('' where the file has none), or None (synthetic data).
   """
   name: str
@@ -88,8 +81,7 @@ class Benchmark:
 
 def encoded_texts(corpus: corpus_lib.Corpus, *, multistore: bool = False
                   ) -> tuple[list[str], list[np.ndarray], list[int]]:
-  """The texts `embed_corpus` encodes: every query, then the memories of the stores used (the
-  dialogue store, or all with `multistore`) of every bank a query searches.
+  """The texts `embed_corpus` encodes: every query, then the used memories of every queried bank.
 
   Returns:
     (texts, per bank a `[len(bank)]` bool mask of the memories encoded, offsets: bank g's rows are
@@ -109,10 +101,9 @@ def encoded_texts(corpus: corpus_lib.Corpus, *, multistore: bool = False
 
 def embed_corpus(corpus: corpus_lib.Corpus, encoder="minilm", *, cache_dir=None, progress=True,
                  multistore: bool = False) -> tuple[corpus_lib.EmbeddedCorpus, dict]:
-  """Encodes every query and the memories (of the stores used) of every queried bank, once.
+  """Encodes every query and the used memories of every queried bank, once (with the disk cache).
 
-  Identical texts are encoded once and the on-disk cache is used (`ear_jax.data.encoders.encode`).
-  Banks that no evaluable query searches (e.g. LongMemEval `_abs` questions) are left as zeros.
+  Banks that no evaluable query searches are left as zeros.
 
   Returns:
     (`ear_jax.data.corpus.EmbeddedCorpus`, encoding statistics).
@@ -140,20 +131,14 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
                     first_stage_options: first_stage.FirstStageOptions | None = None) -> Benchmark:
   """Top-K candidates, gold masks and the `Stream` for every evaluable query of an embedded corpus.
 
-  Single-store: candidates from the dialogue store (store 0) only. Multi-store: top-K/2 from each
-  store, merged in score order. Queries with no gold memory among the stores used are excluded and
-  counted in `stats['queries_without_gold_in_stores_excluded']`.
+  Queries with no gold memory among the stores used are excluded (counted in `stats`).
 
   Args:
-    ec: the embedded corpus.
     k: K, candidates per query.
     multistore: top-K/2 dialogue turns + top-K/2 observations (Section 5).
-    candidates: the first stage, a name in `first_stage.GENERATORS` ('dense', 'bm25', 'hybrid').
-    side_features: append the side features (`first_stage_options.feature_names`: the first
-      stage's, and with `features="context"` the bank's `first_stage.CONTEXT_FEATURES`) to every
-      candidate row of the stream (for `EARConfig.side_features`).
-    first_stage_options: the hybrid fusion's settings and the feature set (default
-      `FirstStageOptions()`).
+    candidates: the first stage, a name in `first_stage.GENERATORS`.
+    side_features: append the side features to every candidate row (`EARConfig.side_features`).
+    first_stage_options: the hybrid fusion's settings and the feature set.
   """
   first_stage.check_generator(candidates)
   fs_options = first_stage_options or first_stage.FirstStageOptions()
@@ -250,8 +235,7 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
 
 
 def _dense(queries, emb, stores, used, k: int, multistore: bool):
-  """The dense first stage of one bank (`top_k_candidates`); with `multistore` the top-K/2 of
-  each store, merged by score (store 0 first on ties)."""
+  """The dense first stage of one bank; with `multistore` each store's top-K/2 merged by score."""
   if not multistore:
     return top_k_candidates(queries, emb, k, valid=used)[:2]
   parts = [top_k_candidates(queries, emb, k // 2, valid=stores == s) for s in (0, 1)]
@@ -262,13 +246,10 @@ def _dense(queries, emb, stores, used, k: int, multistore: bool):
 
 
 def bank_context(texts: Sequence[str], dates: Optional[Sequence[str]], vocab: dict):
-  """`(sessions [M] int32, speakers [M] int32)` of a bank's rows for the `"context"` features
-  (`first_stage.Context`; -1 = unknown).
+  """`(sessions [M] int32, speakers [M] int32)` of a bank's rows for the 'context' features.
 
-  A row's session is its date string (rows of one session share it; '' = unknown;
-  `first_stage.session_codes`). Its speaker is the BM25 term (`vocab`'s id) of
-  `lexical.speaker_terms` (LoCoMo's "Caroline: ..."); -1 when there is none or the term is not in
-  `vocab`.
+  A row's session is its date string ('' = unknown); its speaker is the BM25 term id of
+  `lexical.speaker_terms` (-1 when none or not in `vocab`).
   """
   sessions = first_stage.session_codes([d or None for d in (dates or [""] * len(texts))])
   speakers = np.asarray([vocab.get(t, -1) if t else -1 for t in lexical.speaker_terms(texts)],
@@ -277,10 +258,10 @@ def bank_context(texts: Sequence[str], dates: Optional[Sequence[str]], vocab: di
 
 
 def _bm25_index(corpus: corpus_lib.Corpus, by_group, multistore: bool):
-  """`(lexical.BM25Index, offsets, vocab)`: one BM25 document per indexed row (dialogue rows, or
-  every row with `multistore`) of every queried bank, scope = the bank's number, so a query scored
-  with its bank's scope gets that bank's own BM25 statistics; bank `g`'s row `i` is document
-  `offsets[g] + i`."""
+  """`(BM25Index, offsets, vocab)`: the indexed rows of every queried bank, scope = bank number.
+
+  Bank `g`'s row `i` is document `offsets[g] + i`.
+  """
   index, vocab = lexical.BM25Index(), {}
   offsets = np.concatenate([[0], np.cumsum([len(b) for b in corpus.banks])]).astype(np.int64)
   for g in sorted(by_group):
@@ -313,10 +294,10 @@ def _rates(gold_top, num_gold, gold_k, s):
 
 
 def retriever_report(bench: Benchmark, s: int = 5) -> dict:
-  """The frozen retriever ("Only Retriever"): top-`s` candidates by cosine, in percent.
+  """The frozen retriever ("Only Retriever"): top-`s` candidates, in percent.
 
-  Recall@s = share of queries with ALL gold memories in the top s (gold outside the top-K are
-  misses); Hitrate@s = ANY. Overall, per category and (multi-store) per store.
+  Recall@s = share of queries with ALL gold memories in the top s; Hitrate@s = ANY. Overall, per
+  category and (multi-store) per store.
   """
   strm = bench.stream
   gold = np.asarray(strm.gold)
@@ -347,22 +328,13 @@ def load_benchmark(name: str, *, data_dir=None, encoder="minilm", k: int = DEFAU
   """Loads, encodes (with the on-disk cache) and builds the candidate stream of a benchmark.
 
   Args:
-    name: 'synthetic', or any name `ear_jax.data.corpora.load_corpus` takes: 'locomo' |
-      'longmemeval' (files found via `corpora.resolve_data_dir(data_dir)`), a path to a user
-      `.jsonl` file (optionally prefixed 'jsonl:'), or '<benchmark>:<path>'.
+    name: 'synthetic', or any name `corpora.load_corpus` takes.
     data_dir: directory of the benchmark files (else `$EAR_DATA_DIR`, else ~/.cache/ear_jax/data).
-    encoder: 'minilm', a local Hugging Face checkpoint directory, or a `.npy`/`.npz` of precomputed
-      embeddings (see `ear_jax.data.encoders`). Ignored for 'synthetic'.
-    k: K, candidates per query.
-    multistore: top-K/2 dialogue turns + top-K/2 observations (Section 5).
-    limit: only the first `limit` conversations (LoCoMo), questions (LongMemEval), queries (JSONL),
-      or the number of queries (synthetic).
+    encoder: 'minilm', a local checkpoint directory, or a `.npy`/`.npz` of embeddings.
+    limit: only the first `limit` conversations / questions / queries.
     cache_dir: embedding cache root (else `$EAR_CACHE_DIR`, else ~/.cache/ear_jax).
     seed: generator seed, used by 'synthetic' only.
-    progress: tqdm progress bar while encoding.
-    candidates: the first stage ('dense', 'bm25', 'hybrid'; `first_stage.GENERATORS`).
-    side_features: append the first-stage features to every candidate row (`build_benchmark`).
-    first_stage_options: the hybrid fusion's settings.
+    k, multistore, candidates, side_features, first_stage_options: as `build_benchmark`.
 
   Returns:
     A `Benchmark`.

@@ -1,21 +1,12 @@
 """Loading a benchmark corpus by name: the loader registry, the data directory, the query split.
 
-`load_corpus(name)` dispatches through `REGISTRY` (name -> `CorpusLoader`: the loader function and
-the file names it reads from the data directory). Adding a benchmark is one loader function
-(`load(path, *, limit) -> Corpus`, see `ear_jax.data.locomo` for an example) and one registry line.
+`load_corpus(name)` dispatches through `REGISTRY`; a benchmark is one loader function
+(`load(path, *, limit) -> Corpus`) and one registry line. Names: a registered name (its file in
+the data directory), `"<name>:<path>"`, or a path (`*.jsonl`: the user JSONL format; a
+`.json[.gz]` whose name starts with a registered name: that loader).
 
-Names: a registered name ('locomo', 'longmemeval': the file is found in the data directory),
-`"<name>:<path>"` (that loader on that file, e.g. `jsonl:my_bank.jsonl`), or a path: `*.jsonl` is
-the user JSONL format, a `.json[.gz]` file whose name starts with a registered name uses that loader.
-
-Data directory: `resolve_data_dir(data_dir)` = the argument, else `$EAR_DATA_DIR`, else
-`~/.cache/ear_jax/data` (`$XDG_CACHE_HOME/ear_jax/data`).
-
-Split (Section 4.4): `split_indices(n, seed)` permutes the queries with `np.random.default_rng(seed)`;
-the first `floor(0.8 n)` are the online training stream, the rest the test set.
-
-The data model (`Bank`, `Query`, `Corpus`) is `ear_jax.data.corpus`; the formats are
-`ear_jax.data.locomo`, `ear_jax.data.longmemeval` and `ear_jax.data.jsonl`.
+Data directory: the argument, else `$EAR_DATA_DIR`, else `~/.cache/ear_jax/data`.
+Split (Section 4.4): `split_indices(n, seed)`.
 """
 from __future__ import annotations
 
@@ -68,7 +59,7 @@ def find_benchmark_file(name: str, data_dir=None) -> pathlib.Path:
 
   Raises:
     ValueError: `name` is not a registered benchmark read from the data directory.
-    FileNotFoundError: saying which file to put where (or to run `python -m experiments.download`).
+    FileNotFoundError: saying which file to put where.
   """
   entry = REGISTRY.get(name)
   if entry is None or not entry.files:
@@ -82,7 +73,7 @@ def find_benchmark_file(name: str, data_dir=None) -> pathlib.Path:
 
 
 def load_corpus(name: str, *, data_dir=None, limit: int | None = None) -> corpus_lib.Corpus:
-  """Loads a benchmark corpus by name or path (see the module docstring for the accepted names).
+  """Loads a benchmark corpus by name or path (module docstring).
 
   Args:
     name: a registered name, `"<name>:<path>"`, or a path to a `.jsonl` / `.json[.gz]` file.
@@ -113,15 +104,11 @@ def load_corpus(name: str, *, data_dir=None, limit: int | None = None) -> corpus
 
 def split_indices(num_queries: int, seed: int, train_fraction: float = 0.8
                   ) -> tuple[np.ndarray, np.ndarray]:
-  """The 80/20 query split of Section 4.4.
-
-  Args:
-    num_queries: N.
-    seed: the run's seed; `np.random.default_rng(seed).permutation(N)`.
-    train_fraction: share of the online training stream; `floor(train_fraction * N)` queries.
+  """The 80/20 query split of Section 4.4: `np.random.default_rng(seed).permutation(N)`.
 
   Returns:
-    (`train_idx`, `test_idx`), int64 index arrays; training order is the stream order.
+    (`train_idx`, `test_idx`) int64; the first `floor(train_fraction * N)` are the training stream,
+    in stream order.
   """
   if not 0.0 <= train_fraction <= 1.0:
     raise ValueError(f"train_fraction must be in [0, 1], got {train_fraction}")

@@ -2,18 +2,10 @@
 
 Symbols: `M` memories in a bank, `N` queries, `d` embedding dimension.
 
-A loader (`ear_jax.data.locomo`, `longmemeval`, `jsonl`) returns a `Corpus`: one `Bank` of memories
-per conversation (LoCoMo), per question (LongMemEval) or per named bank (JSONL), and the evaluable
-`Query`s in file order, each pointing at its bank (`group`) and naming its gold memory ids. `stats`
-counts everything dropped or excluded.
-
-Memory stores: 0 = dialogue turns (episodic), 1 = observations (semantic, Section 5). An observation
-lists the dialogue ids it references (`Bank.refs`); it is gold for a query when it, or any dialogue id
-it references, is gold (`gold_mask`).
-
-For question answering a `Query` also carries its gold `answer` (None when the file has
-none) and, for LongMemEval, the question's date; a `Bank` carries each memory's session date
-(`dates`, None when the file has none), so an answer prompt can date every memory.
+A loader returns a `Corpus`: one `Bank` per conversation / question / named bank and the evaluable
+`Query`s in file order (`group` = their bank). Stores: 0 = dialogue turns (episodic), 1 =
+observations (semantic, Section 5); an observation is gold when it, or a dialogue id it references
+(`Bank.refs`), is gold (`gold_mask`).
 """
 from __future__ import annotations
 

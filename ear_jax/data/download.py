@@ -1,13 +1,9 @@
 """Fetching the official benchmark files (`ear_jax.data.sources.SOURCES`) into the data directory.
 
-* LoCoMo: `locomo10.json` from github.com/snap-research/LoCoMo (CC BY-NC 4.0, non-commercial),
-  verified against the sha256 of commit 3eb6f2c5 (a different file is an error, not silently used).
-* LongMemEval_S: `longmemeval_s_cleaned.json` from the Hugging Face dataset
-  xiaowu0162/longmemeval-cleaned, else `longmemeval_s.json` from xiaowu0162/longmemeval (MIT).
-
-Files are written atomically (temp file in the same directory + `os.replace`), so an interrupted
-download never leaves a truncated benchmark file behind. Offline, the error says exactly which file
-to put where. `base_url` overrides the host part (tests use a loopback server).
+LoCoMo (CC BY-NC 4.0) is verified against a pinned sha256; LongMemEval_S (MIT) comes from the
+cleaned Hugging Face dataset, else the original. Files are written atomically, so an interrupted
+download never leaves a truncated file; offline, the error says which file to put where.
+`base_url` overrides the host part (tests use a loopback server).
 """
 from __future__ import annotations
 
@@ -67,13 +63,8 @@ def download(name: str, data_dir=None, *, base_url: str | None = None, force: bo
              timeout: float = 60.0) -> pathlib.Path:
   """Makes sure the benchmark file of `name` ('locomo' | 'longmemeval') is in the data directory.
 
-  Args:
-    name: benchmark name.
-    data_dir: target directory (else `$EAR_DATA_DIR`, else ~/.cache/ear_jax/data).
-    base_url: replaces `https://github.com` / `https://huggingface.co` (e.g. a mirror or a test
-      server); the official URL path is appended.
-    force: fetch even when a file is already there.
-    timeout: seconds per connection.
+  `data_dir` as `corpora.resolve_data_dir`; `base_url` replaces `https://github.com` /
+  `https://huggingface.co`; `force` fetches even when a file is there; `timeout` per connection.
 
   Returns:
     The path of the benchmark file.

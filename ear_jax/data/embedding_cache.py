@@ -1,21 +1,14 @@
 """The on-disk embedding cache: embeddings of one encoder model, keyed by the sha256 of each text.
 
-Layout: `<cache root>/<encoder name>-<identity hash[:16]>/` holds `meta.json` (the full model
-identity) and `.npz` shards of (`keys`: text sha256, `embeddings`, `identity_hash`), each written
-atomically, so an interrupted run keeps the shards it finished. A directory written by another model
-is an error, never a silent mix. The cache root is `$EAR_CACHE_DIR`, else `$XDG_CACHE_HOME/ear_jax`,
-else `~/.cache/ear_jax`.
+Layout: `<cache root>/<encoder name>-<identity hash[:16]>/` holds `meta.json` (the model identity)
+and `.npz` shards (`keys`, `embeddings`, `identity_hash`), each written atomically, so an
+interrupted run keeps the shards it finished. Another model's directory is an error, never a
+silent mix. The cache root is `$EAR_CACHE_DIR`, else `$XDG_CACHE_HOME/ear_jax`, else
+`~/.cache/ear_jax`.
 
-A process reads each shard once: `open_cache` keeps one `EmbeddingCache` per directory and model,
-and each call reads only the shards that appeared since (other processes' included; a shard of
-another model is refused when it appears). A live memory writes a small shard per new question, so
-once a directory holds more than `COMPACT_AT` shards, the small ones this process has read (under
-`SMALL_SHARD` rows) are merged into one (written atomically before they are removed; a concurrent
-reader at worst re-reads or re-encodes, never loses an embedding).
-
-Memory: a process keeps an index of every key it has seen (key -> shard) and the embeddings of the
-shards it used last, at most `MAX_RESIDENT_ROWS` rows of them (whole shards, least recently used
-dropped first; the shard in use is always kept); a key of a dropped shard reads that shard again.
+A process reads each shard once (`open_cache`); beyond `COMPACT_AT` shards the small ones are
+merged (written before they are removed: a concurrent reader never loses an embedding). At most
+`MAX_RESIDENT_ROWS` rows of embeddings stay in memory (whole shards, least recently used dropped).
 """
 from __future__ import annotations
 
@@ -80,8 +73,8 @@ class EmbeddingCache:
 
   Args:
     root: cache root (a per-model subdirectory is made under it), or a model's cache directory
-      itself (one holding `meta.json`), which must then belong to `encoder`.
-    encoder: the encoder whose embeddings are stored (`name`, `dim`, `identity`, `identity_hash`).
+      itself (holding `meta.json`), which must then belong to `encoder`.
+    encoder: the encoder whose embeddings are stored.
 
   Raises:
     ValueError: if the directory holds another model's cache.
@@ -114,8 +107,11 @@ class EmbeddingCache:
     self.refresh()
 
   def refresh(self) -> None:
-    """Reads the shards that appeared in the directory since the last call (ValueError naming a
-    shard of another model); merges the shards read once there are more than `COMPACT_AT`."""
+    """Reads the shards that appeared since the last call, merging small ones beyond `COMPACT_AT`.
+
+    Raises:
+      ValueError: naming a shard of another model.
+    """
     with self._lock:
       names = sorted(p.name for p in self.dir.glob("shard-*.npz"))
       for name in names:
@@ -147,8 +143,7 @@ class EmbeddingCache:
     return rows
 
   def _keep(self, name: str, rows: dict) -> None:
-    """Shard `name` in memory as the most recently used; the least recently used others dropped
-    while more than `MAX_RESIDENT_ROWS` rows are held."""
+    """Shard `name` kept as the most recently used; others dropped beyond `MAX_RESIDENT_ROWS`."""
     self._loaded[name] = rows
     self._resident += len(rows)
     while self._resident > MAX_RESIDENT_ROWS and len(self._loaded) > 1:
@@ -230,8 +225,7 @@ class EmbeddingCache:
 
 
 def open_cache(root, encoder) -> EmbeddingCache:
-  """This process's `EmbeddingCache` of `encoder` under `root` (made on first use, `refresh`ed on
-  each later one), so each shard is read once per process."""
+  """This process's `EmbeddingCache` of `encoder` under `root` (made once, then `refresh`ed)."""
   directory = _model_dir(pathlib.Path(root).expanduser(), encoder)
   key = (str(directory.resolve()), encoder.identity_hash)
   with _OPEN_LOCK:

@@ -1,11 +1,6 @@
 """The encoder interface (`Encoder`) and the helpers every encoder shares.
 
 Symbols: `n` texts, `d` embedding dimension.
-
-An encoder has a `name` (used in cache directory names), a dimension `dim`, an `identity` (a JSON-able
-dict naming the model exactly; its hash keys the embedding cache) and `encode_new(texts)`, which
-embeds texts without any cache and returns L2-normalised float32 `[n, d]` rows plus the number of
-texts it truncated. `check_texts` rejects what no encoder can embed (non-strings, lone surrogates).
 """
 from __future__ import annotations
 
@@ -18,10 +13,9 @@ import numpy as np
 
 
 class Encoder:
-  """Base class: `identity` (a JSON-able dict) names the model; `encode_new` embeds texts.
+  """Base class: `identity` (JSON-able) names the model and keys the cache; `encode_new` embeds.
 
-  `cacheable`: whether `encoders.encode` keeps this encoder's embeddings in the on-disk cache
-  (False for encoders that only look embeddings up).
+  `cacheable`: whether `encoders.encode` keeps its embeddings in the on-disk cache.
   """
   name: str
   dim: int
@@ -38,9 +32,7 @@ class Encoder:
 
   def encode_new(self, texts: Sequence[str], progress: bool = True, bar=None
                  ) -> tuple[np.ndarray, int]:
-    """Embeds `texts` (no cache). Returns (`[n, d]` float32 unit vectors, number truncated).
-
-    `bar`: an open tqdm bar to advance (else one is made when `progress`)."""
+    """Embeds `texts` (no cache): (`[n, d]` float32 unit vectors, number truncated)."""
     raise NotImplementedError
 
 
@@ -52,8 +44,7 @@ def check_texts(texts: Sequence[str]) -> list[str]:
   """`texts` as a list, each checked to be a string that UTF-8 can encode.
 
   Raises:
-    ValueError: naming the index and a short repr of the first bad text (not a string, or a lone
-      surrogate such as `"a\\ud800b"`, which has no UTF-8 form and no tokenisation).
+    ValueError: naming the index and a short repr of the first bad text.
   """
   texts = list(texts)
   for i, t in enumerate(texts):
@@ -95,9 +86,7 @@ def real_array(x, what: str) -> np.ndarray:
   """`x` as a NumPy array of real numbers (float or integer dtype), never silently converted.
 
   Raises:
-    ValueError: naming `what` and the problem: complex (its imaginary part would be dropped),
-      boolean, string, object (ragged rows, None) or other non-real values, or something that
-      is not an array at all.
+    ValueError: naming `what` and the problem (complex, boolean, string, object, not an array).
   """
   if isinstance(x, (str, bytes)):
     raise ValueError(f"{what} must be an array of real numbers, got a {type(x).__name__}")
@@ -115,17 +104,8 @@ def real_array(x, what: str) -> np.ndarray:
 def unit_rows(x: np.ndarray, what: str) -> np.ndarray:
   """`[n, d]` real rows scaled to unit L2 norm, float32, without overflow or underflow.
 
-  An ordinary row (float32 norm finite and above 1e-12) is `x / ||x||` in float32, the plain
-  float32 normalisation bit for bit. A row whose float32 squares overflow or underflow (entries
-  beyond about 1e19 or below about 1e-19 in size, or float64 values beyond float32's range) is
-  first divided by its largest `|x_i|` in float64 (or the input's wider float), then normalised.
-
-  Args:
-    x: `[n, d]` real array (see `real_array`).
-    what: what `x` is, for errors (e.g. `"memory embeddings"` or `"<file>: embeddings"`).
-
-  Returns:
-    `[n, d]` float32 unit rows.
+  An ordinary row is `x / ||x||` in float32, bit for bit; a row whose float32 squares overflow or
+  underflow is first divided by its largest `|x_i|` in a wider float. `what` names `x` in errors.
 
   Raises:
     ValueError: naming `what` and the rows that hold NaN or Inf, or that are all zero.

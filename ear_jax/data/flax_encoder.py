@@ -2,21 +2,11 @@
 
 Symbols: `n` texts, `d` embedding dimension, `B` batch size, `L` padded token length.
 
-Nothing is fetched from the Hub and transformers is not used: the model is `ear_jax.data.bert` over
-the checkpoint's weights, the tokenizer `ear_jax.data.hf_tokenizer` (the `tokenizers` library). The
-weights are read at the first `encode_new`, never at construction: an encoder whose texts are all in
-the embedding cache runs without its model. Pooling is `"mean"` over the attention mask
-(sentence-transformers / Contriever) or `"cls"`; by default it is read from the checkpoint's
-`1_Pooling/config.json` when present, else mean. The maximum length comes from
-`sentence_bert_config.json` (`max_seq_length`, 256 for MiniLM), else from the tokenizer/model config;
-the tokenizer truncates longer texts (keeping its special tokens) and they are counted.
-
-Speed: texts are bucketed by token length into a few padded lengths (32/64/128/256 for MiniLM), each
-bucket with a fixed batch shape, so the jitted encoder compiles a handful of shapes. Each text is
-padded to its bucket length; the last batch of a bucket is filled with empty rows that are
-discarded. A call of at most `SMALL_CALL` texts (a question, a live memory's few new memories)
-pads each batch only to the next power of two of its rows: one question costs one row, not a
-whole batch of `tokens_per_batch` tokens.
+No Hub, no transformers: the model is `ear_jax.data.bert`, the tokenizer `hf_tokenizer`. Weights
+are read at the first `encode_new`, so cached texts need no model. Pooling ('mean' or 'cls') and
+the maximum length come from the checkpoint's sentence-transformers files when present; longer
+texts are truncated and counted. Texts are bucketed by token length into a few padded shapes (a
+handful of compilations); a call of at most `SMALL_CALL` texts pads only to the next power of two.
 """
 from __future__ import annotations
 
@@ -67,9 +57,6 @@ def _default_pooling(model_dir: pathlib.Path) -> str:
 class FlaxEncoder(encoder_base.Encoder):
   """A local BERT-family checkpoint run in Flax, jitted per (batch, length) bucket.
 
-  Construction reads the configuration and the tokenizer only; the weights are read (and the model
-  compiled) by the first `encode_new`, so texts found in the embedding cache never load the model.
-
   Args:
     model_dir: directory with `config.json`, weights and tokenizer files.
     name: short name used in cache directory names.
@@ -79,8 +66,7 @@ class FlaxEncoder(encoder_base.Encoder):
     tokens_per_batch: batch size of a bucket of length L is `max(1, tokens_per_batch // L)`.
 
   Raises:
-    ValueError: naming the directory, when it is not a checkpoint of a supported architecture
-      (`bert.check_config`) or has no weights or no tokenizer.
+    ValueError: naming the directory, when it is not a supported checkpoint.
   """
 
   def __init__(self, model_dir, *, name: str | None = None, pooling: str | None = None,

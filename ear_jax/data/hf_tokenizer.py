@@ -2,13 +2,10 @@
 
 Symbols: `n` texts, `L` padded token length.
 
-`CheckpointTokenizer(model_dir)` reads `tokenizer.json` (or, for a BERT checkpoint without one,
-`vocab.txt` as a WordPiece tokenizer) and the settings of `tokenizer_config.json` /
-`special_tokens_map.json` that change the token ids: a BERT tokenizer's `do_lower_case`,
-`strip_accents` and `tokenize_chinese_chars`, the padding token and `model_max_length`. Truncation and
-padding settings stored in `tokenizer.json` are replaced: texts are truncated at the encoder's
-maximum length (special tokens kept) and padded by `pad`, to the length the caller chooses. The
-tokenizer is configured once, so encoding never changes its state (it can be shared by threads).
+Reads `tokenizer.json` (or a BERT `vocab.txt`) and the settings of `tokenizer_config.json` /
+`special_tokens_map.json` that change the ids. Stored truncation and padding are replaced: texts
+are truncated at the encoder's maximum length (special tokens kept) and padded by `pad`. Encoding
+never changes the tokenizer's state, so threads can share it.
 """
 from __future__ import annotations
 
@@ -35,12 +32,9 @@ def _token_text(token) -> str | None:
 class CheckpointTokenizer:
   """The tokenizer of a checkpoint directory, truncating at `max_length` tokens.
 
-  Args:
-    model_dir: a Hugging Face checkpoint directory with `tokenizer.json` or `vocab.txt`.
-
   Attributes:
-    vocab_size: tokens including the added ones (what `len(tokenizer)` is in transformers).
-    pad_id: the id padded positions get (the padding token, else the separator / end token, else 0).
+    vocab_size: tokens including the added ones (`len(tokenizer)` in transformers).
+    pad_id: the id of padded positions (the padding token, else the separator / end token, else 0).
     model_max_length: the tokenizer's own limit from `tokenizer_config.json` (None: no limit).
 
   Raises:
@@ -103,15 +97,13 @@ class CheckpointTokenizer:
     self._tok.enable_truncation(self.max_length)
 
   def encode(self, texts: Sequence[str]) -> tuple[list[list[int]], np.ndarray]:
-    """Token ids of `texts` (special tokens added, truncated at `max_length`) and whether each
-    text was truncated (`[n]` bool)."""
+    """Token ids of `texts` (special tokens added, truncated) and `[n]` bool: truncated."""
     encs = self._tok.encode_batch(list(texts), add_special_tokens=True)
     return [e.ids for e in encs], np.asarray([bool(e.overflowing) for e in encs], bool)
 
   def pad(self, ids: Sequence[Sequence[int]], length: int, rows: int
           ) -> tuple[np.ndarray, np.ndarray]:
-    """`[rows, length]` int32 token ids and attention mask: `ids` right-padded with `pad_id`; rows
-    past `len(ids)` are all padding (mask 0)."""
+    """`[rows, length]` int32 ids (right-padded with `pad_id`) and attention mask."""
     input_ids = np.full((rows, length), self.pad_id, np.int32)
     mask = np.zeros((rows, length), np.int32)
     for i, row in enumerate(ids):

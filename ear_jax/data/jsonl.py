@@ -2,20 +2,11 @@
 
 One JSON object per line (UTF-8); blank lines and lines starting with `#` are skipped:
 
-  {"type": "memory", "id": "m1", "text": "I adopted a cat named Luna.", "bank": "alice",
-   "store": "dialogue"}
-  {"type": "memory", "id": "o1", "text": "Alice has a cat.", "bank": "alice",
-   "store": "observation", "refs": ["m1"]}
-  {"type": "query", "id": "q1", "text": "What is my cat called?", "gold": ["m1"], "bank": "alice",
-   "category": "single-hop"}
+  {"type": "memory", "id": "m1", "text": "I adopted a cat named Luna.", "bank": "alice"}
+  {"type": "query", "id": "q1", "text": "What is my cat called?", "gold": ["m1"], "bank": "alice"}
 
-`type`, `id` (memories), `text` and `gold` (queries) are required; `bank` defaults to `"default"`,
-`store` to `"dialogue"` (`"episodic"` is a synonym; `"observation"`/`"semantic"` is store 1),
-`category` to `"all"`, query `id` to `"q<line number>"`. A query searches only its own bank.
-
-Strict on input: ids, banks and categories are non-empty strings (or integers); texts are non-empty
-strings (`null` is never read as the text "None"); a file that is not UTF-8, holds no memories, or
-holds no evaluable query is an error. Every error names the file, the line and the field.
+Strict on input: every error names the file, the line and the field; a file without memories or
+without an evaluable query is an error. A query searches only its own bank.
 """
 from __future__ import annotations
 
@@ -84,13 +75,13 @@ def _parse(path: pathlib.Path):
 
 
 def load_jsonl(path, *, limit: int | None = None) -> corpus_lib.Corpus:
-  """A user memory bank in the JSONL format of the module docstring. `limit`: first N queries.
+  """A user memory bank in the JSONL format. `limit`: first N queries.
 
   Raises:
     FileNotFoundError: no such file.
     IsADirectoryError: the path is a directory.
     ValueError: naming the file, the line and the field, for malformed input; also for a file
-      without memories or without an evaluable query (raised before anything is encoded).
+      without memories or without an evaluable query (before anything is encoded).
   """
   path = pathlib.Path(path)
   mems, raw_queries = _parse(path)

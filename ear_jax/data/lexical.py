@@ -3,25 +3,15 @@
 Symbols: `N` documents (rows) of the allowed scopes, `V` term ids, `P` postings (one per
 (document, distinct term)), `S` scope codes, `n` queries.
 
-One tokenisation and one scoring for every caller (the pipeline, `ear_jax.agent.Memory`): tokens
-are bm25s's tokeniser's lower-cased `\\w+` runs (`TOKEN_PATTERN`) without bm25s's English stop
-words `en_plus` (179 words, question words included: they match half of every conversation), no
-stemming; scoring is Lucene's BM25 (`K1 = 1.2`, `B = 0.75`) with the statistics of the ALLOWED
-SCOPES only, so a scoped query scores exactly as a BM25 index over that bank alone (bm25s's
-`get_scores`, bit for bit: `tests/test_bm25_index.py`), whatever the other scopes hold.
+One tokenisation and one scoring for every caller: bm25s's lower-cased `\\w+` runs without its
+`en_plus` stop words, no stemming; Lucene's BM25 (`K1 = 1.2`, `B = 0.75`) with the statistics of
+the ALLOWED SCOPES only, so a scoped query equals bm25s's `get_scores` over that bank alone, bit
+for bit (`tests/test_bm25_index.py`). Raw term frequencies are stored (unlike bm25s), so documents
+can be added and deleted; scores use bm25s's float operations and order.
 
-Why not bm25s's index: it stores each (term, document) score, which depends on every document
-(document frequencies, mean length): no incremental add, global statistics. `BM25Index` stores
-raw term frequencies and lengths and computes BM25 at query time in bm25s's float operations
-(idf in float32, the term-frequency part in float64, each score rounded to float32, summed in
-float32 in the query's token order).
-
-Layout: postings `(key = term << 31 | scope, row, tf)` in a sorted BASE segment, a sorted DELTA
-and an append-only TAIL (at most `MAX_TAIL`, scanned); the tail merges into the delta, the delta
-into the base when it outgrows `max(MIN_DELTA, base / DELTA_SHARE)` (timsort merges of two runs:
-an add is `O(its tokens)` amortised). A scoped query reads its scopes' ranges (one binary search
-per (term, scope) per segment) plus the tail. `delete` is `O(its tokens)`: statistics decremented,
-postings masked (`live`) until the next merge into the base drops them.
+Layout: postings `(key = term << 31 | scope, row, tf)` in a sorted base, a sorted delta and an
+append-only tail, merged when they outgrow their shares (an add is `O(its tokens)` amortised).
+`delete` is `O(its tokens)`: statistics decremented, postings masked until the next base merge.
 """
 from __future__ import annotations
 
@@ -48,8 +38,7 @@ _SCOPE_BITS = 31
 
 @functools.cache
 def _bm25s():
-  """The `bm25s` module, imported on first use: importing it runs a JAX op, which would start JAX
-  before a multi-process run's `jax.distributed.initialize()` (`experiments.dist_flags`)."""
+  """The `bm25s` module, imported on first use (importing it starts JAX)."""
   import bm25s  # pylint: disable=g-import-not-at-top
   return bm25s
 
@@ -62,9 +51,7 @@ def tokenize(texts: Sequence[str]) -> list[list[str]]:
 
 
 def speaker_terms(texts: Sequence[str]) -> list[str]:
-  """Each text's speaker as a term: the first token (`tokenize`) of a leading `SPEAKER` name, ''
-  when there is none (the "context" features' speaker, `data.candidates.bank_context` and
-  `agent.memory.lexical_bank.LexicalBank.speakers` alike)."""
+  """Each text's speaker as a term: the first token of a leading `SPEAKER` name, '' when none."""
   heads = [m.group(1) if (m := SPEAKER.match(t)) else "" for t in texts]
   return [tk[0] if tk else "" for tk in tokenize(heads)]
 
@@ -79,8 +66,7 @@ def pack(token_ids: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def term_ids(vocab: dict, tokens: Sequence[str], grow: bool = False) -> np.ndarray:
-  """`[t]` int32 ids of `tokens` in `vocab` (term -> id); `grow`: new terms get the next ids,
-  else unknown terms are left out (a query's)."""
+  """`[t]` int32 ids of `tokens` in `vocab`; `grow`: new terms get new ids, else are left out."""
   if grow:
     return np.fromiter((vocab.setdefault(w, len(vocab)) for w in tokens), np.int32)
   return np.fromiter((vocab[w] for w in tokens if w in vocab), np.int32)
@@ -96,8 +82,7 @@ def _grown(a: np.ndarray, n: int) -> np.ndarray:
 
 
 def _merged(sorted_seg: tuple, new: tuple) -> tuple:
-  """`(key, row, tf)` of a segment sorted by key and postings `new` (any order), sorted by key
-  (ties: the segment's first, then `new`'s in their order): one timsort merge of two runs."""
+  """`(key, row, tf)` of a sorted segment and postings `new`, merged by key (segment first)."""
   order = np.argsort(new[0], kind="stable")
   cat = [np.concatenate([a, b[order]]) for a, b in zip(sorted_seg, new)]
   order = np.argsort(cat[0], kind="stable")
@@ -107,8 +92,7 @@ def _merged(sorted_seg: tuple, new: tuple) -> tuple:
 class BM25Index:
   """An incremental, scoped BM25 index over integer term ids (module docstring).
 
-  Rows are the caller's document numbers (e.g. a bank's device rows): any non-negative int, each
-  added at most once while live. Term ids are the caller's (any non-negative int32).
+  Rows are the caller's document numbers (any non-negative int, each added at most once while live).
   """
 
   def __init__(self):
@@ -140,9 +124,11 @@ class BM25Index:
     return self._df
 
   def add(self, rows, scopes, tokens: np.ndarray, offsets: np.ndarray) -> None:
-    """Indexes `n` documents: `rows [n]`, `scopes [n]` scope codes, row i's term ids
-    `tokens[offsets[i]:offsets[i + 1]]` (`pack`; repeats count as term frequency). `O(tokens)`
-    amortised (a merge of the delta now and then). ValueError for a row indexed before."""
+    """Indexes documents `rows [n]` with `scopes [n]` and packed term ids (`pack`; repeats count).
+
+    Raises:
+      ValueError: for a row indexed before.
+    """
     rows = np.asarray(rows, np.int64)
     scopes = np.asarray(scopes, np.int32)
     tokens = np.asarray(tokens, np.int64)
@@ -180,8 +166,7 @@ class BM25Index:
     self._append((term << _SCOPE_BITS) | scopes[d], rows[d], tf.astype(np.int32))
 
   def delete(self, rows) -> np.ndarray:
-    """Removes live documents `rows` (others are ignored); `O(their tokens)`. Returns the term ids
-    no live document holds any more (`df` reached 0)."""
+    """Removes live documents `rows`; returns the term ids no live document holds now."""
     rows = np.unique(np.asarray(rows, np.int64))
     rows = rows[(rows < len(self._live))]
     rows = rows[self._live[rows]]
@@ -206,8 +191,7 @@ class BM25Index:
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
   def _append(self, key, row, tf) -> None:
-    """Appends postings to the tail; merges it into the delta, the delta into the base, when
-    they outgrew their shares."""
+    """Appends postings to the tail, merging segments that outgrew their shares."""
     m = self._num_tail + len(key)
     self._tail = tuple(_grown(a, m) for a in self._tail)
     for a, v in zip(self._tail, (key, row, tf)):
@@ -231,9 +215,7 @@ class BM25Index:
     self._dead_postings = 0
 
   def _postings(self, terms: np.ndarray, scopes: Optional[np.ndarray]):
-    """Per term of `terms [u]`, its live postings in `scopes` (None: every scope): a list of
-    `(rows [m] int64, tf [m] int32)` (views into the base where nothing was deleted since the
-    last merge)."""
+    """Per term of `terms [u]`, its live `(rows [m] int64, tf [m] int32)` in `scopes`."""
     if scopes is None:
       lo_key, hi_key = (terms << _SCOPE_BITS)[:, None], ((terms + 1) << _SCOPE_BITS)[:, None]
     else:
@@ -267,10 +249,11 @@ class BM25Index:
 
   def scores(self, queries: Sequence[np.ndarray], allowed: Optional[np.ndarray] = None
              ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per query (its term ids in order, repeats count), the documents sharing a term with it and
-    their BM25 scores `(rows [m] int64 ascending, scores [m] float32 > 0)`, with the statistics of
-    the scopes `allowed` (`[S']` bool over scope codes, codes beyond it not allowed; None: every
-    document). Equal to bm25s `get_scores` over those documents alone."""
+    """Per query (term ids in order), `(rows [m] int64 ascending, scores [m] float32 > 0)`.
+
+    Statistics are those of the scopes `allowed` (`[S']` bool over scope codes; None: every
+    document): equal to bm25s `get_scores` over those documents alone.
+    """
     if allowed is None:
       scopes, num_docs, num_tokens = None, self._docs.sum(), self._tokens.sum()
     else:
@@ -317,8 +300,7 @@ class BM25Index:
 
   def dense_scores(self, queries: Sequence[np.ndarray], num_rows: int,
                    allowed: Optional[np.ndarray] = None, offset: int = 0) -> np.ndarray:
-    """`[n, num_rows]` float32 BM25 scores of rows `offset .. offset + num_rows` (0 for no
-    shared term), with the statistics of `allowed` (`scores`)."""
+    """`[n, num_rows]` float32 BM25 scores of rows `offset ..` (0: no shared term)."""
     out = np.zeros((len(queries), num_rows), np.float32)
     for i, (rows, s) in enumerate(self.scores(queries, allowed)):
       keep = (rows >= offset) & (rows < offset + num_rows)

@@ -1,17 +1,11 @@
 """The LoCoMo loader (`locomo10.json`): one memory bank per conversation, QA items as queries.
 
-Bank = the conversation's dialogue turns, text `"<speaker>: <text>"` plus `" [image: <blip_caption>]"`
-when the turn shares an image, id = the `dia_id`; observations
-(`observation.session_N_observation.<speaker> = [[fact, dia_id(s)], ...]`) are store 1 with ids
-`"O<N>:<j>"`. Every memory is dated with its session's `session_<N>_date_time` (`Bank.dates`; ''
-when absent; a non-string date is an error). Each query carries its gold `answer` (`str(answer)`:
-a few answers are numbers; None and counted in `queries_without_answer` when the field is absent;
-a list, object or null is an error). QA categories 1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop are kept;
-5 (adversarial) is dropped. Evidence ids are normalised (`normalize_evidence`), ids that do not
-name a turn of the conversation are dropped and counted; queries left without gold are excluded and
-counted (an EMPTY evidence list is a known quirk: the query is dropped and counted; an ABSENT
-`evidence` field is an error). A field of the wrong type (`"conversation": null`, an `observation`
-list, a number as turn text, ...) is a `ValueError` naming the file, the conversation and the field.
+Bank = the conversation's dialogue turns (`"<speaker>: <text>"`, plus the image caption; id =
+`dia_id`), dated with their session's date; observations are store 1 with ids `"O<N>:<j>"`.
+Queries carry their gold `answer`. Categories 1-4 are kept, 5 (adversarial) is dropped. Evidence
+ids are normalised (`normalize_evidence`); ids naming no turn are dropped and counted, and queries
+left without gold are excluded and counted (an ABSENT `evidence` field is an error). A field of
+the wrong type is a `ValueError` naming the file, the conversation and the field.
 """
 from __future__ import annotations
 
@@ -37,9 +31,8 @@ _ANSWER = parsing.Kind((str, int, float), "a string or a number")
 def normalize_evidence(raw) -> tuple[list[str], list[str]]:
   """Normalises LoCoMo evidence / observation references to `"D<session>:<turn>"` ids.
 
-  A value may be a string or a list of strings; each string may hold several ids joined by `;`,
-  `,` or spaces. Each token matching `D:?(\\d+):0*(\\d+)` becomes `D<s>:<t>` ("D:11:26" -> "D11:26",
-  "D30:05" -> "D30:5"); other tokens (e.g. a bare "D") are returned as malformed.
+  A string or list of strings, ids joined by `;`, `,` or spaces; `D:?(\\d+):0*(\\d+)` becomes
+  `D<s>:<t>` ("D:11:26" -> "D11:26", "D30:05" -> "D30:5"); other tokens are malformed.
 
   Returns:
     (normalised ids in order without repeats, malformed tokens).

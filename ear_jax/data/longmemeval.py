@@ -1,15 +1,9 @@
 """The LongMemEval loader (`longmemeval_s*.json[.gz]`, `_m`, `_oracle`, cleaned releases).
 
-Bank = the USER turns of the question's own haystack, id = `session_id + "_" + (i + 1)` with i
-counting all turns of the session; gold = user turns with `has_answer`; `_abs` questions and questions
-without a gold user turn (e.g. assistant-only evidence) are excluded and counted; category =
-`question_type`. Duplicate sessions inside a haystack are kept (as the official protocol does).
-For question answering each query carries its gold `answer` (`str(answer)`; None when absent) and
-its `question_date`, and each memory its session's date from `haystack_dates` (`Bank.dates`; ''
-when the file has no dates). Abstention questions stay out of the retrieval queries (they have no
-gold turn); `ear_jax.data.answer_metrics.is_abstention` and the abstention judge prompt of
-`ear_jax.agent.llm.qa` handle them as LongMemEval's scorer does (`_abs` in the question id).
-A field of the wrong type is a `ValueError` naming the file, the question and the field.
+Bank = the USER turns of the question's haystack (id `session_id + "_" + (i + 1)`, i over all
+turns); gold = user turns with `has_answer`; `_abs` questions and questions without a gold user turn
+are excluded and counted; category = `question_type`. Duplicate sessions are kept (as the official
+protocol does). A field of the wrong type is a `ValueError` naming file, question and field.
 """
 from __future__ import annotations
 
@@ -31,7 +25,7 @@ FILES = (
 
 
 def load_longmemeval(path, *, limit: int | None = None) -> corpus_lib.Corpus:
-  """LongMemEval (see module docstring). `limit`: only the first `limit` questions of the file.
+  """LongMemEval (module docstring). `limit`: only the first `limit` questions of the file.
 
   Raises:
     FileNotFoundError: no such file.

@@ -1,9 +1,7 @@
 """Checked reading of benchmark JSON: every error names the file, the place in it and the field.
 
-`where` strings name the file and the record (`"<file>: conversation 'conv-26', session_1 turn 3"`,
-`"<file>: line 7"`); `require` / `optional` read one field of a JSON object and check its type, so
-hostile input (a `null`, a list where an object belongs, a number where a string belongs) gives a
-`ValueError` saying where and which field, never a bare `TypeError` or a silent `"None"` text.
+`require` / `optional` read one field and check its type, so hostile input (a `null`, a list where
+an object belongs, ...) is a `ValueError` saying where and which field, never a bare `TypeError`.
 """
 from __future__ import annotations
 
@@ -60,11 +58,7 @@ def is_kind(value: Any, kind: Kind) -> bool:
 
 
 def check(value: Any, kind: Kind, where: str, key: str) -> Any:
-  """`value` (field `key` at `where`) if it has type `kind`.
-
-  Raises:
-    ValueError: naming `where`, the field and the type found.
-  """
+  """`value` (field `key` at `where`) if it has type `kind`, else a ValueError naming all three."""
   if not is_kind(value, kind):
     found = json_type(value)
     shown = "" if value is None else f" {_short(value)}"
@@ -109,10 +103,7 @@ def nonempty_text(obj: Any, key: str, where: str) -> str:
 
 
 def name(obj: Any, key: str, where: str, default: str | None = None) -> str:
-  """An id / bank / category field as a string: a non-empty string or an integer.
-
-  Required when `default` is None; `null`, booleans, lists, objects and `""` are errors.
-  """
+  """An id / bank / category field: a non-empty string or an int (required if `default` is None)."""
   if default is None:
     value = require(obj, key, where, NAME)
   else:
@@ -164,11 +155,7 @@ def read_json(path) -> Any:
 
 
 def read_json_list(path, what: str, limit: int | None = None) -> list:
-  """`read_json` of a file that must hold a JSON list (of `what`), cut to its first `limit` items.
-
-  Raises:
-    As `read_json`, and ValueError naming the file when the top level is not a list.
-  """
+  """`read_json` of a file holding a JSON list (of `what`), cut to its first `limit` items."""
   data = read_json(path)
   if not isinstance(data, list):
     raise ValueError(f"{path}: expected a JSON list of {what}, got {json_type(data)}")

@@ -1,16 +1,8 @@
 """The Porter stemmer exactly as NLTK's `PorterStemmer()` (default mode `NLTK_EXTENSIONS`).
 
-LoCoMo's official answer scorer (`task_eval/evaluation.py` in snap-research/LoCoMo) stems tokens with
-`nltk.stem.PorterStemmer()`; this module reproduces that stemmer without the `nltk` dependency (which
-pulls in `regex`, `joblib` and `click`). It is a port of `nltk/stem/porter.py` (NLTK 3.10, Apache
-License 2.0, authors Vivake Gupta, Barry Wilkins, Edward Loper, Mark Amery) restricted to the
-default mode: Porter (1980) "An algorithm for suffix stripping" with Martin Porter's and NLTK's
-extensions (irregular forms, `ies`/`ied` on 4-letter words, `y -> i` only after a consonant, the
-`alli`, `fulli` and `logi` rules, 1- and 2-letter words left alone).
-`tests/test_answer_metrics.py` checks it against hand-worked stems and, where `nltk` is importable,
-against NLTK itself on LoCoMo's answer vocabulary.
-
-Pure text: no I/O, no JAX.
+LoCoMo's official answer scorer stems with it; this is a port of `nltk/stem/porter.py` (NLTK 3.10,
+Apache License 2.0, authors Vivake Gupta, Barry Wilkins, Edward Loper, Mark Amery) without the
+`nltk` dependency. `tests/test_answer_metrics.py` checks it against NLTK where importable.
 """
 from __future__ import annotations
 

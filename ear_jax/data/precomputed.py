@@ -2,18 +2,12 @@
 
 Symbols: `n` texts, `d` embedding dimension.
 
-`PrecomputedEncoder`, for encoders JAX cannot run: either a `.npz` file with `embeddings` `[n, d]` float and EITHER `texts` `[n]` str (looked up by exact
-text) OR `keys` `[n]` str (the hex sha256 of each UTF-8 text, `embedding_cache.text_key`), or a `.npy`
-file `[n, d]` with a sidecar `<same stem>.texts.json` (a JSON list of the n texts). Every requested
-text must be present. Rows are L2-normalised on load, without overflow or underflow
-(`encoder_base.unit_rows`); a non-real dtype (complex, bool, strings), NaN / Inf or an
-all-zero row is an error naming the file.
+`PrecomputedEncoder`: a `.npz` with `embeddings [n, d]` and either `texts [n]` or `keys [n]` (each
+text's sha256, `embedding_cache.text_key`), or a `.npy` with a `<stem>.texts.json` list. Rows are
+normalised on load (`encoder_base.unit_rows`); bad values are an error naming the file.
 
-`CacheDirEncoder`: one model's directory of the embedding cache (`ear_jax.data.embedding_cache`, the
-directory holding `meta.json`) used as the encoder, with no model: it has that model's name,
-dimension and identity, and returns the cached rows bit for bit (nothing is renormalised), so a run
-over cached texts equals the model's run on a machine where the model is not installed. A text not
-in the directory is an error naming it.
+`CacheDirEncoder`: one model's cache directory used as the encoder with no model; it returns the
+cached rows bit for bit, so a run over cached texts equals the model's own.
 """
 from __future__ import annotations
 
@@ -37,11 +31,10 @@ def _read(z, name: str, path: pathlib.Path) -> np.ndarray:
 
 
 class PrecomputedEncoder(encoder_base.Encoder):
-  """Embeddings looked up in a `.npz` (`embeddings` + `texts` or `keys`) or `.npy` (+ `.texts.json`).
+  """Embeddings looked up in a `.npz` (`embeddings` + `texts` or `keys`) or `.npy` + `.texts.json`.
 
   Raises:
-    ValueError: naming the file, when it is missing, malformed, not real numbers, or holds
-      NaN / Inf or an all-zero row.
+    ValueError: naming the file, when it is missing, malformed or holds bad values.
   """
 
   cacheable = False  # (the file is the cache)
@@ -104,11 +97,10 @@ class PrecomputedEncoder(encoder_base.Encoder):
 
 
 class CacheDirEncoder(encoder_base.Encoder):
-  """The embeddings of one model's cache directory (it holds `meta.json`), with no model.
+  """The embeddings of one model's cache directory (holding `meta.json`), with no model.
 
   Raises:
-    ValueError: naming the directory, when its `meta.json` is missing or unreadable, or its identity
-      does not hash to the identity hash it records.
+    ValueError: naming the directory, when its `meta.json` is missing, unreadable or inconsistent.
   """
   cacheable = False  # (the directory is the cache)
 

@@ -1,13 +1,4 @@
-"""Where the official benchmark files come from, and what to tell a user whose file is missing.
-
-* LoCoMo: `locomo10.json` from github.com/snap-research/LoCoMo (CC BY-NC 4.0, non-commercial),
-  pinned to the sha256 of commit 3eb6f2c5.
-* LongMemEval_S: `longmemeval_s_cleaned.json` from the Hugging Face dataset
-  xiaowu0162/longmemeval-cleaned, else `longmemeval_s.json` from xiaowu0162/longmemeval (MIT).
-
-Fetching is `ear_jax.data.download`; finding a file in the data directory is
-`ear_jax.data.corpora.find_benchmark_file`, whose error message is `missing_file_message`.
-"""
+"""Where the official benchmark files come from, and what to tell a user whose file is missing."""
 from __future__ import annotations
 
 import dataclasses
@@ -46,8 +37,7 @@ SOURCES = {
 
 
 def shown_path(path) -> str:
-  """`path` as results files record it: `$EAR_DATA_DIR/<relative>` when it lies in the data
-  directory `$EAR_DATA_DIR` names (results never hold a machine's absolute path), else as is."""
+  """`path` as results files record it: `$EAR_DATA_DIR/<relative>` inside the data directory."""
   root = os.environ.get("EAR_DATA_DIR")
   if root:
     try:
@@ -59,13 +49,7 @@ def shown_path(path) -> str:
 
 
 def missing_file_message(name: str, data_dir, filenames: Sequence[str] = ()) -> str:
-  """What to download and where to put it, for benchmark `name` missing from `data_dir`.
-
-  Args:
-    name: benchmark name.
-    data_dir: the data directory that was searched.
-    filenames: the file names that were looked for (listed when `name` has no official source).
-  """
+  """What to download and where to put it, for benchmark `name` missing from `data_dir`."""
   data_dir = pathlib.Path(data_dir)
   lines = [f"benchmark {name!r}: no file in {data_dir}. Put one of these files there:"]
   srcs = SOURCES.get(name, ())

@@ -2,16 +2,10 @@
 
 Symbols: `d` dimension, `N` queries, `M_g` memories of bank g.
 
-Memories are random unit vectors. A hidden rotation `A = expm(θ S)` (S a random skew-symmetric
-matrix) relates queries to their gold memories: a query is
-`q = normalize(Aᵀ normalize(Σ gold m) + σ ε)`, so `A q` points at its gold memories while the raw
-cosine `q·m` only partly does. The frozen cosine therefore gets a mediocre Recall@5 (about 40-50 %
-with the defaults) with a top-20 ceiling near 100 %, and a residual adapter
-`q̃ = (I + W) q` with `W ≈ A - I` recovers the structure from a few hundred queries.
-
-Each bank also contains "look-alike" distractors: memories close to `q` itself (the direction the
-frozen retriever prefers) but not gold, which is what makes the raw cosine mediocre.
-Bank 0 is smaller than K (no look-alikes are added to it), so padding and masks are exercised.
+Memories are random unit vectors; a hidden rotation `A = expm(θ S)` relates queries to their gold
+memories, `q = normalize(Aᵀ normalize(Σ gold m) + σ ε)`, so the raw cosine only partly finds them
+while an adapter with `W ≈ A - I` can. "Look-alike" distractors near `q` itself make the raw cosine
+mediocre. Bank 0 is smaller than K, so padding and masks are exercised.
 """
 from __future__ import annotations
 
@@ -41,23 +35,16 @@ def hidden_map(dim: int, angle: float, seed: int) -> np.ndarray:
 def make_synthetic(*, seed: int = 0, num_queries: int = 500, num_banks: int = 25, dim: int = 32,
                    bank_size: tuple[int, int] = (12, 96), max_gold: int = 2, angle: float = 0.8,
                    noise: float = 0.35, lookalikes: int = 3, multistore: bool = False):
-  """Generates an `EmbeddedCorpus` (no texts, no encoder needed).
+  """Generates an `EmbeddedCorpus` named 'synthetic' (no texts, no encoder needed; same seed, same).
 
   Args:
-    seed: generator seed (same seed, same benchmark).
-    num_queries: N.
     num_banks: number of memory banks; query n uses bank `n % num_banks`.
-    dim: d.
     bank_size: (min, max) memories per bank (store 0); the min is below K=20 on purpose.
     max_gold: each query has 1..max_gold gold memories.
     angle: strength of the hidden rotation (0 = the raw cosine is already right).
     noise: σ, query noise.
     lookalikes: non-gold distractors per query placed near the query itself.
-    multistore: also add one observation (store 1) per 4 dialogue memories, a noisy copy that
-      references its source memory (so it is gold when that memory is).
-
-  Returns:
-    `ear_jax.data.corpus.EmbeddedCorpus` named 'synthetic'.
+    multistore: also one observation (store 1) per 4 dialogue memories, gold with its source.
   """
   rng = np.random.default_rng(seed)
   a = hidden_map(dim, angle, seed)

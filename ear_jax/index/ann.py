@@ -1,28 +1,12 @@
 """Approximate candidate search through faiss: the ANN searchers behind `Memory(index=...)`.
 
-Symbols: `n` queries, `M` memories, `d` dimension, `K` candidates. A searcher holds one faiss index per store (0 dialogue, 1 observation) and each vector's bank row;
-it answers what the exact device search answers (`core.retrieval.top_k_search` in
-`agent.memory.bank`): the top-K rows by inner product among the dialogue memories, or with
-`multistore` each store's top-K/2 merged by score (ties: store 0 first); unfilled rows are -1.
-`SEARCHERS`: `faiss_hnsw` (`IndexHNSWFlat`), `faiss_ivf` (`IndexIVFFlat`, exact `IndexFlatIP` until
-a store holds `train_factor * nlist` vectors, then trained once), `faiss_pq` (`IndexPQFastScan`,
-trained likewise). With `rerank > 1` it proposes `rerank * K` rows that the bank re-scores exactly
-in the same jitted call as the candidate gather.
-
-Hookup: `make_searcher(name, dim, options)`, `add(rows, emb, stores, scopes)` in table order,
-`remove(rows, bank)` (rebuilt from the live rows: HNSW cannot remove), `search(queries, k,
-multistore, allowed)`, `save(directory)` / `FaissSearcher.load(...)` for `<memory dir>/ann/`. A
-searcher is saved as itself (`faiss.serialize_index`), not rebuilt: IVF / PQ training and HNSW's
-insertion order depend on how rows were batched; HNSW's level generator is advanced past the
-vectors held so later adds get the levels they would have got. A file not holding exactly the
-table's live rows below its `rows` (stale) is named in `stale_file` and rebuilt from the table.
-
-Scopes: a scoped search filters with cached `IDSelectorBitmap`s per store and scope set
-(`MAX_SELECTORS`, LRU, extended in place). A small scope (at most `FEW_ROWS * k` rows), an index
-that cannot filter (trained PQ fast-scan) or any query that got fewer rows than it may return
-answers None, and the bank searches exactly on the device: a filtered HNSW / IVF search finds few
-of a small scope's rows, and the exact search over the scope costs no more. Host-side (faiss on
-the CPU, numpy in and out): its own layer between `io` and `agent`.
+Symbols: `n` queries, `M` memories, `d` dimension, `K` candidates. A searcher holds one faiss index
+per store and answers what the exact device search answers (top-K by inner product, ties to store
+0; unfilled rows -1), optionally proposing `rerank * K` rows that the bank re-scores exactly. It is
+saved as itself, not rebuilt (training and HNSW depend on batching); a stale file is rebuilt from
+the table (`stale_file`). A search it cannot answer well (a small scope, an index that cannot
+filter, a query short of rows) returns None and the bank searches exactly. Host-side (faiss on
+the CPU): its own layer between `io` and `agent`.
 """
 from __future__ import annotations
 
@@ -83,8 +67,7 @@ class _StoreIndex:
       self.index, self._pending, self._flat = index, [], None
 
   def state(self):
-    """`((index [bytes] uint8, rows [n_s] int64), meta)`: the serialised faiss index (the trained
-    one, or the flat one holding the vectors while untrained) and the bank rows."""
+    """`((index [bytes] uint8, rows [n_s] int64), meta)`: the serialised index and bank rows."""
     faiss = _faiss()
     trained = self.index is not None
     index = self.index if trained else self._flat
@@ -125,9 +108,10 @@ class _StoreIndex:
     return not isinstance(index, _faiss().IndexFastScan)
 
   def selector(self, codes: tuple[int, ...], row_scopes: np.ndarray):
-    """`(IDSelectorBitmap, count)` over the positions of this store's vectors whose bank rows'
-    scope codes (`row_scopes [n_bank]`) are in `codes`: cached, extended with the vectors added
-    since it was built (the bitmap grows by doubling)."""
+    """`(IDSelectorBitmap, count)` over this store's vectors whose bank rows' scopes are in `codes`.
+
+    Cached, and extended with the vectors added since it was built.
+    """
     n = len(self.rows)
     covered, bits, sel, count = self._selectors.pop(codes, None) or (0, np.zeros(0, np.uint8),
                                                                        None, 0)
@@ -147,16 +131,16 @@ class _StoreIndex:
     return sel, count
 
   def count(self, scopes=None) -> int:
-    """The vectors a search with `scopes` (see `search`) may return: all held, or those of the
-    scopes."""
+    """The vectors a search with `scopes` may return."""
     if scopes is None or not len(self.rows):
       return len(self.rows)
     return self.selector(*scopes)[1]
 
   def search(self, queries: np.ndarray, k: int, scopes=None):
-    """`(scores [n, k] (-inf = none), rows [n, k] (-1 = none))`; with `scopes` (`(codes,
-    row_scopes)`, see `selector`) only vectors of those scopes. None when a query got fewer than
-    `min(k, count(scopes))` rows (filtered HNSW / IVF reach few rows of a small scope)."""
+    """`(scores [n, k] (-inf = none), rows [n, k] (-1 = none))`, only of `scopes` when given.
+
+    None when a query got fewer than `min(k, count(scopes))` rows.
+    """
     n = queries.shape[0]
     sel, count = None, len(self.rows)
     if scopes is not None and count:
@@ -176,8 +160,7 @@ class _StoreIndex:
 
 
 class FaissSearcher:
-  """Candidate search over one faiss index per store, and the host scope code of every bank row
-  given to `add` (see the module docstring); built by `make_searcher`.
+  """Candidate search over one faiss index per store, and the scope code of every bank row.
 
   Args:
     dim: `d`.
@@ -185,8 +168,7 @@ class FaissSearcher:
     ready: `ready(vectors held)`, for indexes that need training: when to train (None: never).
     train: `train(index, vectors)` (None: the index needs no training).
     configure: `configure(index)` sets search-time parameters (e.g. efSearch / nprobe).
-    build_threads: OpenMP threads for adding / training (None: faiss's default, all cores; 1 is
-      faster on a machine whose cores are busy with other work).
+    build_threads: OpenMP threads for adding / training (None: faiss's default).
     rerank: the bank re-scores `rerank * K` proposed rows exactly and keeps the top K.
   """
 
@@ -214,8 +196,10 @@ class FaissSearcher:
     return np.concatenate([s.rows for s in self._stores])
 
   def add(self, rows, emb: np.ndarray, stores: np.ndarray, scopes=None) -> None:
-    """Indexes `[m, d]` unit rows with store codes `[m]` and scope codes `[m]` (None: 0) that
-    are bank rows `rows [m]` (ascending, each above every row held before)."""
+    """Indexes `[m, d]` unit rows with store and scope codes `[m]` (scopes None: 0).
+
+    `rows [m]` are bank rows, ascending, each above every row held before.
+    """
     faiss = _faiss()
     rows = np.asarray(rows, np.int64).reshape(-1)
     if not len(rows):
@@ -237,9 +221,7 @@ class FaissSearcher:
       faiss.omp_set_num_threads(threads)
 
   def remove(self, rows, bank) -> None:
-    """Drops bank `rows`, already tombstoned in `bank` (`ear_jax.agent.memory.bank.DeviceBank`):
-    rebuilt from `bank`'s live rows, as faiss indexes cannot all remove (nothing when it holds
-    none of `rows`)."""
+    """Drops bank `rows`, already tombstoned in `bank`, by rebuilding from `bank`'s live rows."""
     if not np.isin(rows, self.rows()).any():
       return
     self._stores = [self._new_store() for _ in (0, 1)]
@@ -249,22 +231,17 @@ class FaissSearcher:
 
   def search(self, queries: np.ndarray, k: int, multistore: bool,
              allowed: Optional[np.ndarray] = None):
-    """Top-`k` bank rows of `[n, d]` unit queries.
-
-    A few queries are searched on one OpenMP thread: on a shared 2-core machine, faiss's threads
-    waiting for each other cost more than one query's work (10x on a 10k flat search here).
+    """Top-`k` bank rows of `[n, d]` unit queries (a few queries on one OpenMP thread).
 
     Args:
       queries: `[n, d]` unit queries.
-      k: rows per query.
       multistore: the top-`k/2` of each store instead of the dialogue memories' top-`k`.
       allowed: optional `[S]` bool over scope codes: only rows of those scopes.
 
     Returns:
       `(rows [n, k] int32 (-1 = none), mask [n, k] bool)`, best first; None (the caller searches
-      exactly) when a query got fewer than `min(k, rows it may return)` rows of a store (per store
-      `k/2` with `multistore`), or, with `allowed`, when an index searched cannot filter by scope
-      or a store holds at most `FEW_ROWS * k` rows of those scopes.
+      exactly) when a query got fewer rows than it may return, or, with `allowed`, when an index
+      cannot filter by scope or a store holds at most `FEW_ROWS * k` rows of those scopes.
     """
     faiss = _faiss()
     searched = self._stores if multistore else self._stores[:1]
@@ -306,7 +283,7 @@ class FaissSearcher:
     return np.where(mask, rows, -1).astype(np.int32), mask
 
   def nbytes(self) -> int:
-    """Bytes of the faiss indexes (serialised size: vectors plus graph / lists)."""
+    """Bytes of the faiss indexes (serialised size)."""
     faiss = _faiss()
     total = 0
     for store in self._stores:
@@ -316,9 +293,7 @@ class FaissSearcher:
     return total
 
   def save(self, directory) -> None:
-    """Writes the state to `directory/index.npz` (atomically; nothing when it is unchanged): per
-    store its faiss index serialised by faiss (uint8) and its bank rows (int64), and a meta record
-    (name, options, `rows`: the bank rows it covers, each store's kind and size, `state_id`)."""
+    """Writes the state to `directory/index.npz` atomically and durably (nothing when unchanged)."""
     path = pathlib.Path(directory) / STATE_FILE
     if path.exists() and self._saved == (path, self.state_id):
       return
@@ -355,10 +330,10 @@ class FaissSearcher:
 
   @staticmethod
   def load(directory, name: str, options, dim: int, rows, emb, stores, scopes) -> FaissSearcher:
-    """The searcher of a table's live bank `rows [n]` (ascending; `emb [n, d]`, store and scope
-    codes `[n]`): the state saved in `directory` extended with the rows added since, or a new one
-    over all the rows when there is none or it does not hold exactly the live rows below its
-    `rows` (a stale file, which may hold deleted rows' vectors: named in `stale_file`).
+    """The searcher of a table's live bank `rows [n]` (ascending; `emb [n, d]`, codes `[n]`).
+
+    The state saved in `directory` extended with the rows added since, or a new one over all
+    rows when there is none or it is stale (named in `stale_file`).
 
     Raises:
       ValueError: naming the file, when it is unreadable or the state of another index.
@@ -425,12 +400,11 @@ def faiss_hnsw(dim: int, *, hnsw_m: int = 32, ef_construction: int = 80,
 
 def faiss_pq(dim: int, *, pq_m: Optional[int] = None, rerank: int = 50, train_size: int = 65536,
              build_threads: Optional[int] = None) -> FaissSearcher:
-  """PQ fast-scan with exact re-ranking: `faiss.IndexPQFastScan` (`pq_m` sub-quantizers of 4 bits,
-  default `d / 2`; `pq_m / 2` bytes per memory, scanned with SIMD lookups) proposes `rerank * K`
-  rows, which the bank re-scores exactly on the device (`ear_jax.agent.memory.bank`) to keep the
-  top K. A compressed exhaustive scan: unlike IVF or HNSW it does not rely on neighbourhoods, so
-  its recall holds on data without cluster structure. Searched exactly (`IndexFlatIP`) until a
-  store holds `train_size` vectors; the quantizer is trained on those."""
+  """PQ fast-scan (`faiss.IndexPQFastScan`, `pq_m` 4-bit sub-quantizers, default `d / 2`).
+
+  Proposes `rerank * K` rows that the bank re-scores exactly. Searched exactly until a store holds
+  `train_size` vectors; the quantizer is trained on those.
+  """
   faiss = _faiss()
   pq_m = dim // 2 if pq_m is None else int(pq_m)
   if pq_m < 1 or dim % pq_m:
@@ -450,8 +424,7 @@ def faiss_pq(dim: int, *, pq_m: Optional[int] = None, rerank: int = 50, train_si
 
 def faiss_ivf(dim: int, *, nlist: int = 1024, nprobe: int = 32, train_factor: int = 39,
               kmeans_iters: int = 10, build_threads: Optional[int] = None) -> FaissSearcher:
-  """IVF-Flat (`faiss.IndexIVFFlat` over a flat inner-product quantizer, k-means trained with
-  `kmeans_iters` iterations on the first `train_factor * nlist` vectors of a store)."""
+  """IVF-Flat (`faiss.IndexIVFFlat`), trained on a store's first `train_factor * nlist` vectors."""
   faiss = _faiss()
 
   def make():  # the factory's index owns its flat quantizer

@@ -1,8 +1,7 @@
 """The leaf record of a saved array pytree: every leaf's name, shape, dtype and SHA-256.
 
-Leaves are named by their container-independent path ('a/b/0'), so a NamedTuple or dataclass that
-Orbax restores as a dict keeps its names. Zero-size leaves, which Orbax cannot write, are saved as a
-scalar placeholder and rebuilt from the record.
+Leaves are named by container-independent paths ('a/b/0'); zero-size leaves, which Orbax cannot
+write, are saved as a scalar placeholder and rebuilt from the record.
 """
 from __future__ import annotations
 
@@ -95,10 +94,11 @@ def restore_target(target, record: dict):
 
 
 def fit_target(target, tree, what: str):
-  """The arrays of a restored (sub)tree `tree` in the structure of the abstract pytree `target`
-  (`jax.ShapeDtypeStruct` leaves), matched by leaf NAME, not by position: a checkpoint restored as
-  saved (containers as dicts) becomes the caller's NamedTuples again, and two same-shaped fields
-  can never swap. ValueError naming `what` and listing every missing, extra or mis-shaped leaf."""
+  """The arrays of a restored `tree` in the structure of the abstract pytree `target`, by leaf NAME.
+
+  Two same-shaped fields can never swap. ValueError naming `what` and every missing, extra or
+  mis-shaped leaf.
+  """
   flat, treedef = jax.tree_util.tree_flatten_with_path(target)
   stored = {leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
   _raise_diffs(_target_diffs(flat, {n: (np.shape(x), str(np.asarray(x).dtype))

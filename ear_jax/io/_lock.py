@@ -1,6 +1,6 @@
-"""An inter-process lock on a directory: an exclusive `fcntl.flock` on `<directory>/.lock`
-(`DirLock`), and a directory's owner lock held by one holder of one process for as long as it
-uses it (`hold`)."""
+"""Inter-process directory locks: an exclusive `fcntl.flock` on `<directory>/.lock` (`DirLock`),
+and a directory's owner lock held by one holder of one process (`hold`).
+"""
 from __future__ import annotations
 
 import fcntl
@@ -24,10 +24,8 @@ class HeldHere(LockTimeout):
 class DirLock:
   """An exclusive `flock` on `<directory>/.lock`, removed again on release.
 
-  The file is unlinked while the lock is still held; a waiter that then gets the lock on the
-  unlinked inode notices (the path no longer names its inode) and retries on the current file, so
-  two holders never overlap. A holder killed with SIGKILL loses its lock with its file descriptor;
-  the stale file it leaves is reused by the next holder.
+  The file is unlinked while still held; a waiter that got the unlinked inode retries on the
+  current file, so two holders never overlap. A SIGKILLed holder's lock dies with its descriptor.
 
   Args:
     directory: an existing directory.
@@ -95,8 +93,7 @@ class DirLock:
 
 
 class Hold:
-  """A process's owner lock on a directory (`hold`); `release` (or garbage collection) releases
-  the flock."""
+  """A process's owner lock on a directory (`hold`); `release` or garbage collection frees it."""
 
   def __init__(self, key: str):
     self.key = key
@@ -111,27 +108,21 @@ class Hold:
     self._finalizer()
 
 
-# The owner locks this process holds, by the real path of the lock file: flock is per open file,
-# so the kernel would refuse a second flock of one file by the same process only through another
-# file description, and the holder's name would be lost. Process state by nature, hence module
-# state.
+# The owner locks this process holds, by the lock file's real path (flock alone would not refuse a
+# second holder in this process). Process state by nature, hence module state.
 _OWNED: dict[str, tuple] = {}  # realpath of the lock file -> (DirLock, its holder's description)
 _OWNED_LOCK = threading.Lock()
 
 
 def hold(directory: pathlib.Path, name: str, holder: str = "") -> Hold:
-  """This process's exclusive owner lock `<directory>/<name>` (never waits), for ONE holder: the
-  directory's real path names it, so a link or another spelling of the path is the same lock.
+  """This process's exclusive owner lock `<directory>/<name>` (never waits), for ONE holder.
 
-  Args:
-    directory: the directory.
-    name: the lock file's name.
-    holder: who takes it (named in the error of a second `hold` in this process).
+  The directory's real path names it, so another spelling of the path is the same lock; `holder`
+  is named in the error of a second `hold` in this process.
 
   Raises:
-    HeldHere: this process holds it already (the message names the directory and `holder` of the
-      first).
-    LockTimeout: another process holds it (the message names the directory and its pid).
+    HeldHere: this process holds it already (naming the directory and the first `holder`).
+    LockTimeout: another process holds it (naming the directory and its pid).
   """
   key = os.path.realpath(pathlib.Path(directory) / name)
   with _OWNED_LOCK:
@@ -156,8 +147,7 @@ def _drop(key: str) -> None:
 
 
 def _forget_in_child() -> None:
-  """A forked child does not own its parent's directories: it closes its copies of the lock files
-  (the parent keeps the flock) and never unlinks them."""
+  """A forked child closes its copies of the parent's lock files (the parent keeps the flock)."""
   global _OWNED_LOCK  # (another thread may have held it at the fork)
   _OWNED_LOCK = threading.Lock()
   for lock, _ in _OWNED.values():

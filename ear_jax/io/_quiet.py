@@ -1,8 +1,7 @@
-"""Keeps Orbax's asyncio noise off stderr: "Event loop is closed" reports, the tracebacks of
-coroutines that Orbax leaves pending when a restore or save fails (printed when they are finalised,
-often at interpreter exit), and asyncio's "Task exception was never retrieved" for the sibling reads
-of a failed restore (they fail with the same corrupted directory, after the first failure was already
-raised as a `CheckpointError`). Only those are dropped; every other report passes through."""
+"""Keeps Orbax's asyncio noise off stderr: "Event loop is closed" reports, tracebacks of coroutines
+left pending by a failed restore or save, and "Task exception was never retrieved" for the sibling
+reads of a failed restore. Every other report passes through.
+"""
 from __future__ import annotations
 
 import gc
@@ -78,10 +77,8 @@ def install() -> None:
 def call(fn, directory=None):
   """`(fn(), None)`, or `(None, "Type: message")` if it raised.
 
-  After a failure, asyncio's "Task exception was never retrieved" reports that name `directory` (the
-  sibling reads of the failed call, finalised later) are dropped for the rest of the process. Then the coroutines Orbax left pending are collected at once under the filtered
-  `sys.unraisablehook`, so they print nothing (now or at exit). The exception is not handed to the
-  caller, since its traceback would keep them alive.
+  After a failure, asyncio's reports naming `directory` are dropped for the rest of the process and
+  the coroutines Orbax left pending are collected at once, silently.
   """
   try:
     return fn(), None

@@ -1,28 +1,19 @@
-"""`CheckpointStore`: atomic, verified, inter-process-locked Orbax checkpoints of (arrays, JSON meta).
+"""`CheckpointStore`: atomic, verified, locked Orbax checkpoints of (arrays, JSON meta).
 
-The one checkpoint mechanism of ear_jax, used by the experiment runner (`RunCheckpointer`) and by
-`Memory`. A store is a directory with one Orbax step per subdirectory (`<directory>/<step>/`), each
-of two items: `state`, the array pytree (its custom metadata records every leaf's path, shape,
-dtype and SHA-256; zero-size leaves are a scalar placeholder rebuilt from the record), and `meta`,
-the caller's JSON dict (`<step>/meta/metadata`). A SHA-256 of the meta and the leaf record is
-written into both items, so a changed value, record or digest is a `CheckpointError` naming the
-file (checkpoints written before this digest still load).
+The one checkpoint mechanism of ear_jax (`RunCheckpointer`, `Memory`). One Orbax step per
+subdirectory, each of two items: `state` (the array pytree; its custom metadata records every
+leaf's path, shape, dtype and SHA-256) and `meta` (the caller's JSON dict). A SHA-256 of meta and
+leaf record is written into both, so any changed value is a `CheckpointError` naming the file.
 
 Guarantees:
-  * Atomic: a step is written under a temporary name and renamed when complete; readers see only
-    digit-named steps, so a save killed at any moment (even SIGKILL) leaves the latest complete one.
-  * Verified before cleanup: the new step is read back and compared before older steps beyond
-    `max_to_keep` are deleted (renamed to `.trash-*` first, removed by the next save).
-  * Serialised: a save holds an exclusive `fcntl.flock` on `<directory>/.lock` (`lock_timeout_s`).
-  * Owned (opt-in, as `Memory` does): `own` takes an owner lock `<directory>/.owner` (one holder
-    in one process), dropped by the kernel when the process dies; another process, or another
-    caller of this one, gets a `DirectoryInUseError` naming the owner.
-  * Clear errors: unreadable, truncated or corrupted checkpoints are `CheckpointError`s naming the
-    path; incompatible requests are `ValueError`s listing the differences; a read never deletes
-    or rewrites anything. Orbax's asyncio noise is kept off stderr (`_quiet`).
-  * No growth: reads take Orbax's metadata file themselves and restore numpy leaves into zeros of
-    their recorded shapes, so no array is opened for its metadata (tensorstore keeps what that
-    returns: the process grew with every read).
+  * Atomic: a step is written under a temporary name and renamed when complete, so a save killed
+    at any moment (even SIGKILL) leaves the latest complete step.
+  * Verified before cleanup: the new step is read back before older steps are deleted.
+  * Serialised: a save holds an exclusive `fcntl.flock` on `<directory>/.lock`.
+  * Owned (opt-in): `own` takes an owner lock, one holder in one process, dropped when it dies.
+  * Clear errors: a bad checkpoint is a `CheckpointError` naming the path; a read never deletes or
+    rewrites anything.
+  * No growth: reads never open an array for its metadata (tensorstore leaks what that returns).
 """
 from __future__ import annotations
 
@@ -60,29 +51,21 @@ _MISSING = _Missing()
 
 
 class CheckpointError(RuntimeError):
-  """A checkpoint that cannot be read or written: corrupted, truncated, foreign, missing or locked."""
+  """A checkpoint that cannot be read or written: corrupted, foreign, missing or locked."""
 
 
 class CheckpointFormatError(CheckpointError, ValueError):
-  """A checkpoint of another or an unknown format, layout or version (the message names the file
-  and the field). Also a `ValueError`, the error a checkpoint of another format always was."""
+  """A checkpoint of another or unknown format, layout or version; also a `ValueError`."""
 
 
 class DirectoryInUseError(CheckpointError, ValueError):
-  """A directory another process owns (`CheckpointStore.own`); the message names the directory and
-  that process's pid. Also a `ValueError`: programs report it as a bad argument (the directory)."""
+  """A directory another process owns (`CheckpointStore.own`); also a `ValueError`."""
 
 
 def check_compatible(stored: dict, expected: dict, what: str) -> None:
   """Raises a ValueError listing every key whose value differs between `stored` and `expected`.
 
-  Args:
-    stored: the values read from a checkpoint.
-    expected: the values the caller needs.
-    what: what is compared, the subject of the message (e.g. "checkpoint /x/7 config").
-
-  Raises:
-    ValueError: `<what> differs in N field(s): key: stored=... vs expected=...; ...`.
+  `what` is the subject of the message (e.g. "checkpoint /x/7 config").
   """
   keys = sorted(set(stored) | set(expected), key=str)
   diffs = [f"{k}: stored={stored.get(k, _MISSING)!r} vs expected={expected.get(k, _MISSING)!r}"
@@ -98,13 +81,7 @@ def _ocp():
 
 
 def _this_process_only() -> dict:
-  """Orbax keyword arguments that keep a save / restore inside the calling process.
-
-  In a multi-process JAX run (`jax.distributed`) Orbax would otherwise synchronise every
-  process (barriers and broadcasts that the others, not saving, never join). A store is written by
-  one process: its arrays are host-local (numpy or single-device), so nothing is lost. One process:
-  no arguments (Orbax's defaults).
-  """
+  """Orbax keyword arguments that keep a save / restore inside the calling process (no barriers)."""
   import jax  # pylint: disable=g-import-not-at-top
   if jax.process_count() == 1:
     return {}
@@ -118,8 +95,7 @@ def _canonical(obj) -> str:
 
 
 def _meta_digest(meta: dict, record) -> str:
-  """SHA-256 of the canonical JSON of a step's meta dict and leaf record (what a restore reads
-  besides the array data, which the record's per-leaf digests cover)."""
+  """SHA-256 of the canonical JSON of a step's meta dict and leaf record."""
   return hashlib.sha256(_canonical({"meta": meta, "leaves": record}).encode("utf-8")).hexdigest()
 
 
@@ -133,12 +109,9 @@ def _json_roundtrip(meta: dict, what: str) -> dict:
 
 
 def _zeros_target(tree: Optional[dict], record: dict):
-  """The restore target of a step restored as saved: Orbax's tree metadata (`_ORBAX_METADATA`'s
-  `tree_metadata`: each leaf's keys, dict or sequence, and value type) with numpy zeros of each
-  array leaf's stored shape (the leaf record's; a placeholder for an empty one) and None, {} or
-  [] for the others; Orbax then restores into numpy arrays without opening each array for its
-  metadata. None (Orbax reads the tree itself) for a tree it cannot read or with a leaf that is
-  not a numpy array."""
+  """The restore target of a step restored as saved, from Orbax's tree metadata, with numpy zeros
+  of each recorded shape, so Orbax never opens an array for its metadata. None when unreadable.
+  """
   empty = {"None": None, "Dict": {}, "List": []}
   root, kinds = {}, {1: list, 2: dict}
   try:
@@ -173,7 +146,7 @@ def _zeros_target(tree: Optional[dict], record: dict):
 
 # -- the store -------------------------------------------------------------------------------
 class CheckpointStore:
-  """Atomic Orbax checkpoints of (array pytree, JSON meta) in `directory`, one subdirectory per step.
+  """Atomic Orbax checkpoints of (array pytree, JSON meta), one subdirectory per step.
 
   Args:
     directory: the store's directory (made absolute; created by the first save).
@@ -195,14 +168,14 @@ class CheckpointStore:
     self.close()
 
   def close(self) -> None:
-    """Releases resources. Every Orbax object is closed after each call, so nothing is pending."""
+    """Releases resources (every Orbax object is closed after each call)."""
 
   def __repr__(self):
     return f"CheckpointStore({str(self.directory)!r}, max_to_keep={self.max_to_keep})"
 
   # -- listing --------------------------------------------------------------------------------
   def steps(self) -> list[int]:
-    """The complete steps on disk, ascending (temporaries and removed steps are not listed)."""
+    """The complete steps on disk, ascending."""
     try:
       entries = list(os.scandir(self.directory))
     except (FileNotFoundError, NotADirectoryError):
@@ -238,17 +211,13 @@ class CheckpointStore:
 
   # -- reading --------------------------------------------------------------------------------
   def read_meta(self, step: int | None = None, *, verify: bool = True) -> dict:
-    """The JSON meta of `step` (default: the latest), verified against the digest recorded at save
-    time (when the step has one: steps written before it are returned unverified).
+    """The JSON meta of `step` (default: the latest), verified against its save-time digest.
 
-    Args:
-      step: the step; None for the latest.
-      verify: False reads the meta file alone, unverified (for bookkeeping that checks what it
-        uses some other way; it skips reading the array metadata, a few ms).
+    `verify=False` reads the meta file alone, unverified.
 
     Raises:
-      CheckpointError: no such step, or its meta file is missing, truncated, not a JSON object or
-        does not match its digest; the message names the file.
+      CheckpointError: no such step, or its meta file is missing, corrupted or does not match its
+        digest; the message names the file.
     """
     if not verify:
       return self._latest_retry(
@@ -288,9 +257,7 @@ class CheckpointStore:
 
   @staticmethod
   def _checked_meta(path: pathlib.Path, raw: dict, custom: dict) -> dict:
-    """The caller's meta of a step: `raw` without its digest, checked against both copies of the
-    digest (`_meta_digest` of the meta and the leaf record). Neither copy: a step written before
-    digests, returned as it is."""
+    """`raw` without its digest, checked against both copies of the digest (none: an older step)."""
     meta = {k: v for k, v in raw.items() if k != _DIGEST}
     in_file, in_custom = raw.get(_DIGEST), custom.get(_DIGEST)
     if in_file is None and in_custom is None:
@@ -309,10 +276,9 @@ class CheckpointStore:
 
   def _read_array_metadata(self, path: pathlib.Path, state_dir: pathlib.Path,
                            shapes: bool = True):
-    """`(custom metadata dict, {leaf: (shape, dtype)})` of a step's array item; CheckpointError
-    naming the file when it is missing, unreadable or holds a field this version does not know.
-    `shapes` False: `(custom, tree)`, read from Orbax's metadata file alone (`_metadata_file`),
-    no array opened."""
+    """`(custom metadata, {leaf: (shape, dtype)})` of a step's array item, or `(custom, tree)` read
+    from Orbax's metadata file alone when `shapes` is False; CheckpointError naming the file.
+    """
     if not state_dir.is_dir():
       raise CheckpointError(f"checkpoint {path} has no array directory {state_dir}")
     read = self._array_metadata if shapes else self._metadata_file
@@ -335,8 +301,7 @@ class CheckpointStore:
 
   @staticmethod
   def _array_metadata(state_dir: pathlib.Path) -> tuple[dict, dict]:
-    """(the custom metadata: leaf record and digest, {} for a checkpoint saved without them;
-    {leaf: (shape, dtype)}), through Orbax, which opens every array."""
+    """(custom metadata, {leaf: (shape, dtype)}) through Orbax, which opens every array."""
     ocp = _ocp()
     with contextlib.closing(ocp.StandardCheckpointHandler(**_this_process_only())) as handler:
       md = handler.metadata(state_dir)
@@ -345,10 +310,10 @@ class CheckpointStore:
 
   @staticmethod
   def _metadata_file(state_dir: pathlib.Path) -> tuple[dict, Optional[dict]]:
-    """(the custom metadata, as `_array_metadata`; Orbax's tree metadata or None) read from
-    Orbax's metadata file (`_ORBAX_METADATA`, JSON) alone. Orbax's own reader opens every array
-    through tensorstore, whose `Spec.to_json` never frees what it returns (tensorstore 0.1.86):
-    each read kept ~200 objects for good, so opening a memory again and again grew the process."""
+    """(custom metadata, Orbax's tree metadata or None) from Orbax's JSON metadata file alone.
+
+    Orbax's own reader opens every array through tensorstore, which never frees what it returns.
+    """
     found = json.loads((state_dir / _ORBAX_METADATA).read_text(encoding="utf-8"))
     if not isinstance(found, dict):
       raise ValueError(f"{_ORBAX_METADATA} holds a {type(found).__name__}, not a JSON object")
@@ -358,16 +323,12 @@ class CheckpointStore:
   def restore(self, step: int | None = None, target=None):
     """`(arrays, meta)` of `step` (default: the latest).
 
-    Args:
-      step: the step to restore; None for the latest.
-      target: an abstract pytree (`jax.ShapeDtypeStruct` leaves, or arrays) for Orbax's
-        `StandardRestore`: the arrays come back in its structure, shapes, dtypes and shardings.
-        None restores the tree as saved (containers as dicts / lists; numpy leaves come back as
-        numpy arrays, jax leaves as jax arrays).
+    `target`: an abstract pytree (`jax.ShapeDtypeStruct` leaves, or arrays) whose structure, shapes,
+    dtypes and shardings the arrays come back in; None restores the tree as saved.
 
     Raises:
-      CheckpointError: no such step, or its files are missing, truncated or corrupted (every leaf
-        is checked against the SHA-256 recorded at save time); the message names the directory.
+      CheckpointError: no such step, or its files are missing or corrupted (every leaf is checked
+        against its save-time SHA-256); the message names the directory.
       ValueError: `target` does not match the stored arrays (the leaves that differ are listed).
     """
     return self._latest_retry(lambda path: self._restore_at(path, target), step)
@@ -405,18 +366,13 @@ class CheckpointStore:
   def save(self, step: int, arrays, meta: dict) -> pathlib.Path:
     """Saves `(arrays, meta)` as `step`, verifies it, then drops steps beyond `max_to_keep`.
 
-    Args:
-      step: a non-negative int larger than every step on disk.
-      arrays: a pytree of numeric arrays (jax or numpy).
-      meta: a JSON-serialisable dict.
-
-    Returns:
-      The new step's directory.
+    `step` must exceed every step on disk; `arrays` is a pytree of numeric arrays, `meta` a
+    JSON-serialisable dict. Returns the new step's directory.
 
     Raises:
-      ValueError: bad step (not larger than the latest), arrays or meta; nothing was written.
-      CheckpointError: another process holds the directory's lock beyond `lock_timeout_s`, or the
-        write or its verification failed (the older steps are kept).
+      ValueError: bad step, arrays or meta; nothing was written.
+      CheckpointError: the lock was not had within `lock_timeout_s`, or the write or its
+        verification failed (the older steps are kept).
     """
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
       raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -448,27 +404,22 @@ class CheckpointStore:
     return path
 
   def delete(self, step: int) -> None:
-    """Removes `step` (atomically for readers: renamed out of the step namespace first), under the
-    store's lock; a step that is not there is ignored."""
+    """Removes `step` under the store's lock (renamed away first); a missing step is ignored."""
     if not self.directory.is_dir():
       return
     with self._locked():
       self._remove(self.directory / str(int(step)))
 
   def own(self, what: str = "directory", holder: str = "") -> Hold:
-    """This caller's exclusive owner lock of the store's directory (creating it), held until the
-    returned `Hold` is released or garbage-collected: one holder in one process (`_lock.hold`,
-    by the directory's real path); the kernel drops it when the process dies, even by SIGKILL.
-    It is independent of the save and writer locks: a store can be read and written by its owner
-    only if every writer takes it, which is the caller's protocol (`Memory` does).
+    """This caller's exclusive owner lock of the directory, held until the `Hold` is released.
 
-    Args:
-      what: the directory's kind, the subject of the error message (e.g. "memory directory").
-      holder: who takes it, named in the error of a second `own` in this process.
+    One holder in one process; the kernel drops it when the process dies. Independent of the save
+    lock: every writer must take it (`Memory` does). `what` / `holder` name the directory's kind /
+    the taker in errors.
 
     Raises:
-      DirectoryInUseError: another process owns it (naming the directory and its pid), or this
-        process does (naming the directory and the first `holder`).
+      DirectoryInUseError: another process owns it (naming its pid), or this process does (naming
+        the first `holder`).
       CheckpointError: the directory cannot be created.
     """
     try:

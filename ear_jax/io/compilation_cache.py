@@ -1,13 +1,9 @@
-"""JAX's persistent compilation cache for the library: a second process loads what the first
-compiled (the encoder, the searches, the learner step) instead of compiling it again.
+"""JAX's persistent compilation cache: a second process loads what the first compiled.
 
-`enable()` (called by every `Memory` and the installed programs) points JAX at `directory()`:
-`$EAR_CACHE_DIR/xla`, else `$XDG_CACHE_HOME/ear_jax/xla`, else `~/.cache/ear_jax/xla`, and caches
-every compiled program (JAX's default keeps only those that took a second to compile; a memory's
-take less, many of them). It changes nothing when the caller chose a cache already
-(`jax_compilation_cache_dir`, e.g. `JAX_COMPILATION_CACHE_DIR`) or set `EAR_NO_COMPILATION_CACHE`
-to anything but '' / '0'. The cache holds compiled programs only, never a memory's data; JAX
-treats it as trusted code, so keep it in a directory only you can write.
+`enable()` points JAX at `directory()` (`$EAR_CACHE_DIR/xla`, else `$XDG_CACHE_HOME/ear_jax/xla`,
+else `~/.cache/ear_jax/xla`) and caches every compiled program, unless the caller chose a cache or
+set `EAR_NO_COMPILATION_CACHE`. It holds compiled programs only, never a memory's data; JAX treats
+it as trusted code, so keep it in a directory only you can write.
 """
 from __future__ import annotations
 
@@ -25,8 +21,7 @@ def directory() -> pathlib.Path:
 
 
 def enable() -> Optional[str]:
-  """Turns the persistent compilation cache on at `directory()`, unless the caller set one or
-  opted out; returns the directory in use (None: no cache). Idempotent."""
+  """Turns the cache on at `directory()` unless set or opted out; returns it (None: no cache)."""
   import jax  # pylint: disable=g-import-not-at-top
   chosen = jax.config.jax_compilation_cache_dir
   if chosen:

@@ -2,27 +2,15 @@
 
 Symbols: `S` seeds.
 
-A run directory is an `ear_jax.io.checkpoints.CheckpointStore` (atomic, verified Orbax steps, locked
-against concurrent writers) whose step is the number of training queries processed (the position
-in the stream). Each step stores two items:
+A run directory is a `CheckpointStore` whose step is the number of training queries processed.
+Each step stores `state` (the stacked `LearnerState [S, ...]` and the seeds' PRNG keys) and `meta`
+(format tag, config, hyperparameters, seeds, stream and segment length, leaf shapes, run extras).
+Restoring checks the JSON before touching the arrays: another config, shape, seed set or
+segmentation is a `ValueError` saying what differs; a foreign directory is a `CheckpointError`.
+A failed restore never deletes or rewrites a checkpoint.
 
-  * `state`: the stacked `LearnerState` `[S, ...]` (adapter, optimizer state, Experience Buffer,
-    counters) and the seeds' PRNG keys, saved with `StandardSave`;
-  * `meta`: JSON with a format tag, the `EARConfig`, the hyperparameters, the seeds, the stream
-    length and segment length, every leaf's shape/dtype, and run extras (learning curve so far,
-    per-query training log so far).
-
-Restoring checks the JSON BEFORE touching the arrays: a checkpoint of another config, shape, seed set
-or segmentation is a `ValueError` that says what differs; an unreadable or foreign directory is a
-`CheckpointError`. Nothing here ever deletes or rewrites an existing checkpoint on a failed restore.
-
-A finished run also keeps its final adapters alone (`save_adapter`, `ADAPTER_FORMAT`): only the
-`AdapterParams` of every seed, one small verified step in `<workdir>/runs/<run>/adapter/`, written
-whether or not training checkpoints were asked for. Research code restores a trained adapter with
-`restore_adapter(workdir, run=...)`, from that store or from the run's training checkpoints. For a
-guarded config (`EARConfig.guard`) the store also records each seed's guard decision, and
-`restore_adapter` returns what the guard serves (the adapter, or the first stage's parameters),
-the parameters the run's test set was scored with; `guarded=False` gives the trained adapter.
+A finished run also keeps its final adapters alone (`save_adapter`, `runs/<run>/adapter/`);
+`restore_adapter` reads them back, for a guarded config as the guard serves them.
 """
 from __future__ import annotations
 
@@ -82,8 +70,7 @@ class RunCheckpointer:
   """Checkpoints of one run (one method on S seeds) in `directory`, keeping the last `max_to_keep`.
 
   Usage: `bind(...)` with the run's identity and an example state, then `save(position, state,
-  extra)` / `latest_position()` / `restore()`. The files are written by an
-  `ear_jax.io.checkpoints.CheckpointStore` (atomic, verified, locked against concurrent writers).
+  extra)` / `latest_position()` / `restore()`.
   """
 
   def __init__(self, directory, *, max_to_keep: int = 3):
@@ -119,8 +106,7 @@ class RunCheckpointer:
     """Saves `(state, position)` (and JSON `extra`) as step `position`; waits until verified.
 
     Raises:
-      ValueError: the directory already holds a step >= `position` (another run's checkpoints:
-        nothing is overwritten).
+      ValueError: the directory already holds a step >= `position` (nothing is overwritten).
       CheckpointError: the write failed or another process is writing the directory.
     """
     if self._ident is None:
@@ -170,8 +156,6 @@ class RunCheckpointer:
   def restore(self, position: Optional[int] = None):
     """`(state, position, extra)` of a step (default: the latest), after checking compatibility.
 
-    The JSON identity is checked before any array is read; nothing is deleted on failure.
-
     Raises:
       ValueError: the checkpoint belongs to another config / shape / seed set.
       CheckpointError: unreadable or foreign checkpoint.
@@ -200,28 +184,15 @@ def save_adapter(directory, params, *, config: EARConfig, hparams: HParams, seed
                  position: int, served: Optional[Sequence[bool]] = None) -> pathlib.Path:
   """Saves a finished run's final adapters (every seed) as one small verified checkpoint step.
 
-  Only the `AdapterParams` are stored (for the full adapter `2 d^2` float32 per seed: 1.2 MB at
-  d = 384), not the optimizer state or the Experience Buffer that make a training checkpoint large.
-  A save replaces the previous one atomically (a new step is written and verified before the older
-  one is removed, `CheckpointStore(max_to_keep=1)`), so a rerun into the same workdir leaves the
-  adapter that goes with its own `result.json`, and a kill at any moment leaves one of the two.
-
-  Args:
-    directory: the store, `<workdir>/runs/<run>/adapter`.
-    params: `AdapterParams` with a leading seed axis `[S, ...]` (numpy or jax).
-    config: the run's static config.
-    hparams: the run's hyperparameters.
-    seeds: the `S` seeds.
-    position: training queries seen (the run's stream length).
-    served: `[S]` whether each seed's guard serves its adapter (`guard_decisions` of the final
-      learner states); required with `config.guard`, refused without it.
+  Only the `AdapterParams [S, ...]` are stored; a save replaces the previous one atomically, so a
+  kill at any moment leaves one of the two. `position` is the run's stream length; `served` the
+  `[S]` guard decisions (`guard_decisions`), required exactly with `config.guard`.
 
   Returns:
     The step directory written.
 
   Raises:
-    ValueError: `served` missing for a guarded config, given for an unguarded one, or not one
-      decision per seed.
+    ValueError: `served` missing, unexpected, or not one decision per seed.
     CheckpointError: the write or its verification failed (the previous adapter is kept).
   """
   meta = {"format": ADAPTER_FORMAT, "config": config.to_dict(), "hparams": _hparams_json(hparams),
@@ -243,14 +214,13 @@ def save_adapter(directory, params, *, config: EARConfig, hparams: HParams, seed
 
 
 def guard_decisions(states, config: EARConfig) -> np.ndarray:
-  """`[S]` bool: whether each seed's guard serves its adapter (`guard.serve_adapted` of the
-  stacked learner `states` `[S, ...]`: their own parameters on their held-out rings)."""
+  """`[S]` bool: whether each seed's guard serves its adapter (`states [S, ...]`)."""
   return np.asarray(jax.vmap(lambda st: guard_lib.serve_adapted(st.params, st.guard,
                                                                 config))(states))
 
 
 def find_run_dirs(workdir) -> list:
-  """Run checkpoint directories under `workdir` (`workdir/checkpoints/<run>`, or `workdir` itself)."""
+  """Run checkpoint directories under `workdir` (`checkpoints/<run>`, or `workdir` itself)."""
   workdir = pathlib.Path(workdir)
   cands = ([workdir] if workdir.name != ADAPTER_DIR else []) + (
       sorted(p for p in (workdir / "checkpoints").iterdir() if p.is_dir())
@@ -273,7 +243,7 @@ def _run_name(path: pathlib.Path) -> str:
 
 
 def _stacked_state_target(config: EARConfig, num_seeds: int):
-  """Abstract `[S, ...]` LearnerState of `config` (`jax.eval_shape`: nothing is allocated)."""
+  """Abstract `[S, ...]` LearnerState of `config` (nothing is allocated)."""
   return jax.eval_shape(jax.vmap(lambda k: learner.init_learner(k, config)),
                         jax.ShapeDtypeStruct((num_seeds, 2), jnp.uint32))
 
@@ -301,8 +271,7 @@ def _restore_final_adapter(directory: pathlib.Path, config: Optional[EARConfig])
     if _leaf_specs(target) != meta["leaves"]:
       raise ValueError(f"adapter in {directory} has array shapes that do not match its config "
                        f"{stored}")
-    # As saved, then matched to the target by leaf name (`fit_target`): an adapter saved with
-    # fields this version no longer has (empty placeholders in Orbax's tree) reads too.
+    # As saved, then matched to the target by leaf name: retired fields' placeholders are dropped.
     tree, _ = store.restore()
   params = fit_target(target, tree["params"], f"the adapter in {directory}")
   return jax.tree_util.tree_map(jnp.asarray, params), stored, meta
@@ -313,37 +282,25 @@ def restore_adapter(workdir, *, run: Optional[str] = None, config: Optional[EARC
                     guarded: bool = True):
   """Restores a trained adapter from a run's workdir, for use in research code.
 
-  Every finished run of `experiments.run` keeps its final adapters in `runs/<run>/adapter`
-  (`save_adapter`); a run with `--checkpoint_every` also has training checkpoints in
-  `checkpoints/<run>`, the only source of an intermediate `position`. The arrays are restored
-  against an abstract target built from the stored config (`jax.eval_shape` of
-  `learner.init_learner`), so nothing is allocated twice and a shape mismatch is caught before any
-  array is read.
+  The final adapter comes from `runs/<run>/adapter`; an intermediate `position` needs the training
+  checkpoints of `--checkpoint_every`. Shapes are checked before any array is read.
 
   Args:
-    workdir: the `--workdir` of `experiments.run` (its `runs/<run>/adapter` and
-      `checkpoints/<run>` subdirectories are searched), a run checkpoint directory or an adapter
-      directory itself.
+    workdir: the `--workdir` of `experiments.run`, a run checkpoint or an adapter directory.
     run: the run name (e.g. 'ear'); needed when the workdir holds several runs.
-    config: optional expected `EARConfig`; a checkpoint of another config is a ValueError naming
-      the fields that differ.
+    config: optional expected `EARConfig`; another config is a ValueError naming the differences.
     seed_index: which seed's adapter (`0..S-1`); None returns the stacked `[S, ...]` adapter.
-    position: the step (training queries seen) of a training checkpoint; default the final
-      adapter (or the latest training checkpoint when the run kept no final adapter).
-    guarded: for a guarded config (`EARConfig.guard`, e.g. `ear_safe`), return what each seed's
-      guard serves: its adapter where the guard trusts it, else the first stage's parameters
-      (`guard.first_stage_params`), the parameters the run's test set was scored with. False:
-      the trained adapter itself, whatever the guard decided. No effect without a guard.
+    position: the step of a training checkpoint; default the final adapter.
+    guarded: for a guarded config, what each seed's guard serves (what the test set was scored
+      with); False: the trained adapter itself.
 
   Returns:
-    `(params: AdapterParams, config: EARConfig, meta: dict)`; `meta["position"]` is the number of
-    training queries the adapter has seen; with a guard `meta["served"]` is `[S]` the guard's
-    decision per seed (True: the adapter is served).
+    `(params, config, meta)`; `meta["position"]` is the training queries seen, `meta["served"]`
+    (with a guard) `[S]` the guard's decisions.
 
   Raises:
-    FileNotFoundError: no adapter or checkpoint found (or no training checkpoint for `position`).
-    ValueError: other config / shape, ambiguous run; a guarded adapter saved without the guard's
-      decision (before it was stored) asked for with `guarded=True`.
+    FileNotFoundError: no adapter or checkpoint found (or none for `position`).
+    ValueError: other config / shape, ambiguous run, or a guarded adapter without its decision.
     CheckpointError: unreadable or foreign checkpoint.
   """
   workdir = pathlib.Path(workdir)
