@@ -1,6 +1,5 @@
 """The MCP server's streamable HTTP transport: loopback by default with Host / Origin checks, an
-optional bearer token (required off loopback).
-"""
+optional bearer token (required off loopback)."""
 import hmac
 import ipaddress
 from typing import Optional

@@ -48,8 +48,7 @@ class MemoryService:
   """The tools over one `Memory` (thread-safe, transport-free).
 
   Args:
-    memory: the `Memory` served.
-    memory_dir: the directory it was opened on (`Memory.open`); None: never saved (tests).
+    memory, memory_dir: the `Memory` served and its directory (None: never saved).
     save_learner_s: save the learner item this often (seconds) when changed (0: only at `close`).
   """
 

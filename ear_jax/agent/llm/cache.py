@@ -40,11 +40,7 @@ def cache_key(url: str, body: dict[str, Any]) -> str:
 
 
 class ResponseCache:
-  """Reply texts on disk, keyed by `cache_key(url, body)`.
-
-  Args:
-    directory: the cache folder (created on the first write).
-  """
+  """Reply texts on disk under `directory` (created on the first write), keyed by `cache_key`."""
 
   def __init__(self, directory: str | os.PathLike):
     self.directory = pathlib.Path(directory).expanduser()

@@ -103,8 +103,7 @@ class ChatClientConfig:
   """Configuration of a `ChatClient` (host-side; never a jit argument).
 
   Attributes:
-    base_url: the endpoint's base URL, e.g. `http://localhost:8000/v1` (or a full
-      `.../chat/completions` URL).
+    base_url: the endpoint's base URL, e.g. `http://localhost:8000/v1`.
     model: the model name sent in the request body.
     api_key_env: NAME of the environment variable holding the API key, read at every request
       (missing or empty: no `Authorization` header).
@@ -112,9 +111,8 @@ class ChatClientConfig:
     max_tokens: the reply's token budget; an integer >= 1.
     timeout_s: seconds allowed for connecting, each socket read, and the whole reply; finite, > 0.
     max_retries: retries for HTTP 429/5xx, timeouts and connection errors; an integer >= 0.
-    backoff_base_s: retry `i` waits uniformly in `[c / 2, c]`, `c = min(backoff_max_s,
-      backoff_base_s * 2**i)`.
-    backoff_max_s: cap of the exponential delay and of a server's `Retry-After`; finite, >= 0.
+    backoff_base_s: retry `i` waits in `[c / 2, c]`, `c = min(backoff_max_s, base * 2**i)`.
+    backoff_max_s: cap of that delay and of a server's `Retry-After`; finite, >= 0.
     seed: sampling seed sent to servers that support it; None sends none.
     max_response_bytes: a longer reply body is 'unparseable'.
     cache_dir: a folder for the on-disk reply cache (`ear_jax.agent.llm.cache`); None = none.

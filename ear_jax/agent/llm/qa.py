@@ -34,9 +34,7 @@ class QAItem:
   """One question to answer from its selected memories.
 
   Attributes:
-    id: question id (LongMemEval: `_abs` marks an abstention question).
-    question: the question text.
-    gold: the gold answer.
+    id, question, gold: question id (LongMemEval: `_abs` marks abstention), text, gold answer.
     category: LoCoMo category name (or number) / LongMemEval question type.
     memories: the selected memories in slate order, `(text, session date)` ('' = unknown date).
     question_date: when the question is asked (LongMemEval), else None.
@@ -88,10 +86,8 @@ class QAReport:
 def run_requests(client: ChatClient, requests: Sequence[tuple[list, dict]], *,
                  max_workers: int = DEFAULT_WORKERS, desc: str = "LLM",
                  progress: bool = True) -> list[ChatResult]:
-  """`client.complete(messages, **decoding)` for each request, at most `max_workers` at a time.
-
-  Returns the results in request order; a call that raises becomes a `connection_error` result.
-  """
+  """`client.complete` for each request, at most `max_workers` at a time, in request order
+  (a call that raises becomes a `connection_error` result)."""
   if max_workers < 1:
     raise ValueError(f"max_workers must be >= 1, got {max_workers}")
   results: list[Optional[ChatResult]] = [None] * len(requests)
@@ -137,16 +133,14 @@ def evaluate_qa(items: Sequence[QAItem], answer_client: ChatClient,
 
   Args:
     items: the questions with their selected memories.
-    answer_client: the answering model's client.
-    judge_client: the judge's client (default: the answering client).
+    answer_client, judge_client: the clients (judge default: the answering one).
     max_workers: requests in flight at once, per phase.
     answer_max_tokens: the answer's token budget.
-    progress: tqdm bars (requests/s).
-    desc: the bars' label.
+    progress, desc: tqdm bars and their label.
 
   Returns:
-    A `QAReport`; `counters` holds per phase the client's counter deltas (`calls`, `cache_hits`,
-    `prompt_tokens`, `completion_tokens`, `seconds`, statuses), `unusable` and `wall_seconds`.
+    A `QAReport`; `counters` holds per phase the client's counter deltas, `unusable` and
+    `wall_seconds`.
   """
   judge_client = judge_client or answer_client
   items = list(items)

@@ -123,11 +123,7 @@ def answer_messages(question: str, memories: Sequence[tuple[str, str]],
 
 def longmemeval_judge_prompt(question_type: str, question: str, answer: str, response: str,
                              abstention: bool = False) -> str:
-  """LongMemEval's official judge prompt for a question type (abstention: its own prompt).
-
-  Raises:
-    ValueError: naming the question type when LongMemEval has no prompt for it.
-  """
+  """LongMemEval's official judge prompt for a question type (ValueError naming an unknown one)."""
   if abstention:
     return LONGMEMEVAL_ABSTENTION_TEMPLATE.format(question, answer, response)
   if question_type not in LONGMEMEVAL_JUDGE_TEMPLATES:

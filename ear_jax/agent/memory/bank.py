@@ -116,7 +116,7 @@ def _tombstone(bank, at):
 
 def write(bank: DeviceBank, rows, emb, stores, scopes, sessions=None, speakers=None,
           turns=None) -> DeviceBank:
-  """Writes `[n, d]` unit rows and their `[n]` codes at device `rows [n]`; `bank` is donated."""
+  """Writes `[n, d]` unit rows and their `[n]` codes at `rows [n]`, growing; `bank` is donated."""
   rows = np.asarray(rows, np.int64).reshape(-1)
   if not len(rows):
     return bank
@@ -198,9 +198,8 @@ def _pack(rows, mask, cands, slates=None):
 
 
 def finish(queries, emb, rows, mask, features=None, slate=None):
-  """Traced: the candidates' embeddings `[q, K, d]` (`| features [q, K, F]`) and, with `slate =
-  (params, hparams, s, explore)`, each query's first-round slate (Alg. 2 line 3), `_pack`ed. The
-  optimisation barrier keeps XLA from materialising a float32 copy of a bfloat16 bank."""
+  """Traced: candidates `[q, K, d (+ F)]` and, with `slate`, each query's first-round slate,
+  `_pack`ed (the optimisation barrier keeps XLA from widening a bfloat16 bank to float32)."""
   cands = _rows_of(jax.lax.optimization_barrier(emb), rows, mask)
   if features is not None:
     cands = jnp.concatenate([cands, features.astype(jnp.float32)], -1)
@@ -353,9 +352,8 @@ def query_allowed(allowed, num_padded: int):
 
 def scope_candidates(scope_rows, allowed, capacity: int,
                      num_padded: Optional[int] = None) -> Optional[np.ndarray]:
-  """`[P]` int32 rows of the scopes `allowed`, ascending, padded with `capacity` to a power of
-  two (`[num_padded, P]` for per-query specs); None (scan the whole bank, masked) when unscoped
-  or when `P > capacity / GATHER_SHARE`."""
+  """`[P]` rows of the scopes `allowed`, ascending, padded with `capacity` (`[num_padded, P]`
+  per query); None (scan the whole bank) when unscoped or `P > capacity / GATHER_SHARE`."""
   if scope_rows is None or allowed is None:
     return None
   specs = allowed if isinstance(allowed, list) else [allowed]

@@ -23,14 +23,11 @@ class Request:
   """One caller's request, with its outcome once served.
 
   Args:
-    texts: `[n]` checked texts to encode, or None.
-    embeddings: `[n, d]` checked unit embeddings (when `texts` is None).
+    texts, embeddings: `[n]` checked texts to encode, or `[n, d]` checked unit embeddings.
     key: requests with equal keys share one search; None: encode only.
-    scope: the request's scope spec (its queries' scopes in the shared search).
-    search_texts: `[n]` the texts the search ranks by (lexical first stages).
-    prepare: `prepare() -> None` under the lock before the search (raises to fail the request).
-    finish: `finish(texts, embeddings [n, d], result) -> value` under the lock (`result`: the
-      request's `[n, ...]` rows of the search's output).
+    scope, search_texts: its queries' scope spec and `[n]` texts for a lexical first stage.
+    prepare: `prepare()` under the lock before the search (raises to fail the request).
+    finish: `finish(texts, embeddings, result) -> value` under the lock (`result`: its rows).
     what: what the texts are, for the encoder's errors ('query', 'memory', ...).
   """
 

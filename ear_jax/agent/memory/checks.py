@@ -1,6 +1,5 @@
 """The checks of `Memory`'s arguments (pure: no state is read or written), the store names and
-the default scope. Each raises a ValueError (or `InputTypeError`) naming the argument.
-"""
+the default scope. Each raises a ValueError (or `InputTypeError`) naming the argument."""
 from __future__ import annotations
 
 import collections.abc
@@ -30,12 +29,7 @@ def _check_encodable(values: list[str], what: str) -> None:
 
 
 def string_list(values, what: str, noun: str) -> list[str]:
-  """One string, or a non-empty sequence (list, tuple) of strings, as a list.
-
-  Raises:
-    InputTypeError: not a string or a list / tuple of strings (naming the index).
-    ValueError: an empty sequence.
-  """
+  """One string, or a non-empty list / tuple of strings, as a list (errors name the index)."""
   if isinstance(values, str):
     return [values]
   if (not isinstance(values, collections.abc.Sequence)
@@ -52,12 +46,7 @@ def string_list(values, what: str, noun: str) -> list[str]:
 
 
 def check_text_list(texts, what: str) -> list[str]:
-  """One string, or a sequence of non-empty strings that UTF-8 can encode, as a list.
-
-  Raises:
-    InputTypeError: not a string or a list / tuple of strings.
-    ValueError: an empty sequence or text, or a lone surrogate (naming its index).
-  """
+  """One string, or a list / tuple of non-empty UTF-8-encodable strings, as a list."""
   texts = string_list(texts, what, "text")
   for i, t in enumerate(texts):
     if not t.strip():
@@ -92,11 +81,7 @@ def check_embeddings(emb, n: Optional[int], dim: int, what: str) -> np.ndarray:
 
 
 def real_query_vector(emb, dim: int) -> np.ndarray:
-  """One `[d]` query embedding as a real array (checked and normalised by `check_embeddings`).
-
-  Raises:
-    ValueError: for a non-real dtype, or a shape other than `[d]`.
-  """
+  """One `[d]` query embedding, checked and normalised (ValueError: dtype or shape)."""
   arr = encoder_base.real_array(emb, "query_embedding")
   if arr.ndim != 1:
     raise ValueError(f"query_embedding has shape {arr.shape}, expected one [{dim}] vector")

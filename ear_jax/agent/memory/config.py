@@ -59,9 +59,8 @@ class MemoryConfig:
     index_options: that searcher's options, sorted `(key, value)` pairs (a dict is accepted).
     num_candidates: `K`, the memories the first stage retrieves per question (>= the slate size;
       even with `multistore`); None: the preset's pool (`PRESET_POOL`) or the method's own K.
-    candidates: the first stage, 'dense' | 'bm25' | 'hybrid' (`data.first_stage.GENERATORS`);
-      'bm25' / 'hybrid' add side features and need query texts; not with an ANN `index`. None:
-      `first_stage_name`.
+    candidates: the first stage, 'dense' | 'bm25' | 'hybrid' (text queries; no ANN `index`);
+      None: `first_stage_name`.
     first_stage: the hybrid fusion's options.
     batch_window_ms: micro-batching of concurrent calls (`batcher`): queries arriving within this
       many milliseconds share one encoder call and one search; 0: every call alone. Serving.

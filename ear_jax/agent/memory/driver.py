@@ -76,14 +76,7 @@ def mask_item(item: TrainItem, rows: np.ndarray) -> TrainItem:
 
 
 class Driver:
-  """Queue of closed sessions and the learner state they train.
-
-  Args:
-    config: static config.
-    hparams: hyperparameters.
-    seed: the memory's seed (see `seed_keys`).
-    state: a learner state to start from (default: a fresh one from the seed).
-  """
+  """Queue of closed sessions and the learner state they train (default: fresh from `seed`)."""
 
   def __init__(self, config: EARConfig, hparams: HParams, seed: int,
                state: Optional[learner_lib.LearnerState] = None):

@@ -308,11 +308,7 @@ class Memory:
 
   def search(self, question=None, k: int = 5, *, query_embedding=None, scope=None):
     """The served top-k of a question: a pure read, nothing learnt. `k` in `[1, K]` is a maximum;
-    an empty scope is a ValueError. A list of questions (or `[n, d]`) gives a list, batched.
-
-    Returns:
-      A `Slate` (round 0, session_id -1), or a list of them.
-    """
+    an empty scope is a ValueError. A list of questions (or `[n, d]`) gives a list, batched."""
     batch = isinstance(question, (list, tuple)) or (question is None
                                                     and np.ndim(query_embedding) == 2)
     k = check_k(k, self._ear.num_candidates)
@@ -336,9 +332,7 @@ class Memory:
               resume: Optional[int] = None) -> Session:
     """Opens a query session, its candidates found now in `scope` (None: every scope);
     `resume=<id>` re-attaches to an open one (`SessionDroppedError` for a dropped one).
-
-    `learn=False`: a test-time paging session (round t + 1 shows page t of the served ranking,
-    nothing trains, never saved); `close()` it when done."""
+    `learn=False`: a test-time paging session (nothing trains); `close()` it when done."""
     if resume is not None:
       if question is not None or query_embedding is not None or scope is not None or (
           learn is not True):

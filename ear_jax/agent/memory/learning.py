@@ -39,18 +39,14 @@ _copy = jax.jit(lambda tree: jax.tree_util.tree_map(jnp.copy, tree))  # (one cal
 
 
 class Learning:
-  """The sessions and the learner of one memory (see the module docstring).
+  """The sessions and the learner of one memory.
 
   Args:
-    config, hparams: the resolved `EARConfig` and `HParams`.
-    seed: the memory's seed (`driver.seed_keys`).
-    max_sessions: sessions kept (`MemoryConfig.max_sessions`).
-    rows: the memory's `rows.Rows` (the candidates' records and liveness).
-    lock: the memory's re-entrant lock.
-    stats: the memory's counters (a `Counter`, shared).
+    config, hparams, seed, max_sessions: resolved settings of the memory.
+    rows, lock, stats: the memory's `rows.Rows`, re-entrant lock and shared counters.
     embed_answer: `embed_answer(texts) -> [n, d]`, the memory's encoder for answers.
     learner: a learner state to start from (default: a fresh one from the seed).
-    warm: `warm()` compiles the learner step in the background (`MemoryConfig.warm_learner`).
+    warm: compile the learner step in the background (`MemoryConfig.warm_learner`).
   """
 
   def __init__(self, config, hparams, seed: int, max_sessions: int, rows, lock,

@@ -38,13 +38,8 @@ class Encoded(NamedTuple):
 
 
 class LexicalBank:
-  """The vocabulary and BM25 index of a memory, and its first-stage search.
-
-  Args:
-    candidates: 'dense', 'bm25' or 'hybrid' (`first_stage.GENERATORS`).
-    options: the hybrid fusion's settings.
-    multistore: index every memory (True) or the dialogue memories only (False).
-  """
+  """The vocabulary, BM25 index and first-stage search of a memory (`candidates`,
+  `options`: the first stage; `multistore`: index every memory, else dialogue only)."""
 
   def __init__(self, candidates: str, options: first_stage.FirstStageOptions, multistore: bool):
     first_stage.check_generator(candidates)
@@ -145,18 +140,9 @@ class LexicalBank:
   def search(self, bank: bank_lib.DeviceBank, queries: np.ndarray, query_texts: Sequence[str],
              k: int, *, allowed: Optional[np.ndarray] = None, slate=None,
              scope_rows: Optional[scopes_lib.ScopeRows] = None):
-    """`bank.search` with this first stage: `(rows [q, K], mask [q, K], cands [q, K, d + F]
-    (embedding | features), slates or None)`, numpy.
-
-    Args:
-      bank: the memory's device bank.
-      queries: `[q, d]` unit queries.
-      query_texts: `[q]` their texts (BM25's input).
-      k: `K`.
-      allowed: `[S]` bool over scope codes (None: every scope), or per-query specs: both the rows
-        and the BM25 statistics are the allowed scopes'.
-      slate, scope_rows: as in `bank.search`.
-    """
+    """`bank.search` with this first stage: `(rows [q, K], mask [q, K], cands [q, K, d + F],
+    slates or None)`, numpy. `query_texts [q]` are BM25's input; `allowed` scopes both the rows
+    and the BM25 statistics; the other arguments are `bank.search`'s."""
     q, padded = len(queries), bank_lib.pad_queries(queries)
     ids = [self.query_ids(t) for t in tokenize(query_texts)]
     found = self._scores(ids, allowed)

@@ -31,11 +31,7 @@ OLD_SHARDS = "bank_shards"  # what a directory of the older (Orbax shards) layou
 
 
 def checkpoint_dir(path) -> pathlib.Path:
-  """The absolute memory directory of `path`.
-
-  Raises:
-    ValueError: `path` is empty, not a path, or an existing non-directory.
-  """
+  """The absolute memory directory of `path` (ValueError: empty, not a path, or a file)."""
   if not isinstance(path, (str, os.PathLike)):
     raise ValueError(f"memory path must be a str or os.PathLike, got {type(path).__name__}")
   if not str(os.fspath(path)).strip():
@@ -124,8 +120,7 @@ def read_learner(root: pathlib.Path) -> tuple[dict, dict, str]:
   """`(arrays, meta, where)` of the latest learner item of `root` (verified).
 
   Raises:
-    CheckpointError: none there, or a truncated / corrupted one (naming the path);
-      `CheckpointFormatError` for another format.
+    CheckpointError: none there, or a corrupted one (`CheckpointFormatError`: another format).
   """
   store = checkpoints.CheckpointStore(root / LEARNER)
   step = store.latest_step()

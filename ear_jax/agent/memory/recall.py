@@ -5,9 +5,9 @@ Symbols: `K` candidates, `k` memories returned, `T` Explorer rounds (`EARConfig.
 `recall` plays T Explorer rounds with a host critic (`critic(key, view) -> labels [k]` or None: an
 unusable reply ends the rounds with no update) as ONE training query, then the slate
 `EARConfig.final_slate` names: `inference.evaluate`'s explorer-assisted slate for the same inputs.
-With `learn=False` (or a session held out for the guard) it pages the served ranking instead.
-A delete meanwhile never makes it fail: it drops a learning session untrained, and the answer
-holds the memories as they are when recall returns.
+With `learn=False` it pages the served ranking instead (a guard's held-out session: the first
+stage's). A delete meanwhile never makes it fail: it drops a learning session untrained, and the
+answer holds the memories as they are when recall returns.
 """
 from __future__ import annotations
 

@@ -33,12 +33,7 @@ _FIELD_DEFAULTS = {"held": 0}  # (learner items saved before it existed)
 
 
 class Registry:
-  """The sessions of one memory, least recently used first.
-
-  Args:
-    config: static config (`K`, `T`).
-    max_sessions: sessions kept; beyond it the least recently used are evicted (closed first).
-  """
+  """The sessions of one memory, least recently used first (at most `max_sessions`)."""
 
   def __init__(self, config: EARConfig, max_sessions: int):
     self.config = config
@@ -185,13 +180,8 @@ def _critic_key_block(key, start, *, size, num_rounds):
 
 
 class CriticKeys:
-  """The critic key of round `t` of session `sid`, `fold_in(fold_in(k_critic, sid), t)`, as a host
-  `[2]` uint32 array, computed `BLOCK` sessions at a time.
-
-  Args:
-    key: the memory's critic key (`driver.seed_keys`).
-    num_rounds: `T`.
-  """
+  """The critic key `fold_in(fold_in(key, sid), t)` of round `t` of session `sid`, as a host
+  `[2]` uint32 array, computed `BLOCK` sessions x `num_rounds` at a time."""
   BLOCK = 256
 
   def __init__(self, key, num_rounds: int):

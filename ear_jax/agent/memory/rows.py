@@ -24,13 +24,8 @@ from ear_jax.core.config import EARConfig
 from ear_jax.data import first_stage
 
 class Rows:
-  """The memories of one `Memory`: the table and everything derived from it.
-
-  Args:
-    table: the `table.Table` (its rows are read once, here).
-    cfg, config: the memory's `MemoryConfig` and resolved `EARConfig`.
-    root: the memory directory (None: never saved); its `ann/` is loaded when present.
-  """
+  """The memories of one `Memory`: `table` and everything derived from it (`root`'s `ann/`
+  loaded when present)."""
 
   def __init__(self, table: table_lib.Table, cfg, config: EARConfig,
                root: Optional[pathlib.Path] = None):

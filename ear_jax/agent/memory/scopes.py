@@ -1,7 +1,6 @@
 """Scopes on the host: scope name <-> int32 code with the live rows per scope and store
 (`ScopeNames`), each scope's device rows in order (`ScopeRows`, so a scoped search reads only its
-scopes' rows), and each session's rows in place order (`SessionTurns`, `features='context'`).
-"""
+scopes' rows), and each session's rows in place order (`SessionTurns`, `features='context'`)."""
 from __future__ import annotations
 
 import bisect
@@ -92,12 +91,7 @@ class ScopeNames:
 
 
 class ScopeRows:
-  """The device rows of each scope code, ascending; never a pass over the bank.
-
-  Args:
-    rows: `[n]` device rows held (e.g. `Table.read_all().rows`).
-    codes: `[n]` their scope codes (`ScopeNames`).
-  """
+  """The device rows `[n]` of each scope code (`codes [n]`), ascending; no pass over the bank."""
 
   def __init__(self, rows=(), codes=()):
     self._code = np.zeros(0, np.int32)  # [rows] scope code + 1 of each held row (0: none)
@@ -161,9 +155,8 @@ class ScopeRows:
 
 
 class SessionTurns:
-  """Each session's live rows in place order (`table.Table.places`): a row's turn is its index
-  there, so a delete closes the gap and an update keeps the turn, live or reopened alike.
-  Sessions are codes >= 0 (-1: none)."""
+  """Each session's (code >= 0) live rows in place order: a row's turn is its index there, so a
+  delete closes the gap and an update keeps the turn."""
 
   def __init__(self):
     self._rows: dict[int, list] = {}  # session -> sorted [(place, row)]

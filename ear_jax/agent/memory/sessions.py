@@ -62,11 +62,8 @@ class Slate:
 
 
 def citation_labels(shown: list[str], cited_ids, what: str) -> np.ndarray:
-  """`[k]` labels of a shown slate: +1 for cited ids, -1 otherwise (Appendix A.2's citations).
-
-  Raises:
-    TypeError / ValueError: `cited_ids` is not a collection of ids, or names an id not shown.
-  """
+  """`[k]` labels of a shown slate: +1 for cited ids, -1 otherwise (Appendix A.2's citations);
+  TypeError / ValueError for a bad collection or an id not shown."""
   if cited_ids is None:
     cited_ids = []
   elif isinstance(cited_ids, str):
@@ -170,8 +167,7 @@ class QuerySession:
     raise NotImplementedError
 
   def record(self, labels: np.ndarray, num_rounds: int) -> Optional[TrainItem]:
-    """Feedback `[k]` on the open round; the `TrainItem` if this closes it. Its bandit update
-    (Eq. (9)) is pending (`stale`) until the next round's call applies it."""
+    """Feedback `[k]` on the open round; the `TrainItem` if it closes it (Eq. (9) applied later)."""
     self.settle()  # (no-op unless a round's feedback is pending already)
     return self._store(labels, num_rounds)
 
@@ -307,8 +303,8 @@ class _Paged(QuerySession):
 
 
 class HeldOutSession(_Paged):
-  """A learning session held out for the guard: pages of the first stage's ranking
-  (`guard.page_relevance`); its item goes to the guard's ring, never to training."""
+  """A learning session held out for the guard: pages of the first stage's ranking; its item
+  goes to the guard's ring, never to training."""
 
   def play(self, k, explore, view):
     if self.ranking is None:

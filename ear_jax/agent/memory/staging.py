@@ -19,16 +19,7 @@ from ear_jax.agent.memory.checks import InputTypeError
 
 
 class Stage:
-  """Encoding and the first stage of one memory.
-
-  Args:
-    cfg: the `MemoryConfig`; config, hparams: the resolved `EARConfig` / `HParams`.
-    encoder: the memory's `EncoderSlot`.
-    rows: the memory's `rows.Rows`.
-    lock: the memory's lock.
-  Attributes:
-    learning: the memory's `learning.Learning`; set by `Memory` once built.
-  """
+  """Encoding and the first stage of one memory (`learning` is set by `Memory` once built)."""
 
   def __init__(self, cfg, config, hparams, encoder, rows, lock):
     self.cfg, self.config, self.hparams = cfg, config, hparams
@@ -79,9 +70,8 @@ class Stage:
     return texts, emb
 
   def run(self, texts, emb, names, size, k: Optional[int], finish):
-    """`finish(texts, q_emb, first stage)` under the lock after the first stage of the query in
-    `names` (with `size`, the slate of that size), batched when configured. Scopes without a
-    candidate are refused (naming them and `k`) before any encoding, and again at the search."""
+    """`finish(texts, q_emb, first stage)` under the lock after the query's first stage in `names`
+    (with `size`, its slate); scopes without a candidate are refused before any encoding."""
     search_texts = texts if texts is not None else [""] * len(emb)
     prepare = lambda: self.rows.scopes.check_any(self.config.num_candidates,
                                                  self.cfg.multistore, names, k)

@@ -295,8 +295,7 @@ class Table:
              terms: Optional[Sequence[np.ndarray]] = None,
              new_vocab: Sequence[tuple[str, int]] = (), source: Optional[str] = None
              ) -> np.ndarray:
-    """Appends rows in one transaction; returns their device rows `[n]`. `source`: 'encoder' or
-    'caller' (`embedded_by`).
+    """Appends rows in one transaction; returns their device rows `[n]` (`source`: `embedded_by`).
 
     Raises:
       ValueError: lengths or dimension do not match, or an id is already stored (nothing written).
