@@ -199,7 +199,7 @@ def _pack(rows, mask, cands, slates=None):
 
 def finish(queries, emb, rows, mask, features=None, slate=None):
   """Traced: candidates `[q, K, d (+ F)]` and, with `slate`, each query's first-round slate,
-  `_pack`ed (the optimisation barrier keeps XLA from widening a bfloat16 bank to float32)."""
+  `_pack`ed (the optimisation barrier keeps XLA from materialising a float32 copy of the bank)."""
   cands = _rows_of(jax.lax.optimization_barrier(emb), rows, mask)
   if features is not None:
     cands = jnp.concatenate([cands, features.astype(jnp.float32)], -1)
