@@ -4,13 +4,9 @@
   ear-mcp-server --memory_dir=DIR --method=ear --candidates=hybrid --k=50
   EAR_MCP_TOKEN=secret ear-mcp-server --memory_dir=DIR --transport=http --port=8765
 
-(`python -m ear_jax.agent.mcp_cli ...` is the same program.) The memory is `Memory.open(
---memory_dir)`: created with the flags' settings when the directory holds none, else opened (a
-restart continues where it stopped; other settings than the directory's are refused at start).
-Tools: `mcp_server`. Every `remember` / `forget` is durable when it is acknowledged; the learner
-is saved every `--save_learner_s` seconds after a change and at shutdown (stdin EOF, SIGTERM,
-SIGINT). HTTP is served on loopback unless `--host` names another address (then a bearer token is
-required).
+The memory is `Memory.open(--memory_dir)`: created with the flags' settings, or reopened (other
+settings than the directory's are refused). The learner is saved every `--save_learner_s` seconds
+after a change and at shutdown. HTTP off loopback requires a bearer token.
 """
 from __future__ import annotations
 
@@ -26,9 +22,8 @@ from typing import Optional, Sequence
 from ear_jax.agent import mcp_http
 from ear_jax.agent import mcp_server
 
-# Tokens per encoder call of a checkpoint encoder: one question pays for a whole call, so a server
-# answering single questions wants a small one (`python -m experiments.bench --suite=server`
-# reports `encode_1_ms` / `encode_16_ms`).
+# Tokens per encoder call of a checkpoint encoder: small, for single questions
+# (`python -m experiments.bench --suite=server`).
 BATCH_TOKENS = 512
 
 
@@ -113,8 +108,7 @@ def open_memory(args):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-  """Parses `argv` (default: the command line) and serves until stdin ends (stdio), or until
-  SIGTERM / SIGINT."""
+  """Parses `argv` and serves until stdin ends (stdio), or until SIGTERM / SIGINT."""
   args = parser().parse_args(argv)
   from absl import logging  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.WARNING)  # (stdout is the protocol; orbax logs each save)
@@ -137,8 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     service.close()
     os._exit(0)  # pylint: disable=protected-access
 
-  # SIGTERM and SIGINT save and exit at once (a SIGINT left to asyncio would wait for the stdin
-  # reader's thread, i.e. for the client to close stdin)
+  # SIGTERM and SIGINT save and exit at once (asyncio would wait for the stdin reader's thread)
   signal.signal(signal.SIGTERM, on_term)
   signal.signal(signal.SIGINT, on_term)
   try:
@@ -153,8 +146,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     pass
   finally:
     service.close()
-  # Everything is saved. Leave without the interpreter's teardown: the learner's warm-up thread
-  # may still be compiling, and tearing JAX down under it crashes the process (exit 134 / -11).
+  # Everything is saved. Skip the interpreter's teardown: tearing JAX down under the warm-up
+  # thread's compilation crashes the process.
   for stream in (sys.stdout, sys.stderr):
     with contextlib.suppress(ValueError, OSError):  # (stdio's transport closed stdout)
       stream.flush()

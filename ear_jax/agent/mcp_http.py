@@ -1,10 +1,5 @@
 """The MCP server's streamable HTTP transport: loopback by default with Host / Origin checks, an
-optional bearer token.
-
-On a loopback address only that address (and, for 127.0.0.1 / ::1, `localhost`) at its port is
-accepted as `Host` and `Origin` (DNS rebinding: a forged Host is a 421, a forged Origin a 403); a
-non-loopback address needs the bearer token, which such a page cannot send.
-"""
+optional bearer token (required off loopback)."""
 import hmac
 import ipaddress
 from typing import Optional
@@ -21,10 +16,7 @@ def is_loopback(host: str) -> bool:
 
 
 def transport_security(host: str, port: int):
-  """The Host / Origin checks of HTTP on a loopback `host` (DNS rebinding: a web page whose name
-  now resolves to this address): that address (for 127.0.0.1, localhost and ::1: the three names)
-  at `port`; a wrong Host is a 421, a wrong Origin a 403. None (no check) elsewhere: a
-  non-loopback address needs the bearer token, which such a page cannot send."""
+  """The Host / Origin checks of HTTP on a loopback `host` (421 / 403); None elsewhere."""
   from mcp.server.transport_security import TransportSecuritySettings  # pylint: disable=g-import-not-at-top
   if not is_loopback(host):
     return None

@@ -2,24 +2,16 @@
 
 Symbols: `k` memories per slate, `K` candidates, `T` Explorer rounds per question.
 
-Six tools, each one call of the `Memory` API: `remember(texts, scope?, dates?)` -> `Memory.add`;
-`recall(question, k, scope?, learn?)` -> `Session.round` of the question's session in `scope` (the
-same question asked again after `cite` plays the next round, so a question's `T` rounds are one
-training query, Eq. (11)-(14); `learn=false`: a test-time session, call t shows page t of the
-served ranking, `cite` trains nothing and both return `answer_ids`, paging's answer so far);
-`cite(retrieval_id, used_ids?, answer?)` -> `Session.feedback` of that round (the cited ids, the
-memories the answer draws on by the answer rule, or both); `search(question, k, scope?)` ->
-`Memory.search`; `forget(ids)` -> `Memory.delete`; `stats()`.
+Six tools, each one call of the `Memory` API: `remember` -> `Memory.add`; `recall` ->
+`Session.round` of the question's session (asked again after `cite`, the next round, so a
+question's `T` rounds are one training query; `learn=false`: pages, `answer_ids`); `cite` ->
+`Session.feedback`; `search` -> `Memory.search`; `forget` -> `Memory.delete`; `stats`.
 
-`MemoryService` is the transport-free core: a bounded map (question, scope, learn) -> session id
-(a repeated question resumes its session) and a retrieval id `<run token>-<session>-<round>` (the
-token is random per run: an id from before a restart is refused by name). Every remember / forget
-is durable when it returns (`Memory`); the learner item is saved every `save_learner_s` seconds
-when a tool changed it and at `close` (which first queues the open sessions of the map). Tools
-run in worker threads (`build_server`: the SDK's `FastMCP`, strict JSON argument types and size
-limits in the schemas); one question's rounds are kept in order by a lock of its own, and no
-service lock is held across a `Memory` call. Transports: `mcp_stdio` and `mcp_http`; the program
-is `mcp_cli` (`ear-mcp-server`).
+`MemoryService` is the transport-free core: a bounded map (question, scope, learn) -> session and
+retrieval ids `<run token>-<session>-<round>` (an id from before a restart is refused by name).
+Every remember / forget is durable when it returns; the learner item is saved every
+`save_learner_s` seconds when changed and at `close`. One question's rounds are ordered by its own
+lock; no service lock is held across a `Memory` call. Transports: `mcp_stdio`, `mcp_http`.
 """
 import collections
 import re
@@ -56,10 +48,8 @@ class MemoryService:
   """The tools over one `Memory` (thread-safe, transport-free).
 
   Args:
-    memory: the `Memory` served.
-    memory_dir: the directory it was opened on (`Memory.open`); None: never saved (tests).
-    save_learner_s: save the learner item this often (seconds) when a tool changed it (0: only at
-      `close`).
+    memory, memory_dir: the `Memory` served and its directory (None: never saved).
+    save_learner_s: save the learner item this often (seconds) when changed (0: only at `close`).
   """
 
   def __init__(self, memory, memory_dir=None, save_learner_s: float = 0.0):
@@ -126,10 +116,7 @@ class MemoryService:
     return {"ids": self.memory.add(texts, scope=scope, dates=dates)}
 
   def recall(self, question, k: int = 5, scope=None, learn: bool = True) -> dict:
-    """The next round of the question's open session in `scope`, else round 1 of a new session
-    (`learn=False`: a test-time session, whose round t + 1 is page t of the served ranking).
-    An earlier round never cited is replaced (`Session.round`): the new one has its number, so
-    its retrieval id now names the new slate. Other questions' recalls run meanwhile."""
+    """The next round of the question's open session in `scope`, else round 1 of a new one."""
     if not isinstance(learn, bool):
       raise TypeError(f"learn must be true or false, got {type(learn).__name__}")
     key = (question, scope, learn)
@@ -246,9 +233,7 @@ class MemoryService:
       self.saves += 1
 
   def close(self) -> None:
-    """Shutdown (stdin EOF, SIGTERM, SIGINT): queues the sessions of the question map (a restart
-    starts them anew), saves the learner item, closes the memory, and says on stderr when the
-    save ended; idempotent."""
+    """Shutdown: queues the open sessions, saves the learner item, closes the memory; idempotent."""
     started = time.time()
     with self._lock:
       if self.closed:
@@ -274,8 +259,7 @@ class MemoryService:
 
 
 def _run(limiter, fn, *args):
-  """Runs a tool in a worker thread of `limiter`; bad input -> ToolError (the server keeps
-  serving)."""
+  """Runs a tool in a worker thread of `limiter`; bad input -> ToolError."""
   import anyio  # pylint: disable=g-import-not-at-top
   from mcp.server.fastmcp.exceptions import ToolError  # pylint: disable=g-import-not-at-top
 
@@ -289,14 +273,11 @@ def _run(limiter, fn, *args):
 
 def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 8000,
                  worker_threads: int = WORKER_THREADS):
-  """A `FastMCP` server with the six tools over `service`: up to `worker_threads` tool calls run at
-  once, each in a worker thread (more wait for a free one).
+  """A `FastMCP` server with the six tools over `service`, at most `worker_threads` at once.
 
-  Arguments are strict JSON types (`StrictInt`, `StrictStr`): `k=true` or `k="5"` is a tool error,
-  never coerced to 1 or 5; sizes are bounded in the schema (`MAX_*`); an argument a tool does not
-  take is a tool error naming it (`_strict`), never silently dropped. HTTP on a loopback address
-  checks the Host and Origin headers against that address and `port` (DNS rebinding), on 127.0.0.2
-  as on 127.0.0.1.
+  Arguments are strict JSON types (`k="5"` is a tool error, never coerced), sizes are bounded in
+  the schema (`MAX_*`), an unknown argument is a tool error naming it. HTTP on a loopback address
+  checks the Host and Origin headers (DNS rebinding).
   """
   from typing import Annotated  # pylint: disable=g-import-not-at-top
   import anyio  # pylint: disable=g-import-not-at-top
@@ -405,9 +386,7 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
 
 
 def _strict(tool):
-  """`tool` (an `mcp` SDK `Tool`) refusing the arguments it does not take, naming them (its
-  argument model ignores them otherwise), and saying so in its schema
-  (`additionalProperties: false`)."""
+  """`tool` refusing, by name, the arguments it does not take (`additionalProperties: false`)."""
   from pydantic import ConfigDict, model_validator  # pylint: disable=g-import-not-at-top
   base = tool.fn_metadata.arg_model
   names = sorted(field.alias or name for name, field in base.model_fields.items())

@@ -1,12 +1,10 @@
-"""The MCP server's stdio transport: the `mcp` SDK's stdio transport with a stdin of its own, so
-that every request with an id is answered.
+"""The MCP server's stdio transport: the `mcp` SDK's, with a stdin of its own, so that every
+request with an id is answered.
 
-The SDK decodes stdin with `errors="replace"` (invalid UTF-8 would be stored as U+FFFD) and drops
-messages that fail validation without a reply (a client waits forever). `serve_stdio` hands the
-SDK's `stdio_server` a stdin (`_StdinLines`) that passes on only the lines the SDK can read
-(`check_stdio_line`: strict UTF-8, no lone surrogates, a JSON-RPC message) and answers any other
-line that carries an id with a JSON-RPC error, and a stdout (`_LockedWriter`) shared by both, one
-whole line at a time. The SDK itself is not forked.
+The SDK decodes stdin with `errors="replace"` and drops invalid messages without a reply (its
+client waits forever). `_StdinLines` passes on only the lines the SDK can read (strict UTF-8,
+a JSON-RPC message) and answers any other line with an id with a JSON-RPC error, on a stdout
+shared one whole line at a time.
 """
 from __future__ import annotations
 
@@ -37,8 +35,7 @@ def _lone_surrogate(obj) -> bool:
 
 
 def _error_line(obj, code: int, message: str) -> Optional[str]:
-  """The JSON-RPC error answering `obj` (its id; null when it has none that can be read), or None
-  for a notification or a response (never answered: the problem goes to stderr)."""
+  """The JSON-RPC error answering `obj`, or None for a notification or a response."""
   if isinstance(obj, dict) and "id" not in obj and "method" in obj or (
       isinstance(obj, dict) and "method" not in obj and ("result" in obj or "error" in obj)):
     print(f"ear-mcp: ignored a malformed notification or response: {message}", file=sys.stderr)
@@ -49,11 +46,7 @@ def _error_line(obj, code: int, message: str) -> Optional[str]:
 
 
 def check_stdio_line(raw: bytes) -> tuple[Optional[str], Optional[str]]:
-  """One line of stdin -> (the line, None) when the SDK can read it as a JSON-RPC message; else
-  (None, the JSON-RPC error to answer it with), (None, None) for a blank line or a malformed
-  notification. Invalid UTF-8 and lone surrogates are parse errors (-32700), never replaced by
-  U+FFFD; `params` that is not an object is invalid params (-32602); other shapes are invalid
-  requests (-32600)."""
+  """One stdin line -> (line, None) if the SDK can read it, else (None, its error or None)."""
   import json  # pylint: disable=g-import-not-at-top
   import pydantic  # pylint: disable=g-import-not-at-top
   from mcp import types  # pylint: disable=g-import-not-at-top
@@ -106,9 +99,7 @@ class _LockedWriter:
 
 
 class _StdinLines:
-  """The `stdin` the SDK's stdio transport reads: lines passed on when it can read them
-  (`check_stdio_line`); any other line with an id is answered here with a JSON-RPC error (the
-  SDK would drop it without an answer, and its client would wait forever) and not passed on."""
+  """The `stdin` the SDK reads: lines it can read passed on, others with an id answered here."""
 
   def __init__(self, binary_stdin, stdout: _LockedWriter):
     self._stdin, self._stdout = binary_stdin, stdout
@@ -128,8 +119,7 @@ class _StdinLines:
 
 
 def serve_stdio(mcp) -> None:
-  """Serves `mcp` (`build_server`) on stdin / stdout until stdin ends: the SDK's stdio transport,
-  reading stdin through `_StdinLines` (strict UTF-8; malformed requests answered)."""
+  """Serves `mcp` (`build_server`) on stdin / stdout until stdin ends."""
   import io  # pylint: disable=g-import-not-at-top
   import anyio  # pylint: disable=g-import-not-at-top
   from mcp.server.stdio import stdio_server  # pylint: disable=g-import-not-at-top

@@ -1,23 +1,14 @@
 """Runs one server command and ties its life to the process that started this one.
 
-Run as a script (standard library only; it never imports `ear_jax`, which would load JAX) by
-`ear_jax.agent.llm.server.LlamaServer` (which imports it for `children_of` only):
+Run as a script (standard library only; never imports `ear_jax`) by `server.LlamaServer`:
 
   python -I _server_supervisor.py LIFELINE_FD STOP_TIMEOUT_S -- SERVER ARGV...
 
-`LIFELINE_FD` is the read end of a pipe whose only write end the starting process holds. The
-kernel closes that end when the starting process exits, however it exits (SIGKILL included), so
-end-of-file on the lifeline means "the starter is gone": the server gets SIGTERM, SIGKILL after
-`STOP_TIMEOUT_S`, and this supervisor exits. SIGTERM (or SIGINT / SIGHUP) to the supervisor stops
-the server the same way. When the server exits by itself the supervisor exits with its status.
-
-The server leads its own process group, and stopping it signals the whole group, so the processes
-it forked stop with it. On Linux this supervisor is also a child subreaper
-(`prctl(PR_SET_CHILD_SUBREAPER)`): an orphaned descendant, even one that left the server's group,
-becomes its child and gets SIGKILL once the server has exited. The server is started with the
-parent-death signal SIGKILL (`prctl(PR_SET_PDEATHSIG)`), bound to this single-threaded supervisor
-(the signal follows the parent *thread*, so it is set here and not in the starting process), so a
-SIGKILL of the supervisor kills the server too (but not the processes the server forked).
+`LIFELINE_FD` is the read end of a pipe only the starter can write: end-of-file (the starter is
+gone, however it exited), SIGTERM, SIGINT or SIGHUP stops the server (SIGTERM to its process
+group, SIGKILL after `STOP_TIMEOUT_S`). A server exiting by itself ends the supervisor with its
+status. On Linux the supervisor is a child subreaper (orphaned descendants get SIGKILL) and the
+server gets `PR_SET_PDEATHSIG` SIGKILL, bound to this single-threaded process.
 """
 import ctypes
 import os
@@ -34,8 +25,7 @@ _STOP_POLL_S = 0.02
 
 
 def _parent_death_kill(parent_pid: int):
-  """A `preexec_fn` (safe here: this process has one thread) giving the child SIGKILL when this
-  supervisor dies, or None where `prctl` is missing (not Linux)."""
+  """A `preexec_fn` giving the child SIGKILL when this supervisor dies (None off Linux)."""
   try:
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
   except (OSError, AttributeError):
@@ -58,8 +48,7 @@ def _become_subreaper() -> None:
 
 
 def _exited(pid: int) -> bool:
-  """True once the child `pid` has exited, without reaping it (while it is not reaped its pid, the
-  id of its process group, is not reused, so the group can still be signalled safely)."""
+  """True once the child `pid` has exited, without reaping it (so its group id is not reused)."""
   try:
     return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
   except ChildProcessError:  # reaped already
@@ -93,8 +82,7 @@ def children_of(pid: int) -> list[int]:
 
 
 def _end_adopted() -> None:
-  """SIGKILLs and reaps this supervisor's children (the server is reaped already): descendants of
-  the server adopted as orphans, until none is left (each kill may orphan another one)."""
+  """SIGKILLs and reaps the orphaned descendants this supervisor adopted, until none is left."""
   for _ in range(100):
     kids = children_of(os.getpid())
     for pid in kids:
@@ -114,8 +102,7 @@ def _end_adopted() -> None:
 
 
 def _stop(proc: subprocess.Popen, timeout_s: float) -> None:
-  """SIGTERM to the server's process group, SIGKILL after `timeout_s`; then SIGKILL to what is
-  left of the group and to the orphans this supervisor adopted; returns once all have exited."""
+  """SIGTERM to the server's group, SIGKILL after `timeout_s`, then to what is left and orphans."""
   if not _exited(proc.pid):
     _signal_group(proc.pid, signal.SIGTERM)  # the server leads its group: pgid = its pid
     deadline = time.monotonic() + timeout_s

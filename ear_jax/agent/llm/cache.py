@@ -1,17 +1,10 @@
 """An on-disk cache of chat-completion replies, so an interrupted run resumes and a rerun is free.
 
-The key is the SHA-256 of the endpoint URL (a loopback server's port left out: `cache_endpoint`) and
-the canonical JSON of the request body: the model,
-the messages and every decoding setting sent (temperature, seed, max_tokens, top_p, stop,
-response_format). The API key is never part of the body, so it is never part of the key material
-and never stored. One entry is one small JSON file, `<dir>/<key[:2]>/<key>.json`, holding the reply
-text and usage (plus the URL and model, for inspection); entries are written atomically (a temp
-file in the same folder, then `os.replace`), so a killed run leaves whole entries or none. A
-corrupted or foreign entry is ignored with a warning (a miss; the fresh reply overwrites it), never
-a crash. Only usable HTTP replies (`status == 'ok'`) are stored.
-
-Host-side code (file I/O): never jitted. Safe to share between threads and processes (atomic
-renames; two writers of one key write the same reply).
+The key is the SHA-256 of the endpoint (`cache_endpoint`) and the canonical JSON of the request
+body (model, messages, every decoding setting); the API key is never part of it, nor stored. One
+entry is `<dir>/<key[:2]>/<key>.json`, written atomically (temp file + `os.replace`). A corrupted
+entry is a miss with a warning, never a crash. Only 'ok' replies are stored. Safe to share
+between threads and processes.
 """
 from __future__ import annotations
 
@@ -32,10 +25,7 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 def cache_endpoint(url: str) -> str:
-  """The endpoint as cache key material: the URL, except that a loopback host's port is dropped
-  (`http://loopback/v1/...`): a local server restarted on another free port is the same endpoint,
-  and the model name in the body tells its models apart (`LlamaServer` names a GGUF's model after
-  its file)."""
+  """The endpoint as cache key material: the URL, a loopback host's port dropped."""
   parts = urllib.parse.urlsplit(url)
   if (parts.hostname or "").lower() in _LOOPBACK:
     return urllib.parse.urlunsplit((parts.scheme, "loopback", parts.path, "", ""))
@@ -50,11 +40,7 @@ def cache_key(url: str, body: dict[str, Any]) -> str:
 
 
 class ResponseCache:
-  """Reply texts on disk, keyed by `cache_key(url, body)`.
-
-  Args:
-    directory: the cache folder (created on the first write).
-  """
+  """Reply texts on disk under `directory` (created on the first write), keyed by `cache_key`."""
 
   def __init__(self, directory: str | os.PathLike):
     self.directory = pathlib.Path(directory).expanduser()

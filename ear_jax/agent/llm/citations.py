@@ -2,13 +2,10 @@
 
 Symbols: `s` slate size (the number of memories shown to the model).
 
-The memories are numbered from 0 as `[0] text`, `[1] text`, ... `PROMPTS` maps a name to an
-instruction and, for JSON prompts, the reply's JSON schema (sent as `response_format` for
-constrained decoding): `cite_json` asks `{"cited": [numbers]}`, `answer_cite_json` asks an answer
-first, `judge_each_json` asks one true/false per memory (`{"useful": [...]}`), `free_text` asks for
-an answer ending with a bracketed citation line (`[0, 2]` or `[NO_CITE]`, RMM / EAR's format).
-`parse_reply` reads any of them: a JSON object first (`parse_json_citations`), else the free-text
-line (`parse_citations`). Every parser is total: it never raises on any reply text.
+Memories are numbered from 0 (`[0] text`). `PROMPTS` maps a name to an instruction and, for JSON
+prompts, the reply's schema (sent as `response_format`); `free_text` asks for a closing citation
+line (`[0, 2]` or `[NO_CITE]`, RMM / EAR's format). `parse_reply` reads any of them. Every parser
+is total: it never raises on any reply text.
 """
 from __future__ import annotations
 
@@ -33,9 +30,7 @@ _INSTRUCTION = (
 
 
 def citation_schema(num_memories: int, with_answer: bool = False) -> dict[str, Any]:
-  """The JSON schema of a reply citing some of `num_memories` memories: `{"cited": [i, ...]}`
-  (each `i` one of `0..num_memories-1`, at most `num_memories` of them), with a string `answer`
-  first when `with_answer`."""
+  """The JSON schema of `{"cited": [i, ...]}` (`i < num_memories`), `answer` first if asked."""
   cited = {"type": "array", "items": {"type": "integer", "enum": list(range(num_memories))},
            "maxItems": num_memories}
   properties = ({"answer": {"type": "string"}} if with_answer else {}) | {"cited": cited}
@@ -50,14 +45,12 @@ def judgement_schema(num_memories: int) -> dict[str, Any]:
 
 
 class CriticPrompt(NamedTuple):
-  """A critic prompt: the instruction after the memories and question, and the reply's JSON schema
-  as a function of the slate size (None: free text, no `response_format`)."""
+  """A critic prompt: its instruction and the reply's JSON schema by slate size (None: free text)."""
   instruction: str
   schema: Callable[[int], dict[str, Any]] | None
 
 
-# No instruction shows concrete memory numbers: small models copy them (measured: SmolLM2-135M
-# answered '{"cited": [0, 2]}' to 7 of 8 slates of a smoke run when the example was `[0, 2]`).
+# No instruction shows concrete memory numbers: small models copy them.
 PROMPTS: dict[str, CriticPrompt] = {
     "cite_json": CriticPrompt(
         "Which of the numbered memories above contain information needed to answer the question? "
@@ -78,8 +71,7 @@ PROMPTS: dict[str, CriticPrompt] = {
 }
 
 
-# Chosen on pilot slates of LoCoMo's training split (disjoint from the measured ones) with
-# SmolLM2-135M-Instruct, by citation F1 (the comparison: RESULTS.md, "LLM critic").
+# Chosen on pilot slates of LoCoMo's training split by citation F1 (RESULTS.md, "LLM critic").
 DEFAULT_PROMPT = "judge_each_json"
 
 
@@ -96,23 +88,13 @@ _NO_CITE = "NO_CITE"
 def parse_citations(text: str, num_memories: int) -> tuple[int, ...] | None:
   """Parses the citations of a reply, strictly. Never raises on any `text`.
 
-  The citation list is the LAST bracketed group of the reply (inline markers such as `... Paris [0].`
-  earlier in the answer are ignored). It is accepted only if it is exactly one of:
-  `[NO_CITE]` (any ASCII case, surrounding spaces allowed) -> `()`; or one or more non-negative ASCII
-  decimal integers separated by commas, spaces around them allowed (`[0, 2]`, `[0,2]`, `[ 2 ]`), every
-  one `< num_memories`. Duplicates (`[1, 1]`) are collapsed: they name the same memory, so no
-  information is lost. Anything else gives None: no bracketed group, an empty list `[]`, an index out
-  of range (however many digits), a negative or non-integer entry (`[-1]`, `[1.5]`, `[a]`, `[+1]`),
-  `NO_CITE` mixed with indices, a missing or trailing comma (`[0 2]`, `[0, 2,]`), or a last group that
-  is not a citation list at all. `format_citations` writes a list this function reads back.
-
-  Args:
-    text: the model's reply.
-    num_memories: `s`, the number of memories shown to the model.
+  The citation list is the LAST bracketed group of the reply. It is accepted only if it is
+  `[NO_CITE]` (any case) -> `()`, or comma-separated non-negative decimal integers, each
+  `< num_memories` (`[0, 2]`, `[ 2 ]`; duplicates collapsed). Anything else (`[]`, `[-1]`, `[1.5]`,
+  `[0 2]`, `[0, 2,]`, NO_CITE mixed with indices, out of range) gives None.
 
   Returns:
-    The sorted, de-duplicated cited indices, each in `[0, num_memories)` (`()` for `[NO_CITE]`), or
-    None when the reply has no valid citation list.
+    The sorted cited indices (`()` for `[NO_CITE]`), or None without a valid citation list.
 
   Raises:
     ValueError: if `num_memories` is negative.
@@ -140,13 +122,11 @@ def parse_citations(text: str, num_memories: int) -> tuple[int, ...] | None:
 
 
 def parse_json_citations(text: str, num_memories: int) -> tuple[int, ...] | None | bool:
-  """The citations of a JSON reply (`{"cited": [0, 2], ...}` or `{"useful": [true, false, ...]}`),
-  strictly. Never raises.
+  """The citations of a JSON reply (`{"cited": [...]}` or `{"useful": [...]}`), strictly.
 
-  The object is the text from its first `{` to its last `}` (code fences or words around it are
-  ignored). `cited` must be a list of integers (not booleans), each in `[0, num_memories)`;
-  duplicates are collapsed; `[]` means no memory was useful. Without `cited`, `useful` must be a
-  list of exactly `num_memories` booleans (memory `i` is cited iff `useful[i]`).
+  The object is the text from its first `{` to its last `}`. `cited` must be a list of integers
+  (not booleans) in `[0, num_memories)`, duplicates collapsed; without it, `useful` must be
+  exactly `num_memories` booleans.
 
   Returns:
     The sorted cited indices (`()` for `[]`); None when the reply is a JSON object whose `cited`
@@ -173,8 +153,7 @@ def parse_json_citations(text: str, num_memories: int) -> tuple[int, ...] | None
 
 
 def parse_reply(text: str, num_memories: int) -> tuple[int, ...] | None:
-  """The cited indices of a reply in either format: a JSON object (`parse_json_citations`) if the
-  reply holds one, else the free-text citation line (`parse_citations`). None: no valid citations."""
+  """The cited indices of a reply: its JSON object if it holds one, else its citation line."""
   if num_memories < 0:
     raise ValueError(f"num_memories must be >= 0, got {num_memories}")
   cited = parse_json_citations(text, num_memories)
@@ -188,18 +167,7 @@ def format_citations(cited: Sequence[int]) -> str:
 
 
 def labels_from_citations(cited: Sequence[int], slate_size: int) -> np.ndarray:
-  """Turns cited slate positions into the critic's labels (+1 cited, -1 not cited).
-
-  Args:
-    cited: 0-based positions in the slate, each in `[0, slate_size)`.
-    slate_size: `s`.
-
-  Returns:
-    `[s]` float32 of ±1.
-
-  Raises:
-    ValueError: if a position is out of range.
-  """
+  """`[s]` float32 labels: +1 at cited slate positions, -1 elsewhere (ValueError: out of range)."""
   labels = np.full((slate_size,), -1.0, dtype=np.float32)
   for i in cited:
     if not 0 <= int(i) < slate_size:
@@ -218,14 +186,7 @@ def build_messages(question: str, memory_texts: Sequence[str],
                    prompt: str = "free_text") -> list[dict[str, str]]:
   """The chat messages asking the model which memories help with `question` (and to cite them).
 
-  Args:
-    question: the user's question.
-    memory_texts: `s` memory texts, in slate order (memory `i` is shown as `[i]`).
-    system_prompt: the system message.
-    prompt: a `PROMPTS` name (its instruction ends the user message).
-
-  Returns:
-    `[{"role": "system", ...}, {"role": "user", ...}]`.
+  `memory_texts`: `s` texts in slate order (shown as `[i]`); `prompt`: a `PROMPTS` name.
   """
   user = (f"Memories:\n{format_memories(memory_texts)}\n\n"
           f"Question: {' '.join(question.split())}\n\n{PROMPTS[prompt].instruction}")

@@ -1,25 +1,20 @@
 """A generic client for OpenAI-compatible chat-completions endpoints (standard library only).
 
-Used by the LLM critic and any other host-side LLM call (answers, an LLM judge):
-`ChatClient.chat(messages, **decoding) -> (text, usage)`, or `ChatClient.complete(...)`, which never
-raises on a network or server failure and returns a `ChatResult` with a status instead. Works with
-vLLM, llama.cpp server, Ollama and hosted APIs. Guarantees:
+`ChatClient.chat(messages, **decoding) -> (text, usage)`, or `ChatClient.complete(...)`, which
+never raises on a network or server failure and returns a `ChatResult` with a status. Guarantees:
 
   * No redirects: an HTTP 3xx is an `http_error`, never re-sent to the `Location`.
-  * The API key is read from the environment variable `api_key_env` at each request and sent only
-    in its `Authorization` header; never stored, never written: every error, exception and log line
-    has the key (and its escaped or split forms) replaced by `[REDACTED]` (`ChatClient.redact`
-    scrubs other text). A key holding a control or non-ASCII character is rejected, naming the
-    variable but not the value, before anything is sent.
-  * A bad reply never raises out of `complete`: not JSON, no `choices[0].message.content`, or over
-    `max_response_bytes` is 'unparseable' (not retried); an HTTP error is 'http_error' (429 and 5xx
-    retried); a timeout, a refused or reset connection, or a body cut short is 'timeout' /
-    'connection_error' (retried). Quoted server text is truncated, its control characters escaped.
-  * Bounded: each attempt takes about `timeout_s` at most; at most `1 + max_retries` attempts.
-  * Thread-safe (`stats` under a lock). Reproducible: temperature 0 and seed 0 by default; with
-    `cache_dir` every usable reply is stored on disk (`ear_jax.agent.llm.cache`, never the key).
-  * A `response_format` (constrained decoding) is sent as given; an endpoint that rejects it with
-    HTTP 400 / 422 gets the request again without it, once, and none afterwards.
+  * The API key is read from `api_key_env` at each request and sent only in its `Authorization`
+    header; never stored; every error, exception and log line has it (and its escaped or split
+    forms) replaced by `[REDACTED]`. A key with a control or non-ASCII character is rejected,
+    naming the variable but not the value, before anything is sent.
+  * A bad reply never raises out of `complete`: 'unparseable' (not retried), 'http_error' (429
+    and 5xx retried), 'timeout' / 'connection_error' (retried). Quoted server text is truncated.
+  * Bounded: at most `1 + max_retries` attempts of about `timeout_s` each.
+  * Thread-safe. Reproducible: temperature 0 and seed 0 by default; `cache_dir` stores every
+    usable reply on disk (`ear_jax.agent.llm.cache`, never the key).
+  * A `response_format` rejected with HTTP 400 / 422 is dropped: sent again without it, once, and
+    never afterwards.
 
 Host-side code (network I/O): never jitted.
 """
@@ -54,13 +49,13 @@ class ChatResult(NamedTuple):
   """Outcome of one `ChatClient.complete` call.
 
   Attributes:
-    text: the reply's `choices[0].message.content` ('' when no usable reply arrived).
-    usage: the reply's numeric `usage` counters (e.g. `prompt_tokens`), `{}` when absent.
+    text: the reply's `choices[0].message.content` ('' when none).
+    usage: the reply's numeric `usage` counters, `{}` when absent.
     status: one of `STATUSES`.
     attempts: HTTP requests made (1 + retries; 0 for a reply from the cache).
     error: a short, key-free description of the failure; None when `status == 'ok'`.
-    cached: the reply came from the on-disk cache (no request was made).
-    constrained: the reply was decoded under the request's `response_format`.
+    cached: the reply came from the on-disk cache.
+    constrained: the reply was decoded under a `response_format`.
   """
   text: str
   usage: dict[str, Any]
@@ -116,8 +111,7 @@ def _replace_secrets(text: str, secrets: Sequence[str]) -> str:
 
 
 def scrub(text: str, secrets: Sequence[str], limit: int | None = None) -> str:
-  """`text` with every secret (escaped, line-split or cut-off forms too) replaced by `REDACTED`,
-  then cut to `limit` chars plus `...` if `limit` is set (a secret cut there is scrubbed too)."""
+  """`text` with every secret (any escaped, split or cut form) `REDACTED`, cut to `limit` chars."""
   text = _replace_secrets(text, secrets)
   if limit is not None and len(text) > limit:
     text = _replace_secrets(text[:limit], secrets) + "..."
@@ -171,8 +165,8 @@ class ChatClient:
 
   Args:
     config: the endpoint, decoding defaults and retry settings.
-    sleep: called with the backoff delay in seconds (inject a no-op or a recorder in tests).
-    rng: source of the backoff jitter (`random.Random`; a fixed seed makes delays reproducible).
+    sleep: called with the backoff delay in seconds.
+    rng: source of the backoff jitter (`random.Random`).
   """
 
   def __init__(self, config: ChatClientConfig, *, sleep: Callable[[float], None] = time.sleep,
@@ -212,11 +206,7 @@ class ChatClient:
     return delay
 
   def request_body(self, messages: Sequence[Mapping[str, Any]], **decoding: Any) -> dict[str, Any]:
-    """The request body as a dict; `decoding` (`DECODING_KEYS`) overrides the config's values.
-
-    Raises:
-      ValueError: for empty or malformed messages or a bad decoding parameter.
-    """
+    """The request body as a dict; `decoding` (`DECODING_KEYS`) overrides the config's values."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
       raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     for i, m in enumerate(messages):
@@ -259,16 +249,10 @@ class ChatClient:
 
   def complete(self, messages: Sequence[Mapping[str, Any]], **decoding: Any) -> ChatResult:
     """One chat completion with retries (or from the cache); never raises on a network or server
-    failure.
-
-    A `response_format` the endpoint rejects (HTTP 400 or 422) is dropped: the request is repeated
-    once without it, and later calls of this client send none (`response_format_supported`
-    becomes False; counted in `stats['response_format_fallbacks']`). `ChatResult.constrained`
-    says whether the reply was decoded under a `response_format`.
+    failure. A rejected `response_format` is dropped (`stats['response_format_fallbacks']`).
 
     Raises:
-      ValueError: for malformed messages, a bad decoding parameter or a malformed API key (before
-        anything is sent).
+      ValueError: for malformed messages or decoding, or a malformed API key (nothing sent).
     """
     body = self.request_body(messages, **decoding)
     if "response_format" in body and not self.response_format_supported:

@@ -1,8 +1,7 @@
 """Configuration of the OpenAI-compatible chat client: fields, their checks, the endpoint URL.
 
-Every setting is checked when a `ChatClientConfig` is built (finite, in range, the right type), so a
-bad value is a `ValueError` at construction, never an exception out of a request (see
-`ear_jax.agent.llm.client`).
+Every setting is checked when a `ChatClientConfig` is built: a bad value is a `ValueError` at
+construction, never an exception out of a request.
 """
 from __future__ import annotations
 
@@ -16,11 +15,8 @@ from typing import Any
 
 # Outcome of one call.
 STATUSES = ("ok", "unparseable", "http_error", "timeout", "connection_error")
-# Counters of a client: `calls` (every `complete`, cache hits included) = the sum of the statuses;
-# `retries`; `cache_hits`; `unusable` (usable HTTP replies the caller could not use: counted by the
-# caller, e.g. a critic reply without citations); `response_format_fallbacks` (requests repeated
-# without `response_format` after the endpoint rejected it); `prompt_tokens`, `completion_tokens`
-# and `seconds` (wall time in requests) of the fresh replies only: a cache hit costs none.
+# Counters of a client: `calls` = the sum of the statuses; `unusable` is counted by the caller;
+# tokens and `seconds` count fresh replies only.
 STATS_KEYS = (("calls",) + STATUSES + ("retries", "cache_hits", "unusable",
               "response_format_fallbacks", "prompt_tokens", "completion_tokens", "seconds"))
 DECODING_KEYS = ("temperature", "max_tokens", "seed", "top_p", "stop", "response_format")
@@ -107,25 +103,19 @@ class ChatClientConfig:
   """Configuration of a `ChatClient` (host-side; never a jit argument).
 
   Attributes:
-    base_url: the endpoint's base URL, e.g. `http://localhost:8000/v1` (requests go to
-      `{base_url}/chat/completions`); a URL already ending in `/chat/completions` is used as is.
+    base_url: the endpoint's base URL, e.g. `http://localhost:8000/v1`.
     model: the model name sent in the request body.
-    api_key_env: NAME of the environment variable holding the API key, read at every request. A
-      missing or empty variable sends no `Authorization` header (fine for local servers).
-    temperature: sampling temperature (0.0 = greedy, the most reproducible); finite, >= 0.
+    api_key_env: NAME of the environment variable holding the API key, read at every request
+      (missing or empty: no `Authorization` header).
+    temperature: sampling temperature (0.0 = greedy); finite, >= 0.
     max_tokens: the reply's token budget; an integer >= 1.
     timeout_s: seconds allowed for connecting, each socket read, and the whole reply; finite, > 0.
-    max_retries: retries after the first attempt for HTTP 429/5xx, timeouts and connection errors;
-      a call makes at most `1 + max_retries` requests. An integer >= 0.
-    backoff_base_s: the delay before retry `i` (0-based) is drawn uniformly from
-      `[c / 2, c]` with `c = min(backoff_max_s, backoff_base_s * 2**i)` (exponential, equal jitter).
-    backoff_max_s: cap of the exponential delay and of a server's `Retry-After`; finite, >= 0.
-    seed: sampling seed sent to servers that support it (a fixed 0 by default, with temperature 0:
-      evaluation runs are reproducible); None sends none.
-    max_response_bytes: a longer reply body is 'unparseable' (bounds memory against a bad server).
-    cache_dir: a folder for the on-disk reply cache (`ear_jax.agent.llm.cache`), keyed by the
-      endpoint, model, messages and decoding settings: an interrupted run resumes and a rerun costs
-      nothing. None = no cache.
+    max_retries: retries for HTTP 429/5xx, timeouts and connection errors; an integer >= 0.
+    backoff_base_s: retry `i` waits in `[c / 2, c]`, `c = min(backoff_max_s, base * 2**i)`.
+    backoff_max_s: cap of that delay and of a server's `Retry-After`; finite, >= 0.
+    seed: sampling seed sent to servers that support it; None sends none.
+    max_response_bytes: a longer reply body is 'unparseable'.
+    cache_dir: a folder for the on-disk reply cache (`ear_jax.agent.llm.cache`); None = none.
   """
   base_url: str
   model: str

@@ -2,24 +2,14 @@
 
 Symbols: `s` slate size (the number of memories shown to the model).
 
-The simulated critic of Appendix A.2 stands in for this one in the experiments; this module asks a
-real model through any OpenAI-compatible endpoint (`client.ChatClient`: no redirects, the API key
-never written anywhere), asking it to answer the question from the numbered memories of the slate
-and to cite the ones it used. `critic(key, view)` is the library's critic protocol;
-`critic.critique(question, texts)` the lower level.
+Asks a real model through any OpenAI-compatible endpoint (`client.ChatClient`) to answer the
+question from the slate's numbered memories and cite the ones it used (prompts and parsers:
+`ear_jax.agent.llm.citations`). `critic(key, view)` is the library's critic protocol.
 
-Citations (`ear_jax.agent.llm.citations`): memories are numbered from 0 (`[0] text`). The prompt
-(`PROMPTS`, `LLMCriticConfig.prompt`) asks for a JSON object (`{"useful": [true/false, ...]}` by
-default, or `{"cited": [numbers]}` and variants) sent with its schema as `response_format`, so a
-server with constrained decoding can only produce a valid reply; or for free text ending with the
-cited indices, `[0, 2]`, or `[NO_CITE]` (`free_text`, RMM / EAR's format). `parse_reply` reads a
-JSON object first and falls back to `parse_citations`.
-
-Failure policy: `LLMCritic.critique` never raises into the agent loop once the client is built
-(only programmer errors raise `ValueError`). HTTP 429 / 5xx, timeouts, connection errors and
-replies cut short are retried with backoff up to `max_retries` times; other failures are not.
-Whenever no labels come out (`labels is None`) the caller applies no update for that slate; every
-such outcome is counted in `LLMCritic.stats` and logged. Host-side code, thread-safe.
+Failure policy: once built, `LLMCritic` never raises into the agent loop (only programmer errors
+raise `ValueError`). 429 / 5xx, timeouts, connection errors and cut replies are retried with
+backoff up to `max_retries`. No labels (None) means no update; every outcome is counted in
+`LLMCritic.stats` and logged. Host-side code, thread-safe.
 """
 from __future__ import annotations
 
@@ -53,15 +43,12 @@ CRITIC_STATS_KEYS = ("calls",) + STATUSES + ("retries",)
 class LLMCriticConfig(ChatClientConfig):
   """Configuration of an `LLMCritic` (host-side; never a jit argument).
 
-  The fields of `ear_jax.agent.llm.config.ChatClientConfig` (documented and validated there), plus:
+  The fields of `ear_jax.agent.llm.config.ChatClientConfig`, plus:
 
   Attributes:
     system_prompt: the system message.
-    prompt: a `PROMPTS` name: what the model is asked for (`judge_each_json`, the default,
-      chosen on pilot slates, see `llm_citations.DEFAULT_PROMPT`; `cite_json`,
-      `answer_cite_json`, `free_text`).
-    constrained: send the prompt's JSON schema as `response_format` (constrained decoding where
-      the endpoint has it).
+    prompt: a `PROMPTS` name (default `citations.DEFAULT_PROMPT`).
+    constrained: send the prompt's JSON schema as `response_format` (constrained decoding).
   """
   system_prompt: str = DEFAULT_SYSTEM_PROMPT
   prompt: str = DEFAULT_PROMPT
@@ -82,8 +69,7 @@ class CriticResult(NamedTuple):
   """Outcome of one `LLMCritic.critique` call.
 
   Attributes:
-    labels: `[s]` float32 of ±1 (+1 = cited), or None when the call produced no usable citations;
-      None means: apply no update for this slate.
+    labels: `[s]` float32 of ±1 (+1 = cited), or None: no usable citations, no update.
     cited: sorted 0-based indices of the cited memories (`()` for `[NO_CITE]`), or None.
     raw_text: the model's reply text ('' when no reply arrived).
     status: one of `STATUSES`: 'ok', 'unparseable', 'http_error', 'timeout', 'connection_error'.
@@ -111,11 +97,8 @@ def _view_attr(view: Any, name: str) -> Any:
 class LLMCritic:
   """A citation critic backed by an OpenAI-compatible chat-completions endpoint.
 
-  `critic(key, view)` is the library's critic protocol (labels or None); `critique(question,
-  memory_texts)` returns a `CriticResult`. Neither raises once the critic is built, except
-  `ValueError` for programmer errors. `stats` counts the outcomes: `calls`, `ok`, `unparseable`,
-  `http_error`, `timeout`, `connection_error`, and `retries` (requests repeated after a retryable
-  failure). Safe to share between threads.
+  `critic(key, view)` is the critic protocol; `critique(question, memory_texts)` returns a
+  `CriticResult`. `stats` counts the outcomes (`calls`, `ok`, each failure status, `retries`).
 
   Args:
     config: the critic's settings; its `ChatClientConfig` fields configure the `ChatClient` below.
@@ -143,19 +126,17 @@ class LLMCritic:
     """The critic protocol: labels for a slate view, or None when the reply is unusable.
 
     Args:
-      key: ignored (an LLM at temperature 0 is deterministic enough; kept for the protocol).
-      view: a `SlateView`-like object: `query_text` (str), `texts` (the memory texts of the slate's
-        non-empty positions, in slate order; texts for all `s` positions are accepted too, those at
-        empty positions are then ignored) and `slate_mask` (`[s]` bool, True = non-empty).
+      key: ignored (kept for the protocol).
+      view: a `SlateView`-like object: `query_text`, `texts` (of the non-empty positions in slate
+        order, or of all `s` positions) and `slate_mask` (`[s]` bool, True = non-empty).
 
     Returns:
       `[s]` float32: +1 at cited positions, -1 at the other positions and at empty ones; None when
       the reply is unusable or the slate is empty (apply no update).
 
     Raises:
-      TypeError: if `view` lacks one of the attributes (or it is None).
-      ValueError: if `slate_mask` is not 1-D, or `texts` has neither one text per True position
-        nor one per position.
+      TypeError: if `view` lacks one of the attributes.
+      ValueError: if `slate_mask` is not 1-D or `texts` does not match it.
     """
     del key
     query = _view_attr(view, "query_text")
@@ -189,8 +170,8 @@ class LLMCritic:
       A `CriticResult`; `labels` is `[s]` float32 ±1 when `status == 'ok'`, else None (apply no update).
 
     Raises:
-      ValueError: if `question` is empty or not a string, `memory_texts` is empty or holds a
-        non-string, or the API key's environment variable holds a line break or control character.
+      ValueError: for an empty or non-string `question` or memory text, or an API key variable
+        holding a control character.
     """
     if not isinstance(question, str) or not question.strip():
       raise ValueError(f"question must be a non-empty string, got {question!r}")

@@ -1,23 +1,14 @@
 """Question answering from a method's selected memories, scored with F1, BLEU-1 and an LLM judge (J).
 
-`evaluate_qa(items, answer_client, judge_client)` answers every `QAItem` (question + its selected
-memories with their session dates) with the answering model, scores each answer with the benchmark's
-own F1 (`ear_jax.data.answer_metrics`: LoCoMo's official rules) and BLEU-1, then asks the judge model
-for a CORRECT / WRONG verdict (`qa_prompts`: mem0's judge for LoCoMo, LongMemEval's official
-per-type prompts). Answering and judging may use different endpoints and models.
+`evaluate_qa(items, answer_client, judge_client)` answers every `QAItem` with the answering model,
+scores it with the benchmark's own F1 (`ear_jax.data.answer_metrics`) and BLEU-1, then asks the
+judge for a CORRECT / WRONG verdict (`qa_prompts`). `judge_agreement` checks a judge on pairs whose
+verdict is known.
 
-Calls: temperature 0 and the client's fixed seed (`ChatClientConfig.seed`); at most `max_workers`
-requests in flight (a thread pool); a tqdm bar per phase showing requests/s; the client's retries
-and its on-disk cache (`ChatClientConfig.cache_dir`), so an interrupted run resumes where it
-stopped and a rerun costs no call. Never a crash on a bad reply: an answer call that fails (HTTP
-error, timeout, refused connection, garbage body) or returns only white space is an unusable answer
-(F1 = BLEU-1 = J = 0, the judge is not asked); a judge reply without a verdict scores J = 0; both
-are counted (`QAReport.counters`) and added to the client's `unusable` counter.
-
-`judge_agreement` measures how far a judge can be trusted on pairs whose verdict is known: each
-question's gold answer given as the answer (should be CORRECT) and another question's gold answer
-(should be WRONG). A judge that calls everything CORRECT shows up as 0 % on the second, one
-that calls everything WRONG as 0 % on the first.
+Calls: temperature 0 and the client's fixed seed; at most `max_workers` in flight; the client's
+retries and on-disk cache, so an interrupted run resumes and a rerun costs no call. Never a crash
+on a bad reply: a failed or blank answer scores F1 = BLEU-1 = J = 0 (the judge is not asked), a
+judge reply without a verdict J = 0; both are counted (`QAReport.counters`).
 
 Host-side code (network I/O): never jitted.
 """
@@ -43,9 +34,7 @@ class QAItem:
   """One question to answer from its selected memories.
 
   Attributes:
-    id: question id (LongMemEval: `_abs` marks an abstention question).
-    question: the question text.
-    gold: the gold answer.
+    id, question, gold: question id (LongMemEval: `_abs` marks abstention), text, gold answer.
     category: LoCoMo category name (or number) / LongMemEval question type.
     memories: the selected memories in slate order, `(text, session date)` ('' = unknown date).
     question_date: when the question is asked (LongMemEval), else None.
@@ -97,11 +86,8 @@ class QAReport:
 def run_requests(client: ChatClient, requests: Sequence[tuple[list, dict]], *,
                  max_workers: int = DEFAULT_WORKERS, desc: str = "LLM",
                  progress: bool = True) -> list[ChatResult]:
-  """`client.complete(messages, **decoding)` for each request, at most `max_workers` at a time.
-
-  Returns the results in request order; a call that raises (a bug, not a server failure: those
-  are statuses) becomes a `connection_error` result, so one bad request never stops the rest.
-  """
+  """`client.complete` for each request, at most `max_workers` at a time, in request order
+  (a call that raises becomes a `connection_error` result)."""
   if max_workers < 1:
     raise ValueError(f"max_workers must be >= 1, got {max_workers}")
   results: list[Optional[ChatResult]] = [None] * len(requests)
@@ -147,16 +133,14 @@ def evaluate_qa(items: Sequence[QAItem], answer_client: ChatClient,
 
   Args:
     items: the questions with their selected memories.
-    answer_client: the answering model's client.
-    judge_client: the judge's client (default: the answering client).
+    answer_client, judge_client: the clients (judge default: the answering one).
     max_workers: requests in flight at once, per phase.
     answer_max_tokens: the answer's token budget.
-    progress: tqdm bars (requests/s).
-    desc: the bars' label.
+    progress, desc: tqdm bars and their label.
 
   Returns:
-    A `QAReport`; `counters` holds per phase the client's counter deltas (`calls`, `cache_hits`,
-    `prompt_tokens`, `completion_tokens`, `seconds`, statuses), `unusable` and `wall_seconds`.
+    A `QAReport`; `counters` holds per phase the client's counter deltas, `unusable` and
+    `wall_seconds`.
   """
   judge_client = judge_client or answer_client
   items = list(items)
@@ -212,13 +196,11 @@ def evaluate_qa(items: Sequence[QAItem], answer_client: ChatClient,
 
 def judge_agreement(items: Sequence[QAItem], judge_client: ChatClient, *, limit: int = 20,
                     max_workers: int = DEFAULT_WORKERS, progress: bool = True) -> dict:
-  """The judge on known pairs over the first `limit` items (percent; see the module docstring).
+  """The judge on known pairs over the first `limit` items, in percent: each question's gold
+  answer (should be CORRECT) and another question's gold answer (should be WRONG).
 
   Returns:
-    `{"n", "gold_judged_correct", "other_judged_wrong", "unusable", "balanced_accuracy"}`: the
-    share of gold answers judged CORRECT, of other questions' gold answers judged WRONG (pairs
-    whose two golds normalise to the same text are skipped), unusable verdicts, and the mean of
-    the two shares.
+    `{"n", "gold_judged_correct", "other_judged_wrong", "unusable", "balanced_accuracy"}`.
   """
   items = list(items)[:limit]
   pairs = []

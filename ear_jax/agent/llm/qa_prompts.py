@@ -1,27 +1,16 @@
 """Prompts for question answering from selected memories, the LLM judges, and verdict parsing.
 
-Answer prompt (`answer_messages`; the paper's Appendix D is empty, so it is ours): a system
-message asking for a short answer from the memories only, then the memories in slate order, each
-with its session date ("[2] (session date: 1:56 pm on 8 May, 2023) Caroline: ...", a memory over
-`MAX_MEMORY_CHARS` cut), the question's own date when the benchmark gives one (LongMemEval), and
-the question. Dates let temporal questions be answered (LoCoMo's gold answers are absolute dates
-the turns give only relative to their session). The prompt offers no "I don't know" reply: with
-one, SmolLM2-135M answered "No information available" to 6 of 8 LoCoMo questions even when shown
-their gold turns.
+Answer prompt (`answer_messages`; the paper's Appendix D is empty, so it is ours): a short answer
+from the memories only, each shown with its session date (and the question's own date where the
+benchmark gives one), so temporal questions can be answered. It offers no "I don't know" reply:
+small models overuse it even when shown the gold turns.
 
 Judges (J, one CORRECT / WRONG verdict per answer):
-  * LoCoMo: mem0's generous-match judge (`LOCOMO_JUDGE_PROMPT`, verbatim from mem0's
-    `evaluation/metrics/llm_judge.py` ACCURACY_PROMPT), answered as JSON `{"label": "CORRECT" |
-    "WRONG"}`, constrained by `JUDGE_RESPONSE_FORMAT` where the endpoint supports it.
-    `parse_locomo_verdict` follows mem0's `_parse_judge_label` with one fix: "INCORRECT" counts as
-    WRONG (mem0's substring test reads it as CORRECT).
-  * LongMemEval: the official per-question-type prompts of xiaowu0162/LongMemEval
-    `src/evaluation/evaluate_qa.py` (`get_anscheck_prompt`), verbatim, including the abstention
-    prompt for `_abs` questions; the official verdict is `'yes' in reply.lower()`
-    (`parse_longmemeval_verdict`), with temperature 0 and max_tokens 10 as there.
-An empty reply is unusable (None), never a verdict: the caller scores it 0 and counts it.
-
-Pure text: no I/O.
+  * LoCoMo: mem0's judge (`LOCOMO_JUDGE_PROMPT`, verbatim), answered as JSON `{"label": ...}`;
+    `parse_locomo_verdict` follows mem0's parser except that "INCORRECT" counts as WRONG.
+  * LongMemEval: the official per-question-type prompts (verbatim, abstention included); the
+    verdict is `'yes' in reply.lower()`, temperature 0 and max_tokens 10 as there.
+An empty reply is unusable (None), never a verdict. Pure text: no I/O.
 """
 from __future__ import annotations
 
@@ -105,14 +94,12 @@ LONGMEMEVAL_ABSTENTION_TEMPLATE = (
     "model correctly identify the question as unanswerable? Answer yes or no only.")
 LONGMEMEVAL_JUDGE_MAX_TOKENS = 10  # as in evaluate_qa.py
 LOCOMO_JUDGE_MAX_TOKENS = 96  # one sentence of reasoning plus the JSON label
-# A memory longer than this is cut (with " ..."): LongMemEval user turns reach thousands of
-# characters, and five of them must fit a small model's context; LoCoMo's turns are all shorter.
+# A memory longer than this is cut (with " ..."): five LongMemEval turns must fit a small model.
 MAX_MEMORY_CHARS = 2000
 
 
 def format_memories(memories: Sequence[tuple[str, str]]) -> str:
-  """One line per memory: `[i] (session date: <date>) <text>` (no date part when unknown; white
-  space collapsed; a text over `MAX_MEMORY_CHARS` cut with ' ...')."""
+  """One line per memory: `[i] (session date: <date>) <text>` (no date part when unknown)."""
   lines = []
   for i, (text, date) in enumerate(memories, 1):
     when = f"(session date: {date}) " if date else ""
@@ -136,11 +123,7 @@ def answer_messages(question: str, memories: Sequence[tuple[str, str]],
 
 def longmemeval_judge_prompt(question_type: str, question: str, answer: str, response: str,
                              abstention: bool = False) -> str:
-  """LongMemEval's official judge prompt for a question type (abstention: its own prompt).
-
-  Raises:
-    ValueError: naming the question type when LongMemEval has no prompt for it.
-  """
+  """LongMemEval's official judge prompt for a question type (ValueError naming an unknown one)."""
   if abstention:
     return LONGMEMEVAL_ABSTENTION_TEMPLATE.format(question, answer, response)
   if question_type not in LONGMEMEVAL_JUDGE_TEMPLATES:

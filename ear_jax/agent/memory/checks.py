@@ -1,14 +1,5 @@
 """The checks of `Memory`'s arguments (pure: no state is read or written), the store names and
-the default scope.
-
-    InputTypeError (a TypeError and a ValueError); STORES (name -> code), STORE_NAMES (code ->
-    name); DEFAULT_SCOPE
-    string_list, check_text_list, check_embeddings, real_query_vector, store_codes,
-    check_id_chars, check_id_list, check_scope, check_scope_spec, now_date, check_dates,
-    check_ids, unknown_ids, check_update, check_int, check_k
-
-Each raises a ValueError (or `InputTypeError`) naming the argument.
-"""
+the default scope. Each raises a ValueError (or `InputTypeError`) naming the argument."""
 from __future__ import annotations
 
 import collections.abc
@@ -30,8 +21,7 @@ class InputTypeError(TypeError, ValueError):
 
 
 def _check_encodable(values: list[str], what: str) -> None:
-  """`encoder_base.check_texts` (no lone surrogate: UTF-8 encodable), its ValueError prefixed by
-  `what` (the argument's name)."""
+  """`encoder_base.check_texts` (UTF-8 encodable), its ValueError prefixed by `what`."""
   try:
     encoder_base.check_texts(values)
   except ValueError as e:
@@ -39,13 +29,7 @@ def _check_encodable(values: list[str], what: str) -> None:
 
 
 def string_list(values, what: str, noun: str) -> list[str]:
-  """One string, or a non-empty sequence (list, tuple) of strings, as a list.
-
-  Raises:
-    InputTypeError: not a string or a sequence (a dict, a set, bytes, a number...), or an element
-      that is not a string (naming its index).
-    ValueError: an empty sequence.
-  """
+  """One string, or a non-empty list / tuple of strings, as a list (errors name the index)."""
   if isinstance(values, str):
     return [values]
   if (not isinstance(values, collections.abc.Sequence)
@@ -62,14 +46,7 @@ def string_list(values, what: str, noun: str) -> list[str]:
 
 
 def check_text_list(texts, what: str) -> list[str]:
-  """One string, or a sequence of non-empty strings that UTF-8 can encode, as a list.
-
-  Raises:
-    InputTypeError: `texts` is not a string or a sequence (a dict, a set, bytes, a number...), or
-      one element is not a string.
-    ValueError: an empty sequence, an empty text, or a text with a lone surrogate (naming its
-      index).
-  """
+  """One string, or a list / tuple of non-empty UTF-8-encodable strings, as a list."""
   texts = string_list(texts, what, "text")
   for i, t in enumerate(texts):
     if not t.strip():
@@ -81,12 +58,11 @@ def check_text_list(texts, what: str) -> list[str]:
 def check_embeddings(emb, n: Optional[int], dim: int, what: str) -> np.ndarray:
   """`[n, d]` real, finite, non-zero rows, returned L2-normalised as float32.
 
-  Rows of any magnitude are normalised without overflow or underflow (`encoder_base.unit_rows`);
-  complex, boolean, string or object arrays are refused, never silently converted.
+  Any magnitude is normalised without overflow (`encoder_base.unit_rows`); complex, boolean,
+  string or object arrays are refused, never converted.
 
   Raises:
-    ValueError: naming what is wrong: the dtype, the number of rows (one per text), the
-      dimension, or the offending rows (NaN / Inf, all zero).
+    ValueError: naming the dtype, row count, dimension, or offending rows (NaN / Inf, all zero).
   """
   arr = encoder_base.real_array(emb, what)
   rows = n if n is not None else "n"
@@ -105,11 +81,7 @@ def check_embeddings(emb, n: Optional[int], dim: int, what: str) -> np.ndarray:
 
 
 def real_query_vector(emb, dim: int) -> np.ndarray:
-  """One `[d]` query embedding as a real array (checked and normalised by `check_embeddings`).
-
-  Raises:
-    ValueError: for a non-real dtype, or a shape other than `[d]`.
-  """
+  """One `[d]` query embedding, checked and normalised (ValueError: dtype or shape)."""
   arr = encoder_base.real_array(emb, "query_embedding")
   if arr.ndim != 1:
     raise ValueError(f"query_embedding has shape {arr.shape}, expected one [{dim}] vector")
@@ -140,8 +112,8 @@ _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # Unicode category Cc
 
 
 def check_id_chars(ids: list[str], what: str, noun: str = "memory ids") -> None:
-  """ValueError naming `what` (and the index) for an id (or a name: `noun`) holding a control
-  character (U+0000 included: SQLite's JSON functions cut a string there)."""
+  """ValueError naming `what` (and the index) for an id or name holding a control character
+  (U+0000 included: SQLite's JSON functions cut a string there)."""
   for j, i in enumerate(ids):
     bad = _CONTROL.search(i)
     if bad is not None:
@@ -173,8 +145,7 @@ def check_id_list(ids, n: int) -> list[str]:
 
 
 def check_scope(scope, what: str = "scope") -> str:
-  """The scope of an `add`: None -> `DEFAULT_SCOPE`, else a non-empty string (UTF-8 encodable, no
-  control character)."""
+  """The scope of an `add`: None -> `DEFAULT_SCOPE`, else a non-empty string."""
   if scope is None:
     return DEFAULT_SCOPE
   if not isinstance(scope, str):
@@ -188,8 +159,7 @@ def check_scope(scope, what: str = "scope") -> str:
 
 
 def check_scope_spec(scope) -> Optional[tuple[str, ...]]:
-  """The scopes a query may see: None (every scope), or the names of one string or a non-empty
-  list / tuple of strings (unknown names are allowed: they hold no memories)."""
+  """The scopes a query may see: None (every scope), one name, or a non-empty list of names."""
   if scope is None:
     return None
   if isinstance(scope, str):
@@ -247,9 +217,7 @@ def unknown_ids(ids: list[str], rows: np.ndarray, what: str) -> ValueError:
 
 
 def check_update(memory_id, text, embedding, dim: int):
-  """`(memory_id, text or None, [1, d] embedding or None)` of an update, validated before anything
-  changes: ValueError / InputTypeError for a non-string id or text, an invalid embedding, or an
-  update that changes nothing."""
+  """`(memory_id, text or None, [1, d] embedding or None)` of an update, validated."""
   if not isinstance(memory_id, str):
     raise InputTypeError(f"memory_id must be a string, got {type(memory_id).__name__}")
   check_id_chars([memory_id], "memory_id")

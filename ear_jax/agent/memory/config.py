@@ -19,27 +19,20 @@ from ear_jax.data.first_stage import FirstStageOptions, check_generator
 MAX_WINDOW_MS = 1000.0
 # The settings that say where and when, not what: an opened memory takes the caller's.
 SERVING = ("cache_dir", "batch_window_ms", "batch_max_queries", "warm_learner")
-# A directory stores its `MemoryConfig`, a preset by its name. When a preset's definition changes,
-# `PRESETS_VERSION` goes up and `PRESET_CHANGES[v]` says what the presets changed at v meant
-# before, so a directory written earlier (its meta's `presets` below v) opens with the settings it
-# was created with (`stored_config`), pinned as a config from then on.
+# A directory stores its preset by name. When a preset's definition changes, `PRESETS_VERSION` goes
+# up and `PRESET_CHANGES[v]` says what it meant before v (`stored_config` pins older directories).
 PRESETS_VERSION = 4
 PRESET_CHANGES = {
-    # 'ear_safe' before presets 2 guarded by evidence sums this version no longer has: such a
-    # directory is refused (`stored_config`).
+    # 'ear_safe' before presets 2 is refused (its guard no longer exists).
     2: {"ear_safe": None},
     # Before presets 4 every preset's memory retrieved K = 20 candidates (`PRESET_POOL`).
     4: {"ear_safe": dict(num_candidates=20)},
 }
-# The candidate pool K of a memory whose `num_candidates` is None, by preset (else the preset's own
-# `EARConfig.num_candidates`, 20): chosen on LoCoMo validation by `--suite=pool_tune`, and on the
-# test splits of both benchmarks never below the frozen first stage (RESULTS.md "Candidate pool K").
+# The candidate pool K of a memory whose `num_candidates` is None, by preset: chosen on LoCoMo
+# validation by `--suite=pool_tune` (RESULTS.md "Candidate pool K").
 PRESET_POOL = {"ear_safe": 100}
-# The learner of a memory given no `method`, `config` nor `hparams`: this preset since presets
-# `DEFAULT_METHOD_SINCE` (the tuned preset with the held-out guard, RESULTS.md "The held-out
-# guard"), its own `PRESET_CHANGES` applying to such a directory too; before, the paper's
-# `EARConfig(dim=d)` + `default_hparams()`, which `stored_config` pins for a directory written
-# then. (Another default later: another presets version, and `stored_config` pins this one.)
+# The learner of a memory given no `method`, `config` nor `hparams` since presets
+# `DEFAULT_METHOD_SINCE`; before, the paper's defaults (`stored_config` pins those directories).
 DEFAULT_METHOD = "ear_safe"
 DEFAULT_METHOD_SINCE = 3
 
@@ -50,15 +43,11 @@ class MemoryConfig:
 
   Attributes:
     encoder: 'minilm', a local Hugging Face checkpoint directory, a `.npy`/`.npz` of precomputed
-      embeddings, or None (every `add` / query passes embeddings). Loaded at the first text that
-      needs encoding (`Memory(encoder=...)` takes an `Encoder` object instead, not saved).
-    method: a preset name (`Method.named`: its config and its own hyperparameters), exclusive
-      with `config` / `hparams`. None with neither of them (the default): `DEFAULT_METHOD`,
-      'ear_safe' (the tuned preset with the held-out guard); `method='ear'` is the paper's.
-    config: `EARConfig`; given without `hparams`, the hyperparameters are the paper's
-      `default_hparams()`.
-    hparams: `HParams`; given without `config`, the config is the paper's
-      `EARConfig(dim=encoder dim or dim)`.
+      embeddings, or None (every `add` / query passes embeddings). Loaded lazily.
+    method: a preset name (`Method.named`), exclusive with `config` / `hparams`. None with
+      neither: `DEFAULT_METHOD`; `method='ear'` is the paper's.
+    config: `EARConfig`; without `hparams`, the hyperparameters are `default_hparams()`.
+    hparams: `HParams`; without `config`, the config is `EARConfig(dim=encoder dim or dim)`.
     dim: the embedding dimension when neither `config` nor the encoder gives it.
     seed: seed of the learner (adapter init, replay randomness, critic keys).
     multistore: candidates = top-K/2 dialogue memories + top-K/2 observations (Section 5).
@@ -68,24 +57,16 @@ class MemoryConfig:
     bank_dtype: 'float32' or 'bfloat16', the dtype of the device bank.
     index: 'exact' (the device search) or 'faiss_hnsw' / 'faiss_ivf' / 'faiss_pq'.
     index_options: that searcher's options, sorted `(key, value)` pairs (a dict is accepted).
-    num_candidates: `K`, the memories the first stage retrieves per question, from which the
-      learner picks each slate (>= the slate size; even with `multistore`); None (the default):
-      the preset's pool (`PRESET_POOL`: 100 for 'ear_safe', the default) or the method's own K
-      (`EARConfig.num_candidates`, 20). RESULTS.md "Candidate pool K" measures K = 20 / 50 / 100.
-    candidates: the first stage, 'dense' | 'bm25' | 'hybrid' (`data.first_stage.GENERATORS`):
-      with 'bm25' / 'hybrid' each candidate carries the first stage's scores as side features
-      and queries need their texts. Not with an ANN `index`. None (the default): 'hybrid' with an
-      encoder and the exact index, else 'dense' (`first_stage_name`).
+    num_candidates: `K`, the memories the first stage retrieves per question (>= the slate size;
+      even with `multistore`); None: the preset's pool (`PRESET_POOL`) or the method's own K.
+    candidates: the first stage, 'dense' | 'bm25' | 'hybrid' (text queries; no ANN `index`);
+      None: `first_stage_name`.
     first_stage: the hybrid fusion's options.
-    batch_window_ms: micro-batching of concurrent calls (`ear_jax.agent.memory.batcher`): the
-      queries and encodings arriving within this many milliseconds share one encoder call and one
-      first-stage search (per slate size; each query in its own scopes); 0 (the default): every
-      call alone. A serving setting,
-      not part of what the memory is (like `cache_dir`).
+    batch_window_ms: micro-batching of concurrent calls (`batcher`): queries arriving within this
+      many milliseconds share one encoder call and one search; 0: every call alone. Serving.
     batch_max_queries: a window closes early once it holds this many queries.
-    warm_learner: compile the learner step in a background thread as the memory is built
-      (nothing is learnt), so neither the first learner step nor a server's shutdown waits for
-      the compiler (the MCP server's setting). A serving setting.
+    warm_learner: compile the learner step in a background thread as the memory is built, so
+      neither the first step nor a server's shutdown waits for the compiler. Serving.
   """
   encoder: Optional[str] = "minilm"
   method: Optional[str] = None
@@ -193,10 +174,7 @@ class MemoryConfig:
 
   @property
   def first_stage_name(self) -> str:
-    """The first stage: `candidates`, or by default (None) 'hybrid' for a memory with an encoder
-    and the exact index, 'dense' otherwise (an embeddings-only memory has no query texts; an ANN
-    index serves dense candidates only). RESULTS.md "First stage": hybrid's frozen top-5 is 18
-    points above dense on LoCoMo and on LongMemEval_S."""
+    """`candidates`, or 'hybrid' with an encoder and the exact index, else 'dense'."""
     if self.candidates is not None:
       return self.candidates
     return "hybrid" if self.encoder is not None and self.index == "exact" else "dense"
@@ -255,10 +233,7 @@ class MemoryConfig:
     return config, default_hparams() if hparams is None else hparams
 
   def _comparable(self) -> dict:
-    """What two configs of one memory must agree on: the resolved EARConfig's fields, the
-    hyperparameters and every setting (how they were spelled aside) but the serving settings
-    (`SERVING`: the embedding cache directory, which says where, and the batching, which says
-    when, not what)."""
+    """What two configs of one memory must agree on: everything resolved but `SERVING`."""
     d = self.to_dict()
     for name in ("method", "config", "hparams", "dim", "num_candidates") + SERVING:
       del d[name]
@@ -286,9 +261,7 @@ def _check_honoured(config: EARConfig) -> None:
 
 
 def stored_config(meta: dict) -> MemoryConfig:
-  """The `MemoryConfig` a directory's meta stores, with a preset whose definition changed since
-  it was written (`PRESET_CHANGES`), or the default learner written before `DEFAULT_METHOD`
-  (the paper's), read as it was then (a config, no longer the name)."""
+  """The `MemoryConfig` a directory's meta stores, as meant when written (`PRESET_CHANGES`)."""
   cfg = MemoryConfig.from_dict(meta["memory_config"])
   written = int(meta.get("presets", 1))
   d = cfg.dim or cfg._encoder_dim()  # pylint: disable=protected-access
@@ -314,9 +287,8 @@ def stored_config(meta: dict) -> MemoryConfig:
 
 def opened_config(stored: MemoryConfig, cfg: Optional[MemoryConfig], settings: dict,
                   where: str) -> MemoryConfig:
-  """The config an existing memory directory opens with: `stored`, with the serving settings
-  (`SERVING`) of what the caller passed (`cfg` and / or `settings`), which must otherwise equal
-  the stored one (ValueError naming `where` and the differing settings)."""
+  """`stored` with the caller's serving settings (`SERVING`); anything else the caller passed must
+  equal it (ValueError naming `where` and the differing settings)."""
   if cfg is None and not settings:
     return stored
   wanted = dataclasses.replace(cfg or stored, **settings)
@@ -340,9 +312,7 @@ def _learner_name(cfg: MemoryConfig) -> Optional[str]:
 
 
 def _differences(stored: MemoryConfig, wanted: MemoryConfig) -> list[str]:
-  """`'<setting>: <stored> there, <wanted> asked'` of every setting two configs of one memory
-  disagree on (`_comparable`): the learner by its preset's name, and for a config of its own its
-  first differing fields (a field a first stage sets, `side_features`, left out)."""
+  """`'<setting>: <stored> there, <wanted> asked'` of every setting two configs disagree on."""
   a, b = stored._comparable(), wanted._comparable()  # pylint: disable=protected-access
   keys = [k for k in sorted(set(a) | set(b), key=str)
           if a.get(k, "default") != b.get(k, "default")]
@@ -365,16 +335,13 @@ DEFAULT_ENCODER = MemoryConfig.encoder  # ('minilm')
 
 
 def encoder_slot(cfg: MemoryConfig, enc, identity: Optional[str] = None) -> EncoderSlot:
-  """The `EncoderSlot` of `cfg` (or of `enc`, an encoder passed on its own); explicit unless it
-  is `MemoryConfig`'s default encoder taken by default."""
+  """The `EncoderSlot` of `cfg` (or of `enc`, an encoder passed on its own)."""
   return EncoderSlot(cfg.encoder if enc is UNSET else enc, identity,
                      explicit=enc is not UNSET or cfg.encoder != DEFAULT_ENCODER)
 
 
 def arguments(first, encoder, settings: dict) -> tuple[Optional[MemoryConfig], Any, dict]:
-  """`(MemoryConfig or None, encoder object or spec or UNSET, settings)` of the arguments of
-  `Memory(...)` / `Memory.open(...)`: a first argument that is not a MemoryConfig is the
-  encoder."""
+  """`(MemoryConfig or None, encoder or UNSET, settings)` of `Memory(...)`'s arguments."""
   fields = {f.name for f in dataclasses.fields(MemoryConfig)}
   unknown = sorted(set(settings) - fields)
   if unknown:
@@ -390,8 +357,7 @@ def arguments(first, encoder, settings: dict) -> tuple[Optional[MemoryConfig], A
 
 
 def new_config(cfg: Optional[MemoryConfig], enc, settings: dict):
-  """`(MemoryConfig, EncoderSlot)` of a new memory (`arguments`' output): the encoder's spec and,
-  for an `Encoder` object, its dimension filled in."""
+  """`(MemoryConfig, EncoderSlot)` of a new memory, the encoder's spec and dimension filled in."""
   cfg = cfg or MemoryConfig()
   slot = encoder_slot(cfg, enc)
   if slot.encoder is not None and cfg.dim is None and cfg.config is None and not (
@@ -401,8 +367,7 @@ def new_config(cfg: Optional[MemoryConfig], enc, settings: dict):
 
 
 def stored_memory_config(path) -> Optional[MemoryConfig]:
-  """The `MemoryConfig` the memory directory `path` was created with (`stored_config`), or None
-  when it holds no memory yet."""
+  """The `MemoryConfig` of the memory directory `path`, or None when it holds no memory yet."""
   root = persistence.checkpoint_dir(path)
   meta = persistence.read_meta(root) if root.is_dir() else None
   return None if meta is None else stored_config(meta)

@@ -3,24 +3,13 @@
 Symbols: `b` batch size, `T` Explorer rounds, `K` candidates, `d` dimension, `F` side features,
 `C` replay buffer capacity.
 
-The driver owns the `LearnerState`. `push` queues the `TrainItem`s of closed sessions (see
-`ear_jax.agent.memory.sessions`); as soon as `b` are queued, ONE call of
-`ear_jax.core.learner.train_batch_on_feedback` (jitted with the state donated: updated in place)
-trains on them: slates, masks and labels `[b, T, K]` (every shown slate stored K wide, masked, so
-the shown size `k <= K` may vary), the current loss over each query's rounds (Eq. (10)), the
-replay loss (Eq. (15)-(16)), one optax step (Eq. (17)-(18)), then ONE experience per query pushed
-(Eq. (11)-(14)): the same step, with the same shapes, as the benchmark episodes' `train_batch`.
+Every `b` queued `TrainItem`s make ONE call of `core.learner.train_batch_on_feedback` (state
+donated) with `[b, T, K]` slates, masks and labels: Eq. (10)-(18), the same step and shapes as the
+benchmark episodes' `train_batch`. The learner item (`snapshot` / `restore`) never holds a
+memory's embedding or text: candidates are saved as bank rows and gathered back on open.
 
-The learner item (`snapshot` / `restore`, written by `persistence`) never holds a memory's
-embedding or text: the replay buffer's and the queued items' candidates are saved as their bank
-rows (`buffer_rows [C, K]`, `TrainItem.rows`) with their first-stage features, and gathered back
-from the bank on open; a row deleted since is masked out there as a delete masks it here
-(`forget`, called by `learning.Learning.forget`).
-
-Keys: `k_init, k_train, k_critic = jax.random.split(jax.random.PRNGKey(seed), 3)`; `k_init`
-initialises the learner, batch number `j` (0, 1, ...) uses the replay keys
-`jax.random.split(jax.random.fold_in(k_train, j), b)` (one per query of the batch), and `k_critic`
-is `Memory`'s (critic calls). The same calls with the same seed give the same parameters.
+Keys: `k_init, k_train, k_critic = split(PRNGKey(seed), 3)`; batch `j` uses the replay keys
+`split(fold_in(k_train, j), b)`. The same calls with the same seed give the same parameters.
 
 Not thread-safe on its own: `Learning` holds the memory's lock (`warm`'s thread shares nothing).
 """
@@ -41,15 +30,12 @@ from ear_jax.core import learner as learner_lib
 from ear_jax.core.config import EARConfig, HParams
 from ear_jax.core.stream import Stream
 
-# The learner step with the state donated: the step updates the `[C, K, d]` replay buffer and the
-# optimizer state in place instead of copying them (and allocates no fresh buffer per step). The one
-# compiled step a memory makes (`experiment.live.measure_device_floor` times this very function).
+# The learner step with the state donated (replay buffer and optimizer state updated in place).
 train_step = jax.jit(learner_lib.train_batch_on_feedback, static_argnames=("config",),
                       donate_argnums=0)
 
 
-# The `[b]` replay keys of learner step n, `split(fold_in(k_train, n), b)`, in one call (eager, its
-# three primitives were three dispatches per step).
+# The `[b]` replay keys of learner step n, `split(fold_in(k_train, n), b)`, in one call.
 _step_keys = jax.jit(lambda key, n, b: jax.random.split(jax.random.fold_in(key, n), b),
                      static_argnums=2)
 
@@ -90,14 +76,7 @@ def mask_item(item: TrainItem, rows: np.ndarray) -> TrainItem:
 
 
 class Driver:
-  """Queue of closed sessions and the learner state they train.
-
-  Args:
-    config: static config.
-    hparams: hyperparameters.
-    seed: the memory's seed (see `seed_keys`).
-    state: a learner state to start from (default: a fresh one from the seed).
-  """
+  """Queue of closed sessions and the learner state they train (default: fresh from `seed`)."""
 
   def __init__(self, config: EARConfig, hparams: HParams, seed: int,
                state: Optional[learner_lib.LearnerState] = None):
@@ -111,8 +90,7 @@ class Driver:
     if state is not None:  # (rows unknown until `resolve_rows`)
       self.buffer_rows[np.asarray(self.state.buffer.mask)] = UNKNOWN
     self.insert_index = int(self.state.buffer.insert_index)  # host copy
-    # The guard's held-out ring (`config.guard_holdout`): its slots' bank rows (as `buffer_rows`),
-    # its count, and the training sessions opened so far (every n-th is held out: `next_held`).
+    # the guard's held-out ring: its slots' bank rows, its count, the training sessions opened
     ring = self.state.guard
     self.holdout_rows = None if ring is None else np.full(ring.mask.shape, -1, np.int32)
     self.holdout_count = 0 if ring is None else int(ring.count)
@@ -124,10 +102,8 @@ class Driver:
     self._warming = None  # the thread compiling the learner step (`warm`), until it is joined
 
   def warm(self, also: Optional[Callable] = None) -> None:
-    """Compiles the learner step in a background thread: one `train_step` on zeros of the
-    state's shapes with every query masked out (nothing is learnt, the live state is not
-    touched), so the first real step finds it compiled (`push` defers steps until then); then
-    `also()` (more to compile) in the same thread."""
+    """Compiles the learner step in a background thread (a fully masked step on zeros; the live
+    state is untouched), then runs `also()` there; `push` defers steps until it is done."""
     def run():
       k_init = seed_keys(0)[0]
       shapes = jax.eval_shape(lambda: learner_lib.init_learner(k_init, self.config))
@@ -151,17 +127,15 @@ class Driver:
       warming.join()
 
   def next_held(self, question: str = "", scope=()) -> int:
-    """Whether a training session of `question` (in the scopes `scope`) is held out for the
-    guard. A question seen before in the same scopes keeps its part, so a held-out question is
-    never trained on and a trained one never scores the guard, however often an agent asks it;
-    a new question (or one without text) is held out when it is the `config.guard_holdout`-th
-    new one (`guard.held_out`: in a stream of distinct questions opened and closed in order, the
-    runner's stream positions).
+    """Whether a training session of `question` in `scope` is held out for the guard.
+
+    A question seen before in the same scopes keeps its part (a held-out question is never
+    trained on); a new one is held out when it is the `config.guard_holdout`-th new one
+    (`guard.held_out`).
 
     Returns:
-      0: trained; 1: held out, its feedback goes to the ring; 2: held out again (a held-out
-      question asked before: not trained, and not in the ring twice, so the ring's questions
-      stay independent evidence).
+      0: trained; 1: held out, its feedback goes to the ring; 2: held out again (not trained, not
+      in the ring twice).
     """
     n = self.config.guard_holdout
     if not n:
@@ -179,9 +153,8 @@ class Driver:
     return int(held)
 
   def push(self, items) -> int:
-    """Queues closed sessions and trains every full batch; returns the learner steps taken.
-    While `warm` is still compiling the step, the batches wait in the queue (saved with it) for
-    the next push after it: a call never waits for the compiler."""
+    """Queues closed sessions and trains every full batch; returns the learner steps taken. A call
+    never waits for the compiler: while `warm` compiles, the batches wait in the queue."""
     self.ready.extend(items)
     if self._warming is not None and self._warming.is_alive():
       return 0
@@ -192,8 +165,7 @@ class Driver:
     return steps
 
   def flush(self) -> int:
-    """Trains every queued item now: the full batches, then the rest as one batch whose missing
-    queries are masked out (the runner's last batch of a stream). Returns the steps taken."""
+    """Trains every queued item now (the rest as one masked batch); returns the steps taken."""
     steps = self.push([])
     if self.ready:
       self._train()
@@ -201,8 +173,7 @@ class Driver:
     return steps
 
   def _step_args(self, items, valid, step: int):
-    """`(train_step's arguments after the state, (rows [b, K], held [b], ring [b]))` of `b`
-    items (`valid [b]`: the real ones) of learner step `step`."""
+    """`(train_step's arguments after the state, (rows, held, ring))` of `b` items."""
     b = self.config.batch_size
     stacked = TrainItem(*(np.stack(x) for x in zip(*items)))
     batch = Stream(queries=stacked.query, candidates=stacked.candidates, mask=stacked.mask,
@@ -238,9 +209,7 @@ class Driver:
       self.holdout_count += int(ring.sum())
 
   def forget(self, rows: np.ndarray) -> None:
-    """Masks the candidates at bank `rows` out of the queued items, the replay buffer (mask,
-    observed and the Eq. (12) mean label cleared, the embedding zeroed, the saved row -1) and
-    the guard's held-out ring (mask, citation and first-stage top-s cleared, embedding zeroed)."""
+    """Masks the candidates at bank `rows` out of the queued items, replay buffer and guard ring."""
     self.ready = [mask_item(it, rows) for it in self.ready]
     hit = np.isin(self.buffer_rows, rows)
     self.buffer_rows[hit] = -1
@@ -274,9 +243,7 @@ class Driver:
   # the learner item
 
   def snapshot(self):
-    """`(arrays, meta)`: the named learner state without the buffer's candidates (saved as
-    `buffer_rows` and `buffer_features`), the hyperparameters and the queued items (rows and
-    features instead of candidates). Host copies."""
+    """`(arrays, meta)` host copies of the learner state and queued items (candidates as rows)."""
     d = self.config.dim
     arrays = {"learner": jax.tree_util.tree_map(np.array, _without_candidates(self.state)),
               "hparams": {f.name: np.asarray(getattr(self.hparams, f.name))
@@ -299,8 +266,7 @@ class Driver:
   def restore(cls, config: EARConfig, seed: int, arrays, meta, where: str, gather: Callable,
               live: Callable) -> "Driver":
     """The driver of `snapshot`; ValueError naming `where` when it does not fit `config`.
-    `gather(rows [n, K], mask [n, K]) -> [n, K, d]` gives the bank rows' embeddings and
-    `live(rows) -> bool` which rows still hold a memory: the others are masked out (`forget`)."""
+    `gather(rows [n, K], mask [n, K]) -> [n, K, d]`; `live(rows) -> bool`: the others are masked."""
     from ear_jax.io import checkpoints  # pylint: disable=g-import-not-at-top
     hparams = HParams(**{k: jnp.asarray(v, jnp.float32) for k, v in arrays["hparams"].items()})
     out = cls(config, hparams, seed)
@@ -355,10 +321,7 @@ class Driver:
     return out
 
   def resolve_rows(self, rows_of_embedding: Callable) -> None:
-    """Gives the buffer slots of a state given from outside (`UNKNOWN` rows: `Memory.open(
-    learner=...)`, the converter, which adds the rows afterwards) their bank rows:
-    `rows_of_embedding(emb [n, d]) -> [n]` maps each candidate to the bank row holding exactly that
-    embedding (-1: none, masked out). `Memory` calls it before every snapshot."""
+    """Gives `UNKNOWN` buffer slots their bank rows by `rows_of_embedding` (-1: masked out)."""
     stores = [(self.buffer_rows, lambda: self.state.buffer.candidates, self._mask_buffer)]
     if self.holdout_rows is not None:  # (the guard's held-out ring likewise)
       stores.append((self.holdout_rows, lambda: self.state.guard.candidates,
@@ -371,8 +334,7 @@ class Driver:
 
 
 def _without_candidates(state):
-  """`state` with the replay buffer's candidates replaced by an empty `[0]` placeholder (saved as
-  bank rows instead); works on arrays and on abstract (`ShapeDtypeStruct`) states."""
+  """`state` with the replay buffer's candidates replaced by an empty `[0]` placeholder."""
   empty = jax.ShapeDtypeStruct if isinstance(state.buffer.candidates, jax.ShapeDtypeStruct) else (
       lambda shape, dtype: np.zeros(shape, dtype))
   state = state.replace(buffer=state.buffer.replace(

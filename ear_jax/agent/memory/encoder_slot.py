@@ -13,23 +13,21 @@ from ear_jax.agent.memory.checks import InputTypeError, check_embeddings
 class EncoderSlot:
   """The frozen encoder f_theta of a memory: an `Encoder`, or a spec loaded at first use.
 
-  A spec string is checked at once (`encoders.check_encoder_spec`: the data layer names a missing
-  path) and loaded lazily under a lock, then checked against the dimension and, when known, the
-  model identity the memory was built with. Encoding itself runs outside `Memory`'s state lock.
+  A spec is checked at once and loaded lazily, then checked against the memory's dimension and
+  model identity. Encoding runs outside `Memory`'s state lock.
 
   Args:
     encoder: 'minilm', a checkpoint directory, a `.npy`/`.npz` file, an `Encoder`, or None.
     identity: the model identity the memory's embeddings came from (None: not known yet).
-    explicit: the caller named this encoder (not `MemoryConfig`'s default): embeddings it adds are
-      taken as this encoder's, and text-only queries are encoded by it whatever the rows are.
+    explicit: the caller named this encoder (not the default): embeddings it adds are taken as
+      this encoder's.
   """
 
   def __init__(self, encoder: Any, identity: Optional[str] = None, explicit: bool = True):
     self.explicit = bool(explicit)
     from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
     self._lock = threading.Lock()
-    # One encode at a time: a Hugging Face fast tokenizer shared by two threads fails with
-    # "RuntimeError: Already borrowed" (Memory encodes outside its own lock).
+    # One encode at a time: a shared Hugging Face fast tokenizer fails with "Already borrowed".
     self._encode_lock = threading.Lock()
     self.encoder, self.spec, self.identity = None, None, identity
     if isinstance(encoder, encoders.Encoder):
@@ -58,8 +56,7 @@ class EncoderSlot:
     return 384 if self.spec == "minilm" else None
 
   def check_dim(self, dim: int, root=None) -> None:
-    """ValueError when the encoder's dimension (if known) is not `dim`, the dimension of the
-    memory (of the directory `root`)."""
+    """ValueError when the encoder's dimension (if known) is not the memory's `dim`."""
     if self.dim is None or self.dim == dim:
       return
     if root is None:
@@ -69,8 +66,7 @@ class EncoderSlot:
                      f"{self.dim}")
 
   def adopt_identity(self, saved: Optional[str], where: str) -> None:
-    """Takes the identity a learner item (`where`) saved, unless the encoder is another model
-    (ValueError)."""
+    """Takes the identity a learner item saved, unless the encoder is another model."""
     if saved and self.identity and saved != self.identity:
       raise ValueError(f"{where} was written with another encoder model (identity "
                        f"{saved[:16]}), not this one (identity {self.identity[:16]})")

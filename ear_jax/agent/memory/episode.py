@@ -1,22 +1,11 @@
-"""Host-side critic loops over arrays: one round's slates for a batch of queries, a training episode
-(`run_critic_episode`); `Memory`'s agent step with a host critic is `recall.llm_feedback` (and
-`Memory.recall`'s rounds).
+"""Host-side critic loops over arrays: one round's slates for a batch of queries, one `Memory`
+session round, and a training episode with a host critic (`run_critic_episode`).
 
 Symbols: `N` queries, `K` candidates, `s` slate size, `T` Explorer rounds, `b` batch size.
 
-`round_slates` / `update_bandits` play one round for a batch of queries; `session_round` is one
-round of one `Memory` session with its previous round's feedback applied first, in ONE call
-(`exploit`: the 'exploit' final slate likewise). Both
-loops use the library's critic protocol (`ear_jax.core.critic`): `critic(key, view) -> labels [s]`
-or None (an unusable reply: no update), with a `SlateView` that carries `query_text` and the
-memories' `texts` for host critics such as `ear_jax.agent.llm.critic.LLMCritic`; and the one learner
-step, `ear_jax.core.learner.train_batch_on_feedback` (jitted here).
-
-Feedback from the agent's answer: `answer_labels` labels a shown slate by the answer
-rule of the benchmarks (the features of `ear_jax.data.answer_support.slate_support`, then the
-jitted `ear_jax.core.critic.answer_critic` with `ANSWER_DEFAULTS` or a given `AnswerCritic`'s
-thresholds), used by `Session.feedback(answer=...)` and by the host critic `AnswerFeedback` (an
-agent's answer function as `recall`'s critic).
+Critics follow `ear_jax.core.critic`: `critic(key, view) -> labels [s]` or None (an unusable reply:
+no update); the learner step is `ear_jax.core.learner.train_batch_on_feedback`. `answer_labels`
+labels a shown slate from the agent's answer by the benchmarks' answer rule.
 """
 from __future__ import annotations
 
@@ -56,16 +45,12 @@ def round_slates(params, hparams, queries, candidates, mask, mean, counts, k: in
   """One round for `n` queries: adapter top-k, or an Explorer round with the given statistics.
 
   Args:
-    params: adapter parameters.
-    hparams: hyperparameters (the Explorer's).
-    queries: `[n, d]`; candidates: `[n, K, d]`; mask: `[n, K]`; mean, counts: `[n, K]` bandit
-      statistics (only read with `explore`).
-    k: slate size (static).
-    explore: Explorer round (Eq. (5)-(8)) instead of the adapter's top-k.
+    queries, candidates, mask: `[n, d]`, `[n, K, d]`, `[n, K]`.
+    mean, counts: `[n, K]` bandit statistics (read with `explore`: Eq. (5)-(8)).
 
   Returns:
-    `(slate [n, k] int32, slate_mask [n, k] bool, z [n, K] float32)`, numpy. `n` is padded to a
-    power of two inside (one compilation per power of two).
+    `(slate [n, k] int32, slate_mask [n, k] bool, z [n, K] float32)`, numpy (`n` padded to a
+    power of two inside).
   """
   n = queries.shape[0]
   m = 1 << max(n - 1, 0).bit_length()
@@ -76,8 +61,7 @@ def round_slates(params, hparams, queries, candidates, mask, mean, counts, k: in
 
 
 def adapted(params, query, candidates, given=None):
-  """`(z [K], gram [K, K])` of one query's candidates (traced): Eq. (3)-(4) and the Explorer's
-  similarities of Eq. (6), or `given` as it is (computed by an earlier round, same parameters)."""
+  """Traced `(z [K], gram [K, K])` of one query's candidates (Eq. (3)-(4), (6)), or `given`."""
   if given is not None:
     return given
   z, m_t = adapter_lib.relevance(params, query, candidates)
@@ -102,25 +86,17 @@ def _session_round(params, query, candidates, given, hparams, mask, mean, counts
 
 def session_round(params, hparams, query, candidates, mask, mean, counts, last, k: int,
                   explore: bool, given=None):
-  """One round of one session in ONE jitted call: the feedback of its previous round applied to
-  the bandit statistics (Eq. (9); `last` all masked: none), then the slate of
-  `retrieval.slate_from_candidates` (the adapter's top-k, or an Explorer round, Eq. (5)-(8)) of
-  the updated statistics.
+  """One round of one session in ONE jitted call: the previous round's feedback applied (Eq. (9)),
+  then the adapter's top-k or an Explorer round (Eq. (5)-(8)) of the updated statistics.
 
   Args:
-    params, hparams: adapter parameters and hyperparameters.
-    query: `[d]`; candidates: `[K, d]`; mask, mean, counts: `[K]`.
-    last: `(slate [K] int32, slate_mask [K] bool, labels [K] float32)` of the previous round's
-      feedback not yet in `mean` / `counts` (all masked when there is none).
-    k: slate size (static).
-    explore: Explorer round instead of the adapter's top-k.
-    given: the `adapted` of an earlier round of this query by the same `params` (device
-      arrays), so that later rounds skip the adapter; None: computed here.
+    query, candidates, mask, mean, counts: `[d]`, `[K, d]`, `[K]`, `[K]`, `[K]`.
+    last: `(slate, slate_mask, labels)` `[K]` of the feedback not yet in `mean` / `counts`.
+    given: an earlier round's `adapted` by the same `params` (None: computed).
 
   Returns:
     `((slate [k] int32, slate_mask [k] bool, z [K] float32, mean [K], counts [K]) numpy,
-    adapted)`: the slate of `round_slates` after `update_bandits` (`tests/test_session_round.py`)
-    and the `given` of the next round (device arrays).
+    adapted)`: equal to `round_slates` after `update_bandits`; `adapted` is the next `given`.
   """
   if given is not None:
     params = query = candidates = None
@@ -140,9 +116,7 @@ def _exploit(params, query, candidates, given, mask, mean, counts, last, *, k):
 
 
 def exploit(params, query, candidates, mask, mean, counts, last, k: int, given=None):
-  """The top-k by bandit mean, ties by adapted relevance: `(slate [k], slate_mask [k], z [K])`
-  numpy, after the pending feedback `last = (slate [K], slate_mask [K], labels [K])` (Eq. (9);
-  all masked: none); `given`: the rounds' `adapted` by the same `params` (see `session_round`)."""
+  """The top-k by bandit mean, ties by relevance, after `last` (as `session_round`); numpy."""
   if given is not None:
     params = query = candidates = None
   return jax.device_get(_exploit(params, query, candidates, given, mask, mean, counts,
@@ -179,8 +153,7 @@ _answer_rule = jax.jit(critic_lib.answer_critic)
 
 
 def check_answer(answer, what: str = "answer") -> str:
-  """The agent's answer, checked: a non-empty string (`InputTypeError` / ValueError naming
-  `what`)."""
+  """The agent's answer, checked: a non-empty string (errors name `what`)."""
   if not isinstance(answer, str):
     raise InputTypeError(f"{what} must be a string (the agent's answer to the session's "
                          f"question), got {type(answer).__name__}")
@@ -194,19 +167,12 @@ def answer_labels(question: str, answer: str, texts: Sequence[str], memories: np
                   ) -> np.ndarray:
   """`[k]` labels of a shown slate from the agent's answer, by the answer rule.
 
-  The slate's answer-support features (`answer_support.slate_support`: the answer's new content
-  words held by each memory, their share, the answer's and "question answer"'s cosines with it)
-  -> `critic_lib.answer_critic` (jitted; the slate padded to a power of two, masked) with the
-  thresholds of `critic` (default `make_answer_critic()`, i.e. `ANSWER_DEFAULTS`): the rule the
-  benchmarks' `AnswerCritic` applies inside the scan.
+  `answer_support.slate_support` features -> `critic_lib.answer_critic` with `critic`'s thresholds:
+  the same rule the benchmarks' `AnswerCritic` applies inside the scan.
 
   Args:
-    question: the question's text.
-    answer: the agent's answer (`check_answer`).
-    texts: `[k]` the shown memories' texts, in slate order.
-    memories: `[k, d (+ F)]` their frozen embeddings.
-    embed: `embed(texts) -> [n, d]` unit embeddings by the memories' own encoder (called once).
-    critic: an `AnswerCritic` (its thresholds), or None for the defaults.
+    texts, memories: `[k]` texts and `[k, d (+ F)]` embeddings of the shown slate.
+    embed: `embed(texts) -> [n, d]`, the memories' encoder; critic: None for the defaults.
 
   Returns:
     `[k]` float32 labels in {-1, +1}.
@@ -224,19 +190,14 @@ def answer_labels(question: str, answer: str, texts: Sequence[str], memories: np
 
 @dataclasses.dataclass(frozen=True)
 class AnswerFeedback:
-  """A host critic made of the agent's answers: the critic of `Memory.recall` (or
-  `recall.llm_feedback`, `run_critic_episode`) for an agent that only answers.
+  """A host critic made of the agent's answers, for an agent that only answers.
 
-  Each round, `answer_fn(question, texts)` is the agent answering the question from the shown
-  memories' texts (in slate order); its answer labels the slate by the answer rule
-  (`answer_labels`), so no citation and no extra LLM call is needed. An answer of None or ''
-  (the agent could not answer) is an unusable reply: None, no update. The key is unused.
+  Each round `answer_fn(question, texts)` answers from the shown memories' texts and the answer
+  labels the slate (`answer_labels`). An answer of None or '' is an unusable reply (no update).
 
   Args:
     answer_fn: `answer_fn(question: str, texts: list[str]) -> str or None`.
-    embed: `embed(texts) -> [n, d]` the memories' encoder; None: `Memory.recall` /
-      `llm_feedback` use the memory's own encoder (`bound`), and a call without one is a
-      ValueError.
+    embed: `embed(texts) -> [n, d]` the memories' encoder; None: the memory's own (`bound`).
     critic: an `AnswerCritic` with other thresholds (default `ANSWER_DEFAULTS`).
   """
   answer_fn: Callable
@@ -276,26 +237,17 @@ def run_critic_episode(key: jax.Array, stream: Stream, query_texts: Sequence[str
                        *, state: Optional[learner_lib.LearnerState] = None, progress=None):
   """An online EAR training episode whose critic lives on the host (e.g. an `LLMCritic`).
 
-  Alg. 1 with the Explorer's rounds unrolled on the host: per batch of `b` queries, T rounds of
-  (one jitted Explorer round for the batch, Eq. (5)-(8), via `retrieval.slate_from_candidates` ->
-  one `critic(key, view)` per query -> bandit update, Eq. (9)); then ONE jitted learner step
-  (`learner.train_batch_on_feedback`, Eq. (10)-(18)) with the batch's `[b, T, s]` slates. A
-  critic call returning None (unparseable reply, HTTP error, timeout) leaves that round out of the
-  loss and of the bandit statistics and is counted.
-
-  Keys are those of `ear_jax.core.episode.run_episode`: `(k_init, per-query keys) =
-  episode_keys(key, N)`, each query key split into (slates, replay) as in `learner.train_batch`,
-  the slates key into T round keys for the critic as in the Explorer policy. The view's `gold` comes
-  from `stream.gold`, so a jitted simulated critic reproduces `run_episode` exactly.
+  Alg. 1 with the Explorer's rounds on the host: per batch of `b` queries, T rounds of (Explorer
+  round, Eq. (5)-(8) -> one critic call per query -> Eq. (9)), then one learner step
+  (Eq. (10)-(18)). A critic reply of None leaves that round out and is counted. Keys are split as
+  in `ear_jax.core.episode.run_episode`, so a simulated critic reproduces it exactly.
 
   Args:
     key: PRNG key of the episode; the key is consumed.
-    stream: `N` training queries.
-    query_texts: `N` question texts shown to the critic.
-    candidate_texts: `[N, K]` memory texts of the candidates.
+    stream, query_texts, candidate_texts: `N` training queries, their texts, `[N, K]` candidate
+      texts.
     critic: `critic(key, SlateView) -> labels [s]` or None.
-    config: static config (`train_slate` must be the Explorer).
-    hparams: hyperparameters.
+    config: static config (`train_slate` must be the Explorer); hparams: hyperparameters.
     state: a learner state to continue from (default: a fresh one from the key).
     progress: optional callable `(queries_done, num_queries)`.
 

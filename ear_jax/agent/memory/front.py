@@ -6,8 +6,7 @@ A memory is three objects behind one re-entrant lock: its rows (`rows.Rows`: tab
 lexical index, ANN searcher), its stage (`staging.Stage`: encoding, the first stage) and its
 learning (`learning.Learning`: the sessions and the learner they feed). Every public method
 validates its input first and raises ValueError (TypeError for wrong types; `InputTypeError` is
-both) naming the problem, with the state unchanged. The design document draws one query's and
-one write's path.
+both) naming the problem, with the state unchanged.
 """
 from __future__ import annotations
 
@@ -43,13 +42,11 @@ __all__ = ["DEFAULT_SCOPE", "AnswerFeedback", "Memory", "MemoryConfig", "Recall"
 class Memory:
   """An EAR memory for a live agent.
 
-  A query's candidates are its top-K memories by the first stage (frozen cosine, Eq. (1), or
-  BM25 / hybrid) among the dialogue memories of its scopes (`multistore`: the top-K/2 of each
-  store, Section 5); a slate is the adapter's top-k (Section 3.6) or an Explorer round (Eq.
-  (5)-(8)). A query's rounds are ONE training query (Eq. (10)-(14)); every `b` closed sessions
-  make one learner step. `Memory(...)` lives in memory (SQLite's ':memory:'); `Memory.open(dir)`
-  opens or creates a memory directory, where every add / update / delete is durable when it
-  returns; `save()` writes the learner item.
+  A query's candidates are its top-K memories by the first stage (Eq. (1), or BM25 / hybrid) in
+  its scopes; a slate is the adapter's top-k or an Explorer round (Eq. (5)-(8)). A query's rounds
+  are ONE training query (Eq. (10)-(14)); every `b` closed sessions make one learner step.
+  `Memory(...)` lives in memory; `Memory.open(dir)` opens or creates a directory where every
+  add / update / delete is durable when it returns; `save()` writes the learner item.
 
   Args:
     memory_config: a `MemoryConfig`; or, as a first positional argument that is not one, the
@@ -85,14 +82,12 @@ class Memory:
   @classmethod
   def open(cls, path, memory_config: Optional[MemoryConfig] = None, /, *, encoder: Any = UNSET,
            learner: Optional[learner_lib.LearnerState] = None, **settings) -> "Memory":
-    """Opens the memory directory `path`, creating it with `memory_config` / `settings` when it
-    holds no memory; an existing one keeps its stored `MemoryConfig` (a different one given is a
-    ValueError). `encoder`: an `Encoder` object (or spec) instead of the stored spec (dimension
-    and model identity must match); `learner`: a `LearnerState` to start a NEW directory from.
-    Holds the owner lock until `close`: no other process, and no other `Memory` of this one,
-    opens the directory meanwhile (`DirectoryInUseError`, naming the holder). A corrupted table
-    or learner item is a `CheckpointError` naming the file (`CheckpointFormatError` for an old
-    layout)."""
+    """Opens (or creates, with `memory_config` / `settings`) the memory directory `path`.
+
+    An existing directory keeps its stored `MemoryConfig` (a different one is a ValueError);
+    `encoder` replaces the stored spec (same dimension and model identity); `learner` seeds a NEW
+    directory. Holds the owner lock until `close` (`DirectoryInUseError` for anyone else). A
+    corrupted file is a `CheckpointError` naming it (`CheckpointFormatError`: an old layout)."""
     if memory_config is not None and not isinstance(memory_config, MemoryConfig):
       raise InputTypeError(f"memory_config must be a MemoryConfig, got "
                            f"{type(memory_config).__name__}")
@@ -129,8 +124,7 @@ class Memory:
       raise
 
   def _restore_learner(self, root: pathlib.Path) -> bool:
-    """The learning and counters of the learner item of `root`; True when it holds the question
-    of a session dropped by a delete since (the item must be written again)."""
+    """Restores the learner item of `root`; True when it must be written again."""
     arrays, meta, where = persistence.read_learner_of(root, self._rows.table.identity,
                                                       self._rows.next_row)
     self._stats.update(meta["stats"])
@@ -140,10 +134,8 @@ class Memory:
     return dropped
 
   def save(self, path=None) -> pathlib.Path:
-    """Writes the learner item (adapter, optimiser, buffer, guard, queued items, open sessions);
-    the rows are durable already. An in-memory memory needs `path`, a directory that holds no
-    memory: it writes the table there too and is then an opened memory of it (holding its owner
-    lock). Returns the directory."""
+    """Writes the learner item (the rows are durable already) and returns the directory. An
+    in-memory memory needs `path` (holding no memory) and becomes an opened memory of it."""
     with self._save_lock:
       if self._root is not None:
         if path is not None and persistence.checkpoint_dir(path) != self._root:
@@ -177,8 +169,7 @@ class Memory:
     persistence.write_learner(self._root, arrays, meta)
 
   def close(self) -> None:
-    """Releases the owner lock and closes the database (idempotent); every later call but
-    `close` is a ValueError."""
+    """Releases the owner lock and closes the database (idempotent); later calls: ValueError."""
     with self._lock:
       if self._rows.closed:
         return
@@ -214,13 +205,9 @@ class Memory:
 
   @property
   def stats(self) -> collections.Counter:
-    """A `Counter` (0 for what was never counted) of what happened (memories added / deleted /
-    updated, searches, sessions opened, rounds, feedback, learner steps, critic calls, ...) and
-    `memories`, `capacity` (device rows), `ready` (closed sessions queued for the next learner
-    step), `pending` (those plus open sessions with feedback), `sessions` (open ones),
-    `generation` (learner items saved), and what `search` serves now: `serves_adapter` (1: the
-    adapter's ranking; 0: the first stage's, the guard not trusting the adapter yet) and
-    `guard_evidence` (the held-out questions with a citation its decision rests on)."""
+    """A `Counter` of events (adds, searches, rounds, learner steps, ...) and gauges: `memories`,
+    `capacity`, `ready` / `pending` / `sessions`, `generation` (learner items saved),
+    `serves_adapter` (0: the guard serves the first stage) and `guard_evidence`."""
     with self._lock:
       batcher = self._stage.batcher
       batched = {} if batcher is None else batcher.counts()
@@ -233,10 +220,7 @@ class Memory:
            "guard_evidence": evidence})
 
   def train(self) -> int:
-    """Trains the queued (closed) sessions now instead of waiting for the `b`-th: one learner
-    step per `b` of them, the last one with fewer (the missing queries masked out, as the
-    benchmark runner's last batch). Close open sessions first to include them. Returns the
-    learner steps taken."""
+    """Trains the queued closed sessions now (the last batch masked); returns the steps taken."""
     return self._learning.train()
 
   # ----------------------------------------------------------------------------------------------
@@ -244,8 +228,7 @@ class Memory:
 
   def add(self, texts, *, store="dialogue", ids=None, embeddings=None, scope=None,
           dates=None) -> list[str]:
-    """Adds memories: ONE table transaction (durable on return for an opened memory), then the
-    device bank, the lexical index and the searcher.
+    """Adds memories in ONE table transaction (durable on return for an opened memory).
 
     Args:
       texts: one string, or a sequence of non-empty strings.
@@ -278,25 +261,21 @@ class Memory:
       return list(ids)
 
   def get(self, ids) -> list[dict]:
-    """`[{'id', 'text', 'store', 'scope', 'date', 'row'}]` of memory ids, in order (ValueError
-    for an unknown id)."""
+    """`[{'id', 'text', 'store', 'scope', 'date', 'row'}]` of memory ids, in order."""
     ids = checks_lib.check_ids(ids)
     with self._lock:
       return self._rows.records(self._rows.rows_of(ids, "ids"))
 
   def list(self, scope=None) -> list[dict]:
-    """The memories (`get`'s records) of the scopes `scope` names (None: every scope), in row
-    order (an updated memory where its update put it)."""
+    """The memories (`get`'s records) of the scopes `scope` names (None: every scope), in order."""
     names = checks_lib.check_scope_spec(scope)
     with self._lock:
       return self._rows.records(self._rows.table.list_rows(names))
 
   def delete(self, ids) -> list[str]:
-    """Deletes memories everywhere and returns their ids: the table row (one transaction, its
-    bytes overwritten), the device, lexical and ANN rows, the open sessions that had one as a
-    candidate (dropped untrained; the learner item is saved again before this returns when it
-    holds the question of one), queued items and the replay buffer (masked). Unknown ids:
-    ValueError, nothing changed."""
+    """Deletes memories everywhere (table bytes overwritten, device / lexical / ANN rows, sessions
+    that had one as a candidate, queued items, replay buffer) and returns their ids; a saved item
+    holding a dropped question is rewritten first. Unknown ids: ValueError, nothing changed."""
     ids = checks_lib.check_ids(ids)
     with self._lock:
       rows = self._rows.rows_of(ids, "ids")
@@ -308,9 +287,8 @@ class Memory:
     return ids
 
   def update(self, memory_id: str, *, text: Optional[str] = None, embedding=None) -> str:
-    """Corrects one memory and returns its id: its row is deleted everywhere (as `delete`) and a
-    new one with the same id, store, scope, date and place inserted, in ONE table transaction.
-    `text` None keeps the text; `embedding` None encodes the new text (outside the lock)."""
+    """Corrects one memory in ONE table transaction: deleted as `delete`, re-inserted with the same
+    id, store, scope, date and place. `text` None keeps the text; `embedding` None encodes it."""
     memory_id, text, emb = checks_lib.check_update(memory_id, text, embedding, self._ear.dim)
     with self._lock:
       self._rows.rows_of([memory_id], "memory_id")  # an unknown id: before encoding
@@ -329,14 +307,8 @@ class Memory:
   # queries: search, session, recall
 
   def search(self, question=None, k: int = 5, *, query_embedding=None, scope=None):
-    """The adapter's top-k of a question (ranked by the guard's served parameters): a pure read,
-    no session, nothing learnt. `k` (in `[1, K]`) is a maximum: a scope holding fewer
-    candidates gives them all (`len(slate)`); one holding none is a ValueError naming it. A list
-    of questions (or `[n, d]` embeddings) -> a list of slates, in one batched device call.
-
-    Returns:
-      A `Slate` (round 0, session_id -1), or a list of them.
-    """
+    """The served top-k of a question: a pure read, nothing learnt. `k` in `[1, K]` is a maximum;
+    an empty scope is a ValueError. A list of questions (or `[n, d]`) gives a list, batched."""
     batch = isinstance(question, (list, tuple)) or (question is None
                                                     and np.ndim(query_embedding) == 2)
     k = check_k(k, self._ear.num_candidates)
@@ -358,14 +330,9 @@ class Memory:
 
   def session(self, question=None, *, query_embedding=None, scope=None, learn: bool = True,
               resume: Optional[int] = None) -> Session:
-    """Opens a query session: its candidates are found now, by the first stage, in the scopes
-    `scope` names (None: every scope); `resume=<id>` re-attaches to an open session instead
-    (ValueError for an unknown or closed one, `SessionDroppedError` for a dropped one).
-
-    With `learn=False` a test-time session, `recall(learn=False)`'s paging driven by the caller:
-    round t + 1 shows page t of the served ranking, `feedback` records the citations and trains
-    nothing, `Session.answer` is paging's answer. It is never saved and is evicted like any
-    session beyond `max_sessions`: `close()` it when done."""
+    """Opens a query session, its candidates found now in `scope` (None: every scope);
+    `resume=<id>` re-attaches to an open one (`SessionDroppedError` for a dropped one).
+    `learn=False`: a test-time paging session (nothing trains); `close()` it when done."""
     if resume is not None:
       if question is not None or query_embedding is not None or scope is not None or (
           learn is not True):
@@ -379,9 +346,7 @@ class Memory:
 
   def _open(self, question, query_embedding, scope, frozen: bool, k: int = 1,
             paged: bool = False, asked: Optional[int] = None) -> Session:
-    """A new session (frozen: a test-time one; `paged`: its rounds are pages of the served
-    ranking, which the first stage's slate of size `k` computes in the same call; `asked`: the
-    caller's k, named when the scopes hold nothing)."""
+    """A new session (frozen: test-time; `paged`: pages of the served ranking)."""
     names = checks_lib.check_scope_spec(scope)
     texts, q_emb = self._stage.queries(question, query_embedding, False)
 
@@ -406,9 +371,8 @@ class Memory:
       query_embedding: optional `[d]` precomputed embedding of the question.
       learn: False: nothing trains (explorer-assisted inference, `core.inference.evaluate`).
       scope: the scopes the candidates come from (None: every scope).
-      rule: 'explorer' (T Explorer rounds; the default to learn) or 'paging' (`learn=False`
-        only, its default: the critic reads the served ranking's top T k in T pages of k; the
-        answer is the cited memories first, then the ranking: `core.retrieval.paging_slate`).
+      rule: 'explorer' (T Explorer rounds; default to learn) or 'paging' (`learn=False` only,
+        its default: T pages of the served ranking, `core.retrieval.paging_slate`).
     """
     if not isinstance(question, str) or not question:
       raise ValueError("recall needs the question's text (a non-empty string): the critic reads it")

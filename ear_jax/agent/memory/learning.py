@@ -2,16 +2,10 @@
 
 Symbols: `K` candidates, `k` memories shown, `T` Explorer rounds, `b` batch size.
 
-It owns the session registry (`registry.Registry`), the learner (`driver.Driver`: adapter,
-optimiser, replay buffer, guard, queued items) and the parameters test-time slates rank by (the
-guard's served ones). A session handle (`recall.Session`) and `recall` call its public methods,
-each one locked step: `open` registers a session the first stage found candidates for, `round`
-lets the session's kind play its next round and reads the shown memories' records, `feedback` /
-`critique` label the open round (a session this closes is queued; every `b` queued -> ONE learner
-step), `close`, `answer` (paging), `final` ('exploit'). `forget` is a delete's learning side:
-sessions showing a deleted memory are dropped untrained (frozen ones mask it), queued items, the
-replay buffer and the guard's ring mask it. Encoding an answer and calling a host critic run
-outside the lock.
+It owns the session registry (`registry.Registry`), the learner (`driver.Driver`) and the
+parameters test-time slates rank by (the guard's served ones). `recall.Session` calls its public
+methods, each one locked step; every `b` closed sessions make ONE learner step. `forget` is a
+delete's learning side. Encoding an answer and calling a host critic run outside the lock.
 """
 from __future__ import annotations
 
@@ -38,26 +32,21 @@ _served = jax.jit(guard_lib.served_params, static_argnums=2)
 
 @functools.partial(jax.jit, static_argnums=2)
 def _serving(params, guard, config):
-  """`(serves the adapter [] bool, evidence [] int32)`: the guard's decision and the training
-  questions it rests on (the held-out ring's questions with a citation)."""
+  """`(serves the adapter [] bool, evidence [] int32)`: the guard's decision and its evidence."""
   serve, _, n = guard_lib.holdout_decision(params, guard, config)
   return serve, n.astype(jnp.int32)
 _copy = jax.jit(lambda tree: jax.tree_util.tree_map(jnp.copy, tree))  # (one call, own buffers)
 
 
 class Learning:
-  """The sessions and the learner of one memory (see the module docstring).
+  """The sessions and the learner of one memory.
 
   Args:
-    config, hparams: the resolved `EARConfig` and `HParams`.
-    seed: the memory's seed (`driver.seed_keys`).
-    max_sessions: sessions kept (`MemoryConfig.max_sessions`).
-    rows: the memory's `rows.Rows` (the candidates' records and liveness).
-    lock: the memory's re-entrant lock.
-    stats: the memory's counters (a `Counter`, shared).
+    config, hparams, seed, max_sessions: resolved settings of the memory.
+    rows, lock, stats: the memory's `rows.Rows`, re-entrant lock and shared counters.
     embed_answer: `embed_answer(texts) -> [n, d]`, the memory's encoder for answers.
     learner: a learner state to start from (default: a fresh one from the seed).
-    warm: `warm()` compiles the learner step in the background (`MemoryConfig.warm_learner`).
+    warm: compile the learner step in the background (`MemoryConfig.warm_learner`).
   """
 
   def __init__(self, config, hparams, seed: int, max_sessions: int, rows, lock,
@@ -73,9 +62,7 @@ class Learning:
     self._warm = warm
 
   def warm(self) -> None:
-    """With `warm`: the learner step compiled in a background thread (`Driver.warm`), with the
-    other programs a first learner step or a save runs (a copy of the parameters, a pending
-    bandit update), so neither waits for the compiler."""
+    """With `warm`: the learner step compiled in a background thread (`Driver.warm`)."""
     if not self._warm:
       return
     K, params = self.config.num_candidates, self.driver.state.params
@@ -93,8 +80,7 @@ class Learning:
   # what the learner serves
 
   def served_params(self):
-    """The parameters test-time slates rank by (`core.guard.served_params`): the adapter's, or
-    the first stage's while the guard does not trust it. Call under the lock."""
+    """The parameters test-time slates rank by (`core.guard.served_params`). Call under the lock."""
     state = self.driver.state
     if state.guard is None:
       return state.params
@@ -103,9 +89,7 @@ class Learning:
     return self._served_cache[1]
 
   def serving(self) -> tuple[bool, int]:
-    """`(serves the adapter, guard evidence)`: whether `search` ranks by the adapter (else by the
-    first stage, the guard not trusting the adapter yet) and the questions the guard's decision
-    rests on (0 without a guard). Call under the lock."""
+    """`(serves the adapter, guard evidence)` (0 evidence without a guard). Call under the lock."""
     state = self.driver.state
     if state.guard is None:
       return True, 0
@@ -131,9 +115,7 @@ class Learning:
 
   def open(self, text: str, q_emb, rows, cands, mask, names, frozen: bool, paged: bool,
            ranking) -> tuple[int, bool]:
-    """Registers a session of the first stage's candidates (`rows [K]`, `cands [K, d + F]`,
-    `mask [K]`; `ranking [K]`: the served parameters' relevance); returns `(id, held out)`. Call
-    under the lock, in the first stage's locked section."""
+    """Registers a session of the first stage's candidates: `(id, held out)`. Under the lock."""
     held = not frozen and self.driver.next_held(text, names)  # (`guard_holdout`)
     if frozen:
       kind = sessions_lib.PagingSession if paged else sessions_lib.FrozenExplorerSession
@@ -185,11 +167,8 @@ class Learning:
       return self._apply(s, np.maximum(cited, used)) > 0
 
   def critique(self, sid: int, critic) -> Optional[np.ndarray]:
-    """The open round of `sid` shown to a host critic (outside the lock, key `fold_in(fold_in(
-    k_critic, sid), t)` for its t-th round, `registry.CriticKeys`); its labels applied, or (None,
-    an unusable reply) the round discarded with no update (`stats['critic_no_update']`). Returns
-    the critic's labels of the memories it was shown (a frozen session applies those of the
-    memories still held: none left, no update)."""
+    """The open round of `sid` shown to a host critic outside the lock (key: `registry.CriticKeys`);
+    its labels applied, or None: the round discarded. Returns the critic's labels."""
     if isinstance(critic, episode.AnswerFeedback):
       critic = critic.bound(self._embed_answer)
     with self._lock:
@@ -253,8 +232,7 @@ class Learning:
       self.registry.closed_memory = True
 
   def join_warm(self) -> None:
-    """Waits for the learner's warm-up compilation, if one runs (`MemoryConfig.warm_learner`);
-    call it without the lock."""
+    """Waits for the learner's warm-up compilation, if one runs; call it without the lock."""
     self.driver.join_warm()
 
   def info(self, sid: int) -> tuple[int, bool]:
@@ -263,8 +241,7 @@ class Learning:
       return s.rounds, s.closed
 
   def answer(self, sid: int, k) -> Slate:
-    """`sessions.paging_answer` of the pages session `sid` showed (its rounds with feedback, then
-    the open one uncited), less the memories deleted since; `k` None: the first page's size."""
+    """`sessions.paging_answer` of the pages session `sid` showed, less what was deleted since."""
     k = None if k is None else check_k(k, self.config.num_candidates)
     with self._lock:
       s = self.registry.get(sid)
@@ -295,8 +272,7 @@ class Learning:
       return tuple(r["id"] for r in self._records(s, pos)), tuple(z.tolist())
 
   def records(self, ids, sid: Optional[int] = None) -> dict:
-    """`{id: record}` of those of `ids` still held: the records session `sid` read of its live
-    candidates, the others' from the table."""
+    """`{id: record}` of those of `ids` still held."""
     ids = list(dict.fromkeys(ids))
     with self._lock:
       s = None if sid is None else self.registry.by_id.get(sid)
@@ -326,10 +302,9 @@ class Learning:
   # forgetting (a delete's or an update's learning side; call under the lock)
 
   def forget(self, rows: np.ndarray, recs: list[dict], verb: str) -> bool:
-    """Forgets bank `rows` (`recs`: their records): sessions showing one dropped untrained
-    (naming the memory and `verb`), frozen ones masked, queued items, the replay buffer and the
-    guard's ring masked (`Driver.forget`). True when the learner item on disk holds the question
-    of a session this dropped: the caller saves it again before it returns."""
+    """Forgets bank `rows`: sessions showing one dropped untrained (frozen ones masked), the
+    learner masked (`Driver.forget`). True when the saved learner item holds the question of a
+    dropped session: the caller must save again before it returns."""
     names = {int(r["row"]): r["id"] for r in recs}
     held = set(self.registry.by_id)
     for sid, s in list(self.registry.by_id.items()):
@@ -356,9 +331,7 @@ class Learning:
     return arrays, {"sessions": sessions[1], "driver": driver[1]}
 
   def restore(self, arrays: dict, meta: dict, where: str) -> bool:
-    """The driver and sessions of a learner item (rows deleted since its save masked out,
-    sessions showing one dropped); True when the item holds the question of a session dropped
-    so (a process killed before its delete rewrote the item)."""
+    """The driver and sessions of a learner item; True when the item must be rewritten."""
     driver, sessions = arrays.get("driver", {}), arrays.get("sessions", {})
     self.driver = Driver.restore(self.config, self.seed, driver, meta["driver"], where,
                                  self.rows.gather, self.rows.live)
@@ -387,8 +360,7 @@ class Learning:
     return steps
 
   def _detach_params(self) -> None:
-    """Sessions that hold the live adapter parameters (their last round's, for 'exploit' and
-    frozen answers) get one copy of them: the learner step donates the live ones."""
+    """Sessions holding the live adapter parameters get a copy: the learner step donates them."""
     live, copy = self.driver.state.params, None
     for s in self.registry.by_id.values():
       if s.params is live:
@@ -399,8 +371,7 @@ class Learning:
     return [r["id"] for r in self._records(s, s.open_slate)]
 
   def _records(self, s, positions) -> list[dict]:
-    """The records of session `s`'s candidates at `positions` (all its candidates' read at the
-    first call, in one query)."""
+    """The records of session `s`'s candidates at `positions` (all read at the first call)."""
     rows = [int(r) for r in s.cand_idx[positions]]
     if any(r not in s.records for r in rows):
       held = s.cand_idx[s.cand_mask & self.rows.live(s.cand_idx)]

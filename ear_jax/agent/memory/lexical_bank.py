@@ -1,22 +1,14 @@
 """The lexical first stage of `Memory`: its vocabulary, its `lexical.BM25Index`, and the search.
 
 Symbols: `C` bank capacity, `d` dimension, `K` candidates, `q` queries of one call (padded to a
-power of two), `F = len(options.feature_names)` side features (3, or 6 with `features='context'`).
+power of two), `F = len(options.feature_names)` side features.
 
-`Memory(candidates='bm25' | 'hybrid')` (and 'dense' with side features) keeps a `LexicalBank`
-beside its `bank.DeviceBank`. It ranks exactly as the benchmark pipeline ranks one bank: the same
-tokens (`lexical.tokenize`), the same incremental BM25 (`lexical.BM25Index`: a scoped query scores
-with the allowed scopes' statistics) and the same jittable kernel (`first_stage.rank_bank`: the
-generators, the fusion, the features, ties by lower row), inside one jitted call with the
-candidates' gather and the first-round slate (`bank.finish`). Single store: only dialogue
-memories are indexed; `multistore`: every memory, each store's top-K/2 merged. A scope of few
-rows is ranked over its gathered rows (`bank.scope_candidates`; the dense cosine feature may
-differ in its last bit). A write is `encode` (pure, before the table write) -> the table's
-transaction -> `add`; a delete is `dead_terms` -> the table's transaction -> `delete`; an update
-is `encode`, `dead_terms(keep=...)`, `Table.replace`, `add`, `delete`. The table holds each row's
-term ids and the vocabulary, which never keeps a term no live row holds (a forgotten memory's
-words leave the database with it); `restore` rebuilds the index from them without tokenising.
-ANN searchers are refused with bm25 / hybrid / side features: the fusion needs every row's cosine.
+It ranks exactly as the benchmark pipeline ranks one bank: the same tokens, the same incremental
+BM25 (a scoped query scores with its scopes' statistics) and the same kernel
+(`first_stage.rank_bank`, ties by lower row), in one jitted call with `bank.finish`. A write is
+`encode` (pure) -> the table's transaction -> `add`; a delete is `dead_terms` -> transaction ->
+`delete`. The vocabulary never keeps a term no live row holds (a forgotten memory's words leave
+with it). ANN searchers are refused here: the fusion needs every row's cosine.
 """
 from __future__ import annotations
 
@@ -46,13 +38,8 @@ class Encoded(NamedTuple):
 
 
 class LexicalBank:
-  """The vocabulary and BM25 index of a memory, and its first-stage search.
-
-  Args:
-    candidates: 'dense', 'bm25' or 'hybrid' (`first_stage.GENERATORS`).
-    options: the hybrid fusion's settings.
-    multistore: index every memory (True) or the dialogue memories only (False).
-  """
+  """The vocabulary, BM25 index and first-stage search of a memory (`candidates`,
+  `options`: the first stage; `multistore`: index every memory, else dialogue only)."""
 
   def __init__(self, candidates: str, options: first_stage.FirstStageOptions, multistore: bool):
     first_stage.check_generator(candidates)
@@ -72,8 +59,7 @@ class LexicalBank:
     return (stores == 0) | ((stores == 1) & self.multistore)
 
   def encode(self, tokens: Sequence[Sequence[str]], stores) -> Encoded:
-    """The term ids of new rows' `tokens` (`tokenize`) with store codes `stores [n]`; new terms get
-    the next ids. Pure: nothing changes until `add`."""
+    """The term ids of new rows' `tokens` (new terms get the next ids). Pure until `add`."""
     new: dict[str, int] = {}
     nxt = self._next_id
     terms = []
@@ -94,8 +80,7 @@ class LexicalBank:
     return Encoded(terms, tuple(new.items()))
 
   def add(self, rows, encoded: Encoded, scope_codes) -> None:
-    """Indexes new rows (device `rows [n]`, `encoded` by `encode` under the same lock, scope codes
-    `[n]`) and commits `encoded.new_vocab`."""
+    """Indexes new rows (`encoded` by `encode` under the same lock) and commits its vocabulary."""
     for term, i in encoded.new_vocab:
       if term in self.vocab or i < self._next_id:
         raise ValueError(f"LexicalBank.add: the encoding of term {term!r} is stale (encode and add "
@@ -127,9 +112,7 @@ class LexicalBank:
     return dead
 
   def restore(self, table_rows, scope_codes=None) -> None:
-    """Rebuilds the vocabulary and the index from `table.Table.read_all()` (`TableRows`: rows,
-    stores, terms / term_offsets, vocab), with the bank's scope codes of the rows (`[n]`; None:
-    `table_rows.scope_codes`)."""
+    """Rebuilds the vocabulary and the index from `table.Table.read_all()` without tokenising."""
     self.vocab = {term: int(i) for term, i in table_rows.vocab}
     self._term_of = {i: term for term, i in self.vocab.items()}
     self._next_id = max(self._term_of, default=-1) + 1
@@ -144,10 +127,7 @@ class LexicalBank:
                    np.asarray(table_rows.terms, np.int32)[at], new_offsets)
 
   def speakers(self, texts: Sequence[str], stores, new_vocab: tuple = ()) -> np.ndarray:
-    """`[n]` int32 the term id of each row's speaker (the first word of a leading name,
-    `lexical.speaker_terms`, as the pipeline's `candidates.bank_context`) in the vocabulary or
-    `new_vocab` (`Encoded.new_vocab` of rows not added yet); -1 when there is none or the row is
-    not indexed (store codes `stores [n]`). Pure."""
+    """`[n]` int32 term id of each row's speaker (-1: none or not indexed). Pure."""
     new = dict(new_vocab)
     names = lexical.speaker_terms(texts)
     return np.asarray([self.vocab.get(t, new.get(t, -1)) if t and indexed else -1
@@ -160,21 +140,9 @@ class LexicalBank:
   def search(self, bank: bank_lib.DeviceBank, queries: np.ndarray, query_texts: Sequence[str],
              k: int, *, allowed: Optional[np.ndarray] = None, slate=None,
              scope_rows: Optional[scopes_lib.ScopeRows] = None):
-    """`bank.search` with this first stage: `(rows [q, K], mask [q, K], cands [q, K, d + F]
-    (embedding | features), slates or None)`, numpy.
-
-    Args:
-      bank: the memory's device bank.
-      queries: `[q, d]` unit queries.
-      query_texts: `[q]` their texts (BM25's input).
-      k: `K`.
-      allowed: `[S]` bool over scope codes (`scopes.ScopeNames.allowed`; None: every scope): the
-        candidates' rows AND the BM25 statistics are those of the allowed scopes; or a list of
-        per-query specs (`bank.search`).
-      slate: optional `(params, hparams, s, explore)` of the first round (see `bank.search`).
-      scope_rows: the bank's `scopes.ScopeRows`: a scoped search of few rows ranks only those rows
-        (`bank.scope_candidates`), the same ranking as over the whole bank masked.
-    """
+    """`bank.search` with this first stage: `(rows [q, K], mask [q, K], cands [q, K, d + F],
+    slates or None)`, numpy. `query_texts [q]` are BM25's input; `allowed` scopes both the rows
+    and the BM25 statistics; the other arguments are `bank.search`'s."""
     q, padded = len(queries), bank_lib.pad_queries(queries)
     ids = [self.query_ids(t) for t in tokenize(query_texts)]
     found = self._scores(ids, allowed)
@@ -195,8 +163,7 @@ class LexicalBank:
     return bank_lib.unpack(out, q, k, bank.emb.shape[1] + self.num_features, size)
 
   def _scores(self, ids: list, allowed) -> list:
-    """BM25 pairs of each query (`BM25Index.scores`) with the statistics of its scopes: one call
-    per distinct spec of a per-query list (`bank.search`'s `allowed`)."""
+    """BM25 pairs of each query with its scopes' statistics (one call per distinct spec)."""
     if not isinstance(allowed, list):
       return self.index.scores(ids, allowed)
     groups: dict = {}
@@ -220,9 +187,7 @@ def _positions(cand: np.ndarray, rows: np.ndarray, scores: np.ndarray):
                                              "slate_size", "explore"))
 def _search(queries, bank, allowed, cand, lex_rows, lex_scores, terms, params, hparams, *, k,
             multistore, generator, options, slate_size, explore):
-  """`first_stage.rank_bank` over the allowed live rows (of the bank, or its rows `cand [P]`
-  given: then `lex_rows` are positions in `cand`; `terms [q, L]`: the queries' term ids for the
-  context features, or None), then `bank.finish` (gather, features, first slate), in one call."""
+  """`first_stage.rank_bank` over the allowed live rows, then `bank.finish`, in one call."""
   def ranked(queries, allowed, cand, lex_rows, lex_scores, terms):
     if cand is None:
       emb, stores = bank.emb, bank.stores

@@ -5,17 +5,11 @@
     <dir>/ann/          optional faiss index state (index='faiss_*'), covering rows < meta `rows`
     <dir>/.owner        the owner lock (`own`)
 
-The learner item holds the learner state (adapter, optimiser, replay buffer, guard), the
-hyperparameters, the queued training items and the open sessions (`driver.Driver.snapshot`,
-`sessions.Sessions.snapshot`: candidates as bank rows, never a memory's embedding or text), and a
-verified JSON meta: `{format: 2, memory_config: MemoryConfig.to_dict(), rows: the table's
-next_row at the save, table: the table's identity (`Table.identity`: an item of another
-directory's table is refused), encoder: its identity, stats, counters}`. A save writes the next
-step and verifies it before the older one is deleted (`max_to_keep=1`), so a save killed at any
-moment leaves the previous or the new item. `<dir>/ann` is written by `save` and removed by a
-delete or an update of a row it covers (`remove_ann`); `open` rebuilds or extends it, and removes
-a stale one (a process killed between a delete's commit and that removal) before anything is
-served.
+The learner item (learner state, hyperparameters, queued items, open sessions; candidates as bank
+rows, never a memory's embedding or text) carries a verified JSON meta naming its table's
+identity (another table's item is refused). A save verifies the new step before deleting the old
+one, so a kill at any moment leaves one of them. `<dir>/ann` is removed by a delete of a row it
+covers, and a stale one is removed at open before anything is served.
 """
 from __future__ import annotations
 
@@ -37,12 +31,7 @@ OLD_SHARDS = "bank_shards"  # what a directory of the older (Orbax shards) layou
 
 
 def checkpoint_dir(path) -> pathlib.Path:
-  """The absolute memory directory of `path`.
-
-  Raises:
-    ValueError: `path` is empty (never write into the working directory by accident), not a path,
-      or an existing non-directory.
-  """
+  """The absolute memory directory of `path` (ValueError: empty, not a path, or a file)."""
   if not isinstance(path, (str, os.PathLike)):
     raise ValueError(f"memory path must be a str or os.PathLike, got {type(path).__name__}")
   if not str(os.fspath(path)).strip():
@@ -55,8 +44,7 @@ def checkpoint_dir(path) -> pathlib.Path:
 
 
 def check_directory(root: pathlib.Path) -> None:
-  """Refuses an existing directory that holds something but no memory (before anything is
-  written there): `CheckpointFormatError` for a memory of the older layout, else ValueError."""
+  """Refuses a non-empty directory holding no memory (`CheckpointFormatError`: old layout)."""
   names = {p.name for p in root.iterdir()} - {".owner"} if root.is_dir() else set()
   if not names or names & {TABLE, LEARNER}:
     return
@@ -79,14 +67,11 @@ def _caller() -> str:
 
 
 def own(root: pathlib.Path, how: str = "Memory.open"):
-  """The owner lock (a `Hold`) of the memory directory `root` (created) for one `Memory` of this
-  process: one process at a time, and one `Memory` in it, uses a memory directory (`how`: the
-  call taking it, named with its caller in the error of a second one). None for a directory this
-  process cannot write.
+  """The owner lock (a `Hold`) of `root`: one process, and one `Memory` in it, at a time. None for
+  a directory this process cannot write.
 
   Raises:
-    DirectoryInUseError: another process holds it (naming the directory and that process's pid),
-      or another `Memory` of this process (naming the directory and where that one was opened).
+    DirectoryInUseError: another process (naming its pid) or `Memory` (naming where) holds it.
   """
   try:
     return checkpoints.CheckpointStore(root).own("memory directory", f"{how} at {_caller()}")
@@ -97,8 +82,7 @@ def own(root: pathlib.Path, how: str = "Memory.open"):
 
 
 def claim_new(path) -> tuple[pathlib.Path, object]:
-  """`(root, owner lock)` of `path`, a directory that holds no memory, for a memory saved there
-  the first time (`Memory.save`). ValueError (nothing held) when it holds one."""
+  """`(root, owner lock)` of `path` for a first `Memory.save`; ValueError when it holds a memory."""
   root = checkpoint_dir(path)
   check_directory(root)
   hold = own(root, "Memory.save")
@@ -111,8 +95,7 @@ def claim_new(path) -> tuple[pathlib.Path, object]:
 
 
 def write_learner(root: pathlib.Path, arrays, meta: dict) -> pathlib.Path:
-  """Saves the learner item as the next step of `<root>/learner` (the older step is deleted once
-  the new one verifies); returns the step's directory."""
+  """Saves the learner item as the next step of `<root>/learner`; returns its directory."""
   store = checkpoints.CheckpointStore(root / LEARNER, max_to_keep=1)
   latest = store.latest_step()
   return store.save(1 if latest is None else latest + 1, arrays, {**meta, "format": FORMAT})
@@ -137,8 +120,7 @@ def read_learner(root: pathlib.Path) -> tuple[dict, dict, str]:
   """`(arrays, meta, where)` of the latest learner item of `root` (verified).
 
   Raises:
-    CheckpointError: none there, or a truncated / corrupted one (naming the path);
-      `CheckpointFormatError` for another format.
+    CheckpointError: none there, or a corrupted one (`CheckpointFormatError`: another format).
   """
   store = checkpoints.CheckpointStore(root / LEARNER)
   step = store.latest_step()
@@ -150,9 +132,7 @@ def read_learner(root: pathlib.Path) -> tuple[dict, dict, str]:
 
 
 def remove_ann(root: pathlib.Path, only_trash: bool = False) -> None:
-  """Removes `<root>/ann` (it may hold a deleted memory's vector): renamed away first, so a kill
-  leaves only a `.ann-trash-*` directory, which the next call (every open: `only_trash`)
-  deletes."""
+  """Removes `<root>/ann`, renamed away first (every open deletes `.ann-trash-*` leftovers)."""
   if not only_trash:
     try:
       os.rename(root / ANN, root / f".{ANN}-trash-{os.getpid()}")
@@ -167,8 +147,7 @@ def read_learner_of(root: pathlib.Path, table_identity: str, next_row: int
   """`read_learner` of the memory whose table has `table_identity` and ends at `next_row`.
 
   Raises:
-    CheckpointError: the item belongs to another table, was saved after rows this table lacks,
-      or names a row outside the rows it was saved with (naming the files).
+    CheckpointError: the item belongs to another table or names rows it lacks (naming the files).
   """
   arrays, meta, where = read_learner(root)
   table = meta.get("table")  # (None: an item saved before tables had an identity)

@@ -2,21 +2,12 @@
 
 Symbols: `K` candidates, `k` memories returned, `T` Explorer rounds (`EARConfig.num_rounds`).
 
-A `Session` (`Memory.session`) is a handle on one session of a memory's `learning.Learning`:
-`round`, `feedback`, `critique`, `close`, `answer`, each one locked step there. `recall` loops
-over one session with a host critic, `critic(key, view) -> labels [k]` or None (an unusable
-reply: that round gets no update and the rounds end there): T Explorer rounds recorded as ONE
-training query, then the slate `EARConfig.final_slate` names (round T's, or 'exploit': the top-k
-by bandit mean, ties by adapted relevance), `inference.evaluate`'s explorer-assisted slate for the
-same inputs (`tests/test_memory_recall.py`). With `learn=False` its default rule is paging: round
-t shows page t of the served ranking, and the answer is the cited memories first, in ranking
-order, then the ranking (`core.retrieval.paging_slate`). A session held out for the guard pages
-the first stage and answers as paging does.
-
-Deletes meanwhile (by the critic itself, or another thread) never make it fail: with `learn=True`
-a delete or update of a candidate drops the session, so the rounds end there untrained
-(`stats['recall_sessions_dropped']`); with `learn=False` the deleted candidates leave the later
-rounds. Either way the answer holds the memories as they are when recall returns.
+`recall` plays T Explorer rounds with a host critic (`critic(key, view) -> labels [k]` or None: an
+unusable reply ends the rounds with no update) as ONE training query, then the slate
+`EARConfig.final_slate` names: `inference.evaluate`'s explorer-assisted slate for the same inputs.
+With `learn=False` it pages the served ranking instead (a guard's held-out session: the first
+stage's). A delete meanwhile never makes it fail: it drops a learning session untrained, and the
+answer holds the memories as they are when recall returns.
 """
 from __future__ import annotations
 
@@ -34,16 +25,12 @@ class Recall:
 
   Attributes:
     ids, texts, stores: `[k]` the final slate's memory ids, texts and store names, as they are
-      when recall returns: a memory deleted meanwhile is left out (fewer than k), an updated one
-      has its new text.
+      when recall returns (a memory deleted meanwhile is left out).
     scores: `[k]` their adapted relevance `z`.
     rounds: the `Slate`s shown to the critic, in order.
-    labels: the critic's labels of each round (None for an unusable reply, or for the round
-      whose session a delete dropped).
-    final_slate: the rule that chose the answer ('round_T' or 'exploit' after Explorer rounds,
-      'paging' after pages of the served ranking).
-    dropped: the ids of memories shown to the critic that were deleted while recall ran (none of
-      them is in the answer).
+    labels: the critic's labels of each round (None: an unusable reply or a dropped session).
+    final_slate: the rule that chose the answer: 'round_T', 'exploit' or 'paging'.
+    dropped: the ids shown to the critic that were deleted while recall ran.
   """
   ids: tuple[str, ...]
   texts: tuple[str, ...]
@@ -65,10 +52,9 @@ class Session:
     id: the session id (`Memory.session(resume=id)` re-attaches to it).
     question: the question's text ('' when only an embedding was given).
     scope: the scope names its candidates came from (empty: every scope).
-    learn: False for a test-time session (`Memory.session(learn=False)`): its rounds are pages
-      of the served ranking and nothing of it trains the learner.
-    held_out: True for a training session held out for the guard (`EARConfig.guard_holdout`):
-      its rounds page the first stage's ranking and it is never trained on.
+    learn: False for a test-time session: pages of the served ranking, nothing trains.
+    held_out: True for a session held out for the guard (`EARConfig.guard_holdout`): it pages
+      the first stage's ranking and is never trained on.
   """
 
   def __init__(self, learning, sid: int, question: str, scope: tuple, learn: bool = True,
@@ -93,14 +79,10 @@ class Session:
       return True
 
   def round(self, k: int = 5, explore: bool = True) -> Slate:
-    """The next round's slate of at most `k` memories (fewer when the session's candidates are
-    fewer; an open round without feedback is discarded):
-    one Explorer round (Eq. (5)-(8)), or with `explore=False` the adapter's top-k ranked by the
-    guard's served parameters (its feedback closes the session). At most `T` rounds. A
-    test-time session (`learn=False`) shows the next page of the served ranking: its first `k`
-    memories still held that no page with feedback showed (page t, ranks `t k .. t k + k - 1`,
-    t the rounds with feedback so far, while nothing was deleted; keep `k` the same on every
-    page; past its candidates: an empty slate, no round opened).
+    """The next round's slate of at most `k` memories (an open round without feedback is
+    discarded): an Explorer round (Eq. (5)-(8)), or with `explore=False` the served top-k (its
+    feedback closes the session). At most `T` rounds. A test-time session shows the next page of
+    the served ranking (keep `k` the same on every page; past the candidates: an empty slate).
 
     Raises:
       SessionDroppedError: a delete / update of one of its candidates or an eviction ended it.
@@ -111,11 +93,9 @@ class Session:
   def feedback(self, cited_ids=(), *, answer: Optional[str] = None) -> bool:
     """Labels the open round: +1 for the memories the agent used, -1 for the others shown.
 
-    The used memories are the cited ids and, with `answer` (the agent's answer to the question),
-    those the answer draws on by the answer rule (`episode.answer_labels`, the memory's encoder
-    embedding the answer outside the lock); with both, their union. Updates the bandit
-    statistics (Eq. (9)); a session this closes is queued, and every `b` queued sessions make one
-    learner step.
+    The used memories are the cited ids, plus with `answer` those the answer draws on by the
+    answer rule (`episode.answer_labels`). Updates the bandit statistics (Eq. (9)); every `b`
+    closed sessions make one learner step.
 
     Returns:
       True when this call triggered a learner step.
@@ -123,23 +103,17 @@ class Session:
     return self._learning.feedback(self.id, cited_ids, answer)
 
   def critique(self, critic):
-    """Shows the open round to a host critic (`critic(key, view) -> labels [k]` or None, e.g.
-    `LLMCritic` or `AnswerFeedback`) and applies its labels as the round's feedback; None (an
-    unusable reply) discards the round with no update. Returns the critic's labels."""
+    """Applies a host critic's labels as the open round's feedback and returns them."""
     return self._learning.critique(self.id, critic)
 
   def close(self) -> bool:
-    """Ends the session: queued for the learner when it has feedback (its rounds so far are one
-    training query). Idempotent. Returns True when this triggered a learner step."""
+    """Ends the session (queued for the learner with feedback); True when a learner step ran."""
     return self._learning.close(self.id)
 
   def answer(self, k: Optional[int] = None) -> Slate:
-    """Paging's answer (test-time sessions, `learn=False`): of the pages shown so far (an open
-    page counts as uncited), the cited memories first, in ranking order, then the ranking, cut to
-    `k` (default: the first page's size) and less what was deleted since; what
-    `Memory.recall(learn=False)` answers for the same labels (`sessions.paging_answer`). Its
-    `round` is the pages with feedback; it still answers once the T-th page's feedback closed
-    the session, until `close()` releases it.
+    """Paging's answer of a test-time session: the cited memories first, in ranking order, then
+    the ranking, cut to `k` (default: the first page's size); equal to `Memory.recall(learn=False)`
+    for the same labels. It still answers after the T-th page, until `close()`.
 
     Raises:
       ValueError: a session that plays Explorer rounds (its answer is `Memory.recall`'s).
@@ -149,8 +123,7 @@ class Session:
 
 def recall(learning, session: Session, critic, k: int, *, learn: bool, rounds: int,
            final_slate: str) -> Recall:
-  """`rounds` Explorer rounds (or, `final_slate='paging'`, pages) of an opened `session` with
-  `critic` (see the module docstring), then the final slate, as a `Recall`."""
+  """`rounds` Explorer rounds (or pages) of an opened `session` with `critic`, as a `Recall`."""
   try:
     if final_slate == "paging":
       return _pages(learning, session, critic, k, rounds)
@@ -198,9 +171,7 @@ def _rounds(learning, session: Session, critic, k: int, learn: bool, rounds: int
 
 
 def _pages(learning, session: Session, critic, k: int, rounds: int) -> Recall:
-  """Paging (`learn=False`): page t of the served ranking to the critic in round t; the answer is
-  the cited memories first (ranking order), then the ranking, cut to k (`retrieval.paging_slate`
-  on the same labels; nothing cited: the adapter-only top-k)."""
+  """Paging: page t of the served ranking in round t; the answer as `retrieval.paging_slate`."""
   shown, labels = [], []
   for _ in range(rounds):
     page = session.round(k)  # (a paging session's round t + 1 is page t)
@@ -224,11 +195,8 @@ def _pages(learning, session: Session, critic, k: int, rounds: int) -> Recall:
 
 def llm_feedback(memory, critic, query: str, k: int = 5, explore: bool = True, *,
                  query_embedding=None) -> tuple[Slate, object]:
-  """One agent step with a host critic: a session of one round, `critic(key, view)`, its labels
-  as the round's feedback, and the session closed (queued when labelled).
-
-  An unusable reply (labels None) gives no update (counted in `memory.stats['critic_no_update']`
-  and in the critic's own `stats`); the loop never crashes on it.
+  """One agent step with a host critic: a session of one round, critiqued, then closed. An
+  unusable reply (None) gives no update and is counted (`stats['critic_no_update']`).
 
   Returns:
     `(slate, labels)`: labels `[k]` float32 in {-1, +1}, or None.

@@ -2,13 +2,10 @@
 
 Symbols: `K` candidates, `T` Explorer rounds, `d` dimension.
 
-`Registry` keeps at most `max_sessions` sessions: beyond it the least recently used (closed ones
-first) are evicted, with their items when they have feedback. A session that left by eviction, or
-by a delete or an update of one of its candidates, is remembered with the reason (the last
-`MAX_GONE`), so its handle's calls raise a `SessionDroppedError` saying why. `snapshot` /
-`restore` are the sessions' part of the learner item: the learning sessions only (frozen ones end
-with their process), their candidates as bank rows and first-stage features, never a memory's
-embedding or text; the question's text only while the session is open.
+`Registry` keeps at most `max_sessions` sessions (the least recently used evicted, closed first,
+with their items). A session gone by eviction or a delete is remembered with the reason, so its
+handle raises a `SessionDroppedError` saying why. `snapshot` saves learning sessions only, their
+candidates as bank rows, never a memory's embedding or text.
 
 Not thread-safe on its own: `Learning` holds the memory's lock around every call.
 """
@@ -36,12 +33,7 @@ _FIELD_DEFAULTS = {"held": 0}  # (learner items saved before it existed)
 
 
 class Registry:
-  """The sessions of one memory, least recently used first.
-
-  Args:
-    config: static config (`K`, `T`).
-    max_sessions: sessions kept; beyond it the least recently used are evicted (closed first).
-  """
+  """The sessions of one memory, least recently used first (at most `max_sessions`)."""
 
   def __init__(self, config: EARConfig, max_sessions: int):
     self.config = config
@@ -100,8 +92,7 @@ class Registry:
     self.by_id.move_to_end(sid)
 
   def evict(self) -> list[TrainItem]:
-    """Drops sessions beyond `max_sessions` (least recently used, closed ones first; test-time
-    ones too, which have no item); returns the items of those with feedback."""
+    """Drops sessions beyond `max_sessions`; returns the items of those with feedback."""
     live = list(self.by_id)
     excess = len(live) - self.max_sessions
     if excess <= 0:
@@ -142,9 +133,7 @@ class Registry:
   @classmethod
   def restore(cls, config: EARConfig, max_sessions: int, arrays, meta, gather: Callable,
               live: Callable) -> tuple["Registry", int]:
-    """`(registry, dropped)` of `snapshot`: `gather(rows [n, K], mask [n, K])` gives the
-    candidates' `[n, K, d]` embeddings from the bank, `live(rows) -> [..] bool`; a session with
-    a candidate deleted since the save is dropped (counted)."""
+    """`(registry, dropped)` of `snapshot`; a session with a deleted candidate is dropped."""
     out = cls(config, max_sessions)
     out.next_session, out.clock = int(meta["next_session"]), int(meta["clock"])
     saved = meta["sessions"]
@@ -191,14 +180,8 @@ def _critic_key_block(key, start, *, size, num_rounds):
 
 
 class CriticKeys:
-  """The critic key of round `t` of session `sid`, `fold_in(fold_in(k_critic, sid), t)`, as a host
-  `[2]` uint32 array: the keys of `BLOCK` sessions x `T` rounds come from ONE jitted call and are
-  kept (the last two blocks), so a round pays no key dispatch.
-
-  Args:
-    key: the memory's critic key (`driver.seed_keys`).
-    num_rounds: `T`.
-  """
+  """The critic key `fold_in(fold_in(key, sid), t)` of round `t` of session `sid`, as a host
+  `[2]` uint32 array, computed `BLOCK` sessions x `num_rounds` at a time."""
   BLOCK = 256
 
   def __init__(self, key, num_rounds: int):

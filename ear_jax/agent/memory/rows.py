@@ -2,15 +2,10 @@
 
 Symbols: `n` rows of one call, `d` dimension, `K` candidates, `q` queries, `C` bank capacity.
 
-A row lives in the table (`table.Table`, SQLite: the durable copy, one transaction per write) and,
-derived from it, on the device (`bank.DeviceBank`), in the scope bookkeeping (`scopes`), in the
-lexical index (`lexical_bank`, bm25 / hybrid / side features) and in an optional ANN searcher
-(`<dir>/ann`). `insert`, `delete` and `replace` write the table first, then fan the change out to
-every other place, so each of them holds exactly the table's rows. `first_stage` is the query
-side: the K candidates of `[q, d]` queries in their scopes, in one jitted call. Row numbers are
-the table's device rows, 0-based and never reused, so a row number always names one memory.
-
-Not thread-safe on its own: `Memory` calls it under its lock.
+A row lives in the table (the durable copy) and, derived from it, in the device bank, the scope
+bookkeeping, the lexical index and an optional ANN searcher. `insert`, `delete` and `replace` write
+the table first (one transaction), then every other place, so each holds exactly the table's
+rows. Row numbers are never reused. Not thread-safe on its own: `Memory` holds its lock.
 """
 from __future__ import annotations
 
@@ -29,14 +24,8 @@ from ear_jax.core.config import EARConfig
 from ear_jax.data import first_stage
 
 class Rows:
-  """The memories of one `Memory`: the table and everything derived from it.
-
-  Args:
-    table: the `table.Table` (its rows are read once, here).
-    cfg: the memory's `MemoryConfig` (first stage, index, bank dtype, capacity).
-    config: the resolved `EARConfig` (`d`, `K`: the bank holds at least K rows, side features).
-    root: the memory directory (None: never saved); its `ann/` is loaded when present.
-  """
+  """The memories of one `Memory`: `table` and everything derived from it (`root`'s `ann/`
+  loaded when present)."""
 
   def __init__(self, table: table_lib.Table, cfg, config: EARConfig,
                root: Optional[pathlib.Path] = None):
@@ -121,8 +110,7 @@ class Rows:
     return bank_lib.gather(self.bank, np.where(ok, rows, 0), ok)
 
   def rows_of_embeddings(self, emb: np.ndarray) -> np.ndarray:
-    """`[n]` the rows holding exactly the embeddings `emb [n, d]`, as given or as `insert`
-    stores them (normalised again); -1: none."""
+    """`[n]` the rows holding exactly the embeddings `emb [n, d]`; -1: none."""
     held = self.table.read_all()
     index = {e.tobytes(): int(r) for r, e in zip(held.rows, held.embeddings)}
     emb = np.asarray(emb, np.float32)
@@ -135,9 +123,7 @@ class Rows:
     return self.scopes.available(num_candidates, self.multistore, names)
 
   def first_stage(self, texts, q_emb, scopes, k: int, slate=None):
-    """`bank.search` / `LexicalBank.search` of `[q, d]` queries, query i in the scopes
-    `scopes[i]` (one spec for all when they are equal, else per query), their top `k`; with
-    `slate = (params, hparams, s, explore)` each query's first-round slate too."""
+    """The top `k` candidates of `[q, d]` queries in their `scopes`, in one call (`bank.search`)."""
     if all(x == scopes[0] for x in scopes):
       allowed = self.scopes.allowed(scopes[0])
     else:
@@ -170,9 +156,7 @@ class Rows:
     return None if self.lexical is None else lexical_bank.tokenize(texts)
 
   def insert(self, ids, texts, codes, scope: str, dates, emb, tokens, source: str) -> np.ndarray:
-    """New rows (checked ids, texts, store codes, one scope, dates, `[n, d]` unit embeddings,
-    `tokenize`'s tokens; `source`: `Table.insert`'s): ONE table transaction, then the bank, scopes,
-    lexical index, searcher. Returns their rows."""
+    """Inserts checked rows: ONE table transaction, then every other place. Returns their rows."""
     enc = None if tokens is None else self.lexical.encode(tokens, codes)
     terms = None if enc is None else [np.zeros(0, np.int32) if t is None else t
                                       for t in enc.terms]  # (not indexed: no terms)
@@ -182,8 +166,7 @@ class Rows:
     return rows
 
   def delete(self, rows: np.ndarray) -> list[dict]:
-    """Drops held rows: ONE table transaction (their bytes overwritten), then every other place
-    (`<dir>/ann` removed when it covers one). Returns their records as they were."""
+    """Drops held rows (table first, then every other place); returns their records."""
     recs = self.records(rows)
     self.table.delete(rows, () if self.lexical is None else self.lexical.dead_terms(rows))
     if self.lexical is not None:
@@ -192,9 +175,8 @@ class Rows:
     return recs
 
   def replace(self, row: int, text: Optional[str], emb, source: str) -> tuple[dict, int]:
-    """A held row's memory with a new text (None: kept) and `[1, d]` embedding: the old row
-    dropped and a new one with the same id, store, scope, date and place inserted, in ONE table
-    transaction. Returns `(the old record, the new row)`."""
+    """Replaces a held row's text (None: kept) and `[1, d]` embedding in ONE table transaction
+    (same id, store, scope, date and place). Returns `(the old record, the new row)`."""
     rows = np.asarray([row])
     rec = self.records(rows)[0]
     new_text = rec["text"] if text is None else text
@@ -213,10 +195,8 @@ class Rows:
     return rec, int(new)
 
   def _context(self, rows, texts, dates, scopes, stores, new_vocab=(), places=None):
-    """For features='context', new rows' `((sessions, speakers, turns) [n] int32, moved)`: a
-    session per (scope, date), the speaker's term id and the row's turn, its index among its
-    session's live rows by place (`places` None: the rows' own numbers), with `{row: turn}` of
-    the rows it moved."""
+    """features='context': new rows' `((sessions, speakers, turns) [n] int32, {row: turn} moved)`;
+    a session per (scope, date), a turn by place among its session's live rows."""
     sessions = first_stage.session_codes([(s, d) if d else None for s, d in zip(scopes, dates)],
                                          self._date_codes)
     turns, moved = self._turns.add(rows, sessions, places)

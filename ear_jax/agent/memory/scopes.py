@@ -1,14 +1,6 @@
 """Scopes on the host: scope name <-> int32 code with the live rows per scope and store
-(`ScopeNames`), and each scope's device rows in order (`ScopeRows`), so a scoped search reads only
-its scopes' rows (`bank.scope_candidates`) and `check_any` costs O(scopes).
-
-    scope_label(names) -> str (for messages)
-    ScopeNames: names, codes(names), allowed(names) -> [S] bool, count(codes, stores, sign),
-        available(...), check_any(...), ScopeNames.from_rows(scope names, stores, held_before)
-    ScopeRows(rows, codes): add(rows, codes), remove(rows), size(allowed), of(allowed) -> [n]
-    SessionTurns: add(rows, sessions, places) -> (turns [n], moved), remove(rows) -> moved
-        (`features='context'`: each session's live rows in place order; a row's turn is its index)
-"""
+(`ScopeNames`), each scope's device rows in order (`ScopeRows`, so a scoped search reads only its
+scopes' rows), and each session's rows in place order (`SessionTurns`, `features='context'`)."""
 from __future__ import annotations
 
 import bisect
@@ -26,8 +18,7 @@ def scope_label(names: Sequence[str]) -> str:
 
 
 class ScopeNames:
-  """Scope name <-> int32 code (in order of first use; `DEFAULT_SCOPE` is 0) and the live rows
-  per scope and store (`counts [S, 2]`), so `check_any` costs O(scopes) at any bank size."""
+  """Scope name <-> int32 code (`DEFAULT_SCOPE` is 0), live rows per scope and store."""
 
   def __init__(self):
     self.names: list[str] = [DEFAULT_SCOPE]
@@ -37,8 +28,7 @@ class ScopeNames:
 
   @classmethod
   def from_rows(cls, scopes: Sequence[str], stores, held_before: bool = False):
-    """`(ScopeNames, codes [n] int32)` of the live rows' scope names and store codes `[n]`;
-    `held_before`: rows were deleted before (the table used rows it no longer holds)."""
+    """`(ScopeNames, codes [n] int32)` of the live rows' scope names and store codes `[n]`."""
     names = cls()
     codes = names.codes(scopes)
     names.count(codes, stores)
@@ -60,8 +50,7 @@ class ScopeNames:
     return sorted({self._index[x] for x in names if x in self._index})
 
   def allowed(self, names: Optional[Sequence[str]]) -> Optional[np.ndarray]:
-    """`[S]` bool, True at the codes of `names` (unknown names hold nothing), `S` the scopes
-    padded to a power of two (a search compiles once per power of two); None for None."""
+    """`[S]` bool, True at the codes of `names`, `S` padded to a power of two; None for None."""
     if names is None:
       return None
     allowed = np.zeros(pow2_at_least(len(self.names)), bool)
@@ -78,8 +67,7 @@ class ScopeNames:
 
   def available(self, num_candidates: int, multistore: bool,
                 names: Optional[Sequence[str]] = None) -> int:
-    """How many candidates a query can get: `min(n_dialogue, K)`, or per store `min(., K/2)`,
-    counting the live rows of the scopes `names` (None: every scope)."""
+    """How many candidates a query of the scopes `names` can get (at most `K`)."""
     held = self._held(names)
     if not multistore:
       return min(int(held[0]), num_candidates)
@@ -87,9 +75,7 @@ class ScopeNames:
 
   def check_any(self, num_candidates: int, multistore: bool,
                 names: Optional[Sequence[str]] = None, k: Optional[int] = None) -> None:
-    """ValueError when a query of the scopes `names` (None: every scope) has no candidate at all,
-    naming the scopes (and `k`, the memories asked for, when given). A query with candidates
-    gets `min(k, available)` of them: `k` is a maximum."""
+    """ValueError naming the scopes (and `k`) when a query of `names` has no candidate at all."""
     if self.available(num_candidates, multistore, names):
       return
     held = int(self._held(names).sum())
@@ -105,14 +91,7 @@ class ScopeNames:
 
 
 class ScopeRows:
-  """The device rows of each scope code, ascending (host int32 buffers), so a scoped search reads
-  only its scopes' rows (`scope_candidates`). `add` / `remove` cost the rows of the scopes they
-  touch, `of` the rows it returns (`size`: O(scopes)); never a pass over the bank.
-
-  Args:
-    rows: `[n]` device rows held (e.g. `Table.read_all().rows`).
-    codes: `[n]` their scope codes (`ScopeNames`).
-  """
+  """The device rows `[n]` of each scope code (`codes [n]`), ascending; no pass over the bank."""
 
   def __init__(self, rows=(), codes=()):
     self._code = np.zeros(0, np.int32)  # [rows] scope code + 1 of each held row (0: none)
@@ -168,8 +147,7 @@ class ScopeRows:
     return int(self._sizes[self._codes(allowed)].sum())
 
   def of(self, allowed: np.ndarray) -> np.ndarray:
-    """`[n]` int32 the rows held in the scopes `allowed`, ascending (for one scope a view of its
-    buffer: copy before the next `add` / `remove`)."""
+    """`[n]` int32 rows of the scopes `allowed`, ascending (may be a view: copy before writing)."""
     parts = [self._bufs[c][:self._sizes[c]] for c in self._codes(allowed).tolist()]
     if len(parts) == 1:
       return parts[0]
@@ -177,11 +155,8 @@ class ScopeRows:
 
 
 class SessionTurns:
-  """Each session's live rows in the order of their places (`table.Table.places`: a row's own
-  number, or for an updated memory the place of the row it replaced), for `features='context'`:
-  a row's turn (`first_stage.Context.turns`) is its index among its session's live rows, so a
-  delete closes the gap (the later rows move up one) and an update keeps the memory's turn, in a
-  live memory and in one reopened from its table alike. Sessions are codes >= 0 (-1: none)."""
+  """Each session's (code >= 0) live rows in place order: a row's turn is its index there, so a
+  delete closes the gap and an update keeps the turn."""
 
   def __init__(self):
     self._rows: dict[int, list] = {}  # session -> sorted [(place, row)]
@@ -189,9 +164,7 @@ class SessionTurns:
 
   def add(self, rows, sessions, places=None):
     """Adds rows (`places` None: their own numbers). Returns `(turns [n] int32, moved)`: the new
-    rows' turns (-1 without a session) and `{row: turn}` of the other rows whose turn changed
-    (a row placed before them). Appending to a session costs O(rows added); a row placed inside
-    one (an update) renumbers the session's rows after it."""
+    rows' turns (-1 without a session) and `{row: turn}` of the other rows whose turn changed."""
     rows = [int(r) for r in np.asarray(rows).reshape(-1)]
     places = rows if places is None else [int(p) for p in np.asarray(places).reshape(-1)]
     by_session: dict[int, list] = {}
@@ -214,8 +187,7 @@ class SessionTurns:
     return turns, {r: t for r, t in after.items() if r not in added}
 
   def remove(self, rows) -> dict:
-    """Drops rows; returns `{row: turn}` of the live rows whose turn changed (those after them in
-    their sessions)."""
+    """Drops rows; returns `{row: turn}` of the live rows whose turn changed."""
     gone: dict[int, list] = {}
     for r in np.asarray(rows).reshape(-1).tolist():
       got = self._of.pop(int(r), None)
@@ -232,6 +204,5 @@ class SessionTurns:
 
 
 def _turns_from(lst, start: int) -> dict:
-  """`{row: turn}` of `lst[start:]` (one session's rows by place). Every old row there changed
-  turn: a new row was placed, or a removed one was, before it."""
+  """`{row: turn}` of `lst[start:]` (one session's rows by place)."""
   return {lst[j][1]: j for j in range(start, len(lst))}

@@ -3,23 +3,12 @@
 Symbols: `K` candidates per query, `k` memories shown (`k <= K`), `T` Explorer rounds
 (`config.num_rounds`), `d` dimension, `F` first-stage side features.
 
-A session holds one question's `K` candidates (found by the first stage when it opens) and its
-rounds. `play(k, explore, view)` opens its next round and says which candidates it shows;
-`record(labels)` takes the round's feedback (Eq. (9) for the Explorer's statistics) and returns
-the session's `TrainItem` when that closes it; `forget(hit)` says what a delete of candidates does
-to it. The kinds:
-
-* `TrainingSession` (`learn=True`): Explorer rounds (Eq. (5)-(8)) or the adapter's top-k ranked
-  by the served parameters; its rounds are ONE training query (Eq. (10)-(14), Alg. 1).
-* `HeldOutSession` (`learn=True`, every `guard_holdout`-th new question): pages of the first
-  stage's ranking; its item feeds the guard's held-out ring and is never trained on.
-* `FrozenExplorerSession` (`recall(learn=False, rule='explorer')`): Explorer rounds with the
-  served parameters of its first round; nothing trains.
-* `PagingSession` (`learn=False`): round t is page t of the served ranking; nothing trains.
-
-A training or held-out session is dropped by a delete of one of its candidates (its feedback was
-on slates that showed it) and saved with the learner; a frozen one masks the deleted candidate out
-of its later rounds and ends with its process.
+A session holds one question's `K` candidates and its rounds: `play` opens the next round,
+`record` takes its feedback (returning the `TrainItem` when that closes it), `forget` handles a
+delete. `TrainingSession`: Explorer rounds (Eq. (5)-(8)) or the served top-k, ONE training query
+(Eq. (10)-(14)). `HeldOutSession`: pages of the first stage's ranking, fed to the guard's ring,
+never trained on. `FrozenExplorerSession` / `PagingSession` (`learn=False`): nothing trains.
+A training or held-out session is dropped by a delete of a candidate; a frozen one masks it out.
 """
 from __future__ import annotations
 
@@ -37,8 +26,7 @@ from ear_jax.core import guard as guard_lib
 
 
 class SessionDroppedError(ValueError):
-  """A session that is gone: evicted, or dropped because a delete or an update removed one of its
-  candidates. Its message says which (a `ValueError`, as every input error)."""
+  """A session gone: evicted, or dropped by a delete / update of a candidate."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +35,7 @@ class Slate:
 
   Attributes:
     ids, texts, stores: `[k]` memory ids, texts and store names ('dialogue' | 'observation').
-    scores: `[k]` adapted relevance logits `z` (Eq. (4)); the frozen cosine while the adapter is
-      the identity.
+    scores: `[k]` adapted relevance logits `z` (Eq. (4)).
     round: the 1-based round of its session (0 for `Memory.search`).
     explore: True for an Explorer round (Eq. (8)), False for the adapter's top-k.
     session_id: its session (-1 for `Memory.search`).
@@ -75,11 +62,8 @@ class Slate:
 
 
 def citation_labels(shown: list[str], cited_ids, what: str) -> np.ndarray:
-  """`[k]` labels of a shown slate: +1 for cited ids, -1 otherwise (Appendix A.2's citations).
-
-  Raises:
-    TypeError / ValueError: `cited_ids` is not a collection of ids, or names an id not shown.
-  """
+  """`[k]` labels of a shown slate: +1 for cited ids, -1 otherwise (Appendix A.2's citations);
+  TypeError / ValueError for a bad collection or an id not shown."""
   if cited_ids is None:
     cited_ids = []
   elif isinstance(cited_ids, str):
@@ -98,10 +82,9 @@ def citation_labels(shown: list[str], cited_ids, what: str) -> np.ndarray:
 
 
 def paging_answer(shown, labels, k: int):
-  """`(answer [(id, score)] of at most k, ranked [(id, score, cited)])` of pages `shown` (slates)
-  and their `labels` (None: unusable): the cited memories first, in ranking order, then the
-  ranking (`core.retrieval.paging_slate`). The ranking is by score, the order shown among equal
-  scores: the pages' own order."""
+  """`(answer [(id, score)] of at most k, ranked [(id, score, cited)])` of pages `shown` and their
+  `labels`: the cited memories first, then the ranking (`core.retrieval.paging_slate`); equal
+  scores keep the pages' order."""
   ranked = [(i, sc, lab is not None and len(lab) == len(p.ids) and lab[j] > 0)
             for p, lab in zip(shown, labels) for j, (i, sc) in enumerate(zip(p.ids, p.scores))]
   ranked.sort(key=lambda r: -r[1])  # (stable: pages of a ranking are in its order already)
@@ -117,10 +100,8 @@ class TrainItem(NamedTuple):
   slates: np.ndarray  # [T, K] int32 candidate positions of each round (-1 = empty)
   slate_mask: np.ndarray  # [T, K] bool (rows of rounds without feedback are all False)
   labels: np.ndarray  # [T, K] float32 labels in {-1, +1}
-  rows: np.ndarray  # [K] int32 bank rows of the candidates (-1 = padding): what the learner
-  #   item saves instead of the candidates' embeddings (`driver`)
-  held: Any = 0  # [] int8 `Driver.next_held`: 0 trained; 1 held out (`EARConfig.guard_holdout`:
-  #   never trained, its feedback to the guard's ring); 2 held out again (not in the ring twice)
+  rows: np.ndarray  # [K] int32 bank rows of the candidates (-1 = padding)
+  held: Any = 0  # [] int8 `Driver.next_held`'s code: 0 trained, 1 / 2 held out
 
 
 class View(NamedTuple):
@@ -131,9 +112,8 @@ class View(NamedTuple):
   config: Any  # the static `EARConfig`
 
 
-# A held-out session's first-stage relevance `z` of its candidates and the scores its pages follow
-# (`guard.page_relevance`: `z` itself when K <= T s; beyond, `z` and the ranking of the live
-# adapter `params` interleaved, as the runner's held-out queries).
+# A held-out session's first-stage relevance `z` and the scores its pages follow
+# (`guard.page_relevance`).
 _held_pages = jax.jit(
     lambda params, q, c, where, config: (lambda z: (z, guard_lib.page_relevance(
         adapter_lib.relevance(params, q, c)[0], z, where, config)))(
@@ -169,10 +149,8 @@ class QuerySession:
   adapted_by: Any = None  # the parameters they were computed with
   ranking: Optional[np.ndarray] = None  # paged: [K] float32 the relevance its pages follow
   page_order: Optional[np.ndarray] = None  # held out: [K] the scores its pages follow
-  #   (`guard.page_relevance`; None: `ranking`)
   held: int = 0  # `Driver.next_held`'s code: 0 trained, 1 or 2 held out for the guard
-  records: dict = dataclasses.field(default_factory=dict)  # bank row -> its table record (a
-  #   candidate's record never changes while its session lives: a delete or update drops it)
+  records: dict = dataclasses.field(default_factory=dict)  # bank row -> its table record
 
   @property
   def num_held(self) -> int:
@@ -185,13 +163,11 @@ class QuerySession:
     return self.open_slate
 
   def play(self, k: int, explore: bool, view: View):
-    """Opens the next round of at most `k` memories: `(positions [k'], scores [k'], explore)` of
-    what it shows, or None when it has nothing left to show (no round opened)."""
+    """Opens the next round: `(positions [k'], scores [k'], explore)`; None: nothing left."""
     raise NotImplementedError
 
   def record(self, labels: np.ndarray, num_rounds: int) -> Optional[TrainItem]:
-    """Feedback `[k]` on the open round; the `TrainItem` if this closes it. Its bandit update
-    (Eq. (9)) is pending (`stale`) until the next round's call applies it."""
+    """Feedback `[k]` on the open round; the `TrainItem` if it closes it (Eq. (9) applied later)."""
     self.settle()  # (no-op unless a round's feedback is pending already)
     return self._store(labels, num_rounds)
 
@@ -227,8 +203,7 @@ class QuerySession:
                      "opened with learn=False)")
 
   def final(self, k: int, params):
-    """`(positions [k'], z [k'])`: the top-k by bandit mean, ties by adapted relevance
-    ('exploit'), by its own parameters or `params`; None when it holds no candidate."""
+    """`(positions [k'], z [k'])`: the top-k by bandit mean, ties by relevance; None if empty."""
     k = min(k, self.num_held)  # (frozen: deletes may have masked candidates out)
     if not k:
       return None
@@ -240,8 +215,7 @@ class QuerySession:
     return pos, z[pos]
 
   def last(self):
-    """`(slate [K], slate_mask [K], labels [K])` of the feedback not yet in `mean` / `counts`
-    (all masked: none): `episode.session_round` applies it in the next round's call."""
+    """`(slate [K], slate_mask [K], labels [K])` of the feedback not yet in `mean` / `counts`."""
     if not self.stale:
       return episode.no_feedback(len(self.mean))
     r = self.rounds - 1
@@ -260,8 +234,7 @@ class QuerySession:
                      self.cand_idx.copy(), np.int8(self.held))
 
   def _adapted(self, params):
-    """Its last round's `episode.adapted` when it ranked by `params` (later rounds skip the
-    adapter), else None."""
+    """Its last round's `episode.adapted` when it ranked by `params`, else None."""
     return self.adapted if self.adapted_by is params else None
 
   def _explorer_round(self, k: int, explore: bool, params, hparams):
@@ -288,8 +261,7 @@ class TrainingSession(QuerySession):
 
 
 class FrozenExplorerSession(QuerySession):
-  """A test-time session playing Explorer rounds with the served parameters of its first round
-  (`params`, set at open); nothing trains, a delete masks its candidate out."""
+  """A test-time session playing Explorer rounds with the served parameters of its first round."""
   trains = False
 
   def play(self, k, explore, view):
@@ -306,9 +278,8 @@ class FrozenExplorerSession(QuerySession):
 
 
 class _Paged(QuerySession):
-  """Round t shows page t of `ranking`: its first `k` candidates still held that no page with
-  feedback showed (after t pages of k and no delete: ranks `t k .. t k + k - 1`; ties to the
-  lower candidate). No bandit statistics are kept."""
+  """Round t shows page t of `ranking`: the first `k` candidates still held that no page with
+  feedback showed (ties to the lower candidate). No bandit statistics."""
 
   def play(self, k, explore, view):
     z = self.ranking
@@ -332,10 +303,8 @@ class _Paged(QuerySession):
 
 
 class HeldOutSession(_Paged):
-  """A learning session held out for the guard (`EARConfig.guard_holdout`): pages of the first
-  stage's ranking (computed at its first round; with K > T s interleaved with the live adapter's,
-  `guard.page_relevance`); its item goes to the guard's ring, never to
-  training (`held`: `Driver.next_held`'s code)."""
+  """A learning session held out for the guard: pages of the first stage's ranking; its item
+  goes to the guard's ring, never to training."""
 
   def play(self, k, explore, view):
     if self.ranking is None:
@@ -346,8 +315,7 @@ class HeldOutSession(_Paged):
 
 
 class PagingSession(_Paged):
-  """A test-time session (`learn=False`): pages of the served ranking (`ranking`, computed by the
-  open's search); nothing trains, a delete masks its candidate out."""
+  """A test-time session (`learn=False`): pages of the served ranking; nothing trains."""
   trains = False
 
   def forget(self, hit):

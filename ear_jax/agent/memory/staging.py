@@ -3,12 +3,9 @@ its first stage run under the lock.
 
 Symbols: `n` texts, `q` queries, `d` dimension, `K` candidates, `s` slate size.
 
-Texts are encoded outside the memory's lock (`EncoderSlot`); a query's first stage
-(`Rows.first_stage`, with the slate of the served parameters when asked for) runs under it, with
-the query's checks (`prepare`) and the caller's `finish` in the same locked section, so a query
-sees every add that returned before it was called. With `MemoryConfig.batch_window_ms > 0` the
-encodings and first stages arriving within one window share ONE encoder call and ONE search per
-slate size (`batcher.Batcher`; each query in its own scopes).
+Texts are encoded outside the memory's lock; a query's first stage runs under it with the query's
+checks and the caller's `finish` in the same locked section, so a query sees every add that
+returned before it was called. With `batch_window_ms > 0` calls share windows (`batcher`).
 """
 from __future__ import annotations
 
@@ -22,17 +19,7 @@ from ear_jax.agent.memory.checks import InputTypeError
 
 
 class Stage:
-  """Encoding and the first stage of one memory.
-
-  Args:
-    cfg: the `MemoryConfig`; config, hparams: the resolved `EARConfig` / `HParams`.
-    encoder: the memory's `EncoderSlot`.
-    rows: the memory's `rows.Rows`.
-    lock: the memory's lock.
-  Attributes:
-    learning: the memory's `learning.Learning` (its served parameters rank `search`'s slate); set
-      by `Memory` once built.
-  """
+  """Encoding and the first stage of one memory (`learning` is set by `Memory` once built)."""
 
   def __init__(self, cfg, config, hparams, encoder, rows, lock):
     self.cfg, self.config, self.hparams = cfg, config, hparams
@@ -47,8 +34,7 @@ class Stage:
           lock)
 
   def embed(self, texts, embeddings, n, what: str) -> np.ndarray:
-    """Checked `[n, d]` embeddings, given or encoded (outside the lock; in the window's one
-    encoder call when batching)."""
+    """Checked `[n, d]` embeddings, given or encoded (outside the lock)."""
     if embeddings is not None:
       return checks_lib.check_embeddings(embeddings, n, self.config.dim, f"{what} embeddings")
     if self.batcher is not None:
@@ -64,8 +50,7 @@ class Stage:
     return self.embed(texts, None, len(texts), "the answer's")
 
   def queries(self, question, query_embedding, batch: bool):
-    """`(texts [n] or None, [n, d] given unit embeddings or None)`, checked (the texts are
-    encoded when no embeddings are given)."""
+    """`(texts [n] or None, [n, d] given unit embeddings or None)`, checked."""
     if question is None and query_embedding is None:
       raise ValueError("pass a question (text) or query_embedding")
     if question is not None and not batch and not isinstance(question, str):
@@ -85,11 +70,8 @@ class Stage:
     return texts, emb
 
   def run(self, texts, emb, names, size, k: Optional[int], finish):
-    """`finish(texts, q_emb, first stage)` under the lock after the first stage of the checked
-    query (`queries`) in the scopes `names` (with `size`, the slate of that size): in the
-    window's one encoder call and one search per slate size when batching (each query in its own
-    scopes), else now. Scopes without a candidate are refused (naming them and `k`, the memories
-    asked for) before any encoding, and again at the search."""
+    """`finish(texts, q_emb, first stage)` under the lock after the query's first stage in `names`
+    (with `size`, its slate); scopes without a candidate are refused before any encoding."""
     search_texts = texts if texts is not None else [""] * len(emb)
     prepare = lambda: self.rows.scopes.check_any(self.config.num_candidates,
                                                  self.cfg.multistore, names, k)
@@ -109,13 +91,11 @@ class Stage:
                                                         size))
 
   def source(self, embeddings) -> str:
-    """Where rows' embeddings come from (`Table.embedded_by`): the memory's encoder, or the
-    caller's `embeddings` (vouched for as the encoder's when the caller named the encoder)."""
+    """Where rows' embeddings come from (`Table.embedded_by`): 'encoder' or 'caller'."""
     return "caller" if embeddings is not None and not self.encoder.explicit else "encoder"
 
   def _check_encodable(self) -> None:
-    """ValueError when a question's text would be embedded by an encoder that made none of the
-    rows: every row came with the caller's embeddings and the encoder is only the default."""
+    """ValueError when a default encoder that made no row would embed a question."""
     if self.rows.table.embedded_by == "caller" and not self.encoder.explicit:
       raise ValueError(
           f"this memory's memories all came with your own embeddings (add(..., embeddings=...)), "
@@ -125,7 +105,6 @@ class Stage:
           "embeddings (Memory(encoder=...), Memory.open(path, encoder=...))")
 
   def first_stage(self, texts, q_emb, scopes, size):
-    """The first stage of `[q, d]` queries in their scopes, with the adapter's slate of `size`
-    by the served parameters (None: none). Call under the lock."""
+    """The first stage of `[q, d]` queries, with the served slate of `size`. Under the lock."""
     slate = None if size is None else (self.learning.served_params(), self.hparams, size, False)
     return self.rows.first_stage(texts, q_emb, scopes, self.config.num_candidates, slate)

@@ -2,23 +2,16 @@
 
 Symbols: `n` live rows, `d` embedding dimension.
 
-One table holds every live memory: its id, text, store code, scope name, date, float32 embedding
-`[d]`, the int32 term ids of its text (for the lexical index; NULL without one) and a SHA-256 of
-all of them with the row number (`_digest`). Beside it: the lexical vocabulary (`term <-> id`) and
-a small key/value `meta` table (dimension, random `identity`, places of updated rows) with a
-SHA-256 of its entries. Guarantees:
+One table holds every live memory (id, text, store, scope, date, float32 embedding `[d]`, term
+ids, and a SHA-256 of all of them with the row number), beside the lexical vocabulary and a `meta`
+key/value table with its own SHA-256. Guarantees:
 
-  * Durable: each `insert` / `delete` / `replace` is ONE transaction (`synchronous=FULL`, a rollback
-    journal), complete on disk when it returns; a kill at any moment (even SIGKILL) leaves every
-    acknowledged row and nothing half-written.
-  * Forgetting leaves no bytes: `secure_delete=ON` overwrites deleted rows with zeros, and
-    `journal_mode=DELETE` unlinks the journal, which held the old pages, at each commit.
-  * Row numbers are never reused (`AUTOINCREMENT`), so the learner's references to rows can never
-    point at another memory. The API speaks device rows, `row - 1` (0-based).
-  * Verified: every read of rows checks each row's SHA-256; at open, SQLite's `integrity_check`
-    (every index against its table) and the meta table's SHA-256. A row changed outside ear_jax, or
-    a file that is not this table, is a `CheckpointError` naming the file (and the row's id).
-    `records` keeps the newest `RECORD_CACHE` verified records in memory (rows are never reused).
+  * Durable: each `insert` / `delete` / `replace` is ONE transaction (`synchronous=FULL`), on disk
+    when it returns; a kill at any moment leaves every acknowledged row, nothing half-written.
+  * Forgetting leaves no bytes: `secure_delete=ON` and `journal_mode=DELETE`.
+  * Row numbers are never reused (`AUTOINCREMENT`); the API speaks device rows, `row - 1`.
+  * Verified: every read checks each row's SHA-256; at open, `integrity_check` and the meta
+    digest. A damaged or foreign file is a `CheckpointError` naming the file (and the row's id).
 
 Not thread-safe on its own: `Memory` calls it under its lock.
 """
@@ -71,8 +64,7 @@ class TableRows(NamedTuple):
     vocab: `(term, id)` pairs of the lexical vocabulary.
     next_row: the device rows `< next_row` were ever used (the next insert gets `next_row`).
     texts, dates: `[n]` each row's text and date (`read_all(texts=True)`; else None).
-    places: `[n]` int64 each row's place in the order of the memories (`Table.places`): its
-      row, or for an updated memory the place of the row it replaced.
+    places: `[n]` int64 each row's place in the order of the memories (`Table.places`).
   """
   rows: np.ndarray
   stores: np.ndarray
@@ -108,15 +100,12 @@ class Table:
   embeddings of dimension `dim`.
 
   Attributes:
-    identity: a random hex id made with the table (a copy of the file keeps it): what a learner
-      item records to name its table.
-    embedded_by: 'encoder' (a row's embedding came from the memory's encoder, or a named one),
-      'caller' (every row's from the caller), or None (no row yet, or an older table).
+    identity: a random hex id made with the table (a copy keeps it); a learner item records it.
+    embedded_by: 'encoder' (some row's embedding came from an encoder), 'caller' (every row's
+      from the caller), or None (no row yet).
 
   Raises:
-    CheckpointError: `path` is not this table (not SQLite, truncated, another schema or
-      dimension) or was damaged (SQLite's integrity check, the meta table's SHA-256), naming the
-      file and what is wrong.
+    CheckpointError: `path` is not this table or was damaged, naming the file and the problem.
   """
 
   def __init__(self, path: Optional[pathlib.Path], dim: int):
@@ -173,8 +162,7 @@ class Table:
     self._recent = collections.OrderedDict()  # device row -> (id, text, store, scope, date)
 
   def _check_integrity(self) -> None:
-    """SQLite's `integrity_check` of the file: every page, and every index against its table (the
-    id index names the row of an id, the vocabulary's the id of a word)."""
+    """SQLite's `integrity_check` of the file: every page, and every index against its table."""
     with self._errors():
       problems = [p for (p,) in self._db.execute("PRAGMA integrity_check(5)")]
     if problems != ["ok"]:
@@ -196,8 +184,7 @@ class Table:
                      (_META_DIGEST, self._meta_digest()))
 
   def _check_meta(self) -> str:
-    """The table's identity, after checking the meta table against its digest (a table written
-    before either gets both now)."""
+    """The table's identity, after checking the meta table against its digest."""
     digest = self.get_meta(_META_DIGEST)
     if digest is None:
       with self._transaction():
@@ -226,9 +213,7 @@ class Table:
     self._seal_meta()
 
   def places(self, rows) -> np.ndarray:
-    """`[n]` int64 the place of each device row `rows` in the order of the memories: the row
-    itself, or for an updated memory the place of the row it replaced (`replace` keeps it), so
-    an update keeps the memory where it was (`features='context'`: its turn in its session)."""
+    """`[n]` int64 place of each device row: its own, or for an update the replaced row's."""
     return np.asarray([self._places.get(int(r), int(r)) for r in np.asarray(rows).reshape(-1)],
                       np.int64)
 
@@ -269,9 +254,7 @@ class Table:
     return got[0] if got else 0
 
   def _note_source(self, source: Optional[str]) -> None:
-    """Records where new rows' embeddings came from (inside the caller's transaction):
-    `embedded_by` becomes 'encoder' once any row's came from (or was vouched for by) the memory's
-    encoder, else 'caller' (every row so far came with the caller's own embeddings)."""
+    """Records `embedded_by` for new rows, inside the caller's transaction."""
     if source is None:
       return
     new = "encoder" if "encoder" in (source, self.embedded_by) else "caller"
@@ -312,8 +295,7 @@ class Table:
              terms: Optional[Sequence[np.ndarray]] = None,
              new_vocab: Sequence[tuple[str, int]] = (), source: Optional[str] = None
              ) -> np.ndarray:
-    """Appends rows (and vocabulary entries) in one transaction; returns their device rows `[n]`.
-    `source`: 'encoder' or 'caller', where their embeddings came from (`embedded_by`).
+    """Appends rows in one transaction; returns their device rows `[n]` (`source`: `embedded_by`).
 
     Raises:
       ValueError: lengths or dimension do not match, or an id is already stored (nothing written).
@@ -324,15 +306,13 @@ class Table:
       return rows
 
   def delete(self, rows, dead_terms: Sequence[str] = ()) -> None:
-    """Deletes the device rows `rows` and the vocabulary entries `dead_terms`, in one transaction
-    (their bytes are overwritten: `secure_delete`)."""
+    """Deletes device `rows` and vocabulary `dead_terms` in one transaction (bytes overwritten)."""
     with self._transaction():
       self._delete(rows, dead_terms)
 
   def replace(self, row: int, memory_id: str, text: str, store: int, scope: str, date: str,
               embedding, terms=None, new_vocab=(), dead_terms=(), source=None) -> int:
-    """An update: deletes device row `row`, then inserts the memory again under a new row that
-    keeps the old one's place (`places`), in one transaction; returns the new device row."""
+    """An update in one transaction: row `row` deleted, re-inserted in its place; the new row."""
     with self._transaction():
       place = int(self.places([row])[0])
       self._delete([row], dead_terms)
@@ -395,9 +375,8 @@ class Table:
         places=self.places(rows))
 
   def records(self, rows) -> list[dict]:
-    """`{id, text, store, scope, date, row}` of the device rows `rows`, in that order (verified
-    when read from the file; the newest `RECORD_CACHE` kept in memory; KeyError naming a row that
-    holds no memory)."""
+    """`{id, text, store, scope, date, row}` of the device rows `rows`, in order (verified; the
+    newest `RECORD_CACHE` cached; KeyError naming a row that holds no memory)."""
     rows = [int(r) for r in rows]
     got = {r: self._recent[r] for r in rows if r in self._recent}
     read = [r for r in dict.fromkeys(rows) if r not in got]
