@@ -189,6 +189,7 @@ def _answer_main():
   """--critic=answer: the threshold choice (validation) or the measurement (test)."""
   from ear_jax.core import critic as critic_lib  # pylint: disable=g-import-not-at-top
   from ear_jax.data import answer_support  # pylint: disable=g-import-not-at-top
+  from ear_jax.experiment import agent_answers  # pylint: disable=g-import-not-at-top
   from ear_jax.experiment import runner  # pylint: disable=g-import-not-at-top
   if _SUBSET.value not in ("validation", "test"):
     raise app.UsageError("--critic=answer takes --subset=validation (the threshold choice) or "
@@ -198,6 +199,11 @@ def _answer_main():
   if _SUBSET.value == "validation" and _DATA.benchmark.value == "longmemeval":
     raise app.UsageError("--subset=validation chooses thresholds: LongMemEval_S is never tuned "
                          "on; use --benchmark=locomo")
+  if _ANSWERS.value == "llm" and _ANSWERS_FILE.value and not _GENERATE.value:
+    try:  # a missing or bad file fails before the benchmark loads
+      agent_answers.load_answers(_ANSWERS_FILE.value)
+    except (FileNotFoundError, ValueError) as e:
+      raise app.UsageError(str(e)) from None
   t0 = time.perf_counter()
   bench = candidates.load_benchmark(data_flags.benchmark_name(_DATA), data_dir=_DATA.data_dir.value,
                                     encoder=_DATA.encoder.value, k=_DATA.k.value,

@@ -116,8 +116,9 @@ def _program(*args, timeout=900):
 
 
 @pytest.mark.slow
-def test_program_with_llm_answers_and_no_answers_file_names_the_file(data_dir, tmp_path):
-  res = _program(f"--data_dir={data_dir}", "--seeds=1", "--limit=1", "--answers=llm",
+def test_program_with_llm_answers_and_no_answers_file_names_the_file(tmp_path):
+  # Before any work: the (empty) data directory is never read.
+  res = _program(f"--data_dir={tmp_path}", "--seeds=1", "--limit=1", "--answers=llm",
                  f"--answers_file={tmp_path / 'none.json'}", f"--out={tmp_path / 'o.json'}")
   assert res.returncode != 0
   assert "none.json not found" in res.stderr + res.stdout
