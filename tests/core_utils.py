@@ -30,3 +30,12 @@ def learnable_stream(seed, n, d=16, k=8, num_gold=2, num_valid=None, noise=0.3):
     gold[i, g] = True
     mask[i, :nv] = True
   return make_stream(q, cands, mask, gold)
+
+
+def close_or_equal(x, y, rtol, atol):
+  """Floats equal up to `rtol` / `atol` (two programs round differently); the rest bit for bit."""
+  x, y = np.asarray(x), np.asarray(y)
+  if np.issubdtype(x.dtype, np.floating):
+    np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+  else:
+    np.testing.assert_array_equal(x, y)

@@ -13,7 +13,7 @@ from ear_jax.core import episode, guard, inference, learner
 from ear_jax.core.config import EARConfig, default_hparams
 from ear_jax.core.slates import top_s_slate
 from ear_jax.core.stream import Stream, make_stream, to_device
-from tests.core_utils import learnable_stream
+from tests.core_utils import close_or_equal, learnable_stream
 
 jit_push = jax.jit(guard.push_holdout, static_argnums=(9,))
 jit_evidence = jax.jit(guard.holdout_evidence, static_argnums=(2,))
@@ -169,7 +169,8 @@ def test_held_out_queries_are_not_trained_on():
   b, _ = jit_step(state, keys, batch, slates, smask, labels, ~held, cfg, hp)
   for x, y in zip(jax.tree_util.tree_leaves((a.params, a.buffer)),
                   jax.tree_util.tree_leaves((b.params, b.buffer))):
-    np.testing.assert_array_equal(x, y)
+    # (two programs: equal up to the compiler's float rounding; a trained query moves w by 1e-2)
+    close_or_equal(x, y, rtol=1e-6, atol=1e-8)
   assert int(a.queries_seen) == 4 and int(b.queries_seen) == 3
   assert int(a.guard.count) == 1 and int(b.guard.count) == 0
   np.testing.assert_array_equal(a.guard.queries[0], batch.queries[3])

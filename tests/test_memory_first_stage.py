@@ -227,11 +227,11 @@ def test_every_first_stage_equals_the_pipeline_on_a_larger_bank(name, options, m
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["hybrid", "bm25"])
 def test_one_scope_per_locomo_conversation_ranks_as_the_pipeline(locomo_path, minilm, name):
-  """The issue's check: LoCoMo's ten conversations in ONE live index (one scope each) give every
+  """The issue's check: Three of LoCoMo's conversations in ONE live index (one scope each) give every
   question the candidates (ids, order, features) the pipeline gives it in its conversation."""
   from ear_jax.data import corpora  # pylint: disable=g-import-not-at-top
   del minilm
-  corpus = corpora.load_corpus("locomo", data_dir=str(locomo_path.parent))
+  corpus = corpora.load_corpus("locomo", data_dir=str(locomo_path.parent), limit=3)
   ec, _ = candidates_lib.embed_corpus(corpus, "minilm", progress=False)
   bench = candidates_lib.build_benchmark(ec, candidates=name, side_features=True)
   live = _Live(name, capacity=sum(len(b) for b in corpus.banks), dim=ec.query_embeddings.shape[1])
@@ -255,7 +255,7 @@ def test_one_scope_per_locomo_conversation_ranks_as_the_pipeline(locomo_path, mi
 @pytest.mark.parametrize("name", ["hybrid", "bm25"])
 def test_a_live_memory_with_one_scope_per_conversation_slates_the_pipeline_candidates(
     locomo_path, minilm, name):
-  """Through `Memory`'s public API: a memory holding LoCoMo's ten conversations (one scope each)
+  """Through `Memory`'s public API: a memory holding three of LoCoMo's conversations (one scope each)
   answers each question, before any feedback, with a slate of k = K memories that is exactly the
   pipeline's K candidates of its conversation, in the first stage's order (z = side_init f_0 +
   (q.m - f_1): the order of f_0, up to float rounding between equal first-stage scores)."""
@@ -263,7 +263,7 @@ def test_a_live_memory_with_one_scope_per_conversation_slates_the_pipeline_candi
   from ear_jax.core.config import EARConfig  # pylint: disable=g-import-not-at-top
   from ear_jax.data import corpora  # pylint: disable=g-import-not-at-top
   del minilm
-  corpus = corpora.load_corpus("locomo", data_dir=str(locomo_path.parent))
+  corpus = corpora.load_corpus("locomo", data_dir=str(locomo_path.parent), limit=3)
   ec, _ = candidates_lib.embed_corpus(corpus, "minilm", progress=False)
   bench = candidates_lib.build_benchmark(ec, candidates=name, side_features=True)
   k = bench.candidate_ids.shape[1]
@@ -412,7 +412,7 @@ def _pipeline_dated(texts, dates, emb, qtexts, qemb, name, options, g):
 @pytest.mark.slow
 def test_a_memory_of_locomo_dated_by_session_gives_the_pipeline_s_context_features(
     locomo_path, minilm, tmp_path):
-  """LoCoMo's ten conversations in one `Memory` (one scope each, every turn dated with its
+  """Three of LoCoMo's conversations in one `Memory` (one scope each, every turn dated with its
   session's date): every question's candidates and six features equal the pipeline's
   `--candidates=hybrid --features=context`."""
   from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
@@ -420,7 +420,7 @@ def test_a_memory_of_locomo_dated_by_session_gives_the_pipeline_s_context_featur
   from ear_jax.data import corpora  # pylint: disable=g-import-not-at-top
   del minilm
   opts = first_stage.FirstStageOptions(features="context")
-  corpus = corpora.load_corpus("locomo", data_dir=str(locomo_path.parent))
+  corpus = corpora.load_corpus("locomo", data_dir=str(locomo_path.parent), limit=3)
   ec, _ = candidates_lib.embed_corpus(corpus, "minilm", progress=False)
   bench = candidates_lib.build_benchmark(ec, candidates="hybrid", side_features=True,
                                          first_stage_options=opts)

@@ -118,11 +118,11 @@ def _expected(about, spec, q, multistore):
 
 
 def _leak_cases():
-  """Every first stage with 30 random cases (slow tier); the fast tier runs 2 cases of dense,
+  """Every first stage with 12 random cases (slow tier); the fast tier runs 2 cases of dense,
   HNSW and IVF (each case compiles its own search)."""
   for stage in FIRST_STAGES:
     name = stage.get("index", stage.get("candidates"))
-    yield pytest.param(stage, 30, id=f"{name}-30", marks=pytest.mark.slow)
+    yield pytest.param(stage, 12, id=f"{name}-12", marks=pytest.mark.slow)
     if name not in ("bm25", "hybrid", "faiss_pq"):  # (test_memory_first_stage: BM25's scopes)
       yield pytest.param(stage, 2, id=f"{name}-2")
 

@@ -89,40 +89,22 @@ def test_retriever_method_table_matches_an_independent_frozen_top5(tmp_path):
   assert np.all(np.array(run["metrics"]["recall_explorer"]["per_seed"]) <= ceiling + 1e-3)
 
 
-@pytest.fixture(scope="session")
-def all_suites(tmp_path_factory):
-  """`--suite=all` on the tiny benchmark, run ONCE for the whole test session: the pytest-xdist
-  workers share it through their common temporary root (the first builds it under a file lock,
-  the others read its results.json)."""
-  import filelock  # pylint: disable=g-import-not-at-top
-  root = tmp_path_factory.getbasetemp().parent  # (xdist: shared by the workers; else the session's)
-  wd = root / "all_suites"
-  with filelock.FileLock(str(root / "all_suites.lock")):
-    if not (wd / "results.json").is_file():
-      suites.run(suites.Options(workdir=str(wd), suite="all", **TINY))
-  return json.loads((wd / "results.json").read_text()), wd
+def _check_every_suite_writes_its_table_and_plots(results, wd):
+  for suite in suites.ALL_ORDER:
+    table = (wd / f"table_{suite}.md").read_text()
+    assert "|---" in table and "±" in table, suite
+    expected_plots = {"main": ["table2_main"], "ablation": ["table3_ablation"],
+                      "hparams": ["table6_T_B", "table7_strategy"],
+                      "curves": ["fig3_sample_efficiency", "fig4_critic_budget"],
+                      "noise": ["fig5_noise_grid", "fig5_noise_curves"],
+                      "multistore": ["fig6_observations_in_top5", "table5_store_recall"]}[suite]
+    for name in expected_plots:
+      png = wd / "plots" / f"synthetic_{name}.png"
+      assert png.read_bytes()[:4] == b"\x89PNG", name
+    assert suite in results["suite_wall_seconds"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("suite", suites.ALL_ORDER)
-def test_every_suite_writes_its_table_and_plots_on_synthetic(all_suites, suite):
-  results, wd = all_suites
-  table = (wd / f"table_{suite}.md").read_text()
-  assert "|---" in table and "±" in table
-  expected_plots = {"main": ["table2_main"], "ablation": ["table3_ablation"],
-                    "hparams": ["table6_T_B", "table7_strategy"],
-                    "curves": ["fig3_sample_efficiency", "fig4_critic_budget"],
-                    "noise": ["fig5_noise_grid", "fig5_noise_curves"],
-                    "multistore": ["fig6_observations_in_top5", "table5_store_recall"]}[suite]
-  for name in expected_plots:
-    png = wd / "plots" / f"synthetic_{name}.png"
-    assert png.read_bytes()[:4] == b"\x89PNG"
-  assert suite in results["suite_wall_seconds"]
-
-
-@pytest.mark.slow
-def test_main_suite_table_matches_results_json_and_the_frozen_top5(all_suites):
-  results, wd = all_suites
+def _check_main_suite_table_matches_results_json_and_the_frozen_top5(results, wd):
   runs = results["runs"]
   rows = table_rows((wd / "table_main.md").read_text())
   names = {"Only Retriever": ("retriever", "adapter"), "Reranker + RL update": ("rl_update", "adapter"),
@@ -141,14 +123,12 @@ def test_main_suite_table_matches_results_json_and_the_frozen_top5(all_suites):
                              atol=1e-3)
 
 
-@pytest.mark.slow
-def test_a_method_alone_gives_the_same_numbers_per_seed_as_inside_the_all_suite(all_suites,
-                                                                                 tmp_path):
-  """Issue 20 item 11: a method's numbers depend on the method, seeds, data and settings only,
-  not on the suite that ran it nor on how training was cut into segments (the all-suite run
-  checkpoints every 16 queries and evaluates curves; the lone run does neither)."""
-  from ear_jax.io import run_checkpoints
-  results, wd = all_suites
+def _check_a_method_alone_gives_the_same_numbers_per_seed_as_inside_the_all_suite(results, wd,
+                                                                                   tmp_path):
+  """A method's numbers depend on the method, seeds, data and settings only, not on the suite
+  that ran it nor on how training was cut into segments (the all-suite run checkpoints every 16
+  queries and evaluates curves; the lone run does neither)."""
+  from ear_jax.io import run_checkpoints  # pylint: disable=g-import-not-at-top
   alone = suites.run(suites.Options(**dict(TINY, workdir=str(tmp_path), suite=None, method="ear",
                                            checkpoint_every=None, eval_every=48)))
   (name, lone), = alone["runs"].items()
@@ -166,9 +146,7 @@ def test_a_method_alone_gives_the_same_numbers_per_seed_as_inside_the_all_suite(
   np.testing.assert_array_equal(np.asarray(a.w_m), np.asarray(b.w_m))
 
 
-@pytest.mark.slow
-def test_results_json_has_every_field(all_suites):
-  _, wd = all_suites
+def _check_results_json_has_every_field(wd):
   res = json.loads((wd / "results.json").read_text())
   for key in ("versions", "options", "runs", "tables", "plots", "wall_seconds", "dataset"):
     assert key in res
@@ -183,6 +161,20 @@ def test_results_json_has_every_field(all_suites):
   curves = res["runs"]
   budget = [r for n, r in curves.items() if n.startswith("rl_update_budget")][0]
   assert budget["critic_calls"]["mean"] == curves["ear"]["critic_calls"]["mean"]
+
+
+@pytest.mark.slow
+def test_suite_all_on_synthetic_writes_every_table_plot_and_field(tmp_path):
+  """`--suite=all` on the tiny benchmark, run once and checked four ways (one test, so one
+  pytest-xdist worker builds it while the other runs other tests)."""
+  wd = tmp_path / "all_suites"
+  suites.run(suites.Options(workdir=str(wd), suite="all", **TINY))
+  results = json.loads((wd / "results.json").read_text())
+  _check_every_suite_writes_its_table_and_plots(results, wd)
+  _check_main_suite_table_matches_results_json_and_the_frozen_top5(results, wd)
+  _check_a_method_alone_gives_the_same_numbers_per_seed_as_inside_the_all_suite(
+      results, wd, tmp_path / "alone")
+  _check_results_json_has_every_field(wd)
 
 
 @pytest.mark.slow
