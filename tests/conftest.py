@@ -24,9 +24,29 @@ FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 # it about fourfold on CPU (a guarded episode of `test_guard_holdout`: 3.4 s default, 1.9 s at
 # LLVM -O0, 0.9 s with XLA's older loop emitters). Subprocesses started by the tests inherit them.
 COMPILE_SPEED_XLA_FLAGS = ("--xla_backend_optimization_level=0 "
-                           "--xla_llvm_disable_expensive_passes=true "
-                           "--xla_cpu_use_fusion_emitters=false")
+                           "--xla_llvm_disable_expensive_passes=true")
+LOOP_EMITTERS = "xla_cpu_use_fusion_emitters"  # (=false; added only where this XLA defines it)
 _SAVED_XLA_FLAGS = "unset"
+
+
+def _xla_defines(flag: str) -> bool:
+  """Whether the installed jaxlib's XLA knows `flag` (an unknown flag in XLA_FLAGS aborts)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import mmap  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.find_spec("jaxlib")
+  if spec is None or not spec.origin:
+    return False
+  for lib in pathlib.Path(spec.origin).parent.glob("*.so"):
+    if lib.stat().st_size:
+      with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m.find(flag.encode()) >= 0:
+          return True
+  return False
+
+
+def compile_speed_xla_flags() -> str:
+  flags = COMPILE_SPEED_XLA_FLAGS
+  return f"{flags} --{LOOP_EMITTERS}=false" if _xla_defines(LOOP_EMITTERS) else flags
 
 
 def _jax_backend_initialized():
@@ -66,14 +86,14 @@ def pytest_configure(config):
   global _SAVED_XLA_FLAGS
   if "XLA_FLAGS" not in os.environ and not _jax_backend_initialized():
     _SAVED_XLA_FLAGS = None
-    os.environ["XLA_FLAGS"] = COMPILE_SPEED_XLA_FLAGS
+    os.environ["XLA_FLAGS"] = compile_speed_xla_flags()
   _use_compilation_cache()
 
 
 def pytest_unconfigure(config):
   del config
   global _SAVED_XLA_FLAGS
-  if _SAVED_XLA_FLAGS is None and os.environ.get("XLA_FLAGS") == COMPILE_SPEED_XLA_FLAGS:
+  if _SAVED_XLA_FLAGS is None and os.environ.get("XLA_FLAGS", "").startswith(COMPILE_SPEED_XLA_FLAGS):
     del os.environ["XLA_FLAGS"]
   _SAVED_XLA_FLAGS = "unset"
 
