@@ -26,7 +26,7 @@ FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
 COMPILE_SPEED_XLA_FLAGS = ("--xla_backend_optimization_level=0 "
                            "--xla_llvm_disable_expensive_passes=true")
 LOOP_EMITTERS = "xla_cpu_use_fusion_emitters"  # (=false; added only where this XLA defines it)
-_SAVED_XLA_FLAGS = "unset"
+_SET_XLA_FLAGS = None  # what this session put in XLA_FLAGS (None: it left the variable alone)
 
 
 def _xla_defines(flag: str) -> bool:
@@ -83,19 +83,18 @@ def pytest_configure(config):
   created its backend (XLA reads the variable once, at backend creation; restored at the end),
   and the shared compilation cache."""
   del config
-  global _SAVED_XLA_FLAGS
+  global _SET_XLA_FLAGS
   if "XLA_FLAGS" not in os.environ and not _jax_backend_initialized():
-    _SAVED_XLA_FLAGS = None
-    os.environ["XLA_FLAGS"] = compile_speed_xla_flags()
+    _SET_XLA_FLAGS = os.environ["XLA_FLAGS"] = compile_speed_xla_flags()
   _use_compilation_cache()
 
 
 def pytest_unconfigure(config):
   del config
-  global _SAVED_XLA_FLAGS
-  if _SAVED_XLA_FLAGS is None and os.environ.get("XLA_FLAGS", "").startswith(COMPILE_SPEED_XLA_FLAGS):
+  global _SET_XLA_FLAGS
+  if _SET_XLA_FLAGS is not None and os.environ.get("XLA_FLAGS") == _SET_XLA_FLAGS:
     del os.environ["XLA_FLAGS"]
-  _SAVED_XLA_FLAGS = "unset"
+  _SET_XLA_FLAGS = None
 
 
 # Issue 20, item 9: a skipped real-LLM tier is loud (a banner after the summary, whatever -r says).

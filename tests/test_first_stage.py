@@ -341,8 +341,8 @@ def test_ear_tuned_hparams_apply_with_side_features():
 
 # -- the benchmark pipeline and the programs --------------------------------------------------------
 @pytest.mark.slow
-def test_dense_candidates_are_unchanged_and_bm25_beats_dense_on_three_conversations(locomo_path,
-                                                                                   minilm):
+def test_dense_candidates_are_unchanged_and_bm25_beats_dense_on_three_conversations(
+    locomo_path, minilm):
   del minilm
   data = str(locomo_path.parent)
   dense = candidates.load_benchmark("locomo", data_dir=data, progress=False, limit=3)
@@ -366,8 +366,9 @@ def _run(args, tmp_path):
 
 @pytest.mark.slow
 def test_prepare_prints_the_bm25_first_stage(locomo_path, tmp_path):
-  out = _run(["experiments.prepare", "--benchmark=locomo", f"--data_dir={locomo_path.parent.resolve()}",
-              "--candidates=bm25", "--limit=3", "--noprogress", f"--out={tmp_path / 'p.json'}"], tmp_path)
+  out = _run(["experiments.prepare", "--benchmark=locomo",
+              f"--data_dir={locomo_path.parent.resolve()}", "--candidates=bm25", "--limit=3",
+              "--noprogress", f"--out={tmp_path / 'p.json'}"], tmp_path)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "candidates=bm25" in out.stdout
   overall = json.loads((tmp_path / "p.json").read_text())["retriever"]["overall"]

@@ -227,8 +227,8 @@ def test_every_first_stage_equals_the_pipeline_on_a_larger_bank(name, options, m
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["hybrid", "bm25"])
 def test_one_scope_per_locomo_conversation_ranks_as_the_pipeline(locomo_path, minilm, name):
-  """The issue's check: Three of LoCoMo's conversations in ONE live index (one scope each) give every
-  question the candidates (ids, order, features) the pipeline gives it in its conversation."""
+  """Three of LoCoMo's conversations in ONE live index (one scope each) give every question the
+  candidates (ids, order, features) the pipeline gives it in its conversation."""
   from ear_jax.data import corpora  # pylint: disable=g-import-not-at-top
   del minilm
   corpus = corpora.load_corpus("locomo", data_dir=str(locomo_path.parent), limit=3)
@@ -255,8 +255,8 @@ def test_one_scope_per_locomo_conversation_ranks_as_the_pipeline(locomo_path, mi
 @pytest.mark.parametrize("name", ["hybrid", "bm25"])
 def test_a_live_memory_with_one_scope_per_conversation_slates_the_pipeline_candidates(
     locomo_path, minilm, name):
-  """Through `Memory`'s public API: a memory holding three of LoCoMo's conversations (one scope each)
-  answers each question, before any feedback, with a slate of k = K memories that is exactly the
+  """Through `Memory`'s public API: a memory holding three of LoCoMo's conversations (one scope
+  each) answers each question, before any feedback, with a slate of k = K memories that is exactly the
   pipeline's K candidates of its conversation, in the first stage's order (z = side_init f_0 +
   (q.m - f_1): the order of f_0, up to float rounding between equal first-stage scores)."""
   from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
