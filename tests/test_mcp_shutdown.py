@@ -2,8 +2,7 @@
 shutdown (its `stdio_client` context exit: stdin closed, 2 s, SIGTERM, 2 s, SIGKILL), SIGTERM,
 SIGINT, and kill -9 after the learner save interval. The learner step is compiled in the
 background as the server starts (`MemoryConfig.warm_learner`), so a shutdown never waits for the
-compiler: the learner item is saved within 1 s. The official client's test runs a cold server (no
-compilation cache: a first-time user's); the others share the tests' cache."""
+compiler: the learner item is saved within 1 s."""
 import asyncio
 import os
 import pathlib
@@ -32,18 +31,16 @@ def _server_pid(memory_dir: pathlib.Path) -> int:
   raise AssertionError(f"no server of {memory_dir}")
 
 
-async def _serve(memory_dir, log, extra=(), end=None, cold=False):
+async def _serve(memory_dir, log, extra=(), end=None):
   """Runs the server under the official client: remembers FACTS, asks 4 questions (one round
   each, cited: 4 open sessions with feedback, b = 4), then `end(pid)` if given, then the
-  client's own shutdown; `cold`: without a compilation cache (the server compiles every program).
-  Returns `(stats before the end, time the client's shutdown began)`."""
+  client's own shutdown. Returns `(stats before the end, seconds the end took, time the client's
+  shutdown began)`."""
   from mcp import ClientSession  # pylint: disable=g-import-not-at-top
   from mcp.client.stdio import stdio_client  # pylint: disable=g-import-not-at-top
-  params = mcp_agent.server_params(memory_dir, list(extra))
-  if cold:
-    params.env = {k: v for k, v in params.env.items()
-                  if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
-    params.env["EAR_NO_COMPILATION_CACHE"] = "1"
+  params = mcp_agent.server_params(memory_dir, list(extra), env={"EAR_NO_COMPILATION_CACHE": "1"})
+  params.env = {k: v for k, v in params.env.items()  # (every program compiled by the server)
+                if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
   with open(log, "w") as errlog:
     async with stdio_client(params, errlog=errlog) as (read, write):
       async with ClientSession(read, write) as s:
@@ -77,7 +74,7 @@ def _learned(memory_dir) -> dict:
 
 @pytest.mark.slow  # a real server (MiniLM) compiling everything: ~40 s
 def test_the_official_clients_shutdown_saves_the_learning_within_a_second(tmp_path):
-  st, began = asyncio.run(_serve(tmp_path / "mem", tmp_path / "err.log", cold=True))
+  st, began = asyncio.run(_serve(tmp_path / "mem", tmp_path / "err.log"))
   assert st["feedback"] == 4 and st["pending"] == 4 and st["learner_steps"] == 0
   saved, line = _saved_at(tmp_path / "err.log")
   print(f"{line} ({saved - began:.2f} s after stdin closed)")  # (pytest -s shows it)
