@@ -256,9 +256,10 @@ def test_one_scope_per_locomo_conversation_ranks_as_the_pipeline(locomo_path, mi
 def test_a_live_memory_with_one_scope_per_conversation_slates_the_pipeline_candidates(
     locomo_path, minilm, name):
   """Through `Memory`'s public API: a memory holding three of LoCoMo's conversations (one scope
-  each) answers each question, before any feedback, with a slate of k = K memories that is exactly the
-  pipeline's K candidates of its conversation, in the first stage's order (z = side_init f_0 +
-  (q.m - f_1): the order of f_0, up to float rounding between equal first-stage scores)."""
+  each) answers each question, before any feedback, with a slate of k = K memories that is
+  exactly the pipeline's K candidates of its conversation, in the first stage's order
+  (z = side_init f_0 + (q.m - f_1): the order of f_0, up to float rounding between equal
+  first-stage scores)."""
   from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
   from ear_jax.core.config import EARConfig  # pylint: disable=g-import-not-at-top
   from ear_jax.data import corpora  # pylint: disable=g-import-not-at-top
