@@ -28,6 +28,7 @@ from ear_jax.experiment.suites import main_ablation
 from ear_jax.experiment.suites import noise_multistore
 from ear_jax.experiment.suites import pool
 from ear_jax.experiment.suites import qa
+from ear_jax.experiment.suites import side_init
 from ear_jax.experiment.suites import tune
 from ear_jax.experiment.suites.options import Options
 from ear_jax.experiment.suites.pairing import DELTA_NOTE, get_metric
@@ -62,6 +63,8 @@ SUITES["guard"] = guard.suite_guard
 # The candidate pool K > T s, by name only: loss_support and K tuned, presets at K = 20 / 50 / 100.
 SUITES["pool_tune"] = pool.suite_pool_tune
 SUITES["pool"] = pool.suite_pool
+# `ear_tuned`'s side_init and learning rate, by name only: every benchmark's validation, every K.
+SUITES["side_init_tune"] = side_init.suite_side_init_tune
 SUITE_NAMES = tuple(SUITES) + ("all",)  # the values of `--suite`
 
 

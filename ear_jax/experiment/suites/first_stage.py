@@ -58,7 +58,7 @@ def _validation(r: Runner):
   return runner.validation_split(train)
 
 
-def _first_stage_recall(r: Runner, index: np.ndarray) -> np.ndarray:
+def first_stage_recall(r: Runner, index: np.ndarray) -> np.ndarray:
   """`[S]` Recall@5 (percent) of the frozen first stage's own top-5 on `index [S, V]`."""
   b = r.bench()
   return np.asarray([candidates_lib.retriever_report(b.take(i))["overall"]["recall@5"]
@@ -76,7 +76,7 @@ def tune_first_stage(r: Runner) -> dict:
       (f"weighted {w}", {"fusion": "weighted", "lexical_weight": w}) for w in LEXICAL_WEIGHT_GRID]
   for name, over in [("dense", None), ("bm25", None)] + [("hybrid " + n, o) for n, o in options]:
     sub = sub_runner(r, name.split()[0], side_features=False, **(over or {}))
-    rec = _first_stage_recall(sub, val)
+    rec = first_stage_recall(sub, val)
     out["fusion"].append({"first_stage": name, "options": over, "per_seed": rec.tolist(),
                           "mean": float(rec.mean())})
     logging.info("first_stage_tune A: %s validation R@5 %.2f", name, rec.mean())
@@ -243,5 +243,5 @@ def suite_first_stage(r: Runner) -> str:
 
 
 __all__ = ["GENERATORS_SHOWN", "LEXICAL_WEIGHT_GRID", "SIDE_INIT_GRID", "TARGETS",
-           "library_defaults", "sub_runner", "suite_first_stage", "suite_first_stage_tune",
-           "tune_first_stage"]
+           "first_stage_recall", "library_defaults", "sub_runner", "suite_first_stage",
+           "suite_first_stage_tune", "tune_first_stage"]
