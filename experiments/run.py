@@ -37,7 +37,8 @@ SUITES = ("main", "ablation", "hparams", "curves", "noise", "multistore", "qa", 
           "answer_critic",  # EAR trained by the answer-grounded critic
           "guard_tune",  # ear_safe's guard on LoCoMo validation
           "guard",  # ear_safe vs the frozen first stage and paging, test split
-          "pool_tune", "pool")  # K > T s: loss_support and K on validation; presets at K 20-100
+          "pool_tune", "pool",  # K > T s: loss_support and K on validation; presets at K 20-100
+          "side_init_tune")  # ear_tuned's side_init on every benchmark's validation, every K
 
 _DATA = data_flags.define(["locomo", "longmemeval", "jsonl", "synthetic"])
 _FIRST_STAGE = first_stage_flags.define()  # --candidates=dense|bm25|hybrid

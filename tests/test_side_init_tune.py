@@ -14,6 +14,13 @@ def _row(bench, k, si, lr, delta):
           "frozen": [50.0] * len(delta), "delta": list(delta)}
 
 
+def test_the_command_line_knows_the_suite():
+  from experiments import run  # pylint: disable=g-import-not-at-top
+  from ear_jax.experiment import suites  # pylint: disable=g-import-not-at-top
+  assert "side_init_tune" in run.SUITES and "side_init_tune" in suites.SUITES
+  assert "side_init_tune" not in suites.suite_names("all", "locomo")
+
+
 def test_choose_wants_every_cell_safe_then_the_largest_sum():
   rows = [
       # 0.05: the largest sum, but one cell's mean is below 0
