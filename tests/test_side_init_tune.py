@@ -59,5 +59,5 @@ def test_suite_scores_every_setting_on_validation_and_writes_its_choice(locomo_p
     assert len(r["delta"]) == 2 and np.all(np.isfinite(r["delta"]))
     assert len(set(map(tuple, [x["frozen"] for x in rows if x["k"] == r["k"]]))) == 1
   assert saved["chosen"] == side_init.choose(rows)["chosen"]
-  assert saved["preset"] == {"side_init": 0.05, "learning_rate": 1e-4}
+  assert saved["preset"] == {"side_init": 0.25, "learning_rate": 1e-4}
   assert "| 0.25 | 0.0001 |" in md and "locomo, K = 50" in md

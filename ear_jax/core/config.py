@@ -45,10 +45,10 @@ METHODS = {
     # Table 3: "+ Only Experience Buffer during training": adapter top-s slate, one critic call.
     "ear_no_explorer": dict(train_slate="adapter", use_replay=True),
     # Beyond the paper: switches chosen by `--suite=tune` (hyperparameters: METHOD_HPARAMS),
-    # `side_init` by `--suite=first_stage_tune`, `loss_support` by `--suite=pool_tune` ('auto' is
-    # the paper's softmax at K <= T s, bit for bit).
+    # `side_init` by `--suite=side_init_tune` (both benchmarks' validation, every K),
+    # `loss_support` by `--suite=pool_tune` ('auto' is the paper's softmax at K <= T s, bit for bit).
     "ear_tuned": dict(train_slate="explorer", use_replay=True, replay_strategy="random",
-                      replay_size=8, final_slate="exploit", test_rounds=4, side_init=0.05,
+                      replay_size=8, final_slate="exploit", test_rounds=4, side_init=0.25,
                       loss_support="auto"),
 }
 # `ear_safe`: `ear_tuned` with the guard (`ear_jax.core.guard`); n and z chosen by
