@@ -259,10 +259,11 @@ def test_an_adapter_saved_by_the_previous_layout_restores_what_its_guard_served(
   assert "adapter_rank" in old["config"] and "guard_evidence" in old["config"]
   shutil.copytree(fixtures / "old_run_adapter", tmp_path / "wd")
   got, stored, meta = run_checkpoints.restore_adapter(tmp_path / "wd", seed_index=None)
-  # Stored before `loss_support` existed: that run trained with the paper's softmax over all K.
+  # Stored before `loss_support` existed (that run trained with the paper's softmax over all K)
+  # and while `ear_safe`'s side_init was 0.05.
   assert stored == dataclasses.replace(
       EARConfig.for_method("ear_safe", dim=4, num_candidates=6, side_features=2),
-      loss_support="all")
+      loss_support="all", side_init=0.05)
   assert meta["served"] == [True, False]
   first = guard_lib.first_stage_params(stored)
   for name in ("w_q", "w_m", "w_side"):
