@@ -125,8 +125,9 @@ def build_options():
                          "(or synthetic / jsonl)")
   bench = _DATA.benchmark.value
   if _SUITE.value in ("tune", "first_stage_tune", "pool_tune") and bench == "longmemeval":
-    raise app.UsageError(f"--suite={_SUITE.value}: LongMemEval_S is the held-out transfer benchmark and is "
-                         "never tuned on; use --benchmark=locomo (--suite=beyond reports it)")
+    raise app.UsageError(f"--suite={_SUITE.value}: LongMemEval_S is the transfer benchmark; this "
+                         "suite tunes on LoCoMo only: use --benchmark=locomo (--suite=beyond "
+                         "reports it)")
   if _CRITIC.value == "answer" and bench == "synthetic":
     raise app.UsageError("--critic=answer needs the agent's answers: the synthetic benchmark has "
                          "none (use --benchmark=locomo / longmemeval / jsonl)")

@@ -233,6 +233,25 @@ def test_a_default_directory_of_presets_3_keeps_its_k_of_20(tmp_path, monkeypatc
     assert new.config.ear.num_candidates == 100
 
 
+def test_a_directory_of_presets_4_keeps_its_side_init_of_0_05(tmp_path, monkeypatch):
+  # Written before presets 5 `ear_tuned` and `ear_safe` started the first stage's weight at 0.05;
+  # opened now they keep it (with the K they were written with), and a new memory starts at 0.25.
+  from ear_jax.agent.memory import Memory, MemoryConfig  # pylint: disable=import-outside-toplevel
+  from ear_jax.agent.memory import config as mconfig  # pylint: disable=import-outside-toplevel
+  settings = dict(encoder=None, dim=8, candidates="bm25")
+  with monkeypatch.context() as mp:
+    mp.setattr(mconfig, "PRESETS_VERSION", 4)
+    for method in ("ear_tuned", "ear_safe"):
+      Memory.open(tmp_path / method, MemoryConfig(method=method, **settings)).close()
+  for method, k in (("ear_tuned", 20), ("ear_safe", 100)):
+    stored = mconfig.stored_memory_config(tmp_path / method)
+    assert stored.ear.side_init == 0.05 and stored.ear.num_candidates == k
+    with Memory.open(tmp_path / method) as back:
+      assert back.config.ear.side_init == 0.05
+    with Memory.open(tmp_path / f"new_{method}", MemoryConfig(method=method, **settings)) as new:
+      assert new.config.ear.side_init == 0.25 and new.config.ear.num_candidates == k
+
+
 @pytest.mark.slow  # (two memory directories: seconds)
 def test_a_directory_keeps_its_first_stage_when_opened_without_one(tmp_path):
   from ear_jax.agent.memory import Memory, MemoryConfig  # pylint: disable=import-outside-toplevel

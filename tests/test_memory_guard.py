@@ -131,8 +131,8 @@ def test_a_directory_saved_with_the_guards_evidence_sums_opens_and_serves_as_bef
   fixtures = pathlib.Path(__file__).parent / "fixtures"
   old = json.loads((fixtures / "guard_sums_memory.json").read_text())
   shutil.copytree(fixtures / "guard_sums_memory", tmp_path / "m")
-  with Memory.open(tmp_path / "m") as m:
-    assert m.config.ear == EARConfig.for_method("ear_safe", dim=8)
+  with Memory.open(tmp_path / "m") as m:  # (written under presets 4: side_init 0.05)
+    assert m.config.ear == EARConfig.for_method("ear_safe", dim=8, side_init=0.05)
     assert int(m.learner.guard.count) == old["ring_count"] == 2
     assert int(m.learner.queries_seen) == old["queries_seen"]
     np.testing.assert_array_equal(np.asarray(m.learner.params.w_q), np.float32(old["w_q"]))

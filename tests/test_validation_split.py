@@ -36,9 +36,9 @@ def test_validation_split_rejects_bad_fractions_and_tiny_streams():
     runner.validation_split(train[:, :2], 0.2)
 
 
-def test_tune_refuses_the_held_out_benchmark(tmp_path):
+def test_tune_refuses_the_transfer_benchmark(tmp_path):
   r = run_cache.Runner(options.Options(benchmark="longmemeval", workdir=str(tmp_path), seeds=5))
-  with pytest.raises(ValueError, match="held-out"):
+  with pytest.raises(ValueError, match="transfer benchmark"):
     tune.tune(r)
 
 

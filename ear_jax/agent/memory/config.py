@@ -21,12 +21,14 @@ MAX_WINDOW_MS = 1000.0
 SERVING = ("cache_dir", "batch_window_ms", "batch_max_queries", "warm_learner")
 # A directory stores its preset by name. When a preset's definition changes, `PRESETS_VERSION` goes
 # up and `PRESET_CHANGES[v]` says what it meant before v (`stored_config` pins older directories).
-PRESETS_VERSION = 4
+PRESETS_VERSION = 5
 PRESET_CHANGES = {
     # 'ear_safe' before presets 2 is refused (its guard no longer exists).
     2: {"ear_safe": None},
     # Before presets 4 every preset's memory retrieved K = 20 candidates (`PRESET_POOL`).
     4: {"ear_safe": dict(num_candidates=20)},
+    # Before presets 5 `ear_tuned` and `ear_safe` started the first stage's weight at 0.05.
+    5: {"ear_tuned": dict(side_init=0.05), "ear_safe": dict(side_init=0.05)},
 }
 # The candidate pool K of a memory whose `num_candidates` is None, by preset: chosen on LoCoMo
 # validation by `--suite=pool_tune` (RESULTS.md "Candidate pool K").
@@ -281,6 +283,8 @@ def stored_config(meta: dict) -> MemoryConfig:
       over.update(PRESET_CHANGES[version].get(method, {}))
   if not over:
     return cfg
+  if cfg.num_candidates is None and method in PRESET_POOL:  # (the pool it was written with)
+    over = {"num_candidates": PRESET_POOL[method], **over}
   m = Method.named(method, dim=d, **over)
   return dataclasses.replace(cfg, method=None, config=m.config, hparams=m.hparams)
 

@@ -2,8 +2,8 @@
 
 `ear_tuned` holds the setting `--suite=tune` chose on LoCoMo validation; here every method is
 trained on each seed's full training stream and scored adapter-only and explorer-assisted (T = 4),
-paired per seed, overall and per category, against `TARGETS`. LongMemEval_S (never tuned on) is
-the transfer test.
+paired per seed, overall and per category, against `TARGETS`. LongMemEval_S (its switches never
+tuned on it) is the transfer test.
 """
 from __future__ import annotations
 

@@ -88,8 +88,8 @@ def guard_rows(r: Runner, critic_name: str, critic_over: dict, hparam_over: dict
 def suite_guard_tune(r: Runner) -> str:
   """The guard on LoCoMo validation (see the module docstring); writes guard_tune.json."""
   if r.opts.benchmark == "longmemeval":
-    raise ValueError("guard_tune: LongMemEval_S is the held-out transfer benchmark and is never "
-                     "tuned on; use --benchmark=locomo")
+    raise ValueError("guard_tune: LongMemEval_S is the transfer benchmark; this suite tunes on "
+                     "LoCoMo only: use --benchmark=locomo")
   results = [guard_rows(r, name, *over) for name, over in SETTINGS.items()]
   if r.writes:
     (r.workdir / "guard_tune.json").write_text(json.dumps(results, indent=1))

@@ -15,6 +15,7 @@ import json
 from absl import logging
 import numpy as np
 
+from ear_jax.core import config as config_lib
 from ear_jax.experiment import runner
 from ear_jax.experiment import stats
 from ear_jax.experiment import summaries
@@ -68,8 +69,8 @@ def _pct(ev, key):
 def tune_pool(r: Runner) -> dict:
   """Every `pool_tune` row's per-seed validation Recall@5 (percent)."""
   if r.opts.benchmark == "longmemeval":
-    raise ValueError("pool_tune: LongMemEval_S is the held-out transfer benchmark and is never "
-                     "tuned on; use --benchmark=locomo")
+    raise ValueError("pool_tune: LongMemEval_S is the transfer benchmark; this suite tunes on "
+                     "LoCoMo only: use --benchmark=locomo")
   done_path = r.workdir / "pool_tune_rows.json"  # each row as it finishes (for --resume)
   rows = json.loads(done_path.read_text()) if r.opts.resume and done_path.is_file() else []
   for k in K_VALUES:
@@ -164,7 +165,8 @@ def suite_pool_tune(r: Runner) -> str:
       f"Chosen (rule in `pool.choose`; 'auto' = the 'all' row at K = 20 and the 'labelled' rows "
       f"beyond): loss_support = {res['chosen_support']}, K = {res['chosen_k']}. Summed Δ over "
       f"K: " + ", ".join(f"{k} {v:+.2f}" for k, v in res["summed_delta"].items()) + ". "
-      + DELTA_NOTE])
+      f"The `{TUNED}` preset runs loss_support = "
+      f"{config_lib.EARConfig.for_method(TUNED).loss_support}. " + DELTA_NOTE])
 
 
 def suite_pool(r: Runner) -> str:

@@ -138,8 +138,8 @@ def _delta(row, ref):
 def tune(r: Runner) -> dict:
   """Runs stages 1-4; returns `{rows, chosen, retriever, paper}` (see the module docstring)."""
   if r.opts.benchmark == "longmemeval":
-    raise ValueError("--suite=tune refuses LongMemEval_S: it is the held-out transfer benchmark "
-                     "(never tuned on); tune on --benchmark=locomo")
+    raise ValueError("--suite=tune refuses LongMemEval_S: it is the transfer benchmark; tune "
+                     "on --benchmark=locomo")
   if len(r.seeds) < 5:
     logging.warning("tune: %d seeds; the protocol selects on at least 5", len(r.seeds))
   t = _Tuner(r)
