@@ -135,8 +135,8 @@ def _llm_answer_bench(bench, needed):
   if _GENERATE.value:
     _generate_answers(bench, needed, path)
   try:
-    answers = agent_answers.read_answers(path, bench, needed)
     body = agent_answers.load_answers(path)
+    answers = agent_answers.read_answers(path, bench, needed, body=body)
   except (FileNotFoundError, ValueError) as e:
     raise app.UsageError(str(e)) from None
   status = {a["query_id"]: a.get("status", "ok") for a in body["answers"]}

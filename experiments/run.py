@@ -25,20 +25,14 @@ from absl import logging as absl_logging
 
 from ear_jax.core import config as config_lib
 from ear_jax.core import critic as critic_lib
+from ear_jax.experiment import suites
 from experiments import cli
 from experiments import config_flags
 from experiments import data_flags
 from experiments import first_stage_flags
 from experiments import dist_flags
 
-SUITES = ("main", "ablation", "hparams", "curves", "noise", "multistore", "qa", "all",
-          "tune", "beyond",  # tune / beyond: validation tuning, ear_tuned vs ear
-          "first_stage_tune", "first_stage",  # EAR over dense / BM25 / hybrid
-          "answer_critic",  # EAR trained by the answer-grounded critic
-          "guard_tune",  # ear_safe's guard on LoCoMo validation
-          "guard",  # ear_safe vs the frozen first stage and paging, test split
-          "pool_tune", "pool",  # K > T s: loss_support and K on validation; presets at K 20-100
-          "side_init_tune")  # ear_tuned's side_init on every benchmark's validation, every K
+SUITES = suites.SUITE_NAMES  # the values of --suite
 
 _DATA = data_flags.define(["locomo", "longmemeval", "jsonl", "synthetic"])
 _FIRST_STAGE = first_stage_flags.define()  # --candidates=dense|bm25|hybrid
@@ -118,7 +112,6 @@ def build_options():
   Raises:
     app.UsageError: naming the offending flag.
   """
-  from ear_jax.experiment import suites  # pylint: disable=g-import-not-at-top
   from ear_jax.core import config as cfg  # pylint: disable=g-import-not-at-top
   if _SUITE.value == "multistore" and _DATA.benchmark.value == "longmemeval":
     raise app.UsageError("--suite=multistore needs observations: use --benchmark=locomo "
@@ -216,7 +209,6 @@ def main(argv):
   if dist_flags.initialize(_DIST):  # before any other JAX call
     dist_flags.check_supported(suite=_SUITE.value, resume=_RESUME.value)
   opts = build_options()
-  from ear_jax.experiment import suites  # pylint: disable=g-import-not-at-top
   from ear_jax.experiment import runner as experiment  # pylint: disable=g-import-not-at-top
   try:
     results = suites.run(opts)

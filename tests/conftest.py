@@ -97,7 +97,7 @@ def pytest_unconfigure(config):
   _SET_XLA_FLAGS = None
 
 
-# Issue 20, item 9: a skipped real-LLM tier is loud (a banner after the summary, whatever -r says).
+# A skipped real-LLM tier is loud (a banner after the summary, whatever -r says).
 _REAL_LLM_SKIPS = []  # (nodeid, reason) of the real_llm tests that skipped in this session
 REQUIRE_REAL_LLM = "EAR_REQUIRE_REAL_LLM"
 

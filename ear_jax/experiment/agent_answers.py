@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -91,15 +91,16 @@ def load_answers(path) -> dict:
   return body
 
 
-def read_answers(path, bench, rows: Sequence[int]) -> list[str]:
-  """The stored answers in `bench`'s query order ('' outside `rows`).
+def read_answers(path, bench, rows: Sequence[int], body: Optional[dict] = None) -> list[str]:
+  """The stored answers in `bench`'s query order ('' outside `rows`); `body`: the file's JSON when
+  the caller already loaded it (`load_answers`).
 
   Raises:
     FileNotFoundError: naming the file when it is missing.
     ValueError: naming the file when it belongs to another benchmark, lacks a query of `rows`,
       or a stored question differs from the benchmark's.
   """
-  body = load_answers(path)
+  body = load_answers(path) if body is None else body
   if body.get("benchmark") != bench.name:
     raise ValueError(f"agent answers file {path} holds {body.get('benchmark')!r} answers, not "
                      f"{bench.name!r}")
