@@ -1,6 +1,6 @@
-"""CI (`.ci/run`) and the real-LLM tier (issue 20, item 9): the llama.cpp build is bounded with a
-margin, and a skipped real-LLM tier is loud (a banner at the end of the pytest run) and, once CI has
-installed the LLM extra (`EAR_REQUIRE_REAL_LLM=1`), a failure."""
+"""CI (`.ci/run`) and the real-LLM tier: the llama.cpp build is bounded with a margin, and a
+skipped real-LLM tier is loud (a banner at the end of the pytest run) and, once CI has installed
+the LLM extra (`EAR_REQUIRE_REAL_LLM=1`), a failure."""
 import os
 import pathlib
 import re
@@ -16,10 +16,14 @@ def test_ci_bounds_the_llm_build_with_a_margin_and_reports_a_skipped_tier():
   script = (REPO / ".ci" / "run").read_text()
   build = re.search(r"timeout (\d+) nice -n 19 python -m pip wheel [^\n]*requirements-llm[^\n]*\\\n[^\n]*&\n", script)
   assert build, "the llama.cpp wheel is built in the background"
-  bound = int(build[1])
-  # The build took 590 s to 12 min on loaded 2-core machines (348 s here, session 15) and runs
-  # beside the core install; the whole CI must stay under 30 min.
-  assert 900 <= bound <= 1500, bound
+  # The tests leave the nice-19 build little CPU (it took 590 s to 20 min on loaded 2-core
+  # machines), so its bound counts from the tests' end: a few minutes more at full speed (2 min
+  # 20 s on a quiet machine), then its process group (timeout's) is stopped; the whole CI must
+  # stay under 30 min.
+  after = re.search(r'LLM_BUILD_AFTER_TESTS_S="\$\{LLM_BUILD_AFTER_TESTS_S:-(\d+)\}"', script)
+  assert after and 300 <= int(after[1]) <= 600, after
+  assert int(build[1]) >= 1800  # (the last resort, from the build's start)
+  assert 'kill -TERM -- "-$LLM_BUILD"' in script
   assert script.index("pip wheel") < script.index("pip install -q -r requirements.txt")
   assert "--find-links" in script and "-DLLAVA_BUILD=OFF" in script
   assert "CMAKE_BUILD_PARALLEL_LEVEL" in script
