@@ -59,9 +59,9 @@ def _jax_backend_initialized():
 
 # Many tests compile the same programs (the same episode at the same shapes, in the pytest workers
 # and in the CLI subprocesses they start): a persistent compilation cache shared by all of them
-# compiles each once per machine (BUILD_NOTES "Session 17": a warm cache cut test_first_stage's
-# slow tests from 100 s to 68 s). Bounded, so JAX's file lock guards it across processes; the
-# caller's own JAX_COMPILATION_CACHE_DIR wins.
+# compiles each once per machine (a warm cache cut test_first_stage's slow tests from 100 s to
+# 68 s). Bounded, so JAX's file lock guards it across processes; the caller's own
+# JAX_COMPILATION_CACHE_DIR wins.
 COMPILATION_CACHE = {"JAX_COMPILATION_CACHE_DIR": str(_REPO / ".pytest_cache" / "jax_compilation"),
                      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                      "JAX_COMPILATION_CACHE_MAX_SIZE": str(2 << 30)}

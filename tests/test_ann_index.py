@@ -156,7 +156,7 @@ def test_memory_with_an_ann_index_retrieves_learns_and_saves(tmp_path, index):
 @pytest.mark.parametrize("index", ["faiss_hnsw", "faiss_ivf"])
 def test_a_scoped_search_that_finds_fewer_rows_than_the_scope_holds_answers_none(index):
   # None: the bank searches that batch exactly on the device (masked per scope), so a query
-  # always gets min(k, rows of its scopes) candidates (issue 31 item 2).
+  # always gets min(k, rows of its scopes) candidates.
   rng = np.random.default_rng(12)
   opts = {"faiss_hnsw": {"ef_search": 8, "hnsw_m": 4},
           "faiss_ivf": {"nlist": 16, "nprobe": 1, "train_factor": 4}}[index]

@@ -1,4 +1,4 @@
-"""Issue 28: the answer-grounded critic, its support features, and episodes that learn from it."""
+"""The answer-grounded critic, its support features, and episodes that learn from it."""
 import jax
 import jax.numpy as jnp
 import numpy as np

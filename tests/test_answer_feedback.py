@@ -1,6 +1,6 @@
-"""Issue 28, the live API: feedback from the agent's answer (`Session.feedback(answer=...)`,
-`AnswerFeedback` as `recall`'s critic, the MCP server's `cite(answer=...)`), labelled by the same
-answer rule as the benchmarks (`ear_jax.core.critic.answer_critic`, `ANSWER_DEFAULTS`)."""
+"""The live API: feedback from the agent's answer (`Session.feedback(answer=...)`, `AnswerFeedback`
+as `recall`'s critic, the MCP server's `cite(answer=...)`), labelled by the same answer rule as the
+benchmarks (`ear_jax.core.critic.answer_critic`, `ANSWER_DEFAULTS`)."""
 import jax
 import numpy as np
 import pytest

@@ -1,5 +1,5 @@
 """LoCoMo's official answer F1 (normalisation, Porter stems, per-category rules), BLEU-1, and the
-abstention rules, on hand-worked examples (issue 11)."""
+abstention rules, on hand-worked examples."""
 import math
 
 import pytest

@@ -122,8 +122,8 @@ def test_foreign_checkpoint_directory_is_a_clear_error_and_is_left_alone(setup, 
 
 def test_final_adapter_is_replaced_atomically_and_only_training_checkpoints_have_positions(
     tmp_path):
-  """Issue 20 item 10: `save_adapter` keeps one small step (a rerun replaces it); asking such a
-  workdir for an intermediate position names the flag that would have written it."""
+  """`save_adapter` keeps one small step (a rerun replaces it); asking such a workdir for an
+  intermediate position names the flag that would have written it."""
   from ear_jax.core import adapter as adapter_lib
   config = ex.build_config("ear", dim=8, num_candidates=20)
   store = tmp_path / "wd" / "runs" / "ear" / run_checkpoints.ADAPTER_DIR

@@ -1,7 +1,7 @@
-"""Deletes and updates while memories are shown (issue 31 item 3): a critic that deletes or updates
-a shown memory inside `recall`, and a thread deleting while another loops `search` / `recall`,
-never crash; the answer leaves deleted memories out (`Recall.dropped` names them) and shows updated
-ones as they are now; a session a delete dropped says so, and `search` opens no session."""
+"""Deletes and updates while memories are shown: a critic that deletes or updates a shown memory
+inside `recall`, and a thread deleting while another loops `search` / `recall`, never crash; the
+answer leaves deleted memories out (`Recall.dropped` names them) and shows updated ones as they are
+now; a session a delete dropped says so, and `search` opens no session."""
 import threading
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""The answer critic with an agent's own answers (issue 28, 2(b)): `experiment.agent_answers` and
+"""The answer critic with an agent's own answers: `experiment.agent_answers` and
 `experiments.critic_eval --answers=llm`."""
 import json
 import os

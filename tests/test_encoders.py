@@ -140,9 +140,9 @@ def test_cache_shard_from_another_model_is_an_error(tmp_path):
 
 def test_each_shard_is_read_once_per_process_and_other_processes_shards_are_seen(tmp_path,
                                                                                monkeypatch):
-  """A live memory encodes one question per call: the cache must not re-read its directory each
-  time (session 16 measured 0.3 s per call over a 154 MB cache), yet must see a shard another
-  process wrote since, and still refuse one of another model."""
+  """A live memory encodes one question per call: the cache must not re-read its directory each time
+  (0.3 s per call was measured over a 154 MB cache), yet must see a shard another process wrote
+  since, and still refuse one of another model."""
   enc = _FakeEncoder("a")
   encoders.encode(enc, [f"t{i}" for i in range(5)], cache_dir=tmp_path, progress=False)
   encoders.encode(enc, ["u"], cache_dir=tmp_path, progress=False)

@@ -1,5 +1,5 @@
-"""Tests for the first stage (issue 18): BM25 on bm25s, the generator registry (dense / bm25 /
-hybrid), the side features, and EAR's side term `z = q~.m~ + w . f` (`core.adapter.relevance`)."""
+"""Tests for the first stage: BM25 on bm25s, the generator registry (dense / bm25 / hybrid), the
+side features, and EAR's side term `z = q~.m~ + w . f` (`core.adapter.relevance`)."""
 import dataclasses
 import json
 import pathlib

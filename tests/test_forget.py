@@ -1,6 +1,6 @@
-"""`Memory.delete` (issue 19 item 4, issue 29): a deleted memory never comes back, in results,
-sessions, queued items, the replay buffer, a reopened memory, or the bytes of any file of the
-memory directory (`rows.sqlite` and its journal, the learner's Orbax steps, the faiss index)."""
+"""`Memory.delete`: a deleted memory never comes back, in results, sessions, queued items, the
+replay buffer, a reopened memory, or the bytes of any file of the memory directory (`rows.sqlite`
+and its journal, the learner's Orbax steps, the faiss index)."""
 import contextlib
 import json
 import pathlib

@@ -1,10 +1,10 @@
 """Hostile conditions for ear_jax/io/checkpoints.py, with real processes: saves killed with SIGKILL
-at random moments, two processes saving to one directory, a reader during saves, and a restore
-in a fresh interpreter (of a good and a corrupted checkpoint) that must print no asyncio "Event loop
-is closed" noise nor tracebacks; bit flips in a step's metadata. Then a memory directory (issue 29):
-a row changed outside ear_jax (its SHA-256), a truncated or foreign `rows.sqlite`, a tampered or
-truncated learner item, a learner item naming more rows than the table and an unknown format are
-refused naming the file (and the memory); a reopened ANN memory retrieves exactly what it did."""
+at random moments, two processes saving to one directory, a reader during saves, and a restore in a
+fresh interpreter (of a good and a corrupted checkpoint) that must print no asyncio "Event loop is
+closed" noise nor tracebacks; bit flips in a step's metadata. Then a memory directory: a row changed
+outside ear_jax (its SHA-256), a truncated or foreign `rows.sqlite`, a tampered or truncated learner
+item, a learner item naming more rows than the table and an unknown format are refused naming the
+file (and the memory); a reopened ANN memory retrieves exactly what it did."""
 import inspect
 import json
 import multiprocessing
@@ -265,8 +265,8 @@ def test_checkpoints_written_before_metadata_digests_still_load(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# A memory directory (issue 29): `rows.sqlite` (every row with its SHA-256) and the learner item
-# (`learner/`, one CheckpointStore step).
+# A memory directory: `rows.sqlite` (every row with its SHA-256) and the learner item (`learner/`,
+# one CheckpointStore step).
 
 def _mem_config(**kw):
   from ear_jax.agent.memory import MemoryConfig  # pylint: disable=g-import-not-at-top

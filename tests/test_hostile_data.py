@@ -1,4 +1,4 @@
-"""Hostile input (issue 10, items 5 and 6): every error names the file (the line for JSONL) and the field."""
+"""Hostile input: every error names the file (the line for JSONL) and the field."""
 import json
 import types
 
@@ -212,7 +212,7 @@ def test_encode_still_encodes_valid_unicode(tmp_path):
   assert emb.shape == (3, 4)
 
 
-# ------------------------------------------------- precomputed embeddings (issue 20, item 3)
+# --------------------------------------------------------------------------- precomputed embeddings
 
 _TEXTS = ["alpha", "beta", "gamma"]
 
@@ -287,7 +287,7 @@ def test_jsonl_bank_with_huge_precomputed_embeddings_gives_unit_rows(tmp_path):
 
 
 def test_a_missing_benchmark_file_is_a_usage_error_saying_where_to_put_it(tmp_path, monkeypatch):
-  """Issue 20 item 13: every program that takes the data flags refuses a missing file up front."""
+  """Every program that takes the data flags refuses a missing file up front."""
   monkeypatch.delenv("EAR_DATA_DIR", raising=False)
   flags = types.SimpleNamespace(benchmark=types.SimpleNamespace(value="locomo"),
                                 data_dir=types.SimpleNamespace(value=str(tmp_path / "nowhere")))
@@ -296,8 +296,8 @@ def test_a_missing_benchmark_file_is_a_usage_error_saying_where_to_put_it(tmp_pa
 
 
 def test_a_usage_error_prints_its_message_without_the_flag_help(capsys):
-  """Issue 20 item 13: `cli.run` turns absl's help dump (module docstring + every flag) into one
-  message on stderr and the error's exit code."""
+  """`cli.run` turns absl's help dump (module docstring + every flag) into one message on stderr
+  and the error's exit code."""
   from experiments import cli
 
   def main(argv):
@@ -313,7 +313,7 @@ def test_a_usage_error_prints_its_message_without_the_flag_help(capsys):
 
 @pytest.mark.slow
 def test_the_run_command_with_a_missing_data_file_prints_a_short_error(tmp_path):
-  """Issue 20 item 13, end to end: no flag help, no traceback, exit code 1, nothing written."""
+  """End to end: no flag help, no traceback, exit code 1, nothing written."""
   import os
   import pathlib
   import subprocess

@@ -1,4 +1,4 @@
-"""Hostile endpoints and hostile input for the LLM client and critic (issue 10, item 4).
+"""Hostile endpoints and hostile input for the LLM client and critic.
 
 Every server is a loopback (127.0.0.1) `ChatServer` from tests/llm_fakes.py; every timeout is
 short, so no test can hang.
@@ -304,7 +304,7 @@ def test_critique_labels_match_the_parser_on_random_replies(server):
 
 
 # ------------------------------------------------------------------------------------------------
-# the local llama.cpp server dies with the process that started it (issue 20, item 7)
+# the local llama.cpp server dies with the process that started it
 
 # Started as `python -c _STARTER mode log gguf [fake server code]`: starts a `LlamaServer` (from a
 # thread that then exits, with mode "thread"), prints "READY <port> <pid of server.process>" and

@@ -550,7 +550,7 @@ def test_200_open_close_cycles_keep_the_process_from_growing(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# embeddings of any magnitude; non-real embeddings refused (issue 20, item 3)
+# embeddings of any magnitude; non-real embeddings refused
 
 
 @pytest.mark.parametrize("scale", [1e20, 1e30, 1e-25, 1e300, 1e-300])
@@ -614,7 +614,7 @@ def test_embeddings_beyond_float64_are_refused_as_non_finite():
 
 
 # ------------------------------------------------------------------------------------------------
-# default ids beside explicit ones; messages that say what is wrong (issue 20, item 6)
+# default ids beside explicit ones; messages that say what is wrong
 
 
 def test_default_ids_skip_explicit_ids_of_the_same_form():
@@ -646,7 +646,7 @@ def test_a_count_mismatch_is_reported_as_a_count_not_a_dimension():
 
 
 # ------------------------------------------------------------------------------------------------
-# a float64 run keeps its float dtype (issue 20, item 8)
+# a float64 run keeps its float dtype
 
 
 @pytest.mark.slow  # an x64 compile of one training step: ~5 s

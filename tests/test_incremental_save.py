@@ -1,7 +1,7 @@
-"""Durability of a memory directory (issue 29): every add / update / delete is one SQLite
-transaction, durable when it returns; `save` writes only the learner item; a process killed with
-SIGKILL at any write point (or at random moments of a loop of writes) loses nothing acknowledged,
-leaves the last saved learner item or the one being saved, and the directory opens cleanly."""
+"""Durability of a memory directory: every add / update / delete is one SQLite transaction, durable
+when it returns; `save` writes only the learner item; a process killed with SIGKILL at any write
+point (or at random moments of a loop of writes) loses nothing acknowledged, leaves the last saved
+learner item or the one being saved, and the directory opens cleanly."""
 import hashlib
 import pathlib
 import random

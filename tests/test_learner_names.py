@@ -1,5 +1,5 @@
 """The learner item saves the learner state as its named pytree and restores it by name against
-the abstract state of the config (issue 19 item 6): a leaf that does not fit is refused, named."""
+the abstract state of the config: a leaf that does not fit is refused, named."""
 import jax
 import numpy as np
 import pytest

@@ -190,7 +190,7 @@ def test_a_port_already_in_use_is_an_error_never_taken_for_our_server(gguf, tmp_
 
 
 # ------------------------------------------------------------------------------------------------
-# processes the server forked stop with it (issue 31, item 9)
+# processes the server forked stop with it
 
 
 def _alive(pid: int) -> bool:

@@ -1,8 +1,7 @@
-"""Hostile conditions for the MCP server (issue 29; issue 31, items 6, 7, 8): kill -9 right after
-an acknowledged `remember` / `forget`, a second server on one memory directory, wrong JSON types on
-every tool, a forged Host header on a loopback address other than 127.0.0.1, and raw stdio bytes a
-well-behaved client never sends (a lone surrogate, `params` that is not an object, invalid
-UTF-8)."""
+"""Hostile conditions for the MCP server: kill -9 right after an acknowledged `remember` / `forget`,
+a second server on one memory directory, wrong JSON types on every tool, a forged Host header on a
+loopback address other than 127.0.0.1, and raw stdio bytes a well-behaved client never sends (a lone
+surrogate, `params` that is not an object, invalid UTF-8)."""
 import json
 import os
 import queue
@@ -24,7 +23,7 @@ from tests.test_mcp_server import FACTS, _run, _service  # pylint: disable=wrong
 
 
 # --------------------------------------------------------------------------------------------------
-# item 7: JSON values of the wrong type are refused, never coerced
+# JSON values of the wrong type are refused, never coerced
 
 
 def test_k_that_is_not_a_json_integer_is_a_tool_error_never_coerced():
@@ -117,7 +116,7 @@ def test_forged_host_on_another_loopback_address_is_refused(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# item 8: stdio answers every request with an id, whatever its bytes
+# stdio answers every request with an id, whatever its bytes
 
 
 class _RawStdio:
@@ -220,7 +219,7 @@ def test_stdio_lines_the_sdk_cannot_read_get_json_rpc_errors_naming_the_problem(
 
 
 # --------------------------------------------------------------------------------------------------
-# issue 29: every acknowledged write is durable; issue 31 item 6: one server per memory directory
+# every acknowledged write is durable; one server per memory directory
 
 
 def _tool(srv, rid, name, arguments):

@@ -1,8 +1,8 @@
-"""The MCP server (issue 22, `ear_jax/agent/mcp_server.py`, `ear_jax/agent/mcp_cli.py`), driven by
-the `mcp` SDK's own client: in memory (fast tier, a hashing encoder), and over stdio / HTTP with a
-real subprocess and the MiniLM encoder (slow): the scripted LoCoMo agent's citations raise the
-held-out Recall@5 of `search`, a restart keeps the memories and the learner, hostile input never
-stops the server."""
+"""The MCP server (`ear_jax/agent/mcp_server.py`, `ear_jax/agent/mcp_cli.py`), driven by the `mcp`
+SDK's own client: in memory (fast tier, a hashing encoder), and over stdio / HTTP with a real
+subprocess and the MiniLM encoder (slow): the scripted LoCoMo agent's citations raise the held-out
+Recall@5 of `search`, a restart keeps the memories and the learner, hostile input never stops the
+server."""
 import asyncio
 import hashlib
 import json

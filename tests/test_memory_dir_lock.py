@@ -1,7 +1,7 @@
-"""A memory directory is used by one process at a time (issue 31 item 6, issue 29): `Memory.open`
-(and the `save` that binds an in-memory memory to a directory) takes its owner lock; a second
-process (a second MCP server on one `--memory_dir`) is refused, naming the first one's pid, until
-the first closes the memory or dies (even by SIGKILL)."""
+"""A memory directory is used by one process at a time: `Memory.open` (and the `save` that binds an
+in-memory memory to a directory) takes its owner lock; a second process (a second MCP server on one
+`--memory_dir`) is refused, naming the first one's pid, until the first closes the memory or dies
+(even by SIGKILL)."""
 import inspect
 import os
 import signal

@@ -288,7 +288,7 @@ def test_a_live_memory_with_one_scope_per_conversation_slates_the_pipeline_candi
       assert (np.diff(f0) <= 1e-5).all(), (bench.query_ids[i], slate.ids, want)
 
 
-# -- features='context' (issue 27, session 17) ---------------------------------------------------
+# -- features='context' ---------------------------------------------------------------------------
 SPEAKERS = ("Alice", "Bob", "Carol")
 
 

@@ -1,8 +1,8 @@
-"""The parts of a query's life in `Memory`, through the public API (issue 29): a `Session`'s rounds
-and when it goes to the learner, eviction, the learner queue across a save, the bank's capacity
-and the faiss searcher's scope selectors; and that `Memory`'s training is the core's (one query
-and one experience per question, as `run_episode`). The device bank's pure functions are tested
-in tests/test_device_bank.py, the table in tests/test_table.py."""
+"""The parts of a query's life in `Memory`, through the public API: a `Session`'s rounds and when it
+goes to the learner, eviction, the learner queue across a save, the bank's capacity and the faiss
+searcher's scope selectors; and that `Memory`'s training is the core's (one query and one experience
+per question, as `run_episode`). The device bank's pure functions are tested in
+tests/test_device_bank.py, the table in tests/test_table.py."""
 from __future__ import annotations
 
 import jax

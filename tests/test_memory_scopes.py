@@ -1,6 +1,6 @@
-"""Scopes, dates, `update` and `list` of `Memory` (issue items 3 and 4, issue 29): a scoped query's
-candidates come only from its scopes (exact, ANN, BM25 / hybrid; single store or multistore), one
-adapter learns across scopes, and scopes and dates survive a reopen (a tampered one is refused)."""
+"""Scopes, dates, `update` and `list` of `Memory`: a scoped query's candidates come only from its
+scopes (exact, ANN, BM25 / hybrid; single store or multistore), one adapter learns across scopes,
+and scopes and dates survive a reopen (a tampered one is refused)."""
 import hashlib
 import sqlite3
 
@@ -178,7 +178,7 @@ SMALL_SCOPE_INDEXES = [
 @pytest.mark.parametrize("stage", SMALL_SCOPE_INDEXES, ids=lambda s: s["index"])
 def test_a_small_scope_of_a_large_ann_bank_gets_all_its_memories(stage):
   # Scopes of 5 and 60 among 600 memories: the selector-filtered graph / probed lists reach few
-  # of their rows, so the query goes to the exact device search (issue 31 item 2).
+  # of their rows, so the query goes to the exact device search.
   rng = np.random.default_rng(11)
   m = Memory(None, config=_config(), **stage)
   m.add(_texts(rng, 600), embeddings=rng.normal(size=(600, D)), scope="big")

@@ -1,4 +1,4 @@
-"""Two local processes on JAX's distributed runtime (issue 23): a suite and the sharded search.
+"""Two local processes on JAX's distributed runtime: a suite and the sharded search.
 
 Each slow test starts 2 Python processes with `jax.distributed` (coordinator on 127.0.0.1 at a free
 port, gloo CPU collectives, one CPU device each), waits for both with a deadline and kills and reaps

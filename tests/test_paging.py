@@ -1,4 +1,4 @@
-"""Paging, explorer-assisted inference's test-time baseline (`retrieval.paging_slate`, issue 27)."""
+"""Paging, explorer-assisted inference's test-time baseline (`retrieval.paging_slate`)."""
 import dataclasses
 import functools
 

@@ -1,6 +1,6 @@
-"""Paging as the test-time baseline in the tables (issue 27, deliverable 3): every run summary
-carries the paging means, and every explorer-assisted row of the main, ablation, beyond and
-first-stage tables gets its two paging neighbours right below it, paired per seed with it.
+"""Paging as the test-time baseline in the tables: every run summary carries the paging means, and
+every explorer-assisted row of the main, ablation, beyond and first-stage tables gets its two paging
+neighbours right below it, paired per seed with it.
 
 Fast: the suites run on hand-made run summaries (a fake `Runner`, plots switched off); the real
 runs are covered by the suites' own slow tests.

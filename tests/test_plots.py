@@ -1,5 +1,5 @@
-"""Tests of ear_jax/experiment/plots.py: the legend says what the error bars are (issue 20, item 13:
-the QA plot claimed '95 % t-interval over seeds' for bars of one value each)."""
+"""Tests of ear_jax/experiment/plots.py: the legend says what the error bars are (the QA plot
+must not claim '95 % t-interval over seeds' for bars of one value each)."""
 import numpy as np
 import pytest
 

@@ -1,4 +1,4 @@
-"""QA from selected memories (issue 11): the answer prompt, the judges and their verdict parsing, and
+"""QA from selected memories: the answer prompt, the judges and their verdict parsing, and
 the answer -> F1 / BLEU-1 -> judge pipeline against a fake OpenAI-compatible server (bad / missing
 server, empty and garbage replies, a resumed run)."""
 import json

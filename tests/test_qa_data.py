@@ -1,5 +1,5 @@
-"""Gold answers and session dates loaded with the queries (issue 11): LoCoMo and LongMemEval, with
-clear errors for malformed answer / date fields."""
+"""Gold answers and session dates loaded with the queries: LoCoMo and LongMemEval, with clear
+errors for malformed answer / date fields."""
 import copy
 import json
 

@@ -1,4 +1,4 @@
-"""End to end with the real local LLM (issue 11): start llama.cpp's server with the SmolLM2-135M GGUF
+"""End to end with the real local LLM: start llama.cpp's server with the SmolLM2-135M GGUF
 (`LlamaServer`), then answer, judge and critique three LoCoMo questions from slates holding their
 gold turns. Slow tier; skipped (with the reason printed) when the LLM extra is not installed."""
 import pytest

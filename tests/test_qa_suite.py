@@ -1,6 +1,6 @@
 """`--suite=qa` end to end on one LoCoMo conversation against a fake OpenAI-compatible server: the
 answers come from each run's own final slates, the tables and results.json are written, a resumed
-run costs no LLM call, and slates that do not reproduce the run's Recall@5 are refused (issue 11).
+run costs no LLM call, and slates that do not reproduce the run's Recall@5 are refused.
 Slow tier: it trains the methods (about a minute)."""
 import json
 

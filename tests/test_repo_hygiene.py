@@ -77,8 +77,8 @@ def test_the_checker_allows_portable_paths(line):
   assert not machine_paths(line), line
 
 
-# Numbered work history in source ("issue 27", "session 16", "BUILD_NOTES, ..."): the code says what
-# it does; history lives in git.
+# Numbered work history in source (an issue or a session cited by its number, a pointer to the
+# build notes): the code says what it does; history lives in git.
 HISTORY = re.compile(r"\b(?:[Ii]ssue|[Ss]ession) \d+\b(?! (?:of|holds|is|was|has|opened))|BUILD_NOTES")
 
 

@@ -205,9 +205,9 @@ def _dir_bytes(path):
 
 @pytest.mark.slow
 def test_a_default_run_writes_no_training_checkpoints_only_its_small_final_adapter(tmp_path):
-  """Issue 20 item 10: training checkpoints only when asked for; the final adapter is always kept
-  (small: the adapter alone), restorable, and equal to the last training checkpoint's adapter of
-  the same run made with --checkpoint_every (same numbers too: checkpoints change nothing)."""
+  """Training checkpoints only when asked for; the final adapter is always kept (small: the
+  adapter alone), restorable, and equal to the last training checkpoint's adapter of the same
+  run made with --checkpoint_every (same numbers too: checkpoints change nothing)."""
   from ear_jax.io import run_checkpoints
   opts = {k: v for k, v in TINY.items() if k != "checkpoint_every"}
   plain = suites.run(suites.Options(**dict(opts, workdir=str(tmp_path / "plain"), suite=None,

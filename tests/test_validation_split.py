@@ -1,4 +1,4 @@
-"""Issue 12's validation protocol: the split never touches a test query; sweeps equal single runs."""
+"""The validation protocol: the split never touches a test query; sweeps equal single runs."""
 import numpy as np
 import pytest
 
