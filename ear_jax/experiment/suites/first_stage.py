@@ -5,7 +5,8 @@
 chooses the hybrid fusion (`LEXICAL_WEIGHT_GRID`) by the frozen first stage's Recall@5 and the
 paper's `ear`'s `side_init` (`SIDE_INIT_GRID`) by adapter-only Recall@5 at K = 20, and says whether
 the library's defaults hold the chosen values (`ear_tuned`'s `side_init` is chosen on both
-benchmarks and every K by `side_init_tune`). `first_stage` (test split) compares per first stage in `GENERATORS_SHOWN` the frozen first stage with `ear` / `ear_tuned`,
+benchmarks and every K by `side_init_tune`). `first_stage` (test split) compares per first stage
+in `GENERATORS_SHOWN` the frozen first stage with `ear` / `ear_tuned`,
 paired per seed, each explorer-assisted row beside its paging neighbours.
 """
 from __future__ import annotations
@@ -52,13 +53,6 @@ def sub_runner(r: Runner, candidates: str, **options) -> Runner:
   return sub
 
 
-def _validation(r: Runner):
-  """`(fit [S, N], validation [S, V])` of every seed's training stream (never the test split)."""
-  r.bench()
-  train, _ = r._splits[False]  # pylint: disable=protected-access
-  return runner.validation_split(train)
-
-
 def first_stage_recall(r: Runner, index: np.ndarray) -> np.ndarray:
   """`[S]` Recall@5 (percent) of the frozen first stage's own top-5 on `index [S, V]`."""
   b = r.bench()
@@ -72,7 +66,7 @@ def tune_first_stage(r: Runner) -> dict:
     raise ValueError("first_stage_tune: LongMemEval_S is the transfer benchmark; this suite "
                      "tunes on LoCoMo only: use --benchmark=locomo")
   out = {"fusion": [], "side_init": []}
-  fit, val = _validation(r)
+  fit, val = r.validation_split()
   options = [("rrf", {"fusion": "rrf"})] + [
       (f"weighted {w}", {"fusion": "weighted", "lexical_weight": w}) for w in LEXICAL_WEIGHT_GRID]
   for name, over in [("dense", None), ("bm25", None)] + [("hybrid " + n, o) for n, o in options]:

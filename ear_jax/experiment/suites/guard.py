@@ -20,7 +20,7 @@ from ear_jax.core import guard as guard_lib
 from ear_jax.experiment import runner
 from ear_jax.experiment import stats
 from ear_jax.experiment import summaries
-from ear_jax.experiment.suites.first_stage import GENERATORS_SHOWN, _validation, sub_runner
+from ear_jax.experiment.suites.first_stage import GENERATORS_SHOWN, sub_runner
 from ear_jax.experiment.suites.pairing import DELTA_NOTE, fd, pair
 from ear_jax.experiment.suites.paper import fmt, md_table
 from ear_jax.experiment.suites.run_cache import Runner
@@ -43,7 +43,7 @@ def guard_rows(r: Runner, critic_name: str, critic_over: dict, hparam_over: dict
   """One `ear_safe` run on the fit part; every row's per-seed validation R@5 (percent)."""
   b = r.bench()
   stream = b.stream
-  fit, val = _validation(r)
+  fit, val = r.validation_split()
   m = runner.build_method(METHOD, dim=stream.dim, num_candidates=stream.num_candidates,
                           hparams={**r.opts.hparam_overrides, **hparam_over},
                           side_features=stream.num_side_features, **r.opts.config_overrides)

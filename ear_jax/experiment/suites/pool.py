@@ -76,8 +76,7 @@ def tune_pool(r: Runner) -> dict:
   for k in K_VALUES:
     sub = pool_runner(r, k)
     stream = sub.bench().stream
-    train, _ = sub._splits[False]  # pylint: disable=protected-access
-    fit, val = runner.validation_split(train)
+    fit, val = sub.validation_split()
     window = _window(stream)
     ceiling = summaries.ceiling(stream, val, 5, window).get(f"recall@{window}")
     for method, over in [("retriever", {})] + [(TUNED, {"loss_support": s}) for s in SUPPORTS]:

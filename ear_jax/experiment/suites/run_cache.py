@@ -89,6 +89,12 @@ class Runner:
       self._splits[multistore] = runner.seed_splits(b.num_queries, self.seeds)
     return self._benches[multistore]
 
+  def validation_split(self):
+    """`(fit [S, N], validation [S, V])` of every seed's training stream (`runner.validation_split`;
+    the test split is never in either)."""
+    self.bench()
+    return runner.validation_split(self._splits[False][0])
+
   def answer_bench(self, multistore: bool = False):
     """`bench(multistore)` with answer support from the gold answers (same queries and splits)."""
     if multistore not in self._answer_benches:

@@ -40,8 +40,7 @@ def tune_side_init(r: Runner) -> list:
       sub = Runner(dataclasses.replace(r.opts, benchmark=bench, k=k,
                                        workdir=str(r.workdir / f"{bench}_k{k}")))
       stream = sub.bench().stream
-      train, _ = sub._splits[False]  # pylint: disable=protected-access
-      fit, val = runner.validation_split(train)
+      fit, val = sub.validation_split()
       frozen = first_stage_recall(sub, val)
       for side_init in SIDE_INITS:
         methods = [runner.build_method(

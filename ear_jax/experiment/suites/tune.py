@@ -62,8 +62,7 @@ class _Tuner:
     self.r = r
     b = r.bench()
     self.stream = b.stream
-    train, _ = r._splits[False]  # pylint: disable=protected-access
-    self.fit, self.val = runner.validation_split(train)
+    self.fit, self.val = r.validation_split()
     self.dir = r.workdir / "tune"
     if r.writes:  # multi-process: process 0 alone writes the workdir
       self.dir.mkdir(parents=True, exist_ok=True)
@@ -293,7 +292,7 @@ def suite_tune(r: Runner) -> str:
 
 def t_fit_size(r: Runner) -> int:
   """Fit queries per seed of the validation protocol."""
-  fit, _ = runner.validation_split(r._splits[False][0])  # pylint: disable=protected-access
+  fit, _ = r.validation_split()
   return fit.shape[1]
 
 
