@@ -7,7 +7,6 @@ r"""Speed of ear_jax, measured against baselines measured in the same run.
   python -m experiments.bench --suite=server   # the MCP server under 16 concurrent HTTP clients
   python -m experiments.bench --suite=scopes   # a scoped search among 1M memories in 10k scopes
   python -m experiments.bench --suite=accelerator --data_dir=D --cache_dir=C   # the GPU column
-  python -m experiments.bench --suite=distributed --coordinator=... --num_processes=2 --process_id=I
 
 The default rows (`ear_jax.experiment.benchmarking`) run on a synthetic stream shaped like LoCoMo
 training: `scan`, `loop`, `numpy`, `seeds`, `roofline`, `inference`, `encode`, `memory` and
@@ -32,19 +31,14 @@ from ear_jax.core import episode
 from ear_jax.core import stream as stream_lib
 from ear_jax.core.config import EARConfig, default_hparams
 from ear_jax.experiment import benchmarking as bm
-from experiments import dist_flags
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 ROWS = ("scan", "loop", "numpy", "seeds", "inference", "encode", "memory", "suite")
 
-_SUITE = flags.DEFINE_enum("suite", "default", ["default", "scale", "distributed",
-                                                "first_stage", "server", "scopes", "accelerator"],
+_SUITE = flags.DEFINE_enum("suite", "default", ["default", "scale", "first_stage", "server",
+                                                "scopes", "accelerator"],
                            "Which benchmark: the default rows, memory at scale, the first stage, "
-                           "the MCP server under load, scoped search, the cross-process merge "
-                           "of the sharded search (run one process per --process_id with "
-                           "--coordinator), or the accelerator column.")
-_DIST_ROWS = flags.DEFINE_integer("distributed_rows", 1_000_000, "--suite=distributed: bank rows "
-                                  "(split over the processes).", lower_bound=2)
+                           "the MCP server under load, scoped search, or the accelerator column.")
 _SCALE_SIZES = flags.DEFINE_list("scale_sizes", ["1000", "10000", "100000", "1000000"],
                                  "--suite=scale: bank sizes.")
 _SCALE_PATHS = flags.DEFINE_list("scale_paths", ["exact", "bf16", "ivf", "ivf_clustered", "pq"],
@@ -140,7 +134,6 @@ _DATA_DIR = flags.DEFINE_string("data_dir", None, "Benchmark data for `suite` an
                                 "(default: $EAR_DATA_DIR or ../shared/data).")
 _SUITE_TIMEOUT = flags.DEFINE_integer("suite_timeout", 900, "Seconds before `suite` gives up.",
                                       lower_bound=1)
-_DIST = dist_flags.define()  # --coordinator (alias --coordinator_address), --num_processes, ...
 flags.register_validator("skip", lambda rows: set(rows) <= set(ROWS),
                          f"--skip takes a comma-separated subset of {', '.join(ROWS)}")
 flags.register_validator("dims", lambda dims: bool(dims) and all(d.isdigit() and int(d) > 0
@@ -158,9 +151,6 @@ TARGETS = {
 
 def main(argv):
   del argv
-  dist_flags.initialize(_DIST)
-  if _SUITE.value == "distributed":
-    return _distributed()
   if _SUITE.value == "scopes":
     return _scopes()
   if _ACCEL_MAKE_REFERENCE.value:
@@ -357,24 +347,6 @@ def _accelerator():
     print(f"wrote the '## GPU' section of {_ACCEL_MD.value}")
   elif _ACCEL_MD.value:
     print(f"{_ACCEL_MD.value} not written: the device is the CPU")
-  return 0
-
-
-def _distributed():
-  """`--suite=distributed` in every process; process 0 writes results/distributed/."""
-  from ear_jax.experiment import distributed_bench  # pylint: disable=g-import-not-at-top
-  quick = _QUICK.value
-  res = distributed_bench.run(m=20_000 if quick else _DIST_ROWS.value, dim=64 if quick else 384,
-                              batches=(1, 16) if quick else (1, 256), reps=2 if quick else 5)
-  if jax.process_index() != 0:
-    return 0
-  res["command"] = "python -m experiments.bench " + " ".join(sys.argv[1:])
-  out = pathlib.Path("results/distributed")
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "distributed.json").write_text(json.dumps(res, indent=1))
-  md = distributed_bench.table(res)
-  (out / "distributed.md").write_text(md + "\n")
-  print(md)
   return 0
 
 

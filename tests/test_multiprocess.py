@@ -1,4 +1,4 @@
-"""Two local processes on JAX's distributed runtime: a suite and the sharded search.
+"""Two local processes on JAX's distributed runtime run a suite as one process does.
 
 Each slow test starts 2 Python processes with `jax.distributed` (coordinator on 127.0.0.1 at a free
 port, gloo CPU collectives, one CPU device each), waits for both with a deadline and kills and reaps
@@ -8,11 +8,8 @@ both whatever happens, then compares their output with the same computation in o
   devices (2 + 1 after padding to 4): the per-run test evaluation (slates, recall, hitrate) and
   every integer log are bit-identical to a 1-process run, the float training losses are within
   1e-5 (each device vmaps 2 seeds instead of 3: float reassociation), and only process 0 writes.
-* `sharding.shard_bank_local` + `sharded_top_k_search` over a bank whose rows are split unevenly
-  between the processes (with exact ties across the split): the same rows and masks as
-  `retrieval.top_k_search` on the whole bank in one process, scores within 1e-5.
 
-Fast: the flag checks of `experiments.dist_flags` and `shard_bank_local` in one process.
+Fast: the flag checks of `experiments.dist_flags`.
 """
 import json
 import os
@@ -20,7 +17,6 @@ import pathlib
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 
 import numpy as np
@@ -137,74 +133,6 @@ def test_a_suite_on_two_processes_equals_one_process_and_only_process_0_writes(t
 
 # -- the sharded search ------------------------------------------------------------------------
 
-_SEARCH = textwrap.dedent("""
-    import json, sys
-    import numpy as np
-    from ear_jax.experiment import sharding
-    sharding.initialize_distributed(sys.argv[1], 2, int(sys.argv[2]))
-    import jax
-    from bank_case import bank_case
-    bank, valid, queries, split = bank_case()
-    p = jax.process_index()
-    rows = slice(0, split) if p == 0 else slice(split, len(bank))  # uneven: 600 + 401 rows
-    mesh = sharding.bank_mesh()
-    b, v, ids = sharding.shard_bank_local(bank[rows], valid[rows], mesh)
-    idx, scores, mask = sharding.sharded_top_k_search(queries, b, v, 20, mesh=mesh, row_ids=ids)
-    print("RESULT" + json.dumps(dict(
-        process=p, processes=jax.process_count(), devices=jax.device_count(),
-        local_rows=int(rows.stop - rows.start), global_rows=int(b.shape[0]),
-        idx=np.asarray(idx).tolist(), scores=np.asarray(scores).tolist(),
-        mask=np.asarray(mask).tolist())))
-""")
-
-
-def bank_case():
-  """`(bank [1001, 16], valid, queries [5, 16], split)`: exact ties across the split (rows 3, 500
-  on process 0, 900 on process 1) and a query equal to row 3."""
-  rng = np.random.default_rng(0)
-  bank = rng.normal(size=(1001, 16)).astype(np.float32)
-  bank /= np.linalg.norm(bank, axis=1, keepdims=True)
-  bank[500] = bank[3]
-  bank[900] = bank[3]
-  valid = rng.random(1001) < 0.9
-  valid[[3, 500, 900]] = True
-  queries = np.concatenate([bank[3:4], rng.normal(size=(4, 16)).astype(np.float32)])
-  return bank, valid, queries, 600
-
-
-def _result(stdout):
-  return json.loads([l for l in stdout.splitlines() if l.startswith("RESULT")][-1][6:])
-
-
-@pytest.mark.slow
-def test_search_over_a_bank_split_across_two_processes_equals_the_one_process_search(tmp_path):
-  from ear_jax.core import retrieval  # pylint: disable=g-import-not-at-top
-  (tmp_path / "bank_case.py").write_text(
-      "import numpy as np\n" + textwrap.dedent(_source(bank_case)))
-  script = tmp_path / "search.py"
-  script.write_text(f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\n" + _SEARCH)
-  results = launch_two(lambda pid, port: [sys.executable, str(script), f"127.0.0.1:{port}",
-                                          str(pid)], tmp_path, deadline_s=240)
-  _ok(results)
-  outs = [_result(r[1]) for r in results]
-  bank, valid, queries, _ = bank_case()
-  ref_idx, ref_scores, ref_mask = map(np.asarray, retrieval.top_k_search(queries, bank, valid,
-                                                                         k=20))
-  assert ref_idx[0][:3].tolist() == [3, 500, 900]  # the ties: lower row first
-  for out in outs:  # both processes hold the whole (replicated) answer
-    assert (out["processes"], out["devices"], out["global_rows"]) == (2, 2, 1200)  # 600 rows each (process 1 padded)
-    np.testing.assert_array_equal(np.asarray(out["idx"]), ref_idx)
-    np.testing.assert_array_equal(np.asarray(out["mask"]), ref_mask)
-    np.testing.assert_allclose(np.where(ref_mask, out["scores"], 0), np.where(ref_mask, ref_scores,
-                                                                                0), atol=1e-5)
-  assert [o["local_rows"] for o in outs] == [600, 401]
-
-
-def _source(fn) -> str:
-  import inspect  # pylint: disable=g-import-not-at-top
-  return inspect.getsource(fn)
-
-
 # -- fast: flags and the one-process case ------------------------------------------------------
 
 class _Flag:
@@ -229,17 +157,3 @@ def test_qa_and_resume_are_refused_in_a_multi_process_run():
   with pytest.raises(app.UsageError, match="--resume"):
     dist_flags.check_supported(suite="main", resume=True)
   dist_flags.check_supported(suite="main", resume=False)
-
-
-def test_shard_bank_local_in_one_process_equals_the_unsharded_search():
-  from ear_jax.core import retrieval  # pylint: disable=g-import-not-at-top
-  from ear_jax.experiment import sharding  # pylint: disable=g-import-not-at-top
-  bank, valid, queries, _ = bank_case()
-  bank, valid = bank[:50], valid[:50]
-  b, v, ids = sharding.shard_bank_local(bank, valid)
-  idx, scores, mask = sharding.sharded_top_k_search(queries, b, v, 8, row_ids=ids)
-  ref = retrieval.top_k_search(queries, bank, valid, k=8)
-  np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref[0]))
-  np.testing.assert_array_equal(np.asarray(mask), np.asarray(ref[2]))
-  with pytest.raises(ValueError, match=r"\[M_p, d\]"):
-    sharding.shard_bank_local(bank[0], valid)

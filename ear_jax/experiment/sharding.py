@@ -8,9 +8,8 @@ communicated; `R` is padded to a multiple of `D` by repeating the last run. On C
 `XLA_FLAGS=--xla_force_host_platform_device_count=4` gives four devices (`tests/test_sharding.py`).
 
 Several processes: call `initialize_distributed` first, then every process runs the same program.
-`SeedAxis` splits an experiment's seeds over all processes' devices, `is_primary` says which
-process writes files, and `shard_bank_local` builds a global bank for `sharded_top_k_search`
-(`tests/test_multiprocess.py`).
+`SeedAxis` splits an experiment's seeds over all processes' devices and `is_primary` says which
+process writes files (`tests/test_multiprocess.py`).
 """
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ear_jax.core import episode
 from ear_jax.core.config import EARConfig, HParams
 from ear_jax.core import critic as critic_lib
-from ear_jax.core import retrieval
 from ear_jax.core.stream import Stream
 
 RUN_AXIS = "runs"
@@ -216,125 +214,3 @@ def unsharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hpara
 
 _vmapped_episodes_jit = jax.jit(_vmapped_episodes,
                                 static_argnames=("config", "hparams_batched"))
-
-
-# --- candidate search over a bank sharded across devices ---
-
-BANK_AXIS = "bank"
-
-
-def bank_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-  """A 1-D `Mesh` with axis `'bank'` over `devices` (default: every device of every process)."""
-  devices = jax.devices() if devices is None else list(devices)
-  return Mesh(np.asarray(devices), (BANK_AXIS,))
-
-
-def shard_bank(bank: np.ndarray, valid: np.ndarray, mesh: Mesh):
-  """`(bank [M', d], valid [M'])` as global arrays split by rows over the mesh's `'bank'` axis.
-
-  `M'` is `M` rounded up to a multiple of the device count (padding rows invalid). Every process
-  passes the same host arrays.
-  """
-  bank, valid = np.asarray(bank), np.asarray(valid, bool)
-  num_dev = mesh.devices.size
-  padded = -(-bank.shape[0] // num_dev) * num_dev
-  pad = padded - bank.shape[0]
-  bank = np.pad(bank, ((0, pad), (0, 0)))
-  valid = np.pad(valid, (0, pad))
-  rows = NamedSharding(mesh, P(BANK_AXIS))
-  return _global_array(bank, rows), _global_array(valid, rows)
-
-
-def shard_bank_local(local_bank: np.ndarray, local_valid: np.ndarray,
-                     mesh: Optional[Mesh] = None):
-  """The global bank from the rows each process holds (a bank split across processes).
-
-  The bank is the processes' `local_bank [M_p, d]` / `local_valid [M_p]` concatenated in process
-  order; each process holds `R` rows (`max_p M_p` rounded up to its device count; padding invalid,
-  row id -1). A collective: every process calls it with the same `'bank'` mesh, in the same order.
-
-  Returns:
-    `(bank [P R, d], valid [P R], row_ids [P R] int32)`, global arrays split by rows over the mesh;
-    pass `row_ids` to `sharded_top_k_search`.
-  """
-  mesh = bank_mesh() if mesh is None else mesh
-  local_bank = np.asarray(local_bank)
-  local_valid = np.asarray(local_valid, bool)
-  if local_bank.ndim != 2 or local_valid.shape != local_bank.shape[:1]:
-    raise ValueError(f"local_bank must be [M_p, d] and local_valid [M_p], got {local_bank.shape} "
-                     f"and {local_valid.shape}")
-  num_local = len([d for d in mesh.devices.flat if d.process_index == jax.process_index()])
-  counts = np.asarray(_allgather_host(np.asarray([local_bank.shape[0]], np.int64))).reshape(-1)
-  rows = max(-(-int(counts.max()) // num_local) * num_local, num_local)
-  start = int(counts[:jax.process_index()].sum())
-  pad = rows - local_bank.shape[0]
-  ids = np.pad(np.arange(start, start + local_bank.shape[0], dtype=np.int32), (0, pad),
-               constant_values=-1)
-  by_rows = NamedSharding(mesh, P(BANK_AXIS))
-  size = rows * jax.process_count()
-
-  def put(x):
-    return jax.make_array_from_process_local_data(by_rows, x, (size,) + x.shape[1:])
-
-  return (put(np.pad(local_bank, ((0, pad), (0, 0)))), put(np.pad(local_valid, (0, pad))),
-          put(ids))
-
-
-def _allgather_host(x: np.ndarray) -> np.ndarray:
-  """`[P, ...]`: every process's `x` (one process: `x[None]`)."""
-  if jax.process_count() == 1:
-    return x[None]
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  return np.asarray(multihost_utils.process_allgather(x))
-
-
-@functools.lru_cache(maxsize=None)
-def _sharded_search_fn(mesh: Mesh, k: int, with_rows: bool = False):
-  """The jitted `shard_map` search: per-device top-K, all-gather, merge (built once per mesh, K)."""
-
-  def per_device(queries, bank, valid, *row_ids):
-    idx, vals, _ = retrieval.top_k_search(queries, bank, valid, k)
-    if with_rows:  # the held rows' global numbers (`shard_bank_local`)
-      idx = jnp.where(idx >= 0, row_ids[0][jnp.maximum(idx, 0)], -1)
-    else:
-      offset = jax.lax.axis_index(BANK_AXIS) * bank.shape[0]
-      idx = jnp.where(idx >= 0, idx + offset, -1)
-    # [D, n, K] from every device, in device order = ascending bank rows.
-    all_vals = jax.lax.all_gather(vals, BANK_AXIS)
-    all_idx = jax.lax.all_gather(idx, BANK_AXIS)
-    n = queries.shape[0]
-    all_vals = jnp.moveaxis(all_vals, 0, 1).reshape(n, -1)
-    all_idx = jnp.moveaxis(all_idx, 0, 1).reshape(n, -1)
-    vals, order = jax.lax.top_k(all_vals, k)  # equal scores: the lower device, i.e. lower row
-    idx = jnp.take_along_axis(all_idx, order, 1)
-    mask = vals > -jnp.inf
-    return jnp.where(mask, idx, -1).astype(jnp.int32), vals, mask
-
-  in_specs = (P(), P(BANK_AXIS), P(BANK_AXIS)) + ((P(BANK_AXIS),) if with_rows else ())
-  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=P(),
-                               check_vma=False))
-
-
-def sharded_top_k_search(queries, bank: jax.Array, valid: jax.Array, k: int, *,
-                         mesh: Optional[Mesh] = None, row_ids: Optional[jax.Array] = None):
-  """`retrieval.top_k_search` over a bank split by rows across devices (`shard_bank`).
-
-  Each device searches its rows, the `D` lists of K are all-gathered and merged by `lax.top_k`:
-  equal to the unsharded search exactly (rows, scores and tie order: equal scores go to the lower
-  row). Communication per query is `D K` pairs, independent of `M`. Dialogue-only.
-
-  Args:
-    queries: `[n, d]` unit queries (replicated).
-    bank, valid: `[M', d]` / `[M']` the global sharded bank and its mask.
-    k: `K`.
-    mesh: the mesh the bank was sharded with (default: `bank_mesh()`).
-    row_ids: `[M']` the global row of each held row (`shard_bank_local`); None: by position.
-
-  Returns:
-    `(index [n, K] int32 (-1 = padding), scores [n, K], mask [n, K])`, best first, replicated.
-  """
-  mesh = bank_mesh() if mesh is None else mesh
-  queries = _global_array(np.asarray(queries, np.float32), NamedSharding(mesh, P()))
-  if row_ids is None:
-    return _sharded_search_fn(mesh, int(k))(queries, bank, valid)
-  return _sharded_search_fn(mesh, int(k), True)(queries, bank, valid, row_ids)
