@@ -75,14 +75,23 @@ def block(x):
   return jax.block_until_ready(x)
 
 
+def timed(fn: Callable[[], object]) -> float:
+  """Seconds of one call of `fn`, its result waited for."""
+  t = time.perf_counter()
+  block(fn())
+  return time.perf_counter() - t
+
+
 def min_time(fn: Callable[[], object], reps: int) -> float:
   """The minimum over `reps` calls of `fn` (waited for), in seconds."""
-  best = float("inf")
-  for _ in range(reps):
-    t = time.perf_counter()
-    block(fn())
-    best = min(best, time.perf_counter() - t)
-  return best
+  return min(timed(fn) for _ in range(reps))
+
+
+def percentiles(seconds: Sequence[float]) -> dict:
+  """p50 / p90 / min in milliseconds, and the count, of timings in seconds."""
+  a = np.asarray(seconds) * 1e3
+  return {"p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
+          "min_ms": float(a.min()), "n": len(a)}
 
 
 def measure_peak(sizes: Sequence[int] = (768, 1024, 1536), reps: int = 3) -> dict:

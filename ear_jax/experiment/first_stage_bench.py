@@ -15,7 +15,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 from absl import logging
@@ -25,7 +25,7 @@ from ear_jax.agent.memory import bank as bank_lib
 from ear_jax.agent.memory import lexical_bank
 from ear_jax.core.config import EARConfig
 from ear_jax.data import first_stage
-from ear_jax.experiment import benchmarking
+from ear_jax.experiment import benchmarking as bm
 from ear_jax.experiment import scale_bench
 
 VOCAB = 50_000
@@ -55,18 +55,6 @@ def query_texts(n: int, seed: int = 1) -> list[str]:
           for _ in range(n)]
 
 
-def _pct(ts) -> dict:
-  a = np.asarray(ts) * 1e3
-  return {"p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
-          "min_ms": float(a.min()), "n": len(a)}
-
-
-def _timed(fn: Callable[[], object]) -> float:
-  t = time.perf_counter()
-  benchmarking.block(fn())
-  return time.perf_counter() - t
-
-
 def _blocks(m: int):
   return [(a, min(m, a + ADD_BATCH)) for a in range(0, m, ADD_BATCH)]
 
@@ -90,20 +78,19 @@ def _index_rows(m: int, dim: int, calls: int, qs, qt, bandwidth: dict) -> dict:
     row["index_build_s"] += time.perf_counter() - t
   for other in lexes.values():  # (one index and vocabulary, three first stages over them)
     other.vocab, other.index = lex.vocab, lex.index
-  benchmarking.block(device.emb)
+  bm.block(device.emb)
   ids = [lex.query_ids(t) for t in lexical_bank.tokenize(qt)]
   found = [lex.index.scores([i]) for i in ids]
   row["matching_mean"] = float(np.mean([len(f[0][0]) for f in found]))
-  row["bm25_host"] = _pct([_timed(lambda i=i: lex.index.scores([i])) for i in ids])
+  row["bm25_host"] = bm.percentiles([bm.timed(lambda i=i: lex.index.scores([i])) for i in ids])
   bank_lib.search(device, qs[:1], k=k, multistore=False)  # compile
-  row["dense"] = _pct([_timed(lambda i=i: bank_lib.search(device, qs[i:i + 1], k=k,
-                                                           multistore=False))
-                       for i in range(calls)])
+  row["dense"] = bm.percentiles([bm.timed(lambda i=i: bank_lib.search(
+      device, qs[i:i + 1], k=k, multistore=False)) for i in range(calls)])
   for name, searcher in lexes.items():
     call = lambda i, s=searcher: s.search(device, qs[i:i + 1], qt[i:i + 1], k)
     for i in range(calls):  # compile (once per power-of-two bucket of BM25 pairs)
       call(i)
-    row[name] = _pct([_timed(lambda i=i: call(i)) for i in range(calls)])
+    row[name] = bm.percentiles([bm.timed(lambda i=i: call(i)) for i in range(calls)])
   weighted = lexes["hybrid_weighted"]
   cycle = {"index_add_one": [], "hybrid_weighted_after_add": [], "index_delete_one": []}
   for j in range(calls + 1):  # add one, search, delete it; the first cycle compiles (untimed)
@@ -114,7 +101,7 @@ def _index_rows(m: int, dim: int, calls: int, qs, qt, bandwidth: dict) -> dict:
     t_add = time.perf_counter() - t
     device = bank_lib.write(device, [r], scale_bench.embeddings("random", r, r + 1, dim, m), [0],
                             [0])
-    t_search = _timed(lambda j=j: weighted.search(device, qs[j % calls:j % calls + 1],
+    t_search = bm.timed(lambda j=j: weighted.search(device, qs[j % calls:j % calls + 1],
                                                   qt[j % calls:j % calls + 1], k))
     t = time.perf_counter()
     lex.dead_terms([r])  # (for the table's transaction, as `Memory.delete`)
@@ -123,7 +110,7 @@ def _index_rows(m: int, dim: int, calls: int, qs, qt, bandwidth: dict) -> dict:
     if j:
       for key, v in zip(cycle, (t_add, t_search, time.perf_counter() - t)):
         cycle[key].append(v)
-  row.update({key: _pct(v) for key, v in cycle.items()})
+  row.update({key: bm.percentiles(v) for key, v in cycle.items()})
   row["bound_ms"] = m * dim * 4 / (bandwidth["gb_per_s"] * 1e9) * 1e3
   return row
 
@@ -142,7 +129,7 @@ def _memory_rows(m: int, dim: int, calls: int, qs, qt, candidates: str) -> dict:
   search = lambda i: mem.search(qt[i], k=5, query_embedding=qs[i])
   for i in range(calls):  # compile
     search(i)
-  row["search"] = _pct([_timed(lambda i=i: search(i)) for i in range(calls)])
+  row["search"] = bm.percentiles([bm.timed(lambda i=i: search(i)) for i in range(calls)])
   cycle = {"add_one": [], "search_after_add": [], "delete_one": [], "search_after_delete": []}
   for j in range(calls + 1):  # add one, search, delete it, search; the first cycle compiles
     r = m + j
@@ -150,15 +137,15 @@ def _memory_rows(m: int, dim: int, calls: int, qs, qt, candidates: str) -> dict:
     (new_id,) = mem.add(texts(r, r + 1, seed=3),
                         embeddings=scale_bench.embeddings("random", r, r + 1, dim, m))
     t_add = time.perf_counter() - t
-    t_after_add = _timed(lambda j=j: search(j % calls))
+    t_after_add = bm.timed(lambda j=j: search(j % calls))
     t = time.perf_counter()
     mem.delete([new_id])
     t_delete = time.perf_counter() - t
-    t_after_delete = _timed(lambda j=j: search((j + 1) % calls))
+    t_after_delete = bm.timed(lambda j=j: search((j + 1) % calls))
     if j:
       for key, v in zip(cycle, (t_add, t_after_add, t_delete, t_after_delete)):
         cycle[key].append(v)
-  row.update({key: _pct(v) for key, v in cycle.items()})
+  row.update({key: bm.percentiles(v) for key, v in cycle.items()})
   mem.close()
   return row
 

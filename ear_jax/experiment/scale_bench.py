@@ -16,7 +16,7 @@ import gc
 import pathlib
 import shutil
 import time
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ from absl import logging
 
 from ear_jax.agent.memory import Memory, MemoryConfig
 from ear_jax.core.config import EARConfig
-from ear_jax.experiment import benchmarking
+from ear_jax.experiment import benchmarking as bm
 
 # IVF: 512 lists, 8 probed (a query scans ~1/64 of the bank); one build thread.
 IVF = {"nlist": 512, "nprobe": 8, "build_threads": 1}
@@ -73,23 +73,11 @@ def measure_bandwidth(nbytes: float = 1.5e9, reps: int = 5) -> dict:
   """Memory bandwidth (GB/s) of a jitted `jnp.sum` over a resident float32 array."""
   x = jnp.ones((int(nbytes) // 4 // 384, 384), jnp.float32)
   f = jax.jit(jnp.sum)
-  benchmarking.block(f(x))
-  secs = benchmarking.min_time(lambda: f(x), reps)
+  bm.block(f(x))
+  secs = bm.min_time(lambda: f(x), reps)
   size = x.size * 4
   del x
   return {"gb_per_s": size / secs / 1e9, "bytes": size, "seconds": secs}
-
-
-def _pct(ts: Sequence[float]) -> dict:
-  a = np.asarray(ts) * 1e3
-  return {"p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
-          "min_ms": float(a.min()), "n": len(a)}
-
-
-def _timed(fn: Callable[[], object]) -> tuple[float, object]:
-  t = time.perf_counter()
-  out = benchmarking.block(fn())
-  return time.perf_counter() - t, out
 
 
 def _fill(mem: Memory, kind: str, m: int, dim: int) -> float:
@@ -103,7 +91,7 @@ def _fill(mem: Memory, kind: str, m: int, dim: int) -> float:
     mem.add(ids, ids=ids, embeddings=emb)
     total += time.perf_counter() - t
   q = queries(kind, 1, dim, m)[0]
-  return total + _timed(lambda: mem.search(query_embedding=q, k=1))[0]  # (the last async write)
+  return total + bm.timed(lambda: mem.search(query_embedding=q, k=1))  # (the last async write)
 
 
 def _exact_top_k(kind: str, qs: np.ndarray, m: int, dim: int, k: int) -> np.ndarray:
@@ -137,13 +125,13 @@ def _bench_persistence(mem: Memory, kind: str, m: int, dim: int, path: pathlib.P
   """Times the first save, saves after adding 1,000 and after nothing, opens (median), and on the
   opened memory `adds` x (add one memory, search)."""
   shutil.rmtree(path, ignore_errors=True)
-  out = {"save_first_s": _timed(lambda: mem.save(path))[0]}
+  out = {"save_first_s": bm.timed(lambda: mem.save(path))}
   added, empty = [], []
   for i in range(reps):
     extra = embeddings(kind, m + 1000 * i, m + 1000 * (i + 1), dim, m)
     mem.add([f"x{i}_{j}" for j in range(1000)], embeddings=extra)
-    added.append(_timed(mem.save)[0])
-    empty.append(_timed(mem.save)[0])
+    added.append(bm.timed(mem.save))
+    empty.append(bm.timed(mem.save))
   out.update(save_after_1000_s=float(np.median(added)), save_after_1000_all_s=added,
              save_nothing_added_s=float(np.median(empty)), table_bytes=_size(path / "rows.sqlite"),
              learner_bytes=_size(path / "learner"))
@@ -157,13 +145,13 @@ def _bench_persistence(mem: Memory, kind: str, m: int, dim: int, path: pathlib.P
       back.close()
   out.update(load_s=float(np.median(loads)), load_all_s=loads, memories=len(back))
   q = queries(kind, 1, dim, m)[0]
-  out["first_search_after_open_s"] = _timed(lambda: back.search(query_embedding=q, k=5))[0]
+  out["first_search_after_open_s"] = bm.timed(lambda: back.search(query_embedding=q, k=5))
   t_add, t_search = [], []
   for i in range(adds):
     one = embeddings(kind, m + 10 * reps * 1000 + i, m + 10 * reps * 1000 + i + 1, dim, m)
-    t_add.append(_timed(lambda e=one, i=i: back.add([f"one{i}"], embeddings=e))[0])
-    t_search.append(_timed(lambda: back.search(query_embedding=q, k=5))[0])
-  out["add_one"], out["search_after_add_one"] = _pct(t_add), _pct(t_search)
+    t_add.append(bm.timed(lambda e=one, i=i: back.add([f"one{i}"], embeddings=e)))
+    t_search.append(bm.timed(lambda: back.search(query_embedding=q, k=5)))
+  out["add_one"], out["search_after_add_one"] = bm.percentiles(t_add), bm.percentiles(t_search)
   back.close()
   shutil.rmtree(path, ignore_errors=True)
   return out
@@ -188,8 +176,8 @@ def bench_path(name: str, m: int, dim: int, calls: int, batch: int, save_dir: Op
   k = config.num_candidates
   qs = queries(kind, max(calls, batch) + 1, dim, m)
   mem.search(query_embedding=qs[0], k=5)  # compile
-  row["search_b1"] = _pct([_timed(lambda q=q: mem.search(query_embedding=q, k=5))[0]
-                           for q in qs[:calls]])
+  row["search_b1"] = bm.percentiles([bm.timed(lambda q=q: mem.search(query_embedding=q, k=5))
+                                     for q in qs[:calls]])
   steps = lambda: mem.stats["learner_steps"]
   for q in qs[-config.batch_size:]:  # compile a round and the learner step (b sessions)
     s = mem.session(query_embedding=q)
@@ -210,13 +198,13 @@ def bench_path(name: str, m: int, dim: int, calls: int, batch: int, save_dir: Op
       t_step.append(time.perf_counter() - t)
     else:
       t_fb.append(time.perf_counter() - t)
-  row["round_b1"], row["feedback"] = _pct(t_round), _pct(t_fb)
-  row["feedback_learner_step"] = _pct(t_step) if t_step else None
-  row["learner_copy"] = _pct([_timed(lambda: mem.learner.params)[0] for _ in range(3)])
+  row["round_b1"], row["feedback"] = bm.percentiles(t_round), bm.percentiles(t_fb)
+  row["feedback_learner_step"] = bm.percentiles(t_step) if t_step else None
+  row["learner_copy"] = bm.percentiles([bm.timed(lambda: mem.learner.params) for _ in range(3)])
   qb = qs[:batch]
   mem.search(query_embedding=qb, k=5)  # compile
-  tb = [_timed(lambda: mem.search(query_embedding=qb, k=5))[0] for _ in range(2)]
-  row["search_batch"] = {"queries": batch, **_pct(tb),
+  tb = [bm.timed(lambda: mem.search(query_embedding=qb, k=5)) for _ in range(2)]
+  row["search_batch"] = {"queries": batch, **bm.percentiles(tb),
                          "queries_per_s": batch / float(np.median(tb))}
   read = m * dim * itemsize
   row["bound_b1_ms"] = read / (bandwidth["gb_per_s"] * 1e9) * 1e3
@@ -242,7 +230,7 @@ def run(sizes: Sequence[int], paths: Sequence[str], dim: int = 384, calls: int =
     raise ValueError(f"unknown scale paths {sorted(unknown)}; expected some of {list(PATHS)}")
   out = {"dim": dim, "calls": calls, "batch": batch, "sizes": list(sizes), "paths": list(paths)}
   out["bandwidth"] = measure_bandwidth(bandwidth_bytes)
-  out["peak"] = benchmarking.measure_peak(peak_sizes)
+  out["peak"] = bm.measure_peak(peak_sizes)
   logging.info("bandwidth %.1f GB/s, matmul peak %.1f GFLOP/s", out["bandwidth"]["gb_per_s"],
                out["peak"]["gflops"])
   rows = []
