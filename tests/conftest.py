@@ -60,11 +60,11 @@ def _jax_backend_initialized():
 # Many tests compile the same programs (the same episode at the same shapes, in the pytest workers
 # and in the CLI subprocesses they start): a persistent compilation cache shared by all of them
 # compiles each once per machine (a warm cache cut test_first_stage's slow tests from 100 s to
-# 68 s). Bounded, so JAX's file lock guards it across processes; the caller's own
-# JAX_COMPILATION_CACHE_DIR wins.
+# 68 s). Unbounded, as the library's own cache (`ear_jax.io.compilation_cache`): a size bound
+# makes JAX list and read every entry on each write (thousands of entries: minutes of a cold
+# run). The caller's own JAX_COMPILATION_CACHE_DIR wins.
 COMPILATION_CACHE = {"JAX_COMPILATION_CACHE_DIR": str(_REPO / ".pytest_cache" / "jax_compilation"),
-                     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                     "JAX_COMPILATION_CACHE_MAX_SIZE": str(2 << 30)}
+                     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
 def _use_compilation_cache():
@@ -75,7 +75,6 @@ def _use_compilation_cache():
     import jax  # pylint: disable=g-import-not-at-top
     jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE["JAX_COMPILATION_CACHE_DIR"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_compilation_cache_max_size", 2 << 30)
 
 
 def pytest_configure(config):

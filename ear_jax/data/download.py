@@ -22,14 +22,6 @@ class DownloadError(RuntimeError):
   """A benchmark file could not be fetched; the message says what to put where."""
 
 
-def _sha256(path) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    for chunk in iter(lambda: f.read(1 << 20), b""):
-      h.update(chunk)
-  return h.hexdigest()
-
-
 def fetch(url: str, dest, *, sha256: str | None = None, timeout: float = 60.0) -> pathlib.Path:
   """Downloads `url` to `dest` atomically, checking `sha256` when given.
 
