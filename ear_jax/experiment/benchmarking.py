@@ -272,25 +272,26 @@ def run_inference(dim: int, bank_sizes: Sequence[int], batches: Sequence[int], r
 
 
 # ------------------------------------------------------------------------------------------------
-def _locomo_turns(path: Optional[pathlib.Path], num_sentences: int) -> list:
+def locomo_turns(num: int, data_dir: Optional[str]) -> list[str]:
+  """`num` LoCoMo turns ('speaker: text'), or synthetic sentences without the data."""
+  path = pathlib.Path(data_dir) / "locomo10.json" if data_dir else None
   texts = []
   if path is not None and path.is_file():
     for conv in json.load(open(path)):
       for key, turns in conv["conversation"].items():
         if key.startswith("session_") and isinstance(turns, list):
           texts += [f"{t['speaker']}: {t['text']}" for t in turns]
-      if len(texts) >= num_sentences:
+      if len(texts) >= num:
         break
-  while len(texts) < num_sentences:
+  while len(texts) < num:
     texts.append(f"Speaker {len(texts)}: I went hiking with my dog near the lake last weekend.")
-  return texts[:num_sentences]
+  return texts[:num]
 
 
 def run_encode(num_sentences: int, data_dir: Optional[str]) -> dict:
   """MiniLM sentences/s on LoCoMo turns (synthetic sentences without the data), no cache."""
   from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
-  path = pathlib.Path(data_dir) / "locomo10.json" if data_dir else None
-  texts = _locomo_turns(path, num_sentences)
+  texts = locomo_turns(num_sentences, data_dir)
   try:
     enc = encoders.load_encoder("minilm")
   except Exception as e:  # pylint: disable=broad-except
@@ -301,8 +302,8 @@ def run_encode(num_sentences: int, data_dir: Optional[str]) -> dict:
   enc.encode_new(texts, progress=False)
   seconds = time.perf_counter() - t
   return {"status": "measured", "sentences_per_s": len(texts) / seconds, "seconds": seconds,
-          "num_sentences": len(texts), "source": "LoCoMo turns" if path and path.is_file()
-          else "synthetic sentences"}
+          "num_sentences": len(texts), "source": "LoCoMo turns" if data_dir and (
+              pathlib.Path(data_dir) / "locomo10.json").is_file() else "synthetic sentences"}
 
 
 def run_suite(repo: pathlib.Path, data_dir: Optional[str], timeout: int) -> dict:

@@ -24,22 +24,6 @@ QUESTIONS = [f"What did speaker {i} say about the trip to the lake with the dog?
              for i in range(64)]
 
 
-def _texts(num: int, data_dir: Optional[str]) -> list[str]:
-  """`num` LoCoMo turns ('speaker: text'), or synthetic sentences without the data."""
-  path = pathlib.Path(data_dir) / "locomo10.json" if data_dir else None
-  texts = []
-  if path is not None and path.is_file():
-    for conv in json.load(open(path)):
-      for key, turns in conv["conversation"].items():
-        if key.startswith("session_") and isinstance(turns, list):
-          texts += [f"{t['speaker']}: {t['text']}" for t in turns]
-      if len(texts) >= num:
-        break
-  texts += [f"Speaker {i}: I went hiking with my dog near the lake on day {i}."
-            for i in range(num - len(texts))]
-  return texts[:num]
-
-
 def _min_ms(fn, args) -> float:
   best = float("inf")
   for a in args:
@@ -54,7 +38,8 @@ def warm_search(num_memories: int = 50, reps: int = 20, data_dir: Optional[str] 
   from ear_jax.agent.memory import Memory, lexical_bank  # pylint: disable=g-import-not-at-top
   from ear_jax.agent.memory import bank as bank_lib  # pylint: disable=g-import-not-at-top
   from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
-  texts = _texts(num_memories, data_dir)
+  from ear_jax.experiment import benchmarking  # pylint: disable=g-import-not-at-top
+  texts = benchmarking.locomo_turns(num_memories, data_dir)
   enc = encoders.load_encoder("minilm")
   memory = Memory(encoder=enc)  # (MemoryConfig's defaults; the encoder named, so it is timed)
   memory.add(texts)
@@ -109,8 +94,9 @@ def _one_process(num_memories: int, data_dir: Optional[str]) -> None:
   """A fresh process's first search (`second_process`): prints one JSON line."""
   t0 = time.perf_counter()
   from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
+  from ear_jax.experiment import benchmarking  # pylint: disable=g-import-not-at-top
   memory = Memory()
-  memory.add(_texts(num_memories, data_dir))
+  memory.add(benchmarking.locomo_turns(num_memories, data_dir))
   t1 = time.perf_counter()
   memory.search(QUESTIONS[0])
   t2 = time.perf_counter()
