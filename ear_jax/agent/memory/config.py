@@ -33,6 +33,12 @@ PRESET_CHANGES = {
 # The candidate pool K of a memory whose `num_candidates` is None, by preset: chosen on LoCoMo
 # validation by `--suite=pool_tune` (RESULTS.md "Candidate pool K").
 PRESET_POOL = {"ear_safe": 100}
+
+
+def _preset_pool(method: str, num_candidates: Optional[int]) -> dict:
+  """`{"num_candidates": K}` of `PRESET_POOL` for a memory of `method` that sets no K, else {}."""
+  return {"num_candidates": PRESET_POOL[method]} if (
+      num_candidates is None and method in PRESET_POOL) else {}
 # The learner of a memory given no `method`, `config` nor `hparams` since presets
 # `DEFAULT_METHOD_SINCE`; before, the paper's defaults (`stored_config` pins those directories).
 DEFAULT_METHOD = "ear_safe"
@@ -201,9 +207,7 @@ class MemoryConfig:
                        "config=EARConfig(dim=...)")
     if self.method is not None or (config is None and hparams is None):  # (DEFAULT_METHOD)
       name = self.method or DEFAULT_METHOD
-      config, hparams = Method.named(name, dim=d)[1:3]
-      if self.num_candidates is None and name in PRESET_POOL:
-        config = dataclasses.replace(config, num_candidates=PRESET_POOL[name])
+      config, hparams = Method.named(name, dim=d, **_preset_pool(name, self.num_candidates))[1:3]
     if config is None:
       config = EARConfig(dim=d)
     if self.num_candidates is not None and self.num_candidates != config.num_candidates:
@@ -283,9 +287,7 @@ def stored_config(meta: dict) -> MemoryConfig:
       over.update(PRESET_CHANGES[version].get(method, {}))
   if not over:
     return cfg
-  if cfg.num_candidates is None and method in PRESET_POOL:  # (the pool it was written with)
-    over = {"num_candidates": PRESET_POOL[method], **over}
-  m = Method.named(method, dim=d, **over)
+  m = Method.named(method, dim=d, **{**_preset_pool(method, cfg.num_candidates), **over})
   return dataclasses.replace(cfg, method=None, config=m.config, hparams=m.hparams)
 
 
