@@ -272,11 +272,17 @@ def run_inference(dim: int, bank_sizes: Sequence[int], batches: Sequence[int], r
 
 
 # ------------------------------------------------------------------------------------------------
+def _locomo_file(data_dir: Optional[str]) -> Optional[pathlib.Path]:
+  """LoCoMo's file in `data_dir`, or None when there is none."""
+  path = pathlib.Path(data_dir) / "locomo10.json" if data_dir else None
+  return path if path is not None and path.is_file() else None
+
+
 def locomo_turns(num: int, data_dir: Optional[str]) -> list[str]:
   """`num` LoCoMo turns ('speaker: text'), or synthetic sentences without the data."""
-  path = pathlib.Path(data_dir) / "locomo10.json" if data_dir else None
+  path = _locomo_file(data_dir)
   texts = []
-  if path is not None and path.is_file():
+  if path is not None:
     for conv in json.load(open(path)):
       for key, turns in conv["conversation"].items():
         if key.startswith("session_") and isinstance(turns, list):
@@ -302,8 +308,8 @@ def run_encode(num_sentences: int, data_dir: Optional[str]) -> dict:
   enc.encode_new(texts, progress=False)
   seconds = time.perf_counter() - t
   return {"status": "measured", "sentences_per_s": len(texts) / seconds, "seconds": seconds,
-          "num_sentences": len(texts), "source": "LoCoMo turns" if data_dir and (
-              pathlib.Path(data_dir) / "locomo10.json").is_file() else "synthetic sentences"}
+          "num_sentences": len(texts),
+          "source": "LoCoMo turns" if _locomo_file(data_dir) else "synthetic sentences"}
 
 
 def run_suite(repo: pathlib.Path, data_dir: Optional[str], timeout: int) -> dict:

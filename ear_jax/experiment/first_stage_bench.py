@@ -102,7 +102,7 @@ def _index_rows(m: int, dim: int, calls: int, qs, qt, bandwidth: dict) -> dict:
     device = bank_lib.write(device, [r], scale_bench.embeddings("random", r, r + 1, dim, m), [0],
                             [0])
     t_search = bm.timed(lambda j=j: weighted.search(device, qs[j % calls:j % calls + 1],
-                                                  qt[j % calls:j % calls + 1], k))
+                                                    qt[j % calls:j % calls + 1], k))
     t = time.perf_counter()
     lex.dead_terms([r])  # (for the table's transaction, as `Memory.delete`)
     lex.delete([r])

@@ -33,16 +33,16 @@ PRESET_CHANGES = {
 # The candidate pool K of a memory whose `num_candidates` is None, by preset: chosen on LoCoMo
 # validation by `--suite=pool_tune` (RESULTS.md "Candidate pool K").
 PRESET_POOL = {"ear_safe": 100}
+# The learner of a memory given no `method`, `config` nor `hparams` since presets
+# `DEFAULT_METHOD_SINCE`; before, the paper's defaults (`stored_config` pins those directories).
+DEFAULT_METHOD = "ear_safe"
+DEFAULT_METHOD_SINCE = 3
 
 
 def _preset_pool(method: str, num_candidates: Optional[int]) -> dict:
   """`{"num_candidates": K}` of `PRESET_POOL` for a memory of `method` that sets no K, else {}."""
   return {"num_candidates": PRESET_POOL[method]} if (
       num_candidates is None and method in PRESET_POOL) else {}
-# The learner of a memory given no `method`, `config` nor `hparams` since presets
-# `DEFAULT_METHOD_SINCE`; before, the paper's defaults (`stored_config` pins those directories).
-DEFAULT_METHOD = "ear_safe"
-DEFAULT_METHOD_SINCE = 3
 
 
 @dataclasses.dataclass(frozen=True)
