@@ -1,12 +1,11 @@
 """ear_jax: Exploratory-Assimilating Reflection (EAR) for adaptive memory retrieval, in JAX.
 
 Pure functions over immutable pytree state; a whole online episode is one `lax.scan`, vmapped over
-seeds and hyperparameters. Callers `jax.jit` (the config is a static argument:
-`jax.jit(run_episode, static_argnames="config")`). This module is the table of contents of the
-method; everything else is reached through its subpackage (`ear_jax.core`, `ear_jax.data`,
-`ear_jax.io`, `ear_jax.index`, `ear_jax.agent`, `ear_jax.experiment`; importing this module
-imports no experiment code). README.md has the quick start and the design document the map from
-each paper equation to its function.
+seeds and hyperparameters. Callers `jax.jit` with the config static
+(`jax.jit(run_episode, static_argnames="config")`). This module is the method's table of contents;
+the rest is in its subpackages (`core`, `data`, `io`, `index`, `agent`, `experiment`; importing
+this module imports no experiment code). README.md has the quick start, the design document the
+map from each paper equation to its function.
 """
 from ear_jax.core.config import EARConfig, HParams, Method, default_hparams, stack_hparams
 from ear_jax.core.stream import Stream

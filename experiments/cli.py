@@ -1,8 +1,9 @@
-"""Running an experiment program: `absl.app.run`, but a usage error prints only its message.
-
-`run(main)` prints `<program>: error: <message>` and a pointer to `--helpshort` on stderr, instead
-of absl's full help before the message, and exits with code 1.
-"""
+"""What the experiment programs share: `run(main)` (`absl.app.run`, but a usage error prints
+`<program>: error: <message>` and a pointer to `--helpshort` instead of absl's full help, exit code
+1), the command line as run, and writing a JSON result."""
+import json
+import pathlib
+import shlex
 import sys
 
 from absl import app
@@ -32,3 +33,16 @@ def without_usage_dump(main):
 def run(main) -> None:
   """`absl.app.run(main)` without absl's help dump on a usage error raised in `main`."""
   app.run(without_usage_dump(main))
+
+
+def command(module: str) -> str:
+  """`python -m <module> <this process's arguments>`, shell-quoted (for results files)."""
+  return " ".join(shlex.quote(a) for a in ["python", "-m", module] + sys.argv[1:])
+
+
+def write_json(path, obj, **kwargs) -> pathlib.Path:
+  """Writes `json.dumps(obj, indent=1, **kwargs)` at `path` (folders created); returns the path."""
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(obj, indent=1, **kwargs))
+  return path

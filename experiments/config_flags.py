@@ -1,4 +1,4 @@
-"""Command-line flags generated from the fields of `EARConfig` and `HParams`.
+"""Command-line flags generated from the fields of `EARConfig` and `HParams` (and the critic's).
 
 One flag per field, its help the field's `Attributes:` entry (`EARConfig`) or comment (`HParams`),
 its bounds checked by absl validators, default None (the method's value). `SET_BY_DATA` fields are
@@ -15,6 +15,7 @@ from absl import flags
 
 from ear_jax.core import buffer
 from ear_jax.core import config as config_lib
+from ear_jax.core import critic as critic_lib
 from ear_jax.core import policies
 
 SET_BY_DATA = ("dim", "num_candidates", "side_features")
@@ -114,3 +115,15 @@ def define_hparam_flags(flag_values=flags.FLAGS) -> dict:
 def overrides(holders: dict) -> dict:
   """`{field: value}` of the flags that were set."""
   return {k: f.value for k, f in holders.items() if f.value is not None}
+
+
+def define_critic_flags() -> dict:
+  """--critic_precision / --critic_recall of the simulated critic (Appendix A.2; None: the
+  paper's): `{"precision" | "recall": FlagHolder}`."""
+  return {
+      "precision": flags.DEFINE_float(
+          "critic_precision", None, f"Simulated critic precision p (default "
+          f"{critic_lib.DEFAULT_PRECISION}).", lower_bound=0.0, upper_bound=1.0),
+      "recall": flags.DEFINE_float(
+          "critic_recall", None, f"Simulated critic recall r (default "
+          f"{critic_lib.DEFAULT_RECALL}).", lower_bound=0.0, upper_bound=1.0)}

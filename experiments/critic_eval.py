@@ -26,7 +26,6 @@ import tqdm
 
 from ear_jax.agent.llm.critic import DEFAULT_PROMPT, PROMPTS, LLMCritic, LLMCriticConfig
 from ear_jax.core.config import EARConfig, default_hparams
-from ear_jax.data import candidates
 from ear_jax.data import corpora as datasets
 from ear_jax.experiment import critic_eval
 from experiments import cli
@@ -89,10 +88,15 @@ def _rescore(path: pathlib.Path):
   n_gold = sum(any(s.gold) for s in slates)
   result["metrics"] = critic_eval.citation_metrics(slates, cited)
   result["metrics_gold_slates"] = critic_eval.citation_metrics(slates[:n_gold], cited[:n_gold])
-  path.write_text(json.dumps(result, indent=1, default=float))
+  cli.write_json(path, result, default=float)
   print(_summary(result["endpoint"]["model"], result["prompt"], result["constrained"], n_gold,
                  len(slates) - n_gold, result["metrics"], result["seconds_per_fresh_call"],
                  result["client_stats"]["cache_hits"], path))
+
+
+def _config(bench) -> EARConfig:
+  return EARConfig(dim=bench.stream.dim, num_candidates=_DATA.k.value,
+                   slate_size=min(5, _DATA.k.value))
 
 
 def _slates(bench, config, hparams):
@@ -156,17 +160,15 @@ def _generate_answers(bench, needed, path):
   from ear_jax.experiment import agent_answers  # pylint: disable=g-import-not-at-top
   from ear_jax.experiment.suites import qa as qa_suite  # pylint: disable=g-import-not-at-top
   kept = agent_answers.load_answers(path)["answers"] if path.is_file() else []
-  have = {a["query_id"]: a for a in kept
-          if a.get("status") == "ok" or a.get("status") == "empty"}
+  have = {a["query_id"]: a for a in kept if a.get("status") in ("ok", "empty")}
   todo = [n for n in needed if bench.query_ids[n] not in have or
           have[bench.query_ids[n]]["question"] != bench.query_texts[n]]
   corpus = datasets.load_corpus(data_flags.benchmark_name(_DATA), data_dir=_DATA.data_dir.value,
                                 limit=_DATA.limit.value)
   items = agent_answers.answer_items(bench, corpus, todo)
   settings = qa_suite.QASettings(base_url=_LLM.base_url.value, model=_LLM.model.value,
-                                 cache_dir=_LLM.llm_cache_dir.value or None,
-                                 gguf=_LLM.model_path.value, timeout_s=_LLM.timeout_s.value,
-                                 port=None)
+                                 cache_dir=_LLM.llm_cache_dir.value or None, port=None,
+                                 gguf=_LLM.model_path.value, timeout_s=_LLM.timeout_s.value)
   t0 = time.perf_counter()
   with qa_suite.endpoints(settings, pathlib.Path("runs")) as (client, _, info):
     fresh = agent_answers.generate_answers(client, items) if items else []
@@ -176,9 +178,8 @@ def _generate_answers(bench, needed, path):
   calls = stats.get("calls", 0) - stats.get("cache_hits", 0)
   logging.info("%d answers asked (%d fresh calls, %.1f s; %.2f s per fresh call)", len(fresh),
                calls, time.perf_counter() - t0, stats.get("seconds", 0.0) / max(calls, 1))
-  model = info["answer_model"]
   agent_answers.write_answers(path, bench.name, merged, {
-      "model": model, "local_server": not _LLM.base_url.value,
+      "model": info["answer_model"], "local_server": not _LLM.base_url.value,
       "memories_shown": agent_answers.ANSWER_MEMORIES,
       "memories": "the frozen first stage's top-5 candidates (the QA suite's Only Retriever slate)",
       "prompt": "ear_jax.agent.llm.qa_prompts.answer_messages (the QA suite's answer request)",
@@ -205,14 +206,10 @@ def _answer_main():
     except (FileNotFoundError, ValueError) as e:
       raise app.UsageError(str(e)) from None
   t0 = time.perf_counter()
-  bench = candidates.load_benchmark(data_flags.benchmark_name(_DATA), data_dir=_DATA.data_dir.value,
-                                    encoder=_DATA.encoder.value, k=_DATA.k.value,
-                                    limit=_DATA.limit.value, cache_dir=_DATA.cache_dir.value,
-                                    progress=False)
-  bench = answer_support.with_answer_support(bench, encoder=_DATA.encoder.value,
+  bench = answer_support.with_answer_support(data_flags.load_benchmark(_DATA, progress=False),
+                                             encoder=_DATA.encoder.value,
                                              cache_dir=_DATA.cache_dir.value)
-  config = EARConfig(dim=bench.stream.dim, num_candidates=_DATA.k.value,
-                     slate_size=min(5, _DATA.k.value))
+  config = _config(bench)
   seeds = list(range(_SEEDS.value))
   train, test = runner.seed_splits(bench.num_queries, seeds)
   rows = runner.validation_split(train)[1] if _SUBSET.value == "validation" else test
@@ -225,11 +222,12 @@ def _answer_main():
             for i, s in enumerate(seeds)]
   logging.info("recorded the slates of %d seeds in %.1f s", len(seeds), time.perf_counter() - t0)
   s = config.slate_size
+  counts = {k: sum(len(getattr(x, f)) for x in slates)
+            for k, f in (("all", "records"), ("gold", "gold"), ("gold_free", "free"))}
   result = {"benchmark": bench.name, "subset": _SUBSET.value, "seeds": seeds,
-            "queries_per_seed": _PER_SEED.value,
-            "slates": {"all": sum(len(x.records) for x in slates),
-                       "gold": sum(len(x.gold) for x in slates),
-                       "gold_free": sum(len(x.free) for x in slates)}}
+            "queries_per_seed": _PER_SEED.value, "slates": counts}
+  protocol = (f"{counts['gold']} gold + {counts['gold_free']} gold-free protocol slates, "
+              f"{counts['all']} slates shown")
   lines = []
   if _SUBSET.value == "validation":
     settings = critic_eval.answer_grid()
@@ -249,9 +247,7 @@ def _answer_main():
     ok = [i for i in top if metrics[i]["protocol"]["precision"] >= critic_eval.MIN_PRECISION][:5]
     alt = [] if strict is None else [strict["index"]]
     lines += [f"Answer critic, threshold choice on {bench.name} validation ({len(seeds)} seeds, "
-              f"{result['slates']['gold']} gold + {result['slates']['gold_free']} gold-free "
-              f"protocol slates, {result['slates']['all']} slates shown); rule: {result['rule']}",
-              "", _ANSWER_HEADER]
+              f"{protocol}); rule: {result['rule']}", "", _ANSWER_HEADER]
     for tag, idx in (("", ok), (" (the choice if precision counted every slate shown)", alt)):
       for i in idx:
         lines.append(_answer_row(f"{settings[i]}{tag}", metrics[i]))
@@ -275,11 +271,9 @@ def _answer_main():
     result["critics"] = rows_m
     first = rows_m[gold_row]["protocol"]
     per = f", the first {_PER_SEED.value} test queries of each" if _PER_SEED.value else ""
-    lines += [f"Answer critic on {bench.name} test slates ({len(seeds)} seeds{per}, "
-              f"{result['slates']['gold']} gold + {result['slates']['gold_free']} gold-free "
-              f"protocol slates, {result['slates']['all']} slates shown), the same thresholds "
-              f"with the gold answers{' and ' + agent if agent else ''} as the agent's", "",
-              _ANSWER_HEADER]
+    lines += [f"Answer critic on {bench.name} test slates ({len(seeds)} seeds{per}, {protocol}), "
+              f"the same thresholds with the gold answers{' and ' + agent if agent else ''} as "
+              "the agent's", "", _ANSWER_HEADER]
     lines += [_answer_row(k, m) for k, m in rows_m.items()]
     lines += [f"| chance (cite at random) | {first['chance_precision']:.3f} | – | – | – | – | – |",
               f"| cite each slate's first memory | {first['first_precision']:.3f} | "
@@ -289,16 +283,13 @@ def _answer_main():
                    "30 slates of seed 0's training split; not rerun) | 0.274 | 0.289 | – | – | – "
                    "| 0.667 |")
     if agent:
-      a = result["agent_answers"]
-      lines += ["", f"The agent's answers: {a['questions']} test questions, {a['unusable']} "
-                f"unusable (failed or empty: zero support, on which the critic cites the whole "
-                f"slate); their answer F1 "
-                f"against the gold answers {a['answer_f1']:.2f} % (read from {a['file']})."]
+      lines += ["", f"The agent's answers: {info['questions']} test questions, "
+                f"{info['unusable']} unusable (failed or empty: zero support, on which the critic "
+                f"cites the whole slate); their answer F1 against the gold answers "
+                f"{info['answer_f1']:.2f} % (read from {info['file']})."]
   result["wall_seconds"] = round(time.perf_counter() - t0, 1)
-  out = pathlib.Path(_OUT.value or f"results/critic_eval/answer_{bench.name}_{_SUBSET.value}"
-                     f"{'_llm' if _ANSWERS.value == 'llm' else ''}.json")
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1, default=float))
+  out = cli.write_json(_OUT.value or f"results/critic_eval/answer_{bench.name}_{_SUBSET.value}"
+                       f"{'_llm' if _ANSWERS.value == 'llm' else ''}.json", result, default=float)
   print("\n".join(lines) + f"\n\nwrote {out} ({result['wall_seconds']} s)")
 
 
@@ -313,13 +304,8 @@ def main(argv):
     _rescore(pathlib.Path(_RESCORE.value))
     return
   t0 = time.perf_counter()
-  bench = candidates.load_benchmark(data_flags.benchmark_name(_DATA), data_dir=_DATA.data_dir.value,
-                                    encoder=_DATA.encoder.value, k=_DATA.k.value,
-                                    limit=_DATA.limit.value, cache_dir=_DATA.cache_dir.value,
-                                    progress=False)
-  config = EARConfig(dim=bench.stream.dim, num_candidates=_DATA.k.value,
-                     slate_size=min(5, _DATA.k.value))
-  gold, free, num_queries = _slates(bench, config, default_hparams())
+  bench = data_flags.load_benchmark(_DATA, progress=False)
+  gold, free, num_queries = _slates(bench, _config(bench), default_hparams())
   slates = gold + free
   with llm_flags.endpoint(_LLM) as (base_url, model, info):
     critic = LLMCritic(LLMCriticConfig(**llm_flags.client_kwargs(_LLM, base_url, model),
@@ -345,10 +331,8 @@ def main(argv):
       "slates": [dict(query=s.query, round=s.round, gold=list(s.gold), **r)
                  for s, r in zip(slates, replies)],
   }
-  out = pathlib.Path(_OUT.value or f"runs/critic_eval/{_SUBSET.value}_{_PROMPT.value}"
-                     f"{'' if _CONSTRAINED.value else '_free'}.json")
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1, default=float))
+  out = cli.write_json(_OUT.value or f"runs/critic_eval/{_SUBSET.value}_{_PROMPT.value}"
+                       f"{'' if _CONSTRAINED.value else '_free'}.json", result, default=float)
   print(_summary(model, _PROMPT.value, _CONSTRAINED.value, len(gold), len(free), metrics,
                  result["seconds_per_fresh_call"], stats["cache_hits"], out))
 

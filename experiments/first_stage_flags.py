@@ -14,11 +14,10 @@ class FirstStageFlags(NamedTuple):
   side_features: flags.FlagHolder
   fusion: flags.FlagHolder
   lexical_weight: flags.FlagHolder
-  features: flags.FlagHolder
 
 
 def define() -> FirstStageFlags:
-  """Defines --candidates, --side_features, --fusion, --lexical_weight and --features."""
+  """Defines --candidates, --side_features, --fusion and --lexical_weight."""
   return FirstStageFlags(
       candidates=flags.DEFINE_enum(
           "candidates", "dense", list(first_stage.GENERATORS),
@@ -34,33 +33,23 @@ def define() -> FirstStageFlags:
       lexical_weight=flags.DEFINE_float(
           "lexical_weight", None, "Hybrid 'weighted' fusion: the BM25 share in [0, 1] (chosen on "
           f"LoCoMo validation; default {first_stage.FirstStageOptions().lexical_weight}).",
-          lower_bound=0.0, upper_bound=1.0),
-      features=flags.DEFINE_enum(
-          "features", None, list(first_stage.FEATURE_SETS), "The side features of each "
-          "candidate: first_stage (its first stage's scores) or context (those, plus same "
-          "session, adjacent turn and speaker named in the question; first_stage."
-          "CONTEXT_FEATURES). Default: first_stage."))
+          lower_bound=0.0, upper_bound=1.0))
 
 
 def options(fs: FirstStageFlags) -> dict:
-  """`{candidates, side_features, fusion, lexical_weight, features}` from the flags.
+  """`{candidates, side_features, fusion, lexical_weight}` from the flags.
 
   Raises:
-    app.UsageError: --fusion / --lexical_weight without --candidates=hybrid; --features=context
-      with --noside_features.
+    app.UsageError: --fusion / --lexical_weight without --candidates=hybrid.
   """
-  if fs.features.value == "context" and fs.side_features.value is False:
-    raise app.UsageError("--features=context are side features; drop --noside_features")
   if fs.candidates.value != "hybrid":
     for holder in (fs.fusion, fs.lexical_weight):
       if holder.value is not None:
         raise app.UsageError(f"--{holder.name} applies to --candidates=hybrid only")
   return {"candidates": fs.candidates.value, "side_features": fs.side_features.value,
-          "fusion": fs.fusion.value, "lexical_weight": fs.lexical_weight.value,
-          "features": fs.features.value}
+          "fusion": fs.fusion.value, "lexical_weight": fs.lexical_weight.value}
 
 
 def first_stage_options(values: dict) -> first_stage.FirstStageOptions:
   """The `FirstStageOptions` from `options(fs)`'s values."""
-  return first_stage.FirstStageOptions.with_defaults(values["fusion"], values["lexical_weight"],
-                                                     values.get("features"))
+  return first_stage.FirstStageOptions.with_defaults(values["fusion"], values["lexical_weight"])

@@ -8,10 +8,7 @@ jitted runner on the same seeds (`ear_jax.experiment.live`).
 Writes results.json (per-seed metrics, paired differences live - runner, identical slates, costs
 per question) and table.md (also printed) into --out.
 """
-import json
 import os
-import shlex
-import sys
 
 from absl import app
 from absl import flags
@@ -40,14 +37,7 @@ _SYN_QUERIES = flags.DEFINE_integer("synthetic_queries", 500, "Synthetic benchma
 _SYN_DIM = flags.DEFINE_integer("synthetic_dim", 32, "Synthetic benchmark: dimension d.",
                                 lower_bound=2)
 _PROGRESS = flags.DEFINE_bool("progress", True, "Progress bar while encoding.")
-_CRITIC = {
-    "precision": flags.DEFINE_float("critic_precision", None, "Simulated critic precision p "
-                                    f"(default {critic_lib.DEFAULT_PRECISION}).",
-                                    lower_bound=0.0, upper_bound=1.0),
-    "recall": flags.DEFINE_float("critic_recall", None, "Simulated critic recall r (default "
-                                 f"{critic_lib.DEFAULT_RECALL}).", lower_bound=0.0,
-                                 upper_bound=1.0),
-}
+_CRITIC = config_flags.define_critic_flags()
 _CONFIG_FLAGS = config_flags.define_config_flags()
 _HPARAM_FLAGS = config_flags.define_hparam_flags()
 
@@ -59,12 +49,10 @@ def main(argv):
   bench = _DATA.benchmark.value
   if bench != "synthetic":
     data_flags.benchmark_name(_DATA)  # UsageError: the benchmark file is missing
+  hp_over, cfg_over = config_flags.overrides(_HPARAM_FLAGS), config_flags.overrides(_CONFIG_FLAGS)
   try:
-    critic = critic_lib.make_simulated_critic(
-        **{k: f.value for k, f in _CRITIC.items() if f.value is not None})
-    probe = config_lib.Method.named(_METHOD.value, dim=8,
-                                    hparams=config_flags.overrides(_HPARAM_FLAGS),
-                                    **config_flags.overrides(_CONFIG_FLAGS))
+    critic = critic_lib.make_simulated_critic(**config_flags.overrides(_CRITIC))
+    probe = config_lib.Method.named(_METHOD.value, dim=8, hparams=hp_over, **cfg_over)
     from ear_jax.agent.memory import Memory, MemoryConfig  # pylint: disable=g-import-not-at-top
     # refuses a config Memory cannot honour, naming the field
     Memory(MemoryConfig(encoder=None, config=probe.config, hparams=probe.hparams)).close()
@@ -80,19 +68,15 @@ def main(argv):
       synthetic_dim=_SYN_DIM.value)
   s = data.bench.stream
   method = runner.build_method(_METHOD.value, dim=s.dim, num_candidates=s.num_candidates,
-                               hparams=config_flags.overrides(_HPARAM_FLAGS),
-                               **config_flags.overrides(_CONFIG_FLAGS))
+                               hparams=hp_over, **cfg_over)
   cmp, _ = live.run(data, method, range(_SEEDS.value), critic, time_scan=_TIME_SCAN.value,
                     name=f"live_{_METHOD.value}")
-  command = " ".join(shlex.quote(a) for a in ["python", "-m", "experiments.live"] + sys.argv[1:])
-  cmp["command"] = command
+  command = cmp["command"] = cli.command("experiments.live")
   cmp["critic"] = {"precision": float(critic.precision), "recall": float(critic.recall)}
   md = live.table_md(cmp, title=f"Live `Memory` vs the jitted runner: {_METHOD.value} on {bench}, "
                      f"{_SEEDS.value} seeds")
   md += f"\n\nCommand: `{command}`\n"
-  os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump(cmp, f, indent=1)
+  cli.write_json(os.path.join(out, "results.json"), cmp)
   with open(os.path.join(out, "table.md"), "w") as f:
     f.write(md)
   from ear_jax.experiment import plots  # pylint: disable=g-import-not-at-top

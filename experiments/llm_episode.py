@@ -12,8 +12,6 @@ the local llama.cpp server is started; replies are cached (`--llm_cache_dir`).
   OPENAI_API_KEY=... python -m experiments.llm_episode --base_url=https://api.openai.com/v1 \\
       --model=gpt-4o-mini --benchmark=jsonl --jsonl=my_bank.jsonl --out=runs/llm_episode.json
 """
-import json
-import pathlib
 import time
 
 from absl import app
@@ -28,7 +26,6 @@ from ear_jax.core import critic as critic_lib
 from ear_jax.core import inference
 from ear_jax.core import learner as learner_lib
 from ear_jax.core.config import EARConfig, default_hparams
-from ear_jax.data import candidates
 from ear_jax.data import corpora as datasets
 from experiments import cli
 from experiments import data_flags
@@ -90,11 +87,9 @@ def _scores(state, k_eval, test, config, hparams) -> dict:
 def main(argv):
   del argv
   t0 = time.perf_counter()
-  name = data_flags.benchmark_name(_DATA)
+  data_flags.benchmark_name(_DATA)  # UsageError: a missing --jsonl or benchmark file
   simulated = _simulated_critics()
-  bench = candidates.load_benchmark(name, data_dir=_DATA.data_dir.value, encoder=_DATA.encoder.value,
-                                    k=_DATA.k.value, limit=_DATA.limit.value, cache_dir=_DATA.cache_dir.value,
-                                    progress=False)
+  bench = data_flags.load_benchmark(_DATA, progress=False)
   train_idx, test_idx = datasets.split_indices(bench.num_queries, _SEED.value)
   if _MAX_TRAIN.value is not None:
     train_idx = train_idx[:_MAX_TRAIN.value]
@@ -136,9 +131,7 @@ def main(argv):
     result["runs"][label] = dict(_scores(state, k_eval, test, config, hparams), episode=stats,
                                  train_seconds=round(seconds, 2))
   result["wall_seconds"] = round(time.perf_counter() - t0, 2)
-  out = pathlib.Path(_OUT.value or f"runs/llm_episode_{bench.name}.json")
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1))
+  out = cli.write_json(_OUT.value or f"runs/llm_episode_{bench.name}.json", result)
   lines = [f"test Recall@5 (adapter-only, {len(test_idx)} test queries, {len(train_idx)} training "
            f"queries, seed {_SEED.value}): frozen retriever {result['test_recall@5_retriever']:.2f}"]
   for label, run in result["runs"].items():

@@ -39,12 +39,11 @@ async def call(session, tool: str, args: dict):
   """`(ok, payload)` of one tool call: the JSON result, or the error text."""
   res = await session.call_tool(tool, args)
   text = res.content[0].text if res.content else ""
-  if res.isError:
-    return False, text
-  return True, json.loads(text)
+  return (False, text) if res.isError else (True, json.loads(text))
 
 
 async def must(session, tool: str, args: dict):
+  """The JSON result of one tool call (RuntimeError with the error text)."""
   ok, out = await call(session, tool, args)
   if not ok:
     raise RuntimeError(f"{tool} failed: {out}")
@@ -67,9 +66,8 @@ async def recall_at(session, queries, to_mem: dict, k: int = 5) -> dict:
   full, frac, hit = [], [], []
   for q in queries:
     out = await must(session, "search", {"question": q.text, "k": k})
-    got = {m["id"] for m in out["memories"]}
     gold = {to_mem[g] for g in q.gold if g in to_mem}
-    n = len(got & gold)
+    n = len({m["id"] for m in out["memories"]} & gold)
     full.append(n == len(gold))
     frac.append(n / max(len(gold), 1))
     hit.append(n > 0)

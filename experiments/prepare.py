@@ -10,7 +10,6 @@ import os
 import pathlib
 import time
 
-from absl import app
 from absl import flags
 
 from ear_jax.data import candidates
@@ -47,7 +46,7 @@ def main(argv):
                                     k=_DATA.k.value, multistore=_MULTISTORE.value, limit=_DATA.limit.value,
                                     cache_dir=_DATA.cache_dir.value, seed=_SEED.value,
                                     progress=_PROGRESS.value, candidates=fs["candidates"],
-                                    side_features=bool(fs["side_features"]) or fs["features"] == "context",
+                                    side_features=bool(fs["side_features"]),
                                     first_stage_options=first_stage_flags.first_stage_options(fs))
   stats = dict(bench.stats)
   stats["wall_seconds"] = round(time.perf_counter() - t0, 2)

@@ -16,8 +16,6 @@ checkpoints/<run>/ (for --resume). Benchmark files come from --data_dir, else $E
 """
 import logging
 import os
-import shlex
-import sys
 
 from absl import app
 from absl import flags
@@ -95,15 +93,7 @@ _CRITIC = flags.DEFINE_enum("critic", "simulated", ["simulated", "answer"], "The
                             "trained run: simulated (Appendix A.2, --critic_precision / "
                             "--critic_recall) or answer (the answer-grounded critic with the "
                             "benchmark's gold answers as the agent's answers).")
-# The simulated critic's parameters (Appendix A.2; None = the paper's, defined in core.critic).
-_CRITIC_FLAGS = {
-    "precision": flags.DEFINE_float(
-        "critic_precision", None, f"Simulated critic precision p (default "
-        f"{critic_lib.DEFAULT_PRECISION}).", lower_bound=0.0, upper_bound=1.0),
-    "recall": flags.DEFINE_float(
-        "critic_recall", None, f"Simulated critic recall r (default {critic_lib.DEFAULT_RECALL}).",
-        lower_bound=0.0, upper_bound=1.0),
-}
+_CRITIC_FLAGS = config_flags.define_critic_flags()  # the simulated critic's p / r
 
 
 def build_options():
@@ -112,7 +102,6 @@ def build_options():
   Raises:
     app.UsageError: naming the offending flag.
   """
-  from ear_jax.core import config as cfg  # pylint: disable=g-import-not-at-top
   if _SUITE.value == "multistore" and _DATA.benchmark.value == "longmemeval":
     raise app.UsageError("--suite=multistore needs observations: use --benchmark=locomo "
                          "(or synthetic / jsonl)")
@@ -124,17 +113,10 @@ def build_options():
   if _CRITIC.value == "answer" and bench == "synthetic":
     raise app.UsageError("--critic=answer needs the agent's answers: the synthetic benchmark has "
                          "none (use --benchmark=locomo / longmemeval / jsonl)")
-  if bench == "jsonl":
-    data_flags.benchmark_name(_DATA)  # UsageError: missing --jsonl, a directory, no such file
-  elif bench in ("locomo", "longmemeval"):
-    from ear_jax.data import corpora as datasets  # pylint: disable=g-import-not-at-top
-    try:
-      datasets.find_benchmark_file(bench, _DATA.data_dir.value)
-    except FileNotFoundError as e:
-      raise app.UsageError(f"--data_dir / --benchmark={bench}: {e}") from None
+  data_flags.benchmark_name(_DATA)  # UsageError: a missing --jsonl or benchmark file
   config_over = config_flags.overrides(_CONFIG_FLAGS)
   hparam_over = config_flags.overrides(_HPARAM_FLAGS)
-  critic_over = {k: f.value for k, f in _CRITIC_FLAGS.items() if f.value is not None}
+  critic_over = config_flags.overrides(_CRITIC_FLAGS)
   try:
     critic_lib.make_simulated_critic(**critic_over)
   except ValueError as e:
@@ -142,10 +124,10 @@ def build_options():
   try:
     # (a suite's methods vary: its guard flags are checked as the guarded preset takes them)
     guarded = _SUITE.value is not None and any(k.startswith("guard_") for k in config_over)
-    probe = cfg.EARConfig.for_method(
+    probe = config_lib.EARConfig.for_method(
         _METHOD.value if _SUITE.value is None else ("ear_safe" if guarded else "ear"),
         **{"dim": 8, **config_over})
-    cfg.default_hparams(**hparam_over)
+    config_lib.default_hparams(**hparam_over)
   except ValueError as e:
     name = next((k for k in list(config_over) + list(hparam_over) if k in str(e)), None)
     raise app.UsageError(f"--{name}: {e}" if name else str(e)) from None
@@ -162,8 +144,7 @@ def build_options():
     raise app.UsageError(f"--noise_levels must be numbers, got {_NOISE_LEVELS.value}") from None
   if any(not 0 < x <= 1 for x in levels):
     raise app.UsageError(f"--noise_levels must lie in (0, 1], got {levels}")
-  workdir = _WORKDIR.value or os.path.join(
-      "runs", f"{bench}_{_SUITE.value or _METHOD.value}")
+  workdir = _WORKDIR.value or os.path.join("runs", f"{bench}_{_SUITE.value or _METHOD.value}")
   if not _RESUME.value and os.path.isdir(os.path.join(workdir, "checkpoints")) and any(
       os.scandir(os.path.join(workdir, "checkpoints"))):
     raise app.UsageError(f"--workdir={workdir} already holds checkpoints: pass --resume to "
@@ -178,8 +159,7 @@ def build_options():
       progress=_PROGRESS.value, config_overrides=config_over, hparam_overrides=hparam_over,
       critic_overrides=critic_over, critic=_CRITIC.value,
       synthetic_queries=_SYN_QUERIES.value, synthetic_dim=_SYN_DIM.value, noise_levels=levels,
-      qa=_qa_settings(),
-      command=" ".join(shlex.quote(a) for a in ["python", "-m", "experiments.run"] + sys.argv[1:]))
+      qa=_qa_settings(), command=cli.command("experiments.run"))
 
 
 def _qa_settings() -> dict:

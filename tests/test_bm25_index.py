@@ -46,7 +46,10 @@ def _index(texts, scopes, vocab, rows=None):
 def _scores(index, vocab, queries, rows, allowed=None):
   """`[n, len(rows)]` the index's scores of `queries` at `rows` (0 where it returns none)."""
   q = [vocab.ids(t, grow=False) for t in lexical.tokenize(queries)]
-  dense = index.dense_scores(q, int(max(rows, default=-1)) + 1, allowed)
+  dense = np.zeros((len(q), int(max(rows, default=-1)) + 1), np.float32)
+  for i, (found, s) in enumerate(index.scores(q, allowed)):
+    keep = found < dense.shape[1]
+    dense[i, found[keep]] = s[keep]
   return dense[:, rows]
 
 

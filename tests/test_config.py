@@ -252,6 +252,26 @@ def test_a_directory_of_presets_4_keeps_its_side_init_of_0_05(tmp_path, monkeypa
       assert new.config.ear.side_init == 0.25 and new.config.ear.num_candidates == k
 
 
+def test_a_directory_of_the_removed_context_features_is_refused_by_name(tmp_path, monkeypatch):
+  # Until `features='context'` was removed, a directory stored `first_stage.features` when it was
+  # 'context' (none for 'first_stage'). One storing 'first_stage' opens as today's; 'context' is
+  # refused, naming it.
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from ear_jax.agent.memory import Memory, MemoryConfig  # pylint: disable=import-outside-toplevel
+  from ear_jax.data.first_stage import FirstStageOptions  # pylint: disable=import-outside-toplevel
+  to_dict = MemoryConfig.to_dict
+  for features in ("first_stage", "context"):
+    with monkeypatch.context() as mp:
+      mp.setattr(MemoryConfig, "to_dict", lambda self, f=features: {
+          **to_dict(self), "first_stage": {**dataclasses.asdict(self.first_stage), "features": f}})
+      Memory.open(tmp_path / features, MemoryConfig(encoder=None, dim=8)).close()
+  assert "features" not in MemoryConfig().to_dict()["first_stage"]
+  with Memory.open(tmp_path / "first_stage") as back:
+    assert back.config.first_stage == FirstStageOptions()
+  with pytest.raises(ValueError, match="features='context'.*no longer has"):
+    Memory.open(tmp_path / "context")
+
+
 @pytest.mark.slow  # (two memory directories: seconds)
 def test_a_directory_keeps_its_first_stage_when_opened_without_one(tmp_path):
   from ear_jax.agent.memory import Memory, MemoryConfig  # pylint: disable=import-outside-toplevel

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from ear_jax.core import adapter as adapter_lib
-from ear_jax.core import buffer as buffer_lib
 from ear_jax.core import episode
 from ear_jax.core import inference
 from ear_jax.core import learner
@@ -174,78 +173,6 @@ def test_features_are_the_normalised_first_stage_score_the_cosine_and_bm25():
   assert not f[2, :, 0].any() and not f[2, :, 2].any()  # no lexical evidence at all: zeros
 
 
-DATES = ["d1", "d1", "d1", "d2", "d2", "d3", "d3", ""]  # sessions: rows 0-2, 3-4, 5-6; row 7 none
-
-
-def _context_reference(idx, texts=BANK, dates=DATES, queries=QUERIES):
-  """`[n, K, 3]` same_session / adjacent / speaker_named written plainly on the host."""
-  n, k = idx.shape
-  out = np.zeros((n, k, 3), np.float32)
-  for i in range(n):
-    words = set(lexical.tokenize([queries[i]])[0])
-    rows = [r for r in idx[i] if r >= 0]
-    for j, r in enumerate(idx[i]):
-      if r < 0:
-        continue
-      if dates[r]:
-        out[i, j, 0] = sum(dates[o] == dates[r] for o in rows if o != r) / k
-        out[i, j, 1] = sum(o in rows and dates[o] == dates[r] for o in (r - 1, r + 1)) / 2
-      head = texts[r].split(":")[0].lower() if ":" in texts[r] else ""
-      out[i, j, 2] = float(bool(head) and head in words)
-  return out
-
-
-@pytest.mark.parametrize("name,k", [("bm25", 8), ("hybrid", 4), ("dense", 5)])
-def test_context_features_equal_a_host_reference_and_follow_the_first_stage_s(name, k):
-  vocab = {}
-  index = lexical.BM25Index()
-  ids = [lexical.term_ids(vocab, t, grow=True) for t in lexical.tokenize(BANK)]
-  index.add(np.arange(len(BANK)), np.zeros(len(BANK), np.int32), *lexical.pack(ids))
-  terms = [lexical.term_ids(vocab, t) for t in lexical.tokenize(QUERIES)]
-  found = index.scores(terms)
-  q, bank = _bank(3)
-  ctx = candidates.bank_context(BANK, DATES, vocab) + (terms,)
-  opts = first_stage.FirstStageOptions(features="context")
-  assert opts.feature_names == first_stage.FEATURES + first_stage.CONTEXT_FEATURES
-  args = (q, bank, np.zeros(len(BANK), np.int8), np.ones(len(BANK), bool), found, k, name)
-  idx, sc, f = first_stage.bank_first_stage(*args, opts, False, context=ctx)
-  idx0, sc0, f0 = first_stage.bank_first_stage(*args, first_stage.FirstStageOptions(), False)
-  np.testing.assert_array_equal(idx, idx0)  # the features change no candidate ...
-  np.testing.assert_array_equal(f[..., :3], f0)  # ... and no first-stage feature
-  np.testing.assert_allclose(f[..., 3:], _context_reference(idx), atol=1e-6)
-  assert f[0, :, 5].any()  # "Alice's cat": Alice's turns are named
-  with pytest.raises(ValueError, match="needs a first_stage.Context"):
-    first_stage.bank_first_stage(*args, opts, False)
-
-
-def test_bank_context_codes_sessions_and_only_short_speaker_prefixes():
-  vocab = {"alice": 0, "bob": 1}
-  sessions, speakers = candidates.bank_context(
-      ["Alice: hi", "Bob Smith: yes", "no prefix: here", "Quick question: x", "Eve: ok",
-       "A Very Long Name Here: x"], ["s1", "s1", "s2", "", "s2", "s2"], vocab)
-  np.testing.assert_array_equal(sessions, [0, 0, 1, -1, 1, 1])
-  np.testing.assert_array_equal(speakers, [0, 1, -1, -1, -1, -1])  # Eve is not in the vocabulary
-
-
-def test_unknown_feature_sets_are_refused():
-  with pytest.raises(ValueError, match="unknown features"):
-    first_stage.FirstStageOptions(features="dates")
-
-
-def test_session_codes_code_keys_in_order_of_first_appearance_and_continue():
-  codes = {}
-  np.testing.assert_array_equal(first_stage.session_codes(["a", "b", None, "a"], codes),
-                                [0, 1, -1, 0])
-  np.testing.assert_array_equal(first_stage.session_codes([("u", "b"), "b"], codes), [2, 1])
-
-
-def test_session_turns_count_each_session_s_rows_in_order_and_continue():
-  counters = {}
-  np.testing.assert_array_equal(first_stage.session_turns(np.array([0, 0, 1, -1, 0]), counters),
-                                [0, 1, 0, -1, 2])
-  np.testing.assert_array_equal(first_stage.session_turns(np.array([1, 2]), counters), [1, 0])
-
-
 # -- EAR with side features -----------------------------------------------------------------------
 def _side_stream(n=24, k=8, d=6, seed=0):
   """A stream whose first-stage order (feature 0, decreasing) disagrees with the cosine."""
@@ -397,35 +324,6 @@ def test_fusion_flags_without_hybrid_are_a_usage_error(tmp_path):
               "--lexical_weight=0.3"], tmp_path)
   assert out.returncode != 0 and "--lexical_weight applies to --candidates=hybrid" in (
       out.stdout + out.stderr)
-
-
-@pytest.mark.slow
-def test_context_features_without_side_features_are_a_usage_error(tmp_path):
-  out = _run(["experiments.prepare", "--benchmark=synthetic", "--candidates=bm25",
-              "--features=context", "--noside_features"], tmp_path)
-  assert out.returncode != 0 and "--features=context are side features" in (
-      out.stdout + out.stderr)
-
-
-@pytest.mark.slow
-def test_locomo_with_context_features_keeps_the_candidates_and_trains(locomo_path, tmp_path):
-  from ear_jax.experiment import suites  # pylint: disable=g-import-not-at-top
-  base = dict(benchmark="locomo", data_dir=str(locomo_path.parent.resolve()), limit=1, seeds=2,
-              candidates="hybrid", checkpoint_every=None, progress=False)
-  plain = suites.Runner(suites.Options(workdir=str(tmp_path / "a"), **base)).bench()
-  r = suites.Runner(suites.Options(workdir=str(tmp_path / "b"), features="context", **base))
-  ctx = r.bench()
-  assert ctx.stats["side_features"] == list(first_stage.FEATURE_SETS["context"])
-  np.testing.assert_array_equal(ctx.candidate_ids, plain.candidate_ids)
-  d = plain.stream.dim
-  c, c0 = np.asarray(ctx.stream.candidates), np.asarray(plain.stream.candidates)
-  np.testing.assert_array_equal(c[..., :d + 3], c0)
-  extra = c[..., d + 3:][np.asarray(ctx.stream.mask)]
-  assert extra.shape[-1] == 3 and extra.min() >= 0 and extra.max() <= 1
-  assert (extra > 0).mean(0).min() > 0.05  # LoCoMo has sessions, neighbours and speakers
-  run = r.run("ear_tuned")
-  assert run["config"]["side_features"] == 6
-  assert np.isfinite(run["metrics"]["recall_adapter"]["mean"])
 
 
 @pytest.mark.slow

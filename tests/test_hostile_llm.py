@@ -238,10 +238,10 @@ def test_backoff_delay_never_overflows():
   critic = LLMCritic(LLMCriticConfig(base_url="http://localhost:8000/v1", model="m",
                                      backoff_base_s=1e6, backoff_max_s=30.0), rng=random.Random(0))
   for i in (0, 10, 1023, 1024, 5000, 10**6):
-    assert 15.0 <= critic.backoff_delay(i) <= 30.0
+    assert 15.0 <= critic.client.backoff_delay(i) <= 30.0
   zero = LLMCritic(LLMCriticConfig(base_url="http://localhost:8000/v1", model="m",
                                    backoff_base_s=0.0))
-  assert zero.backoff_delay(10**6) == 0.0  # 0 * 2**i is never nan
+  assert zero.client.backoff_delay(10**6) == 0.0  # 0 * 2**i is never nan
 
 
 @pytest.mark.parametrize("base_url", ["http://local host/v1", "http://localhost/v1\r\nX: y",

@@ -361,8 +361,8 @@ def test_backoff_is_exponential_capped_and_reproducible_with_a_seed():
                            backoff_max_s=5.0)
   a = LLMCritic(config, rng=random.Random(7))
   b = LLMCritic(config, rng=random.Random(7))
-  delays = [a.backoff_delay(i) for i in range(6)]
-  assert delays == [b.backoff_delay(i) for i in range(6)]
+  delays = [a.client.backoff_delay(i) for i in range(6)]
+  assert delays == [b.client.backoff_delay(i) for i in range(6)]
   for i, d in enumerate(delays):
     cap = min(5.0, 2.0 ** i)
     assert cap / 2 <= d <= cap

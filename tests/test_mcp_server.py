@@ -515,28 +515,6 @@ def test_stdio_hostile_inputs_and_sigterm_exits_cleanly(tmp_path):
   assert "Traceback" not in other.stderr, other.stderr
 
 
-@pytest.mark.slow
-def test_a_server_with_context_features_keeps_them_in_its_directory(tmp_path):
-  texts = ["Alice: I adopted a cat named Luna.", "Bob: what colour is she?", "Alice: grey."]
-
-  async def script(s):
-    await mcp_agent.must(s, "remember", {"texts": texts, "dates": ["8 May 2023"] * 3})
-    return await mcp_agent.must(s, "search", {"question": "What is Alice's cat called?", "k": 3})
-
-  got = _stdio(tmp_path / "mem", script, ["--features=context"])
-  assert got  # the search answered
-  with Memory.open(tmp_path / "mem") as m:
-    assert m.config.first_stage.features == "context"
-    assert np.asarray(m._rows.bank.sessions)[:3].tolist() == [0, 0, 0]  # pylint: disable=protected-access
-  _stdio(tmp_path / "mem", script, [])  # no --features: the directory's
-  other = subprocess.run(
-      [sys.executable, "-m", "ear_jax.agent.mcp_cli", f"--memory_dir={tmp_path / 'mem'}",
-       "--features=first_stage"], capture_output=True, text=True, env=_env(),
-      cwd=str(mcp_agent.REPO), timeout=120, stdin=subprocess.DEVNULL)
-  assert other.returncode != 0 and "first_stage" in other.stderr, other.stderr
-  assert "Traceback" not in other.stderr, other.stderr
-
-
 def _free_port():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

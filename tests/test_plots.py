@@ -13,9 +13,9 @@ def legend_titles(monkeypatch):
   titles = []
   real_save = plots._save  # pylint: disable=protected-access
 
-  def save(fig, path):
+  def save(fig, *args):
     titles.append(fig.axes[0].get_legend().get_title().get_text())
-    real_save(fig, path)
+    real_save(fig, *args)
 
   monkeypatch.setattr(plots, "_save", save)
   return titles

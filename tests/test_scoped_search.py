@@ -307,14 +307,3 @@ def test_scope_bench_tiny_run_fields_and_bounds():
     assert np.isclose(r["ratio_p50"], r["scoped"]["p50_ms"] / r["own_memory"]["p50_ms"])
     assert np.isclose(r["bound_bank_ms"] / r["bound_scope_ms"], 12)
   assert "| exact |" in scope_bench.table(res)
-
-
-def test_session_turns_close_a_deleted_gap_and_keep_an_updated_row_s_turn():
-  from ear_jax.agent.memory.scopes import SessionTurns  # pylint: disable=g-import-not-at-top
-  t = SessionTurns()
-  turns, moved = t.add([0, 1, 2, 3, 4], [0, 0, 1, 0, -1])
-  assert turns.tolist() == [0, 1, 0, 2, -1] and moved == {}
-  assert t.remove([1]) == {3: 1}  # row 3 moves up into row 1's turn
-  turns, moved = t.add([5], [0], places=[1])  # row 1 updated: row 5 takes its place
-  assert turns.tolist() == [1] and moved == {3: 2}
-  assert t.remove([4, 9]) == {}  # (no session; unknown)

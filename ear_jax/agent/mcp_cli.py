@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import pathlib
 import signal
@@ -39,7 +38,6 @@ def _at_least(minimum, kind):
 def parser() -> argparse.ArgumentParser:
   """The program's flags."""
   from ear_jax.core.config import METHODS  # pylint: disable=g-import-not-at-top
-  from ear_jax.data import first_stage  # pylint: disable=g-import-not-at-top
   p = argparse.ArgumentParser(prog="ear-mcp-server", description="One persistent EAR memory "
                               "served over the Model Context Protocol (stdio or HTTP).",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -51,9 +49,6 @@ def parser() -> argparse.ArgumentParser:
       "(ear_jax.agent.memory.config.DEFAULT_METHOD).")
   add("--candidates", choices=["dense", "bm25", "hybrid"], default=None, help="First stage: "
       "frozen cosine, BM25, or both fused. Default: the directory's; for a new one 'hybrid'.")
-  add("--features", choices=list(first_stage.FEATURE_SETS), default=None, help="Side features of "
-      "each candidate: first_stage, or context (same session, adjacent turn, speaker named; a "
-      "session is a scope and a date). Default: the directory's; for a new one first_stage.")
   add("--k", type=_at_least(1, int), default=None, help="K, the candidates per question the "
       "learner picks each slate from (MemoryConfig.num_candidates). Default: the directory's; for "
       "a new one the preset's pool (100 for the default ear_safe; 20 for the others).")
@@ -96,8 +91,6 @@ def open_memory(args):
   learner = (dict(method=stored.method, config=stored.config, hparams=stored.hparams)
              if stored is not None else dict(method=args.method or config_lib.DEFAULT_METHOD))
   fs = on_disk.first_stage if on_disk is not None else first_stage.FirstStageOptions()
-  if args.features is not None:
-    fs = dataclasses.replace(fs, features=args.features)
   k = args.k if args.k is not None or on_disk is None else on_disk.num_candidates
   return Memory.open(memory_dir, MemoryConfig(
       **learner, num_candidates=k, candidates=args.candidates, first_stage=fs,

@@ -1,15 +1,15 @@
-"""The MCP server's stdio transport: the `mcp` SDK's, with a stdin of its own, so that every
-request with an id is answered.
+"""The MCP server's stdio transport: the `mcp` SDK's, with a stdin that answers every request.
 
-The SDK decodes stdin with `errors="replace"` and drops invalid messages without a reply (its
-client waits forever). `_StdinLines` passes on only the lines the SDK can read (strict UTF-8,
-a JSON-RPC message) and answers any other line with an id with a JSON-RPC error, on a stdout
-shared one whole line at a time.
+The SDK drops invalid messages without a reply (its client waits forever). `_StdinLines` passes on
+only the lines the SDK can read (strict UTF-8, a JSON-RPC message) and answers any other line with
+an id with a JSON-RPC error, on a stdout shared one whole line at a time.
 """
 from __future__ import annotations
 
+import json
 import sys
 from typing import Optional
+
 
 def _request_id(obj):
   """The id of a parsed JSON-RPC message (a str or int, never a bool), else None."""
@@ -21,16 +21,10 @@ def _request_id(obj):
 
 def _lone_surrogate(obj) -> bool:
   """True when a string in `obj` (parsed JSON) holds a lone UTF-16 surrogate (not Unicode text)."""
-  if isinstance(obj, str):
-    try:
-      obj.encode("utf-8")
-    except UnicodeEncodeError:
-      return True
-    return False
-  if isinstance(obj, dict):
-    return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in obj.items())
-  if isinstance(obj, list):
-    return any(_lone_surrogate(v) for v in obj)
+  try:
+    json.dumps(obj, ensure_ascii=False).encode("utf-8")
+  except UnicodeEncodeError:
+    return True
   return False
 
 
@@ -40,14 +34,12 @@ def _error_line(obj, code: int, message: str) -> Optional[str]:
       isinstance(obj, dict) and "method" not in obj and ("result" in obj or "error" in obj)):
     print(f"ear-mcp: ignored a malformed notification or response: {message}", file=sys.stderr)
     return None
-  import json  # pylint: disable=g-import-not-at-top
   return json.dumps({"jsonrpc": "2.0", "id": _request_id(obj),
                      "error": {"code": code, "message": message}})
 
 
 def check_stdio_line(raw: bytes) -> tuple[Optional[str], Optional[str]]:
   """One stdin line -> (line, None) if the SDK can read it, else (None, its error or None)."""
-  import json  # pylint: disable=g-import-not-at-top
   import pydantic  # pylint: disable=g-import-not-at-top
   from mcp import types  # pylint: disable=g-import-not-at-top
   try:

@@ -34,13 +34,12 @@ def init_adapter(key: jax.Array, config: EARConfig) -> AdapterParams:
   With side features `w_side = [side_init, -1, 0, ...]`: the initial relevance is `side_init` times
   the first stage's normalised score. The key is consumed (the init draws nothing from it).
   """
-  d = config.dim
   w_side = None
   if config.side_features:
     w_side = jnp.zeros((config.side_features,), jnp.float32).at[:2].set(
         jnp.asarray([config.side_init, -1.0], jnp.float32))
   del key
-  zeros = jnp.zeros((d, d), jnp.float32)
+  zeros = jnp.zeros((config.dim, config.dim), jnp.float32)
   return AdapterParams(w_q=zeros, w_m=zeros, w_side=w_side)
 
 
@@ -91,8 +90,7 @@ def split_candidates(params: AdapterParams, c: jax.Array):
 def relevance(params: AdapterParams, q: jax.Array, c: jax.Array):
   """Adapt -> relevance of one query's candidates: Eq. (3)-(4), plus the side term.
 
-  `z_i = q~ . m~_i (+ w_side . f_i)` for candidate rows `[m_i (d) | f_i (F)]` (Appendix B.6). Every
-  caller (learner, replay, retrieval, inference) computes `z` here.
+  `z_i = q~ . m~_i (+ w_side . f_i)` for candidate rows `[m_i (d) | f_i (F)]` (Appendix B.6).
 
   Args:
     q: `[d]` pre-adapter query.

@@ -20,9 +20,7 @@ from ear_jax.core.types import Critic, Optimizer, ReplayStrategy, TrainSlatePoli
 
 LOSS_FORMS = ("flat", "sequential")
 REPLAY_UNOBSERVED = ("negative", "ignore")
-# The candidates Eq. (10)'s softmax runs over (`ear_jax.core.losses.loss_support`).
 LOSS_SUPPORTS = ("all", "labelled", "window", "auto")
-# Explorer-assisted final slate: round T's (the paper) or 'exploit' (`explorer.exploit_slate`).
 FINAL_SLATES = ("round_T", "exploit")
 # Optax aliases `learning_rate -> optax.GradientTransformation` (the rate is injected per step).
 OPTIMIZERS = {
@@ -44,21 +42,22 @@ METHODS = {
     "ear_no_replay": dict(train_slate="explorer", use_replay=False),
     # Table 3: "+ Only Experience Buffer during training": adapter top-s slate, one critic call.
     "ear_no_explorer": dict(train_slate="adapter", use_replay=True),
-    # Beyond the paper: switches chosen by `--suite=tune` (hyperparameters: METHOD_HPARAMS),
-    # `side_init` by `--suite=side_init_tune` (both benchmarks' validation, every K),
-    # `loss_support` by `--suite=pool_tune` ('auto' is the paper's softmax at K <= T s, bit for bit).
+    # Beyond the paper: switches chosen by `--suite=tune`, `side_init_tune` and `pool_tune`.
     "ear_tuned": dict(train_slate="explorer", use_replay=True, replay_strategy="random",
                       replay_size=8, final_slate="exploit", test_rounds=4, side_init=0.25,
                       loss_support="auto"),
 }
-# `ear_safe`: `ear_tuned` with the guard (`ear_jax.core.guard`); n and z chosen by
-# `--suite=guard_tune --guard_holdout=N`.
+# `ear_safe`: `ear_tuned` with the guard (`ear_jax.core.guard`).
 METHODS["ear_safe"] = dict(METHODS["ear_tuned"], guard_holdout=5, guard_z=0.25)
 # Hyperparameters of a method where they differ from the paper's (`hparams_for_method`).
 METHOD_HPARAMS = {
     "ear_tuned": dict(learning_rate=1e-4, baseline=0.0, tau=0.25),
 }
 METHOD_HPARAMS["ear_safe"] = METHOD_HPARAMS["ear_tuned"]
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_choice(name, value, choices):
@@ -108,32 +107,22 @@ class EARConfig:
     replay_size: `B`, replayed experiences per query (Eq. (15)); 4 in the paper.
     buffer_capacity: `C`, ring-buffer capacity (Eq. (13)-(14)); the oldest is overwritten.
     batch_size: training queries per optimizer step (Appendix A.1: 4).
-    train_slate: a name in `core.policies.TRAIN_SLATES` or a function: 'explorer' (T rounds of
-      Eq. (8)), 'adapter' (top-s of z), 'gumbel' (Gumbel top-s of z/tau, RMM) or 'none' / None.
+    train_slate: 'explorer', 'adapter', 'gumbel' or 'none' / None (`core.policies`), or a function.
     use_replay: add the replay loss of Eq. (16).
-    loss_form: 'flat' (softmax over all K, Alg. 3 line 7) or 'sequential' (Plackett-Luce: position j
-      excludes the items chosen before it, Section 3.4).
-    replay_strategy: a name in `core.buffer.REPLAY_STRATEGIES` or a function: 'similarity'
-      (Eq. (15)), 'reward' (bottom-B by mean reward) or 'random' (Table 7).
-    replay_unobserved: 'negative' (Eq. (20) literally: never-chosen items get -1) or 'ignore'
-      (never-chosen items are left out of the replay loss).
-    optimizer: a name in `OPTIMIZERS`, 'adam' (default; the paper names none) or 'sgd', or an optax
-      alias `learning_rate -> optax.GradientTransformation`.
+    loss_form: 'flat' (Alg. 3 line 7) or 'sequential' (Plackett-Luce, Section 3.4).
+    replay_strategy: 'similarity' (Eq. (15)), 'reward' or 'random' (Table 7), or a function.
+    replay_unobserved: 'negative' (Eq. (20): never-chosen items get -1) or 'ignore' (left out).
+    optimizer: 'adam' (default) or 'sgd' (`OPTIMIZERS`), or an optax alias `learning_rate -> ...`.
     loss_on_tempered_logits: the REINFORCE loss uses log softmax(z / tau) (RMM), not softmax(z).
-    loss_support: the candidates Eq. (10)'s softmax runs over: 'all' (the paper), 'labelled',
-      'window' or 'auto' ('all' when `K <= T s`, else 'labelled'); `core.losses.loss_support`.
-    final_slate: explorer-assisted inference's slate, 'round_T' (the paper) or 'exploit' (top-s by
-      bandit mean after the T rounds, ties by adapted relevance).
+    loss_support: Eq. (10)'s softmax support, 'all' (the paper), 'labelled', 'window' or 'auto'.
+    final_slate: 'round_T' (the paper) or 'exploit' (`core.explorer.exploit_slate`) at test.
     test_rounds: `T` at test (explorer-assisted inference); None: `num_rounds`.
-    side_features: `F`, first-stage features per candidate row `[embedding (d) | features (F)]`
-      (0 = off, the paper); feature 0 the first stage's score, 1 the dense cosine.
-    side_init: the initial weight of feature 0; before any feedback the adapter-only slate is the
-      first stage's own top-s.
+    side_features: `F` first-stage features per row, 0 = off (the paper); feature 0 is its score.
+    side_init: the initial weight of feature 0 (the untrained adapter ranks as the first stage).
     guard_z: the guard's confidence: the adapted ranking is served when mean(d) - guard_z * se > 0.
-    guard_min_queries: the guard serves the first stage until this many held-out queries with a
-      cited item are in its ring.
-    guard_holdout: the guard (`core.guard`; 0 = off, the paper). n >= 2: every n-th training query
-      is held out, and the first stage is served unless the adapter beats it on those.
+    guard_min_queries: held-out queries with a citation needed before the adapter may be served.
+    guard_holdout: n >= 2 holds every n-th training query out for the guard (`core.guard`; 0 =
+      off, the paper): the first stage is served unless the adapter beats it on those.
     guard_holdout_capacity: `H`, the held-out queries the ring keeps (the newest).
   """
   dim: int = 384
@@ -176,16 +165,13 @@ class EARConfig:
     for name in ("dim", "num_candidates", "slate_size", "num_rounds", "replay_size",
                  "buffer_capacity", "batch_size"):
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int):
+      if not _is_int(value):
         raise ValueError(f"{name} must be an int, got {value!r}")
       if value < 1:
         raise ValueError(f"{name} must be >= 1, got {name}={value}")
-    if self.replay_size > self.buffer_capacity:
-      raise ValueError(f"replay_size B={self.replay_size} is larger than buffer_capacity "
-                       f"C={self.buffer_capacity}")
-    if self.batch_size > self.buffer_capacity:
-      raise ValueError(f"batch_size={self.batch_size} is larger than buffer_capacity "
-                       f"C={self.buffer_capacity}")
+    for what, value in (("replay_size B", self.replay_size), ("batch_size", self.batch_size)):
+      if value > self.buffer_capacity:
+        raise ValueError(f"{what}={value} is larger than buffer_capacity C={self.buffer_capacity}")
     if self.slate_size > self.num_candidates:
       raise ValueError(
           f"slate_size s={self.slate_size} is larger than num_candidates K={self.num_candidates}")
@@ -193,28 +179,21 @@ class EARConfig:
     _check_choice("replay_unobserved", self.replay_unobserved, REPLAY_UNOBSERVED)
     _check_choice("loss_support", self.loss_support, LOSS_SUPPORTS)
     _check_choice("final_slate", self.final_slate, FINAL_SLATES)
-    if self.test_rounds is not None and (isinstance(self.test_rounds, bool) or not isinstance(
-        self.test_rounds, int) or self.test_rounds < 1):
+    if self.test_rounds is not None and not (_is_int(self.test_rounds) and self.test_rounds >= 1):
       raise ValueError(f"test_rounds must be None or an int >= 1, got {self.test_rounds!r}")
-    if isinstance(self.side_features, bool) or not isinstance(self.side_features, int) or not (
-        self.side_features == 0 or self.side_features >= 2):
+    if not (_is_int(self.side_features) and (self.side_features == 0 or self.side_features >= 2)):
       raise ValueError("side_features must be 0 (off) or an int >= 2 (feature 0: the first "
                        f"stage's score, feature 1: the dense cosine), got {self.side_features!r}")
-    if isinstance(self.side_init, bool) or not isinstance(self.side_init, (int, float)) or not (
-        self.side_init >= 0):
-      raise ValueError(f"side_init must be a float >= 0, got {self.side_init!r}")
-    if isinstance(self.guard_z, bool) or not isinstance(self.guard_z, (int, float)) or not (
-        self.guard_z >= 0):
-      raise ValueError(f"guard_z must be a float >= 0, got {self.guard_z!r}")
-    if isinstance(self.guard_min_queries, bool) or not isinstance(
-        self.guard_min_queries, int) or self.guard_min_queries < 1:
+    for name in ("side_init", "guard_z"):
+      value = getattr(self, name)
+      if not (_is_int(value) or isinstance(value, float)) or not value >= 0:
+        raise ValueError(f"{name} must be a float >= 0, got {value!r}")
+    if not (_is_int(self.guard_min_queries) and self.guard_min_queries >= 1):
       raise ValueError(f"guard_min_queries must be an int >= 1, got {self.guard_min_queries!r}")
-    if isinstance(self.guard_holdout, bool) or not isinstance(self.guard_holdout, int) or not (
-        self.guard_holdout == 0 or self.guard_holdout >= 2):
+    if not (_is_int(self.guard_holdout) and (self.guard_holdout == 0 or self.guard_holdout >= 2)):
       raise ValueError("guard_holdout must be 0 (off) or an int >= 2 (every n-th training query "
                        f"held out), got {self.guard_holdout!r}")
-    if isinstance(self.guard_holdout_capacity, bool) or not isinstance(
-        self.guard_holdout_capacity, int) or self.guard_holdout_capacity < 1:
+    if not (_is_int(self.guard_holdout_capacity) and self.guard_holdout_capacity >= 1):
       raise ValueError("guard_holdout_capacity must be an int >= 1, got "
                        f"{self.guard_holdout_capacity!r}")
 
@@ -238,11 +217,7 @@ class EARConfig:
     return self.num_rounds if self.test_rounds is None else self.test_rounds
 
   def to_dict(self) -> dict:
-    """JSON-able fields; strategies by their names.
-
-    Fields beyond the paper are written only when they differ from their defaults, so checkpoints
-    and memories saved before they existed still match.
-    """
+    """JSON-able fields, strategies by name; fields beyond the paper only when not default."""
     d = dataclasses.asdict(self)
     for name in STRATEGY_FIELDS:
       d[name] = _strategy_name(getattr(self, name))
@@ -253,10 +228,10 @@ class EARConfig:
 
   @classmethod
   def from_dict(cls, d: dict) -> "EARConfig":
-    """Inverse of `to_dict` (registered strategies only; unknown fields are an error).
+    """Inverse of `to_dict`; a retired field (`_RETIRED`) is read only at this version's value.
 
-    A retired field (`_RETIRED`) is read when it names the behaviour this version has, else it is a
-    ValueError naming the field.
+    Raises:
+      ValueError: for an unknown field, or a retired one at another value.
     """
     d = dict(d)
     retired = {k: d.pop(k) for k in list(d) if k in _RETIRED}
@@ -273,8 +248,6 @@ class EARConfig:
   @classmethod
   def for_method(cls, method: str, **overrides) -> "EARConfig":
     """The config of a named method of Tables 2-3, with `overrides` applied on top.
-
-    Prefer `Method.named(method)`, which carries the method's own hyperparameters too.
 
     Args:
       method: one of `METHODS`.
@@ -323,17 +296,13 @@ HPARAM_DEFAULTS = dict(lambda_rel=0.4, lambda_div=0.3, lambda_exp=0.3, alpha=0.5
 
 
 def default_hparams(*, dtype=jnp.float32, **overrides) -> HParams:
-  """`HParams` with the paper's values, `overrides` applied (scalars or arrays for a sweep).
-
-  `dtype` is the run's float dtype (`jnp.float64` keeps a float64 run unrounded).
-  """
+  """`HParams` of float `dtype`: the paper's values, then `overrides` (scalars or sweep arrays)."""
   unknown = set(overrides) - set(HPARAM_DEFAULTS)
   if unknown:
     raise ValueError(f"unknown hyperparameter(s) {sorted(unknown)}; "
                      f"expected some of {sorted(HPARAM_DEFAULTS)}")
   values = {**HPARAM_DEFAULTS, **overrides}
-  v = jnp.asarray(values["tau"])
-  if jnp.any(v <= 0):
+  if jnp.any(jnp.asarray(values["tau"]) <= 0):
     raise ValueError(f"tau must be > 0, got {values['tau']!r}")
   return HParams(**{k: jnp.asarray(v, dtype) for k, v in values.items()})
 
@@ -355,11 +324,7 @@ def hparams_for_method(method: str, **overrides) -> HParams:
 
 
 class Method(NamedTuple):
-  """A method as one object: its static config, its hyperparameters and its critic.
-
-  `Method.named(name)` pairs a preset of `METHODS` with its own hyperparameters, so a preset never
-  meets another's by accident. Unpack it where the pure functions want the parts.
-  """
+  """A method as one object: its static config, its hyperparameters and its critic."""
   name: str  # the preset's name in `METHODS`
   config: EARConfig  # static: shapes and switches
   hparams: HParams  # array leaves: the preset's hyperparameters

@@ -141,10 +141,7 @@ def answer_critic(support: jax.Array, slate_mask: jax.Array, min_overlap: jax.Ar
 
 @flax.struct.dataclass
 class AnswerCritic:
-  """`answer_critic` as a critic pytree (thresholds are leaves); reads `view.answer_support`.
-
-  Build it with `make_answer_critic`.
-  """
+  """`answer_critic` as a critic pytree of threshold leaves (build: `make_answer_critic`)."""
   min_overlap: jax.Array  # [] float32
   best_min_cosine: jax.Array  # [] float32
   min_share: jax.Array  # [] float32
@@ -190,8 +187,7 @@ def make_simulated_critic(precision=DEFAULT_PRECISION, recall=DEFAULT_RECALL) ->
 
 def default_critic() -> SimulatedCritic:
   """The paper's simulated critic, p = 0.88, r = 0.86 (Appendix A.2); usable inside `jit`."""
-  return SimulatedCritic(precision=jnp.float32(DEFAULT_PRECISION),
-                         recall=jnp.float32(DEFAULT_RECALL))
+  return make_simulated_critic()
 
 
 def or_default(critic: Optional[Critic]) -> Critic:

@@ -50,11 +50,9 @@ def train_stream(state: LearnerState, keys: jax.Array, stream: Stream, config: E
 
   def body(carry, x):
     k, batch, w = x
+    run = lambda st: learner.train_batch(st, k, batch, w, config, hparams, critic)
     if where is None:  # padding only fills the last batch: every batch holds a real query
-      return learner.train_batch(carry, k, batch, w, config, hparams, critic)
-
-    def run(st):
-      return learner.train_batch(st, k, batch, w, config, hparams, critic)
+      return run(carry)
 
     def skip(st):
       records = jax.eval_shape(run, st)[1]

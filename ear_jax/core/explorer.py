@@ -19,10 +19,8 @@ from ear_jax.core.types import SlateFeedback
 if TYPE_CHECKING:
   from ear_jax.core.config import HParams
 
-# The s picks and T rounds are short static loops: unrolled, XLA fuses them (no while-loop
-# overhead per pick on CPU).
+# The s picks and T rounds are short static loops: unrolled, XLA fuses them.
 _UNROLL = True
-
 
 
 @flax.struct.dataclass

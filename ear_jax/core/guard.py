@@ -10,8 +10,7 @@ to a ring of the newest `H` (`GuardState`). At test time, per held-out question 
   `d_j = 1[Y_j ⊆ TopS(z^phi_j)] - 1[Y_j ⊆ TopS(z^0_j)]`,
 
 and the adapted ranking is served when `mean(d) - guard_z * sd / sqrt(n) > 0` over
-`n >= guard_min_queries` questions (`holdout_decision`), else the first stage's (a leafwise
-`jnp.where`, no Python branch on traced values).
+`n >= guard_min_queries` questions (`holdout_decision`), else the first stage's.
 """
 from __future__ import annotations
 
@@ -83,13 +82,11 @@ def push_holdout(guard: GuardState, first: adapter_lib.AdapterParams, queries: j
 def holdout_evidence(params: adapter_lib.AdapterParams, guard: GuardState, slate_size: int):
   """`(d [H] float32, counts [H] bool)` of `params` on the ring; a slot counts with a citation."""
   params = jax.lax.stop_gradient(params)
-  cited = guard.cited
-  in_a = jax.vmap(lambda q, c, m: _top_mask(adapter_lib.adapter_scores(params, q, c), m,
-                                            slate_size))(guard.queries, guard.candidates,
-                                                         guard.mask)
-  d = (jnp.all(~cited | in_a, -1).astype(jnp.float32)
-       - jnp.all(~cited | guard.in_first, -1).astype(jnp.float32))
-  return d, jnp.any(cited, -1)
+  top = lambda q, c, m: _top_mask(adapter_lib.adapter_scores(params, q, c), m, slate_size)
+  in_a = jax.vmap(top)(guard.queries, guard.candidates, guard.mask)
+  d = (jnp.all(~guard.cited | in_a, -1).astype(jnp.float32)
+       - jnp.all(~guard.cited | guard.in_first, -1).astype(jnp.float32))
+  return d, jnp.any(guard.cited, -1)
 
 
 def holdout_lower_bound(params: adapter_lib.AdapterParams, guard: GuardState,

@@ -10,11 +10,9 @@ stage's ranking and the served one.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
-
-from typing import Optional
 
 from ear_jax.core import adapter as adapter_lib
 from ear_jax.core import critic as critic_lib

@@ -2,10 +2,7 @@
 
 Symbols: `N` training queries, `b` batch size, `K` candidates, `s` slate size, `R` slates per
 training query (`T` for the Explorer, 1 for the single-slate methods), `B` replayed experiences.
-
-A batch of `b` queries is vmapped against the adapter and buffer as they stood at the batch's
-start: one averaged gradient, one optimizer step, then the batch's experiences are pushed (with
-`b = 1` exactly Algorithm 1). `train_batch_on_feedback` is the one learner step for every caller;
+`train_batch_on_feedback` is the one learner step for every caller (with `b = 1` exactly Alg. 1);
 `train_batch` first collects the feedback with a jitted critic.
 """
 from __future__ import annotations
@@ -105,8 +102,7 @@ def collect_feedback(key: jax.Array, params: adapter_lib.AdapterParams, query: j
     query: `[d]` pre-adapter query; candidates: `[K, d]`; where, gold: `[K]` bool.
     critic: a critic pytree `(key, SlateView) -> labels [s]`.
     answer_support: optional `[K, A]` answer-support features, shown to the critic.
-    held: optional `[]` bool: the query is held out for the guard, and its slates are T pages of
-      the first stage's ranking instead of the policy's.
+    held: optional `[]` bool, held out for the guard: its slates are pages, not the policy's.
 
   Returns:
     The query's `Feedback` (`[R, s]` slates, mask and labels), not differentiated.
@@ -166,10 +162,7 @@ def prepare_replay(key: jax.Array, buffer: buffer_lib.ReplayBuffer, query: jax.A
 
 def experience_replay_loss(params: adapter_lib.AdapterParams, replay: Replay, config: EARConfig,
                            hparams: HParams):
-  """Replay loss of one query, Eq. (16), (19)-(20) (Alg. 3 l. 14-22).
-
-  Re-applies the current adapter to the experiences, samples a Gumbel top-s slate per experience
-  and applies the ranking loss with the binary replay rewards.
+  """Replay loss of one query under the current adapter, Eq. (16), (19)-(20) (Alg. 3 l. 14-22).
 
   Returns:
     `(loss [], num_replayed [] int32)`.
@@ -214,36 +207,6 @@ def query_loss(params: adapter_lib.AdapterParams, query: jax.Array, candidates: 
   record = QueryRecord(slates=slates, slate_mask=slate_mask, labels=labels, loss=loss,
                        loss_cur=loss_cur, loss_rep=loss_rep, num_replayed=num_replayed)
   return loss, (record, observed, ybar)
-
-
-def _batch_replay(keys, buffer, queries, config):
-  """The batch's replays, gathered once before the gradient: `(replay [b, ...], buffer)`.
-
-  Pushing into the returned buffer orders the push after the gathers (`buffer.after_reads`).
-  """
-  if not config.use_replay:
-    return None, buffer
-  replay = jax.vmap(prepare_replay, in_axes=(0, None, 0, None))(keys, buffer, queries, config)
-  return replay, buffer_lib.after_reads(buffer, replay.indices, replay.experiences)
-
-
-def _step(state, batch_loss, batch, where, config, hparams, buffer, trained=None):
-  """Gradient of the batch-mean loss, one optimizer step, then the `trained` experiences pushed."""
-  trained = where if trained is None else trained
-  grads, (records, observed, ybar) = jax.grad(batch_loss, has_aux=True)(state.params)
-  new_state = apply_gradients(state, grads, config, hparams)
-  num = jnp.sum(where).astype(jnp.int32)
-  new_state = new_state.replace(
-      buffer=buffer_lib.push_experiences(buffer, batch.queries, batch.candidates,
-                                         batch.mask, observed, ybar, trained),
-      queries_seen=state.queries_seen + num,
-      critic_calls=state.critic_calls + jnp.sum(
-          jnp.where(where[:, None], jnp.any(records.slate_mask, -1), False)).astype(jnp.int32))
-  return new_state, records
-
-
-def _masked_batch_mean(loss, where):
-  return jnp.sum(jnp.where(where, loss, 0.0)) / jnp.maximum(jnp.sum(where), 1)
 
 
 def train_batch(state: LearnerState, keys: jax.Array, batch: Stream, where: jax.Array,
@@ -296,17 +259,26 @@ def train_batch_on_feedback(state: LearnerState, keys: jax.Array, batch: Stream,
   Returns:
     `(new_state, records)` as in `train_batch`.
   """
-  replay, buffer = _batch_replay(keys, state.buffer, batch.queries, config)
+  replay, buffer = None, state.buffer
+  if config.use_replay:  # gathered once; `after_reads` orders the push after the gathers
+    replay = jax.vmap(prepare_replay, in_axes=(0, None, 0, None))(keys, buffer, batch.queries,
+                                                                  config)
+    buffer = buffer_lib.after_reads(buffer, replay.indices, replay.experiences)
   feedback = Feedback(slates=slates, slate_mask=slate_mask, labels=labels)
-
   trained = where if held is None else where & ~held
 
   def batch_loss(params):
     loss, aux = jax.vmap(query_loss, in_axes=(None, 0, 0, 0, 0, 0, None, None))(
         params, batch.queries, batch.candidates, batch.mask, feedback, replay, config, hparams)
-    return _masked_batch_mean(loss, trained), aux
+    return jnp.sum(jnp.where(trained, loss, 0.0)) / jnp.maximum(jnp.sum(trained), 1), aux
 
-  new_state, records = _step(state, batch_loss, batch, where, config, hparams, buffer, trained)
+  grads, (records, observed, ybar) = jax.grad(batch_loss, has_aux=True)(state.params)
+  new_state = apply_gradients(state, grads, config, hparams).replace(
+      buffer=buffer_lib.push_experiences(buffer, batch.queries, batch.candidates, batch.mask,
+                                         observed, ybar, trained),
+      queries_seen=state.queries_seen + jnp.sum(where).astype(jnp.int32),
+      critic_calls=state.critic_calls + jnp.sum(
+          jnp.where(where[:, None], jnp.any(records.slate_mask, -1), False)).astype(jnp.int32))
   if config.guard and held is not None:
     new_state = new_state.replace(guard=guard_lib.push_holdout(
         state.guard, guard_lib.first_stage_params(config), batch.queries, batch.candidates,

@@ -47,15 +47,12 @@ def slate_log_probs(logits: jax.Array, where: jax.Array, slate: jax.Array, slate
 def loss_support(where: jax.Array, observed: jax.Array, mode: str, window: int) -> jax.Array:
   """The candidates Eq. (10)'s softmax runs over (`EARConfig.loss_support`).
 
-  'all': every valid candidate (the paper). 'labelled': only candidates with feedback. 'window':
-  the first stage's top `window` (`T s`) and every labelled one. 'auto': 'all' when `K <= window`,
-  else 'labelled'. At `K <= window`, 'window' and 'auto' return `where` itself: the paper's
-  computation bit for bit.
-
   Args:
     where: `[K]` bool, valid candidates (in the first stage's rank order).
     observed: `[K]` bool, candidates that received feedback (Eq. (11)).
-    mode: 'all', 'labelled', 'window' or 'auto'.
+    mode: 'all' (every valid candidate, the paper), 'labelled' (those with feedback), 'window'
+      (the first stage's top `window` and every labelled one) or 'auto' ('all' when `K <= window`,
+      else 'labelled'); at `K <= window`, 'window' and 'auto' are 'all' bit for bit.
     window: `T s` (static).
 
   Returns:
@@ -116,8 +113,7 @@ def replay_rewards(ybar: jax.Array, observed: jax.Array, replay_unobserved: str)
   Args:
     ybar: `[K]` aggregated labels of a stored experience.
     observed: `[K]` bool, candidates that received feedback.
-    replay_unobserved: 'negative' (Eq. (20) literally: never-chosen items get -1 and count) or
-      'ignore' (never-chosen items are left out of the loss).
+    replay_unobserved: 'negative' (never-chosen items get -1 and count) or 'ignore' (left out).
 
   Returns:
     `(rewards [K] float32, counted [K] bool)`.

@@ -56,26 +56,18 @@ def _merge(best, new, k):
 def _block_top(queries, rows, valid, stores, offset, per_store):
   """Top-`per_store` of one block of rows: one list, or one per store (0, 1)."""
   scores = _chunk_scores(queries, rows)
-  if stores is None:
-    vals, idx = _masked_top(scores, valid[None, :], per_store)
-    return ((vals, idx + offset),)
-  out = []
-  for s in (0, 1):
-    vals, idx = _masked_top(scores, (valid & (stores == s))[None, :], per_store)
-    out.append((vals, idx + offset))
-  return tuple(out)
+  groups = (valid,) if stores is None else (valid & (stores == 0), valid & (stores == 1))
+  tops = (_masked_top(scores, where[None, :], per_store) for where in groups)
+  return tuple((vals, idx + offset) for vals, idx in tops)
 
 
 def _streaming_top(queries, bank, valid, stores, per_store, chunk):
   """Top-`per_store` lists over the whole bank in `chunk`-row blocks; `[n, M]` is never formed."""
-  m = bank.shape[0]
+  m, n = bank.shape[0], queries.shape[0]
   num_full = m // chunk
-  n = queries.shape[0]
-  lists = 1 if stores is None else 2
-  init = tuple((jnp.full((n, per_store), -jnp.inf, jnp.float32),
-                jnp.zeros((n, per_store), jnp.int32)) for _ in range(lists))
-
   full = num_full * chunk
+  init = tuple((jnp.full((n, per_store), -jnp.inf, jnp.float32),
+                jnp.zeros((n, per_store), jnp.int32)) for _ in range(1 if stores is None else 2))
   blocks = (bank[:full].reshape(num_full, chunk, -1), valid[:full].reshape(num_full, chunk),
             None if stores is None else stores[:full].reshape(num_full, chunk),
             jnp.arange(num_full, dtype=jnp.int32) * chunk)
@@ -86,12 +78,10 @@ def _streaming_top(queries, bank, valid, stores, per_store, chunk):
     return tuple(_merge(b, x, per_store) for b, x in zip(best, new)), None
 
   best, _ = jax.lax.scan(step, init, blocks)
-  rest = m - num_full * chunk
-  if rest:  # the tail rows (a bank whose size is not a multiple of the chunk)
-    tail = slice(num_full * chunk, m)
-    new = _block_top(queries, bank[tail], valid[tail],
-                     None if stores is None else stores[tail], num_full * chunk,
-                     min(per_store, rest))
+  if m > full:  # the tail rows (a bank whose size is not a multiple of the chunk)
+    tail = slice(full, m)
+    new = _block_top(queries, bank[tail], valid[tail], None if stores is None else stores[tail],
+                     full, min(per_store, m - full))
     best = tuple(_merge(b, x, per_store) for b, x in zip(best, new))
   return best
 
@@ -100,9 +90,8 @@ def top_k_search(queries: jax.Array, bank: jax.Array, valid: jax.Array, k: int,
                  stores: Optional[jax.Array] = None, chunk: Optional[int] = None):
   """Top-K bank rows by cosine (Eq. (1)); with `stores`, the top-K/2 of each of two stores.
 
-  Ties go to the lower index; a bank with fewer than K valid rows gives padded, masked positions. A
-  bank of more than `chunk` rows is streamed (`lax.scan` with a running top-K), so at most `n chunk`
-  scores exist at once.
+  Ties go to the lower index; missing rows are masked padding. A bank of more than `chunk` rows is
+  streamed (a `lax.scan` with a running top-K), so at most `n chunk` scores exist at once.
 
   Args:
     queries: `[n, d]` unit query embeddings.
@@ -126,13 +115,7 @@ def top_k_search(queries: jax.Array, bank: jax.Array, valid: jax.Array, k: int,
       valid = jnp.pad(valid, (0, pad))
       stores = None if stores is None else jnp.pad(stores, (0, pad), constant_values=-1)
     parts = _block_top(queries, bank, valid, stores, 0, per_store)
-  if stores is None:
-    vals, idx = parts[0]
-  else:
-    vals = jnp.concatenate([p[0] for p in parts], 1)
-    idx = jnp.concatenate([p[1] for p in parts], 1)
-    vals, order = jax.lax.top_k(vals, k)
-    idx = jnp.take_along_axis(idx, order, 1)
+  vals, idx = parts[0] if stores is None else _merge(*parts, k)
   mask = vals > -jnp.inf
   return jnp.where(mask, idx, -1).astype(jnp.int32), vals, mask
 
@@ -234,7 +217,6 @@ def explorer_retrieve(key: jax.Array, params: adapter_lib.AdapterParams, queries
   slate, slate_mask = jax.vmap(one)(jax.random.split(key, queries.shape[0]), queries, bank[safe],
                                     cand_gold, mask)
   return jnp.where(slate_mask, jnp.take_along_axis(idx, jnp.maximum(slate, 0), 1), -1)
-
 
 
 class PagingOutput(NamedTuple):

@@ -93,20 +93,19 @@ def make_stream(queries, candidates, mask=None, gold=None, num_gold=None,
     raise ValueError("num_gold is smaller than the number of gold candidates for some query")
   for name, arr in (("queries", queries), ("candidates", candidates)):
     _check(chex.assert_tree_all_finite, arr, message=f"{name} contains NaN or Inf")
+
+  def per_candidate(name, x, width):
+    """`x [N, K, width]` as float32, checked, 0 at masked candidates."""
+    x = np.asarray(x, np.float32)
+    _check(chex.assert_shape, x, (n, k, None),
+           message=f"{name} must be [N, K, {width}] with [N, K] = {(n, k)}, got {x.shape}")
+    _check(chex.assert_tree_all_finite, x, message=f"{name} contains NaN or Inf")
+    return np.where(mask[..., None], x, 0.0)
+
   if features is not None:
-    features = np.asarray(features, np.float32)
-    _check(chex.assert_shape, features, (n, k, None),
-           message=f"features must be [N, K, F] with [N, K] = {(n, k)}, got {features.shape}")
-    _check(chex.assert_tree_all_finite, features, message="features contains NaN or Inf")
-    candidates = np.concatenate([candidates, np.where(mask[..., None], features, 0.0)], -1)
+    candidates = np.concatenate([candidates, per_candidate("features", features, "F")], -1)
   if answer_support is not None:
-    answer_support = np.asarray(answer_support, np.float32)
-    _check(chex.assert_shape, answer_support, (n, k, None),
-           message=f"answer_support must be [N, K, A] with [N, K] = {(n, k)}, got "
-                   f"{answer_support.shape}")
-    _check(chex.assert_tree_all_finite, answer_support,
-           message="answer_support contains NaN or Inf")
-    answer_support = np.where(mask[..., None], answer_support, 0.0).astype(np.float32)
+    answer_support = per_candidate("answer_support", answer_support, "A").astype(np.float32)
   return Stream(queries=queries, candidates=candidates, mask=mask, gold=gold, num_gold=num_gold,
                 answer_support=answer_support)
 

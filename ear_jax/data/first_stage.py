@@ -7,15 +7,14 @@ benchmark pipeline (`bank_first_stage`) and `Memory` give the same texts the sam
 Generators (`GENERATORS`): `dense` (the paper's cosine), `bm25`, `hybrid`: 'weighted' (min-max
 normalised `lexical_weight * bm25 + (1 - lexical_weight) * cos`) or 'rrf' (only rows in the top
 `t = ceil(rrf_k + 2 K) + 1` of either ranking can reach the fused top-K). Best first, ties to the
-lower row. Side features (Appendix B.6, `FEATURES`, 'context' adds `CONTEXT_FEATURES`) start with
-the first stage's normalised score. Only store 0 is a candidate unless `multistore`.
+lower row. The side features (Appendix B.6, `FEATURES`) start with the first stage's normalised
+score. Only store 0 is a candidate unless `multistore`.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +24,7 @@ from ear_jax.core import retrieval
 from ear_jax.core.types import CandidateGenerator
 
 QUERY_BATCH = 64  # queries per jitted search call (the last batch is padded)
-FEATURES = ("first_stage", "dense_cosine", "bm25")
-CONTEXT_FEATURES = ("same_session", "adjacent", "speaker_named")
-# `FirstStageOptions.features` -> the side features of every candidate, in order.
-FEATURE_SETS = {"first_stage": FEATURES, "context": FEATURES + CONTEXT_FEATURES}
-NO_TERM = -2  # padding of `Context.query_terms` (never a term id, nor the -1 of "no speaker")
+FEATURES = ("first_stage", "dense_cosine", "bm25")  # the side features of every candidate
 FUSIONS = ("rrf", "weighted")
 MIN_BUCKET = 16  # smallest bucket of BM25 pairs per query
 _top_k_search = jax.jit(retrieval.top_k_search, static_argnames=("k", "chunk"))
@@ -37,19 +32,15 @@ _top_k_search = jax.jit(retrieval.top_k_search, static_argnames=("k", "chunk"))
 
 @dataclasses.dataclass(frozen=True)
 class FirstStageOptions:
-  """Settings of the hybrid fusion (ignored by `dense` and `bm25`) and the side features.
+  """Settings of the hybrid fusion (ignored by `dense` and `bm25`).
 
   Defaults chosen by `python -m experiments.run --benchmark=locomo --suite=first_stage_tune`.
   """
   fusion: str = "weighted"
   rrf_k: float = 60.0
   lexical_weight: float = 0.6
-  features: str = "first_stage"  # a name in FEATURE_SETS: the side features of each candidate
 
   def __post_init__(self):
-    if self.features not in FEATURE_SETS:
-      raise ValueError(f"unknown features={self.features!r}; expected one of "
-                       f"{tuple(FEATURE_SETS)}")
     if self.fusion not in FUSIONS:
       raise ValueError(f"unknown fusion={self.fusion!r}; expected one of {FUSIONS}")
     if not 0.0 <= self.lexical_weight <= 1.0:
@@ -57,20 +48,11 @@ class FirstStageOptions:
     if not self.rrf_k > 0:
       raise ValueError(f"rrf_k must be > 0, got {self.rrf_k}")
 
-  @property
-  def feature_names(self) -> tuple:
-    """The side features of each candidate, in order (`FEATURE_SETS[features]`)."""
-    return FEATURE_SETS[self.features]
-
-  @property
-  def uses_context(self) -> bool:
-    return self.features == "context"
-
   @classmethod
-  def with_defaults(cls, fusion=None, lexical_weight=None, features=None) -> "FirstStageOptions":
-    """The options with `fusion` / `lexical_weight` / `features` where given (None: default)."""
-    over = {k: v for k, v in (("fusion", fusion), ("lexical_weight", lexical_weight),
-                              ("features", features)) if v is not None}
+  def with_defaults(cls, fusion=None, lexical_weight=None) -> "FirstStageOptions":
+    """The options with `fusion` / `lexical_weight` where given (None: default)."""
+    over = {k: v for k, v in (("fusion", fusion), ("lexical_weight", lexical_weight))
+            if v is not None}
     return cls(**over)
 
 
@@ -111,14 +93,6 @@ def pow2_at_least(n: int, minimum: int = 1) -> int:
   """The smallest power of two `>= max(n, minimum, 1)`."""
   n = max(n, minimum, 1)
   return 1 << (n - 1).bit_length()
-
-
-class Context(NamedTuple):
-  """What a bank knows of its rows beyond their texts (`"context"` features; -1 = unknown)."""
-  sessions: jax.Array  # [C] int32 a code per row for its session (-1: unknown)
-  speakers: jax.Array  # [C] int32 the term id of the row's speaker (-1: none)
-  turns: jax.Array  # [C] int32 each row's place among its session's rows, in insertion order
-  query_terms: jax.Array  # [q, L] int32 each query's BM25 term ids (NO_TERM = padding)
 
 
 class BankScores(NamedTuple):
@@ -237,42 +211,19 @@ def check_generator(name: str) -> Callable:
   return GENERATORS[name]
 
 
-def context_features(ctx: Context, rows, mask):
-  """`[q, K, 3]` float32 `CONTEXT_FEATURES` of candidates `rows [q, K]` (0 on padding)."""
-  k = rows.shape[1]
-  safe = jnp.maximum(rows, 0)
-  sess = jnp.where(mask, ctx.sessions[safe], -1)
-  known = sess >= 0
-  same = (sess[:, :, None] == sess[:, None, :]) & known[:, :, None] & known[:, None, :]
-  same_session = (jnp.sum(same, -1) - known) / k  # the others of its session
-  turn = jnp.where(mask, ctx.turns[safe], -2)
-  step = jnp.abs(turn[:, :, None] - turn[:, None, :]) == 1
-  adjacent = jnp.sum(same & step, -1) / 2.0
-  spk = jnp.where(mask, ctx.speakers[safe], -1)
-  named = jnp.any(ctx.query_terms[:, None, :] == spk[:, :, None], -1) & (spk >= 0)
-  return jnp.stack([same_session, adjacent, named.astype(jnp.float32)], -1)
-
-
-def features(s: BankScores, rows, scores, mask, ctx: Optional[Context] = None):
-  """`[q, K, F]` float32 side features of ranked candidates `rows [q, K]` (0 on padding).
-
-  `FEATURES`, then `CONTEXT_FEATURES` when `ctx` is given.
-  """
+def features(s: BankScores, rows, scores, mask):
+  """`[q, K, F]` float32 `FEATURES` of ranked candidates `rows [q, K]` (0 on padding)."""
   first = jnp.where(mask, _minmax(jnp.where(mask, scores, 0.0), mask), 0.0)
   safe = jnp.maximum(rows, 0)
   cos = jnp.take_along_axis(s.cos, safe, 1)
   lex = jnp.take_along_axis(s.lex, safe, 1)
   best = jnp.max(jnp.where(mask, lex, 0.0), axis=1, keepdims=True)
   lex = jnp.where(best > 0, lex / jnp.where(best > 0, best, 1.0), 0.0)
-  out = jnp.stack([first, cos, lex], -1)
-  if ctx is not None:
-    out = jnp.concatenate([out, context_features(ctx, rows, mask)], -1)
-  return jnp.where(mask[..., None], out, 0.0)
+  return jnp.where(mask[..., None], jnp.stack([first, cos, lex], -1), 0.0)
 
 
-def _block(queries, emb, where, stores, lex_rows, lex_scores, ctx, k, generator, options,
-           multistore):
-  """`rank_bank` for one block of queries (`ctx`: its `Context`, or None)."""
+def _block(queries, emb, where, stores, lex_rows, lex_scores, k, generator, options, multistore):
+  """`rank_bank` for one block of queries."""
   cap = emb.shape[0]
   b = queries.shape[0]
   cos = retrieval._chunk_scores(queries, emb)  # [b, C] float32  pylint: disable=protected-access
@@ -290,11 +241,11 @@ def _block(queries, emb, where, stores, lex_rows, lex_scores, ctx, k, generator,
     rows, sc = gen(s._replace(where=where & (stores == 0)), k, options)
   mask = sc > -jnp.inf
   rows = jnp.where(mask, rows, -1).astype(jnp.int32)
-  return rows, mask, sc, features(s, rows, sc, mask, ctx)
+  return rows, mask, sc, features(s, rows, sc, mask)
 
 
 def rank_bank(queries, emb, where, stores, lex_rows, lex_scores, *, k: int, generator: str,
-              options: FirstStageOptions, multistore: bool, context: Optional[Context] = None):
+              options: FirstStageOptions, multistore: bool):
   """The first stage of `q` queries over one bank (pure; jit with the keywords static).
 
   Queries go in blocks (`lax.map`) so at most about `retrieval.SCORE_BUDGET` scores exist at once.
@@ -307,23 +258,18 @@ def rank_bank(queries, emb, where, stores, lex_rows, lex_scores, *, k: int, gene
       padding).
     k, generator, options, multistore: `K`, a name in `GENERATORS`, the fusion's settings, and
       each store's top-K/2 merged.
-    context: the bank's `Context` (required exactly for 'context' features).
 
   Returns:
     `(rows [q, K] int32 (-1 = padding), mask [q, K] bool, scores [q, K] float32 (-inf =
     padding), features [q, K, F] float32)`, best first.
   """
-  if options.uses_context != (context is not None):
-    raise ValueError(f"features={options.features!r} needs a first_stage.Context exactly when "
-                     "it is 'context'")
   cap, q = emb.shape[0], queries.shape[0]
   per_block = min(q, pow2_at_least(max(1, retrieval.SCORE_BUDGET // cap) + 1) // 2)
 
   def fn(x):
-    ctx = None if context is None else context._replace(query_terms=x[3])
-    return _block(x[0], emb, where, stores, x[1], x[2], ctx, k, generator, options, multistore)
+    return _block(x[0], emb, where, stores, x[1], x[2], k, generator, options, multistore)
 
-  xs = (queries, lex_rows, lex_scores) + (() if context is None else (context.query_terms,))
+  xs = (queries, lex_rows, lex_scores)
   if per_block == q:
     return fn(xs)
   blocks = tuple(a.reshape((q // per_block, per_block) + a.shape[1:]) for a in xs)
@@ -348,47 +294,18 @@ def pairs(found: Sequence[tuple[np.ndarray, np.ndarray]], capacity: int, num_pad
   return rows, scores
 
 
-def session_codes(keys: Sequence, codes: Optional[dict] = None) -> np.ndarray:
-  """`[n]` int32 session codes by first appearance (None: -1); `codes` continues a coding."""
-  codes = {} if codes is None else codes
-  return np.asarray([-1 if key is None else codes.setdefault(key, len(codes)) for key in keys],
-                    np.int32)
-
-
-def session_turns(sessions: np.ndarray, counters: Optional[dict] = None) -> np.ndarray:
-  """`[n]` int32 each row's place within its session (-1: unknown); `counters` continues a count."""
-  counters = {} if counters is None else counters
-  out = np.full(len(sessions), -1, np.int32)
-  for i, s in enumerate(np.asarray(sessions).tolist()):
-    if s >= 0:
-      out[i] = counters.get(s, 0)
-      counters[s] = out[i] + 1
-  return out
-
-
-def pad_terms(terms: Sequence[np.ndarray], num_padded: int) -> np.ndarray:
-  """`[num_padded, L]` int32 term ids padded with `NO_TERM` to a power of two `L >= 8`."""
-  width = pow2_at_least(max([len(t) for t in terms] + [1]), 8)
-  out = np.full((num_padded, width), NO_TERM, np.int32)
-  for i, t in enumerate(terms):
-    out[i, :len(t)] = t
-  return out
-
-
 _rank_bank = jax.jit(rank_bank, static_argnames=("k", "generator", "options", "multistore"))
 
 
 def bank_first_stage(queries: np.ndarray, emb: np.ndarray, stores: np.ndarray, valid: np.ndarray,
                      found: Sequence[tuple[np.ndarray, np.ndarray]], k: int, generator: str,
-                     options: FirstStageOptions, multistore: bool, offset: int = 0,
-                     context: Optional[tuple] = None):
+                     options: FirstStageOptions, multistore: bool, offset: int = 0):
   """`rank_bank` of one benchmark bank on host arrays, padded so a benchmark compiles once per size.
 
   Args:
     queries: `[n, d]` unit queries; emb: `[M, d]` the bank's rows; stores, valid: `[M]`.
     found: per query, its BM25 `(rows, scores)`; rows minus `offset` are bank rows.
     k, generator, options, multistore: as `rank_bank`.
-    context: for 'context' features, `(sessions [M] int32, speakers [M] int32, query_terms)`.
 
   Returns:
     `(index [n, K] int32, scores [n, K] float32, features [n, K, F] float32)`.
@@ -401,22 +318,12 @@ def bank_first_stage(queries: np.ndarray, emb: np.ndarray, stores: np.ndarray, v
   where[:m] = valid
   stores_p = np.full(cap, -1, np.int32)
   stores_p[:m] = stores
-  if context is not None:
-    sessions_p, speakers_p, turns_p = (np.full(cap, -1, np.int32) for _ in range(3))
-    sessions_p[:m], speakers_p[:m], turns_p[:m] = context[0], context[1], session_turns(context[0])
-    terms = pad_terms(context[2], n)
   out = []
   for s in range(0, n, q):  # blocks of `q` queries (one compiled shape per bank size)
     q_p = np.zeros((q, queries.shape[1]), np.float32)
     q_p[:min(q, n - s)] = queries[s:s + q]
     lex_rows, lex_scores = pairs(found[s:s + q], cap, q, offset)
-    ctx = None
-    if context is not None:
-      t_p = np.full((q, terms.shape[1]), NO_TERM, np.int32)
-      t_p[:min(q, n - s)] = terms[s:s + q]
-      ctx = Context(sessions_p, speakers_p, turns_p, t_p)
     rows, _, sc, feats = _rank_bank(q_p, emb_p, where, stores_p, lex_rows, lex_scores, k=k,
-                                    generator=generator, options=options, multistore=multistore,
-                                    context=ctx)
+                                    generator=generator, options=options, multistore=multistore)
     out.append([np.asarray(a)[:min(q, n - s)] for a in (rows, sc, feats)])
   return tuple(np.concatenate([o[i] for o in out]) for i in range(3))

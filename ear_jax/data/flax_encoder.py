@@ -3,10 +3,9 @@
 Symbols: `n` texts, `d` embedding dimension, `B` batch size, `L` padded token length.
 
 No Hub, no transformers: the model is `ear_jax.data.bert`, the tokenizer `hf_tokenizer`. Weights
-are read at the first `encode_new`, so cached texts need no model. Pooling ('mean' or 'cls') and
-the maximum length come from the checkpoint's sentence-transformers files when present; longer
-texts are truncated and counted. Texts are bucketed by token length into a few padded shapes (a
-handful of compilations); a call of at most `SMALL_CALL` texts pads only to the next power of two.
+are read at the first `encode_new`, so cached texts need no model. Texts over the maximum length
+are truncated and counted; texts are bucketed by token length into a few padded shapes (a handful
+of compilations); a call of at most `SMALL_CALL` texts pads only to the next power of two.
 """
 from __future__ import annotations
 
@@ -86,7 +85,7 @@ class FlaxEncoder(encoder_base.Encoder):
     except (OSError, ValueError) as e:
       raise ValueError(f"encoder directory {str(model_dir)!r}: unreadable config.json: {e}"
                        ) from None
-    bert.check_config(self._config, f"encoder directory {str(model_dir)!r}")
+    self._bert = bert.check_config(self._config, f"encoder directory {str(model_dir)!r}")
     self.model_dir = model_dir.resolve()
     self.name = name or model_dir.name
     self.tokenizer = hf_tokenizer.CheckpointTokenizer(model_dir)
@@ -116,7 +115,8 @@ class FlaxEncoder(encoder_base.Encoder):
       if self._model is None:
         import jax  # pylint: disable=g-import-not-at-top
         import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-        config, params = bert.load(self.model_dir)
+        config = self._bert
+        params = bert.load(self.model_dir, config)
         use_cls = self.pooling == "cls"
 
         def _embed(params, input_ids, attention_mask):
@@ -157,7 +157,6 @@ class FlaxEncoder(encoder_base.Encoder):
     if n == 0:
       return out, 0
     params, embed = self._loaded_model()
-    # Token ids truncated at max_length; each text's length picks its bucket.
     ids, truncated = self.tokenizer.encode(texts)
     lengths = np.asarray([len(t) for t in ids])
     bucket_of = np.searchsorted(np.array(self.buckets), lengths)

@@ -66,12 +66,10 @@ class CheckpointTokenizer:
             strip_accents=accents, lowercase=lower)
     elif (model_dir / "vocab.txt").is_file():
       from tokenizers.implementations import BertWordPieceTokenizer  # pylint: disable=g-import-not-at-top
+      tokens = {f"{n}_token": _token_text(special.get(f"{n}_token")) or f"[{n.upper()}]"
+                for n in ("unk", "sep", "cls", "pad", "mask")}
       tok = BertWordPieceTokenizer(
-          tokenizers.models.WordPiece.read_file(str(model_dir / "vocab.txt")), unk_token=_token_text(special.get("unk_token")) or "[UNK]",
-          sep_token=_token_text(special.get("sep_token")) or "[SEP]",
-          cls_token=_token_text(special.get("cls_token")) or "[CLS]",
-          pad_token=_token_text(special.get("pad_token")) or "[PAD]",
-          mask_token=_token_text(special.get("mask_token")) or "[MASK]",
+          tokenizers.models.WordPiece.read_file(str(model_dir / "vocab.txt")), **tokens,
           clean_text=True, handle_chinese_chars=chinese, strip_accents=accents, lowercase=lower)
     else:
       raise ValueError(f"{where}: no tokenizer (tokenizer.json, or vocab.txt for a BERT "

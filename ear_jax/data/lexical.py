@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from typing import Optional, Sequence
 
 import numpy as np
 
 TOKEN_PATTERN = r"(?u)\b\w+\b"
 STOPWORDS = "en_plus"
-# A speaker prefix: one to three capitalised words, then ':' ("Caroline: ...", not "Quick
-# question: ..."); `speaker_terms`.
-SPEAKER = re.compile(r"^([A-Z][\w'.-]*(?: [A-Z][\w'.-]*){0,2}):")
 K1 = 1.2
 B = 0.75
 MIN_DELTA = 1 << 16  # delta postings always allowed before a merge into the base
@@ -48,12 +44,6 @@ def tokenize(texts: Sequence[str]) -> list[list[str]]:
   return _bm25s().tokenize(list(texts), lower=True, token_pattern=TOKEN_PATTERN,
                            stopwords=STOPWORDS, stemmer=None, return_ids=False,
                            show_progress=False)
-
-
-def speaker_terms(texts: Sequence[str]) -> list[str]:
-  """Each text's speaker as a term: the first token of a leading `SPEAKER` name, '' when none."""
-  heads = [m.group(1) if (m := SPEAKER.match(t)) else "" for t in texts]
-  return [tk[0] if tk else "" for tk in tokenize(heads)]
 
 
 def pack(token_ids: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -172,8 +162,7 @@ class BM25Index:
     rows = rows[self._live[rows]]
     if not len(rows):
       return np.zeros(0, np.int64)
-    terms = np.concatenate([self._row_terms[s:s + c] for s, c in
-                            zip(self._row_start[rows], self._row_count[rows])]).astype(np.int64)
+    terms = self.terms_of(rows)
     self._live[rows] = False
     self._dead_postings += len(terms)
     np.subtract.at(self._docs, self._scope[rows], 1)
@@ -297,12 +286,3 @@ class BM25Index:
       docs = np.flatnonzero(acc)
       return docs, acc[docs]
     return docs, acc
-
-  def dense_scores(self, queries: Sequence[np.ndarray], num_rows: int,
-                   allowed: Optional[np.ndarray] = None, offset: int = 0) -> np.ndarray:
-    """`[n, num_rows]` float32 BM25 scores of rows `offset ..` (0: no shared term)."""
-    out = np.zeros((len(queries), num_rows), np.float32)
-    for i, (rows, s) in enumerate(self.scores(queries, allowed)):
-      keep = (rows >= offset) & (rows < offset + num_rows)
-      out[i, rows[keep] - offset] = s[keep]
-    return out

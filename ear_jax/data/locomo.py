@@ -109,13 +109,11 @@ def _observations(obs, where, turn_ids, st):
   """(ids, texts, refs, session numbers) of the observation store of one conversation."""
   ids, texts, refs, nums = [], [], [], []
 
-  def session_number(k):
-    num = re.findall(r"\d+", k)
-    return int(num[0]) if num else 0
+  def session(k):  # the first number in a key ('' when none)
+    return (re.findall(r"\d+", k) or [""])[0]
 
-  for okey in sorted(obs, key=session_number):
-    num = re.findall(r"\d+", okey)
-    n_sess = num[0] if num else okey
+  for okey in sorted(obs, key=lambda k: int(session(k) or 0)):
+    n_sess = session(okey) or okey
     per_speaker = obs[okey]
     if per_speaker is None:
       continue
@@ -131,12 +129,11 @@ def _observations(obs, where, turn_ids, st):
         parsing.check(fact[0], parsing.STRING, w, "fact")
         r, bad = normalize_evidence(_evidence_value(fact[1], w, "dia_id"))
         good = tuple(x for x in r if x in turn_ids)
-        if len(good) < len(r) or bad:
-          st["observation_refs_unresolvable"] += len(r) - len(good) + len(bad)
+        st["observation_refs_unresolvable"] += len(r) - len(good) + len(bad)
         ids.append(f"O{n_sess}:{j}")
         texts.append(fact[0])
         refs.append(good)
-        nums.append(str(int(n_sess)) if str(n_sess).isdigit() else str(n_sess))
+        nums.append(str(int(n_sess)) if n_sess.isdigit() else n_sess)
         j += 1
         st["observations"] += 1
   return ids, texts, refs, nums
@@ -152,8 +149,7 @@ def load_locomo(path, *, limit: int | None = None) -> corpus_lib.Corpus:
   path = pathlib.Path(path)
   data = parsing.read_json_list(path, "conversations", limit)
   banks, queries = [], []
-  st = collections.Counter()
-  per_cat = collections.Counter()
+  st, per_cat = collections.Counter(), collections.Counter()
   dropped_ids = []
   for g, conv in enumerate(data):
     parsing.check_object(conv, f"{path}: conversation {g}")
@@ -213,20 +209,15 @@ def load_locomo(path, *, limit: int | None = None) -> corpus_lib.Corpus:
       queries.append(corpus_lib.Query(id=f"{sample_id}/q{qi}", text=question, gold=gold,
                                       category=category, group=g, answer=answer))
   stats = {
-      "file": sources.shown_path(path),
-      "conversations": len(banks),
-      "sessions": st["sessions"],
-      "turns": st["turns"],
-      "observations": st["observations"],
-      "queries": st["queries"],
+      "file": sources.shown_path(path), "conversations": len(banks), "sessions": st["sessions"],
+      "turns": st["turns"], "observations": st["observations"], "queries": st["queries"],
       "queries_evaluable": len(queries),
       "queries_adversarial_dropped": st["queries_adversarial_dropped"],
       "queries_empty_evidence_dropped": st["queries_empty_evidence_dropped"],
       "queries_without_gold_excluded": st["queries_without_gold_excluded"],
       "queries_without_answer": st["queries_without_answer"],
       "evidence_entries_malformed": st["evidence_entries_malformed"],
-      "evidence_ids_dropped": st["evidence_ids_dropped"],
-      "evidence_ids_dropped_list": dropped_ids,
+      "evidence_ids_dropped": st["evidence_ids_dropped"], "evidence_ids_dropped_list": dropped_ids,
       "observation_refs_unresolvable": st["observation_refs_unresolvable"],
       "queries_per_category": dict(sorted(per_cat.items())),
   }

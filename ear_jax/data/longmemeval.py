@@ -34,8 +34,7 @@ def load_longmemeval(path, *, limit: int | None = None) -> corpus_lib.Corpus:
   path = pathlib.Path(path)
   data = parsing.read_json_list(path, "questions", limit)
   banks, queries = [], []
-  st = collections.Counter()
-  per_type = collections.Counter()
+  st, per_type = collections.Counter(), collections.Counter()
   texts_seen = set()
   for g, item in enumerate(data):
     qid = parsing.name(item, "question_id", f"{path}: question {g}")
@@ -96,14 +95,10 @@ def load_longmemeval(path, *, limit: int | None = None) -> corpus_lib.Corpus:
                                     category=qtype, group=g,
                                     answer=None if answer is None else str(answer), date=qdate))
   stats = {
-      "file": sources.shown_path(path),
-      "questions": st["questions"],
-      "queries_evaluable": len(queries),
-      "questions_abs_excluded": st["questions_abs_excluded"],
+      "file": sources.shown_path(path), "questions": st["questions"],
+      "queries_evaluable": len(queries), "questions_abs_excluded": st["questions_abs_excluded"],
       "questions_without_gold_excluded": st["questions_without_gold_excluded"],
-      "sessions": st["sessions"],
-      "turns": st["turns"],
-      "user_turns": st["user_turns"],
+      "sessions": st["sessions"], "turns": st["turns"], "user_turns": st["user_turns"],
       "user_turns_distinct_texts": len(texts_seen),
       "queries_per_category": dict(sorted(per_type.items())),
   }

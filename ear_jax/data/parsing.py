@@ -20,7 +20,6 @@ class Kind(NamedTuple):
 STRING = Kind((str,), "a string")
 OBJECT = Kind((dict,), "a JSON object")
 LIST = Kind((list,), "a list")
-INTEGER = Kind((int,), "an integer")
 NAME = Kind((str, int), "a string or an integer")  # ids, bank and category names
 STRING_OR_LIST = Kind((str, list), "a string or a list of strings")
 STRING_OR_NULL = Kind((str, type(None)), "a string or null")
@@ -104,11 +103,8 @@ def nonempty_text(obj: Any, key: str, where: str) -> str:
 
 def name(obj: Any, key: str, where: str, default: str | None = None) -> str:
   """An id / bank / category field: a non-empty string or an int (required if `default` is None)."""
-  if default is None:
-    value = require(obj, key, where, NAME)
-  else:
-    value = optional(obj, key, where, NAME, default)
-  value = str(value)
+  value = str(require(obj, key, where, NAME) if default is None
+              else optional(obj, key, where, NAME, default))
   if not value.strip():
     raise ValueError(f"{where}: field {key!r} must not be empty")
   return value
@@ -116,10 +112,8 @@ def name(obj: Any, key: str, where: str, default: str | None = None) -> str:
 
 def name_list(obj: Any, key: str, where: str, default: list | None = None) -> tuple[str, ...]:
   """A list of ids (strings or integers) as a tuple of strings; required when `default` is None."""
-  if default is None:
-    items = require(obj, key, where, LIST)
-  else:
-    items = optional(obj, key, where, LIST, default)
+  items = (require(obj, key, where, LIST) if default is None
+           else optional(obj, key, where, LIST, default))
   for i, item in enumerate(items):
     if not is_kind(item, NAME):
       raise ValueError(f"{where}: field {key!r} must be a list of ids (strings), but entry {i} is "

@@ -1,10 +1,8 @@
 """Precomputed embeddings, looked up by text: a file, or an embedding cache directory.
 
-Symbols: `n` texts, `d` embedding dimension.
-
-`PrecomputedEncoder`: a `.npz` with `embeddings [n, d]` and either `texts [n]` or `keys [n]` (each
-text's sha256, `embedding_cache.text_key`), or a `.npy` with a `<stem>.texts.json` list. Rows are
-normalised on load (`encoder_base.unit_rows`); bad values are an error naming the file.
+Symbols: `n` texts, `d` embedding dimension. `PrecomputedEncoder`: a `.npz` with `embeddings
+[n, d]` and either `texts [n]` or `keys [n]` (each text's sha256, `embedding_cache.text_key`), or
+a `.npy` with a `<stem>.texts.json` list; rows are normalised on load (`encoder_base.unit_rows`).
 
 `CacheDirEncoder`: one model's cache directory used as the encoder with no model; it returns the
 cached rows bit for bit, so a run over cached texts equals the model's own.

@@ -53,8 +53,7 @@ def missing_file_message(name: str, data_dir, filenames: Sequence[str] = ()) -> 
   data_dir = pathlib.Path(data_dir)
   lines = [f"benchmark {name!r}: no file in {data_dir}. Put one of these files there:"]
   srcs = SOURCES.get(name, ())
-  for s in srcs:
-    lines.append(f"  {data_dir / s.filename}   <- {s.url}")
+  lines += [f"  {data_dir / s.filename}   <- {s.url}" for s in srcs]
   if not srcs:
     lines += [f"  {data_dir / f}" for f in filenames]
   else:

@@ -1,4 +1,4 @@
-"""The paper run on an accelerator, per seed beside the CPU, and the bundle that lets it run offline.
+"""The paper run on an accelerator, per seed beside the CPU, and the bundle to run it offline.
 
 `run_main_suite` runs `experiments.run` on the default device in a subprocess and compares its
 per-seed values (`compare_per_seed`) with a CPU reference: a file from `reference_from_results`
@@ -11,28 +11,13 @@ import json
 import os
 import pathlib
 import shlex
-import subprocess
-import sys
-import tempfile
-import time
 from typing import Sequence
 
 import numpy as np
 
-DEFAULT_TOLERANCE = 1.0  # points of Recall@5 / Hit@5: |device mean - CPU mean| over the seeds
+from ear_jax.experiment import benchmarking
 
 
-def subprocess_env(precision: str, **extra) -> dict:
-  """This environment plus the matmul precision and no XLA preallocation (processes share the
-  device); the caller's XLA_FLAGS are kept as they are."""
-  env = dict(os.environ, JAX_DEFAULT_MATMUL_PRECISION=precision,
-             XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
-  env.setdefault("XLA_FLAGS", "")
-  env.update(extra)
-  return env
-
-
-# ------------------------------------------------------------------------------------------------
 def per_seed_metrics(results: dict) -> dict:
   """`{run: {metric: [per-seed values]}}` of an `experiments.run` results.json."""
   return {run: {m: v["per_seed"] for m, v in r["metrics"].items()
@@ -52,20 +37,17 @@ def reference_from_results(results: dict) -> dict:
           "per_seed": per_seed_metrics(results)}
 
 
-def _run_suite(repo: pathlib.Path, args: Sequence[str], env: dict, timeout: float) -> dict:
-  with tempfile.TemporaryDirectory() as tmp:
-    cmd = [sys.executable, "-m", "experiments.run", *args, f"--workdir={tmp}/run", "--noprogress"]
-    t = time.perf_counter()
-    try:
-      proc = subprocess.run(cmd, cwd=str(repo), env=env, text=True, capture_output=True,
-                            timeout=timeout)
-    except subprocess.TimeoutExpired:
-      return {"status": f"timed out after {timeout:.0f} s"}
-    wall = time.perf_counter() - t
-    if proc.returncode != 0:
-      return {"status": f"failed (rc {proc.returncode})", "tail": (proc.stdout + proc.stderr)[-1500:]}
-    results = json.loads((pathlib.Path(tmp) / "run" / "results.json").read_text())
-  return {"status": "ran", "wall_s": round(wall, 1), "versions": results["versions"],
+def _run_suite(repo: pathlib.Path, args: Sequence[str], precision: str, timeout: float,
+               **env) -> dict:
+  """`experiments.run <args>` in a subprocess with `env`, the matmul precision and no XLA
+  preallocation (processes share the device); the caller's XLA_FLAGS are kept as they are."""
+  run = benchmarking.run_experiment(repo, args, timeout, {
+      "XLA_FLAGS": "", **os.environ, "JAX_DEFAULT_MATMUL_PRECISION": precision,
+      "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1", **env})
+  if run["status"] != "ran":
+    return {k: run[k] for k in ("status", "tail") if k in run}
+  results = run["results"]
+  return {"status": "ran", "wall_s": round(run["wall_s"], 1), "versions": results["versions"],
           "seeds": results["seeds"], "per_seed": per_seed_metrics(results),
           "suite_s": results.get("suite_wall_seconds", {}).get(results.get("suite") or "", None)}
 
@@ -98,13 +80,14 @@ def run_main_suite(repo: pathlib.Path, suite_args: Sequence[str], precision: str
   compared on the means over seeds; `timeout`: seconds per subprocess. Returns the device run, the
   reference, the comparison rows and `all_within_tolerance`.
   """
-  out = {"args": list(suite_args), "precision": precision, "tolerance_points": tolerance}
-  device = _run_suite(repo, suite_args, subprocess_env(precision), timeout)
-  out["device"] = device
+  device = _run_suite(repo, suite_args, precision, timeout)
+  out = {"args": list(suite_args), "precision": precision, "tolerance_points": tolerance,
+         "device": device}
   if reference == "cpu":
-    ref = _run_suite(repo, suite_args, subprocess_env(precision, JAX_PLATFORMS="cpu"), timeout)
-    out["reference"] = {"source": "the same command on the host CPU in this run (JAX_PLATFORMS=cpu)",
-                        **{k: ref.get(k) for k in ("status", "wall_s", "versions")}}
+    ref = _run_suite(repo, suite_args, precision, timeout, JAX_PLATFORMS="cpu")
+    out["reference"] = {
+        "source": "the same command on the host CPU in this run (JAX_PLATFORMS=cpu)",
+        **{k: ref.get(k) for k in ("status", "wall_s", "versions")}}
     ref_seeds = ref.get("per_seed")
   else:
     path = pathlib.Path(reference)
@@ -113,13 +96,11 @@ def run_main_suite(repo: pathlib.Path, suite_args: Sequence[str], precision: str
                         "versions": ref.get("versions")}
     ref_seeds = ref["per_seed"]
   if device["status"] != "ran" or not ref_seeds:
-    out["status"] = f"not compared: device {device['status']}, reference {ref.get('status', 'read')}"
-    return out
+    return {**out, "status": f"not compared: device {device['status']}, reference "
+                             f"{ref.get('status', 'read')}"}
   rows = compare_per_seed(device["per_seed"], ref_seeds, tolerance)
-  out["rows"] = rows
-  out["all_within_tolerance"] = bool(rows) and all(r["within_tolerance"] for r in rows)
-  out["status"] = "compared"
-  return out
+  return {**out, "rows": rows, "status": "compared",
+          "all_within_tolerance": bool(rows) and all(r["within_tolerance"] for r in rows)}
 
 
 def write_bundle(out_dir, *, data_dir=None, cache_dir=None, encoder: str = "minilm") -> dict:

@@ -1,11 +1,10 @@
 """An agent's own answers for the answer-grounded critic: generated, stored, read back.
 
-`AnswerCritic` reads how much an answer draws on each shown memory. With the gold answers it
-measures a competent agent; this module supplies a weak one's: the local LLM answering each
-question from the frozen first stage's top `ANSWER_MEMORIES` memories with the QA suite's prompt
-(temperature 0). The answers are stored as JSON keyed by query id and question, so a table
-regenerates with no LLM call; `read_answers` refuses a missing, foreign or misaligned file. A
-failed or blank answer is stored as '' (its support is all zeros: the critic cites the whole slate).
+`AnswerCritic` reads how much an answer draws on each shown memory. The gold answers play a
+competent agent; this module a weak one: the local LLM answering from the frozen first stage's top
+`ANSWER_MEMORIES` memories with the QA suite's prompt (temperature 0), stored as JSON keyed by
+query id and question (`read_answers` refuses a missing, foreign or misaligned file). A failed or
+blank answer is stored as '' (zero support: the critic cites the whole slate).
 """
 from __future__ import annotations
 
@@ -22,13 +21,15 @@ ANSWER_MEMORIES = 5  # the retriever's top-5: the QA suite's "Only Retriever" sl
 FORMAT = "ear_jax.agent_answers.v1"
 
 
+def memory_dates(corpus) -> dict:
+  """`(bank, memory id) -> session date` ('' where the corpus has none) of every memory."""
+  return {(g, mid): date for g, bank in enumerate(corpus.banks)
+          for mid, date in zip(bank.ids, bank.dates or [""] * len(bank.ids))}
+
+
 def answer_items(bench, corpus, rows: Sequence[int], top: int = ANSWER_MEMORIES) -> list:
   """`QAItem`s of queries `rows` of `bench`, each with its retriever top-`top` memories."""
-  queries = {q.id: q for q in corpus.queries}
-  dates = {}
-  for g, bank in enumerate(corpus.banks):
-    for mid, date in zip(bank.ids, bank.dates or [""] * len(bank.ids)):
-      dates[(g, mid)] = date
+  queries, dates = {q.id: q for q in corpus.queries}, memory_dates(corpus)
   items = []
   for n in rows:
     n = int(n)

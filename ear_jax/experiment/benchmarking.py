@@ -1,20 +1,25 @@
-"""Speed measurements of ear_jax: the rows of `experiments.bench`, as library functions.
+"""Speed measurements of ear_jax: the default rows of `experiments.bench` and the timing helpers of
+every suite.
 
-Every row times the jitted functions users call (training scan and loop, sharded sweeps,
-adapter-only and explorer-assisted retrieval); the NumPy baseline is `reference`. Timings are the
-minimum over repetitions (the least disturbed run on a shared machine).
+`run` measures the rows (`ROWS`, and the scan's `roofline` against the measured matmul peak),
+`targets` judges them against `TARGETS` and `table` renders them. Every row times the jitted
+functions users call (training scan and loop, sharded sweeps, adapter-only and explorer-assisted
+retrieval); the NumPy baseline is `reference`. Timings are the minimum over repetitions (the least
+disturbed run on a shared machine).
 
 Symbols: `n` queries, `M` bank rows, `d` dimension, `K` candidates, `s` slate size.
 """
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import platform
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,18 +30,32 @@ from ear_jax.core import episode
 from ear_jax.core import learner
 from ear_jax.core import policies
 from ear_jax.core import retrieval
+from ear_jax.core import stream as stream_lib
 from ear_jax.core.adapter import AdapterParams
 from ear_jax.core.config import EARConfig, HParams, default_hparams
 from ear_jax.core.stream import Stream, make_stream
 from ear_jax.experiment import reference
 from ear_jax.experiment import sharding
 
+ROWS = ("scan", "loop", "numpy", "seeds", "inference", "encode", "memory", "suite")
+PAPER_TABLE8 = {"adapter_only_s_per_query": 2.30, "explorer_s_per_query": 16.88,
+                "note": "paper Table 8, per query, including its LLM calls"}
+TARGETS = {  # name -> (direction, threshold)
+    "scan_over_loop": (">=", 5.0), "scan_over_numpy": (">=", 10.0),
+    "scan_fraction_of_peak": (">=", 0.30), "seeds_speedup": (">=", 4.0),
+    "adapter_b1_ms": ("<=", 1.0), "adapter_b256_qps": (">=", 10000.0), "suite_s": ("<=", 60.0),
+    "memory_search_over_bound": ("<=", 1.0)}
+
 
 # ------------------------------------------------------------------------------------------------
+def unit(x: np.ndarray) -> np.ndarray:
+  """`x`'s rows scaled to unit norm, as float32."""
+  return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+
+
 def bench_stream(num_queries: int, dim: int, k: int = 20, seed: int = 0) -> Stream:
   """A fixed synthetic stream shaped like LoCoMo training: unit vectors, 1-2 gold, some padding."""
   rng = np.random.default_rng([seed, dim])
-  unit = lambda x: (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
   q = unit(rng.normal(size=(num_queries, dim)))
   c = unit(q[:, None, :] + 4.5 * rng.normal(size=(num_queries, k, dim)) / np.sqrt(dim))
   num_valid = np.where(rng.random(num_queries) < 0.9, k, rng.integers(8, k + 1, num_queries))
@@ -88,19 +107,28 @@ def min_time(fn: Callable[[], object], reps: int) -> float:
 
 
 def percentiles(seconds: Sequence[float]) -> dict:
-  """p50 / p90 / min in milliseconds, and the count, of timings in seconds."""
+  """p50 / p90 / p99 / min in milliseconds (None without timings), and the count, of `seconds`."""
+  if not len(seconds):
+    return {"p50_ms": None, "p90_ms": None, "p99_ms": None, "min_ms": None, "n": 0}
   a = np.asarray(seconds) * 1e3
-  return {"p50_ms": float(np.percentile(a, 50)), "p90_ms": float(np.percentile(a, 90)),
+  return {**{f"p{q}_ms": float(np.percentile(a, q)) for q in (50, 90, 99)},
           "min_ms": float(a.min()), "n": len(a)}
+
+
+def timed_calls(fn: Callable[[int], object], calls: int, warmup: int = 0) -> dict:
+  """`percentiles` of `fn(i)` for `i < calls`, after untimed calls `fn(i)` for `i < warmup`."""
+  for i in range(warmup):
+    fn(i)
+  return percentiles([timed(lambda i=i: fn(i)) for i in range(calls)])
 
 
 def measure_peak(sizes: Sequence[int] = (768, 1024, 1536), reps: int = 3) -> dict:
   """Peak fp32 matmul GFLOP/s: a jitted square `n x n` matmul, the best over sizes and reps."""
   out = {}
+  f = jax.jit(jnp.matmul)
   for n in sizes:
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
     b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
-    f = jax.jit(jnp.matmul)
     block(f(a, b))
     inner = max(1, int(4e9 / (2 * n ** 3)))
 
@@ -114,14 +142,22 @@ def measure_peak(sizes: Sequence[int] = (768, 1024, 1536), reps: int = 3) -> dic
   return {"gflops": max(out.values()), "by_size": {str(k): round(v, 1) for k, v in out.items()}}
 
 
+def machine() -> dict:
+  """The host, the JAX backend and its devices."""
+  return {"platform": platform.platform(), "processor": platform.processor(),
+          "cpu_count": os.cpu_count(), "backend": jax.default_backend(),
+          "devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
+          "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
 _run_episode = jax.jit(episode.run_episode, static_argnames=("config",))
 _train_batch = jax.jit(learner.train_batch, static_argnames=("config",))
 _retrieve = jax.jit(retrieval.retrieve, static_argnames=("k", "slate_size"))
 
 
 # ------------------------------------------------------------------------------------------------
-def run_scan(stream: Stream, config: EARConfig, hparams: HParams, reps: int):
-  """Jitted `episode.run_episode` over the whole stream: `(row, compiled)`; compile timed apart."""
+def run_scan(stream: Stream, config: EARConfig, hparams: HParams, reps: int) -> dict:
+  """Jitted `episode.run_episode` over the whole stream (compile timed apart), FLOPs and rate."""
   key = jax.random.PRNGKey(0)
   t = time.perf_counter()
   compiled = _run_episode.lower(key, stream, config, hparams).compile()
@@ -129,8 +165,9 @@ def run_scan(stream: Stream, config: EARConfig, hparams: HParams, reps: int):
   block(compiled(key, stream, hparams))
   seconds = min_time(lambda: compiled(key, stream, hparams), reps)
   n = stream.queries.shape[0]
+  flops = ear_flops_per_query(config)
   return {"queries_per_s": n / seconds, "seconds": seconds, "compile_s": compile_s,
-          "num_queries": n}, compiled
+          "num_queries": n, "flops_per_query": flops, "gflops": flops["total"] * n / seconds / 1e9}
 
 
 def loop_batches(stream: Stream, config: EARConfig, key: jax.Array):
@@ -147,41 +184,36 @@ def loop_batches(stream: Stream, config: EARConfig, key: jax.Array):
   return k_init, batches
 
 
-def run_loop(stream: Stream, config: EARConfig, hparams: HParams, reps: int):
-  """`learner.train_batch` (jitted) called once per batch from Python: `(row, final state)`.
-
-  The row also times the loop with the state donated: what is left is the per-call dispatch.
-  """
+def run_loop(stream: Stream, config: EARConfig, hparams: HParams, reps: int) -> dict:
+  """`learner.train_batch` (jitted) called once per batch from Python, then with the state donated
+  (what is left is the per-call dispatch); its parameters' largest difference from the scan's."""
   k_init, batches = loop_batches(stream, config, jax.random.PRNGKey(0))
-  t = time.perf_counter()
-  block(_train_batch(learner.init_learner(k_init, config), *batches[0], config, hparams))
-  compile_s = time.perf_counter() - t
-  result = {}
-
-  def loop():
-    state = learner.init_learner(k_init, config)
-    for keys, batch, where in batches:
-      state, _ = _train_batch(state, keys, batch, where, config, hparams)
-    result["state"] = state
-    return state
-
-  seconds = min_time(loop, reps)
-  n = stream.queries.shape[0]
-  donated = jax.jit(learner.train_batch, static_argnames=("config",), donate_argnames=("state",))
+  init = lambda: learner.init_learner(k_init, config)
   # No shared leaves (W_q and W_m start as the same zeros array; a buffer cannot be donated twice).
-  fresh = lambda: jax.tree_util.tree_map(jnp.copy, learner.init_learner(k_init, config))
-  block(donated(fresh(), *batches[0], config, hparams))
+  fresh = lambda: jax.tree_util.tree_map(jnp.copy, init())
+  donated = jax.jit(learner.train_batch, static_argnames=("config",), donate_argnames=("state",))
+  last = {}
 
-  def loop_donated():
-    state = fresh()
+  def loop(step, make):
+    state = make()
     for keys, batch, where in batches:
-      state, _ = donated(state, keys, batch, where, config, hparams)
+      state, _ = step(state, keys, batch, where, config, hparams)
+    last["params"] = state.params
     return state
 
-  seconds_donated = min_time(loop_donated, reps)
+  t = time.perf_counter()
+  block(_train_batch(init(), *batches[0], config, hparams))
+  compile_s = time.perf_counter() - t
+  seconds = min_time(lambda: loop(_train_batch, init), reps)
+  scan_params = _run_episode(jax.random.PRNGKey(0), stream, config, hparams)[0].params
+  diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+      jax.tree_util.tree_leaves(last["params"]), jax.tree_util.tree_leaves(scan_params)))
+  block(donated(fresh(), *batches[0], config, hparams))
+  seconds_donated = min_time(lambda: loop(donated, fresh), reps)
+  n = stream.queries.shape[0]
   return {"queries_per_s": n / seconds, "seconds": seconds, "compile_s": compile_s,
-          "donated_queries_per_s": n / seconds_donated, "donated_seconds": seconds_donated}, \
-      result["state"]
+          "donated_queries_per_s": n / seconds_donated, "donated_seconds": seconds_donated,
+          "max_abs_param_diff_vs_scan": diff}
 
 
 def run_numpy(stream: Stream, config: EARConfig, hparams: HParams, num_queries: int) -> dict:
@@ -206,12 +238,8 @@ def run_seeds(stream: Stream, config: EARConfig, hparams: HParams, num_seeds: in
   compile_s = time.perf_counter() - t
   vmapped = min_time(lambda: sharding.sharded_episodes(keys, stream, config, hparams), reps)
   block(_run_episode(jnp.asarray(keys[0]), stream, config, hparams))
-
-  def sequential():
-    return [_run_episode(jnp.asarray(k), stream, config, hparams)[0].params
-            for k in keys]
-
-  seq = min_time(sequential, reps)
+  seq = min_time(lambda: [_run_episode(jnp.asarray(k), stream, config, hparams)[0].params
+                          for k in keys], reps)
   return {"num_seeds": num_seeds, "vmap_s": vmapped, "sequential_s": seq,
           "speedup": seq / vmapped, "devices": jax.device_count(), "vmap_compile_s": compile_s}
 
@@ -226,30 +254,17 @@ def explorer_retrieve(key, params, queries, bank, valid, gold, config, hparams, 
 _explorer_retrieve = jax.jit(explorer_retrieve, static_argnames=("config",))
 
 
-def _latency(fn, calls: int) -> float:
-  """The median of `calls` single calls (dispatch included), in seconds."""
-  ts = []
-  for _ in range(calls):
-    t = time.perf_counter()
-    block(fn())
-    ts.append(time.perf_counter() - t)
-  return float(np.median(ts))
-
-
 def run_inference(dim: int, bank_sizes: Sequence[int], batches: Sequence[int], reps: int,
                   calls_b1: int) -> dict:
   """Adapter-only and explorer-assisted retrieval from random unit banks, top-K search included.
 
-  Batch 1: median of `calls_b1` calls (latency); larger batches: minimum of `max(reps, 3)`.
+  Batch 1: median of `calls_b1` calls (latency, dispatch included); larger batches: minimum of
+  `max(reps, 3)`.
   """
-  config = EARConfig(dim=dim)
-  hparams = default_hparams()
-  critic = critic_lib.default_critic()
+  config, hparams, critic = EARConfig(dim=dim), default_hparams(), critic_lib.default_critic()
   rng = np.random.default_rng(1)
-  params = AdapterParams(
-      w_q=jnp.asarray(0.02 * rng.normal(size=(dim, dim)), jnp.float32),
-      w_m=jnp.asarray(0.02 * rng.normal(size=(dim, dim)), jnp.float32))
-  unit = lambda x: (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32)
+  weights = lambda: jnp.asarray(0.02 * rng.normal(size=(dim, dim)), jnp.float32)
+  params = AdapterParams(w_q=weights(), w_m=weights())
   out = {}
   for m in bank_sizes:
     bank = jnp.asarray(unit(rng.normal(size=(m, dim))))
@@ -264,7 +279,8 @@ def run_inference(dim: int, bank_sizes: Sequence[int], batches: Sequence[int], r
       fe = lambda: _explorer_retrieve(key, params, q, bank, valid, gold, config, hparams, critic)
       for name, fn in (("adapter", fa), ("explorer", fe)):
         block(fn())
-        sec = _latency(fn, calls_b1) if b == 1 else min_time(fn, max(reps, 3))
+        sec = (float(np.median([timed(fn) for _ in range(calls_b1)])) if b == 1
+               else min_time(fn, max(reps, 3)))
         row[f"{name}_b{b}"] = {"ms_per_call": sec * 1e3, "ms_per_query": sec * 1e3 / b,
                                "queries_per_s": b / sec}
     out[f"bank{m}"] = row
@@ -304,35 +320,183 @@ def run_encode(num_sentences: int, data_dir: Optional[str]) -> dict:
     return {"status": f"not measured: MiniLM not available ({e})"}
   enc.encode_new(texts[:32], progress=False)  # compile the shape buckets used below
   enc.encode_new(texts, progress=False)
-  t = time.perf_counter()
-  enc.encode_new(texts, progress=False)
-  seconds = time.perf_counter() - t
+  seconds = timed(lambda: enc.encode_new(texts, progress=False))
   return {"status": "measured", "sentences_per_s": len(texts) / seconds, "seconds": seconds,
           "num_sentences": len(texts),
           "source": "LoCoMo turns" if _locomo_file(data_dir) else "synthetic sentences"}
 
 
-def run_suite(repo: pathlib.Path, data_dir: Optional[str], timeout: int) -> dict:
-  """Wall time of `python -m experiments.run --benchmark=locomo --suite=main`, run from `repo`."""
-  if data_dir is None or not (pathlib.Path(data_dir) / "locomo10.json").is_file():
-    return {"status": "not measured: locomo10.json not found"}
-  if not (repo / "experiments" / "run.py").is_file():
-    return {"status": "not measured: experiments/run.py not present"}
+def run_experiment(repo: pathlib.Path, args: Sequence[str], timeout: float,
+                   env: Optional[dict] = None) -> dict:
+  """`python -m experiments.run <args>` from `repo` with a temporary `--workdir`.
+
+  Returns:
+    `status` ('ran', 'timed out after T s' or 'failed (rc N)'), `command` (the workdir as
+    `<tmp>`), `wall_s` and `results` (its results.json) when it ran, else the output's `tail`.
+  """
   with tempfile.TemporaryDirectory() as tmp:
-    cmd = [sys.executable, "-m", "experiments.run", "--benchmark=locomo", "--suite=main",
-           f"--data_dir={data_dir}", f"--workdir={tmp}/suite", "--progress=false"]
+    cmd = [sys.executable, "-m", "experiments.run", *args, f"--workdir={tmp}/run",
+           "--progress=false"]
+    out = {"command": " ".join(cmd[1:]).replace(tmp, "<tmp>")}
     t = time.perf_counter()
     try:
-      proc = subprocess.run(cmd, cwd=str(repo), capture_output=True, text=True, timeout=timeout)
+      proc = subprocess.run(cmd, cwd=str(repo), env=env, capture_output=True, text=True,
+                            timeout=timeout)
     except subprocess.TimeoutExpired:
-      return {"status": f"not measured: timed out after {timeout} s", "command": " ".join(cmd)}
-    wall = time.perf_counter() - t
+      return {**out, "status": f"timed out after {timeout:.0f} s"}
     if proc.returncode != 0:
-      return {"status": f"failed (rc {proc.returncode}): {proc.stderr[-500:]}",
-              "command": " ".join(cmd)}
-    res = json.load(open(pathlib.Path(tmp) / "suite" / "results.json"))
-  return {"status": "measured", "suite_s": float(res["suite_wall_seconds"]["main"]),
-          "process_wall_s": wall, "command": " ".join(cmd[1:]).replace(tmp, "<tmp>"),
+      return {**out, "status": f"failed (rc {proc.returncode})",
+              "tail": (proc.stdout + proc.stderr)[-1500:]}
+    return {**out, "status": "ran", "wall_s": time.perf_counter() - t,
+            "results": json.loads((pathlib.Path(tmp) / "run" / "results.json").read_text())}
+
+
+def run_suite(repo: pathlib.Path, data_dir: Optional[str], timeout: int) -> dict:
+  """Wall time of `python -m experiments.run --benchmark=locomo --suite=main`, run from `repo`."""
+  if _locomo_file(data_dir) is None:
+    return {"status": "not measured: locomo10.json not found"}
+  run = run_experiment(repo, ["--benchmark=locomo", "--suite=main", f"--data_dir={data_dir}"],
+                       timeout)
+  if run["status"] != "ran":
+    return {"status": f"not measured: {run['status']}", "command": run["command"],
+            "tail": run.get("tail", "")[-500:]}
+  return {"status": "measured", "suite_s": float(run["results"]["suite_wall_seconds"]["main"]),
+          "process_wall_s": run["wall_s"], "command": run["command"],
           "note": "suite_s = the runner's own timing of the main suite (embeddings read from the "
                   "encoder cache; includes JIT compilation); process_wall_s adds interpreter "
                   "start-up and data loading"}
+
+
+# ------------------------------------------------------------------------------------------------
+def run(repo: pathlib.Path, data_dir: Optional[str], *, num_queries: int, dims: Sequence[int],
+        reps: int, numpy_queries: int, num_seeds: int, inference_dim: int, inference_calls: int,
+        peak_sizes: Sequence[int], peak_reps: int, suite_timeout: int,
+        skip: Collection[str] = ()) -> dict:
+  """The rows of `ROWS` not in `skip`, their `roofline` and `targets`.
+
+  The training rows run on `bench_stream(num_queries, d)` for each `d` of `dims` (`loop`, `numpy`
+  and `seeds` at `dims[0]`); `encode` and `memory` read LoCoMo turns from `data_dir`, `suite` runs
+  `experiments.run` from `repo`. The matmul peak is the best of one measure before the scan and
+  one after.
+  """
+  d0, hparams = dims[0], default_hparams()
+  streams = {d: stream_lib.to_device(bench_stream(num_queries, d)) for d in dims}
+  configs = {d: EARConfig(dim=d) for d in dims}
+  res = {"machine": machine(), "paper_table8": PAPER_TABLE8,
+         "stream": {"num_queries": num_queries, "K": 20, "s": 5, "T": 4, "B": 4, "batch_size": 4,
+                    "dims": list(dims), "method": "ear (default EARConfig)"}}
+  res["peak"] = measure_peak(peak_sizes, reps=peak_reps)
+  if "scan" not in skip:
+    res["scan"] = {}
+    for d in dims:
+      row = res["scan"][str(d)] = run_scan(streams[d], configs[d], hparams, reps)
+      print(f"scan d={d}: {row['queries_per_s']:.1f} q/s, compile {row['compile_s']:.1f} s",
+            flush=True)
+  res["peak"] = max(res["peak"], measure_peak(peak_sizes, reps=peak_reps),
+                    key=lambda p: p["gflops"])
+  if "loop" not in skip:
+    res["loop"] = run_loop(streams[d0], configs[d0], hparams, reps)
+    print(f"loop d={d0}: {res['loop']['queries_per_s']:.1f} q/s", flush=True)
+  if "numpy" not in skip:
+    res["numpy"] = run_numpy(streams[d0], configs[d0], hparams, numpy_queries)
+    print(f"numpy d={d0}: {res['numpy']['queries_per_s']:.1f} q/s", flush=True)
+  if "seeds" not in skip:
+    res["seeds"] = run_seeds(streams[d0], configs[d0], hparams, num_seeds, 1)
+    print(f"seeds: speed-up {res['seeds']['speedup']:.2f}x", flush=True)
+  if "inference" not in skip:
+    res["inference"] = run_inference(inference_dim, (600, 250), (1, 256), reps, inference_calls)
+  skipped = {"status": "skipped (--quick or --skip)"}
+  res["encode"] = skipped if "encode" in skip else run_encode(512, data_dir)
+  if "memory" in skip:
+    res["memory"] = skipped
+  else:
+    from ear_jax.experiment import memory_latency  # pylint: disable=g-import-not-at-top
+    res["memory"] = {"warm": memory_latency.warm_search(data_dir=data_dir),
+                     "second_process": memory_latency.second_process(data_dir=data_dir)}
+    print(f"memory: {json.dumps(res['memory'])}", flush=True)
+  res["suite"] = skipped if "suite" in skip else run_suite(repo, data_dir, suite_timeout)
+  if "scan" in res:
+    top = res["scan"][str(max(dims))]
+    res["roofline"] = {"dim": max(dims), "flops_per_query": top["flops_per_query"],
+                       "achieved_gflops": top["gflops"], "peak_gflops": res["peak"]["gflops"],
+                       "fraction_of_peak": top["gflops"] / res["peak"]["gflops"]}
+  res["targets"] = targets(res)
+  return res
+
+
+def targets(res: dict) -> dict:
+  """Each of `TARGETS`: `{value, target, met, direction}`, or None when its rows were not run."""
+  get = lambda row, key: res.get(row, {}).get(key)
+  ratio = lambda a, b: a / b if a and b else None
+  scan = res.get("scan", {}).get(str(res["stream"]["dims"][0]), {}).get("queries_per_s")
+  inference = res.get("inference", {}).values()
+  warm = res.get("memory", {}).get("warm", {})
+  values = {
+      "scan_over_loop": ratio(scan, get("loop", "queries_per_s")),
+      "scan_over_numpy": ratio(scan, get("numpy", "queries_per_s")),
+      "scan_fraction_of_peak": get("roofline", "fraction_of_peak"),
+      "seeds_speedup": get("seeds", "speedup"),
+      "adapter_b1_ms": max((r["adapter_b1"]["ms_per_query"] for r in inference), default=None),
+      "adapter_b256_qps": min((r["adapter_b256"]["queries_per_s"] for r in inference),
+                              default=None),
+      "suite_s": get("suite", "suite_s"),
+      "memory_search_over_bound": ratio(warm.get("search_ms"), warm.get("bound_ms")),
+  }
+  return {name: verdict(value, *TARGETS[name]) for name, value in values.items()}
+
+
+def verdict(value: Optional[float], direction: str, target: float) -> Optional[dict]:
+  """`{value, target, direction, met}` of `value` against `target` (`direction` '>=' or '<='),
+  or None without a value."""
+  if value is None:
+    return None
+  return {"value": value, "target": target, "direction": direction,
+          "met": bool(value >= target if direction == ">=" else value <= target)}
+
+
+def table(res: dict) -> str:
+  """The markdown of `run`'s results: the rows, then the targets."""
+  d0 = res["stream"]["dims"][0]
+  lines = ["", "| row | measured | note |", "|---|---|---|"]
+  for d, r in res.get("scan", {}).items():
+    lines.append(f"| scan d={d} | {r['queries_per_s']:.1f} q/s ({r['seconds']:.2f} s) | compile "
+                 f"{r['compile_s']:.1f} s; {r['gflops']:.1f} GFLOP/s |")
+  for name in ("loop", "numpy"):
+    if name in res:
+      r = res[name]
+      note = (f"state donated: {r['donated_queries_per_s']:.1f} q/s" if name == "loop" else
+              f"first {r['num_queries']} queries")
+      lines.append(f"| {name} d={d0} | {r['queries_per_s']:.1f} q/s ({r['seconds']:.2f} s) | "
+                   f"{note} |")
+  if "seeds" in res:
+    r = res["seeds"]
+    lines.append(f"| seeds | vmap {r['vmap_s']:.2f} s vs sequential {r['sequential_s']:.2f} s | "
+                 f"{r['num_seeds']} seeds, {r['devices']} device(s) |")
+  lines.append(f"| peak matmul | {res['peak']['gflops']:.1f} GFLOP/s | {res['peak']['by_size']} |")
+  for bank, row in res.get("inference", {}).items():
+    for name, r in row.items():
+      paper = PAPER_TABLE8["adapter_only_s_per_query" if "adapter" in name else
+                           "explorer_s_per_query"]
+      lines.append(f"| {name} {bank} | {r['ms_per_query']:.4f} ms/query, {r['queries_per_s']:.0f} "
+                   f"q/s | paper: {paper} s/query |")
+  warm, second = res["memory"].get("warm"), res["memory"].get("second_process", {})
+  if warm:
+    lines.append(f"| memory search | {warm['search_ms']:.1f} ms | bound 2 x (encode "
+                 f"{warm['encode_ms']:.1f} + device search {warm['device_search_ms']:.1f}) = "
+                 f"{warm['bound_ms']:.1f} ms, {warm['num_memories']} memories |")
+  if second.get("status") == "measured":
+    a, b = second["first"], second["second"]
+    lines.append(f"| memory first search | {a['first_search_s']:.2f} s, then "
+                 f"{b['first_search_s']:.2f} s | start to first answer "
+                 f"{a['until_first_answer_s']:.1f} s, then {b['until_first_answer_s']:.1f} s "
+                 "(compilation cache) |")
+  for name in ("encode", "suite"):
+    r = res[name]
+    val = r.get("sentences_per_s") or r.get("suite_s")
+    lines.append(f"| {name} | {f'{val:.1f}' if val else '-'} | {r['status']} |")
+  lines += ["", "| target | value | needed | met |", "|---|---|---|---|"]
+  for name, v in res["targets"].items():
+    lines.append(f"| {name} | not measured | {TARGETS[name][1]} | - |" if v is None else
+                 f"| {name} | {v['value']:.3g} | {v['direction']} {v['target']} | "
+                 f"{'yes' if v['met'] else 'NO'} |")
+  return "\n".join(lines)

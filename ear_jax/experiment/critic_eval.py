@@ -3,12 +3,11 @@ training policy shows (the quantities of the simulated critic, Appendix A.2).
 
 Symbols: `s` slate size, `T` Explorer rounds, `K` candidates.
 
-`record_training_slates` records every slate of the training episode's host loop (driven by the
-simulated critic); `select_slates` keeps per query its first slate holding gold, and the first
-slate of queries whose slates never hold gold. `citation_metrics` gives micro precision
-`sum |cited & gold| / sum |cited|` and recall `sum |cited & gold| / sum |gold shown|` on gold
-slates (exactly the simulated critic's `p` and `r`), beside chance and first-position baselines,
-the parse rate, citations on gold-free slates and the citation rate per position.
+`record_training_slates` records every slate of the training episode's host loop; `select_slates`
+keeps per query its first slate holding gold (else its first slate). `citation_metrics` gives
+micro precision `sum |cited & gold| / sum |cited|` and recall `sum |cited & gold| / sum |gold
+shown|` on gold slates (the simulated critic's `p` and `r`), beside chance and first-position
+baselines, the parse rate, citations on gold-free slates and the citation rate per position.
 """
 from __future__ import annotations
 
@@ -242,26 +241,19 @@ def policy_slates(bench, rows, seed: int, config, hparams) -> SeedSlates:
 def critic_metrics(critic, seed_slates: Sequence[SeedSlates], slate_size: int,
                    stacked: bool = False) -> list[dict]:
   """Per critic, `{"protocol": ..., "all_slates": ...}` `citation_metrics`, pooled over seeds."""
-  pooled = {"protocol": ([], []), "all_slates": ([], [])}
-  per = []
+  critic = critic if stacked else critic_lib.stack_critics([critic])
+  per = []  # per seed: (protocol slates, [H] their citations, every slate, [H] its citations)
   for ss in seed_slates:
     key = jax.random.PRNGKey(10_000 + ss.seed)
+    cite = lambda slates, k, ss=ss: jitted_citations(critic, ss.part.stream, slates, k,
+                                                     slate_size, stacked=True)
     sel = ss.gold + ss.free
-    per.append((sel, jitted_citations(critic, ss.part.stream, sel, key, slate_size, stacked),
-                ss.records, jitted_citations(critic, ss.part.stream, ss.records,
-                                             jax.random.fold_in(key, 1), slate_size, stacked)))
-  h = len(per[0][1]) if stacked else 1
-  out = []
-  for i in range(h):
-    for name in pooled:
-      pooled[name] = ([], [])
-    for sel, c_sel, recs, c_all in per:
-      pooled["protocol"][0].extend(sel)
-      pooled["protocol"][1].extend(c_sel[i] if stacked else c_sel)
-      pooled["all_slates"][0].extend(recs)
-      pooled["all_slates"][1].extend(c_all[i] if stacked else c_all)
-    out.append({name: citation_metrics(*v) for name, v in pooled.items()})
-  return out
+    per.append((sel, cite(sel, key), ss.records, cite(ss.records, jax.random.fold_in(key, 1))))
+  return [{"protocol": citation_metrics([r for p in per for r in p[0]],
+                                        [c for p in per for c in p[1][i]]),
+           "all_slates": citation_metrics([r for p in per for r in p[2]],
+                                          [c for p in per for c in p[3][i]])}
+          for i in range(len(per[0][1]))]
 
 
 def choose_answer_thresholds(settings: Sequence[dict], metrics: Sequence[dict],

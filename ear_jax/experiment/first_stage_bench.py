@@ -30,19 +30,23 @@ from ear_jax.experiment import scale_bench
 
 VOCAB = 50_000
 ZIPF_S = 1.1
-ADD_BATCH = 1 << 16
 AFTER_ADD_TARGET = 2.0  # the search after adding one memory / a search without changes
 STAGES = {"bm25": ("bm25", first_stage.FirstStageOptions()),
           "hybrid_rrf": ("hybrid", first_stage.FirstStageOptions(fusion="rrf")),
           "hybrid_weighted": ("hybrid", first_stage.FirstStageOptions(fusion="weighted"))}
 
 
+def _words(rng: np.random.Generator, n: int) -> np.ndarray:
+  """`n` word ids drawn from the Zipf distribution over `VOCAB` words."""
+  p = 1.0 / np.arange(1, VOCAB + 1) ** ZIPF_S
+  return rng.choice(VOCAB, n, p=p / p.sum())
+
+
 def texts(start: int, stop: int, seed: int = 0) -> list[str]:
   """Synthetic memory texts `start:stop` (reproducible by block): 8-20 Zipf-drawn words."""
   rng = np.random.default_rng([seed, start, 11])
-  p = 1.0 / np.arange(1, VOCAB + 1) ** ZIPF_S
   lens = rng.integers(8, 21, stop - start)
-  words = rng.choice(VOCAB, int(lens.sum()), p=p / p.sum())
+  words = _words(rng, int(lens.sum()))
   off = np.concatenate([[0], np.cumsum(lens)])
   return [" ".join(f"w{w}" for w in words[off[i]:off[i + 1]]) for i in range(stop - start)]
 
@@ -50,13 +54,7 @@ def texts(start: int, stop: int, seed: int = 0) -> list[str]:
 def query_texts(n: int, seed: int = 1) -> list[str]:
   """`n` queries of 3-6 words from the same distribution."""
   rng = np.random.default_rng([seed, 12])
-  p = 1.0 / np.arange(1, VOCAB + 1) ** ZIPF_S
-  return [" ".join(f"w{w}" for w in rng.choice(VOCAB, int(rng.integers(3, 7)), p=p / p.sum()))
-          for _ in range(n)]
-
-
-def _blocks(m: int):
-  return [(a, min(m, a + ADD_BATCH)) for a in range(0, m, ADD_BATCH)]
+  return [" ".join(f"w{w}" for w in _words(rng, int(rng.integers(3, 7)))) for _ in range(n)]
 
 
 def _index_rows(m: int, dim: int, calls: int, qs, qt, bandwidth: dict) -> dict:
@@ -66,7 +64,7 @@ def _index_rows(m: int, dim: int, calls: int, qs, qt, bandwidth: dict) -> dict:
   device = bank_lib.empty(dim, m + 1024)
   lexes = {name: lexical_bank.LexicalBank(c, o, False) for name, (c, o) in STAGES.items()}
   lex = lexes["bm25"]
-  for a, b in _blocks(m):
+  for a, b in scale_bench.blocks(m):
     batch = texts(a, b)
     device = bank_lib.write(device, np.arange(a, b), scale_bench.embeddings("random", a, b, dim, m),
                             np.zeros(b - a, np.int8), np.zeros(b - a, np.int32))
@@ -80,25 +78,19 @@ def _index_rows(m: int, dim: int, calls: int, qs, qt, bandwidth: dict) -> dict:
     other.vocab, other.index = lex.vocab, lex.index
   bm.block(device.emb)
   ids = [lex.query_ids(t) for t in lexical_bank.tokenize(qt)]
-  found = [lex.index.scores([i]) for i in ids]
-  row["matching_mean"] = float(np.mean([len(f[0][0]) for f in found]))
+  row["matching_mean"] = float(np.mean([len(lex.index.scores([i])[0][0]) for i in ids]))
   row["bm25_host"] = bm.percentiles([bm.timed(lambda i=i: lex.index.scores([i])) for i in ids])
-  bank_lib.search(device, qs[:1], k=k, multistore=False)  # compile
-  row["dense"] = bm.percentiles([bm.timed(lambda i=i: bank_lib.search(
-      device, qs[i:i + 1], k=k, multistore=False)) for i in range(calls)])
-  for name, searcher in lexes.items():
-    call = lambda i, s=searcher: s.search(device, qs[i:i + 1], qt[i:i + 1], k)
-    for i in range(calls):  # compile (once per power-of-two bucket of BM25 pairs)
-      call(i)
-    row[name] = bm.percentiles([bm.timed(lambda i=i: call(i)) for i in range(calls)])
+  row["dense"] = bm.timed_calls(
+      lambda i: bank_lib.search(device, qs[i:i + 1], k=k, multistore=False), calls, warmup=1)
+  for name, searcher in lexes.items():  # (the warm-up compiles each BM25 bucket of pairs)
+    row[name] = bm.timed_calls(lambda i, s=searcher: s.search(device, qs[i:i + 1], qt[i:i + 1], k),
+                               calls, warmup=calls)
   weighted = lexes["hybrid_weighted"]
   cycle = {"index_add_one": [], "hybrid_weighted_after_add": [], "index_delete_one": []}
   for j in range(calls + 1):  # add one, search, delete it; the first cycle compiles (untimed)
     r = m + j
     new = texts(r, r + 1, seed=3)
-    t = time.perf_counter()
-    lex.add([r], lex.encode(lexical_bank.tokenize(new), [0]), [0])
-    t_add = time.perf_counter() - t
+    t_add = bm.timed(lambda: lex.add([r], lex.encode(lexical_bank.tokenize(new), [0]), [0]))
     device = bank_lib.write(device, [r], scale_bench.embeddings("random", r, r + 1, dim, m), [0],
                             [0])
     t_search = bm.timed(lambda j=j: weighted.search(device, qs[j % calls:j % calls + 1],
@@ -120,16 +112,14 @@ def _memory_rows(m: int, dim: int, calls: int, qs, qt, candidates: str) -> dict:
   mem = Memory(MemoryConfig(encoder=None, config=EARConfig(dim=dim), candidates=candidates,
                             initial_capacity=m + 1024))  # (no growth at the +1: not the index's)
   t_add = 0.0
-  for a, b in _blocks(m):
+  for a, b in scale_bench.blocks(m):
     emb, batch = scale_bench.embeddings("random", a, b, dim, m), texts(a, b)
     t = time.perf_counter()
     mem.add(batch, embeddings=emb)
     t_add += time.perf_counter() - t
   row = {"add_s": t_add}
   search = lambda i: mem.search(qt[i], k=5, query_embedding=qs[i])
-  for i in range(calls):  # compile
-    search(i)
-  row["search"] = bm.percentiles([bm.timed(lambda i=i: search(i)) for i in range(calls)])
+  row["search"] = bm.timed_calls(search, calls, warmup=calls)
   cycle = {"add_one": [], "search_after_add": [], "delete_one": [], "search_after_delete": []}
   for j in range(calls + 1):  # add one, search, delete it, search; the first cycle compiles
     r = m + j
@@ -138,9 +128,7 @@ def _memory_rows(m: int, dim: int, calls: int, qs, qt, candidates: str) -> dict:
                         embeddings=scale_bench.embeddings("random", r, r + 1, dim, m))
     t_add = time.perf_counter() - t
     t_after_add = bm.timed(lambda j=j: search(j % calls))
-    t = time.perf_counter()
-    mem.delete([new_id])
-    t_delete = time.perf_counter() - t
+    t_delete = bm.timed(lambda: mem.delete([new_id]))
     t_after_delete = bm.timed(lambda j=j: search((j + 1) % calls))
     if j:
       for key, v in zip(cycle, (t_add, t_after_add, t_delete, t_after_delete)):
@@ -150,27 +138,26 @@ def _memory_rows(m: int, dim: int, calls: int, qs, qt, candidates: str) -> dict:
   return row
 
 
-def bench_size(m: int, dim: int, calls: int, bandwidth: dict,
-               memory: Sequence[str] = ("bm25", "hybrid")) -> dict:
-  """One bank size: the rows of the module docstring (`memory`: the `Memory` first stages)."""
+def bench_size(m: int, dim: int, calls: int, bandwidth: dict) -> dict:
+  """One bank size: the rows of the module docstring."""
   qs = scale_bench.queries("random", calls + 1, dim, m)
   qt = query_texts(calls + 1)
   row = {"M": m, **_index_rows(m, dim, calls, qs, qt, bandwidth)}
   gc.collect()
-  for cand in memory:
+  for cand in ("bm25", "hybrid"):
     row[f"memory_{cand}"] = _memory_rows(m, dim, calls, qs, qt, cand)
     gc.collect()
   logging.info("first stage M=%d: %s", m, row)
   return row
 
 
-def run(sizes: Sequence[int], dim: int = 384, calls: int = 20, bandwidth_bytes: float = 1.5e9,
-        memory: Sequence[str] = ("bm25", "hybrid")) -> dict:
+def run(sizes: Sequence[int], dim: int = 384, calls: int = 20, bandwidth_bytes: float = 1.5e9
+        ) -> dict:
   """Every size's row, the bandwidth measured before and after, and the machine's load."""
   out = {"dim": dim, "calls": calls, "sizes": list(sizes), "vocab": VOCAB, "zipf_s": ZIPF_S,
          "options": first_stage.FirstStageOptions().__dict__, "loadavg_before": os.getloadavg()}
   out["bandwidth"] = scale_bench.measure_bandwidth(bandwidth_bytes)
-  out["rows"] = [bench_size(m, dim, calls, out["bandwidth"], memory) for m in sizes]
+  out["rows"] = [bench_size(m, dim, calls, out["bandwidth"]) for m in sizes]
   out["bandwidth_after"] = scale_bench.measure_bandwidth(bandwidth_bytes)
   out["loadavg_after"] = os.getloadavg()
   return out
@@ -194,15 +181,14 @@ def table(res: dict) -> str:
             "p50 | bound |", "|---|---|---|---|---|---|---|---|---|"]
   for r in res["rows"]:
     for cand in ("bm25", "hybrid"):
-      x = r.get(f"memory_{cand}")
-      if x:
-        ratio = x["search_after_add"]["p50_ms"] / x["search"]["p50_ms"]
-        lines.append(
-            f"| {r['M']:,} | {cand} | {x['add_s']:.1f} s | {p(x, 'search')} / "
-            f"{x['search']['p90_ms']:.2f} ms | {p(x, 'add_one')} ms | {p(x, 'search_after_add')} / "
-            f"{x['search_after_add']['p90_ms']:.2f} ms ({ratio:.2f}x, "
-            f"{'met' if ratio <= AFTER_ADD_TARGET else 'NOT met'}) | {p(x, 'delete_one')} ms | "
-            f"{p(x, 'search_after_delete')} ms | {r['bound_ms']:.2f} ms |")
+      x = r[f"memory_{cand}"]
+      ratio = x["search_after_add"]["p50_ms"] / x["search"]["p50_ms"]
+      lines.append(
+          f"| {r['M']:,} | {cand} | {x['add_s']:.1f} s | {p(x, 'search')} / "
+          f"{x['search']['p90_ms']:.2f} ms | {p(x, 'add_one')} ms | {p(x, 'search_after_add')} / "
+          f"{x['search_after_add']['p90_ms']:.2f} ms ({ratio:.2f}x, "
+          f"{'met' if ratio <= AFTER_ADD_TARGET else 'NOT met'}) | {p(x, 'delete_one')} ms | "
+          f"{p(x, 'search_after_delete')} ms | {r['bound_ms']:.2f} ms |")
   bw, o = res["bandwidth"], res["options"]
   lines += ["", f"d = {res['dim']}, K = 20, one query per call, p50 of {res['calls']}; `Memory` "
             f"hybrid uses the default options (fusion {o['fusion']}, lexical_weight "

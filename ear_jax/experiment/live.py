@@ -4,13 +4,11 @@ Symbols: `S` seeds, `N` training questions, `M` test questions, `K` candidates, 
 `T` Explorer rounds, `d` dimension.
 
 `run_seed` replays one seed of `runner.train_and_evaluate` one question at a time through
-`Memory`: the same banks (one `scope` per bank, so candidates are the top-K of the question's own
-bank), the same split (`runner.seed_splits`; it never trains on the test set) and the simulated
-critic with the runner's per-round keys (`StreamCritic`), so a slate both show gets the same
-labels. Given the runner's replay keys the live run equals the runner slate for slate
-(`tests/test_live.py`); with its own keys, the last partial batch left queued and float rounding,
-the check is the paired difference live - runner over seeds. Each call is timed without the
-critic, beside the scan's cost per question plus one dispatch.
+`Memory`: the same banks (one `scope` per bank), the same split (`runner.seed_splits`) and the
+simulated critic with the runner's per-round keys (`StreamCritic`), so a slate both show gets the
+same labels. Given the runner's replay keys the live run equals the runner slate for slate
+(`tests/test_live.py`); otherwise the check is the paired difference live - runner over seeds.
+Each call is timed without the critic, beside the scan's cost per question plus one dispatch.
 """
 from __future__ import annotations
 
@@ -125,6 +123,20 @@ def live_data(ec: corpus_lib.EmbeddedCorpus, *, k: int = candidates_lib.DEFAULT_
                   memory_ids=memory_ids, dialogue_rows=rows_of, bank_id_of=bank_id_of)
 
 
+def load_live_data(benchmark: str, *, data_dir=None, encoder="minilm", cache_dir=None,
+                   limit: Optional[int] = None, k: int = candidates_lib.DEFAULT_K,
+                   progress: bool = True, synthetic_queries: int = 500,
+                   synthetic_dim: int = 32) -> LiveData:
+  """`live_data` of 'locomo' / 'longmemeval' (embedding cache) or 'synthetic'."""
+  if benchmark == "synthetic":
+    ec = synthetic.make_synthetic(seed=0, num_queries=synthetic_queries, dim=synthetic_dim,
+                                  num_banks=max(2, min(25, synthetic_queries // 8)))
+  else:
+    corpus = corpora.load_corpus(benchmark, data_dir=data_dir, limit=limit)
+    ec, _ = candidates_lib.embed_corpus(corpus, encoder, cache_dir=cache_dir, progress=progress)
+  return live_data(ec, k=k)
+
+
 def build_memory(data: LiveData, method: Method, seed: int) -> Memory:
   """A `Memory` of `method` holding every queried bank's dialogue turns, one scope per bank."""
   groups = sorted(set(int(g) for g in data.bench.group))
@@ -132,8 +144,7 @@ def build_memory(data: LiveData, method: Method, seed: int) -> Memory:
   mem = Memory(MemoryConfig(encoder=None, config=method.config, hparams=method.hparams, seed=seed,
                             initial_capacity=max(total, 1), max_sessions=64))
   for g in groups:
-    bank, rows = data.ec.corpus.banks[g], data.dialogue_rows[g]
-    ids = data.memory_ids[g]
+    bank, rows, ids = data.ec.corpus.banks[g], data.dialogue_rows[g], data.memory_ids[g]
     texts = [(bank.texts[r] if bank.texts and bank.texts[r] else f"memory {i}")
              for r, i in zip(rows, ids)]
     mem.add(texts, ids=ids, embeddings=data.ec.bank_embeddings[g][rows], scope=data.scope(g))
@@ -144,14 +155,13 @@ def critic_round_keys(seed: int, num_train: int, num_test: int, train_rounds: in
                       test_rounds: int):
   """The runner's critic keys of one seed: `(train [N, T, 2], test [M, T_test, 2])` uint32.
 
-  Derived exactly as `runner.train_and_evaluate`, `learner.train_batch`, `explorer.explore` and
+  Split exactly as `runner.train_and_evaluate`, `learner.train_batch`, `explorer.explore` and
   `inference.evaluate` split theirs.
   """
   episode_key, eval_key = jax.random.split(runner.per_seed_keys([seed])[0])
   _, query_keys = episode.episode_keys(episode_key, num_train)
   split = jax.vmap(jax.random.split)
-  k_slates = split(query_keys)[:, 0]
-  k_critic = split(k_slates)[:, 1]
+  k_critic = split(split(query_keys)[:, 0])[:, 1]
   train = jax.vmap(lambda k: jax.random.split(k, train_rounds))(k_critic)
   test = jax.vmap(lambda k: jax.random.split(k, test_rounds))(jax.random.split(eval_key, num_test))
   return np.asarray(train), np.asarray(test)
@@ -189,9 +199,8 @@ class StreamCritic:
     s = max(self.slate_size, k)
     gold = np.zeros((s,), bool)
     gold[:k] = [i in self._gold for i in view.ids]
-    mask = np.arange(s) < k
-    labels = np.asarray(_simulated(self._keys[self._t], gold, mask, self.critic.precision,
-                                   self.critic.recall))[:k]
+    labels = np.asarray(_simulated(self._keys[self._t], gold, np.arange(s) < k,
+                                   self.critic.precision, self.critic.recall))[:k]
     self._t += 1
     self.calls += 1
     self.seconds += time.perf_counter() - t0
@@ -206,7 +215,7 @@ class SeedResult:
     all_gold, any_gold: mode -> `[M]` bool, every / some gold memory in the slate (Recall@s /
       Hitrate@s); `recall`, `hitrate`: their means (fractions).
     slates: mode -> `[M]` tuples of the returned memory ids.
-    seconds: per step ('train', 'search', 'recall_test'; critic excluded), 'critic' and 'add'.
+    seconds: per step of `STEPS` (critic excluded), 'critic' and 'add'.
     per_question_ms: step -> `[N]` or `[M]` ms (critic excluded).
     outside_candidates: shown or returned ids not among the runner's candidates of the question.
     pending: training questions left queued (fewer than `b`).
@@ -231,9 +240,9 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
              progress: Optional[Callable[[str], None]] = None) -> SeedResult:
   """Streams one seed's split through a fresh `Memory` (see the module docstring).
 
-  `method` is the object the runner runs (`runner.build_method`); `seed` gives the runner's keys of
-  this seed and the `Memory`'s seed; `train_index [N]` / `test_index [M]` are benchmark queries in
-  stream order; `progress` takes a line every 500 questions.
+  `method` is the runner's (`runner.build_method`); `seed` gives the runner's keys of this seed
+  and the `Memory`'s seed; `train_index [N]` / `test_index [M]` are benchmark queries in stream
+  order; `progress` takes a line every 500 questions.
   """
   critic = critic or critic_lib.make_simulated_critic()
   config = method.config
@@ -246,8 +255,8 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
                                             config.num_rounds, config.eval_rounds)
   host = StreamCritic(critic, s)
   queries = np.asarray(data.bench.stream.queries)
-  outside = 0
-  cand_sets = {}
+  outside, cand_sets = 0, {}
+  ms = {step: [] for step in STEPS}
 
   def check(i, ids):  # the shown memories are among the runner's candidates of question i
     nonlocal outside
@@ -256,51 +265,39 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
       cand_sets[i] = frozenset((g, c) for c in data.candidate_bank_ids(i))
     outside += sum(1 for x in ids if data.source(x) not in cand_sets[i])
 
-  ms = {step: [] for step in STEPS}
+  def timed(step, i, call, *args, **kwargs):  # `call` on question i, timed without the critic
+    c0, t = host.seconds, time.perf_counter()
+    out = call(data.query_text(i), *args, query_embedding=queries[i],
+               scope=data.scope(data.bench.group[i]), **kwargs)
+    ms[step].append(1e3 * (time.perf_counter() - t - (host.seconds - c0)))
+    return out
+
   for n, i in enumerate(train_index):
     host.start(data.gold_ids[i], train_keys[n])
-    c0, t = host.seconds, time.perf_counter()
-    out = mem.recall(data.query_text(i), host, s, query_embedding=queries[i],
-                     scope=data.scope(data.bench.group[i]))
-    ms["train"].append(1e3 * (time.perf_counter() - t - (host.seconds - c0)))
+    out = timed("train", i, mem.recall, host, s)
     check(i, [x for r in out.rounds for x in r.ids])
     if progress is not None and (n + 1) % 500 == 0:
       progress(f"seed {seed}: {n + 1}/{len(train_index)} training questions")
   steps, pending = int(mem.stats["learner_steps"]), int(mem.stats["pending"])
-  slates = {mode: [] for mode in MODES}
-  for i in test_index:
-    t = time.perf_counter()
-    r = mem.search(data.query_text(i), s, query_embedding=queries[i],
-                   scope=data.scope(data.bench.group[i]))
-    ms["search"].append(1e3 * (time.perf_counter() - t))
-    slates["adapter"].append(tuple(r.ids))
-  for j, i in enumerate(test_index):
-    host.start(data.gold_ids[i], test_keys[j])
-    c0, t = host.seconds, time.perf_counter()
-    out = mem.recall(data.query_text(i), host, s, query_embedding=queries[i], learn=False,
-                     scope=data.scope(data.bench.group[i]), rule="explorer")
-    ms["recall_test"].append(1e3 * (time.perf_counter() - t - (host.seconds - c0)))
-    slates["explorer"].append(tuple(out.ids))
-  for j, i in enumerate(test_index):  # the same critic keys: page t gets round t's (as `evaluate`)
-    host.start(data.gold_ids[i], test_keys[j])
-    c0, t = host.seconds, time.perf_counter()
-    out = mem.recall(data.query_text(i), host, s, query_embedding=queries[i], learn=False,
-                     scope=data.scope(data.bench.group[i]), rule="paging")
-    ms["recall_paging"].append(1e3 * (time.perf_counter() - t - (host.seconds - c0)))
-    slates["paging_adapted"].append(tuple(out.ids))
+  slates = {"adapter": [tuple(timed("search", i, mem.search, s).ids) for i in test_index]}
+  # The same critic keys for both rules: page t gets round t's (as `evaluate`).
+  for mode, rule, step in (("explorer", "explorer", "recall_test"),
+                           ("paging_adapted", "paging", "recall_paging")):
+    slates[mode] = []
+    for j, i in enumerate(test_index):
+      host.start(data.gold_ids[i], test_keys[j])
+      slates[mode].append(tuple(timed(step, i, mem.recall, host, s, learn=False, rule=rule).ids))
   if int(mem.stats["learner_steps"]) != steps:
     raise RuntimeError("the test questions trained the adapter")
-  num_gold = np.asarray(data.bench.stream.num_gold)
+  ng = np.asarray(data.bench.stream.num_gold)[test_index]
+  has = ng > 0
   all_gold, any_gold, recall, hitrate = {}, {}, {}, {}
   for mode in MODES:
     for i, ids in zip(test_index, slates[mode]):
       check(i, ids)
     hits = np.asarray([sum(x in data.gold_ids[i] for x in ids)
                        for i, ids in zip(test_index, slates[mode])])
-    ng = num_gold[test_index]
-    all_gold[mode] = (ng > 0) & (hits >= ng)
-    any_gold[mode] = hits > 0
-    has = ng > 0
+    all_gold[mode], any_gold[mode] = has & (hits >= ng), hits > 0
     recall[mode] = float(all_gold[mode][has].mean()) if has.any() else 0.0
     hitrate[mode] = float(any_gold[mode][has].mean()) if has.any() else 0.0
   seconds = {k: float(np.sum(v)) / 1e3 for k, v in ms.items()}
@@ -312,11 +309,19 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
                     bank_bytes=int(mem.stats["capacity"] * method.config.dim * 4))
 
 
-def measure_dispatch(method: Method, calls: int = 2000) -> dict:
-  """The round trip of one trivial jitted call with a session round's argument and output shapes.
+def _mean_ms(fn, n: int, warmup: int = 20) -> float:
+  """Mean wall time of `fn()` over `n` calls after `warmup` calls, in ms."""
+  for _ in range(warmup):
+    fn()
+  t = time.perf_counter()
+  for _ in range(n):
+    fn()
+  return 1e3 * (time.perf_counter() - t) / n
 
-  The cost of one dispatch: `mean_ms` / `p50_ms` over `calls` calls after a warm-up.
-  """
+
+def measure_dispatch(method: Method, calls: int = 2000) -> dict:
+  """The round trip of one trivial jitted call with a session round's argument and output shapes:
+  `mean_ms` / `p50_ms` over `calls` calls after a warm-up."""
   config = method.config
   K, s, width = config.num_candidates, config.slate_size, config.dim + config.side_features
   params = jax.tree_util.tree_map(jax.numpy.asarray,
@@ -355,55 +360,41 @@ def measure_device_floor(method: Method, calls: int = 500) -> dict:
   c = rng.standard_normal((K, width)).astype(np.float32)
   mask, zeros = np.ones((K,), bool), np.zeros((K,), np.float32)
   last = (np.full((K,), -1, np.int32), np.zeros((K,), bool), np.full((K,), -1.0, np.float32))
-
-  def timed(fn, n):
-    for _ in range(20):
-      fn()
-    t = time.perf_counter()
-    for _ in range(n):
-      fn()
-    return 1e3 * (time.perf_counter() - t) / n
-
   one = lambda given=None: memory_episode.session_round(state.params, hp, q, c, mask, zeros,
                                                         zeros, last, s, True, given)
   _, given = one()
-  first, later = timed(one, calls), timed(lambda: one(given), calls)
-  step = memory_driver.train_step  # the driver's own compiled step (state donated)
+  first, later = _mean_ms(one, calls), _mean_ms(lambda: one(given), calls)
   batch = Stream(queries=rng.standard_normal((b, config.dim)).astype(np.float32),
                  candidates=rng.standard_normal((b, K, width)).astype(np.float32),
                  mask=np.ones((b, K), bool), gold=np.zeros((b, K), bool),
                  num_gold=np.zeros((b,), np.int32))
   slates = np.tile(np.arange(K, dtype=np.int32)[:s], (b, T, 1))
   slates = np.pad(slates, ((0, 0), (0, 0), (0, K - s)), constant_values=-1)
-  smask = slates >= 0
-  labels = np.full(slates.shape, -1.0, np.float32)
+  smask, labels = slates >= 0, np.full(slates.shape, -1.0, np.float32)
   keys = jax.random.split(jax.random.PRNGKey(1), b)
   box = [state]
 
-  def train():
-    box[0], _ = step(box[0], keys, batch, slates, smask, labels, np.ones((b,), bool), config, hp)
+  def train():  # the driver's own compiled step (state donated)
+    box[0], _ = memory_driver.train_step(box[0], keys, batch, slates, smask, labels,
+                                         np.ones((b,), bool), config, hp)
     jax.block_until_ready(box[0].params)
 
-  learner_step = timed(train, max(calls // 5, 20))
-  return {"first_round_ms": first, "later_round_ms": later, "learner_step_ms": learner_step,
-          "per_training_question_ms": first + (T - 1) * later + learner_step / b}
+  step = _mean_ms(train, max(calls // 5, 20))
+  return {"first_round_ms": first, "later_round_ms": later, "learner_step_ms": step,
+          "per_training_question_ms": first + (T - 1) * later + step / b}
 
 
 def run_runner(data: LiveData, method: Method, seeds: Sequence[int], train_index: np.ndarray,
                test_index: np.ndarray, critic: Optional[critic_lib.SimulatedCritic] = None, *,
                name: str = "runner", timing_repeat: bool = True):
-  """The jitted runner on the same seeds and splits: `(RunResult, warm_seconds or None)`.
-
-  With `timing_repeat` it runs twice and `warm_seconds` is the compiled call's wall time.
-  """
+  """The jitted runner on the same seeds and splits: `(RunResult, warm_seconds or None)`; with
+  `timing_repeat` it runs twice and `warm_seconds` is the compiled call's wall time."""
   critic = critic or critic_lib.make_simulated_critic()
   args = (data.bench.stream, train_index, test_index, method.config, method.hparams, list(seeds))
   result = runner.train_and_evaluate(name, *args, critic=critic)
-  warm = None
-  if timing_repeat:
-    again = runner.train_and_evaluate(name, *args, critic=critic)
-    warm = again.wall_seconds
-  return result, warm
+  if not timing_repeat:
+    return result, None
+  return result, runner.train_and_evaluate(name, *args, critic=critic).wall_seconds
 
 
 def compare(data: LiveData, result, live: Sequence[SeedResult], scan_seconds: float) -> dict:
@@ -422,19 +413,16 @@ def compare(data: LiveData, result, live: Sequence[SeedResult], scan_seconds: fl
                      "within_noise": bool(d.n < 2 or (d.lo <= 0 <= d.hi))}
     rec["same_slate"] = [_same_slates(data, result, j, r, mode) for j, r in enumerate(live)]
     out["modes"][mode] = rec
-  n_train = result.train_index.shape[1]
-  n_test = result.test_index.shape[1]
+  n_train, n_test = result.train_index.shape[1], result.test_index.shape[1]
   per_q = n_train + n_test
   warm = live[1:] if len(live) > 1 else live
-  live_cost = {k: float(np.mean(np.concatenate([r.per_question_ms[k] for r in warm])))
-               for k in STEPS}
-  live_cost_p50 = {k: float(np.median(np.concatenate([r.per_question_ms[k] for r in warm])))
-                   for k in STEPS}
+  per_step = {k: np.concatenate([r.per_question_ms[k] for r in warm]) for k in STEPS}
   total = float(np.mean([(r.seconds["train"] + r.seconds["search"] + r.seconds["recall_test"])
                          for r in warm]))
   out["cost_ms_per_question"] = {
       "live": 1e3 * total / per_q,
-      "live_by_step_mean": live_cost, "live_by_step_p50": live_cost_p50,
+      "live_by_step_mean": {k: float(np.mean(v)) for k, v in per_step.items()},
+      "live_by_step_p50": {k: float(np.median(v)) for k, v in per_step.items()},
       "scan": 1e3 * scan_seconds / (per_q * len(live)),
       "definition": ("per question of one seed (N training questions trained, M test questions "
                      "evaluated in both modes): live = time in Memory.recall / search "
@@ -459,24 +447,11 @@ def _same_slates(data: LiveData, result, j: int, live: SeedResult, mode: str) ->
   return float(np.mean(same)) if same else 1.0
 
 
-def load_live_data(benchmark: str, *, data_dir=None, encoder="minilm", cache_dir=None,
-                   limit: Optional[int] = None, k: int = candidates_lib.DEFAULT_K,
-                   progress: bool = True, synthetic_queries: int = 500,
-                   synthetic_dim: int = 32) -> LiveData:
-  """`live_data` of 'locomo' / 'longmemeval' (embedding cache) or 'synthetic'."""
-  if benchmark == "synthetic":
-    ec = synthetic.make_synthetic(seed=0, num_queries=synthetic_queries, dim=synthetic_dim,
-                                  num_banks=max(2, min(25, synthetic_queries // 8)))
-  else:
-    corpus = corpora.load_corpus(benchmark, data_dir=data_dir, limit=limit)
-    ec, _ = candidates_lib.embed_corpus(corpus, encoder, cache_dir=cache_dir, progress=progress)
-  return live_data(ec, k=k)
-
-
 def run(data: LiveData, method: Method, seeds: Sequence[int],
         critic: Optional[critic_lib.SimulatedCritic] = None, *, time_scan: bool = True,
         name: str = "live") -> tuple[dict, list]:
-  """The jitted runner and the live stream on the same seeds and splits, compared (`compare`).
+  """The jitted runner and the live stream on the same seeds and splits, compared (`compare`),
+  with the measured dispatch, device floor and physical bounds.
 
   `time_scan` times a second, compiled runner call (else the first, compilation included).
   Returns `(comparison dict, [SeedResult])`.
@@ -504,32 +479,27 @@ def run(data: LiveData, method: Method, seeds: Sequence[int],
                  100 * float(result.eval["recall_explorer"][j]), time.perf_counter() - t0)
   cmp = compare(data, result, live, result.wall_seconds if warm is None else warm)
   cmp["scan_seconds"] = {"first": result.wall_seconds, "compiled": warm}
-  # Physical bounds measured in this run: FLOPs / matmul peak, bank bytes / memory bandwidth.
   peak = benchmarking.measure_peak()
   bandwidth = scale_bench.measure_bandwidth()
   flops = benchmarking.ear_flops_per_query(method.config)["total"]
-  # The target: a recall within 2x of (the scan's cost per question + one dispatch).
-  dispatch = measure_dispatch(method)
+  dispatch = measure_dispatch(method)  # the target: within 2x of (scan + one dispatch)
   c = cmp["cost_ms_per_question"]
-  c.update(dispatch_ms=dispatch["mean_ms"], dispatch_p50_ms=dispatch["p50_ms"])
-  c["device_floor"] = measure_device_floor(method)
-  c["ratio_to_scan_plus_dispatch"] = {
-      step: c["live_by_step_mean"][step] / (c["scan"] + dispatch["mean_ms"])
-      for step in STEPS}
-  c["ratio_to_scan_plus_dispatch"]["all_steps"] = c["live"] / (c["scan"] + dispatch["mean_ms"])
-  cmp["cost_ms_per_question"].update(
-      matmul_peak_gflops=peak["gflops"], flops_per_training_question=flops,
-      bound_ms_per_training_question=1e3 * flops / (peak["gflops"] * 1e9),
-      bandwidth_gb_per_s=bandwidth["gb_per_s"], bank_bytes=live[0].bank_bytes,
-      bound_ms_per_search=1e3 * live[0].bank_bytes / (bandwidth["gb_per_s"] * 1e9))
-  cmp["method"] = method.name
-  cmp["benchmark"] = data.bench.name
-  cmp["num_queries"] = data.bench.num_queries
+  c.update(dispatch_ms=dispatch["mean_ms"], dispatch_p50_ms=dispatch["p50_ms"],
+           device_floor=measure_device_floor(method))
+  target = c["scan"] + dispatch["mean_ms"]
+  c["ratio_to_scan_plus_dispatch"] = {step: c["live_by_step_mean"][step] / target
+                                      for step in STEPS}
+  c["ratio_to_scan_plus_dispatch"]["all_steps"] = c["live"] / target
+  c.update(matmul_peak_gflops=peak["gflops"], flops_per_training_question=flops,
+           bound_ms_per_training_question=1e3 * flops / (peak["gflops"] * 1e9),
+           bandwidth_gb_per_s=bandwidth["gb_per_s"], bank_bytes=live[0].bank_bytes,
+           bound_ms_per_search=1e3 * live[0].bank_bytes / (bandwidth["gb_per_s"] * 1e9))
+  cmp.update(method=method.name, benchmark=data.bench.name, num_queries=data.bench.num_queries)
   return cmp, live
 
 
 def table_md(cmp: dict, *, title: str) -> str:
-  """The markdown table of `compare`: means, paired differences and the cost per question."""
+  """The markdown table of `run`'s comparison: means, paired differences, costs per question."""
   lines = [f"### {title}", "",
            "| mode | metric | runner | live | live − runner [95% CI] | within noise |",
            "|---|---|---|---|---|---|"]
@@ -547,47 +517,34 @@ def table_md(cmp: dict, *, title: str) -> str:
             f"{sum(cmp['outside_candidates'])}. Training questions left queued (the runner trains "
             f"its last, padded batch; `Memory` full batches only): {cmp['untrained_pending']}."]
   c = cmp["cost_ms_per_question"]
-  lines += ["", "| cost per question (critic excluded) | ms |", "|---|---|",
-            f"| live (`Memory`), all steps | {c['live']:.2f} |",
-            f"| live: training `recall` (T rounds + learner step / b), mean / p50 | "
-            f"{c['live_by_step_mean']['train']:.2f} / {c['live_by_step_p50']['train']:.2f} |",
-            f"| live: test `search` (adapter-only), mean / p50 | "
-            f"{c['live_by_step_mean']['search']:.2f} / {c['live_by_step_p50']['search']:.2f} |",
-            f"| live: test `recall(learn=False, rule='explorer')`, mean / p50 | "
-            f"{c['live_by_step_mean']['recall_test']:.2f} / "
-            f"{c['live_by_step_p50']['recall_test']:.2f} |"]
-  if "recall_paging" in c["live_by_step_mean"]:  # (earlier results lack it)
-    lines.append(f"| live: test `recall(learn=False)` (paging, the default), mean / p50 | "
-                 f"{c['live_by_step_mean']['recall_paging']:.2f} / "
-                 f"{c['live_by_step_p50']['recall_paging']:.2f} |")
+  mean, p50 = c["live_by_step_mean"], c["live_by_step_p50"]
+  r, f = c["ratio_to_scan_plus_dispatch"], c["device_floor"]
   lines += [
-            f"| scan (`runner.train_and_evaluate`, compiled, all seeds vmapped) | "
-            f"{c['scan']:.3f} |"]
-  if "dispatch_ms" in c:
-    r = c["ratio_to_scan_plus_dispatch"]
-    paging = f" / {r['recall_paging']:.2f}" if "recall_paging" in r else ""
-    lines += [f"| one dispatch (a trivial jitted call with a round's argument shapes, round trip, "
-              f"mean / p50) | {c['dispatch_ms']:.3f} / {c['dispatch_p50_ms']:.3f} |",
-              f"| ratio live / (scan + one dispatch): training `recall` / test explorer "
-              f"`recall`{' / test paging `recall`' if paging else ''} / `search` / all steps | "
-              f"{r['train']:.2f} / {r['recall_test']:.2f}{paging} / {r['search']:.2f} / "
-              f"{r['all_steps']:.2f} |"]
-  if "device_floor" in c:  # (earlier results lack it)
-    f = c["device_floor"]
-    lines.append(f"| floor: a training question's device calls one question at a time (first "
-                 f"round {f['first_round_ms']:.3f} + (T - 1) x later round "
-                 f"{f['later_round_ms']:.3f} + learner step {f['learner_step_ms']:.3f} / b; no "
-                 f"search), against the target 2 x (scan + one dispatch) = "
-                 f"{2 * (c['scan'] + c['dispatch_ms']):.3f} | "
-                 f"{f['per_training_question_ms']:.3f} |")
-  if "bound_ms_per_search" in c:
-    lines.append(f"| bound: one search reads the bank ({c['bank_bytes'] / 1e6:.1f} MB) / memory "
-                 f"bandwidth measured in this run ({c['bandwidth_gb_per_s']:.1f} GB/s) | "
-                 f"{c['bound_ms_per_search']:.3f} |")
-  if "bound_ms_per_training_question" in c:
-    lines.append(f"| bound: FLOPs of a training question ({c['flops_per_training_question'] / 1e6:.1f} "
-                 f"M) / matmul peak measured in this run ({c['matmul_peak_gflops']:.0f} GFLOP/s) | "
-                 f"{c['bound_ms_per_training_question']:.3f} |")
+      "", "| cost per question (critic excluded) | ms |", "|---|---|",
+      f"| live (`Memory`), all steps | {c['live']:.2f} |"]
+  lines += [f"| live: {what}, mean / p50 | {mean[step]:.2f} / {p50[step]:.2f} |" for what, step in (
+      ("training `recall` (T rounds + learner step / b)", "train"),
+      ("test `search` (adapter-only)", "search"),
+      ("test `recall(learn=False, rule='explorer')`", "recall_test"),
+      ("test `recall(learn=False)` (paging, the default)", "recall_paging"))]
+  lines += [
+      f"| scan (`runner.train_and_evaluate`, compiled, all seeds vmapped) | {c['scan']:.3f} |",
+      f"| one dispatch (a trivial jitted call with a round's argument shapes, round trip, "
+      f"mean / p50) | {c['dispatch_ms']:.3f} / {c['dispatch_p50_ms']:.3f} |",
+      f"| ratio live / (scan + one dispatch): training `recall` / test explorer `recall` / test "
+      f"paging `recall` / `search` / all steps | {r['train']:.2f} / {r['recall_test']:.2f} / "
+      f"{r['recall_paging']:.2f} / {r['search']:.2f} / {r['all_steps']:.2f} |",
+      f"| floor: a training question's device calls one question at a time (first "
+      f"round {f['first_round_ms']:.3f} + (T - 1) x later round "
+      f"{f['later_round_ms']:.3f} + learner step {f['learner_step_ms']:.3f} / b; no "
+      f"search), against the target 2 x (scan + one dispatch) = "
+      f"{2 * (c['scan'] + c['dispatch_ms']):.3f} | {f['per_training_question_ms']:.3f} |",
+      f"| bound: one search reads the bank ({c['bank_bytes'] / 1e6:.1f} MB) / memory "
+      f"bandwidth measured in this run ({c['bandwidth_gb_per_s']:.1f} GB/s) | "
+      f"{c['bound_ms_per_search']:.3f} |",
+      f"| bound: FLOPs of a training question ({c['flops_per_training_question'] / 1e6:.1f} "
+      f"M) / matmul peak measured in this run ({c['matmul_peak_gflops']:.0f} GFLOP/s) | "
+      f"{c['bound_ms_per_training_question']:.3f} |"]
   per = ["", "| seed | " + " | ".join(f"{names[m]} runner / live" for m in MODES) + " |",
          "|---|" + "---|" * len(MODES)]
   for j, seed in enumerate(cmp["seeds"]):
@@ -595,9 +552,3 @@ def table_md(cmp: dict, *, title: str) -> str:
              f"{cmp['modes'][m]['recall']['live'][j]:.2f}" for m in MODES]
     per.append(f"| {seed} | " + " | ".join(cells) + " |")
   return "\n".join(lines + ["", "Recall@5 per seed:"] + per)
-
-
-__all__ = ["LiveData", "MODES", "MODE_NAMES", "SeedResult", "StreamCritic", "build_memory", "compare",
-           "critic_round_keys", "live_data", "load_live_data", "measure_device_floor",
-           "measure_dispatch", "run",
-           "run_runner", "run_seed", "table_md"]

@@ -1,7 +1,7 @@
 """A default `Memory`'s first calls: a warm single-question `search` beside its two parts timed in
 the same run, and a second process's start with the persistent compilation cache.
 
-`run` builds a default `Memory` (MiniLM, hybrid first stage) holding `num_memories` turns and
+`warm_search` builds a default `Memory` (MiniLM, hybrid first stage) of `num_memories` turns and
 times, each the minimum over `reps` questions, `search_ms`, `encode_ms` (one question's encoding)
 and `device_search_ms` (the first stage and slate in one jitted call); the bound is
 `2 (encode_ms + device_search_ms)`. `second_process` starts this module twice on an empty

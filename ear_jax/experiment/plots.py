@@ -48,11 +48,9 @@ def learning_curves(path, curves: Mapping[str, list], *, metric: str = "recall_a
   ax.set_xlabel(xlabel or {"queries_seen": "training queries seen",
                            "critic_calls": "critic (LLM) calls"}.get(x, x))
   ax.set_ylabel(ylabel)
-  ax.set_title(title, fontsize=10)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8, title=f"bands: {stats.INTERVAL_LABEL}", title_fontsize=7)
-  fig.tight_layout()
-  _save(fig, path)
+  _save(fig, ax, path, title)
 
 
 def grouped_bars(path, groups: Sequence[str], series: Mapping[str, Mapping[str, Sequence[float]]],
@@ -85,12 +83,10 @@ def grouped_bars(path, groups: Sequence[str], series: Mapping[str, Mapping[str, 
   ax.set_xticks(xs)
   ax.set_xticklabels(groups, fontsize=8, rotation=15)
   ax.set_ylabel(ylabel)
-  ax.set_title(title, fontsize=10)
   ax.grid(alpha=0.3, axis="y")
   ax.legend(fontsize=8, title=f"error bars: {interval}" if any_interval else
             "one value per bar: no interval", title_fontsize=7)
-  fig.tight_layout()
-  _save(fig, path)
+  _save(fig, ax, path, title)
 
 
 def paired_differences(path, diffs: Mapping[str, Mapping[str, Mapping]], *, title: str = "",
@@ -133,12 +129,10 @@ def paired_differences(path, diffs: Mapping[str, Mapping[str, Mapping]], *, titl
   ax.set_xticks(xs)
   ax.set_xticklabels([textwrap.fill(lab, 22) for lab in labels], fontsize=8)
   ax.set_ylabel(f"{ylabel}\nvs {baseline}")
-  ax.set_title(title, fontsize=10)
   ax.grid(alpha=0.3, axis="y")
   ax.legend(fontsize=8, title=f"mean ± {stats.INTERVAL_LABEL}\n(open marker: tie)",
             title_fontsize=7)
-  fig.tight_layout()
-  _save(fig, path)
+  _save(fig, ax, path, title)
 
 
 def heatmap(path, rows: Sequence[float], cols: Sequence[float], values: np.ndarray, *,
@@ -167,9 +161,7 @@ def heatmap(path, rows: Sequence[float], cols: Sequence[float], values: np.ndarr
   fig.colorbar(im, ax=ax)
   if marks_note:
     fig.text(0.01, 0.01, marks_note, fontsize=7, ha="left", va="bottom")
-  ax.set_title(title, fontsize=10)
-  fig.tight_layout()
-  _save(fig, path)
+  _save(fig, ax, path, title)
 
 
 def per_seed_scatter(path, series: Mapping[str, tuple], *, xlabel: str, ylabel: str,
@@ -186,10 +178,8 @@ def per_seed_scatter(path, series: Mapping[str, tuple], *, xlabel: str, ylabel: 
   ax.plot([lo - pad, hi + pad], [lo - pad, hi + pad], color="gray", lw=1, ls="--")
   ax.set_xlabel(xlabel)
   ax.set_ylabel(ylabel)
-  ax.set_title(title, fontsize=10)
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  _save(fig, path)
+  _save(fig, ax, path, title)
 
 
 def _floats(values) -> np.ndarray:
@@ -198,13 +188,11 @@ def _floats(values) -> np.ndarray:
                     np.float64)
 
 
-def _save(fig, path):
+def _save(fig, ax, path, title):
+  ax.set_title(title, fontsize=10)
+  fig.tight_layout()
   if sharding.is_primary():  # multi-process runs: process 0 alone writes files
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
   _plt().close(fig)
-
-
-__all__ = ["grouped_bars", "heatmap", "learning_curves", "paired_differences",
-           "per_seed_scatter"]

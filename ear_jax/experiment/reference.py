@@ -59,9 +59,6 @@ def init_numpy_state(config):
               buf_valid=np.zeros(c, bool), buf_next=0)
 
 
-# ----------------------------------------------------------------------------- forward pieces
-
-
 def _normalize(u):
   n2 = max(float(u @ u), EPS)
   return u / np.sqrt(n2), np.sqrt(n2)
@@ -106,10 +103,7 @@ def _rank_loss_and_grad(z, valid, slates, rewards, counted, b, form):
   for slate, rew, cnt in zip(slates, rewards, counted):
     chosen = np.zeros(k, bool)
     for i, r, c in zip(slate, rew, cnt):
-      if form == "flat":
-        avail = valid
-      else:
-        avail = valid & ~chosen
+      avail = valid if form == "flat" else valid & ~chosen
       p = _softmax(z, avail)
       if c:
         lp = z[i] - np.log(np.sum(np.exp(z[avail] - z[avail].max()))) - z[avail].max()
@@ -122,9 +116,6 @@ def _rank_loss_and_grad(z, valid, slates, rewards, counted, b, form):
   if n == 0:
     return 0.0, np.zeros(k)
   return -loss / n, -grad / n
-
-
-# ----------------------------------------------------------------------------- explorer & critic
 
 
 def _critic(gold_flags, u, precision, recall):
@@ -169,9 +160,6 @@ def _top(scores, valid, s):
   return order[:s]
 
 
-# ----------------------------------------------------------------------------- one query, one batch
-
-
 def _support(valid, observed, config):
   """The candidates the loss's softmax runs over (`config.loss_support`), written out."""
   k, window = len(valid), config.num_rounds * config.slate_size
@@ -184,21 +172,17 @@ def _support(valid, observed, config):
 
 def _query(state, q, cands, valid, gold, rnd: Randoms, config, hp):
   """Loss, gradients and the experience of one query against the state at the batch's start."""
-  s, k = config.slate_size, config.num_candidates
+  s, k, rule = config.slate_size, config.num_candidates, config.to_dict()["train_slate"]
   qt, qn, mts, mns, z = _forward(state["wq"], state["wm"], q, cands)
-  if config.to_dict()["train_slate"] == "explorer":
+  if rule == "explorer":
     slates, labels = _explore(z, mts, valid, gold, rnd.critic_u, config, hp)
   else:
-    if config.to_dict()["train_slate"] == "adapter":
-      slate = _top(z, valid, s)
-    else:
-      slate = _top(z / hp["tau"] + rnd.slate_gumbel, valid, s)
+    slate = _top(z if rule == "adapter" else z / hp["tau"] + rnd.slate_gumbel, valid, s)
     slates = [slate]
     labels = [_critic([gold[i] for i in slate], rnd.critic_u[0], hp["critic_precision"],
                       hp["critic_recall"])]
   # Eq. 11-12
-  obs, ybar = np.zeros(k, bool), np.zeros(k)
-  cnt = np.zeros(k)
+  ybar, cnt = np.zeros(k), np.zeros(k)
   for slate, y in zip(slates, labels):
     for i, yi in zip(slate, y):
       cnt[i] += 1
@@ -214,10 +198,10 @@ def _query(state, q, cands, valid, gold, rnd: Randoms, config, hp):
   gwq, gwm = _backward(gz, q, cands, qt, qn, mts, mns)
   loss_rep = 0.0
   if config.use_replay:
-    bv = state["buf_valid"]
-    if config.to_dict()["replay_strategy"] == "similarity":
+    bv, strategy = state["buf_valid"], config.to_dict()["replay_strategy"]
+    if strategy == "similarity":
       score = state["buf_q"] @ q
-    elif config.to_dict()["replay_strategy"] == "reward":
+    elif strategy == "reward":
       score = -np.array([(state["buf_ybar"][c][state["buf_obs"][c]].sum() /
                           max(state["buf_obs"][c].sum(), 1)) for c in range(len(bv))])
     else:

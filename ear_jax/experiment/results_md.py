@@ -117,7 +117,3 @@ def write_beyond_md(workdirs: Sequence[pathlib.Path],
   else:
     text = text.rstrip("\n") + "\n\n## Beyond the paper\n\n" + gen + "\n"
   root.write_text(text)
-
-
-__all__ = ["BEGIN", "BEYOND_BEGIN", "BEYOND_END", "END", "reading", "readings_md", "section",
-           "write_beyond_md", "write_results_md"]

@@ -201,13 +201,17 @@ def _record_log(records) -> dict:
   }
 
 
-def _curve_point(position, queries_seen, critic_calls, ev) -> dict:
+def _curve_point(position, queries_seen, critic_calls, ev: dict) -> dict:
   point = {"position": int(position),
            "queries_seen": np.asarray(queries_seen).tolist(),
            "critic_calls": np.asarray(critic_calls).tolist()}
   for m in METRIC_NAMES:
-    point[m] = (100.0 * np.asarray(getattr(ev, m), np.float64)).tolist()
+    point[m] = (100.0 * np.asarray(ev[m], np.float64)).tolist()
   return point
+
+
+def _concat_logs(logs: list) -> dict:
+  return {k: np.concatenate([l[k] for l in logs], 1) for k in logs[0]} if logs else {}
 
 
 def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
@@ -269,60 +273,53 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
       resumed_from = position
       logging.info("%s: resumed from position %d/%d", name, position, n)
   states = place.states(states)
+
+  def curve_point():  # the test set at `position`, with its own evaluation keys
+    ev = place.evaluate(jax.vmap(jax.random.fold_in, (0, None))(eval_key, position), states,
+                        test, hparams, ecfg)
+    seen, calls, ev = place.host((states.queries_seen, states.critic_calls, ev))
+    curve.append(_curve_point(position, seen, calls, ev._asdict()))
+
   if config.trains:
     if eval_every and position == 0:
-      ev = place.evaluate(jax.vmap(jax.random.fold_in, (0, None))(eval_key, 0), states, test,
-                          hparams, ecfg)
-      curve.append(_curve_point(0, *place.host((states.queries_seen, states.critic_calls, ev))))
-    bar = None
-    if progress:
-      from tqdm import auto as tqdm  # pylint: disable=g-import-not-at-top
-      bar = tqdm.tqdm(total=n, initial=position, desc=f"{name} (x{len(seeds)} seeds)",
-                      unit="q", leave=False, mininterval=2.0)
+      curve_point()
+    from tqdm import auto as tqdm  # pylint: disable=g-import-not-at-top
+    bar = tqdm.tqdm(total=n, initial=position, desc=f"{name} (x{len(seeds)} seeds)", unit="q",
+                    leave=False, mininterval=2.0, disable=not progress)
     chunks = 0
     while position < n:
-      end = min(position + seg, n)
-      sl = slice(position, end)
+      start, end = position, min(position + seg, n)
       # Every segment has length `seg` (the last padded with masked queries): one compilation.
-      pad = np.minimum(np.arange(sl.start, sl.start + seg), n - 1)
-      where = np.arange(sl.start, sl.start + seg) < n
+      pad = np.minimum(np.arange(start, start + seg), n - 1)
+      where = np.arange(start, start + seg) < n
       states, records = place.train(states, query_keys[:, pad],
                                     jax.tree_util.tree_map(lambda x: x[:, pad], train),
                                     where, hparams)
-      logs.append(_record_log(jax.tree_util.tree_map(lambda r: r[:, :end - sl.start],
+      logs.append(_record_log(jax.tree_util.tree_map(lambda r: r[:, :end - start],
                                                      place.host(records))))
       position = end
-      if bar is not None:
-        bar.update(end - sl.start)
+      bar.update(end - start)
       if eval_every and (position % eval_every == 0 or position == n):
-        ev = place.evaluate(jax.vmap(jax.random.fold_in, (0, None))(eval_key, position),
-                            states, test, hparams, ecfg)
-        curve.append(_curve_point(position, *place.host((states.queries_seen,
-                                                         states.critic_calls, ev))))
+        curve_point()
       chunks += 1
       if checkpointer is not None and (position == n or (
           checkpoint_every and position % checkpoint_every == 0)):
-        log_so_far = {k: np.concatenate([l[k] for l in logs], 1) for k in logs[0]}
         checkpointer.save(position, states, {"curve": curve, "train_log": {
-            k: v.tolist() for k, v in log_so_far.items()}})
+            k: v.tolist() for k, v in _concat_logs(logs).items()}})
       if stop_after_chunks is not None and chunks >= stop_after_chunks and position < n:
-        if bar is not None:
-          bar.close()
+        bar.close()
         raise Interrupted(position)
-    if bar is not None:
-      bar.close()
+    bar.close()
   elif checkpointer is not None and checkpointer.latest_position() is None:
     checkpointer.save(0, states, {"curve": [], "train_log": {}})
   ev = place.evaluate(eval_key, states, test, hparams, ecfg)
   ev, final_state = place.host((ev, states))
   ev = {k: np.asarray(v) for k, v in ev._asdict().items()}
   if eval_every and not config.trains:
-    curve = [dict(_curve_point(0, final_state.queries_seen, final_state.critic_calls,
-                               _DictView(ev)), position=0)]
-  train_log = ({k: np.concatenate([l[k] for l in logs], 1) for k in logs[0]} if logs else {})
+    curve = [_curve_point(0, final_state.queries_seen, final_state.critic_calls, ev)]
   return RunResult(name=name, config=config, hparams=hparams, seeds=seeds,
                    train_index=train_index, test_index=np.asarray(test_index), eval=ev,
-                   curve=curve, train_log=train_log, final_state=final_state,
+                   curve=curve, train_log=_concat_logs(logs), final_state=final_state,
                    critic_calls=np.asarray(final_state.critic_calls),
                    wall_seconds=time.perf_counter() - t0, resumed_from=resumed_from)
 
@@ -335,11 +332,6 @@ def evaluate_params(params, stream: Stream, test_index: np.ndarray, config: EARC
   ev = _evaluate_seeds(eval_key, params, stack_streams(stream, test_index), hparams,
                        _eval_config(config), critic_lib.or_default(critic))
   return {k: np.asarray(v) for k, v in jax.device_get(ev)._asdict().items()}
-
-
-class _DictView:
-  def __init__(self, d):
-    self.__dict__.update(d)
 
 
 class _Placement:

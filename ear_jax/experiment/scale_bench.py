@@ -47,10 +47,6 @@ OLD_LOAD_1M_S = 17.5
 ADD_ONE_TARGET_MS = 50.0  # the target: `add` of one memory at 1M, durable when it returns
 
 
-def _unit(x: np.ndarray) -> np.ndarray:
-  return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
-
-
 def embeddings(kind: str, start: int, stop: int, dim: int, total: int, seed: int = 0):
   """Rows `start:stop` of a reproducible `[total, d]` unit bank (generated block by block)."""
   rng = np.random.default_rng([seed, start, dim])
@@ -59,14 +55,14 @@ def embeddings(kind: str, start: int, stop: int, dim: int, total: int, seed: int
     num = max(1, total // 1000)
     centres = np.random.default_rng([seed, dim, 7]).standard_normal((num, dim), np.float32)
     x = centres[rng.integers(0, num, stop - start)] + 0.5 * x
-  return _unit(x)
+  return bm.unit(x)
 
 
 def queries(kind: str, n: int, dim: int, total: int, seed: int = 1) -> np.ndarray:
   """`[n, d]` unit queries: random directions, or new points of the bank's clusters."""
   if kind == "clustered":
     return embeddings(kind, 10 * total + 1000 * seed, 10 * total + 1000 * seed + n, dim, total)
-  return _unit(np.random.default_rng([seed, 9]).standard_normal((n, dim), np.float32))
+  return bm.unit(np.random.default_rng([seed, 9]).standard_normal((n, dim), np.float32))
 
 
 def measure_bandwidth(nbytes: float = 1.5e9, reps: int = 5) -> dict:
@@ -75,16 +71,18 @@ def measure_bandwidth(nbytes: float = 1.5e9, reps: int = 5) -> dict:
   f = jax.jit(jnp.sum)
   bm.block(f(x))
   secs = bm.min_time(lambda: f(x), reps)
-  size = x.size * 4
-  del x
-  return {"gb_per_s": size / secs / 1e9, "bytes": size, "seconds": secs}
+  return {"gb_per_s": x.size * 4 / secs / 1e9, "bytes": x.size * 4, "seconds": secs}
+
+
+def blocks(m: int) -> list[tuple[int, int]]:
+  """`(start, stop)` of `m` rows in blocks of `ADD_BATCH`."""
+  return [(a, min(m, a + ADD_BATCH)) for a in range(0, m, ADD_BATCH)]
 
 
 def _fill(mem: Memory, kind: str, m: int, dim: int) -> float:
   """Adds `m` memories in batches of `ADD_BATCH`: seconds of the adds and of one search after."""
   total = 0.0
-  for start in range(0, m, ADD_BATCH):
-    stop = min(m, start + ADD_BATCH)
+  for start, stop in blocks(m):
     emb = embeddings(kind, start, stop, dim, m)
     ids = [f"m{i}" for i in range(start, stop)]
     t = time.perf_counter()
@@ -98,8 +96,7 @@ def _exact_top_k(kind: str, qs: np.ndarray, m: int, dim: int, k: int) -> np.ndar
   """`[n, k]` rows of each query's exact top-k among the `m` generated rows (ties: lower row)."""
   best_s = np.full((len(qs), 0), -np.inf, np.float32)
   best_r = np.zeros((len(qs), 0), np.int64)
-  for start in range(0, m, ADD_BATCH):
-    stop = min(m, start + ADD_BATCH)
+  for start, stop in blocks(m):
     sc = qs @ embeddings(kind, start, stop, dim, m).T
     all_s = np.concatenate([best_s, sc], axis=1)
     all_r = np.concatenate([best_r, np.broadcast_to(np.arange(start, stop), sc.shape)], axis=1)
@@ -157,11 +154,6 @@ def _bench_persistence(mem: Memory, kind: str, m: int, dim: int, path: pathlib.P
   return out
 
 
-def _step_waited(mem: Memory) -> None:
-  """Waits for a learner step dispatched asynchronously (a copy of the learner state)."""
-  jax.block_until_ready(mem.learner.params)
-
-
 def bench_path(name: str, m: int, dim: int, calls: int, batch: int, save_dir: Optional[str],
                bandwidth: dict, peak: dict) -> dict:
   """One (path, bank size) row: add, search (1 and `batch`), round, feedback, save, open, bytes."""
@@ -175,15 +167,15 @@ def bench_path(name: str, m: int, dim: int, calls: int, batch: int, save_dir: Op
   row["device_bytes_per_memory"] = mem.stats["capacity"] * (dim * itemsize + 1 + 1 + 4) / m
   k = config.num_candidates
   qs = queries(kind, max(calls, batch) + 1, dim, m)
-  mem.search(query_embedding=qs[0], k=5)  # compile
-  row["search_b1"] = bm.percentiles([bm.timed(lambda q=q: mem.search(query_embedding=q, k=5))
-                                     for q in qs[:calls]])
+  row["search_b1"] = bm.timed_calls(lambda i: mem.search(query_embedding=qs[i], k=5), calls,
+                                    warmup=1)
   steps = lambda: mem.stats["learner_steps"]
+  wait_for_step = lambda: bm.block(mem.learner.params)  # (a copy of the learner state)
   for q in qs[-config.batch_size:]:  # compile a round and the learner step (b sessions)
     s = mem.session(query_embedding=q)
     s.feedback([s.round(5).ids[0]])
     s.close()
-  _step_waited(mem)
+  wait_for_step()
   t_round, t_fb, t_step = [], [], []
   for q in qs[:calls]:
     t = time.perf_counter()
@@ -194,7 +186,7 @@ def bench_path(name: str, m: int, dim: int, calls: int, batch: int, save_dir: Op
     s.feedback([r.ids[0]])
     s.close()
     if steps() > before:
-      _step_waited(mem)
+      wait_for_step()
       t_step.append(time.perf_counter() - t)
     else:
       t_fb.append(time.perf_counter() - t)
@@ -206,9 +198,9 @@ def bench_path(name: str, m: int, dim: int, calls: int, batch: int, save_dir: Op
   tb = [bm.timed(lambda: mem.search(query_embedding=qb, k=5)) for _ in range(2)]
   row["search_batch"] = {"queries": batch, **bm.percentiles(tb),
                          "queries_per_s": batch / float(np.median(tb))}
-  read = m * dim * itemsize
-  row["bound_b1_ms"] = read / (bandwidth["gb_per_s"] * 1e9) * 1e3
-  row["bound_batch_ms"] = max(row["bound_b1_ms"], 2 * batch * m * dim / (peak["gflops"] * 1e9) * 1e3)
+  row["bound_b1_ms"] = m * dim * itemsize / (bandwidth["gb_per_s"] * 1e9) * 1e3
+  row["bound_batch_ms"] = max(row["bound_b1_ms"],
+                              2 * batch * m * dim / (peak["gflops"] * 1e9) * 1e3)
   if "index" in options:
     row["recall_at_k"] = _recall(mem, kind, qs[:100], m, dim, k)
     row["k"] = k
@@ -216,8 +208,6 @@ def bench_path(name: str, m: int, dim: int, calls: int, batch: int, save_dir: Op
     row.update(_bench_persistence(mem, kind, m, dim, pathlib.Path(save_dir) / f"mem_{m}"))
   logging.info("scale %s M=%d: %s", name, m, {k2: v for k2, v in row.items() if k2 != "options"})
   mem.close()
-  del mem
-  gc.collect()
   return row
 
 
@@ -233,12 +223,13 @@ def run(sizes: Sequence[int], paths: Sequence[str], dim: int = 384, calls: int =
   out["peak"] = bm.measure_peak(peak_sizes)
   logging.info("bandwidth %.1f GB/s, matmul peak %.1f GFLOP/s", out["bandwidth"]["gb_per_s"],
                out["peak"]["gflops"])
-  rows = []
+  out["rows"] = []
   for m in sizes:
     for name in paths:
-      rows.append(bench_path(name, m, dim, calls, batch, save_dir, out["bandwidth"], out["peak"]))
+      out["rows"].append(bench_path(name, m, dim, calls, batch, save_dir, out["bandwidth"],
+                                    out["peak"]))
+      gc.collect()
   out["bandwidth_after"] = measure_bandwidth(bandwidth_bytes)
-  out["rows"] = rows
   return out
 
 
@@ -264,16 +255,15 @@ def table(res: dict) -> str:
         f"{r['recall_at_k']:.3f}" if "recall_at_k" in r else "exact"]
     lines.append("| " + " | ".join(cells) + " |")
   bw, pk = res["bandwidth"], res["peak"]
-  lines.append("")
-  lines.append(f"Bounds measured in this run: memory bandwidth {bw['gb_per_s']:.1f} GB/s "
-               f"(`jnp.sum` over {bw['bytes'] / 1e9:.2f} GB; "
-               f"{res['bandwidth_after']['gb_per_s']:.1f} GB/s at the end), fp32 matmul peak "
-               f"{pk['gflops']:.1f} GFLOP/s. The learner step p50 includes a copy of the learner "
-               "state (`Memory.learner`, to wait for the step; the copy alone beside it).")
+  lines += ["", f"Bounds measured in this run: memory bandwidth {bw['gb_per_s']:.1f} GB/s "
+            f"(`jnp.sum` over {bw['bytes'] / 1e9:.2f} GB; "
+            f"{res['bandwidth_after']['gb_per_s']:.1f} GB/s at the end), fp32 matmul peak "
+            f"{pk['gflops']:.1f} GFLOP/s. The learner step p50 includes a copy of the learner "
+            "state (`Memory.learner`, to wait for the step; the copy alone beside it)."]
   persisted = [r for r in res["rows"] if "load_s" in r]
   if persisted:
-    lines += ["", "| exact, M | `Memory.open` (median of 3) | vs the Orbax-shards layout (target <= 2x) "
-              "| first search after open | `add` of one memory p50 / p90 (target < "
+    lines += ["", "| exact, M | `Memory.open` (median of 3) | vs the Orbax-shards layout (target "
+              "<= 2x) | first search after open | `add` of one memory p50 / p90 (target < "
               f"{ADD_ONE_TARGET_MS:.0f} ms) | search after that add p50 / search p50 | table / "
               "learner item bytes |", "|---|---|---|---|---|---|---|"]
     for r in persisted:
@@ -304,21 +294,16 @@ def plot(res: dict, path: str) -> None:
   for name, rows in by.items():
     ms = [r["M"] for r in rows]
     axes[0].plot(ms, [r["search_b1"]["p50_ms"] for r in rows], "o-", label=f"{name} search")
-    axes[0].plot(ms, [r["round_b1"]["p50_ms"] for r in rows], "x--",
-                 label=f"{name} round")
+    axes[0].plot(ms, [r["round_b1"]["p50_ms"] for r in rows], "x--", label=f"{name} round")
     axes[1].plot(ms, [r["search_batch"]["p50_ms"] for r in rows], "o-", label=name)
     axes[2].plot(ms, [r["add_s"] * 1e3 for r in rows], "o-", label=f"{name} add (total)")
     axes[2].plot(ms, [r["feedback"]["p50_ms"] for r in rows], "x--", label=f"{name} feedback")
     steps = [r["feedback_learner_step"] for r in rows]
     if all(steps):
       axes[2].plot(ms, [st["p50_ms"] for st in steps], "+:", label=f"{name} learner step")
-  for name in ("exact", "bf16"):
-    rows = by.get(name)
-    if rows:
-      axes[0].plot([r["M"] for r in rows], [r["bound_b1_ms"] for r in rows], "k:",
-                   label=f"{name} bandwidth bound")
-      axes[1].plot([r["M"] for r in rows], [r["bound_batch_ms"] for r in rows], "k:",
-                   label=f"{name} bound")
+    if name in ("exact", "bf16"):
+      axes[0].plot(ms, [r["bound_b1_ms"] for r in rows], "k:", label=f"{name} bandwidth bound")
+      axes[1].plot(ms, [r["bound_batch_ms"] for r in rows], "k:", label=f"{name} bound")
   saved = [r for r in res["rows"] if "save_first_s" in r]
   if saved:
     axes[2].plot([r["M"] for r in saved], [r["save_after_1000_s"] * 1e3 for r in saved], "s-",
@@ -328,10 +313,7 @@ def plot(res: dict, path: str) -> None:
   titles = ("batch 1: p50 ms", f"batch {res['batch']}: ms per call",
             "add (total), feedback, learner step, save, add one: ms")
   for ax, title in zip(axes, titles):
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("memories M")
-    ax.set_title(title)
+    ax.set(xscale="log", yscale="log", xlabel="memories M", title=title)
     ax.legend(fontsize=6)
   fig.tight_layout()
   fig.savefig(path, dpi=110)

@@ -21,6 +21,7 @@ from absl import logging
 from ear_jax.agent.memory import Memory, MemoryConfig
 from ear_jax.agent.memory import bank as bank_lib
 from ear_jax.core.config import EARConfig
+from ear_jax.experiment import benchmarking as bm
 from ear_jax.experiment import scale_bench
 
 STAGES = ("exact", "bm25", "hybrid")
@@ -71,19 +72,15 @@ def _own(stage: str, scope: int, emb: np.ndarray, texts: list[str], num_scopes: 
 
 
 def _times(fns: dict, calls: int) -> dict:
-  """p50 / p99 ms of each of `fns` (name -> `fn(i)`), called in turn, after a compiling pass."""
+  """`percentiles` of each of `fns` (name -> `fn(i)`), called in turn, after a compiling pass."""
   for i in range(calls):
     for fn in fns.values():
       fn(i)
   ts = {name: [] for name in fns}
   for i in range(calls):
     for name, fn in fns.items():
-      t = time.perf_counter()
-      fn(i)
-      ts[name].append(time.perf_counter() - t)
-  return {name: {"p50_ms": float(np.percentile(np.asarray(t) * 1e3, 50)),
-                 "p99_ms": float(np.percentile(np.asarray(t) * 1e3, 99)), "n": calls}
-          for name, t in ts.items()}
+      ts[name].append(bm.timed(lambda: fn(i)))
+  return {name: bm.percentiles(t) for name, t in ts.items()}
 
 
 def _masked_scan(fn):
@@ -128,11 +125,8 @@ def bench_stage(stage: str, m: int, num_scopes: int, dim: int, calls: int, sampl
   row["bound_scope_ms"] = (m // num_scopes) * dim * 4 / gbs * 1e3
   row["bound_bank_ms"] = m * dim * 4 / gbs * 1e3
   logging.info("scopes %s: %s", stage, row)
-  for x in own.values():
+  for x in [mem, *own.values()]:
     x.close()
-  mem.close()
-  del mem, own
-  gc.collect()
   return row
 
 
@@ -146,8 +140,10 @@ def run(m: int, num_scopes: int, stages: Sequence[str] = STAGES, dim: int = 384,
   out = {"M": m, "S": num_scopes, "dim": dim, "calls": calls, "sample": sample,
          "gather_share": bank_lib.GATHER_SHARE,
          "bandwidth": scale_bench.measure_bandwidth(min(1.5e9, m * dim * 4.0))}
-  out["rows"] = [bench_stage(s, m, num_scopes, dim, calls, sample, out["bandwidth"])
-                 for s in stages]
+  out["rows"] = []
+  for stage in stages:
+    out["rows"].append(bench_stage(stage, m, num_scopes, dim, calls, sample, out["bandwidth"]))
+    gc.collect()
   return out
 
 

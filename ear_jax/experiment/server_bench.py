@@ -18,11 +18,15 @@ import asyncio
 import concurrent.futures
 import os
 import pathlib
-import time
+import shutil
+import tempfile
 
-from ear_jax.experiment.server_load import (QUESTIONS, TOOLS, check_acknowledged, prefill,
-                                            run_phase)
-from ear_jax.experiment.server_process import Server, direct_call, http_call
+from ear_jax.agent import mcp_server
+from ear_jax.agent.memory import Memory
+from ear_jax.data import encoders
+from ear_jax.experiment import benchmarking as bm
+from ear_jax.experiment.server_load import (QUESTIONS, TOOLS, Server, check_acknowledged,
+                                            direct_call, http_call, prefill, run_phase)
 
 THROUGHPUT_TARGET = 3.0  # C = 16 clients vs one, calls/s
 
@@ -37,21 +41,13 @@ def _batching(before: dict, after: dict) -> dict:
 
 def encoder_bound(encoder, c: int, reps: int = 3) -> dict:
   """Milliseconds of encoding one question and `c` questions in one call (minimum of `reps`)."""
-  from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
   out = {}
   for n in (1, c):
-    texts = [QUESTIONS[i % len(QUESTIONS)] for i in range(n)]
-    encoders.encode(encoder, texts, use_cache=False, progress=False)
-    ts = []
-    for _ in range(reps):
-      t = time.perf_counter()
-      encoders.encode(encoder, texts, use_cache=False, progress=False)
-      ts.append(time.perf_counter() - t)
-    out[f"encode_{n}_ms"] = 1e3 * min(ts)
+    encode = lambda: encoders.encode(encoder, [QUESTIONS[i % len(QUESTIONS)] for i in range(n)],
+                                     use_cache=False, progress=False)
+    encode()
+    out[f"encode_{n}_ms"] = 1e3 * bm.min_time(encode, reps)
   return out
-
-
-# --------------------------------------------------------------------------------------------------
 
 
 def run(repo: pathlib.Path, *, memories: int = 100_000, scopes: int = 100,
@@ -62,8 +58,6 @@ def run(repo: pathlib.Path, *, memories: int = 100_000, scopes: int = 100,
   """The whole benchmark in a new temporary directory, removed after a run without errors and
   kept (its path printed) otherwise. `memories`, `scopes`, `clients`: `N`, `S`, `C`; `seconds`
   per timed phase; `batch_window_ms` / `encoder_batch_tokens` apply to the server and in-process."""
-  import shutil  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
   if not 1 <= scopes <= memories:
     raise ValueError(f"scopes must be in [1, memories], got scopes={scopes}, memories={memories}")
   if clients > scopes:
@@ -85,9 +79,6 @@ def run(repo: pathlib.Path, *, memories: int = 100_000, scopes: int = 100,
 
 def _run(repo, work, memories, scopes, clients, seconds, warmup_s, batch_window_ms,
          encoder_batch_tokens, server_args, timeout_s) -> dict:
-  from ear_jax.agent import mcp_server  # pylint: disable=g-import-not-at-top
-  from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
-  from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
   memory_dir, log = work / "memory", work / "server.log"
   server_args = (f"--batch_window_ms={batch_window_ms}",
                  f"--encoder_batch_tokens={encoder_batch_tokens}", *server_args)
@@ -105,14 +96,17 @@ def _run(repo, work, memories, scopes, clients, seconds, warmup_s, batch_window_
   print(f"  prefill: {res['prefill']}", flush=True)
   acked, phases = [], {}
 
-  def timed(label, c, secs, open_call, stats=None, **opts):
+  def phase(label, c, secs, open_call, stats=None, **opts):
     before = stats() if stats else {}
     out, rec = asyncio.run(run_phase(c, scopes, secs, label, open_call, **opts))
     if stats:
       out["batching"] = _batching(before, stats())
     acked.extend(rec.acked)
     phases[label] = out
-    return out
+
+  def check(key, after):
+    res[key] = check_acknowledged(memory_dir, acked)
+    print(f"  {after}: {res[key]}", flush=True)
 
   def http_stats(server):
     async def go():
@@ -126,27 +120,22 @@ def _run(repo, work, memories, scopes, clients, seconds, warmup_s, batch_window_
   # 1. HTTP: warm-up, C = 1, C.
   with Server(repo, memory_dir, log, server_args) as server:
     res["server_start_s"] = server.wait_ready()
-    call = http_call(server, timeout_s)
-
-    def stats():
-      return http_stats(server)
-    timed("http_warmup", clients, warmup_s, call, min_iterations=2)
-    timed("http_c1", 1, seconds, call, stats)
-    timed(f"http_c{clients}", clients, seconds, call, stats)
+    call, stats = http_call(server, timeout_s), lambda: http_stats(server)
+    phase("http_warmup", clients, warmup_s, call, min_iterations=2)
+    phase("http_c1", 1, seconds, call, stats)
+    phase(f"http_c{clients}", clients, seconds, call, stats)
     res["server_exit"] = server.stop()
-  res["check_after_http"] = check_acknowledged(memory_dir, acked)
-  print(f"  after the HTTP phases: {res['check_after_http']}", flush=True)
+  check("check_after_http", "after the HTTP phases")
 
   # 2. kill -9 halfway through C clients, then a restart on the same directory.
   with Server(repo, memory_dir, log, server_args) as server:
     server.wait_ready()
-    timed("http_kill9", clients, seconds, http_call(server, timeout_s), kill=server.kill)
+    phase("http_kill9", clients, seconds, http_call(server, timeout_s), kill=server.kill)
   with Server(repo, memory_dir, log, server_args) as server:
     res["restart_s"] = server.wait_ready()
     res["stats_after_restart"] = http_stats(server)
     res["server_exit_after_restart"] = server.stop()
-  res["check_after_kill9"] = check_acknowledged(memory_dir, acked)
-  print(f"  after kill -9 and a restart: {res['check_after_kill9']}", flush=True)
+  check("check_after_kill9", "after kill -9 and a restart")
 
   # 3. In-process: the service over the opened directory, C threads.
   service = mcp_server.MemoryService(Memory.open(memory_dir, encoder=encoder,
@@ -154,13 +143,12 @@ def _run(repo, work, memories, scopes, clients, seconds, warmup_s, batch_window_
   try:
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
       call = direct_call(service, pool)
-      timed("direct_warmup", clients, warmup_s, call, min_iterations=2)
-      timed("direct_c1", 1, seconds, call, service.stats)
-      timed(f"direct_c{clients}", clients, seconds, call, service.stats)
+      phase("direct_warmup", clients, warmup_s, call, min_iterations=2)
+      phase("direct_c1", 1, seconds, call, service.stats)
+      phase(f"direct_c{clients}", clients, seconds, call, service.stats)
   finally:
     service.close()
-  res["check_final"] = check_acknowledged(memory_dir, acked)
-  print(f"  final: {res['check_final']}", flush=True)
+  check("check_final", "final")
 
   res["phases"] = phases
   res["errors"] = sum(p["errors"] for p in phases.values())
@@ -168,15 +156,12 @@ def _run(repo, work, memories, scopes, clients, seconds, warmup_s, batch_window_
   res["missing"] = max(res[k]["missing"] for k in ("check_after_http", "check_after_kill9",
                                                    "check_final"))
 
-  def ratio(kind):
-    return phases[f"{kind}_c{clients}"]["calls_per_s"] / phases[f"{kind}_c1"]["calls_per_s"]
-  res["throughput_ratio"] = {"http": ratio("http"), "direct": ratio("direct"),
-                             "target": THROUGHPUT_TARGET,
-                             "met": bool(ratio("http") >= THROUGHPUT_TARGET)}
-  res["transport_cost"] = {  # HTTP calls/s over in-process calls/s, at 1 and at C clients
-      "c1": phases["http_c1"]["calls_per_s"] / phases["direct_c1"]["calls_per_s"],
-      f"c{clients}": (phases[f"http_c{clients}"]["calls_per_s"]
-                      / phases[f"direct_c{clients}"]["calls_per_s"])}
+  ratio = lambda a, b: phases[a]["calls_per_s"] / phases[b]["calls_per_s"]
+  http = ratio(f"http_c{clients}", "http_c1")
+  res["throughput_ratio"] = {"http": http, "direct": ratio(f"direct_c{clients}", "direct_c1"),
+                             "target": THROUGHPUT_TARGET, "met": bool(http >= THROUGHPUT_TARGET)}
+  # HTTP calls/s over in-process calls/s, at 1 and at C clients
+  res["transport_cost"] = {f"c{c}": ratio(f"http_c{c}", f"direct_c{c}") for c in (1, clients)}
   return res
 
 
@@ -196,10 +181,8 @@ def table(res: dict) -> str:
            + " | errors | leaks | interrupted | acknowledged | requests per batch window |",
            "|---|---|---|" + "---|" * len(TOOLS) + "---|---|---|---|---|"]
   for name, p in res["phases"].items():
-    cells = []
-    for t in TOOLS:
-      x = p["tools"][t]
-      cells.append("-" if not x["n"] else f"{x['p50_ms']:.0f} / {x['p99_ms']:.0f}")
+    cells = ["-" if not x["n"] else f"{x['p50_ms']:.0f} / {x['p99_ms']:.0f}"
+             for x in (p["tools"][t] for t in TOOLS)]
     lines.append(f"| {name} | {p['clients']} | {p['calls_per_s']:.2f} | " + " | ".join(cells)
                  + f" | {p['errors']} | {p['leaks']} | {p['interrupted']} | {p['acknowledged']} | "
                  + (f"{p['batching']['requests_per_window']:.1f} |" if "batching" in p else "- |"))

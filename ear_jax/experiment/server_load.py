@@ -1,21 +1,37 @@
-"""The workload of the load benchmark (`server_bench`): the memory directory, the
+"""The workload of the load benchmark (`server_bench`): the memory directory, the server, the
 clients' loop, and what they saw.
 
 Symbols: `N` memories, `S` scopes, `C` concurrent clients.
 
 `prefill` writes `N` memories in `S` scopes, each text starting with its scope's `marker`.
-`run_phase` runs C clients, client `j` in scope `s{j % S}`, each looping remember / recall / cite /
-search; a `Record` keeps latencies, errors, acknowledged `remember`s and leaks (a result without
-the client's marker). `check_acknowledged` then checks every acknowledged `remember` is held.
+`Server` runs `ear-mcp-server --transport=http` on 127.0.0.1 (a subprocess); a client calls the
+tools through `http_call` (one MCP session each) or `direct_call` (a `MemoryService` in-process: no
+HTTP, no JSON). `run_phase` runs C clients, client `j` in scope `s{j % S}`, each looping remember /
+recall / cite / search; a `Record` keeps latencies, errors, acknowledged `remember`s and leaks (a
+result without the client's marker). `check_acknowledged` then checks every acknowledged
+`remember` is held.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime
+import json
+import os
 import pathlib
+import secrets
+import signal
+import socket
+import subprocess
+import sys
 import time
 from typing import Callable, Optional
 
 import numpy as np
+
+from ear_jax.agent.memory import Memory, MemoryConfig
+from ear_jax.data import encoders
+from ear_jax.experiment import benchmarking as bm
 
 TOOLS = ("remember", "recall", "cite", "search")
 _WHO = ("Alice", "Bob", "Carol", "Dan", "Erin", "Frank", "Grace", "Heidi")
@@ -35,21 +51,12 @@ def marker(scope: str) -> str:
   return f"[{scope}]"
 
 
-def _pct(ms: list) -> dict:
-  if not ms:
-    return {"n": 0, "p50_ms": None, "p99_ms": None}
-  a = np.asarray(ms)
-  return {"n": len(a), "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
-
-
 # --- the memory directory ---
 
 
 def prefill(memory_dir: pathlib.Path, n: int, s: int, encoder, seed: int = 0) -> dict:
   """Writes `n` memories in `s` scopes into the new directory `memory_dir` (one durable `add` per
   scope; distinct sentences encoded once, plus noise)."""
-  from ear_jax.agent.memory import Memory, MemoryConfig  # pylint: disable=g-import-not-at-top
-  from ear_jax.data import encoders  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
   base = encoders.encode(encoder, list(TEMPLATES), use_cache=False, progress=False)
   encode_s = time.perf_counter() - t0
@@ -74,7 +81,6 @@ def prefill(memory_dir: pathlib.Path, n: int, s: int, encoder, seed: int = 0) ->
 
 def check_acknowledged(memory_dir: pathlib.Path, acked: list) -> dict:
   """Opens the directory; `missing`: acknowledged `(id, text, scope)` not held as such."""
-  from ear_jax.agent.memory import Memory  # pylint: disable=g-import-not-at-top
   with Memory.open(memory_dir) as mem:
     held = len(mem)
     got = {r["id"]: r for scope in sorted({a[2] for a in acked}) for r in mem.list(scope)}
@@ -84,6 +90,108 @@ def check_acknowledged(memory_dir: pathlib.Path, acked: list) -> dict:
           "missing_examples": [list(m) for m in missing[:3]]}
 
 
+# --- the server and how a client calls it ---
+
+
+class Server:
+  """`ear-mcp-server --transport=http` on `memory_dir` (a subprocess on a free port)."""
+
+  def __init__(self, repo: pathlib.Path, memory_dir: pathlib.Path, log: pathlib.Path,
+               server_args: tuple = ()):
+    with socket.socket() as sock:
+      sock.bind(("127.0.0.1", 0))
+      self.port = sock.getsockname()[1]
+    self.token = secrets.token_hex(16)
+    self.url = f"http://127.0.0.1:{self.port}/mcp"
+    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "EAR_MCP_TOKEN": self.token}
+    self._log = open(log, "a")  # pylint: disable=consider-using-with
+    self.proc = subprocess.Popen(  # pylint: disable=consider-using-with
+        [sys.executable, "-m", "ear_jax.agent.mcp_cli", f"--memory_dir={memory_dir}",
+         "--transport=http", "--host=127.0.0.1", f"--port={self.port}", "--method=ear_tuned",
+         "--candidates=dense", *server_args], env=env, cwd=str(repo),
+        stdout=subprocess.DEVNULL, stderr=self._log)
+
+  def __enter__(self) -> "Server":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if self.proc.poll() is None:  # (a failure on the way: never leave a server behind)
+      self.kill()
+
+  def wait_ready(self, timeout_s: float = 600.0) -> float:
+    """Seconds until the server answers HTTP (a 401 without the token)."""
+    import httpx  # pylint: disable=g-import-not-at-top
+    t0 = time.monotonic()
+    while True:
+      if self.proc.poll() is not None:
+        raise RuntimeError(f"the MCP server exited with code {self.proc.returncode} before "
+                           f"answering (its log: {self._log.name})")
+      try:
+        httpx.post(self.url, json={}, timeout=5.0)
+        return time.monotonic() - t0
+      except httpx.TransportError:
+        if time.monotonic() - t0 > timeout_s:
+          raise RuntimeError(f"the MCP server did not answer within {timeout_s:.0f} s") from None
+        time.sleep(0.3)
+
+  def stop(self, timeout_s: float = 300.0) -> int:
+    """SIGTERM (the learner saved, the directory released); the exit code."""
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGTERM)
+    rc = self.proc.wait(timeout=timeout_s)
+    self._log.close()
+    return rc
+
+  def kill(self) -> None:
+    """SIGKILL (kill -9)."""
+    self.proc.kill()
+    self.proc.wait()
+    self._log.close()
+
+
+def http_call(server: Server, timeout_s: float):
+  """`open_call` of `run_phase` over streamable HTTP (one MCP session per client)."""
+  import httpx  # pylint: disable=g-import-not-at-top
+  from mcp import ClientSession  # pylint: disable=g-import-not-at-top
+  from mcp.client.streamable_http import streamable_http_client  # pylint: disable=g-import-not-at-top
+
+  @contextlib.asynccontextmanager
+  async def open_call(j):
+    del j
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {server.token}"},
+                                 timeout=timeout_s) as client, \
+        streamable_http_client(server.url, http_client=client) as (read, write, _), \
+        ClientSession(read, write, read_timeout_seconds=datetime.timedelta(
+            seconds=timeout_s)) as session:
+      await session.initialize()
+
+      async def call(tool, args):
+        res = await session.call_tool(tool, args)
+        text = res.content[0].text if res.content else ""
+        return (False, text) if res.isError else (True, json.loads(text))
+      yield call
+  return open_call
+
+
+def direct_call(service, pool):
+  """`open_call` of `run_phase` in-process, in `pool`'s threads."""
+
+  @contextlib.asynccontextmanager
+  async def open_call(j):
+    del j
+
+    async def call(tool, args):
+      try:
+        out = await asyncio.get_running_loop().run_in_executor(
+            pool, lambda: getattr(service, tool)(**args))
+      except (ValueError, TypeError, KeyError) as e:  # the server's tool errors
+        return False, f"{type(e).__name__}: {e}"
+      return True, out
+    yield call
+  return open_call
+
+
 # --- the clients ---
 
 
@@ -91,7 +199,7 @@ class Record:
   """What one phase's clients saw: latencies per tool, errors, leaks, acknowledged remembers."""
 
   def __init__(self):
-    self.ms = {t: [] for t in TOOLS}
+    self.seconds = {t: [] for t in TOOLS}
     self.errors = {t: 0 for t in TOOLS}
     self.error_examples: list[str] = []
     self.leaks, self.interrupted, self.session_errors = 0, 0, 0
@@ -102,7 +210,8 @@ class Record:
     return {"seconds": seconds, "calls": self.calls, "calls_per_s": self.calls / seconds,
             "errors": sum(self.errors.values()) + self.session_errors, "leaks": self.leaks,
             "interrupted": self.interrupted, "acknowledged": len(self.acked),
-            "tools": {t: {**_pct(self.ms[t]), "errors": self.errors[t]} for t in TOOLS},
+            "tools": {t: {**bm.percentiles(self.seconds[t]), "errors": self.errors[t]}
+                      for t in TOOLS},
             "error_examples": self.error_examples[:5]}
 
 
@@ -126,7 +235,7 @@ async def _client(call: Callable, j: int, s: int, deadline: float, rec: Record,
         rec.interrupted += 1
         raise _Stop() from e
       ok, out = False, f"{type(e).__name__}: {e}"
-    rec.ms[tool].append(1e3 * (time.perf_counter() - t))
+    rec.seconds[tool].append(time.perf_counter() - t)
     rec.calls += 1
     if not ok:
       rec.errors[tool] += 1
@@ -137,10 +246,7 @@ async def _client(call: Callable, j: int, s: int, deadline: float, rec: Record,
     return out
 
   i = 0
-
-  def more():
-    return i < min_iterations or time.monotonic() < deadline
-
+  more = lambda: i < min_iterations or time.monotonic() < deadline
   try:
     while more():
       text = f"{tag} client {j} note {i}: {TEMPLATES[(7 * i + j) % len(TEMPLATES)]}"
@@ -168,7 +274,7 @@ async def _progress(rec: Record, label: str, t0: float, every_s: float = 10.0) -
 
 
 async def run_phase(clients: int, s: int, seconds: float, label: str, open_call,
-                 kill: Optional[Callable] = None, min_iterations: int = 0) -> tuple:
+                    kill: Optional[Callable] = None, min_iterations: int = 0) -> tuple:
   """`(summary, Record)` of `clients` concurrent `_client` loops for `seconds`; `open_call(j)`
   yields client `j`'s `call`. With `kill`: `kill()` halfway, after an acknowledged `remember`;
   calls then in flight count as interrupted (never as errors), and the phase ends."""
@@ -204,10 +310,8 @@ async def run_phase(clients: int, s: int, seconds: float, label: str, open_call,
       await asyncio.gather(*tasks, return_exceptions=True)
   finally:
     tick.cancel()
-  out = rec.summary(time.perf_counter() - t0)
-  out["clients"] = clients
+  out = {**rec.summary(time.perf_counter() - t0), "clients": clients}
   print(f"  {label}: {out['calls']} calls in {out['seconds']:.1f} s = {out['calls_per_s']:.2f}/s, "
         f"{out['errors']} errors, {out['leaks']} leaks, {out['interrupted']} interrupted",
         flush=True)
   return out, rec
-

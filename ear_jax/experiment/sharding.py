@@ -2,14 +2,12 @@
 
 Symbols: `R` runs (seeds x settings), `D` devices, `N` training queries.
 
-`sharded_episodes` is `jax.vmap(run_episode)` with the run axis split over a 1-D `'runs'` mesh by
-`jax.shard_map`: each device runs `R / D` episodes, the stream is replicated, nothing is
-communicated; `R` is padded to a multiple of `D` by repeating the last run. On CPU,
-`XLA_FLAGS=--xla_force_host_platform_device_count=4` gives four devices (`tests/test_sharding.py`).
-
-Several processes: call `initialize_distributed` first, then every process runs the same program.
-`SeedAxis` splits an experiment's seeds over all processes' devices and `is_primary` says which
-process writes files (`tests/test_multiprocess.py`).
+`SeedAxis` splits a run axis over a 1-D `'runs'` mesh of every process's devices by
+`jax.shard_map`: each device runs `R / D` runs (`R` padded to a multiple of `D` by repeating the
+last run), the rest is replicated, nothing is communicated. `sharded_episodes` is
+`jax.vmap(run_episode)` split so. On CPU, `XLA_FLAGS=--xla_force_host_platform_device_count=4`
+gives four devices. Several processes: call `initialize_distributed` first, then every process
+runs the same program; `is_primary` says which process writes files.
 """
 from __future__ import annotations
 
@@ -84,9 +82,10 @@ class SeedAxis:
     self._replicated = NamedSharding(self.mesh, P())
 
   def shard(self, tree):
-    """Host `[S, ...]` leaves -> global `[S', ...]` arrays split by seeds over the mesh."""
-    tree = _pad_runs(tree, self.num_seeds, self.padded)
-    return jax.tree_util.tree_map(lambda x: _global_array(x, self._rows), tree)
+    """Host `[S, ...]` leaves -> global `[S', ...]` arrays split by seeds over the mesh (the last
+    seed repeated as padding)."""
+    idx = np.minimum(np.arange(self.padded), self.num_seeds - 1)
+    return jax.tree_util.tree_map(lambda x: _global_array(np.asarray(x)[idx], self._rows), tree)
 
   def to_host(self, tree):
     """Global `[S', ...]` leaves -> host numpy `[S, ...]` on every process (a collective)."""
@@ -130,11 +129,6 @@ def _global_array(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
-def _pad_runs(tree, num_runs: int, padded: int):
-  idx = np.minimum(np.arange(padded), num_runs - 1)
-  return jax.tree_util.tree_map(lambda x: np.asarray(x)[idx], tree)
-
-
 def sharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hparams: HParams,
                      critic=None, *, mesh: Optional[Mesh] = None,
                      hparams_batched: bool = False):
@@ -154,46 +148,26 @@ def sharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hparams
   Returns:
     `(LearnerState, records)` with a leading `[R]` axis on every leaf, as global arrays.
   """
-  mesh = run_mesh() if mesh is None else mesh
-  critic = critic_lib.or_default(critic)
   keys = np.asarray(keys)
   if keys.ndim != 2:
     raise ValueError(f"keys must be [R, 2] raw uint32 PRNG keys, got shape {keys.shape}")
-  num_runs, num_dev = keys.shape[0], mesh.devices.size
-  padded = -(-num_runs // num_dev) * num_dev
-  run_sharding = NamedSharding(mesh, P(RUN_AXIS))
-  replicated = NamedSharding(mesh, P())
-  keys_g = _global_array(_pad_runs(keys, num_runs, padded), run_sharding)
+  axis = SeedAxis(keys.shape[0], mesh)
+  sharded, replicated = {"keys": axis.shard(keys)}, {"stream": stream}
   if hparams_batched:
-    hp_host = _pad_runs(hparams, num_runs, padded)
-    hp_g = jax.tree_util.tree_map(lambda x: _global_array(x, run_sharding), hp_host)
+    sharded["hparams"] = axis.shard(hparams)
   else:
-    hp_g = jax.tree_util.tree_map(lambda x: _global_array(np.asarray(x), replicated), hparams)
-  stream_g = jax.tree_util.tree_map(lambda x: _global_array(np.asarray(x), replicated), stream)
-  critic_g = jax.tree_util.tree_map(lambda x: _global_array(np.asarray(x), replicated), critic)
-  fn = _sharded_fn(mesh, config, hparams_batched)
-  state, records = fn(keys_g, stream_g, hp_g, critic_g)
-  if padded != num_runs:
-    state, records = jax.tree_util.tree_map(lambda x: x[:num_runs], (state, records))
+    replicated["hparams"] = hparams
+  replicated["critic"] = critic_lib.or_default(critic)
+  state, records = axis.map(_vmapped_episodes, sharded, replicated, config=config,
+                            hparams_batched=hparams_batched)
+  if axis.padded != axis.num_seeds:
+    state, records = jax.tree_util.tree_map(lambda x: x[:axis.num_seeds], (state, records))
   return state, records
 
 
 def _vmapped_episodes(keys, stream, config, hparams, critic, hparams_batched):
   return jax.vmap(episode.run_episode, in_axes=(0, None, None, 0 if hparams_batched else None,
                                                 None))(keys, stream, config, hparams, critic)
-
-
-@functools.lru_cache(maxsize=None)
-def _sharded_fn(mesh: Mesh, config: EARConfig, hparams_batched: bool):
-  """The jitted `shard_map(vmap(run_episode))` for one (mesh, config), built once."""
-  hp_spec = P(RUN_AXIS) if hparams_batched else P()
-
-  def per_device(keys, stream, hparams, critic):
-    return _vmapped_episodes(keys, stream, config, hparams, critic, hparams_batched)
-
-  # check_vma=False: the runs never communicate (zero-initialised carries are not marked varying).
-  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(RUN_AXIS), P(), hp_spec, P()),
-                               out_specs=P(RUN_AXIS), check_vma=False))
 
 
 def gather_to_host(tree):

@@ -164,8 +164,3 @@ def agreement(d: DifferenceLike, expected_sign: Optional[float]) -> Optional[str
   if v not in (BETTER, WORSE):
     return "not separated"
   return "holds" if (v == BETTER) == (expected_sign > 0) else "opposite"
-
-
-__all__ = ["BETTER", "INTERVAL_LABEL", "NO_DATA", "PairedDifference", "TIE", "TIE_N1", "WORSE",
-           "agreement", "describe_verdict", "format_difference", "mean_interval",
-           "paired_difference", "t_quantile"]

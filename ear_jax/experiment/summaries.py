@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ear_jax.core import adapter as adapter_lib
-from ear_jax.core.config import EARConfig, HParams
+from ear_jax.core.config import HParams
 from ear_jax.core.stream import Stream
 from ear_jax.experiment.runner import METRIC_NAMES, RunResult
 
@@ -36,11 +36,6 @@ def hparams_dict(hparams: HParams) -> dict:
   """The hyperparameters as plain floats (for JSON)."""
   return {f.name: float(np.asarray(getattr(hparams, f.name)))
           for f in dataclasses.fields(hparams)}
-
-
-def config_dict(config: EARConfig) -> dict:
-  """The static config as a JSON-able dict."""
-  return config.to_dict()
 
 
 def mean_std(values) -> dict:
@@ -93,18 +88,16 @@ def summarize(result: RunResult, stream: Stream, categories: Optional[np.ndarray
               slate_size: int = 5) -> dict:
   """JSON-able summary of a run: per-seed and mean ± std test metrics (percent), per category,
   the Recall@K ceiling, critic calls, the learning curve and wall time."""
-  ev = result.eval
+  ev, window = result.eval, result.config.loss_window
   has = np.asarray(stream.num_gold)[result.test_index] > 0
-  out = {"name": result.name, "config": config_dict(result.config),
+  out = {"name": result.name, "config": result.config.to_dict(),
          "hparams": hparams_dict(result.hparams), "seeds": result.seeds,
          "num_train": int(result.train_index.shape[1]), "num_test": int(result.test_index.shape[1]),
          "metrics": {m: mean_std(100.0 * np.asarray(ev[m], np.float64))
                      for m in METRIC_NAMES + PAGING_METRIC_NAMES},
-         "ceiling": ceiling(stream, result.test_index, slate_size,
-                            result.config.loss_window),
+         "ceiling": ceiling(stream, result.test_index, slate_size, window),
          "critic_calls": mean_std(result.critic_calls),
          "wall_seconds": round(result.wall_seconds, 2), "resumed_from": result.resumed_from}
-  window = result.config.loss_window
   if np.shape(stream.gold)[-1] > window:  # the served top-s beyond the first stage's top T s
     out["beyond_window"] = beyond_window(
         ev["adapter_slates"], np.asarray(stream.gold)[result.test_index], window)
@@ -217,7 +210,3 @@ def _cpu_model() -> str:
   except OSError:
     pass
   return platform.processor() or platform.machine() or "unknown"
-
-
-__all__ = ["PAGING_METRIC_NAMES", "beyond_window", "ceiling", "config_dict", "first_crossing", "hparams_dict",
-           "mean_std", "store_metrics", "store_proximity_delta", "summarize", "versions"]

@@ -122,6 +122,3 @@ def sweep_validation(stream: Stream, fit_index: np.ndarray, validation_index: np
   logging.info("sweep: %d settings x %d seeds, %d fit / %d validation queries: %.1f s", h,
                len(seeds), n, np.asarray(validation_index).shape[1], out["seconds"])
   return out
-
-
-__all__ = ["num_settings", "sweep_validation"]

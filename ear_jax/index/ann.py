@@ -170,15 +170,15 @@ class FaissSearcher:
     configure: `configure(index)` sets search-time parameters (e.g. efSearch / nprobe).
     build_threads: OpenMP threads for adding / training (None: faiss's default).
     rerank: the bank re-scores `rerank * K` proposed rows exactly and keeps the top K.
+    name: the searcher's name in `SEARCHERS` (written with its state).
   """
 
-  name = "faiss"
-
   def __init__(self, dim: int, make, ready=None, train=None, configure=None,
-               build_threads: Optional[int] = None, rerank: int = 1):
+               build_threads: Optional[int] = None, rerank: int = 1, name: str = "faiss"):
     if int(rerank) < 1:
       raise ValueError(f"rerank must be >= 1, got {rerank}")
     self.dim, self.rerank, self.build_threads = int(dim), int(rerank), build_threads
+    self.name = name
     self.options: dict = {}  # the keyword options it was made with (`make_searcher`)
     self._configure = configure or (lambda index: None)
     self._new_store = lambda: _StoreIndex(make, ready, train, self.dim)
@@ -245,12 +245,12 @@ class FaissSearcher:
     """
     faiss = _faiss()
     searched = self._stores if multistore else self._stores[:1]
+    per = k // len(searched)
     scopes = None
     if allowed is not None:
       scopes = (tuple(int(c) for c in np.flatnonzero(allowed)), self.row_scopes)
       if not all(store.can_filter() for store in searched if len(store)):
         return None
-      per = k // 2 if multistore else k
       if any(0 < store.count(scopes) <= FEW_ROWS * per for store in searched):
         return None  # (a few rows: the exact device search is faster and finds them all)
     queries = np.ascontiguousarray(queries, np.float32)
@@ -260,25 +260,14 @@ class FaissSearcher:
     threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1 if queries.shape[0] < SMALL_BATCH else threads)
     try:
-      return self._search(queries, k, multistore, scopes)
+      parts = [store.search(queries, per, scopes) for store in searched]
     finally:
       faiss.omp_set_num_threads(threads)
-
-  def _search(self, queries, k, multistore, scopes=None):
-    if not multistore:
-      found = self._stores[0].search(queries, k, scopes)
-      if found is None:
-        return None
-      scores, rows = found
-    else:
-      parts = [store.search(queries, k // 2, scopes) for store in self._stores]
-      if any(p is None for p in parts):
-        return None
-      scores = np.concatenate([p[0] for p in parts], 1)
-      rows = np.concatenate([p[1] for p in parts], 1)
-      order = np.argsort(-scores, axis=1, kind="stable")  # equal scores: store 0 first
-      scores = np.take_along_axis(scores, order, 1)
-      rows = np.take_along_axis(rows, order, 1)
+    if any(p is None for p in parts):
+      return None
+    scores, rows = (np.concatenate(a, 1) for a in zip(*parts))
+    if multistore:  # equal scores: store 0 first
+      rows = np.take_along_axis(rows, np.argsort(-scores, axis=1, kind="stable"), 1)
     mask = rows >= 0
     return np.where(mask, rows, -1).astype(np.int32), mask
 
@@ -393,9 +382,8 @@ def faiss_hnsw(dim: int, *, hnsw_m: int = 32, ef_construction: int = 80,
   def configure(index):
     index.hnsw.efSearch = int(ef_search)
 
-  searcher = FaissSearcher(dim, make, configure=configure, build_threads=build_threads)
-  searcher.name = "faiss_hnsw"
-  return searcher
+  return FaissSearcher(dim, make, configure=configure, build_threads=build_threads,
+                       name="faiss_hnsw")
 
 
 def faiss_pq(dim: int, *, pq_m: Optional[int] = None, rerank: int = 50, train_size: int = 65536,
@@ -416,10 +404,8 @@ def faiss_pq(dim: int, *, pq_m: Optional[int] = None, rerank: int = 50, train_si
   def train(index, vectors):
     index.train(vectors)
 
-  searcher = FaissSearcher(dim, make, ready=lambda held: held >= train_size, train=train,
-                           build_threads=build_threads, rerank=rerank)
-  searcher.name = "faiss_pq"
-  return searcher
+  return FaissSearcher(dim, make, ready=lambda held: held >= train_size, train=train,
+                       build_threads=build_threads, rerank=rerank, name="faiss_pq")
 
 
 def faiss_ivf(dim: int, *, nlist: int = 1024, nprobe: int = 32, train_factor: int = 39,
@@ -437,10 +423,8 @@ def faiss_ivf(dim: int, *, nlist: int = 1024, nprobe: int = 32, train_factor: in
   def configure(index):
     index.nprobe = int(nprobe)
 
-  searcher = FaissSearcher(dim, make, ready=lambda held: held >= train_factor * nlist,
-                           train=train, configure=configure, build_threads=build_threads)
-  searcher.name = "faiss_ivf"
-  return searcher
+  return FaissSearcher(dim, make, ready=lambda held: held >= train_factor * nlist, train=train,
+                       configure=configure, build_threads=build_threads, name="faiss_ivf")
 
 
 SEARCHERS: dict[str, Callable[..., FaissSearcher]] = {

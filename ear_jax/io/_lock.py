@@ -3,6 +3,7 @@ and a directory's owner lock held by one holder of one process (`hold`).
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pathlib
@@ -29,7 +30,7 @@ class DirLock:
 
   Args:
     directory: an existing directory.
-    timeout_s: how long `__enter__` waits before raising `LockTimeout`.
+    timeout_s: how long `acquire` waits before raising `LockTimeout`.
     name: the lock file's name (another name is another, independent lock).
   """
 
@@ -37,12 +38,6 @@ class DirLock:
     self.path = pathlib.Path(directory) / name
     self.timeout_s = float(timeout_s)
     self._fd = None
-
-  def __enter__(self) -> "DirLock":
-    return self.acquire()
-
-  def __exit__(self, *exc) -> None:
-    self.release()
 
   def acquire(self) -> "DirLock":
     """Takes the lock, waiting up to `timeout_s`; raises `LockTimeout` after that."""
@@ -84,9 +79,7 @@ class DirLock:
   def release(self) -> None:
     """Removes the lock file and releases the lock."""
     try:
-      os.unlink(self.path)
-    except FileNotFoundError:
-      pass
+      self.path.unlink(missing_ok=True)
     finally:
       os.close(self._fd)  # releases the flock
       self._fd = None
@@ -98,10 +91,6 @@ class Hold:
   def __init__(self, key: str):
     self.key = key
     self._finalizer = weakref.finalize(self, _drop, key)
-
-  @property
-  def held(self) -> bool:
-    return self._finalizer.alive
 
   def release(self) -> None:
     """Idempotent."""
@@ -151,10 +140,8 @@ def _forget_in_child() -> None:
   global _OWNED_LOCK  # (another thread may have held it at the fork)
   _OWNED_LOCK = threading.Lock()
   for lock, _ in _OWNED.values():
-    try:
+    with contextlib.suppress(OSError):
       os.close(lock._fd)  # pylint: disable=protected-access
-    except OSError:
-      pass
   _OWNED.clear()
 
 

@@ -28,12 +28,10 @@ class _DropLoopClosed(logging.Filter):
     exc = record.exc_info[1] if record.exc_info else None
     if _LOOP_CLOSED in text or _LOOP_CLOSED in str(exc or ""):
       return False
-    return not (_NEVER_RETRIEVED in text and _names_failed_dir(f"{text} {exc or ''}"))
-
-
-def _names_failed_dir(text: str) -> bool:
-  with _failed_lock:
-    return any(d in text for d in _failed_dirs)
+    if _NEVER_RETRIEVED not in text:
+      return True
+    with _failed_lock:  # (only for a directory whose failure `call` reported)
+      return not any(d in f"{text} {exc or ''}" for d in _failed_dirs)
 
 
 def _loop_closed(exc) -> bool:

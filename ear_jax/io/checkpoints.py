@@ -29,7 +29,7 @@ from typing import Optional
 import numpy as np
 
 from ear_jax.io import _leaves, _quiet
-from ear_jax.io._lock import LOCK_NAME, DirLock, HeldHere, Hold, LockTimeout, hold
+from ear_jax.io._lock import DirLock, HeldHere, Hold, LockTimeout, hold
 
 _STATE, _META = "state", "meta"
 _META_FILE = "metadata"  # the file name of Orbax's JsonCheckpointHandler
@@ -63,10 +63,7 @@ class DirectoryInUseError(CheckpointError, ValueError):
 
 
 def check_compatible(stored: dict, expected: dict, what: str) -> None:
-  """Raises a ValueError listing every key whose value differs between `stored` and `expected`.
-
-  `what` is the subject of the message (e.g. "checkpoint /x/7 config").
-  """
+  """Raises a ValueError listing every key that differs; `what` is its subject ("checkpoint x")."""
   keys = sorted(set(stored) | set(expected), key=str)
   diffs = [f"{k}: stored={stored.get(k, _MISSING)!r} vs expected={expected.get(k, _MISSING)!r}"
            for k in keys if stored.get(k, _MISSING) != expected.get(k, _MISSING)]
@@ -211,9 +208,7 @@ class CheckpointStore:
 
   # -- reading --------------------------------------------------------------------------------
   def read_meta(self, step: int | None = None, *, verify: bool = True) -> dict:
-    """The JSON meta of `step` (default: the latest), verified against its save-time digest.
-
-    `verify=False` reads the meta file alone, unverified.
+    """The JSON meta of `step` (default: the latest), checked against its digest if `verify`.
 
     Raises:
       CheckpointError: no such step, or its meta file is missing, corrupted or does not match its
@@ -310,10 +305,7 @@ class CheckpointStore:
 
   @staticmethod
   def _metadata_file(state_dir: pathlib.Path) -> tuple[dict, Optional[dict]]:
-    """(custom metadata, Orbax's tree metadata or None) from Orbax's JSON metadata file alone.
-
-    Orbax's own reader opens every array through tensorstore, which never frees what it returns.
-    """
+    """(custom metadata, Orbax's tree metadata or None) from Orbax's JSON metadata file alone."""
     found = json.loads((state_dir / _ORBAX_METADATA).read_text(encoding="utf-8"))
     if not isinstance(found, dict):
       raise ValueError(f"{_ORBAX_METADATA} holds a {type(found).__name__}, not a JSON object")
@@ -382,10 +374,7 @@ class CheckpointStore:
       raise ValueError(f"meta key {_DIGEST!r} is reserved for the checkpoint's digest")
     tree, record = _leaves.prepare(arrays)
     digest = _meta_digest(expected_meta, record)
-    try:
-      self.directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-      raise CheckpointError(f"cannot create checkpoint directory {self.directory}: {e}") from e
+    self._make_directory()
     with self._locked():
       self._remove_debris()
       latest = self.latest_step()
@@ -422,10 +411,7 @@ class CheckpointStore:
         the first `holder`).
       CheckpointError: the directory cannot be created.
     """
-    try:
-      self.directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-      raise CheckpointError(f"cannot create checkpoint directory {self.directory}: {e}") from e
+    self._make_directory()
     try:
       return hold(self.directory, OWNER_LOCK, holder)
     except HeldHere as e:
@@ -435,9 +421,15 @@ class CheckpointStore:
       raise DirectoryInUseError(f"{what} {e}: only one process may use it at a time (stop that "
                                 "one first, or use another directory)") from None
 
+  def _make_directory(self) -> None:
+    try:
+      self.directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+      raise CheckpointError(f"cannot create checkpoint directory {self.directory}: {e}") from e
+
   @contextlib.contextmanager
-  def _locked(self, name: str = LOCK_NAME):
-    lock = DirLock(self.directory, self.lock_timeout_s, name)
+  def _locked(self):
+    lock = DirLock(self.directory, self.lock_timeout_s)
     try:
       lock.acquire()
     except LockTimeout as e:

@@ -1,13 +1,11 @@
 """Orbax checkpoints of a whole EAR run: the learner state of every seed plus the stream position.
 
-Symbols: `S` seeds.
-
-A run directory is a `CheckpointStore` whose step is the number of training queries processed.
-Each step stores `state` (the stacked `LearnerState [S, ...]` and the seeds' PRNG keys) and `meta`
-(format tag, config, hyperparameters, seeds, stream and segment length, leaf shapes, run extras).
-Restoring checks the JSON before touching the arrays: another config, shape, seed set or
-segmentation is a `ValueError` saying what differs; a foreign directory is a `CheckpointError`.
-A failed restore never deletes or rewrites a checkpoint.
+Symbols: `S` seeds. A run directory is a `CheckpointStore` whose step is the number of training
+queries processed. Each step stores `state` (the stacked `LearnerState [S, ...]` and the seeds' PRNG
+keys) and `meta` (format tag, config, hyperparameters, seeds, stream and segment length, leaf
+shapes, run extras). Restoring checks the JSON before touching the arrays: another config, shape,
+seed set or segmentation is a `ValueError` saying what differs; a foreign directory is a
+`CheckpointError`.
 
 A finished run also keeps its final adapters alone (`save_adapter`, `runs/<run>/adapter/`);
 `restore_adapter` reads them back, for a guarded config as the guard serves them.
@@ -45,10 +43,6 @@ def _hparams_json(hparams: HParams) -> dict:
           for f in dataclasses.fields(hparams)}
 
 
-def _config_from_json(d: dict) -> EARConfig:
-  return EARConfig.from_dict(d)
-
-
 def _abstract(tree):
   return jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
@@ -75,7 +69,6 @@ class RunCheckpointer:
 
   def __init__(self, directory, *, max_to_keep: int = 3):
     self.directory = pathlib.Path(directory).absolute()
-    self.max_to_keep = max_to_keep
     self._store = CheckpointStore(self.directory, max_to_keep=max_to_keep)
     self._ident = None
     self._target = None
@@ -84,8 +77,7 @@ class RunCheckpointer:
   def bind(self, *, config: EARConfig, hparams: HParams, seeds: Sequence[int], num_train: int,
            segment: int, target) -> None:
     """Sets the identity that every checkpoint of this run must match, and the restore target."""
-    self._target = {"state": _abstract(target), "keys": jax.ShapeDtypeStruct((len(seeds), 2),
-                                                                              jnp.uint32)}
+    self._target = _run_target(_abstract(target), len(seeds))
     self._ident = {"format": FORMAT, "config": config.to_dict(),
                    "hparams": _hparams_json(hparams), "seeds": [int(s) for s in seeds],
                    "num_train": int(num_train), "segment": int(segment),
@@ -242,17 +234,25 @@ def _run_name(path: pathlib.Path) -> str:
   return path.parent.name if path.name == ADAPTER_DIR else path.name
 
 
+def _run_target(state, num_seeds: int) -> dict:
+  """The abstract tree of a run step: the stacked state and the seeds' PRNG keys."""
+  return {"state": state, "keys": jax.ShapeDtypeStruct((num_seeds, 2), jnp.uint32)}
+
+
 def _stacked_state_target(config: EARConfig, num_seeds: int):
   """Abstract `[S, ...]` LearnerState of `config` (nothing is allocated)."""
   return jax.eval_shape(jax.vmap(lambda k: learner.init_learner(k, config)),
                         jax.ShapeDtypeStruct((num_seeds, 2), jnp.uint32))
 
 
-def _check_config(stored: EARConfig, config: Optional[EARConfig], where) -> None:
+def _stored_config(meta: dict, config: Optional[EARConfig], where) -> EARConfig:
+  """The config of a step's `meta`; a ValueError naming the differences from `config` if given."""
+  stored = EARConfig.from_dict(meta["config"])
   if config is not None and config != stored:
     check_compatible(stored.to_dict(), config.to_dict(),
                      f"config of the checkpoint in {where} (stored) and the requested one "
                      "(expected)")
+  return stored
 
 
 def _restore_final_adapter(directory: pathlib.Path, config: Optional[EARConfig]):
@@ -265,8 +265,7 @@ def _restore_final_adapter(directory: pathlib.Path, config: Optional[EARConfig])
     if meta.get("format") != ADAPTER_FORMAT:
       raise CheckpointError(f"{directory} is not an ear_jax run adapter (no '{ADAPTER_FORMAT}' "
                             "metadata): it was written by another program or is corrupted")
-    stored = _config_from_json(meta["config"])
-    _check_config(stored, config, directory)
+    stored = _stored_config(meta, config, directory)
     target = _stacked_state_target(stored, len(meta["seeds"])).params
     if _leaf_specs(target) != meta["leaves"]:
       raise ValueError(f"adapter in {directory} has array shapes that do not match its config "
@@ -280,17 +279,15 @@ def _restore_final_adapter(directory: pathlib.Path, config: Optional[EARConfig])
 def restore_adapter(workdir, *, run: Optional[str] = None, config: Optional[EARConfig] = None,
                     seed_index: Optional[int] = 0, position: Optional[int] = None,
                     guarded: bool = True):
-  """Restores a trained adapter from a run's workdir, for use in research code.
-
-  The final adapter comes from `runs/<run>/adapter`; an intermediate `position` needs the training
-  checkpoints of `--checkpoint_every`. Shapes are checked before any array is read.
+  """Restores a trained adapter from a run's workdir (shapes checked before any array is read).
 
   Args:
     workdir: the `--workdir` of `experiments.run`, a run checkpoint or an adapter directory.
     run: the run name (e.g. 'ear'); needed when the workdir holds several runs.
     config: optional expected `EARConfig`; another config is a ValueError naming the differences.
     seed_index: which seed's adapter (`0..S-1`); None returns the stacked `[S, ...]` adapter.
-    position: the step of a training checkpoint; default the final adapter.
+    position: the step of a training checkpoint (`--checkpoint_every`); default the final adapter
+      (`runs/<run>/adapter`).
     guarded: for a guarded config, what each seed's guard serves (what the test set was scored
       with); False: the trained adapter itself.
 
@@ -326,15 +323,13 @@ def restore_adapter(workdir, *, run: Optional[str] = None, config: Optional[EARC
           f"training checkpoint at position {position}: rerun it with --checkpoint_every=N")
     ckpt = RunCheckpointer(dirs[0])
     meta = ckpt.read_meta(position)
-    stored = _config_from_json(meta["config"])
-    _check_config(stored, config, dirs[0])
-    seeds = meta["seeds"]
-    ckpt._target = {"state": _stacked_state_target(stored, len(seeds)),  # pylint: disable=protected-access
-                    "keys": jax.ShapeDtypeStruct((len(seeds), 2), jnp.uint32)}
-    ckpt._ident = dict(meta)  # pylint: disable=protected-access
-    if _leaf_specs(ckpt._target) != meta["leaves"]:  # pylint: disable=protected-access
+    stored = _stored_config(meta, config, dirs[0])
+    num_seeds = len(meta["seeds"])
+    target = _run_target(_stacked_state_target(stored, num_seeds), num_seeds)
+    if _leaf_specs(target) != meta["leaves"]:
       raise ValueError(f"checkpoint in {dirs[0]} has array shapes that do not match its config "
                        f"{stored}")
+    ckpt._target, ckpt._ident = target, dict(meta)  # pylint: disable=protected-access
     with contextlib.closing(ckpt):
       state, _, _ = ckpt.restore(meta["position"])
     params = state.params

@@ -4,12 +4,12 @@ Run as a script (standard library only; never imports `ear_jax`) by `server.Llam
 
   python -I _server_supervisor.py LIFELINE_FD STOP_TIMEOUT_S -- SERVER ARGV...
 
-`LIFELINE_FD` is the read end of a pipe only the starter can write: end-of-file (the starter is
-gone, however it exited), SIGTERM, SIGINT or SIGHUP stops the server (SIGTERM to its process
-group, SIGKILL after `STOP_TIMEOUT_S`). A server exiting by itself ends the supervisor with its
-status. On Linux the supervisor is a child subreaper (orphaned descendants get SIGKILL) and the
-server gets `PR_SET_PDEATHSIG` SIGKILL, bound to this single-threaded process.
+`LIFELINE_FD` is the read end of a pipe only the starter can write: its end-of-file (the starter
+is gone), SIGTERM, SIGINT or SIGHUP stops the server (SIGTERM to its process group, SIGKILL after
+`STOP_TIMEOUT_S`); a server exiting by itself ends the supervisor with its status. On Linux the
+supervisor is a child subreaper and the server gets `PR_SET_PDEATHSIG` SIGKILL.
 """
+import contextlib
 import ctypes
 import os
 import select
@@ -41,10 +41,8 @@ def _parent_death_kill(parent_pid: int):
 
 def _become_subreaper() -> None:
   """Linux: orphaned descendants become this process's children (`_end_adopted` ends them)."""
-  try:
+  with contextlib.suppress(OSError, AttributeError):
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-  except (OSError, AttributeError):
-    pass
 
 
 def _exited(pid: int) -> bool:
@@ -56,10 +54,8 @@ def _exited(pid: int) -> bool:
 
 
 def _signal_group(pgid: int, sig: int) -> None:
-  try:
+  with contextlib.suppress(ProcessLookupError, PermissionError):  # (the group is empty)
     os.killpg(pgid, sig)
-  except (ProcessLookupError, PermissionError):  # the group is empty
-    pass
 
 
 def children_of(pid: int) -> list[int]:
@@ -86,16 +82,11 @@ def _end_adopted() -> None:
   for _ in range(100):
     kids = children_of(os.getpid())
     for pid in kids:
-      try:
+      with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-      except ProcessLookupError:
+    with contextlib.suppress(ChildProcessError):  # (reaps every exited child)
+      while os.waitpid(-1, os.WNOHANG)[0] != 0:
         pass
-    while True:
-      try:
-        if os.waitpid(-1, os.WNOHANG)[0] == 0:
-          break
-      except ChildProcessError:
-        break
     if not kids:
       return
     time.sleep(_STOP_POLL_S)

@@ -1,13 +1,12 @@
 """An on-disk cache of chat-completion replies, so an interrupted run resumes and a rerun is free.
 
-The key is the SHA-256 of the endpoint (`cache_endpoint`) and the canonical JSON of the request
-body (model, messages, every decoding setting); the API key is never part of it, nor stored. One
-entry is `<dir>/<key[:2]>/<key>.json`, written atomically (temp file + `os.replace`). A corrupted
-entry is a miss with a warning, never a crash. Only 'ok' replies are stored. Safe to share
-between threads and processes.
+The key: the SHA-256 of the endpoint (`cache_endpoint`) and the canonical JSON of the request body
+(never the API key). An entry, `<dir>/<key[:2]>/<key>.json`, is written atomically; a corrupted
+one is a miss with a warning. Only 'ok' replies are stored. Safe between threads and processes.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -19,8 +18,6 @@ from typing import Any
 from absl import logging
 
 _VERSION = 1
-
-
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
@@ -93,10 +90,8 @@ class ResponseCache:
       logging.warning("LLM cache: could not write %s (%s); the reply is not cached", path, e)
     finally:
       if tmp is not None:
-        try:
+        with contextlib.suppress(OSError):
           os.unlink(tmp)
-        except OSError:
-          pass
 
   def __len__(self) -> int:
     return sum(1 for _ in self.directory.glob("??/*.json")) if self.directory.is_dir() else 0

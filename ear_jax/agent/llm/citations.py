@@ -3,9 +3,8 @@
 Symbols: `s` slate size (the number of memories shown to the model).
 
 Memories are numbered from 0 (`[0] text`). `PROMPTS` maps a name to an instruction and, for JSON
-prompts, the reply's schema (sent as `response_format`); `free_text` asks for a closing citation
-line (`[0, 2]` or `[NO_CITE]`, RMM / EAR's format). `parse_reply` reads any of them. Every parser
-is total: it never raises on any reply text.
+prompts, the reply's schema (`response_format`); `free_text` asks for a closing citation line
+(`[0, 2]` or `[NO_CITE]`, RMM / EAR's format). `parse_reply` reads any of them, never raising.
 """
 from __future__ import annotations
 
@@ -45,7 +44,7 @@ def judgement_schema(num_memories: int) -> dict[str, Any]:
 
 
 class CriticPrompt(NamedTuple):
-  """A critic prompt: its instruction and the reply's JSON schema by slate size (None: free text)."""
+  """A critic prompt: its instruction, the reply's JSON schema by slate size (None: free text)."""
   instruction: str
   schema: Callable[[int], dict[str, Any]] | None
 
@@ -86,18 +85,12 @@ _NO_CITE = "NO_CITE"
 
 
 def parse_citations(text: str, num_memories: int) -> tuple[int, ...] | None:
-  """Parses the citations of a reply, strictly. Never raises on any `text`.
-
-  The citation list is the LAST bracketed group of the reply. It is accepted only if it is
-  `[NO_CITE]` (any case) -> `()`, or comma-separated non-negative decimal integers, each
-  `< num_memories` (`[0, 2]`, `[ 2 ]`; duplicates collapsed). Anything else (`[]`, `[-1]`, `[1.5]`,
-  `[0 2]`, `[0, 2,]`, NO_CITE mixed with indices, out of range) gives None.
-
-  Returns:
-    The sorted cited indices (`()` for `[NO_CITE]`), or None without a valid citation list.
+  """The sorted indices of a reply's LAST bracketed group, strictly: `[NO_CITE]` (any case) ->
+  `()`, or comma-separated decimal integers `< num_memories` (`[0, 2]`, `[ 2 ]`; duplicates
+  collapsed); anything else (`[]`, `[-1]`, `[1.5]`, `[0 2]`, `[0, 2,]`, out of range) -> None.
 
   Raises:
-    ValueError: if `num_memories` is negative.
+    ValueError: if `num_memories` is negative (never for any `text`).
   """
   if num_memories < 0:
     raise ValueError(f"num_memories must be >= 0, got {num_memories}")
@@ -116,21 +109,13 @@ def parse_citations(text: str, num_memories: int) -> tuple[int, ...] | None:
   if any(len(item) > len(str(num_memories)) for item in items):
     return None  # out of range, however many digits (int() would refuse over 4300)
   indices = {int(item) for item in items}
-  if any(i >= num_memories for i in indices):
-    return None
-  return tuple(sorted(indices))
+  return None if any(i >= num_memories for i in indices) else tuple(sorted(indices))
 
 
 def parse_json_citations(text: str, num_memories: int) -> tuple[int, ...] | None | bool:
-  """The citations of a JSON reply (`{"cited": [...]}` or `{"useful": [...]}`), strictly.
-
-  The object is the text from its first `{` to its last `}`. `cited` must be a list of integers
-  (not booleans) in `[0, num_memories)`, duplicates collapsed; without it, `useful` must be
-  exactly `num_memories` booleans.
-
-  Returns:
-    The sorted cited indices (`()` for `[]`); None when the reply is a JSON object whose `cited`
-    is missing or invalid; False when the reply holds no JSON object at all.
+  """The sorted cited indices of a JSON reply, from its first `{` to its last `}`, strictly:
+  `cited`, integers in `[0, num_memories)` (duplicates collapsed), or else `useful`, exactly
+  `num_memories` booleans. None: a JSON object without a valid one; False: no JSON object.
   """
   if not isinstance(text, str) or "{" not in text or "}" not in text:
     return False
@@ -184,10 +169,8 @@ def format_memories(memory_texts: Sequence[str]) -> str:
 def build_messages(question: str, memory_texts: Sequence[str],
                    system_prompt: str = DEFAULT_SYSTEM_PROMPT,
                    prompt: str = "free_text") -> list[dict[str, str]]:
-  """The chat messages asking the model which memories help with `question` (and to cite them).
-
-  `memory_texts`: `s` texts in slate order (shown as `[i]`); `prompt`: a `PROMPTS` name.
-  """
+  """The chat messages asking which of the `s` `memory_texts` help with `question` (`prompt`: a
+  `PROMPTS` name)."""
   user = (f"Memories:\n{format_memories(memory_texts)}\n\n"
           f"Question: {' '.join(question.split())}\n\n{PROMPTS[prompt].instruction}")
   return [{"role": "system", "content": system_prompt}, {"role": "user", "content": user}]

@@ -1,22 +1,16 @@
 """A generic client for OpenAI-compatible chat-completions endpoints (standard library only).
 
-`ChatClient.chat(messages, **decoding) -> (text, usage)`, or `ChatClient.complete(...)`, which
-never raises on a network or server failure and returns a `ChatResult` with a status. Guarantees:
-
-  * No redirects: an HTTP 3xx is an `http_error`, never re-sent to the `Location`.
-  * The API key is read from `api_key_env` at each request and sent only in its `Authorization`
-    header; never stored; every error, exception and log line has it (and its escaped or split
-    forms) replaced by `[REDACTED]`. A key with a control or non-ASCII character is rejected,
-    naming the variable but not the value, before anything is sent.
-  * A bad reply never raises out of `complete`: 'unparseable' (not retried), 'http_error' (429
-    and 5xx retried), 'timeout' / 'connection_error' (retried). Quoted server text is truncated.
-  * Bounded: at most `1 + max_retries` attempts of about `timeout_s` each.
-  * Thread-safe. Reproducible: temperature 0 and seed 0 by default; `cache_dir` stores every
-    usable reply on disk (`ear_jax.agent.llm.cache`, never the key).
-  * A `response_format` rejected with HTTP 400 / 422 is dropped: sent again without it, once, and
-    never afterwards.
-
-Host-side code (network I/O): never jitted.
+`ChatClient.chat(messages, **decoding) -> (text, usage)`; `ChatClient.complete(...)` returns a
+`ChatResult` with a status and never raises on a network or server failure. Guarantees:
+  * No redirects: an HTTP 3xx is an `http_error`.
+  * The API key, read from `api_key_env` at each request, is sent only in its `Authorization`
+    header, never stored, and `[REDACTED]` (any escaped or split form) in every error and log
+    line; a key holding a control or non-ASCII character is refused before anything is sent.
+  * Statuses: 'unparseable' (not retried), 'http_error' (429 and 5xx retried), 'timeout' /
+    'connection_error' (retried); at most `1 + max_retries` attempts of about `timeout_s` each.
+  * Thread-safe; temperature 0 and seed 0 by default; `cache_dir` caches usable replies on disk.
+  * A `response_format` refused with HTTP 400 / 422 is dropped: sent again without it, and never
+    afterwards.
 """
 from __future__ import annotations
 
@@ -37,33 +31,26 @@ from typing import Any, NamedTuple
 
 from absl import logging
 
-# STATUSES, DECODING_KEYS and ChatClientConfig are part of this module's public API.
 from ear_jax.agent.llm.cache import ResponseCache, cache_key
-from ear_jax.agent.llm.config import (DECODING_KEYS, REDACTED, STATS_KEYS, STATUSES,  # pylint: disable=unused-import
-                                      _CONTROL, _MAX_ERROR_BODY_BYTES, _MAX_MESSAGE_CHARS,
-                                      _READ_CHUNK_BYTES, ChatClientConfig, _check_decoding,
-                                      chat_completions_url)
+# pylint: disable-next=unused-import
+from ear_jax.agent.llm.config import (DECODING_KEYS, REDACTED, STATS_KEYS, STATUSES,
+                                      ChatClientConfig, chat_completions_url, check_decoding)
+
+_MAX_ERROR_BODY_BYTES = 4096  # of an HTTP error's body, read to quote it
+_MAX_MESSAGE_CHARS = 600  # of an error message
+_READ_CHUNK_BYTES = 1 << 16
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 class ChatResult(NamedTuple):
-  """Outcome of one `ChatClient.complete` call.
-
-  Attributes:
-    text: the reply's `choices[0].message.content` ('' when none).
-    usage: the reply's numeric `usage` counters, `{}` when absent.
-    status: one of `STATUSES`.
-    attempts: HTTP requests made (1 + retries; 0 for a reply from the cache).
-    error: a short, key-free description of the failure; None when `status == 'ok'`.
-    cached: the reply came from the on-disk cache.
-    constrained: the reply was decoded under a `response_format`.
-  """
-  text: str
-  usage: dict[str, Any]
-  status: str
-  attempts: int
-  error: str | None
-  cached: bool = False
-  constrained: bool = False
+  """Outcome of one `ChatClient.complete` call."""
+  text: str  # the reply's `choices[0].message.content` ('' when none)
+  usage: dict[str, Any]  # the reply's numeric `usage` counters ({} when absent)
+  status: str  # one of `STATUSES`
+  attempts: int  # HTTP requests made (1 + retries; 0 for a reply from the cache)
+  error: str | None  # a short, key-free description of the failure; None when 'ok'
+  cached: bool = False  # the reply came from the on-disk cache
+  constrained: bool = False  # the reply was decoded under a `response_format`
 
 
 class ChatError(RuntimeError):
@@ -161,22 +148,19 @@ def _parse_reply(raw: bytes) -> tuple[str, dict[str, int | float]]:
 
 
 class ChatClient:
-  """An OpenAI-compatible chat-completions client with retries (see the module's Guarantees).
+  """An OpenAI-compatible chat-completions client with retries (the module's Guarantees).
 
   Args:
     config: the endpoint, decoding defaults and retry settings.
-    sleep: called with the backoff delay in seconds.
-    rng: source of the backoff jitter (`random.Random`).
+    sleep, rng: called with each backoff delay in seconds; the jitter's `random.Random`.
   """
 
   def __init__(self, config: ChatClientConfig, *, sleep: Callable[[float], None] = time.sleep,
                rng: random.Random | None = None):
     if not isinstance(config, ChatClientConfig):
       raise ValueError(f"config must be a ChatClientConfig, got {type(config).__name__}")
-    self.config = config
-    self.url = chat_completions_url(config.base_url)
-    self._sleep = sleep
-    self._rng = rng if rng is not None else random.Random()
+    self.config, self.url = config, chat_completions_url(config.base_url)
+    self._sleep, self._rng = sleep, rng if rng is not None else random.Random()
     self._lock = threading.Lock()
     self.stats: dict[str, float] = {key: 0 for key in STATS_KEYS}
     self.cache = ResponseCache(config.cache_dir) if config.cache_dir is not None else None
@@ -213,7 +197,7 @@ class ChatClient:
       if (not isinstance(m, Mapping) or not isinstance(m.get("role"), str)
           or not isinstance(m.get("content"), (str, list))):
         raise ValueError(f"messages[{i}] must be a dict with a string 'role' and a 'content'")
-    _check_decoding("decoding", decoding)
+    check_decoding("decoding", decoding)
     params = {k: getattr(self.config, k) for k in ("temperature", "max_tokens", "seed")} | decoding
     body = {"model": self.config.model, "messages": [dict(m) for m in messages], "stream": False}
     body.update({k: int(v) if k in ("max_tokens", "seed") else v
@@ -230,10 +214,6 @@ class ChatClient:
     except (TypeError, ValueError) as e:
       raise ValueError(f"request body is not JSON-serializable: {e}") from None
 
-  def build_body(self, messages: Sequence[Mapping[str, Any]], **decoding: Any) -> bytes:
-    """`request_body(...)` as the JSON bytes sent."""
-    return self._encode(self.request_body(messages, **decoding))
-
   def chat(self, messages: Sequence[Mapping[str, Any]],
            **decoding: Any) -> tuple[str, dict[str, Any]]:
     """One chat completion: `(reply text, usage)`.
@@ -249,7 +229,7 @@ class ChatClient:
 
   def complete(self, messages: Sequence[Mapping[str, Any]], **decoding: Any) -> ChatResult:
     """One chat completion with retries (or from the cache); never raises on a network or server
-    failure. A rejected `response_format` is dropped (`stats['response_format_fallbacks']`).
+    failure (a refused `response_format` is dropped: `stats['response_format_fallbacks']`).
 
     Raises:
       ValueError: for malformed messages or decoding, or a malformed API key (nothing sent).
@@ -266,11 +246,10 @@ class ChatClient:
       del body["response_format"]
       retry, _ = self._complete_body(body)
       result = retry._replace(attempts=retry.attempts + result.attempts)
-    status = result.status
-    self.count("calls", status)
+    self.count("calls", result.status)
     if result.cached:
       self.count("cache_hits")
-    return result._replace(constrained="response_format" in body and status == "ok")
+    return result._replace(constrained="response_format" in body and result.status == "ok")
 
   def _complete_body(self, body: dict[str, Any]) -> tuple[ChatResult, int | None]:
     """`(result, HTTP status of a failed reply or None)`: from the cache, or by requests."""
@@ -278,12 +257,9 @@ class ChatClient:
     if self.cache is not None and (hit := self.cache.get(key)) is not None:
       return ChatResult(text=hit[0], usage=hit[1], status="ok", attempts=0, error=None,
                         cached=True), None
-    t0 = time.perf_counter()
-    raw_body = self._encode(body)
+    t0, raw_body = time.perf_counter(), self._encode(body)
     secrets: list[str] = []
-    attempts = 0
-    failure: _Failure | None = None
-    raw = b""
+    attempts, raw, failure = 0, b"", None
     for retry_index in range(int(self.config.max_retries) + 1):
       if retry_index > 0:
         delay = self.backoff_delay(retry_index - 1, failure.retry_after_s if failure else None)
@@ -336,8 +312,7 @@ class ChatClient:
       headers["Authorization"] = f"Bearer {api_key}"
     request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
     opener = urllib.request.build_opener(_RefuseRedirects)
-    timeout = float(self.config.timeout_s)
-    limit = int(self.config.max_response_bytes)
+    timeout, limit = float(self.config.timeout_s), int(self.config.max_response_bytes)
     deadline = time.monotonic() + timeout
     try:
       with opener.open(request, timeout=timeout) as response:

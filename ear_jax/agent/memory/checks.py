@@ -21,7 +21,7 @@ class InputTypeError(TypeError, ValueError):
 
 
 def _check_encodable(values: list[str], what: str) -> None:
-  """`encoder_base.check_texts` (UTF-8 encodable), its ValueError prefixed by `what`."""
+  """`encoder_base.check_texts` (UTF-8 encodable), its error prefixed by `what`."""
   try:
     encoder_base.check_texts(values)
   except ValueError as e:
@@ -56,13 +56,11 @@ def check_text_list(texts, what: str) -> list[str]:
 
 
 def check_embeddings(emb, n: Optional[int], dim: int, what: str) -> np.ndarray:
-  """`[n, d]` real, finite, non-zero rows, returned L2-normalised as float32.
-
-  Any magnitude is normalised without overflow (`encoder_base.unit_rows`); complex, boolean,
-  string or object arrays are refused, never converted.
+  """`[n, d]` real, finite, non-zero rows (any magnitude), returned L2-normalised as float32.
 
   Raises:
-    ValueError: naming the dtype, row count, dimension, or offending rows (NaN / Inf, all zero).
+    ValueError: naming the dtype (complex, boolean, string, object), row count, dimension, or
+      offending rows (NaN / Inf, all zero).
   """
   arr = encoder_base.real_array(emb, what)
   rows = n if n is not None else "n"
@@ -90,7 +88,6 @@ def real_query_vector(emb, dim: int) -> np.ndarray:
 
 def store_codes(store, n: int) -> np.ndarray:
   """`[n]` int8 store codes from one store (name or 0/1) or one per memory."""
-
   def code(s):
     if isinstance(s, (int, np.integer)) and not isinstance(s, bool) and int(s) in (0, 1):
       return int(s)
@@ -113,7 +110,7 @@ _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # Unicode category Cc
 
 def check_id_chars(ids: list[str], what: str, noun: str = "memory ids") -> None:
   """ValueError naming `what` (and the index) for an id or name holding a control character
-  (U+0000 included: SQLite's JSON functions cut a string there)."""
+  (U+0000: SQLite's JSON functions cut a string there)."""
   for j, i in enumerate(ids):
     bad = _CONTROL.search(i)
     if bad is not None:
@@ -136,11 +133,9 @@ def check_id_list(ids, n: int) -> list[str]:
       raise ValueError(f"memory ids must be non-empty strings, got {i!r}")
   _check_encodable(ids, "ids")
   check_id_chars(ids, "ids")
-  seen, dup = set(), set()
-  for i in ids:
-    (dup if i in seen else seen).add(i)
+  dup = sorted(i for i, c in collections.Counter(ids).items() if c > 1)
   if dup:
-    raise ValueError(f"duplicate memory ids {sorted(dup)[:5]} in this call")
+    raise ValueError(f"duplicate memory ids {dup[:5]} in this call")
   return ids
 
 
@@ -202,7 +197,7 @@ def check_dates(dates, n: int) -> list[str]:
 def check_ids(ids, what: str = "ids") -> list[str]:
   """One id or a non-empty sequence of distinct string ids, as a list (no lookup)."""
   ids = string_list(ids, what, "memory id")
-  dup = sorted({i for i in ids if ids.count(i) > 1})
+  dup = sorted(i for i, c in collections.Counter(ids).items() if c > 1)
   if dup:
     raise ValueError(f"{what}: duplicate memory ids {dup[:5]}")
   return ids

@@ -14,27 +14,23 @@ from ear_jax.agent.memory.checks import InputTypeError, check_int
 from ear_jax.agent.memory.encoder_slot import EncoderSlot
 from ear_jax.core import policies
 from ear_jax.core.config import EARConfig, HParams, Method, default_hparams
-from ear_jax.data.first_stage import FirstStageOptions, check_generator
+from ear_jax.data.first_stage import FEATURES, FirstStageOptions, check_generator
 
 MAX_WINDOW_MS = 1000.0
 # The settings that say where and when, not what: an opened memory takes the caller's.
 SERVING = ("cache_dir", "batch_window_ms", "batch_max_queries", "warm_learner")
-# A directory stores its preset by name. When a preset's definition changes, `PRESETS_VERSION` goes
-# up and `PRESET_CHANGES[v]` says what it meant before v (`stored_config` pins older directories).
+# A directory stores its preset by name; `PRESET_CHANGES[v]` is what a preset meant before presets
+# version v (None: refused), so `stored_config` pins older directories.
 PRESETS_VERSION = 5
 PRESET_CHANGES = {
-    # 'ear_safe' before presets 2 is refused (its guard no longer exists).
     2: {"ear_safe": None},
-    # Before presets 4 every preset's memory retrieved K = 20 candidates (`PRESET_POOL`).
     4: {"ear_safe": dict(num_candidates=20)},
-    # Before presets 5 `ear_tuned` and `ear_safe` started the first stage's weight at 0.05.
     5: {"ear_tuned": dict(side_init=0.05), "ear_safe": dict(side_init=0.05)},
 }
-# The candidate pool K of a memory whose `num_candidates` is None, by preset: chosen on LoCoMo
-# validation by `--suite=pool_tune` (RESULTS.md "Candidate pool K").
+# The pool K of a memory whose `num_candidates` is None, by preset (`--suite=pool_tune`).
 PRESET_POOL = {"ear_safe": 100}
 # The learner of a memory given no `method`, `config` nor `hparams` since presets
-# `DEFAULT_METHOD_SINCE`; before, the paper's defaults (`stored_config` pins those directories).
+# `DEFAULT_METHOD_SINCE` (before: the paper's defaults).
 DEFAULT_METHOD = "ear_safe"
 DEFAULT_METHOD_SINCE = 3
 
@@ -49,52 +45,35 @@ def _preset_pool(method: str, num_candidates: Optional[int]) -> dict:
 class MemoryConfig:
   """Everything that defines a memory besides its rows and its learner (saved with both).
 
-  Attributes:
-    encoder: 'minilm', a local Hugging Face checkpoint directory, a `.npy`/`.npz` of precomputed
-      embeddings, or None (every `add` / query passes embeddings). Loaded lazily.
-    method: a preset name (`Method.named`), exclusive with `config` / `hparams`. None with
-      neither: `DEFAULT_METHOD`; `method='ear'` is the paper's.
-    config: `EARConfig`; without `hparams`, the hyperparameters are `default_hparams()`.
-    hparams: `HParams`; without `config`, the config is `EARConfig(dim=encoder dim or dim)`.
-    dim: the embedding dimension when neither `config` nor the encoder gives it.
-    seed: seed of the learner (adapter init, replay randomness, critic keys).
-    multistore: candidates = top-K/2 dialogue memories + top-K/2 observations (Section 5).
-    cache_dir: embedding cache root for `encoders.encode` (None: no disk cache).
-    max_sessions: open query sessions kept (>= 1); beyond it the least recently used is evicted.
-    initial_capacity: initial device bank capacity (rounded up by `bank.capacity_for`).
-    bank_dtype: 'float32' or 'bfloat16', the dtype of the device bank.
-    index: 'exact' (the device search) or 'faiss_hnsw' / 'faiss_ivf' / 'faiss_pq'.
-    index_options: that searcher's options, sorted `(key, value)` pairs (a dict is accepted).
-    num_candidates: `K`, the memories the first stage retrieves per question (>= the slate size;
-      even with `multistore`); None: the preset's pool (`PRESET_POOL`) or the method's own K.
-    candidates: the first stage, 'dense' | 'bm25' | 'hybrid' (text queries; no ANN `index`);
-      None: `first_stage_name`.
-    first_stage: the hybrid fusion's options.
-    batch_window_ms: micro-batching of concurrent calls (`batcher`): queries arriving within this
-      many milliseconds share one encoder call and one search; 0: every call alone. Serving.
-    batch_max_queries: a window closes early once it holds this many queries.
-    warm_learner: compile the learner step in a background thread as the memory is built, so
-      neither the first step nor a server's shutdown waits for the compiler. Serving.
+  `method` (a preset name, `Method.named`; `'ear'` is the paper's) is exclusive with `config` /
+  `hparams`; none of them: `DEFAULT_METHOD`. `config` alone: `default_hparams()`; `hparams` alone:
+  `EARConfig(dim=encoder dim or dim)`.
   """
+  # 'minilm', a local Hugging Face checkpoint directory, a `.npy`/`.npz` of precomputed embeddings,
+  # or None (every `add` / query passes embeddings); loaded lazily
   encoder: Optional[str] = "minilm"
   method: Optional[str] = None
   config: Optional[EARConfig] = None
   hparams: Optional[HParams] = None
-  dim: Optional[int] = None
-  seed: int = 0
-  multistore: bool = False
-  cache_dir: Optional[str] = None
-  max_sessions: int = 4096
-  initial_capacity: int = 1024
-  bank_dtype: str = "float32"
-  index: str = "exact"
-  index_options: tuple = ()
+  dim: Optional[int] = None  # the embedding dimension when neither `config` nor an encoder gives it
+  seed: int = 0  # of the learner (adapter init, replay randomness, critic keys)
+  multistore: bool = False  # candidates: top-K/2 dialogue memories + top-K/2 observations (Sec. 5)
+  cache_dir: Optional[str] = None  # embedding cache root for `encoders.encode` (None: no cache)
+  max_sessions: int = 4096  # open query sessions kept; beyond, the least recently used is evicted
+  initial_capacity: int = 1024  # of the device bank (rounded up by `bank.capacity_for`)
+  bank_dtype: str = "float32"  # or 'bfloat16', the dtype of the device bank
+  index: str = "exact"  # the device search, or 'faiss_hnsw' / 'faiss_ivf' / 'faiss_pq'
+  index_options: tuple = ()  # that searcher's options, sorted (key, value) pairs (or a dict)
+  # K, the memories the first stage retrieves per question (>= the slate size; even with
+  # `multistore`); None: the preset's pool (`PRESET_POOL`) or the method's own K
   num_candidates: Optional[int] = None
+  # the first stage, 'dense' | 'bm25' | 'hybrid' (text queries; no ANN `index`); None:
+  # `first_stage_name`
   candidates: Optional[str] = None
-  first_stage: FirstStageOptions = FirstStageOptions()
-  batch_window_ms: float = 0.0
-  batch_max_queries: int = 64
-  warm_learner: bool = False
+  first_stage: FirstStageOptions = FirstStageOptions()  # the hybrid fusion's options
+  batch_window_ms: float = 0.0  # calls this close share an encoder call and a search; 0: alone
+  batch_max_queries: int = 64  # a window closes early once it holds this many queries
+  warm_learner: bool = False  # compile the learner step in a background thread when built
 
   def __post_init__(self):
     fix = lambda name, value: object.__setattr__(self, name, value)
@@ -131,21 +110,19 @@ class MemoryConfig:
       raise InputTypeError(f"index_options must be a dict or (key, value) pairs, got "
                            f"{type(self.index_options).__name__}")
     fix("index_options", tuple(sorted((k, v) for k, v in opts)))
-    for name in ("bank_dtype", "index") + (("candidates",) if self.candidates is not None else ()):
-      if not isinstance(getattr(self, name), str):
-        raise InputTypeError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
+    for name, kind, what in (
+        ("bank_dtype", str, "a string"), ("index", str, "a string"),
+        ("candidates", (str, type(None)), "a string"),
+        ("first_stage", FirstStageOptions, "a first_stage.FirstStageOptions"),
+        ("config", (EARConfig, type(None)), "an EARConfig"),
+        ("hparams", (HParams, type(None)), "an HParams")):
+      if not isinstance(getattr(self, name), kind):
+        raise InputTypeError(f"{name} must be {what}, got {type(getattr(self, name)).__name__}")
     if self.bank_dtype not in bank_lib.BANK_DTYPES:
       raise ValueError(f"unknown bank_dtype {self.bank_dtype!r}; expected one of "
                        f"{sorted(bank_lib.BANK_DTYPES)}")
     if self.candidates is not None:
       check_generator(self.candidates)
-    if not isinstance(self.first_stage, FirstStageOptions):
-      raise InputTypeError("first_stage must be a first_stage.FirstStageOptions, got "
-                           f"{type(self.first_stage).__name__}")
-    if self.config is not None and not isinstance(self.config, EARConfig):
-      raise InputTypeError(f"config must be an EARConfig, got {type(self.config).__name__}")
-    if self.hparams is not None and not isinstance(self.hparams, HParams):
-      raise InputTypeError(f"hparams must be an HParams, got {type(self.hparams).__name__}")
     if self.method is not None:
       if self.config is not None or self.hparams is not None:
         raise ValueError("pass method= (a preset with its own config and hyperparameters) or "
@@ -161,8 +138,6 @@ class MemoryConfig:
         f.name: float(getattr(self.hparams, f.name)) for f in dataclasses.fields(self.hparams)}
     d["index_options"] = dict(self.index_options)
     d["first_stage"] = dataclasses.asdict(self.first_stage)
-    if self.first_stage.features == "first_stage":  # (as directories stored it before `features`)
-      del d["first_stage"]["features"]
     return d
 
   @classmethod
@@ -177,7 +152,13 @@ class MemoryConfig:
     if d.get("hparams") is not None:
       d["hparams"] = default_hparams(**d["hparams"])
     if d.get("first_stage") is not None:
-      d["first_stage"] = FirstStageOptions(**d["first_stage"])
+      fs = dict(d["first_stage"])
+      features = fs.pop("features", None)  # (a removed option: 'first_stage' is what remains)
+      if features not in (None, "first_stage"):
+        raise ValueError(f"this memory directory was made with first_stage features="
+                         f"{features!r}, side features this version no longer has: open it with "
+                         "the ear_jax that made it, or make a new memory in another directory")
+      d["first_stage"] = FirstStageOptions(**fs)
     return cls(**d)
 
   @property
@@ -223,9 +204,8 @@ class MemoryConfig:
     _check_honoured(config)
     if self.multistore and config.num_candidates % 2:
       raise ValueError(f"multistore needs an even num_candidates K, got {config.num_candidates}")
-    f = len(self.first_stage.feature_names)
-    if (self.first_stage_name != "dense" or self.first_stage.uses_context) and (
-        not config.side_features):
+    f = len(FEATURES)
+    if self.first_stage_name != "dense" and not config.side_features:
       config = dataclasses.replace(config, side_features=f)
     if config.side_features not in (0, f):
       raise ValueError(f"config.side_features={config.side_features}, but a memory's first stage "
@@ -312,9 +292,7 @@ def opened_config(stored: MemoryConfig, cfg: Optional[MemoryConfig], settings: d
 
 def _learner_name(cfg: MemoryConfig) -> Optional[str]:
   """The preset a config's learner is, by name (None: a config / hyperparameters of its own)."""
-  if cfg.config is None and cfg.hparams is None:
-    return cfg.method or DEFAULT_METHOD
-  return None
+  return (cfg.method or DEFAULT_METHOD) if cfg.config is None and cfg.hparams is None else None
 
 
 def _differences(stored: MemoryConfig, wanted: MemoryConfig) -> list[str]:

@@ -1,17 +1,14 @@
-"""The learner driver of `Memory`: closed sessions queue up; every `b` of them -> ONE learner step.
+"""The learner driver of `Memory`: every `b` queued `TrainItem`s make ONE learner step.
 
 Symbols: `b` batch size, `T` Explorer rounds, `K` candidates, `d` dimension, `F` side features,
 `C` replay buffer capacity.
 
-Every `b` queued `TrainItem`s make ONE call of `core.learner.train_batch_on_feedback` (state
-donated) with `[b, T, K]` slates, masks and labels: Eq. (10)-(18), the same step and shapes as the
-benchmark episodes' `train_batch`. The learner item (`snapshot` / `restore`) never holds a
-memory's embedding or text: candidates are saved as bank rows and gathered back on open.
+A step is ONE call of `core.learner.train_batch_on_feedback` (state donated) with `[b, T, K]`
+slates, masks and labels (Eq. (10)-(18)), as the benchmark episodes' `train_batch`. The learner
+item (`snapshot` / `restore`) holds candidates as bank rows, never a memory's embedding or text.
 
 Keys: `k_init, k_train, k_critic = split(PRNGKey(seed), 3)`; batch `j` uses the replay keys
-`split(fold_in(k_train, j), b)`. The same calls with the same seed give the same parameters.
-
-Not thread-safe on its own: `Learning` holds the memory's lock (`warm`'s thread shares nothing).
+`split(fold_in(k_train, j), b)`. Not thread-safe: `Learning` holds the memory's lock.
 """
 from __future__ import annotations
 
@@ -33,13 +30,9 @@ from ear_jax.core.stream import Stream
 # The learner step with the state donated (replay buffer and optimizer state updated in place).
 train_step = jax.jit(learner_lib.train_batch_on_feedback, static_argnames=("config",),
                       donate_argnums=0)
-
-
 # The `[b]` replay keys of learner step n, `split(fold_in(k_train, n), b)`, in one call.
 _step_keys = jax.jit(lambda key, n, b: jax.random.split(jax.random.fold_in(key, n), b),
                      static_argnums=2)
-
-
 UNKNOWN = -2  # `Driver.buffer_rows` of a slot whose candidate's bank row is not known yet
 MAX_QUESTIONS = 16384  # questions whose held-out part a memory remembers (`Driver.next_held`)
 
@@ -57,8 +50,7 @@ def _owned(state):
 
 def seed_keys(seed: int):
   """`(k_init, k_train, k_critic)` of ONE memory's seed (see the module docstring)."""
-  k_init, k_train, k_critic = jax.random.split(jax.random.PRNGKey(int(seed)), 3)
-  return k_init, k_train, k_critic
+  return tuple(jax.random.split(jax.random.PRNGKey(int(seed)), 3))
 
 
 def mask_item(item: TrainItem, rows: np.ndarray) -> TrainItem:
@@ -102,8 +94,8 @@ class Driver:
     self._warming = None  # the thread compiling the learner step (`warm`), until it is joined
 
   def warm(self, also: Optional[Callable] = None) -> None:
-    """Compiles the learner step in a background thread (a fully masked step on zeros; the live
-    state is untouched), then runs `also()` there; `push` defers steps until it is done."""
+    """Compiles the learner step (a masked step on zeros) then runs `also()`, in a background
+    thread; `push` defers steps until it is done."""
     def run():
       k_init = seed_keys(0)[0]
       shapes = jax.eval_shape(lambda: learner_lib.init_learner(k_init, self.config))
@@ -121,21 +113,18 @@ class Driver:
     self._warming.start()
 
   def join_warm(self) -> None:
-    """Waits for `warm`'s compilation (a process must not exit while a thread compiles)."""
+    """Waits for `warm`'s compilation, if one runs (call it without the memory's lock)."""
     warming = self._warming
     if warming is not None:
       warming.join()
 
   def next_held(self, question: str = "", scope=()) -> int:
-    """Whether a training session of `question` in `scope` is held out for the guard.
-
-    A question seen before in the same scopes keeps its part (a held-out question is never
-    trained on); a new one is held out when it is the `config.guard_holdout`-th new one
-    (`guard.held_out`).
+    """Whether a training session of `question` in `scope` is held out for the guard: a question
+    seen before in the same scopes keeps its part; a new one is held out when it is the
+    `config.guard_holdout`-th new one.
 
     Returns:
-      0: trained; 1: held out, its feedback goes to the ring; 2: held out again (not trained, not
-      in the ring twice).
+      0: trained; 1: held out, its feedback goes to the ring; 2: held out again (not in the ring).
     """
     n = self.config.guard_holdout
     if not n:
@@ -153,8 +142,8 @@ class Driver:
     return int(held)
 
   def push(self, items) -> int:
-    """Queues closed sessions and trains every full batch; returns the learner steps taken. A call
-    never waits for the compiler: while `warm` compiles, the batches wait in the queue."""
+    """Queues closed sessions and trains every full batch (none while `warm` compiles); returns
+    the learner steps taken."""
     self.ready.extend(items)
     if self._warming is not None and self._warming.is_alive():
       return 0

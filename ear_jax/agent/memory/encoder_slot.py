@@ -11,16 +11,13 @@ from ear_jax.agent.memory.checks import InputTypeError, check_embeddings
 
 
 class EncoderSlot:
-  """The frozen encoder f_theta of a memory: an `Encoder`, or a spec loaded at first use.
-
-  A spec is checked at once and loaded lazily, then checked against the memory's dimension and
-  model identity. Encoding runs outside `Memory`'s state lock.
+  """The frozen encoder f_theta of a memory: an `Encoder`, or a spec checked at once and loaded at
+  first use, then checked against the memory's dimension and model identity.
 
   Args:
     encoder: 'minilm', a checkpoint directory, a `.npy`/`.npz` file, an `Encoder`, or None.
-    identity: the model identity the memory's embeddings came from (None: not known yet).
-    explicit: the caller named this encoder (not the default): embeddings it adds are taken as
-      this encoder's.
+    identity: the model identity of the memory's embeddings (None: not known yet).
+    explicit: the caller named this encoder (not the default): added embeddings are its.
   """
 
   def __init__(self, encoder: Any, identity: Optional[str] = None, explicit: bool = True):

@@ -1,11 +1,8 @@
-"""Host-side critic loops over arrays: one round's slates for a batch of queries, one `Memory`
-session round, and a training episode with a host critic (`run_critic_episode`).
+"""Host-side critic loops: one round's slates for a batch of queries, one `Memory` session round,
+a training episode with a host critic (`run_critic_episode`), and labels from an agent's answer.
 
 Symbols: `N` queries, `K` candidates, `s` slate size, `T` Explorer rounds, `b` batch size.
-
-Critics follow `ear_jax.core.critic`: `critic(key, view) -> labels [s]` or None (an unusable reply:
-no update); the learner step is `ear_jax.core.learner.train_batch_on_feedback`. `answer_labels`
-labels a shown slate from the agent's answer by the benchmarks' answer rule.
+Critics follow `ear_jax.core.critic`: `critic(key, view) -> labels [s]` or None (no update).
 """
 from __future__ import annotations
 
@@ -42,15 +39,11 @@ _train_step = jax.jit(learner_lib.train_batch_on_feedback, static_argnames=("con
 
 
 def round_slates(params, hparams, queries, candidates, mask, mean, counts, k: int, explore: bool):
-  """One round for `n` queries: adapter top-k, or an Explorer round with the given statistics.
-
-  Args:
-    queries, candidates, mask: `[n, d]`, `[n, K, d]`, `[n, K]`.
-    mean, counts: `[n, K]` bandit statistics (read with `explore`: Eq. (5)-(8)).
+  """One round for `n` queries `[n, d]` of candidates `[n, K, d]`, `mask` `[n, K]`: adapter top-k,
+  or an Explorer round (Eq. (5)-(8)) by the bandit statistics `mean`, `counts` `[n, K]`.
 
   Returns:
-    `(slate [n, k] int32, slate_mask [n, k] bool, z [n, K] float32)`, numpy (`n` padded to a
-    power of two inside).
+    `(slate [n, k] int32, slate_mask [n, k] bool, z [n, K] float32)` numpy (`n` padded inside).
   """
   n = queries.shape[0]
   m = 1 << max(n - 1, 0).bit_length()
@@ -86,8 +79,8 @@ def _session_round(params, query, candidates, given, hparams, mask, mean, counts
 
 def session_round(params, hparams, query, candidates, mask, mean, counts, last, k: int,
                   explore: bool, given=None):
-  """One round of one session in ONE jitted call: the previous round's feedback applied (Eq. (9)),
-  then the adapter's top-k or an Explorer round (Eq. (5)-(8)) of the updated statistics.
+  """One session round in ONE jitted call: the pending feedback `last` applied (Eq. (9)), then the
+  adapter's top-k or an Explorer round (Eq. (5)-(8)); `update_bandits` then `round_slates`.
 
   Args:
     query, candidates, mask, mean, counts: `[d]`, `[K, d]`, `[K]`, `[K]`, `[K]`.
@@ -95,15 +88,13 @@ def session_round(params, hparams, query, candidates, mask, mean, counts, last, 
     given: an earlier round's `adapted` by the same `params` (None: computed).
 
   Returns:
-    `((slate [k] int32, slate_mask [k] bool, z [K] float32, mean [K], counts [K]) numpy,
-    adapted)`: equal to `round_slates` after `update_bandits`; `adapted` is the next `given`.
+    `((slate [k] int32, slate_mask [k] bool, z [K], mean [K], counts [K]) numpy, adapted)`.
   """
   if given is not None:
     params = query = candidates = None
   (ints, floats), adapted_ = _session_round(params, query, candidates, given, hparams, mask, mean,
                                             counts, tuple(last), k=k, explore=bool(explore))
-  ints, floats = np.asarray(ints), np.asarray(floats)
-  K = len(mask)
+  ints, floats, K = np.asarray(ints), np.asarray(floats), len(mask)
   return (ints[:k], ints[k:].astype(bool), floats[:K], floats[K:2 * K], floats[2 * K:]), adapted_
 
 
@@ -136,7 +127,6 @@ def update_bandits(mean, counts, slates, slate_mask, labels):
   return np.asarray(stats.mean), np.asarray(stats.counts)
 
 
-
 def check_labels(labels, k: int, what: str) -> np.ndarray:
   """A critic's `[k]` labels as float32 in {-1, +1}; ValueError naming `what` otherwise."""
   try:
@@ -165,17 +155,12 @@ def check_answer(answer, what: str = "answer") -> str:
 def answer_labels(question: str, answer: str, texts: Sequence[str], memories: np.ndarray,
                   embed: Callable, critic: Optional[critic_lib.AnswerCritic] = None
                   ) -> np.ndarray:
-  """`[k]` labels of a shown slate from the agent's answer, by the answer rule.
-
-  `answer_support.slate_support` features -> `critic_lib.answer_critic` with `critic`'s thresholds:
-  the same rule the benchmarks' `AnswerCritic` applies inside the scan.
+  """`[k]` float32 labels in {-1, +1} of a shown slate from the agent's answer: the benchmarks'
+  `AnswerCritic` rule (`critic_lib.answer_critic` of `answer_support.slate_support` features).
 
   Args:
     texts, memories: `[k]` texts and `[k, d (+ F)]` embeddings of the shown slate.
     embed: `embed(texts) -> [n, d]`, the memories' encoder; critic: None for the defaults.
-
-  Returns:
-    `[k]` float32 labels in {-1, +1}.
   """
   critic = critic_lib.make_answer_critic() if critic is None else critic
   support = answer_support.slate_support(question, answer, texts, memories, embed)
@@ -190,10 +175,8 @@ def answer_labels(question: str, answer: str, texts: Sequence[str], memories: np
 
 @dataclasses.dataclass(frozen=True)
 class AnswerFeedback:
-  """A host critic made of the agent's answers, for an agent that only answers.
-
-  Each round `answer_fn(question, texts)` answers from the shown memories' texts and the answer
-  labels the slate (`answer_labels`). An answer of None or '' is an unusable reply (no update).
+  """A host critic from an agent that only answers: each round `answer_fn(question, texts)`
+  answers from the shown texts and `answer_labels` labels the slate (None or '': no update).
 
   Args:
     answer_fn: `answer_fn(question: str, texts: list[str]) -> str or None`.
@@ -235,19 +218,15 @@ class AnswerFeedback:
 def run_critic_episode(key: jax.Array, stream: Stream, query_texts: Sequence[str],
                        candidate_texts: np.ndarray, critic, config: EARConfig, hparams: HParams,
                        *, state: Optional[learner_lib.LearnerState] = None, progress=None):
-  """An online EAR training episode whose critic lives on the host (e.g. an `LLMCritic`).
-
-  Alg. 1 with the Explorer's rounds on the host: per batch of `b` queries, T rounds of (Explorer
-  round, Eq. (5)-(8) -> one critic call per query -> Eq. (9)), then one learner step
-  (Eq. (10)-(18)). A critic reply of None leaves that round out and is counted. Keys are split as
-  in `ear_jax.core.episode.run_episode`, so a simulated critic reproduces it exactly.
+  """Alg. 1 with a host critic (e.g. an `LLMCritic`): per batch of `b` queries, T rounds of
+  (Explorer round, Eq. (5)-(8) -> one critic call per query -> Eq. (9)), then one learner step
+  (Eq. (10)-(18)). A reply of None leaves that round out. Keys are split as in
+  `core.episode.run_episode`, so a simulated critic reproduces it exactly.
 
   Args:
     key: PRNG key of the episode; the key is consumed.
-    stream, query_texts, candidate_texts: `N` training queries, their texts, `[N, K]` candidate
-      texts.
-    critic: `critic(key, SlateView) -> labels [s]` or None.
-    config: static config (`train_slate` must be the Explorer); hparams: hyperparameters.
+    stream, query_texts, candidate_texts: `N` queries, their texts, `[N, K]` candidate texts.
+    critic: a host critic; config: static config (its `train_slate` the Explorer); hparams.
     state: a learner state to continue from (default: a fresh one from the key).
     progress: optional callable `(queries_done, num_queries)`.
 
@@ -276,12 +255,11 @@ def run_critic_episode(key: jax.Array, stream: Stream, query_texts: Sequence[str
     idx = np.concatenate([rows, np.full(b - nb, rows[-1])])  # pad the last batch (masked)
     batch = host.take(idx)
     mean, counts = np.zeros((b, K), np.float32), np.zeros((b, K), np.float32)
-    slates = np.full((b, T, s), -1, np.int32)
-    slate_mask = np.zeros((b, T, s), bool)
+    slates, slate_mask = np.full((b, T, s), -1, np.int32), np.zeros((b, T, s), bool)
     labels = np.full((b, T, s), -1.0, np.float32)
     for t in range(T):
-      sl, sm, _ = round_slates(state.params, hparams, batch.queries, batch.candidates,
-                                            batch.mask, mean, counts, s, explore=True)
+      sl, sm, _ = round_slates(state.params, hparams, batch.queries, batch.candidates, batch.mask,
+                               mean, counts, s, explore=True)
       for i, row in enumerate(rows):
         view = critic_lib.slate_view(batch.queries[i], batch.candidates[i], batch.gold[i], sl[i],
                                      sm[i])._replace(
@@ -295,11 +273,9 @@ def run_critic_episode(key: jax.Array, stream: Stream, query_texts: Sequence[str
         stats["critic_ok"] += 1
         lab = check_labels(got, s, "the critic")
         slates[i, t], slate_mask[i, t], labels[i, t] = sl[i], sm[i], np.where(sm[i], lab, -1.0)
-      mean, counts = update_bandits(mean, counts, slates[:, t], slate_mask[:, t],
-                                                 labels[:, t])
-    state, _ = _train_step(
-        state, k_replay[idx], batch, slates, slate_mask, labels, np.arange(b) < nb, config,
-        hparams)
+      mean, counts = update_bandits(mean, counts, slates[:, t], slate_mask[:, t], labels[:, t])
+    state, _ = _train_step(state, k_replay[idx], batch, slates, slate_mask, labels,
+                           np.arange(b) < nb, config, hparams)
     stats["learner_steps"] += 1
     stats["queries"] += nb
     if progress is not None:

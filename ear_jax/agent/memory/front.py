@@ -2,11 +2,10 @@
 
 Symbols: `d` dimension, `K` candidates, `k` memories shown (`k <= K`), `T` Explorer rounds.
 
-A memory is three objects behind one re-entrant lock: its rows (`rows.Rows`: table, device bank,
-lexical index, ANN searcher), its stage (`staging.Stage`: encoding, the first stage) and its
-learning (`learning.Learning`: the sessions and the learner they feed). Every public method
-validates its input first and raises ValueError (TypeError for wrong types; `InputTypeError` is
-both) naming the problem, with the state unchanged.
+Three parts behind one re-entrant lock: `rows.Rows` (table, device bank, lexical index, ANN),
+`staging.Stage` (encoding, first stage) and `learning.Learning` (sessions, learner). Every public
+method validates its input first: a ValueError (`InputTypeError` for a wrong type) naming the
+problem, the state unchanged.
 """
 from __future__ import annotations
 
@@ -42,11 +41,10 @@ __all__ = ["DEFAULT_SCOPE", "AnswerFeedback", "Memory", "MemoryConfig", "Recall"
 class Memory:
   """An EAR memory for a live agent.
 
-  A query's candidates are its top-K memories by the first stage (Eq. (1), or BM25 / hybrid) in
-  its scopes; a slate is the adapter's top-k or an Explorer round (Eq. (5)-(8)). A query's rounds
-  are ONE training query (Eq. (10)-(14)); every `b` closed sessions make one learner step.
-  `Memory(...)` lives in memory; `Memory.open(dir)` opens or creates a directory where every
-  add / update / delete is durable when it returns; `save()` writes the learner item.
+  A query's candidates: its top-K memories by the first stage (Eq. (1), or BM25 / hybrid) in its
+  scopes; a slate: the adapter's top-k or an Explorer round (Eq. (5)-(8)). A query's rounds are
+  ONE training query (Eq. (10)-(14)); every `b` closed sessions make one learner step.
+  `Memory.open(dir)`: every add / update / delete durable on return; `save()`: the learner item.
 
   Args:
     memory_config: a `MemoryConfig`; or, as a first positional argument that is not one, the
@@ -61,11 +59,10 @@ class Memory:
     self._learning.warm()
 
   def _setup(self, cfg: MemoryConfig, slot: EncoderSlot, table, root, hold, learner) -> None:
-    """Builds the rows of `table` and a fresh learning (or one from a `learner` state)."""
     compilation_cache.enable()  # (a second process loads what this one compiles)
     self._cfg, self._encoder, self._root, self._hold = cfg, slot, root, hold
-    self._ear, self._hparams = cfg._resolved()  # pylint: disable=protected-access
-    config = self._ear
+    self._ear = config = cfg.ear
+    self._hparams = cfg.learner_hparams
     slot.check_dim(config.dim, root)
     self._lock, self._save_lock = threading.RLock(), threading.Lock()
     self._stats, self._generation = collections.Counter(), 0
@@ -82,12 +79,10 @@ class Memory:
   @classmethod
   def open(cls, path, memory_config: Optional[MemoryConfig] = None, /, *, encoder: Any = UNSET,
            learner: Optional[learner_lib.LearnerState] = None, **settings) -> "Memory":
-    """Opens (or creates, with `memory_config` / `settings`) the memory directory `path`.
-
-    An existing directory keeps its stored `MemoryConfig` (a different one is a ValueError);
-    `encoder` replaces the stored spec (same dimension and model identity); `learner` seeds a NEW
-    directory. Holds the owner lock until `close` (`DirectoryInUseError` for anyone else). A
-    corrupted file is a `CheckpointError` naming it (`CheckpointFormatError`: an old layout)."""
+    """Opens (or creates, with `memory_config` / `settings`) the memory directory `path`, holding
+    its owner lock until `close` (`DirectoryInUseError` for anyone else). An existing directory
+    keeps its `MemoryConfig` (another one: ValueError); `encoder` replaces the stored spec (same
+    model); `learner` seeds a NEW directory. A corrupted file: a `CheckpointError` naming it."""
     if memory_config is not None and not isinstance(memory_config, MemoryConfig):
       raise InputTypeError(f"memory_config must be a MemoryConfig, got "
                            f"{type(memory_config).__name__}")
@@ -124,7 +119,7 @@ class Memory:
       raise
 
   def _restore_learner(self, root: pathlib.Path) -> bool:
-    """Restores the learner item of `root`; True when it must be written again."""
+    """True when the restored learner item must be written again."""
     arrays, meta, where = persistence.read_learner_of(root, self._rows.table.identity,
                                                       self._rows.next_row)
     self._stats.update(meta["stats"])
@@ -174,11 +169,11 @@ class Memory:
       if self._rows.closed:
         return
       self._rows.close()
-      self._learning.close_memory()
+      self._learning.registry.closed_memory = True
       if self._hold is not None:
         self._hold.release()
         self._hold = None
-    self._learning.join_warm()  # (a process must not exit while a thread compiles)
+    self._learning.driver.join_warm()  # (a process must not exit while a thread compiles)
 
   def __enter__(self) -> "Memory":
     return self
@@ -206,8 +201,7 @@ class Memory:
   @property
   def stats(self) -> collections.Counter:
     """A `Counter` of events (adds, searches, rounds, learner steps, ...) and gauges: `memories`,
-    `capacity`, `ready` / `pending` / `sessions`, `generation` (learner items saved),
-    `serves_adapter` (0: the guard serves the first stage) and `guard_evidence`."""
+    `capacity`, `ready`, `pending`, `sessions`, `generation`, `serves_adapter`, `guard_evidence`."""
     with self._lock:
       batcher = self._stage.batcher
       batched = {} if batcher is None else batcher.counts()
@@ -233,10 +227,9 @@ class Memory:
     Args:
       texts: one string, or a sequence of non-empty strings.
       store: 'dialogue' (episodic, 0) or 'observation' (semantic, 1), or one per text.
-      ids: `n` unique string ids not yet held; default `"m<row>"`, or the next free `"m<j>"`.
-      embeddings: optional `[n, d]` real embeddings (any magnitude; normalised here).
-      scope: the scope of these memories (None: `DEFAULT_SCOPE`).
-      dates: one date per text (free text or ISO 8601); None: now (UTC, ISO 8601).
+      ids: `n` unique new string ids; default `"m<row>"` (or the next free `"m<j>"`).
+      embeddings: optional `[n, d]` real embeddings (normalised here).
+      scope: their scope (None: `DEFAULT_SCOPE`); dates: one per text (None: now, UTC ISO 8601).
 
     Returns:
       The ids of the added memories.
@@ -274,8 +267,8 @@ class Memory:
 
   def delete(self, ids) -> list[str]:
     """Deletes memories everywhere (table bytes overwritten, device / lexical / ANN rows, sessions
-    that had one as a candidate, queued items, replay buffer) and returns their ids; a saved item
-    holding a dropped question is rewritten first. Unknown ids: ValueError, nothing changed."""
+    showing one, queued items, replay buffer; a saved item holding a dropped question rewritten)
+    and returns their ids. Unknown ids: ValueError, nothing changed."""
     ids = checks_lib.check_ids(ids)
     with self._lock:
       rows = self._rows.rows_of(ids, "ids")
@@ -360,19 +353,19 @@ class Memory:
 
   def recall(self, question: str, critic, k: int = 5, *, query_embedding=None,
              learn: bool = True, scope=None, rule: Optional[str] = None) -> Recall:
-    """T Explorer rounds of `question` with `critic`, recorded as ONE training query, and the
-    final slate `config.final_slate` names (see `ear_jax.agent.memory.recall`).
+    """T Explorer rounds of `question` with `critic` as ONE training query, and the final slate
+    `config.final_slate` names (`ear_jax.agent.memory.recall`).
 
     Args:
       question: the question's text (shown to the critic).
       critic: `critic(key, view) -> labels [k]` or None (e.g. `LLMCritic`), or
         `AnswerFeedback(answer_fn)` (this memory's encoder embeds the answers).
-      k: memories per slate and in the answer, at most (fewer when the scopes hold fewer).
+      k: memories per slate and in the answer, at most.
       query_embedding: optional `[d]` precomputed embedding of the question.
       learn: False: nothing trains (explorer-assisted inference, `core.inference.evaluate`).
       scope: the scopes the candidates come from (None: every scope).
-      rule: 'explorer' (T Explorer rounds; default to learn) or 'paging' (`learn=False` only,
-        its default: T pages of the served ranking, `core.retrieval.paging_slate`).
+      rule: 'explorer' (the default to learn) or 'paging' (`learn=False` only, its default: T
+        pages of the served ranking, `core.retrieval.paging_slate`).
     """
     if not isinstance(question, str) or not question:
       raise ValueError("recall needs the question's text (a non-empty string): the critic reads it")

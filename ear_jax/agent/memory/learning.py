@@ -1,11 +1,10 @@
-"""`Learning`: a `Memory`'s sessions and the learner they feed, behind the memory's lock.
+"""`Learning`: a `Memory`'s sessions (`registry.Registry`) and the learner they feed
+(`driver.Driver`), behind the memory's lock.
 
 Symbols: `K` candidates, `k` memories shown, `T` Explorer rounds, `b` batch size.
 
-It owns the session registry (`registry.Registry`), the learner (`driver.Driver`) and the
-parameters test-time slates rank by (the guard's served ones). `recall.Session` calls its public
-methods, each one locked step; every `b` closed sessions make ONE learner step. `forget` is a
-delete's learning side. Encoding an answer and calling a host critic run outside the lock.
+`recall.Session` calls its methods, each one locked step (encoding an answer and a host critic run
+outside the lock); every `b` closed sessions make ONE learner step. `forget` is a delete's side.
 """
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ from ear_jax.agent.memory.sessions import Slate, citation_labels
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import guard as guard_lib
 
-# The served parameters of a guarded memory in one compiled call (`core.guard.served_params`).
 _served = jax.jit(guard_lib.served_params, static_argnums=2)
 
 
@@ -39,15 +37,8 @@ _copy = jax.jit(lambda tree: jax.tree_util.tree_map(jnp.copy, tree))  # (one cal
 
 
 class Learning:
-  """The sessions and the learner of one memory.
-
-  Args:
-    config, hparams, seed, max_sessions: resolved settings of the memory.
-    rows, lock, stats: the memory's `rows.Rows`, re-entrant lock and shared counters.
-    embed_answer: `embed_answer(texts) -> [n, d]`, the memory's encoder for answers.
-    learner: a learner state to start from (default: a fresh one from the seed).
-    warm: compile the learner step in the background (`MemoryConfig.warm_learner`).
-  """
+  """The sessions and the learner of one memory: its settings, `rows.Rows`, lock and counters,
+  `embed_answer(texts) -> [n, d]`, a learner state (None: fresh from the seed), `warm_learner`."""
 
   def __init__(self, config, hparams, seed: int, max_sessions: int, rows, lock,
                stats: collections.Counter, embed_answer: Callable, learner=None,
@@ -97,7 +88,7 @@ class Learning:
     return bool(serve), int(n)
 
   def train(self) -> int:
-    """Trains every queued session now (`Driver.flush`); returns the learner steps taken."""
+    """`Driver.flush` under the lock; returns the learner steps taken."""
     with self._lock:
       if not self.driver.ready:
         return 0
@@ -129,7 +120,6 @@ class Learning:
     return s.sid, bool(held)
 
   def round(self, sid: int, k, explore: bool) -> Slate:
-    """Session `sid`'s next round of at most `k` memories (its kind decides which)."""
     k = check_k(k, self.config.num_candidates)
     explore = bool(explore)
     with self._lock:
@@ -143,7 +133,6 @@ class Learning:
       return Slate.of(self._records(s, pos), scores, s.rounds + 1, explore, sid, s.query)
 
   def feedback(self, sid: int, cited_ids, answer) -> bool:
-    """Labels the open round by the cited ids and / or the agent's answer (their union)."""
     what = lambda s: f"session {sid} round {s.rounds + 1}"
     with self._lock:
       s = self.registry.get(sid, open_round=True)
@@ -168,7 +157,7 @@ class Learning:
 
   def critique(self, sid: int, critic) -> Optional[np.ndarray]:
     """The open round of `sid` shown to a host critic outside the lock (key: `registry.CriticKeys`);
-    its labels applied, or None: the round discarded. Returns the critic's labels."""
+    returns its labels, applied (None: the round discarded)."""
     if isinstance(critic, episode.AnswerFeedback):
       critic = critic.bound(self._embed_answer)
     with self._lock:
@@ -205,7 +194,7 @@ class Learning:
     return labels
 
   def close(self, sid: int) -> bool:
-    """Closes session `sid` (queued when it has feedback; a frozen one is released)."""
+    """Closes session `sid` (queued with feedback; a test-time one released)."""
     with self._lock:
       s = self.registry.get(sid)
       item = s.close()
@@ -226,22 +215,13 @@ class Learning:
         raise ValueError(f"session {sid} is closed: open a new session")
       return s.query, s.scope, s.trains, bool(s.held)
 
-  def close_memory(self) -> None:
-    """Every later session call is refused (the memory was closed)."""
-    with self._lock:
-      self.registry.closed_memory = True
-
-  def join_warm(self) -> None:
-    """Waits for the learner's warm-up compilation, if one runs; call it without the lock."""
-    self.driver.join_warm()
-
   def info(self, sid: int) -> tuple[int, bool]:
     with self._lock:
       s = self.registry.get(sid)
       return s.rounds, s.closed
 
   def answer(self, sid: int, k) -> Slate:
-    """`sessions.paging_answer` of the pages session `sid` showed, less what was deleted since."""
+    """`sessions.paging_answer` of session `sid`'s pages, less what was deleted since."""
     k = None if k is None else check_k(k, self.config.num_candidates)
     with self._lock:
       s = self.registry.get(sid)
@@ -255,14 +235,13 @@ class Learning:
       if k is None:
         k = len(pages[0][0]) if pages else 0
       answer, _ = sessions_lib.paging_answer(shown, labels, k)
-      recs = {i: (text, store) for p in shown for i, text, store in zip(p.ids, p.texts, p.stores)}
-      return Slate(ids=tuple(i for i, _ in answer), texts=tuple(recs[i][0] for i, _ in answer),
-                   stores=tuple(recs[i][1] for i, _ in answer),
-                   scores=tuple(float(sc) for _, sc in answer), round=s.rounds, explore=False,
-                   session_id=sid, query=s.query)
+      recs = {i: dict(id=i, text=text, store=store)
+              for p in shown for i, text, store in zip(p.ids, p.texts, p.stores)}
+      return Slate.of([recs[i] for i, _ in answer], [sc for _, sc in answer], s.rounds, False,
+                      sid, s.query)
 
   def final(self, sid: int, k: int) -> tuple[tuple, tuple]:
-    """`(ids, scores)`: the top-k by bandit mean, ties by adapted relevance ('exploit')."""
+    """`(ids, scores)` of 'exploit': the top-k by bandit mean, ties by adapted relevance."""
     with self._lock:
       s = self.registry.get(sid)
       got = s.final(k, self.driver.state.params)
@@ -302,9 +281,8 @@ class Learning:
   # forgetting (a delete's or an update's learning side; call under the lock)
 
   def forget(self, rows: np.ndarray, recs: list[dict], verb: str) -> bool:
-    """Forgets bank `rows`: sessions showing one dropped untrained (frozen ones masked), the
-    learner masked (`Driver.forget`). True when the saved learner item holds the question of a
-    dropped session: the caller must save again before it returns."""
+    """Forgets bank `rows` in the sessions (`QuerySession.forget`) and the learner. True when the
+    saved learner item holds the question of a dropped session: the caller must save again."""
     names = {int(r["row"]): r["id"] for r in recs}
     held = set(self.registry.by_id)
     for sid, s in list(self.registry.by_id.items()):
@@ -341,8 +319,6 @@ class Learning:
     if dropped:
       self.stats["sessions_dropped_by_delete"] += dropped
     return bool(self.saved_questions - set(self.registry.by_id))
-
-  # ----------------------------------------------------------------------------------------------
 
   def _apply(self, s, labels: np.ndarray) -> int:
     item = s.record(labels, self.config.num_rounds)

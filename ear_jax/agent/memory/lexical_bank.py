@@ -1,7 +1,7 @@
 """The lexical first stage of `Memory`: its vocabulary, its `lexical.BM25Index`, and the search.
 
 Symbols: `C` bank capacity, `d` dimension, `K` candidates, `q` queries of one call (padded to a
-power of two), `F = len(options.feature_names)` side features.
+power of two), `F = len(first_stage.FEATURES)` side features.
 
 It ranks exactly as the benchmark pipeline ranks one bank: the same tokens, the same incremental
 BM25 (a scoped query scores with its scopes' statistics) and the same kernel
@@ -44,7 +44,6 @@ class LexicalBank:
   def __init__(self, candidates: str, options: first_stage.FirstStageOptions, multistore: bool):
     first_stage.check_generator(candidates)
     self.candidates, self.options, self.multistore = candidates, options, bool(multistore)
-    self.num_features = len(options.feature_names)
     self.vocab: dict[str, int] = {}  # term -> id
     self._term_of: dict[int, str] = {}  # id -> term
     self._next_id = 0  # ids are never reused within a run (a dead id may still have postings)
@@ -126,13 +125,6 @@ class LexicalBank:
     self.index.add(np.asarray(table_rows.rows, np.int64)[keep], codes[keep],
                    np.asarray(table_rows.terms, np.int32)[at], new_offsets)
 
-  def speakers(self, texts: Sequence[str], stores, new_vocab: tuple = ()) -> np.ndarray:
-    """`[n]` int32 term id of each row's speaker (-1: none or not indexed). Pure."""
-    new = dict(new_vocab)
-    names = lexical.speaker_terms(texts)
-    return np.asarray([self.vocab.get(t, new.get(t, -1)) if t and indexed else -1
-                       for t, indexed in zip(names, self._indexed(stores))], np.int32)
-
   def query_ids(self, tokens: Sequence[str]) -> np.ndarray:
     """`[t]` int32 ids of a query's tokens (`tokenize`), unknown terms left out."""
     return lexical.term_ids(self.vocab, tokens)
@@ -146,7 +138,6 @@ class LexicalBank:
     q, padded = len(queries), bank_lib.pad_queries(queries)
     ids = [self.query_ids(t) for t in tokenize(query_texts)]
     found = self._scores(ids, allowed)
-    terms = first_stage.pad_terms(ids, len(padded)) if self.options.uses_context else None
     cand = bank_lib.scope_candidates(scope_rows, allowed, bank.emb.shape[0], len(padded))
     if cand is None:
       lex_rows, lex_scores = first_stage.pairs(found, bank.emb.shape[0], len(padded))
@@ -157,10 +148,10 @@ class LexicalBank:
           len(padded))
     params, hparams, size, explore = slate if slate is not None else (None, None, None, False)
     out = _search(padded, bank, bank_lib.query_allowed(allowed, len(padded)), cand, lex_rows,
-                  lex_scores, terms, params, hparams if explore else None, k=k,
+                  lex_scores, params, hparams if explore else None, k=k,
                   multistore=self.multistore, generator=self.candidates, options=self.options,
                   slate_size=None if size is None else int(size), explore=bool(explore))
-    return bank_lib.unpack(out, q, k, bank.emb.shape[1] + self.num_features, size)
+    return bank_lib.unpack(out, q, k, bank.emb.shape[1] + len(first_stage.FEATURES), size)
 
   def _scores(self, ids: list, allowed) -> list:
     """BM25 pairs of each query with its scopes' statistics (one call per distinct spec)."""
@@ -185,25 +176,22 @@ def _positions(cand: np.ndarray, rows: np.ndarray, scores: np.ndarray):
 
 @functools.partial(jax.jit, static_argnames=("k", "multistore", "generator", "options",
                                              "slate_size", "explore"))
-def _search(queries, bank, allowed, cand, lex_rows, lex_scores, terms, params, hparams, *, k,
+def _search(queries, bank, allowed, cand, lex_rows, lex_scores, params, hparams, *, k,
             multistore, generator, options, slate_size, explore):
   """`first_stage.rank_bank` over the allowed live rows, then `bank.finish`, in one call."""
-  def ranked(queries, allowed, cand, lex_rows, lex_scores, terms):
+  def ranked(queries, allowed, cand, lex_rows, lex_scores):
     if cand is None:
       emb, stores = bank.emb, bank.stores
       where = bank.valid if allowed is None else bank.valid & allowed[bank.scopes]
     else:
       emb, where, stores = bank_lib.gathered(bank, allowed, cand)
-    ctx = None if terms is None else first_stage.Context(*bank_lib.context_of(bank, cand), terms)
     rows, mask, _, feats = first_stage.rank_bank(queries, emb, where, stores, lex_rows,
                                                  lex_scores, k=k, generator=generator,
-                                                 options=options, multistore=multistore,
-                                                 context=ctx)
+                                                 options=options, multistore=multistore)
     if cand is not None:
       rows = bank_lib.rows_at(cand, rows, mask)
     return rows, mask, feats
 
-  rows, mask, feats = bank_lib.per_query(ranked, queries, allowed, cand, lex_rows, lex_scores,
-                                         terms)
+  rows, mask, feats = bank_lib.per_query(ranked, queries, allowed, cand, lex_rows, lex_scores)
   slate = None if slate_size is None else (params, hparams, slate_size, explore)
   return bank_lib.finish(queries, bank.emb, rows, mask, features=feats, slate=slate)

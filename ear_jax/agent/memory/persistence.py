@@ -6,13 +6,13 @@
     <dir>/.owner        the owner lock (`own`)
 
 The learner item (learner state, hyperparameters, queued items, open sessions; candidates as bank
-rows, never a memory's embedding or text) carries a verified JSON meta naming its table's
-identity (another table's item is refused). A save verifies the new step before deleting the old
-one, so a kill at any moment leaves one of them. `<dir>/ann` is removed by a delete of a row it
-covers, and a stale one is removed at open before anything is served.
+rows) carries a verified JSON meta naming its table's identity. A save verifies the new step before
+deleting the old one: a kill leaves one of them. `<dir>/ann` is removed by a delete of a row it
+covers (a stale one at open).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pathlib
@@ -67,8 +67,7 @@ def _caller() -> str:
 
 
 def own(root: pathlib.Path, how: str = "Memory.open"):
-  """The owner lock (a `Hold`) of `root`: one process, and one `Memory` in it, at a time. None for
-  a directory this process cannot write.
+  """The owner lock (a `Hold`) of `root`, one `Memory` at a time; None: `root` is not writable.
 
   Raises:
     DirectoryInUseError: another process (naming its pid) or `Memory` (naming where) holds it.
@@ -116,40 +115,30 @@ def read_meta(root: pathlib.Path) -> Optional[dict]:
   return None if step is None else _learner_meta(store, step, store.read_meta(step))
 
 
-def read_learner(root: pathlib.Path) -> tuple[dict, dict, str]:
-  """`(arrays, meta, where)` of the latest learner item of `root` (verified).
-
-  Raises:
-    CheckpointError: none there, or a corrupted one (`CheckpointFormatError`: another format).
-  """
-  store = checkpoints.CheckpointStore(root / LEARNER)
-  step = store.latest_step()
-  if step is None:
-    raise checkpoints.CheckpointError(f"{root}: no learner item in {root / LEARNER}")
-  arrays, meta = store.restore(step)
-  where = f"the learner item {root / LEARNER} (step {step})"
-  return arrays, _learner_meta(store, step, meta), where
-
-
 def remove_ann(root: pathlib.Path, only_trash: bool = False) -> None:
   """Removes `<root>/ann`, renamed away first (every open deletes `.ann-trash-*` leftovers)."""
   if not only_trash:
-    try:
+    with contextlib.suppress(FileNotFoundError):
       os.rename(root / ANN, root / f".{ANN}-trash-{os.getpid()}")
-    except FileNotFoundError:
-      pass
   for p in root.glob(f".{ANN}-trash-*"):
     shutil.rmtree(p, ignore_errors=True)
 
 
 def read_learner_of(root: pathlib.Path, table_identity: str, next_row: int
                     ) -> tuple[dict, dict, str]:
-  """`read_learner` of the memory whose table has `table_identity` and ends at `next_row`.
+  """`(arrays, meta, where)` of the latest learner item of `root`, verified, of the table with
+  `table_identity` ending at `next_row`.
 
   Raises:
-    CheckpointError: the item belongs to another table or names rows it lacks (naming the files).
+    CheckpointError: none there, a corrupted one (`CheckpointFormatError`: another format), or
+      one of another table or naming rows it lacks (naming the files).
   """
-  arrays, meta, where = read_learner(root)
+  store = checkpoints.CheckpointStore(root / LEARNER)
+  step = store.latest_step()
+  if step is None:
+    raise checkpoints.CheckpointError(f"{root}: no learner item in {root / LEARNER}")
+  arrays, meta = store.restore(step)
+  meta, where = _learner_meta(store, step, meta), f"the learner item {root / LEARNER} (step {step})"
   table = meta.get("table")  # (None: an item saved before tables had an identity)
   if table is not None and table != table_identity:
     raise checkpoints.CheckpointError(

@@ -2,12 +2,10 @@
 
 Symbols: `K` candidates, `k` memories returned, `T` Explorer rounds (`EARConfig.num_rounds`).
 
-`recall` plays T Explorer rounds with a host critic (`critic(key, view) -> labels [k]` or None: an
-unusable reply ends the rounds with no update) as ONE training query, then the slate
-`EARConfig.final_slate` names: `inference.evaluate`'s explorer-assisted slate for the same inputs.
-With `learn=False` it pages the served ranking instead (a guard's held-out session: the first
-stage's). A delete meanwhile never makes it fail: it drops a learning session untrained, and the
-answer holds the memories as they are when recall returns.
+`recall` plays T Explorer rounds with a host critic (`critic(key, view) -> labels [k]` or None: no
+update, no more rounds) as ONE training query, then the slate `EARConfig.final_slate` names
+(`inference.evaluate`'s for the same inputs); a test-time or held-out session pages a ranking
+instead. A delete meanwhile never makes it fail: the answer holds the memories still there.
 """
 from __future__ import annotations
 
@@ -21,25 +19,15 @@ RULES = ("explorer", "paging")
 
 @dataclasses.dataclass(frozen=True)
 class Recall:
-  """What `Memory.recall` returns.
-
-  Attributes:
-    ids, texts, stores: `[k]` the final slate's memory ids, texts and store names, as they are
-      when recall returns (a memory deleted meanwhile is left out).
-    scores: `[k]` their adapted relevance `z`.
-    rounds: the `Slate`s shown to the critic, in order.
-    labels: the critic's labels of each round (None: an unusable reply or a dropped session).
-    final_slate: the rule that chose the answer: 'round_T', 'exploit' or 'paging'.
-    dropped: the ids shown to the critic that were deleted while recall ran.
-  """
-  ids: tuple[str, ...]
-  texts: tuple[str, ...]
-  stores: tuple[str, ...]
-  scores: tuple[float, ...]
-  rounds: tuple
-  labels: tuple
-  final_slate: str
-  dropped: tuple[str, ...] = ()
+  """What `Memory.recall` returns: the final slate's memories still held when recall returns."""
+  ids: tuple[str, ...]  # [k]
+  texts: tuple[str, ...]  # [k]
+  stores: tuple[str, ...]  # [k]
+  scores: tuple[float, ...]  # [k] adapted relevance `z`
+  rounds: tuple  # the `Slate`s shown to the critic
+  labels: tuple  # the critic's labels of each (None: no usable reply)
+  final_slate: str  # the rule that chose the answer: 'round_T', 'exploit' or 'paging'
+  dropped: tuple[str, ...] = ()  # the ids shown that were deleted while recall ran
 
   def __len__(self):
     return len(self.ids)
@@ -53,8 +41,8 @@ class Session:
     question: the question's text ('' when only an embedding was given).
     scope: the scope names its candidates came from (empty: every scope).
     learn: False for a test-time session: pages of the served ranking, nothing trains.
-    held_out: True for a session held out for the guard (`EARConfig.guard_holdout`): it pages
-      the first stage's ranking and is never trained on.
+    held_out: held out for the guard (`EARConfig.guard_holdout`): pages of the first stage's
+      ranking, never trained on.
   """
 
   def __init__(self, learning, sid: int, question: str, scope: tuple, learn: bool = True,
@@ -81,8 +69,8 @@ class Session:
   def round(self, k: int = 5, explore: bool = True) -> Slate:
     """The next round's slate of at most `k` memories (an open round without feedback is
     discarded): an Explorer round (Eq. (5)-(8)), or with `explore=False` the served top-k (its
-    feedback closes the session). At most `T` rounds. A test-time session shows the next page of
-    the served ranking (keep `k` the same on every page; past the candidates: an empty slate).
+    feedback closes the session); at most `T` rounds. A test-time session shows the next page
+    (keep `k` the same; past the candidates: an empty slate).
 
     Raises:
       SessionDroppedError: a delete / update of one of its candidates or an eviction ended it.
@@ -91,11 +79,8 @@ class Session:
     return self._learning.round(self.id, k, explore)
 
   def feedback(self, cited_ids=(), *, answer: Optional[str] = None) -> bool:
-    """Labels the open round: +1 for the memories the agent used, -1 for the others shown.
-
-    The used memories are the cited ids, plus with `answer` those the answer draws on by the
-    answer rule (`episode.answer_labels`). Updates the bandit statistics (Eq. (9)); every `b`
-    closed sessions make one learner step.
+    """Labels the open round: +1 for the memories used (the cited ids, and with `answer` those it
+    draws on, `episode.answer_labels`), -1 for the others shown (Eq. (9)).
 
     Returns:
       True when this call triggered a learner step.
@@ -111,9 +96,8 @@ class Session:
     return self._learning.close(self.id)
 
   def answer(self, k: Optional[int] = None) -> Slate:
-    """Paging's answer of a test-time session: the cited memories first, in ranking order, then
-    the ranking, cut to `k` (default: the first page's size); equal to `Memory.recall(learn=False)`
-    for the same labels. It still answers after the T-th page, until `close()`.
+    """A test-time session's answer: the cited memories, then the ranking, cut to `k` (default:
+    the first page's size); `Memory.recall(learn=False)`'s for the same labels. Until `close()`.
 
     Raises:
       ValueError: a session that plays Explorer rounds (its answer is `Memory.recall`'s).
@@ -133,21 +117,36 @@ def recall(learning, session: Session, critic, k: int, *, learn: bool, rounds: i
     raise
 
 
+def _play(session: Session, critic, k: int, rounds: int, shown: list, labels: list) -> None:
+  """Rounds (or pages) into `shown` / `labels` until `rounds`, an empty slate or no usable reply."""
+  for _ in range(rounds):
+    slate = session.round(k, explore=True)
+    if not len(slate):  # (past the candidates, or every memory it could show was deleted)
+      return
+    shown.append(slate)
+    labels.append(None)
+    labels[-1] = session.critique(critic)
+    if labels[-1] is None:  # no more rounds on guesswork
+      return
+
+
+def _recall(answer, held: dict, shown: list, labels: list, final_slate: str, dropped) -> Recall:
+  """The `Recall` of `answer` `[(id, score)]`, less the ids not `held`."""
+  answer = [(i, sc) for i, sc in answer if i in held]
+  return Recall(ids=tuple(i for i, _ in answer), texts=tuple(held[i]["text"] for i, _ in answer),
+                stores=tuple(held[i]["store"] for i, _ in answer),
+                scores=tuple(float(sc) for _, sc in answer), rounds=tuple(shown),
+                labels=tuple(labels), final_slate=final_slate,
+                dropped=tuple(dict.fromkeys(i for i in dropped if i not in held)))
+
+
 def _rounds(learning, session: Session, critic, k: int, learn: bool, rounds: int,
             final_slate: str) -> Recall:
   shown, labels = [], []
   try:
     if learn and session.held_out:  # held out for the guard: pages, and paging's answer
       final_slate = "paging"
-    for _ in range(rounds):
-      slate = session.round(k, explore=True)
-      if not len(slate):  # (frozen: every memory it could show was deleted)
-        break
-      shown.append(slate)
-      labels.append(None)
-      labels[-1] = session.critique(critic)
-      if labels[-1] is None:  # an unusable reply: no update, and no more rounds on guesswork
-        break
+    _play(session, critic, k, rounds, shown, labels)
     ids, scores = (shown[-1].ids, shown[-1].scores) if shown else ((), ())
     if final_slate == "paging":  # (a held-out session's pages: paging's answer)
       answer, _ = paging_answer(shown, labels, k)
@@ -162,41 +161,25 @@ def _rounds(learning, session: Session, critic, k: int, learn: bool, rounds: int
     held = learning.records(list(ids) + [i for s in shown for i in s.ids], None)
   if not learn:
     learning.count("frozen_recalls")
-  keep = [j for j, i in enumerate(ids) if i in held]
-  return Recall(ids=tuple(ids[j] for j in keep), texts=tuple(held[ids[j]]["text"] for j in keep),
-                stores=tuple(held[ids[j]]["store"] for j in keep),
-                scores=tuple(float(scores[j]) for j in keep), rounds=tuple(shown),
-                labels=tuple(labels), final_slate=final_slate,
-                dropped=tuple(dict.fromkeys(i for s in shown for i in s.ids if i not in held)))
+  return _recall(zip(ids, scores), held, shown, labels, final_slate,
+                 [i for s in shown for i in s.ids])
 
 
 def _pages(learning, session: Session, critic, k: int, rounds: int) -> Recall:
   """Paging: page t of the served ranking in round t; the answer as `retrieval.paging_slate`."""
   shown, labels = [], []
-  for _ in range(rounds):
-    page = session.round(k)  # (a paging session's round t + 1 is page t)
-    if not len(page):  # past the candidates (or every one was deleted)
-      break
-    shown.append(page)
-    labels.append(session.critique(critic))
-    if labels[-1] is None:
-      break
+  _play(session, critic, k, rounds, shown, labels)
   answer, ranked = paging_answer(shown, labels, k)
   held = learning.records([i for i, _, _ in ranked], session.id)
   session.close()
   learning.count("frozen_recalls")
-  answer = [(i, sc) for i, sc in answer if i in held]
-  return Recall(ids=tuple(i for i, _ in answer), texts=tuple(held[i]["text"] for i, _ in answer),
-                stores=tuple(held[i]["store"] for i, _ in answer),
-                scores=tuple(float(sc) for _, sc in answer), rounds=tuple(shown),
-                labels=tuple(labels), final_slate="paging",
-                dropped=tuple(dict.fromkeys(i for i, _, _ in ranked if i not in held)))
+  return _recall(answer, held, shown, labels, "paging", [i for i, _, _ in ranked])
 
 
 def llm_feedback(memory, critic, query: str, k: int = 5, explore: bool = True, *,
                  query_embedding=None) -> tuple[Slate, object]:
-  """One agent step with a host critic: a session of one round, critiqued, then closed. An
-  unusable reply (None) gives no update and is counted (`stats['critic_no_update']`).
+  """One agent step with a host critic: a session of one round, critiqued, then closed (a reply of
+  None: no update, counted in `stats['critic_no_update']`).
 
   Returns:
     `(slate, labels)`: labels `[k]` float32 in {-1, +1}, or None.

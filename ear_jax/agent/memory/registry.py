@@ -1,13 +1,10 @@
-"""The open sessions of one `Memory` by id (least recently used first), and the critic's keys.
+"""The open sessions of one `Memory` by id, and the critic's keys.
 
 Symbols: `K` candidates, `T` Explorer rounds, `d` dimension.
 
-`Registry` keeps at most `max_sessions` sessions (the least recently used evicted, closed first,
-with their items). A session gone by eviction or a delete is remembered with the reason, so its
-handle raises a `SessionDroppedError` saying why. `snapshot` saves learning sessions only, their
-candidates as bank rows, never a memory's embedding or text.
-
-Not thread-safe on its own: `Learning` holds the memory's lock around every call.
+`Registry` keeps at most `max_sessions` sessions (the least recently used evicted, closed first);
+a session gone is remembered with the reason its handle's `SessionDroppedError` gives. `snapshot`
+saves learning sessions only, candidates as bank rows. Not thread-safe: `Learning` holds the lock.
 """
 from __future__ import annotations
 
@@ -36,11 +33,9 @@ class Registry:
   """The sessions of one memory, least recently used first (at most `max_sessions`)."""
 
   def __init__(self, config: EARConfig, max_sessions: int):
-    self.config = config
-    self.max_sessions = int(max_sessions)
+    self.config, self.max_sessions = config, int(max_sessions)
     self.by_id: "collections.OrderedDict[int, QuerySession]" = collections.OrderedDict()
-    self.next_session = 0
-    self.clock = 0
+    self.next_session, self.clock = 0, 0
     self.gone: "collections.OrderedDict[int, str]" = collections.OrderedDict()  # sid -> why
     self.closed_memory = False  # set by `Memory.close`: every session call is refused
 
@@ -64,10 +59,9 @@ class Registry:
     if open_round and s.open_slate is None:
       raise ValueError(f"session {sid} has no open round to label: call round() first (each "
                        "round takes feedback once)")
-    if open_round is False:
-      if s.rounds >= self.config.num_rounds:
-        raise ValueError(f"session {sid} has played all T={self.config.num_rounds} Explorer "
-                         "rounds (Alg. 2); open a new session")
+    if open_round is False and s.rounds >= self.config.num_rounds:
+      raise ValueError(f"session {sid} has played all T={self.config.num_rounds} Explorer "
+                       "rounds (Alg. 2); open a new session")
     return s
 
   def new(self, kind: type, query: str, query_emb, cand_idx, cand_emb, cand_mask, scope=(),
@@ -111,9 +105,6 @@ class Registry:
     self.gone[sid] = reason
     while len(self.gone) > MAX_GONE:
       self.gone.popitem(last=False)
-
-  # ----------------------------------------------------------------------------------------------
-  # the learner item: rows instead of the candidates' embeddings
 
   def snapshot(self):
     """`(arrays, meta)`: host copies of the learning sessions (no arrays when none)."""

@@ -21,7 +21,7 @@ from ear_jax.agent.memory import persistence
 from ear_jax.agent.memory import scopes as scopes_lib
 from ear_jax.agent.memory import table as table_lib
 from ear_jax.core.config import EARConfig
-from ear_jax.data import first_stage
+
 
 class Rows:
   """The memories of one `Memory`: `table` and everything derived from it (`root`'s `ann/`
@@ -32,29 +32,21 @@ class Rows:
     dim = config.dim
     self.table, self.dim, self.root = table, dim, root
     self.multistore = cfg.multistore
-    self.context = cfg.first_stage.uses_context
-    self.stage = cfg.first_stage_name
-    held = table.read_all(texts=self.context)
+    held = table.read_all()
     self.next_row = int(held.next_row)
-    row_scopes = [held.scope_names[c] for c in held.scope_codes]
     self.scopes, codes = scopes_lib.ScopeNames.from_rows(
-        row_scopes, held.stores, held_before=held.next_row > len(held.rows))
+        [held.scope_names[c] for c in held.scope_codes], held.stores,
+        held_before=held.next_row > len(held.rows))
     self.scope_rows = scopes_lib.ScopeRows(held.rows, codes)
     self.lexical = None
     if lexical_bank.needs_lexical(cfg.first_stage_name, config.side_features):
       self.lexical = lexical_bank.LexicalBank(cfg.first_stage_name, cfg.first_stage,
                                               cfg.multistore)
       self.lexical.restore(held, codes)
-    # features='context': (scope, date) -> session code; each session's live rows by place
-    self._date_codes, self._turns = {}, scopes_lib.SessionTurns()
-    context = ()
-    if self.context:
-      context = self._context(held.rows, held.texts, held.dates, row_scopes, held.stores, (),
-                              held.places)[0]
     self.bank = bank_lib.write(
         bank_lib.empty(dim, max(cfg.initial_capacity, config.num_candidates, held.next_row),
                        cfg.bank_dtype),
-        held.rows, held.embeddings, held.stores, codes, *context)
+        held.rows, held.embeddings, held.stores, codes)
     self.searcher = None
     if cfg.index != "exact" and root is not None:
       self.searcher = bank_lib.Searcher.load(root / persistence.ANN, cfg.index,
@@ -162,7 +154,7 @@ class Rows:
                                       for t in enc.terms]  # (not indexed: no terms)
     rows = self.table.insert(ids, texts, codes, [scope] * len(ids), dates, emb, terms,
                              () if enc is None else enc.new_vocab, source)
-    self._put(rows, emb, codes, scope, enc, texts, dates)
+    self._put(rows, emb, codes, scope, enc)
     return rows
 
   def delete(self, rows: np.ndarray) -> list[dict]:
@@ -188,31 +180,17 @@ class Rows:
     new = self.table.replace(int(row), rec["id"], new_text, int(code[0]), rec["scope"],
                              rec["date"], emb[0], *lex, source=source)
     self._unput(rows, [rec])
-    self._put(np.asarray([new]), emb, code, rec["scope"], enc, [new_text], [rec["date"]],
-              self.table.places([new]))  # (the memory keeps its place: its turn)
+    self._put(np.asarray([new]), emb, code, rec["scope"], enc)
     if self.lexical is not None:
       self.lexical.delete(rows)
     return rec, int(new)
 
-  def _context(self, rows, texts, dates, scopes, stores, new_vocab=(), places=None):
-    """features='context': new rows' `((sessions, speakers, turns) [n] int32, {row: turn} moved)`;
-    a session per (scope, date), a turn by place among its session's live rows."""
-    sessions = first_stage.session_codes([(s, d) if d else None for s, d in zip(scopes, dates)],
-                                         self._date_codes)
-    turns, moved = self._turns.add(rows, sessions, places)
-    return (sessions, self.lexical.speakers(texts, stores, new_vocab), turns), moved
-
-  def _put(self, rows, emb, codes, scope: str, enc, texts, dates, places=None) -> None:
+  def _put(self, rows, emb, codes, scope: str, enc) -> None:
     """Rows the table just took into the bank, the scopes, the searcher and the lexicon."""
     scodes = self.scopes.codes([scope] * len(rows))
     self.scopes.count(scodes, codes)
     self.scope_rows.add(rows, scodes)
-    context, moved = ((), {})
-    if self.context:
-      context, moved = self._context(rows, texts, dates, [scope] * len(rows), codes,
-                                     enc.new_vocab, places)
-    self.bank = bank_lib.write(self.bank, rows, emb, codes, scodes, *context)
-    self.bank = bank_lib.set_turns(self.bank, list(moved), list(moved.values()))
+    self.bank = bank_lib.write(self.bank, rows, emb, codes, scodes)
     if self.searcher is not None:
       self.searcher.add(rows, emb, codes, scodes)
     if self.lexical is not None:
@@ -224,9 +202,6 @@ class Rows:
     self.scopes.count(self.scopes.codes([r["scope"] for r in recs]),
                       checks_lib.store_codes([r["store"] for r in recs], len(recs)), -1)
     self.bank = bank_lib.tombstone(self.bank, rows)
-    if self.context:  # (the session's later rows move up one)
-      moved = self._turns.remove(rows)
-      self.bank = bank_lib.set_turns(self.bank, list(moved), list(moved.values()))
     self.scope_rows.remove(rows)
     if self.searcher is not None:
       self.searcher.remove(rows, self.bank)

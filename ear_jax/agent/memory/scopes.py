@@ -1,9 +1,8 @@
 """Scopes on the host: scope name <-> int32 code with the live rows per scope and store
-(`ScopeNames`), each scope's device rows in order (`ScopeRows`, so a scoped search reads only its
-scopes' rows), and each session's rows in place order (`SessionTurns`, `features='context'`)."""
+(`ScopeNames`), and each scope's device rows in order (`ScopeRows`, so a scoped search reads only
+its scopes' rows)."""
 from __future__ import annotations
 
-import bisect
 from typing import Optional, Sequence
 
 import numpy as np
@@ -153,56 +152,3 @@ class ScopeRows:
       return parts[0]
     return np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int32)
 
-
-class SessionTurns:
-  """Each session's (code >= 0) live rows in place order: a row's turn is its index there, so a
-  delete closes the gap and an update keeps the turn."""
-
-  def __init__(self):
-    self._rows: dict[int, list] = {}  # session -> sorted [(place, row)]
-    self._of: dict[int, tuple] = {}  # row -> (session, place)
-
-  def add(self, rows, sessions, places=None):
-    """Adds rows (`places` None: their own numbers). Returns `(turns [n] int32, moved)`: the new
-    rows' turns (-1 without a session) and `{row: turn}` of the other rows whose turn changed."""
-    rows = [int(r) for r in np.asarray(rows).reshape(-1)]
-    places = rows if places is None else [int(p) for p in np.asarray(places).reshape(-1)]
-    by_session: dict[int, list] = {}
-    for r, s, p in zip(rows, np.asarray(sessions).reshape(-1).tolist(), places):
-      if s >= 0:
-        by_session.setdefault(s, []).append((p, r))
-        self._of[r] = (s, p)
-    after = {}  # {row: turn} from each session's first new row on
-    for s, new in by_session.items():
-      new.sort()
-      lst = self._rows.setdefault(s, [])
-      start = len(lst)
-      lst.extend(new)
-      if start and new[0] < lst[start - 1]:  # (placed inside the session: merge, renumber after)
-        lst.sort()
-        start = bisect.bisect_left(lst, new[0])
-      after.update(_turns_from(lst, start))
-    turns = np.asarray([after.get(r, -1) for r in rows], np.int32)
-    added = set(rows)
-    return turns, {r: t for r, t in after.items() if r not in added}
-
-  def remove(self, rows) -> dict:
-    """Drops rows; returns `{row: turn}` of the live rows whose turn changed."""
-    gone: dict[int, list] = {}
-    for r in np.asarray(rows).reshape(-1).tolist():
-      got = self._of.pop(int(r), None)
-      if got is not None:
-        gone.setdefault(got[0], []).append((got[1], int(r)))
-    moved = {}
-    for s, out in gone.items():
-      lst = self._rows[s]
-      start = min(bisect.bisect_left(lst, x) for x in out)
-      drop = set(out)
-      lst[start:] = [x for x in lst[start:] if x not in drop]
-      moved.update(_turns_from(lst, start))
-    return moved
-
-
-def _turns_from(lst, start: int) -> dict:
-  """`{row: turn}` of `lst[start:]` (one session's rows by place)."""
-  return {lst[j][1]: j for j in range(start, len(lst))}

@@ -1,19 +1,19 @@
-"""Query sessions: the four kinds of session a `Memory` opens, each owning its rounds.
+"""Query sessions: one question's `K` candidates and its rounds, in four kinds.
 
-Symbols: `K` candidates per query, `k` memories shown (`k <= K`), `T` Explorer rounds
-(`config.num_rounds`), `d` dimension, `F` first-stage side features.
+Symbols: `K` candidates, `k` memories shown (`k <= K`), `T` Explorer rounds, `d` dimension, `F`
+first-stage side features.
 
-A session holds one question's `K` candidates and its rounds: `play` opens the next round,
-`record` takes its feedback (returning the `TrainItem` when that closes it), `forget` handles a
-delete. `TrainingSession`: Explorer rounds (Eq. (5)-(8)) or the served top-k, ONE training query
-(Eq. (10)-(14)). `HeldOutSession`: pages of the first stage's ranking, fed to the guard's ring,
-never trained on. `FrozenExplorerSession` / `PagingSession` (`learn=False`): nothing trains.
-A training or held-out session is dropped by a delete of a candidate; a frozen one masks it out.
+`play` opens the next round, `record` takes its feedback (the `TrainItem` when that closes it).
+`TrainingSession`: Explorer rounds (Eq. (5)-(8)) or the served top-k, ONE training query
+(Eq. (10)-(14)). `HeldOutSession`: pages of the first stage's ranking, for the guard's ring.
+`FrozenExplorerSession` / `PagingSession` (`learn=False`): nothing trains, and a delete of a
+candidate masks it out (it drops a learning session).
 """
 from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -31,24 +31,15 @@ class SessionDroppedError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Slate:
-  """Up to `k` memories shown for a question, best first (adapter-only) or in slate order.
-
-  Attributes:
-    ids, texts, stores: `[k]` memory ids, texts and store names ('dialogue' | 'observation').
-    scores: `[k]` adapted relevance logits `z` (Eq. (4)).
-    round: the 1-based round of its session (0 for `Memory.search`).
-    explore: True for an Explorer round (Eq. (8)), False for the adapter's top-k.
-    session_id: its session (-1 for `Memory.search`).
-    query: the question's text ('' when only an embedding was given).
-  """
-  ids: tuple[str, ...]
-  texts: tuple[str, ...]
-  stores: tuple[str, ...]
-  scores: tuple[float, ...]
-  round: int
-  explore: bool
-  session_id: int
-  query: str
+  """Up to `k` memories shown for a question, best first (adapter-only) or in slate order."""
+  ids: tuple[str, ...]  # [k] memory ids
+  texts: tuple[str, ...]  # [k]
+  stores: tuple[str, ...]  # [k] store names ('dialogue' | 'observation')
+  scores: tuple[float, ...]  # [k] adapted relevance logits `z` (Eq. (4))
+  round: int  # the 1-based round of its session (0 for `Memory.search`)
+  explore: bool  # an Explorer round (Eq. (8)), or the adapter's top-k
+  session_id: int  # -1 for `Memory.search`
+  query: str  # the question's text ('' when only an embedding was given)
 
   def __len__(self):
     return len(self.ids)
@@ -62,8 +53,7 @@ class Slate:
 
 
 def citation_labels(shown: list[str], cited_ids, what: str) -> np.ndarray:
-  """`[k]` labels of a shown slate: +1 for cited ids, -1 otherwise (Appendix A.2's citations);
-  TypeError / ValueError for a bad collection or an id not shown."""
+  """`[k]` labels of a shown slate: +1 for cited ids, -1 otherwise (Appendix A.2)."""
   if cited_ids is None:
     cited_ids = []
   elif isinstance(cited_ids, str):
@@ -82,9 +72,8 @@ def citation_labels(shown: list[str], cited_ids, what: str) -> np.ndarray:
 
 
 def paging_answer(shown, labels, k: int):
-  """`(answer [(id, score)] of at most k, ranked [(id, score, cited)])` of pages `shown` and their
-  `labels`: the cited memories first, then the ranking (`core.retrieval.paging_slate`); equal
-  scores keep the pages' order."""
+  """`(answer [(id, score)] of at most k, ranked [(id, score, cited)])` of pages `shown`: the
+  cited memories first, then the ranking (`core.retrieval.paging_slate`); ties in page order."""
   ranked = [(i, sc, lab is not None and len(lab) == len(p.ids) and lab[j] > 0)
             for p, lab in zip(shown, labels) for j, (i, sc) in enumerate(zip(p.ids, p.scores))]
   ranked.sort(key=lambda r: -r[1])  # (stable: pages of a ranking are in its order already)
@@ -112,13 +101,11 @@ class View(NamedTuple):
   config: Any  # the static `EARConfig`
 
 
-# A held-out session's first-stage relevance `z` and the scores its pages follow
-# (`guard.page_relevance`).
-_held_pages = jax.jit(
-    lambda params, q, c, where, config: (lambda z: (z, guard_lib.page_relevance(
-        adapter_lib.relevance(params, q, c)[0], z, where, config)))(
-            adapter_lib.relevance(guard_lib.first_stage_params(config), q, c)[0]),
-    static_argnums=4)
+@functools.partial(jax.jit, static_argnums=4)
+def _held_pages(params, q, c, where, config):
+  """A held-out session's first-stage relevance `z` and the scores its pages follow."""
+  z = adapter_lib.relevance(guard_lib.first_stage_params(config), q, c)[0]
+  return z, guard_lib.page_relevance(adapter_lib.relevance(params, q, c)[0], z, where, config)
 
 
 @dataclasses.dataclass
@@ -157,10 +144,9 @@ class QuerySession:
     """Candidates still held."""
     return int(self.cand_mask.sum())
 
-  def open(self, positions, explore: bool) -> np.ndarray:
+  def open(self, positions, explore: bool) -> None:
     self.open_slate, self.open_explore = np.asarray(positions, np.int32), bool(explore)
     self.shown += 1
-    return self.open_slate
 
   def play(self, k: int, explore: bool, view: View):
     """Opens the next round: `(positions [k'], scores [k'], explore)`; None: nothing left."""
@@ -172,18 +158,11 @@ class QuerySession:
     return self._store(labels, num_rounds)
 
   def _store(self, labels: np.ndarray, num_rounds: int) -> Optional[TrainItem]:
-    K, k = len(self.mean), len(self.open_slate)
-    slate, mask = np.full((K,), -1, np.int32), np.zeros((K,), bool)
-    lab = np.full((K,), -1.0, np.float32)
-    slate[:k], mask[:k], lab[:k] = self.open_slate, True, labels
-    self.slates[self.rounds], self.slate_mask[self.rounds], self.labels[self.rounds] = (
-        slate, mask, lab)
-    self.rounds += 1
-    self.stale = True
-    self.open_slate = None
-    if not self.open_explore or self.rounds >= num_rounds:
-      return self.close()
-    return None
+    r, k = self.rounds, len(self.open_slate)
+    self.slates[r], self.slate_mask[r], self.labels[r] = -1, False, -1.0
+    self.slates[r, :k], self.slate_mask[r, :k], self.labels[r, :k] = self.open_slate, True, labels
+    self.rounds, self.stale, self.open_slate = r + 1, True, None
+    return self.close() if not self.open_explore or self.rounds >= num_rounds else None
 
   def close(self) -> Optional[TrainItem]:
     """Closes it (an open round is discarded); its item if it has feedback to learn from."""
@@ -194,8 +173,10 @@ class QuerySession:
 
   def forget(self, hit: np.ndarray) -> bool:
     """A delete of the candidates at `hit [K]`: True when the session must be dropped."""
-    del hit
-    return True
+    if self.trains:
+      return True
+    self.cand_mask = self.cand_mask & ~hit
+    return False
 
   def pages(self):
     """`[(positions, labels or None)]` of the pages shown so far (paging's answer)."""
@@ -246,7 +227,6 @@ class QuerySession:
     return slate[slate_mask], z
 
 
-
 class TrainingSession(QuerySession):
   """A learning session: Explorer rounds, or the adapter's top-k (whose feedback closes it)."""
 
@@ -271,10 +251,6 @@ class FrozenExplorerSession(QuerySession):
     pos, z = self._explorer_round(k, True, self.params, view.hparams)
     self.open(pos, True)
     return pos, z[pos], True
-
-  def forget(self, hit):
-    self.cand_mask = self.cand_mask & ~hit
-    return False
 
 
 class _Paged(QuerySession):
@@ -317,7 +293,3 @@ class HeldOutSession(_Paged):
 class PagingSession(_Paged):
   """A test-time session (`learn=False`): pages of the served ranking; nothing trains."""
   trains = False
-
-  def forget(self, hit):
-    self.cand_mask = self.cand_mask & ~hit
-    return False

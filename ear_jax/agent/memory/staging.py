@@ -1,11 +1,9 @@
-"""`Stage`: what a `Memory` call goes through before it reaches the state: its texts encoded and
-its first stage run under the lock.
+"""`Stage`: a `Memory` call's texts encoded (outside the lock) and its first stage run under it.
 
 Symbols: `n` texts, `q` queries, `d` dimension, `K` candidates, `s` slate size.
 
-Texts are encoded outside the memory's lock; a query's first stage runs under it with the query's
-checks and the caller's `finish` in the same locked section, so a query sees every add that
-returned before it was called. With `batch_window_ms > 0` calls share windows (`batcher`).
+A query's checks, first stage and the caller's `finish` run in one locked section, so a query sees
+every add that returned before it was called. With `batch_window_ms > 0` calls share windows.
 """
 from __future__ import annotations
 
@@ -24,8 +22,7 @@ class Stage:
   def __init__(self, cfg, config, hparams, encoder, rows, lock):
     self.cfg, self.config, self.hparams = cfg, config, hparams
     self.encoder, self.rows, self._lock = encoder, rows, lock
-    self.learning = None
-    self.batcher = None
+    self.learning, self.batcher = None, None
     if cfg.batch_window_ms > 0:
       self.batcher = batcher_lib.Batcher(
           cfg.batch_window_ms / 1e3, cfg.batch_max_queries,

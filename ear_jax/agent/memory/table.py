@@ -2,18 +2,15 @@
 
 Symbols: `n` live rows, `d` embedding dimension.
 
-One table holds every live memory (id, text, store, scope, date, float32 embedding `[d]`, term
-ids, and a SHA-256 of all of them with the row number), beside the lexical vocabulary and a `meta`
-key/value table with its own SHA-256. Guarantees:
-
-  * Durable: each `insert` / `delete` / `replace` is ONE transaction (`synchronous=FULL`), on disk
-    when it returns; a kill at any moment leaves every acknowledged row, nothing half-written.
+A `memories` table (id, text, store, scope, date, float32 embedding `[d]`, term ids, and a SHA-256
+of them with the row number), the lexical vocabulary, and a `meta` table with its own SHA-256.
+  * Durable: each `insert` / `delete` / `replace` is ONE transaction (`synchronous=FULL`) on disk
+    when it returns; a kill leaves every acknowledged row, nothing half-written.
   * Forgetting leaves no bytes: `secure_delete=ON` and `journal_mode=DELETE`.
   * Row numbers are never reused (`AUTOINCREMENT`); the API speaks device rows, `row - 1`.
-  * Verified: every read checks each row's SHA-256; at open, `integrity_check` and the meta
-    digest. A damaged or foreign file is a `CheckpointError` naming the file (and the row's id).
-
-Not thread-safe on its own: `Memory` calls it under its lock.
+  * Verified: each row read against its SHA-256; at open, `integrity_check` and the meta digest.
+    A damaged or foreign file is a `CheckpointError` naming the file (and the row's id).
+Not thread-safe: `Memory` calls it under its lock.
 """
 from __future__ import annotations
 
@@ -50,41 +47,25 @@ RECORD_CACHE = 1 << 15  # verified records `records` keeps (the least recently r
 
 
 class TableRows(NamedTuple):
-  """Every live row of a table, verified (`Table.read_all`), in row order.
-
-  Attributes:
-    rows: `[n]` int64 device rows (ascending).
-    stores: `[n]` int8 store codes.
-    scope_codes: `[n]` int32 codes into `scope_names` (names in order of first row).
-    scope_names: the scope names.
-    embeddings: `[n, d]` float32.
-    terms: `[sum]` int32, every row's term ids concatenated; row i's are
-      `terms[term_offsets[i]:term_offsets[i + 1]]` (empty where NULL).
-    term_offsets: `[n + 1]` int64.
-    vocab: `(term, id)` pairs of the lexical vocabulary.
-    next_row: the device rows `< next_row` were ever used (the next insert gets `next_row`).
-    texts, dates: `[n]` each row's text and date (`read_all(texts=True)`; else None).
-    places: `[n]` int64 each row's place in the order of the memories (`Table.places`).
-  """
-  rows: np.ndarray
-  stores: np.ndarray
-  scope_codes: np.ndarray
+  """Every live row of a table, verified (`Table.read_all`), in row order."""
+  rows: np.ndarray  # [n] int64 device rows (ascending)
+  stores: np.ndarray  # [n] int8 store codes
+  scope_codes: np.ndarray  # [n] int32 codes into `scope_names` (in order of first row)
   scope_names: list
-  embeddings: np.ndarray
-  terms: np.ndarray
-  term_offsets: np.ndarray
-  vocab: list
-  next_row: int
-  texts: Optional[list] = None
-  dates: Optional[list] = None
-  places: Optional[np.ndarray] = None
+  embeddings: np.ndarray  # [n, d] float32
+  terms: np.ndarray  # [sum] int32 term ids; row i's: `terms[term_offsets[i]:term_offsets[i + 1]]`
+  term_offsets: np.ndarray  # [n + 1] int64
+  vocab: list  # (term, id) pairs of the lexical vocabulary
+  next_row: int  # the device rows < next_row were ever used (the next insert gets next_row)
+  texts: Optional[list] = None  # [n] each row's text (`read_all(texts=True)`)
+  dates: Optional[list] = None  # [n] likewise its date
+  places: Optional[np.ndarray] = None  # [n] int64 its place in the memories' order (`places`)
 
 
 def _digest(row: int, memory_id: str, text: str, store: int, scope: str, date: str,
             embedding: bytes, terms: Optional[bytes]) -> str:
-  """SHA-256 (hex) of a row's canonical encoding: the embedding's bytes; the sqlite row, the store
-  and the byte lengths of id, text, scope, date and terms (-1 for NULL terms) as decimal text;
-  then the bytes of id, text, scope, date and terms."""
+  """SHA-256 (hex) of a row: the embedding's bytes; the sqlite row, the store and the byte lengths
+  of id, text, scope, date and terms (-1: NULL) as decimal text; then the bytes of those five."""
   fields = (memory_id.encode(), text.encode(), scope.encode(), date.encode())
   h = hashlib.sha256(embedding)
   h.update(b"%d,%d,%d,%d,%d,%d,%d;" % (row, store, *map(len, fields),
@@ -96,13 +77,7 @@ def _digest(row: int, memory_id: str, text: str, store: int, scope: str, date: s
 
 
 class Table:
-  """The table at `path` (created with the schema when new; None: an in-memory table) for
-  embeddings of dimension `dim`.
-
-  Attributes:
-    identity: a random hex id made with the table (a copy keeps it); a learner item records it.
-    embedded_by: 'encoder' (some row's embedding came from an encoder), 'caller' (every row's
-      from the caller), or None (no row yet).
+  """The table at `path` (created when new; None: in memory) of embeddings of dimension `dim`.
 
   Raises:
     CheckpointError: `path` is not this table or was damaged, naming the file and the problem.
@@ -155,14 +130,14 @@ class Table:
     if self.get_meta("dim") != str(self.dim):
       raise CheckpointError(f"{self.where}: holds embeddings of dimension {self.get_meta('dim')}, "
                             f"expected {self.dim}")
-    self.identity = self._check_meta()
+    self.identity = self._check_meta()  # a random hex id made with the table (a copy keeps it)
     self._n = self._db.execute("SELECT count(*) FROM memories").fetchone()[0]
     self._places = self._read_places()
+    # 'encoder' (some row's embedding came from an encoder), 'caller' (all from the caller), None
     self.embedded_by = self.get_meta(_EMBEDDED_BY)
     self._recent = collections.OrderedDict()  # device row -> (id, text, store, scope, date)
 
   def _check_integrity(self) -> None:
-    """SQLite's `integrity_check` of the file: every page, and every index against its table."""
     with self._errors():
       problems = [p for (p,) in self._db.execute("PRAGMA integrity_check(5)")]
     if problems != ["ok"]:
@@ -179,7 +154,7 @@ class Table:
     return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
   def _seal_meta(self) -> None:
-    """Writes the meta table's digest (inside the caller's transaction, after its meta writes)."""
+    """Writes the meta table's digest (inside the caller's transaction)."""
     self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)",
                      (_META_DIGEST, self._meta_digest()))
 
@@ -198,7 +173,7 @@ class Table:
     return self.get_meta(_IDENTITY)
 
   def _read_places(self) -> dict:
-    """The meta table's `places`: device row -> place, for the rows of updated memories."""
+    """The meta `places`: device row -> place, for the rows of updated memories."""
     raw = self.get_meta(_PLACES)
     try:
       return {int(r): int(p) for r, p in json.loads(raw).items()} if raw else {}
@@ -207,7 +182,6 @@ class Table:
                             "places: it was changed outside ear_jax") from None
 
   def _write_places(self, places: dict) -> None:
-    """`places` into the meta table (inside the caller's transaction)."""
     self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)",
                      (_PLACES, json.dumps({str(r): p for r, p in sorted(places.items())})))
     self._seal_meta()
@@ -254,7 +228,7 @@ class Table:
     return got[0] if got else 0
 
   def _note_source(self, source: Optional[str]) -> None:
-    """Records `embedded_by` for new rows, inside the caller's transaction."""
+    """Records `embedded_by` for new rows (inside the caller's transaction)."""
     if source is None:
       return
     new = "encoder" if "encoder" in (source, self.embedded_by) else "caller"
@@ -375,8 +349,8 @@ class Table:
         places=self.places(rows))
 
   def records(self, rows) -> list[dict]:
-    """`{id, text, store, scope, date, row}` of the device rows `rows`, in order (verified; the
-    newest `RECORD_CACHE` cached; KeyError naming a row that holds no memory)."""
+    """`{id, text, store, scope, date, row}` of the device rows `rows`, verified (the newest
+    `RECORD_CACHE` cached); KeyError naming a row that holds no memory."""
     rows = [int(r) for r in rows]
     got = {r: self._recent[r] for r in rows if r in self._recent}
     read = [r for r in dict.fromkeys(rows) if r not in got]
@@ -394,10 +368,6 @@ class Table:
       self._recent.popitem(last=False)
     return [dict(id=got[r][0], text=got[r][1], store=got[r][2], scope=got[r][3],
                  date=got[r][4], row=r) for r in rows]
-
-  def texts(self, rows) -> list[str]:
-    """The texts of the device rows `rows`, in that order (verified)."""
-    return [r["text"] for r in self.records(rows)]
 
   def rows_of(self, ids) -> np.ndarray:
     """`[n]` int64 device rows of the memory ids `ids` (-1 for an id not stored)."""

@@ -1,11 +1,8 @@
 """The paper's experiments as suites: which runs, and how their results become tables and plots.
 
-No algorithm lives here: runs go through `runner.train_and_evaluate` (via `Runner`), and the
-suites write markdown tables beside the paper's numbers, plots, per-run JSON and `results.json`.
-`SUITES` (name -> function): main (Table 2), ablation (Table 3), hparams (Tables 6-7), curves
-(Figs. 3-4), noise (Fig. 5), multistore (Tables 4-5, Fig. 6, Appendix C); `all` runs them in
-order. `qa` needs an LLM endpoint and runs by name only. Every suite also compares its methods with
-a baseline on paired seeds (`pairing`, `stats`).
+No algorithm lives here: runs go through `runner.train_and_evaluate` (via `Runner`); a suite writes
+markdown tables beside the paper's numbers, plots, per-run JSON and `results.json`, and compares
+its methods with a baseline on paired seeds (`pairing`, `stats`).
 """
 from __future__ import annotations
 
@@ -19,6 +16,7 @@ import numpy as np
 
 from ear_jax.experiment import plots
 from ear_jax.experiment import results_md
+from ear_jax.experiment import runner
 from ear_jax.experiment import summaries
 from ear_jax.experiment.suites import answer_critic
 from ear_jax.experiment.suites import first_stage
@@ -36,35 +34,30 @@ from ear_jax.experiment.suites.paper import PAPER, fmt, md_table, with_cell_note
 from ear_jax.experiment.suites.run_cache import Runner
 
 
-# Suite name -> `(Runner) -> markdown`, in the order of `--suite=all`.
+# Suite name -> `(Runner) -> markdown`; `--suite=all` runs `ALL_ORDER`, the paper's suites.
 SUITES = {
-    "main": main_ablation.suite_main,
-    "ablation": main_ablation.suite_ablation,
-    "hparams": hparams_curves.suite_hparams,
-    "curves": hparams_curves.suite_curves,
-    "noise": noise_multistore.suite_noise,
-    "multistore": noise_multistore.suite_multistore,
+    "main": main_ablation.suite_main,  # Table 2
+    "ablation": main_ablation.suite_ablation,  # Table 3
+    "hparams": hparams_curves.suite_hparams,  # Tables 6-7
+    "curves": hparams_curves.suite_curves,  # Figs. 3-4
+    "noise": noise_multistore.suite_noise,  # Fig. 5
+    "multistore": noise_multistore.suite_multistore,  # Tables 4-5, Fig. 6, Appendix C
 }
 ALL_ORDER = tuple(SUITES)
-# Suites that need an LLM endpoint run by name only, never as part of `all`.
-SUITES["qa"] = qa.suite_qa  # F1 / BLEU-1 / J of answers from the final slates
-# Beyond the paper, by name only: validation tuning and the test comparison of the presets.
-SUITES["tune"] = tune.suite_tune
-SUITES["beyond"] = tune.suite_beyond
-# The first stage, by name only: its settings tuned on validation, and EAR over each first stage.
-SUITES["first_stage_tune"] = first_stage.suite_first_stage_tune
-SUITES["first_stage"] = first_stage.suite_first_stage
-# The answer-grounded critic, by name only: EAR trained by the agent's answers.
-SUITES["answer_critic"] = answer_critic.suite_answer_critic
-# The guard, by name only: `ear_safe`'s guard with and without it, LoCoMo validation.
-SUITES["guard_tune"] = guard.suite_guard_tune
-# The guard and paging, by name only: ear_safe vs the frozen first stage and paging, test split.
-SUITES["guard"] = guard.suite_guard
-# The candidate pool K > T s, by name only: loss_support and K tuned, presets at K = 20 / 50 / 100.
-SUITES["pool_tune"] = pool.suite_pool_tune
-SUITES["pool"] = pool.suite_pool
-# `ear_tuned`'s side_init and learning rate, by name only: every benchmark's validation, every K.
-SUITES["side_init_tune"] = side_init.suite_side_init_tune
+# By name only: an LLM endpoint (qa) or beyond the paper (validation tuning, test comparisons).
+SUITES.update({
+    "qa": qa.suite_qa,  # F1 / BLEU-1 / J of answers from the final slates
+    "tune": tune.suite_tune,
+    "beyond": tune.suite_beyond,
+    "first_stage_tune": first_stage.suite_first_stage_tune,
+    "first_stage": first_stage.suite_first_stage,
+    "answer_critic": answer_critic.suite_answer_critic,  # EAR trained by the agent's answers
+    "guard_tune": guard.suite_guard_tune,  # ear_safe's guard, LoCoMo validation
+    "guard": guard.suite_guard,  # ear_safe vs the frozen first stage and paging, test split
+    "pool_tune": pool.suite_pool_tune,  # the candidate pool K > T s
+    "pool": pool.suite_pool,
+    "side_init_tune": side_init.suite_side_init_tune,  # ear_tuned's side_init, every K
+})
 SUITE_NAMES = tuple(SUITES) + ("all",)  # the values of `--suite`
 
 
@@ -78,10 +71,9 @@ def suite_names(suite: str, benchmark: str) -> list:
 
 def run_single_method(r: Runner) -> str:
   """Runs `opts.method` alone (no suite): its table and, with `eval_every`, its learning curve."""
-  s = r.run(r.opts.method, eval_every=r.opts.eval_every if r.opts.eval_every else None)
-  rows = [[s["method"], fmt(get_metric(s, "recall_adapter")),
-           fmt(get_metric(s, "hitrate_adapter")), fmt(get_metric(s, "recall_explorer")),
-           fmt(get_metric(s, "hitrate_explorer")), fmt(s["ceiling"]["recall@K"])]]
+  s = r.run(r.opts.method, eval_every=r.opts.eval_every or None)
+  rows = [[s["method"]] + [fmt(get_metric(s, m)) for m in runner.METRIC_NAMES]
+          + [fmt(s["ceiling"]["recall@K"])]]
   if s.get("curve") and len(s["curve"]) > 1:
     plots.learning_curves(r.plot_path(f"curve_{s['method']}"), {s["method"]: s["curve"]},
                           title=f"{s['method']} on {r.opts.benchmark}")
@@ -139,8 +131,7 @@ def _run(opts: Options, clock: _CompileClock) -> dict:
     readings = results_md.readings_md(r.paired.get(name, []))
     md_parts.append(md + ("\n\n" + readings if readings else ""))
     if r.writes:  # multi-process: process 0 alone writes the workdir
-      with open(r.workdir / f"table_{name}.md", "w") as f:
-        f.write(md_parts[-1] + "\n")
+      (r.workdir / f"table_{name}.md").write_text(md_parts[-1] + "\n")
   wall = time.perf_counter() - t_start
   b = r.bench()
   results = {
@@ -159,25 +150,16 @@ def _run(opts: Options, clock: _CompileClock) -> dict:
       # JAX tracing + lowering + XLA compilation inside each suite (`jax.monitoring` events).
       "suite_compile_seconds": compile_seconds, "compile_seconds": round(clock.seconds, 1),
   }
-  text = "\n\n".join(md_parts)
   if r.writes:
-    with open(r.workdir / "results.json", "w") as f:
-      json.dump(results, f, indent=1, default=_json_default)
-    with open(r.workdir / "tables.md", "w") as f:
-      f.write(text + "\n")
+    (r.workdir / "results.json").write_text(json.dumps(results, indent=1, default=_json_default))
+    (r.workdir / "tables.md").write_text("\n\n".join(md_parts) + "\n")
   return results
 
 
 def _json_default(o):
-  """`json.dump` fallback: numpy scalars / arrays and tuples as JSON, anything else as str."""
-  if isinstance(o, (np.integer,)):
-    return int(o)
-  if isinstance(o, (np.floating,)):
-    return float(o)
-  if isinstance(o, np.ndarray):
+  """`json.dump` fallback: numpy scalars / arrays as JSON, anything else as str."""
+  if isinstance(o, (np.integer, np.floating, np.ndarray)):
     return o.tolist()
-  if isinstance(o, tuple):
-    return list(o)
   return str(o)
 
 

@@ -51,6 +51,3 @@ def suite_answer_critic(r: Runner) -> str:
       DELTA_NOTE + f" Answer critic thresholds: {dict(critic_lib.ANSWER_DEFAULTS)} (chosen on "
       "LoCoMo validation: `python -m experiments.critic_eval --critic=answer --subset=validation`)."
       " No critic call at test time (adapter only)."])
-
-
-__all__ = ["CRITICS", "METHODS", "suite_answer_critic"]

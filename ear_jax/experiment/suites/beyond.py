@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from ear_jax.experiment import plots
 from ear_jax.experiment import stats
-from ear_jax.experiment.suites.pairing import (DELTA_NOTE, PAGING_DELTA_HEADER, fd, get_metric,
-                                               insert_rows, pair_runs, paging_note, paging_rows)
+from ear_jax.experiment.suites.pairing import (DELTA_NOTE, PAGING_DELTA_HEADER, explorer_rounds,
+                                               fd, get_metric, insert_rows, pair_runs,
+                                               paging_note, paging_rows)
 from ear_jax.experiment.suites.paper import fmt, md_table
 from ear_jax.experiment.suites.run_cache import Runner
 
@@ -34,7 +35,7 @@ def suite_beyond(r: Runner) -> str:
   names = {"retriever": "Only Retriever", "ear": "EAR, paper settings", "ear_tuned": "ear_tuned"}
   runs = {m: r.run(m) for m in names}
   for m in ("ear", "ear_tuned"):
-    rounds = runs[m]["config"].get("test_rounds") or runs[m]["config"]["num_rounds"]
+    rounds = explorer_rounds(runs[m])
     if rounds != 4:
       raise ValueError(f"{m} tests with T = {rounds}; this suite compares at the paper's test "
                        "budget T = 4 (do not override --num_rounds for ear here)")
@@ -109,6 +110,3 @@ def suite_beyond(r: Runner) -> str:
                                  f"{len(r.seeds)} seeds", ylabel="Δ (points)",
                            baseline="Only Retriever")
   return "\n".join(md)
-
-
-__all__ = ["MODES", "TARGETS", "suite_beyond"]

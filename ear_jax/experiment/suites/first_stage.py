@@ -1,18 +1,16 @@
 """Suites `first_stage_tune` and `first_stage`: EAR over dense, BM25 and hybrid first stages
 (the paper's Table 10 question: another first stage, its scores as side information).
 
-`first_stage_tune` (LoCoMo validation only, `runner.validation_split`; never reads the test split)
-chooses the hybrid fusion (`LEXICAL_WEIGHT_GRID`) by the frozen first stage's Recall@5 and the
-paper's `ear`'s `side_init` (`SIDE_INIT_GRID`) by adapter-only Recall@5 at K = 20, and says whether
-the library's defaults hold the chosen values (`ear_tuned`'s `side_init` is chosen on both
-benchmarks and every K by `side_init_tune`). `first_stage` (test split) compares per first stage
-in `GENERATORS_SHOWN` the frozen first stage with `ear` / `ear_tuned`,
-paired per seed, each explorer-assisted row beside its paging neighbours.
+`first_stage_tune` (LoCoMo validation only; never reads the test split) chooses the hybrid fusion
+(`LEXICAL_WEIGHT_GRID`) by the frozen first stage's Recall@5 and `ear`'s `side_init`
+(`SIDE_INIT_GRID`) by adapter-only Recall@5 at K = 20, and says whether the library's defaults
+hold them (`ear_tuned`'s `side_init`: `side_init_tune`). `first_stage` (test split) pairs per
+first stage in `GENERATORS_SHOWN` the frozen first stage with `ear` / `ear_tuned`, each
+explorer-assisted row beside its paging neighbours.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from absl import logging
 import numpy as np
@@ -21,11 +19,11 @@ from ear_jax.core import config as config_lib
 from ear_jax.data import candidates as candidates_lib
 from ear_jax.data import first_stage
 from ear_jax.experiment import plots
-from ear_jax.experiment import runner
 from ear_jax.experiment import sweep
-from ear_jax.experiment.suites.pairing import (DELTA_NOTE, PAGING_DELTA_HEADER, fd, get_metric,
-                                               insert_rows, pair_runs, paging_note, paging_rows)
-from ear_jax.experiment.suites.paper import fmt, md_table
+from ear_jax.experiment.suites.pairing import (DELTA_NOTE, PAGING_DELTA_HEADER, explorer_rounds,
+                                               fd, get_metric, insert_rows, pair_runs,
+                                               paging_note, paging_rows)
+from ear_jax.experiment.suites.paper import fmt, fmt_seeds, md_table
 from ear_jax.experiment.suites.run_cache import Runner
 
 GENERATORS_SHOWN = ("dense", "bm25", "hybrid")
@@ -44,13 +42,7 @@ def sub_runner(r: Runner, candidates: str, **options) -> Runner:
   """A `Runner` over the same benchmark, seeds and splits with another first stage; runs go to
   `<workdir>/first_stage/<candidates>[...]/`, records into `r`'s results.json."""
   tag = "_".join([candidates] + [f"{k}={v}" for k, v in sorted(options.items())])
-  opts = dataclasses.replace(r.opts, candidates=candidates,
-                             workdir=str(r.workdir / "first_stage" / tag), **options)
-  sub = Runner(opts)
-  sub.paired = r.paired
-  sub.summaries = r.summaries
-  sub.plots = r.plots
-  return sub
+  return r.child(r.workdir / "first_stage" / tag, candidates=candidates, **options)
 
 
 def first_stage_recall(r: Runner, index: np.ndarray) -> np.ndarray:
@@ -62,9 +54,7 @@ def first_stage_recall(r: Runner, index: np.ndarray) -> np.ndarray:
 
 def tune_first_stage(r: Runner) -> dict:
   """Stages A and B on validation data (see the module docstring); returns every scored row."""
-  if r.opts.benchmark == "longmemeval":
-    raise ValueError("first_stage_tune: LongMemEval_S is the transfer benchmark; this suite "
-                     "tunes on LoCoMo only: use --benchmark=locomo")
+  r.refuse_transfer_benchmark("first_stage_tune")
   out = {"fusion": [], "side_init": []}
   fit, val = r.validation_split()
   options = [("rrf", {"fusion": "rrf"})] + [
@@ -83,10 +73,7 @@ def tune_first_stage(r: Runner) -> dict:
     stream = sub.bench().stream
     for method in SIDE_INIT_METHODS:
       for side_init in SIDE_INIT_GRID:
-        m = runner.build_method(
-            method, dim=stream.dim, num_candidates=stream.num_candidates,
-            hparams=r.opts.hparam_overrides, side_features=stream.num_side_features,
-            **{**r.opts.config_overrides, "side_init": side_init})
+        m = sub.method(method, side_init=side_init)
         config, hp = m.config, m.hparams
         res = sweep.sweep_validation(
             stream, fit, val, config, config_lib.stack_hparams([hp]), r.seeds,
@@ -123,15 +110,10 @@ def suite_first_stage_tune(r: Runner) -> str:
   res["library_defaults"] = lib
   res["defaults_hold_choice"] = (lib["fusion"] == res["chosen_fusion"]
                                  and lib["side_init"] == res["chosen_side_init"])
-  if r.writes:
-    (r.workdir / "first_stage_tune.json").write_text(json.dumps(res, indent=1))
-  rows_a = [[row["first_stage"], fmt({"mean": row["mean"], "std": float(np.std(row["per_seed"]))})]
-            for row in res["fusion"]]
+  r.write_json(r.workdir / "first_stage_tune.json", res)
+  rows_a = [[row["first_stage"], fmt_seeds(row["per_seed"])] for row in res["fusion"]]
   rows_b = [[row["first_stage"], row["method"], f"{row['side_init']:g}",
-             fmt({"mean": float(np.mean(row["adapter"])), "std": float(np.std(row["adapter"]))}),
-             fmt({"mean": float(np.mean(row["explorer"])),
-                  "std": float(np.std(row["explorer"]))})]
-            for row in res["side_init"]]
+             fmt_seeds(row["adapter"]), fmt_seeds(row["explorer"])] for row in res["side_init"]]
   return "\n".join([
       f"### First stage: validation tuning — {r.opts.benchmark} ({len(r.seeds)} seeds, "
       "validation = last 20 % of each seed's training stream; the test split is not read)", "",
@@ -164,18 +146,17 @@ def suite_first_stage(r: Runner) -> str:
     sub = sub_runner(r, g)
     runs[g] = {m: sub.run(m) for m in ("retriever",) + TUNED_METHODS}
     for m in TUNED_METHODS:
-      cfg = runs[g][m]["config"]
-      if (cfg.get("test_rounds") or cfg["num_rounds"]) != TEST_ROUNDS:
+      if explorer_rounds(runs[g][m]) != TEST_ROUNDS:
         raise ValueError(f"{m} tests with T != {TEST_ROUNDS}; this suite compares at T = 4")
   best = _best_first_stage(runs)
+  best_ret = (f"{best} first stage", runs[best]["retriever"], "adapter")
   targets = TARGETS.get(r.opts.benchmark, {})
   rows, diffs, explorer_rows = [], {}, []
   for g in GENERATORS_SHOWN:
     ret = runs[g]["retriever"]
     rows.append([g, "frozen first stage", "top-5", fmt(get_metric(ret, "recall_adapter")),
                  "(baseline)", "(baseline)" if g == best else fd(pair_runs(
-                     r, "first_stage", (f"{g} first stage", ret, "adapter"),
-                     (f"{best} first stage", runs[best]["retriever"], "adapter"),
+                     r, "first_stage", (f"{g} first stage", ret, "adapter"), best_ret,
                      metrics=("recall",), primary=False)["recall"]),
                  fmt(get_metric(ret, "hitrate_adapter")), "–", "–"])
     for m in TUNED_METHODS:
@@ -183,17 +164,15 @@ def suite_first_stage(r: Runner) -> str:
         s = runs[g][m]
         d_own = pair_runs(r, "first_stage", (f"{m} over {g}", s, mode),
                           (f"{g} first stage", ret, "adapter"), primary={"recall"})
-        d_best = pair_runs(r, "first_stage", (f"{m} over {g}", s, mode),
-                           (f"{best} first stage", runs[best]["retriever"], "adapter"),
+        d_best = pair_runs(r, "first_stage", (f"{m} over {g}", s, mode), best_ret,
                            metrics=("recall",), primary=False)
         diffs[f"{m} / {g} [{MODES[mode]}]"] = {"Recall@5": d_best["recall"]}
-        mean = get_metric(s, f"recall_{mode}")["mean"]
         target = "–"
         if g == best and mode == "adapter" and "adapter_gain" in targets:
           target = (f"{'met' if d_best['recall']['mean'] >= targets['adapter_gain'] else 'not met'}"
                     f" (Δ ≥ +{targets['adapter_gain']:g})")
         elif mode == "explorer" and "explorer" in targets:
-          target = _target_cell(mean, targets["explorer"])
+          target = _target_cell(get_metric(s, f"recall_{mode}")["mean"], targets["explorer"])
         rows.append([g, m, MODES[mode], fmt(get_metric(s, f"recall_{mode}")),
                      fd(d_own["recall"]), fd(d_best["recall"]),
                      fmt(get_metric(s, f"hitrate_{mode}")), target,
@@ -206,8 +185,7 @@ def suite_first_stage(r: Runner) -> str:
     for mode, text, d in paging_rows(r, "first_stage", f"{m} over {g}", s):
       d_own = pair_runs(r, "first_stage", (f"{m} over {g}", s, mode),
                         (f"{g} first stage", ret, "adapter"), metrics=("recall",), primary=False)
-      d_best = pair_runs(r, "first_stage", (f"{m} over {g}", s, mode),
-                         (f"{best} first stage", runs[best]["retriever"], "adapter"),
+      d_best = pair_runs(r, "first_stage", (f"{m} over {g}", s, mode), best_ret,
                          metrics=("recall",), primary=False)
       new.append([g, m, text, fmt(get_metric(s, f"recall_{mode}")), fd(d_own["recall"]),
                   fd(d_best["recall"]), fmt(get_metric(s, f"hitrate_{mode}")), "–", fd(d)])
@@ -235,8 +213,3 @@ def suite_first_stage(r: Runner) -> str:
       f"for dense (the paper's EAR). Hybrid fusion: {fs_opts}. Recall@K ceiling (all gold in the "
       f"K = {r.opts.k} candidates): {ceil}." + note, "",
       paging_note(runs[best]["ear"], r.opts.k)])
-
-
-__all__ = ["GENERATORS_SHOWN", "LEXICAL_WEIGHT_GRID", "SIDE_INIT_GRID", "TARGETS",
-           "first_stage_recall", "library_defaults", "sub_runner", "suite_first_stage",
-           "suite_first_stage_tune", "tune_first_stage"]

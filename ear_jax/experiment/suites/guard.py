@@ -9,6 +9,7 @@ split) does the same per first stage and critic (`TEST_CRITICS`) for the rows of
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 from absl import logging
 import jax
@@ -21,7 +22,7 @@ from ear_jax.experiment import runner
 from ear_jax.experiment import stats
 from ear_jax.experiment import summaries
 from ear_jax.experiment.suites.first_stage import GENERATORS_SHOWN, sub_runner
-from ear_jax.experiment.suites.pairing import DELTA_NOTE, fd, pair
+from ear_jax.experiment.suites.pairing import DELTA_NOTE, fd, pair, side
 from ear_jax.experiment.suites.paper import fmt, md_table
 from ear_jax.experiment.suites.run_cache import Runner
 from ear_jax.io import run_checkpoints
@@ -39,26 +40,33 @@ def _pct(ev, mode):
   return 100.0 * np.asarray(ev[f"recall_{mode}"], np.float64)
 
 
+def _guarded(r: Runner, suite: str, hparams: Optional[dict] = None):
+  """`ear_safe` over `r`'s benchmark (ValueError when the options turn its guard off)."""
+  m = r.method(METHOD, hparams=hparams)
+  if not m.config.guard:
+    raise ValueError(f"{suite}: --guard_holdout=0 turns the guard off")
+  return m
+
+
+def _first_and_adapted(m, stream, index, seeds, critic, params) -> tuple:
+  """`runner.evaluate_params` of the first stage's and of the adapted `[S]` parameters."""
+  first = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (len(seeds),) + x.shape),
+                                 guard_lib.first_stage_params(m.config))
+  score = lambda p: runner.evaluate_params(p, stream, index, m.config, m.hparams, seeds, critic)
+  return score(first), score(params)
+
+
 def guard_rows(r: Runner, critic_name: str, critic_over: dict, hparam_over: dict) -> dict:
   """One `ear_safe` run on the fit part; every row's per-seed validation R@5 (percent)."""
-  b = r.bench()
-  stream = b.stream
+  stream = r.bench().stream
   fit, val = r.validation_split()
-  m = runner.build_method(METHOD, dim=stream.dim, num_candidates=stream.num_candidates,
-                          hparams={**r.opts.hparam_overrides, **hparam_over},
-                          side_features=stream.num_side_features, **r.opts.config_overrides)
+  m = _guarded(r, "guard_tune", hparam_over)
   config = m.config
-  if not config.guard:
-    raise ValueError("guard_tune: --guard_holdout=0 turns the guard off")
   critic = critic_lib.make_simulated_critic(**critic_over) if critic_over else None
   res = runner.train_and_evaluate(f"guard_tune {critic_name}", stream, fit, val, config,
                                   m.hparams, r.seeds, critic=critic, progress=r.opts.progress)
   states = res.final_state
-  num = len(r.seeds)
-  first = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num,) + x.shape),
-                                 guard_lib.first_stage_params(config))
-  score = lambda p: runner.evaluate_params(p, stream, val, config, m.hparams, r.seeds, critic)
-  ev_first, ev_adapted = score(first), score(states.params)
+  ev_first, ev_adapted = _first_and_adapted(m, stream, val, r.seeds, critic, states.params)
   out = {"critic": critic_name, "critic_overrides": critic_over, "hparam_overrides": hparam_over,
          "config": config.to_dict(),
          "frozen": _pct(ev_first, "adapter").tolist(),
@@ -87,12 +95,9 @@ def guard_rows(r: Runner, critic_name: str, critic_over: dict, hparam_over: dict
 
 def suite_guard_tune(r: Runner) -> str:
   """The guard on LoCoMo validation (see the module docstring); writes guard_tune.json."""
-  if r.opts.benchmark == "longmemeval":
-    raise ValueError("guard_tune: LongMemEval_S is the transfer benchmark; this suite tunes on "
-                     "LoCoMo only: use --benchmark=locomo")
+  r.refuse_transfer_benchmark("guard_tune")
   results = [guard_rows(r, name, *over) for name, over in SETTINGS.items()]
-  if r.writes:
-    (r.workdir / "guard_tune.json").write_text(json.dumps(results, indent=1))
+  r.write_json(r.workdir / "guard_tune.json", results)
   rows = []
   for res in results:
     frozen = res["frozen"]
@@ -149,13 +154,8 @@ def guard_test_rows(r: Runner, candidates: str, critic_name: str, critic_over: d
   b = sub.bench()
   stream = b.stream
   train, test = sub._splits[False]  # pylint: disable=protected-access
-  m = runner.build_method(METHOD, dim=stream.dim, num_candidates=stream.num_candidates,
-                          hparams=r.opts.hparam_overrides,
-                          side_features=stream.num_side_features or None,
-                          **r.opts.config_overrides)
+  m = _guarded(sub, "guard")
   config = m.config
-  if not config.guard:
-    raise ValueError("guard: --guard_holdout=0 turns the guard off")
   critic = critic_lib.make_simulated_critic(**critic_over)
   p, rc = float(critic.precision), float(critic.recall)
   run_name = f"guard_{candidates}_critic_p{p:.2f}_r{rc:.2f}"
@@ -170,11 +170,8 @@ def guard_test_rows(r: Runner, candidates: str, critic_name: str, critic_over: d
       return saved
   res = runner.train_and_evaluate(run_name, stream, train, test, config, m.hparams, r.seeds,
                                   critic=critic, progress=r.opts.progress)
-  num = len(r.seeds)
-  first = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (num,) + x.shape),
-                                 guard_lib.first_stage_params(config))
-  score = lambda p: runner.evaluate_params(p, stream, test, config, m.hparams, r.seeds, critic)
-  evs = {"safe": res.eval, "first": score(first), "adapted": score(res.final_state.params)}
+  first, adapted = _first_and_adapted(m, stream, test, r.seeds, critic, res.final_state.params)
+  evs = {"safe": res.eval, "first": first, "adapted": adapted}
   # The same keys and critic: paging over the first stage does not depend on the served params.
   for src_name in ("first", "adapted"):
     if not np.array_equal(evs[src_name]["paging_first_stage_slates"],
@@ -192,17 +189,11 @@ def guard_test_rows(r: Runner, candidates: str, critic_name: str, critic_over: d
   out = {"ident": ident, "candidates": candidates, "critic": critic_name, "rows": rows,
          "serve_adapted": serve.tolist(), "test_rounds": config.eval_rounds, "summary": summary}
   r.summaries[run_name] = summary
-  if r.writes:
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps(out, indent=1))
+  r.write_json(cache, out)
   logging.info("guard %s: frozen %.2f, ear_tuned %.2f, ear_safe %.2f, explorer %.2f, paging "
                "first stage %.2f, paging served %.2f (R@5)", run_name,
                *[np.mean(rows[k]["recall"]) for k in TEST_ROWS])
   return out
-
-
-def _side(label, run_name, mode):
-  return {"label": label, "run": run_name, "mode": mode}
 
 
 def _at_least(value: float, bound: float) -> bool:
@@ -210,28 +201,16 @@ def _at_least(value: float, bound: float) -> bool:
   return value >= bound - 1e-9
 
 
-def _safety_met(d: dict) -> bool:
-  return _at_least(d["mean"], SAFETY_MEAN) and _at_least(d["lo"], SAFETY_LOWER)
-
-
-def _safety_cell(d: dict) -> str:
-  ok = _safety_met(d)
-  return (f"{'met' if ok else 'not met'} (mean ≥ {SAFETY_MEAN:g}, lower bound ≥ "
-          f"{SAFETY_LOWER:g})")
-
-
 def suite_guard(r: Runner) -> str:
   """`ear_safe` against the frozen first stage and paging, every first stage and critic (test)."""
   results = [guard_test_rows(r, g, name, over) for g in GENERATORS_SHOWN
              for name, over in TEST_CRITICS.items()]
-  if r.writes:
-    (r.workdir / "guard.json").write_text(json.dumps(
-        [{k: v for k, v in res.items() if k != "summary"} for res in results], indent=1))
+  r.write_json(r.workdir / "guard.json",
+               [{k: v for k, v in res.items() if k != "summary"} for res in results])
   table, targets = [], []
   for res in results:
-    rows, run_name, t = res["rows"], res["summary"]["run"], res["test_rounds"]
-    frozen = rows["frozen first stage"]
-    paging = rows["paging over the first stage"]
+    rows, t = res["rows"], res["test_rounds"]
+    frozen, paging = rows["frozen first stage"], rows["paging over the first stage"]
     label = f"{res['candidates']}, {res['critic']}"
     for name, (_, mode) in TEST_ROWS.items():
       vals = rows[name]
@@ -240,14 +219,14 @@ def suite_guard(r: Runner) -> str:
       if name == "frozen first stage":
         cells += ["(baseline)", "–"]
       else:
-        d = pair(r, "guard", _side(f"{name} / {label}", run_name, mode),
-                 _side(f"frozen first stage / {label}", run_name, "adapter"), "R@5",
+        d = pair(r, "guard", side(f"{name} / {label}", res["summary"], mode),
+                 side(f"frozen first stage / {label}", res["summary"], "adapter"), "R@5",
                  vals["recall"], frozen["recall"], primary=name.startswith("ear_safe"))
         cells.append(fd(d))
         if mode in ("explorer", "paging_adapted"):
-          dp = pair(r, "guard", _side(f"{name} / {label}", run_name, mode),
-                    _side(f"paging over the first stage / {label}", run_name,
-                          "paging_first_stage"), "R@5", vals["recall"], paging["recall"],
+          dp = pair(r, "guard", side(f"{name} / {label}", res["summary"], mode),
+                    side(f"paging over the first stage / {label}", res["summary"],
+                         "paging_first_stage"), "R@5", vals["recall"], paging["recall"],
                     primary=mode == "explorer")
           cells.append(fd(dp))
         else:
@@ -256,8 +235,10 @@ def suite_guard(r: Runner) -> str:
       serving, target = "–", "–"
       if name == "ear_safe adapter-only (guarded)":
         serving = f"{int(np.sum(res['serve_adapted']))}/{len(res['serve_adapted'])}"
-        target = "safety: " + _safety_cell(d)
-        targets.append(("safety", _safety_met(d)))
+        ok = _at_least(d["mean"], SAFETY_MEAN) and _at_least(d["lo"], SAFETY_LOWER)
+        target = (f"safety: {'met' if ok else 'not met'} (mean ≥ {SAFETY_MEAN:g}, lower bound ≥ "
+                  f"{SAFETY_LOWER:g})")
+        targets.append(("safety", ok))
       elif mode == "explorer":
         ok = _at_least(dp["mean"], 0.0)
         target = f"paging: {'met' if ok else 'not met'} (Δ vs paging ≥ 0)"
@@ -275,13 +256,8 @@ def suite_guard(r: Runner) -> str:
       md_table(["first stage", "critic", "row", "test mode", "R@5", "Δ R@5 vs frozen first stage "
                 "[95% CI]", "Δ R@5 vs paging over the first stage [95% CI]", "Hit@5",
                 "seeds serving the adapter", "target"], table), "",
-      DELTA_NOTE + " One `ear_safe` training run per first stage and critic "
-      f"({training}); every row is "
-      "scored with that run's critic and evaluation keys. Paging: the critic reads the ranking's "
-      f"top {results[0]['test_rounds']} x 5 in pages of 5 (the same calls as the Explorer) and "
-      "the answer puts the cited memories first. Targets met: safety "
+      DELTA_NOTE + f" One `ear_safe` training run per first stage and critic ({training}); every "
+      "row is scored with that run's critic and evaluation keys. Paging: the critic reads the "
+      f"ranking's top {results[0]['test_rounds']} x 5 in pages of 5 (the same calls as the "
+      "Explorer) and the answer puts the cited memories first. Targets met: safety "
       f"{met['safety']}/{total['safety']}, paging {met['paging']}/{total['paging']}."])
-
-
-__all__ = ["SETTINGS", "TEST_CRITICS", "TEST_ROWS", "Z_GRID", "guard_rows",
-           "suite_guard", "suite_guard_tune", "guard_test_rows"]

@@ -34,8 +34,7 @@ def suite_hparams(r: Runner) -> str:
 
   rows, series = [], {}
   for t, bsz in ((2, 4), (4, 4), (8, 4), (4, 2), (4, 8)):
-    s = r.run("ear", config_overrides={"num_rounds": t, "replay_size": bsz}
-              if (t, bsz) != (4, 4) else {"num_rounds": 4, "replay_size": 4})
+    s = r.run("ear", config_overrides={"num_rounds": t, "replay_size": bsz})
     tag = f"T{t}B{bsz}"
     d_ret, d_def = deltas(f"EAR T={t}, B={bsz}", s, tag, "EAR T=4, B=4", "T4B4")
     rows.append([t, bsz, fmt_num(pkl[tag]), fmt(get_metric(s, "recall_adapter")),
@@ -70,10 +69,8 @@ def suite_hparams(r: Runner) -> str:
 
 def curve_eval_every(r: Runner) -> int:
   """Evaluation period of the learning curves: `--eval_every`, shortened to give ~8 points."""
-  n_train = r.num_train()
-  e = r.opts.eval_every
-  if n_train is not None:
-    # At least ~8 points per curve; keep it a multiple of the batch size.
+  n_train, e = r.num_train(), r.opts.eval_every
+  if n_train is not None:  # at least ~8 points per curve, a multiple of the batch size
     b = r.opts.config_overrides.get("batch_size", 4)
     e = max(b, min(e, (n_train // 8) // b * b or b))
   return e

@@ -11,17 +11,18 @@ from ear_jax.experiment.suites.run_cache import Runner
 
 def suite_main(r: Runner) -> str:
   pk = r.paper_key()
+  pm = PAPER["main"].get(pk, {})  # (R@5, Hit@5) per method; {} without the paper's numbers
   runs = {m: r.run(m) for m in ("retriever", "rl_update", "ear")}
   modes = {"retriever": "adapter", "rl_update": "adapter", "ear": "explorer"}
   names = {"retriever": "Only Retriever", "rl_update": "Reranker + RL update",
            "ear": "EAR (ours)"}
   rows, deltas = [], {}
   base = ("Only Retriever", runs["retriever"], "adapter")
-  pbase = PAPER["main"].get(pk, {}).get("retriever") if pk else None
+  pbase = pm.get("retriever")
   for m, s in runs.items():
     mode = modes[m]
     other = "explorer" if mode == "adapter" else "adapter"
-    paper = PAPER["main"].get(pk, {}).get(m) if pk else None
+    paper = pm.get(m)
     dcells = ["(baseline)", "(baseline)"]
     if m != "retriever":
       deltas[names[m]] = pair_runs(
@@ -29,16 +30,15 @@ def suite_main(r: Runner) -> str:
           paper={"recall": paper[0] - pbase[0], "hitrate": paper[1] - pbase[1]} if paper else None)
       dcells = [fd(deltas[names[m]]["recall"]), fd(deltas[names[m]]["hitrate"])]
     # The Δ columns come last so the earlier columns keep their positions.
-    rows.append([names[m], f"{mode}", fmt_num(paper[0]) if paper else "–",
+    rows.append([names[m], mode, fmt_num(paper[0]) if paper else "–",
                  fmt(get_metric(s, f"recall_{mode}")), fmt_num(paper[1]) if paper else "–",
                  fmt(get_metric(s, f"hitrate_{mode}")), fmt(get_metric(s, f"recall_{other}")),
                  fmt(get_metric(s, f"hitrate_{other}")), dcells[0], dcells[1],
                  "(reference)" if mode == "explorer" else "–"])
   # The paper's headline ordering also puts EAR above the RL-update reranker.
-  prl = PAPER["main"].get(pk, {}).get("rl_update") if pk else None
-  pear = PAPER["main"].get(pk, {}).get("ear") if pk else None
+  prl, pear = pm.get("rl_update"), pm.get("ear")
   pair_runs(r, "main", (names["ear"], runs["ear"], "explorer"),
-             (names["rl_update"], runs["rl_update"], "adapter"),
+            (names["rl_update"], runs["rl_update"], "adapter"),
             paper={"recall": pear[0] - prl[0], "hitrate": pear[1] - prl[1]} if pear else None,
             primary={"recall"})
   paging = []  # after the paper's comparisons, so their records keep their positions
@@ -53,16 +53,12 @@ def suite_main(r: Runner) -> str:
       paging.append((i, new))
   rows = insert_rows(rows, paging)
   ceil = runs["retriever"]["ceiling"]
-  md = [f"### Table 2 (retrieval columns) — {r.opts.benchmark}",
-        "",
+  md = [f"### Table 2 (retrieval columns) — {r.opts.benchmark}", "",
         md_table(["Method", "test mode", "paper R@5", "R@5", "paper Hit@5", "Hit@5",
                   "R@5 (other mode)", "Hit@5 (other mode)", "Δ R@5 vs retriever [95% CI]",
-                  "Δ Hit@5 vs retriever [95% CI]", PAGING_DELTA_HEADER], rows),
-        "",
-        DELTA_NOTE + " Baseline: Only Retriever (the frozen retriever's top-5).",
-        "",
-        paging_note(runs["ear"], r.opts.k),
-        "",
+                  "Δ Hit@5 vs retriever [95% CI]", PAGING_DELTA_HEADER], rows), "",
+        DELTA_NOTE + " Baseline: Only Retriever (the frozen retriever's top-5).", "",
+        paging_note(runs["ear"], r.opts.k), "",
         f"Test queries per seed: {runs['ear']['num_test']}, training queries: "
         f"{runs['ear']['num_train']}, seeds: {len(r.seeds)}. Recall@K ceiling (all gold in the "
         f"top-{r.opts.k}): {fmt(ceil['recall@K'])}; with ≤ 5 gold: {fmt(ceil['recall@5'])}; "
@@ -71,19 +67,17 @@ def suite_main(r: Runner) -> str:
         "evaluated with the other test-time mode (adapter-only / explorer-assisted)."]
   cats = sorted(runs["ear"].get("per_category", {}))
   if cats:
-    crow = []
-    for c in cats:
-      crow.append([c, fmt(runs["retriever"]["per_category"][c]["n"], 0)] + [
-          fmt(runs[m]["per_category"][c][f"recall_{modes[m]}"]) for m in runs] + [
-          fmt(runs["ear"]["per_category"][c]["recall_adapter"])])
+    crow = [[c, fmt(runs["retriever"]["per_category"][c]["n"], 0)]
+            + [fmt(runs[m]["per_category"][c][f"recall_{modes[m]}"]) for m in runs]
+            + [fmt(runs["ear"]["per_category"][c]["recall_adapter"])] for c in cats]
     md += ["", "Recall@5 per category / question type:", "",
            md_table(["category", "n test", "Only Retriever", "RL update", "EAR (explorer)",
                      "EAR (adapter only)"], crow)]
   series = {names[m]: {"Recall@5": get_metric(runs[m], f"recall_{modes[m]}")["per_seed"],
                        "Hitrate@5": get_metric(runs[m], f"hitrate_{modes[m]}")["per_seed"]}
             for m in runs}
-  paper = ({names[m]: {"Recall@5": PAPER["main"][pk][m][0], "Hitrate@5": PAPER["main"][pk][m][1]}
-            for m in runs} if pk else None)
+  paper = ({names[m]: {"Recall@5": pm[m][0], "Hitrate@5": pm[m][1]} for m in runs}
+           if pk else None)
   plots.grouped_bars(r.plot_path("table2_main"), ["Recall@5", "Hitrate@5"], series,
                      title=f"Table 2, {r.opts.benchmark} (mean over {len(r.seeds)} seeds; "
                            "— paper)", ylabel="%", paper=paper)
@@ -114,8 +108,7 @@ def suite_ablation(r: Runner) -> str:
   ear = r.run("ear")
   for label, method, mode in rows_spec:
     s = r.run(method)
-    pl = PAPER["ablation"]["longmemeval"][(method, mode)]
-    pc = PAPER["ablation"]["locomo"][(method, mode)]
+    pl, pc = (PAPER["ablation"][b][(method, mode)] for b in ("longmemeval", "locomo"))
     pv = PAPER["ablation"][pk][(method, mode)] if pk else None
     # Baselines: the frozen retriever and full EAR in the same test mode.
     d_ret = pair_runs(r, "ablation", (label, s, mode), base,
@@ -148,17 +141,15 @@ def suite_ablation(r: Runner) -> str:
   rows = insert_rows(rows, paging)
   md = [f"### Table 3 (ablation) — {r.opts.benchmark}", "",
         "Top four rows: explorer disabled at test (adapter top-5); bottom two: explorer at test.",
-        "",
-        md_table(["Variant", "test mode", "paper LongMemEval R@5", "paper LoCoMo R@5",
+        "", md_table(["Variant", "test mode", "paper LongMemEval R@5", "paper LoCoMo R@5",
                   "R@5 (here)", "Δ R@5 vs retriever [95% CI]",
                   "Δ R@5 vs EAR, same test mode [95% CI]", "Hit@5 (here)",
                   "Δ Hit@5 vs retriever [95% CI]", PAGING_DELTA_HEADER], rows), "",
         DELTA_NOTE + " Baselines: Only Retriever (top-5 of the frozen retriever) and EAR's own "
         "adapter evaluated in the row's test mode ('(reference)': EAR itself).", "",
         paging_note(ear, r.opts.k)]
-  paper = None
-  if pk:
-    paper = {lab: {"Recall@5": PAPER["ablation"][pk][(m, mo)]} for lab, m, mo in rows_spec}
+  paper = ({lab: {"Recall@5": PAPER["ablation"][pk][(m, mo)]} for lab, m, mo in rows_spec}
+           if pk else None)
   plots.grouped_bars(r.plot_path("table3_ablation"), ["Recall@5"], series,
                      title=f"Table 3, {r.opts.benchmark} (— paper)", ylabel="Recall@5 (%)",
                      paper=paper)

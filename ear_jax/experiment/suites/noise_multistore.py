@@ -7,7 +7,7 @@ import numpy as np
 from ear_jax.experiment import plots
 from ear_jax.experiment import stats
 from ear_jax.experiment.suites.hparams_curves import curve_eval_every
-from ear_jax.experiment.suites.pairing import DELTA_NOTE, fd, get_metric, pair, pair_runs
+from ear_jax.experiment.suites.pairing import DELTA_NOTE, fd, get_metric, pair, pair_runs, side
 from ear_jax.experiment.suites.paper import PAPER, fmt, fmt_num, md_table
 from ear_jax.experiment.suites.run_cache import Runner
 
@@ -62,6 +62,11 @@ def suite_noise(r: Runner) -> str:
   return "\n".join(md)
 
 
+def _per_seed(summary: dict, mode: str, category, field: str) -> list:
+  """A multi-store run's per-seed `field` over `category`'s test queries in test `mode`."""
+  return summary["multistore"]["per_category"][mode][category][field]["per_seed"]
+
+
 def suite_multistore(r: Runner) -> str:
   b = r.bench(multistore=True)
   ret = r.run("retriever", multistore=True)
@@ -107,10 +112,9 @@ def suite_multistore(r: Runner) -> str:
           paper = pm["ear"][c][pidx] - pm["retriever"][c][pidx]
         # Fig. 6: fewer observations than the retriever; Table 5: more dialogue recall.
         expected = {"observations_in_slate": -1, "recall_dialogue": 1}.get(field)
-        d = pair(r, "multistore", {"label": f"{name}, {c}", "run": ear.get("run"), "mode": mode},
-                  {"label": f"Retriever Only, {c}", "run": ret.get("run"), "mode": "adapter"},
-                 mlabel, ear["multistore"]["per_category"][mode][c][field]["per_seed"],
-                 ret["multistore"]["per_category"]["adapter"][c][field]["per_seed"],
+        d = pair(r, "multistore", side(f"{name}, {c}", ear, mode),
+                 side(f"Retriever Only, {c}", ret, "adapter"), mlabel,
+                 _per_seed(ear, mode, c, field), _per_seed(ret, "adapter", c, field),
                  paper_delta=paper, expected_sign=None if paper is not None else expected,
                  primary=c == "all" and mode == "explorer",
                  score=field != "observations_in_slate")
@@ -142,21 +146,16 @@ def suite_multistore(r: Runner) -> str:
         "episodic, observations = semantic), before and after EAR's trained adapter, grouped by "
         f"where the query's gold lies and by category. {PAPER['appendix_c']}", "",
         md_table(["queries", "n", "Δ before", "Δ after"], rows_c)]
-  series = {
-      "Retriever Only": {c: ret["multistore"]["per_category"]["adapter"][c][
-          "observations_in_slate"]["per_seed"] for c in cats},
-      "EAR (explorer at test)": {c: ear["multistore"]["per_category"]["explorer"][c][
-          "observations_in_slate"]["per_seed"] for c in cats},
-      "EAR (adapter only)": {c: ear["multistore"]["per_category"]["adapter"][c][
-          "observations_in_slate"]["per_seed"] for c in cats}}
+  sides = (("Retriever Only", ret, "adapter"), ("EAR (explorer at test)", ear, "explorer"),
+           ("EAR (adapter only)", ear, "adapter"))
+  series = {name: {c: _per_seed(s, mode, c, "observations_in_slate") for c in cats}
+            for name, s, mode in sides}
   plots.grouped_bars(r.plot_path("fig6_observations_in_top5"), cats, series,
                      title=f"Fig. 6: observations in the final 5, {r.opts.benchmark}",
                      ylabel="observations in top-5")
-  t5 = {}
-  for name, s, mode in (("Retriever", ret, "adapter"), ("EAR", ear, "explorer")):
-    for store in ("dialogue", "observation"):
-      t5[f"{name} {store}"] = {c: s["multistore"]["per_category"][mode][c][
-          f"recall_{store}"]["per_seed"] for c in cats}
+  t5 = {f"{name} {store}": {c: _per_seed(s, mode, c, f"recall_{store}") for c in cats}
+        for name, s, mode in (("Retriever", ret, "adapter"), ("EAR", ear, "explorer"))
+        for store in ("dialogue", "observation")}
   plots.grouped_bars(r.plot_path("table5_store_recall"), cats, t5,
                      title=f"Table 5: per-store Recall@5, {r.opts.benchmark}",
                      ylabel="Recall@5 (%)")

@@ -20,7 +20,6 @@ class Options:
   side_features: Optional[bool] = None
   fusion: Optional[str] = None  # hybrid: 'rrf' | 'weighted' (None: FirstStageOptions' default)
   lexical_weight: Optional[float] = None  # hybrid 'weighted': the BM25 share
-  features: Optional[str] = None  # the side features: 'first_stage' | 'context' (None: default)
   seeds: int = 10
   workdir: str = "runs/default"
   suite: Optional[str] = None
@@ -43,12 +42,9 @@ class Options:
 
   @property
   def use_side_features(self) -> bool:
-    if self.side_features is None:
-      return self.candidates != "dense" or self.features == "context"
-    return bool(self.side_features)
+    return self.candidates != "dense" if self.side_features is None else bool(self.side_features)
 
   def first_stage_options(self):
     """The first stage's `FirstStageOptions` (defaults where the option is None)."""
     from ear_jax.data import first_stage  # pylint: disable=g-import-not-at-top
-    return first_stage.FirstStageOptions.with_defaults(self.fusion, self.lexical_weight,
-                                                       self.features)
+    return first_stage.FirstStageOptions.with_defaults(self.fusion, self.lexical_weight)

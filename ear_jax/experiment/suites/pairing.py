@@ -1,13 +1,11 @@
 """Paired comparisons over seeds: each suite compares its methods with a baseline.
 
-Seeds are paired by construction: `Runner.bench` computes one split per seed and
-`runner.train_and_evaluate` derives every key of seed i from `PRNGKey(seeds[i])`, so seed i of
-every method sees the same split and keys. (Runs with another number of epochs draw different
-critic noise; multi-store runs pair only with multi-store runs.)
-
-`pair` records each comparison in `Runner.paired[suite]` (results.json "paired"); `primary` ones
-feed the readings (`results_md.readings_md`). `paging_rows` pairs a table's explorer-assisted row
-with its two paging baselines (the same T critic calls over the first-stage or adapted ranking).
+Seed i of every method sees the same split and keys (`Runner.bench`, `PRNGKey(seeds[i])`); runs
+with another number of epochs draw different critic noise, and multi-store runs pair only with
+multi-store runs. `pair` records each comparison in `Runner.paired[suite]` (results.json
+"paired"); `primary` ones feed the readings (`results_md.readings_md`). `paging_rows` pairs a
+table's explorer-assisted row with its two paging baselines (the same T critic calls over the
+first-stage or adapted ranking).
 """
 from __future__ import annotations
 
@@ -37,9 +35,7 @@ fd = stats.format_difference
 
 
 def _sign(v):
-  if v is None or not np.isfinite(v) or v == 0:
-    return None
-  return 1 if v > 0 else -1
+  return None if v is None or not np.isfinite(v) or v == 0 else (1 if v > 0 else -1)
 
 
 def pair(r: Runner, suite: str, treatment: dict, baseline: dict, metric: str, t_values,
@@ -48,7 +44,7 @@ def pair(r: Runner, suite: str, treatment: dict, baseline: dict, metric: str, t_
   """Paired difference `treatment - baseline` of per-seed values, recorded in `r.paired[suite]`.
 
   Args:
-    treatment, baseline: `{"label", "run", "mode"}` describing each side (JSON).
+    treatment, baseline: `{"label", "run", "mode"}` describing each side (JSON, `side`).
     t_values, b_values: per-seed values, in the seed order `r.seeds`.
     paper_delta: the paper's difference, if it reports both numbers.
     expected_sign: the paper's direction (+1 / -1) (default: the sign of `paper_delta`).
@@ -102,11 +98,8 @@ def explorer_rounds(summary: dict) -> int:
 
 
 def paging_rows(r: Runner, suite: str, label: str, summary: dict) -> list:
-  """The two paging neighbours of a run's explorer-assisted row, each paired with it (primary).
-
-  Returns:
-    `[(mode, row label, Δ R@5 dict)]` for `PAGING_MODES`, in that order.
-  """
+  """`[(mode, row label, Δ R@5 dict)]` of `PAGING_MODES`: the two paging neighbours of a run's
+  explorer-assisted row, each paired with it (primary)."""
   t, s = explorer_rounds(summary), summary["config"]["slate_size"]
   return [(mode, text.format(t=t, s=s),
            pair_runs(r, suite, (label, summary, mode), (label, summary, "explorer"),

@@ -1,6 +1,8 @@
 """The paper's numbers that the suites print beside the measured ones, and table-cell formatting."""
 from __future__ import annotations
 
+import numpy as np
+
 # The paper's numbers (percent). Contriever retriever, simulated critic P=0.88 / R=0.86, 3 runs.
 PAPER = {
     # Table 2: (Recall@5, Hitrate@5). EAR with explorer at test (Section 4.4: "unless specified").
@@ -64,6 +66,12 @@ def fmt(ms, digits=2):
   if ms is None or ms.get("mean") is None:
     return "–"
   return f"{ms['mean']:.{digits}f} ± {ms['std']:.{digits}f}"
+
+
+def fmt_seeds(values, digits=2):
+  """Per-seed values as 'mean ± std' (population std)."""
+  v = np.asarray(values, np.float64)
+  return fmt({"mean": float(v.mean()), "std": float(v.std())}, digits)
 
 
 def fmt_num(v):

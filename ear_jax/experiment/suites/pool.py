@@ -9,7 +9,6 @@ Recall@(T s) ceiling.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 
 from absl import logging
@@ -20,7 +19,7 @@ from ear_jax.experiment import runner
 from ear_jax.experiment import stats
 from ear_jax.experiment import summaries
 from ear_jax.experiment.suites.pairing import DELTA_NOTE, fd, get_metric, pair
-from ear_jax.experiment.suites.paper import fmt, md_table
+from ear_jax.experiment.suites.paper import fmt, fmt_seeds, md_table
 from ear_jax.experiment.suites.run_cache import Runner
 
 K_VALUES = (20, 50, 100)
@@ -38,9 +37,7 @@ PAPER_AUTO = ("ear", {"loss_support": "auto"})
 def pool_runner(r: Runner, k: int) -> Runner:
   """A `Runner` over the same benchmark, first stage, seeds and splits with K = `k`; runs go to
   `<workdir>/k<k>/`, records into `r`'s results.json."""
-  sub = Runner(dataclasses.replace(r.opts, k=k, workdir=str(r.workdir / f"k{k}")))
-  sub.paired, sub.summaries, sub.plots = r.paired, r.summaries, r.plots
-  return sub
+  return r.child(r.workdir / f"k{k}", k=k)
 
 
 def _window(stream) -> int:
@@ -68,9 +65,7 @@ def _pct(ev, key):
 
 def tune_pool(r: Runner) -> dict:
   """Every `pool_tune` row's per-seed validation Recall@5 (percent)."""
-  if r.opts.benchmark == "longmemeval":
-    raise ValueError("pool_tune: LongMemEval_S is the transfer benchmark; this suite tunes on "
-                     "LoCoMo only: use --benchmark=locomo")
+  r.refuse_transfer_benchmark("pool_tune")
   done_path = r.workdir / "pool_tune_rows.json"  # each row as it finishes (for --resume)
   rows = json.loads(done_path.read_text()) if r.opts.resume and done_path.is_file() else []
   for k in K_VALUES:
@@ -85,10 +80,7 @@ def tune_pool(r: Runner) -> dict:
       if any(row["k"] == k and row["method"] == method and row.get("loss_support") ==
              over.get("loss_support") for row in rows):
         continue  # finished before a --resume
-      m = runner.build_method(method, dim=stream.dim, num_candidates=k,
-                              hparams=r.opts.hparam_overrides,
-                              side_features=stream.num_side_features or None,
-                              **{**r.opts.config_overrides, **over})
+      m = sub.method(method, **over)
       res = runner.train_and_evaluate(f"pool_tune k={k} {method} {over}", stream, fit, val,
                                       m.config, m.hparams, r.seeds, progress=r.opts.progress)
       row = {"k": k, "method": method, **over,
@@ -98,8 +90,7 @@ def tune_pool(r: Runner) -> dict:
              "ceiling_window": None if ceiling is None else ceiling["per_seed"]}
       del res  # its final learner state (a [S, C, K, d] buffer) before the next run allocates one
       rows.append(row)
-      if r.writes:
-        done_path.write_text(json.dumps(rows))
+      r.write_json(done_path, rows, indent=None)
       logging.info("pool_tune K=%d %s %s: validation R@5 adapter %.2f, paging %.2f", k, method,
                    over, np.mean(row["adapter"]), np.mean(row["paging_served"]))
   return {"rows": rows, **choose(rows)}
@@ -138,8 +129,7 @@ def choose(rows: list) -> dict:
 def suite_pool_tune(r: Runner) -> str:
   """`pool_tune`: `loss_support` and K on LoCoMo validation; writes pool_tune.json."""
   res = tune_pool(r)
-  if r.writes:
-    (r.workdir / "pool_tune.json").write_text(json.dumps(res, indent=1))
+  r.write_json(r.workdir / "pool_tune.json", res)
   frozen = {row["k"]: np.asarray(row["adapter"]) for row in res["rows"]
             if row["method"] == "retriever"}
   table = []
@@ -149,10 +139,9 @@ def suite_pool_tune(r: Runner) -> str:
     table.append([
         str(row["k"]), "frozen first stage" if is_frozen else
         f"{row['method']}, loss_support={row['loss_support']}",
-        fmt({"mean": float(a.mean()), "std": float(a.std())}),
+        fmt_seeds(a),
         "(baseline)" if is_frozen else fd(stats.paired_difference(a, frozen[row["k"]])),
-        fmt({"mean": float(np.mean(row["paging_first_stage" if is_frozen else "paging_served"])),
-             "std": float(np.std(row["paging_first_stage" if is_frozen else "paging_served"]))}),
+        fmt_seeds(row["paging_first_stage" if is_frozen else "paging_served"]),
         "–" if row["ceiling_window"] is None else f"{np.mean(row['ceiling_window']):.2f}"])
   return "\n".join([
       f"### Candidate pool: validation — {r.opts.benchmark}, {r.opts.candidates} ({len(r.seeds)} "
@@ -221,8 +210,3 @@ def suite_pool(r: Runner) -> str:
       "all K raises every candidate it did not show (d L / d z_i = p_i Σ_j (y_j − b) for an "
       "unshown i); `loss_support` takes the unshown tail beyond the first stage's top T s out "
       "of the softmax.", "", DELTA_NOTE])
-
-
-__all__ = ["COLLAPSE", "K_VALUES", "PAPER_AUTO", "PRESETS", "SUPPORTS", "choose", "pool_runner",
-           "pushed_up_share", "suite_pool",
-           "suite_pool_tune", "tune_pool"]

@@ -1,12 +1,11 @@
 """Suite `qa`: answers generated from each method's final slate, scored with F1, BLEU-1 and J.
 
-Table 2's QA columns, Table 4's candidate types and Table 5's J per category, on the same seeds and
-runs as `main` / `multistore`. Each test query's final slate is read from the run's
-`test_eval.npz` (checked to reproduce its Recall@5) and answered by `agent.llm.qa.evaluate_qa`.
-QA runs on a subset (`QASettings.limit` questions of the first `QASettings.seeds` seeds); with no
-`base_url` it starts the local llama.cpp server on a fixed port, so the reply cache makes a rerun
-free. Table 4's 'Only Observations' pool (`observation_bench`, Runner key `OBSERVATIONS`) is the
-top-K observations of each query's bank.
+Table 2's QA columns, Table 4's candidate types and Table 5's J per category, on the runs of `main`
+/ `multistore`. Each test query's final slate is read from the run's `test_eval.npz` (checked to
+reproduce its Recall@5) and answered by `agent.llm.qa.evaluate_qa` on a subset (`QASettings`);
+without `base_url` the local llama.cpp server runs on a fixed port, so the reply cache makes a
+rerun free. Table 4's 'Only Observations' pool (`observation_bench`) is the top-K observations of
+each query's bank.
 """
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ from typing import Optional
 import numpy as np
 
 from ear_jax.agent.llm import qa as qa_lib
+from ear_jax.experiment import agent_answers
 from ear_jax.experiment import plots
 from ear_jax.experiment import runner as runner_lib
 from ear_jax.experiment import stats
@@ -73,6 +73,13 @@ class QASettings:
   observations: bool = True  # Table 4's 'Only Observations' row (LoCoMo, with `multistore`)
 
 
+def _hits(b, test_index, slates) -> tuple:
+  """`(gold memories in each slate, gold per query)`, both `[S, M]`."""
+  gold = np.asarray(b.stream.gold)[test_index]  # [S, M, K]
+  hits = np.take_along_axis(gold, np.clip(slates, 0, gold.shape[-1] - 1), -1).sum(-1)
+  return hits, np.asarray(b.stream.num_gold)[test_index]
+
+
 def slates_for(r: Runner, summary: dict, mode: str, multistore: bool = False) -> tuple:
   """`(test_index [S, M], slates [S, M, s])` of a run, checked against the run's Recall@5.
 
@@ -86,10 +93,7 @@ def slates_for(r: Runner, summary: dict, mode: str, multistore: bool = False) ->
                             "without --resume, or point --workdir at the run's workdir)")
   with np.load(path) as z:
     test_index, slates = z["test_index"], z[f"{mode}_slates"]
-  b = r.bench(multistore)
-  gold = np.asarray(b.stream.gold)[test_index]  # [S, M, K]
-  num_gold = np.asarray(b.stream.num_gold)[test_index]
-  hits = np.take_along_axis(gold, np.clip(slates, 0, gold.shape[-1] - 1), -1).sum(-1)
+  hits, num_gold = _hits(r.bench(multistore), test_index, slates)
   has = num_gold > 0
   recall = 100.0 * ((hits >= num_gold) & has).sum(-1) / np.maximum(has.sum(-1), 1)
   expected = np.asarray(summary["metrics"][f"recall_{mode}"]["per_seed"], np.float64)
@@ -121,15 +125,8 @@ def observation_bench(r: Runner):
 def _answers(r: Runner):
   """query id -> Query (answer, date), and (group, memory id) -> session date."""
   from ear_jax.data import corpora  # pylint: disable=g-import-not-at-top
-  o = r.opts
-  name = "jsonl:" + o.jsonl if o.benchmark == "jsonl" else o.benchmark
-  corpus = corpora.load_corpus(name, data_dir=o.data_dir, limit=o.limit)
-  queries = {q.id: q for q in corpus.queries}
-  dates = {}
-  for g, bank in enumerate(corpus.banks):
-    for mid, date in zip(bank.ids, bank.dates or [""] * len(bank.ids)):
-      dates[(g, mid)] = date
-  return queries, dates
+  corpus = corpora.load_corpus(r.benchmark_name(), data_dir=r.opts.data_dir, limit=r.opts.limit)
+  return {q.id: q for q in corpus.queries}, agent_answers.memory_dates(corpus)
 
 
 def qa_items(r: Runner, test_index, slates, settings: QASettings, multistore: bool = False):
@@ -244,13 +241,10 @@ def suite_qa(r: Runner) -> str:
 
 
 def _subset_recall(r, test_index, slates, settings, ms) -> float:
-  b = r.bench(ms)
   k = settings.seeds
   ti = test_index[:k] if settings.limit is None else test_index[:k, :settings.limit]
-  sl = slates[:k, :ti.shape[1]]
-  gold = np.asarray(b.stream.gold)[ti]
-  hits = np.take_along_axis(gold, np.clip(sl, 0, gold.shape[-1] - 1), -1).sum(-1)
-  return round(100.0 * float((hits >= np.asarray(b.stream.num_gold)[ti]).mean()), 2)
+  hits, num_gold = _hits(r.bench(ms), ti, slates[:k, :ti.shape[1]])
+  return round(100.0 * float((hits >= num_gold).mean()), 2)
 
 
 def _tables(r: Runner, results: dict, info: dict, settings: QASettings) -> str:
@@ -326,10 +320,10 @@ def _tables(r: Runner, results: dict, info: dict, settings: QASettings) -> str:
            md_table(["Method", "candidates", "paper F1", "F1", "BLEU-1", "paper J", "J"], rows4),
            "", f"### Table 5 (J per category, dialogue + observation candidates) — {bname}", "",
            md_table(["Method", "category", "n", "paper J", "J", "F1"], rows5)]
-  calls = {lab: res["counters"] for lab, res in results.items()}
-  ans = sum(c["answer"].get("calls", 0) - c["answer"].get("cache_hits", 0) for c in calls.values())
-  secs = sum(c["answer"]["wall_seconds"] for c in calls.values())
-  hits = sum(c["answer"].get("cache_hits", 0) for c in calls.values())
+  counters = [res["counters"]["answer"] for res in results.values()]
+  ans = sum(c.get("calls", 0) - c.get("cache_hits", 0) for c in counters)
+  secs = sum(c["wall_seconds"] for c in counters)
+  hits = sum(c.get("cache_hits", 0) for c in counters)
   rate = (f"{ans} fresh answer calls in {secs:.0f} s of answering wall time "
           f"({60 * ans / secs:.1f} answers/min, {settings.workers} in flight)" if ans and secs
           else "no fresh answer call")

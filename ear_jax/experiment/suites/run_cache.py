@@ -8,6 +8,7 @@ checkpointed.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -19,6 +20,7 @@ import jax
 import numpy as np
 
 from ear_jax.core import critic as critic_lib
+from ear_jax.core.config import Method
 from ear_jax.experiment import runner
 from ear_jax.experiment import sharding
 from ear_jax.experiment import summaries
@@ -61,33 +63,37 @@ class Runner:
   def bench(self, multistore: bool = False):
     """The benchmark (loaded and split into per-seed train / test sets once)."""
     if multistore not in self._benches:
+      from ear_jax.data import candidates, synthetic  # pylint: disable=g-import-not-at-top
       o = self.opts
       t0 = time.perf_counter()
+      common = dict(k=o.k, multistore=multistore, candidates=o.candidates,
+                    side_features=o.use_side_features, first_stage_options=o.first_stage_options())
       if o.benchmark == "synthetic":
-        from ear_jax.data import candidates, synthetic  # pylint: disable=g-import-not-at-top
         ec = synthetic.make_synthetic(seed=0, num_queries=o.synthetic_queries,
                                       dim=o.synthetic_dim, multistore=multistore,
                                       num_banks=max(2, min(25, o.synthetic_queries // 8)))
-        b = candidates.build_benchmark(ec, k=o.k, multistore=multistore,
-                                       candidates=o.candidates,
-                                       side_features=o.use_side_features,
-                                       first_stage_options=o.first_stage_options())
+        b = candidates.build_benchmark(ec, **common)
         b.stats["encoding"] = {"encoder": "synthetic"}
       else:
-        from ear_jax.data import candidates  # pylint: disable=g-import-not-at-top
-        name = "jsonl:" + o.jsonl if o.benchmark == "jsonl" else o.benchmark
-        b = candidates.load_benchmark(name, data_dir=o.data_dir, encoder=o.encoder, k=o.k,
-                                      multistore=multistore, limit=o.limit,
-                                      cache_dir=o.cache_dir, progress=o.progress,
-                                      candidates=o.candidates,
-                                      side_features=o.use_side_features,
-                                      first_stage_options=o.first_stage_options())
+        b = candidates.load_benchmark(self.benchmark_name(), data_dir=o.data_dir,
+                                      encoder=o.encoder, limit=o.limit, cache_dir=o.cache_dir,
+                                      progress=o.progress, **common)
       logging.info("benchmark %s%s: %d queries, d=%d, K=%d (%.1f s)", o.benchmark,
                    " (multi-store)" if multistore else "", b.num_queries, b.stream.dim,
                    b.stream.num_candidates, time.perf_counter() - t0)
       self._benches[multistore] = b
       self._splits[multistore] = runner.seed_splits(b.num_queries, self.seeds)
     return self._benches[multistore]
+
+  def refuse_transfer_benchmark(self, suite: str) -> None:
+    """Raises ValueError on LongMemEval_S: the transfer benchmark, never tuned on."""
+    if self.opts.benchmark == "longmemeval":
+      raise ValueError(f"{suite}: LongMemEval_S is the transfer benchmark; this suite tunes on "
+                       "LoCoMo only: use --benchmark=locomo")
+
+  def benchmark_name(self) -> str:
+    """The options' benchmark as `candidates.load_benchmark` names it (`jsonl:PATH`)."""
+    return "jsonl:" + self.opts.jsonl if self.opts.benchmark == "jsonl" else self.opts.benchmark
 
   def validation_split(self):
     """`(fit [S, N], validation [S, V])` of every seed's training stream (`runner.validation_split`;
@@ -107,7 +113,24 @@ class Runner:
                    time.perf_counter() - t0)
     return self._answer_benches[multistore]
 
+  def child(self, workdir, **options) -> "Runner":
+    """A `Runner` with `options` replaced, its runs under `workdir`, its records (paired
+    comparisons, run summaries, plots) going into this one's results.json."""
+    sub = Runner(dataclasses.replace(self.opts, workdir=str(workdir), **options))
+    sub.paired, sub.summaries, sub.plots = self.paired, self.summaries, self.plots
+    return sub
+
   # -- one run ------------------------------------------------------------------------------------
+  def method(self, name: str, stream=None, hparams: Optional[dict] = None,
+             **config) -> Method:
+    """The preset `name` over `stream` (default `bench()`'s) with the options' config and
+    hyperparameter overrides, then `config` / `hparams` on top (None values dropped)."""
+    stream = self.bench().stream if stream is None else stream
+    return runner.build_method(name, dim=stream.dim, num_candidates=stream.num_candidates,
+                               hparams={**self.opts.hparam_overrides, **(hparams or {})},
+                               side_features=stream.num_side_features or None,
+                               **{**self.opts.config_overrides, **config})
+
   def run(self, method: str, *, multistore: bool = False, config_overrides=None,
           hparam_overrides=None, critic_overrides=None, epochs: int = 1,
           eval_every: Optional[int] = None, label: Optional[str] = None,
@@ -122,55 +145,41 @@ class Runner:
     if critic_name not in ("simulated", "answer"):
       raise ValueError(f"critic must be 'simulated' or 'answer', got {critic_name!r}")
     b = self.bench(multistore)
-    cfg_over = {**o.config_overrides, **(config_overrides or {})}
-    hp_over = {**o.hparam_overrides, **(hparam_overrides or {})}
-    m = runner.build_method(  # the preset with its own hyperparameters
-        method, dim=b.stream.dim, num_candidates=b.stream.num_candidates, hparams=hp_over,
-        side_features=b.stream.num_side_features or None, **cfg_over)
+    m = self.method(method, b.stream, hparam_overrides, **(config_overrides or {}))
     config, hparams = m.config, m.hparams
     # A method that does not train keeps the simulated critic, so its run is shared.
     answer = critic_name == "answer" and config.trains
     if answer:
       b = self.answer_bench(multistore)
-    critic_over = {**o.critic_overrides, **(critic_overrides or {})}
-    if answer:
       critic = critic_lib.make_answer_critic()
       critic_json = {"name": "answer", **{k: float(getattr(critic, k))
                                           for k in critic_lib.ANSWER_DEFAULTS}}
     else:
-      critic = critic_lib.make_simulated_critic(**critic_over)
+      critic = critic_lib.make_simulated_critic(**{**o.critic_overrides,
+                                                   **(critic_overrides or {})})
       critic_json = {"precision": float(critic.precision), "recall": float(critic.recall)}
     if not config.trains:
-      epochs, eval_every = 1, eval_every
+      epochs = 1
     key = (multistore, method, config, tuple(sorted(summaries.hparams_dict(hparams).items())),
            tuple(sorted(critic_json.items())), epochs, eval_every)
     if key in self._memo:
       return self._memo[key]
-    name = label or method
-    parts = [name] + [f"{k}={v}" for k, v in sorted((config_overrides or {}).items())]
+    parts = [label or method] + [f"{k}={v}" for k, v in sorted((config_overrides or {}).items())]
     parts += [f"{k}={v}" for k, v in sorted((hparam_overrides or {}).items())]
     parts += [f"critic_{k}={v}" for k, v in sorted((critic_overrides or {}).items())]
-    if answer:
-      parts.append("critic=answer")
-    if multistore:
-      parts.append("multistore")
-    if epochs > 1:
-      parts.append(f"epochs={epochs}")
-    if eval_every:
-      parts.append(f"eval={eval_every}")
+    parts += [part for on, part in ((answer, "critic=answer"), (multistore, "multistore"),
+                                    (epochs > 1, f"epochs={epochs}"),
+                                    (eval_every, f"eval={eval_every}")) if on]
     run_name = slug("_".join(parts))
     run_dir = self.workdir / "runs" / run_name
     done = run_dir / "result.json"
     if o.resume and done.is_file():
-      with open(done) as f:
-        summary = json.load(f)
-      if (summary.get("config") == summaries.config_dict(config)
-          and summary.get("seeds") == self.seeds
+      summary = json.loads(done.read_text())
+      if (summary.get("config") == config.to_dict() and summary.get("seeds") == self.seeds
           and summary.get("hparams") == summaries.hparams_dict(hparams)
           and summary.get("critic") == critic_json and summary.get("epochs", 1) == epochs):
         logging.info("%s: finished earlier, loaded %s", run_name, done)
-        self._memo[key] = summary
-        self.summaries[run_name] = summary
+        self._memo[key] = self.summaries[run_name] = summary
         return summary
     ckpt = None
     if self.checkpoints and config.trains:
@@ -191,10 +200,7 @@ class Runner:
       if ckpt is not None:
         ckpt.close()
     summary = summaries.summarize(result, b.stream, b.categories)
-    summary["method"] = method
-    summary["critic"] = critic_json
-    summary["run"] = run_name
-    summary["epochs"] = epochs
+    summary.update(method=method, critic=critic_json, run=run_name, epochs=epochs)
     if multistore:
       summary["multistore"] = self._multistore_extras(b, result)
     if self.writes:
@@ -202,8 +208,7 @@ class Runner:
     logging.info("%s: R@5 adapter %s | explorer %s (%.1f s)", run_name,
                  fmt(summary["metrics"]["recall_adapter"]),
                  fmt(summary["metrics"]["recall_explorer"]), time.perf_counter() - t0)
-    self._memo[key] = summary
-    self.summaries[run_name] = summary
+    self._memo[key] = self.summaries[run_name] = summary
     return summary
 
   def _write_run(self, run_dir, result, summary) -> None:
@@ -213,8 +218,7 @@ class Runner:
     if result.train_log:
       np.savez_compressed(run_dir / "train_log.npz", train_index=result.train_index,
                           seeds=np.asarray(self.seeds), **result.train_log)
-    np.savez_compressed(run_dir / "test_eval.npz", test_index=result.test_index,
-                        **{k: v for k, v in result.eval.items()})
+    np.savez_compressed(run_dir / "test_eval.npz", test_index=result.test_index, **result.eval)
     # Orbax saves are collectives over every process (see __init__): multi-process runs keep none.
     if result.config.trains and jax.process_count() == 1:
       served = (run_checkpoints.guard_decisions(result.final_state, result.config)
@@ -222,12 +226,10 @@ class Runner:
       run_checkpoints.save_adapter(run_dir / run_checkpoints.ADAPTER_DIR, result.final_state.params,
                                  config=result.config, hparams=result.hparams, seeds=result.seeds,
                                  position=result.train_index.shape[1], served=served)
-    with open(run_dir / "result.json", "w") as f:
-      json.dump(summary, f, indent=1)
+    (run_dir / "result.json").write_text(json.dumps(summary, indent=1))
 
   def _multistore_extras(self, b, result) -> dict:
     """Table 5 / Fig. 6 per category and mode, and the Appendix C diagnostic (all seeds)."""
-    import jax  # pylint: disable=g-import-not-at-top
     ti = result.test_index
     gold = np.asarray(b.stream.gold)[ti]
     store = b.candidate_store[ti]
@@ -244,16 +246,12 @@ class Runner:
         per[c]["n"] = summaries.mean_std(where.sum(-1))
       out["per_category"][mode] = per
     # Appendix C: Delta before / after the adapter on the test queries vs their candidate stores.
-    deltas = {"before": [], "after": []}
-    s_q = np.asarray(b.stream.queries)[ti]
-    s_c = np.asarray(b.stream.candidates)[ti]
-    s_m = np.asarray(b.stream.mask)[ti]
-    for i in range(len(result.seeds)):
-      params = jax.tree_util.tree_map(lambda x: x[i], result.final_state.params)
-      d0, d1 = summaries.store_proximity_delta(params, s_q[i], s_c[i], s_m[i], store[i])
-      deltas["before"].append(np.asarray(d0))
-      deltas["after"].append(np.asarray(d1))
-    before, after = np.stack(deltas["before"]), np.stack(deltas["after"])  # [S, M]
+    s_q, s_c, s_m = (np.asarray(x)[ti] for x in (b.stream.queries, b.stream.candidates,
+                                                  b.stream.mask))
+    deltas = [summaries.store_proximity_delta(
+        jax.tree_util.tree_map(lambda x: x[i], result.final_state.params), s_q[i], s_c[i],
+        s_m[i], store[i]) for i in range(len(result.seeds))]
+    before, after = (np.stack([np.asarray(d[j]) for d in deltas]) for j in (0, 1))  # [S, M]
     # Group queries by where their gold lies among the candidates (LoCoMo has no store labels).
     g_obs = (gold & (store == 1)).sum(-1)
     g_dia = (gold & (store == 0)).sum(-1)
@@ -276,6 +274,12 @@ class Runner:
     return out
 
   # -- output helpers -----------------------------------------------------------------------------
+  def write_json(self, path, obj, indent: Optional[int] = 1) -> None:
+    """`obj` as JSON at `path`, folders created (multi-process: process 0 alone writes)."""
+    if self.writes:
+      pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+      pathlib.Path(path).write_text(json.dumps(obj, indent=indent))
+
   def plot_path(self, name):
     """`<workdir>/plots/<benchmark>_<name>.png`, registered for results.json."""
     p = self.workdir / "plots" / f"{self.opts.benchmark}_{name}.png"

@@ -1,23 +1,20 @@
-"""Suite `side_init_tune`: `ear_tuned`'s `side_init` and learning rate, chosen on the validation
-part of every benchmark in `BENCHMARKS` at every pool size K in `pool.K_VALUES`.
+"""Suite `side_init_tune`: `ear_tuned`'s `side_init` (the first stage's weight in
+`z = q~·m~ + w·f` before any feedback) and learning rate, chosen on the validation part of every
+benchmark in `BENCHMARKS` at every pool size K in `pool.K_VALUES`.
 
-`side_init` is the first stage's weight in `z = q~·m~ + w·f` before any feedback; the smaller it
-is, the sooner the learned correction overrides the first stage. Each (side_init, learning rate)
-trains `ear_tuned` on the fit part of `runner.validation_split` (the test split is not read) and
-is scored by adapter-only Recall@5, paired per seed with the frozen first stage on the same
-validation questions. `choose`: the setting whose every (benchmark, K) has mean Δ >= 0 and a 95 %
-lower bound >= -1 (the bar the `pool` table applies on the test split), with the largest summed Δ.
+Each setting trains `ear_tuned` on the fit part of `runner.validation_split` (the test split is
+not read), scored by adapter-only Recall@5 paired per seed with the frozen first stage. `choose`:
+the setting whose every (benchmark, K) has mean Δ >= 0 and a 95 % lower bound >= -1 (the `pool`
+table's bar on the test split), with the largest summed Δ.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from absl import logging
 import numpy as np
 
 from ear_jax.core import config as config_lib
-from ear_jax.experiment import runner
 from ear_jax.experiment import stats
 from ear_jax.experiment import sweep
 from ear_jax.experiment.suites import pool
@@ -43,11 +40,8 @@ def tune_side_init(r: Runner) -> list:
       fit, val = sub.validation_split()
       frozen = first_stage_recall(sub, val)
       for side_init in SIDE_INITS:
-        methods = [runner.build_method(
-            pool.TUNED, dim=stream.dim, num_candidates=k,
-            hparams={**r.opts.hparam_overrides, "learning_rate": lr},
-            side_features=stream.num_side_features or None,
-            **{**r.opts.config_overrides, "side_init": side_init}) for lr in LEARNING_RATES]
+        methods = [sub.method(pool.TUNED, hparams={"learning_rate": lr}, side_init=side_init)
+                   for lr in LEARNING_RATES]
         res = sweep.sweep_validation(stream, fit, val, methods[0].config,
                                      config_lib.stack_hparams([m.hparams for m in methods]),
                                      r.seeds)
@@ -88,8 +82,7 @@ def suite_side_init_tune(r: Runner) -> str:
   preset = config_lib.EARConfig.for_method(pool.TUNED, side_features=3).side_init
   preset_lr = round(float(config_lib.hparams_for_method(pool.TUNED).learning_rate), 10)
   res["preset"] = {"side_init": preset, "learning_rate": preset_lr}
-  if r.writes:
-    (r.workdir / "side_init_tune.json").write_text(json.dumps(res, indent=1))
+  r.write_json(r.workdir / "side_init_tune.json", res)
   ks = pool.K_VALUES
   table = []
   for setting in sorted({(row["side_init"], row["learning_rate"]) for row in rows}):
@@ -110,7 +103,3 @@ def suite_side_init_tune(r: Runner) -> str:
       f"then the largest summed Δ): {chosen}. The preset: {res['preset']}"
       + (" (it holds the chosen values)." if chosen == res["preset"] else
          " (it does NOT hold the chosen values)."), DELTA_NOTE])
-
-
-__all__ = ["BENCHMARKS", "LEARNING_RATES", "SIDE_INITS", "choose", "suite_side_init_tune",
-           "tune_side_init"]

@@ -12,7 +12,6 @@ hyperparameters one at a time (`REFINE`), then together. Every call is cached in
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 
 from absl import logging
@@ -20,10 +19,10 @@ import numpy as np
 
 from ear_jax.core import config as config_lib
 from ear_jax.experiment import plots
-from ear_jax.experiment import runner
 from ear_jax.experiment import stats
 from ear_jax.experiment import sweep
 from ear_jax.experiment.suites.beyond import suite_beyond  # noqa: F401 (re-exported)
+from ear_jax.experiment.suites.pairing import fd
 from ear_jax.experiment.suites.paper import md_table
 from ear_jax.experiment.suites.run_cache import Runner, slug
 
@@ -59,28 +58,15 @@ class _Tuner:
   """Runs and caches validation sweeps; keeps every scored setting as a row."""
 
   def __init__(self, r: Runner):
-    self.r = r
-    b = r.bench()
-    self.stream = b.stream
+    self.r, self.stream = r, r.bench().stream
     self.fit, self.val = r.validation_split()
     self.dir = r.workdir / "tune"
-    if r.writes:  # multi-process: process 0 alone writes the workdir
-      self.dir.mkdir(parents=True, exist_ok=True)
     self.rows = []  # {stage, variant, switches, hparams, adapter [S], round_T [S], exploit [S]}
-
-  def method(self, method, switches, hparams=None):
-    """`method` with `switches` and `hparams` (overrides of its own) applied: a `Method`."""
-    o = self.r.opts
-    return runner.build_method(method, dim=self.stream.dim,
-                               num_candidates=self.stream.num_candidates,
-                               hparams={**o.hparam_overrides, **(hparams or {})},
-                               side_features=self.stream.num_side_features or None,
-                               **{**o.config_overrides, **switches})
 
   def run(self, stage, variant, switches, hp_list, method="ear"):
     """Scores `hp_list` (dicts of HParams overrides) under `switches`; returns the new rows."""
-    config = self.method(method, switches).config
-    hps = [self.method(method, switches, h).hparams for h in hp_list]
+    config = self.r.method(method, **switches).config
+    hps = [self.r.method(method, hparams=h, **switches).hparams for h in hp_list]
     ident = {"config": config.to_dict(), "seeds": self.r.seeds,
              "hparams": [{k: float(v) for k, v in dataclasses.asdict(h).items()} for h in hps],
              "fit": self.fit.tolist(), "validation": self.val.tolist()}
@@ -99,14 +85,11 @@ class _Tuner:
                                    eval_variants=EVAL_VARIANTS)
       res = {"adapter": out["recall_adapter"].tolist(), "seconds": round(out["seconds"], 1),
              **{v: out["explorer"][v]["recall"].tolist() for v in EVAL_VARIANTS}}
-      if self.r.writes:
-        path.write_text(json.dumps({"ident": ident, "result": res}))
-    rows = []
-    for i, h in enumerate(hp_list):
-      row = {"stage": stage, "variant": variant, "method": method, "switches": dict(switches),
+      self.r.write_json(path, {"ident": ident, "result": res}, indent=None)
+    rows = [{"stage": stage, "variant": variant, "method": method, "switches": dict(switches),
              "hparams": dict(ident["hparams"][i]), "changed": dict(h),
              "adapter": res["adapter"][i], **{v: res[v][i] for v in EVAL_VARIANTS}}
-      rows.append(row)
+            for i, h in enumerate(hp_list)]
     self.rows += rows
     return rows
 
@@ -136,9 +119,7 @@ def _delta(row, ref):
 
 def tune(r: Runner) -> dict:
   """Runs stages 1-4; returns `{rows, chosen, retriever, paper}` (see the module docstring)."""
-  if r.opts.benchmark == "longmemeval":
-    raise ValueError("--suite=tune refuses LongMemEval_S: it is the transfer benchmark; tune "
-                     "on --benchmark=locomo")
+  r.refuse_transfer_benchmark("--suite=tune")
   if len(r.seeds) < 5:
     logging.warning("tune: %d seeds; the protocol selects on at least 5", len(r.seeds))
   t = _Tuner(r)
@@ -221,27 +202,18 @@ def _fmt(row, key):
   return f"{v.mean():.2f} ± {v.std(ddof=1) if v.size > 1 else 0.0:.2f}"
 
 
-def _fd(d):
-  return stats.format_difference(d)
-
-
-def _open_w(r: Runner, path):
-  """`open(path, "w")`, or a sink in the processes that do not write (multi-process runs)."""
-  return open(path, "w") if r.writes else io.StringIO()
-
-
 def suite_tune(r: Runner) -> str:
   res = tune(r)
   rows, ret, paper, chosen = res["rows"], res["retriever"], res["paper"], res["chosen"]
   switches, hp = chosen_preset(res)
-  with _open_w(r, r.workdir / "tune" / "chosen.json") as f:
-    json.dump({"switches": switches, "hparams": hp, "final_slate": res["final_slate"],
-               "validation_recall_adapter": chosen["adapter"],
-               "validation_recall_explorer": chosen[res["final_slate"]]}, f, indent=1)
+  r.write_json(r.workdir / "tune" / "chosen.json", {
+      "switches": switches, "hparams": hp, "final_slate": res["final_slate"],
+      "validation_recall_adapter": chosen["adapter"],
+      "validation_recall_explorer": chosen[res["final_slate"]]})
 
   def line(label, row):
-    return [label, _hp_text(row), _fmt(row, "adapter"), _fd(_delta(row, ret)),
-            _fd(_delta(row, paper)), _fmt(row, "round_T"), _fmt(row, "exploit")]
+    return [label, _hp_text(row), _fmt(row, "adapter"), fd(_delta(row, ret)),
+            fd(_delta(row, paper)), _fmt(row, "round_T"), _fmt(row, "exploit")]
 
   table = [line("Only Retriever", ret), line("EAR, paper (lr 1e-3, b 0.5)", paper),
            line("EAR, paper switches, best lr x b", res["best_stage1"])]
@@ -269,16 +241,15 @@ def suite_tune(r: Runner) -> str:
   plots.grouped_bars(r.plot_path("tune_variants"), list(series["adapter only"]), series,
                      title="validation Recall@5 per setting (mean, 95% interval over seeds)",
                      ylabel="Recall@5 (%)")
-  with _open_w(r, r.workdir / "tune" / "sweep_table.json") as f:
-    json.dump(rows, f, indent=1)
-  nv = r._splits[False][0].shape[1] - t_fit_size(r)  # pylint: disable=protected-access
+  r.write_json(r.workdir / "tune" / "sweep_table.json", rows)
+  fit, val = r.validation_split()
   md = [f"### Tuning on validation — {r.opts.benchmark}", "",
-        f"Per seed the training stream's last 20 % ({nv} queries) is validation; candidates are "
-        f"trained online on the first {t_fit_size(r)} and scored there; the test split is never "
-        f"read. {len(r.seeds)} seeds; {len(rows)} settings scored. Selection: mean validation "
-        "Recall@5 of the adapter alone; the final-slate rule by explorer-assisted validation "
-        f"Recall@5 at T = {TEST_ROUNDS}. Static choices are one at a time at their best lr x b "
-        "(stage 2), then combined (stage 3); continuous ones refined (stage 4).", "",
+        f"Per seed the training stream's last 20 % ({val.shape[1]} queries) is validation; "
+        f"candidates are trained online on the first {fit.shape[1]} and scored there; the test "
+        f"split is never read. {len(r.seeds)} seeds; {len(rows)} settings scored. Selection: mean "
+        "validation Recall@5 of the adapter alone; the final-slate rule by explorer-assisted "
+        f"validation Recall@5 at T = {TEST_ROUNDS}. Static choices are one at a time at their "
+        "best lr x b (stage 2), then combined (stage 3); continuous ones refined (stage 4).", "",
         md_table(["setting", "changed hyperparameters", "val R@5 adapter",
                   "Δ vs retriever [95% CI]", "Δ vs paper EAR [95% CI]",
                   f"val R@5 explorer T={TEST_ROUNDS} round T", f"val R@5 explorer T={TEST_ROUNDS} "
@@ -288,12 +259,6 @@ def suite_tune(r: Runner) -> str:
         f"{'holds this setting' if preset_matches(res) else 'DIFFERS from this setting'}.",
         "", f"All {len(rows)} scored settings: `{r.workdir}/tune/sweep_table.json`."]
   return "\n".join(md)
-
-
-def t_fit_size(r: Runner) -> int:
-  """Fit queries per seed of the validation protocol."""
-  fit, _ = r.validation_split()
-  return fit.shape[1]
 
 
 def _hp_text(row):
