@@ -124,6 +124,8 @@ _ACCEL_SEARCH_SIZES = flags.DEFINE_list("accel_search_sizes", ["1000000", "10000
                                         "--suite=accelerator: bank rows of the exact search.")
 _ACCEL_SKIP = flags.DEFINE_list("accel_skip", [], "--suite=accelerator: steps to leave out (main, "
                                 "seeds, search).")
+flags.register_validator("accel_skip", lambda steps: set(steps) <= {"main", "seeds", "search"},
+                         "--accel_skip takes a comma-separated subset of main, seeds, search")
 _ACCEL_TIMEOUT = flags.DEFINE_integer("accel_timeout", 200, "--suite=accelerator: seconds for "
                                       "each paper run.", lower_bound=1)
 _ACCEL_OUT = flags.DEFINE_string("accel_out", "results/accelerator/accelerator.json",

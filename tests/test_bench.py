@@ -105,3 +105,10 @@ def test_bench_quick_fields_and_the_relations_between_them(quick_bench):
     assert line, name
     if v is not None:
       assert line[0].rstrip().endswith("| yes |" if v["met"] else "| NO |"), line
+
+
+def test_accel_skip_refuses_a_step_the_suite_does_not_have():
+  proc = subprocess.run([sys.executable, "-m", "experiments.bench", "--suite=accelerator",
+                         "--accel_skip=tests"], cwd=str(_REPO), capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode != 0 and "--accel_skip takes" in proc.stderr, proc.stderr[-2000:]

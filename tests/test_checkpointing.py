@@ -196,9 +196,8 @@ def test_a_guarded_adapter_saved_without_the_decision_is_refused_unless_asked_fo
   config = ex.build_config("ear_safe", dim=8, num_candidates=20, side_features=2)
   store = tmp_path / "runs" / "ear_safe" / run_checkpoints.ADAPTER_DIR
   params = _guarded_params(1.0)
-  meta = {"format": run_checkpoints.ADAPTER_FORMAT, "config": config.to_dict(),
-          "hparams": run_checkpoints._hparams_json(default_hparams()), "seeds": [0, 1],
-          "position": 40, "leaves": run_checkpoints._leaf_specs(params)}
+  meta = run_checkpoints._identity(run_checkpoints.ADAPTER_FORMAT, config, default_hparams(),
+                                   [0, 1], params, position=40)
   with contextlib.closing(run_checkpoints.CheckpointStore(store, max_to_keep=1)) as s:
     s.save(0, {"params": params}, meta)
   with pytest.raises(ValueError, match="guarded=False"):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ear_jax.core import episode, guard, inference, learner
+from ear_jax.core import episode, guard, inference, learner, retrieval
 from ear_jax.core.config import EARConfig, Method, default_hparams
 from ear_jax.core.slates import top_s_slate
 from ear_jax.core.stream import make_stream, to_device
@@ -15,7 +15,7 @@ from tests.core_utils import learnable_stream
 
 jit_push = jax.jit(guard.push_holdout, static_argnums=(9,))
 jit_served = jax.jit(inference.served_params, static_argnames=("config",))
-jit_slates = jax.jit(jax.vmap(inference.adapter_only_slate, in_axes=(None, 0, 0, 0, None)),
+jit_slates = jax.jit(jax.vmap(retrieval.slate_from_candidates, in_axes=(None, 0, 0, 0, None)),
                      static_argnums=(4,))
 
 D, K, S = 4, 6, 2

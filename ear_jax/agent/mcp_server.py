@@ -258,19 +258,6 @@ class MemoryService:
       self.memory.close()
 
 
-def _run(limiter, fn, *args):
-  """Runs a tool in a worker thread of `limiter`; bad input -> ToolError."""
-  import anyio  # pylint: disable=g-import-not-at-top
-  from mcp.server.fastmcp.exceptions import ToolError  # pylint: disable=g-import-not-at-top
-
-  async def go():
-    try:
-      return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
-    except (ValueError, TypeError, KeyError) as e:  # Memory's input errors (and the service's)
-      raise ToolError(f"{type(e).__name__}: {e}") from None
-  return go()
-
-
 def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 8000,
                  worker_threads: int = WORKER_THREADS):
   """A `FastMCP` server with the six tools over `service`, at most `worker_threads` at once.
@@ -282,6 +269,7 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
   from typing import Annotated  # pylint: disable=g-import-not-at-top
   import anyio  # pylint: disable=g-import-not-at-top
   from mcp.server.fastmcp import FastMCP  # pylint: disable=g-import-not-at-top
+  from mcp.server.fastmcp.exceptions import ToolError  # pylint: disable=g-import-not-at-top
   from mcp.server.fastmcp.tools import Tool  # pylint: disable=g-import-not-at-top
   from pydantic import Field, StrictBool, StrictInt, StrictStr  # pylint: disable=g-import-not-at-top
 
@@ -289,8 +277,12 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
     raise ValueError(f"worker_threads must be an int >= 1, got {worker_threads!r}")
   limiter = anyio.CapacityLimiter(worker_threads)
 
-  def run(fn, *args):
-    return _run(limiter, fn, *args)
+  async def run(fn, *args):
+    """Runs a tool in a worker thread of `limiter`; bad input -> ToolError."""
+    try:
+      return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
+    except (ValueError, TypeError, KeyError) as e:  # Memory's input errors (and the service's)
+      raise ToolError(f"{type(e).__name__}: {e}") from None
 
   tools = []
 

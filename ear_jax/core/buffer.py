@@ -122,7 +122,7 @@ def select_replay(key: jax.Array, buffer: ReplayBuffer, query: jax.Array, replay
 
 
 class Experiences(NamedTuple):
-  """Experiences gathered from the buffer (leading axes `[...]` = the shape of the indices)."""
+  """The buffer's fields of these names at some slots (leading axes `[...]`: the indices')."""
   queries: jax.Array  # [..., d] float32, pre-adapter query embeddings
   candidates: jax.Array  # [..., K, d] float32, pre-adapter candidate embeddings
   mask: jax.Array  # [..., K] bool, valid candidates
@@ -133,9 +133,7 @@ class Experiences(NamedTuple):
 
 def gather_experiences(buffer: ReplayBuffer, indices: jax.Array) -> Experiences:
   """The experiences in slots `indices [...]` (e.g. `[b, B]`), with leading axes `[...]`."""
-  return Experiences(queries=buffer.queries[indices], candidates=buffer.candidates[indices],
-                     mask=buffer.mask[indices], observed=buffer.observed[indices],
-                     ybar=buffer.ybar[indices], valid=buffer.valid[indices])
+  return Experiences(*(getattr(buffer, f)[indices] for f in Experiences._fields))
 
 
 def after_reads(buffer: ReplayBuffer, indices: jax.Array,
@@ -148,8 +146,5 @@ def after_reads(buffer: ReplayBuffer, indices: jax.Array,
   """
   idx = indices.reshape(-1)
   put = lambda dst, src: dst.at[idx].set(src.reshape((idx.shape[0],) + dst.shape[1:]))
-  return buffer.replace(
-      queries=put(buffer.queries, experiences.queries),
-      candidates=put(buffer.candidates, experiences.candidates),
-      mask=put(buffer.mask, experiences.mask), observed=put(buffer.observed, experiences.observed),
-      ybar=put(buffer.ybar, experiences.ybar), valid=put(buffer.valid, experiences.valid))
+  return buffer.replace(**{f: put(getattr(buffer, f), getattr(experiences, f))
+                           for f in Experiences._fields})

@@ -163,7 +163,7 @@ class EARConfig:
       if self.optimizer is fn:
         object.__setattr__(self, "optimizer", key)
     for name in ("dim", "num_candidates", "slate_size", "num_rounds", "replay_size",
-                 "buffer_capacity", "batch_size"):
+                 "buffer_capacity", "batch_size", "guard_min_queries", "guard_holdout_capacity"):
       value = getattr(self, name)
       if not _is_int(value):
         raise ValueError(f"{name} must be an int, got {value!r}")
@@ -175,10 +175,9 @@ class EARConfig:
     if self.slate_size > self.num_candidates:
       raise ValueError(
           f"slate_size s={self.slate_size} is larger than num_candidates K={self.num_candidates}")
-    _check_choice("loss_form", self.loss_form, LOSS_FORMS)
-    _check_choice("replay_unobserved", self.replay_unobserved, REPLAY_UNOBSERVED)
-    _check_choice("loss_support", self.loss_support, LOSS_SUPPORTS)
-    _check_choice("final_slate", self.final_slate, FINAL_SLATES)
+    for name, choices in (("loss_form", LOSS_FORMS), ("replay_unobserved", REPLAY_UNOBSERVED),
+                          ("loss_support", LOSS_SUPPORTS), ("final_slate", FINAL_SLATES)):
+      _check_choice(name, getattr(self, name), choices)
     if self.test_rounds is not None and not (_is_int(self.test_rounds) and self.test_rounds >= 1):
       raise ValueError(f"test_rounds must be None or an int >= 1, got {self.test_rounds!r}")
     if not (_is_int(self.side_features) and (self.side_features == 0 or self.side_features >= 2)):
@@ -188,14 +187,9 @@ class EARConfig:
       value = getattr(self, name)
       if not (_is_int(value) or isinstance(value, float)) or not value >= 0:
         raise ValueError(f"{name} must be a float >= 0, got {value!r}")
-    if not (_is_int(self.guard_min_queries) and self.guard_min_queries >= 1):
-      raise ValueError(f"guard_min_queries must be an int >= 1, got {self.guard_min_queries!r}")
     if not (_is_int(self.guard_holdout) and (self.guard_holdout == 0 or self.guard_holdout >= 2)):
       raise ValueError("guard_holdout must be 0 (off) or an int >= 2 (every n-th training query "
                        f"held out), got {self.guard_holdout!r}")
-    if not (_is_int(self.guard_holdout_capacity) and self.guard_holdout_capacity >= 1):
-      raise ValueError("guard_holdout_capacity must be an int >= 1, got "
-                       f"{self.guard_holdout_capacity!r}")
 
   @property
   def trains(self) -> bool:
@@ -312,15 +306,15 @@ def stack_hparams(hparams_list) -> HParams:
   return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *hparams_list)
 
 
-def hparams_for_method(method: str, **overrides) -> HParams:
-  """`default_hparams` with the method's own values (`METHOD_HPARAMS`), then `overrides`.
+def hparams_for_method(method: str, *, dtype=jnp.float32, **overrides) -> HParams:
+  """`default_hparams` of `dtype` with the method's own values (`METHOD_HPARAMS`), then `overrides`.
 
   Raises:
     ValueError: for an unknown method or hyperparameter.
   """
   if method not in METHODS:
     raise ValueError(f"unknown method={method!r}; expected one of {tuple(METHODS)}")
-  return default_hparams(**{**METHOD_HPARAMS.get(method, {}), **overrides})
+  return default_hparams(dtype=dtype, **{**METHOD_HPARAMS.get(method, {}), **overrides})
 
 
 class Method(NamedTuple):
@@ -346,6 +340,5 @@ class Method(NamedTuple):
       ValueError: for an unknown method, field or hyperparameter.
     """
     config = EARConfig.for_method(name, **config_overrides)
-    values = {**METHOD_HPARAMS.get(name, {}), **(hparams or {})}
-    return cls(name=name, config=config, hparams=default_hparams(dtype=dtype, **values),
-               critic=critic)
+    return cls(name=name, config=config,
+               hparams=hparams_for_method(name, dtype=dtype, **(hparams or {})), critic=critic)

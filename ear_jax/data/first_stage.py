@@ -67,20 +67,15 @@ def top_k_candidates(queries: np.ndarray, bank: np.ndarray, k: int, valid: np.nd
     `mask [Nq, K]` bool), in decreasing score order.
   """
   queries = np.asarray(queries, np.float32)
-  bank = np.asarray(bank, np.float32)
-  nq, m = queries.shape[0], bank.shape[0]
-  valid = np.ones(m, bool) if valid is None else np.asarray(valid, bool)
-  mp = max(k, 1 << max(0, int(np.ceil(np.log2(max(m, 1))))))
-  bank_p = np.zeros((mp, bank.shape[1]), np.float32)
-  bank_p[:m] = bank
-  valid_p = np.zeros(mp, bool)
-  valid_p[:m] = valid
+  nq, m = queries.shape[0], np.shape(bank)[0]
+  cap = max(k, pow2_at_least(m))
+  bank_p = _padded(bank, cap, np.float32)
+  valid_p = _padded(np.ones(m, bool) if valid is None else valid, cap, bool)
   idx = np.full((nq, k), -1, np.int32)
   sc = np.full((nq, k), -np.inf, np.float32)
   for s in range(0, nq, batch_size):
-    qb = np.zeros((batch_size, queries.shape[1]), np.float32)
     n = min(batch_size, nq - s)
-    qb[:n] = queries[s:s + n]
+    qb = _padded(queries[s:s + n], batch_size, np.float32)
     i, v, _ = _top_k_search(jnp.asarray(qb), jnp.asarray(bank_p), jnp.asarray(valid_p), k=k)
     sc[s:s + n] = np.asarray(v)[:n]
     idx[s:s + n] = np.asarray(i)[:n]
@@ -93,6 +88,14 @@ def pow2_at_least(n: int, minimum: int = 1) -> int:
   """The smallest power of two `>= max(n, minimum, 1)`."""
   n = max(n, minimum, 1)
   return 1 << (n - 1).bit_length()
+
+
+def _padded(x, rows: int, dtype, fill=0) -> np.ndarray:
+  """`x` as `dtype`, extended along axis 0 to `rows` rows of `fill`."""
+  x = np.asarray(x)
+  out = np.full((rows,) + x.shape[1:], fill, dtype)
+  out[:len(x)] = x
+  return out
 
 
 class BankScores(NamedTuple):
@@ -312,16 +315,11 @@ def bank_first_stage(queries: np.ndarray, emb: np.ndarray, stores: np.ndarray, v
   """
   n, m = queries.shape[0], emb.shape[0]
   cap, q = max(k, pow2_at_least(m)), min(QUERY_BATCH, pow2_at_least(n))
-  emb_p = np.zeros((cap, emb.shape[1]), np.float32)
-  emb_p[:m] = emb
-  where = np.zeros(cap, bool)
-  where[:m] = valid
-  stores_p = np.full(cap, -1, np.int32)
-  stores_p[:m] = stores
+  emb_p, where = _padded(emb, cap, np.float32), _padded(valid, cap, bool)
+  stores_p = _padded(stores, cap, np.int32, fill=-1)
   out = []
   for s in range(0, n, q):  # blocks of `q` queries (one compiled shape per bank size)
-    q_p = np.zeros((q, queries.shape[1]), np.float32)
-    q_p[:min(q, n - s)] = queries[s:s + q]
+    q_p = _padded(queries[s:s + q], q, np.float32)
     lex_rows, lex_scores = pairs(found[s:s + q], cap, q, offset)
     rows, _, sc, feats = _rank_bank(q_p, emb_p, where, stores_p, lex_rows, lex_scores, k=k,
                                     generator=generator, options=options, multistore=multistore)

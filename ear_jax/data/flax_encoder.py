@@ -10,6 +10,7 @@ of compilations); a call of at most `SMALL_CALL` texts pads only to the next pow
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import threading
 from typing import Sequence
@@ -38,10 +39,8 @@ def _default_max_length(model_dir: pathlib.Path, config: dict,
   st_cfg = model_dir / "sentence_bert_config.json"
   if st_cfg.is_file() and "max_seq_length" in json.loads(st_cfg.read_text()):
     return int(json.loads(st_cfg.read_text())["max_seq_length"])
-  limits = [int(config.get("max_position_embeddings", 512))]
-  if tokenizer.model_max_length:
-    limits.append(tokenizer.model_max_length)
-  return min(limits)
+  return min(int(config.get("max_position_embeddings", 512)),
+             tokenizer.model_max_length or math.inf)
 
 
 def _default_pooling(model_dir: pathlib.Path) -> str:

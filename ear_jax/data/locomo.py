@@ -208,17 +208,13 @@ def load_locomo(path, *, limit: int | None = None) -> corpus_lib.Corpus:
       per_cat[category] += 1
       queries.append(corpus_lib.Query(id=f"{sample_id}/q{qi}", text=question, gold=gold,
                                       category=category, group=g, answer=answer))
-  stats = {
-      "file": sources.shown_path(path), "conversations": len(banks), "sessions": st["sessions"],
-      "turns": st["turns"], "observations": st["observations"], "queries": st["queries"],
-      "queries_evaluable": len(queries),
-      "queries_adversarial_dropped": st["queries_adversarial_dropped"],
-      "queries_empty_evidence_dropped": st["queries_empty_evidence_dropped"],
-      "queries_without_gold_excluded": st["queries_without_gold_excluded"],
-      "queries_without_answer": st["queries_without_answer"],
-      "evidence_entries_malformed": st["evidence_entries_malformed"],
-      "evidence_ids_dropped": st["evidence_ids_dropped"], "evidence_ids_dropped_list": dropped_ids,
-      "observation_refs_unresolvable": st["observation_refs_unresolvable"],
-      "queries_per_category": dict(sorted(per_cat.items())),
-  }
+  stats = {"file": sources.shown_path(path), "conversations": len(banks),
+           **{k: st[k] for k in ("sessions", "turns", "observations", "queries")},
+           "queries_evaluable": len(queries),
+           **{k: st[k] for k in ("queries_adversarial_dropped", "queries_empty_evidence_dropped",
+                                 "queries_without_gold_excluded", "queries_without_answer",
+                                 "evidence_entries_malformed", "evidence_ids_dropped")},
+           "evidence_ids_dropped_list": dropped_ids,
+           "observation_refs_unresolvable": st["observation_refs_unresolvable"],
+           "queries_per_category": dict(sorted(per_cat.items()))}
   return corpus_lib.Corpus(name="locomo", banks=banks, queries=queries, stats=stats)

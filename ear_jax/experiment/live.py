@@ -52,7 +52,6 @@ class LiveData:
   Attributes:
     bench: the runner's `Benchmark` (its stream, candidates, in query order).
     ec: the embedded corpus it was built from (banks, texts, embeddings).
-    corpus_index: `[N]` int, the corpus query of each benchmark query.
     gold_ids: per benchmark query, the `Memory` ids of its gold dialogue memories (whole bank).
     memory_ids: per bank `g`, the `Memory` ids of its dialogue rows (None for unqueried banks).
     dialogue_rows: per bank, its dialogue rows (indices into `ec.bank_embeddings[g]`).
@@ -60,7 +59,6 @@ class LiveData:
   """
   bench: candidates_lib.Benchmark
   ec: corpus_lib.EmbeddedCorpus
-  corpus_index: np.ndarray
   gold_ids: list
   memory_ids: list
   dialogue_rows: list
@@ -119,8 +117,8 @@ def live_data(ec: corpus_lib.EmbeddedCorpus, *, k: int = candidates_lib.DEFAULT_
     gold_ids.append(frozenset(np.asarray(memory_ids[q.group], object)[gm].tolist()))
   bank_id_of = {m: corpus.banks[g].ids[r] for g in queried
                 for m, r in zip(memory_ids[g], rows_of[g])}
-  return LiveData(bench=bench, ec=ec, corpus_index=np.asarray(keep, np.int64), gold_ids=gold_ids,
-                  memory_ids=memory_ids, dialogue_rows=rows_of, bank_id_of=bank_id_of)
+  return LiveData(bench=bench, ec=ec, gold_ids=gold_ids, memory_ids=memory_ids,
+                  dialogue_rows=rows_of, bank_id_of=bank_id_of)
 
 
 def load_live_data(benchmark: str, *, data_dir=None, encoder="minilm", cache_dir=None,
@@ -184,7 +182,7 @@ class StreamCritic:
 
   def __init__(self, critic: critic_lib.SimulatedCritic, slate_size: int):
     self.critic, self.slate_size = critic, int(slate_size)
-    self.seconds, self.calls = 0.0, 0
+    self.seconds = 0.0
     self._gold, self._keys, self._t = frozenset(), None, 0
 
   def start(self, gold_ids, round_keys: np.ndarray) -> None:
@@ -202,7 +200,6 @@ class StreamCritic:
     labels = np.asarray(_simulated(self._keys[self._t], gold, np.arange(s) < k,
                                    self.critic.precision, self.critic.recall))[:k]
     self._t += 1
-    self.calls += 1
     self.seconds += time.perf_counter() - t0
     return labels
 
@@ -309,46 +306,22 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
                     bank_bytes=int(mem.stats["capacity"] * method.config.dim * 4))
 
 
-def _mean_ms(fn, n: int, warmup: int = 20) -> float:
-  """Mean wall time of `fn()` over `n` calls after `warmup` calls, in ms."""
+def _call_ms(fn, calls: int, warmup: int) -> np.ndarray:
+  """`[calls]` wall times of `fn()` (its result waited for) after `warmup` calls, in ms."""
   for _ in range(warmup):
-    fn()
-  t = time.perf_counter()
-  for _ in range(n):
-    fn()
-  return 1e3 * (time.perf_counter() - t) / n
+    benchmarking.block(fn())
+  return 1e3 * np.asarray([benchmarking.timed(fn) for _ in range(calls)])
 
 
-def measure_dispatch(method: Method, calls: int = 2000) -> dict:
-  """The round trip of one trivial jitted call with a session round's argument and output shapes:
-  `mean_ms` / `p50_ms` over `calls` calls after a warm-up."""
-  config = method.config
-  K, s, width = config.num_candidates, config.slate_size, config.dim + config.side_features
-  params = jax.tree_util.tree_map(jax.numpy.asarray,
-                                  learner_lib.init_learner(jax.random.PRNGKey(0), config).params)
-  args = (params, method.hparams, np.zeros((config.dim,), np.float32),
-          np.zeros((K, width), np.float32), np.ones((K,), bool), np.zeros((K,), np.float32),
-          np.zeros((K,), np.float32),
-          (np.full((K,), -1, np.int32), np.zeros((K,), bool), np.zeros((K,), np.float32)))
-  trivial = jax.jit(lambda p, h, q, c, m, mean, counts, last: (
-      jax.numpy.zeros((s,), jax.numpy.int32), m[:s], mean, mean, counts))
-  for _ in range(50):
-    jax.device_get(trivial(*args))
-  times = []
-  for _ in range(calls):
-    t = time.perf_counter()
-    jax.device_get(trivial(*args))
-    times.append(time.perf_counter() - t)
-  ms = 1e3 * np.asarray(times)
-  return {"mean_ms": float(ms.mean()), "p50_ms": float(np.median(ms)), "calls": int(calls)}
-
-
-def measure_device_floor(method: Method, calls: int = 500) -> dict:
+def measure_round_costs(method: Method, calls: int = 500, dispatch_calls: int = 2000) -> tuple:
   """The device calls of one training question served alone, each timed to its host result.
 
-  `first_round_ms` (`session_round` computing the adapter, Eq. (3)-(4), and the Gram of Eq. (6)),
-  `later_round_ms`, `learner_step_ms` (one `driver.train_step` on `b` queries) and
-  `per_training_question_ms` = first + (T - 1) later + step / b; no search. Means over `calls`.
+  Returns:
+    `(dispatch [dispatch_calls] ms, floor)`: the round trips of one trivial jitted call with a
+    session round's argument and output shapes (after a warm-up), and the floor `{first_round_ms
+    (`session_round` computing the adapter, Eq. (3)-(4), and the Gram of Eq. (6)), later_round_ms,
+    learner_step_ms (one `driver.train_step` on `b` queries), per_training_question_ms = first +
+    (T - 1) later + step / b}`, no search; means over `calls`.
   """
   config, hp = method.config, method.hparams
   K, T, b, s = config.num_candidates, config.num_rounds, config.batch_size, config.slate_size
@@ -360,10 +333,14 @@ def measure_device_floor(method: Method, calls: int = 500) -> dict:
   c = rng.standard_normal((K, width)).astype(np.float32)
   mask, zeros = np.ones((K,), bool), np.zeros((K,), np.float32)
   last = (np.full((K,), -1, np.int32), np.zeros((K,), bool), np.full((K,), -1.0, np.float32))
-  one = lambda given=None: memory_episode.session_round(state.params, hp, q, c, mask, zeros,
-                                                        zeros, last, s, True, given)
+  args = (state.params, hp, q, c, mask, zeros, zeros, last)
+  trivial = jax.jit(lambda p, h, q, c, m, mean, counts, last: (
+      jax.numpy.zeros((s,), jax.numpy.int32), m[:s], mean, mean, counts))
+  dispatch = _call_ms(lambda: jax.device_get(trivial(*args)), dispatch_calls, 50)
+  one = lambda given=None: memory_episode.session_round(*args, s, True, given)
   _, given = one()
-  first, later = _mean_ms(one, calls), _mean_ms(lambda: one(given), calls)
+  first = float(_call_ms(one, calls, 20).mean())
+  later = float(_call_ms(lambda: one(given), calls, 20).mean())
   batch = Stream(queries=rng.standard_normal((b, config.dim)).astype(np.float32),
                  candidates=rng.standard_normal((b, K, width)).astype(np.float32),
                  mask=np.ones((b, K), bool), gold=np.zeros((b, K), bool),
@@ -377,11 +354,11 @@ def measure_device_floor(method: Method, calls: int = 500) -> dict:
   def train():  # the driver's own compiled step (state donated)
     box[0], _ = memory_driver.train_step(box[0], keys, batch, slates, smask, labels,
                                          np.ones((b,), bool), config, hp)
-    jax.block_until_ready(box[0].params)
+    return box[0].params
 
-  step = _mean_ms(train, max(calls // 5, 20))
-  return {"first_round_ms": first, "later_round_ms": later, "learner_step_ms": step,
-          "per_training_question_ms": first + (T - 1) * later + step / b}
+  step = float(_call_ms(train, max(calls // 5, 20), 20).mean())
+  return dispatch, {"first_round_ms": first, "later_round_ms": later, "learner_step_ms": step,
+                    "per_training_question_ms": first + (T - 1) * later + step / b}
 
 
 def run_runner(data: LiveData, method: Method, seeds: Sequence[int], train_index: np.ndarray,
@@ -482,11 +459,11 @@ def run(data: LiveData, method: Method, seeds: Sequence[int],
   peak = benchmarking.measure_peak()
   bandwidth = scale_bench.measure_bandwidth()
   flops = benchmarking.ear_flops_per_query(method.config)["total"]
-  dispatch = measure_dispatch(method)  # the target: within 2x of (scan + one dispatch)
+  dispatch, floor = measure_round_costs(method)  # the target: within 2x of (scan + dispatch)
   c = cmp["cost_ms_per_question"]
-  c.update(dispatch_ms=dispatch["mean_ms"], dispatch_p50_ms=dispatch["p50_ms"],
-           device_floor=measure_device_floor(method))
-  target = c["scan"] + dispatch["mean_ms"]
+  c.update(dispatch_ms=float(dispatch.mean()), dispatch_p50_ms=float(np.median(dispatch)),
+           device_floor=floor)
+  target = c["scan"] + c["dispatch_ms"]
   c["ratio_to_scan_plus_dispatch"] = {step: c["live_by_step_mean"][step] / target
                                       for step in STEPS}
   c["ratio_to_scan_plus_dispatch"]["all_steps"] = c["live"] / target

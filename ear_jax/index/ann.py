@@ -10,6 +10,7 @@ the CPU): its own layer between `io` and `agent`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -34,6 +35,18 @@ def _faiss():
   return faiss
 
 
+@contextlib.contextmanager
+def _omp_threads(n: Optional[int]):
+  """faiss's OpenMP threads set to `n` (None: unchanged) inside the block."""
+  faiss = _faiss()
+  threads = faiss.omp_get_max_threads()
+  faiss.omp_set_num_threads(n or threads)
+  try:
+    yield
+  finally:
+    faiss.omp_set_num_threads(threads)
+
+
 class _StoreIndex:
   """One faiss index over the vectors of one store, and their bank rows."""
 
@@ -49,6 +62,11 @@ class _StoreIndex:
 
   def __len__(self):
     return len(self.rows)
+
+  @property
+  def searched(self):
+    """The faiss index searched now: the trained index, else the flat one of the held vectors."""
+    return self.index if self.index is not None else self._flat
 
   def add(self, emb: np.ndarray, rows: np.ndarray) -> None:
     if not len(rows):
@@ -68,11 +86,9 @@ class _StoreIndex:
 
   def state(self):
     """`((index [bytes] uint8, rows [n_s] int64), meta)`: the serialised index and bank rows."""
-    faiss = _faiss()
-    trained = self.index is not None
-    index = self.index if trained else self._flat
-    return ((faiss.serialize_index(index), self.rows.copy()),
-            {"trained": trained, "ntotal": int(index.ntotal)})
+    index = self.searched
+    return ((_faiss().serialize_index(index), self.rows.copy()),
+            {"trained": self.index is not None, "ntotal": int(index.ntotal)})
 
   def restore_state(self, data: np.ndarray, rows: np.ndarray, meta, where: str) -> None:
     """Installs a `state()`; ValueError naming `where` when it is not an index of this kind."""
@@ -104,8 +120,7 @@ class _StoreIndex:
 
   def can_filter(self) -> bool:
     """Whether the index searched now takes an ID selector (PQ fast-scan does not)."""
-    index = self.index if self.index is not None else self._flat
-    return not isinstance(index, _faiss().IndexFastScan)
+    return not isinstance(self.searched, _faiss().IndexFastScan)
 
   def selector(self, codes: tuple[int, ...], row_scopes: np.ndarray):
     """`(IDSelectorBitmap, count)` over this store's vectors whose bank rows' scopes are in `codes`.
@@ -147,7 +162,7 @@ class _StoreIndex:
       sel, count = self.selector(*scopes)
     if not count:  # nothing (of these scopes) here
       return np.full((n, k), -np.inf, np.float32), np.full((n, k), -1, np.int64)
-    index = self.index if self.index is not None else self._flat
+    index = self.searched
     if sel is None:
       scores, ids = index.search(queries, k)
     else:
@@ -200,7 +215,6 @@ class FaissSearcher:
 
     `rows [m]` are bank rows, ascending, each above every row held before.
     """
-    faiss = _faiss()
     rows = np.asarray(rows, np.int64).reshape(-1)
     if not len(rows):
       return
@@ -210,15 +224,11 @@ class FaissSearcher:
           [self.row_scopes, np.zeros(rows[-1] + 1 - len(self.row_scopes), np.int32)])
     self.row_scopes[rows] = 0 if scopes is None else scopes
     self.state_id = uuid.uuid4().hex
-    threads = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(self.build_threads or threads)
-    try:
+    with _omp_threads(self.build_threads):
       for s, store in enumerate(self._stores):
         sel = stores == s
         if sel.any():
           store.add(emb[sel], rows[sel])
-    finally:
-      faiss.omp_set_num_threads(threads)
 
   def remove(self, rows, bank) -> None:
     """Drops bank `rows`, already tombstoned in `bank`, by rebuilding from `bank`'s live rows."""
@@ -243,7 +253,6 @@ class FaissSearcher:
       exactly) when a query got fewer rows than it may return, or, with `allowed`, when an index
       cannot filter by scope or a store holds at most `FEW_ROWS * k` rows of those scopes.
     """
-    faiss = _faiss()
     searched = self._stores if multistore else self._stores[:1]
     per = k // len(searched)
     scopes = None
@@ -257,12 +266,8 @@ class FaissSearcher:
     for store in self._stores:
       if store.index is not None:
         self._configure(store.index)
-    threads = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1 if queries.shape[0] < SMALL_BATCH else threads)
-    try:
+    with _omp_threads(1 if queries.shape[0] < SMALL_BATCH else None):
       parts = [store.search(queries, per, scopes) for store in searched]
-    finally:
-      faiss.omp_set_num_threads(threads)
     if any(p is None for p in parts):
       return None
     scores, rows = (np.concatenate(a, 1) for a in zip(*parts))
@@ -273,13 +278,8 @@ class FaissSearcher:
 
   def nbytes(self) -> int:
     """Bytes of the faiss indexes (serialised size)."""
-    faiss = _faiss()
-    total = 0
-    for store in self._stores:
-      index = store.index if store.index is not None else store._flat
-      if index is not None and index.ntotal:
-        total += int(faiss.serialize_index(index).nbytes)
-    return total
+    return sum(int(_faiss().serialize_index(store.searched).nbytes) for store in self._stores
+               if store.searched is not None and store.searched.ntotal)
 
   def save(self, directory) -> None:
     """Writes the state to `directory/index.npz` atomically and durably (nothing when unchanged)."""

@@ -72,7 +72,7 @@ def install() -> None:
   sys.unraisablehook, threading.excepthook = _filtered_unraisable(sys.unraisablehook), thread_hook
 
 
-def call(fn, directory=None):
+def call(fn, directory):
   """`(fn(), None)`, or `(None, "Type: message")` if it raised.
 
   After a failure, asyncio's reports naming `directory` are dropped for the rest of the process and
@@ -82,9 +82,8 @@ def call(fn, directory=None):
     return fn(), None
   except Exception as e:  # pylint: disable=broad-except
     failure = f"{type(e).__name__}: {str(e)[:300]}"
-  if directory is not None:
-    with _failed_lock:
-      _failed_dirs.add(str(directory))
+  with _failed_lock:
+    _failed_dirs.add(str(directory))
   prev = sys.unraisablehook
   sys.unraisablehook = _filtered_unraisable(prev)
   try:

@@ -207,16 +207,13 @@ class CheckpointStore:
           raise
 
   # -- reading --------------------------------------------------------------------------------
-  def read_meta(self, step: int | None = None, *, verify: bool = True) -> dict:
-    """The JSON meta of `step` (default: the latest), checked against its digest if `verify`.
+  def read_meta(self, step: int | None = None) -> dict:
+    """The JSON meta of `step` (default: the latest), checked against its digest.
 
     Raises:
       CheckpointError: no such step, or its meta file is missing, corrupted or does not match its
         digest; the message names the file.
     """
-    if not verify:
-      return self._latest_retry(
-          lambda path: {k: v for k, v in self._read_meta_file(path).items() if k != _DIGEST}, step)
     return self._latest_retry(self._read_meta_at, step)
 
   def meta_file(self, step: int) -> pathlib.Path:

@@ -38,14 +38,18 @@ def _leaf_specs(tree) -> list:
            if not hasattr(x, "dtype") else str(x.dtype)] for p, x in leaves]
 
 
-def _hparams_json(hparams: HParams) -> dict:
-  return {f.name: np.asarray(getattr(hparams, f.name)).tolist()
-          for f in dataclasses.fields(hparams)}
+def _identity(fmt: str, config: EARConfig, hparams: HParams, seeds: Sequence[int], tree,
+              **more) -> dict:
+  """A step's identity meta: format, config, hyperparameters, seeds, `more`, `tree`'s leaf specs."""
+  return {"format": fmt, "config": config.to_dict(),
+          "hparams": {f.name: np.asarray(getattr(hparams, f.name)).tolist()
+                      for f in dataclasses.fields(hparams)},
+          "seeds": [int(s) for s in seeds], **more, "leaves": _leaf_specs(tree)}
 
 
-def _abstract(tree):
-  return jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+def _check_leaves(target, meta: dict, what: str, config: EARConfig) -> None:
+  if _leaf_specs(target) != meta["leaves"]:
+    raise ValueError(f"{what} has array shapes that do not match its config {config}")
 
 
 def _flat_ident(ident: dict) -> dict:
@@ -77,11 +81,11 @@ class RunCheckpointer:
   def bind(self, *, config: EARConfig, hparams: HParams, seeds: Sequence[int], num_train: int,
            segment: int, target) -> None:
     """Sets the identity that every checkpoint of this run must match, and the restore target."""
-    self._target = _run_target(_abstract(target), len(seeds))
-    self._ident = {"format": FORMAT, "config": config.to_dict(),
-                   "hparams": _hparams_json(hparams), "seeds": [int(s) for s in seeds],
-                   "num_train": int(num_train), "segment": int(segment),
-                   "leaves": _leaf_specs(self._target)}
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                                      target)
+    self._target = _run_target(abstract, len(seeds))
+    self._ident = _identity(FORMAT, config, hparams, seeds, self._target,
+                            num_train=int(num_train), segment=int(segment))
 
   def existing_steps(self) -> list:
     """Complete step directories present on disk (without opening them)."""
@@ -187,9 +191,7 @@ def save_adapter(directory, params, *, config: EARConfig, hparams: HParams, seed
     ValueError: `served` missing, unexpected, or not one decision per seed.
     CheckpointError: the write or its verification failed (the previous adapter is kept).
   """
-  meta = {"format": ADAPTER_FORMAT, "config": config.to_dict(), "hparams": _hparams_json(hparams),
-          "seeds": [int(s) for s in seeds], "position": int(position),
-          "leaves": _leaf_specs(params)}
+  meta = _identity(ADAPTER_FORMAT, config, hparams, seeds, params, position=int(position))
   if config.guard != (served is not None):
     raise ValueError(f"save_adapter({directory}): " + (
         "a guarded config needs the guard's decision per seed (served=...)" if config.guard else
@@ -211,13 +213,16 @@ def guard_decisions(states, config: EARConfig) -> np.ndarray:
                                                                 config))(states))
 
 
+def _with_steps(dirs) -> list:
+  return [p for p in dirs if any(c.is_dir() and c.name.isdigit() for c in p.iterdir())]
+
+
 def find_run_dirs(workdir) -> list:
   """Run checkpoint directories under `workdir` (`checkpoints/<run>`, or `workdir` itself)."""
   workdir = pathlib.Path(workdir)
-  cands = ([workdir] if workdir.name != ADAPTER_DIR else []) + (
+  return _with_steps(([workdir] if workdir.name != ADAPTER_DIR else []) + (
       sorted(p for p in (workdir / "checkpoints").iterdir() if p.is_dir())
-      if (workdir / "checkpoints").is_dir() else [])
-  return [p for p in cands if any(c.is_dir() and c.name.isdigit() for c in p.iterdir())]
+      if (workdir / "checkpoints").is_dir() else []))
 
 
 def find_adapter_dirs(workdir) -> list:
@@ -227,7 +232,7 @@ def find_adapter_dirs(workdir) -> list:
   if (workdir / "runs").is_dir():
     cands += sorted(p / ADAPTER_DIR for p in (workdir / "runs").iterdir()
                     if (p / ADAPTER_DIR).is_dir())
-  return [p for p in cands if any(c.is_dir() and c.name.isdigit() for c in p.iterdir())]
+  return _with_steps(cands)
 
 
 def _run_name(path: pathlib.Path) -> str:
@@ -267,9 +272,7 @@ def _restore_final_adapter(directory: pathlib.Path, config: Optional[EARConfig])
                             "metadata): it was written by another program or is corrupted")
     stored = _stored_config(meta, config, directory)
     target = _stacked_state_target(stored, len(meta["seeds"])).params
-    if _leaf_specs(target) != meta["leaves"]:
-      raise ValueError(f"adapter in {directory} has array shapes that do not match its config "
-                       f"{stored}")
+    _check_leaves(target, meta, f"adapter in {directory}", stored)
     # As saved, then matched to the target by leaf name: retired fields' placeholders are dropped.
     tree, _ = store.restore()
   params = fit_target(target, tree["params"], f"the adapter in {directory}")
@@ -326,9 +329,7 @@ def restore_adapter(workdir, *, run: Optional[str] = None, config: Optional[EARC
     stored = _stored_config(meta, config, dirs[0])
     num_seeds = len(meta["seeds"])
     target = _run_target(_stacked_state_target(stored, num_seeds), num_seeds)
-    if _leaf_specs(target) != meta["leaves"]:
-      raise ValueError(f"checkpoint in {dirs[0]} has array shapes that do not match its config "
-                       f"{stored}")
+    _check_leaves(target, meta, f"checkpoint in {dirs[0]}", stored)
     ckpt._target, ckpt._ident = target, dict(meta)  # pylint: disable=protected-access
     with contextlib.closing(ckpt):
       state, _, _ = ckpt.restore(meta["position"])

@@ -120,11 +120,10 @@ def _check_api_key(name: str, key: str):
 
 def _retry_after_seconds(headers: Any) -> float | None:
   try:
-    value = headers.get("Retry-After") if headers is not None else None
-    seconds = float(value) if value is not None else None
-  except (TypeError, ValueError):
-    return None  # an HTTP-date or garbage: fall back to the exponential delay
-  return max(0.0, seconds) if seconds is not None and math.isfinite(seconds) else None
+    seconds = float(headers.get("Retry-After"))
+  except (AttributeError, TypeError, ValueError):
+    return None  # none, an HTTP-date or garbage: fall back to the exponential delay
+  return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
 def _parse_reply(raw: bytes) -> tuple[str, dict[str, int | float]]:

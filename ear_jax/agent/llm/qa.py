@@ -109,13 +109,13 @@ def _delta(after: dict, before: dict) -> dict:
 
 def evaluate_qa(items: Sequence[QAItem], answer_client: ChatClient,
                 judge_client: Optional[ChatClient] = None, *,
-                max_workers: int = DEFAULT_WORKERS, answer_max_tokens: int = ANSWER_MAX_TOKENS,
-                progress: bool = True, desc: str = "QA") -> QAReport:
+                max_workers: int = DEFAULT_WORKERS, progress: bool = True,
+                desc: str = "QA") -> QAReport:
   """Answers, scores and judges `items` (the module docstring).
 
   Args:
     answer_client, judge_client: the clients (judge default: the answering one).
-    max_workers: requests in flight at once, per phase; answer_max_tokens: the answer's budget.
+    max_workers: requests in flight at once, per phase (an answer's budget: `ANSWER_MAX_TOKENS`).
     progress, desc: tqdm bars and their label.
 
   Returns:
@@ -127,7 +127,7 @@ def evaluate_qa(items: Sequence[QAItem], answer_client: ChatClient,
   answers = run_requests(
       answer_client,
       [(qa_prompts.answer_messages(it.question, it.memories, it.question_date),
-        {"temperature": 0.0, "max_tokens": int(answer_max_tokens)}) for it in items],
+        {"temperature": 0.0, "max_tokens": ANSWER_MAX_TOKENS}) for it in items],
       max_workers=max_workers, desc=f"{desc}: answers", progress=progress)
   counters = {"answer": {**_delta(_stats(answer_client), a0),
                          "wall_seconds": round(time.perf_counter() - t0, 2)}}

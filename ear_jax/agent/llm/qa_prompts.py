@@ -167,11 +167,7 @@ def parse_locomo_verdict(text: str) -> Optional[bool]:
   upper = text.upper()
   wrong = bool(re.search(r"\bWRONG\b|\bINCORRECT\b", upper))
   correct = bool(re.search(r"\bCORRECT\b", upper))
-  if correct and not wrong:
-    return True
-  if wrong and not correct:
-    return False
-  return None
+  return correct if correct != wrong else None  # exactly one of the two words
 
 
 def parse_longmemeval_verdict(text: str) -> Optional[bool]:

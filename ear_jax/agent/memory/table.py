@@ -39,7 +39,7 @@ _SCHEMA = (
 _FORMAT = "ear_jax.agent.memory.table/1"
 _COLUMNS = "row, id, text, store, scope, date, embedding, terms, sha256"
 _PART = 65536  # rows of embeddings joined at a time by read_all
-_PLACES = "places"  # meta entry: {row: place} of updated memories (`Table.places`)
+_PLACES = "places"  # meta entry: {row: place} of updated memories, written by older versions
 _IDENTITY = "identity"  # meta entry: a random id made with the table (`Table.identity`)
 _META_DIGEST = "sha256"  # meta entry: SHA-256 of the other entries (`_meta_digest`)
 _EMBEDDED_BY = "embedded_by"  # meta entry: `Table.embedded_by`
@@ -57,9 +57,6 @@ class TableRows(NamedTuple):
   term_offsets: np.ndarray  # [n + 1] int64
   vocab: list  # (term, id) pairs of the lexical vocabulary
   next_row: int  # the device rows < next_row were ever used (the next insert gets next_row)
-  texts: Optional[list] = None  # [n] each row's text (`read_all(texts=True)`)
-  dates: Optional[list] = None  # [n] likewise its date
-  places: Optional[np.ndarray] = None  # [n] int64 its place in the memories' order (`places`)
 
 
 def _digest(row: int, memory_id: str, text: str, store: int, scope: str, date: str,
@@ -132,7 +129,7 @@ class Table:
                             f"expected {self.dim}")
     self.identity = self._check_meta()  # a random hex id made with the table (a copy keeps it)
     self._n = self._db.execute("SELECT count(*) FROM memories").fetchone()[0]
-    self._places = self._read_places()
+    self._check_places()
     # 'encoder' (some row's embedding came from an encoder), 'caller' (all from the caller), None
     self.embedded_by = self.get_meta(_EMBEDDED_BY)
     self._recent = collections.OrderedDict()  # device row -> (id, text, store, scope, date)
@@ -172,24 +169,15 @@ class Table:
                             "ear_jax")
     return self.get_meta(_IDENTITY)
 
-  def _read_places(self) -> dict:
-    """The meta `places`: device row -> place, for the rows of updated memories."""
+  def _check_places(self) -> None:
+    """Checks an older version's meta `places` (device row -> place of updated memories)."""
     raw = self.get_meta(_PLACES)
     try:
-      return {int(r): int(p) for r, p in json.loads(raw).items()} if raw else {}
+      if raw:
+        dict((int(r), int(p)) for r, p in json.loads(raw).items())
     except (ValueError, TypeError, AttributeError):
       raise CheckpointError(f"{self.where}: its '{_PLACES}' entry is not a JSON object of row "
                             "places: it was changed outside ear_jax") from None
-
-  def _write_places(self, places: dict) -> None:
-    self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)",
-                     (_PLACES, json.dumps({str(r): p for r, p in sorted(places.items())})))
-    self._seal_meta()
-
-  def places(self, rows) -> np.ndarray:
-    """`[n]` int64 place of each device row: its own, or for an update the replaced row's."""
-    return np.asarray([self._places.get(int(r), int(r)) for r in np.asarray(rows).reshape(-1)],
-                      np.int64)
 
   @contextlib.contextmanager
   def _errors(self):
@@ -212,7 +200,6 @@ class Table:
         if self._db.in_transaction:
           self._db.execute("ROLLBACK")
         self._n = self._db.execute("SELECT count(*) FROM memories").fetchone()[0]
-        self._places = self._read_places()
         self.embedded_by = self.get_meta(_EMBEDDED_BY)
         raise
       self._db.execute("COMMIT")
@@ -259,11 +246,6 @@ class Table:
     self._n -= self._db.executemany("DELETE FROM memories WHERE row = ?",
                                     [(int(r) + 1,) for r in rows]).rowcount
     self._db.executemany("DELETE FROM vocab WHERE term = ?", [(t,) for t in dead_terms])
-    gone = [int(r) for r in rows if int(r) in self._places]
-    if gone:
-      for r in gone:
-        del self._places[r]
-      self._write_places(self._places)
 
   def insert(self, ids, texts, stores: np.ndarray, scopes: Sequence[str], dates, embeddings,
              terms: Optional[Sequence[np.ndarray]] = None,
@@ -286,15 +268,12 @@ class Table:
 
   def replace(self, row: int, memory_id: str, text: str, store: int, scope: str, date: str,
               embedding, terms=None, new_vocab=(), dead_terms=(), source=None) -> int:
-    """An update in one transaction: row `row` deleted, re-inserted in its place; the new row."""
+    """An update in one transaction: row `row` deleted, the memory inserted anew; the new row."""
     with self._transaction():
-      place = int(self.places([row])[0])
       self._delete([row], dead_terms)
       new = int(self._insert([memory_id], [text], [store], [scope], [date],
                              np.reshape(embedding, (1, -1)), None if terms is None else [terms],
                              new_vocab)[0])
-      self._places[new] = place
-      self._write_places(self._places)
       self._note_source(source)
       return new
 
@@ -317,16 +296,12 @@ class Table:
                                 "check: it was changed outside ear_jax")
         yield r
 
-  def read_all(self, texts: bool = False) -> TableRows:
-    """Every live row, verified (`TableRows`; with `texts`, their texts and dates too)."""
+  def read_all(self) -> TableRows:
+    """Every live row, verified (`TableRows`)."""
     n, d = self._n, self.dim
     rows, stores, codes, names, terms = [], [], [], {}, []
-    kept = ([], []) if texts else None
     emb, part = np.empty((n, d), np.float32), []  # copied in parts: no second [n, d] of bytes
-    for row, _, text, store, scope, date, e, t, _ in self._verified():
-      if kept is not None:
-        kept[0].append(text)
-        kept[1].append(date)
+    for row, _, _, store, scope, _, e, t, _ in self._verified():
       rows.append(row - 1)
       stores.append(store)
       codes.append(names.setdefault(scope, len(names)))
@@ -345,8 +320,7 @@ class Table:
         scope_codes=np.asarray(codes, np.int32), scope_names=list(names), embeddings=emb,
         terms=np.frombuffer(b"".join(terms), np.int32),
         term_offsets=np.cumsum([0] + [len(t) // 4 for t in terms], dtype=np.int64),
-        vocab=vocab, next_row=self._next(), texts=kept and kept[0], dates=kept and kept[1],
-        places=self.places(rows))
+        vocab=vocab, next_row=self._next())
 
   def records(self, rows) -> list[dict]:
     """`{id, text, store, scope, date, row}` of the device rows `rows`, verified (the newest
