@@ -222,8 +222,8 @@ def _answer_main():
             for i, s in enumerate(seeds)]
   logging.info("recorded the slates of %d seeds in %.1f s", len(seeds), time.perf_counter() - t0)
   s = config.slate_size
-  counts = {k: sum(len(getattr(x, f)) for x in slates)
-            for k, f in (("all", "records"), ("gold", "gold"), ("gold_free", "free"))}
+  counts = {"all": sum(len(x.records) for x in slates), "gold": sum(len(x.gold) for x in slates),
+            "gold_free": sum(len(x.free) for x in slates)}
   result = {"benchmark": bench.name, "subset": _SUBSET.value, "seeds": seeds,
             "queries_per_seed": _PER_SEED.value, "slates": counts}
   protocol = (f"{counts['gold']} gold + {counts['gold_free']} gold-free protocol slates, "

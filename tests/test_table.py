@@ -361,6 +361,18 @@ def test_an_older_version_s_places_entry_opens_verified_and_is_kept(path):
   t.close()
 
 
+def test_a_failed_update_rolls_back_the_whole_transaction(path):
+  t = Table(path, D)
+  _add(t, ["a", "b"])
+  with pytest.raises(ValueError):  # (a wrong dimension: the delete is rolled back too)
+    t.replace(0, "a", "x", 0, "s", "d", np.ones(D + 1, np.float32))
+  assert len(t) == 2 and [r["text"] for r in t.records([0, 1])] == ["text of a", "text of b"]
+  t.close()
+  t = Table(path, D)  # (and so on disk)
+  assert len(t) == 2 and t.records([0])[0]["id"] == "a"
+  t.close()
+
+
 def test_places_changed_outside_ear_jax_are_refused_naming_the_file(path):
   t = Table(path, D)
   _add(t, ["a"])

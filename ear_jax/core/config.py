@@ -117,7 +117,8 @@ class EARConfig:
     loss_support: Eq. (10)'s softmax support, 'all' (the paper), 'labelled', 'window' or 'auto'.
     final_slate: 'round_T' (the paper) or 'exploit' (`core.explorer.exploit_slate`) at test.
     test_rounds: `T` at test (explorer-assisted inference); None: `num_rounds`.
-    side_features: `F` first-stage features per row, 0 = off (the paper); feature 0 is its score.
+    side_features: `F` first-stage features per candidate row `[emb (d) | features (F)]`, 0 = off
+      (the paper); feature 0 the first stage's score, feature 1 the dense cosine.
     side_init: the initial weight of feature 0 (the untrained adapter ranks as the first stage).
     guard_z: the guard's confidence: the adapted ranking is served when mean(d) - guard_z * se > 0.
     guard_min_queries: held-out queries with a citation needed before the adapter may be served.

@@ -2,6 +2,9 @@
 
 Symbols: `N` training queries, `b` batch size, `K` candidates, `s` slate size, `R` slates per
 training query (`T` for the Explorer, 1 for the single-slate methods), `B` replayed experiences.
+
+A batch of `b` queries is vmapped against the adapter and buffer as they stood at the batch's
+start: one averaged gradient, one optimizer step, then the batch's experiences are pushed.
 `train_batch_on_feedback` is the one learner step for every caller (with `b = 1` exactly Alg. 1);
 `train_batch` first collects the feedback with a jitted critic.
 """

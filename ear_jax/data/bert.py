@@ -225,16 +225,21 @@ def _read_weights(model_dir: pathlib.Path) -> dict:
                    "safetensors)")
 
 
+def _leaf_shapes(tree) -> dict:
+  """`{"a/b/c": shape}` for each leaf of `tree`, keyed by its path."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return {"/".join(str(getattr(k, "key", k)) for k in path): tuple(np.shape(leaf))
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def _check_shapes(params: dict, config: BertConfig, where: str) -> None:
   """ValueError naming the first parameter the checkpoint lacks or has in another shape."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   ids = jnp.zeros((1, 2), jnp.int32)
   want = jax.eval_shape(lambda: _modules(config).init(jax.random.PRNGKey(0), ids, ids))["params"]
-  shapes = lambda tree: {"/".join(str(getattr(k, "key", k)) for k in path): tuple(np.shape(leaf))
-                         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-  got = shapes(params)
-  for name, shape in shapes(want).items():
+  got = _leaf_shapes(params)
+  for name, shape in _leaf_shapes(want).items():
     if name not in got:
       raise ValueError(f"{where}: the weights have no {name!r} (not a BERT-family encoder?)")
     if got[name] != shape:

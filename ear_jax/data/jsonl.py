@@ -130,7 +130,8 @@ def load_jsonl(path, *, limit: int | None = None) -> corpus_lib.Corpus:
            "observations": int(sum((b.stores == corpus_lib.STORE_OBSERVATION).sum()
                                    for b in banks)),
            "queries": st["queries"], "queries_evaluable": len(queries),
-           **{k: st[k] for k in ("queries_empty_evidence_dropped", "queries_without_gold_excluded",
-                                 "evidence_ids_dropped")},
+           "queries_empty_evidence_dropped": st["queries_empty_evidence_dropped"],
+           "queries_without_gold_excluded": st["queries_without_gold_excluded"],
+           "evidence_ids_dropped": st["evidence_ids_dropped"],
            "queries_per_category": dict(sorted(per_cat.items()))}
   return corpus_lib.Corpus(name="jsonl", banks=banks, queries=queries, stats=stats)

@@ -96,8 +96,9 @@ def load_longmemeval(path, *, limit: int | None = None) -> corpus_lib.Corpus:
                                     answer=None if answer is None else str(answer), date=qdate))
   stats = {"file": sources.shown_path(path), "questions": st["questions"],
            "queries_evaluable": len(queries),
-           **{k: st[k] for k in ("questions_abs_excluded", "questions_without_gold_excluded",
-                                 "sessions", "turns", "user_turns")},
+           "questions_abs_excluded": st["questions_abs_excluded"],
+           "questions_without_gold_excluded": st["questions_without_gold_excluded"],
+           "sessions": st["sessions"], "turns": st["turns"], "user_turns": st["user_turns"],
            "user_turns_distinct_texts": len(texts_seen),
            "queries_per_category": dict(sorted(per_type.items()))}
   return corpus_lib.Corpus(name="longmemeval", banks=banks, queries=queries, stats=stats)

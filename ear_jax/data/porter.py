@@ -20,7 +20,12 @@ def _flags(word: str) -> list[bool]:
   """`True` where `word[i]` is a consonant ('y' is one unless it follows a consonant)."""
   flags = []
   for i, ch in enumerate(word):
-    flags.append(ch not in _VOWELS and (ch != "y" or i == 0 or not flags[i - 1]))
+    if ch in _VOWELS:
+      flags.append(False)
+    elif ch == "y":
+      flags.append(True if i == 0 else not flags[i - 1])
+    else:
+      flags.append(True)
   return flags
 
 

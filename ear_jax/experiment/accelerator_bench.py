@@ -274,10 +274,11 @@ def table(result: dict) -> str:
               "|---|---|---|---|---|---|"]
     for where, label in (("device", env.get("device_kind", "device")), ("cpu", "host CPU")):
       for r in s[where] if isinstance(s.get(where), list) else []:
+        if r["status"] != "measured":
+          lines.append(f"| {label} | {r['seeds']} | {r['status']} | | | |")
+          continue
         ratio = f"{r['ratio_to_1']:.1f}x" if "ratio_to_1" in r else "-"
-        lines.append(f"| {label} | {r['seeds']} | {r['status']} | | | |"
-                     if r["status"] != "measured" else
-                     f"| {label} | {r['seeds']:,} | {r['seconds']:.3f} | "
+        lines.append(f"| {label} | {r['seeds']:,} | {r['seconds']:.3f} | "
                      f"{r['episodes_per_s']:.2f} | {ratio} | {r['compile_and_first_s']} |")
   se = result.get("search")
   if se:
@@ -289,11 +290,14 @@ def table(result: dict) -> str:
               "at the end).", "",
               "| rows | dtype | batch | chunk | ms / call | bound (ms) | ratio to bound | GB/s |",
               "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['rows']:,} | {r['dtype']} | {r.get('batch', '')} | {r.get('chunk') or ''} | "
-              f"{r['status']} | | | |" if r["status"] != "measured" else
-              f"| {r['rows']:,} | {r['dtype']} | {r['batch']} | {r['chunk']:,} | {r['ms']:.3f} | "
-              f"{r['bound_ms']:.3f} | {r['ratio_to_bound']:.2f} | {r['gb_per_s']:.0f} |"
-              for r in se["rows"]]
+    for r in se["rows"]:
+      if r["status"] != "measured":
+        lines.append(f"| {r['rows']:,} | {r['dtype']} | {r.get('batch', '')} | "
+                     f"{r.get('chunk') or ''} | {r['status']} | | | |")
+        continue
+      lines.append(f"| {r['rows']:,} | {r['dtype']} | {r['batch']} | {r['chunk']:,} | "
+                   f"{r['ms']:.3f} | {r['bound_ms']:.3f} | {r['ratio_to_bound']:.2f} | "
+                   f"{r['gb_per_s']:.0f} |")
   tg = result.get("targets") or targets(result)
   sp, search = tg.get("seeds_speedup_vs_cpu"), tg.get("search_ratio_to_bound", [])
   if sp or search:

@@ -331,9 +331,12 @@ def run_experiment(repo: pathlib.Path, args: Sequence[str], timeout: float,
   """`python -m experiments.run <args>` from `repo` with a temporary `--workdir`.
 
   Returns:
-    `status` ('ran', 'timed out after T s' or 'failed (rc N)'), `command` (the workdir as
-    `<tmp>`), `wall_s` and `results` (its results.json) when it ran, else the output's `tail`.
+    `status` ('ran', 'experiments/run.py not present', 'timed out after T s' or 'failed (rc N)'),
+    `command` (the workdir as `<tmp>`), `wall_s` and `results` (its results.json) when it ran,
+    else the output's `tail`.
   """
+  if not (repo / "experiments" / "run.py").is_file():
+    return {"command": "python -m experiments.run", "status": "experiments/run.py not present"}
   with tempfile.TemporaryDirectory() as tmp:
     cmd = [sys.executable, "-m", "experiments.run", *args, f"--workdir={tmp}/run",
            "--progress=false"]
@@ -358,8 +361,8 @@ def run_suite(repo: pathlib.Path, data_dir: Optional[str], timeout: int) -> dict
   run = run_experiment(repo, ["--benchmark=locomo", "--suite=main", f"--data_dir={data_dir}"],
                        timeout)
   if run["status"] != "ran":
-    return {"status": f"not measured: {run['status']}", "command": run["command"],
-            "tail": run.get("tail", "")[-500:]}
+    return {"status": f"not measured: {run['status']}: {run.get('tail', '')[-500:]}",
+            "command": run["command"]}
   return {"status": "measured", "suite_s": float(run["results"]["suite_wall_seconds"]["main"]),
           "process_wall_s": run["wall_s"], "command": run["command"],
           "note": "suite_s = the runner's own timing of the main suite (embeddings read from the "

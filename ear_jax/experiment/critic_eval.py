@@ -249,11 +249,17 @@ def critic_metrics(critic, seed_slates: Sequence[SeedSlates], slate_size: int,
                                                      slate_size, stacked=True)
     sel = ss.gold + ss.free
     per.append((sel, cite(sel, key), ss.records, cite(ss.records, jax.random.fold_in(key, 1))))
-  return [{"protocol": citation_metrics([r for p in per for r in p[0]],
-                                        [c for p in per for c in p[1][i]]),
-           "all_slates": citation_metrics([r for p in per for r in p[2]],
-                                          [c for p in per for c in p[3][i]])}
-          for i in range(len(per[0][1]))]
+  out = []
+  for i in range(len(per[0][1])):  # each critic setting
+    shown, cited, every, every_cited = [], [], [], []
+    for sel, c_sel, recs, c_all in per:
+      shown += sel
+      cited += c_sel[i]
+      every += recs
+      every_cited += c_all[i]
+    out.append({"protocol": citation_metrics(shown, cited),
+                "all_slates": citation_metrics(every, every_cited)})
+  return out
 
 
 def choose_answer_thresholds(settings: Sequence[dict], metrics: Sequence[dict],

@@ -324,14 +324,14 @@ def restore_adapter(workdir, *, run: Optional[str] = None, config: Optional[EARC
       raise FileNotFoundError(
           f"run {names[0]!r} in {str(workdir)!r} kept only its final adapter ({adapters[0]}), no "
           f"training checkpoint at position {position}: rerun it with --checkpoint_every=N")
-    ckpt = RunCheckpointer(dirs[0])
-    meta = ckpt.read_meta(position)
-    stored = _stored_config(meta, config, dirs[0])
-    num_seeds = len(meta["seeds"])
-    target = _run_target(_stacked_state_target(stored, num_seeds), num_seeds)
-    _check_leaves(target, meta, f"checkpoint in {dirs[0]}", stored)
-    ckpt._target, ckpt._ident = target, dict(meta)  # pylint: disable=protected-access
-    with contextlib.closing(ckpt):
+    with contextlib.closing(RunCheckpointer(dirs[0])) as ckpt:
+      meta = ckpt.read_meta(position)
+      stored = _stored_config(meta, config, dirs[0])
+      num_seeds = len(meta["seeds"])
+      target = _run_target(_stacked_state_target(stored, num_seeds), num_seeds)
+      _check_leaves(target, meta, f"checkpoint in {dirs[0]}", stored)
+      ckpt._target = target  # pylint: disable=protected-access
+      ckpt._ident = dict(meta)  # pylint: disable=protected-access
       state, _, _ = ckpt.restore(meta["position"])
     params = state.params
     meta = dict(meta)

@@ -158,8 +158,10 @@ class ChatClient:
                rng: random.Random | None = None):
     if not isinstance(config, ChatClientConfig):
       raise ValueError(f"config must be a ChatClientConfig, got {type(config).__name__}")
-    self.config, self.url = config, chat_completions_url(config.base_url)
-    self._sleep, self._rng = sleep, rng if rng is not None else random.Random()
+    self.config = config
+    self.url = chat_completions_url(config.base_url)
+    self._sleep = sleep
+    self._rng = rng if rng is not None else random.Random()
     self._lock = threading.Lock()
     self.stats: dict[str, float] = {key: 0 for key in STATS_KEYS}
     self.cache = ResponseCache(config.cache_dir) if config.cache_dir is not None else None
@@ -256,7 +258,8 @@ class ChatClient:
     if self.cache is not None and (hit := self.cache.get(key)) is not None:
       return ChatResult(text=hit[0], usage=hit[1], status="ok", attempts=0, error=None,
                         cached=True), None
-    t0, raw_body = time.perf_counter(), self._encode(body)
+    t0 = time.perf_counter()
+    raw_body = self._encode(body)
     secrets: list[str] = []
     attempts, raw, failure = 0, b"", None
     for retry_index in range(int(self.config.max_retries) + 1):

@@ -98,12 +98,13 @@ class ChatClientConfig:
   model: str  # the model name sent in the request body
   # NAME of the environment variable of the API key, read at every request (unset: no key sent)
   api_key_env: str = "OPENAI_API_KEY"
-  temperature: float = 0.0  # sampling temperature (0.0 = greedy)
-  max_tokens: int = 512  # the reply's token budget
-  timeout_s: float = 60.0  # seconds for connecting, each socket read, and the whole reply
-  max_retries: int = 3  # retries for HTTP 429/5xx, timeouts and connection errors
-  backoff_base_s: float = 1.0
-  backoff_max_s: float = 30.0
+  temperature: float = 0.0  # sampling temperature (0.0 = greedy); finite, >= 0
+  max_tokens: int = 512  # the reply's token budget; integer >= 1
+  # seconds for connecting, each socket read, and the whole reply; finite, > 0
+  timeout_s: float = 60.0
+  max_retries: int = 3  # retries for HTTP 429/5xx, timeouts and connection errors; integer >= 0
+  backoff_base_s: float = 1.0  # retry `i`'s delay scale (`base * 2**i`); finite, >= 0
+  backoff_max_s: float = 30.0  # cap of that delay and of a `Retry-After`; finite, >= 0
   seed: int | None = 0  # sampling seed sent to servers that support it (None: none)
   max_response_bytes: int = 16 << 20  # a longer reply body is 'unparseable'
   cache_dir: str | None = None  # a folder for the on-disk reply cache (`llm.cache`; None: none)

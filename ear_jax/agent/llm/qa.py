@@ -113,9 +113,11 @@ def evaluate_qa(items: Sequence[QAItem], answer_client: ChatClient,
                 desc: str = "QA") -> QAReport:
   """Answers, scores and judges `items` (the module docstring).
 
+  An answer's budget is `ANSWER_MAX_TOKENS` tokens.
+
   Args:
     answer_client, judge_client: the clients (judge default: the answering one).
-    max_workers: requests in flight at once, per phase (an answer's budget: `ANSWER_MAX_TOKENS`).
+    max_workers: requests in flight at once, per phase.
     progress, desc: tqdm bars and their label.
 
   Returns:

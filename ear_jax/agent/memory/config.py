@@ -71,7 +71,9 @@ class MemoryConfig:
   # `first_stage_name`
   candidates: Optional[str] = None
   first_stage: FirstStageOptions = FirstStageOptions()  # the hybrid fusion's options
-  batch_window_ms: float = 0.0  # calls this close share an encoder call and a search; 0: alone
+  # milliseconds: queries arriving this close share one encoder call and one search (`batcher`);
+  # 0: every call alone. A serving setting (`SERVING`: an opened memory takes the caller's)
+  batch_window_ms: float = 0.0
   batch_max_queries: int = 64  # a window closes early once it holds this many queries
   warm_learner: bool = False  # compile the learner step in a background thread when built
 

@@ -61,8 +61,9 @@ class Memory:
   def _setup(self, cfg: MemoryConfig, slot: EncoderSlot, table, root, hold, learner) -> None:
     compilation_cache.enable()  # (a second process loads what this one compiles)
     self._cfg, self._encoder, self._root, self._hold = cfg, slot, root, hold
-    self._ear = config = cfg.ear
-    self._hparams = cfg.learner_hparams
+    # (resolved once: `cfg.ear` and `cfg.learner_hparams` would each resolve the method again)
+    self._ear, self._hparams = cfg._resolved()  # pylint: disable=protected-access
+    config = self._ear
     slot.check_dim(config.dim, root)
     self._lock, self._save_lock = threading.RLock(), threading.Lock()
     self._stats, self._generation = collections.Counter(), 0
@@ -229,7 +230,8 @@ class Memory:
       store: 'dialogue' (episodic, 0) or 'observation' (semantic, 1), or one per text.
       ids: `n` unique new string ids; default `"m<row>"` (or the next free `"m<j>"`).
       embeddings: optional `[n, d]` real embeddings (normalised here).
-      scope: their scope (None: `DEFAULT_SCOPE`); dates: one per text (None: now, UTC ISO 8601).
+      scope: their scope (None: `DEFAULT_SCOPE`).
+      dates: one per text (free text or ISO 8601); None: now (UTC, ISO 8601).
 
     Returns:
       The ids of the added memories.

@@ -138,7 +138,8 @@ def read_learner_of(root: pathlib.Path, table_identity: str, next_row: int
   if step is None:
     raise checkpoints.CheckpointError(f"{root}: no learner item in {root / LEARNER}")
   arrays, meta = store.restore(step)
-  meta, where = _learner_meta(store, step, meta), f"the learner item {root / LEARNER} (step {step})"
+  meta = _learner_meta(store, step, meta)
+  where = f"the learner item {root / LEARNER} (step {step})"
   table = meta.get("table")  # (None: an item saved before tables had an identity)
   if table is not None and table != table_identity:
     raise checkpoints.CheckpointError(

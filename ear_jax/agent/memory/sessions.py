@@ -158,10 +158,17 @@ class QuerySession:
     return self._store(labels, num_rounds)
 
   def _store(self, labels: np.ndarray, num_rounds: int) -> Optional[TrainItem]:
-    r, k = self.rounds, len(self.open_slate)
-    self.slates[r], self.slate_mask[r], self.labels[r] = -1, False, -1.0
-    self.slates[r, :k], self.slate_mask[r, :k], self.labels[r, :k] = self.open_slate, True, labels
-    self.rounds, self.stale, self.open_slate = r + 1, True, None
+    r = self.rounds
+    k = len(self.open_slate)
+    self.slates[r] = -1
+    self.slate_mask[r] = False
+    self.labels[r] = -1.0
+    self.slates[r, :k] = self.open_slate
+    self.slate_mask[r, :k] = True
+    self.labels[r, :k] = labels
+    self.rounds = r + 1
+    self.stale = True
+    self.open_slate = None
     return self.close() if not self.open_explore or self.rounds >= num_rounds else None
 
   def close(self) -> Optional[TrainItem]:

@@ -167,9 +167,14 @@ class Runner:
     parts = [label or method] + [f"{k}={v}" for k, v in sorted((config_overrides or {}).items())]
     parts += [f"{k}={v}" for k, v in sorted((hparam_overrides or {}).items())]
     parts += [f"critic_{k}={v}" for k, v in sorted((critic_overrides or {}).items())]
-    parts += [part for on, part in ((answer, "critic=answer"), (multistore, "multistore"),
-                                    (epochs > 1, f"epochs={epochs}"),
-                                    (eval_every, f"eval={eval_every}")) if on]
+    if answer:
+      parts.append("critic=answer")
+    if multistore:
+      parts.append("multistore")
+    if epochs > 1:
+      parts.append(f"epochs={epochs}")
+    if eval_every:
+      parts.append(f"eval={eval_every}")
     run_name = slug("_".join(parts))
     run_dir = self.workdir / "runs" / run_name
     done = run_dir / "result.json"
