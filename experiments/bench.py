@@ -20,12 +20,12 @@ import os
 import pathlib
 import shutil
 import subprocess
-import sys
 
 from absl import app
 from absl import flags
 
 from ear_jax.experiment import benchmarking as bm
+from experiments import cli
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 _ACCEL_REFERENCE_DEFAULT = "results/accelerator/locomo_main_cpu.json"  # (relative to the repo)
@@ -143,17 +143,12 @@ def _ints(values) -> list[int]:
   return [int(x) for x in values]
 
 
-def _command() -> str:
-  return "python -m experiments.bench " + " ".join(sys.argv[1:])
-
-
 def _write(res: dict, out: str, table, *more, command: bool = True) -> str:
   """Writes `res`, with this command, as JSON at `out` and `table(res)` as markdown beside it (after
   the command if `command`); prints and returns the table, and prints the files (`more`: others)."""
-  res["command"] = _command()
-  text, out = table(res), pathlib.Path(out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(res, indent=1) + "\n")
+  res["command"] = cli.command("experiments.bench")
+  text = table(res)
+  out = cli.write_json(out, res)
   md = out.with_suffix(".md")
   md.write_text((f"Command: `{res['command']}`\n\n" if command else "") + text + "\n")
   print(text)
@@ -163,7 +158,7 @@ def _write(res: dict, out: str, table, *more, command: bool = True) -> str:
 
 def _default():
   quick = _QUICK.value
-  res = {"command": _command(), "quick": quick}
+  res = {"command": cli.command("experiments.bench"), "quick": quick}
   res.update(bm.run(
       _REPO, _data_dir(), num_queries=32 if quick else _NUM_QUERIES.value,
       dims=[64] if quick else _ints(_DIMS.value), reps=1 if quick else _REPS.value,
@@ -173,7 +168,7 @@ def _default():
       suite_timeout=_SUITE_TIMEOUT.value,
       skip=set(_SKIP.value) | ({"encode", "memory", "suite"} if quick else set())))
   print(bm.table(res))
-  pathlib.Path(_OUT.value).write_text(json.dumps(res, indent=1))
+  cli.write_json(_OUT.value, res)
   print(f"wrote {_OUT.value}")
 
 
@@ -272,9 +267,8 @@ def _accelerator_reference():
   """`--accel_make_reference`: the CPU reference file from a CPU run's results.json."""
   from ear_jax.experiment import accelerator_paper  # pylint: disable=g-import-not-at-top
   results = json.loads(pathlib.Path(_ACCEL_MAKE_REFERENCE.value).read_text())
-  out = pathlib.Path(_ACCEL_REFERENCE.value or _REPO / _ACCEL_REFERENCE_DEFAULT)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(accelerator_paper.reference_from_results(results), indent=1) + "\n")
+  out = cli.write_json(_ACCEL_REFERENCE.value or _REPO / _ACCEL_REFERENCE_DEFAULT,
+                       accelerator_paper.reference_from_results(results))
   print(f"wrote {out}")
 
 

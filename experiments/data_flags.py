@@ -1,17 +1,24 @@
 """The data flags shared by the experiment programs: benchmark, files, encoder, slice and K."""
 import os
-import types
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from absl import app
 from absl import flags
 
 
-def define(benchmarks: Sequence[str],
-           benchmark_help: str = "Which benchmark.") -> types.SimpleNamespace:
-  """Defines --benchmark, --jsonl, --data_dir, --encoder, --cache_dir, --limit and --k; returns
-  their holders by name."""
-  return types.SimpleNamespace(
+class DataFlags(NamedTuple):
+  benchmark: flags.FlagHolder
+  jsonl: flags.FlagHolder
+  data_dir: flags.FlagHolder
+  encoder: flags.FlagHolder
+  cache_dir: flags.FlagHolder
+  limit: flags.FlagHolder
+  k: flags.FlagHolder
+
+
+def define(benchmarks: Sequence[str], benchmark_help: str = "Which benchmark.") -> DataFlags:
+  """Defines --benchmark, --jsonl, --data_dir, --encoder, --cache_dir, --limit and --k."""
+  return DataFlags(
       benchmark=flags.DEFINE_enum("benchmark", "locomo", list(benchmarks), benchmark_help),
       jsonl=flags.DEFINE_string("jsonl", None, "User JSONL memory bank (--benchmark=jsonl)."),
       data_dir=flags.DEFINE_string(
@@ -25,7 +32,7 @@ def define(benchmarks: Sequence[str],
       k=flags.DEFINE_integer("k", 20, "Candidates per query (K).", lower_bound=1))
 
 
-def benchmark_name(data: types.SimpleNamespace) -> str:
+def benchmark_name(data: DataFlags) -> str:
   """The `load_benchmark` name of the flags (`jsonl:PATH` for a user memory bank).
 
   Raises:
@@ -51,7 +58,7 @@ def benchmark_name(data: types.SimpleNamespace) -> str:
   return name
 
 
-def load_benchmark(data: types.SimpleNamespace, **kwargs):
+def load_benchmark(data: DataFlags, **kwargs):
   """`candidates.load_benchmark` of the flags (`kwargs`: its other arguments, e.g. `progress`)."""
   from ear_jax.data import candidates  # pylint: disable=g-import-not-at-top
   return candidates.load_benchmark(benchmark_name(data), data_dir=data.data_dir.value,

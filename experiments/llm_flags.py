@@ -6,7 +6,7 @@ stopped on Ctrl-C or SIGTERM). Replies are cached in `--llm_cache_dir`.
 """
 import contextlib
 import signal
-import types
+from typing import NamedTuple
 
 from absl import app
 from absl import flags
@@ -14,9 +14,25 @@ from absl import flags
 from ear_jax.agent.llm.server import LlamaServer, LlamaServerError
 
 
-def define(max_tokens: int = 512) -> types.SimpleNamespace:
-  """Defines the endpoint, decoding, retry and cache flags; returns their holders by name."""
-  return types.SimpleNamespace(
+class LLMFlags(NamedTuple):
+  base_url: flags.FlagHolder
+  model: flags.FlagHolder
+  model_path: flags.FlagHolder
+  n_threads: flags.FlagHolder
+  api_key_env: flags.FlagHolder
+  timeout_s: flags.FlagHolder
+  max_retries: flags.FlagHolder
+  backoff_base_s: flags.FlagHolder
+  temperature: flags.FlagHolder
+  max_tokens: flags.FlagHolder
+  seed: flags.FlagHolder
+  llm_cache_dir: flags.FlagHolder
+  server_log: flags.FlagHolder
+
+
+def define(max_tokens: int = 512) -> LLMFlags:
+  """Defines the endpoint, decoding, retry and cache flags."""
+  return LLMFlags(
       base_url=flags.DEFINE_string("base_url", None, "OpenAI-compatible endpoint, e.g. "
                                    "http://localhost:8000/v1 (default: start the local llama.cpp "
                                    "server for this run)."),
@@ -41,7 +57,7 @@ def define(max_tokens: int = 512) -> types.SimpleNamespace:
       server_log=flags.DEFINE_string("server_log", None, "Log file of the local server."))
 
 
-def client_kwargs(llm: types.SimpleNamespace, base_url: str, model: str) -> dict:
+def client_kwargs(llm: LLMFlags, base_url: str, model: str) -> dict:
   """The `ChatClientConfig` / `LLMCriticConfig` keyword arguments of the flags."""
   return dict(base_url=base_url, model=model, api_key_env=llm.api_key_env.value,
               timeout_s=llm.timeout_s.value, max_retries=llm.max_retries.value,
@@ -51,7 +67,7 @@ def client_kwargs(llm: types.SimpleNamespace, base_url: str, model: str) -> dict
 
 
 @contextlib.contextmanager
-def endpoint(llm: types.SimpleNamespace):
+def endpoint(llm: LLMFlags):
   """Yields `(base_url, model, info)`; starts (and then stops) the local server without --base_url.
 
   Raises:

@@ -251,12 +251,16 @@ class Runner:
         per[c]["n"] = summaries.mean_std(where.sum(-1))
       out["per_category"][mode] = per
     # Appendix C: Delta before / after the adapter on the test queries vs their candidate stores.
-    s_q, s_c, s_m = (np.asarray(x)[ti] for x in (b.stream.queries, b.stream.candidates,
-                                                  b.stream.mask))
-    deltas = [summaries.store_proximity_delta(
-        jax.tree_util.tree_map(lambda x: x[i], result.final_state.params), s_q[i], s_c[i],
-        s_m[i], store[i]) for i in range(len(result.seeds))]
-    before, after = (np.stack([np.asarray(d[j]) for d in deltas]) for j in (0, 1))  # [S, M]
+    s_q = np.asarray(b.stream.queries)[ti]
+    s_c = np.asarray(b.stream.candidates)[ti]
+    s_m = np.asarray(b.stream.mask)[ti]
+    before, after = [], []
+    for i in range(len(result.seeds)):
+      params = jax.tree_util.tree_map(lambda x: x[i], result.final_state.params)
+      d0, d1 = summaries.store_proximity_delta(params, s_q[i], s_c[i], s_m[i], store[i])
+      before.append(np.asarray(d0))
+      after.append(np.asarray(d1))
+    before, after = np.stack(before), np.stack(after)  # [S, M]
     # Group queries by where their gold lies among the candidates (LoCoMo has no store labels).
     g_obs = (gold & (store == 1)).sum(-1)
     g_dia = (gold & (store == 0)).sum(-1)
