@@ -54,6 +54,15 @@ def test_the_directory_is_under_the_library_cache_and_a_callers_cache_wins(monke
   assert jax.config.jax_compilation_cache_dir == chosen and not (tmp_path / "x").exists()
 
 
+def test_prune_removes_the_least_recently_used_programs_down_to_the_bound(tmp_path):
+  for i, name in enumerate(["old", "mid", "new"]):
+    (tmp_path / name).write_bytes(b"x" * 100)
+    os.utime(tmp_path / name, (1000 + i, 1000 + i))
+  assert compilation_cache.prune(tmp_path, max_bytes=300) == 0
+  assert compilation_cache.prune(tmp_path, max_bytes=150) == 2
+  assert _files(tmp_path) == {"new"}
+
+
 @pytest.mark.slow  # four subprocesses: ~20 s
 def test_a_second_process_compiles_nothing_and_the_cache_can_be_turned_off(tmp_path):
   ours = tmp_path / "ear" / "xla"

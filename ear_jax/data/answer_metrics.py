@@ -13,12 +13,13 @@ regular expression approximating `nltk.word_tokenize`.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import re
 import string
 from typing import Sequence
 
-from ear_jax.data import porter
+from nltk.stem import porter
 
 # The loader's category names (`ear_jax.data.locomo.CATEGORIES`) -> LoCoMo's category numbers.
 LOCOMO_CATEGORY_NUMBERS = {"multi-hop": 1, "temporal": 2, "open-domain": 3, "single-hop": 4,
@@ -29,6 +30,8 @@ _ARTICLES = re.compile(r"\b(a|an|the|and)\b")
 # Treebank-like tokens: clitics apart, hyphenated words and decimals whole, quotes as `` / ''.
 _TOKEN = re.compile(r"\w+(?=n't\b)|n't\b|'(?:s|m|d|ll|re|ve)\b|\w+(?:[-.]\w+)*|``|''|\S")
 _OPEN_QUOTE = re.compile(r'(^|(?<=[\s(\[{<]))"')
+# LoCoMo's scorer stems with NLTK's Porter stemmer (its default mode).
+stem = functools.lru_cache(maxsize=1 << 16)(porter.PorterStemmer().stem)
 
 
 def normalize_answer(text: str) -> str:
@@ -40,7 +43,7 @@ def normalize_answer(text: str) -> str:
 
 def stemmed_tokens(text: str) -> list[str]:
   """Porter stems of the normalised text's white-space tokens."""
-  return [porter.stem(w) for w in normalize_answer(text).split()]
+  return [stem(w) for w in normalize_answer(text).split()]
 
 
 def token_f1(prediction: str, gold: str) -> float:

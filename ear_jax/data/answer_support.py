@@ -22,12 +22,12 @@ import numpy as np
 from ear_jax.core.critic import ANSWER_FEATURES
 from ear_jax.data import encoders
 from ear_jax.data import lexical
-from ear_jax.data import porter
+from ear_jax.data.answer_metrics import stem
 
 
 def content_words(texts: Sequence[str]) -> list[frozenset[str]]:
   """Per text, its set of stemmed content words (see the module docstring)."""
-  return [frozenset(porter.stem(t) for t in tokens) for tokens in lexical.tokenize(texts)]
+  return [frozenset(stem(t) for t in tokens) for tokens in lexical.tokenize(texts)]
 
 
 def lexical_support(questions: Sequence[str], answers: Sequence[str],

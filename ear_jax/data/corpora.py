@@ -24,10 +24,14 @@ from ear_jax.data import longmemeval
 from ear_jax.data import sources
 
 # Re-exported: callers (ear_jax/__init__.py, experiments, tests) import these from here.
-from ear_jax.data.corpus import STORE_DIALOGUE  # pylint: disable=unused-import
-from ear_jax.data.jsonl import load_jsonl  # pylint: disable=unused-import
-from ear_jax.data.locomo import load_locomo, normalize_evidence  # pylint: disable=unused-import
-from ear_jax.data.longmemeval import load_longmemeval  # pylint: disable=unused-import
+from ear_jax.data.corpus import STORE_DIALOGUE
+from ear_jax.data.jsonl import load_jsonl
+from ear_jax.data.locomo import load_locomo, normalize_evidence
+from ear_jax.data.longmemeval import load_longmemeval
+
+__all__ = ["STORE_DIALOGUE", "load_jsonl", "load_locomo", "normalize_evidence", "load_longmemeval",
+           "CorpusLoader", "REGISTRY", "resolve_data_dir", "find_benchmark_file", "load_corpus",
+           "split_indices"]
 
 
 @dataclasses.dataclass(frozen=True)

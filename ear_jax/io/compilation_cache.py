@@ -3,7 +3,9 @@
 `enable()` points JAX at `directory()` (`$EAR_CACHE_DIR/xla`, else `$XDG_CACHE_HOME/ear_jax/xla`,
 else `~/.cache/ear_jax/xla`) and caches every compiled program, unless the caller chose a cache or
 set `EAR_NO_COMPILATION_CACHE`. It holds compiled programs only, never a memory's data; JAX treats
-it as trusted code, so keep it in a directory only you can write.
+it as trusted code, so keep it in a directory only you can write. Each `enable()` keeps it under
+`MAX_BYTES`, removing the least recently used programs first (JAX's own size bound would rescan
+the directory on every write).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pathlib
 from typing import Optional
 
 OFF = "EAR_NO_COMPILATION_CACHE"  # the opt-out
+MAX_BYTES = 1 << 30  # the cache's size after `enable()` prunes it
 
 
 def directory() -> pathlib.Path:
@@ -33,6 +36,26 @@ def enable() -> Optional[str]:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
   except OSError:  # (a read-only home: no cache, as before)
     return None
+  prune(path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_compilation_cache_dir", str(path))
   return str(path)
+
+
+def prune(path: pathlib.Path, max_bytes: int = MAX_BYTES) -> int:
+  """Removes the least recently used files of `path` until it holds `max_bytes`; returns how many."""
+  entries = []
+  for f in path.iterdir():
+    try:
+      st = f.stat()
+    except OSError:  # (removed by another process meanwhile)
+      continue
+    if f.is_file():
+      entries.append((max(st.st_atime, st.st_mtime), st.st_size, f))
+  total, removed = sum(e[1] for e in entries), 0
+  for _, size, f in sorted(entries, key=lambda e: e[0]):
+    if total <= max_bytes:
+      break
+    f.unlink(missing_ok=True)
+    total, removed = total - size, removed + 1
+  return removed

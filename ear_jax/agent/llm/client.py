@@ -32,9 +32,11 @@ from typing import Any, NamedTuple
 from absl import logging
 
 from ear_jax.agent.llm.cache import ResponseCache, cache_key
-# pylint: disable-next=unused-import
 from ear_jax.agent.llm.config import (DECODING_KEYS, REDACTED, STATS_KEYS, STATUSES,
                                       ChatClientConfig, chat_completions_url, check_decoding)
+
+__all__ = ["ChatClient", "ChatClientConfig", "ChatError", "ChatResult", "DECODING_KEYS",
+           "STATS_KEYS", "STATUSES", "scrub"]
 
 _MAX_ERROR_BODY_BYTES = 4096  # of an HTTP error's body, read to quote it
 _MAX_MESSAGE_CHARS = 600  # of an error message

@@ -176,14 +176,15 @@ class MemoryConfig:
   @property
   def ear(self) -> EARConfig:
     """The resolved `EARConfig` (its `dim`, and `side_features` set by the first stage)."""
-    return self._resolved()[0]
+    return self.resolved()[0]
 
   @property
   def learner_hparams(self) -> HParams:
     """The resolved `HParams`."""
-    return self._resolved()[1]
+    return self.resolved()[1]
 
-  def _resolved(self) -> tuple[EARConfig, HParams]:
+  def resolved(self) -> tuple[EARConfig, HParams]:
+    """`(EARConfig, HParams)` with the method, K, the dimension and the first stage applied."""
     config, hparams, d = self.config, self.hparams, self.dim or self._encoder_dim()
     if d is None and config is None:
       raise ValueError("the embedding dimension is unknown: pass dim= or "
@@ -226,7 +227,7 @@ class MemoryConfig:
     for name in ("method", "config", "hparams", "dim", "num_candidates") + SERVING:
       del d[name]
     d["candidates"] = self.first_stage_name
-    ear, hp = self._resolved()
+    ear, hp = self.resolved()
     return {**d, **ear.to_dict(),
             "hparams": {f.name: float(getattr(hp, f.name)) for f in dataclasses.fields(hp)}}
 

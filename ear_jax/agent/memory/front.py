@@ -62,7 +62,7 @@ class Memory:
     compilation_cache.enable()  # (a second process loads what this one compiles)
     self._cfg, self._encoder, self._root, self._hold = cfg, slot, root, hold
     # (resolved once: `cfg.ear` and `cfg.learner_hparams` would each resolve the method again)
-    self._ear, self._hparams = cfg._resolved()  # pylint: disable=protected-access
+    self._ear, self._hparams = cfg.resolved()
     config = self._ear
     slot.check_dim(config.dim, root)
     self._lock, self._save_lock = threading.RLock(), threading.Lock()
