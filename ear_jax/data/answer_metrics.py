@@ -19,8 +19,6 @@ import re
 import string
 from typing import Sequence
 
-from nltk.stem import porter
-
 # The loader's category names (`ear_jax.data.locomo.CATEGORIES`) -> LoCoMo's category numbers.
 LOCOMO_CATEGORY_NUMBERS = {"multi-hop": 1, "temporal": 2, "open-domain": 3, "single-hop": 4,
                            "adversarial": 5}
@@ -30,8 +28,6 @@ _ARTICLES = re.compile(r"\b(a|an|the|and)\b")
 # Treebank-like tokens: clitics apart, hyphenated words and decimals whole, quotes as `` / ''.
 _TOKEN = re.compile(r"\w+(?=n't\b)|n't\b|'(?:s|m|d|ll|re|ve)\b|\w+(?:[-.]\w+)*|``|''|\S")
 _OPEN_QUOTE = re.compile(r'(^|(?<=[\s(\[{<]))"')
-# LoCoMo's scorer stems with NLTK's Porter stemmer (its default mode).
-stem = functools.lru_cache(maxsize=1 << 16)(porter.PorterStemmer().stem)
 
 
 def normalize_answer(text: str) -> str:
@@ -39,6 +35,18 @@ def normalize_answer(text: str) -> str:
   text = str(text).replace(",", "").lower()
   text = "".join(ch for ch in text if ch not in _PUNCT)
   return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+@functools.cache
+def _stemmer():
+  from nltk.stem.porter import PorterStemmer  # pylint: disable=g-import-not-at-top
+  return PorterStemmer()  # (imported on first use: nltk takes half a second to import)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def stem(word: str) -> str:
+  """The Porter stem of `word` (lower-cased) by NLTK's stemmer, as LoCoMo's scorer stems."""
+  return _stemmer().stem(word)
 
 
 def stemmed_tokens(text: str) -> list[str]:
