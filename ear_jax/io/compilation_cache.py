@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import stat
 from typing import Optional
 
 OFF = "EAR_NO_COMPILATION_CACHE"  # the opt-out
@@ -50,7 +51,7 @@ def prune(path: pathlib.Path, max_bytes: int = MAX_BYTES) -> int:
       st = f.stat()
     except OSError:  # (removed by another process meanwhile)
       continue
-    if f.is_file():
+    if stat.S_ISREG(st.st_mode):
       entries.append((max(st.st_atime, st.st_mtime), st.st_size, f))
   total, removed = sum(e[1] for e in entries), 0
   for _, size, f in sorted(entries, key=lambda e: e[0]):
