@@ -3,13 +3,10 @@ r"""Speed of ear_jax, measured against baselines measured in the same run.
   python -m experiments.bench              # full table (a few minutes on 2 CPU cores), bench.json
   python -m experiments.bench --quick      # every field on tiny shapes (~30 s; used by a test)
   python -m experiments.bench --suite=scale   # memory at scale, 1k -> 1M
-  python -m experiments.bench --suite=first_stage   # BM25 / hybrid candidates, 10k -> 1M
-  python -m experiments.bench --suite=server   # the MCP server under 16 concurrent HTTP clients
-  python -m experiments.bench --suite=scopes   # a scoped search among 1M memories in 10k scopes
   python -m experiments.bench --suite=accelerator --data_dir=D --cache_dir=C   # the GPU column
 
 The default rows (`ear_jax.experiment.benchmarking`) run on a synthetic stream shaped like LoCoMo
-training: `scan`, `loop`, `numpy`, `seeds`, `roofline`, `inference`, `encode`, `memory` and
+training: `scan`, `loop`, `seeds`, `roofline`, `inference`, `encode`, `memory` and
 `suite` (wall time of `experiments.run --suite=main`). Every ratio is printed with its target and
 whether it is met; timings are the minimum over repetitions.
 """
@@ -31,9 +28,8 @@ _REPO = pathlib.Path(__file__).resolve().parent.parent
 _ACCEL_REFERENCE_DEFAULT = "results/accelerator/locomo_main_cpu.json"  # (relative to the repo)
 
 _SUITE = flags.DEFINE_enum(
-    "suite", "default", ["default", "scale", "first_stage", "server", "scopes", "accelerator"],
-    "The default rows, memory at scale, the first stage, the MCP server under load, scoped "
-    "search, or the accelerator column.")
+    "suite", "default", ["default", "scale", "accelerator"],
+    "The default rows, memory at scale, or the accelerator column.")
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny shapes, one repetition: every field in ~30 s.")
 flags.DEFINE_alias("small", "quick")
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "Benchmark data for `suite` and `encode` "
@@ -46,8 +42,6 @@ _DIMS = flags.DEFINE_list("dims", ["384", "768"], "Embedding dimensions for `sca
 _SEEDS = flags.DEFINE_integer("seeds", 8, "Seeds of the `seeds` row.", lower_bound=1)
 _REPS = flags.DEFINE_integer("reps", 2, "Repetitions of each timing (the minimum is reported).",
                              lower_bound=1)
-_NUMPY_QUERIES = flags.DEFINE_integer("numpy_queries", 96, "Queries timed for the `numpy` row.",
-                                      lower_bound=1)
 _SKIP = flags.DEFINE_list("skip", [], f"Rows to skip: any of {', '.join(bm.ROWS)}.")
 _SUITE_TIMEOUT = flags.DEFINE_integer("suite_timeout", 900, "Seconds before `suite` gives up.",
                                       lower_bound=1)
@@ -56,7 +50,7 @@ flags.register_validator("skip", lambda rows: set(rows) <= set(bm.ROWS),
 flags.register_validator("dims", lambda dims: bool(dims) and all(d.isdigit() and int(d) > 0
                                                                  for d in dims),
                          "--dims takes a comma-separated list of positive integers")
-# --suite=scale, first_stage, server, scopes: each writes its JSON at --*_out, markdown beside it.
+# --suite=scale: its JSON at --scale_out, markdown beside it.
 _SCALE_SIZES = flags.DEFINE_list("scale_sizes", ["1000", "10000", "100000", "1000000"],
                                  "--suite=scale: bank sizes.")
 _SCALE_PATHS = flags.DEFINE_list("scale_paths", ["exact", "bf16", "ivf", "ivf_clustered", "pq"],
@@ -64,42 +58,10 @@ _SCALE_PATHS = flags.DEFINE_list("scale_paths", ["exact", "bf16", "ivf", "ivf_cl
                                  "hnsw).")
 _SCALE_OUT = flags.DEFINE_string("scale_out", "results/scale/scale.json", "--suite=scale: JSON "
                                  "output (the plot, .png, is also written beside it).")
-_SCALE_CALLS = flags.DEFINE_integer("scale_calls", 20, "--suite=scale: searches and round + "
-                                    "feedback calls per (path, size).", lower_bound=2)
-_FIRST_STAGE_OUT = flags.DEFINE_string("first_stage_out", "results/first_stage/first_stage.json",
-                                       "--suite=first_stage: JSON output.")
-_SERVER_MEMORIES = flags.DEFINE_integer("server_memories", 100_000, "--suite=server: memories "
-                                        "(N).", lower_bound=1)
-_SERVER_SCOPES = flags.DEFINE_integer("server_scopes", 100, "--suite=server: scopes (S).",
-                                      lower_bound=1)
-_SERVER_CLIENTS = flags.DEFINE_integer("server_clients", 16, "--suite=server: concurrent clients "
-                                       "(C; also 1 in the same run).", lower_bound=1)
-_SERVER_SECONDS = flags.DEFINE_float("server_seconds", 30.0, "--suite=server: seconds per phase.",
-                                     lower_bound=0.1)
-_SERVER_WINDOW = flags.DEFINE_float("server_batch_window_ms", 5.0, "--suite=server: the "
-                                    "micro-batching window (server and in-process).", lower_bound=0)
-_SERVER_BATCH_TOKENS = flags.DEFINE_integer("server_encoder_batch_tokens", 512, "--suite=server: "
-                                            "the server's --encoder_batch_tokens.", lower_bound=1)
-_SERVER_ARGS = flags.DEFINE_list("server_args", [], "--suite=server: more ear-mcp-server "
-                                 "flags, e.g. --server_args=--worker_threads=16.")
-_SERVER_OUT = flags.DEFINE_string("server_out", "results/server/server.json", "--suite=server: "
-                                  "JSON output.")
-_SCOPE_MEMORIES = flags.DEFINE_integer("scope_memories", 1_000_000, "--suite=scopes: memories "
-                                       "(M).", lower_bound=1)
-_SCOPE_SCOPES = flags.DEFINE_integer("scope_scopes", 10_000, "--suite=scopes: scopes (S).",
-                                     lower_bound=1)
-_SCOPE_STAGES = flags.DEFINE_list("scope_stages", ["exact", "bm25", "hybrid"], "--suite=scopes: "
-                                  "first stages (exact, bm25, hybrid).")
-_SCOPE_OUT = flags.DEFINE_string("scope_out", "results/scopes/scopes.json", "--suite=scopes: JSON "
-                                 "output.")
 # --suite=accelerator (see ear_jax.experiment.accelerator_bench).
 _CACHE_DIR = flags.DEFINE_string(
     "cache_dir", None, "--suite=accelerator: one model's embedding cache directory (holding "
-    "meta.json; no model needed), else a cache root for --accel_encoder (default: $EAR_CACHE_DIR).")
-_ACCEL_ENCODER = flags.DEFINE_string("accel_encoder", "minilm", "--suite=accelerator: the encoder "
-                                     "when --cache_dir is not a model's cache directory.")
-_ACCEL_SEEDS = flags.DEFINE_integer("accel_seeds", 10, "--suite=accelerator: seeds of the paper "
-                                    "run (as the reference's).", lower_bound=1)
+    "meta.json; no model needed), else a cache root for MiniLM (default: $EAR_CACHE_DIR).")
 _ACCEL_REFERENCE = flags.DEFINE_string(
     "accel_reference", None, "--suite=accelerator: the CPU reference, a JSON of per-seed values "
     f"(default {_ACCEL_REFERENCE_DEFAULT}), or 'cpu': the same command now on the host CPU (the "
@@ -116,12 +78,6 @@ _ACCEL_TOLERANCE = flags.DEFINE_float("accel_tolerance", 1.0, "--suite=accelerat
 _ACCEL_PRECISION = flags.DEFINE_enum("accel_precision", "highest", ["default", "high", "highest"],
                                      "--suite=accelerator: JAX_DEFAULT_MATMUL_PRECISION of the "
                                      "paper run (highest: float32, no TF32).")
-_ACCEL_SEED_COUNTS = flags.DEFINE_list("accel_seed_counts", ["1", "10", "100", "1000"],
-                                       "--suite=accelerator: N of the vmapped seeds.")
-_ACCEL_CPU_SEED_COUNTS = flags.DEFINE_list("accel_cpu_seed_counts", ["1", "10"],
-                                           "--suite=accelerator: N on the host CPU.")
-_ACCEL_SEARCH_SIZES = flags.DEFINE_list("accel_search_sizes", ["1000000", "10000000"],
-                                        "--suite=accelerator: bank rows of the exact search.")
 _ACCEL_SKIP = flags.DEFINE_list("accel_skip", [], "--suite=accelerator: steps to leave out (main, "
                                 "seeds, search).")
 flags.register_validator("accel_skip", lambda steps: set(steps) <= {"main", "seeds", "search"},
@@ -137,10 +93,6 @@ _ACCEL_MD = flags.DEFINE_string("accel_benchmarks_md", str(_REPO / "BENCHMARKS.m
 
 def _data_dir() -> str:
   return _DATA_DIR.value or os.environ.get("EAR_DATA_DIR") or str(_REPO.parent / "shared" / "data")
-
-
-def _ints(values) -> list[int]:
-  return [int(x) for x in values]
 
 
 def _write(res: dict, out: str, table, *more, command: bool = True) -> str:
@@ -161,8 +113,8 @@ def _default():
   res = {"command": cli.command("experiments.bench"), "quick": quick}
   res.update(bm.run(
       _REPO, _data_dir(), num_queries=32 if quick else _NUM_QUERIES.value,
-      dims=[64] if quick else _ints(_DIMS.value), reps=1 if quick else _REPS.value,
-      numpy_queries=8 if quick else _NUMPY_QUERIES.value, num_seeds=2 if quick else _SEEDS.value,
+      dims=[64] if quick else list(map(int, _DIMS.value)), reps=1 if quick else _REPS.value,
+      num_seeds=2 if quick else _SEEDS.value,
       inference_dim=64 if quick else 384, inference_calls=20 if quick else 200,
       peak_sizes=(256, 512) if quick else (768, 1024, 1536), peak_reps=2 if quick else 3,
       suite_timeout=_SUITE_TIMEOUT.value,
@@ -177,52 +129,14 @@ def _scale():
   quick, out = _QUICK.value, pathlib.Path(_SCALE_OUT.value)
   saves = out.parent / "saves"  # the timed saves' scratch directory
   out.parent.mkdir(parents=True, exist_ok=True)
-  res = scale_bench.run(_ints(_SCALE_SIZES.value), _SCALE_PATHS.value, dim=64 if quick else 384,
-                        calls=_SCALE_CALLS.value, batch=16 if quick else 256,
+  res = scale_bench.run(list(map(int, _SCALE_SIZES.value)), _SCALE_PATHS.value,
+                        dim=64 if quick else 384, calls=20, batch=16 if quick else 256,
                         save_dir=str(saves), peak_sizes=(256,) if quick else (768, 1024, 1536),
                         bandwidth_bytes=4e7 if quick else 1.5e9)
   shutil.rmtree(saves, ignore_errors=True)
   res["machine"] = bm.machine()
   scale_bench.plot(res, str(out.with_suffix(".png")))
   _write(res, out, scale_bench.table, out.with_suffix(".png"))
-
-
-def _first_stage():
-  from ear_jax.experiment import first_stage_bench  # pylint: disable=g-import-not-at-top
-  quick = _QUICK.value
-  res = first_stage_bench.run([2_000] if quick else [10_000, 100_000, 1_000_000],
-                              dim=32 if quick else 384, calls=3 if quick else 20,
-                              bandwidth_bytes=4e7 if quick else 1.5e9)
-  _write(res, _FIRST_STAGE_OUT.value, first_stage_bench.table)
-
-
-def _server():
-  """Exits 1 on an error, a leak across scopes or a missing acknowledged write."""
-  import logging as py_logging  # pylint: disable=g-import-not-at-top
-  from absl import logging  # pylint: disable=g-import-not-at-top
-  from ear_jax.experiment import server_bench  # pylint: disable=g-import-not-at-top
-  logging.set_verbosity(logging.WARNING)  # (orbax logs each learner save; httpx each request)
-  py_logging.getLogger("httpx").setLevel(py_logging.WARNING)
-  py_logging.getLogger("mcp").setLevel(py_logging.ERROR)  # (the kill -9 phase's lost sessions)
-  quick = _QUICK.value
-  res = server_bench.run(
-      _REPO, memories=2_000 if quick else _SERVER_MEMORIES.value,
-      scopes=4 if quick else _SERVER_SCOPES.value, clients=4 if quick else _SERVER_CLIENTS.value,
-      seconds=3.0 if quick else _SERVER_SECONDS.value, warmup_s=3.0 if quick else 10.0,
-      batch_window_ms=_SERVER_WINDOW.value, encoder_batch_tokens=_SERVER_BATCH_TOKENS.value,
-      server_args=tuple(_SERVER_ARGS.value))
-  _write(res, _SERVER_OUT.value, server_bench.table)
-  return 1 if res["errors"] or res["leaks"] or res["missing"] else 0
-
-
-def _scopes():
-  from ear_jax.experiment import scope_bench  # pylint: disable=g-import-not-at-top
-  quick = _QUICK.value
-  res = scope_bench.run(2_000 if quick else _SCOPE_MEMORIES.value,
-                        20 if quick else _SCOPE_SCOPES.value, _SCOPE_STAGES.value,
-                        dim=64 if quick else 384, calls=20 if quick else 200,
-                        sample=4 if quick else 20)
-  _write(res, _SCOPE_OUT.value, scope_bench.table)
 
 
 def _accelerator():
@@ -233,24 +147,24 @@ def _accelerator():
   rel = lambda p: (os.path.relpath(p, _REPO)
                    if os.path.abspath(p).startswith(str(_REPO) + os.sep) else p)
   if small:
-    suite_args = ["--benchmark=synthetic", "--method=ear", f"--seeds={min(_ACCEL_SEEDS.value, 2)}",
-                  "--synthetic_queries=64", "--eval_every=1000"]
+    suite_args = ["--benchmark=synthetic", "--method=ear", "--seeds=2", "--synthetic_queries=64",
+                  "--eval_every=1000"]
   else:
     cache = _CACHE_DIR.value and rel(_CACHE_DIR.value)
     if cache and (pathlib.Path(cache).expanduser() / "meta.json").is_file():
       encoder = [f"--encoder={cache}"]  # its embeddings, no model
     else:
-      encoder = [f"--encoder={_ACCEL_ENCODER.value}"] + ([f"--cache_dir={cache}"] if cache else [])
-    suite_args = ["--benchmark=locomo", "--suite=main", f"--seeds={_ACCEL_SEEDS.value}",
+      encoder = ["--encoder=minilm"] + ([f"--cache_dir={cache}"] if cache else [])
+    suite_args = ["--benchmark=locomo", "--suite=main", "--seeds=10",  # (the reference's seeds)
                   "--candidates=dense", f"--data_dir={rel(_data_dir())}", *encoder]
   res = accelerator_bench.run(
       _REPO, suite_args=suite_args, precision=_ACCEL_PRECISION.value,
       reference=_ACCEL_REFERENCE.value or ("cpu" if small else _ACCEL_REFERENCE_DEFAULT),
       tolerance=_ACCEL_TOLERANCE.value, timeout=_ACCEL_TIMEOUT.value,
-      seed_counts=[1, 4] if small else _ints(_ACCEL_SEED_COUNTS.value),
-      cpu_seed_counts=[1] if small else _ints(_ACCEL_CPU_SEED_COUNTS.value),
+      seed_counts=[1, 4] if small else [1, 10, 100, 1000],
+      cpu_seed_counts=[1] if small else [1, 10],
       stream_queries=32 if small else _NUM_QUERIES.value, dim=64 if small else 384,
-      search_sizes=[20_000] if small else _ints(_ACCEL_SEARCH_SIZES.value),
+      search_sizes=[20_000] if small else [1_000_000, 10_000_000],
       search_chunks=[None] if small else [None, 1 << 20], reps=2 if small else 5,
       bandwidth_bytes=4e7 if small else 4e9, skip=_ACCEL_SKIP.value)
   res["small"] = small
@@ -280,7 +194,7 @@ def _accelerator_bundle():
   if folder.is_absolute() or ".." in folder.parts or len(folder.parts) != 1:
     raise app.UsageError("--accel_bundle: one folder name at the repository root, e.g. .accel")
   info = accelerator_paper.write_bundle(_REPO / folder, data_dir=_DATA_DIR.value,
-                                        cache_dir=_CACHE_DIR.value, encoder=_ACCEL_ENCODER.value)
+                                        cache_dir=_CACHE_DIR.value)
   exclude = _REPO / subprocess.run(["git", "rev-parse", "--git-path", "info/exclude"], cwd=_REPO,
                                    capture_output=True, text=True, check=True).stdout.strip()
   line = f"/{folder}/"
@@ -306,8 +220,7 @@ def main(argv):
     return _accelerator_reference()
   if _ACCEL_BUNDLE.value:
     return _accelerator_bundle()
-  return {"default": _default, "scale": _scale, "first_stage": _first_stage, "server": _server,
-          "scopes": _scopes, "accelerator": _accelerator}[_SUITE.value]()
+  return {"default": _default, "scale": _scale, "accelerator": _accelerator}[_SUITE.value]()
 
 
 if __name__ == "__main__":

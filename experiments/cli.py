@@ -9,21 +9,15 @@ import sys
 from absl import app
 
 
-def program_name() -> str:
-  """`python -m <module>` of the running program (never a path of this machine)."""
-  spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-  name = getattr(spec, "name", None) or "experiments"
-  return f"python -m {name}"
-
-
 def without_usage_dump(main):
   """`main` with an `app.UsageError` turned into a one-line message on stderr and its exit code."""
 
   def wrapped(argv):
     try:
       return main(argv)
-    except app.UsageError as e:
-      prog = program_name()
+    except app.UsageError as e:  # named `python -m <module>`, never a path of this machine
+      spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+      prog = f"python -m {getattr(spec, 'name', None) or 'experiments'}"
       sys.stderr.write(f"{prog}: error: {e}\n({prog} --helpshort lists the flags)\n")
       return e.exitcode
 

@@ -29,6 +29,9 @@ _CHOICES = {
     "replay_unobserved": lambda: list(config_lib.REPLAY_UNOBSERVED),
     "final_slate": lambda: list(config_lib.FINAL_SLATES),
 }
+# Other fields: the flag of the first type here their annotation names (`EARConfig` checks str).
+_DEFINES = ((bool, flags.DEFINE_bool), (int, flags.DEFINE_integer), (float, flags.DEFINE_float),
+            (str, flags.DEFINE_string))
 # Bounds checked by absl validators: (lower bound, inclusive?).
 _BOUNDS = {
     "slate_size": (1, True), "num_rounds": (1, True), "replay_size": (1, True),
@@ -83,16 +86,11 @@ def define_config_flags(flag_values=flags.FLAGS) -> dict:
     if f.name in _CHOICES:
       holders[f.name] = flags.DEFINE_enum(f.name, None, _CHOICES[f.name](), text,
                                           flag_values=flag_values)
-    elif kind is bool:
-      holders[f.name] = flags.DEFINE_bool(f.name, None, text, flag_values=flag_values)
-    elif int in (kind, *typing.get_args(kind)):
-      holders[f.name] = flags.DEFINE_integer(f.name, None, text, flag_values=flag_values)
-    elif float in (kind, *typing.get_args(kind)):
-      holders[f.name] = flags.DEFINE_float(f.name, None, text, flag_values=flag_values)
-    elif str in (kind, *typing.get_args(kind)):  # checked by `EARConfig` itself
-      holders[f.name] = flags.DEFINE_string(f.name, None, text, flag_values=flag_values)
     else:
-      raise TypeError(f"EARConfig.{f.name}: no flag type for {kind}")  # a new field: add it here
+      define = next((d for t, d in _DEFINES if t in (kind, *typing.get_args(kind))), None)
+      if define is None:  # a new field: add its type to `_DEFINES`
+        raise TypeError(f"EARConfig.{f.name}: no flag type for {kind}")
+      holders[f.name] = define(f.name, None, text, flag_values=flag_values)
     if f.name in _BOUNDS:
       _bound_validator(f.name, flag_values)
   return holders

@@ -48,8 +48,3 @@ def options(fs: FirstStageFlags) -> dict:
         raise app.UsageError(f"--{holder.name} applies to --candidates=hybrid only")
   return {"candidates": fs.candidates.value, "side_features": fs.side_features.value,
           "fusion": fs.fusion.value, "lexical_weight": fs.lexical_weight.value}
-
-
-def first_stage_options(values: dict) -> first_stage.FirstStageOptions:
-  """The `FirstStageOptions` from `options(fs)`'s values."""
-  return first_stage.FirstStageOptions.with_defaults(values["fusion"], values["lexical_weight"])

@@ -9,6 +9,7 @@ Writes results.json (per-seed metrics, paired differences live - runner, identic
 per question) and table.md (also printed) into --out.
 """
 import os
+import pathlib
 
 from absl import app
 from absl import flags
@@ -47,8 +48,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.INFO)
   bench = _DATA.benchmark.value
-  if bench != "synthetic":
-    data_flags.benchmark_name(_DATA)  # UsageError: the benchmark file is missing
+  data_flags.benchmark_name(_DATA)  # UsageError: the benchmark file is missing
   hp_over, cfg_over = config_flags.overrides(_HPARAM_FLAGS), config_flags.overrides(_CONFIG_FLAGS)
   try:
     critic = critic_lib.make_simulated_critic(**config_flags.overrides(_CRITIC))
@@ -71,14 +71,12 @@ def main(argv):
                                hparams=hp_over, **cfg_over)
   cmp, _ = live.run(data, method, range(_SEEDS.value), critic, time_scan=_TIME_SCAN.value,
                     name=f"live_{_METHOD.value}")
-  command = cmp["command"] = cli.command("experiments.live")
+  cmp["command"] = cli.command("experiments.live")
   cmp["critic"] = {"precision": float(critic.precision), "recall": float(critic.recall)}
   md = live.table_md(cmp, title=f"Live `Memory` vs the jitted runner: {_METHOD.value} on {bench}, "
-                     f"{_SEEDS.value} seeds")
-  md += f"\n\nCommand: `{command}`\n"
+                     f"{_SEEDS.value} seeds") + f"\n\nCommand: `{cmp['command']}`\n"
   cli.write_json(os.path.join(out, "results.json"), cmp)
-  with open(os.path.join(out, "table.md"), "w") as f:
-    f.write(md)
+  pathlib.Path(out, "table.md").write_text(md)
   from ear_jax.experiment import plots  # pylint: disable=g-import-not-at-top
   names = live.MODE_NAMES
   plot = os.path.join(out, f"live_vs_runner_{bench}_{_METHOD.value}.png")

@@ -116,14 +116,11 @@ async def train(session, queries, to_mem: dict, rounds: int, k: int = 5,
 
 
 async def run(locomo, memory_dir, *, conversation: int = 0, num_test: int = 40, epochs: int = 2,
-              num_train: Optional[int] = None, server_args=(), seed: int = 0,
-              feedback: str = "cite") -> dict:
+              server_args=(), seed: int = 0, feedback: str = "cite") -> dict:
   """The scripted agent (see the module docstring); returns the before / after numbers."""
   from mcp import ClientSession  # pylint: disable=g-import-not-at-top
   from mcp.client.stdio import stdio_client  # pylint: disable=g-import-not-at-top
   bank, train_qs, test_qs = locomo_slice(locomo, conversation, num_test, seed)
-  if num_train is not None:
-    train_qs = train_qs[:num_train]
   async with stdio_client(server_params(memory_dir, server_args)) as (read, write):
     async with ClientSession(read, write) as session:
       await session.initialize()

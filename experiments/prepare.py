@@ -5,14 +5,12 @@ ceiling over all evaluable queries, overall and per category.
   python -m experiments.prepare --benchmark=locomo --candidates=bm25     # or hybrid
   python -m experiments.prepare --benchmark=jsonl --jsonl=my_bank.jsonl
 """
-import json
 import os
-import pathlib
 import time
 
 from absl import flags
 
-from ear_jax.data import candidates
+from ear_jax.data import first_stage
 from experiments import cli
 from experiments import data_flags
 from experiments import first_stage_flags
@@ -39,15 +37,14 @@ def _table(report):
 
 def main(argv):
   del argv
-  name = data_flags.benchmark_name(_DATA)
+  data_flags.benchmark_name(_DATA)  # UsageError: a missing --jsonl or benchmark file
   fs = first_stage_flags.options(_FIRST_STAGE)
   t0 = time.perf_counter()
-  bench = candidates.load_benchmark(name, data_dir=_DATA.data_dir.value, encoder=_DATA.encoder.value,
-                                    k=_DATA.k.value, multistore=_MULTISTORE.value, limit=_DATA.limit.value,
-                                    cache_dir=_DATA.cache_dir.value, seed=_SEED.value,
-                                    progress=_PROGRESS.value, candidates=fs["candidates"],
-                                    side_features=bool(fs["side_features"]),
-                                    first_stage_options=first_stage_flags.first_stage_options(fs))
+  bench = data_flags.load_benchmark(
+      _DATA, multistore=_MULTISTORE.value, seed=_SEED.value, progress=_PROGRESS.value,
+      candidates=fs["candidates"], side_features=bool(fs["side_features"]),
+      first_stage_options=first_stage.FirstStageOptions.with_defaults(fs["fusion"],
+                                                                      fs["lexical_weight"]))
   stats = dict(bench.stats)
   stats["wall_seconds"] = round(time.perf_counter() - t0, 2)
   report = stats.pop("retriever")
@@ -61,7 +58,7 @@ def main(argv):
           f"{stats['user_turns']:,} ({stats['user_turns_distinct_texts']:,} distinct texts)")
   print(f"== {bench.name}: dataset statistics")
   for key, val in stats.items():
-    if key not in ("encoding",):
+    if key != "encoding":
       print(f"  {key}: {val}")
   print("  encoding: " + ", ".join(f"{k}={v}" for k, v in stats["encoding"].items()))
   print(f"== frozen first stage: candidates={fs['candidates']}"
@@ -72,12 +69,9 @@ def main(argv):
   suffix = ("_multistore" if _MULTISTORE.value else "") + (
       "" if fs["candidates"] == "dense" else "_" + fs["candidates"])
   out = _OUT.value or os.path.join("runs", f"prepare_{_DATA.benchmark.value}{suffix}.json")
-  pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
-  with open(out, "w") as f:
-    json.dump({"benchmark": _DATA.benchmark.value, "flags": {
-        "encoder": _DATA.encoder.value, "k": _DATA.k.value, "multistore": _MULTISTORE.value,
-        **fs,
-        "limit": _DATA.limit.value, "seed": _SEED.value}, "stats": stats, "retriever": report}, f, indent=1)
+  cli.write_json(out, {"benchmark": _DATA.benchmark.value, "flags": {
+      "encoder": _DATA.encoder.value, "k": _DATA.k.value, "multistore": _MULTISTORE.value, **fs,
+      "limit": _DATA.limit.value, "seed": _SEED.value}, "stats": stats, "retriever": report})
   print(f"wrote {out}")
 
 

@@ -19,10 +19,8 @@ def main(argv):
     print(__doc__)
     return 2
   root, out_root = pathlib.Path("RESULTS.md"), pathlib.Path("results")
-  if beyond:
-    results_md.write_beyond_md(workdirs, root, out_root)
-  else:
-    results_md.write_results_md(workdirs, root, out_root)
+  write = results_md.write_beyond_md if beyond else results_md.write_results_md
+  write(workdirs, root, out_root)
   print(f"wrote {root} and {out_root}/")
   return 0
 

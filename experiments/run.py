@@ -28,13 +28,11 @@ from experiments import cli
 from experiments import config_flags
 from experiments import data_flags
 from experiments import first_stage_flags
-from experiments import dist_flags
 
 SUITES = suites.SUITE_NAMES  # the values of --suite
 
 _DATA = data_flags.define(["locomo", "longmemeval", "jsonl", "synthetic"])
 _FIRST_STAGE = first_stage_flags.define()  # --candidates=dense|bm25|hybrid
-_DIST = dist_flags.define()  # --coordinator / --num_processes / --process_id
 _METHOD = flags.DEFINE_enum("method", "ear", list(config_lib.METHODS),
                             "Method when no --suite is given.")
 _SUITE = flags.DEFINE_enum("suite", None, list(SUITES), "Suite to run; unset: run --method only.")
@@ -185,9 +183,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   absl_logging.set_verbosity(absl_logging.INFO)
   # JAX and Orbax log at INFO through absl too (backends, every save): keep only ear_jax's lines.
-  absl_logging.get_absl_handler().addFilter(_OnlyEarJaxInfo())
-  if dist_flags.initialize(_DIST):  # before any other JAX call
-    dist_flags.check_supported(suite=_SUITE.value, resume=_RESUME.value)
+  absl_logging.get_absl_handler().addFilter(_only_ear_jax_info)
   opts = build_options()
   from ear_jax.experiment import runner as experiment  # pylint: disable=g-import-not-at-top
   try:
@@ -195,10 +191,6 @@ def main(argv):
   except experiment.Interrupted as e:
     print(f"interrupted: {e}; resume with --resume --workdir={opts.workdir}")
     return 3
-  import jax  # pylint: disable=g-import-not-at-top
-  if jax.process_index() != 0:  # multi-process: process 0 writes and prints the tables
-    print(f"process {jax.process_index()} of {jax.process_count()}: done")
-    return 0
   print("\n\n".join(results["tables"].values()) if results["tables"] else open(
       os.path.join(opts.workdir, "tables.md")).read())
   print(f"\nwall time {results['wall_seconds']:.1f} s; wrote {opts.workdir}/results.json, "
@@ -206,12 +198,10 @@ def main(argv):
   return 0
 
 
-class _OnlyEarJaxInfo(logging.Filter):
+def _only_ear_jax_info(record: logging.LogRecord) -> bool:
   """Drops INFO records of other libraries (their warnings and errors still pass)."""
-
-  def filter(self, record):
-    path = record.pathname.replace("\\", "/")
-    return record.levelno >= logging.WARNING or "/ear_jax/" in path or "/experiments/" in path
+  path = record.pathname.replace("\\", "/")
+  return record.levelno >= logging.WARNING or "/ear_jax/" in path or "/experiments/" in path
 
 
 if __name__ == "__main__":

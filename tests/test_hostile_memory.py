@@ -654,7 +654,7 @@ def test_a_float64_step_equals_the_float64_numpy_reference():
   """Under `jax_enable_x64`, with float64 parameters, inputs and hyperparameters, one Adam step
   equals the float64 NumPy reference to rounding (it differed by 2e-10 when the injected learning
   rate was rounded to float32)."""
-  from ear_jax.experiment import reference as ref  # pylint: disable=g-import-not-at-top
+  from tests import numpy_reference as ref  # pylint: disable=g-import-not-at-top
   d, k, b = 8, 6, 2
   config = EARConfig.for_method("ear", dim=d, num_candidates=k, slate_size=3, num_rounds=3,
                                 replay_size=2, buffer_capacity=5, batch_size=b)

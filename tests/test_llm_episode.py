@@ -1,34 +1,32 @@
-"""experiments/llm_episode.py end to end against a chat-completions server on 127.0.0.1.
+"""A training episode with an LLM critic (`run_critic_episode` + `LLMCritic`) against a
+chat-completions server on 127.0.0.1.
 
 The server plays an LLM that cites exactly the gold memories shown to it, answers one request with
-HTTP 500 (retried) and some with malformed text (no update, counted). The benchmark is a user JSONL
-bank with precomputed embeddings (no model download): per query, the gold memory lies along a hidden
-rotation of the query and the distractors along the query itself, so the frozen retriever misses the
-gold and a learned adapter can find it.
+HTTP 500 (retried) and some with malformed text (no update, counted). Per query, the gold memory
+lies along a hidden rotation of the query and the distractors along the query itself, so the
+frozen retriever misses the gold and a learned adapter can find it.
 """
 from __future__ import annotations
 
 import http.server
 import json
-import os
-import pathlib
 import re
-import subprocess
-import sys
 import threading
 
 import jax
 import numpy as np
 import pytest
 
+from ear_jax.agent.llm.critic import LLMCritic, LLMCriticConfig
 from ear_jax.agent.memory import episode as episode_lib
 from ear_jax.core import critic as critic_lib
 from ear_jax.core import episode as core_episode
+from ear_jax.core import inference
+from ear_jax.core import learner as learner_lib
 from ear_jax.core.config import EARConfig, default_hparams
 
 from tests.core_utils import learnable_stream
 
-_REPO = pathlib.Path(__file__).resolve().parents[1]
 _MEMORY_LINE = re.compile(r"^\[(\d+)\] (.*)$")
 
 
@@ -76,26 +74,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     self.wfile.write(raw)
 
 
-def _write_bank(tmp_path, n=60, k=8):
-  st = learnable_stream(0, n, d=16, k=k, num_gold=1)
-  lines, texts, emb, gold_texts = [], [], [], set()
-  for i in range(n):
-    for j in range(k):
-      text = f"memory {j} of bank {i}"
-      lines.append({"type": "memory", "id": f"m{i}-{j}", "text": text, "bank": f"b{i}"})
-      texts.append(text)
-      emb.append(st.candidates[i, j])
-      if st.gold[i, j]:
-        gold_texts.add(text)
-    lines.append({"type": "query", "id": f"q{i}", "text": f"question number {i}?", "bank": f"b{i}",
-                  "gold": [f"m{i}-{j}" for j in np.nonzero(st.gold[i])[0]]})
-    texts.append(f"question number {i}?")
-    emb.append(st.queries[i])
-  jsonl = tmp_path / "bank.jsonl"
-  jsonl.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-  npz = tmp_path / "emb.npz"
-  np.savez(npz, texts=np.asarray(texts), embeddings=np.asarray(emb, np.float32))
-  return jsonl, npz, gold_texts
+def _texts(stream):
+  """`[N, K]` memory texts and the set of the gold ones."""
+  n, k = stream.gold.shape
+  texts = np.asarray([[f"memory {j} of bank {i}" for j in range(k)] for i in range(n)])
+  return texts, set(texts[np.asarray(stream.gold, bool)].tolist())
 
 
 @pytest.mark.slow
@@ -120,41 +103,34 @@ def test_run_critic_episode_with_a_jitted_critic_equals_run_episode():
 
 
 @pytest.mark.slow
-def test_llm_episode_program_learns_from_a_loopback_llm(tmp_path, monkeypatch):
+def test_an_episode_learns_from_a_loopback_llm_critic(monkeypatch):
   for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
     monkeypatch.delenv(var, raising=False)
-  jsonl, npz, gold_texts = _write_bank(tmp_path)
+  monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+  stream = learnable_stream(0, 60, d=16, k=8, num_gold=1)
+  texts, gold_texts = _texts(stream)
+  train, test = stream.take(np.arange(48)), stream.take(np.arange(48, 60))
+  cfg = EARConfig(dim=16, num_candidates=8, slate_size=5, num_rounds=2, batch_size=4)
+  hp = default_hparams(learning_rate=0.03)
   srv = _Server(gold_texts)
   thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
   thread.start()
-  out = tmp_path / "result.json"
-  env = {**os.environ, "NO_PROXY": "127.0.0.1", "JAX_PLATFORMS": "cpu",
-         "PYTHONPATH": str(_REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-  for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-    env.pop(var, None)
   try:
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.llm_episode", "--benchmark=jsonl", f"--jsonl={jsonl}",
-         f"--encoder={npz}", "--k=8", "--num_rounds=2", "--learning_rate=0.03",
-         f"--base_url=http://127.0.0.1:{srv.server_address[1]}/v1", "--model=loopback",
-         "--api_key_env=EAR_TEST_NO_KEY", "--timeout_s=5", "--max_retries=2",
-         "--backoff_base_s=0", f"--out={out}", f"--cache_dir={tmp_path / 'cache'}",
-         "--llm_cache_dir=", "--simulated=1:1"],
-        cwd=_REPO, env=env, capture_output=True, text=True, timeout=300)
+    critic = LLMCritic(LLMCriticConfig(
+        base_url=f"http://127.0.0.1:{srv.server_address[1]}/v1", model="loopback",
+        api_key_env="EAR_TEST_NO_KEY", timeout_s=5, max_retries=2, backoff_base_s=0))
+    state, stats = episode_lib.run_critic_episode(
+        jax.random.PRNGKey(1), train, [f"question number {i}?" for i in range(48)], texts[:48],
+        critic, cfg, hp)
   finally:
     srv.shutdown()
     srv.server_close()
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  res = json.loads(out.read_text())
-  assert res["num_train_queries"] == 48 and res["num_test_queries"] == 12
-  critic = res["critic"]
-  assert critic["calls"] == 48 * 2 and critic["retries"] == 1 and critic["http_error"] == 0
-  assert critic["unparseable"] >= 5 and critic["ok"] == 96 - critic["unparseable"]
-  assert res["episode"]["critic_no_update"] == critic["unparseable"]
-  assert res["episode"]["learner_steps"] == 12 and res["params_finite"]
-  assert res["test_recall@5_retriever"] <= 20.0
-  assert res["test_recall@5_ear_adapter"] >= res["test_recall@5_retriever"] + 40.0
-  # The simulated critic P = R = 1 (an oracle, like this loopback LLM) ran the same episode.
-  oracle = res["runs"]["simulated P=1 R=1"]
-  assert oracle["episode"]["critic_ok"] == 96 and "critic_no_update" not in oracle["episode"]
-  assert oracle["test_recall@5_adapter"] >= res["test_recall@5_retriever"] + 40.0
+  calls = critic.stats
+  assert calls["calls"] == 48 * 2 and calls["retries"] == 1 and calls["http_error"] == 0
+  assert calls["unparseable"] >= 5 and calls["ok"] == 96 - calls["unparseable"]
+  assert stats["critic_no_update"] == calls["unparseable"] and stats["learner_steps"] == 12
+  key = jax.random.PRNGKey(2)
+  frozen = learner_lib.init_learner(jax.random.PRNGKey(0), cfg).params
+  before = inference.evaluate(key, frozen, test, cfg, hp).recall_adapter
+  after = inference.evaluate(key, state.params, test, cfg, hp).recall_adapter
+  assert float(before) <= 0.2 and float(after) >= float(before) + 0.4, (before, after)

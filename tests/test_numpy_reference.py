@@ -7,7 +7,7 @@ import pytest
 from ear_jax.core import learner
 from ear_jax.core.config import EARConfig, default_hparams
 from ear_jax.core.stream import make_stream
-from ear_jax.experiment import reference as ref
+from tests import numpy_reference as ref
 
 D, K = 8, 6
 

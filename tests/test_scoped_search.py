@@ -291,19 +291,3 @@ def test_per_query_scopes_ask_the_ann_searcher_per_query(monkeypatch):
                      specs, names, len(q))
   for a, b in zip(got[:3], want):
     np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.slow
-def test_scope_bench_tiny_run_fields_and_bounds():
-  import json  # pylint: disable=g-import-not-at-top
-  from ear_jax.experiment import scope_bench  # pylint: disable=g-import-not-at-top
-  res = scope_bench.run(1200, 12, dim=16, calls=4, sample=2)  # (100 per scope: gathered)
-  json.dumps(res)
-  assert [r["stage"] for r in res["rows"]] == list(scope_bench.STAGES)
-  for r in res["rows"]:
-    assert r["per_scope"] == 100 and r["capacity"] >= 1200
-    for name in ("scoped", "own_memory", "unscoped", "scoped_masked_scan"):
-      assert 0 < r[name]["p50_ms"] <= r[name]["p99_ms"]
-    assert np.isclose(r["ratio_p50"], r["scoped"]["p50_ms"] / r["own_memory"]["p50_ms"])
-    assert np.isclose(r["bound_bank_ms"] / r["bound_scope_ms"], 12)
-  assert "| exact |" in scope_bench.table(res)

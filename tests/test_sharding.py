@@ -39,15 +39,15 @@ _SCRIPT = textwrap.dedent("""
     # 6 seeds (not a multiple of 4: exercises the padding), shared hyperparameters.
     keys = jax.vmap(jax.random.PRNGKey)(np.arange(6))
     hp = ej.default_hparams()
-    a = sharding.gather_to_host(sharding.sharded_episodes(keys, stream, config, hp))
-    b = sharding.gather_to_host(sharding.unsharded_episodes(keys, stream, config, hp))
+    a = jax.device_get(sharding.sharded_episodes(keys, stream, config, hp))
+    b = jax.device_get(sharding.unsharded_episodes(keys, stream, config, hp))
     # 4 hyperparameter settings (one per device), one seed each.
     hps = ej.stack_hparams([ej.default_hparams(learning_rate=lr, lambda_div=ld)
                             for lr, ld in ((1e-3, .3), (3e-3, .1), (1e-2, .5), (3e-4, 0.))])
     keys4 = jax.vmap(jax.random.PRNGKey)(np.zeros(4, np.int32))
-    c = sharding.gather_to_host(sharding.sharded_episodes(keys4, stream, config, hps,
+    c = jax.device_get(sharding.sharded_episodes(keys4, stream, config, hps,
                                                           hparams_batched=True))
-    d = sharding.gather_to_host(sharding.unsharded_episodes(keys4, stream, config, hps,
+    d = jax.device_get(sharding.unsharded_episodes(keys4, stream, config, hps,
                                                             hparams_batched=True))
     def compare(x, y):
       fx, fy = jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(y)

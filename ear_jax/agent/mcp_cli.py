@@ -21,8 +21,7 @@ from typing import Optional, Sequence
 from ear_jax.agent import mcp_http
 from ear_jax.agent import mcp_server
 
-# Tokens per encoder call of a checkpoint encoder: small, for single questions
-# (`python -m experiments.bench --suite=server`).
+# Tokens per encoder call of a checkpoint encoder: small, for single questions.
 BATCH_TOKENS = 512
 
 

@@ -14,6 +14,7 @@ Every remember / forget is durable when it returns; the learner item is saved ev
 lock; no service lock is held across a `Memory` call. Transports: `mcp_stdio`, `mcp_http`.
 """
 import collections
+import contextlib
 import re
 import secrets
 import sys
@@ -108,9 +109,6 @@ class MemoryService:
     except ValueError as e:  # (closed by its last round's or page's cite, dropped, released)
       raise type(e)(f"retrieval_id {shown!r} names a session that has ended ({e}): call recall "
                     "again") from None
-
-  # ----------------------------------------------------------------------------------------------
-  # tools
 
   def remember(self, texts, scope=None, dates=None) -> dict:
     return {"ids": self.memory.add(texts, scope=scope, dates=dates)}
@@ -208,15 +206,10 @@ class MemoryService:
             "guard_evidence": int(st["guard_evidence"]),
             "open_questions": len(self._questions), "learner_saves": self.saves}
 
-  # ----------------------------------------------------------------------------------------------
-  # the learner item
-
   def _close_session(self, sid: int) -> None:
     """Closes session `sid` (a training one is queued, a test-time one released), if open."""
-    try:
+    with contextlib.suppress(ValueError):  # closed already, dropped or evicted
       self.memory.session(resume=sid).close()
-    except ValueError:  # closed already, dropped or evicted
-      pass
 
   def save(self) -> None:
     """Writes the learner item (`Memory.save`) when a tool changed it since the last save."""
@@ -295,19 +288,16 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
   k_arg = Annotated[StrictInt, Field(description=f"How many memories at most (1-{kmax}); fewer "
                                      "when the scope holds fewer.", ge=1, le=kmax)]
 
-  def scope_arg(doc):
-    return Annotated[Optional[short], Field(description=doc)]
-
   @tool(description=(
       "Store new long-term memories (facts, conversation turns, preferences). One memory per "
       "list entry, each a self-contained sentence or short passage (at most "
       f"{MAX_TEXT_CHARS} characters, {MAX_TEXTS} per call). Returns their ids."))
   async def remember(texts: Annotated[list[text], Field(
       description="The memories to store, one string each.", max_length=MAX_TEXTS)],
-                     scope: scope_arg(
+                     scope: Annotated[Optional[short], Field(description=(
                          "Optional scope (e.g. 'user-42' or a project name) that keeps memories "
                          "apart: recall and search with a scope only see memories stored in that "
-                         "scope.") = None,
+                         "scope."))] = None,
                      dates: Annotated[Optional[list[short]], Field(description=(
                          "Optional date of each memory (when it was said or happened, e.g. "
                          "'2023-05-08' or '1:56 pm on 8 May, 2023'); default: now."),
@@ -328,8 +318,9 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
   async def recall(question: Annotated[text, Field(
       description="The question you need to answer, in natural language.")],
                    k: k_arg = 5,
-                   scope: scope_arg("Optional scope to recall from (as given to remember); "
-                                    "default: every scope.") = None,
+                   scope: Annotated[Optional[short], Field(description=(
+                       "Optional scope to recall from (as given to remember); default: every "
+                       "scope."))] = None,
                    learn: Annotated[StrictBool, Field(description=(
                        "true (default): your citations teach the memory; false: test time, "
                        "pages of the current ranking, nothing learnt."))] = True) -> dict:
@@ -355,8 +346,9 @@ def build_server(service: MemoryService, host: str = "127.0.0.1", port: int = 80
       "best ranking. Use `recall` + `cite` when answering a question."))
   async def search(question: Annotated[text, Field(description="The query.")],
                    k: k_arg = 5,
-                   scope: scope_arg("Optional scope to search (as given to remember); default: "
-                                    "every scope.") = None) -> dict:
+                   scope: Annotated[Optional[short], Field(description=(
+                       "Optional scope to search (as given to remember); default: every "
+                       "scope."))] = None) -> dict:
     return await run(service.search, question, k, scope)
 
   @tool(description=(

@@ -96,10 +96,7 @@ class _StdinLines:
   def __init__(self, binary_stdin, stdout: _LockedWriter):
     self._stdin, self._stdout = binary_stdin, stdout
 
-  def __aiter__(self):
-    return self._lines()
-
-  async def _lines(self):
+  async def __aiter__(self):
     import anyio  # pylint: disable=g-import-not-at-top
     while raw := await anyio.to_thread.run_sync(self._stdin.readline):
       line, error = check_stdio_line(raw)

@@ -73,8 +73,7 @@ def multi_answer_f1(prediction: str, gold: str) -> float:
 
 def adversarial_score(prediction: str) -> float:
   """LoCoMo category 5: 1 when the answer says 'no information available' / 'not mentioned'."""
-  low = str(prediction).lower()
-  return 1.0 if any(p in low for p in ADVERSARIAL_PHRASES) else 0.0
+  return 1.0 if any(p in str(prediction).lower() for p in ADVERSARIAL_PHRASES) else 0.0
 
 
 def locomo_category_number(category) -> int:

@@ -39,8 +39,7 @@ def lexical_support(questions: Sequence[str], answers: Sequence[str],
   n, k = np.shape(mask)
   q_words = content_words(questions)
   a_words = content_words(answers)
-  flat = [str(t) for t in np.asarray(candidate_texts, object).reshape(-1)]
-  m_words = content_words(flat)
+  m_words = content_words([str(t) for t in np.asarray(candidate_texts, object).reshape(-1)])
   out = np.zeros((n, k, 2), np.float32)
   for i in range(n):
     new = a_words[i] - q_words[i]

@@ -171,10 +171,7 @@ def from_torch_names(weights: dict[str, np.ndarray]) -> dict:
   """A PyTorch state dict (`embeddings.word_embeddings.weight`, ...) as the Flax parameter tree."""
   tree: dict = {}
   for name, value in weights.items():
-    for prefix in _PREFIXES:
-      if name.startswith(prefix):
-        name = name[len(prefix):]
-        break
+    name = next((name[len(p):] for p in _PREFIXES if name.startswith(p)), name)
     parts = name.split(".")
     if parts[0] not in ("embeddings", "encoder") or parts[-1] not in ("weight", "bias", "gamma",
                                                                       "beta"):

@@ -88,8 +88,7 @@ def encoded_texts(corpus: corpus_lib.Corpus, *, multistore: bool = False
     `texts[offsets[g]:offsets[g + 1]]`).
   """
   queried = {q.group for q in corpus.queries}  # banks without an evaluable query are not encoded
-  used = [np.zeros(len(b), bool) if g not in queried else
-          np.ones(len(b), bool) if multistore else b.stores == corpus_lib.STORE_DIALOGUE
+  used = [_used(b, multistore) if g in queried else np.zeros(len(b), bool)
           for g, b in enumerate(corpus.banks)]
   texts = [q.text for q in corpus.queries]
   offsets = [len(texts)]
@@ -159,9 +158,13 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
   lexical_needed = candidates != "dense" or side_features
   index_bm25, offsets, vocab = (_bm25_index(corpus, by_group, multistore) if lexical_needed
                                 else (None, None, None))
+  cand_ids = np.full((nq, k), "", object)
+  cand_texts = np.full((nq, k), "", object)
+  cand_store = np.zeros((nq, k), np.int8)
+  cand_emb = np.zeros((nq, k, d), np.float32)
   for g, rows in by_group.items():
     bank = corpus.banks[g]
-    used = np.ones(len(bank), bool) if multistore else bank.stores == corpus_lib.STORE_DIALOGUE
+    used = _used(bank, multistore)
     if not lexical_needed:
       idx, sc = _dense(ec.query_embeddings[rows], ec.bank_embeddings[g], bank.stores, used, k,
                        multistore)
@@ -176,41 +179,28 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
         feats[rows] = f
     index[rows] = idx
     scores[rows] = sc
+    # index -1 (padding) picks the blank row appended to each bank
+    cand_ids[rows] = np.asarray([*bank.ids, ""], object)[idx]
+    cand_texts[rows] = np.asarray([*(bank.texts or [""] * len(bank)), ""], object)[idx]
+    cand_store[rows] = np.append(bank.stores, 0)[idx]
+    cand_emb[rows] = np.concatenate([ec.bank_embeddings[g], np.zeros((1, d), np.float32)])[idx]
     for r, n in enumerate(rows):
-      gm = corpus_lib.gold_mask(bank, corpus.queries[n].gold)
-      if not multistore:
-        gm &= bank.stores == corpus_lib.STORE_DIALOGUE
+      gm = corpus_lib.gold_mask(bank, corpus.queries[n].gold) & used
       num_gold_store[n] = [int((gm & (bank.stores == s)).sum()) for s in (0, 1)]
-      valid = idx[r] >= 0
-      gold[n, valid] = gm[idx[r, valid]]
+      gold[n] = np.append(gm, False)[idx[r]]
   mask = index >= 0
   num_gold = num_gold_store.sum(1)
   keep = np.nonzero(num_gold > 0)[0]
-  stats = dict(corpus.stats)
-  stats["queries_without_gold_in_stores_excluded"] = int(nq - len(keep))
-  stats["queries_evaluable"] = int(len(keep))
-  cand_ids = np.full((nq, k), "", object)
-  cand_texts = np.full((nq, k), "", object)
-  cand_store = np.zeros((nq, k), np.int8)
-  cand_emb = np.zeros((nq, k, d), np.float32)
-  for n, q in enumerate(corpus.queries):
-    bank = corpus.banks[q.group]
-    for j in np.nonzero(mask[n])[0]:
-      i = index[n, j]
-      cand_ids[n, j] = bank.ids[i]
-      cand_texts[n, j] = bank.texts[i] if bank.texts else ""
-      cand_store[n, j] = bank.stores[i]
-    cand_emb[n, mask[n]] = ec.bank_embeddings[q.group][index[n, mask[n]]]
   strm = stream_lib.make_stream(ec.query_embeddings[keep], cand_emb[keep], mask[keep], gold[keep],
                                 num_gold[keep], features=None if feats is None else feats[keep])
-  stats["k"] = k
-  stats["candidates"] = candidates
+  stats = {**corpus.stats, "queries_without_gold_in_stores_excluded": int(nq - len(keep)),
+           "queries_evaluable": int(len(keep)), "k": k, "candidates": candidates}
   if candidates == "hybrid":
     stats["first_stage_options"] = dataclasses.asdict(fs_options)
   stats["side_features"] = list(first_stage.FEATURES) if side_features else []
   stats["multistore"] = multistore
-  stats["banks_smaller_than_k"] = int(sum(
-      int((b.stores == 0).sum() if not multistore else len(b)) < k for b in corpus.banks))
+  stats["banks_smaller_than_k"] = int(sum(int(_used(b, multistore).sum()) < k
+                                          for b in corpus.banks))
   bench = Benchmark(
       name=corpus.name, stream=strm,
       query_ids=[corpus.queries[n].id for n in keep],
@@ -227,6 +217,11 @@ def build_benchmark(ec: corpus_lib.EmbeddedCorpus, *, k: int = DEFAULT_K,
                for n in keep])
   bench.stats["retriever"] = retriever_report(bench)
   return bench
+
+
+def _used(bank: corpus_lib.Bank, multistore: bool) -> np.ndarray:
+  """`[M]` bool: the memories that can be candidates (single store: the dialogue turns)."""
+  return np.ones(len(bank), bool) if multistore else bank.stores == corpus_lib.STORE_DIALOGUE
 
 
 def _dense(queries, emb, stores, used, k: int, multistore: bool):
@@ -252,8 +247,7 @@ def _bm25_index(corpus: corpus_lib.Corpus, by_group, multistore: bool):
     if len(bank) and not any(bank.texts or ()):
       raise ValueError("the lexical first stage (bm25 / hybrid / side features) needs the "
                        "memories' texts; this bank has none (e.g. the synthetic benchmark)")
-    keep = np.flatnonzero(np.ones(len(bank), bool) if multistore
-                          else bank.stores == corpus_lib.STORE_DIALOGUE)
+    keep = np.flatnonzero(_used(bank, multistore))
     tokens = lexical.tokenize([bank.texts[i] for i in keep])
     index.add(offsets[g] + keep, np.full(len(keep), g, np.int32),
               *lexical.pack([lexical.term_ids(vocab, t, grow=True) for t in tokens]))
@@ -282,11 +276,8 @@ def retriever_report(bench: Benchmark, s: int = 5) -> dict:
   Recall@s = share of queries with ALL gold memories in the top s; Hitrate@s = ANY. Overall, per
   category and (multi-store) per store.
   """
-  strm = bench.stream
-  gold = np.asarray(strm.gold)
-  num_gold = np.asarray(strm.num_gold)
-  top = gold[:, :s]
-  gold_top, gold_k = top.sum(1), gold.sum(1)
+  gold, num_gold = np.asarray(bench.stream.gold), np.asarray(bench.stream.num_gold)
+  gold_top, gold_k = gold[:, :s].sum(1), gold.sum(1)
   rep = {"overall": _rates(gold_top, num_gold, gold_k, s), "per_category": {}}
   for c in sorted(set(bench.categories.tolist())):
     sel = bench.categories == c
@@ -294,8 +285,7 @@ def retriever_report(bench: Benchmark, s: int = 5) -> dict:
   if bench.stats.get("multistore"):
     rep["per_store"] = {}
     for sid, sname in ((0, "dialogue"), (1, "observation")):
-      in_store = bench.candidate_store == sid
-      gs = (gold & in_store)
+      gs = gold & (bench.candidate_store == sid)
       ng = bench.num_gold_store[:, sid]
       sel = ng > 0  # queries with gold in this store
       rep["per_store"][sname] = _rates(gs[:, :s].sum(1)[sel], ng[sel], gs.sum(1)[sel], s)

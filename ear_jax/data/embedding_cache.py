@@ -80,7 +80,7 @@ class EmbeddingCache:
   """
 
   def __init__(self, root, encoder):
-    ident_hash = encoder.identity_hash
+    self.identity_hash = ident_hash = encoder.identity_hash
     self.dir = _model_dir(pathlib.Path(root).expanduser(), encoder)
     self.meta_path = self.dir / "meta.json"
     if self.meta_path.is_file():
@@ -95,7 +95,6 @@ class EmbeddingCache:
               "dim": encoder.dim}
       blob = json.dumps(meta, indent=1, sort_keys=True).encode()
       _atomic_write_bytes(self.meta_path, lambda f: f.write(blob))
-    self.identity_hash = ident_hash
     self.dim = encoder.dim
     self._where: dict[str, str] = {}  # every key seen -> the shard that holds it
     # shards in memory, least recently used first: name -> {key: embedding}
@@ -149,11 +148,6 @@ class EmbeddingCache:
       _, dropped = self._loaded.popitem(last=False)
       self._resident -= len(dropped)
 
-  def _forget(self, name: str) -> None:
-    dropped = self._loaded.pop(name, None)
-    if dropped is not None:
-      self._resident -= len(dropped)
-
   def _compact(self) -> None:
     """Writes the small shards read as one shard, then removes them."""
     small = {n: k for n, k in self._read.items() if k is not None}
@@ -173,7 +167,7 @@ class EmbeddingCache:
     merged = self._write(keys, embeddings)
     for name in small:
       del self._read[name]
-      self._forget(name)
+      self._resident -= len(self._loaded.pop(name, {}))
       (self.dir / name).unlink(missing_ok=True)
     self._where.update(dict.fromkeys(keys, merged))
     self._read[merged] = keys if len(keys) < SMALL_SHARD else None

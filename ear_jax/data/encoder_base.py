@@ -27,8 +27,7 @@ class Encoder:
 
   @property
   def identity_hash(self) -> str:
-    blob = json.dumps(self.identity, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()
+    return hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()
 
   def encode_new(self, texts: Sequence[str], progress: bool = True, bar=None
                  ) -> tuple[np.ndarray, int]:

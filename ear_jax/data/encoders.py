@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import time
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 
@@ -73,7 +73,6 @@ def check_encoder_spec(spec) -> str | pathlib.Path:
 
 
 def load_encoder(spec=DEFAULT_ENCODER, *, pooling: str | None = None, max_length: int | None = None,
-                 buckets: Sequence[int] = flax_encoder.DEFAULT_BUCKETS,
                  tokens_per_batch: int = flax_encoder.DEFAULT_TOKENS_PER_BATCH) -> Encoder:
   """An `Encoder` from `spec` (module docstring); the keywords apply to checkpoint encoders.
 
@@ -84,8 +83,7 @@ def load_encoder(spec=DEFAULT_ENCODER, *, pooling: str | None = None, max_length
   if isinstance(spec, Encoder):
     return spec
   target = check_encoder_spec(spec)
-  kw = dict(pooling=pooling, max_length=max_length, buckets=buckets,
-            tokens_per_batch=tokens_per_batch)
+  kw = dict(pooling=pooling, max_length=max_length, tokens_per_batch=tokens_per_batch)
   if target == "minilm":
     return flax_encoder.FlaxEncoder(default_model_dir(), name="minilm", **kw)
   if target.suffix in (".npy", ".npz"):
@@ -130,18 +128,14 @@ def encode(encoder: Encoder, texts: Iterable[str], *, cache_dir=None, use_cache:
   t0 = time.perf_counter()
   if todo:
     shard = _SHARD_SIZE if cache is not None else len(todo)
-    bar = encoder_base.progress_bar(len(todo), f"encoding with {encoder.name}", progress)
-    try:
+    with encoder_base.progress_bar(len(todo), f"encoding with {encoder.name}", progress) as bar:
       for s in range(0, len(todo), shard):
         part = todo[s:s + shard]
         emb, trunc = encoder.encode_new([texts[first[k]] for k in part], progress=progress, bar=bar)
         stats.num_truncated += trunc
-        for k, e in zip(part, emb):
-          found[k] = e
+        found.update(zip(part, emb))
         if cache is not None:
           cache.add(part, emb)
-    finally:
-      bar.close()
   stats.seconds += time.perf_counter() - t0
   out = np.zeros((len(texts), encoder.dim), np.float32)
   for i, k in enumerate(keys):

@@ -51,9 +51,8 @@ class FirstStageOptions:
   @classmethod
   def with_defaults(cls, fusion=None, lexical_weight=None) -> "FirstStageOptions":
     """The options with `fusion` / `lexical_weight` where given (None: default)."""
-    over = {k: v for k, v in (("fusion", fusion), ("lexical_weight", lexical_weight))
-            if v is not None}
-    return cls(**over)
+    given = dict(fusion=fusion, lexical_weight=lexical_weight)
+    return cls(**{k: v for k, v in given.items() if v is not None})
 
 
 def top_k_candidates(queries: np.ndarray, bank: np.ndarray, k: int, valid: np.ndarray | None = None,
@@ -80,8 +79,7 @@ def top_k_candidates(queries: np.ndarray, bank: np.ndarray, k: int, valid: np.nd
     sc[s:s + n] = np.asarray(v)[:n]
     idx[s:s + n] = np.asarray(i)[:n]
   mask = np.isfinite(sc)
-  idx = np.where(mask, idx, -1)
-  return idx, sc, mask
+  return np.where(mask, idx, -1), sc, mask
 
 
 def pow2_at_least(n: int, minimum: int = 1) -> int:
@@ -227,8 +225,7 @@ def features(s: BankScores, rows, scores, mask):
 
 def _block(queries, emb, where, stores, lex_rows, lex_scores, k, generator, options, multistore):
   """`rank_bank` for one block of queries."""
-  cap = emb.shape[0]
-  b = queries.shape[0]
+  cap, b = emb.shape[0], queries.shape[0]
   cos = retrieval._chunk_scores(queries, emb)  # [b, C] float32  pylint: disable=protected-access
   lex = jnp.zeros((b, cap), jnp.float32).at[jnp.arange(b)[:, None], lex_rows].set(
       lex_scores, mode="drop")

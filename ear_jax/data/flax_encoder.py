@@ -9,11 +9,11 @@ of compilations); a call of at most `SMALL_CALL` texts pads only to the next pow
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import pathlib
 import threading
-from typing import Sequence
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from ear_jax.data import bert
 from ear_jax.data import encoder_base
 from ear_jax.data import hf_tokenizer
 
-DEFAULT_BUCKETS = (32, 64, 128, 256)
+BUCKETS = (32, 64, 128, 256)  # padded token lengths, plus max_length (those above it dropped)
 DEFAULT_TOKENS_PER_BATCH = 4096
 SMALL_CALL = 64  # texts of a call padded to powers of two (larger calls: to full batches)
 _WEIGHTS = ("flax_model.msgpack", "model.safetensors", "pytorch_model.bin")
@@ -60,7 +60,6 @@ class FlaxEncoder(encoder_base.Encoder):
     name: short name used in cache directory names.
     pooling: `"mean"` (over the attention mask) or `"cls"`; None = from `1_Pooling/config.json`.
     max_length: token limit; None = `sentence_bert_config.json`, else tokenizer/model limit.
-    buckets: padded lengths (values above `max_length` are dropped, `max_length` is added).
     tokens_per_batch: batch size of a bucket of length L is `max(1, tokens_per_batch // L)`.
 
   Raises:
@@ -68,8 +67,7 @@ class FlaxEncoder(encoder_base.Encoder):
   """
 
   def __init__(self, model_dir, *, name: str | None = None, pooling: str | None = None,
-               max_length: int | None = None, buckets: Sequence[int] = DEFAULT_BUCKETS,
-               tokens_per_batch: int = DEFAULT_TOKENS_PER_BATCH):
+               max_length: int | None = None, tokens_per_batch: int = DEFAULT_TOKENS_PER_BATCH):
     model_dir = pathlib.Path(model_dir).expanduser()
     if not (model_dir / "config.json").is_file():
       raise ValueError(
@@ -96,7 +94,7 @@ class FlaxEncoder(encoder_base.Encoder):
       max_length = _default_max_length(model_dir, self._config, self.tokenizer)
     self.max_length = int(max_length)
     self.tokenizer.truncate_at(self.max_length)
-    self.buckets = tuple(sorted({b for b in buckets if b < self.max_length} | {self.max_length}))
+    self.buckets = tuple(sorted({b for b in BUCKETS if b < self.max_length} | {self.max_length}))
     self.tokens_per_batch = int(tokens_per_batch)
     self.dim = int(self._config["hidden_size"])
     self._model = None  # (params, jitted embed), read at the first encode_new
@@ -160,10 +158,8 @@ class FlaxEncoder(encoder_base.Encoder):
     lengths = np.asarray([len(t) for t in ids])
     bucket_of = np.searchsorted(np.array(self.buckets), lengths)
     order = np.argsort(lengths, kind="stable")
-    own_bar = bar is None
-    if own_bar:
-      bar = encoder_base.progress_bar(n, f"encoding with {self.name}", progress)
-    try:
+    with (contextlib.nullcontext(bar) if bar is not None  # (a caller's bar is left open)
+          else encoder_base.progress_bar(n, f"encoding with {self.name}", progress)) as bar:
       for b, length in enumerate(self.buckets):
         rows = order[bucket_of[order] == b]
         bs = self.batch_size(length)
@@ -174,7 +170,4 @@ class FlaxEncoder(encoder_base.Encoder):
           emb = np.asarray(embed(params, input_ids, mask))
           out[chunk] = emb[:len(chunk)]
           bar.update(len(chunk))
-    finally:
-      if own_bar:
-        bar.close()
     return out, int(truncated.sum())

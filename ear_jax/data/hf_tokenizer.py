@@ -24,9 +24,7 @@ def _read_json(path: pathlib.Path) -> dict:
 
 def _token_text(token) -> str | None:
   """A special token as written in tokenizer_config.json: a string or `{"content": ...}`."""
-  if isinstance(token, dict):
-    return token.get("content")
-  return token
+  return token.get("content") if isinstance(token, dict) else token
 
 
 class CheckpointTokenizer:
@@ -87,12 +85,10 @@ class CheckpointTokenizer:
     self.pad_id = int(pad_id or 0)
     limit = cfg.get("model_max_length")
     self.model_max_length = int(limit) if limit and limit < _VERY_LARGE else None
-    self.max_length = None
 
   def truncate_at(self, max_length: int) -> None:
     """Sets the token limit every later `encode` truncates at (special tokens included)."""
-    self.max_length = int(max_length)
-    self._tok.enable_truncation(self.max_length)
+    self._tok.enable_truncation(int(max_length))
 
   def encode(self, texts: Sequence[str]) -> tuple[list[list[int]], np.ndarray]:
     """Token ids of `texts` (special tokens added, truncated) and `[n]` bool: truncated."""

@@ -50,9 +50,8 @@ def pack(token_ids: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
   """`(tokens [T] int32, offsets [n + 1] int64)` of `n` token id arrays, concatenated."""
   lens = np.fromiter((len(t) for t in token_ids), np.int64, len(token_ids))
   offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-  flat = np.concatenate([np.asarray(t, np.int32) for t in token_ids]) if len(token_ids) else (
-      np.zeros(0, np.int32))
-  return flat.astype(np.int32), offsets
+  flat = np.concatenate([np.zeros(0, np.int32)] + [np.asarray(t, np.int32) for t in token_ids])
+  return flat, offsets
 
 
 def term_ids(vocab: dict, tokens: Sequence[str], grow: bool = False) -> np.ndarray:
@@ -157,9 +156,7 @@ class BM25Index:
 
   def delete(self, rows) -> np.ndarray:
     """Removes live documents `rows`; returns the term ids no live document holds now."""
-    rows = np.unique(np.asarray(rows, np.int64))
-    rows = rows[(rows < len(self._live))]
-    rows = rows[self._live[rows]]
+    rows = self._live_rows(np.unique(np.asarray(rows, np.int64)))
     if not len(rows):
       return np.zeros(0, np.int64)
     terms = self.terms_of(rows)
@@ -173,11 +170,13 @@ class BM25Index:
 
   def terms_of(self, rows) -> np.ndarray:
     """The distinct term ids of live documents `rows`, concatenated (with repeats across rows)."""
-    rows = np.asarray(rows, np.int64)
-    rows = rows[(rows < len(self._live))]
-    rows = rows[self._live[rows]]
+    rows = self._live_rows(np.asarray(rows, np.int64))
     parts = [self._row_terms[s:s + c] for s, c in zip(self._row_start[rows], self._row_count[rows])]
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+  def _live_rows(self, rows: np.ndarray) -> np.ndarray:
+    rows = rows[rows < len(self._live)]
+    return rows[self._live[rows]]
 
   def _append(self, key, row, tf) -> None:
     """Appends postings to the tail, merging segments that outgrew their shares."""

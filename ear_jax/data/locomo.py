@@ -25,7 +25,6 @@ FILES = ("locomo10.json",)  # looked up in the data directory
 _EVIDENCE_RE = re.compile(r"^D:?(\d+):0*(\d+)$")
 _SESSION_RE = re.compile(r"^session_(\d+)$")
 _DATE_RE = re.compile(r"^session_(\d+)_date_time$")
-_ANSWER = parsing.Kind((str, int, float), "a string or a number")
 
 
 def normalize_evidence(raw) -> tuple[list[str], list[str]]:
@@ -72,15 +71,6 @@ def _session_dates(conv_dict, where) -> dict[str, str]:
     if m:
       dates[str(int(m.group(1)))] = parsing.check(v, parsing.STRING, where, f"conversation.{k}")
   return dates
-
-
-def _answer(item, where, st) -> str | None:
-  """The gold answer as a string (numbers too); None, counted, when the field is absent."""
-  value = parsing.optional(item, "answer", where, _ANSWER, None)
-  if value is None:
-    st["queries_without_answer"] += 1
-    return None
-  return str(value)
 
 
 def _dialogue_turns(conv_dict, where, st):
@@ -186,7 +176,9 @@ def load_locomo(path, *, limit: int | None = None) -> corpus_lib.Corpus:
       if isinstance(cat, bool) or cat not in CATEGORIES:
         raise ValueError(f"{w}: unknown category {cat!r}")
       question = parsing.require(item, "question", w, parsing.STRING)
-      answer = _answer(item, w, st)
+      answer = parsing.optional(item, "answer", w, parsing.ANSWER, None)
+      if answer is None:
+        st["queries_without_answer"] += 1
       evidence = _evidence_value(parsing.require(item, "evidence", w), w, "evidence")
       st["queries"] += 1
       if not evidence:
@@ -207,16 +199,14 @@ def load_locomo(path, *, limit: int | None = None) -> corpus_lib.Corpus:
       category = CATEGORIES[cat]
       per_cat[category] += 1
       queries.append(corpus_lib.Query(id=f"{sample_id}/q{qi}", text=question, gold=gold,
-                                      category=category, group=g, answer=answer))
+                                      category=category, group=g,
+                                      answer=None if answer is None else str(answer)))
+  counted = ("queries_adversarial_dropped", "queries_empty_evidence_dropped",
+             "queries_without_gold_excluded", "queries_without_answer",
+             "evidence_entries_malformed", "evidence_ids_dropped")
   stats = {"file": sources.shown_path(path), "conversations": len(banks),
-           "sessions": st["sessions"], "turns": st["turns"], "observations": st["observations"],
-           "queries": st["queries"], "queries_evaluable": len(queries),
-           "queries_adversarial_dropped": st["queries_adversarial_dropped"],
-           "queries_empty_evidence_dropped": st["queries_empty_evidence_dropped"],
-           "queries_without_gold_excluded": st["queries_without_gold_excluded"],
-           "queries_without_answer": st["queries_without_answer"],
-           "evidence_entries_malformed": st["evidence_entries_malformed"],
-           "evidence_ids_dropped": st["evidence_ids_dropped"],
+           **{k: st[k] for k in ("sessions", "turns", "observations", "queries")},
+           "queries_evaluable": len(queries), **{k: st[k] for k in counted},
            "evidence_ids_dropped_list": dropped_ids,
            "observation_refs_unresolvable": st["observation_refs_unresolvable"],
            "queries_per_category": dict(sorted(per_cat.items()))}

@@ -16,7 +16,6 @@ from ear_jax.data import corpus as corpus_lib
 from ear_jax.data import parsing
 from ear_jax.data import sources
 
-_ANSWER = parsing.Kind((str, int, float), "a string or a number")
 # Looked up in the data directory in this order; the first that exists is used.
 FILES = (
     "longmemeval_s_cleaned.json", "longmemeval_s_cleaned.json.gz",
@@ -49,7 +48,7 @@ def load_longmemeval(path, *, limit: int | None = None) -> corpus_lib.Corpus:
     hdates = parsing.optional(item, "haystack_dates", where, parsing.LIST, None)
     if hdates is not None and len(hdates) != len(sessions):
       raise ValueError(f"{where}: {len(hdates)} haystack_dates but {len(sessions)} haystack_sessions")
-    answer = parsing.optional(item, "answer", where, _ANSWER, None)
+    answer = parsing.optional(item, "answer", where, parsing.ANSWER, None)
     qdate = parsing.optional(item, "question_date", where, parsing.STRING_OR_NULL, None)
     ids, texts, gold, dates = [], [], [], []
     for s, (sid, sess) in enumerate(zip(sids, sessions)):

@@ -23,24 +23,17 @@ LIST = Kind((list,), "a list")
 NAME = Kind((str, int), "a string or an integer")  # ids, bank and category names
 STRING_OR_LIST = Kind((str, list), "a string or a list of strings")
 STRING_OR_NULL = Kind((str, type(None)), "a string or null")
+ANSWER = Kind((str, int, float), "a string or a number")  # a gold answer
 
 _MISSING = object()
 
 
 def json_type(value: Any) -> str:
   """The JSON name of a parsed value's type (`null`, `boolean`, `number`, ...)."""
-  if value is None:
-    return "null"
-  if isinstance(value, bool):
-    return "boolean"
-  if isinstance(value, (int, float)):
-    return "number"
-  if isinstance(value, str):
-    return "string"
-  if isinstance(value, (list, tuple)):
-    return "list"
-  if isinstance(value, dict):
-    return "JSON object"
+  for types, json_name in ((type(None), "null"), (bool, "boolean"), ((int, float), "number"),
+                           (str, "string"), ((list, tuple), "list"), (dict, "JSON object")):
+    if isinstance(value, types):
+      return json_name
   return type(value).__name__
 
 
@@ -59,9 +52,8 @@ def is_kind(value: Any, kind: Kind) -> bool:
 def check(value: Any, kind: Kind, where: str, key: str) -> Any:
   """`value` (field `key` at `where`) if it has type `kind`, else a ValueError naming all three."""
   if not is_kind(value, kind):
-    found = json_type(value)
     shown = "" if value is None else f" {_short(value)}"
-    raise ValueError(f"{where}: field {key!r} must be {kind.name}, got {found}{shown}")
+    raise ValueError(f"{where}: field {key!r} must be {kind.name}, got {json_type(value)}{shown}")
   return value
 
 

@@ -4,8 +4,8 @@ every suite.
 `run` measures the rows (`ROWS`, and the scan's `roofline` against the measured matmul peak),
 `targets` judges them against `TARGETS` and `table` renders them. Every row times the jitted
 functions users call (training scan and loop, sharded sweeps, adapter-only and explorer-assisted
-retrieval); the NumPy baseline is `reference`. Timings are the minimum over repetitions (the least
-disturbed run on a shared machine).
+retrieval). Timings are the minimum over repetitions (the least disturbed run on a shared
+machine).
 
 Symbols: `n` queries, `M` bank rows, `d` dimension, `K` candidates, `s` slate size.
 """
@@ -34,14 +34,13 @@ from ear_jax.core import stream as stream_lib
 from ear_jax.core.adapter import AdapterParams
 from ear_jax.core.config import EARConfig, HParams, default_hparams
 from ear_jax.core.stream import Stream, make_stream
-from ear_jax.experiment import reference
 from ear_jax.experiment import sharding
 
-ROWS = ("scan", "loop", "numpy", "seeds", "inference", "encode", "memory", "suite")
+ROWS = ("scan", "loop", "seeds", "inference", "encode", "memory", "suite")
 PAPER_TABLE8 = {"adapter_only_s_per_query": 2.30, "explorer_s_per_query": 16.88,
                 "note": "paper Table 8, per query, including its LLM calls"}
 TARGETS = {  # name -> (direction, threshold)
-    "scan_over_loop": (">=", 5.0), "scan_over_numpy": (">=", 10.0),
+    "scan_over_loop": (">=", 5.0),
     "scan_fraction_of_peak": (">=", 0.30), "seeds_speedup": (">=", 4.0),
     "adapter_b1_ms": ("<=", 1.0), "adapter_b256_qps": (">=", 10000.0), "suite_s": ("<=", 60.0),
     "memory_search_over_bound": ("<=", 1.0)}
@@ -89,9 +88,7 @@ def ear_flops_per_query(config: EARConfig) -> dict:
   return out
 
 
-def block(x):
-  """Waits for every array of `x`."""
-  return jax.block_until_ready(x)
+block = jax.block_until_ready  # waits for every array of its argument
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -153,6 +150,8 @@ def machine() -> dict:
 _run_episode = jax.jit(episode.run_episode, static_argnames=("config",))
 _train_batch = jax.jit(learner.train_batch, static_argnames=("config",))
 _retrieve = jax.jit(retrieval.retrieve, static_argnames=("k", "slate_size"))
+_explorer_retrieve = jax.jit(retrieval.explorer_retrieve,
+                             static_argnames=("k", "num_rounds", "slate_size"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -201,9 +200,7 @@ def run_loop(stream: Stream, config: EARConfig, hparams: HParams, reps: int) -> 
     last["params"] = state.params
     return state
 
-  t = time.perf_counter()
-  block(_train_batch(init(), *batches[0], config, hparams))
-  compile_s = time.perf_counter() - t
+  compile_s = timed(lambda: _train_batch(init(), *batches[0], config, hparams))
   seconds = min_time(lambda: loop(_train_batch, init), reps)
   scan_params = _run_episode(jax.random.PRNGKey(0), stream, config, hparams)[0].params
   diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
@@ -216,26 +213,11 @@ def run_loop(stream: Stream, config: EARConfig, hparams: HParams, reps: int) -> 
           "max_abs_param_diff_vs_scan": diff}
 
 
-def run_numpy(stream: Stream, config: EARConfig, hparams: HParams, num_queries: int) -> dict:
-  """`reference.numpy_train_stream` on the first `num_queries` (whole batches) of the stream."""
-  n = min(num_queries, stream.queries.shape[0])
-  n = max(n - n % config.batch_size, config.batch_size)
-  sub = {f: np.asarray(getattr(stream, f))[:n] for f in ("queries", "candidates", "mask", "gold")}
-  hp = reference.hp_dict(hparams)
-  t = time.perf_counter()
-  reference.numpy_train_stream(reference.init_numpy_state(config), sub, config, hp,
-                               np.random.default_rng(0))
-  seconds = time.perf_counter() - t
-  return {"queries_per_s": n / seconds, "seconds": seconds, "num_queries": n}
-
-
 def run_seeds(stream: Stream, config: EARConfig, hparams: HParams, num_seeds: int,
               reps: int) -> dict:
   """`sharding.sharded_episodes` over `num_seeds` seeds vs as many jitted `run_episode` calls."""
   keys = np.asarray(jax.vmap(jax.random.PRNGKey)(jnp.arange(num_seeds)))
-  t = time.perf_counter()
-  block(sharding.sharded_episodes(keys, stream, config, hparams))
-  compile_s = time.perf_counter() - t
+  compile_s = timed(lambda: sharding.sharded_episodes(keys, stream, config, hparams))
   vmapped = min_time(lambda: sharding.sharded_episodes(keys, stream, config, hparams), reps)
   block(_run_episode(jnp.asarray(keys[0]), stream, config, hparams))
   seq = min_time(lambda: [_run_episode(jnp.asarray(k), stream, config, hparams)[0].params
@@ -245,15 +227,6 @@ def run_seeds(stream: Stream, config: EARConfig, hparams: HParams, num_seeds: in
 
 
 # ------------------------------------------------------------------------------------------------
-def explorer_retrieve(key, params, queries, bank, valid, gold, config, hparams, critic):
-  """`retrieval.explorer_retrieve` with the shapes taken from `config`."""
-  return retrieval.explorer_retrieve(key, params, queries, bank, valid, gold,
-                                     config.num_candidates, config.num_rounds, config.slate_size,
-                                     hparams, critic)
-
-_explorer_retrieve = jax.jit(explorer_retrieve, static_argnames=("config",))
-
-
 def run_inference(dim: int, bank_sizes: Sequence[int], batches: Sequence[int], reps: int,
                   calls_b1: int) -> dict:
   """Adapter-only and explorer-assisted retrieval from random unit banks, top-K search included.
@@ -276,7 +249,8 @@ def run_inference(dim: int, bank_sizes: Sequence[int], batches: Sequence[int], r
       key = jax.random.PRNGKey(b)
       fa = lambda: _retrieve(params, q, bank, valid, k=config.num_candidates,
                               slate_size=config.slate_size)
-      fe = lambda: _explorer_retrieve(key, params, q, bank, valid, gold, config, hparams, critic)
+      fe = lambda: _explorer_retrieve(key, params, q, bank, valid, gold, config.num_candidates,
+                                      config.num_rounds, config.slate_size, hparams, critic)
       for name, fn in (("adapter", fa), ("explorer", fe)):
         block(fn())
         sec = (float(np.median([timed(fn) for _ in range(calls_b1)])) if b == 1
@@ -372,13 +346,13 @@ def run_suite(repo: pathlib.Path, data_dir: Optional[str], timeout: int) -> dict
 
 # ------------------------------------------------------------------------------------------------
 def run(repo: pathlib.Path, data_dir: Optional[str], *, num_queries: int, dims: Sequence[int],
-        reps: int, numpy_queries: int, num_seeds: int, inference_dim: int, inference_calls: int,
+        reps: int, num_seeds: int, inference_dim: int, inference_calls: int,
         peak_sizes: Sequence[int], peak_reps: int, suite_timeout: int,
         skip: Collection[str] = ()) -> dict:
   """The rows of `ROWS` not in `skip`, their `roofline` and `targets`.
 
-  The training rows run on `bench_stream(num_queries, d)` for each `d` of `dims` (`loop`, `numpy`
-  and `seeds` at `dims[0]`); `encode` and `memory` read LoCoMo turns from `data_dir`, `suite` runs
+  The training rows run on `bench_stream(num_queries, d)` for each `d` of `dims` (`loop` and
+  `seeds` at `dims[0]`); `encode` and `memory` read LoCoMo turns from `data_dir`, `suite` runs
   `experiments.run` from `repo`. The matmul peak is the best of one measure before the scan and
   one after.
   """
@@ -400,9 +374,6 @@ def run(repo: pathlib.Path, data_dir: Optional[str], *, num_queries: int, dims: 
   if "loop" not in skip:
     res["loop"] = run_loop(streams[d0], configs[d0], hparams, reps)
     print(f"loop d={d0}: {res['loop']['queries_per_s']:.1f} q/s", flush=True)
-  if "numpy" not in skip:
-    res["numpy"] = run_numpy(streams[d0], configs[d0], hparams, numpy_queries)
-    print(f"numpy d={d0}: {res['numpy']['queries_per_s']:.1f} q/s", flush=True)
   if "seeds" not in skip:
     res["seeds"] = run_seeds(streams[d0], configs[d0], hparams, num_seeds, 1)
     print(f"seeds: speed-up {res['seeds']['speedup']:.2f}x", flush=True)
@@ -436,7 +407,6 @@ def targets(res: dict) -> dict:
   warm = res.get("memory", {}).get("warm", {})
   values = {
       "scan_over_loop": ratio(scan, get("loop", "queries_per_s")),
-      "scan_over_numpy": ratio(scan, get("numpy", "queries_per_s")),
       "scan_fraction_of_peak": get("roofline", "fraction_of_peak"),
       "seeds_speedup": get("seeds", "speedup"),
       "adapter_b1_ms": max((r["adapter_b1"]["ms_per_query"] for r in inference), default=None),
@@ -464,13 +434,10 @@ def table(res: dict) -> str:
   for d, r in res.get("scan", {}).items():
     lines.append(f"| scan d={d} | {r['queries_per_s']:.1f} q/s ({r['seconds']:.2f} s) | compile "
                  f"{r['compile_s']:.1f} s; {r['gflops']:.1f} GFLOP/s |")
-  for name in ("loop", "numpy"):
-    if name in res:
-      r = res[name]
-      note = (f"state donated: {r['donated_queries_per_s']:.1f} q/s" if name == "loop" else
-              f"first {r['num_queries']} queries")
-      lines.append(f"| {name} d={d0} | {r['queries_per_s']:.1f} q/s ({r['seconds']:.2f} s) | "
-                   f"{note} |")
+  if "loop" in res:
+    r = res["loop"]
+    lines.append(f"| loop d={d0} | {r['queries_per_s']:.1f} q/s ({r['seconds']:.2f} s) | state "
+                 f"donated: {r['donated_queries_per_s']:.1f} q/s |")
   if "seeds" in res:
     r = res["seeds"]
     lines.append(f"| seeds | vmap {r['vmap_s']:.2f} s vs sequential {r['sequential_s']:.2f} s | "

@@ -1,5 +1,5 @@
-"""Measuring a critic against gold evidence: its citation precision / recall on the slates a
-training policy shows (the quantities of the simulated critic, Appendix A.2).
+"""Measuring the answer-grounded critic against gold evidence: its citation precision / recall on
+the slates a training policy shows (the quantities of the simulated critic, Appendix A.2).
 
 Symbols: `s` slate size, `T` Explorer rounds, `K` candidates.
 
@@ -11,8 +11,9 @@ baselines, the parse rate, citations on gold-free slates and the citation rate p
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 import functools
+import itertools
 from typing import Any, NamedTuple
 
 import jax
@@ -101,11 +102,10 @@ def citation_metrics(slates: Sequence[SlateRecord],
   """
   if len(slates) != len(cited):
     raise ValueError(f"{len(slates)} slates but {len(cited)} citation lists")
-  tp = n_cited = n_gold = n_shown = n_gold_slates = first_tp = 0
-  free_cited, free_any, free_n = 0, 0, 0
+  tp = n_cited = n_gold = n_shown = n_gold_slates = first_tp = usable = 0
+  free_cited = free_any = free_n = 0
   s_max = max((len(r.texts) for r in slates), default=0)
   pos_cited, pos_shown = np.zeros(s_max), np.zeros(s_max)
-  usable = 0
   for r, c in zip(slates, cited):
     if c is None:
       continue
@@ -187,21 +187,6 @@ def jitted_citations(critic, stream, slates: Sequence[SlateRecord], key: jax.Arr
   return out if stacked else out[0]
 
 
-def critique_slates(critic, slates: Sequence[SlateRecord],
-                    progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
-  """Asks a host critic (`LLMCritic`) about each slate: per slate `{cited, status, cached,
-  constrained, raw_text}` (`cited` None for an unusable reply). Never raises on a bad reply."""
-  out = []
-  for i, r in enumerate(slates):
-    result = critic.critique(r.question, list(r.texts))
-    out.append({"cited": None if result.cited is None else list(result.cited),
-                "status": result.status, "cached": result.cached,
-                "constrained": result.constrained, "raw_text": result.raw_text[:500]})
-    if progress is not None:
-      progress(i + 1, len(slates))
-  return out
-
-
 # --- the answer-grounded critic ---
 # Threshold grid (inf switches a branch off, -inf always cites the best-supported memory) and the
 # rule: the highest recall with protocol precision >= `MIN_PRECISION`; ties -> higher precision.
@@ -213,12 +198,9 @@ MIN_PRECISION = 0.8
 CHOICE_PRECISION = ("protocol", "precision")  # (metrics part, key) the floor applies to
 
 
-def answer_grid(grid=None) -> list[dict]:
-  """Every combination of `grid` (default `ANSWER_GRID`) as `make_answer_critic` keywords."""
-  import itertools  # pylint: disable=g-import-not-at-top
-  grid = grid or ANSWER_GRID
-  names = list(grid)
-  return [dict(zip(names, values)) for values in itertools.product(*(grid[k] for k in names))]
+def answer_grid() -> list[dict]:
+  """Every combination of `ANSWER_GRID` as `make_answer_critic` keywords."""
+  return [dict(zip(ANSWER_GRID, values)) for values in itertools.product(*ANSWER_GRID.values())]
 
 
 class SeedSlates(NamedTuple):
@@ -242,24 +224,20 @@ def critic_metrics(critic, seed_slates: Sequence[SeedSlates], slate_size: int,
                    stacked: bool = False) -> list[dict]:
   """Per critic, `{"protocol": ..., "all_slates": ...}` `citation_metrics`, pooled over seeds."""
   critic = critic if stacked else critic_lib.stack_critics([critic])
-  per = []  # per seed: (protocol slates, [H] their citations, every slate, [H] its citations)
+  shown, every, cited, every_cited = [], [], [], []  # the last two: per seed, [H] citation lists
   for ss in seed_slates:
     key = jax.random.PRNGKey(10_000 + ss.seed)
     cite = lambda slates, k, ss=ss: jitted_citations(critic, ss.part.stream, slates, k,
                                                      slate_size, stacked=True)
     sel = ss.gold + ss.free
-    per.append((sel, cite(sel, key), ss.records, cite(ss.records, jax.random.fold_in(key, 1))))
-  out = []
-  for i in range(len(per[0][1])):  # each critic setting
-    shown, cited, every, every_cited = [], [], [], []
-    for sel, c_sel, recs, c_all in per:
-      shown += sel
-      cited += c_sel[i]
-      every += recs
-      every_cited += c_all[i]
-    out.append({"protocol": citation_metrics(shown, cited),
-                "all_slates": citation_metrics(every, every_cited)})
-  return out
+    shown += sel
+    every += ss.records
+    cited.append(cite(sel, key))
+    every_cited.append(cite(ss.records, jax.random.fold_in(key, 1)))
+  pool = lambda per_seed, i: [c for seed in per_seed for c in seed[i]]  # critic i, every seed
+  return [{"protocol": citation_metrics(shown, pool(cited, i)),
+           "all_slates": citation_metrics(every, pool(every_cited, i))}
+          for i in range(len(cited[0]))]
 
 
 def choose_answer_thresholds(settings: Sequence[dict], metrics: Sequence[dict],

@@ -12,6 +12,7 @@ Each call is timed without the critic, beside the scan's cost per question plus 
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Callable, Optional, Sequence
@@ -83,9 +84,7 @@ class LiveData:
 
 def _memory_ids(bank: corpus_lib.Bank, g: int, rows: np.ndarray) -> list:
   """Memory ids `"<g>:<id>"` of a bank's rows (`"<g>:<id>#<row>"` where the bank repeats an id)."""
-  counts = {}
-  for r in rows:
-    counts[bank.ids[r]] = counts.get(bank.ids[r], 0) + 1
+  counts = collections.Counter(bank.ids[r] for r in rows)
   return [f"{g}:{bank.ids[r]}" + (f"#{r}" if counts[bank.ids[r]] > 1 else "") for r in rows]
 
 
@@ -209,8 +208,8 @@ class SeedResult:
   """One seed streamed through `Memory`.
 
   Attributes:
-    all_gold, any_gold: mode -> `[M]` bool, every / some gold memory in the slate (Recall@s /
-      Hitrate@s); `recall`, `hitrate`: their means (fractions).
+    recall, hitrate: mode -> the fraction of test questions with every / some gold memory in the
+      slate (Recall@s / Hitrate@s).
     slates: mode -> `[M]` tuples of the returned memory ids.
     seconds: per step of `STEPS` (critic excluded), 'critic' and 'add'.
     per_question_ms: step -> `[N]` or `[M]` ms (critic excluded).
@@ -219,15 +218,12 @@ class SeedResult:
     bank_bytes: the bytes one exact search reads (the bank's `[C, d]` embeddings).
   """
   seed: int
-  all_gold: dict
-  any_gold: dict
   recall: dict
   hitrate: dict
   slates: dict
   seconds: dict
   per_question_ms: dict
   outside_candidates: int
-  learner_steps: int
   pending: int = 0
   bank_bytes: int = 0
 
@@ -242,8 +238,7 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
   order; `progress` takes a line every 500 questions.
   """
   critic = critic or critic_lib.make_simulated_critic()
-  config = method.config
-  s = config.slate_size
+  config, s = method.config, method.config.slate_size
   train_index, test_index = np.asarray(train_index), np.asarray(test_index)
   t0 = time.perf_counter()
   mem = build_memory(data, method, seed)
@@ -252,15 +247,12 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
                                             config.num_rounds, config.eval_rounds)
   host = StreamCritic(critic, s)
   queries = np.asarray(data.bench.stream.queries)
-  outside, cand_sets = 0, {}
-  ms = {step: [] for step in STEPS}
+  outside, ms = 0, {step: [] for step in STEPS}
 
   def check(i, ids):  # the shown memories are among the runner's candidates of question i
     nonlocal outside
-    if i not in cand_sets:
-      g = int(data.bench.group[i])
-      cand_sets[i] = frozenset((g, c) for c in data.candidate_bank_ids(i))
-    outside += sum(1 for x in ids if data.source(x) not in cand_sets[i])
+    cands = {(int(data.bench.group[i]), c) for c in data.candidate_bank_ids(i)}
+    outside += sum(1 for x in ids if data.source(x) not in cands)
 
   def timed(step, i, call, *args, **kwargs):  # `call` on question i, timed without the critic
     c0, t = host.seconds, time.perf_counter()
@@ -288,21 +280,19 @@ def run_seed(data: LiveData, method: Method, seed: int, train_index: Sequence[in
     raise RuntimeError("the test questions trained the adapter")
   ng = np.asarray(data.bench.stream.num_gold)[test_index]
   has = ng > 0
-  all_gold, any_gold, recall, hitrate = {}, {}, {}, {}
+  recall, hitrate = {}, {}
   for mode in MODES:
     for i, ids in zip(test_index, slates[mode]):
       check(i, ids)
     hits = np.asarray([sum(x in data.gold_ids[i] for x in ids)
                        for i, ids in zip(test_index, slates[mode])])
-    all_gold[mode], any_gold[mode] = has & (hits >= ng), hits > 0
-    recall[mode] = float(all_gold[mode][has].mean()) if has.any() else 0.0
-    hitrate[mode] = float(any_gold[mode][has].mean()) if has.any() else 0.0
+    recall[mode] = float((hits >= ng)[has].mean()) if has.any() else 0.0
+    hitrate[mode] = float((hits > 0)[has].mean()) if has.any() else 0.0
   seconds = {k: float(np.sum(v)) / 1e3 for k, v in ms.items()}
   seconds.update(critic=host.seconds, add=add_seconds)
-  return SeedResult(seed=int(seed), all_gold=all_gold, any_gold=any_gold, recall=recall,
-                    hitrate=hitrate, slates=slates, seconds=seconds,
-                    per_question_ms={k: np.asarray(v) for k, v in ms.items()},
-                    outside_candidates=int(outside), learner_steps=steps, pending=pending,
+  return SeedResult(seed=int(seed), recall=recall, hitrate=hitrate, slates=slates,
+                    seconds=seconds, per_question_ms={k: np.asarray(v) for k, v in ms.items()},
+                    outside_candidates=int(outside), pending=pending,
                     bank_bytes=int(mem.stats["capacity"] * method.config.dim * 4))
 
 

@@ -9,7 +9,6 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from ear_jax.experiment import sharding
 from ear_jax.experiment import stats
 
 
@@ -37,9 +36,7 @@ def learning_curves(path, curves: Mapping[str, list], *, metric: str = "recall_a
     if not curve:
       continue
     xs = np.array([np.mean(p[x]) for p in curve])
-    ys = [stats.mean_interval(_floats(p[metric])) for p in curve]  # (mean, lo, hi, n) per point
-    mean = np.array([y[0] for y in ys])
-    lo, hi = np.array([y[1] for y in ys]), np.array([y[2] for y in ys])
+    mean, lo, hi, _ = np.array([stats.mean_interval(p[metric]) for p in curve], np.float64).T
     line, = ax.plot(xs, mean, label=label, marker="o", ms=2.5, lw=1.4)
     if np.isfinite(lo).any():
       ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
@@ -68,8 +65,7 @@ def grouped_bars(path, groups: Sequence[str], series: Mapping[str, Mapping[str, 
   xs = np.arange(len(groups))
   any_interval = False
   for i, (label, vals) in enumerate(series.items()):
-    arrs = [_floats(vals.get(g, [])) for g in groups]
-    ivs = [stats.mean_interval(a) for a in arrs]  # (mean, lo, hi, n)
+    ivs = [stats.mean_interval(vals.get(g, [])) for g in groups]  # (mean, lo, hi, n)
     any_interval |= any(np.isfinite(lo) for _, lo, _, _ in ivs)
     means = np.array([m for m, _, _, _ in ivs])
     yerr = np.array([[m - lo, hi - m] if np.isfinite(lo) else [0.0, 0.0]
@@ -80,8 +76,7 @@ def grouped_bars(path, groups: Sequence[str], series: Mapping[str, Mapping[str, 
       pv = [paper[label].get(g, np.nan) for g in groups]
       ax.scatter(pos, pv, marker="_", s=200, color="k", zorder=3,
                  label="paper" if i == 0 else None)
-  ax.set_xticks(xs)
-  ax.set_xticklabels(groups, fontsize=8, rotation=15)
+  ax.set_xticks(xs, groups, fontsize=8, rotation=15)
   ax.set_ylabel(ylabel)
   ax.grid(alpha=0.3, axis="y")
   ax.legend(fontsize=8, title=f"error bars: {interval}" if any_interval else
@@ -97,9 +92,7 @@ def paired_differences(path, diffs: Mapping[str, Mapping[str, Mapping]], *, titl
   """
   plt = _plt()
   labels = list(diffs)
-  metrics = []
-  for per in diffs.values():
-    metrics += [m for m in per if m not in metrics]
+  metrics = list(dict.fromkeys(m for per in diffs.values() for m in per))  # in first-seen order
   fig, ax = plt.subplots(figsize=(max(6.4, 1.1 * len(labels) + 2), 4.2))
   xs = np.arange(len(labels))
   width = 0.6 / max(1, len(metrics))
@@ -126,8 +119,7 @@ def paired_differences(path, diffs: Mapping[str, Mapping[str, Mapping]], *, titl
       ax.scatter(pos[open_], mean[open_], facecolors="white", edgecolors=f"C{j}", zorder=3, s=30,
                  label=None if filled else metric)
   ax.axhline(0.0, color="k", lw=1.0)
-  ax.set_xticks(xs)
-  ax.set_xticklabels([textwrap.fill(lab, 22) for lab in labels], fontsize=8)
+  ax.set_xticks(xs, [textwrap.fill(lab, 22) for lab in labels], fontsize=8)
   ax.set_ylabel(f"{ylabel}\nvs {baseline}")
   ax.grid(alpha=0.3, axis="y")
   ax.legend(fontsize=8, title=f"mean ± {stats.INTERVAL_LABEL}\n(open marker: tie)",
@@ -145,10 +137,8 @@ def heatmap(path, rows: Sequence[float], cols: Sequence[float], values: np.ndarr
   plt = _plt()
   fig, ax = plt.subplots(figsize=(5.2, 4.2))
   im = ax.imshow(values, cmap="viridis", origin="lower")
-  ax.set_xticks(range(len(cols)))
-  ax.set_xticklabels([f"{c:g}" for c in cols])
-  ax.set_yticks(range(len(rows)))
-  ax.set_yticklabels([f"{r:g}" for r in rows])
+  ax.set_xticks(range(len(cols)), [f"{c:g}" for c in cols])
+  ax.set_yticks(range(len(rows)), [f"{r:g}" for r in rows])
   ax.set_xlabel(col_label)
   ax.set_ylabel(row_label)
   for i in range(len(rows)):
@@ -156,7 +146,7 @@ def heatmap(path, rows: Sequence[float], cols: Sequence[float], values: np.ndarr
       text = f"{values[i, j]:.1f}"
       if marks is not None and marks[i][j]:
         text += f"\n{marks[i][j]}"
-      bright = im.norm(values[i, j]) > 0.6 if np.isfinite(values[i, j]) else False
+      bright = np.isfinite(values[i, j]) and im.norm(values[i, j]) > 0.6
       ax.text(j, i, text, ha="center", va="center", color="k" if bright else "w", fontsize=8)
   fig.colorbar(im, ax=ax)
   if marks_note:
@@ -191,8 +181,7 @@ def _floats(values) -> np.ndarray:
 def _save(fig, ax, path, title):
   ax.set_title(title, fontsize=10)
   fig.tight_layout()
-  if sharding.is_primary():  # multi-process runs: process 0 alone writes files
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
   _plt().close(fig)

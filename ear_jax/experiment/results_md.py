@@ -72,8 +72,6 @@ def section(workdir: pathlib.Path, out_root: pathlib.Path, title: str | None = N
       lines += [readings, ""]
   for p in res["plots"]:
     src = pathlib.Path(p)
-    if not src.is_absolute():
-      src = pathlib.Path.cwd() / src
     if src.is_file():
       shutil.copy(src, dest / src.name)
       lines.append(f"![{src.stem}]({dest.relative_to(out_root.parent)}/{src.name})")

@@ -31,7 +31,6 @@ from ear_jax.core import learner
 from ear_jax.core.config import EARConfig, HParams, METHODS, Method, default_hparams
 from ear_jax.core import critic as critic_lib
 from ear_jax.core.stream import Stream
-from ear_jax.experiment import sharding
 
 
 # Test-time mode of each method when a single number is quoted (Tables 2-3).
@@ -64,8 +63,7 @@ def seed_splits(num_queries: int, seeds: Sequence[int], train_fraction: float = 
   if not seeds:
     raise ValueError("need at least one seed")
   parts = [datasets.split_indices(num_queries, int(s), train_fraction) for s in seeds]
-  train = np.stack([p[0] for p in parts])
-  test = np.stack([p[1] for p in parts])
+  train, test = (np.stack(p) for p in zip(*parts))
   if train.shape[1] == 0 or test.shape[1] == 0:
     raise ValueError(f"{num_queries} queries give an empty training or test set")
   return train, test
@@ -100,7 +98,7 @@ def validation_split(train_index: np.ndarray, validation_fraction: float = 0.2):
 def stack_streams(stream: Stream, index: np.ndarray) -> Stream:
   """`[S, n, ...]` stream: row `i` is `stream.take(index[i])`."""
   index = np.asarray(index)
-  return jax.tree_util.tree_map(lambda x: np.stack([np.asarray(x)[i] for i in index]), stream)
+  return jax.tree_util.tree_map(lambda x: np.asarray(x)[index], stream)
 
 
 def per_seed_keys(seeds: Sequence[int]) -> jax.Array:
@@ -202,12 +200,9 @@ def _record_log(records) -> dict:
 
 
 def _curve_point(position, queries_seen, critic_calls, ev: dict) -> dict:
-  point = {"position": int(position),
-           "queries_seen": np.asarray(queries_seen).tolist(),
-           "critic_calls": np.asarray(critic_calls).tolist()}
-  for m in METRIC_NAMES:
-    point[m] = (100.0 * np.asarray(ev[m], np.float64)).tolist()
-  return point
+  return {"position": int(position), "queries_seen": np.asarray(queries_seen).tolist(),
+          "critic_calls": np.asarray(critic_calls).tolist(),
+          **{m: (100.0 * np.asarray(ev[m], np.float64)).tolist() for m in METRIC_NAMES}}
 
 
 def _concat_logs(logs: list) -> dict:
@@ -221,8 +216,7 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
                        checkpoint_every: Optional[int] = None,
                        checkpointer=None, resume: bool = False,
                        stop_after_chunks: Optional[int] = None,
-                       critic=None, progress: bool = False,
-                       seed_axis: Optional[sharding.SeedAxis] = None) -> RunResult:
+                       critic=None, progress: bool = False) -> RunResult:
   """Trains one method on every seed at once (vmap) and evaluates it on each seed's test set.
 
   Args:
@@ -240,8 +234,6 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
       from its latest checkpoint; `stop_after_chunks` raises `Interrupted` after that many
       segments (after their checkpoint).
     critic: a critic pytree shared by the seeds (default: the paper's simulated critic).
-    seed_axis: split the seeds over every process's devices (`sharding.SeedAxis`; default when
-      several processes run); no checkpointer then (ValueError).
   """
   t0 = time.perf_counter()
   critic = critic_lib.or_default(critic)
@@ -253,12 +245,6 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
   episode_key, eval_key = _split_seed_keys(per_seed_keys(seeds))
   init_keys, query_keys = _episode_keys(episode_key, n)
   states = _init_states(init_keys, config)
-  if seed_axis is None and jax.process_count() > 1:
-    seed_axis = sharding.SeedAxis(len(seeds))
-  if seed_axis is not None and checkpointer is not None:
-    raise ValueError(f"{name}: checkpoints of a run split over devices / processes are not "
-                     "offered; pass checkpointer=None")
-  place = _Placement(seed_axis, config, critic)
   seg = segment_length(n, config.batch_size, checkpoint_every, eval_every)
   seg = -(-seg // config.batch_size) * config.batch_size
   ecfg = _eval_config(config)
@@ -272,48 +258,47 @@ def train_and_evaluate(name: str, stream: Stream, train_index: np.ndarray,
       logs = [{k: np.asarray(v) for k, v in extra.get("train_log", {}).items()}] if position else []
       resumed_from = position
       logging.info("%s: resumed from position %d/%d", name, position, n)
-  states = place.states(states)
+
+  def evaluate(keys, states):
+    params = served_params(states, config) if config.guard else states.params
+    return _evaluate_seeds(keys, params, test, hparams, ecfg, critic)
 
   def curve_point():  # the test set at `position`, with its own evaluation keys
-    ev = place.evaluate(jax.vmap(jax.random.fold_in, (0, None))(eval_key, position), states,
-                        test, hparams, ecfg)
-    seen, calls, ev = place.host((states.queries_seen, states.critic_calls, ev))
+    ev = evaluate(jax.vmap(jax.random.fold_in, (0, None))(eval_key, position), states)
+    seen, calls, ev = jax.device_get((states.queries_seen, states.critic_calls, ev))
     curve.append(_curve_point(position, seen, calls, ev._asdict()))
 
   if config.trains:
     if eval_every and position == 0:
       curve_point()
     from tqdm import auto as tqdm  # pylint: disable=g-import-not-at-top
-    bar = tqdm.tqdm(total=n, initial=position, desc=f"{name} (x{len(seeds)} seeds)", unit="q",
-                    leave=False, mininterval=2.0, disable=not progress)
-    chunks = 0
-    while position < n:
-      start, end = position, min(position + seg, n)
-      # Every segment has length `seg` (the last padded with masked queries): one compilation.
-      pad = np.minimum(np.arange(start, start + seg), n - 1)
-      where = np.arange(start, start + seg) < n
-      states, records = place.train(states, query_keys[:, pad],
-                                    jax.tree_util.tree_map(lambda x: x[:, pad], train),
-                                    where, hparams)
-      logs.append(_record_log(jax.tree_util.tree_map(lambda r: r[:, :end - start],
-                                                     place.host(records))))
-      position = end
-      bar.update(end - start)
-      if eval_every and (position % eval_every == 0 or position == n):
-        curve_point()
-      chunks += 1
-      if checkpointer is not None and (position == n or (
-          checkpoint_every and position % checkpoint_every == 0)):
-        checkpointer.save(position, states, {"curve": curve, "train_log": {
-            k: v.tolist() for k, v in _concat_logs(logs).items()}})
-      if stop_after_chunks is not None and chunks >= stop_after_chunks and position < n:
-        bar.close()
-        raise Interrupted(position)
-    bar.close()
+    with tqdm.tqdm(total=n, initial=position, desc=f"{name} (x{len(seeds)} seeds)", unit="q",
+                   leave=False, mininterval=2.0, disable=not progress) as bar:
+      chunks = 0
+      while position < n:
+        start, end = position, min(position + seg, n)
+        # Every segment has length `seg` (the last padded with masked queries): one compilation.
+        pad = np.minimum(np.arange(start, start + seg), n - 1)
+        where = np.arange(start, start + seg) < n
+        states, records = _train_segment(states, query_keys[:, pad],
+                                         jax.tree_util.tree_map(lambda x: x[:, pad], train),
+                                         jnp.asarray(where), hparams, config, critic)
+        logs.append(_record_log(jax.tree_util.tree_map(lambda r: r[:, :end - start],
+                                                       jax.device_get(records))))
+        position = end
+        bar.update(end - start)
+        if eval_every and (position % eval_every == 0 or position == n):
+          curve_point()
+        chunks += 1
+        if checkpointer is not None and (position == n or (
+            checkpoint_every and position % checkpoint_every == 0)):
+          checkpointer.save(position, states, {"curve": curve, "train_log": {
+              k: v.tolist() for k, v in _concat_logs(logs).items()}})
+        if stop_after_chunks is not None and chunks >= stop_after_chunks and position < n:
+          raise Interrupted(position)
   elif checkpointer is not None and checkpointer.latest_position() is None:
     checkpointer.save(0, states, {"curve": [], "train_log": {}})
-  ev = place.evaluate(eval_key, states, test, hparams, ecfg)
-  ev, final_state = place.host((ev, states))
+  ev, final_state = jax.device_get((evaluate(eval_key, states), states))
   ev = {k: np.asarray(v) for k, v in ev._asdict().items()}
   if eval_every and not config.trains:
     curve = [_curve_point(0, final_state.queries_seen, final_state.critic_calls, ev)]
@@ -332,44 +317,6 @@ def evaluate_params(params, stream: Stream, test_index: np.ndarray, config: EARC
   ev = _evaluate_seeds(eval_key, params, stack_streams(stream, test_index), hparams,
                        _eval_config(config), critic_lib.or_default(critic))
   return {k: np.asarray(v) for k, v in jax.device_get(ev)._asdict().items()}
-
-
-class _Placement:
-  """Where `train_and_evaluate` runs its seeds: one device, or split over every process's devices
-  (`sharding.SeedAxis`, results all-gathered)."""
-
-  def __init__(self, seed_axis: Optional[sharding.SeedAxis], config: EARConfig, critic):
-    self.seed_axis, self.config, self.critic = seed_axis, config, critic
-
-  def states(self, states):
-    if self.seed_axis is None:
-      return states
-    return self.seed_axis.shard(jax.device_get(states))
-
-  def train(self, states, keys, streams, where, hparams):
-    if self.seed_axis is None:
-      return _train_segment(states, keys, streams, jnp.asarray(where), hparams, self.config,
-                            self.critic)
-    ax = self.seed_axis
-    return ax.map(_train_segment, {"states": states, "keys": ax.shard(jax.device_get(keys)),
-                                   "streams": ax.shard(streams)},
-                  {"where": np.asarray(where), "hparams": hparams, "critic": self.critic},
-                  config=self.config)
-
-  def evaluate(self, keys, states, streams, hparams, ecfg):
-    params = served_params(states, self.config) if self.config.guard else states.params
-    if self.seed_axis is None:
-      return _evaluate_seeds(keys, params, streams, hparams, ecfg, self.critic)
-    ax = self.seed_axis
-    return ax.map(_evaluate_seeds, {"keys": ax.shard(jax.device_get(keys)),
-                                    "params": params, "streams": ax.shard(streams)},
-                  {"hparams": hparams, "critic": self.critic}, config=ecfg)
-
-  def host(self, tree):
-    """Host numpy copies (multi-process: all-gathered, a collective every process must call)."""
-    if self.seed_axis is None:
-      return jax.device_get(tree)
-    return self.seed_axis.to_host(tree)
 
 
 __all__ = ["Interrupted", "RunResult", "build_config", "build_method", "default_hparams",

@@ -2,17 +2,15 @@
 
 Symbols: `R` runs (seeds x settings), `D` devices, `N` training queries.
 
-`SeedAxis` splits a run axis over a 1-D `'runs'` mesh of every process's devices by
+`SeedAxis` splits a run axis over a 1-D `'runs'` mesh of the devices by
 `jax.shard_map`: each device runs `R / D` runs (`R` padded to a multiple of `D` by repeating the
 last run), the rest is replicated, nothing is communicated. `sharded_episodes` is
 `jax.vmap(run_episode)` split so. On CPU, `XLA_FLAGS=--xla_force_host_platform_device_count=4`
-gives four devices. Several processes: call `initialize_distributed` first, then every process
-runs the same program; `is_primary` says which process writes files.
+gives four devices.
 """
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional, Sequence
 
 import jax
@@ -27,50 +25,12 @@ from ear_jax.core.stream import Stream
 
 RUN_AXIS = "runs"
 
-# Environment variables read by `initialize_distributed` when no argument is given.
-ENV_COORDINATOR = "EAR_COORDINATOR_ADDRESS"
-ENV_NUM_PROCESSES = "EAR_NUM_PROCESSES"
-ENV_PROCESS_ID = "EAR_PROCESS_ID"
-
-
-def initialize_distributed(coordinator_address: Optional[str] = None,
-                           num_processes: Optional[int] = None,
-                           process_id: Optional[int] = None) -> bool:
-  """Calls `jax.distributed.initialize` when a multi-host run is asked for; else does nothing.
-
-  Asked for = `coordinator_address` (`host:port` of process 0, or `'auto'` for SLURM / TPU pods)
-  passed or in `$EAR_COORDINATOR_ADDRESS`; `num_processes` / `process_id` default to
-  `$EAR_NUM_PROCESSES` / `$EAR_PROCESS_ID` or auto-detection. Call it before any other JAX call.
-  Returns True when `jax.distributed.initialize` was called.
-  """
-  address = coordinator_address or os.environ.get(ENV_COORDINATOR)
-  if not address:
-    return False
-  if num_processes is None and os.environ.get(ENV_NUM_PROCESSES):
-    num_processes = int(os.environ[ENV_NUM_PROCESSES])
-  if process_id is None and os.environ.get(ENV_PROCESS_ID):
-    process_id = int(os.environ[ENV_PROCESS_ID])
-  # CPU processes need gloo for cross-process collectives; GPUs / TPUs ignore it.
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  if address == "auto":
-    jax.distributed.initialize()
-  else:
-    jax.distributed.initialize(coordinator_address=address, num_processes=num_processes,
-                               process_id=process_id)
-  return True
-
-
-def is_primary() -> bool:
-  """True in the process that writes files: process 0 (the only process of a 1-process run)."""
-  return jax.process_index() == 0
-
 
 class SeedAxis:
-  """`S` seeds' `[S, ...]` trees on a mesh, the seed axis split over its devices (multi-process).
+  """`S` seeds' `[S, ...]` trees on a mesh, the seed axis split over its devices.
 
-  Every process holds the same host arrays; `shard` places each device's seeds (padded to `S'`, a
-  multiple of the device count), `map` runs a per-seed-batch function under `jax.shard_map`
-  (nothing communicated) and `to_host` all-gathers a result to every host, padding dropped.
+  `shard` places each device's seeds (padded to `S'`, a multiple of the device count), `map` runs
+  a per-seed-batch function under `jax.shard_map` (nothing communicated).
   """
 
   def __init__(self, num_seeds: int, mesh: Optional[Mesh] = None):
@@ -86,10 +46,6 @@ class SeedAxis:
     seed repeated as padding)."""
     idx = np.minimum(np.arange(self.padded), self.num_seeds - 1)
     return jax.tree_util.tree_map(lambda x: _global_array(np.asarray(x)[idx], self._rows), tree)
-
-  def to_host(self, tree):
-    """Global `[S', ...]` leaves -> host numpy `[S, ...]` on every process (a collective)."""
-    return jax.tree_util.tree_map(lambda x: np.asarray(x)[:self.num_seeds], gather_to_host(tree))
 
   def map(self, fn, sharded: dict, replicated: dict, **static):
     """`fn(**sharded, **replicated, **static)` with each device on its own seeds.
@@ -118,14 +74,13 @@ def _seed_sharded_fn(fn, mesh: Mesh, names: tuple, num_sharded: int, static: tup
 
 
 def run_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-  """A 1-D `Mesh` with axis `'runs'` over `devices` (default: every device of every process)."""
+  """A 1-D `Mesh` with axis `'runs'` over `devices` (default: every device)."""
   devices = jax.devices() if devices is None else list(devices)
   return Mesh(np.asarray(devices), (RUN_AXIS,))
 
 
 def _global_array(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
-  """A global array from a host array that every process holds in full (works multi-host)."""
-  x = np.asarray(x)
+  """A global array, placed by `sharding`, from a host array."""
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
@@ -168,14 +123,6 @@ def sharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hparams
 def _vmapped_episodes(keys, stream, config, hparams, critic, hparams_batched):
   return jax.vmap(episode.run_episode, in_axes=(0, None, None, 0 if hparams_batched else None,
                                                 None))(keys, stream, config, hparams, critic)
-
-
-def gather_to_host(tree):
-  """Host numpy copies of a tree of (possibly multi-host) global arrays."""
-  if jax.process_count() == 1:
-    return jax.tree_util.tree_map(np.asarray, tree)
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def unsharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hparams: HParams,

@@ -51,9 +51,7 @@ class PairedDifference(NamedTuple):
 
 
 def _round(v, digits):
-  if v is None or not math.isfinite(v):
-    return None
-  return round(float(v), digits)
+  return None if v is None or not math.isfinite(v) else round(float(v), digits)
 
 
 def _floats(values) -> np.ndarray:
@@ -63,9 +61,7 @@ def _floats(values) -> np.ndarray:
 
 def t_quantile(n: int, confidence: float = 0.95) -> float:
   """`t_{n-1, (1 + confidence) / 2}` (nan for n < 2)."""
-  if n < 2:
-    return float("nan")
-  return float(sp_stats.t.ppf(0.5 * (1.0 + confidence), n - 1))
+  return float("nan") if n < 2 else float(sp_stats.t.ppf(0.5 * (1.0 + confidence), n - 1))
 
 
 def mean_interval(values: Sequence[Optional[float]], confidence: float = 0.95):
@@ -142,7 +138,7 @@ def format_difference(d: Optional[DifferenceLike], digits: int = 2) -> str:
 
 def describe_verdict(d: DifferenceLike, neutral: bool = False) -> str:
   """The verdict in words, e.g. 'better (interval excludes 0)'; `neutral`: 'higher' / 'lower'."""
-  v = d["verdict"] if isinstance(d, Mapping) else d.verdict
+  v = _get(d, "verdict")
   if v in (BETTER, WORSE):
     if neutral:
       v = "higher" if v == BETTER else "lower"
@@ -160,7 +156,7 @@ def agreement(d: DifferenceLike, expected_sign: Optional[float]) -> Optional[str
   """
   if expected_sign is None or expected_sign == 0 or not math.isfinite(expected_sign):
     return None
-  v = d["verdict"] if isinstance(d, Mapping) else d.verdict
+  v = _get(d, "verdict")
   if v not in (BETTER, WORSE):
     return "not separated"
   return "holds" if (v == BETTER) == (expected_sign > 0) else "opposite"

@@ -18,18 +18,13 @@ from ear_jax.core.config import HParams
 from ear_jax.core.stream import Stream
 from ear_jax.experiment.runner import METRIC_NAMES, RunResult
 
-# Paging (the critic reads a ranking's top T x s in T pages of s), appended after `METRIC_NAMES`
-# so the earlier keys keep their positions.
+# Paging: the critic reads a ranking's top T x s in T pages of s.
 PAGING_METRIC_NAMES = ("recall_paging_first_stage", "hitrate_paging_first_stage",
                        "recall_paging_adapted", "hitrate_paging_adapted")
 # (per-query field of `RunResult.eval`, per-category metric name), in the order they are written.
-_CATEGORY_FIELDS = (("adapter_all_gold", "recall_adapter"), ("adapter_any_gold", "hitrate_adapter"),
-                    ("explorer_all_gold", "recall_explorer"),
-                    ("explorer_any_gold", "hitrate_explorer"),
-                    ("paging_first_stage_all_gold", "recall_paging_first_stage"),
-                    ("paging_first_stage_any_gold", "hitrate_paging_first_stage"),
-                    ("paging_adapted_all_gold", "recall_paging_adapted"),
-                    ("paging_adapted_any_gold", "hitrate_paging_adapted"))
+_CATEGORY_FIELDS = tuple((f"{mode}_{gold}_gold", f"{metric}_{mode}")
+                         for mode in ("adapter", "explorer", "paging_first_stage", "paging_adapted")
+                         for metric, gold in (("recall", "all"), ("hitrate", "any")))
 
 
 def hparams_dict(hparams: HParams) -> dict:
@@ -103,15 +98,12 @@ def summarize(result: RunResult, stream: Stream, categories: Optional[np.ndarray
         ev["adapter_slates"], np.asarray(stream.gold)[result.test_index], window)
   if categories is not None:
     cats = np.asarray(categories)[result.test_index]  # [S, M]
-    per = {}
+    per = out["per_category"] = {}
     for c in sorted(set(np.asarray(categories).tolist())):
       sel = (cats == c) & has
-      entry = {"n": mean_std(sel.sum(-1))}
+      per[c] = {"n": mean_std(sel.sum(-1))}
       for src, m in _CATEGORY_FIELDS:
-        vals = _masked_pct(ev[src], sel)
-        entry[m] = mean_std(np.where(sel.sum(-1) > 0, vals, np.nan))
-      per[c] = entry
-    out["per_category"] = per
+        per[c][m] = mean_std(np.where(sel.sum(-1) > 0, _masked_pct(ev[src], sel), np.nan))
   if result.curve:
     out["curve"] = result.curve
   return out
@@ -123,9 +115,6 @@ def first_crossing(curve: list, metric: str, level: float, x: str = "queries_see
     if np.mean(p[metric]) >= level and p["position"] > 0:
       return float(np.mean(p[x]))
   return None
-
-
-# --- Multi-store diagnostics (Section 5, Appendix C) ---
 
 
 def store_metrics(slates: np.ndarray, gold: np.ndarray, store: np.ndarray,

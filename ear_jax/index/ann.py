@@ -84,14 +84,8 @@ class _StoreIndex:
       index.add(held)
       self.index, self._pending, self._flat = index, [], None
 
-  def state(self):
-    """`((index [bytes] uint8, rows [n_s] int64), meta)`: the serialised index and bank rows."""
-    index = self.searched
-    return ((_faiss().serialize_index(index), self.rows.copy()),
-            {"trained": self.index is not None, "ntotal": int(index.ntotal)})
-
   def restore_state(self, data: np.ndarray, rows: np.ndarray, meta, where: str) -> None:
-    """Installs a `state()`; ValueError naming `where` when it is not an index of this kind."""
+    """Installs a state `FaissSearcher.save` wrote; ValueError naming `where` if of another kind."""
     faiss = _faiss()
     rows = np.asarray(rows).astype(np.int64)
     try:
@@ -118,15 +112,9 @@ class _StoreIndex:
       self.index, self._flat = None, index
       self._pending = [index.reconstruct_n(0, index.ntotal)] if index.ntotal else []
 
-  def can_filter(self) -> bool:
-    """Whether the index searched now takes an ID selector (PQ fast-scan does not)."""
-    return not isinstance(self.searched, _faiss().IndexFastScan)
-
   def selector(self, codes: tuple[int, ...], row_scopes: np.ndarray):
-    """`(IDSelectorBitmap, count)` over this store's vectors whose bank rows' scopes are in `codes`.
-
-    Cached, and extended with the vectors added since it was built.
-    """
+    """`(IDSelectorBitmap, count)` over this store's vectors whose bank rows' scopes are in `codes`
+    (cached, and extended with the vectors added since it was built)."""
     n = len(self.rows)
     covered, bits, sel, count = self._selectors.pop(codes, None) or (0, np.zeros(0, np.uint8),
                                                                        None, 0)
@@ -145,17 +133,9 @@ class _StoreIndex:
       self._selectors.pop(next(iter(self._selectors)))
     return sel, count
 
-  def count(self, scopes=None) -> int:
-    """The vectors a search with `scopes` may return."""
-    if scopes is None or not len(self.rows):
-      return len(self.rows)
-    return self.selector(*scopes)[1]
-
   def search(self, queries: np.ndarray, k: int, scopes=None):
-    """`(scores [n, k] (-inf = none), rows [n, k] (-1 = none))`, only of `scopes` when given.
-
-    None when a query got fewer than `min(k, count(scopes))` rows.
-    """
+    """`(scores [n, k] (-inf = none), rows [n, k] (-1 = none))`, only of `scopes` when given;
+    None when a query got fewer than `min(k, rows of those scopes)` rows."""
     n = queries.shape[0]
     sel, count = None, len(self.rows)
     if scopes is not None and count:
@@ -163,10 +143,8 @@ class _StoreIndex:
     if not count:  # nothing (of these scopes) here
       return np.full((n, k), -np.inf, np.float32), np.full((n, k), -1, np.int64)
     index = self.searched
-    if sel is None:
-      scores, ids = index.search(queries, k)
-    else:
-      scores, ids = index.search(queries, k, params=_with_selector(index, sel))
+    params = None if sel is None else _with_selector(index, sel)
+    scores, ids = index.search(queries, k, params=params)
     ok = ids >= 0
     if (ok.sum(1) < min(k, count)).any():
       return None
@@ -211,10 +189,8 @@ class FaissSearcher:
     return np.concatenate([s.rows for s in self._stores])
 
   def add(self, rows, emb: np.ndarray, stores: np.ndarray, scopes=None) -> None:
-    """Indexes `[m, d]` unit rows with store and scope codes `[m]` (scopes None: 0).
-
-    `rows [m]` are bank rows, ascending, each above every row held before.
-    """
+    """Indexes `[m, d]` unit rows with store and scope codes `[m]` (scopes None: 0); `rows [m]`
+    are bank rows, ascending, each above every row held before."""
     rows = np.asarray(rows, np.int64).reshape(-1)
     if not len(rows):
       return
@@ -258,9 +234,10 @@ class FaissSearcher:
     scopes = None
     if allowed is not None:
       scopes = (tuple(int(c) for c in np.flatnonzero(allowed)), self.row_scopes)
-      if not all(store.can_filter() for store in searched if len(store)):
-        return None
-      if any(0 < store.count(scopes) <= FEW_ROWS * per for store in searched):
+      stores = [store for store in searched if len(store)]
+      if any(isinstance(store.searched, _faiss().IndexFastScan) for store in stores):
+        return None  # (PQ fast-scan takes no ID selector)
+      if any(0 < store.selector(*scopes)[1] <= FEW_ROWS * per for store in stores):
         return None  # (a few rows: the exact device search is faster and finds them all)
     queries = np.ascontiguousarray(queries, np.float32)
     for store in self._stores:
@@ -276,20 +253,16 @@ class FaissSearcher:
     mask = rows >= 0
     return np.where(mask, rows, -1).astype(np.int32), mask
 
-  def nbytes(self) -> int:
-    """Bytes of the faiss indexes (serialised size)."""
-    return sum(int(_faiss().serialize_index(store.searched).nbytes) for store in self._stores
-               if store.searched is not None and store.searched.ntotal)
-
   def save(self, directory) -> None:
     """Writes the state to `directory/index.npz` atomically and durably (nothing when unchanged)."""
     path = pathlib.Path(directory) / STATE_FILE
     if path.exists() and self._saved == (path, self.state_id):
       return
     arrays, stores = {}, []
-    for s, store in enumerate(self._stores):
-      (arrays[f"store{s}_index"], arrays[f"store{s}_rows"]), info = store.state()
-      stores.append(info)
+    for s, store in enumerate(self._stores):  # each store's serialised index and bank rows
+      arrays[f"store{s}_index"] = _faiss().serialize_index(store.searched)
+      arrays[f"store{s}_rows"] = store.rows
+      stores.append({"trained": store.index is not None, "ntotal": int(store.searched.ntotal)})
     meta = {"name": self.name, "options": self.options, "rows": len(self.row_scopes),
             "state_id": self.state_id, "stores": stores}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -305,17 +278,6 @@ class FaissSearcher:
     finally:
       os.close(fd)
     self._saved = (path, self.state_id)
-
-  def _restore(self, arrays: dict, meta: dict, where: str) -> None:
-    """Installs a saved state whose store rows the caller checked; ValueError naming `where`."""
-    stores = meta.get("stores")
-    if not isinstance(stores, list) or len(stores) != len(self._stores) or not all(
-        isinstance(x, dict) for x in stores):
-      raise ValueError(f"{where}: field 'stores' is not a list of {len(self._stores)} records")
-    for s, (store, info) in enumerate(zip(self._stores, stores)):
-      store.restore_state(arrays[f"store{s}_index"], arrays[f"store{s}_rows"], info,
-                          f"{where} (store {s})")
-    self.state_id = str(meta.get("state_id"))
 
   @staticmethod
   def load(directory, name: str, options, dim: int, rows, emb, stores, scopes) -> FaissSearcher:
@@ -345,10 +307,17 @@ class FaissSearcher:
                          f"{meta.get('options')!r}, not {name!r} with {searcher.options!r}{hint}")
       if all(np.array_equal(arrays.get(f"store{s}_rows"), rows[below & (stores == s)])
              for s in (0, 1)):
+        infos = meta.get("stores")
         try:
-          searcher._restore(arrays, meta, str(path))
+          if not isinstance(infos, list) or len(infos) != 2 or not all(
+              isinstance(x, dict) for x in infos):
+            raise ValueError(f"{path}: field 'stores' is not a list of 2 records")
+          for s, (store, info) in enumerate(zip(searcher._stores, infos)):
+            store.restore_state(arrays[f"store{s}_index"], arrays[f"store{s}_rows"], info,
+                                f"{path} (store {s})")
         except (ValueError, KeyError) as e:
           raise ValueError(f"{e}{hint}") from None
+        searcher.state_id = str(meta.get("state_id"))
         searcher.row_scopes = np.zeros(int(meta["rows"]), np.int32)
         searcher.row_scopes[rows[below]] = scopes[below]
         searcher._saved, todo = (path, searcher.state_id), ~below
@@ -398,14 +367,10 @@ def faiss_pq(dim: int, *, pq_m: Optional[int] = None, rerank: int = 50, train_si
   if pq_m < 1 or dim % pq_m:
     raise ValueError(f"pq_m={pq_m} must divide the dimension {dim}")
 
-  def make():
-    return faiss.index_factory(dim, f"PQ{int(pq_m)}x4fs", faiss.METRIC_INNER_PRODUCT)
-
-  def train(index, vectors):
-    index.train(vectors)
-
-  return FaissSearcher(dim, make, ready=lambda held: held >= train_size, train=train,
-                       build_threads=build_threads, rerank=rerank, name="faiss_pq")
+  return FaissSearcher(
+      dim, lambda: faiss.index_factory(dim, f"PQ{pq_m}x4fs", faiss.METRIC_INNER_PRODUCT),
+      ready=lambda held: held >= train_size, train=lambda index, vectors: index.train(vectors),
+      build_threads=build_threads, rerank=rerank, name="faiss_pq")
 
 
 def faiss_ivf(dim: int, *, nlist: int = 1024, nprobe: int = 32, train_factor: int = 39,

@@ -62,8 +62,9 @@ def metadata_shapes(tree) -> dict:
   return {leaf_name(p): (list(m.shape), str(np.dtype(m.dtype))) for p, m in flat}
 
 
-def _target_diffs(flat_target, stored: dict) -> list[str]:
-  """The leaves in which `stored` ({name: (shape list, dtype str)}) and a flat target differ."""
+def _check_target(flat_target, stored: dict, what: str) -> None:
+  """ValueError naming `what` and each leaf in which `stored` ({name: (shape list, dtype str)})
+  and a flat target differ."""
   diffs, names = [], set()
   for p, t in flat_target:
     name = leaf_name(p)
@@ -74,10 +75,7 @@ def _target_diffs(flat_target, stored: dict) -> list[str]:
       diffs.append(f"{name}: not in the checkpoint")
     elif list(got[0]) != shape or got[1] != dtype:
       diffs.append(f"{name}: stored {got[1]}{list(got[0])} vs expected {dtype}{shape}")
-  return diffs + [f"{n}: stored but not in the target" for n in sorted(set(stored) - names)]
-
-
-def _raise_diffs(diffs: list[str], what: str) -> None:
+  diffs += [f"{n}: stored but not in the target" for n in sorted(set(stored) - names)]
   if diffs:
     raise ValueError(f"{what} does not match the stored arrays in {len(diffs)} leaves: "
                      + "; ".join(diffs[:10]) + ("; ..." if len(diffs) > 10 else ""))
@@ -86,8 +84,8 @@ def _raise_diffs(diffs: list[str], what: str) -> None:
 def restore_target(target, record: dict):
   """The Orbax restore target for `target`; a ValueError listing the leaves that do not match."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(target)
-  _raise_diffs(_target_diffs(flat, {n: (r["shape"], r["dtype"]) for n, r in record.items()}),
-               "the restore target")
+  _check_target(flat, {n: (r["shape"], r["dtype"]) for n, r in record.items()},
+                "the restore target")
   leaves = [jax.ShapeDtypeStruct((), t.dtype) if record[leaf_name(p)]["empty"] else t
             for p, t in flat]
   return jax.tree_util.tree_unflatten(treedef, leaves)
@@ -101,8 +99,8 @@ def fit_target(target, tree, what: str):
   """
   flat, treedef = jax.tree_util.tree_flatten_with_path(target)
   stored = {leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-  _raise_diffs(_target_diffs(flat, {n: (np.shape(x), str(np.asarray(x).dtype))
-                                    for n, x in stored.items()}), what)
+  _check_target(flat, {n: (np.shape(x), str(np.asarray(x).dtype)) for n, x in stored.items()},
+                what)
   return jax.tree_util.tree_unflatten(treedef, [stored[leaf_name(p)] for p, _ in flat])
 
 

@@ -11,8 +11,6 @@ import threading
 import time
 import weakref
 
-LOCK_NAME = ".lock"
-
 
 class LockTimeout(TimeoutError):
   """Another process held the lock longer than the timeout."""
@@ -34,7 +32,7 @@ class DirLock:
     name: the lock file's name (another name is another, independent lock).
   """
 
-  def __init__(self, directory: pathlib.Path, timeout_s: float, name: str = LOCK_NAME):
+  def __init__(self, directory: pathlib.Path, timeout_s: float, name: str = ".lock"):
     self.path = pathlib.Path(directory) / name
     self.timeout_s = float(timeout_s)
     self._fd = None
@@ -55,15 +53,12 @@ class DirLock:
                   f"{self.path.parent} is being written by another process ({self.holder()}); "
                   f"waited {self.timeout_s:g} s for its lock {self.path}") from None
             time.sleep(0.02)
-        try:
-          same = os.path.samestat(os.fstat(fd), os.stat(self.path))
-        except FileNotFoundError:
-          same = False
-        if same:
-          os.ftruncate(fd, 0)
-          os.write(fd, f"{os.getpid()}\n".encode())
-          self._fd = fd
-          return self
+        with contextlib.suppress(FileNotFoundError):
+          if os.path.samestat(os.fstat(fd), os.stat(self.path)):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            self._fd = fd
+            return self
       except BaseException:
         os.close(fd)
         raise
@@ -89,7 +84,6 @@ class Hold:
   """A process's owner lock on a directory (`hold`); `release` or garbage collection frees it."""
 
   def __init__(self, key: str):
-    self.key = key
     self._finalizer = weakref.finalize(self, _drop, key)
 
   def release(self) -> None:
@@ -145,5 +139,4 @@ def _forget_in_child() -> None:
   _OWNED.clear()
 
 
-if hasattr(os, "register_at_fork"):
-  os.register_at_fork(after_in_child=_forget_in_child)
+os.register_at_fork(after_in_child=_forget_in_child)

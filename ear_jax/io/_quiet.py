@@ -4,6 +4,7 @@ reads of a failed restore. Every other report passes through.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -12,26 +13,23 @@ import threading
 
 _LOOP_CLOSED = "Event loop is closed"
 _NEVER_RETRIEVED = "Task exception was never retrieved"
-_quiet_installed = False
 _failed_dirs: set[str] = set()  # directories whose read / write `call` already reported as failed
 _failed_lock = threading.Lock()
 
 
-class _DropLoopClosed(logging.Filter):
-  """Drops asyncio's 'Event loop is closed' noise (tasks finalised after their loop closed)."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    try:
-      text = record.getMessage()
-    except Exception:  # pylint: disable=broad-except
-      text = str(record.msg)
-    exc = record.exc_info[1] if record.exc_info else None
-    if _LOOP_CLOSED in text or _LOOP_CLOSED in str(exc or ""):
-      return False
-    if _NEVER_RETRIEVED not in text:
-      return True
-    with _failed_lock:  # (only for a directory whose failure `call` reported)
-      return not any(d in f"{text} {exc or ''}" for d in _failed_dirs)
+def _drop_loop_closed(record: logging.LogRecord) -> bool:
+  """Logging filter: drops 'Event loop is closed' noise (tasks finalised after their loop ended)."""
+  try:
+    text = record.getMessage()
+  except Exception:  # pylint: disable=broad-except
+    text = str(record.msg)
+  exc = record.exc_info[1] if record.exc_info else None
+  if _LOOP_CLOSED in text or _LOOP_CLOSED in str(exc or ""):
+    return False
+  if _NEVER_RETRIEVED not in text:
+    return True
+  with _failed_lock:  # (only for a directory whose failure `call` reported)
+    return not any(d in f"{text} {exc or ''}" for d in _failed_dirs)
 
 
 def _loop_closed(exc) -> bool:
@@ -55,14 +53,11 @@ def _filtered_unraisable(prev):
   return hook
 
 
+@functools.cache
 def install() -> None:
   """Silences only 'Event loop is closed' reports and Orbax's abandoned coroutines (at exit)."""
-  global _quiet_installed
-  if _quiet_installed:
-    return
-  _quiet_installed = True
   for name in ("asyncio", "absl"):
-    logging.getLogger(name).addFilter(_DropLoopClosed())
+    logging.getLogger(name).addFilter(_drop_loop_closed)
   prev_thread = threading.excepthook
 
   def thread_hook(a):

@@ -96,19 +96,9 @@ def _meta_digest(meta: dict, record) -> str:
   return hashlib.sha256(_canonical({"meta": meta, "leaves": record}).encode("utf-8")).hexdigest()
 
 
-def _json_roundtrip(meta: dict, what: str) -> dict:
-  if not isinstance(meta, dict):
-    raise ValueError(f"{what} must be a dict, got {type(meta).__name__}")
-  try:
-    return json.loads(json.dumps(meta, allow_nan=True))
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"{what} is not JSON-serialisable: {e}") from e
-
-
 def _zeros_target(tree: Optional[dict], record: dict):
-  """The restore target of a step restored as saved, from Orbax's tree metadata, with numpy zeros
-  of each recorded shape, so Orbax never opens an array for its metadata. None when unreadable.
-  """
+  """The as-saved restore target from Orbax's tree metadata, numpy zeros of each recorded shape
+  (so Orbax never opens an array for its metadata); None when unreadable."""
   empty = {"None": None, "Dict": {}, "List": []}
   root, kinds = {}, {1: list, 2: dict}
   try:
@@ -124,12 +114,10 @@ def _zeros_target(tree: Optional[dict], record: dict):
         leaf = empty[kind]
       node = root
       for (key, kind), (_, child) in zip(keys, keys[1:] + [(None, None)]):
-        if kind is list:
-          if not isinstance(node, list):
-            return None
-          node.extend([None] * (key + 1 - len(node)))
-        elif not isinstance(node, dict):
+        if not isinstance(node, kind):
           return None
+        if kind is list:
+          node.extend([None] * (key + 1 - len(node)))
         if child is None:
           node[key] = leaf
         else:
@@ -182,8 +170,7 @@ class CheckpointStore:
                   and e.is_dir())
 
   def latest_step(self) -> int | None:
-    steps = self.steps()
-    return steps[-1] if steps else None
+    return max(self.steps(), default=None)
 
   def _step_dir(self, step: int | None) -> pathlib.Path:
     if step is None:
@@ -268,9 +255,8 @@ class CheckpointStore:
 
   def _read_array_metadata(self, path: pathlib.Path, state_dir: pathlib.Path,
                            shapes: bool = True):
-    """`(custom metadata, {leaf: (shape, dtype)})` of a step's array item, or `(custom, tree)` read
-    from Orbax's metadata file alone when `shapes` is False; CheckpointError naming the file.
-    """
+    """`(custom metadata, {leaf: (shape, dtype)})` of a step's array item (`shapes` False: `(custom,
+    tree)` from Orbax's metadata file alone); CheckpointError naming the file."""
     if not state_dir.is_dir():
       raise CheckpointError(f"checkpoint {path} has no array directory {state_dir}")
     read = self._array_metadata if shapes else self._metadata_file
@@ -366,7 +352,12 @@ class CheckpointStore:
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
       raise ValueError(f"step must be a non-negative int, got {step!r}")
     step = int(step)
-    expected_meta = _json_roundtrip(meta, "meta")
+    if not isinstance(meta, dict):
+      raise ValueError(f"meta must be a dict, got {type(meta).__name__}")
+    try:
+      expected_meta = json.loads(json.dumps(meta, allow_nan=True))
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"meta is not JSON-serialisable: {e}") from e
     if _DIGEST in expected_meta:
       raise ValueError(f"meta key {_DIGEST!r} is reserved for the checkpoint's digest")
     tree, record = _leaves.prepare(arrays)
@@ -388,13 +379,6 @@ class CheckpointStore:
         raise
       self._prune()
     return path
-
-  def delete(self, step: int) -> None:
-    """Removes `step` under the store's lock (renamed away first); a missing step is ignored."""
-    if not self.directory.is_dir():
-      return
-    with self._locked():
-      self._remove(self.directory / str(int(step)))
 
   def own(self, what: str = "directory", holder: str = "") -> Hold:
     """This caller's exclusive owner lock of the directory, held until the `Hold` is released.

@@ -74,8 +74,7 @@ class RunCheckpointer:
   def __init__(self, directory, *, max_to_keep: int = 3):
     self.directory = pathlib.Path(directory).absolute()
     self._store = CheckpointStore(self.directory, max_to_keep=max_to_keep)
-    self._ident = None
-    self._target = None
+    self._ident = self._target = None  # (set by `bind`)
 
   # -- identity -------------------------------------------------------------------------------
   def bind(self, *, config: EARConfig, hparams: HParams, seeds: Sequence[int], num_train: int,
@@ -120,10 +119,8 @@ class RunCheckpointer:
     position = self.latest_position() if position is None else position
     if position is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    step_dir = self.directory / str(position)
-    if step_dir.is_dir() and not (step_dir / "meta").exists():
-      data = None
-    else:
+    step_dir, data = self.directory / str(position), None
+    if not step_dir.is_dir() or (step_dir / "meta").exists():
       try:
         data = self._store.read_meta(position)
       except CheckpointError as e:
@@ -203,8 +200,7 @@ def save_adapter(directory, params, *, config: EARConfig, hparams: HParams, seed
                        f"{len(meta['seeds'])} seeds")
     meta["served"] = served
   with contextlib.closing(CheckpointStore(directory, max_to_keep=1)) as store:
-    latest = store.latest_step()
-    return store.save(0 if latest is None else latest + 1, {"params": params}, meta)
+    return store.save(max(store.steps(), default=-1) + 1, {"params": params}, meta)
 
 
 def guard_decisions(states, config: EARConfig) -> np.ndarray:
@@ -334,7 +330,6 @@ def restore_adapter(workdir, *, run: Optional[str] = None, config: Optional[EARC
       ckpt._ident = dict(meta)  # pylint: disable=protected-access
       state, _, _ = ckpt.restore(meta["position"])
     params = state.params
-    meta = dict(meta)
     if stored.guard:
       meta["served"] = guard_decisions(state, stored).tolist()
   if stored.guard and guarded:

@@ -61,12 +61,8 @@ def _signal_group(pgid: int, sig: int) -> None:
 def children_of(pid: int) -> list[int]:
   """The pids whose parent is `pid` (from /proc; [] where there is no /proc)."""
   out = []
-  try:
-    names = os.listdir("/proc")
-  except OSError:
-    return out
-  for name in names:
-    if name.isdigit():
+  with contextlib.suppress(OSError):  # (no /proc)
+    for name in filter(str.isdigit, os.listdir("/proc")):
       try:
         with open(f"/proc/{name}/stat", "rb") as f:
           fields = f.read().rsplit(b")", 1)[1].split()  # (the command may hold spaces and ')')
@@ -122,13 +118,8 @@ def main(argv) -> int:
   except OSError as e:
     print(f"server supervisor: could not start {command[0]!r}: {e}", file=sys.stderr, flush=True)
     return 127
-  while not _exited(proc.pid):
-    if asked:
-      break
-    try:
-      ready, _, _ = select.select([lifeline], [], [], _POLL_S)
-    except InterruptedError:  # a signal arrived (Python retries; kept for clarity)
-      continue
+  while not _exited(proc.pid) and not asked:
+    ready, _, _ = select.select([lifeline], [], [], _POLL_S)  # (retried after a signal: PEP 475)
     if ready and not os.read(lifeline, 1):  # end of file: the starting process is gone
       break
   _stop(proc, stop_timeout_s)

@@ -92,6 +92,3 @@ class ResponseCache:
       if tmp is not None:
         with contextlib.suppress(OSError):
           os.unlink(tmp)
-
-  def __len__(self) -> int:
-    return sum(1 for _ in self.directory.glob("??/*.json")) if self.directory.is_dir() else 0

@@ -20,13 +20,6 @@ DEFAULT_SYSTEM_PROMPT = (
     "earlier conversations, and you say which memories you used."
 )
 
-_INSTRUCTION = (
-    "Answer the question using the memories above where they help. Then, on the last line, cite the "
-    "memories you actually used to answer, by their numbers, as a bracketed comma-separated list, "
-    "for example [0, 2]. If none of the memories was useful, write [NO_CITE] on the last line "
-    "instead. Write nothing after that line."
-)
-
 
 def citation_schema(num_memories: int, with_answer: bool = False) -> dict[str, Any]:
   """The JSON schema of `{"cited": [i, ...]}` (`i < num_memories`), `answer` first if asked."""
@@ -66,11 +59,16 @@ PROMPTS: dict[str, CriticPrompt] = {
         'to answer the question. Reply with JSON only: {"useful": [...]} with one true or false '
         "per memory.",
         judgement_schema),
-    "free_text": CriticPrompt(_INSTRUCTION, None),
+    "free_text": CriticPrompt(
+        "Answer the question using the memories above where they help. Then, on the last line, "
+        "cite the memories you actually used to answer, by their numbers, as a bracketed "
+        "comma-separated list, for example [0, 2]. If none of the memories was useful, write "
+        "[NO_CITE] on the last line instead. Write nothing after that line.",
+        None),
 }
 
 
-# Chosen on pilot slates of LoCoMo's training split by citation F1 (RESULTS.md, "LLM critic").
+# Chosen on pilot slates of LoCoMo's training split by citation F1.
 DEFAULT_PROMPT = "judge_each_json"
 
 

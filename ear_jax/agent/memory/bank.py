@@ -30,8 +30,8 @@ BANK_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 MIN_CAPACITY = 32
 FINE_CAPACITY = 4096  # beyond this the capacity grows in quarter steps (`capacity_for`)
 # A scoped search gathers its scopes' rows (`scope_candidates`) when their count, padded to a
-# power of two, is at most 1 / GATHER_SHARE of the capacity (BENCHMARKS.md "Scoped search at
-# scale").
+# power of two, is at most 1 / GATHER_SHARE of the capacity (there gathering ties or beats the
+# masked scan of the whole bank).
 GATHER_SHARE = 4
 Searcher = ann.FaissSearcher  # the ANN hookup (`ear_jax.index.ann`'s module docstring)
 
@@ -181,7 +181,11 @@ def finish(queries, emb, rows, mask, features=None, slate=None):
 
 
 def gathered(bank: DeviceBank, allowed, cand):
-  """Traced: `(emb [P, d], valid [P], stores [P])` at rows `cand [P]` (row order: same ties)."""
+  """Traced: `(emb [P, d], valid [P], stores [P])` at rows `cand [P]` (row order: same ties), or
+  the whole bank's (`P = C`) when `cand` is None; `valid`: the live rows of the scopes `allowed`."""
+  if cand is None:
+    valid = bank.valid if allowed is None else bank.valid & allowed[bank.scopes]
+    return bank.emb, valid, bank.stores
   cap = bank.emb.shape[0]
   at = jnp.minimum(cand, cap - 1)
   valid = (cand < cap) & bank.valid[at]
@@ -198,11 +202,7 @@ def rows_at(cand, pos, mask):
 def _candidates(queries, bank, allowed, rows, mask, cand, k, multistore):
   """Traced `(rows [q, K], mask [q, K])`: exact search, or the re-score of a searcher's `rows`."""
   if rows is None:
-    if cand is None:
-      emb, stores = bank.emb, bank.stores
-      valid = bank.valid if allowed is None else bank.valid & allowed[bank.scopes]
-    else:
-      emb, valid, stores = gathered(bank, allowed, cand)
+    emb, valid, stores = gathered(bank, allowed, cand)
     if multistore:
       rows, _, mask = retrieval_lib.top_k_search(queries, emb, valid, k, stores)
     else:  # dialogue memories only (store 0), as the benchmark pipeline

@@ -172,15 +172,10 @@ def check_scope_spec(scope) -> Optional[tuple[str, ...]]:
   return tuple(dict.fromkeys(names))
 
 
-def now_date() -> str:
-  """The date of a memory added without one: the UTC time as ISO 8601, to the second."""
-  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
 def check_dates(dates, n: int) -> list[str]:
-  """`n` dates (free text), one per memory; None -> `n` times `now_date()`."""
+  """`n` dates (free text), one per memory; None -> `n` times now (UTC, ISO 8601, to the second)."""
   if dates is None:
-    return [now_date()] * n
+    return [datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")] * n
   if isinstance(dates, str) or not isinstance(dates, collections.abc.Sequence):
     raise InputTypeError(f"dates must be a sequence (list, tuple) of strings, one per text, got "
                          f"{type(dates).__name__}")

@@ -96,10 +96,9 @@ class MemoryConfig:
       raise ValueError(f"batch_window_ms must be in [0, {MAX_WINDOW_MS}] (milliseconds), got "
                        f"{window}")
     fix("batch_window_ms", float(window))
-    if self.dim is not None:
-      fix("dim", check_int(self.dim, "dim", 1))
-    if self.num_candidates is not None:
-      fix("num_candidates", check_int(self.num_candidates, "num_candidates", 1))
+    for name in ("dim", "num_candidates"):
+      if getattr(self, name) is not None:
+        fix(name, check_int(getattr(self, name), name, 1))
     fix("multistore", bool(self.multistore))
     fix("warm_learner", bool(self.warm_learner))
     if self.cache_dir is not None:
@@ -217,8 +216,7 @@ class MemoryConfig:
         self.index != "exact"):
       raise ValueError(f"index={self.index!r} cannot serve candidates="
                        f"{self.first_stage_name!r} (or side features): the lexical first stage "
-                       "fuses every memory's cosine with its BM25 score; use index='exact' "
-                       "(BENCHMARKS.md 'First stage at scale')")
+                       "fuses every memory's cosine with its BM25 score; use index='exact'")
     return config, default_hparams() if hparams is None else hparams
 
   def _comparable(self) -> dict:
@@ -318,13 +316,12 @@ def _differences(stored: MemoryConfig, wanted: MemoryConfig) -> list[str]:
 
 
 UNSET = object()  # an argument not passed
-DEFAULT_ENCODER = MemoryConfig.encoder  # ('minilm')
 
 
 def encoder_slot(cfg: MemoryConfig, enc, identity: Optional[str] = None) -> EncoderSlot:
   """The `EncoderSlot` of `cfg` (or of `enc`, an encoder passed on its own)."""
   return EncoderSlot(cfg.encoder if enc is UNSET else enc, identity,
-                     explicit=enc is not UNSET or cfg.encoder != DEFAULT_ENCODER)
+                     explicit=enc is not UNSET or cfg.encoder != MemoryConfig.encoder)
 
 
 def arguments(first, encoder, settings: dict) -> tuple[Optional[MemoryConfig], Any, dict]:

@@ -93,7 +93,7 @@ class Driver:
     self.questions: "collections.OrderedDict[int, bool]" = collections.OrderedDict()
     self._warming = None  # the thread compiling the learner step (`warm`), until it is joined
 
-  def warm(self, also: Optional[Callable] = None) -> None:
+  def warm(self, also: Callable) -> None:
     """Compiles the learner step (a masked step on zeros) then runs `also()`, in a background
     thread; `push` defers steps until it is done."""
     def run():
@@ -107,8 +107,7 @@ class Driver:
                        np.full((T, K), -1.0, np.float32), np.full(K, -1, np.int32), np.int8(0))
       args, _ = self._step_args([item] * b, np.zeros(b, bool), 0)
       jax.block_until_ready(train_step(zeros, *args))
-      if also is not None:
-        also()
+      also()
     self._warming = threading.Thread(target=run, daemon=True, name="ear-learner-warm")
     self._warming.start()
 

@@ -38,6 +38,7 @@ from ear_jax.io import compilation_cache
 __all__ = ["DEFAULT_SCOPE", "AnswerFeedback", "Memory", "MemoryConfig", "Recall", "Session",
            "SessionDroppedError", "Slate", "llm_feedback", "run_critic_episode"]
 
+
 class Memory:
   """An EAR memory for a live agent.
 
@@ -63,13 +64,12 @@ class Memory:
     self._cfg, self._encoder, self._root, self._hold = cfg, slot, root, hold
     # (resolved once: `cfg.ear` and `cfg.learner_hparams` would each resolve the method again)
     self._ear, self._hparams = cfg.resolved()
-    config = self._ear
-    slot.check_dim(config.dim, root)
+    slot.check_dim(self._ear.dim, root)
     self._lock, self._save_lock = threading.RLock(), threading.Lock()
     self._stats, self._generation = collections.Counter(), 0
-    self._rows = Rows(table, cfg, config, root)
-    self._stage = Stage(cfg, config, self._hparams, slot, self._rows, self._lock)
-    self._learning = Learning(config, self._hparams, cfg.seed, cfg.max_sessions, self._rows,
+    self._rows = Rows(table, cfg, self._ear, root)
+    self._stage = Stage(cfg, self._ear, self._hparams, slot, self._rows, self._lock)
+    self._learning = Learning(self._ear, self._hparams, cfg.seed, cfg.max_sessions, self._rows,
                               self._lock, self._stats, self._stage.embed_answer, learner,
                               cfg.warm_learner)
     self._stage.learning = self._learning
@@ -310,8 +310,7 @@ class Memory:
     names = checks_lib.check_scope_spec(scope)
     texts, q_emb = self._stage.queries(question, query_embedding, batch)
 
-    def finish(texts, q_emb, found):
-      del q_emb
+    def finish(texts, _, found):
       rows, _, _, (slate, slate_mask, z) = found
       out = []
       for i, t in enumerate(texts):

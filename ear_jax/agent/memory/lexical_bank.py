@@ -59,23 +59,11 @@ class LexicalBank:
 
   def encode(self, tokens: Sequence[Sequence[str]], stores) -> Encoded:
     """The term ids of new rows' `tokens` (new terms get the next ids). Pure until `add`."""
-    new: dict[str, int] = {}
-    nxt = self._next_id
-    terms = []
-    for toks, indexed in zip(tokens, self._indexed(stores)):
-      if not indexed:
-        terms.append(None)
-        continue
-      ids = np.empty(len(toks), np.int32)
-      for j, w in enumerate(toks):
-        i = self.vocab.get(w)
-        if i is None:
-          i = new.get(w)
-          if i is None:
-            i = new[w] = nxt
-            nxt += 1
-        ids[j] = i
-      terms.append(ids)
+    new: dict[str, int] = {}  # term -> id, from `_next_id` on in order of first use
+    term_id = lambda w: self.vocab[w] if w in self.vocab else new.setdefault(
+        w, self._next_id + len(new))
+    terms = [np.asarray([term_id(w) for w in toks], np.int32) if indexed else None
+             for toks, indexed in zip(tokens, self._indexed(stores))]
     return Encoded(terms, tuple(new.items()))
 
   def add(self, rows, encoded: Encoded, scope_codes) -> None:
@@ -180,11 +168,7 @@ def _search(queries, bank, allowed, cand, lex_rows, lex_scores, params, hparams,
             multistore, generator, options, slate_size, explore):
   """`first_stage.rank_bank` over the allowed live rows, then `bank.finish`, in one call."""
   def ranked(queries, allowed, cand, lex_rows, lex_scores):
-    if cand is None:
-      emb, stores = bank.emb, bank.stores
-      where = bank.valid if allowed is None else bank.valid & allowed[bank.scopes]
-    else:
-      emb, where, stores = bank_lib.gathered(bank, allowed, cand)
+    emb, where, stores = bank_lib.gathered(bank, allowed, cand)
     rows, mask, _, feats = first_stage.rank_bank(queries, emb, where, stores, lex_rows,
                                                  lex_scores, k=k, generator=generator,
                                                  options=options, multistore=multistore)

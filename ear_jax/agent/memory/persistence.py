@@ -96,8 +96,7 @@ def claim_new(path) -> tuple[pathlib.Path, object]:
 def write_learner(root: pathlib.Path, arrays, meta: dict) -> pathlib.Path:
   """Saves the learner item as the next step of `<root>/learner`; returns its directory."""
   store = checkpoints.CheckpointStore(root / LEARNER, max_to_keep=1)
-  latest = store.latest_step()
-  return store.save(1 if latest is None else latest + 1, arrays, {**meta, "format": FORMAT})
+  return store.save(max(store.steps(), default=0) + 1, arrays, {**meta, "format": FORMAT})
 
 
 def _learner_meta(store, step: int, meta: dict) -> dict:

@@ -91,8 +91,7 @@ class Registry:
     excess = len(live) - self.max_sessions
     if excess <= 0:
       return []
-    victims = ([sid for sid in live if self.by_id[sid].closed]
-               + [sid for sid in live if not self.by_id[sid].closed])[:excess]
+    victims = sorted(live, key=lambda sid: not self.by_id[sid].closed)[:excess]  # closed first
     items = [self.by_id[sid].close() for sid in victims]
     for sid in victims:
       self.drop(sid, f"it was evicted (the least recently used beyond "

@@ -29,8 +29,7 @@ class Rows:
 
   def __init__(self, table: table_lib.Table, cfg, config: EARConfig,
                root: Optional[pathlib.Path] = None):
-    dim = config.dim
-    self.table, self.dim, self.root = table, dim, root
+    self.table, self.dim, self.root = table, config.dim, root
     self.multistore = cfg.multistore
     held = table.read_all()
     self.next_row = int(held.next_row)
@@ -44,21 +43,20 @@ class Rows:
                                               cfg.multistore)
       self.lexical.restore(held, codes)
     self.bank = bank_lib.write(
-        bank_lib.empty(dim, max(cfg.initial_capacity, config.num_candidates, held.next_row),
+        bank_lib.empty(self.dim, max(cfg.initial_capacity, config.num_candidates, held.next_row),
                        cfg.bank_dtype),
         held.rows, held.embeddings, held.stores, codes)
     self.searcher = None
     if cfg.index != "exact" and root is not None:
       self.searcher = bank_lib.Searcher.load(root / persistence.ANN, cfg.index,
-                                             dict(cfg.index_options), dim, held.rows,
+                                             dict(cfg.index_options), self.dim, held.rows,
                                              held.embeddings, held.stores, codes)
       if self.searcher.stale_file is not None:  # (a kill between a delete's commit and its
         persistence.remove_ann(root)  # `remove_ann`: it may hold the deleted rows' vectors)
     elif cfg.index != "exact":
-      self.searcher = bank_lib.ann_searcher(cfg.index, dict(cfg.index_options), dim)
+      self.searcher = bank_lib.ann_searcher(cfg.index, dict(cfg.index_options), self.dim)
       self.searcher.add(held.rows, held.embeddings, held.stores, codes)
-    ann_file = root is not None and (root / persistence.ANN).exists()
-    self._ann_rows = self.next_row if ann_file else 0
+    self._ann_rows = self.next_row if root is not None and (root / persistence.ANN).exists() else 0
 
   def __len__(self):
     return len(self.table)
@@ -67,15 +65,12 @@ class Rows:
   def capacity(self) -> int:
     return self.bank.emb.shape[0]
 
-  # ----------------------------------------------------------------------------------------------
-  # reading
+  # -- reading -------------------------------------------------------------------------------------
 
   def records(self, rows) -> list[dict]:
     """`{id, text, store (name), scope, date, row}` of held rows, in order."""
-    recs = self.table.records(rows)
-    for r in recs:
-      r["store"] = checks_lib.STORE_NAMES[int(r["store"])]
-    return recs
+    return [dict(r, store=checks_lib.STORE_NAMES[int(r["store"])])
+            for r in self.table.records(rows)]
 
   def rows_of(self, ids: list[str], what: str) -> np.ndarray:
     """`[n]` the rows of memory ids (ValueError naming the unknown ones, nothing changed)."""
@@ -93,8 +88,7 @@ class Rows:
     """`[..]` bool: which device rows hold a memory now."""
     rows = np.asarray(rows)
     ok = (rows >= 0) & (rows < self.capacity)
-    valid = np.asarray(self.bank.valid)
-    return ok & valid[np.where(ok, rows, 0)]
+    return ok & np.asarray(self.bank.valid)[np.where(ok, rows, 0)]
 
   def gather(self, rows, mask):
     """`[n, K, d]` embeddings of device rows `[n, K]` that are live and in `mask` (0 elsewhere)."""
@@ -110,24 +104,17 @@ class Rows:
     return np.asarray([index.get(e.tobytes(), index.get(a.tobytes(), -1))
                        for e, a in zip(emb, again)], np.int64)
 
-  def available(self, num_candidates: int, names) -> int:
-    """How many candidates a query of the scopes `names` (None: all) can get."""
-    return self.scopes.available(num_candidates, self.multistore, names)
-
   def first_stage(self, texts, q_emb, scopes, k: int, slate=None):
     """The top `k` candidates of `[q, d]` queries in their `scopes`, in one call (`bank.search`)."""
-    if all(x == scopes[0] for x in scopes):
-      allowed = self.scopes.allowed(scopes[0])
-    else:
-      allowed = [self.scopes.allowed(x) for x in scopes]
+    allowed = (self.scopes.allowed(scopes[0]) if all(x == scopes[0] for x in scopes)
+               else [self.scopes.allowed(x) for x in scopes])
     if self.lexical is None:
       return bank_lib.search(self.bank, q_emb, k=k, multistore=self.multistore, allowed=allowed,
                              slate=slate, searcher=self.searcher, scope_rows=self.scope_rows)
     return self.lexical.search(self.bank, q_emb, texts, k, allowed=allowed, slate=slate,
                                scope_rows=self.scope_rows)
 
-  # ----------------------------------------------------------------------------------------------
-  # writing: the table first (one transaction), then every other place
+  # -- writing: the table first (one transaction), then every other place --------------------------
 
   def check_new(self, ids: list[str]) -> None:
     taken = [i for i, r in zip(ids, self.table.rows_of(ids)) if r >= 0]
@@ -209,8 +196,7 @@ class Rows:
         persistence.remove_ann(self.root)
         self._ann_rows = 0
 
-  # ----------------------------------------------------------------------------------------------
-  # files
+  # -- files ---------------------------------------------------------------------------------------
 
   def save_ann(self) -> None:
     """Writes the searcher's files (`<dir>/ann`), covering every row so far."""

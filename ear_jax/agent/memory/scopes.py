@@ -11,11 +11,6 @@ from ear_jax.agent.memory.bank import pow2_at_least
 from ear_jax.agent.memory.checks import DEFAULT_SCOPE
 
 
-def scope_label(names: Sequence[str]) -> str:
-  """`scope 'a'` or `scopes ['a', 'b']`, for messages."""
-  return f"scope {names[0]!r}" if len(names) == 1 else f"scopes {list(names)!r}"
-
-
 class ScopeNames:
   """Scope name <-> int32 code (`DEFAULT_SCOPE` is 0), live rows per scope and store."""
 
@@ -78,7 +73,8 @@ class ScopeNames:
     if self.available(num_candidates, multistore, names):
       return
     held = int(self._held(names).sum())
-    where = "the bank" if names is None else scope_label(tuple(names))
+    where = "the bank" if names is None else (
+        f"scope {names[0]!r}" if len(names) == 1 else f"scopes {list(names)!r}")
     if names is None and not held and self.held_before:
       empty_ = "the memory holds no memories (all were deleted)"
     elif multistore or not held:

@@ -158,14 +158,11 @@ class QuerySession:
     return self._store(labels, num_rounds)
 
   def _store(self, labels: np.ndarray, num_rounds: int) -> Optional[TrainItem]:
-    r = self.rounds
-    k = len(self.open_slate)
-    self.slates[r] = -1
-    self.slate_mask[r] = False
-    self.labels[r] = -1.0
-    self.slates[r, :k] = self.open_slate
-    self.slate_mask[r, :k] = True
-    self.labels[r, :k] = labels
+    r, k = self.rounds, len(self.open_slate)
+    pad = (0, self.slates.shape[1] - k)
+    self.slates[r] = np.pad(self.open_slate, pad, constant_values=-1)
+    self.slate_mask[r] = np.arange(self.slates.shape[1]) < k
+    self.labels[r] = np.pad(labels, pad, constant_values=-1.0)
     self.rounds = r + 1
     self.stale = True
     self.open_slate = None

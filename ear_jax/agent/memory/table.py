@@ -102,13 +102,12 @@ class Table:
   def _open(self, path) -> None:
     found = [s for (s,) in self._db.execute(  # (rolls back what a killed writer left)
         "SELECT sql FROM sqlite_master WHERE name NOT LIKE 'sqlite_%' ORDER BY rowid")]
-    journal = None if path is None else pathlib.Path(f"{path}-journal")
-    if journal is not None and journal.exists():  # not hot (that read rolled a hot one back): a
-      journal.unlink()  # writer killed before its first sync left it, with old pages (owner-locked)
-    page = self._db.execute("PRAGMA page_size").fetchone()[0]
-    if path is not None and os.path.getsize(path) % page:
-      raise CheckpointError(f"{self.where}: not a memory table (not a whole number of pages: "
-                            "truncated?)")
+    if path is not None:  # a journal now is not hot (that read rolled a hot one back): a writer
+      # killed before its first sync left it, with old pages (owner-locked)
+      pathlib.Path(f"{path}-journal").unlink(missing_ok=True)
+      if os.path.getsize(path) % self._db.execute("PRAGMA page_size").fetchone()[0]:
+        raise CheckpointError(f"{self.where}: not a memory table (not a whole number of pages: "
+                              "truncated?)")
     if not found:
       with self._transaction():
         for statement in _SCHEMA:
@@ -120,7 +119,13 @@ class Table:
     elif found != list(_SCHEMA):
       raise CheckpointError(f"{self.where}: not a memory table of this version (another schema)")
     else:
-      self._check_integrity()
+      with self._errors():
+        problems = [p for (p,) in self._db.execute("PRAGMA integrity_check(5)")]
+      if problems != ["ok"]:
+        raise CheckpointError(
+            f"{self.where}: fails SQLite's integrity check ({'; '.join(problems)}): the file was "
+            "changed outside ear_jax (an index that disagrees with its table would name another "
+            "memory for an id or a word)")
       if self.get_meta("format") != _FORMAT:
         raise CheckpointError(f"{self.where}: not a memory table of this version (another "
                               "schema)")
@@ -133,15 +138,6 @@ class Table:
     # 'encoder' (some row's embedding came from an encoder), 'caller' (all from the caller), None
     self.embedded_by = self.get_meta(_EMBEDDED_BY)
     self._recent = collections.OrderedDict()  # device row -> (id, text, store, scope, date)
-
-  def _check_integrity(self) -> None:
-    with self._errors():
-      problems = [p for (p,) in self._db.execute("PRAGMA integrity_check(5)")]
-    if problems != ["ok"]:
-      raise CheckpointError(
-          f"{self.where}: fails SQLite's integrity check ({'; '.join(problems)}): the file was "
-          "changed outside ear_jax (an index that disagrees with its table would name another "
-          "memory for an id or a word)")
 
   def _meta_digest(self) -> str:
     """SHA-256 (hex) of the meta table's entries but the digest, in key order."""
@@ -342,8 +338,7 @@ class Table:
       self._recent.move_to_end(r)
     while len(self._recent) > RECORD_CACHE:
       self._recent.popitem(last=False)
-    return [dict(id=got[r][0], text=got[r][1], store=got[r][2], scope=got[r][3],
-                 date=got[r][4], row=r) for r in rows]
+    return [dict(zip(("id", "text", "store", "scope", "date"), got[r]), row=r) for r in rows]
 
   def rows_of(self, ids) -> np.ndarray:
     """`[n]` int64 device rows of the memory ids `ids` (-1 for an id not stored)."""

@@ -89,8 +89,7 @@ class _CompileClock:
   def __init__(self):
     self.seconds = 0.0
 
-  def __call__(self, event: str, duration: float, **kwargs):
-    del kwargs
+  def __call__(self, event: str, duration: float, **_):
     if event.startswith("/jax/core/compile/"):
       self.seconds += duration
 
@@ -130,37 +129,30 @@ def _run(opts: Options, clock: _CompileClock) -> dict:
     compile_seconds[name] = round(clock.seconds - c0, 1)
     readings = results_md.readings_md(r.paired.get(name, []))
     md_parts.append(md + ("\n\n" + readings if readings else ""))
-    if r.writes:  # multi-process: process 0 alone writes the workdir
-      (r.workdir / f"table_{name}.md").write_text(md_parts[-1] + "\n")
-  wall = time.perf_counter() - t_start
-  b = r.bench()
+    (r.workdir / f"table_{name}.md").write_text(md_parts[-1] + "\n")
   results = {
       "command": opts.command, "suite": opts.suite, "method": None if opts.suite else opts.method,
       "benchmark": opts.benchmark, "options": {k: v for k, v in dataclasses.asdict(opts).items()
                                                if k != "command"},
       "versions": summaries.versions(), "seeds": r.seeds,
-      # jax.distributed runs: the seeds were split over this many processes' devices.
       "processes": {"count": jax.process_count(), "devices": jax.device_count()},
-      "dataset": {k: v for k, v in b.stats.items() if k not in ("evidence_ids_dropped_list",)},
+      "dataset": {k: v for k, v in r.bench().stats.items() if k != "evidence_ids_dropped_list"},
       "runs": r.summaries, "tables": r.tables, "plots": r.plots,
       # suite -> [`pairing.pair` records]
       "paired": r.paired, "paired_note": DELTA_NOTE,
       "qa": getattr(r, "qa", None),  # --suite=qa: settings, endpoints, per-method QA results
-      "suite_wall_seconds": r.timings, "wall_seconds": round(wall, 1),
+      "suite_wall_seconds": r.timings, "wall_seconds": round(time.perf_counter() - t_start, 1),
       # JAX tracing + lowering + XLA compilation inside each suite (`jax.monitoring` events).
       "suite_compile_seconds": compile_seconds, "compile_seconds": round(clock.seconds, 1),
   }
-  if r.writes:
-    (r.workdir / "results.json").write_text(json.dumps(results, indent=1, default=_json_default))
-    (r.workdir / "tables.md").write_text("\n\n".join(md_parts) + "\n")
+  (r.workdir / "results.json").write_text(json.dumps(results, indent=1, default=_json_default))
+  (r.workdir / "tables.md").write_text("\n\n".join(md_parts) + "\n")
   return results
 
 
 def _json_default(o):
   """`json.dump` fallback: numpy scalars / arrays as JSON, anything else as str."""
-  if isinstance(o, (np.integer, np.floating, np.ndarray)):
-    return o.tolist()
-  return str(o)
+  return o.tolist() if isinstance(o, (np.integer, np.floating, np.ndarray)) else str(o)
 
 
 __all__ = ["ALL_ORDER", "DELTA_NOTE", "Options", "PAPER", "Runner", "SUITES", "SUITE_NAMES", "run",

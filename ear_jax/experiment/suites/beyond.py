@@ -50,9 +50,8 @@ def suite_beyond(r: Runner) -> str:
       diffs[f"{label} [{MODES[mode]}]"] = {"Recall@5": d["recall"], "Hitrate@5": d["hitrate"]}
       vs_ear = "(reference)"
       if m == "ear_tuned":
-        dd = pair_runs(r, "beyond", (label, runs[m], mode),
-                       (names["ear"], runs["ear"], mode), metrics=("recall",))
-        vs_ear = fd(dd["recall"])
+        vs_ear = fd(pair_runs(r, "beyond", (label, runs[m], mode),
+                              (names["ear"], runs["ear"], mode), metrics=("recall",))["recall"])
       rows.append([names[m], MODES[mode], fmt(get_metric(runs[m], f"recall_{mode}")),
                    fd(d["recall"]), vs_ear, fmt(get_metric(runs[m], f"hitrate_{mode}")),
                    fd(d["hitrate"]),

@@ -74,10 +74,9 @@ def tune_first_stage(r: Runner) -> dict:
     for method in SIDE_INIT_METHODS:
       for side_init in SIDE_INIT_GRID:
         m = sub.method(method, side_init=side_init)
-        config, hp = m.config, m.hparams
         res = sweep.sweep_validation(
-            stream, fit, val, config, config_lib.stack_hparams([hp]), r.seeds,
-            eval_variants={"T4": {"test_rounds": TEST_ROUNDS, "final_slate": config.final_slate}})
+            stream, fit, val, m.config, config_lib.stack_hparams([m.hparams]), r.seeds,
+            eval_variants={"T4": {"test_rounds": TEST_ROUNDS, "final_slate": m.config.final_slate}})
         row = {"first_stage": cand, "method": method, "side_init": side_init,
                "adapter": res["recall_adapter"][0].tolist(),
                "explorer": res["explorer"]["T4"]["recall"][0].tolist()}
@@ -129,16 +128,6 @@ def suite_first_stage_tune(r: Runner) -> str:
       "Cells: mean ± std over seeds (percent)."])
 
 
-def _best_first_stage(runs: dict) -> str:
-  return max(runs, key=lambda g: get_metric(runs[g]["retriever"], "recall_adapter")["mean"])
-
-
-def _target_cell(value, target):
-  if target is None:
-    return "–"
-  return f"{'met' if value >= target else 'not met'} (≥ {target:g})"
-
-
 def suite_first_stage(r: Runner) -> str:
   """Frozen first stage vs `ear` / `ear_tuned` over dense, BM25 and hybrid candidates (test)."""
   runs = {}
@@ -148,7 +137,7 @@ def suite_first_stage(r: Runner) -> str:
     for m in TUNED_METHODS:
       if explorer_rounds(runs[g][m]) != TEST_ROUNDS:
         raise ValueError(f"{m} tests with T != {TEST_ROUNDS}; this suite compares at T = 4")
-  best = _best_first_stage(runs)
+  best = max(runs, key=lambda g: get_metric(runs[g]["retriever"], "recall_adapter")["mean"])
   best_ret = (f"{best} first stage", runs[best]["retriever"], "adapter")
   targets = TARGETS.get(r.opts.benchmark, {})
   rows, diffs, explorer_rows = [], {}, []
@@ -169,10 +158,11 @@ def suite_first_stage(r: Runner) -> str:
         diffs[f"{m} / {g} [{MODES[mode]}]"] = {"Recall@5": d_best["recall"]}
         target = "–"
         if g == best and mode == "adapter" and "adapter_gain" in targets:
-          target = (f"{'met' if d_best['recall']['mean'] >= targets['adapter_gain'] else 'not met'}"
-                    f" (Δ ≥ +{targets['adapter_gain']:g})")
+          met = d_best["recall"]["mean"] >= targets["adapter_gain"]
+          target = f"{'met' if met else 'not met'} (Δ ≥ +{targets['adapter_gain']:g})"
         elif mode == "explorer" and "explorer" in targets:
-          target = _target_cell(get_metric(s, f"recall_{mode}")["mean"], targets["explorer"])
+          met = get_metric(s, "recall_explorer")["mean"] >= targets["explorer"]
+          target = f"{'met' if met else 'not met'} (≥ {targets['explorer']:g})"
         rows.append([g, m, MODES[mode], fmt(get_metric(s, f"recall_{mode}")),
                      fd(d_own["recall"]), fd(d_best["recall"]),
                      fmt(get_metric(s, f"hitrate_{mode}")), target,

@@ -36,8 +36,8 @@ SETTINGS = {"default critic (P .88, R .86)": ({}, {}),
 Z_GRID = (0.0, 0.25, 0.5, 1.0, 1.645)
 
 
-def _pct(ev, mode):
-  return 100.0 * np.asarray(ev[f"recall_{mode}"], np.float64)
+def _pct(ev, mode) -> list:
+  return (100.0 * np.asarray(ev[f"recall_{mode}"], np.float64)).tolist()
 
 
 def _guarded(r: Runner, suite: str, hparams: Optional[dict] = None):
@@ -69,12 +69,9 @@ def guard_rows(r: Runner, critic_name: str, critic_over: dict, hparam_over: dict
   ev_first, ev_adapted = _first_and_adapted(m, stream, val, r.seeds, critic, states.params)
   out = {"critic": critic_name, "critic_overrides": critic_over, "hparam_overrides": hparam_over,
          "config": config.to_dict(),
-         "frozen": _pct(ev_first, "adapter").tolist(),
-         "adapted": _pct(ev_adapted, "adapter").tolist(),
-         "guarded_run": _pct(res.eval, "adapter").tolist(),
-         "explorer_adapted": _pct(ev_adapted, "explorer").tolist(),
-         "explorer_first": _pct(ev_first, "explorer").tolist(),
-         "guard": []}
+         "frozen": _pct(ev_first, "adapter"), "adapted": _pct(ev_adapted, "adapter"),
+         "guarded_run": _pct(res.eval, "adapter"), "explorer_adapted": _pct(ev_adapted, "explorer"),
+         "explorer_first": _pct(ev_first, "explorer"), "guard": []}
   for z in Z_GRID:  # the ring scored once per z: the decision and the bound it read
     serve, lcb, _ = (np.asarray(x) for x in jax.vmap(lambda g, p: guard_lib.holdout_decision(
         p, g, config, z))(states.guard, states.params))
@@ -113,10 +110,9 @@ def suite_guard_tune(r: Runner) -> str:
                    "adapter", f"{np.mean(row['adapter']):.2f}", d(row["adapter"]),
                    f"{int(np.sum(row['serve_adapted']))}/{len(frozen)}",
                    " ".join(f"{x:+.2f}" for x in row["lcb"])])
-    rows.append([res["critic"], "ear_tuned explorer, adapted z", "explorer T = 4",
-                 f"{np.mean(res['explorer_adapted']):.2f}", d(res["explorer_adapted"]), "–", "–"])
-    rows.append([res["critic"], "ear_tuned explorer, first stage's z", "explorer T = 4",
-                 f"{np.mean(res['explorer_first']):.2f}", d(res["explorer_first"]), "–", "–"])
+    for z, key in (("adapted z", "explorer_adapted"), ("first stage's z", "explorer_first")):
+      rows.append([res["critic"], f"ear_tuned explorer, {z}", "explorer T = 4",
+                   f"{np.mean(res[key]):.2f}", d(res[key]), "–", "–"])
   return "\n".join([
       f"### Guard: adapter-only vs the frozen first stage — {r.opts.benchmark}, "
       f"{r.opts.candidates} candidates ({len(r.seeds)} seeds, validation = last 20 % of each "
@@ -152,7 +148,6 @@ def guard_test_rows(r: Runner, candidates: str, critic_name: str, critic_over: d
   `<workdir>/guard/`."""
   sub = sub_runner(r, candidates)
   b = sub.bench()
-  stream = b.stream
   train, test = sub._splits[False]  # pylint: disable=protected-access
   m = _guarded(sub, "guard")
   config = m.config
@@ -168,9 +163,9 @@ def guard_test_rows(r: Runner, candidates: str, critic_name: str, critic_over: d
       logging.info("guard %s: finished earlier, loaded %s", run_name, cache)
       r.summaries[run_name] = saved["summary"]
       return saved
-  res = runner.train_and_evaluate(run_name, stream, train, test, config, m.hparams, r.seeds,
+  res = runner.train_and_evaluate(run_name, b.stream, train, test, config, m.hparams, r.seeds,
                                   critic=critic, progress=r.opts.progress)
-  first, adapted = _first_and_adapted(m, stream, test, r.seeds, critic, res.final_state.params)
+  first, adapted = _first_and_adapted(m, b.stream, test, r.seeds, critic, res.final_state.params)
   evs = {"safe": res.eval, "first": first, "adapted": adapted}
   # The same keys and critic: paging over the first stage does not depend on the served params.
   for src_name in ("first", "adapted"):
@@ -182,7 +177,7 @@ def guard_test_rows(r: Runner, candidates: str, critic_name: str, critic_over: d
                  for metric in ("recall", "hitrate")}
           for name, (src, mode) in TEST_ROWS.items()}
   serve = run_checkpoints.guard_decisions(res.final_state, config)
-  summary = summaries.summarize(res, stream, b.categories)
+  summary = summaries.summarize(res, b.stream, b.categories)
   summary.update(method=METHOD, run=run_name, critic={k: float(getattr(critic, k))
                                                        for k in ("precision", "recall")},
                  candidates=candidates, epochs=1)

@@ -29,7 +29,6 @@ def suite_main(r: Runner) -> str:
           r, "main", (names[m], s, mode), base,
           paper={"recall": paper[0] - pbase[0], "hitrate": paper[1] - pbase[1]} if paper else None)
       dcells = [fd(deltas[names[m]]["recall"]), fd(deltas[names[m]]["hitrate"])]
-    # The Δ columns come last so the earlier columns keep their positions.
     rows.append([names[m], mode, fmt_num(paper[0]) if paper else "–",
                  fmt(get_metric(s, f"recall_{mode}")), fmt_num(paper[1]) if paper else "–",
                  fmt(get_metric(s, f"hitrate_{mode}")), fmt(get_metric(s, f"recall_{other}")),
@@ -113,15 +112,13 @@ def suite_ablation(r: Runner) -> str:
     # Baselines: the frozen retriever and full EAR in the same test mode.
     d_ret = pair_runs(r, "ablation", (label, s, mode), base,
                       paper={"recall": pv - pret} if pk else None, primary={"recall"})
+    deltas[label] = {"vs Only Retriever": d_ret["recall"]}
     d_ear = None
     if method != "ear":
-      d_ear = pair_runs(r, "ablation", (label, s, mode), (f"EAR ({mode} at test)", ear, mode),
-                        metrics=("recall",),
-                        paper={"recall": pv - PAPER["ablation"][pk][("ear", mode)]}
-                        if pk else None)["recall"]
-    deltas[label] = {"vs Only Retriever": d_ret["recall"]}
-    if d_ear is not None:
-      deltas[label]["vs EAR (same test mode)"] = d_ear
+      d_ear = deltas[label]["vs EAR (same test mode)"] = pair_runs(
+          r, "ablation", (label, s, mode), (f"EAR ({mode} at test)", ear, mode),
+          metrics=("recall",),
+          paper={"recall": pv - PAPER["ablation"][pk][("ear", mode)]} if pk else None)["recall"]
     rows.append([label, mode, fmt_num(pl), fmt_num(pc), fmt(get_metric(s, f"recall_{mode}")),
                  fd(d_ret["recall"]), fd(d_ear) if d_ear is not None else "(reference)",
                  fmt(get_metric(s, f"hitrate_{mode}")), fd(d_ret["hitrate"]),

@@ -19,13 +19,15 @@ def suite_noise(r: Runner) -> str:
   ret = r.run("retriever")
   ref = get_metric(ret, "recall_adapter")["mean"]
   grid = np.full((len(levels), len(levels)), np.nan)
-  rows, diag = [], {}
+  rows, drows, marks, diag = [], [], [], {}
   # Paired baseline: the frozen retriever (Fig. 5: EAR stays above it at every noise level).
-  drows, marks, counts = [], [], {stats.BETTER: 0, stats.TIE: 0, stats.WORSE: 0}
+  counts = {stats.BETTER: 0, stats.TIE: 0, stats.WORSE: 0}
   sym = {stats.BETTER: "+", stats.WORSE: "−"}
   for i, p in enumerate(levels):
-    row = [f"{p:g}"]
-    drow, mrow = [f"{p:g}"], []
+    row, drow, mrow = [f"{p:g}"], [f"{p:g}"], []
+    rows.append(row)
+    drows.append(drow)
+    marks.append(mrow)
     for j, rc in enumerate(levels):
       s = r.run("ear", critic_overrides={"precision": p, "recall": rc},
                 eval_every=ev if p == rc else None)
@@ -39,9 +41,6 @@ def suite_noise(r: Runner) -> str:
       counts[d["verdict"]] = counts.get(d["verdict"], 0) + 1
       if p == rc:
         diag[f"P=R={p:g}"] = s["curve"]
-    rows.append(row)
-    drows.append(drow)
-    marks.append(mrow)
   md = [f"### Figure 5 (critic noise) — {r.opts.benchmark}", "",
         f"Final test Recall@5 of EAR's adapter (explorer off at test); rows precision, columns "
         f"recall. Only Retriever: {ref:.2f}. Paper: {PAPER['noise']}", "",

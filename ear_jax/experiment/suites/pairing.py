@@ -68,7 +68,7 @@ def pair(r: Runner, suite: str, treatment: dict, baseline: dict, metric: str, t_
 PAGING_MODES = {"paging_first_stage": "paging over the first stage ({t} pages of {s})",
                 "paging_adapted": "paging over the adapted ranking ({t} pages of {s})"}
 
-# Printed under a table with paging rows (after its own note, which stays as it was).
+# Printed under a table with paging rows, after its own note.
 PAGING_NOTE = ("Paging rows: the same run's critic reads the first stage's (or the "
                "adapted) ranking's top T x 5 in T pages of 5 and the answer puts the cited "
                "memories first: the same T critic calls per test query and as many memories shown "
@@ -136,12 +136,10 @@ def pair_runs(r: Runner, suite: str, t: tuple, b: tuple, metrics=("recall", "hit
   if ts.get("seeds") != bs.get("seeds") or ts.get("num_test") != bs.get("num_test"):
     raise ValueError(f"{tl} and {bl} are not paired: seeds {ts.get('seeds')} vs "
                      f"{bs.get('seeds')}, test sizes {ts.get('num_test')} vs {bs.get('num_test')}")
-  out = {}
-  for metric in metrics:
-    pm = primary if isinstance(primary, bool) else metric in primary
-    out[metric] = pair(r, suite, side(tl, ts, tm), side(bl, bs, bm), METRIC_LABELS[metric],
+  return {metric: pair(r, suite, side(tl, ts, tm), side(bl, bs, bm), METRIC_LABELS[metric],
                        get_metric(ts, f"{metric}_{tm}")["per_seed"],
                        get_metric(bs, f"{metric}_{bm}")["per_seed"],
                        paper_delta=(paper or {}).get(metric),
-                       expected_sign=(expected or {}).get(metric), primary=pm)
-  return out
+                       expected_sign=(expected or {}).get(metric),
+                       primary=primary if isinstance(primary, bool) else metric in primary)
+          for metric in metrics}

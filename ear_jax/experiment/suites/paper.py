@@ -46,9 +46,6 @@ PAPER = {
 }
 
 
-# --- Table cells ---
-
-
 # Printed under every table with 'mean ± std' cells.
 CELL_NOTE = ("Cells 'a ± b': mean ± standard deviation over the seeds (population std; a spread, not "
              "a confidence interval) of the per-seed value, in percent unless the column says "

@@ -18,7 +18,7 @@ from ear_jax.core import config as config_lib
 from ear_jax.experiment import runner
 from ear_jax.experiment import stats
 from ear_jax.experiment import summaries
-from ear_jax.experiment.suites.pairing import DELTA_NOTE, fd, get_metric, pair
+from ear_jax.experiment.suites.pairing import DELTA_NOTE, fd, get_metric, pair, pair_runs
 from ear_jax.experiment.suites.paper import fmt, fmt_seeds, md_table
 from ear_jax.experiment.suites.run_cache import Runner
 
@@ -28,16 +28,9 @@ SUPPORTS = ("all", "window", "labelled")
 TUNED = "ear_tuned"
 # The learning presets the `pool` table reports (each with its own `loss_support`).
 PRESETS = ("ear", "ear_tuned", "ear_safe")
-# Rows beside them at K > T s: `ear_tuned` with the softmax over all K, and the paper's EAR with
-# 'auto'.
+# Rows beside them at K > T s: `ear_tuned` with the softmax over all K, the paper's EAR with 'auto'.
 COLLAPSE = ("ear_tuned", {"loss_support": "all"})
 PAPER_AUTO = ("ear", {"loss_support": "auto"})
-
-
-def pool_runner(r: Runner, k: int) -> Runner:
-  """A `Runner` over the same benchmark, first stage, seeds and splits with K = `k`; runs go to
-  `<workdir>/k<k>/`, records into `r`'s results.json."""
-  return r.child(r.workdir / f"k{k}", k=k)
 
 
 def _window(stream) -> int:
@@ -69,7 +62,7 @@ def tune_pool(r: Runner) -> dict:
   done_path = r.workdir / "pool_tune_rows.json"  # each row as it finishes (for --resume)
   rows = json.loads(done_path.read_text()) if r.opts.resume and done_path.is_file() else []
   for k in K_VALUES:
-    sub = pool_runner(r, k)
+    sub = r.child(r.workdir / f"k{k}", k=k)
     stream = sub.bench().stream
     fit, val = sub.validation_split()
     window = _window(stream)
@@ -161,7 +154,7 @@ def suite_pool(r: Runner) -> str:
   """`pool`: every learning preset at K in `K_VALUES` against the frozen first stage (test)."""
   rows, comp = [], []
   for k in K_VALUES:
-    sub = pool_runner(r, k)
+    sub = r.child(r.workdir / f"k{k}", k=k)
     stream = sub.bench().stream
     window = _window(stream)
     frozen = sub.run("retriever")
@@ -177,10 +170,9 @@ def suite_pool(r: Runner) -> str:
     for label, method, over in runs:
       s = sub.run(method, config_overrides=over)
       paging = get_metric(s, "recall_paging_adapted")
-      d = pair(sub, "pool", {"label": f"{label} (K={k})", "run": s["run"], "mode": "adapter"},
-               {"label": f"frozen first stage (K={k})", "run": frozen["run"], "mode": "adapter"},
-               "R@5", get_metric(s, "recall_adapter")["per_seed"],
-               get_metric(frozen, "recall_adapter")["per_seed"])
+      d = pair_runs(sub, "pool", (f"{label} (K={k})", s, "adapter"),
+                    (f"frozen first stage (K={k})", frozen, "adapter"),
+                    metrics=("recall",))["recall"]
       vs_ceiling = "–" if ceiling is None else fd(pair(
           sub, "pool", {"label": f"{label} (K={k}), paging", "run": s["run"], "mode": "paging"},
           {"label": f"first stage's R@{window} (K={k})", "run": frozen["run"], "mode": "ceiling"},

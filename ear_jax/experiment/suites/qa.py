@@ -20,7 +20,6 @@ from typing import Optional
 import numpy as np
 
 from ear_jax.agent.llm import qa as qa_lib
-from ear_jax.experiment import agent_answers
 from ear_jax.experiment import plots
 from ear_jax.experiment import runner as runner_lib
 from ear_jax.experiment import stats
@@ -122,18 +121,16 @@ def observation_bench(r: Runner):
   return r._benches[OBSERVATIONS]  # pylint: disable=protected-access
 
 
-def _answers(r: Runner):
-  """query id -> Query (answer, date), and (group, memory id) -> session date."""
-  from ear_jax.data import corpora  # pylint: disable=g-import-not-at-top
-  corpus = corpora.load_corpus(r.benchmark_name(), data_dir=r.opts.data_dir, limit=r.opts.limit)
-  return {q.id: q for q in corpus.queries}, agent_answers.memory_dates(corpus)
-
-
 def qa_items(r: Runner, test_index, slates, settings: QASettings, multistore: bool = False):
   """`QAItem`s of the first `settings.limit` test questions of the first `settings.seeds` seeds."""
   b = r.bench(multistore)
-  queries, dates = r.qa_answers if hasattr(r, "qa_answers") else _answers(r)
-  r.qa_answers = (queries, dates)
+  if not hasattr(r, "qa_answers"):  # query id -> Query, (group, memory id) -> session date
+    from ear_jax.data import corpora  # pylint: disable=g-import-not-at-top
+    corpus = corpora.load_corpus(r.benchmark_name(), data_dir=r.opts.data_dir, limit=r.opts.limit)
+    r.qa_answers = ({q.id: q for q in corpus.queries},
+                    {(g, mid): date for g, bank in enumerate(corpus.banks)  # '' without dates
+                     for mid, date in zip(bank.ids, bank.dates or [""] * len(bank.ids))})
+  queries, dates = r.qa_answers
   items, skipped = [], 0
   for s in range(min(settings.seeds, test_index.shape[0])):
     rows = test_index[s] if settings.limit is None else test_index[s][:settings.limit]
@@ -205,9 +202,8 @@ def _evaluate(r: Runner, label, items, clients, settings) -> dict:
 
 def _delta(res: dict, base: dict, metric: str) -> str:
   d = stats.paired_difference(res["per_question"][metric], base["per_question"][metric])
-  if not np.isfinite(d.lo):
-    return f"{100 * d.mean:+.2f}"
-  return f"{100 * d.mean:+.2f} [{100 * d.lo:+.2f}, {100 * d.hi:+.2f}]"
+  interval = f" [{100 * d.lo:+.2f}, {100 * d.hi:+.2f}]" if np.isfinite(d.lo) else ""
+  return f"{100 * d.mean:+.2f}{interval}"
 
 
 def suite_qa(r: Runner) -> str:

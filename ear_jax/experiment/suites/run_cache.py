@@ -3,8 +3,7 @@
 A run is `runner.train_and_evaluate` of one method on all seeds, computed once per process; with
 `Options.resume` a matching `runs/<run>/result.json` is loaded instead and interrupted runs continue
 from `checkpoints/<run>/`. Per run the workdir gets `runs/<run>/{result.json, train_log.npz,
-test_eval.npz, adapter/}`. In multi-process runs only process 0 writes, and nothing is
-checkpointed.
+test_eval.npz, adapter/}`.
 """
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ import numpy as np
 from ear_jax.core import critic as critic_lib
 from ear_jax.core.config import Method
 from ear_jax.experiment import runner
-from ear_jax.experiment import sharding
 from ear_jax.experiment import summaries
 from ear_jax.experiment.suites.options import Options
 from ear_jax.experiment.suites.paper import fmt
@@ -40,14 +38,8 @@ class Runner:
   def __init__(self, opts: Options):
     self.opts = opts
     self.workdir = pathlib.Path(opts.workdir)
-    self.writes = sharding.is_primary()  # multi-process: process 0 alone writes the workdir
-    # Orbax saves are collectives over every process: multi-process runs are not checkpointed.
-    self.checkpoints = bool(opts.checkpoint_every) and jax.process_count() == 1
-    if opts.checkpoint_every and not self.checkpoints:
-      logging.warning("%d processes: runs are not checkpointed (--checkpoint_every ignored)",
-                      jax.process_count())
-    if self.writes:
-      self.workdir.mkdir(parents=True, exist_ok=True)
+    self.checkpoints = bool(opts.checkpoint_every)
+    self.workdir.mkdir(parents=True, exist_ok=True)
     self._benches = {}
     self._answer_benches = {}
     self._splits = {}
@@ -59,7 +51,6 @@ class Runner:
     self.paired = {}  # suite -> [paired-comparison records] (see `pairing.pair`)
     self.seeds = list(range(opts.seeds))
 
-  # -- data ---------------------------------------------------------------------------------------
   def bench(self, multistore: bool = False):
     """The benchmark (loaded and split into per-seed train / test sets once)."""
     if multistore not in self._benches:
@@ -120,7 +111,6 @@ class Runner:
     sub.paired, sub.summaries, sub.plots = self.paired, self.summaries, self.plots
     return sub
 
-  # -- one run ------------------------------------------------------------------------------------
   def method(self, name: str, stream=None, hparams: Optional[dict] = None,
              **config) -> Method:
     """The preset `name` over `stream` (default `bench()`'s) with the options' config and
@@ -167,14 +157,9 @@ class Runner:
     parts = [label or method] + [f"{k}={v}" for k, v in sorted((config_overrides or {}).items())]
     parts += [f"{k}={v}" for k, v in sorted((hparam_overrides or {}).items())]
     parts += [f"critic_{k}={v}" for k, v in sorted((critic_overrides or {}).items())]
-    if answer:
-      parts.append("critic=answer")
-    if multistore:
-      parts.append("multistore")
-    if epochs > 1:
-      parts.append(f"epochs={epochs}")
-    if eval_every:
-      parts.append(f"eval={eval_every}")
+    parts += [tag for tag, on in (("critic=answer", answer), ("multistore", multistore),
+                                  (f"epochs={epochs}", epochs > 1),
+                                  (f"eval={eval_every}", eval_every)) if on]
     run_name = slug("_".join(parts))
     run_dir = self.workdir / "runs" / run_name
     done = run_dir / "result.json"
@@ -208,8 +193,7 @@ class Runner:
     summary.update(method=method, critic=critic_json, run=run_name, epochs=epochs)
     if multistore:
       summary["multistore"] = self._multistore_extras(b, result)
-    if self.writes:
-      self._write_run(run_dir, result, summary)
+    self._write_run(run_dir, result, summary)
     logging.info("%s: R@5 adapter %s | explorer %s (%.1f s)", run_name,
                  fmt(summary["metrics"]["recall_adapter"]),
                  fmt(summary["metrics"]["recall_explorer"]), time.perf_counter() - t0)
@@ -224,8 +208,7 @@ class Runner:
       np.savez_compressed(run_dir / "train_log.npz", train_index=result.train_index,
                           seeds=np.asarray(self.seeds), **result.train_log)
     np.savez_compressed(run_dir / "test_eval.npz", test_index=result.test_index, **result.eval)
-    # Orbax saves are collectives over every process (see __init__): multi-process runs keep none.
-    if result.config.trains and jax.process_count() == 1:
+    if result.config.trains:
       served = (run_checkpoints.guard_decisions(result.final_state, result.config)
                 if result.config.guard else None)  # (restore_adapter serves what the guard does)
       run_checkpoints.save_adapter(run_dir / run_checkpoints.ADAPTER_DIR, result.final_state.params,
@@ -243,24 +226,20 @@ class Runner:
     out = {"per_category": {}}
     for mode, slates in (("adapter", result.eval["adapter_slates"]),
                          ("explorer", result.eval["explorer_slates"])):
-      per = {}
+      per = out["per_category"][mode] = {}
       for c in ["all"] + sorted(set(b.categories.tolist())):
         where = np.ones(cats.shape, bool) if c == "all" else cats == c
         m = summaries.store_metrics(slates, gold, store, ngs, where)
-        per[c] = {k: summaries.mean_std(v) for k, v in m.items()}
-        per[c]["n"] = summaries.mean_std(where.sum(-1))
-      out["per_category"][mode] = per
+        per[c] = {**{k: summaries.mean_std(v) for k, v in m.items()},
+                  "n": summaries.mean_std(where.sum(-1))}
     # Appendix C: Delta before / after the adapter on the test queries vs their candidate stores.
-    s_q = np.asarray(b.stream.queries)[ti]
-    s_c = np.asarray(b.stream.candidates)[ti]
-    s_m = np.asarray(b.stream.mask)[ti]
-    before, after = [], []
-    for i in range(len(result.seeds)):
-      params = jax.tree_util.tree_map(lambda x: x[i], result.final_state.params)
-      d0, d1 = summaries.store_proximity_delta(params, s_q[i], s_c[i], s_m[i], store[i])
-      before.append(np.asarray(d0))
-      after.append(np.asarray(d1))
-    before, after = np.stack(before), np.stack(after)  # [S, M]
+    s_q, s_c, s_m = (np.asarray(x)[ti] for x in (b.stream.queries, b.stream.candidates,
+                                                 b.stream.mask))
+    params = result.final_state.params
+    deltas = [summaries.store_proximity_delta(jax.tree_util.tree_map(lambda x: x[i], params),
+                                              s_q[i], s_c[i], s_m[i], store[i])
+              for i in range(len(result.seeds))]
+    before, after = (np.stack([np.asarray(d[j]) for d in deltas]) for j in (0, 1))  # [S, M]
     # Group queries by where their gold lies among the candidates (LoCoMo has no store labels).
     g_obs = (gold & (store == 1)).sum(-1)
     g_dia = (gold & (store == 0)).sum(-1)
@@ -268,8 +247,7 @@ class Runner:
               "gold only in dialogue candidates": (g_dia > 0) & (g_obs == 0),
               "gold only in observation candidates": (g_obs > 0) & (g_dia == 0),
               "gold in both": (g_dia > 0) & (g_obs > 0)}
-    for c in sorted(set(b.categories.tolist())):
-      groups[f"category {c}"] = cats == c
+    groups.update({f"category {c}": cats == c for c in sorted(set(b.categories.tolist()))})
     diag = {}
     for gname, sel in groups.items():
       sel = sel & np.isfinite(before) & np.isfinite(after)
@@ -282,12 +260,10 @@ class Runner:
     out["appendix_c"] = diag
     return out
 
-  # -- output helpers -----------------------------------------------------------------------------
   def write_json(self, path, obj, indent: Optional[int] = 1) -> None:
-    """`obj` as JSON at `path`, folders created (multi-process: process 0 alone writes)."""
-    if self.writes:
-      pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
-      pathlib.Path(path).write_text(json.dumps(obj, indent=indent))
+    """`obj` as JSON at `path`, folders created."""
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(path).write_text(json.dumps(obj, indent=indent))
 
   def plot_path(self, name):
     """`<workdir>/plots/<benchmark>_<name>.png`, registered for results.json."""

@@ -128,9 +128,8 @@ def tune(r: Runner) -> dict:
   paper = next(row for row in stage1 if np.isclose(row["hparams"]["learning_rate"], 1e-3)
                and np.isclose(row["hparams"]["baseline"], 0.5))
   best1 = _best(stage1)
-  singles = {}
-  for name, sw in STATIC_VARIANTS.items():
-    singles[name] = _best(t.run("2", name, sw, _around(best1)))
+  singles = {name: _best(t.run("2", name, sw, _around(best1)))
+             for name, sw in STATIC_VARIANTS.items()}
   # Stage 3: greedy combination of the improving static choices, best first.
   improving = sorted((n for n in singles if _mean(singles[n]) > _mean(best1) + _EPS),
                      key=lambda n: -_mean(singles[n]))
@@ -233,12 +232,11 @@ def suite_tune(r: Runner) -> str:
   plots.heatmap(r.plot_path("tune_lr_b"), LR_GRID, B_GRID, grid,
                 title=f"validation Recall@5 (adapter), paper switches, {len(r.seeds)} seeds",
                 row_label="learning rate", col_label="baseline b")
-  series = {"adapter only": {}, "explorer T=4, exploit": {}}
-  for label, row in [("retriever", ret), ("paper EAR", paper), ("best lr x b", res["best_stage1"])
-                     ] + list(res["singles"].items()) + [("chosen", chosen)]:
-    series["adapter only"][label] = row["adapter"]
-    series["explorer T=4, exploit"][label] = row["exploit"]
-  plots.grouped_bars(r.plot_path("tune_variants"), list(series["adapter only"]), series,
+  shown = dict([("retriever", ret), ("paper EAR", paper), ("best lr x b", res["best_stage1"])]
+               + list(res["singles"].items()) + [("chosen", chosen)])
+  series = {name: {label: row[key] for label, row in shown.items()}
+            for name, key in (("adapter only", "adapter"), ("explorer T=4, exploit", "exploit"))}
+  plots.grouped_bars(r.plot_path("tune_variants"), list(shown), series,
                      title="validation Recall@5 per setting (mean, 95% interval over seeds)",
                      ylabel="Recall@5 (%)")
   r.write_json(r.workdir / "tune" / "sweep_table.json", rows)

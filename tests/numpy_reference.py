@@ -2,7 +2,7 @@
 
 Written from the paper's equations with plain loops and hand-derived gradients, sharing no code
 with `ear_jax`: the oracle of `tests/test_numpy_reference.py` (fed identical draws through
-`Randoms` / `draw_randoms`) and the `numpy` row of `experiments.bench` (`numpy_train_stream`).
+`Randoms` / `draw_randoms`).
 """
 from __future__ import annotations
 
@@ -38,15 +38,6 @@ def draw_randoms(key, config) -> Randoms:
       select_u=np.asarray(jax.random.uniform(k_select, (config.buffer_capacity,))),
       replay_gumbel=np.stack([np.asarray(jax.random.gumbel(gk, (k,)))
                               for gk in jax.random.split(k_gumbel, config.replay_size)]))
-
-
-def numpy_randoms(rng: np.random.Generator, config) -> Randoms:
-  """Fresh NumPy draws for one query (same shapes as `draw_randoms`; not the JAX values)."""
-  r = config.num_rounds if config.to_dict()["train_slate"] == "explorer" else 1
-  s, k = config.slate_size, config.num_candidates
-  return Randoms(critic_u=rng.random((r, s)), slate_gumbel=rng.gumbel(size=k),
-                 select_u=rng.random(config.buffer_capacity),
-                 replay_gumbel=rng.gumbel(size=(config.replay_size, k)))
 
 
 def init_numpy_state(config):
@@ -273,17 +264,6 @@ def numpy_train_batch(state, batch, randoms: List[Randoms], config, hp):
     state["buf_valid"][c] = True
     state["buf_next"] = (c + 1) % cap
   return state, outs
-
-
-def numpy_train_stream(state, stream, config, hp, rng: np.random.Generator):
-  """A whole stream in batches of `config.batch_size` with NumPy random draws (for the bench)."""
-  n, b = stream["queries"].shape[0], config.batch_size
-  for start in range(0, n, b):
-    sl = slice(start, min(start + b, n))
-    batch = {k: stream[k][sl] for k in ("queries", "candidates", "mask", "gold")}
-    rnds = [numpy_randoms(rng, config) for _ in range(batch["queries"].shape[0])]
-    state, _ = numpy_train_batch(state, batch, rnds, config, hp)
-  return state
 
 
 def hp_dict(hparams, critic=None):

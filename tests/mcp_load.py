@@ -1,5 +1,5 @@
-"""The workload of the load benchmark (`server_bench`): the memory directory, the server, the
-clients' loop, and what they saw.
+"""The MCP server under concurrent clients, for `tests/test_mcp_load.py`: the memory directory, the
+server, the clients' loop, what they saw, and `run`, the whole workload.
 
 Symbols: `N` memories, `S` scopes, `C` concurrent clients.
 
@@ -14,21 +14,25 @@ result without the client's marker). `check_acknowledged` then checks every ackn
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import datetime
 import json
 import os
 import pathlib
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable, Optional
 
 import numpy as np
 
+from ear_jax.agent import mcp_server
 from ear_jax.agent.memory import Memory, MemoryConfig
 from ear_jax.data import encoders
 from ear_jax.experiment import benchmarking as bm
@@ -315,3 +319,122 @@ async def run_phase(clients: int, s: int, seconds: float, label: str, open_call,
         f"{out['errors']} errors, {out['leaks']} leaks, {out['interrupted']} interrupted",
         flush=True)
   return out, rec
+
+
+_BATCH = ("batch_windows", "batch_requests", "batch_encoder_calls", "batch_searches")
+
+
+def _batching(before: dict, after: dict) -> dict:
+  """The micro-batching counters' growth over a phase (`stats`), and requests per window."""
+  d = {k: after.get(k, 0) - before.get(k, 0) for k in _BATCH}
+  return {**d, "requests_per_window": d["batch_requests"] / max(d["batch_windows"], 1)}
+
+
+def run(repo: pathlib.Path, *, memories: int = 100_000, scopes: int = 100,
+        clients: int = 16, seconds: float = 30.0, warmup_s: float = 10.0,
+        batch_window_ms: float = 5.0, encoder_batch_tokens: int = 512,
+        server_args: tuple = (),
+        timeout_s: float = 300.0) -> dict:
+  """The whole workload in a new temporary directory, removed after a run without errors and
+  kept (its path printed) otherwise. `memories`, `scopes`, `clients`: `N`, `S`, `C`; `seconds`
+  per timed phase. Phases: warm-up (untimed), C = 1, C clients, SIGTERM, a kill -9 phase
+  (SIGKILL halfway; the server restarts on the directory), then the same workload in-process
+  (`MemoryService`, threads) with C = 1 and C; after each, every acknowledged `remember` is
+  checked."""
+  if not 1 <= scopes <= memories:
+    raise ValueError(f"scopes must be in [1, memories], got scopes={scopes}, memories={memories}")
+  if clients > scopes:
+    raise ValueError(f"clients={clients} > scopes={scopes}: each client needs a scope of its own")
+  work = pathlib.Path(tempfile.mkdtemp(prefix="ear_mcp_load_"))
+  try:
+    res = _run(repo, work, memories, scopes, clients, seconds, warmup_s, batch_window_ms,
+               encoder_batch_tokens, server_args, timeout_s)
+  except BaseException:
+    print(f"mcp load failed: its memory directory and server log are kept in {work}",
+          flush=True)
+    raise
+  if res["errors"] or res["leaks"] or res["missing"]:
+    print(f"mcp load: errors, leaks or missing writes: kept {work}", flush=True)
+  else:
+    shutil.rmtree(work, ignore_errors=True)
+  return res
+
+
+def _run(repo, work, memories, scopes, clients, seconds, warmup_s, batch_window_ms,
+         encoder_batch_tokens, server_args, timeout_s) -> dict:
+  memory_dir, log = work / "memory", work / "server.log"
+  server_args = (f"--batch_window_ms={batch_window_ms}",
+                 f"--encoder_batch_tokens={encoder_batch_tokens}", *server_args)
+  encoder = encoders.load_encoder("minilm", tokens_per_batch=encoder_batch_tokens)
+  res = {"config": {"memories": memories, "scopes": scopes, "clients": clients,
+                    "seconds": seconds, "warmup_s": warmup_s, "batch_window_ms": batch_window_ms,
+                    "encoder_batch_tokens": encoder_batch_tokens,
+                    "server_args": list(server_args), "cpu_count": os.cpu_count(),
+                    "load_average": os.getloadavg()}}
+  print(f"mcp load: {memories} memories in {scopes} scopes, {clients} clients, {seconds} s "
+        "per phase", flush=True)
+  res["prefill"] = prefill(memory_dir, memories, scopes, encoder)
+  print(f"  prefill: {res['prefill']}", flush=True)
+  acked, phases = [], {}
+
+  def phase(label, c, secs, open_call, stats=None, **opts):
+    before = stats() if stats else {}
+    out, rec = asyncio.run(run_phase(c, scopes, secs, label, open_call, **opts))
+    if stats:
+      out["batching"] = _batching(before, stats())
+    acked.extend(rec.acked)
+    phases[label] = out
+
+  def check(key, after):
+    res[key] = check_acknowledged(memory_dir, acked)
+    print(f"  {after}: {res[key]}", flush=True)
+
+  def http_stats(server):
+    async def go():
+      async with http_call(server, timeout_s)(0) as c:
+        return await c("stats", {})
+    ok, st = asyncio.run(go())
+    if not ok:
+      raise RuntimeError(f"the server's stats tool failed: {st}")
+    return st
+
+  # 1. HTTP: warm-up, C = 1, C.
+  with Server(repo, memory_dir, log, server_args) as server:
+    res["server_start_s"] = server.wait_ready()
+    call, stats = http_call(server, timeout_s), lambda: http_stats(server)
+    phase("http_warmup", clients, warmup_s, call, min_iterations=2)
+    phase("http_c1", 1, seconds, call, stats)
+    phase(f"http_c{clients}", clients, seconds, call, stats)
+    res["server_exit"] = server.stop()
+  check("check_after_http", "after the HTTP phases")
+
+  # 2. kill -9 halfway through C clients, then a restart on the same directory.
+  with Server(repo, memory_dir, log, server_args) as server:
+    server.wait_ready()
+    phase("http_kill9", clients, seconds, http_call(server, timeout_s), kill=server.kill)
+  with Server(repo, memory_dir, log, server_args) as server:
+    res["restart_s"] = server.wait_ready()
+    res["stats_after_restart"] = http_stats(server)
+    res["server_exit_after_restart"] = server.stop()
+  check("check_after_kill9", "after kill -9 and a restart")
+
+  # 3. In-process: the service over the opened directory, C threads.
+  service = mcp_server.MemoryService(Memory.open(memory_dir, encoder=encoder,
+                                                 batch_window_ms=batch_window_ms), memory_dir)
+  try:
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+      call = direct_call(service, pool)
+      phase("direct_warmup", clients, warmup_s, call, min_iterations=2)
+      phase("direct_c1", 1, seconds, call, service.stats)
+      phase(f"direct_c{clients}", clients, seconds, call, service.stats)
+  finally:
+    service.close()
+  check("check_final", "final")
+
+  res["phases"] = phases
+  res["errors"] = sum(p["errors"] for p in phases.values())
+  res["leaks"] = sum(p["leaks"] for p in phases.values())
+  res["missing"] = max(res[k]["missing"] for k in ("check_after_http", "check_after_kill9",
+                                                   "check_final"))
+
+  return res
