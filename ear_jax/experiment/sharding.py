@@ -45,7 +45,7 @@ class SeedAxis:
     """Host `[S, ...]` leaves -> global `[S', ...]` arrays split by seeds over the mesh (the last
     seed repeated as padding)."""
     idx = np.minimum(np.arange(self.padded), self.num_seeds - 1)
-    return jax.tree_util.tree_map(lambda x: _global_array(np.asarray(x)[idx], self._rows), tree)
+    return jax.tree_util.tree_map(lambda x: jax.device_put(np.asarray(x)[idx], self._rows), tree)
 
   def map(self, fn, sharded: dict, replicated: dict, **static):
     """`fn(**sharded, **replicated, **static)` with each device on its own seeds.
@@ -56,7 +56,7 @@ class SeedAxis:
     """
     names = tuple(sharded) + tuple(replicated)
     call = _seed_sharded_fn(fn, self.mesh, names, len(sharded), tuple(sorted(static.items())))
-    rep = [jax.tree_util.tree_map(lambda x: _global_array(np.asarray(x), self._replicated), v)
+    rep = [jax.tree_util.tree_map(lambda x: jax.device_put(np.asarray(x), self._replicated), v)
            for v in replicated.values()]
     return call(*sharded.values(), *rep)
 
@@ -77,11 +77,6 @@ def run_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
   """A 1-D `Mesh` with axis `'runs'` over `devices` (default: every device)."""
   devices = jax.devices() if devices is None else list(devices)
   return Mesh(np.asarray(devices), (RUN_AXIS,))
-
-
-def _global_array(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
-  """A global array, placed by `sharding`, from a host array."""
-  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def sharded_episodes(keys: jax.Array, stream: Stream, config: EARConfig, hparams: HParams,

@@ -38,7 +38,6 @@ class Runner:
   def __init__(self, opts: Options):
     self.opts = opts
     self.workdir = pathlib.Path(opts.workdir)
-    self.checkpoints = bool(opts.checkpoint_every)
     self.workdir.mkdir(parents=True, exist_ok=True)
     self._benches = {}
     self._answer_benches = {}
@@ -172,7 +171,7 @@ class Runner:
         self._memo[key] = self.summaries[run_name] = summary
         return summary
     ckpt = None
-    if self.checkpoints and config.trains:
+    if o.checkpoint_every and config.trains:
       ckpt_dir = self.workdir / "checkpoints" / run_name
       ckpt = run_checkpoints.RunCheckpointer(ckpt_dir)
       if ckpt.existing_steps() and not o.resume:
